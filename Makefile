@@ -1,0 +1,42 @@
+# vramcal: two commands on a fresh machine.
+#   make run   - create .venv, build the E-mini S&P 500 bars, calibrate this machine, train with the result
+#   make test  - create .venv and run the test suite
+# On a machine without an NVIDIA GPU the CPU build of torch is installed (pip takes torch==2.13.0
+# from the local wheel cache where there is one); with a GPU, the torch you already have is kept.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_CPU ?= torch==2.13.0
+DATA ?= data/es_1s.parquet
+PROBE_ARGS ?= --gpu auto
+TRAIN_ARGS ?= --epochs 1
+
+.PHONY: setup run test lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch; \
+	else $(PY) -m pip install --quiet $(TORCH_CPU); fi
+	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps mlfinpy==0.1.2
+	touch $@
+
+$(DATA): | setup
+	$(PY) -m vramcal data es-sample --bar 1s --out $(DATA)
+
+run: setup $(DATA)
+	$(PY) -m vramcal probe $(PROBE_ARGS)
+	$(PY) -m vramcal train --data $(DATA) $(TRAIN_ARGS)
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(PY) -m ruff check vramcal tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,123 @@
+"""Batch-size limits from a fit, as DESIGN.md defines them.
+
+* ``usable_bytes = total_bytes - reserve_bytes - margin * total_bytes`` (defaults 0.5 GiB and 10 %, the
+  seed documents' "system overhead + safety margin").
+* ``safe_batch_size``: the largest batch whose *upper 95 % prediction bound* fits in usable_bytes, so
+  noise makes it smaller, never larger; never at or above a batch size that already failed.
+* ``point_safe_batch_size = floor((usable_bytes - overhead_bytes) / slope_bytes_per_sample)``, the
+  seeds' point formula, shown beside it.
+* ``conservative_batch_size = floor(conservative_fraction * safe_batch_size)`` (default 0.9, the seeds'
+  "90 % of safe max").
+* ``boundary_batch_size``: where the point estimate reaches the whole of total_bytes (for comparison
+  with a measured out-of-memory boundary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from vramcal.fit import Fit
+
+DEFAULT_RESERVE_BYTES = 2**29
+DEFAULT_MARGIN = 0.10
+DEFAULT_CONSERVATIVE_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class LimitSettings:
+    """The user's knobs: ``--reserve`` bytes, ``--margin`` fraction, ``--conservative`` fraction.
+
+    Raises (on construction):
+        ValueError: a margin or fraction outside its range, or a negative reserve.
+    """
+
+    reserve_bytes: int = DEFAULT_RESERVE_BYTES
+    margin: float = DEFAULT_MARGIN
+    conservative_fraction: float = DEFAULT_CONSERVATIVE_FRACTION
+
+    def __post_init__(self) -> None:
+        if self.reserve_bytes < 0:
+            raise ValueError(f"reserve must be >= 0 bytes, got {self.reserve_bytes}")
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"margin must be in [0, 1), got {self.margin}")
+        if not 0 < self.conservative_fraction <= 1:
+            raise ValueError(f"conservative fraction must be in (0, 1], got {self.conservative_fraction}")
+
+    def usable_bytes(self, total_bytes: int) -> int:
+        """``total_bytes - reserve_bytes - margin * total_bytes`` (may be <= 0 for tiny devices)."""
+        return int(total_bytes - self.reserve_bytes - self.margin * total_bytes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Limits for one device and fit. Batch sizes are samples; 0 means nothing fits."""
+
+    total_bytes: int
+    usable_bytes: int
+    safe_batch_size: int
+    point_safe_batch_size: int
+    conservative_batch_size: int
+    boundary_batch_size: float
+    failed_batch_size: int | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Limits:
+        return cls(**data)
+
+
+def safe_batch_size(fit: Fit, usable_bytes: int) -> int:
+    """Largest integer batch_size >= 0 with ``fit.upper(batch_size) <= usable_bytes``.
+
+    ``fit.upper`` is convex in batch_size (a line plus a hyperbola), so the batch sizes that fit form an
+    interval; it is found by bisection on the increasing side. Returns 0 when even batch 1 does not fit
+    or the slope is not positive (nothing to extrapolate from).
+    """
+    if fit.slope_bytes_per_sample <= 0:
+        return 0
+    # The interval's left end may lie above 1 when the points are far from 1 (a wide interval there).
+    starts = [b for b in (1, max(1, math.floor(fit.batch_mean))) if fit.upper(b) <= usable_bytes]
+    if not starts:
+        return 0
+    low = starts[0]
+    high = max(1, math.floor((usable_bytes - fit.overhead_bytes) / fit.slope_bytes_per_sample)) + 1
+    while fit.upper(high) <= usable_bytes:  # point estimate <= upper bound, so this rarely runs
+        high *= 2
+    while high - low > 1:  # invariant: upper(low) <= usable < upper(high)
+        middle = (low + high) // 2
+        if fit.upper(middle) <= usable_bytes:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def compute_limits(fit: Fit, total_bytes: int, settings: LimitSettings,
+                   failed_batch_size: int | None = None) -> Limits:
+    """Limits from a fit (module docstring has the formulas).
+
+    Args:
+        fit: the memory model.
+        total_bytes: the device's memory.
+        settings: reserve, margin, conservative fraction.
+        failed_batch_size: the smallest batch size that ran out of memory or exceeded usable_bytes; the
+            safe batch size stays below it whatever the fit says.
+    """
+    usable = settings.usable_bytes(total_bytes)
+    safe = safe_batch_size(fit, usable)
+    if failed_batch_size is not None:
+        safe = min(safe, failed_batch_size - 1)
+    slope = fit.slope_bytes_per_sample
+    point = max(0, math.floor((usable - fit.overhead_bytes) / slope)) if slope > 0 else 0
+    boundary = (total_bytes - fit.overhead_bytes) / slope if slope > 0 else math.inf
+    return Limits(total_bytes=total_bytes, usable_bytes=usable, safe_batch_size=max(0, safe),
+                  point_safe_batch_size=point,
+                  conservative_batch_size=math.floor(settings.conservative_fraction * max(0, safe)),
+                  boundary_batch_size=boundary, failed_batch_size=failed_batch_size)

@@ -1,0 +1,76 @@
+"""The ``nn.Module`` classes of the calibrated model (imported lazily by :func:`vramcal.model.build_model`).
+
+The Mamba-2 blocks themselves come from transformers or mamba_ssm; this file only wires an input
+projection, a library backbone and a regression head around them.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+
+class Mamba2Regressor(nn.Module):
+    """Input projection -> Mamba-2 backbone -> linear head, one prediction per position.
+
+    ``forward(x)``: ``x`` (batch_size, seq_len, n_features) float32 -> (batch_size, seq_len) float32.
+    """
+
+    def __init__(self, n_features: int, d_model: int, backbone: nn.Module) -> None:
+        super().__init__()
+        self.input_proj = nn.Linear(n_features, d_model)
+        self.backbone = backbone
+        self.head = nn.Linear(d_model, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.input_proj(x)  # (B, L, n_features) -> (B, L, d_model)
+        hidden = self.backbone(hidden)  # (B, L, d_model), final-normed
+        return self.head(hidden).squeeze(-1)  # (B, L, 1) -> (B, L)
+
+
+class TransformersBackbone(nn.Module):
+    """``transformers.Mamba2Model`` fed through ``inputs_embeds``: (B, L, d_model) -> (B, L, d_model).
+
+    Its one-row token embedding is unused; blocks, initialisation and the final RMSNorm are the library's.
+    """
+
+    def __init__(self, modeling: types.ModuleType, spec) -> None:
+        super().__init__()
+        from transformers import Mamba2Config
+
+        config = Mamba2Config(
+            hidden_size=spec.d_model, num_hidden_layers=spec.n_layers, state_size=spec.d_state,
+            head_dim=spec.headdim, expand=spec.expand, num_heads=spec.n_heads, n_groups=spec.n_groups,
+            chunk_size=spec.chunk_size, conv_kernel=spec.d_conv, vocab_size=1, pad_token_id=0,
+            bos_token_id=0, eos_token_id=0, use_cache=False, residual_in_fp32=True)
+        self.model = modeling.Mamba2Model(config)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model(inputs_embeds=hidden, use_cache=False).last_hidden_state
+
+
+class MambaSsmBackbone(nn.Module):
+    """Pre-norm residual stack of ``mamba_ssm`` Mamba2 mixers: (B, L, d_model) -> (B, L, d_model).
+
+    The same layout as mamba_ssm's ``MixerModel`` without its token embedding: for each layer
+    ``h = h + Mamba2(RMSNorm(h))``, then a final RMSNorm.
+    """
+
+    def __init__(self, mamba2: types.ModuleType, spec) -> None:
+        super().__init__()
+        from mamba_ssm.ops.triton.layer_norm import RMSNorm
+
+        self.norms = nn.ModuleList(RMSNorm(spec.d_model) for _ in range(spec.n_layers))
+        self.mixers = nn.ModuleList(
+            mamba2.Mamba2(d_model=spec.d_model, d_state=spec.d_state, d_conv=spec.d_conv,
+                          expand=spec.expand, headdim=spec.headdim, ngroups=spec.n_groups,
+                          chunk_size=spec.chunk_size, use_mem_eff_path=True, layer_idx=i)
+            for i in range(spec.n_layers))
+        self.norm_f = RMSNorm(spec.d_model)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        for norm, mixer in zip(self.norms, self.mixers):
+            hidden = hidden + mixer(norm(hidden))  # (B, L, d_model)
+        return self.norm_f(hidden)

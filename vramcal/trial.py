@@ -1,0 +1,253 @@
+"""One trial: real training steps of the real model at one batch size, in a process of its own.
+
+A trial is a fresh process forked from a fork server that has already imported torch and the
+transformers Mamba-2 module (``multiprocessing`` ``forkserver`` with a preload), so a trial's start-up
+costs a fork, not the seconds of importing torch and transformers, and no trial inherits allocator
+state, CUDA context or memory from another: a trial's peak does not depend on the trials before it.
+
+Inside the trial: build the model and AdamW, ``warmup_steps`` steps (AdamW allocates its state and
+Triton autotunes there), synchronize, reset the peaks, then ``measured_steps`` steps of forward,
+backward and ``optimizer.step()``, each timed after a synchronize (torch.utils.benchmark's habit).
+Out-of-memory is caught here, by :func:`vramcal.meters.is_out_of_memory`, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import statistics
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from vramcal.device import Device
+from vramcal.model import ModelSpec
+
+TrialStatus = Literal["ok", "oom", "timeout", "error"]
+
+
+@dataclass(frozen=True)
+class Trial:
+    """The raw record of one trial. Bytes are integers; None means the source does not exist here.
+
+    Attributes:
+        batch_size: samples per step.
+        status: ``ok``, ``oom`` (an allocator out-of-memory error, or the process killed by SIGKILL as
+            the kernel's OOM killer does), ``timeout`` (killed after the time limit) or ``error``.
+        peak_bytes: the figure the fit uses (DESIGN.md): GPU ``max(nvml_peak_bytes, nvml_overhead_bytes +
+            torch_max_reserved_bytes)``; host ``rss_peak_bytes``.
+        nvml_peak_bytes: NVML per-process peak, or the device-wide change when no per-process figure.
+        nvml_source: ``process`` or ``device-delta``: which NVML figure ``nvml_peak_bytes`` is.
+        nvml_overhead_bytes: NVML usage minus ``torch.cuda.memory_reserved()`` after warm-up (CUDA
+            context, cuBLAS workspaces, kernels).
+        torch_max_reserved_bytes, torch_max_allocated_bytes: caching allocator peaks in the measured steps.
+        rss_peak_bytes: VmHWM of the trial process over the measured steps (host).
+        step_s: median wall time of the measured steps, seconds.
+        samples_per_s: ``batch_size / step_s``.
+        startup_s: seconds from asking for the process to the trial code running in it.
+        build_s: seconds to build the model and optimizer and move them to the device.
+        wall_s: seconds of the whole trial as seen by the caller.
+        purpose: why the search chose this size (``grow``, ``verify-conservative``, ...).
+        error: the last lines of the traceback (``oom``/``error``/``timeout``), else None.
+    """
+
+    batch_size: int
+    status: TrialStatus
+    peak_bytes: int | None = None
+    nvml_peak_bytes: int | None = None
+    nvml_source: str | None = None
+    nvml_overhead_bytes: int | None = None
+    torch_max_reserved_bytes: int | None = None
+    torch_max_allocated_bytes: int | None = None
+    rss_peak_bytes: int | None = None
+    step_s: float | None = None
+    samples_per_s: float | None = None
+    startup_s: float | None = None
+    build_s: float | None = None
+    wall_s: float | None = None
+    purpose: str = ""
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and self.peak_bytes is not None
+
+    def fits(self, usable_bytes: int) -> bool:
+        """Finished and its peak stayed within ``usable_bytes``."""
+        return self.ok and self.peak_bytes <= usable_bytes  # type: ignore[operator]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trial:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class TrialRequest:
+    """What a trial process needs: picklable, sent to the child."""
+
+    spec: ModelSpec
+    implementation: str
+    batch_size: int
+    device: Device
+    warmup_steps: int = 1
+    measured_steps: int = 2
+    host_memory_limit_bytes: int | None = None
+    seed: int = 0
+
+
+class TrialRunner:
+    """Runs trials in fresh processes forked from a preloaded fork server.
+
+    Args:
+        timeout_s: a trial still running after this many seconds is killed and recorded as ``timeout``.
+
+    The host's trials run under ``RLIMIT_DATA = host_memory_limit_bytes`` (by default the device's
+    total_bytes), so a trial that would exceed the budget fails with the CPU allocator's out-of-memory
+    error, as a GPU trial fails with CUDA's, instead of pushing the host into swap or the OOM killer.
+    """
+
+    def __init__(self, timeout_s: float = 900.0) -> None:
+        self.timeout_s = timeout_s
+        self._context = multiprocessing.get_context("forkserver")
+        self._context.set_forkserver_preload(["vramcal._preload"])
+
+    def run(self, request: TrialRequest, purpose: str = "") -> Trial:
+        """Run one trial; never raises for what happens inside the trial process."""
+        receiver, sender = self._context.Pipe(duplex=False)
+        started = time.time()
+        process = self._context.Process(target=_child, args=(sender, request, started), daemon=True)
+        process.start()
+        sender.close()
+        result: dict[str, Any] | None = None
+        if receiver.poll(self.timeout_s):
+            try:
+                result = receiver.recv()
+            except EOFError:
+                result = None
+        else:
+            process.kill()
+            result = {"status": "timeout", "error": f"killed after the {self.timeout_s:.0f} s time limit"}
+        process.join()
+        receiver.close()
+        if result is None:
+            result = _exit_status(process.exitcode)
+        return Trial(batch_size=request.batch_size, purpose=purpose, wall_s=time.time() - started, **result)
+
+
+def _exit_status(exitcode: int | None) -> dict[str, Any]:
+    if exitcode == -9:
+        return {"status": "oom", "error": "trial process killed by SIGKILL (the kernel's OOM killer?)"}
+    return {"status": "error", "error": f"trial process exited with code {exitcode} without a result"}
+
+
+def _child(sender: Any, request: TrialRequest, started: float) -> None:
+    """Entry point of the trial process: measure, then send one result dict."""
+    startup_s = time.time() - started
+    try:
+        result = measure(request)
+    except BaseException as error:  # noqa: BLE001 - everything becomes a recorded status
+        from vramcal.meters import is_out_of_memory
+
+        status = "oom" if is_out_of_memory(error) else "error"
+        tail = "".join(traceback.format_exception(error)[-3:]).strip()
+        result = {"status": status, "error": tail[-1500:]}
+    result["startup_s"] = startup_s
+    sender.send(result)
+    sender.close()
+
+
+def measure(request: TrialRequest) -> dict[str, Any]:
+    """Build the model, warm up, and measure training steps; returns the Trial fields it measured.
+
+    Runs in the trial process. Input ``x``: (batch_size, seq_len, n_features) float32 standard normal;
+    target: (batch_size, seq_len) float32; loss: mean squared error, as in ``vramcal train``.
+
+    Raises:
+        torch.OutOfMemoryError / RuntimeError: allocation failures, classified by the caller.
+    """
+    device = request.device
+    if device.kind == "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = device.uuid or ""  # pin by UUID before CUDA initialises
+        return _measure_cuda(request)
+    if request.host_memory_limit_bytes is not None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_DATA, (request.host_memory_limit_bytes,) * 2)
+    return _measure_host(request)
+
+
+def _training_setup(request: TrialRequest, torch_device: str):
+    import torch
+
+    from vramcal.model import build_model
+    from vramcal.train.step import make_optimizer, train_step
+
+    torch.manual_seed(request.seed)
+    spec = request.spec
+    model = build_model(spec, request.implementation).to(torch_device)
+    optimizer = make_optimizer(model, lr=1e-4)
+    x = torch.randn(request.batch_size, spec.seq_len, spec.n_features, device=torch_device)
+    y = torch.randn(request.batch_size, spec.seq_len, device=torch_device)
+
+    def step() -> None:
+        train_step(model, optimizer, x, y, spec.dtype, torch_device)
+
+    return step
+
+
+def _timed_steps(step, n_steps: int, device_kind: str) -> list[float]:
+    from vramcal.meters import synchronize
+
+    times = []
+    for _ in range(n_steps):
+        start = time.perf_counter()
+        step()
+        synchronize(device_kind)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _measure_host(request: TrialRequest) -> dict[str, Any]:
+    from vramcal.meters import read_status_bytes, reset_peak_rss
+
+    start = time.perf_counter()
+    step = _training_setup(request, "cpu")
+    build_s = time.perf_counter() - start
+    _timed_steps(step, request.warmup_steps, "host")
+    reset_peak_rss()
+    step_times = _timed_steps(step, request.measured_steps, "host")
+    rss_peak = read_status_bytes("VmHWM")
+    return _summary(request, step_times, build_s, peak_bytes=rss_peak, rss_peak_bytes=rss_peak)
+
+
+def _measure_cuda(request: TrialRequest) -> dict[str, Any]:
+    from vramcal import meters
+    from vramcal.device import load_nvml, nvml_handle
+
+    nvml = load_nvml()
+    with meters.NvmlSampler(nvml, nvml_handle(nvml, request.device)) as sampler:
+        start = time.perf_counter()
+        step = _training_setup(request, "cuda")
+        build_s = time.perf_counter() - start
+        _timed_steps(step, request.warmup_steps, "cuda")
+        meters.torch_cuda_reset_peaks()
+        nvml_overhead = sampler.current_bytes() - meters.torch_cuda_reserved_bytes()
+        sampler.reset_peaks()
+        step_times = _timed_steps(step, request.measured_steps, "cuda")
+    torch_peaks = meters.torch_cuda_peaks()
+    nvml_peak = sampler.peak_bytes()
+    peak = max(nvml_peak, nvml_overhead + torch_peaks["torch_max_reserved_bytes"])
+    return _summary(request, step_times, build_s, peak_bytes=peak, nvml_peak_bytes=nvml_peak,
+                    nvml_source="process" if sampler.process_peak_bytes is not None else "device-delta",
+                    nvml_overhead_bytes=nvml_overhead, **torch_peaks)
+
+
+def _summary(request: TrialRequest, step_times: list[float], build_s: float, **figures: Any) -> dict[str, Any]:
+    step_s = statistics.median(step_times)
+    return {"status": "ok", "step_s": step_s, "samples_per_s": request.batch_size / step_s,
+            "build_s": build_s, **figures}

@@ -1,0 +1,48 @@
+"""The one formatter and the one parser of byte counts (binary units: 1 GiB = 2**30 bytes)."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 10**3, "KIB": 2**10, "M": 2**20, "MB": 10**6, "MIB": 2**20,
+          "G": 2**30, "GB": 10**9, "GIB": 2**30, "T": 2**40, "TB": 10**12, "TIB": 2**40}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
+
+
+def format_bytes(n_bytes: int | float) -> str:
+    """Render a byte count for people, e.g. ``8858370048 -> '8.25 GiB'``.
+
+    Args:
+        n_bytes: a count of bytes (may be negative, e.g. a difference).
+
+    Returns:
+        The count in the largest binary unit (B, KiB, MiB, GiB, TiB) that keeps it at least 1,
+        with two decimals (none for plain bytes).
+    """
+    sign = "-" if n_bytes < 0 else ""
+    value = float(abs(n_bytes))
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{sign}{value:.0f} B" if unit == "B" else f"{sign}{value:.2f} {unit}"
+        value /= 1024
+    return f"{sign}{value:.2f} TiB"
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a size such as ``'12GiB'``, ``'12 GB'``, ``'512MiB'`` or ``'1073741824'`` into bytes.
+
+    Binary suffixes (KiB, MiB, GiB, TiB, and the bare K, M, G, T) are powers of 1024; decimal ones
+    (KB, MB, GB, TB) are powers of 1000, as in the SI/IEC convention.
+
+    Raises:
+        ValueError: the text is not a positive number with a known unit; the message lists the units.
+    """
+    match = _PATTERN.match(str(text))
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size: write a number with a unit such as 12GiB, "
+                         f"512MiB or 16GB")
+    n_bytes = int(float(match.group(1)) * _UNITS[unit])
+    if n_bytes <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return n_bytes
