@@ -213,6 +213,10 @@ def import_transformers_mamba2() -> types.ModuleType:
             return module
         module = importlib.reload(module) if module is not None else importlib.import_module(name)
         module._vramcal_torch_only = True
+        # transformers warns at every first call that it falls back to PyTorch: here that is the intent.
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity_error()
         return module
     finally:
         for key in hidden:

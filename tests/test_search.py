@@ -1,0 +1,85 @@
+"""The search policy against fake trial runners: exact sequences, OOM above N, noise, non-linearity."""
+
+import numpy as np
+
+from fakes import GIB, run_policy
+from vramcal.limits import LimitSettings
+from vramcal.search import SearchSettings, next_batch_size, settle
+from vramcal.trial import Trial
+
+
+def linear(overhead, slope):
+    return lambda b: overhead + slope * b
+
+
+def test_exact_sequence_for_a_linear_card():
+    # The seeds' line on a 24 GiB card: usable 21.1 GiB.
+    settings = SearchSettings(total_bytes=24 * GIB)
+    trials = run_policy(linear(0.529 * GIB, 0.088 * GIB), settings)
+    assert [(t.batch_size, t.purpose) for t in trials] == [
+        (1, "grow"), (2, "grow"), (116, "grow"), (233, "verify-safe"), (209, "verify-conservative")]
+    state = settle(trials, settings)
+    assert (state.limits.safe_batch_size, state.limits.conservative_batch_size) == (233, 209)
+    assert state.safe_trial.batch_size == 233 and state.conservative_trial.batch_size == 209
+    assert all(t.fits(settings.usable_bytes) for t in trials)
+
+
+def test_oom_above_n_brings_the_limit_down_and_verifies_below_it():
+    # The card fails at 150 although the line says 233 would fit (e.g. fragmentation).
+    settings = SearchSettings(total_bytes=24 * GIB)
+    trials = run_policy(linear(0.529 * GIB, 0.088 * GIB), settings, oom_above=150)
+    statuses = [(t.batch_size, t.status) for t in trials]
+    assert statuses[:5] == [(1, "ok"), (2, "ok"), (116, "ok"), (233, "oom"), (174, "oom")]  # then bisection
+    state = settle(trials, settings)
+    assert 151 <= state.failed_batch_size <= 159
+    assert 145 <= state.limits.safe_batch_size <= 150  # within snap_tolerance of the true boundary
+    assert state.safe_trial.batch_size == state.limits.safe_batch_size and state.safe_trial.status == "ok"
+    assert state.conservative_trial.batch_size == state.limits.conservative_batch_size
+    assert state.limits.conservative_batch_size <= 0.9 * state.limits.safe_batch_size
+    assert len(trials) <= 10
+
+
+def test_noisy_memory_settles_on_verified_sizes_within_usable():
+    rng = np.random.default_rng(3)
+    settings = SearchSettings(total_bytes=16 * GIB)
+    trials = run_policy(lambda b: 0.4 * GIB + 0.02 * GIB * b + rng.normal(0, 0.03 * GIB), settings)
+    state = settle(trials, settings)
+    point = (settings.usable_bytes - 0.4 * GIB) / (0.02 * GIB)
+    assert state.limits.safe_batch_size <= point  # noise only lowers the limit
+    assert state.safe_trial.peak_bytes <= settings.usable_bytes
+    assert state.conservative_trial.peak_bytes <= settings.usable_bytes
+    assert len(trials) <= settings.max_trials
+
+
+def test_super_linear_memory_is_caught_by_verification():
+    # Memory grows faster than the early points suggest: the first safe guess is over budget.
+    settings = SearchSettings(total_bytes=24 * GIB, max_trials=24)
+    trials = run_policy(lambda b: 0.5 * GIB + 0.05 * GIB * b + 0.0004 * GIB * b * b, settings)
+    state = settle(trials, settings)
+    over = [t for t in trials if t.ok and not t.fits(settings.usable_bytes)]
+    assert over or any(t.status == "oom" for t in trials)  # a verification did fail
+    assert state.safe_trial is not None and state.safe_trial.fits(settings.usable_bytes)
+    assert state.limits.safe_batch_size < state.failed_batch_size
+
+
+def test_nothing_fits_stops_after_the_first_trial():
+    settings = SearchSettings(total_bytes=1 * GIB)
+    trials = run_policy(linear(2 * GIB, 0.1 * GIB), settings)
+    assert [(t.batch_size, t.status) for t in trials] == [(1, "oom")]
+
+
+def test_growth_never_jumps_at_or_past_a_failure():
+    settings = SearchSettings(total_bytes=24 * GIB, limits=LimitSettings())
+    trials = [Trial(1, "ok", GIB), Trial(2, "oom")]
+    assert next_batch_size(trials, settings) is None  # no size left between 1 and 2: cannot fit a line
+    trials = [Trial(1, "ok", GIB), Trial(2, "ok", int(1.1 * GIB)), Trial(64, "timeout")]
+    step = next_batch_size(trials, settings)
+    assert step.purpose == "grow" and 2 < step.batch_size < 64
+
+
+def test_max_trials_bounds_the_calibration():
+    settings = SearchSettings(total_bytes=24 * GIB, max_trials=3)
+    trials = run_policy(linear(0.529 * GIB, 0.088 * GIB), settings)
+    assert len(trials) == 3
+    state = settle(trials, settings)
+    assert state.safe_trial is None  # not verified: the profile must say so
