@@ -11,7 +11,7 @@ def test_parse_bytes_reads_binary_and_decimal_units(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "12 parsecs", "-1GiB", "0", "twelve"])
+@pytest.mark.parametrize("text", ["", "GiB", "12 parsecs", "-1GiB", "twelve"])
 def test_parse_bytes_refuses_nonsense_with_the_units_named(text):
     with pytest.raises(ValueError, match="size"):
         parse_bytes(text)

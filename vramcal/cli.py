@@ -25,13 +25,17 @@ class ByteSize(click.ParamType):
 
     name = "size"
 
+    def __init__(self, min_bytes: int = 0) -> None:
+        self.min_bytes = min_bytes
+
     def convert(self, value, param, ctx):
-        if isinstance(value, int):
-            return value
         try:
-            return parse_bytes(value)
+            n_bytes = value if isinstance(value, int) else parse_bytes(value)
         except ValueError as error:
             self.fail(str(error), param, ctx)
+        if n_bytes < self.min_bytes:
+            self.fail(f"{value} is below the minimum of {format_bytes(self.min_bytes)}", param, ctx)
+        return n_bytes
 
 
 def spec_options(command):
@@ -74,7 +78,7 @@ def main() -> None:
 @main.command()
 @click.option("--gpu", default="auto", show_default=True,
               help="auto | none (the host) | all | an NVML index | a GPU UUID")
-@click.option("--capacity", type=ByteSize(), default=None,
+@click.option("--capacity", type=ByteSize(min_bytes=2**20), default=None,
               help="memory budget, e.g. 12GiB (default: the whole device; host: cgroup limit or MemAvailable)")
 @click.option("--impl", "implementation", type=click.Choice(IMPLEMENTATIONS), default="auto", show_default=True)
 @spec_options

@@ -214,14 +214,14 @@ def _cpu_name(proc: str) -> str:
 # ---------------------------------------------------------------------------------------------- select
 
 def select(gpu: str, capacity_bytes: int | None = None,
-           nvml_loader: Callable[[], types.ModuleType] = load_nvml) -> tuple[list[Device], str | None]:
+           nvml_loader: Callable[[], types.ModuleType] | None = None) -> tuple[list[Device], str | None]:
     """Resolve a ``--gpu`` choice to devices.
 
     Args:
         gpu: ``auto`` (first GPU, else the host), ``none`` (the host), ``all`` (every GPU), an NVML
             index such as ``0``, or a UUID such as ``GPU-5d2c...``.
         capacity_bytes: optional ``--capacity``; on a GPU it narrows ``total_bytes`` (never widens it).
-        nvml_loader: returns an initialised NVML module (a fake one in tests).
+        nvml_loader: returns an initialised NVML module (default :func:`load_nvml`; a fake in tests).
 
     Returns:
         The devices, and a one-line notice for the user (e.g. why the host was chosen) or None.
@@ -234,7 +234,7 @@ def select(gpu: str, capacity_bytes: int | None = None,
     if choice == "none":
         return [host_device(capacity_bytes)], None
     try:
-        gpus = list_gpus(nvml_loader())
+        gpus = list_gpus((nvml_loader or load_nvml)())
     except NvmlError as error:
         if choice == "auto":
             return [host_device(capacity_bytes)], f"no GPU: {error}; calibrating the host instead"

@@ -35,14 +35,11 @@ def parse_bytes(text: str) -> int:
     (KB, MB, GB, TB) are powers of 1000, as in the SI/IEC convention.
 
     Raises:
-        ValueError: the text is not a positive number with a known unit; the message lists the units.
+        ValueError: the text is not a non-negative number with a known unit; the message lists the units.
     """
     match = _PATTERN.match(str(text))
     unit = match.group(2).upper() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size: write a number with a unit such as 12GiB, "
                          f"512MiB or 16GB")
-    n_bytes = int(float(match.group(1)) * _UNITS[unit])
-    if n_bytes <= 0:
-        raise ValueError(f"size {text!r} must be positive")
-    return n_bytes
+    return int(float(match.group(1)) * _UNITS[unit])

@@ -1,0 +1,98 @@
+"""The CLI through click's test runner: bad input gets one line, a non-zero exit, no traceback."""
+
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from fakes import L4, fake_nvml
+from vramcal.cli import main
+
+
+def invoke(*args):
+    result = CliRunner().invoke(main, list(args))
+    assert "Traceback" not in result.output
+    return result
+
+
+def one_line_error(result):
+    lines = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+def test_help_lists_the_commands():
+    result = invoke("--help")
+    assert result.exit_code == 0 and "probe" in result.output and "show" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--headdim", "48"], "not divisible by headdim 48: use headdim in"),
+    (["--seq-len", "100"], "seq_len 100 is not a multiple of chunk_size 64: use seq_len 64 or 128"),
+    (["--chunk-size", "48", "--seq-len", "96"], "chunk_size 48 is not a power of two: use 32 or 64"),
+    (["--capacity", "lots"], "cannot read 'lots' as a size"),
+    (["--margin", "1.5"], "--margin"),
+    (["--dtype", "fp8"], "--dtype"),
+    (["--d-model", "0"], "--d-model"),
+])
+def test_nonsense_options_exit_2_with_one_line(args, message):
+    result = invoke("probe", "--gpu", "none", *args)
+    assert result.exit_code == 2
+    assert message in one_line_error(result)
+
+
+def test_gpu_index_that_does_not_exist(monkeypatch):
+    monkeypatch.setattr("vramcal.device.load_nvml", lambda: fake_nvml([L4]))
+    result = invoke("probe", "--gpu", "7")
+    assert result.exit_code == 1
+    assert "--gpu 7: this machine has 1 GPU(s) (indices: 0)" in one_line_error(result)
+    result = invoke("probe", "--gpu", "GPU-00000000-unknown")
+    assert result.exit_code == 1 and "no GPU with that index or UUID" in one_line_error(result)
+
+
+def test_bf16_on_the_host_and_a_capacity_too_small_for_the_reserve():
+    result = invoke("probe", "--gpu", "none", "--dtype", "bf16-autocast")
+    assert result.exit_code == 1 and "bf16-autocast is for CUDA GPUs" in one_line_error(result)
+    result = invoke("probe", "--gpu", "none", "--capacity", "256MiB")
+    assert result.exit_code == 1 and "leaves no usable memory" in one_line_error(result)
+
+
+def test_a_capacity_smaller_than_one_sample(tmp_path):
+    result = invoke("probe", "--gpu", "none", "--capacity", "700MiB", "--reserve", "0", "--margin", "0.5",
+                    "--out", str(tmp_path / "p.json"))
+    assert result.exit_code == 1
+    assert "batch_size 1 does not fit in the usable" in one_line_error(result)
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_unwritable_profiles_folder(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir(mode=0o500)
+    result = invoke("probe", "--gpu", "none", "--profiles-dir", str(folder / "x"))
+    assert result.exit_code == 1 and "cannot write profiles" in one_line_error(result)
+
+
+def test_profiles_folder_that_is_a_file(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    result = invoke("probe", "--gpu", "none", "--profiles-dir", str(blocker / "sub"))
+    assert result.exit_code == 1 and "cannot write profiles" in one_line_error(result)
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"schema_version": 1, "device": ', "not valid JSON"),
+    ('{"schema_version": 99}', "schema version 99"),
+    ('{"schema_version": 1, "device": {}}', "not a vramcal profile"),
+    ("\x00\x01binary", "not valid JSON"),
+])
+def test_show_refuses_a_corrupt_profile(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    result = invoke("show", str(path))
+    assert result.exit_code == 1 and message in one_line_error(result)
+
+
+def test_show_missing_profile():
+    result = invoke("show", "/nonexistent/profile.json")
+    assert result.exit_code == 1 and "does not exist" in one_line_error(result)

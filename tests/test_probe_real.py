@@ -1,0 +1,76 @@
+"""Real trials and a real probe of a tiny Mamba-2 on the host (no fakes)."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from scipy import stats
+
+from vramcal.cli import main
+from vramcal.device import host_device
+from vramcal.model import ModelSpec
+from vramcal.profile import load_profile, save_profile
+from vramcal.trial import TrialRequest, TrialRunner
+
+TINY = ModelSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16)
+TINY_ARGS = ["--d-model", "32", "--n-layers", "1", "--d-state", "16", "--headdim", "16", "--seq-len", "32",
+             "--chunk-size", "16"]
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return TrialRunner(timeout_s=120)
+
+
+def test_an_allocation_past_the_host_limit_is_recorded_as_oom(runner):
+    device = host_device(2**30)
+    trial = runner.run(TrialRequest(TINY, "transformers", 50_000, device, host_memory_limit_bytes=2**30))
+    assert trial.status == "oom" and trial.peak_bytes is None
+    assert "can't allocate memory" in trial.error or "MemoryError" in trial.error
+
+
+def test_a_trial_over_its_time_limit_is_killed_and_recorded():
+    slow = TrialRunner(timeout_s=1.0)
+    trial = slow.run(TrialRequest(ModelSpec(), "transformers", 256, host_device(), measured_steps=50))
+    assert trial.status == "timeout" and "time limit" in trial.error
+    assert trial.wall_s < 30
+
+
+def test_trials_are_isolated_and_cheap_to_start(runner):
+    device = host_device(4 * 2**30)
+    request = TrialRequest(TINY, "transformers", 64, device, host_memory_limit_bytes=device.total_bytes)
+    first, big, again = (runner.run(request), runner.run(TrialRequest(**{**request.__dict__, "batch_size": 2048})),
+                         runner.run(request))
+    assert first.ok and big.ok and again.ok
+    assert big.peak_bytes > first.peak_bytes
+    # a fresh process per trial: the big trial before it does not raise the small trial's peak
+    assert again.peak_bytes < first.peak_bytes * 1.15
+    assert again.startup_s < 1.0  # forked from the preloaded server: no torch import per trial
+
+
+def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
+    profile_file = tmp_path / "tiny.json"
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1GiB", "--reserve", "0",
+                                       *TINY_ARGS, "--max-trials", "10", "--out", str(profile_file),
+                                       "--reports-dir", str(tmp_path / "reports")])
+    assert result.exit_code == 0, result.output
+    assert "peak = " in result.output and "GiB × batch_size" in result.output
+    profile = load_profile(profile_file)
+    assert profile.device.kind == "host" and profile.spec == TINY and profile.implementation == "transformers"
+    assert "torch_forward" in profile.kernel_path
+    ok = [t for t in profile.trials if t.ok]
+    assert len(ok) >= 3
+    rho = stats.spearmanr([t.batch_size for t in ok], [t.peak_bytes for t in ok]).statistic
+    assert rho > 0.8  # peaks grow with batch size
+    assert profile.fit.slope_bytes_per_sample > 0
+    limits = profile.limits
+    assert 0 < limits.conservative_batch_size < limits.safe_batch_size
+    for name in ("safe", "conservative"):
+        check = profile.verification.get(name)
+        if check is not None:
+            assert check.passed == (check.peak_bytes <= limits.usable_bytes)
+    copy = tmp_path / "copy.json"
+    save_profile(profile, copy)
+    assert load_profile(copy) == profile
+    shown = CliRunner().invoke(main, ["show", str(profile_file), "--json"])
+    assert shown.exit_code == 0 and json.loads(shown.output)["spec"]["d_model"] == 32
