@@ -12,7 +12,7 @@ DATA ?= data/es_1s.parquet
 PROBE_ARGS ?= --gpu auto
 TRAIN_ARGS ?= --epochs 1
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test lint clean gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -40,3 +40,7 @@ lint: setup
 
 clean:
 	rm -rf $(VENV)
+
+# Wheels for the GPU check on a machine that reaches no package index (see scripts/gpu_check.sh).
+gpu-wheels: setup
+	$(PY) -m pip download --quiet --no-deps -d wheels "transformers>=5.23" "huggingface-hub>=1.0" tqdm
