@@ -231,5 +231,10 @@ def _register_optional_commands() -> None:
     """Commands that live beside their feature modules."""
 
 
+from vramcal.train.cli import data_group, train_command  # noqa: E402 - it uses spec_options above
+
+main.add_command(train_command)
+main.add_command(data_group)
+
 if __name__ == "__main__":  # pragma: no cover
     main()

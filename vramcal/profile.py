@@ -112,12 +112,21 @@ def atomic_write_text(path: Path, text: str) -> None:
     Raises:
         OSError: the folder cannot be created or written; ``path`` is then untouched.
     """
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (as :func:`atomic_write_text`); used for checkpoints too.
+
+    Raises:
+        OSError: the folder cannot be created or written; ``path`` is then untouched.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

@@ -1,0 +1,325 @@
+"""OHLCV bars for the bundled trainer: loading and checking, the E-mini tick sample, features, windows.
+
+Bars are a parquet file with columns ``timestamp, open, high, low, close, volume`` (any
+capitalisation; ``datetime``/``date``/``time`` also name the timestamp, or a datetime index).
+
+Features of bar t (``N_FEATURES = 5``), all relative to the previous close ``C[t-1]`` so they are
+scale-free and stationary::
+
+    log(C[t] / C[t-1])      the bar's log return
+    log(O[t] / C[t-1])      the opening gap
+    log(H[t] / C[t-1])      the intrabar high, relative to the previous close
+    log(L[t] / C[t-1])      the intrabar low, relative to the previous close
+    log1p(V[t])             log volume
+
+each standardised as ``(f - mean) / std`` with the mean and standard deviation of the *training split
+only*. The target at bar t is the next bar's log return, ``log(C[t+1] / C[t]) / std_r``, scaled by the
+training-split standard deviation ``std_r`` of the return and not centred, so 0 still means "no move"
+and its sign is the direction. A window is ``seq_len`` consecutive bars: ``x`` (seq_len, 5) and ``y``
+(seq_len,), one target per position, as the model predicts one next-bar return per position.
+
+Rows: of n bars, the first has no previous close and the last no next bar, so ``M = n - 2`` rows carry
+both features and a target (row i = bar i + 1). The split is chronological: training rows
+``[0, s)``, validation rows ``[s, M)`` with ``s = round(M * (1 - val_fraction))``; windows start at
+multiples of ``stride`` inside each side and never cross ``s``. The last training target is the return
+of the first validation bar, an input there, never a validation target.
+
+Default ``stride = seq_len // 2``: the loss covers every position of a window, so a stride of seq_len
+already trains on every bar's target once; half of that puts every bar (but the first half-window) also
+in the second half of some window, with at least seq_len/2 bars of context, at twice the samples and no
+more. On the 34,171 one-second E-mini bars with the default seq_len 128 that is 426 training and 105
+validation windows: an epoch of the default model is seconds on a GPU and about 10 s on a 2-core CPU
+(about 60 samples/s), so a run of several epochs fits in minutes anywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+COLUMNS = ("timestamp", "open", "high", "low", "close", "volume")
+TIMESTAMP_ALIASES = ("timestamp", "datetime", "date", "time", "ts")
+FEATURE_NAMES = ("log_return", "log_open_gap", "log_high", "log_low", "log1p_volume")
+MLFINPY_TICKS = ("dataset", "data", "tick_data.csv")
+
+
+class DataError(ValueError):
+    """Bars the trainer cannot use; the one-line message names the file, the problem and the fix."""
+
+
+# ------------------------------------------------------------------------------------------- bars
+
+def load_bars(path: Path | str) -> pd.DataFrame:
+    """Read and check an OHLCV parquet file.
+
+    Returns:
+        A DataFrame with exactly :data:`COLUMNS`, a fresh RangeIndex, ``timestamp`` as datetime64 and
+        the rest float64, strictly increasing in time.
+
+    Raises:
+        DataError: the file is missing, empty, not parquet, lacks a column, has NaN/infinite/non-positive
+            prices, negative volume, inconsistent bars, or unsorted or duplicate timestamps.
+    """
+    import pandas as pd
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file (build the E-mini sample with `vramcal data es-sample`)")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: the file is empty")
+    try:
+        frame = pd.read_parquet(path)
+    except Exception as error:  # noqa: BLE001 - pyarrow raises many types for a bad file
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise DataError(f"{path}: not a readable parquet file ({first[:160]})") from None
+    return check_bars(_normalise_columns(frame, path), path)
+
+
+def _normalise_columns(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
+    import pandas as pd
+
+    lower = {str(c).strip().lower(): c for c in frame.columns}
+    if not any(a in lower for a in TIMESTAMP_ALIASES) and isinstance(frame.index, pd.DatetimeIndex):
+        frame = frame.reset_index(names="timestamp")
+        lower = {str(c).strip().lower(): c for c in frame.columns}
+    renamed = {}
+    stamp = next((lower[a] for a in TIMESTAMP_ALIASES if a in lower), None)
+    if stamp is not None:
+        renamed["timestamp"] = frame[stamp]
+    for name in COLUMNS[1:]:
+        if name in lower:
+            renamed[name] = frame[lower[name]]
+    missing = [c for c in COLUMNS if c not in renamed]
+    if missing:
+        raise DataError(f"{path}: missing column(s) {', '.join(missing)}; found {', '.join(map(str, frame.columns))}"
+                        f" (need {', '.join(COLUMNS)}, any capitalisation)")
+    return pd.DataFrame(renamed).reset_index(drop=True)
+
+
+def check_bars(frame: pd.DataFrame, path: Path | str = "bars") -> pd.DataFrame:
+    """Check normalised bars (see :func:`load_bars`) and convert dtypes. Raises: DataError."""
+    import pandas as pd
+
+    if len(frame) == 0:
+        raise DataError(f"{path}: the file holds no rows")
+    try:
+        stamps = pd.to_datetime(frame["timestamp"])
+    except (ValueError, TypeError) as error:
+        raise DataError(f"{path}: column timestamp is not a date-time ({str(error).splitlines()[0][:120]})") from None
+    if stamps.isna().any():
+        raise DataError(f"{path}: timestamp is missing in row {int(np.argmax(stamps.isna().to_numpy()))}")
+    values = {}
+    for name in COLUMNS[1:]:
+        column = pd.to_numeric(frame[name], errors="coerce").astype("float64").to_numpy()
+        bad = ~np.isfinite(column)
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise DataError(f"{path}: column {name} has {int(bad.sum())} NaN or infinite value(s), first in "
+                            f"row {row} ({stamps.iloc[row]}); clean or drop those bars")
+        values[name] = column
+    prices = np.stack([values[c] for c in ("open", "high", "low", "close")])
+    if (prices <= 0).any():
+        row = int(np.argmax((prices <= 0).any(axis=0)))
+        raise DataError(f"{path}: non-positive price in row {row} ({stamps.iloc[row]}): log returns need prices > 0")
+    if (values["volume"] < 0).any():
+        row = int(np.argmax(values["volume"] < 0))
+        raise DataError(f"{path}: negative volume in row {row} ({stamps.iloc[row]})")
+    inconsistent = (values["high"] < prices.max(axis=0)) | (values["low"] > prices.min(axis=0))
+    if inconsistent.any():
+        row = int(np.argmax(inconsistent))
+        raise DataError(f"{path}: bar in row {row} ({stamps.iloc[row]}) has high below or low above its "
+                        f"other prices")
+    steps = np.diff(stamps.to_numpy().astype("datetime64[ns]").astype(np.int64))
+    if (steps < 0).any():
+        row = int(np.argmax(steps < 0)) + 1
+        raise DataError(f"{path}: timestamps are not sorted: row {row} ({stamps.iloc[row]}) is earlier than "
+                        f"row {row - 1}; sort the bars by time")
+    if (steps == 0).any():
+        row = int(np.argmax(steps == 0)) + 1
+        raise DataError(f"{path}: duplicate timestamp {stamps.iloc[row]} in rows {row - 1} and {row}; "
+                        f"keep one bar per time")
+    return pd.DataFrame({"timestamp": stamps.to_numpy(), **values})
+
+
+# ------------------------------------------------------------------------------------ E-mini sample
+
+def mlfinpy_tick_path() -> Path:
+    """The E-mini S&P 500 tick CSV shipped inside the ``mlfinpy`` package, located without importing it.
+
+    (Importing mlfinpy pulls numba; the file is data, so only its location is needed.)
+
+    Raises:
+        DataError: mlfinpy is not installed, or the file is not in it.
+    """
+    spec = importlib.util.find_spec("mlfinpy")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the E-mini tick sample comes with mlfinpy: pip install --no-deps mlfinpy==0.1.2")
+    for root in spec.submodule_search_locations:
+        path = Path(root).joinpath(*MLFINPY_TICKS)
+        if path.is_file():
+            return path
+    raise DataError(f"mlfinpy is installed but has no {'/'.join(MLFINPY_TICKS)}: "
+                    f"pip install --no-deps --force-reinstall mlfinpy==0.1.2")
+
+
+def ticks_to_bars(ticks: pd.DataFrame, bar: str) -> pd.DataFrame:
+    """Time bars from trades.
+
+    Args:
+        ticks: columns ``DateTime`` (or ``timestamp``), ``Price``, ``Volume`` (any capitalisation).
+        bar: a pandas offset such as ``1s``, ``5s``, ``1min``.
+
+    Returns:
+        Bars with :data:`COLUMNS`: open/high/low/close of the trade prices in each interval (pandas
+        ``resample(bar).ohlc()``, left-labelled), volume = summed traded contracts; intervals without
+        trades are dropped, not forward-filled.
+
+    Raises:
+        DataError: missing columns or a bar string pandas cannot read.
+    """
+    import pandas as pd
+
+    lower = {str(c).lower(): c for c in ticks.columns}
+    stamp = lower.get("datetime") or lower.get("timestamp")
+    if stamp is None or "price" not in lower or "volume" not in lower:
+        raise DataError(f"ticks need DateTime, Price and Volume columns, found {', '.join(map(str, ticks.columns))}")
+    try:
+        offset = pd.tseries.frequencies.to_offset(bar)
+    except ValueError:
+        raise DataError(f"--bar {bar!r} is not a pandas time offset: use e.g. 1s, 5s, 1min") from None
+    series = ticks.set_index(pd.to_datetime(ticks[stamp])).sort_index()
+    resampled = series.resample(offset)
+    bars = resampled[lower["price"]].ohlc()
+    bars["volume"] = resampled[lower["volume"]].sum().astype("float64")
+    bars = bars.dropna(subset=["open"])
+    return bars.reset_index(names="timestamp")[list(COLUMNS)]
+
+
+def write_parquet(frame: pd.DataFrame, path: Path | str) -> Path:
+    """Write ``frame`` as parquet atomically (a temporary file in the same folder, then ``os.replace``).
+
+    Raises:
+        DataError: the folder cannot be created or written.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        frame.to_parquet(tmp, index=False)
+        os.replace(tmp, path)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"cannot write {path}: {error.strerror or error}") from None
+    return path
+
+
+def es_sample(bar: str, out: Path | str, ticks_csv: Path | str | None = None) -> pd.DataFrame:
+    """Build OHLCV bars from the E-mini tick sample (or another tick CSV) and write them to ``out``."""
+    import pandas as pd
+
+    source = Path(ticks_csv) if ticks_csv else mlfinpy_tick_path()
+    try:
+        ticks = pd.read_csv(source)
+    except (OSError, ValueError) as error:
+        raise DataError(f"cannot read ticks from {source}: {str(error).splitlines()[0][:160]}") from None
+    bars = check_bars(ticks_to_bars(ticks, bar), source)
+    write_parquet(bars, out)
+    return bars
+
+
+# ------------------------------------------------------------------------------ features, windows
+
+@dataclass(frozen=True)
+class Windows:
+    """Standardised rows and the window starts of each split.
+
+    Attributes:
+        features: (M, N_FEATURES) float32, standardised with training-split statistics.
+        targets: (M,) float32, next-bar log return / training std of the log return.
+        train_starts, val_starts: (n_windows,) int64 first rows of the windows of each split.
+        seq_len, stride: window length and spacing, bars.
+        split_row: s, the first validation row.
+        feature_mean, feature_std: (N_FEATURES,) the training statistics; target_scale: std_r.
+        first_val_timestamp: when the validation split begins (ISO text).
+    """
+
+    features: np.ndarray
+    targets: np.ndarray
+    train_starts: np.ndarray
+    val_starts: np.ndarray
+    seq_len: int
+    stride: int
+    split_row: int
+    feature_mean: np.ndarray
+    feature_std: np.ndarray
+    target_scale: float
+    first_val_timestamp: str
+
+    def stats(self) -> dict:
+        """The normalisation, for checkpoints and run records (plain JSON types)."""
+        return {"feature_names": list(FEATURE_NAMES), "feature_mean": self.feature_mean.tolist(),
+                "feature_std": self.feature_std.tolist(), "target_scale": self.target_scale,
+                "rows": len(self.targets), "split_row": self.split_row, "seq_len": self.seq_len,
+                "stride": self.stride, "train_windows": len(self.train_starts),
+                "val_windows": len(self.val_starts), "first_val_timestamp": self.first_val_timestamp}
+
+
+def raw_features(bars: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Unstandardised features and next-bar log returns.
+
+    Returns:
+        features (n - 2, 5) float64 for bars 1..n-2, and returns (n - 2,) float64, the log return of
+        bars 2..n-1 (the target of each row, before scaling).
+    """
+    close = bars["close"].to_numpy()
+    prev = close[:-1]
+    per_bar = np.stack([np.log(close[1:] / prev), np.log(bars["open"].to_numpy()[1:] / prev),
+                        np.log(bars["high"].to_numpy()[1:] / prev), np.log(bars["low"].to_numpy()[1:] / prev),
+                        np.log1p(bars["volume"].to_numpy()[1:])], axis=1)  # (n - 1, 5), bars 1..n-1
+    return per_bar[:-1], per_bar[1:, 0]
+
+
+def make_windows(bars: pd.DataFrame, seq_len: int, stride: int | None = None,
+                 val_fraction: float = 0.2, source: str = "bars") -> Windows:
+    """Features, targets and the chronological split (module docstring has the formulas).
+
+    Raises:
+        DataError: fewer bars than one window, or a split that leaves a side without a window.
+        ValueError: stride < 1 or val_fraction outside (0, 1).
+    """
+    stride = stride or max(1, seq_len // 2)
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    n_bars = len(bars)
+    if n_bars < seq_len + 2:
+        raise DataError(f"{source}: {n_bars} bars are fewer than one window: seq_len {seq_len} needs at least "
+                        f"{seq_len + 2} bars (one before for the first return, one after for the last target)")
+    features, returns = raw_features(bars)
+    rows = len(returns)
+    split = round(rows * (1 - val_fraction))
+    train_starts = np.arange(0, split - seq_len + 1, stride, dtype=np.int64)
+    val_starts = np.arange(split, rows - seq_len + 1, stride, dtype=np.int64)
+    if len(train_starts) == 0 or len(val_starts) == 0:
+        need = int(np.ceil(seq_len / min(val_fraction, 1 - val_fraction))) + 2
+        raise DataError(f"{source}: {n_bars} bars give {len(train_starts)} training and {len(val_starts)} "
+                        f"validation windows of {seq_len} bars (val_fraction {val_fraction}); need about "
+                        f"{need} bars, or a smaller --seq-len")
+    mean = features[:split].mean(axis=0)
+    std = features[:split].std(axis=0)
+    std = np.where(std > 0, std, 1.0)
+    scale = float(features[:split, 0].std()) or 1.0
+    return Windows(
+        features=((features - mean) / std).astype(np.float32), targets=(returns / scale).astype(np.float32),
+        train_starts=train_starts, val_starts=val_starts, seq_len=seq_len, stride=stride, split_row=split,
+        feature_mean=mean, feature_std=std, target_scale=scale,
+        first_val_timestamp=str(bars["timestamp"].iloc[split + 1]))
