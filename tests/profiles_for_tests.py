@@ -1,0 +1,97 @@
+"""Profiles built in memory for report tests: real Fit/Limits objects over synthetic trials.
+
+``gpu_profile`` mimics an RTX 3060 running the seed documents' line (0.529 GB + 0.088 GB × batch),
+with a trial over budget, one out of memory, and verification at the safe and conservative sizes.
+"""
+
+from __future__ import annotations
+
+from vramcal.device import Device
+from vramcal.fit import fit_linear
+from vramcal.limits import LimitSettings, compute_limits
+from vramcal.model import ModelSpec
+from vramcal.profile import Profile, Verification
+from vramcal.trial import Trial
+
+GIB = 2**30
+SEED_OVERHEAD_BYTES = int(0.529e9)
+SEED_SLOPE_BYTES = int(0.088e9)
+# Deterministic "noise" in bytes, so fits have a non-zero residual and a visible band.
+NOISE_BYTES = (3_000_000, -2_000_000, 4_000_000, -5_000_000, 1_000_000, -3_000_000, 2_000_000, 0, -1_000_000)
+
+
+def gpu_trial(batch_size: int, peak_bytes: int, purpose: str = "grow") -> Trial:
+    reserved = peak_bytes - 300 * 2**20
+    step_s = 0.004 + 0.0009 * batch_size + 0.02 / (1 + batch_size)
+    return Trial(batch_size=batch_size, status="ok", peak_bytes=peak_bytes, nvml_peak_bytes=peak_bytes - 2**20,
+                 nvml_source="process", nvml_overhead_bytes=300 * 2**20, torch_max_reserved_bytes=reserved,
+                 torch_max_allocated_bytes=reserved - 40 * 2**20, step_s=step_s,
+                 samples_per_s=batch_size / step_s, purpose=purpose)
+
+
+def host_trial(batch_size: int, peak_bytes: int, purpose: str = "grow") -> Trial:
+    step_s = 0.05 + 0.01 * batch_size
+    return Trial(batch_size=batch_size, status="ok", peak_bytes=peak_bytes, rss_peak_bytes=peak_bytes,
+                 step_s=step_s, samples_per_s=batch_size / step_s, purpose=purpose)
+
+
+def _like(model: Trial, batch_size: int, peak_bytes: int, purpose: str) -> Trial:
+    """A trial measured like ``model`` (GPU sources or host RSS)."""
+    make = gpu_trial if model.nvml_peak_bytes is not None else host_trial
+    return make(batch_size, peak_bytes, purpose)
+
+
+def gpu_device(name: str = "NVIDIA GeForce RTX 3060", total_bytes: int = 12288 * 2**20) -> Device:
+    return Device(kind="cuda", name=name, total_bytes=total_bytes, total_source="NVML v2 total",
+                  uuid="GPU-00000000-1111-2222-3333-444444444444", pci_bus_id="00000000:01:00.0", nvml_index=0,
+                  driver_version="550.54.15", cuda_driver_version="12.4")
+
+
+def seed_peak(batch_size: int, index: int = 0) -> int:
+    return SEED_OVERHEAD_BYTES + SEED_SLOPE_BYTES * batch_size + NOISE_BYTES[index % len(NOISE_BYTES)]
+
+
+def build_profile(device: Device, trials: list[Trial], spec: ModelSpec | None = None,
+                  implementation: str = "transformers", verify: bool = True) -> Profile:
+    """Fit the ok trials within budget, compute limits, optionally add passing verification trials."""
+    settings = LimitSettings()
+    usable = settings.usable_bytes(device.total_bytes)
+    fitted = [t for t in trials if t.fits(usable)]
+    failed = [t.batch_size for t in trials if not t.fits(usable)]
+    fit = limits = None
+    verification = {}
+    if len(fitted) >= 3:
+        fit = fit_linear([t.batch_size for t in fitted], [t.peak_bytes for t in fitted])
+        limits = compute_limits(fit, device.total_bytes, settings, min(failed) if failed else None)
+        if verify:
+            for kind, size in (("safe", limits.safe_batch_size), ("conservative", limits.conservative_batch_size)):
+                trial = _like(trials[0], size, int(fit.predict(size)), purpose=f"verify-{kind}")
+                trials = [*trials, trial]
+                verification[kind] = Verification(size, trial.fits(usable), trial.peak_bytes)
+    return Profile(
+        device=device, spec=spec or ModelSpec(), implementation=implementation,
+        kernel_path="transformers Mamba2 torch_forward (pure PyTorch chunked scan)", settings=settings,
+        trials=tuple(trials), fit=fit, limits=limits, verification=verification,
+        software={"python": "3.11.9", "torch": "2.5.1", "transformers": "4.57.0"},
+        run={"warmup_steps": 1, "measured_steps": 2}, created_utc="2025-01-02T03:04:05Z", vramcal_version="0.1.0")
+
+
+def gpu_profile(verify: bool = True) -> Profile:
+    """RTX 3060 12 GiB: batches 1..64 fit, 128 is over budget, 160 runs out of memory."""
+    trials = [gpu_trial(b, seed_peak(b, i)) for i, b in enumerate((1, 2, 4, 8, 16, 32, 64, 128))]
+    trials.append(Trial(batch_size=160, status="oom", purpose="grow", error="CUDA out of memory"))
+    return build_profile(gpu_device(), trials, verify=verify)
+
+
+def host_profile() -> Profile:
+    device = Device(kind="host", name="AMD EPYC 7763 (2 cores)", total_bytes=8 * GIB, total_source="MemAvailable")
+    trials = [host_trial(b, 600 * 2**20 + 9 * 2**20 * b + NOISE_BYTES[i] // 10)
+              for i, b in enumerate((1, 2, 4, 8, 16))]
+    return build_profile(device, trials, verify=True)
+
+
+def sparse_profile() -> Profile:
+    """Only two successful trials and a timeout: no fit, no limits, no verification."""
+    trials = [gpu_trial(1, seed_peak(1)), gpu_trial(2, seed_peak(2, 1)),
+              Trial(batch_size=4, status="timeout", purpose="grow", error="killed after the 900 s time limit")]
+    return build_profile(gpu_device(), trials)

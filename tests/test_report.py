@@ -1,0 +1,218 @@
+"""Reports: real PNGs and Markdown from profiles, the other-GPU catalogue arithmetic, the two commands."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from profiles_for_tests import GIB, build_profile, gpu_device, gpu_profile, gpu_trial, host_profile, sparse_profile
+
+from vramcal.catalogue import CATALOGUE, GpuModel, other_gpu_limits, parse_gpu_list
+from vramcal.profile import load_profile, save_profile
+from vramcal.report import render_markdown, report_name, write_report
+from vramcal.report_cli import limits_command, report_command
+from vramcal.report_figure import DPI, FIGSIZE_IN
+from vramcal.trial import Trial
+from vramcal.units import format_bytes
+
+MIB = 2**20
+REPO = Path(__file__).resolve().parents[1]
+
+
+def png_dimensions(data: bytes) -> tuple[int, int]:
+    """Width and height from the IHDR chunk; fails unless ``data`` starts like a PNG file."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG signature"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def exact_profile(failed_at: int | None = None):
+    """Points exactly on peak = 0.5 GiB + 0.125 GiB x batch (binary-exact numbers) on a 12 GiB card."""
+    trials = [gpu_trial(b, 2**29 + 2**27 * b) for b in (1, 2, 4, 8)]
+    if failed_at is not None:
+        trials.append(Trial(batch_size=failed_at, status="oom", purpose="grow"))
+    return build_profile(gpu_device(total_bytes=12 * GIB), trials)
+
+
+# ---------------------------------------------------------------------------------------------- catalogue
+
+def test_catalogue_has_the_cards_the_issue_names_with_nvidia_smi_totals():
+    totals_mib = {gpu.label: gpu.total_bytes // MIB for gpu in CATALOGUE}
+    assert totals_mib == {"RTX 3050 Ti Laptop 4 GB": 4096, "RTX 3060 12 GB": 12288, "RTX A4000 16 GB": 16376,
+                          "RTX 4090 24 GB": 24564, "A100 40 GB (SXM4)": 40960, "A100 80 GB (SXM4)": 81920,
+                          "H100 80 GB (HBM3)": 81559, "H200 141 GB": 143771}
+    assert all(gpu.source == f"nvidia-smi total {gpu.total_bytes // MIB} MiB" for gpu in CATALOGUE)
+
+
+def test_catalogue_arithmetic_matches_hand_worked_values():
+    profile = exact_profile()
+    rows = {row.gpu.label: row for row in other_gpu_limits(profile, [GpuModel("card 16 GiB", 16 * GIB, "test")])}
+    # 16 GiB: usable = 17179869184 - 536870912 - 1717986918.4 = 14925011353.6 B -> 14925011353 (13.9 GiB);
+    # safe = floor((13.9 - 0.5) / 0.125) = floor(107.2) = 107; conservative = floor(0.9 x 107) = floor(96.3) = 96.
+    card = rows["card 16 GiB"].limits
+    assert (card.usable_bytes, card.safe_batch_size, card.conservative_batch_size) == (14925011353, 107, 96)
+    # RTX 3050 Ti, 4096 MiB: usable = 4096 - 512 - 409.6 = 3174.4 MiB; (3174.4 - 512) / 128 = 20.8 -> 20; 18.
+    small = rows["RTX 3050 Ti Laptop 4 GB"].limits
+    assert (small.usable_bytes, small.safe_batch_size, small.conservative_batch_size) == (3328599654, 20, 18)
+    # H200, 143771 MiB: usable = 143771 - 512 - 14377.1 = 128881.9 MiB;
+    # (128881.9 - 512) / 128 = 1002.9 -> 1002; floor(0.9 x 1002) = floor(901.8) = 901.
+    big = rows["H200 141 GB"].limits
+    assert (big.safe_batch_size, big.conservative_batch_size) == (1002, 901)
+    assert big.usable_bytes == int(143771 * MIB * 0.9 - 512 * MIB)
+    # The measured card (12 GiB here) keeps the profile's own limits: (12 - 0.5 - 1.2 - 0.5) / 0.125 = 78.4 -> 78.
+    measured = [row for row in rows.values() if row.measured]
+    assert len(measured) == 1 and measured[0].limits == profile.limits and profile.limits.safe_batch_size == 78
+
+
+def test_rows_are_sorted_by_memory_and_the_measured_card_replaces_its_catalogue_entry():
+    rows = other_gpu_limits(gpu_profile())  # an RTX 3060: the catalogue's RTX 3060 row gives way to it
+    assert [r.gpu.total_bytes for r in rows] == sorted(r.gpu.total_bytes for r in rows)
+    assert sum(r.measured for r in rows) == 1 and len(rows) == len(CATALOGUE)
+    assert "RTX 3060 12 GB" not in [r.gpu.label for r in rows]
+
+
+def test_a_failed_batch_caps_cards_with_no_more_memory_only():
+    rows = {row.gpu.label: row.limits for row in other_gpu_limits(exact_profile(failed_at=10))}
+    assert rows["RTX 3050 Ti Laptop 4 GB"].safe_batch_size == 9  # 20 by the fit, capped below 10
+    assert rows["RTX A4000 16 GB"].safe_batch_size > 100  # a bigger card: the failure says nothing
+
+
+def test_no_fit_means_no_extrapolation():
+    with pytest.raises(ValueError, match="at least 3 successful trials"):
+        other_gpu_limits(sparse_profile())
+
+
+def test_parse_gpu_list():
+    gpus = parse_gpu_list("RTX 4080=16GiB, L4 = 24GB,")
+    assert [(g.label, g.total_bytes) for g in gpus] == [("RTX 4080", 16 * GIB), ("L4", 24 * 10**9)]
+    for bad in ("RTX 4080", "=16GiB", "RTX 4080=sixteen"):
+        with pytest.raises(ValueError, match="--gpus entry"):
+            parse_gpu_list(bad)
+
+
+# ---------------------------------------------------------------------------------------------- reports
+
+def test_report_of_a_gpu_profile_has_a_real_png_and_the_computed_numbers(tmp_path):
+    profile = gpu_profile()
+    png, markdown = write_report([profile], tmp_path)
+    assert png.name == f"{report_name([profile])}.png" and markdown.suffix == ".md"
+    data = png.read_bytes()
+    assert png_dimensions(data) == (int(FIGSIZE_IN[0] * DPI), int(FIGSIZE_IN[1] * DPI))
+    assert 30_000 < len(data) < 1_500_000
+    text = markdown.read_text()
+    limits, fit = profile.limits, profile.fit
+    assert f"![Peak memory and throughput against batch size]({png.name})" in text
+    assert f"`{fit.formula()}`" in text and f"r² = {fit.r_squared:.4f}" in text
+    assert f"**{limits.safe_batch_size}**" in text and f"**{limits.conservative_batch_size}**" in text
+    assert format_bytes(limits.usable_bytes) in text
+    assert "safe batch 119: passed" in text and "conservative batch 107: passed" in text
+    for trial in profile.trials:
+        assert f"| {trial.batch_size:>5} |" in text
+    assert "| over-budget |" in text and "| oom " in text
+    rtx4090 = next(r for r in other_gpu_limits(profile) if r.gpu.label == "RTX 4090 24 GB").limits
+    assert "| RTX 4090 24 GB " in text
+    assert f"| {rtx4090.safe_batch_size:>8} | {rtx4090.conservative_batch_size:>12} |" in text
+    assert "**measured** (verified)" in text and "extrapolations" in text and "CUDA context" in text
+
+
+def test_reports_are_deterministic_and_survive_a_round_trip_through_the_profile_file(tmp_path):
+    profile = gpu_profile()
+    first = write_report([profile], tmp_path / "a")
+    path = save_profile(profile, tmp_path / "p.json")
+    second = write_report([load_profile(path)], tmp_path / "b")
+    assert [p.read_bytes() for p in first] == [p.read_bytes() for p in second]
+
+
+def test_a_profile_without_a_fit_says_what_is_missing(tmp_path):
+    png, markdown = write_report([sparse_profile()], tmp_path, name="sparse")
+    assert png_dimensions(png.read_bytes())[0] == int(FIGSIZE_IN[0] * DPI)
+    text = markdown.read_text()
+    assert "> **No fit**: 2 successful trial(s)" in text
+    assert "**Memory model**            | **none**" in text and "**Safe batch size**         | **none**" in text
+    assert "Not available: there is no fit to extrapolate from." in text
+    assert "| timeout |" in text and "in fit" not in text.split("## Trials")[1].split("\n")[4]
+
+
+def test_an_unverified_profile_is_not_presented_as_limits(tmp_path):
+    text = write_report([gpu_profile(verify=False)], tmp_path)[1].read_text()
+    assert "> **Not verified (no verification trial ran)**: the batch sizes below are extrapolations" in text
+    assert "(**not verified**: extrapolation only)" in text and "measured** (NOT verified)" in text
+
+
+def test_a_host_profile_drops_absent_sources_and_warns_about_gpu_rows(tmp_path):
+    text = write_report([host_profile()], tmp_path)[1].read_text()
+    assert "host RAM: AMD EPYC 7763 (2 cores) (8.00 GiB)" in text
+    assert "RSS peak" in text and "NVML peak" not in text
+    assert "orders of magnitude" in text
+
+
+def test_several_profiles_share_one_figure_and_a_comparison_table(tmp_path):
+    profiles = [gpu_profile(), host_profile()]
+    png, markdown = write_report(profiles, tmp_path)
+    assert png.name.startswith("compare-") and png_dimensions(png.read_bytes())
+    text = markdown.read_text()
+    assert "## Comparison" in text and text.count("### Trials") == 2
+    assert "## NVIDIA GeForce RTX 3060 (12.00 GiB)" in text and "## host RAM: AMD EPYC 7763" in text
+    assert render_markdown(profiles, png.name) == text
+
+
+def test_a_bad_report_name_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="plain file stem"):
+        write_report([gpu_profile()], tmp_path, name="../escape")
+
+
+def test_committed_profiles_regenerate(tmp_path):
+    paths = sorted((REPO / "profiles").glob("**/*.json"))
+    if not paths:
+        pytest.skip("no committed profile yet")
+    for path in paths:
+        png, markdown = write_report([load_profile(path)], tmp_path)
+        assert png_dimensions(png.read_bytes()) and "## Trials" in markdown.read_text()
+
+
+def test_importing_the_report_modules_loads_no_matplotlib_or_torch():
+    code = ("import sys, vramcal.report, vramcal.report_figure, vramcal.report_cli, vramcal.catalogue; "
+            "print(sorted(m for m in ('matplotlib', 'torch') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert result.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+def test_report_command_writes_both_files(tmp_path):
+    path = save_profile(gpu_profile(), tmp_path / "profiles" / "gpu.json")
+    out = tmp_path / "reports"
+    result = CliRunner().invoke(report_command, [str(path), "--out", str(out), "--gpus", "RTX 4080=16GiB"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.suffix for p in out.iterdir()) == [".md", ".png"]
+    assert "| RTX 4080 " in next(out.glob("*.md")).read_text()
+    folder = CliRunner().invoke(report_command, [str(tmp_path / "profiles"), "--out", str(out), "--name", "all"])
+    assert folder.exit_code == 0 and (out / "all.png").exists()
+
+
+def test_limits_command_prints_the_table(tmp_path):
+    path = save_profile(gpu_profile(), tmp_path / "gpu.json")
+    result = CliRunner().invoke(limits_command, [str(path), "--gpus", "L4=22.5GiB"])
+    assert result.exit_code == 0, result.output
+    assert "| L4 " in result.output and "measured (verified)" in result.output and "**" not in result.output
+    assert "extrapolations" in result.output
+
+
+def test_commands_turn_bad_input_into_one_line_errors(tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    for command in (report_command, limits_command):
+        result = CliRunner().invoke(command, [str(broken)])
+        assert result.exit_code == 1 and "is not valid JSON" in result.output
+        assert "Traceback" not in result.output
+    sparse = save_profile(sparse_profile(), tmp_path / "sparse.json")
+    result = CliRunner().invoke(limits_command, [str(sparse)])
+    assert result.exit_code == 1 and "no fitted memory model" in result.output
+    result = CliRunner().invoke(limits_command, [str(sparse), "--gpus", "L4"])
+    assert result.exit_code == 2 and "NAME=SIZE" in result.output
+    assert json.loads(sparse.read_text())["fit"] is None

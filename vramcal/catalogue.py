@@ -1,0 +1,125 @@
+"""Limits on other GPUs, extrapolated from one profile's fit, for a built-in catalogue of common cards.
+
+The seed documents give a table of "GPU-specific safe limits" per card; vramcal computes the same rows
+from a measured fit with :func:`vramcal.limits.compute_limits` and each card's total memory. These rows
+are extrapolations: they assume the same ``overhead_bytes`` and ``slope_bytes_per_sample`` on another
+card, which is not exact (the CUDA context, cuBLAS workspaces and the kernels chosen differ by card,
+driver and architecture). Only the measured device's row is measured.
+
+Catalogue totals are the ``total`` that NVML (and so ``nvidia-smi``'s ``Memory-Usage`` column) reports
+for the card, which is what a profile made on that card would record as ``total_bytes``; the figures in
+MiB below are the values printed by ``nvidia-smi`` on those cards in public logs (ECC off where the card
+has a choice). They are slightly below the marketing size: e.g. an "80 GB" H100 reports 81559 MiB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vramcal.limits import Limits, compute_limits
+from vramcal.units import parse_bytes
+
+if TYPE_CHECKING:
+    from vramcal.profile import Profile
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    """A card and its memory.
+
+    Attributes:
+        label: short name for tables (``RTX 4090 24 GB``).
+        total_bytes: the memory limits are computed against (NVML ``total`` where known).
+        source: where ``total_bytes`` comes from, for the table's notes.
+        nvml_name: the name NVML reports, to recognise the measured card; None when unknown.
+    """
+
+    label: str
+    total_bytes: int
+    source: str
+    nvml_name: str | None = None
+
+
+def _nvidia_smi(label: str, nvml_name: str, total_mib: int) -> GpuModel:
+    return GpuModel(label, total_mib * MIB, f"nvidia-smi total {total_mib} MiB", nvml_name)
+
+
+# nvidia-smi totals as printed on these cards in public logs (Memory-Usage column "x MiB / <total>MiB").
+CATALOGUE: tuple[GpuModel, ...] = (
+    _nvidia_smi("RTX 3050 Ti Laptop 4 GB", "NVIDIA GeForce RTX 3050 Ti Laptop GPU", 4096),
+    _nvidia_smi("RTX 3060 12 GB", "NVIDIA GeForce RTX 3060", 12288),
+    _nvidia_smi("RTX A4000 16 GB", "NVIDIA RTX A4000", 16376),
+    _nvidia_smi("RTX 4090 24 GB", "NVIDIA GeForce RTX 4090", 24564),
+    _nvidia_smi("A100 40 GB (SXM4)", "NVIDIA A100-SXM4-40GB", 40960),
+    _nvidia_smi("A100 80 GB (SXM4)", "NVIDIA A100-SXM4-80GB", 81920),
+    _nvidia_smi("H100 80 GB (HBM3)", "NVIDIA H100 80GB HBM3", 81559),
+    _nvidia_smi("H200 141 GB", "NVIDIA H200", 143771),
+)
+
+
+@dataclass(frozen=True)
+class GpuLimitRow:
+    """One row of the other-GPU table. ``measured`` marks the profile's own device (not extrapolated)."""
+
+    gpu: GpuModel
+    limits: Limits
+    measured: bool
+
+
+def parse_gpu_list(text: str) -> list[GpuModel]:
+    """Parse ``--gpus "NAME=SIZE,NAME=SIZE"``, e.g. ``"RTX 4080=16GiB,L4=24GB"``.
+
+    Sizes go through :func:`vramcal.units.parse_bytes` (GiB binary, GB decimal).
+
+    Raises:
+        ValueError: an entry without ``=``, an empty name, or a size that cannot be read; the message
+            names the entry and shows the expected form.
+    """
+    gpus = []
+    for entry in (part.strip() for part in text.split(",")):
+        if not entry:
+            continue
+        name, sep, size = entry.rpartition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--gpus entry {entry!r} is not NAME=SIZE: write e.g. \"RTX 4080=16GiB,L4=24GB\"")
+        try:
+            total_bytes = parse_bytes(size)
+        except ValueError as error:
+            raise ValueError(f"--gpus entry {entry!r}: {error}") from None
+        gpus.append(GpuModel(name.strip(), total_bytes, f"--gpus {size.strip()}"))
+    return gpus
+
+
+def other_gpu_limits(profile: Profile, extra_gpus: Iterable[GpuModel] = (),
+                     catalogue: Sequence[GpuModel] = CATALOGUE) -> list[GpuLimitRow]:
+    """The limits this profile's fit implies on each catalogued card, plus the measured device.
+
+    Every card gets ``compute_limits(profile.fit, card.total_bytes, profile.settings)``. A batch size
+    that failed on the measured device (out of memory or over budget) also caps cards with no more
+    memory than it, and caps nothing on bigger cards. The measured device's row carries the profile's
+    own limits and replaces a catalogue card of the same NVML name.
+
+    Returns:
+        Rows sorted by total memory (the measured row first among equal totals).
+
+    Raises:
+        ValueError: the profile has no fit (fewer than three successful trials) to extrapolate from.
+    """
+    if profile.fit is None or profile.limits is None:
+        raise ValueError("the profile has no fitted memory model (it needs at least 3 successful trials): "
+                         "re-run `vramcal probe` to measure more batch sizes")
+    device = profile.device
+    failed = profile.limits.failed_batch_size
+    measured_label = f"{device.name} (this profile)" if device.kind == "cuda" else f"host: {device.name}"
+    rows = [GpuLimitRow(GpuModel(measured_label, device.total_bytes, device.total_source,
+                                 device.name if device.kind == "cuda" else None), profile.limits, True)]
+    for gpu in [*catalogue, *extra_gpus]:
+        if device.kind == "cuda" and gpu.nvml_name == device.name:
+            continue
+        cap = failed if failed is not None and gpu.total_bytes <= device.total_bytes else None
+        rows.append(GpuLimitRow(gpu, compute_limits(profile.fit, gpu.total_bytes, profile.settings, cap), False))
+    return sorted(rows, key=lambda row: (row.gpu.total_bytes, not row.measured))

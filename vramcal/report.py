@@ -1,0 +1,351 @@
+"""Reports: a PNG and a Markdown file made only from profiles, so a GPU box's profile reports anywhere.
+
+The PNG (:mod:`vramcal.report_figure`) draws every trial's peak with the fitted line, its 95 %
+prediction band, the memory lines and the limits, beside the throughput of the same trials. The
+Markdown (this module) gives the summary, the trials table and the limits on other GPUs
+(:mod:`vramcal.catalogue`). Both are pure functions of the profiles: the same profiles give the same
+bytes (the only timestamp is the profile's own ``created_utc``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from vramcal.catalogue import GpuLimitRow, GpuModel, other_gpu_limits
+from vramcal.units import format_bytes
+
+if TYPE_CHECKING:
+    from vramcal.profile import Profile
+    from vramcal.trial import Trial
+
+MISSING = "—"
+
+
+# ---------------------------------------------------------------------------------------------- naming
+
+def report_name(profiles: Sequence[Profile]) -> str:
+    """File stem: ``<device slug>-<implementation>-<spec key>``; for several profiles ``compare-<hash>``."""
+    if len(profiles) == 1:
+        p = profiles[0]
+        return f"{p.device.slug()}-{p.implementation}-{p.spec.key()}"
+    keys = "\n".join(sorted(f"{p.device.slug()}-{p.implementation}-{p.spec.key()}" for p in profiles))
+    return f"compare-{hashlib.sha256(keys.encode()).hexdigest()[:8]}"
+
+
+def device_label(profile: Profile) -> str:
+    """``NVIDIA H200 (140.40 GiB)`` or ``host RAM: AMD EPYC 7763 (2 cores) (7.50 GiB)``."""
+    device = profile.device
+    name = device.name if device.kind == "cuda" else f"host RAM: {device.name}"
+    return f"{name} ({format_bytes(device.total_bytes)})"
+
+
+def series_labels(profiles: Sequence[Profile]) -> tuple[list[str], list[str]]:
+    """A label per profile naming only what differs between them, and title lines for what they share.
+
+    The title's first line names the shared device, implementation and vramcal version, the second the
+    shared model spec (or says that the specs differ).
+    """
+    parts = [{"device": device_label(p), "impl": p.implementation, "spec": p.spec.to_dict(),
+              "version": f"vramcal {p.vramcal_version or '?'}"} for p in profiles]
+    shared = [part for part in ("device", "impl", "version") if len({str(x[part]) for x in parts}) == 1]
+    spec_keys = [k for k in parts[0]["spec"] if len({str(x["spec"][k]) for x in parts}) > 1]
+    labels = []
+    for x in parts:
+        bits = [x[part] for part in ("device", "impl", "version") if part not in shared]
+        bits += [" ".join(f"{k}={x['spec'][k]}" for k in spec_keys)] if spec_keys else []
+        labels.append(" · ".join(bits) or "profile")
+    first = [parts[0][part] for part in ("device", "impl", "version") if part in shared]
+    if len(profiles) > 1:
+        first.insert(0, f"{len(profiles)} profiles")
+    spec = f"Mamba-2 {profiles[0].spec.short()}" if not spec_keys else "model specs differ (see legend)"
+    return labels, [" · ".join(first), spec]
+
+
+# ---------------------------------------------------------------------------------------------- facts
+
+def usable_bytes(profile: Profile) -> int:
+    """The profile's usable memory: from its limits, else from its settings and device."""
+    if profile.limits is not None:
+        return profile.limits.usable_bytes
+    return profile.settings.usable_bytes(profile.device.total_bytes)
+
+
+def trial_state(trial: Trial, usable: int) -> str:
+    """``ok``, ``over-budget`` (finished but peak > usable), ``oom``, ``timeout`` or ``error``."""
+    if trial.ok and trial.peak_bytes > usable:  # type: ignore[operator]
+        return "over-budget"
+    return trial.status if trial.status != "ok" or trial.ok else "error"
+
+
+def throughput_knee(trials: Iterable[Trial], fraction: float = 0.9) -> tuple[int, float, int] | None:
+    """(batch with the best median samples/s, that rate, smallest batch reaching ``fraction`` of it)."""
+    rates: dict[int, list[float]] = {}
+    for t in trials:
+        if t.ok and t.samples_per_s:
+            rates.setdefault(t.batch_size, []).append(t.samples_per_s)
+    if not rates:
+        return None
+    medians = {b: statistics.median(v) for b, v in sorted(rates.items())}
+    best = max(medians, key=lambda b: (medians[b], -b))
+    knee = min(b for b, v in medians.items() if v >= fraction * medians[best])
+    return best, medians[best], knee
+
+
+def missing_notes(profile: Profile) -> list[str]:
+    """Plain sentences saying what the profile lacks (no fit, no limits, no verification)."""
+    ok = [t for t in profile.trials if t.ok]
+    notes = []
+    if profile.fit is None:
+        notes.append(f"No fit: {len(ok)} successful trial(s) over {len({t.batch_size for t in ok})} batch "
+                     f"size(s); a fit needs at least 3 over 2 batch sizes. No line is drawn and no limits are "
+                     f"given: re-run `vramcal probe` to measure more batch sizes.")
+    elif profile.limits is None:
+        notes.append("No limits were computed for this fit.")
+    elif not profile.verified:
+        ran = {k: v for k, v in profile.verification.items() if v is not None}
+        what = ("no verification trial ran" if not ran else "; ".join(
+            f"{k} batch {v.batch_size} {'passed' if v.passed else 'FAILED'}" for k, v in sorted(ran.items())))
+        notes.append(f"Not verified ({what}): the batch sizes below are extrapolations from the fit, not "
+                     f"limits. Re-run `vramcal probe` to verify them with real trials.")
+    return notes
+
+
+# ---------------------------------------------------------------------------------------------- tables
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Iterable[int] = ()) -> str:
+    """A Markdown table with padded columns, readable as plain text too; ``right``: right-aligned columns."""
+    right = set(right)
+    cells = [list(header), *[[str(c).replace("|", "\\|") for c in row] for row in rows]]
+    widths = [max(3, *(len(row[i]) for row in cells)) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) if i in right else c.ljust(w)
+                                 for i, (c, w) in enumerate(zip(row, widths))) + " |"
+
+    rule = "| " + " | ".join("-" * (w - 1) + ":" if i in right else "-" * w for i, w in enumerate(widths)) + " |"
+    return "\n".join([line(cells[0]), rule, *(line(row) for row in cells[1:])])
+
+
+def _bytes(n_bytes: float | None) -> str:
+    return MISSING if n_bytes is None else format_bytes(n_bytes)
+
+
+def trials_table(profile: Profile) -> str:
+    """Every trial: batch size, purpose, status, peak and each source, step time, samples/s, in-fit mark.
+
+    Columns whose source does not exist on this device (e.g. NVML on the host) are left out.
+    """
+    usable = usable_bytes(profile)
+    in_fit = Counter(zip(profile.fit.batch_sizes, profile.fit.peak_bytes)) if profile.fit else Counter()
+    columns = [  # (header, right-aligned, value of a trial)
+        ("#", True, None), ("batch", True, lambda t: str(t.batch_size)),
+        ("purpose", False, lambda t: t.purpose or MISSING),
+        ("status", False, lambda t: trial_state(t, usable)), ("peak", True, lambda t: _bytes(t.peak_bytes)),
+        ("NVML peak", True, lambda t: _bytes(t.nvml_peak_bytes) + (f" ({t.nvml_source})" * bool(t.nvml_source))),
+        ("NVML overhead", True, lambda t: _bytes(t.nvml_overhead_bytes)),
+        ("torch max reserved", True, lambda t: _bytes(t.torch_max_reserved_bytes)),
+        ("torch max allocated", True, lambda t: _bytes(t.torch_max_allocated_bytes)),
+        ("RSS peak", True, lambda t: _bytes(t.rss_peak_bytes)),
+        ("step time", True, lambda t: MISSING if t.step_s is None else f"{t.step_s * 1000:.1f} ms"),
+        ("samples/s", True, lambda t: MISSING if t.samples_per_s is None else f"{t.samples_per_s:,.1f}"),
+        ("in fit", False, None)]
+    rows = []
+    for index, trial in enumerate(profile.trials, 1):
+        row = [str(index)] + [get(trial) for _, _, get in columns[1:-1]]
+        key = (trial.batch_size, trial.peak_bytes)
+        row.append("yes" if trial.ok and in_fit[key] > 0 else "")
+        in_fit[key] -= 1 if trial.ok and in_fit[key] > 0 else 0
+        rows.append(row)
+    keep = [i for i, (header, _, _) in enumerate(columns)
+            if header in ("#", "batch", "status", "peak") or any(r[i] not in (MISSING, "") for r in rows)]
+    return markdown_table([columns[i][0] for i in keep], [[r[i] for i in keep] for r in rows],
+                          right=[j for j, i in enumerate(keep) if columns[i][1]])
+
+
+def _batch(n: int) -> str:
+    return f"{n:,}" if n > 0 else "0 (nothing fits)"
+
+
+def limits_table(rows: Sequence[GpuLimitRow], verified: bool, bold: bool = True) -> str:
+    """The seed documents' "GPU-specific safe limits" table: GPU, total, usable, safe max, conservative.
+
+    The measured device's row is marked (in bold unless ``bold`` is False, e.g. for a terminal).
+    """
+    mark = "**" if bold else ""
+    body = []
+    for row in rows:
+        if row.measured:
+            basis = f"{mark}measured{mark} ({'verified' if verified else 'NOT verified'})"
+        else:
+            basis = f"extrapolated; total = {row.gpu.source}"
+        name = f"{mark}{row.gpu.label}{mark}" if row.measured else row.gpu.label
+        body.append([name, format_bytes(row.gpu.total_bytes), _bytes(row.limits.usable_bytes),
+                     _batch(row.limits.safe_batch_size), _batch(row.limits.conservative_batch_size), basis])
+    return markdown_table(["GPU", "total memory", "usable", "safe max", "conservative", "basis"], body,
+                          right=[1, 2, 3, 4])
+
+
+def limits_notes(profile: Profile) -> list[str]:
+    """What the other-GPU rows assume, as sentences."""
+    settings = profile.settings
+    fit = profile.fit
+    overhead = _bytes(fit.overhead_bytes) if fit else MISSING
+    slope = _bytes(fit.slope_bytes_per_sample) if fit else MISSING
+    notes = [
+        (f"Usable = total − {format_bytes(settings.reserve_bytes)} reserve − {settings.margin * 100:g} % "
+         f"margin; safe max is the largest batch whose upper 95 % prediction bound fits in usable; conservative = "
+         f"floor({settings.conservative_fraction:g} × safe max)."),
+        (f"Rows other than the measured one are extrapolations: they assume this fit's overhead ({overhead}) "
+         f"and slope ({slope} per sample) hold on that card. That is not exact: the CUDA context, cuBLAS "
+         f"workspaces and the kernels chosen differ by card, driver and architecture. Probe the card itself "
+         f"before relying on its row."),
+    ]
+    if profile.limits is not None and profile.limits.failed_batch_size is not None:
+        notes.append(f"Batch {profile.limits.failed_batch_size} failed on the measured device, so cards with no "
+                     f"more memory are capped below it.")
+    if profile.device.kind == "host":
+        notes.append("This profile was measured in host RAM, not on a GPU: its overhead is the Python process "
+                     "with torch's CPU libraries and no CUDA context, so the GPU rows are orders of magnitude, "
+                     "not limits.")
+    return notes
+
+
+# ---------------------------------------------------------------------------------------------- markdown
+
+def summary_table(profile: Profile) -> str:
+    """Device, software, model, fit, usable/safe/conservative, verification, throughput, provenance."""
+    device, fit, limits, settings = profile.device, profile.fit, profile.limits, profile.settings
+    usable = usable_bytes(profile)
+    software = ", ".join(f"{k} {v}" for k, v in sorted(profile.software.items()) if v) or MISSING
+    drivers = ", ".join(x for x in (device.driver_version and f"driver {device.driver_version}",
+                                    device.cuda_driver_version and f"CUDA {device.cuda_driver_version}") if x)
+    device_text = f"{device_label(profile)}; total from {device.total_source}" + f"; {drivers}" * bool(drivers)
+    rows = [("Device", device_text),
+            ("Software", software),
+            ("Model", (f"Mamba-2 {profile.spec.short()} ({profile.spec.n_params():,} parameters, "
+                      f"spec key {profile.spec.key()})")),
+            ("Implementation", f"{profile.implementation}: {profile.kernel_path}")]
+    if fit is not None:
+        rows.append(("Memory model", (f"`{fit.formula()}`; r² = {fit.r_squared:.4f}, n = {fit.n_points}, "
+                                     f"s = {format_bytes(fit.residual_stderr_bytes)}; overhead ± "
+                                     f"{format_bytes(fit.overhead_stderr_bytes)}, slope ± "
+                                     f"{format_bytes(fit.slope_stderr_bytes_per_sample)} per sample")))
+    else:
+        rows.append(("Memory model", "**none** (fewer than 3 successful trials)"))
+    rows.append(("Usable memory", (f"{format_bytes(usable)} = total − {format_bytes(settings.reserve_bytes)} "
+                                   f"− "
+                                  f"{settings.margin * 100:g} % of total")))
+    if limits is not None:
+        tag = "" if profile.verified else " (**not verified**: extrapolation only)"
+        rows += [("Safe batch size", (f"**{_batch(limits.safe_batch_size)}**{tag}; upper 95 % bound ≤ usable "
+                                     f"(point estimate: {_batch(limits.point_safe_batch_size)})")),
+                 ("Conservative batch size", (f"**{_batch(limits.conservative_batch_size)}**{tag}; "
+                                             f"{settings.conservative_fraction:g} × safe"))]
+    else:
+        rows += [("Safe batch size", "**none** (no fit)"), ("Conservative batch size", "**none** (no fit)")]
+    rows.append(("Verification", _verification_text(profile, usable)))
+    knee = throughput_knee(profile.trials)
+    if knee is not None:
+        best, rate, reach = knee
+        rows.append(("Throughput", f"best {rate:,.1f} samples/s at batch {best}; 90 % of it from batch {reach}"))
+    rows.append(("Profile", (f"made {profile.created_utc or MISSING} (UTC) by vramcal "
+                            f"{profile.vramcal_version or MISSING}, schema {profile.schema_version}")))
+    return markdown_table(["", ""], [[f"**{k}**", v] for k, v in rows])
+
+
+def _verification_text(profile: Profile, usable: int) -> str:
+    if not profile.verification:
+        return "**none**: no verification trial ran"
+    parts = []
+    for kind in ("safe", "conservative"):
+        v = profile.verification.get(kind)
+        if v is None:
+            parts.append(f"{kind}: not run")
+            continue
+        peak = (f", peak {format_bytes(v.peak_bytes)} ({v.peak_bytes / usable * 100:.0f} % of usable)"
+                if v.peak_bytes is not None and usable > 0 else "")
+        parts.append(f"{kind} batch {v.batch_size}: {'passed' if v.passed else '**FAILED**'}{peak}")
+    return "; ".join(parts)
+
+
+def profile_section(profile: Profile, extra_gpus: Sequence[GpuModel], level: str = "##") -> list[str]:
+    """Summary, notes, trials and other-GPU limits of one profile, as Markdown lines."""
+    lines = [f"{level} Summary", "", summary_table(profile), ""]
+    for note in missing_notes(profile):
+        lines += [f"> **{note.split(':')[0]}**:{note.split(':', 1)[1]}", ""]
+    warnings = list(profile.warnings)
+    if profile.fit is not None and profile.fit.nonlinearity:
+        warnings.append(profile.fit.nonlinearity)
+    if warnings:
+        lines += [f"{level} Warnings", "", *(f"- {w}" for w in dict.fromkeys(warnings)), ""]
+    lines += [f"{level} Trials", "", ("Peaks in binary units (1 GiB = 2³⁰ bytes); the raw bytes are in the "
+              "profile. `over-budget`: finished, but its peak exceeded usable memory; `in fit`: a point of the "
+              "fitted line."), "",
+              trials_table(profile), "", f"{level} Limits on other GPUs (extrapolated)", ""]
+    if profile.fit is None or profile.limits is None:
+        lines += ["Not available: there is no fit to extrapolate from.", ""]
+        return lines
+    lines += [limits_table(other_gpu_limits(profile, extra_gpus), profile.verified), ""]
+    lines += [f"- {note}" for note in limits_notes(profile)] + [""]
+    return lines
+
+
+def render_markdown(profiles: Sequence[Profile], png_name: str, extra_gpus: Sequence[GpuModel] = ()) -> str:
+    """The whole Markdown report; ``png_name`` is the figure's file name, relative to the report."""
+    labels, title = series_labels(profiles)
+    lines = [f"# vramcal report: {title[0]}", "", f"**{title[1]}**", "",
+             "Made by `vramcal report` from profile files only; regenerate it at any time.", "",
+             f"![Peak memory and throughput against batch size]({png_name})", ""]
+    if len(profiles) == 1:
+        lines += profile_section(profiles[0], extra_gpus)
+        return "\n".join(lines).rstrip() + "\n"
+    body = []
+    for label, p in zip(labels, profiles):
+        limits = p.limits
+        body.append([label, f"`{p.fit.formula()}`" if p.fit else MISSING,
+                     f"{p.fit.r_squared:.4f}" if p.fit else MISSING, _bytes(usable_bytes(p)),
+                     _batch(limits.safe_batch_size) if limits else MISSING,
+                     _batch(limits.conservative_batch_size) if limits else MISSING,
+                     "yes" if p.verified else "**no**"])
+    lines += ["## Comparison", "", markdown_table(["profile", "memory model", "r²", "usable", "safe",
+                                                   "conservative", "verified"], body, right=[2, 3, 4, 5]), ""]
+    for label, p in zip(labels, profiles):
+        lines += [f"## {label}", ""] + profile_section(p, extra_gpus, level="###")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+def write_report(profiles: Sequence[Profile], out_dir: Path, name: str | None = None,
+                 extra_gpus: Sequence[GpuModel] = ()) -> tuple[Path, Path]:
+    """Write ``<out_dir>/<name>.png`` and ``<out_dir>/<name>.md`` atomically; returns (png, md).
+
+    Args:
+        profiles: one profile, or several to draw as comparable series on one figure.
+        out_dir: the reports folder (created if missing).
+        name: file stem; default :func:`report_name`.
+        extra_gpus: cards to add to the other-GPU table (``--gpus``).
+
+    Raises:
+        ValueError: no profiles, or a name that is not a plain file stem.
+        OSError: the folder cannot be written.
+    """
+    from vramcal.profile import atomic_write_bytes, atomic_write_text
+    from vramcal.report_figure import render_png
+
+    if not profiles:
+        raise ValueError("a report needs at least one profile")
+    name = name or report_name(profiles)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise ValueError(f"report name {name!r} must be a plain file stem (letters, digits, '.', '_', '-')")
+    out_dir = Path(out_dir)
+    png_path, md_path = out_dir / f"{name}.png", out_dir / f"{name}.md"
+    atomic_write_bytes(png_path, render_png(profiles))
+    atomic_write_text(md_path, render_markdown(profiles, png_path.name, extra_gpus))
+    return png_path, md_path

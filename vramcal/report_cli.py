@@ -1,0 +1,108 @@
+"""``vramcal report`` and ``vramcal limits``: thin click commands over :mod:`vramcal.report`.
+
+Both read profile files only, so a profile made on a GPU box reports anywhere. ``vramcal.cli`` adds
+them to the ``vramcal`` group.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from vramcal.catalogue import GpuModel, parse_gpu_list
+
+
+class GpuList(click.ParamType):
+    """``--gpus "NAME=SIZE,..."``, parsed by :func:`vramcal.catalogue.parse_gpu_list`."""
+
+    name = "NAME=SIZE,..."
+
+    def convert(self, value, param, ctx) -> list[GpuModel]:
+        if isinstance(value, list):
+            return value
+        try:
+            return parse_gpu_list(value)
+        except ValueError as error:
+            self.fail(str(error), param, ctx)
+
+
+GPUS_HELP = ('more cards for the other-GPU table, e.g. "RTX 4080=16GiB,L4=22.5GiB" '
+             "(GiB binary, GB decimal)")
+
+
+def _profile_paths(paths: tuple[Path, ...]) -> list[Path]:
+    """Expand folders to the profiles (``*.json``) below them, sorted; files stay as given."""
+    expanded = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(path.glob("**/*.json"))
+            if not found:
+                raise click.ClickException(f"{path} holds no profile (*.json): run `vramcal probe` first")
+            expanded += found
+        else:
+            expanded.append(path)
+    return expanded
+
+
+def _load(paths: list[Path]):
+    from vramcal.profile import ProfileError, load_profile
+
+    try:
+        return [load_profile(path) for path in paths]
+    except ProfileError as error:
+        raise click.ClickException(str(error)) from None
+
+
+@click.command("report")
+@click.argument("profiles", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
+              show_default=True, help="folder for the PNG and the Markdown")
+@click.option("--name", default=None, help="file stem (default: <device>-<implementation>-<spec hash>, "
+                                           "or compare-<hash> for several profiles)")
+@click.option("--gpus", type=GpuList(), default="", help=GPUS_HELP)
+def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, gpus: list[GpuModel]) -> None:
+    """Write a PNG and a Markdown report from profile files.
+
+    PROFILES are profile files, or folders (every profile below them). Several profiles are drawn on
+    one figure as comparable series.
+    """
+    from vramcal.report import write_report
+
+    loaded = _load(_profile_paths(profiles))
+    try:
+        png, markdown = write_report(loaded, out_dir, name=name, extra_gpus=gpus)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--name") from None
+    except OSError as error:
+        raise click.ClickException(f"cannot write the report to {out_dir} ({error.strerror}): "
+                                   f"choose another --out") from None
+    click.echo(f"report: {markdown} and {png}")
+
+
+@click.command("limits")
+@click.argument("profile", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--gpus", type=GpuList(), default="", help=GPUS_HELP)
+def limits_command(profile: Path, gpus: list[GpuModel]) -> None:
+    """Print limits on common GPUs, extrapolated from PROFILE's fit.
+
+    The same table as the report's "Limits on other GPUs": safe and conservative batch sizes per card,
+    assuming the fit's overhead and slope carry over (they do only roughly).
+    """
+    from vramcal.catalogue import other_gpu_limits
+    from vramcal.report import device_label, limits_notes, limits_table, missing_notes
+
+    loaded = _load([profile])[0]
+    try:
+        rows = other_gpu_limits(loaded, gpus)
+    except ValueError as error:
+        raise click.ClickException(f"{profile}: {error}") from None
+    click.echo(f"{loaded.fit.formula()}  (r² = {loaded.fit.r_squared:.4f}, n = {loaded.fit.n_points})")
+    click.echo(f"measured on {device_label(loaded)}, {loaded.implementation}, {loaded.spec.short()}")
+    for note in missing_notes(loaded):
+        click.echo(note)
+    click.echo("")
+    click.echo(limits_table(rows, loaded.verified, bold=False))
+    click.echo("")
+    for note in limits_notes(loaded):
+        click.echo(click.wrap_text(note, width=110, initial_indent="- ", subsequent_indent="  "))

@@ -1,0 +1,226 @@
+"""The report's figure: peak memory and throughput against batch size, one colour per profile.
+
+Memory panel: each trial's peak (successful trials as filled points, over-budget ones as open
+triangles at their measured peak, out-of-memory ones as crosses on the usable-memory line since their
+peak is unknown), the fitted line with its 95 % prediction band, horizontal lines for total and usable
+memory, vertical lines at the safe and conservative batch sizes, the formula and r² in the legend.
+Throughput panel: samples/s of the same trials (median per batch size), with a star where 90 % of the
+best rate is reached. The legends sit below the panels, so no label covers data: one entry per
+profile in its colour, then a key of the marker and line styles in black.
+
+matplotlib is imported inside :func:`render_png` (Agg canvas, no pyplot state), so importing this
+module is cheap. The PNG is deterministic: fixed size and dpi, no ``Software`` or date metadata.
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from vramcal.report import series_labels, throughput_knee, trial_state, usable_bytes
+from vramcal.units import format_bytes
+
+if TYPE_CHECKING:
+    from vramcal.profile import Profile
+
+GIB = 2**30
+FIGSIZE_IN = (14.0, 7.6)
+DPI = 100
+COLORS = ("#1f5fa8", "#d1562b", "#2a8c4a", "#8a46b0", "#b08a16", "#3a9fb0")
+KEY = "#333333"
+OOM_COLOR = "#c0392b"
+
+
+def render_png(profiles: Sequence[Profile]) -> bytes:
+    """The figure as PNG bytes (``FIGSIZE_IN`` × ``DPI`` pixels)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    labels, title = series_labels(profiles)
+    figure = Figure(figsize=FIGSIZE_IN, dpi=DPI, layout="constrained")
+    FigureCanvasAgg(figure)
+    memory_ax, speed_ax = figure.subplots(1, 2, width_ratios=[1.5, 1])
+    colors = [COLORS[i % len(COLORS)] for i in range(len(profiles))]
+    for profile, color in zip(profiles, colors):
+        _draw_memory(memory_ax, profile, color)
+        _draw_speed(speed_ax, profile, color)
+    _draw_memory_lines(memory_ax, profiles, colors)
+    _format_axes(memory_ax, speed_ax, profiles)
+    handles = [_series_handle(p, c) for p, c in zip(profiles, colors)]
+    if len(profiles) == 1:  # each panel carries its own short entry
+        memory_key = [handles[0](_fit_text(profiles[0])), *_memory_key(profiles)]
+        speed_key = [handles[0](_speed_text(profiles[0])), *_speed_key(profiles)]
+    else:  # one full-width line per profile under both panels; the style keys under each panel
+        memory_key, speed_key = _memory_key(profiles), _speed_key(profiles)
+        figure.legend(handles=[make(f"{label}: {_fit_text(p, short=True)}; {_speed_text(p, short=True)}")
+                               for make, label, p in zip(handles, labels, profiles)],
+                      loc="outside lower center", ncol=1, fontsize=8.5, frameon=False)
+    memory_ax.legend(handles=memory_key, loc="upper center", bbox_to_anchor=(0.5, -0.11),
+                     ncol=2, fontsize=8.5, frameon=False)
+    speed_ax.legend(handles=speed_key, loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=1,
+                    fontsize=8.5, frameon=False)
+    if len(profiles) == 1 and profiles[0].fit is None:
+        memory_ax.text(0.5, 0.55, "no fit: fewer than 3 successful trials\nno line and no limits are drawn",
+                       transform=memory_ax.transAxes, ha="center", va="center", fontsize=12, color="#888888")
+    figure.suptitle("\n".join(title), fontsize=12)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=DPI, metadata={"Software": None})
+    return buffer.getvalue()
+
+
+def _draw_memory(ax: Any, profile: Profile, color: str) -> None:
+    usable = usable_bytes(profile)
+    states = [(trial, trial_state(trial, usable)) for trial in profile.trials]
+    ok = [(t.batch_size, t.peak_bytes / GIB) for t, s in states if s == "ok"]
+    over = [(t.batch_size, t.peak_bytes / GIB) for t, s in states if s == "over-budget"]
+    oom = [(t.batch_size, usable / GIB) for t, s in states if s == "oom"]
+    if ok:
+        ax.scatter(*zip(*ok), marker="o", color=color, s=30, zorder=4)
+    if over:
+        ax.scatter(*zip(*over), marker="^", facecolors="none", edgecolors=color, s=70, linewidths=1.4, zorder=4)
+    if oom:
+        ax.scatter(*zip(*oom), marker="X", color=OOM_COLOR, edgecolors=color, s=70, zorder=5)
+    fit, limits = profile.fit, profile.limits
+    if fit is None:
+        return
+    import numpy as np
+
+    right = max([t.batch_size for t in profile.trials] + [limits.safe_batch_size if limits else 0]) * 1.08
+    grid = np.linspace(0, max(right, 1.0), 240)
+    ax.plot(grid, [fit.predict(b) / GIB for b in grid], color=color, lw=1.6, zorder=3)
+    ax.fill_between(grid, [fit.lower(b) / GIB for b in grid], [fit.upper(b) / GIB for b in grid],
+                    color=color, alpha=0.18, lw=0, zorder=2)
+    if limits is not None and limits.safe_batch_size > 0:
+        ax.axvline(limits.safe_batch_size, color=color, ls="--", lw=1.2)
+        ax.axvline(limits.conservative_batch_size, color=color, ls="-.", lw=1.2)
+
+
+def _draw_memory_lines(ax: Any, profiles: Sequence[Profile], colors: Sequence[str]) -> None:
+    """Total (solid) and usable (dotted) memory, once per distinct pair; grey when all profiles share it."""
+    pairs = [(p.device.total_bytes, usable_bytes(p)) for p in profiles]
+    for (total, usable), color in dict(zip(pairs, colors)).items():
+        color = "#555555" if len(set(pairs)) == 1 else color
+        ax.axhline(total / GIB, color=color, lw=1.4, zorder=1)
+        ax.axhline(usable / GIB, color=color, lw=1.4, ls=":", zorder=1)
+
+
+def _median_rates(profile: Profile) -> dict[int, float]:
+    rates: dict[int, list[float]] = {}
+    for trial in profile.trials:
+        if trial.ok and trial.samples_per_s:
+            rates.setdefault(trial.batch_size, []).append(trial.samples_per_s)
+    return {b: statistics.median(v) for b, v in sorted(rates.items())}
+
+
+def _draw_speed(ax: Any, profile: Profile, color: str) -> None:
+    medians = _median_rates(profile)
+    if not medians:
+        return
+    ax.plot(list(medians), list(medians.values()), color=color, marker="o", ms=4, lw=1.4, zorder=4)
+    knee = throughput_knee(profile.trials)
+    if knee is not None and len(medians) > 1:
+        ax.scatter([knee[2]], [medians[knee[2]]], marker="*", s=170, color=color, edgecolors="black",
+                   linewidths=0.6, zorder=5)
+    limits = profile.limits
+    if limits is not None and 0 < limits.safe_batch_size <= 4 * max(medians):
+        ax.axvline(limits.safe_batch_size, color=color, ls="--", lw=1.0, alpha=0.7)
+        ax.axvline(limits.conservative_batch_size, color=color, ls="-.", lw=1.0, alpha=0.7)
+
+
+def _format_axes(memory_ax: Any, speed_ax: Any, profiles: Sequence[Profile]) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    batches = [t.batch_size for p in profiles for t in p.trials]
+    top = max([p.device.total_bytes for p in profiles] + [t.peak_bytes or 0 for p in profiles for t in p.trials])
+    memory_ax.set_xlim(left=0)
+    memory_ax.set_ylim(bottom=0, top=top / GIB * 1.06)
+    memory_ax.set_title("Peak memory per training step", fontsize=11)
+    memory_ax.set_ylabel("peak memory (GiB)")
+    speed_ax.set_title("Throughput of the same trials", fontsize=11)
+    speed_ax.set_ylabel("throughput (samples/s)")
+    speed_ax.set_ylim(bottom=0)
+    if batches and max(batches) >= 8 * max(1, min(batches)):
+        speed_ax.set_xscale("log", base=2)
+        speed_ax.xaxis.set_major_formatter("{x:g}")
+    for ax in (memory_ax, speed_ax):
+        ax.set_xlabel("batch size (samples per step)")
+        if ax.get_xscale() == "linear":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(True, color="#dddddd", lw=0.6)
+
+
+def _series_handle(profile: Profile, color: str) -> Any:
+    """A function making a legend handle in the profile's colour with a given label."""
+    from matplotlib.lines import Line2D
+
+    return lambda text: Line2D([], [], color=color, lw=1.6, marker="o", ms=5, label=text)
+
+
+def _fit_text(profile: Profile, short: bool = False) -> str:
+    """The fit's formula and r² (and, when ``short``, the limits), or what is missing."""
+    fit, limits = profile.fit, profile.limits
+    if fit is None:
+        return f"no fit ({sum(t.ok for t in profile.trials)} successful trial(s), 3 needed): no line, no limits"
+    text = f"{fit.formula()}  (r² = {fit.r_squared:.4f}, n = {fit.n_points})"
+    if short:
+        for long, brief in (("peak = ", ""), ("batch_size", "batch"), (", n = ", ", n "), ("r² = ", "r² ")):
+            text = text.replace(long, brief)
+        if limits is not None:
+            text += f"; safe {limits.safe_batch_size:,}, conservative {limits.conservative_batch_size:,}"
+    return text + ("" if profile.verified else "  [limits NOT verified]")
+
+
+def _speed_text(profile: Profile, short: bool = False) -> str:
+    knee = throughput_knee(profile.trials)
+    if knee is None:
+        return "no successful trial: no throughput"
+    if short:
+        return f"best {knee[1]:,.0f} samples/s at {knee[0]}, 90 % of it from {knee[2]}"
+    return f"best {knee[1]:,.0f} samples/s at batch {knee[0]}; 90 % of it from batch {knee[2]}"
+
+
+def _memory_key(profiles: Sequence[Profile]) -> list:
+    """Legend handles explaining the marker and line styles (with the values for a single profile)."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    single = len(profiles) == 1
+    states = {trial_state(t, usable_bytes(p)) for p in profiles for t in p.trials}
+    limits = profiles[0].limits if single else None
+    verified = "" if not single or profiles[0].verified else " (unverified)"
+    key = [Line2D([], [], color=KEY, marker="o", ls="none", label="trial peak")]
+    if "over-budget" in states:
+        key.append(Line2D([], [], color=KEY, marker="^", mfc="none", ls="none", ms=8,
+                          label="over budget (peak > usable)"))
+    if "oom" in states:
+        key.append(Line2D([], [], color=OOM_COLOR, marker="X", ls="none", ms=8,
+                          label="out of memory (drawn at usable)"))
+    if states & {"timeout", "error"}:
+        key.append(Line2D([], [], ls="none", label="timed-out / failed trials: see the table"))
+    if any(p.fit for p in profiles):
+        key.append(Patch(color=KEY, alpha=0.18, label="95 % prediction band"))
+    if any(p.limits and p.limits.safe_batch_size > 0 for p in profiles):
+        key += [Line2D([], [], color=KEY, ls="--",
+                       label=f"safe batch size{_value(limits, 'safe_batch_size')}{verified}"),
+                Line2D([], [], color=KEY, ls="-.",
+                       label=f"conservative batch size{_value(limits, 'conservative_batch_size')}{verified}")]
+    total = f" {format_bytes(profiles[0].device.total_bytes)}" if single else ""
+    usable = f" {format_bytes(usable_bytes(profiles[0]))}" if single else ""
+    key += [Line2D([], [], color="#555555", lw=1.4, label=f"total memory{total}"),
+            Line2D([], [], color="#555555", lw=1.4, ls=":", label=f"usable memory{usable}")]
+    return key
+
+
+def _value(limits: Any, name: str) -> str:
+    return f" = {getattr(limits, name):,}" if limits is not None else ""
+
+
+def _speed_key(profiles: Sequence[Profile]) -> list:
+    from matplotlib.lines import Line2D
+
+    key = [Line2D([], [], color=KEY, marker="*", ms=11, ls="none", label="where 90 % of the best rate is reached")]
+    if any(p.limits and p.limits.safe_batch_size > 0 for p in profiles):
+        key.append(Line2D([], [], color=KEY, ls="--", label="safe / conservative (-.) batch size"))
+    return key
