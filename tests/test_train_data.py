@@ -1,0 +1,133 @@
+"""The trainer's data: bar checks, the E-mini tick sample, features, targets and the chronological split."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from vramcal.model import N_FEATURES
+from vramcal.train.data import (FEATURE_NAMES, DataError, es_sample, load_bars, make_windows, mlfinpy_tick_path,
+                                raw_features, ticks_to_bars)
+
+
+def synthetic_bars(n: int = 400, seed: int = 0) -> pd.DataFrame:
+    """A random walk on a 0.25 tick grid, one bar per second, with consistent OHLC and integer volume."""
+    rng = np.random.default_rng(seed)
+    close = 1600 + 0.25 * np.cumsum(rng.integers(-2, 3, n))
+    open_ = np.concatenate([[close[0]], close[:-1]]) + 0.25 * rng.integers(-1, 2, n)
+    high = np.maximum(open_, close) + 0.25 * rng.integers(0, 3, n)
+    low = np.minimum(open_, close) - 0.25 * rng.integers(0, 3, n)
+    return pd.DataFrame({"timestamp": pd.date_range("2024-01-02 09:30", periods=n, freq="1s"),
+                         "open": open_, "high": high, "low": low, "close": close,
+                         "volume": rng.integers(0, 500, n).astype(float)})
+
+
+def test_load_bars_accepts_capitalised_columns_and_a_datetime_index(tmp_path):
+    bars = synthetic_bars(50)
+    capital = bars.rename(columns=str.capitalize)
+    capital.to_parquet(tmp_path / "a.parquet")
+    upper = bars.rename(columns=str.upper).set_index("TIMESTAMP")
+    upper.to_parquet(tmp_path / "b.parquet")
+    for name in ("a.parquet", "b.parquet"):
+        loaded = load_bars(tmp_path / name)
+        assert list(loaded.columns) == ["timestamp", "open", "high", "low", "close", "volume"]
+        np.testing.assert_array_equal(loaded["close"].to_numpy(), bars["close"].to_numpy())
+        assert loaded["timestamp"].iloc[-1] == bars["timestamp"].iloc[-1]
+
+
+@pytest.mark.parametrize(("change", "phrase"), [
+    (lambda b: b.drop(columns="volume"), "missing column(s) volume"),
+    (lambda b: b.assign(close=b["close"].where(b.index != 7)), "column close has 1 NaN or infinite"),
+    (lambda b: b.assign(high=b["high"].where(b.index != 3, np.inf)), "column high has 1 NaN or infinite"),
+    (lambda b: b.iloc[[0, 2, 1, *range(3, len(b))]], "timestamps are not sorted: row 2"),
+    (lambda b: b.assign(timestamp=b["timestamp"].where(b.index != 5, b["timestamp"][4])), "duplicate timestamp"),
+    (lambda b: b.assign(low=b["low"].where(b.index != 9, 0.0)), "non-positive price in row 9"),
+    (lambda b: b.assign(high=b["low"] - 1), "high below or low above"),
+    (lambda b: b.iloc[:0], "holds no rows"),
+])
+def test_bad_bars_are_refused_with_the_reason(tmp_path, change, phrase):
+    path = tmp_path / "bars.parquet"
+    change(synthetic_bars(30)).reset_index(drop=True).to_parquet(path)
+    with pytest.raises(DataError, match=None) as caught:
+        load_bars(path)
+    assert phrase in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_missing_empty_and_corrupt_files(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        load_bars(tmp_path / "none.parquet")
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    with pytest.raises(DataError, match="the file is empty"):
+        load_bars(tmp_path / "empty.parquet")
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 this is not parquet at all")
+    with pytest.raises(DataError, match="not a readable parquet file"):
+        load_bars(tmp_path / "bad.parquet")
+
+
+def test_features_follow_the_documented_formulas():
+    bars = synthetic_bars(40)
+    features, returns = raw_features(bars)
+    assert features.shape == (38, N_FEATURES) == (38, len(FEATURE_NAMES))
+    c, o, h, lo, v = (bars[k].to_numpy() for k in ("close", "open", "high", "low", "volume"))
+    t = 5  # row 5 is bar 6
+    np.testing.assert_allclose(features[t], [np.log(c[6] / c[5]), np.log(o[6] / c[5]), np.log(h[6] / c[5]),
+                                             np.log(lo[6] / c[5]), np.log1p(v[6])])
+    np.testing.assert_allclose(returns[t], np.log(c[7] / c[6]))  # the next bar's log return
+
+
+def test_windows_split_chronologically_with_training_statistics_only():
+    bars = synthetic_bars(400)
+    windows = make_windows(bars, seq_len=32, val_fraction=0.2)
+    rows = len(bars) - 2
+    assert windows.split_row == round(rows * 0.8)
+    assert windows.stride == 16
+    assert (windows.train_starts + 32 <= windows.split_row).all()
+    assert (windows.val_starts >= windows.split_row).all() and (windows.val_starts + 32 <= rows).all()
+    train = windows.features[:windows.split_row]
+    np.testing.assert_allclose(train.mean(axis=0), 0, atol=1e-5)
+    np.testing.assert_allclose(train.std(axis=0), 1, atol=1e-4)
+    # Changing only validation-period bars leaves the training statistics and features untouched.
+    shocked = bars.copy()
+    late = shocked.index >= windows.split_row + 3
+    shocked.loc[late, ["open", "high", "low", "close"]] *= 1.5
+    shocked.loc[late, "volume"] *= 100
+    again = make_windows(shocked, seq_len=32, val_fraction=0.2)
+    np.testing.assert_array_equal(again.feature_mean, windows.feature_mean)
+    np.testing.assert_array_equal(again.features[:windows.split_row], train)
+    # The target is the next row's return feature, unscaled by the mean (0 stays "no move").
+    _, returns = raw_features(bars)
+    np.testing.assert_allclose(windows.targets * windows.target_scale, returns, rtol=1e-5, atol=1e-9)
+
+
+def test_too_few_bars_for_a_window_or_a_split():
+    with pytest.raises(DataError, match="fewer than one window: seq_len 32 needs at least 34 bars"):
+        make_windows(synthetic_bars(33), seq_len=32)
+    with pytest.raises(DataError, match="validation windows"):
+        make_windows(synthetic_bars(60), seq_len=32, val_fraction=0.2)
+
+
+def test_ticks_to_bars_ohlcv():
+    ticks = pd.DataFrame({"DateTime": pd.to_datetime(["2013-09-01 17:00:00.1", "2013-09-01 17:00:00.5",
+                                                      "2013-09-01 17:00:00.9", "2013-09-01 17:00:03.2"]),
+                          "Price": [10.0, 12.0, 11.0, 9.0], "Volume": [1, 2, 3, 4]})
+    bars = ticks_to_bars(ticks, "1s")
+    assert len(bars) == 2  # seconds without trades are dropped, not filled
+    assert bars.iloc[0][["open", "high", "low", "close", "volume"]].tolist() == [10, 12, 10, 11, 6]
+    assert bars.iloc[1]["timestamp"] == pd.Timestamp("2013-09-01 17:00:03")
+    with pytest.raises(DataError, match="not a pandas time offset"):
+        ticks_to_bars(ticks, "fortnightly-ish")
+
+
+def test_es_sample_builds_real_emini_bars(tmp_path):
+    try:
+        mlfinpy_tick_path()
+    except DataError:
+        pytest.skip("mlfinpy is not installed (pip install --no-deps mlfinpy==0.1.2)")
+    out = tmp_path / "es_1min.parquet"
+    bars = es_sample("1min", out)
+    loaded = load_bars(out)
+    assert len(loaded) == len(bars) > 2000  # ~45 hours of trading in September 2013
+    assert 1600 < loaded["close"].median() < 1700  # the E-mini S&P 500 then
+    assert loaded["volume"].sum() > 500_000
