@@ -6,6 +6,7 @@ micro-batches, as a GPU would.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -13,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-
 from test_train_data import synthetic_bars
+
 from vramcal.cli import main  # first: it registers the train and data commands
 from vramcal.device import Device, host_device
 from vramcal.fit import fit_linear
@@ -217,7 +218,7 @@ def test_choose_batch_size_bounds():
 def test_lr_schedule_warms_up_then_decays():
     factors = [loop.lr_factor(s, 4, 20, 0.1) for s in range(20)]
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
-    assert all(a >= b for a, b in zip(factors[3:], factors[4:]))
+    assert all(a >= b for a, b in itertools.pairwise(factors[3:]))
     assert loop.lr_factor(20, 4, 20, 0.1) == pytest.approx(0.1)
 
 

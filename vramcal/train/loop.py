@@ -18,6 +18,7 @@ good ones) with a :class:`NonFiniteError`; no checkpoint is written after it.
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -232,12 +233,14 @@ class Trainer:
         bar = tqdm(total=len(batches), initial=progress.batch_in_epoch, unit="batch", file=sys.stderr,
                    desc=f"epoch {progress.epoch + 1}/{self.config.epochs}", leave=False, disable=None)
         meter.reset()
-        loss_sum, samples, started = 0.0, 0, time.perf_counter()
+        loss_sum, samples, started, step_times = 0.0, 0, time.perf_counter(), []
         for index in range(progress.batch_in_epoch, len(batches)):
             if progress.step >= self.total_steps:
                 break
+            step_start = time.perf_counter()
             x, y = self._gather(self.train_starts[batches[index]])
-            loss, grad_norm = self._step(x, y)
+            loss, grad_norm = self._step(x, y)  # float(loss) waits for the device: the time is the step's
+            step_times.append(time.perf_counter() - step_start)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 self._stop_non_finite(loss, grad_norm)
             self.scheduler.step()
@@ -253,6 +256,7 @@ class Trainer:
         row = {"kind": "epoch", "epoch": progress.epoch + 1, "complete": complete, "step": progress.step,
                "train_loss": loss_sum / max(samples, 1), "samples": samples, "train_s": train_s,
                "samples_per_s": samples / train_s if train_s > 0 else 0.0,
+               "step_s_median": statistics.median(step_times) if step_times else None,
                "lr": self.optimizer.param_groups[0]["lr"], "batch_size": batch,
                "micro_batch_size": progress.micro_batch_size, **meter.read(), **self.evaluate()}
         progress.rows.append(row)
