@@ -236,7 +236,7 @@ from vramcal.train.cli import data_group, train_command  # noqa: E402 - it uses 
 main.add_command(train_command)
 main.add_command(data_group)
 
-from vramcal.report_cli import limits_command, report_command  # noqa: E402
+from vramcal.report_cli import limits_command, report_command
 
 main.add_command(report_command)
 main.add_command(limits_command)

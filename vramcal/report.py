@@ -152,8 +152,8 @@ def trials_table(profile: Profile) -> str:
         ("torch max reserved", True, lambda t: _bytes(t.torch_max_reserved_bytes)),
         ("torch max allocated", True, lambda t: _bytes(t.torch_max_allocated_bytes)),
         ("RSS peak", True, lambda t: _bytes(t.rss_peak_bytes)),
-        ("step time", True, lambda t: MISSING if t.step_s is None else f"{t.step_s * 1000:.1f} ms"),
-        ("samples/s", True, lambda t: MISSING if t.samples_per_s is None else f"{t.samples_per_s:,.1f}"),
+        ("step time", True, lambda t: MISSING if t.step_s is None else _seconds(t.step_s)),
+        ("samples/s", True, lambda t: MISSING if t.samples_per_s is None else format_rate(t.samples_per_s)),
         ("in fit", False, None)]
     rows = []
     for index, trial in enumerate(profile.trials, 1):
@@ -166,6 +166,15 @@ def trials_table(profile: Profile) -> str:
             if header in ("#", "batch", "status", "peak") or any(r[i] not in (MISSING, "") for r in rows)]
     return markdown_table([columns[i][0] for i in keep], [[r[i] for i in keep] for r in rows],
                           right=[j for j, i in enumerate(keep) if columns[i][1]])
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def format_rate(samples_per_s: float) -> str:
+    """Samples per second with three significant digits below 1000 (``8.71``, ``957``, ``1,072``)."""
+    return f"{samples_per_s:,.0f}" if samples_per_s >= 100 else f"{samples_per_s:.3g}"
 
 
 def _batch(n: int) -> str:
@@ -253,7 +262,8 @@ def summary_table(profile: Profile) -> str:
     knee = throughput_knee(profile.trials)
     if knee is not None:
         best, rate, reach = knee
-        rows.append(("Throughput", f"best {rate:,.1f} samples/s at batch {best}; 90 % of it from batch {reach}"))
+        rows.append(("Throughput", (f"best {format_rate(rate)} samples/s at batch {best}; "
+                                   f"90 % of it from batch {reach}")))
     rows.append(("Profile", (f"made {profile.created_utc or MISSING} (UTC) by vramcal "
                             f"{profile.vramcal_version or MISSING}, schema {profile.schema_version}")))
     return markdown_table(["", ""], [[f"**{k}**", v] for k, v in rows])

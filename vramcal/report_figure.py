@@ -19,7 +19,7 @@ import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from vramcal.report import series_labels, throughput_knee, trial_state, usable_bytes
+from vramcal.report import format_rate, series_labels, throughput_knee, trial_state, usable_bytes
 from vramcal.units import format_bytes
 
 if TYPE_CHECKING:
@@ -177,8 +177,8 @@ def _speed_text(profile: Profile, short: bool = False) -> str:
     if knee is None:
         return "no successful trial: no throughput"
     if short:
-        return f"best {knee[1]:,.0f} samples/s at {knee[0]}, 90 % of it from {knee[2]}"
-    return f"best {knee[1]:,.0f} samples/s at batch {knee[0]}; 90 % of it from batch {knee[2]}"
+        return f"best {format_rate(knee[1])} samples/s at {knee[0]}, 90 % of it from {knee[2]}"
+    return f"best {format_rate(knee[1])} samples/s at batch {knee[0]}; 90 % of it from batch {knee[2]}"
 
 
 def _memory_key(profiles: Sequence[Profile]) -> list:
