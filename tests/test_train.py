@@ -224,13 +224,20 @@ def test_lr_schedule_warms_up_then_decays():
 
 def test_config_file_with_command_line_overrides(setup):
     config = setup["tmp"] / "best.json"
-    config.write_text(json.dumps({"lr": 1e-3, "seed": 3, "spec": SPEC.to_dict(), "max_steps": 1}))
+    config.write_text(json.dumps({"lr": 1e-3, "seed": 3, "spec": SPEC.to_dict(), "max_steps": 1,
+                                  "batch_size": "auto"}))
     result = CliRunner().invoke(main, ["train", "--config", str(config), "--data", str(setup["data"]), "--gpu", "none",
                                        "--profiles-dir", str(setup["profiles"]), "--run-dir",
                                        str(setup["tmp"] / "cfg"), "--seed", "5"])
     assert result.exit_code == 0, result.output
     saved = load_config(setup["tmp"] / "cfg" / checkpoint.CONFIG)
-    assert (saved.lr, saved.seed, saved.spec, saved.max_steps) == (1e-3, 5, SPEC, 1)
+    assert (saved.lr, saved.seed, saved.spec, saved.max_steps, saved.batch_size) == (1e-3, 5, SPEC, 1, None)
+    toml = setup["tmp"] / "best.toml"
+    toml.write_text('[train]\nlr = 2e-4\nd_model = 64\nbatch_size = 8\n')
+    assert load_config(toml).replace(seed=1) == TrainConfig(lr=2e-4, spec=ModelSpec(d_model=64), batch_size=8, seed=1)
+    toml.write_text('lr = 2e-4\nlearning_rate = 1\n')
+    line = one_line_failure(CliRunner().invoke(main, ["train", "--config", str(toml)]))
+    assert "unknown setting(s) learning_rate" in line
 
 
 # -------------------------------------------------------------------------------------- bad input

@@ -101,6 +101,8 @@ class TrainConfig:
             ConfigError: unknown names, or values of the wrong kind.
         """
         data = dict(data)
+        if str(data.get("batch_size", "")).lower() == "auto":  # as on the command line; TOML has no null
+            data["batch_size"] = None
         spec_names = {f.name for f in dataclasses.fields(ModelSpec)}
         spec_values = dict(data.pop("spec", None) or {})
         spec_values.update({k: data.pop(k) for k in list(data) if k in spec_names})
