@@ -74,3 +74,38 @@ def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
     assert load_profile(copy) == profile
     shown = CliRunner().invoke(main, ["show", str(profile_file), "--json"])
     assert shown.exit_code == 0 and json.loads(shown.output)["spec"]["d_model"] == 32
+
+
+def test_a_killed_probe_leaves_no_trial_process_behind(tmp_path):
+    """The trial's parent is the fork server; the trial still ends when its caller is killed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "caller.py"
+    script.write_text(
+        "from vramcal.device import host_device\nfrom vramcal.model import ModelSpec\n"
+        "from vramcal.trial import TrialRequest, TrialRunner\n"
+        "if __name__ == '__main__':\n"
+        "    TrialRunner().run(TrialRequest(ModelSpec(), 'transformers', 64, host_device(), measured_steps=10**6))\n")
+    caller = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+    def trial_pids():
+        tree = subprocess.run(["ps", "-eo", "pid,ppid"], capture_output=True, text=True).stdout.split("\n")[1:]
+        parents = {int(p): int(pp) for p, pp in (line.split() for line in tree if line.strip())}
+        servers = {p for p, pp in parents.items() if pp == caller.pid}
+        return {p for p, pp in parents.items() if pp in servers}
+
+    deadline = time.time() + 60
+    while not trial_pids() and time.time() < deadline:
+        time.sleep(0.5)
+    running = trial_pids()
+    assert running, "no trial process started"
+    caller.send_signal(signal.SIGKILL)
+    caller.wait()
+    time.sleep(3)
+    alive = [p for p in running if os.path.exists(f"/proc/{p}")
+             and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    assert alive == []

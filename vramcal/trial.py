@@ -17,6 +17,7 @@ import dataclasses
 import multiprocessing
 import os
 import statistics
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -120,7 +121,8 @@ class TrialRunner:
         """Run one trial; never raises for what happens inside the trial process."""
         receiver, sender = self._context.Pipe(duplex=False)
         started = time.time()
-        process = self._context.Process(target=_child, args=(sender, request, started), daemon=True)
+        process = self._context.Process(target=_child, args=(sender, request, started, os.getpid()),
+                                        daemon=True)
         process.start()
         sender.close()
         result: dict[str, Any] | None = None
@@ -145,9 +147,10 @@ def _exit_status(exitcode: int | None) -> dict[str, Any]:
     return {"status": "error", "error": f"trial process exited with code {exitcode} without a result"}
 
 
-def _child(sender: Any, request: TrialRequest, started: float) -> None:
+def _child(sender: Any, request: TrialRequest, started: float, caller_pid: int) -> None:
     """Entry point of the trial process: measure, then send one result dict."""
     startup_s = time.time() - started
+    threading.Thread(target=_exit_with_caller, args=(caller_pid,), daemon=True).start()
     try:
         result = measure(request)
     except BaseException as error:  # noqa: BLE001 - everything becomes a recorded status
@@ -159,6 +162,17 @@ def _child(sender: Any, request: TrialRequest, started: float) -> None:
     result["startup_s"] = startup_s
     sender.send(result)
     sender.close()
+
+
+def _exit_with_caller(caller_pid: int, interval_s: float = 0.5) -> None:
+    """End this trial when the process that asked for it is gone (a killed probe must not leave a
+    trial holding gigabytes: the fork server, not the caller, is the trial's parent)."""
+    while True:
+        try:
+            os.kill(caller_pid, 0)
+        except ProcessLookupError:
+            os._exit(1)
+        time.sleep(interval_s)
 
 
 def measure(request: TrialRequest) -> dict[str, Any]:
