@@ -15,6 +15,11 @@ estimate and upper 95 % bound).
 
     .venv/bin/python bench/train_throughput.py --data data/es_1s.parquet --gpu none --steps 4 --stride 8
 
+On the host the trainer's VmHWM also holds what a probe trial never loads: pandas and pyarrow
+(~90 MiB of libraries) and the bars (~35 MiB for the 1-s E-mini file), so expect its peak some
+0.1-0.2 GiB above the prediction; the reserve (0.5 GiB) and margin (10 %) are there for that. On a GPU
+those live in host memory and do not count.
+
 ``--stride 8`` gives ~3,400 training windows on the 1-s E-mini bars, so a conservative batch of
 several hundred still fills whole batches.
 """
