@@ -7,8 +7,16 @@ import pandas as pd
 import pytest
 
 from vramcal.model import N_FEATURES
-from vramcal.train.data import (FEATURE_NAMES, DataError, es_sample, load_bars, make_windows, mlfinpy_tick_path,
-                                raw_features, ticks_to_bars)
+from vramcal.train.data import (
+    FEATURE_NAMES,
+    DataError,
+    es_sample,
+    load_bars,
+    make_windows,
+    mlfinpy_tick_path,
+    raw_features,
+    ticks_to_bars,
+)
 
 
 def synthetic_bars(n: int = 400, seed: int = 0) -> pd.DataFrame:

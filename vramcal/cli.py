@@ -231,11 +231,7 @@ def _register_optional_commands() -> None:
     """Commands that live beside their feature modules."""
 
 
-from vramcal.train.cli import data_group, train_command  # noqa: E402 - it uses spec_options above
-
-main.add_command(train_command)
-main.add_command(data_group)
-
+import vramcal.train.cli  # noqa: F401 - adds `train` and `data` to main (it uses spec_options above)
 from vramcal.report_cli import limits_command, report_command
 
 main.add_command(report_command)

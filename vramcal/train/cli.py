@@ -1,6 +1,7 @@
 """``vramcal train`` and ``vramcal data es-sample``: thin click commands over :mod:`vramcal.train`.
 
-Registered on the ``vramcal`` group by :mod:`vramcal.cli` as ``train_command`` and ``data_group``.
+This module adds ``train_command`` and ``data_group`` to the ``vramcal`` group itself (at the bottom);
+:mod:`vramcal.cli` imports it, so either module may be imported first.
 Every user-fixable failure (bad data, no profile, unusable run folder, non-finite loss) ends as one
 line and exit status 1 (``click.ClickException``); bad option values exit 2.
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from vramcal.cli import ByteSize, spec_options
+from vramcal.cli import ByteSize, main, spec_options
 from vramcal.model import IMPLEMENTATIONS, ModelSpec
 from vramcal.train.config import LR_SCALINGS, SEED_BATCH_SIZE, ConfigError, TrainConfig, load_config
 from vramcal.units import format_bytes
@@ -185,3 +186,7 @@ def _announce(the_plan, state) -> None:
     click.echo(f"data: {len(windows.targets)} rows, {len(windows.train_starts)} training and "
                f"{len(windows.val_starts)} validation windows of {windows.seq_len} bars (stride {windows.stride}), "
                f"validation from {windows.first_val_timestamp}; run folder {the_plan.run_dir}", err=True)
+
+
+main.add_command(train_command)
+main.add_command(data_group)
