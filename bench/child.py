@@ -25,6 +25,7 @@ Every search runs 3 training steps per batch size (vramcal: 1 warm-up + 2 measur
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -78,7 +79,7 @@ def run_vramcal(request: dict) -> dict[str, Any]:
     return {"answer": limits.conservative_batch_size, "trials": trials,
             "limits": limits.to_dict(), "fit": {"overhead_bytes": fit.overhead_bytes,
                                                 "slope_bytes_per_sample": fit.slope_bytes_per_sample},
-            "verified": {name: v.fits for name, v in profile.verification.items()},
+            "verification": {name: dataclasses.asdict(v) for name, v in profile.verification.items()},
             "warnings": list(profile.warnings)}
 
 
@@ -211,6 +212,14 @@ def main(argv: list[str]) -> int:
     with open(request_path) as handle:
         request = json.load(handle)
     PROCESS_START = request.get("launched_at", PROCESS_START)
+    if tool != "vramcal" and not request.get("mkldnn", True):
+        import torch
+
+        # After an out-of-memory error inside a long-lived process, oneDNN's conv1d can fail with
+        # "RuntimeError: could not create a primitive", which neither Lightning's is_oom_error nor
+        # Accelerate's should_reduce_batch_size (nor vramcal) recognises, so the finder crashes instead
+        # of backing off. Off in every anchor and survival process alike (native conv1d path instead).
+        torch.backends.mkldnn.enabled = False
     result = TOOLS[tool](request)
     result["answer_s"] = time.time() - PROCESS_START
     with open(result_path, "w") as handle:

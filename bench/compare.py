@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of " + ",".join(TOOLS))
     parser.add_argument("--refresh-truth", action="store_true", help="recompute the cached ground truth")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--no-mkldnn", action="store_true",
+                        help="turn oneDNN off in the anchors' and survival processes (see README)")
     args = parser.parse_args(argv)
 
     from bench.table import write_tables  # noqa: PLC0415 - after argument errors
@@ -163,19 +165,23 @@ def main(argv: list[str] | None = None) -> int:
     print("ground truth:", results["ground_truth"]["batch_size"], flush=True)
     json_path.write_text(json.dumps({**old, "ground_truth": results["ground_truth"]}, indent=1, sort_keys=True))
 
-    request = {"spec": spec.to_dict(), "budget_bytes": budget, "start": args.accelerate_start}
+    request = {"spec": spec.to_dict(), "budget_bytes": budget, "start": args.accelerate_start,
+               "mkldnn": not args.no_mkldnn}
+    results["adaptations"] = ("torch.backends.mkldnn.enabled = False in the anchors' and survival processes "
+                              "(see bench/README.md)") if args.no_mkldnn else None
     results["tools"] = {}
     for tool in args.tools.split(","):
         print(f"{tool} ...", flush=True)
         results["tools"][tool] = run_child(tool, request, budget)
         print(f"  {tool}: answer {results['tools'][tool]['answer']} in "
               f"{results['tools'][tool]['process_wall_s']:.1f} s", flush=True)
+        json_path.write_text(json.dumps(results, indent=1, sort_keys=True))  # progress survives a crash
 
     results["survival"] = {}
     for batch_size in sorted(_answers(results), reverse=True):
         print(f"survival run at {batch_size} ...", flush=True)
-        survive = run_child("survive", {"spec": spec.to_dict(), "batch_size": batch_size, "steps": args.steps},
-                            budget)
+        survive = run_child("survive", {"spec": spec.to_dict(), "batch_size": batch_size, "steps": args.steps,
+                                        "mkldnn": not args.no_mkldnn}, budget)
         results["survival"][str(batch_size)] = survive
         print(f"  {batch_size}: {survive.get('status')} after {survive.get('steps_done')} steps", flush=True)
     results["environment"]["load_average_end"] = os.getloadavg()
