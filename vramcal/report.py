@@ -213,7 +213,8 @@ def limits_notes(profile: Profile) -> list[str]:
         (f"Rows other than the measured one are extrapolations: they assume this fit's overhead ({overhead}) "
          f"and slope ({slope} per sample) hold on that card. That is not exact: the CUDA context, cuBLAS "
          f"workspaces and the kernels chosen differ by card, driver and architecture. Probe the card itself "
-         f"before relying on its row."),
+         f"before relying on its row. The measured row is the limit the probe verified; a card of the same "
+         f"size may differ from it by a few samples, since its row comes from the fit alone."),
     ]
     if profile.limits is not None and profile.limits.failed_batch_size is not None:
         notes.append(f"Batch {profile.limits.failed_batch_size} failed on the measured device, so cards with no "

@@ -118,7 +118,9 @@ def _draw_speed(ax: Any, profile: Profile, color: str) -> None:
     medians = _median_rates(profile)
     if not medians:
         return
-    ax.plot(list(medians), list(medians.values()), color=color, marker="o", ms=4, lw=1.4, zorder=4)
+    # a faint line: neighbouring batch sizes often differ by noise (a busy host), not by a trend
+    ax.plot(list(medians), list(medians.values()), color=color, lw=1.0, alpha=0.35, zorder=3)
+    ax.scatter(list(medians), list(medians.values()), color=color, s=22, zorder=4)
     knee = throughput_knee(profile.trials)
     if knee is not None and len(medians) > 1:
         ax.scatter([knee[2]], [medians[knee[2]]], marker="*", s=170, color=color, edgecolors="black",
