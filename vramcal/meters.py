@@ -46,6 +46,18 @@ def read_status_bytes(field: str, pid: int | str = "self") -> int:
     raise KeyError(f"{field} not in /proc/{pid}/status")
 
 
+def peak_data_bytes() -> int:
+    """Peak size of this process's data segment (VmData: heap and private anonymous mappings), bytes.
+
+    The kernel keeps the peak of the whole address space (VmPeak) but not of VmData, and the rest of the
+    address space (code, libraries, mapped files) does not change while training steps run, so
+    ``VmPeak - (VmSize - VmData)`` is the data segment's peak. It is what ``RLIMIT_DATA`` limits: the
+    host budget of vramcal's trials fails exactly when this figure would pass it.
+    """
+    status = {field: read_status_bytes(field) for field in ("VmPeak", "VmSize", "VmData")}
+    return status["VmPeak"] - (status["VmSize"] - status["VmData"])
+
+
 def reset_peak_rss() -> bool:
     """Reset this process's VmHWM to its current RSS (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0).
 

@@ -14,6 +14,7 @@ Out-of-memory is caught here, by :func:`vramcal.meters.is_out_of_memory`, and no
 from __future__ import annotations
 
 import dataclasses
+import gc
 import multiprocessing
 import os
 import statistics
@@ -38,13 +39,15 @@ class Trial:
         status: ``ok``, ``oom`` (an allocator out-of-memory error, or the process killed by SIGKILL as
             the kernel's OOM killer does), ``timeout`` (killed after the time limit) or ``error``.
         peak_bytes: the figure the fit uses (DESIGN.md): GPU ``max(nvml_peak_bytes, nvml_overhead_bytes +
-            torch_max_reserved_bytes)``; host ``rss_peak_bytes``.
+            torch_max_reserved_bytes)``; host ``max(rss_peak_bytes, data_peak_bytes)``: the resident
+            peak, or the data-segment peak that the host budget (``RLIMIT_DATA``) limits when larger.
         nvml_peak_bytes: NVML per-process peak, or the device-wide change when no per-process figure.
         nvml_source: ``process`` or ``device-delta``: which NVML figure ``nvml_peak_bytes`` is.
         nvml_overhead_bytes: NVML usage minus ``torch.cuda.memory_reserved()`` after warm-up (CUDA
             context, cuBLAS workspaces, kernels).
         torch_max_reserved_bytes, torch_max_allocated_bytes: caching allocator peaks in the measured steps.
         rss_peak_bytes: VmHWM of the trial process over the measured steps (host).
+        data_peak_bytes: peak VmData of the trial process (host; :func:`vramcal.meters.peak_data_bytes`).
         step_s: median wall time of the measured steps, seconds.
         samples_per_s: ``batch_size / step_s``.
         startup_s: seconds from asking for the process to the trial code running in it.
@@ -63,6 +66,7 @@ class Trial:
     torch_max_reserved_bytes: int | None = None
     torch_max_allocated_bytes: int | None = None
     rss_peak_bytes: int | None = None
+    data_peak_bytes: int | None = None
     step_s: float | None = None
     samples_per_s: float | None = None
     startup_s: float | None = None
@@ -154,14 +158,30 @@ def _child(sender: Any, request: TrialRequest, started: float, caller_pid: int) 
     try:
         result = measure(request)
     except BaseException as error:  # noqa: BLE001 - everything becomes a recorded status
-        from vramcal.meters import is_out_of_memory
-
-        status = "oom" if is_out_of_memory(error) else "error"
-        tail = "".join(traceback.format_exception(error)[-3:]).strip()
-        result = {"status": status, "error": tail[-1500:]}
+        result = _failure(error)
+        del error
     result["startup_s"] = startup_s
     sender.send(result)
     sender.close()
+
+
+def _failure(error: BaseException) -> dict[str, Any]:
+    """The result of a trial that raised: ``oom`` or ``error`` with the traceback's last lines.
+
+    The traceback's frames still hold the step's tensors; they are cleared first, so that reporting an
+    out-of-memory error does not itself run out of memory (a trial at the limit would otherwise die
+    with no result).
+    """
+    from vramcal.meters import is_out_of_memory
+
+    status = "oom" if is_out_of_memory(error) else "error"
+    traceback.clear_frames(error.__traceback__)
+    gc.collect()
+    try:
+        tail = "".join(traceback.format_exception(error)[-3:]).strip()[-1500:]
+    except MemoryError:
+        tail = f"{type(error).__name__} (no memory left to format its traceback)"
+    return {"status": status, "error": tail}
 
 
 def _exit_with_caller(caller_pid: int, interval_s: float = 0.5) -> None:
@@ -227,7 +247,7 @@ def _timed_steps(step, n_steps: int, device_kind: str) -> list[float]:
 
 
 def _measure_host(request: TrialRequest) -> dict[str, Any]:
-    from vramcal.meters import read_status_bytes, reset_peak_rss
+    from vramcal.meters import peak_data_bytes, read_status_bytes, reset_peak_rss
 
     start = time.perf_counter()
     step = _training_setup(request, "cpu")
@@ -235,8 +255,9 @@ def _measure_host(request: TrialRequest) -> dict[str, Any]:
     _timed_steps(step, request.warmup_steps, "host")
     reset_peak_rss()
     step_times = _timed_steps(step, request.measured_steps, "host")
-    rss_peak = read_status_bytes("VmHWM")
-    return _summary(request, step_times, build_s, peak_bytes=rss_peak, rss_peak_bytes=rss_peak)
+    rss_peak, data_peak = read_status_bytes("VmHWM"), peak_data_bytes()
+    return _summary(request, step_times, build_s, peak_bytes=max(rss_peak, data_peak), rss_peak_bytes=rss_peak,
+                    data_peak_bytes=data_peak)
 
 
 def _measure_cuda(request: TrialRequest) -> dict[str, Any]:
