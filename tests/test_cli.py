@@ -96,3 +96,18 @@ def test_show_refuses_a_corrupt_profile(tmp_path, content, message):
 def test_show_missing_profile():
     result = invoke("show", "/nonexistent/profile.json")
     assert result.exit_code == 1 and "does not exist" in one_line_error(result)
+
+
+def test_atomic_writes_leave_the_usual_file_mode_and_no_temporary_files(tmp_path):
+    from vramcal.profile import atomic_write_text
+
+    mask = os.umask(0o022)
+    try:
+        target = tmp_path / "sub" / "file.json"
+        atomic_write_text(target, "{}\n")
+        atomic_write_text(target, '{"a": 1}\n')
+    finally:
+        os.umask(mask)
+    assert target.read_text() == '{"a": 1}\n'
+    assert target.stat().st_mode & 0o777 == 0o644
+    assert [p.name for p in target.parent.iterdir()] == ["file.json"]
