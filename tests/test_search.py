@@ -4,7 +4,7 @@ import numpy as np
 
 from fakes import GIB, run_policy
 from vramcal.limits import LimitSettings
-from vramcal.search import SearchSettings, next_batch_size, settle
+from vramcal.search import SearchSettings, Step, next_batch_size, settle
 from vramcal.trial import Trial
 
 
@@ -83,3 +83,16 @@ def test_max_trials_bounds_the_calibration():
     assert len(trials) == 3
     state = settle(trials, settings)
     assert state.safe_trial is None  # not verified: the profile must say so
+
+
+def test_recorded_host_trials_settle_instead_of_creeping_upward():
+    """Trials recorded on the 2-core host (4 GiB budget): after 114 passed, a refit that moves the safe
+    size a few samples up must not start another verify-safe round (it crept 114, 118, 122, 126 before)."""
+    mib = 2**20
+    recorded = [Trial(1, "ok", int(465.87 * mib)), Trial(2, "ok", int(486.89 * mib)),
+                Trial(64, "ok", int(1.64 * GIB)), Trial(139, "ok", int(3.28 * GIB)),
+                Trial(114, "ok", int(2.60 * GIB))]
+    settings = SearchSettings(total_bytes=4 * GIB)
+    state = settle(recorded, settings)
+    assert state.safe_trial.batch_size == 114 and state.limits.safe_batch_size == 114
+    assert next_batch_size(recorded, settings) == Step(102, "verify-conservative")

@@ -44,7 +44,7 @@ class SearchSettings:
     start_batch_size: int = 1
     max_growth: int = 64
     far_fraction: float = 0.4
-    snap_tolerance: float = 0.02
+    snap_tolerance: float = 0.05
     max_trials: int = 16
     max_batch_size: int = 2**20
 
