@@ -5,8 +5,9 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from fakes import L4, fake_nvml
 from vramcal.cli import main
+
+from fakes import L4, fake_nvml
 
 
 def invoke(*args):

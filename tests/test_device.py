@@ -4,9 +4,10 @@ import os
 
 import pytest
 
-from fakes import GIB, H200, L4, fake_nvml
 from vramcal.device import DeviceError, NvmlError, host_device, list_gpus, select
 from vramcal.meters import NvmlSampler
+
+from fakes import GIB, H200, L4, fake_nvml
 
 
 def loader(nvml):

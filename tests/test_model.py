@@ -57,7 +57,8 @@ FAKE_MAMBA_SSM = {
             raise RuntimeError("Triton kernel called on CPU tensors")
         mamba_chunk_scan_combined = mamba_split_conv1d_scan_combined = _crash
     """),
-    "mamba_ssm/ops/triton/selective_state_update.py": "def selective_state_update(*a, **k):\n    raise RuntimeError('x')\n",
+    "mamba_ssm/ops/triton/selective_state_update.py":
+        "def selective_state_update(*args, **kwargs):\n    raise RuntimeError('Triton kernel')\n",
 }
 
 RUN = """

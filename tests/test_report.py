@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from profiles_for_tests import GIB, build_profile, gpu_device, gpu_profile, gpu_trial, host_profile, sparse_profile
 
 from vramcal.catalogue import CATALOGUE, GpuModel, other_gpu_limits, parse_gpu_list
 from vramcal.profile import load_profile, save_profile
@@ -19,6 +18,8 @@ from vramcal.report_cli import limits_command, report_command
 from vramcal.report_figure import DPI, FIGSIZE_IN
 from vramcal.trial import Trial
 from vramcal.units import format_bytes
+
+from profiles_for_tests import GIB, build_profile, gpu_device, gpu_profile, gpu_trial, host_profile, sparse_profile
 
 MIB = 2**20
 REPO = Path(__file__).resolve().parents[1]

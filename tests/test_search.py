@@ -2,10 +2,11 @@
 
 import numpy as np
 
-from fakes import GIB, run_policy
 from vramcal.limits import LimitSettings
 from vramcal.search import SearchSettings, Step, next_batch_size, settle
 from vramcal.trial import Trial
+
+from fakes import GIB, run_policy
 
 
 def linear(overhead, slope):

@@ -12,8 +12,9 @@ import os
 import platform
 import re
 import types
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 DeviceKind = Literal["cuda", "host"]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from vramcal.device import Device
 from vramcal.fit import Fit
-from vramcal.limits import LimitSettings, Limits
+from vramcal.limits import Limits, LimitSettings
 from vramcal.model import ModelSpec
 from vramcal.trial import Trial
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vramcal.fit import Fit, fit_linear
-from vramcal.limits import LimitSettings, Limits, compute_limits
+from vramcal.limits import Limits, LimitSettings, compute_limits
 from vramcal.trial import Trial
 
 

@@ -109,7 +109,8 @@ class TrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
-            raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(names | spec_names))}")
+            known = ", ".join(sorted(names | spec_names))
+            raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {known}")
         try:
             return cls(spec=ModelSpec(**spec_values), **data)
         except TypeError as error:
