@@ -232,6 +232,7 @@ def _register_optional_commands() -> None:
 
 
 import vramcal.train.cli  # noqa: F401 - adds `train` and `data` to main (it uses spec_options above)
+import vramcal.tune_cli  # noqa: E402, F401 - adds `tune` to main
 from vramcal.report_cli import limits_command, report_command
 
 main.add_command(report_command)

@@ -35,6 +35,7 @@ from vramcal.train.step import forward, forward_backward, make_optimizer, optimi
 from vramcal.units import format_bytes
 
 Echo = Callable[[str], None]
+EpochHook = Callable[[dict[str, Any]], None]
 
 
 class TrainError(RuntimeError):
@@ -109,11 +110,15 @@ class PeakMeter:
 
 
 class Trainer:
-    """Runs a :class:`Plan`. ``model_factory`` is :func:`vramcal.model.build_model` (tests may wrap it)."""
+    """Runs a :class:`Plan`. ``model_factory`` is :func:`vramcal.model.build_model` (tests may wrap it).
+
+    ``on_epoch``, when given, is called with each epoch's metrics row after its checkpoint is saved;
+    an exception it raises (e.g. ``optuna.TrialPruned`` from ``vramcal tune``) ends the run there.
+    """
 
     def __init__(self, plan: Plan, echo: Echo = print, model_factory: Callable = build_model,
-                 state: dict[str, Any] | None = None) -> None:
-        self.plan, self.echo, self.config = plan, echo, plan.config
+                 state: dict[str, Any] | None = None, on_epoch: EpochHook | None = None) -> None:
+        self.plan, self.echo, self.config, self.on_epoch = plan, echo, plan.config, on_epoch
         dev = plan.torch_device
         torch.manual_seed(self.config.seed)
         self.model = model_factory(self.config.spec, plan.implementation).to(dev)
@@ -268,6 +273,8 @@ class Trainer:
                   f"(zero-return {row['val_zero_loss']:.4f})  dir_acc {row['val_dir_acc']:.3f} "
                   f"(zero-return {row['val_zero_dir_acc']:.3f}, on moves {row['val_move_dir_acc']:.3f})  "
                   f"{row['samples_per_s']:.1f} samples/s  peak {format_bytes(row['peak_bytes'])}")
+        if self.on_epoch is not None:
+            self.on_epoch(row)
 
     def _stop_non_finite(self, loss: float, grad_norm: float) -> None:
         step = self.progress.step + 1
@@ -299,9 +306,12 @@ class Trainer:
 
 
 def start(plan: Plan, echo: Echo = print, model_factory: Callable = build_model,
-          state: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write the run's config and record (new runs), train, and return the last epoch's metrics."""
+          state: dict[str, Any] | None = None, on_epoch: EpochHook | None = None) -> dict[str, Any]:
+    """Write the run's config and record (new runs), train, and return the last epoch's metrics.
+
+    ``on_epoch``: see :class:`Trainer`.
+    """
     if state is None:
         checkpoint.write_json(plan.run_dir / checkpoint.CONFIG, plan.config.to_dict())
     checkpoint.write_json(plan.run_dir / checkpoint.RUN, plan.record())
-    return Trainer(plan, echo=echo, model_factory=model_factory, state=state).run()
+    return Trainer(plan, echo=echo, model_factory=model_factory, state=state, on_epoch=on_epoch).run()

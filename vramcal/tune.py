@@ -1,0 +1,341 @@
+"""``vramcal tune``: an optuna study over the trainer's knobs whose batch sizes come from the profile.
+
+The seed documents run a hyperparameter optimiser over learning rate and batch size and clamp each
+proposed batch size to the hardware's bounds before allocating; they list as future work that the
+search space itself should use the trainer's bounds. Here it does: the batch-size range is
+``[--batch-size-min, the profile's conservative batch size]`` (narrowed further by ``--batch-size-max``
+and by the number of training windows), so no trial is spent on a batch that cannot fit. The trainer
+still clamps whatever it is given (:func:`vramcal.train.sizing.choose_batch_size`), a second guard;
+each trial records whether it did.
+
+Search: TPE (``optuna.samplers.TPESampler``, Bergstra et al. 2011) after ``n_initial`` random start-up
+trials, over the learning rate (log), the batch size (log, integer), the weight decay and the gradient
+clip norm (log). Each trial is a real ``vramcal train`` run (:func:`vramcal.train.plan.plan_run` and
+:func:`vramcal.train.loop.start`, the same code as the command) of ``epochs`` epochs or ``max_steps``
+steps in ``<run_dir>/trials/<number>``; its value is its lowest validation loss (what
+``checkpoint-best.pt`` holds). After every epoch the validation loss goes to ``trial.report`` and a
+median pruner (``optuna.pruners.MedianPruner``) stops trials worse than the median of earlier ones at
+the same epoch. A non-finite loss (the learning rate was too high) ends a trial as pruned, so TPE
+still learns from it.
+
+Trials run in this process, not in a subprocess each like the probe's: pruning needs ``trial.report``
+inside the training loop; out-of-memory is already handled by the trainer's micro-batch fallback; and
+the model, data and CUDA context are set up once rather than per trial (seconds per trial on a GPU).
+The caching allocator is emptied between trials. A crash that kills the process loses only the running
+trial: the study lives in a database and ``--resume`` continues it (a killed trial is marked failed by
+optuna's heartbeat once its grace period has passed).
+
+Storage: SQLite at ``<run_dir>/study.db`` by default, or any URL optuna's ``RDBStorage`` opens
+(``postgresql://``, ``mysql://``, ``sqlite:///``). Several processes or machines given the same
+``--storage`` and ``--study-name`` work on one study at once (optuna's distributed mode). The first one
+saves the search settings in the study; the others use those, with batch bounds from their own profile.
+
+The trials table, the best configuration and the PNG are made by :mod:`vramcal.tune_report`.
+"""
+
+from __future__ import annotations
+
+import gc
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vramcal.train.config import TrainConfig
+
+Echo = Callable[[str], None]
+STUDY_DB = "study.db"
+BEST_CONFIG = "best-config.json"
+TRIALS_TABLE = "trials.md"
+PLOT = "tune.png"
+DEFAULT_STUDY_NAME = "vramcal-tune"
+HEARTBEAT_S = 60  # a killed trial is marked failed after 2 x this without a heartbeat
+
+
+class TuneError(ValueError):
+    """A search that cannot start or go on; the one-line message says what to change."""
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    """What a study searches, saved in the study so a resumed or second worker searches the same.
+
+    Attributes:
+        base: the training settings every trial starts from (``lr``, ``batch_size``, ``weight_decay``
+            and ``max_grad_norm`` are replaced by the trial's).
+        lr_range, weight_decay_range, max_grad_norm_range: (low, high) of each knob; LR and clip norm
+            are searched on a log scale, weight decay on a linear one (it may be 0).
+        batch_size_max: the user's upper batch bound (None: the profile's conservative batch size);
+            the lower bound is ``base.batch_size_min``.
+        n_initial: random start-up trials before TPE models the results.
+    """
+
+    base: TrainConfig = field(default_factory=TrainConfig)
+    lr_range: tuple[float, float] = (1e-5, 1e-3)
+    weight_decay_range: tuple[float, float] = (0.0, 0.1)
+    max_grad_norm_range: tuple[float, float] = (0.25, 4.0)
+    batch_size_max: int | None = None
+    n_initial: int = 5
+
+    def __post_init__(self) -> None:
+        check_range("--lr-range", *self.lr_range, positive=True)
+        check_range("--weight-decay-range", *self.weight_decay_range)
+        check_range("--max-grad-norm-range", *self.max_grad_norm_range, positive=True)
+        if self.batch_size_max is not None:
+            check_range("--batch-size-min/--batch-size-max", self.base.batch_size_min, self.batch_size_max,
+                        positive=True)
+        if self.n_initial < 0:
+            raise TuneError(f"--n-initial must be >= 0, got {self.n_initial}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "base": self.base.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TuneSettings:
+        ranges = {k: tuple(data[k]) for k in ("lr_range", "weight_decay_range", "max_grad_norm_range")}
+        return cls(base=TrainConfig.from_dict(data["base"]), batch_size_max=data["batch_size_max"],
+                   n_initial=data["n_initial"], **ranges)
+
+
+def check_range(name: str, low: float, high: float, positive: bool = False) -> None:
+    """Raises: TuneError when ``low > high``, a bound is negative, or (``positive``) not above 0."""
+    if low > high:
+        raise TuneError(f"{name}: the low end {low:g} is above the high end {high:g}")
+    if low < 0 or (positive and low <= 0):
+        raise TuneError(f"{name}: bounds must be {'> 0' if positive else '>= 0'}, got {low:g}")
+
+
+@dataclass(frozen=True)
+class BatchBounds:
+    """The batch sizes trials may use, and where the ends come from.
+
+    Attributes:
+        low, high: inclusive bounds of the ``batch_size`` search (``high`` <= the profile's conservative).
+        profile_path: the profile that gave the upper end.
+        conservative, safe: the profile's limits (the trainer clamps to ``safe``).
+        notices: warnings for the user (a user range narrowed to the profile or to the data).
+    """
+
+    low: int
+    high: int
+    profile_path: str
+    conservative: int
+    safe: int
+    notices: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        return (f"batch_size in [{self.low}, {self.high}] (profile {self.profile_path}: conservative "
+                f"{self.conservative}, safe {self.safe})")
+
+
+def batch_bounds(settings: TuneSettings, capacity_bytes: int | None = None) -> BatchBounds:
+    """The batch-size search range from the matching profile, found as ``vramcal train`` finds it.
+
+    Upper end: the profile's conservative batch size, or ``batch_size_max`` when lower (a higher one
+    is narrowed with a notice); never more than the training windows (a larger batch is one whole epoch).
+
+    Raises:
+        TuneError: the whole user range lies above the profile's conservative batch size (or above the
+            number of training windows). SizingError, DataError, DeviceError, ValueError: from the
+            trainer's planning, one line each.
+    """
+    from vramcal.model import resolve_implementation
+    from vramcal.train.plan import load_windows, pick_device
+    from vramcal.train.sizing import resolve_profile
+
+    base = settings.base
+    base.spec.validate()
+    n_train = len(load_windows(base).train_starts)
+    device, _, notices = pick_device(base.gpu, capacity_bytes)
+    implementation = resolve_implementation(base.implementation, device.kind)  # type: ignore[arg-type]
+    profile, path = resolve_profile(base.profile, base.profiles_dir, device, base.spec, implementation)
+    limits = profile.limits
+    assert limits is not None  # resolve_profile refuses profiles without limits
+    conservative, low = limits.conservative_batch_size, base.batch_size_min
+    if low > conservative:
+        raise TuneError(f"--batch-size-min {low} is above the profile's conservative batch size {conservative} "
+                        f"({path}): every batch in the range would be clamped; lower --batch-size-min")
+    high = conservative
+    if settings.batch_size_max is not None and settings.batch_size_max <= conservative:
+        high = settings.batch_size_max
+    elif settings.batch_size_max is not None:
+        notices.append(f"--batch-size-max {settings.batch_size_max} is above the profile's conservative batch "
+                       f"size: searching up to {conservative}")
+    if high > n_train:
+        if low > n_train:
+            raise TuneError(f"--batch-size-min {low} is more than the {n_train} training windows: lower it, "
+                            f"or use more data or a smaller --stride")
+        notices.append(f"the data has {n_train} training windows: searching batch sizes up to {n_train}")
+        high = n_train
+    return BatchBounds(low, high, str(path), conservative, limits.safe_batch_size, tuple(notices))
+
+
+# ------------------------------------------------------------------------------------------- study
+
+def default_storage(run_dir: Path) -> str:
+    return f"sqlite:///{(Path(run_dir) / STUDY_DB).resolve()}"
+
+
+def open_storage(url: str):
+    """optuna's RDB storage with a heartbeat, so trials of a killed process end as failed.
+
+    Raises:
+        TuneError: the URL cannot be opened (bad scheme, missing driver, unreachable server, no folder).
+    """
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        try:
+            return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S)
+        except Exception as error:  # sqlalchemy, drivers and optuna raise many kinds; all mean "cannot open"
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise TuneError(f"cannot open the study storage {url}: {first[:200]}") from None
+
+
+def open_study(storage, study_name: str, settings: TuneSettings | None, seed: int, n_initial: int):
+    """Load study ``study_name`` from ``storage``, or create it with ``settings`` when absent.
+
+    Args:
+        settings: None = the study must exist (``--resume``).
+
+    Returns:
+        (study, the settings it searches: the saved ones for an existing study, and whether it existed).
+
+    Raises:
+        TuneError: ``--resume`` of a study that is not there.
+    """
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # vramcal prints one line per trial itself
+    names = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
+    existed = study_name in names
+    if not existed and settings is None:
+        raise TuneError(f"there is no study {study_name!r} to resume in {storage.url}: start one without --resume "
+                        f"(known: {', '.join(sorted(names)) or 'none'})")
+    study = optuna.create_study(storage=storage, study_name=study_name, direction="minimize", load_if_exists=True)
+    if existed:
+        saved = study.user_attrs.get("settings")
+        if saved is None:
+            raise TuneError(f"study {study_name!r} was not made by vramcal tune (no saved settings): "
+                            f"choose another --study-name")
+        settings = TuneSettings.from_dict(saved)
+    else:
+        assert settings is not None
+        study.set_user_attr("settings", settings.to_dict())
+    # A fresh sampler seed per start, so a resumed study does not repeat its first random trials.
+    study.sampler = optuna.samplers.TPESampler(n_startup_trials=settings.n_initial, seed=seed + len(study.trials),
+                                               multivariate=True)
+    study.pruner = optuna.pruners.MedianPruner(n_startup_trials=max(1, settings.n_initial), n_warmup_steps=0)
+    return study, settings, existed
+
+
+def finished(study) -> int:
+    """Trials that count towards ``--trials``: complete or pruned."""
+    from optuna.trial import TrialState
+
+    return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.trials)
+
+
+def run_study(study, settings: TuneSettings, bounds: BatchBounds, run_dir: Path, n_trials: int,
+              echo: Echo = print, capacity_bytes: int | None = None) -> int:
+    """Run trials until the study has ``n_trials`` complete or pruned ones (across all its workers).
+
+    Returns:
+        The number of trials this call ran.
+    """
+    import optuna
+    from optuna.study import MaxTrialsCallback
+    from optuna.trial import TrialState
+
+    remaining = n_trials - finished(study)
+    if remaining <= 0:
+        return 0
+    from vramcal.train.loop import TrainError
+
+    before = len(study.trials)
+    objective = Objective(settings, bounds, Path(run_dir), echo, capacity_bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.optimize(objective, n_trials=remaining, gc_after_trial=True, catch=(TrainError,),
+                       callbacks=[MaxTrialsCallback(n_trials, states=(TrialState.COMPLETE, TrialState.PRUNED)),
+                                  _announce(echo)])
+    return len(study.trials) - before
+
+
+class Objective:
+    """One trial: suggest, plan and train with the trainer's own functions, report each epoch."""
+
+    def __init__(self, settings: TuneSettings, bounds: BatchBounds, run_dir: Path, echo: Echo,
+                 capacity_bytes: int | None = None) -> None:
+        self.settings, self.bounds, self.run_dir, self.echo = settings, bounds, run_dir, echo
+        self.capacity_bytes = capacity_bytes
+
+    def config(self, trial) -> TrainConfig:
+        """The trial's training settings: the base ones with the four suggested knobs."""
+        s = self.settings
+        return s.base.replace(
+            lr=trial.suggest_float("lr", *s.lr_range, log=True),
+            batch_size=trial.suggest_int("batch_size", self.bounds.low, self.bounds.high, log=True),
+            weight_decay=trial.suggest_float("weight_decay", *s.weight_decay_range),
+            max_grad_norm=trial.suggest_float("max_grad_norm", *s.max_grad_norm_range, log=True))
+
+    def __call__(self, trial) -> float:
+        import optuna
+
+        from vramcal import meters
+        from vramcal.train import loop
+        from vramcal.train.plan import plan_run
+
+        config = self.config(trial)
+        plan = plan_run(config, self.run_dir / "trials" / f"{trial.number:04d}", capacity_bytes=self.capacity_bytes)
+        batch = plan.batch
+        trial.set_user_attr("batch_size_used", batch.batch_size)
+        trial.set_user_attr("clamped", batch.source != "requested")
+        trial.set_user_attr("batch_source", batch.source)
+        trial.set_user_attr("run_dir", str(plan.run_dir))
+        if batch.warning:
+            self.echo(f"trial {trial.number}: warning: {batch.warning}")
+        self.echo(f"trial {trial.number}: lr {config.lr:.3g}, batch_size {batch.batch_size} ({batch.source}), "
+                  f"weight_decay {config.weight_decay:.3g}, max_grad_norm {config.max_grad_norm:.3g}")
+        rows: list[dict[str, Any]] = []
+
+        def on_epoch(row: dict[str, Any]) -> None:
+            rows.append(row)
+            _record(trial, rows)
+            trial.report(row["val_loss"], row["epoch"])
+            if trial.should_prune():
+                raise optuna.TrialPruned(f"val_loss {row['val_loss']:.4f} at epoch {row['epoch']} is worse "
+                                         f"than the median of earlier trials")
+
+        try:
+            loop.start(plan, echo=lambda line: self.echo(f"trial {trial.number}: {line}"), on_epoch=on_epoch)
+        except loop.NonFiniteError as error:
+            trial.set_user_attr("stopped", str(error).split(":")[0])
+            raise optuna.TrialPruned(str(error)) from None
+        finally:
+            gc.collect()
+            if plan.torch_device == "cuda":
+                meters.torch_cuda_empty_cache()
+        return min(r["val_loss"] for r in rows)
+
+
+def _record(trial, rows: list[dict[str, Any]]) -> None:
+    """The trial's figures so far in its user attributes (pruned trials keep them too)."""
+    train_s = sum(r["train_s"] for r in rows)
+    trial.set_user_attr("val_loss", min(r["val_loss"] for r in rows))
+    trial.set_user_attr("val_zero_loss", rows[-1]["val_zero_loss"])
+    trial.set_user_attr("samples_per_s", sum(r["samples"] for r in rows) / train_s if train_s > 0 else 0.0)
+    trial.set_user_attr("epochs", len(rows))
+    trial.set_user_attr("steps", rows[-1]["step"])
+    trial.set_user_attr("peak_bytes", max(r["peak_bytes"] for r in rows))
+
+
+def _announce(echo: Echo):
+    def callback(study, trial) -> None:
+        value = trial.user_attrs.get("val_loss")
+        shown = f"val_loss {value:.4f}" if value is not None else "no validation"
+        echo(f"trial {trial.number}: {trial.state.name.lower()}, {shown}")
+
+    return callback

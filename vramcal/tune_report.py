@@ -1,0 +1,146 @@
+"""What a ``vramcal tune`` study leaves: the trials table, the best configuration, the PNG.
+
+Pure functions of the optuna study (and the batch bounds in force), so they can be re-run on a stored
+study. The PNG is plain matplotlib on the Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from vramcal.profile import atomic_write_bytes, atomic_write_text
+from vramcal.train.config import TrainConfig
+from vramcal.tune import BEST_CONFIG, PLOT, TRIALS_TABLE, BatchBounds, TuneSettings
+
+COLUMNS = ("trial", "state", "lr", "batch", "used", "clamped", "weight_decay", "max_grad_norm", "epochs",
+           "val_loss", "samples/s")
+
+
+def table_rows(study) -> list[tuple[str, ...]]:
+    """One row of strings per trial, the best marked with ``*``."""
+    best = best_trial(study)
+    rows = []
+    for t in study.trials:
+        p, a = t.params, t.user_attrs
+
+        def num(value, spec: str) -> str:
+            return "-" if value is None else format(value, spec)
+
+        clamped = a.get("clamped")
+        rows.append((f"{t.number}{'*' if best is not None and t.number == best.number else ''}",
+                     t.state.name.lower(), num(p.get("lr"), ".3g"), num(p.get("batch_size"), "d"),
+                     num(a.get("batch_size_used"), "d"), "-" if clamped is None else ("yes" if clamped else "no"),
+                     num(p.get("weight_decay"), ".3g"), num(p.get("max_grad_norm"), ".3g"),
+                     num(a.get("epochs"), "d"), num(a.get("val_loss"), ".5f"), num(a.get("samples_per_s"), ".1f")))
+    return rows
+
+
+def format_table(study) -> str:
+    """The trials as an aligned text table (also valid Markdown)."""
+    rows = [COLUMNS, *table_rows(study)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def best_trial(study):
+    """The complete trial with the lowest validation loss, or None."""
+    from optuna.trial import TrialState
+
+    complete = [t for t in study.trials if t.state == TrialState.COMPLETE and t.value is not None
+                and math.isfinite(t.value)]
+    return min(complete, key=lambda t: t.value) if complete else None
+
+
+def best_config(study, settings: TuneSettings) -> TrainConfig | None:
+    """The best trial's training settings, with the batch size it actually used."""
+    best = best_trial(study)
+    if best is None:
+        return None
+    p = best.params
+    return settings.base.replace(lr=p["lr"], batch_size=best.user_attrs.get("batch_size_used", p["batch_size"]),
+                                 weight_decay=p["weight_decay"], max_grad_norm=p["max_grad_norm"])
+
+
+def write_results(study, settings: TuneSettings, bounds: BatchBounds, run_dir: Path) -> dict[str, Path]:
+    """``best-config.json`` (for ``vramcal train --config``), ``trials.md`` and ``tune.png``, atomically.
+
+    Raises:
+        OSError: the run folder cannot be written.
+    """
+    run_dir = Path(run_dir)
+    written = {"table": run_dir / TRIALS_TABLE, "plot": run_dir / PLOT}
+    atomic_write_text(written["table"], f"# {study.study_name}\n\n{bounds.describe()}\n\n{format_table(study)}\n")
+    config = best_config(study, settings)
+    if config is not None:
+        written["best"] = run_dir / BEST_CONFIG
+        atomic_write_text(written["best"], config.to_json())
+    plot_study(study, bounds, written["plot"])
+    return written
+
+_STYLE = {"complete": ("o", "tab:blue"), "pruned": ("x", "tab:orange"), "fail": ("s", "tab:red")}
+
+
+def _points(study) -> list[tuple[int, str, float, int]]:
+    """(trial number, state, lowest val_loss, batch size used) of trials that reported a validation loss."""
+    points = []
+    for t in study.trials:
+        value = t.user_attrs.get("val_loss")
+        batch = t.user_attrs.get("batch_size_used", t.params.get("batch_size"))
+        if value is not None and math.isfinite(value) and batch is not None:
+            points.append((t.number, t.state.name.lower(), float(value), int(batch)))
+    return points
+
+
+def plot_study(study, bounds, path: Path) -> Path:
+    """Write the two-panel figure to ``path`` (atomically) and return it.
+
+    Left: validation loss per trial (pruned trials at their last reported loss) and the best so far.
+    Right: validation loss against the batch size used (log scale), with the search bounds and the
+    profile's conservative and safe batch sizes as vertical lines.
+    """
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    points = _points(study)
+    figure = Figure(figsize=(11, 4.2), layout="constrained")
+    history, by_batch = figure.subplots(1, 2)
+    for state, (marker, color) in _STYLE.items():
+        chosen = [p for p in points if p[1] == state]
+        if chosen:
+            history.scatter([p[0] for p in chosen], [p[2] for p in chosen], marker=marker, color=color, label=state)
+            by_batch.scatter([p[3] for p in chosen], [p[2] for p in chosen], marker=marker, color=color, label=state)
+    complete = sorted((p for p in points if p[1] == "complete"), key=lambda p: p[0])
+    if complete:
+        best, xs, ys = math.inf, [], []
+        for number, _, value, _ in complete:
+            best = min(best, value)
+            xs.append(number)
+            ys.append(best)
+        history.step(xs, ys, where="post", color="black", linewidth=1, label="best so far")
+    history.set(xlabel="trial", ylabel="validation loss (MSE)", title="optimisation history")
+    by_batch.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter
+
+    for axis_formatter in (by_batch.xaxis.set_major_formatter, by_batch.xaxis.set_minor_formatter):
+        axis_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    for x, style, label in ((bounds.low, ":", "search bounds"), (bounds.high, ":", None),
+                            (bounds.conservative, "--", "conservative"), (bounds.safe, "-", "safe")):
+        by_batch.axvline(x, color="grey", linestyle=style, linewidth=1, label=label)
+    by_batch.set(xlabel="batch size used", ylabel="validation loss (MSE)",
+                 title="validation loss vs batch size")
+    for axes in (history, by_batch):
+        axes.grid(alpha=0.3)
+        if axes.get_legend_handles_labels()[0]:
+            axes.legend(fontsize="small")
+    figure.suptitle(f"vramcal tune: {study.study_name}, {len(study.trials)} trials")
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=110)
+    atomic_write_bytes(Path(path), buffer.getvalue())
+    return Path(path)
