@@ -174,10 +174,8 @@ def _check_writable(folder: Path) -> None:
 
 
 def _write_report(profile, reports_dir: Path) -> None:
-    try:
-        from vramcal.report import write_report
-    except ImportError:  # the report module is optional until it lands
-        return
+    from vramcal.report import write_report
+
     try:
         png, markdown = write_report([profile], reports_dir)
     except OSError as error:
@@ -227,13 +225,10 @@ def show(profile_path: Path, as_json: bool) -> None:
     click.echo(summary(profile))
 
 
-def _register_optional_commands() -> None:
-    """Commands that live beside their feature modules."""
-
-
-import vramcal.train.cli  # noqa: F401 - adds `train` and `data` to main (it uses spec_options above)
+# Commands that live beside their feature modules (imported last: they use main and spec_options).
+import vramcal.train.cli  # noqa: E402, F401 - adds `train` and `data` to main
 import vramcal.tune_cli  # noqa: E402, F401 - adds `tune` to main
-from vramcal.report_cli import limits_command, report_command
+from vramcal.report_cli import limits_command, report_command  # noqa: E402
 
 main.add_command(report_command)
 main.add_command(limits_command)
