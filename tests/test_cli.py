@@ -112,3 +112,39 @@ def test_atomic_writes_leave_the_usual_file_mode_and_no_temporary_files(tmp_path
     assert target.read_text() == '{"a": 1}\n'
     assert target.stat().st_mode & 0o777 == 0o644
     assert [p.name for p in target.parent.iterdir()] == ["file.json"]
+
+
+@pytest.mark.parametrize("path, value, message", [
+    (("limits", "conservative_batch_size"), "lots", "Limits.conservative_batch_size = 'lots'"),
+    (("limits", "safe_batch_size"), -5, "negative batch size"),
+    (("trials", 0, "status"), "fine", "Trial.status = 'fine'"),
+    (("device", "total_bytes"), 1.5, "Device.total_bytes = 1.5"),
+    (("fit", "slope_bytes_per_sample"), None, "Fit.slope_bytes_per_sample = None"),
+])
+def test_a_profile_with_a_wrong_typed_field_is_refused_in_one_line(tmp_path, path, value, message):
+    import json
+
+    from vramcal.profile import save_profile
+
+    from profiles_for_tests import gpu_profile
+
+    good = save_profile(gpu_profile(), tmp_path / "good.json")
+    data = json.loads(good.read_text())
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    for command in (["show", str(bad)], ["limits", str(bad)], ["report", str(bad), "--out", str(tmp_path)]):
+        result = invoke(*command)
+        assert result.exit_code == 1
+        assert "not a vramcal profile" in one_line_error(result) and message in one_line_error(result)
+
+
+def test_an_unwritable_reports_folder_fails_before_any_trial(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    result = invoke("probe", "--gpu", "none", "--out", str(tmp_path / "p.json"), "--reports-dir", str(blocker / "r"))
+    assert result.exit_code == 1 and "cannot write reports" in one_line_error(result)
+    assert "batch_size" not in result.output  # no trial ran

@@ -123,16 +123,21 @@ def probe(gpu, capacity, implementation, reserve, margin, conservative_fraction,
         except ValueError as error:
             raise click.ClickException(str(error)) from None
         path = out or profile_path(profiles_dir, device, spec, concrete)
-        _check_writable(path.parent)
+        _check_writable(path.parent, "profiles", "--out or --profiles-dir")
+        if not no_report:
+            _check_writable(reports_dir, "reports", "--reports-dir, or --no-report")
         click.echo(f"calibrating {spec.short()} [{concrete}] on {device.name}, "
                    f"{format_bytes(device.total_bytes)} ({device.total_source}), "
                    f"usable {format_bytes(settings.usable_bytes(device.total_bytes))}")
         try:
             profile = calibrate(device, spec, concrete, settings, warmup_steps=warmup_steps,
                                 measured_steps=measured_steps, max_trials=max_trials, timeout_s=timeout_s,
-                                on_trial=_TrialPrinter(max_trials))
+                                on_trial=_TrialPrinter(max_trials, settings.usable_bytes(device.total_bytes)))
         except (ValueError, CalibrationError) as error:
             raise click.ClickException(str(error)) from None
+        except KeyboardInterrupt:
+            kept = f"; the existing {path} is unchanged" if path.exists() else ""
+            raise click.ClickException(f"interrupted: no profile written{kept}") from None
         try:
             save_profile(profile, path)
         except OSError as error:
@@ -147,21 +152,24 @@ def probe(gpu, capacity, implementation, reserve, margin, conservative_fraction,
 class _TrialPrinter:
     """One line per finished trial above a tqdm progress bar (trials run / at most max_trials)."""
 
-    def __init__(self, max_trials: int) -> None:
+    def __init__(self, max_trials: int, usable_bytes: int) -> None:
         from tqdm import tqdm
 
+        self._usable_bytes = usable_bytes
         self._bar = tqdm(total=max_trials, desc="trials", unit="trial", leave=False, file=sys.stderr,
                          disable=None)
 
     def __call__(self, trial) -> None:
         peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
         step = f"{trial.step_s:.3f} s/step, {trial.samples_per_s:.1f} samples/s" if trial.step_s else ""
-        self._bar.write(f"  batch_size {trial.batch_size:>6}  {trial.status:<7}  peak {peak:>10}  {step}  "
+        status = "over" if trial.ok and not trial.fits(self._usable_bytes) else trial.status
+        self._bar.write(f"  batch_size {trial.batch_size:>6}  {status:<7}  peak {peak:>10}  {step}  "
                         f"[{trial.purpose}, {trial.wall_s:.1f} s]")
         self._bar.update(1)
 
 
-def _check_writable(folder: Path) -> None:
+def _check_writable(folder: Path, what: str, options: str) -> None:
+    """Fail before any trial when ``folder`` cannot take files (a calibration can take an hour)."""
     import tempfile
 
     try:
@@ -169,8 +177,8 @@ def _check_writable(folder: Path) -> None:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".vramcal-write-check."):
             pass
     except OSError as error:
-        raise click.ClickException(f"cannot write profiles to {folder} ({error.strerror}): "
-                                   f"choose another --out or --profiles-dir") from None
+        raise click.ClickException(f"cannot write {what} to {folder} ({error.strerror}): "
+                                   f"choose another {options}") from None
 
 
 def _write_report(profile, reports_dir: Path) -> None:
@@ -198,7 +206,8 @@ def summary(profile) -> str:
         state = (f"verified: peak {format_bytes(check.peak_bytes)}" if check and check.passed
                  else "NOT verified")
         lines.append(f"{name:<13} batch_size {value:<6} ({state})")
-    lines.append(f"seeds' point formula floor((usable - overhead) / slope) = {limits.point_safe_batch_size}")
+    lines.append(f"(point estimate without the prediction interval, the seeds' formula "
+                 f"floor((usable - overhead) / slope): {limits.point_safe_batch_size})")
     lines.extend(f"warning: {w}" for w in profile.warnings)
     return "\n".join(lines)
 

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from vramcal.units import format_bytes
+
 DeviceKind = Literal["cuda", "host"]
 
 
@@ -171,8 +173,8 @@ def host_device(capacity_bytes: int | None = None, proc: str = "/proc", cgroup: 
         total, source = available, "MemAvailable"
     if capacity_bytes is not None:
         if capacity_bytes > meminfo["MemTotal"]:
-            raise DeviceError(f"--capacity {capacity_bytes} B is more than this host's "
-                              f"{meminfo['MemTotal']} B of RAM: give a smaller --capacity")
+            raise DeviceError(f"--capacity {format_bytes(capacity_bytes)} is more than this host's "
+                              f"{format_bytes(meminfo['MemTotal'])} of RAM: give a smaller --capacity")
         total, source = capacity_bytes, "--capacity"
     return Device(kind="host", name=_cpu_name(proc), total_bytes=total, total_source=source)
 
@@ -238,11 +240,12 @@ def select(gpu: str, capacity_bytes: int | None = None,
         gpus = list_gpus((nvml_loader or load_nvml)())
     except NvmlError as error:
         if choice == "auto":
-            return [host_device(capacity_bytes)], f"no GPU: {error}; calibrating the host instead"
+            return [host_device(capacity_bytes)], _host_notice(f"no usable NVIDIA GPU ({error.__cause__ or error})",
+                                                               capacity_bytes)
         raise
     if choice == "auto":
         if not gpus:
-            return [host_device(capacity_bytes)], "NVML sees no GPU; calibrating the host instead"
+            return [host_device(capacity_bytes)], _host_notice("NVML sees no GPU", capacity_bytes)
         chosen = gpus[:1]
     elif choice == "all":
         if not gpus:
@@ -268,8 +271,14 @@ def select(gpu: str, capacity_bytes: int | None = None,
     return chosen, None
 
 
+def _host_notice(reason: str, capacity_bytes: int | None) -> str:
+    if capacity_bytes is not None:
+        return f"{reason}: using the host's memory instead"
+    return f"{reason}: using the host's memory instead, all of it (pass --capacity, e.g. 4GiB, to budget less)"
+
+
 def _narrow(device: Device, capacity_bytes: int) -> Device:
     if capacity_bytes > device.total_bytes:
-        raise DeviceError(f"--capacity {capacity_bytes} B is more than {device.name}'s "
-                          f"{device.total_bytes} B: give a smaller --capacity or none")
+        raise DeviceError(f"--capacity {format_bytes(capacity_bytes)} is more than {device.name}'s "
+                          f"{format_bytes(device.total_bytes)}: give a smaller --capacity or none")
     return Device(**{**device.to_dict(), "total_bytes": capacity_bytes, "total_source": "--capacity"})

@@ -89,7 +89,8 @@ def calibrate(device: Device, spec: ModelSpec, implementation: str = "auto",
                else f"it ended with {first.status}: {(first.error or '').splitlines()[-1:] or ''}")
         raise CalibrationError(
             f"batch_size {first.batch_size} does not fit in the usable {format_bytes(search.usable_bytes)} "
-            f"of {device.name} ({why}); give a larger --capacity, a smaller model, or check the trial error")
+            f"of {device.name} ({why}); give a larger --capacity, a smaller --reserve or --margin, "
+            f"or a smaller model")
     return assemble(device, spec, concrete, settings, trials, search,
                     run={"wall_s": wall_s, "warmup_steps": warmup_steps, "measured_steps": measured_steps,
                          "timeout_s": timeout_s, "max_trials": max_trials,

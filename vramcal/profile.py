@@ -10,9 +10,12 @@ profile intact; read back through the same dataclasses, with one-line errors for
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,7 +91,7 @@ class Profile:
         """Raises: ProfileError for another schema version; KeyError/TypeError for missing fields."""
         if data.get("schema_version") != SCHEMA_VERSION:
             raise ProfileError(f"schema version {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
-        return cls(
+        profile = cls(
             device=Device.from_dict(data["device"]), spec=ModelSpec.from_dict(data["spec"]),
             implementation=data["implementation"], kernel_path=data["kernel_path"],
             settings=LimitSettings(**data["settings"]),
@@ -99,6 +102,48 @@ class Profile:
             warnings=tuple(data["warnings"]), software=data["software"], run=data["run"],
             created_utc=data["created_utc"], vramcal_version=data["vramcal_version"],
             schema_version=data["schema_version"])
+        for record in (profile, profile.device, profile.spec, profile.settings, profile.fit, profile.limits,
+                       *profile.trials, *profile.verification.values()):
+            if record is not None:
+                check_field_types(record)
+        if profile.limits is not None and min(profile.limits.safe_batch_size,
+                                              profile.limits.conservative_batch_size) < 0:
+            raise ValueError("negative batch size in limits")
+        return profile
+
+
+def check_field_types(record: Any) -> None:
+    """Check a dataclass read from JSON against its annotations (int, float, str, bool, ``X | None``,
+    ``Literal``, ``tuple[T, ...]``, ``dict``), so a hand-edited profile fails here in one line and not
+    later in arithmetic.
+
+    Raises:
+        TypeError: the first field whose value does not have the annotated type, by name.
+    """
+    hints = typing.get_type_hints(type(record))
+    for item in dataclasses.fields(record):
+        value = getattr(record, item.name)
+        if not _has_type(value, hints[item.name]):
+            raise TypeError(f"{type(record).__name__}.{item.name} = {value!r} is not {hints[item.name]}")
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, arg) for arg in args)
+    if origin is typing.Literal:
+        return value in args
+    if origin is tuple:
+        return isinstance(value, tuple) and all(_has_type(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
 
 
 def profile_path(profiles_dir: Path, device: Device, spec: ModelSpec, implementation: str) -> Path:
