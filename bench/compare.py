@@ -85,7 +85,9 @@ def ground_truth(spec: ModelSpec, budget_bytes: int) -> dict[str, Any]:
                        "wall_s": trial.wall_s, "error": (trial.error or "")[-300:] or None})
         print(f"  truth trial {batch_size}: {trial.status}", flush=True)
         if trial.status not in ("ok", "oom"):
-            raise RuntimeError(f"ground-truth trial at {batch_size} ended with {trial.status}: {trial.error}")
+            # A crash or a hang at this size is a failure at this size (the search goes on below it), but it
+            # is not an out-of-memory error: the results file lists it apart, never counted as an oom.
+            print(f"  truth trial {batch_size} ended with {trial.status} (not oom): {trial.error}", flush=True)
         return trial.status == "ok"
 
     low, high = 0, 1
@@ -95,7 +97,20 @@ def ground_truth(spec: ModelSpec, budget_bytes: int) -> dict[str, Any]:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return {"batch_size": low, "first_failing_batch_size": high, "trials": trials,
-            "wall_s": time.time() - started}
+            "non_oom_failures": [t for t in trials if t["status"] not in ("ok", "oom")],
+            "vramcal_commit": vramcal_commit(), "wall_s": time.time() - started}
+
+
+def vramcal_commit() -> str | None:
+    """The checked-out commit of this repository (``+dirty`` when vramcal/ has uncommitted changes)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "vramcal"], cwd=REPO, capture_output=True,
+                               text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def check_limit_binds(budget_bytes: int) -> dict[str, Any]:
@@ -105,7 +120,8 @@ def check_limit_binds(budget_bytes: int) -> dict[str, Any]:
             "from lightning.pytorch.utilities.memory import is_oom_error as l\n"
             "from vramcal.meters import is_out_of_memory as v\n"
             f"try:\n    torch.ones({int(budget_bytes * 1.05)}, dtype=torch.uint8)\n    print('ALLOCATED')\n"
-            "except Exception as e:\n    print(repr(str(e)[:160]), 'vramcal', v(e), 'lightning', l(e), 'accelerate', a(e))\n")
+            "except Exception as e:\n"
+            "    print(repr(str(e)[:160]), 'vramcal', v(e), 'lightning', l(e), 'accelerate', a(e))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, preexec_fn=_limit(budget_bytes),
                          capture_output=True, text=True).stdout.strip()
     return {"binds": "ALLOCATED" not in out and "can't allocate memory" in out,
@@ -126,7 +142,7 @@ def environment(budget_bytes: int) -> dict[str, Any]:
     return {"machine": host_device().name, "cpus": os.cpu_count(), "platform": platform.platform(),
             "versions": versions, "budget_bytes": budget_bytes, "budget": format_bytes(budget_bytes),
             "limit": "RLIMIT_DATA = budget on each tool's whole process (preexec_fn, before exec)",
-            "load_average_start": os.getloadavg(),
+            "load_average_start": os.getloadavg(), "vramcal_commit": vramcal_commit(),
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 

@@ -16,7 +16,6 @@ COLUMNS = ("tool", "trials", "wall_s", "batch_size", "error_pct", "survived", "s
 def rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per tool answer; vramcal gives three (conservative, safe, and its predicted boundary)."""
     truth = results["ground_truth"]["batch_size"]
-    steps = results["steps"]
 
     def survival(batch_size: int | None) -> tuple[str, str]:
         run = results["survival"].get(str(batch_size)) if batch_size else None
@@ -31,7 +30,7 @@ def rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     out = [{"tool": "ground truth (bisection)", "trials": len(results["ground_truth"]["trials"]),
             "wall_s": f"{results['ground_truth']['wall_s']:.1f}", "batch_size": truth, "error_pct": "0.0",
             "survived": "-", "survival_peak_rss": "-"}]
-    for name, tool in results["tools"].items():
+    for name, tool in _ordered(results["tools"]):
         answer = tool.get("answer")
         base = {"trials": len(tool["trials"]), "wall_s": f"{tool['process_wall_s']:.1f}"}
         if name == "vramcal" and tool.get("limits"):
@@ -61,7 +60,7 @@ def ratios(results: dict[str, Any]) -> list[dict[str, str]]:
     if not mine:
         return []
     out = []
-    for name, tool in tools.items():
+    for name, tool in _ordered(tools):
         if name == "vramcal" or not tool.get("trials"):
             continue
         out.append({"anchor": name, "wall_ratio": f"{mine['process_wall_s'] / tool['process_wall_s']:.2f}",
@@ -81,7 +80,10 @@ def markdown(results: dict[str, Any]) -> str:
              f"- limit check (alloc 1.05 x budget under the limit): binds={results['limit_check']['binds']}, "
              f"recognised by vramcal/Lightning/Accelerate={results['limit_check']['recognised_by_all']}",
              f"- ground truth: {truth['batch_size']} (first failing {truth['first_failing_batch_size']}; "
-             f"{'cached from an earlier run' if truth.get('cached') else 'computed in this run'})",
+             f"{'cached from an earlier run' if truth.get('cached') else 'computed in this run'}, "
+             f"trials by vramcal commit {truth.get('vramcal_commit') or 'unknown'}; "
+             f"{_non_oom(truth)})",
+             f"- vramcal commit of this run: {env.get('vramcal_commit') or 'unknown'}",
              f"- survival run: {results['steps']} train steps in a fresh process under the same limit",
              f"- Accelerate starting_batch_size: {results['accelerate_start']}",
              f"- load average at start/end: {_load(env.get('load_average_start'))} / "
@@ -98,12 +100,68 @@ def markdown(results: dict[str, Any]) -> str:
                   f"(reserve 0.5 GiB + margin 10 %); safe {limits['safe_batch_size']} and conservative "
                   f"{limits['conservative_batch_size']} sit {truth['batch_size'] - limits['safe_batch_size']} and "
                   f"{truth['batch_size'] - limits['conservative_batch_size']} below the ground truth by design."]
+    lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {t['measured']} | {t['met']} |" for t in targets(results)]
+    if results.get("adaptations"):
+        lines += ["", f"Adaptations: {results['adaptations']}."]
     lines += ["", "Trials per tool (batch size:status):", ""]
-    for name, tool in [("ground truth", truth)] + list(results["tools"].items()):
+    for name, tool in [("ground truth", truth)] + _ordered(results["tools"]):
         lines.append(f"- {name}: " + ", ".join(f"{t['batch_size']}:{t['status']}" for t in tool["trials"]))
-    if results.get("note"):
-        lines += ["", "## Note", "", results["note"]]
+    notes = results.get("notes") or ([results["note"]] if results.get("note") else [])
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {note}" for note in notes]
     return "\n".join(lines) + "\n"
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, str]]:
+    """The issue's targets for vramcal, each with the measured figure and whether it was met."""
+    truth = results["ground_truth"]["batch_size"]
+    tools = results["tools"]
+    vram = tools.get("vramcal", {})
+    limits = vram.get("limits")
+    if not limits:
+        return [{"target": "vramcal ran", "measured": f"no limits (rc {vram.get('returncode')})", "met": "no"}]
+    out = []
+    boundary = limits["boundary_batch_size"]
+    off = 100 * (boundary - truth) / truth
+    out.append({"target": "predicted boundary within 3 % of the ground truth",
+                "measured": f"{boundary:.1f} vs {truth} ({off:+.1f} %)", "met": _yes(abs(off) <= 3.0)})
+    for label in ("safe", "conservative"):
+        size = limits[f"{label}_batch_size"]
+        out.append({"target": f"{label} batch size never above the ground truth",
+                    "measured": f"{size} vs {truth} (gap {truth - size}, {100 * (truth - size) / truth:.1f} % below)",
+                    "met": _yes(size <= truth)})
+    conservative = limits["conservative_batch_size"]
+    run = results.get("survival", {}).get(str(conservative))
+    out.append({"target": f"conservative batch size survives {results['steps']} steps",
+                "measured": "not run" if run is None else f"{run.get('status')} after {run.get('steps_done')} steps",
+                "met": "-" if run is None else _yes(run.get("status") == "ok"
+                                                    and run.get("steps_done") == results["steps"])})
+    binsearch = tools.get("lightning-binsearch")
+    if binsearch:
+        ratio = vram["process_wall_s"] / binsearch["process_wall_s"]
+        out.append({"target": "vramcal wall time at most half of Lightning binsearch's",
+                    "measured": f"{vram['process_wall_s']:.1f} s vs {binsearch['process_wall_s']:.1f} s "
+                                f"(ratio {ratio:.2f})", "met": _yes(ratio <= 0.5)})
+    return out
+
+
+def _ordered(tools: dict[str, Any]) -> list[tuple[str, Any]]:
+    """vramcal first, then the anchors in the order bench.compare runs them (the JSON's keys are sorted)."""
+    order = ("vramcal", "lightning-binsearch", "lightning-power", "accelerate")
+    return sorted(tools.items(), key=lambda item: order.index(item[0]) if item[0] in order else len(order))
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "**no**"
+
+
+def _non_oom(truth: dict[str, Any]) -> str:
+    failures = [t for t in truth.get("trials", []) if t["status"] not in ("ok", "oom")]
+    if not failures:
+        return "every failing trial was an out-of-memory error"
+    return ("failures that were not out-of-memory, counted as failures at that size: "
+            + ", ".join(f"{t['batch_size']}:{t['status']}" for t in failures))
 
 
 def _load(value) -> str:
