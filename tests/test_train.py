@@ -295,3 +295,104 @@ def test_run_folder_problems_lose_nothing(setup):
     assert "cannot write to the run folder" in line
     line = one_line_failure(CliRunner().invoke(main, ["train", "--resume", "--run-dir", str(setup["tmp"] / "none")]))
     assert "nothing to resume" in line
+
+
+# ------------------------------------------------------------------------------- tester's findings
+
+@pytest.mark.parametrize("option", [("--lr", "inf"), ("--max-grad-norm", "inf"), ("--weight-decay", "nan")])
+def test_non_finite_settings_are_refused_with_exit_2_and_no_folder(setup, option):
+    result = train(setup, "inf", "--max-steps", "1", *option)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "must be a finite number" in result.output
+    assert not (setup["tmp"] / "inf").exists()
+    with pytest.raises(ValueError, match="lr must be a finite number > 0, got inf"):
+        TrainConfig(lr=math.inf)
+
+
+def test_weights_that_overflow_in_a_step_stop_the_run_and_are_never_saved(setup, monkeypatch):
+    """A finite loss and gradient, then a step that overflows the weights (as --lr 1e30 would): the run
+    fails like a non-finite training loss, and no checkpoint (good or bad) is written."""
+    real_step = loop.optimizer_step
+
+    def overflowing_step(model, *args, **kwargs):
+        grad_norm = real_step(model, *args, **kwargs)
+        model.head.bias.data.fill_(math.inf)
+        return grad_norm
+
+    monkeypatch.setattr(loop, "optimizer_step", overflowing_step)
+    result = train(setup, "overflow", "--max-steps", "1")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith("Error: non-finite weights at step 1") and "no checkpoint was written yet" in line
+    run_dir = setup["tmp"] / "overflow"
+    assert not (run_dir / checkpoint.LAST).exists() and not (run_dir / checkpoint.BEST).exists()
+    event = rows(run_dir, "non-finite")[0]  # strict JSON (json.loads of the file succeeded)
+    assert event["step"] == 1 and event["weights"] == ["head.bias"]
+
+
+def test_checkpoints_never_hold_non_finite_weights(tmp_path):
+    with pytest.raises(ValueError, match="non-finite weights in w"):
+        checkpoint.save_checkpoint(tmp_path / "c.pt", {"model": {"w": torch.tensor([1.0, math.nan])}})
+    assert not (tmp_path / "c.pt").exists()
+    torch.save({"format": checkpoint.CHECKPOINT_FORMAT, "model": {"w": torch.tensor([math.inf])}}, tmp_path / "old.pt")
+    with pytest.raises(checkpoint.RunDirError, match="holds non-finite weights"):
+        checkpoint.load_checkpoint(tmp_path / "old.pt")
+
+
+def test_metrics_are_strict_json_with_null_for_non_finite_numbers(tmp_path):
+    checkpoint.write_metrics(tmp_path, [{"kind": "epoch", "val_loss": math.nan, "lr": [math.inf, 1.5]}])
+    text = (tmp_path / checkpoint.METRICS).read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"kind": "epoch", "val_loss": None, "lr": [None, 1.5]}
+
+
+@pytest.mark.parametrize("extra", [("--gpu", "7"), ("--profile", "bad.json"), ("--batch-size-min", "5000")])
+def test_a_run_that_cannot_start_leaves_no_folder(setup, extra):
+    if extra[0] == "--profile":
+        (setup["tmp"] / "bad.json").write_text("{not json")
+        extra = ("--profile", str(setup["tmp"] / "bad.json"))
+    one_line_failure(train(setup, "nothing", *extra))
+    assert not (setup["tmp"] / "nothing").exists()
+
+
+def test_resume_with_fewer_or_more_steps(setup):
+    """Fewer steps than done: said in one line. More: the cosine decay is stretched to the new total, so
+    2 steps resumed to 4 end with the weights of a straight 4-step run (warm-up and data order kept)."""
+    result = train(setup, "short", "--max-steps", "2", "--batch-size", "8")
+    assert result.exit_code == 0 and "done: 2 steps," in result.output, result.output
+    assert "done: 1 step," in train(setup, "one", "--max-steps", "1").output
+    short = setup["tmp"] / "short"
+    result = CliRunner().invoke(main, ["train", "--resume", "--run-dir", str(short), "--max-steps", "1"])
+    assert result.exit_code == 0 and "--max-steps 1: the run has already done 2 steps, nothing to train" \
+        in result.output
+    result = CliRunner().invoke(main, ["train", "--resume", "--run-dir", str(short), "--max-steps", "4"])
+    assert result.exit_code == 0, result.output
+    assert train(setup, "straight", "--max-steps", "4", "--batch-size", "8").exit_code == 0
+    straight = weights(setup["tmp"] / "straight")
+    assert all(torch.equal(straight[k], v) for k, v in weights(short).items())
+
+
+def test_a_run_resumes_from_another_directory(setup, monkeypatch):
+    monkeypatch.chdir(setup["tmp"])
+    result = CliRunner().invoke(main, ["train", "--data", "bars.parquet", "--profiles-dir", "profiles", "--gpu",
+                                       "none", "--run-dir", "rel", "--max-steps", "1", *SPEC_ARGS])
+    assert result.exit_code == 0, result.output
+    saved = load_config(setup["tmp"] / "rel" / checkpoint.CONFIG)
+    assert saved.data == str(setup["data"].resolve()) and Path(saved.profiles_dir).is_absolute()
+    (setup["tmp"] / "elsewhere").mkdir()
+    monkeypatch.chdir(setup["tmp"] / "elsewhere")
+    result = CliRunner().invoke(main, ["train", "--resume", "--run-dir", "../rel", "--max-steps", "2"])
+    assert result.exit_code == 0 and "done: 2 steps" in result.output, result.output
+
+
+def test_es_sample_failures_are_one_line(setup):
+    ticks = setup["tmp"] / "ticks.csv"
+    ticks.write_text("DateTime,Price,Volume\n2013-09-01 17:00:00.1,10,1\n2013-09-01 17:00:01.5,11,2\n")
+    (setup["tmp"] / "afile").write_text("")
+    base = ["data", "es-sample", "--ticks", str(ticks)]
+    line = one_line_failure(CliRunner().invoke(main, [*base, "--out", str(setup["tmp"] / "afile" / "x.parquet")]))
+    assert "cannot write" in line and "choose another --out" in line
+    line = one_line_failure(CliRunner().invoke(main, [*base, "--bar", "0s", "--out", str(setup["tmp"] / "y.parquet")]))
+    assert "--bar '0s' is not a positive length of time" in line
+    result = CliRunner().invoke(main, [*base, "--bar", "1D", "--out", str(setup["tmp"] / "z.parquet")])
+    assert result.exit_code == 0 and "warning: only 1 1D bar, fewer than one window" in result.output

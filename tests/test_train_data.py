@@ -10,12 +10,15 @@ from vramcal.model import N_FEATURES
 from vramcal.train.data import (
     FEATURE_NAMES,
     DataError,
+    check_bars,
     es_sample,
+    few_bars_notice,
     load_bars,
     make_windows,
     mlfinpy_tick_path,
     raw_features,
     ticks_to_bars,
+    write_parquet,
 )
 
 
@@ -61,6 +64,50 @@ def test_bad_bars_are_refused_with_the_reason(tmp_path, change, phrase):
         load_bars(path)
     assert phrase in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def _text_close(b):
+    b = b.assign(close=b["close"].astype(object))
+    b.loc[7, "close"] = "1601.5x"
+    return b
+
+
+def _text_stamp(b):
+    b = b.assign(timestamp=b["timestamp"].astype(str))
+    b.loc[5, "timestamp"] = "yesterday-ish"
+    return b
+
+
+@pytest.mark.parametrize(("change", "phrase"), [
+    (_text_close, "column close is not numeric: row 7 (2024-01-02 09:30:07) holds '1601.5x'"),
+    (_text_stamp, "column timestamp is not a date-time: row 5 holds 'yesterday-ish' (write ISO 8601"),
+    (lambda b: b.assign(timestamp=b["timestamp"].astype("datetime64[us]").astype("int64")),
+     "holds numbers, not date-times (they look like epoch microseconds): convert them first, e.g. "
+     "frame['timestamp'] = pandas.to_datetime(frame['timestamp'], unit='us')"),
+    (lambda b: b.assign(timestamp=b["timestamp"].astype("datetime64[s]").astype("int64")), "unit='s'"),
+])
+def test_bad_columns_are_named_in_our_own_one_line_message(change, phrase):
+    with pytest.raises(DataError) as caught:
+        check_bars(change(synthetic_bars(30)))
+    assert phrase in str(caught.value) and "\n" not in str(caught.value)
+    assert "You might want to try" not in str(caught.value)
+
+
+def test_time_zone_aware_timestamps_become_naive_utc_without_a_warning(tmp_path, recwarn):
+    bars = synthetic_bars(30)
+    bars.assign(timestamp=bars["timestamp"].dt.tz_localize("America/New_York")).to_parquet(tmp_path / "tz.parquet")
+    loaded = load_bars(tmp_path / "tz.parquet")
+    assert loaded["timestamp"].dt.tz is None
+    assert loaded["timestamp"].iloc[0] == pd.Timestamp("2024-01-02 14:30")  # 09:30 EST = 14:30 UTC
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+def test_write_parquet_under_a_file_is_one_data_error(tmp_path):
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(DataError, match=r"cannot write .*afile/x.parquet \(.*\): choose another --out") as caught:
+        write_parquet(synthetic_bars(5), tmp_path / "afile" / "x.parquet")
+    assert caught.value.__context__ is None or not isinstance(caught.value.__context__, NotADirectoryError)
+    assert caught.value.__suppress_context__
 
 
 def test_missing_empty_and_corrupt_files(tmp_path):
@@ -126,6 +173,11 @@ def test_ticks_to_bars_ohlcv():
     assert bars.iloc[1]["timestamp"] == pd.Timestamp("2013-09-01 17:00:03")
     with pytest.raises(DataError, match="not a pandas time offset"):
         ticks_to_bars(ticks, "fortnightly-ish")
+    for bar in ("0s", "-5s"):
+        with pytest.raises(DataError, match=f"--bar '{bar}' is not a positive length of time"):
+            ticks_to_bars(ticks, bar)
+    assert "only 3 1D bars, fewer than one window of the default seq_len 128" in few_bars_notice(3, "1D")
+    assert few_bars_notice(130, "1s") is None
 
 
 def test_es_sample_builds_real_emini_bars(tmp_path):

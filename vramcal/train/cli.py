@@ -52,13 +52,16 @@ def data_group() -> None:
               help="a tick CSV (DateTime, Price, Volume); default: the E-mini S&P 500 sample inside mlfinpy")
 def es_sample_command(bar: str, out: Path, ticks: Path | None) -> None:
     """OHLCV bars from real E-mini S&P 500 futures ticks (September 2013, ~500,000 trades)."""
-    from vramcal.train.data import DataError, es_sample
+    from vramcal.train.data import DataError, es_sample, few_bars_notice
 
     try:
         bars = es_sample(bar, out, ticks)
     except DataError as error:
         raise click.ClickException(str(error)) from None
     first, last = bars["timestamp"].iloc[0], bars["timestamp"].iloc[-1]
+    notice = few_bars_notice(len(bars), bar)
+    if notice:
+        click.echo(f"warning: {notice}", err=True)
     click.echo(f"{len(bars)} bars of {bar} from {first} to {last} -> {out}")
 
 
@@ -69,7 +72,9 @@ def es_sample_command(bar: str, out: Path, ticks: Path | None) -> None:
               help="JSON or TOML file of settings (option names with underscores); options given here win")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="run folder [default: runs/<UTC time>]")
-@click.option("--resume", is_flag=True, help="continue the run in --run-dir from its last checkpoint")
+@click.option("--resume", is_flag=True, help="continue the run in --run-dir from its last checkpoint with its saved "
+              "settings; a new --epochs or --max-steps stretches (or shortens) the cosine LR decay to the new "
+              "total from the current step, keeping the warm-up")
 @click.option("--gpu", default="auto", show_default=True, help="auto | none (the host) | an NVML index | a UUID")
 @click.option("--impl", "implementation", type=click.Choice(IMPLEMENTATIONS), default="auto", show_default=True)
 @spec_options
@@ -137,16 +142,24 @@ def train_command(ctx: click.Context, config_file: Path | None, run_dir: Path | 
             raise click.ClickException(str(error)) from None
         raise
     if last:
-        click.echo(f"done: {last['step']} steps, val_loss {last['val_loss']:.4f} (zero-return "
+        steps = f"{last['step']} step{'' if last['step'] == 1 else 's'}"
+        click.echo(f"done: {steps}, val_loss {last['val_loss']:.4f} (zero-return "
                    f"{last['val_zero_loss']:.4f}), metrics {the_plan.run_dir / 'metrics.jsonl'}, "
                    f"checkpoint {the_plan.run_dir / 'checkpoint-last.pt'}")
 
 
 def _config(config_file: Path | None, options: dict, explicit: dict) -> TrainConfig:
-    """Defaults < config file < options given on the command line."""
-    if config_file is None:
-        return TrainConfig.from_dict(options)
-    return load_config(config_file).replace(**explicit)
+    """Defaults < config file < options given on the command line.
+
+    Raises:
+        ConfigError: the config file is unusable (exit 1). click.BadParameter: an option value the
+            config refuses, such as a non-finite --lr (exit 2).
+    """
+    base = None if config_file is None else load_config(config_file)
+    try:
+        return TrainConfig.from_dict(options) if base is None else base.replace(**explicit)
+    except ConfigError as error:
+        raise click.BadParameter(str(error)) from None
 
 
 def _probe(profiles_dir: str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -45,6 +46,14 @@ class TrainConfig:
         max_steps: stop after this many optimizer steps (None: run all epochs).
         stride: window spacing in bars; None = seq_len // 2 (see :mod:`vramcal.train.data`).
         min_lr_fraction: the cosine decay ends at this fraction of the peak LR.
+
+    Paths (``data``, ``profiles_dir``, a ``profile`` file) are used as given, so relative ones are relative
+    to the current directory. Files written for later use (a run's ``config.json``, the
+    ``best-config.json`` of ``vramcal tune``) hold them made absolute (:meth:`with_absolute_paths`), so
+    ``--resume`` and ``--config`` work from any directory.
+
+    Raises:
+        ConfigError: a value out of range; lr, weight_decay and max_grad_norm must also be finite.
     """
 
     data: str = "data/es_1s.parquet"
@@ -72,11 +81,13 @@ class TrainConfig:
         checks = [
             (self.batch_size is None or self.batch_size >= 1, "batch_size must be >= 1"),
             (self.batch_size_min >= 1, "batch_size_min must be >= 1"),
-            (self.lr > 0, "lr must be > 0"),
+            (math.isfinite(self.lr) and self.lr > 0, f"lr must be a finite number > 0, got {self.lr}"),
             (self.lr_scaling in LR_SCALINGS, f"lr_scaling must be one of {', '.join(LR_SCALINGS)}"),
             (self.reference_batch_size >= 1, "reference_batch_size must be >= 1"),
-            (self.weight_decay >= 0, "weight_decay must be >= 0"),
-            (self.max_grad_norm > 0, "max_grad_norm must be > 0"),
+            (math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+             f"weight_decay must be a finite number >= 0, got {self.weight_decay}"),
+            (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0,
+             f"max_grad_norm must be a finite number > 0, got {self.max_grad_norm}"),
             (self.warmup_steps is None or self.warmup_steps >= 0, "warmup_steps must be >= 0"),
             (0 <= self.min_lr_fraction <= 1, "min_lr_fraction must be in [0, 1]"),
             (self.epochs >= 1, "epochs must be >= 1"),
@@ -123,6 +134,12 @@ class TrainConfig:
         if spec_changes:
             changes["spec"] = dataclasses.replace(changes.get("spec", self.spec), **spec_changes)
         return dataclasses.replace(self, **changes)
+
+    def with_absolute_paths(self) -> TrainConfig:
+        """A copy whose ``data``, ``profiles_dir`` and ``profile`` file (unless ``auto``) are absolute."""
+        profile = self.profile if self.profile == "auto" else str(Path(self.profile).resolve())
+        return dataclasses.replace(self, data=str(Path(self.data).resolve()),
+                                   profiles_dir=str(Path(self.profiles_dir).resolve()), profile=profile)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"

@@ -2,6 +2,8 @@
 
 Bars are a parquet file with columns ``timestamp, open, high, low, close, volume`` (any
 capitalisation; ``datetime``/``date``/``time`` also name the timestamp, or a datetime index).
+Time-zone-aware timestamps are converted to UTC and made naive; numeric (epoch) timestamps are refused,
+as their unit cannot be known.
 
 Features of bar t (``N_FEATURES = 5``), all relative to the previous close ``C[t-1]`` so they are
 scale-free and stationary::
@@ -34,6 +36,7 @@ validation windows: an epoch of the default model is seconds on a GPU and about 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -110,15 +113,17 @@ def check_bars(frame: pd.DataFrame, path: Path | str = "bars") -> pd.DataFrame:
 
     if len(frame) == 0:
         raise DataError(f"{path}: the file holds no rows")
-    try:
-        stamps = pd.to_datetime(frame["timestamp"])
-    except (ValueError, TypeError) as error:
-        raise DataError(f"{path}: column timestamp is not a date-time ({str(error).splitlines()[0][:120]})") from None
-    if stamps.isna().any():
-        raise DataError(f"{path}: timestamp is missing in row {int(np.argmax(stamps.isna().to_numpy()))}")
+    stamps = _timestamps(frame["timestamp"], path)
     values = {}
     for name in COLUMNS[1:]:
-        column = pd.to_numeric(frame[name], errors="coerce").astype("float64").to_numpy()
+        raw = frame[name]
+        numbers = pd.to_numeric(raw, errors="coerce")
+        not_numeric = (numbers.isna() & raw.notna()).to_numpy()
+        if not_numeric.any():
+            row = int(np.argmax(not_numeric))
+            raise DataError(f"{path}: column {name} is not numeric: row {row} ({stamps.iloc[row]}) holds "
+                            f"{str(raw.iloc[row])[:40]!r}; write numbers only")
+        column = numbers.astype("float64").to_numpy()
         bad = ~np.isfinite(column)
         if bad.any():
             row = int(np.argmax(bad))
@@ -147,6 +152,38 @@ def check_bars(frame: pd.DataFrame, path: Path | str = "bars") -> pd.DataFrame:
         raise DataError(f"{path}: duplicate timestamp {stamps.iloc[row]} in rows {row - 1} and {row}; "
                         f"keep one bar per time")
     return pd.DataFrame({"timestamp": stamps.to_numpy(), **values})
+
+
+def _timestamps(column: pd.Series, path: Path | str) -> pd.Series:
+    """``column`` as naive datetime64: time-zone-aware stamps are converted to UTC and made naive.
+
+    Raises:
+        DataError: numbers (epoch times, whose unit cannot be known: the message guesses it and shows
+            the conversion), text that is not a date-time (names the row), or a missing stamp.
+    """
+    import pandas as pd
+
+    if pd.api.types.is_numeric_dtype(column) and not pd.api.types.is_bool_dtype(column):
+        magnitude = float(np.nanmedian(np.abs(column.to_numpy(dtype="float64")))) if len(column) else 0.0
+        unit, words = next((u, w) for u, w, low in (("ns", "nanoseconds", 1e17), ("us", "microseconds", 1e14),
+                                                      ("ms", "milliseconds", 1e11), ("s", "seconds", 0.0))
+                           if magnitude >= low)
+        raise DataError(f"{path}: column timestamp holds numbers, not date-times (they look like epoch {words}): "
+                        f"convert them first, e.g. frame['timestamp'] = pandas.to_datetime(frame['timestamp'], "
+                        f"unit='{unit}')")
+    if not (pd.api.types.is_datetime64_any_dtype(column)):
+        parsed = pd.to_datetime(column, errors="coerce", format="mixed")
+        unreadable = (parsed.isna() & column.notna()).to_numpy()
+        if unreadable.any():
+            row = int(np.argmax(unreadable))
+            raise DataError(f"{path}: column timestamp is not a date-time: row {row} holds "
+                            f"{str(column.iloc[row])[:40]!r} (write ISO 8601, e.g. 2024-01-02 09:30:00)")
+        column = parsed
+    if isinstance(column.dtype, pd.DatetimeTZDtype):
+        column = column.dt.tz_convert("UTC").dt.tz_localize(None)
+    if column.isna().any():
+        raise DataError(f"{path}: timestamp is missing in row {int(np.argmax(column.isna().to_numpy()))}")
+    return column
 
 
 # ------------------------------------------------------------------------------------ E-mini sample
@@ -195,6 +232,8 @@ def ticks_to_bars(ticks: pd.DataFrame, bar: str) -> pd.DataFrame:
         offset = pd.tseries.frequencies.to_offset(bar)
     except ValueError:
         raise DataError(f"--bar {bar!r} is not a pandas time offset: use e.g. 1s, 5s, 1min") from None
+    if offset.n <= 0:
+        raise DataError(f"--bar {bar!r} is not a positive length of time: use e.g. 1s, 5s, 1min")
     series = ticks.set_index(pd.to_datetime(ticks[stamp])).sort_index()
     resampled = series.resample(offset)
     bars = resampled[lower["price"]].ohlc()
@@ -207,7 +246,7 @@ def write_parquet(frame: pd.DataFrame, path: Path | str) -> Path:
     """Write ``frame`` as parquet atomically (a temporary file in the same folder, then ``os.replace``).
 
     Raises:
-        DataError: the folder cannot be created or written.
+        DataError: the folder cannot be created or written (e.g. a part of the path is a file).
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -216,9 +255,23 @@ def write_parquet(frame: pd.DataFrame, path: Path | str) -> Path:
         frame.to_parquet(tmp, index=False)
         os.replace(tmp, path)
     except OSError as error:
-        tmp.unlink(missing_ok=True)
-        raise DataError(f"cannot write {path}: {error.strerror or error}") from None
+        with contextlib.suppress(OSError):  # the folder may not exist, or be a file: nothing to clean
+            tmp.unlink(missing_ok=True)
+        raise DataError(f"cannot write {path} ({error.strerror or error}): choose another --out") from None
     return path
+
+
+def few_bars_notice(n_bars: int, bar: str, seq_len: int | None = None) -> str | None:
+    """A warning when ``n_bars`` make no window of ``seq_len`` bars (default: the default model's), else None."""
+    from vramcal.model import ModelSpec
+
+    seq_len = seq_len or ModelSpec().seq_len
+    need = seq_len + 2
+    if n_bars >= need:
+        return None
+    return (f"only {n_bars} {bar} bar{'' if n_bars == 1 else 's'}, fewer than one window of the default "
+            f"seq_len {seq_len} (needs {need}): "
+            f"`vramcal train` will refuse them; use a shorter --bar")
 
 
 def es_sample(bar: str, out: Path | str, ticks_csv: Path | str | None = None) -> pd.DataFrame:

@@ -12,7 +12,12 @@ printed and recorded in ``metrics.jsonl``. Out-of-memory errors are recognised o
 :func:`vramcal.meters.is_out_of_memory`.
 
 A non-finite loss or gradient norm stops the run before the optimizer steps (the weights stay the last
-good ones) with a :class:`NonFiniteError`; no checkpoint is written after it.
+good ones) with a :class:`NonFiniteError`; so does a non-finite validation loss or weight after an epoch
+(an optimizer step can still overflow the weights). No checkpoint is written after it, and none ever holds
+non-finite weights.
+
+Resuming with another ``epochs`` or ``max_steps``: the warm-up stays as the run started, and the cosine
+decay is stretched (or shortened) to the new total from the current step.
 """
 
 from __future__ import annotations
@@ -133,6 +138,7 @@ class Trainer:
         self.steps_per_epoch = math.ceil(len(self.train_starts) / batch)
         self.total_steps = min(self.config.max_steps or math.inf, self.config.epochs * self.steps_per_epoch)
         self.warmup_steps = (self.config.warmup_steps if self.config.warmup_steps is not None
+                             else state["warmup_steps"] if state is not None and "warmup_steps" in state
                              else max(1, round(0.05 * self.total_steps)))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(
             s, self.warmup_steps, int(self.total_steps), self.config.min_lr_fraction))
@@ -142,6 +148,8 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.progress = Progress(**state["progress"])
+            for group, base_lr in zip(self.optimizer.param_groups, self.scheduler.base_lrs):  # the new total's LR
+                group["lr"] = base_lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
 
     # ------------------------------------------------------------------------------------ batches
 
@@ -264,6 +272,10 @@ class Trainer:
                "step_s_median": statistics.median(step_times) if step_times else None,
                "lr": self.optimizer.param_groups[0]["lr"], "batch_size": batch,
                "micro_batch_size": progress.micro_batch_size, **meter.read(), **self.evaluate()}
+        bad = checkpoint.non_finite_tensors(self.model.state_dict())
+        if not math.isfinite(row["val_loss"]) or bad:
+            bar.close()
+            self._stop_non_finite(row["train_loss"], math.nan, val_loss=row["val_loss"], weights=bad)
         progress.rows.append(row)
         if complete:
             progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
@@ -276,15 +288,26 @@ class Trainer:
         if self.on_epoch is not None:
             self.on_epoch(row)
 
-    def _stop_non_finite(self, loss: float, grad_norm: float) -> None:
-        step = self.progress.step + 1
-        self.progress.rows.append({"kind": "non-finite", "epoch": self.progress.epoch + 1, "step": step,
-                                   "loss": str(loss), "grad_norm": str(grad_norm)})
+    def _stop_non_finite(self, loss: float, grad_norm: float, val_loss: float | None = None,
+                         weights: list[str] | None = None) -> None:
+        """Record the event and raise. During a step: ``loss``, ``grad_norm``; after an epoch's evaluation:
+        ``val_loss`` and the names of non-finite ``weights`` (the step count is then the last one done)."""
+        after_epoch = val_loss is not None
+        step = self.progress.step if after_epoch else self.progress.step + 1
+        event = {"kind": "non-finite", "epoch": self.progress.epoch + 1, "step": step, "loss": str(loss),
+                 "grad_norm": str(grad_norm)}
+        if after_epoch:
+            event.update(val_loss=str(val_loss), weights=list(weights or []))
+            what = "weights" if weights else "validation loss"
+            detail = f"validation loss {val_loss}" + (f", weights {', '.join(weights[:3])}" if weights else "")
+        else:
+            what = "loss" if not math.isfinite(loss) else "gradient norm"
+            detail = f"loss {loss}, gradient norm {grad_norm}"
+        self.progress.rows.append(event)
         checkpoint.write_metrics(self.plan.run_dir, self.progress.rows)
         last = self.plan.run_dir / checkpoint.LAST
         kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint was written yet"
-        raise NonFiniteError(f"non-finite {'loss' if not math.isfinite(loss) else 'gradient norm'} at step {step} "
-                             f"(loss {loss}, gradient norm {grad_norm}): stopped; {kept}. "
+        raise NonFiniteError(f"non-finite {what} at step {step} ({detail}): stopped; {kept}. "
                              f"Try a lower --lr or --max-grad-norm")
 
     def _save(self, row: dict[str, Any]) -> None:
@@ -299,7 +322,7 @@ class Trainer:
                    "config": self.config.to_dict(), "batch": asdict(plan.batch), "lr": plan.lr,
                    "implementation": plan.implementation, "device": plan.device.to_dict(),
                    "profile_path": plan.profile_path, "profile_limits": plan.profile_limits,
-                   "data_stats": plan.windows.stats()}
+                   "data_stats": plan.windows.stats(), "warmup_steps": self.warmup_steps}
         checkpoint.save_checkpoint(plan.run_dir / checkpoint.LAST, payload)
         if improved:
             checkpoint.save_checkpoint(plan.run_dir / checkpoint.BEST, payload)
@@ -311,7 +334,7 @@ def start(plan: Plan, echo: Echo = print, model_factory: Callable = build_model,
 
     ``on_epoch``: see :class:`Trainer`.
     """
-    if state is None:
-        checkpoint.write_json(plan.run_dir / checkpoint.CONFIG, plan.config.to_dict())
+    if state is None:  # absolute paths: --resume works from any directory
+        checkpoint.write_json(plan.run_dir / checkpoint.CONFIG, plan.config.with_absolute_paths().to_dict())
     checkpoint.write_json(plan.run_dir / checkpoint.RUN, plan.record())
     return Trainer(plan, echo=echo, model_factory=model_factory, state=state, on_epoch=on_epoch).run()

@@ -1,7 +1,8 @@
 """Everything decided before the first step: data, run folder, device, implementation, profile, batch, LR.
 
 Checks run cheapest first (spec, data, run folder) so a bad input fails in a second with one line,
-before a device is touched or a calibration started.
+before a device is touched or a calibration started. The run folder is only checked then; it is
+created after every check has passed, so a run that cannot start leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ def plan_run(config: TrainConfig, run_dir: Path, *, probe: ProbeFn | None = None
     spec = config.spec
     spec.validate()
     windows = load_windows(config)
-    checkpoint.prepare_run_dir(run_dir, resume=False)
+    checkpoint.check_run_dir(run_dir, resume=False)  # created only once every check has passed (at the end)
     device, torch_device, notices = pick_device(config.gpu, capacity_bytes)
     if spec.dtype == "bf16-autocast" and device.kind != "cuda":
         raise ConfigError("dtype bf16-autocast is for CUDA GPUs; use --dtype fp32 on the host")
@@ -132,6 +133,7 @@ def plan_run(config: TrainConfig, run_dir: Path, *, probe: ProbeFn | None = None
                       "slope_bytes_per_sample": profile.fit.slope_bytes_per_sample,  # type: ignore[union-attr]
                       "verified": profile.verified}
     lr = scaled_lr(config.lr, batch.batch_size, config.reference_batch_size, config.lr_scaling)
+    checkpoint.prepare_run_dir(run_dir, resume=False)
     return Plan(config=config, run_dir=Path(run_dir), device=device, torch_device=torch_device,
                 implementation=implementation, kernel_path=kernel_path(implementation), batch=batch,
                 profile_path=str(path), profile_limits=profile_limits, lr=lr, windows=windows,
@@ -165,6 +167,13 @@ def plan_resume(run_dir: Path, overrides: dict[str, Any]) -> tuple[Plan, dict[st
     if difference:
         notices.append(f"resuming on other hardware than the run started on ({difference}); the batch size "
                        f"stays {state['batch']['batch_size']}")
+    done = state["progress"]
+    if config.max_steps is not None and done["step"] >= config.max_steps:
+        notices.append(f"--max-steps {config.max_steps}: the run has already done {done['step']} steps, nothing "
+                       f"to train (pass a larger --max-steps to go on)")
+    elif done["epoch"] >= config.epochs:
+        notices.append(f"--epochs {config.epochs}: the run has already done {done['epoch']} epochs, nothing "
+                       f"to train (pass a larger --epochs to go on)")
     implementation = state["implementation"]
     resolve_implementation(implementation, device.kind)
     plan = Plan(config=config, run_dir=run_dir, device=device, torch_device=torch_device,
