@@ -8,6 +8,7 @@ synthetic bars (18 training windows). One tune is run once per module: interrupt
 from __future__ import annotations
 
 import json
+import os
 
 import optuna
 import pytest
@@ -175,3 +176,43 @@ def test_a_trial_is_pruned_after_the_epoch_that_reports_it_hopeless(paths, tmp_p
         assert t.state == TrialState.PRUNED and t.user_attrs["epochs"] == 1
         assert list(t.intermediate_values) == [1] and t.user_attrs["val_loss"] == t.intermediate_values[1]
         assert (tmp_path / "trials" / f"{t.number:04d}" / checkpoint.LAST).is_file()
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
+def test_trials_of_a_killed_worker_are_marked_failed_on_resume(tmp_path):
+    """A RUNNING trial whose process on this host is gone (kill -9) is failed before the study goes on;
+    one of a live worker is left running."""
+    import subprocess
+    import sys
+
+    from vramcal.tune import BatchBounds, TuneSettings, open_storage, open_study, run_study, worker_id
+    from vramcal.tune_report import format_table
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = worker_id().rpartition(":")[0]
+    storage = open_storage(f"sqlite:///{tmp_path / STUDY_DB}")
+    study, settings, _ = open_study(storage, "killed", TuneSettings(), seed=0, n_initial=1)
+    study.ask().set_user_attr("worker", f"{host}:{int(dead.stdout)}")
+    study.ask().set_user_attr("worker", f"{host}:{os.getppid()}")  # alive
+    messages = []
+    assert run_study(study, settings, BatchBounds(1, 1, "p", 1, 1), tmp_path, 0, echo=messages.append) == 0
+    assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.RUNNING]
+    assert messages == ["trial 0: fail (its worker process is gone)"]
+    assert format_table(study).splitlines()[2].split("|")[2].strip() == "fail"  # trial 0's row
+
+
+def test_best_config_holds_absolute_paths(tuned, monkeypatch, tmp_path):
+    from vramcal.train.config import TrainConfig
+    from vramcal.tune import TuneSettings
+    from vramcal.tune_report import best_config
+
+    monkeypatch.chdir(tmp_path)
+    study = optuna.load_study(study_name=DEFAULT_STUDY_NAME, storage=f"sqlite:///{tuned['run_dir'] / STUDY_DB}")
+    config = best_config(study, TuneSettings(base=TrainConfig(data="bars.parquet", profiles_dir="profiles")))
+    assert (config.data, config.profiles_dir) == (str(tmp_path / "bars.parquet"), str(tmp_path / "profiles"))
+
+
+@pytest.mark.parametrize("extra", [("--lr-range", "1e-5", "inf"), ("--weight-decay-range", "0", "nan")])
+def test_non_finite_ranges_exit_2(paths, extra):
+    result = tune(paths, *extra, run="inf")
+    assert result.exit_code == 2 and "bounds must be finite numbers" in result.output

@@ -12,7 +12,7 @@ Search: TPE (``optuna.samplers.TPESampler``, Bergstra et al. 2011) after ``n_ini
 trials, over the learning rate (log), the batch size (log, integer), the weight decay and the gradient
 clip norm (log). Each trial is a real ``vramcal train`` run (:func:`vramcal.train.plan.plan_run` and
 :func:`vramcal.train.loop.start`, the same code as the command) of ``epochs`` epochs or ``max_steps``
-steps in ``<run_dir>/trials/<number>``; its value is its lowest validation loss (what
+steps in ``<run_dir>/trials/<number>`` (zero-padded: ``trials/0000``); its value is its lowest validation loss (what
 ``checkpoint-best.pt`` holds). After every epoch the validation loss goes to ``trial.report`` and a
 median pruner (``optuna.pruners.MedianPruner``) stops trials worse than the median of earlier ones at
 the same epoch. A non-finite loss (the learning rate was too high) ends a trial as pruned, so TPE
@@ -22,8 +22,9 @@ Trials run in this process, not in a subprocess each like the probe's: pruning n
 inside the training loop; out-of-memory is already handled by the trainer's micro-batch fallback; and
 the model, data and CUDA context are set up once rather than per trial (seconds per trial on a GPU).
 The caching allocator is emptied between trials. A crash that kills the process loses only the running
-trial: the study lives in a database and ``--resume`` continues it (a killed trial is marked failed by
-optuna's heartbeat once its grace period has passed).
+trial: the study lives in a database and ``--resume`` continues it. A killed trial is marked failed
+(:func:`fail_dead_trials`) when the study is resumed or joined: at once when it ran on this host in a
+process that is gone, otherwise by optuna's heartbeat once its grace period has passed.
 
 Storage: SQLite at ``<run_dir>/study.db`` by default, or any URL optuna's ``RDBStorage`` opens
 (``postgresql://``, ``mysql://``, ``sqlite:///``). Several processes or machines given the same
@@ -36,6 +37,9 @@ The trials table, the best configuration and the PNG are made by :mod:`vramcal.t
 from __future__ import annotations
 
 import gc
+import math
+import os
+import socket
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -99,7 +103,10 @@ class TuneSettings:
 
 
 def check_range(name: str, low: float, high: float, positive: bool = False) -> None:
-    """Raises: TuneError when ``low > high``, a bound is negative, or (``positive``) not above 0."""
+    """Raises: TuneError when a bound is not finite, ``low > high``, a bound is negative, or (``positive``)
+    not above 0."""
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise TuneError(f"{name}: bounds must be finite numbers, got {low:g} {high:g}")
     if low > high:
         raise TuneError(f"{name}: the low end {low:g} is above the high end {high:g}")
     if low < 0 or (positive and low <= 0):
@@ -231,6 +238,50 @@ def open_study(storage, study_name: str, settings: TuneSettings | None, seed: in
     return study, settings, existed
 
 
+def worker_id() -> str:
+    """``<host>:<pid>`` of this process, kept in each trial's ``worker`` user attribute."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _process_is_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # PermissionError: it exists, under another user
+        return False
+    return False
+
+
+def fail_dead_trials(study) -> list[int]:
+    """Mark RUNNING trials whose process is dead as FAIL, before a resumed or joining worker goes on.
+
+    A trial is dead when its ``worker`` ran on this host and that process no longer exists (a ``kill -9``
+    or a crash), or when optuna's heartbeat is older than the grace period
+    (:func:`optuna.storages.fail_stale_trials`, any host). Trials of live workers are left alone.
+
+    Returns:
+        The numbers of the trials marked failed.
+    """
+    import optuna
+    from optuna.trial import TrialState
+
+    before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+    host = socket.gethostname()
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        worker_host, _, pid = str(trial.user_attrs.get("worker", "")).rpartition(":")
+        if worker_host == host and pid.isdigit() and int(pid) != os.getpid() and _process_is_gone(int(pid)):
+            try:
+                study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass  # it finished meanwhile
+    still = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    return sorted(before - still)
+
+
 def finished(study) -> int:
     """Trials that count towards ``--trials``: complete or pruned."""
     from optuna.trial import TrialState
@@ -242,6 +293,8 @@ def run_study(study, settings: TuneSettings, bounds: BatchBounds, run_dir: Path,
               echo: Echo = print, capacity_bytes: int | None = None) -> int:
     """Run trials until the study has ``n_trials`` complete or pruned ones (across all its workers).
 
+    Trials left RUNNING by a killed worker are marked failed first (:func:`fail_dead_trials`).
+
     Returns:
         The number of trials this call ran.
     """
@@ -249,6 +302,8 @@ def run_study(study, settings: TuneSettings, bounds: BatchBounds, run_dir: Path,
     from optuna.study import MaxTrialsCallback
     from optuna.trial import TrialState
 
+    for number in fail_dead_trials(study):
+        echo(f"trial {number}: fail (its worker process is gone)")
     remaining = n_trials - finished(study)
     if remaining <= 0:
         return 0
@@ -288,6 +343,7 @@ class Objective:
         from vramcal.train import loop
         from vramcal.train.plan import plan_run
 
+        trial.set_user_attr("worker", worker_id())
         config = self.config(trial)
         plan = plan_run(config, self.run_dir / "trials" / f"{trial.number:04d}", capacity_bytes=self.capacity_bytes)
         batch = plan.batch

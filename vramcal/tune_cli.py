@@ -33,7 +33,7 @@ def _range(name: str, default: tuple[float, float], help_text: str):
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="JSON or TOML file of fixed training settings; options given here win")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="tune folder: study.db, trials/<n>/, trials.md, best-config.json, tune.png "
+              help="tune folder: study.db, trials/<nnnn>/ (trials/0000/, ...), trials.md, best-config.json, tune.png "
                    "[default: runs/tune-<UTC time>]")
 @click.option("--resume", is_flag=True, help="continue the study in --run-dir (or --storage/--study-name)")
 @click.option("--storage", default=None, help="optuna storage URL (sqlite:///..., postgresql://...) "

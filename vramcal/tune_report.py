@@ -55,13 +55,15 @@ def best_trial(study):
 
 
 def best_config(study, settings: TuneSettings) -> TrainConfig | None:
-    """The best trial's training settings, with the batch size it actually used."""
+    """The best trial's training settings, with the batch size it actually used, and absolute paths
+    (:meth:`TrainConfig.with_absolute_paths`) so ``vramcal train --config`` works from any directory."""
     best = best_trial(study)
     if best is None:
         return None
     p = best.params
     return settings.base.replace(lr=p["lr"], batch_size=best.user_attrs.get("batch_size_used", p["batch_size"]),
-                                 weight_decay=p["weight_decay"], max_grad_norm=p["max_grad_norm"])
+                                 weight_decay=p["weight_decay"],
+                                 max_grad_norm=p["max_grad_norm"]).with_absolute_paths()
 
 
 def write_results(study, settings: TuneSettings, bounds: BatchBounds, run_dir: Path) -> dict[str, Path]:
