@@ -96,6 +96,19 @@ def test_parse_gpu_list():
             parse_gpu_list(bad)
 
 
+@pytest.mark.parametrize(("gpus", "phrase"), [
+    ("Z=24", "'Z=24': 24 is below the minimum of 1.00 MiB"),
+    ("X=0", "'X=0': 0 is below the minimum of 1.00 MiB"),
+    ("A=12GiB,a=16GiB", "'a' is given twice"),
+])
+def test_limits_refuses_tiny_sizes_and_duplicate_names_with_exit_2(tmp_path, gpus, phrase):
+    path = save_profile(gpu_profile(), tmp_path / "gpu.json")
+    result = CliRunner().invoke(limits_command, [str(path), "--gpus", gpus])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert phrase in result.output
+    assert parse_gpu_list("A=1MiB")[0].total_bytes == 2**20  # the minimum itself is a card
+
+
 # ---------------------------------------------------------------------------------------------- reports
 
 def test_report_of_a_gpu_profile_has_a_real_png_and_the_computed_numbers(tmp_path):

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vramcal.limits import Limits, compute_limits
-from vramcal.units import parse_bytes
+from vramcal.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
     from vramcal.profile import Profile
 
 MIB = 2**20
+MIN_GPU_BYTES = MIB  # as --capacity: a smaller --gpus size is a missing unit, not a card
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,10 @@ def parse_gpu_list(text: str) -> list[GpuModel]:
     Sizes go through :func:`vramcal.units.parse_bytes` (GiB binary, GB decimal).
 
     Raises:
-        ValueError: an entry without ``=``, an empty name, or a size that cannot be read; the message
-            names the entry and shows the expected form.
+        ValueError: an entry without ``=``, an empty name, a size that cannot be read or is below 1 MiB
+            (as ``--capacity``), or a name given twice (any case); the message names the entry.
     """
-    gpus = []
+    gpus: list[GpuModel] = []
     for entry in (part.strip() for part in text.split(",")):
         if not entry:
             continue
@@ -90,6 +91,11 @@ def parse_gpu_list(text: str) -> list[GpuModel]:
             total_bytes = parse_bytes(size)
         except ValueError as error:
             raise ValueError(f"--gpus entry {entry!r}: {error}") from None
+        if total_bytes < MIN_GPU_BYTES:
+            raise ValueError(f"--gpus entry {entry!r}: {size.strip()} is below the minimum of "
+                             f"{format_bytes(MIN_GPU_BYTES)}; write a unit, e.g. 24GiB")
+        if any(g.label.casefold() == name.strip().casefold() for g in gpus):
+            raise ValueError(f"--gpus entry {entry!r}: {name.strip()!r} is given twice; name each card once")
         gpus.append(GpuModel(name.strip(), total_bytes, f"--gpus {size.strip()}"))
     return gpus
 
