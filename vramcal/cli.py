@@ -115,6 +115,9 @@ def probe(gpu, capacity, implementation, reserve, margin, conservative_fraction,
         raise click.ClickException(str(error)) from None
     if notice:
         click.echo(notice)
+    if devices[0].kind == "host" and capacity is None:
+        click.echo(f"calibrating all of the host's {devices[0].total_source} "
+                   f"({format_bytes(devices[0].total_bytes)}); pass --capacity, e.g. 4GiB, to budget less")
     if out is not None and len(devices) > 1:
         raise click.BadParameter("--out names one file; with --gpu all, use --profiles-dir", param_hint="--out")
     for device in devices:

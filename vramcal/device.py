@@ -272,9 +272,7 @@ def select(gpu: str, capacity_bytes: int | None = None,
 
 
 def _host_notice(reason: str, capacity_bytes: int | None) -> str:
-    if capacity_bytes is not None:
-        return f"{reason}: using the host's memory instead"
-    return f"{reason}: using the host's memory instead, all of it (pass --capacity, e.g. 4GiB, to budget less)"
+    return f"{reason}: using the host's memory instead"
 
 
 def _narrow(device: Device, capacity_bytes: int) -> Device:
