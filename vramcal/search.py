@@ -3,7 +3,8 @@
 Separate from the code that runs trials (Accelerate's injectable back-off is the model), so it is
 tested with recorded and fake trials. The policy:
 
-1. **Grow** from ``start_batch_size`` while far from the limit: double with one point; then aim at half
+1. **Grow** from ``start_batch_size`` while far from the limit: x8 with one point (the smallest batches
+   sit on a flat start on CPUs, where the first samples fit in memory already mapped); then aim at half
    of the batch size where the line through the measured points (two points, or the fit once there are
    three) reaches usable memory, at most ``max_growth`` times the largest fitting batch, and never at or
    above a batch size that already failed. "Far" means the largest fitting batch is below
@@ -11,7 +12,9 @@ tested with recorded and fake trials. The policy:
 2. **Fit** once at least three trials finished (over-budget ones included: they are measurements),
    and compute the limits (:mod:`vramcal.limits`), with the safe batch size kept below the smallest
    batch size that failed (out of memory, over usable memory, timeout or crash).
-3. **Verify** with real trials at the safe, then the conservative batch size. A failure there is a
+3. **Verify** with real trials at the safe (a little below the computed size, within
+   ``snap_tolerance / 2``, so the refit that the new point causes does not leave it above the moved
+   limit), then the conservative batch size. A failure there is a
    data point: the limit comes down and the next call proposes the new sizes; when a real failure,
    not the fit, binds the limit, the safe size is found by bisection between the largest fitting
    batch and the smallest failed one. A limit is *settled*
@@ -143,11 +146,17 @@ def next_batch_size(trials: Sequence[Trial], settings: SearchSettings) -> Step |
     if state.limits is None or state.limits.safe_batch_size < 1:
         return None
     tried = {t.batch_size for t in trials}
-    if state.safe_trial is None and state.limits.safe_batch_size not in tried:
-        return Step(state.limits.safe_batch_size, "verify-safe")
-    if state.conservative_trial is None and state.limits.conservative_batch_size not in tried \
-            and state.limits.conservative_batch_size >= 1:
-        return Step(state.limits.conservative_batch_size, "verify-conservative")
+    if state.safe_trial is None:
+        # A little below the target, inside its snap window: the verification adds a point that moves
+        # the refit, and a trial still inside the moved window settles the limit instead of chasing it.
+        target = state.limits.safe_batch_size
+        below = max(1, math.floor(target * (1 - settings.snap_tolerance / 2)))
+        for batch_size in (below, target):
+            if batch_size not in tried:
+                return Step(batch_size, "verify-safe")
+    conservative = state.limits.conservative_batch_size  # floor(fraction x the settled safe size)
+    if state.conservative_trial is None and conservative >= 1 and conservative not in tried:
+        return Step(conservative, "verify-conservative")
     return None
 
 
@@ -160,7 +169,7 @@ def _grow_target(trials: Sequence[Trial], settings: SearchSettings) -> int | Non
     estimate = _estimated_limit(trials, fitting, usable)
     n_points = len({t.batch_size for t in trials if t.ok})
     if estimate is None:
-        target = largest * (2 if len(fitting) == 1 else 8)
+        target = largest * 8  # one point, or a line that does not rise yet: no estimate to aim at
     elif n_points >= 3 and largest >= settings.far_fraction * estimate:
         return None  # close enough: fit and verify
     else:
