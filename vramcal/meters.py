@@ -58,6 +58,14 @@ def peak_data_bytes() -> int:
     return status["VmPeak"] - (status["VmSize"] - status["VmData"])
 
 
+def host_peaks() -> dict[str, int]:
+    """DESIGN.md's host ``peak_bytes`` with its sources: the larger of the resident peak (VmHWM, since
+    the last :func:`reset_peak_rss`) and the data-segment peak (:func:`peak_data_bytes`, whole process
+    life), the figure that the host budget ``RLIMIT_DATA`` limits."""
+    rss_peak, data_peak = read_status_bytes("VmHWM"), peak_data_bytes()
+    return {"peak_bytes": max(rss_peak, data_peak), "rss_peak_bytes": rss_peak, "data_peak_bytes": data_peak}
+
+
 def reset_peak_rss() -> bool:
     """Reset this process's VmHWM to its current RSS (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0).
 
@@ -153,6 +161,17 @@ def torch_cuda_peaks() -> dict[str, int]:
 
     return {"torch_max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
             "torch_max_reserved_bytes": int(torch.cuda.max_memory_reserved())}
+
+
+def cuda_peaks(sampler: NvmlSampler, nvml_overhead_bytes: int) -> dict[str, Any]:
+    """DESIGN.md's GPU ``peak_bytes`` with its sources, since the last resets of ``sampler`` and torch:
+    ``max(NVML peak, nvml_overhead_bytes + torch.cuda.max_memory_reserved())``."""
+    torch_peaks = torch_cuda_peaks()
+    nvml_peak = sampler.peak_bytes()
+    return {"peak_bytes": max(nvml_peak, nvml_overhead_bytes + torch_peaks["torch_max_reserved_bytes"]),
+            "nvml_peak_bytes": nvml_peak,
+            "nvml_source": "process" if sampler.process_peak_bytes is not None else "device-delta",
+            "nvml_overhead_bytes": nvml_overhead_bytes, **torch_peaks}
 
 
 def torch_cuda_reset_peaks() -> None:

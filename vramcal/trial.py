@@ -247,7 +247,7 @@ def _timed_steps(step, n_steps: int, device_kind: str) -> list[float]:
 
 
 def _measure_host(request: TrialRequest) -> dict[str, Any]:
-    from vramcal.meters import peak_data_bytes, read_status_bytes, reset_peak_rss
+    from vramcal.meters import host_peaks, reset_peak_rss
 
     start = time.perf_counter()
     step = _training_setup(request, "cpu")
@@ -255,9 +255,7 @@ def _measure_host(request: TrialRequest) -> dict[str, Any]:
     _timed_steps(step, request.warmup_steps, "host")
     reset_peak_rss()
     step_times = _timed_steps(step, request.measured_steps, "host")
-    rss_peak, data_peak = read_status_bytes("VmHWM"), peak_data_bytes()
-    return _summary(request, step_times, build_s, peak_bytes=max(rss_peak, data_peak), rss_peak_bytes=rss_peak,
-                    data_peak_bytes=data_peak)
+    return _summary(request, step_times, build_s, **host_peaks())
 
 
 def _measure_cuda(request: TrialRequest) -> dict[str, Any]:
@@ -274,12 +272,7 @@ def _measure_cuda(request: TrialRequest) -> dict[str, Any]:
         nvml_overhead = sampler.current_bytes() - meters.torch_cuda_reserved_bytes()
         sampler.reset_peaks()
         step_times = _timed_steps(step, request.measured_steps, "cuda")
-    torch_peaks = meters.torch_cuda_peaks()
-    nvml_peak = sampler.peak_bytes()
-    peak = max(nvml_peak, nvml_overhead + torch_peaks["torch_max_reserved_bytes"])
-    return _summary(request, step_times, build_s, peak_bytes=peak, nvml_peak_bytes=nvml_peak,
-                    nvml_source="process" if sampler.process_peak_bytes is not None else "device-delta",
-                    nvml_overhead_bytes=nvml_overhead, **torch_peaks)
+    return _summary(request, step_times, build_s, **meters.cuda_peaks(sampler, nvml_overhead))
 
 
 def _summary(request: TrialRequest, step_times: list[float], build_s: float, **figures: Any) -> dict[str, Any]:

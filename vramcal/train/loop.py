@@ -79,8 +79,11 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_fraction: floa
 
 
 class PeakMeter:
-    """Peak memory of this process during an epoch: VmHWM on the host; on CUDA, DESIGN.md's peak_bytes
-    (max of NVML's per-process figure, sampled, and NVML overhead + ``torch.cuda.max_memory_reserved``)."""
+    """Peak memory of this process during an epoch. On CUDA, a probe trial's definition
+    (:func:`vramcal.meters.cuda_peaks`). On the host, the resident peak (VmHWM) only: a trial's
+    ``peak_bytes`` also takes the data-segment peak because its budget is ``RLIMIT_DATA``, but the
+    trainer runs under no such limit, and its parquet reader's allocator reserves address space it never
+    touches (a data-segment peak ~1 GiB above the resident one on the E-mini bars)."""
 
     def __init__(self, plan: Plan) -> None:
         self.kind = plan.device.kind
@@ -105,9 +108,8 @@ class PeakMeter:
         meters.synchronize("cuda")
         sampler = self._sampler
         overhead = sampler.current_bytes() - meters.torch_cuda_reserved_bytes()  # type: ignore[union-attr]
-        reserved = meters.torch_cuda_peaks()["torch_max_reserved_bytes"]
-        return {"peak_bytes": max(sampler.peak_bytes(), overhead + reserved),  # type: ignore[union-attr]
-                "peak_source": "max(NVML, overhead + torch max reserved)", "torch_max_reserved_bytes": reserved}
+        return {**meters.cuda_peaks(sampler, overhead),  # type: ignore[arg-type]
+                "peak_source": "max(NVML, overhead + torch max reserved)"}
 
     def close(self) -> None:
         if self._sampler is not None:
