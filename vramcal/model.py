@@ -21,6 +21,7 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import math
 import sys
 import types
 from dataclasses import dataclass
@@ -95,7 +96,7 @@ class ModelSpec:
             raise ValueError(
                 f"d_model x expand = {self.d_inner} is not divisible by headdim {self.headdim}: "
                 f"use headdim in {divisors or 'a divisor of ' + str(self.d_inner)}, "
-                f"or a d_model that is a multiple of {self.headdim // _gcd(self.headdim, self.expand)}")
+                f"or a d_model that is a multiple of {self.headdim // math.gcd(self.headdim, self.expand)}")
         if self.n_heads % self.n_groups:
             raise ValueError(f"n_heads = {self.n_heads} is not divisible by n_groups {self.n_groups}")
         if self.chunk_size & (self.chunk_size - 1):
@@ -146,12 +147,6 @@ class ModelSpec:
                  + 3 * self.n_heads + self.d_inner + self.d_inner * self.d_model + self.d_model)
         return ((self.n_features + 1) * self.d_model + self.n_layers * block + self.d_model
                 + self.d_model + 1)
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 def mamba_ssm_available() -> bool:
