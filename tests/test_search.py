@@ -99,3 +99,20 @@ def test_recorded_host_trials_settle_instead_of_creeping_upward():
     state = settle(recorded, settings)
     assert state.safe_trial.batch_size == 114 and state.limits.safe_batch_size == 114
     assert next_batch_size(recorded, settings) == Step(102, "verify-conservative")
+
+
+def test_calibration_names_the_first_trials_failure_in_plain_words():
+    import pytest
+
+    from vramcal.device import Device
+    from vramcal.model import ModelSpec
+    from vramcal.probe import CalibrationError, calibrate
+
+    class OomRunner:  # fake at the hardware boundary: every trial runs out of memory
+        def run(self, request, purpose=""):
+            return Trial(request.batch_size, "oom", error="Traceback ...\nRuntimeError: can't allocate memory\n")
+
+    host = Device(kind="host", name="test host", total_bytes=8 * GIB, total_source="--capacity")
+    with pytest.raises(CalibrationError) as caught:
+        calibrate(host, ModelSpec(), "transformers", runner=OomRunner())
+    assert "(it ended with oom: RuntimeError: can't allocate memory);" in str(caught.value)

@@ -85,8 +85,9 @@ def calibrate(device: Device, spec: ModelSpec, implementation: str = "auto",
     wall_s = time.perf_counter() - started
     first = trials[0]
     if not first.fits(search.usable_bytes):
+        last_line = (first.error or "").strip().splitlines()[-1:] or [""]
         why = (f"its peak was {format_bytes(first.peak_bytes)}" if first.ok
-               else f"it ended with {first.status}: {(first.error or '').splitlines()[-1:] or ''}")
+               else f"it ended with {first.status}: {last_line[0]}")
         raise CalibrationError(
             f"batch_size {first.batch_size} does not fit in the usable {format_bytes(search.usable_bytes)} "
             f"of {device.name} ({why}); give a larger --capacity, a smaller --reserve or --margin, "

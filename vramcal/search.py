@@ -135,9 +135,7 @@ def next_batch_size(trials: Sequence[Trial], settings: SearchSettings) -> Step |
         return Step(settings.start_batch_size, "grow")
     if len(trials) >= settings.max_trials:
         return None
-    usable = settings.usable_bytes
-    fitting = [t.batch_size for t in trials if t.fits(usable)]
-    if not fitting:
+    if not any(t.fits(settings.usable_bytes) for t in trials):
         return None  # the smallest batch already failed: nothing fits
     grow = _grow_target(trials, settings)
     if grow is not None:

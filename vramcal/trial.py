@@ -159,7 +159,6 @@ def _child(sender: Any, request: TrialRequest, started: float, caller_pid: int) 
         result = measure(request)
     except BaseException as error:  # noqa: BLE001 - everything becomes a recorded status
         result = _failure(error)
-        del error
     result["startup_s"] = startup_s
     sender.send(result)
     sender.close()
