@@ -10,7 +10,7 @@ whole wall time).
 
 Tools:
 
-* ``vramcal``: :func:`vramcal.probe.calibrate` on ``host_device(capacity_bytes=budget)``.
+* ``vramcal``: :func:`vramcal.calibrate.probe.calibrate` on ``host_device(capacity_bytes=budget)``.
 * ``lightning-binsearch`` / ``lightning-power``: ``lightning.pytorch.tuner.Tuner.scale_batch_size``
   with its defaults (``init_val=2``, ``max_trials=25``, ``steps_per_trial=3``, binsearch ``margin=0.05``)
   on the same model in a LightningModule.
@@ -60,9 +60,9 @@ def _random_bars(spec, length: int = 2**24):
 # ------------------------------------------------------------------------------------------ vramcal
 
 def run_vramcal(request: dict) -> dict[str, Any]:
-    from vramcal.device import host_device
-    from vramcal.limits import LimitSettings
-    from vramcal.probe import calibrate
+    from vramcal.calibrate.limits import LimitSettings
+    from vramcal.calibrate.probe import calibrate
+    from vramcal.measure.device import host_device
 
     trials: list[dict] = []
     trial_start = [time.time()]
@@ -179,7 +179,7 @@ def run_survive(request: dict) -> dict[str, Any]:
     """``steps`` training steps at ``batch_size``; status ``ok`` or ``oom`` (classified by vramcal)."""
     import torch
 
-    from vramcal.meters import is_out_of_memory, read_status_bytes
+    from vramcal.measure.meters import is_out_of_memory, read_status_bytes
     from vramcal.model import build_model
     from vramcal.train.step import make_optimizer, train_step
 

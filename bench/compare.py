@@ -3,7 +3,7 @@
 ``python -m bench.compare --spec small --budget 1.5GiB`` runs, for one ModelSpec and memory budget:
 
 1. the ground truth: the largest batch size whose real trial (1 warm-up + 2 measured steps, vramcal's
-   :class:`~vramcal.trial.TrialRunner`) finishes under the budget, by doubling then bisection; cached
+   :class:`~vramcal.measure.trial.TrialRunner`) finishes under the budget, by doubling then bisection; cached
    in the results JSON and reused unless ``--refresh-truth``;
 2. each tool (``vramcal``, ``lightning-binsearch``, ``lightning-power``, ``accelerate``) in a fresh
    Python process (:mod:`bench.child`), timed from process launch to exit;
@@ -70,8 +70,8 @@ def run_child(tool: str, request: dict, budget_bytes: int, timeout_s: float = 18
 def ground_truth(spec: ModelSpec, budget_bytes: int) -> dict[str, Any]:
     """Largest batch size whose real trial finishes under ``RLIMIT_DATA = budget_bytes``: double from 1
     until a trial fails, then bisect until the fitting and failing sizes are adjacent."""
-    from vramcal.device import host_device
-    from vramcal.trial import TrialRequest, TrialRunner
+    from vramcal.measure.device import host_device
+    from vramcal.measure.trial import TrialRequest, TrialRunner
 
     runner, device = TrialRunner(timeout_s=1800), host_device(capacity_bytes=budget_bytes)
     trials: list[dict] = []
@@ -131,7 +131,7 @@ def check_limit_binds(budget_bytes: int) -> dict[str, Any]:
 def environment(budget_bytes: int) -> dict[str, Any]:
     import importlib.metadata
 
-    from vramcal.device import host_device
+    from vramcal.measure.device import host_device
 
     versions = {"python": platform.python_version()}
     for package in ("vramcal", "torch", "transformers", "lightning", "accelerate"):

@@ -33,7 +33,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vramcal.device import select
+from vramcal.measure.device import select
 from vramcal.model import ModelSpec, resolve_implementation
 from vramcal.train.sizing import resolve_profile
 from vramcal.units import format_bytes

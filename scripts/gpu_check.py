@@ -13,13 +13,13 @@ import math
 import time
 from pathlib import Path
 
-from vramcal.cli import summary
-from vramcal.device import select
-from vramcal.limits import LimitSettings
+from vramcal.calibrate.limits import LimitSettings
+from vramcal.calibrate.probe import calibrate
+from vramcal.cli.console import summary
+from vramcal.measure.device import select
+from vramcal.measure.trial import TrialRequest, TrialRunner
 from vramcal.model import ModelSpec, resolve_implementation
-from vramcal.probe import calibrate
 from vramcal.profile import profile_path, save_profile
-from vramcal.trial import TrialRequest, TrialRunner
 
 SPECS = {
     "default": ModelSpec(dtype="bf16-autocast"),

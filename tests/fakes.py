@@ -5,7 +5,7 @@ from __future__ import annotations
 import types
 from collections.abc import Callable
 
-from vramcal.trial import Trial
+from vramcal.records import Trial
 
 GIB = 2**30
 
@@ -15,7 +15,7 @@ def run_policy(memory: Callable[[int], float], settings, oom_above: int | None =
 
     A batch above ``oom_above`` (or whose peak exceeds the device's total) is recorded as ``oom``.
     """
-    from vramcal.search import next_batch_size
+    from vramcal.calibrate.search import next_batch_size
 
     trials: list[Trial] = []
     while (step := next_batch_size(trials, settings)) is not None:

@@ -6,12 +6,11 @@ with a trial over budget, one out of memory, and verification at the safe and co
 
 from __future__ import annotations
 
-from vramcal.device import Device
-from vramcal.fit import fit_linear
-from vramcal.limits import LimitSettings, compute_limits
+from vramcal.calibrate.fit import fit_linear
+from vramcal.calibrate.limits import LimitSettings, compute_limits
 from vramcal.model import ModelSpec
 from vramcal.profile import Profile, Verification
-from vramcal.trial import Trial
+from vramcal.records import Device, Trial
 
 GIB = 2**30
 SEED_OVERHEAD_BYTES = int(0.529e9)

@@ -43,7 +43,7 @@ def test_nonsense_options_exit_2_with_one_line(args, message):
 
 
 def test_gpu_index_that_does_not_exist(monkeypatch):
-    monkeypatch.setattr("vramcal.device.load_nvml", lambda: fake_nvml([L4]))
+    monkeypatch.setattr("vramcal.measure.device.load_nvml", lambda: fake_nvml([L4]))
     result = invoke("probe", "--gpu", "7")
     assert result.exit_code == 1
     assert "--gpu 7: this machine has 1 GPU(s) (indices: 0)" in one_line_error(result)
@@ -100,7 +100,7 @@ def test_show_missing_profile():
 
 
 def test_atomic_writes_leave_the_usual_file_mode_and_no_temporary_files(tmp_path):
-    from vramcal.profile import atomic_write_text
+    from vramcal.files import atomic_write_text
 
     mask = os.umask(0o022)
     try:

@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from vramcal.device import DeviceError, NvmlError, host_device, list_gpus, select
-from vramcal.meters import NvmlSampler
+from vramcal.measure.device import DeviceError, NvmlError, host_device, list_gpus, select
+from vramcal.measure.meters import NvmlSampler
 
 from fakes import GIB, H200, L4, fake_nvml
 

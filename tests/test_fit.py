@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from vramcal.fit import Fit, fit_linear
+from vramcal.calibrate.fit import Fit, fit_linear
 
 GIB = 2**30
 

@@ -8,9 +8,9 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_gpu_trial_peak_covers_allocator_and_nvml():
-    from vramcal.device import select
+    from vramcal.measure.device import select
+    from vramcal.measure.trial import TrialRequest, TrialRunner
     from vramcal.model import ModelSpec
-    from vramcal.trial import TrialRequest, TrialRunner
 
     (device,), _ = select("0")
     spec = ModelSpec(d_model=64, n_layers=2, d_state=32, headdim=32, seq_len=128, chunk_size=64)

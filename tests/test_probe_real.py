@@ -7,10 +7,10 @@ from click.testing import CliRunner
 from scipy import stats
 
 from vramcal.cli import main
-from vramcal.device import host_device
+from vramcal.measure.device import host_device
+from vramcal.measure.trial import TrialRequest, TrialRunner
 from vramcal.model import ModelSpec
 from vramcal.profile import load_profile, save_profile
-from vramcal.trial import TrialRequest, TrialRunner
 
 TINY = ModelSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16)
 TINY_ARGS = ["--d-model", "32", "--n-layers", "1", "--d-state", "16", "--headdim", "16", "--seq-len", "32",
@@ -86,8 +86,8 @@ def test_a_killed_probe_leaves_no_trial_process_behind(tmp_path):
 
     script = tmp_path / "caller.py"
     script.write_text(
-        "from vramcal.device import host_device\nfrom vramcal.model import ModelSpec\n"
-        "from vramcal.trial import TrialRequest, TrialRunner\n"
+        "from vramcal.measure.device import host_device\nfrom vramcal.model import ModelSpec\n"
+        "from vramcal.measure.trial import TrialRequest, TrialRunner\n"
         "if __name__ == '__main__':\n"
         "    TrialRunner().run(TrialRequest(ModelSpec(), 'transformers', 64, host_device(), measured_steps=10**6))\n")
     caller = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": os.getcwd()})

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from vramcal.catalogue import CATALOGUE, GpuModel, other_gpu_limits, parse_gpu_list
+from vramcal.cli.report import limits_command, report_command
 from vramcal.profile import load_profile, save_profile
-from vramcal.report import render_markdown, report_name, write_report
-from vramcal.report_cli import limits_command, report_command
-from vramcal.report_figure import DPI, FIGSIZE_IN
-from vramcal.trial import Trial
+from vramcal.records import Trial
+from vramcal.report import write_report
+from vramcal.report.catalogue import CATALOGUE, GpuModel, other_gpu_limits, parse_gpu_list
+from vramcal.report.figure import DPI, FIGSIZE_IN
+from vramcal.report.markdown import render_markdown, report_name
 from vramcal.units import format_bytes
 
 from profiles_for_tests import GIB, build_profile, gpu_device, gpu_profile, gpu_trial, host_profile, sparse_profile
@@ -190,7 +191,7 @@ def test_committed_profiles_regenerate(tmp_path):
 
 
 def test_importing_the_report_modules_loads_no_matplotlib_or_torch():
-    code = ("import sys, vramcal.report, vramcal.report_figure, vramcal.report_cli, vramcal.catalogue; "
+    code = ("import sys, vramcal.report, vramcal.report.figure, vramcal.cli.report, vramcal.report.catalogue; "
             "print(sorted(m for m in ('matplotlib', 'torch') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert result.stdout.strip() == "[]"

@@ -2,9 +2,9 @@
 
 import numpy as np
 
-from vramcal.limits import LimitSettings
-from vramcal.search import SearchSettings, Step, next_batch_size, settle
-from vramcal.trial import Trial
+from vramcal.calibrate.limits import LimitSettings
+from vramcal.calibrate.search import SearchSettings, Step, next_batch_size, settle
+from vramcal.records import Trial
 
 from fakes import GIB, run_policy
 
@@ -104,9 +104,9 @@ def test_recorded_host_trials_settle_instead_of_creeping_upward():
 def test_calibration_names_the_first_trials_failure_in_plain_words():
     import pytest
 
-    from vramcal.device import Device
+    from vramcal.calibrate.probe import CalibrationError, calibrate
     from vramcal.model import ModelSpec
-    from vramcal.probe import CalibrationError, calibrate
+    from vramcal.records import Device
 
     class OomRunner:  # fake at the hardware boundary: every trial runs out of memory
         def run(self, request, purpose=""):

@@ -16,12 +16,13 @@ import torch
 from click.testing import CliRunner
 from test_train_data import synthetic_bars
 
+from vramcal.calibrate.fit import fit_linear
+from vramcal.calibrate.limits import LimitSettings, compute_limits
 from vramcal.cli import main  # first: it registers the train and data commands
-from vramcal.device import Device, host_device
-from vramcal.fit import fit_linear
-from vramcal.limits import LimitSettings, compute_limits
+from vramcal.measure.device import host_device
 from vramcal.model import ModelSpec, build_model
 from vramcal.profile import Profile, profile_path, save_profile
+from vramcal.records import Device
 from vramcal.train import checkpoint, loop, sizing
 from vramcal.train.config import TrainConfig, load_config
 from vramcal.train.plan import plan_run
@@ -34,7 +35,7 @@ SPEC_ARGS = ["--d-model", "32", "--n-layers", "1", "--d-state", "16", "--headdim
 
 def make_profile(device: Device, spec: ModelSpec = SPEC, slope_mib: int = 24) -> Profile:
     """A profile over synthetic trials: 100 MiB + slope x batch in a 1 GiB budget (safe batch ~12)."""
-    from vramcal.trial import Trial
+    from vramcal.records import Trial
 
     device = Device(**{**device.to_dict(), "total_bytes": 1024 * MIB})
     sizes = (1, 2, 4, 8, 16)

@@ -18,10 +18,10 @@ from test_train import SPEC, SPEC_ARGS, make_profile, one_line_failure
 from test_train_data import synthetic_bars
 
 from vramcal.cli import main  # first: it registers the train, data and tune commands
-from vramcal.device import host_device
+from vramcal.measure.device import host_device
 from vramcal.profile import profile_path, save_profile
 from vramcal.train import checkpoint, loop
-from vramcal.tune import BEST_CONFIG, DEFAULT_STUDY_NAME, PLOT, STUDY_DB, TRIALS_TABLE
+from vramcal.tune.study import BEST_CONFIG, DEFAULT_STUDY_NAME, PLOT, STUDY_DB, TRIALS_TABLE
 
 CONSERVATIVE, SAFE = 10, 12
 
@@ -162,7 +162,7 @@ def test_a_trial_is_pruned_after_the_epoch_that_reports_it_hopeless(paths, tmp_p
     """The trainer's on_epoch hook feeds trial.report; a pruner that prunes everything stops each trial
     after its first of two epochs, and the pruned trials keep their figures and count as finished."""
     from vramcal.train.config import TrainConfig
-    from vramcal.tune import TuneSettings, batch_bounds, finished, open_storage, open_study, run_study
+    from vramcal.tune.study import TuneSettings, batch_bounds, finished, open_storage, open_study, run_study
 
     base = TrainConfig(data=str(paths["data"]), spec=SPEC, gpu="none", profiles_dir=str(paths["profiles"]),
                        epochs=2, batch_size_min=8)
@@ -185,8 +185,8 @@ def test_trials_of_a_killed_worker_are_marked_failed_on_resume(tmp_path):
     import subprocess
     import sys
 
-    from vramcal.tune import BatchBounds, TuneSettings, open_storage, open_study, run_study, worker_id
-    from vramcal.tune_report import format_table
+    from vramcal.tune.report import format_table
+    from vramcal.tune.study import BatchBounds, TuneSettings, open_storage, open_study, run_study, worker_id
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     host = worker_id().rpartition(":")[0]
@@ -203,8 +203,8 @@ def test_trials_of_a_killed_worker_are_marked_failed_on_resume(tmp_path):
 
 def test_best_config_holds_absolute_paths(tuned, monkeypatch, tmp_path):
     from vramcal.train.config import TrainConfig
-    from vramcal.tune import TuneSettings
-    from vramcal.tune_report import best_config
+    from vramcal.tune.report import best_config
+    from vramcal.tune.study import TuneSettings
 
     monkeypatch.chdir(tmp_path)
     study = optuna.load_study(study_name=DEFAULT_STUDY_NAME, storage=f"sqlite:///{tuned['run_dir'] / STUDY_DB}")

@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vramcal.device import Device
-from vramcal.fit import Fit
-from vramcal.limits import Limits, LimitSettings
+from vramcal.calibrate.fit import Fit
+from vramcal.calibrate.limits import Limits, LimitSettings
+from vramcal.files import atomic_write_text
 from vramcal.model import ModelSpec
-from vramcal.trial import Trial
+from vramcal.records import Device, Trial
 
 SCHEMA_VERSION = 1
 DEFAULT_PROFILES_DIR = Path("profiles")
@@ -149,42 +147,6 @@ def _has_type(value: Any, hint: Any) -> bool:
 def profile_path(profiles_dir: Path, device: Device, spec: ModelSpec, implementation: str) -> Path:
     """``<profiles_dir>/<device slug>/<implementation>-<spec key>.json``."""
     return Path(profiles_dir) / device.slug() / f"{implementation}-{spec.key()}.json"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: a temporary file in the same folder, fsync, rename.
-
-    Raises:
-        OSError: the folder cannot be created or written; ``path`` is then untouched.
-    """
-    atomic_write_bytes(path, text.encode())
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (as :func:`atomic_write_text`); used for checkpoints too.
-
-    Raises:
-        OSError: the folder cannot be created or written; ``path`` is then untouched.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            os.fchmod(handle.fileno(), 0o666 & ~_umask())  # mkstemp makes 0600; use the mode open() would
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def save_profile(profile: Profile, path: Path) -> Path:

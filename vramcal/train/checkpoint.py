@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vramcal.profile import atomic_write_bytes, atomic_write_text
+from vramcal.files import atomic_write_bytes, atomic_write_text
 
 CONFIG = "config.json"
 RUN = "run.json"

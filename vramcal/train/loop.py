@@ -9,7 +9,7 @@ Out of memory anyway (another process took memory, fragmentation): the step is r
 micro-batch halved and gradients accumulated over ``ceil(batch / micro)`` micro-batches, each loss
 scaled by its share of the batch, so the effective batch and the gradient stay the same; the event is
 printed and recorded in ``metrics.jsonl``. Out-of-memory errors are recognised only by
-:func:`vramcal.meters.is_out_of_memory`.
+:func:`vramcal.measure.meters.is_out_of_memory`.
 
 A non-finite loss or gradient norm stops the run before the optimizer steps (the weights stay the last
 good ones) with a :class:`NonFiniteError`; so does a non-finite validation loss or weight after an epoch
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from vramcal import meters
+from vramcal.measure import meters
 from vramcal.model import build_model
 from vramcal.train import checkpoint
 from vramcal.train.plan import Plan
@@ -80,7 +80,7 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_fraction: floa
 
 class PeakMeter:
     """Peak memory of this process during an epoch. On CUDA, a probe trial's definition
-    (:func:`vramcal.meters.cuda_peaks`). On the host, the resident peak (VmHWM) only: a trial's
+    (:func:`vramcal.measure.meters.cuda_peaks`). On the host, the resident peak (VmHWM) only: a trial's
     ``peak_bytes`` also takes the data-segment peak because its budget is ``RLIMIT_DATA``, but the
     trainer runs under no such limit, and its parquet reader's allocator reserves address space it never
     touches (a data-segment peak ~1 GiB above the resident one on the E-mini bars)."""
@@ -89,7 +89,7 @@ class PeakMeter:
         self.kind = plan.device.kind
         self._sampler = None
         if self.kind == "cuda":
-            from vramcal.device import load_nvml, nvml_handle
+            from vramcal.measure.device import load_nvml, nvml_handle
 
             nvml = load_nvml()
             self._sampler = meters.NvmlSampler(nvml, nvml_handle(nvml, plan.device), interval_s=0.05)

@@ -14,8 +14,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from vramcal.device import Device, select
+from vramcal.measure.device import select
 from vramcal.model import ModelSpec, kernel_path, resolve_implementation
+from vramcal.records import Device
 from vramcal.train import checkpoint
 from vramcal.train.config import ConfigError, TrainConfig, load_config
 from vramcal.train.data import DataError, Windows, load_bars, make_windows
@@ -71,7 +72,7 @@ def pick_device(gpu: str, capacity_bytes: int | None = None) -> tuple[Device, st
     """The device to train on, its torch device string, and notices for the user.
 
     Raises:
-        DeviceError / NvmlError: from :func:`vramcal.device.select`.
+        DeviceError / NvmlError: from :func:`vramcal.measure.device.select`.
         SizingError: a GPU that this torch build cannot use.
     """
     devices, notice = select(gpu, capacity_bytes)

@@ -9,9 +9,9 @@ import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from vramcal.device import Device
 from vramcal.model import ModelSpec
 from vramcal.profile import Profile, ProfileError, check_profile_matches, find_profile, load_profile
+from vramcal.records import Device
 
 
 class SizingError(ValueError):

@@ -1,6 +1,6 @@
-"""``vramcal tune``: a thin click command over :mod:`vramcal.tune`.
+"""``vramcal tune``: a thin click command over :mod:`vramcal.tune.study`.
 
-It adds itself to the ``vramcal`` group (at the bottom); :mod:`vramcal.cli` imports it. Options shared
+Options shared
 with ``vramcal train`` have the same names and defaults. Progress goes to stderr, the trials table and
 the result files to stdout. User-fixable failures end as one line, exit 1; bad values exit 2.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from vramcal.cli import main, spec_options
+from vramcal.cli.options import spec_options
 from vramcal.model import IMPLEMENTATIONS
 from vramcal.train.config import LR_SCALINGS, SEED_BATCH_SIZE, TrainConfig, load_config
 
@@ -68,8 +68,9 @@ def _range(name: str, default: tuple[float, float], help_text: str):
 def tune_command(ctx: click.Context, config_file: Path | None, run_dir: Path | None, resume: bool,
                  storage: str | None, study_name: str, trials: int, **options) -> None:
     """Search learning rate, batch size (within the profile's bounds), weight decay and clip norm with optuna."""
-    from vramcal import tune, tune_report
     from vramcal.train import loop
+    from vramcal.tune import report as tune_report
+    from vramcal.tune import study as tune
 
     explicit = {name for name in ctx.params
                 if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
@@ -114,7 +115,7 @@ def tune_command(ctx: click.Context, config_file: Path | None, run_dir: Path | N
 
 def _settings(config_file: Path | None, options: dict, explicit: set[str]):
     """Defaults < config file < options given here; ranges checked (bad ones exit 2)."""
-    from vramcal import tune
+    from vramcal.tune import study as tune
 
     ranges = {k: options.pop(k) for k in ("lr_range", "weight_decay_range", "max_grad_norm_range")}
     batch_size_max, n_initial = options.pop("batch_size_max"), options.pop("n_initial")
@@ -133,7 +134,7 @@ def _settings(config_file: Path | None, options: dict, explicit: set[str]):
 
 
 def _check_default_storage(run_dir: Path, resume: bool) -> None:
-    from vramcal import tune
+    from vramcal.tune import study as tune
 
     database = run_dir / tune.STUDY_DB
     if resume and not database.is_file():
@@ -145,7 +146,7 @@ def _check_default_storage(run_dir: Path, resume: bool) -> None:
 
 
 def _print_results(study, settings, written: dict[str, Path]) -> None:
-    from vramcal.tune_report import best_trial, format_table
+    from vramcal.tune.report import best_trial, format_table
 
     click.echo(format_table(study))
     best = best_trial(study)
@@ -156,5 +157,3 @@ def _print_results(study, settings, written: dict[str, Path]) -> None:
         click.echo(f"train it: vramcal train --config {written['best']}")
     click.echo(f"table: {written['table']}  plot: {written['plot']}")
 
-
-main.add_command(tune_command)

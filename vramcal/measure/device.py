@@ -1,6 +1,6 @@
 """Devices that vramcal calibrates: NVIDIA GPUs found through NVML, or the host's memory.
 
-This module and :mod:`vramcal.meters` are the only ones that touch NVML. Every NVML call goes through
+This module and :mod:`vramcal.measure.meters` are the only ones that touch NVML. Every NVML call goes through
 :func:`nvml_query`, which turns driver errors into :class:`NvmlError` values with a readable message
 (the pattern of nvitop's ``libnvml.py``). GPUs are identified by UUID and PCI bus id, never by position:
 CUDA and NVML may order them differently, so a trial pins its GPU with ``CUDA_VISIBLE_DEVICES=<UUID>``.
@@ -13,12 +13,10 @@ import platform
 import re
 import types
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
+from vramcal.records import Device
 from vramcal.units import format_bytes
-
-DeviceKind = Literal["cuda", "host"]
 
 
 class NvmlError(RuntimeError):
@@ -27,55 +25,6 @@ class NvmlError(RuntimeError):
 
 class DeviceError(ValueError):
     """A --gpu or --capacity choice that names no usable device; the message says which would work."""
-
-
-@dataclass(frozen=True)
-class Device:
-    """One calibratable memory pool.
-
-    Attributes:
-        kind: ``cuda`` for an NVIDIA GPU, ``host`` for the machine's RAM.
-        name: marketing name (``NVIDIA H200``) or, on the host, the CPU model and core count.
-        total_bytes: memory the limits are computed against (NVML v2 ``total``; on the host the cgroup
-            limit or MemAvailable; or ``--capacity`` when given, never more than the device has).
-        total_source: where ``total_bytes`` came from.
-        uuid, pci_bus_id, nvml_index: NVML identity of a GPU (None on the host).
-        driver_version, cuda_driver_version: NVIDIA driver and the CUDA version it supports.
-    """
-
-    kind: DeviceKind
-    name: str
-    total_bytes: int
-    total_source: str
-    uuid: str | None = None
-    pci_bus_id: str | None = None
-    nvml_index: int | None = None
-    driver_version: str | None = None
-    cuda_driver_version: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Device:
-        return cls(**data)
-
-    def slug(self) -> str:
-        """Folder name under ``profiles/``: e.g. ``nvidia-h200-140gib`` or ``host-amd-epyc-7763-2-cores``."""
-        base = self.name if self.kind == "cuda" else f"host {self.name}"
-        size = f"-{self.total_bytes // 2**30}gib" if self.kind == "cuda" else ""
-        return re.sub(r"[^a-z0-9]+", "-", base.lower()).strip("-") + size
-
-    def same_hardware(self, other: Device) -> str | None:
-        """None when ``other`` is the same kind of device; else a phrase naming the difference.
-
-        GPUs match by name (any card of the same model), the host by CPU name and core count.
-        """
-        if self.kind != other.kind:
-            return f"device kind {other.kind} is not {self.kind}"
-        if self.name != other.name:
-            return f"device {other.name!r} is not {self.name!r}"
-        return None
 
 
 # ---------------------------------------------------------------------------------------------- NVML

@@ -1,6 +1,6 @@
 """Memory meters used inside a trial process: NVML sampling and torch allocator peaks (GPU), VmHWM (host).
 
-With :mod:`vramcal.device`, the only module that touches NVML or ``torch.cuda`` memory functions. The
+With :mod:`vramcal.measure.device`, the only module that touches NVML or ``torch.cuda`` memory functions. The
 definitions are DESIGN.md's: a GPU trial's ``peak_bytes`` is the larger of (a) the NVML per-process
 used memory, sampled in a background thread, and (b) the NVML overhead measured after warm-up plus
 ``torch.cuda.max_memory_reserved()``. When NVML reports no per-process figure (common in containers,
@@ -16,7 +16,7 @@ import time
 import types
 from typing import Any
 
-from vramcal.device import NvmlError, nvml_memory_info, nvml_query
+from vramcal.measure.device import NvmlError, nvml_memory_info, nvml_query
 
 NVML_SAMPLE_INTERVAL_S = 0.002
 

@@ -3,79 +3,20 @@
 Each command parses, calls a vramcal function, prints. User-fixable failures are
 ``click.ClickException`` (exit 1, one line), bad values ``click.BadParameter`` (exit 2).
 """
-
 from __future__ import annotations
 
-import functools
 import json
-import sys
 from pathlib import Path
 
 import click
 
-from vramcal import __version__
-from vramcal.model import DTYPE_POLICIES, IMPLEMENTATIONS, ModelSpec
-from vramcal.units import format_bytes, parse_bytes
-
-_DEFAULTS = ModelSpec()
-
-
-class ByteSize(click.ParamType):
-    """A size such as ``12GiB``, parsed by :func:`vramcal.units.parse_bytes`."""
-
-    name = "size"
-
-    def __init__(self, min_bytes: int = 0) -> None:
-        self.min_bytes = min_bytes
-
-    def convert(self, value, param, ctx):
-        try:
-            n_bytes = value if isinstance(value, int) else parse_bytes(value)
-        except ValueError as error:
-            self.fail(str(error), param, ctx)
-        if n_bytes < self.min_bytes:
-            self.fail(f"{value} is below the minimum of {format_bytes(self.min_bytes)}", param, ctx)
-        return n_bytes
+from vramcal.cli.console import TrialPrinter, summary
+from vramcal.cli.options import ByteSize, spec_from_options, spec_options
+from vramcal.model import IMPLEMENTATIONS
+from vramcal.units import format_bytes
 
 
-def spec_options(command):
-    """The ModelSpec options shared by probe, train and tune (field names as the options)."""
-    options = [
-        click.option("--d-model", type=click.IntRange(1), default=_DEFAULTS.d_model, show_default=True),
-        click.option("--n-layers", type=click.IntRange(1), default=_DEFAULTS.n_layers, show_default=True),
-        click.option("--d-state", type=click.IntRange(1), default=_DEFAULTS.d_state, show_default=True),
-        click.option("--headdim", type=click.IntRange(1), default=_DEFAULTS.headdim, show_default=True),
-        click.option("--expand", type=click.IntRange(1), default=_DEFAULTS.expand, show_default=True),
-        click.option("--chunk-size", type=click.IntRange(1), default=_DEFAULTS.chunk_size, show_default=True),
-        click.option("--seq-len", type=click.IntRange(1), default=_DEFAULTS.seq_len, show_default=True),
-        click.option("--dtype", type=click.Choice(DTYPE_POLICIES), default=_DEFAULTS.dtype, show_default=True,
-                     help="fp32, or fp32 weights with bf16 autocast (CUDA only)"),
-    ]
-    return functools.reduce(lambda cmd, option: option(cmd), reversed(options), command)
-
-
-def spec_from_options(options: dict) -> ModelSpec:
-    """Pop the spec options from a click kwargs dict and build a validated ModelSpec.
-
-    Raises:
-        click.BadParameter: the spec is impossible; the message says which values would work.
-    """
-    names = ("d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len", "dtype")
-    spec = ModelSpec(**{name: options.pop(name) for name in names})
-    try:
-        spec.validate()
-    except ValueError as error:
-        raise click.BadParameter(str(error), param_hint="model spec") from None
-    return spec
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="vramcal")
-def main() -> None:
-    """Measure the memory of real Mamba-2 training steps and calibrate safe batch sizes."""
-
-
-@main.command()
+@click.command()
 @click.option("--gpu", default="auto", show_default=True,
               help="auto | none (the host) | all | an NVML index | a GPU UUID")
 @click.option("--capacity", type=ByteSize(min_bytes=2**20), default=None,
@@ -102,9 +43,9 @@ def main() -> None:
 def probe(gpu, capacity, implementation, reserve, margin, conservative_fraction, warmup_steps, measured_steps,
           max_trials, timeout_s, profiles_dir, out, reports_dir, no_report, **spec_kwargs) -> None:
     """Calibrate: real training steps at growing batch sizes, a fit, verified safe/conservative limits."""
-    from vramcal.device import DeviceError, NvmlError, select
-    from vramcal.limits import LimitSettings
-    from vramcal.probe import CalibrationError, calibrate, check_request
+    from vramcal.calibrate.limits import LimitSettings
+    from vramcal.calibrate.probe import CalibrationError, calibrate, check_request
+    from vramcal.measure.device import DeviceError, NvmlError, select
     from vramcal.profile import profile_path, save_profile
 
     spec = spec_from_options(spec_kwargs)
@@ -135,7 +76,7 @@ def probe(gpu, capacity, implementation, reserve, margin, conservative_fraction,
         try:
             profile = calibrate(device, spec, concrete, settings, warmup_steps=warmup_steps,
                                 measured_steps=measured_steps, max_trials=max_trials, timeout_s=timeout_s,
-                                on_trial=_TrialPrinter(max_trials, settings.usable_bytes(device.total_bytes)))
+                                on_trial=TrialPrinter(max_trials, settings.usable_bytes(device.total_bytes)))
         except (ValueError, CalibrationError) as error:
             raise click.ClickException(str(error)) from None
         except KeyboardInterrupt:
@@ -150,26 +91,6 @@ def probe(gpu, capacity, implementation, reserve, margin, conservative_fraction,
         click.echo(f"profile: {path}")
         if not no_report:
             _write_report(profile, reports_dir)
-
-
-class _TrialPrinter:
-    """One line per finished trial above a tqdm progress bar (trials run / at most max_trials)."""
-
-    def __init__(self, max_trials: int, usable_bytes: int) -> None:
-        from tqdm import tqdm
-
-        self._usable_bytes = usable_bytes
-        self._bar = tqdm(total=max_trials, desc="trials", unit="trial", leave=False, file=sys.stderr,
-                         disable=None)
-
-    def __call__(self, trial) -> None:
-        peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
-        step = f"{trial.step_s:.3f} s/step, {trial.samples_per_s:.1f} samples/s" if trial.step_s else ""
-        status = "over" if trial.ok and not trial.fits(self._usable_bytes) else trial.status
-        self._bar.write(f"  batch_size {trial.batch_size:>6}  {status:<7}  peak {peak:>10}  {step}  "
-                        f"[{trial.purpose}, {trial.wall_s:.1f} s]")
-        self._bar.update(1)
-
 
 def _check_writable(folder: Path, what: str, options: str) -> None:
     """Fail before any trial when ``folder`` cannot take files (a calibration can take an hour)."""
@@ -194,28 +115,7 @@ def _write_report(profile, reports_dir: Path) -> None:
                                    f"choose another --reports-dir") from None
     click.echo(f"report: {markdown} and {png}")
 
-
-def summary(profile) -> str:
-    """The probe's closing lines for people: formula, usable, safe and conservative, verification."""
-    lines = [f"{profile.device.name}: {format_bytes(profile.device.total_bytes)} total"]
-    fit, limits = profile.fit, profile.limits
-    if fit is None or limits is None:
-        lines.append("no fit: " + "; ".join(profile.warnings))
-        return "\n".join(lines)
-    lines.append(f"{fit.formula()}   (r² = {fit.r_squared:.4f}, {fit.n_points} points)")
-    lines.append(f"usable        {format_bytes(limits.usable_bytes)}")
-    for name, value in (("safe", limits.safe_batch_size), ("conservative", limits.conservative_batch_size)):
-        check = profile.verification.get(name)
-        state = (f"verified: peak {format_bytes(check.peak_bytes)}" if check and check.passed
-                 else "NOT verified")
-        lines.append(f"{name:<13} batch_size {value:<6} ({state})")
-    lines.append(f"(point estimate without the prediction interval, the seeds' formula "
-                 f"floor((usable - overhead) / slope): {limits.point_safe_batch_size})")
-    lines.extend(f"warning: {w}" for w in profile.warnings)
-    return "\n".join(lines)
-
-
-@main.command()
+@click.command()
 @click.argument("profile_path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="print the profile as JSON for programs")
 def show(profile_path: Path, as_json: bool) -> None:
@@ -235,15 +135,3 @@ def show(profile_path: Path, as_json: bool) -> None:
         peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
         click.echo(f"  batch_size {trial.batch_size:>6}  {trial.status:<7}  peak {peak:>10}  {trial.purpose}")
     click.echo(summary(profile))
-
-
-# Commands that live beside their feature modules (imported last: they use main and spec_options).
-import vramcal.train.cli  # noqa: E402, F401 - adds `train` and `data` to main
-import vramcal.tune_cli  # noqa: E402, F401 - adds `tune` to main
-from vramcal.report_cli import limits_command, report_command  # noqa: E402
-
-main.add_command(report_command)
-main.add_command(limits_command)
-
-if __name__ == "__main__":  # pragma: no cover
-    main()

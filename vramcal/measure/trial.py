@@ -8,12 +8,11 @@ state, CUDA context or memory from another: a trial's peak does not depend on th
 Inside the trial: build the model and AdamW, ``warmup_steps`` steps (AdamW allocates its state and
 Triton autotunes there), synchronize, reset the peaks, then ``measured_steps`` steps of forward,
 backward and ``optimizer.step()``, each timed after a synchronize (torch.utils.benchmark's habit).
-Out-of-memory is caught here, by :func:`vramcal.meters.is_out_of_memory`, and nowhere else.
+Out-of-memory is caught here, by :func:`vramcal.measure.meters.is_out_of_memory`, and nowhere else.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import multiprocessing
 import os
@@ -22,73 +21,10 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-from vramcal.device import Device
 from vramcal.model import ModelSpec
-
-TrialStatus = Literal["ok", "oom", "timeout", "error"]
-
-
-@dataclass(frozen=True)
-class Trial:
-    """The raw record of one trial. Bytes are integers; None means the source does not exist here.
-
-    Attributes:
-        batch_size: samples per step.
-        status: ``ok``, ``oom`` (an allocator out-of-memory error, or the process killed by SIGKILL as
-            the kernel's OOM killer does), ``timeout`` (killed after the time limit) or ``error``.
-        peak_bytes: the figure the fit uses (DESIGN.md): GPU ``max(nvml_peak_bytes, nvml_overhead_bytes +
-            torch_max_reserved_bytes)``; host ``max(rss_peak_bytes, data_peak_bytes)``: the resident
-            peak, or the data-segment peak that the host budget (``RLIMIT_DATA``) limits when larger.
-        nvml_peak_bytes: NVML per-process peak, or the device-wide change when no per-process figure.
-        nvml_source: ``process`` or ``device-delta``: which NVML figure ``nvml_peak_bytes`` is.
-        nvml_overhead_bytes: NVML usage minus ``torch.cuda.memory_reserved()`` after warm-up (CUDA
-            context, cuBLAS workspaces, kernels).
-        torch_max_reserved_bytes, torch_max_allocated_bytes: caching allocator peaks in the measured steps.
-        rss_peak_bytes: VmHWM of the trial process over the measured steps (host).
-        data_peak_bytes: peak VmData of the trial process (host; :func:`vramcal.meters.peak_data_bytes`).
-        step_s: median wall time of the measured steps, seconds.
-        samples_per_s: ``batch_size / step_s``.
-        startup_s: seconds from asking for the process to the trial code running in it.
-        build_s: seconds to build the model and optimizer and move them to the device.
-        wall_s: seconds of the whole trial as seen by the caller.
-        purpose: why the search chose this size (``grow``, ``verify-conservative``, ...).
-        error: the last lines of the traceback (``oom``/``error``/``timeout``), else None.
-    """
-
-    batch_size: int
-    status: TrialStatus
-    peak_bytes: int | None = None
-    nvml_peak_bytes: int | None = None
-    nvml_source: str | None = None
-    nvml_overhead_bytes: int | None = None
-    torch_max_reserved_bytes: int | None = None
-    torch_max_allocated_bytes: int | None = None
-    rss_peak_bytes: int | None = None
-    data_peak_bytes: int | None = None
-    step_s: float | None = None
-    samples_per_s: float | None = None
-    startup_s: float | None = None
-    build_s: float | None = None
-    wall_s: float | None = None
-    purpose: str = ""
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok" and self.peak_bytes is not None
-
-    def fits(self, usable_bytes: int) -> bool:
-        """Finished and its peak stayed within ``usable_bytes``."""
-        return self.ok and self.peak_bytes <= usable_bytes  # type: ignore[operator]
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Trial:
-        return cls(**data)
+from vramcal.records import Device, Trial
 
 
 @dataclass(frozen=True)
@@ -119,7 +55,7 @@ class TrialRunner:
     def __init__(self, timeout_s: float = 900.0) -> None:
         self.timeout_s = timeout_s
         self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(["vramcal._preload"])
+        self._context.set_forkserver_preload(["vramcal.measure._preload"])
 
     def run(self, request: TrialRequest, purpose: str = "") -> Trial:
         """Run one trial; never raises for what happens inside the trial process."""
@@ -171,7 +107,7 @@ def _failure(error: BaseException) -> dict[str, Any]:
     out-of-memory error does not itself run out of memory (a trial at the limit would otherwise die
     with no result).
     """
-    from vramcal.meters import is_out_of_memory
+    from vramcal.measure.meters import is_out_of_memory
 
     status = "oom" if is_out_of_memory(error) else "error"
     traceback.clear_frames(error.__traceback__)
@@ -234,7 +170,7 @@ def _training_setup(request: TrialRequest, torch_device: str):
 
 
 def _timed_steps(step, n_steps: int, device_kind: str) -> list[float]:
-    from vramcal.meters import synchronize
+    from vramcal.measure.meters import synchronize
 
     times = []
     for _ in range(n_steps):
@@ -246,7 +182,7 @@ def _timed_steps(step, n_steps: int, device_kind: str) -> list[float]:
 
 
 def _measure_host(request: TrialRequest) -> dict[str, Any]:
-    from vramcal.meters import host_peaks, reset_peak_rss
+    from vramcal.measure.meters import host_peaks, reset_peak_rss
 
     start = time.perf_counter()
     step = _training_setup(request, "cpu")
@@ -258,8 +194,8 @@ def _measure_host(request: TrialRequest) -> dict[str, Any]:
 
 
 def _measure_cuda(request: TrialRequest) -> dict[str, Any]:
-    from vramcal import meters
-    from vramcal.device import load_nvml, nvml_handle
+    from vramcal.measure import meters
+    from vramcal.measure.device import load_nvml, nvml_handle
 
     nvml = load_nvml()
     with meters.NvmlSampler(nvml, nvml_handle(nvml, request.device)) as sampler:

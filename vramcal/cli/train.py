@@ -1,7 +1,5 @@
 """``vramcal train`` and ``vramcal data es-sample``: thin click commands over :mod:`vramcal.train`.
 
-This module adds ``train_command`` and ``data_group`` to the ``vramcal`` group itself (at the bottom);
-:mod:`vramcal.cli` imports it, so either module may be imported first.
 Every user-fixable failure (bad data, no profile, unusable run folder, non-finite loss) ends as one
 line and exit status 1 (``click.ClickException``); bad option values exit 2.
 """
@@ -14,7 +12,7 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from vramcal.cli import ByteSize, main, spec_options
+from vramcal.cli.options import ByteSize, spec_options
 from vramcal.model import IMPLEMENTATIONS, ModelSpec
 from vramcal.train.config import LR_SCALINGS, SEED_BATCH_SIZE, ConfigError, TrainConfig, load_config
 from vramcal.units import format_bytes
@@ -136,7 +134,7 @@ def train_command(ctx: click.Context, config_file: Path | None, run_dir: Path | 
     except (ValueError, loop.TrainError) as error:  # DataError, SizingError, RunDirError, ConfigError, ...
         raise click.ClickException(str(error)) from None
     except Exception as error:
-        from vramcal.device import NvmlError
+        from vramcal.measure.device import NvmlError
 
         if isinstance(error, NvmlError):
             raise click.ClickException(str(error)) from None
@@ -166,16 +164,16 @@ def _probe(profiles_dir: str):
     """A probe function for :func:`vramcal.train.plan.plan_run`: calibrate, save, print the summary."""
 
     def run(device, spec: ModelSpec, implementation: str) -> Path:
-        from vramcal.cli import _TrialPrinter, summary
-        from vramcal.limits import LimitSettings
-        from vramcal.probe import CalibrationError, calibrate
+        from vramcal.calibrate.limits import LimitSettings
+        from vramcal.calibrate.probe import CalibrationError, calibrate
+        from vramcal.cli.console import TrialPrinter, summary
         from vramcal.profile import profile_path, save_profile
 
         settings = LimitSettings()
         click.echo(f"calibrating {spec.short()} [{implementation}] on {device.name}, "
                    f"{format_bytes(device.total_bytes)}", err=True)
         try:
-            profile = calibrate(device, spec, implementation, settings, on_trial=_TrialPrinter(16))
+            profile = calibrate(device, spec, implementation, settings, on_trial=TrialPrinter(16))
         except CalibrationError as error:
             raise ConfigError(str(error)) from None
         path = save_profile(profile, profile_path(Path(profiles_dir), device, spec, implementation))
@@ -200,6 +198,3 @@ def _announce(the_plan, state) -> None:
                f"{len(windows.val_starts)} validation windows of {windows.seq_len} bars (stride {windows.stride}), "
                f"validation from {windows.first_val_timestamp}; run folder {the_plan.run_dir}", err=True)
 
-
-main.add_command(train_command)
-main.add_command(data_group)

@@ -10,7 +10,7 @@ tested with recorded and fake trials. The policy:
    above a batch size that already failed. "Far" means the largest fitting batch is below
    ``far_fraction`` of that estimate.
 2. **Fit** once at least three trials finished (over-budget ones included: they are measurements),
-   and compute the limits (:mod:`vramcal.limits`), with the safe batch size kept below the smallest
+   and compute the limits (:mod:`vramcal.calibrate.limits`), with the safe batch size kept below the smallest
    batch size that failed (out of memory, over usable memory, timeout or crash).
 3. **Verify** with real trials at the safe (a little below the computed size, within
    ``snap_tolerance / 2``, so the refit that the new point causes does not leave it above the moved
@@ -33,9 +33,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vramcal.fit import Fit, fit_linear
-from vramcal.limits import Limits, LimitSettings, compute_limits
-from vramcal.trial import Trial
+from vramcal.calibrate.fit import Fit, fit_linear
+from vramcal.calibrate.limits import Limits, LimitSettings, compute_limits
+from vramcal.records import Trial
 
 
 @dataclass(frozen=True)

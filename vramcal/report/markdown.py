@@ -1,28 +1,23 @@
-"""Reports: a PNG and a Markdown file made only from profiles, so a GPU box's profile reports anywhere.
+"""The report's Markdown: summary, trials table and the limits on other GPUs, from profiles only.
 
-The PNG (:mod:`vramcal.report_figure`) draws every trial's peak with the fitted line, its 95 %
-prediction band, the memory lines and the limits, beside the throughput of the same trials. The
-Markdown (this module) gives the summary, the trials table and the limits on other GPUs
-(:mod:`vramcal.catalogue`). Both are pure functions of the profiles: the same profiles give the same
-bytes (the only timestamp is the profile's own ``created_utc``).
+Also the facts the figure shares (labels, trial states, throughput knee). A pure function of the
+profiles: the same profiles give the same bytes (the only timestamp is the profile's own ``created_utc``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
 import statistics
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vramcal.catalogue import GpuLimitRow, GpuModel, other_gpu_limits
+from vramcal.report.catalogue import GpuLimitRow, GpuModel, other_gpu_limits
 from vramcal.units import format_bytes
 
 if TYPE_CHECKING:
     from vramcal.profile import Profile
-    from vramcal.trial import Trial
+    from vramcal.records import Trial
 
 MISSING = "—"
 
@@ -329,34 +324,3 @@ def render_markdown(profiles: Sequence[Profile], png_name: str, extra_gpus: Sequ
     for label, p in zip(labels, profiles):
         lines += [f"## {label}", ""] + profile_section(p, extra_gpus, level="###")
     return "\n".join(lines).rstrip() + "\n"
-
-
-# ---------------------------------------------------------------------------------------------- files
-
-def write_report(profiles: Sequence[Profile], out_dir: Path, name: str | None = None,
-                 extra_gpus: Sequence[GpuModel] = ()) -> tuple[Path, Path]:
-    """Write ``<out_dir>/<name>.png`` and ``<out_dir>/<name>.md`` atomically; returns (png, md).
-
-    Args:
-        profiles: one profile, or several to draw as comparable series on one figure.
-        out_dir: the reports folder (created if missing).
-        name: file stem; default :func:`report_name`.
-        extra_gpus: cards to add to the other-GPU table (``--gpus``).
-
-    Raises:
-        ValueError: no profiles, or a name that is not a plain file stem.
-        OSError: the folder cannot be written.
-    """
-    from vramcal.profile import atomic_write_bytes, atomic_write_text
-    from vramcal.report_figure import render_png
-
-    if not profiles:
-        raise ValueError("a report needs at least one profile")
-    name = name or report_name(profiles)
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-        raise ValueError(f"report name {name!r} must be a plain file stem (letters, digits, '.', '_', '-')")
-    out_dir = Path(out_dir)
-    png_path, md_path = out_dir / f"{name}.png", out_dir / f"{name}.md"
-    atomic_write_bytes(png_path, render_png(profiles))
-    atomic_write_text(md_path, render_markdown(profiles, png_path.name, extra_gpus))
-    return png_path, md_path

@@ -1,7 +1,7 @@
 """Calibration: run the search policy against real trials and assemble a :class:`Profile`.
 
 The loop is ``step = next_batch_size(trials)`` -> run the trial in its own process -> repeat; the
-fit, limits and verification come from :func:`vramcal.search.settle` over the recorded trials.
+fit, limits and verification come from :func:`vramcal.calibrate.search.settle` over the recorded trials.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import time
 from collections.abc import Callable
 
 from vramcal import __version__
-from vramcal.device import Device
-from vramcal.limits import LimitSettings
+from vramcal.calibrate.limits import LimitSettings
+from vramcal.calibrate.search import SearchSettings, next_batch_size, settle
+from vramcal.measure.trial import TrialRequest, TrialRunner
 from vramcal.model import ModelSpec, kernel_path, resolve_implementation
 from vramcal.profile import Profile, Verification
-from vramcal.search import SearchSettings, next_batch_size, settle
-from vramcal.trial import Trial, TrialRequest, TrialRunner
+from vramcal.records import Device, Trial
 from vramcal.units import format_bytes
 
 
@@ -52,7 +52,7 @@ def calibrate(device: Device, spec: ModelSpec, implementation: str = "auto",
     """Calibrate ``spec`` on ``device`` and return the profile (not yet written).
 
     Args:
-        device: from :func:`vramcal.device.select`.
+        device: from :func:`vramcal.measure.device.select`.
         spec: the model spec.
         implementation: ``auto``, ``transformers`` or ``mamba_ssm``.
         settings: reserve, margin and conservative fraction.

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from vramcal.profile import atomic_write_bytes, atomic_write_text
+from vramcal.files import atomic_write_bytes, atomic_write_text
 from vramcal.train.config import TrainConfig
-from vramcal.tune import BEST_CONFIG, PLOT, TRIALS_TABLE, BatchBounds, TuneSettings
+from vramcal.tune.study import BEST_CONFIG, PLOT, TRIALS_TABLE, BatchBounds, TuneSettings
 
 COLUMNS = ("trial", "state", "lr", "batch", "used", "clamped", "weight_decay", "max_grad_norm", "epochs",
            "val_loss", "samples/s")

@@ -31,7 +31,7 @@ Storage: SQLite at ``<run_dir>/study.db`` by default, or any URL optuna's ``RDBS
 ``--storage`` and ``--study-name`` work on one study at once (optuna's distributed mode). The first one
 saves the search settings in the study; the others use those, with batch bounds from their own profile.
 
-The trials table, the best configuration and the PNG are made by :mod:`vramcal.tune_report`.
+The trials table, the best configuration and the PNG are made by :mod:`vramcal.tune.report`.
 """
 
 from __future__ import annotations
@@ -339,7 +339,7 @@ class Objective:
     def __call__(self, trial) -> float:
         import optuna
 
-        from vramcal import meters
+        from vramcal.measure import meters
         from vramcal.train import loop
         from vramcal.train.plan import plan_run
 

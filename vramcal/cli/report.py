@@ -1,7 +1,6 @@
 """``vramcal report`` and ``vramcal limits``: thin click commands over :mod:`vramcal.report`.
 
-Both read profile files only, so a profile made on a GPU box reports anywhere. ``vramcal.cli`` adds
-them to the ``vramcal`` group.
+Both read profile files only, so a profile made on a GPU box reports anywhere.
 """
 
 from __future__ import annotations
@@ -10,11 +9,11 @@ from pathlib import Path
 
 import click
 
-from vramcal.catalogue import GpuModel, parse_gpu_list
+from vramcal.report.catalogue import GpuModel, parse_gpu_list
 
 
 class GpuList(click.ParamType):
-    """``--gpus "NAME=SIZE,..."``, parsed by :func:`vramcal.catalogue.parse_gpu_list`."""
+    """``--gpus "NAME=SIZE,..."``, parsed by :func:`vramcal.report.catalogue.parse_gpu_list`."""
 
     name = "NAME=SIZE,..."
 
@@ -89,8 +88,8 @@ def limits_command(profile: Path, gpus: list[GpuModel]) -> None:
     The same table as the report's "Limits on other GPUs": safe and conservative batch sizes per card,
     assuming the fit's overhead and slope carry over (they do only roughly).
     """
-    from vramcal.catalogue import other_gpu_limits
-    from vramcal.report import device_label, limits_notes, limits_table, missing_notes
+    from vramcal.report.catalogue import other_gpu_limits
+    from vramcal.report.markdown import device_label, limits_notes, limits_table, missing_notes
 
     loaded = _load([profile])[0]
     try:

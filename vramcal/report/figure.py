@@ -19,7 +19,7 @@ import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from vramcal.report import format_rate, series_labels, throughput_knee, trial_state, usable_bytes
+from vramcal.report.markdown import format_rate, series_labels, throughput_knee, trial_state, usable_bytes
 from vramcal.units import format_bytes
 
 if TYPE_CHECKING:

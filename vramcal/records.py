@@ -1,0 +1,130 @@
+"""Records: the plain, frozen data vramcal measures and keeps (devices, trials).
+
+This module imports no process, hardware or framework code, so the pure parts (search policy, fit,
+limits, profiles, reports) can use these records on any machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+DeviceKind = Literal["cuda", "host"]
+
+
+@dataclass(frozen=True)
+class Device:
+    """One calibratable memory pool.
+
+    Attributes:
+        kind: ``cuda`` for an NVIDIA GPU, ``host`` for the machine's RAM.
+        name: marketing name (``NVIDIA H200``) or, on the host, the CPU model and core count.
+        total_bytes: memory the limits are computed against (NVML v2 ``total``; on the host the cgroup
+            limit or MemAvailable; or ``--capacity`` when given, never more than the device has).
+        total_source: where ``total_bytes`` came from.
+        uuid, pci_bus_id, nvml_index: NVML identity of a GPU (None on the host).
+        driver_version, cuda_driver_version: NVIDIA driver and the CUDA version it supports.
+    """
+
+    kind: DeviceKind
+    name: str
+    total_bytes: int
+    total_source: str
+    uuid: str | None = None
+    pci_bus_id: str | None = None
+    nvml_index: int | None = None
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Device:
+        return cls(**data)
+
+    def slug(self) -> str:
+        """Folder name under ``profiles/``: e.g. ``nvidia-h200-140gib`` or ``host-amd-epyc-7763-2-cores``."""
+        base = self.name if self.kind == "cuda" else f"host {self.name}"
+        size = f"-{self.total_bytes // 2**30}gib" if self.kind == "cuda" else ""
+        return re.sub(r"[^a-z0-9]+", "-", base.lower()).strip("-") + size
+
+    def same_hardware(self, other: Device) -> str | None:
+        """None when ``other`` is the same kind of device; else a phrase naming the difference.
+
+        GPUs match by name (any card of the same model), the host by CPU name and core count.
+        """
+        if self.kind != other.kind:
+            return f"device kind {other.kind} is not {self.kind}"
+        if self.name != other.name:
+            return f"device {other.name!r} is not {self.name!r}"
+        return None
+
+
+
+TrialStatus = Literal["ok", "oom", "timeout", "error"]
+
+
+@dataclass(frozen=True)
+class Trial:
+    """The raw record of one trial. Bytes are integers; None means the source does not exist here.
+
+    Attributes:
+        batch_size: samples per step.
+        status: ``ok``, ``oom`` (an allocator out-of-memory error, or the process killed by SIGKILL as
+            the kernel's OOM killer does), ``timeout`` (killed after the time limit) or ``error``.
+        peak_bytes: the figure the fit uses (DESIGN.md): GPU ``max(nvml_peak_bytes, nvml_overhead_bytes +
+            torch_max_reserved_bytes)``; host ``max(rss_peak_bytes, data_peak_bytes)``: the resident
+            peak, or the data-segment peak that the host budget (``RLIMIT_DATA``) limits when larger.
+        nvml_peak_bytes: NVML per-process peak, or the device-wide change when no per-process figure.
+        nvml_source: ``process`` or ``device-delta``: which NVML figure ``nvml_peak_bytes`` is.
+        nvml_overhead_bytes: NVML usage minus ``torch.cuda.memory_reserved()`` after warm-up (CUDA
+            context, cuBLAS workspaces, kernels).
+        torch_max_reserved_bytes, torch_max_allocated_bytes: caching allocator peaks in the measured steps.
+        rss_peak_bytes: VmHWM of the trial process over the measured steps (host).
+        data_peak_bytes: peak VmData of the trial process (host; :func:`vramcal.measure.meters.peak_data_bytes`).
+        step_s: median wall time of the measured steps, seconds.
+        samples_per_s: ``batch_size / step_s``.
+        startup_s: seconds from asking for the process to the trial code running in it.
+        build_s: seconds to build the model and optimizer and move them to the device.
+        wall_s: seconds of the whole trial as seen by the caller.
+        purpose: why the search chose this size (``grow``, ``verify-conservative``, ...).
+        error: the last lines of the traceback (``oom``/``error``/``timeout``), else None.
+    """
+
+    batch_size: int
+    status: TrialStatus
+    peak_bytes: int | None = None
+    nvml_peak_bytes: int | None = None
+    nvml_source: str | None = None
+    nvml_overhead_bytes: int | None = None
+    torch_max_reserved_bytes: int | None = None
+    torch_max_allocated_bytes: int | None = None
+    rss_peak_bytes: int | None = None
+    data_peak_bytes: int | None = None
+    step_s: float | None = None
+    samples_per_s: float | None = None
+    startup_s: float | None = None
+    build_s: float | None = None
+    wall_s: float | None = None
+    purpose: str = ""
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and self.peak_bytes is not None
+
+    def fits(self, usable_bytes: int) -> bool:
+        """Finished and its peak stayed within ``usable_bytes``."""
+        return self.ok and self.peak_bytes <= usable_bytes  # type: ignore[operator]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trial:
+        return cls(**data)
+
+

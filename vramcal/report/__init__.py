@@ -1,0 +1,48 @@
+"""Reports: a PNG and a Markdown file made only from profiles, so a GPU box's profile reports anywhere.
+
+:mod:`vramcal.report.figure` draws the PNG, :mod:`vramcal.report.markdown` writes the Markdown (the
+summary, the trials and the limits on other GPUs from :mod:`vramcal.report.catalogue`). Both are pure
+functions of the profiles: the same profiles give the same bytes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from vramcal.files import atomic_write_bytes, atomic_write_text
+from vramcal.report.catalogue import GpuModel
+from vramcal.report.markdown import render_markdown, report_name
+
+if TYPE_CHECKING:
+    from vramcal.profile import Profile
+
+
+def write_report(profiles: Sequence[Profile], out_dir: Path, name: str | None = None,
+                 extra_gpus: Sequence[GpuModel] = ()) -> tuple[Path, Path]:
+    """Write ``<out_dir>/<name>.png`` and ``<out_dir>/<name>.md`` atomically; returns (png, md).
+
+    Args:
+        profiles: one profile, or several to draw as comparable series on one figure.
+        out_dir: the reports folder (created if missing).
+        name: file stem; default :func:`report_name`.
+        extra_gpus: cards to add to the other-GPU table (``--gpus``).
+
+    Raises:
+        ValueError: no profiles, or a name that is not a plain file stem.
+        OSError: the folder cannot be written.
+    """
+    if not profiles:
+        raise ValueError("a report needs at least one profile")
+    name = name or report_name(profiles)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise ValueError(f"report name {name!r} must be a plain file stem (letters, digits, '.', '_', '-')")
+    out_dir = Path(out_dir)
+    png_path, md_path = out_dir / f"{name}.png", out_dir / f"{name}.md"
+    from vramcal.report.figure import render_png  # matplotlib: only when a figure is drawn
+
+    atomic_write_bytes(png_path, render_png(profiles))
+    atomic_write_text(md_path, render_markdown(profiles, png_path.name, extra_gpus))
+    return png_path, md_path
