@@ -20,7 +20,7 @@ PROBE_ARGS ?= --gpu auto
 endif
 TRAIN_ARGS ?= --epochs 1
 
-.PHONY: setup run test lint clean gpu-wheels
+.PHONY: setup run test lint clean gpu-wheels gpu-rehearsal
 
 setup: $(VENV)/.installed
 
@@ -49,6 +49,15 @@ lint: setup
 clean:
 	rm -rf $(VENV)
 
-# Wheels for the GPU check on a machine that reaches no package index (see scripts/gpu_check.sh).
-gpu-wheels: setup
-	$(PY) -m pip download --quiet --no-deps -d wheels "transformers>=5.23" "huggingface-hub>=1.0" tqdm
+# Wheels the GPU check carries to a machine that reaches no package index (see scripts/gpu_check.sh):
+# exactly what the H200 image lacks, for its Python 3.12, without dependencies (the image has them; the
+# check's preflight verifies it). psutil is nvitop's one dependency, a binary abi3 wheel.
+GPU_WHEELS ?= "transformers>=5.23" "nvitop>=1.4" "psutil>=5.6.6"
+gpu-wheels:
+	rm -rf wheels
+	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+		--python-version 3.12 --platform manylinux2014_x86_64 -d wheels $(GPU_WHEELS)
+
+# The GPU check rehearsed on this CPU machine in an environment like the H200 image's (.rehearsal/).
+gpu-rehearsal:
+	scripts/gpu_rehearsal.sh

@@ -37,7 +37,7 @@ STEPS_PER_TRIAL = 3
 
 
 def _spec(request: dict):
-    from vramcal.model import ModelSpec
+    from vramcal.models.regressor import ModelSpec
 
     return ModelSpec.from_dict(request["spec"])
 
@@ -93,7 +93,7 @@ def run_lightning(request: dict, mode: str) -> dict[str, Any]:
     from lightning.pytorch.tuner import Tuner
     from torch.utils.data import DataLoader
 
-    from vramcal.model import build_model
+    from vramcal.models.regressor import build_model
     from vramcal.train.step import forward, make_optimizer
 
     spec = _spec(request)
@@ -141,7 +141,7 @@ def run_accelerate(request: dict) -> dict[str, Any]:
     from accelerate.utils import find_executable_batch_size
     from torch.utils.data import DataLoader
 
-    from vramcal.model import build_model
+    from vramcal.models.regressor import build_model
     from vramcal.train.step import forward, make_optimizer
 
     spec = _spec(request)
@@ -180,7 +180,7 @@ def run_survive(request: dict) -> dict[str, Any]:
     import torch
 
     from vramcal.measure.meters import is_out_of_memory, read_status_bytes
-    from vramcal.model import build_model
+    from vramcal.models.regressor import build_model
     from vramcal.train.step import make_optimizer, train_step
 
     spec, batch_size = _spec(request), request["batch_size"]

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vramcal.model import ModelSpec
+from vramcal.models.regressor import ModelSpec
 from vramcal.units import format_bytes, parse_bytes
 
 SPECS = {

@@ -34,7 +34,8 @@ import tempfile
 from pathlib import Path
 
 from vramcal.measure.device import select
-from vramcal.model import ModelSpec, resolve_implementation
+from vramcal.models.mamba2 import resolve_implementation
+from vramcal.models.regressor import ModelSpec
 from vramcal.train.sizing import resolve_profile
 from vramcal.units import format_bytes
 

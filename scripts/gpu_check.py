@@ -18,7 +18,8 @@ from vramcal.calibrate.probe import calibrate
 from vramcal.cli.console import summary
 from vramcal.measure.device import select
 from vramcal.measure.trial import TrialRequest, TrialRunner
-from vramcal.model import ModelSpec, resolve_implementation
+from vramcal.models.mamba2 import resolve_implementation
+from vramcal.models.regressor import ModelSpec
 from vramcal.profile import profile_path, save_profile
 
 SPECS = {

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import ctypes
+import os
+import re
+import subprocess
 import types
 from collections.abc import Callable
 
@@ -28,64 +33,309 @@ def run_policy(memory: Callable[[int], float], settings, oom_above: int | None =
     return trials
 
 
-class NVMLError(Exception):
-    pass
+# ------------------------------------------------------------------------------ the NVIDIA driver
+#
+# The fake is the driver, not the Python binding: a stand-in for libnvidia-ml.so (``pynvml.nvmlLib``) under
+# the real pynvml and the real nvitop, and a stand-in for the CUDA driver's device enumeration (the
+# throw-away process nvitop asks). Handles are opaque pointers, as the real library's are: a lookup by
+# index where a UUID was meant finds nothing.
+
+SUCCESS, INVALID_ARGUMENT, NOT_SUPPORTED, NOT_FOUND, INSUFFICIENT_SIZE = 0, 2, 3, 6, 7
+DRIVER_NOT_LOADED, NOT_AVAILABLE = 9, 2**64 - 1
 
 
-def fake_nvml(gpus: list[dict], processes: dict[int, list] | None = None, v2: bool = True) -> types.ModuleType:
-    """A module with pynvml's names, backed by ``gpus`` (dicts: name, uuid, bus, total, used).
+class FakeNvmlLib:
+    """What ``libnvidia-ml.so.1`` exports, for ``gpus`` (dicts: name, uuid, bus, total, used, and optionally
+    reserved, cc=(major, minor), speed (CUDA's fastest-first rank), mig=[slice dicts: uuid, name, total, used]).
 
-    ``processes`` maps a GPU index to objects with ``pid`` and ``usedGpuMemory`` (None = not
-    available, as in containers). ``v2=False`` fakes an old binding without ``nvmlMemory_v2``.
+    ``processes`` maps a GPU's index or a UUID to objects with ``pid`` and ``usedGpuMemory`` (None: NVML gives
+    no figure, as in containers). ``v2=False``: an old driver without ``nvmlDeviceGetMemoryInfo_v2``;
+    ``v2_refused``: the v2 symbol exists but the call fails (vGPU); ``missing``: more symbols the driver
+    lacks; ``init_error``: nvmlInit's return code. ``calls`` counts each exported call.
     """
-    processes = processes or {}
-    nvml = types.ModuleType("pynvml")
-    nvml.NVMLError = NVMLError
-    nvml.inits = 0
 
-    def init():
-        nvml.inits += 1
-
-    def handle_by_index(i):
-        if i >= len(gpus):
-            raise NVMLError("Invalid Argument")
-        return i
-
-    def handle_by_uuid(uuid):
+    def __init__(self, gpus, processes=None, v2=True, v2_refused=False, init_error=None, missing=()):
+        self.gpus, self.processes, self.init_error = gpus, processes or {}, init_error
+        self.calls: dict[str, int] = {}
+        self._by_address: dict[int, tuple[int, int | None]] = {}
         for i, gpu in enumerate(gpus):
-            if gpu["uuid"] == uuid:
-                return i
-        raise NVMLError("Not Found")
+            self._by_address[0x7F3A_0000_0000 + 0x1000 * i + 0x40] = (i, None)
+            for m in range(len(gpu.get("mig", []))):
+                self._by_address[0x7F3B_0000_0000 + 0x1000 * i + 0x80 * (m + 1)] = (i, m)
+        self._address = {key: address for address, key in self._by_address.items()}
+        self._missing = {*missing, *([] if v2 else ["nvmlDeviceGetMemoryInfo_v2"])}
+        self._refuse_v2 = v2_refused
+        for name in dir(self):
+            if name.startswith("nvml") and name not in self._missing:
+                setattr(self, name, self._counted(name, getattr(self, name)))
 
-    def memory_info(handle, version=None):
-        gpu = gpus[handle]
-        if v2 and version is None:
-            raise AssertionError("vramcal must ask for the v2 memory API")
-        return types.SimpleNamespace(total=gpu["total"], used=gpu.get("used", 0),
-                                     free=gpu["total"] - gpu.get("used", 0), reserved=0)
+    def __getattribute__(self, name):
+        if name.startswith("nvml") and name in object.__getattribute__(self, "_missing"):
+            raise AttributeError(name)  # the driver does not export it: pynvml says FunctionNotFound
+        return object.__getattribute__(self, name)
 
-    def compute_processes(handle):
-        return processes.get(handle, [])
+    def _counted(self, name, func):
+        def call(*args):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return func(*args)
+        call.restype = None
+        return call
 
-    nvml.nvmlInit = init
-    nvml.nvmlDeviceGetCount = lambda: len(gpus)
-    nvml.nvmlSystemGetDriverVersion = lambda: b"580.65.06"
-    nvml.nvmlSystemGetCudaDriverVersion_v2 = lambda: 13000
-    nvml.nvmlDeviceGetHandleByIndex = handle_by_index
-    nvml.nvmlDeviceGetHandleByUUID = handle_by_uuid
-    nvml.nvmlDeviceGetHandleByPciBusId = lambda bus: [g["bus"] for g in gpus].index(bus)
-    nvml.nvmlDeviceGetName = lambda h: gpus[h]["name"].encode()
-    nvml.nvmlDeviceGetUUID = lambda h: gpus[h]["uuid"]
-    nvml.nvmlDeviceGetPciInfo = lambda h: types.SimpleNamespace(busId=gpus[h]["bus"].encode())
-    nvml.nvmlDeviceGetMemoryInfo = memory_info
-    nvml.nvmlDeviceGetComputeRunningProcesses = compute_processes
-    nvml.nvmlDeviceGetGraphicsRunningProcesses = lambda h: []
-    if v2:
-        nvml.nvmlMemory_v2 = 0x02000028
-    return nvml
+    # -- helpers: C out-parameters and handles
+    @staticmethod
+    def _set(ref, value):
+        target = getattr(ref, "_obj", ref)
+        if isinstance(target, ctypes._Pointer):
+            pointer = ctypes.c_void_p(value)
+            ctypes.memmove(ctypes.addressof(target), ctypes.byref(pointer), ctypes.sizeof(pointer))
+        else:
+            target.value = value
+
+    def _device(self, handle):
+        address = ctypes.cast(handle, ctypes.c_void_p).value
+        if address not in self._by_address:
+            raise LookupError
+        i, m = self._by_address[address]
+        return self.gpus[i] if m is None else self.gpus[i]["mig"][m], i, m
+
+    def _lookup(self, handle, out, *fields):
+        try:
+            device, i, m = self._device(handle)
+        except LookupError:
+            return INVALID_ARGUMENT
+        for ref, field in zip(out, fields):
+            self._set(ref, field(device, i, m))
+        return SUCCESS
+
+    def _handle_out(self, key, out):
+        self._set(out, self._address[key])
+        return SUCCESS
+
+    # -- system
+    def nvmlInitWithFlags(self, flags):
+        return self.init_error or SUCCESS
+
+    def nvmlShutdown(self):
+        return SUCCESS
+
+    def nvmlErrorString(self, code):
+        return b"Fake NVML error %d" % code
+
+    def nvmlSystemGetDriverVersion(self, buffer, size):
+        buffer.value = b"580.65.06"
+        return SUCCESS
+
+    def nvmlSystemGetCudaDriverVersion_v2(self, out):
+        self._set(out, 13000)
+        return SUCCESS
+
+    # -- handles
+    def nvmlDeviceGetCount_v2(self, out):
+        self._set(out, len(self.gpus))
+        return SUCCESS
+
+    def nvmlDeviceGetHandleByIndex_v2(self, index, out):
+        return self._handle_out((index.value, None), out) if index.value < len(self.gpus) else INVALID_ARGUMENT
+
+    def nvmlDeviceGetHandleByUUID(self, uuid, out):
+        for (i, m) in self._address:
+            device = self.gpus[i] if m is None else self.gpus[i]["mig"][m]
+            if device["uuid"].encode() == uuid.value:
+                return self._handle_out((i, m), out)
+        return NOT_FOUND
+
+    def nvmlDeviceGetHandleByPciBusId_v2(self, bus, out):
+        for i, gpu in enumerate(self.gpus):
+            if gpu["bus"].encode() == bus.value:
+                return self._handle_out((i, None), out)
+        return NOT_FOUND
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle, index, out):
+        device, i, m = self._device(handle)
+        if m is not None or index.value >= len(device.get("mig", [])):
+            return NOT_FOUND
+        return self._handle_out((i, index.value), out)
+
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, handle, out):
+        _, i, m = self._device(handle)
+        return INVALID_ARGUMENT if m is None else self._handle_out((i, None), out)
+
+    # -- identity
+    def nvmlDeviceGetName(self, handle, buffer, size):
+        device, _, _ = self._device(handle)
+        buffer.value = device["name"].encode()
+        return SUCCESS
+
+    def nvmlDeviceGetUUID(self, handle, buffer, size):
+        device, _, _ = self._device(handle)
+        buffer.value = device["uuid"].encode()
+        return SUCCESS
+
+    def nvmlDeviceGetIndex(self, handle, out):
+        _, i, m = self._device(handle)
+        return NOT_SUPPORTED if m is not None else self._lookup(handle, [out], lambda d, i, m: i)
+
+    def nvmlDeviceGetPciInfo_v3(self, handle, out):
+        device, _, m = self._device(handle)
+        if m is not None:
+            return NOT_SUPPORTED
+        out._obj.busId = device["bus"].encode()
+        return SUCCESS
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle, major, minor):
+        return self._lookup(handle, [major, minor], lambda d, i, m: d.get("cc", (9, 0))[0],
+                            lambda d, i, m: d.get("cc", (9, 0))[1])
+
+    def nvmlDeviceGetMigMode(self, handle, current, pending):
+        device, _, m = self._device(handle)
+        if m is not None or "mig" not in device:
+            return NOT_SUPPORTED
+        self._set(current, 1), self._set(pending, 1)
+        return SUCCESS
+
+    def nvmlDeviceIsMigDeviceHandle(self, handle, out):
+        return self._lookup(handle, [out], lambda d, i, m: int(m is not None))
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle, out):
+        return self._lookup(handle, [out], lambda d, i, m: 7 if "mig" in d and m is None else 0)
+
+    def nvmlDeviceGetGpuInstanceId(self, handle, out):
+        return self._lookup(handle, [out], lambda d, i, m: 1 + (m or 0))
+
+    def nvmlDeviceGetComputeInstanceId(self, handle, out):
+        return self._lookup(handle, [out], lambda d, i, m: 0)
+
+    # -- memory and processes
+    def _memory(self, handle, out, version):
+        device, _, _ = self._device(handle)
+        reserved = device.get("reserved", 0)
+        memory = out._obj
+        memory.total, memory.used = device["total"], device.get("used", 0)
+        memory.free = device["total"] - reserved - device.get("used", 0)
+        if version == 2:
+            memory.reserved = reserved
+        return SUCCESS
+
+    def nvmlDeviceGetMemoryInfo(self, handle, out):
+        return self._memory(handle, out, 1)
+
+    def nvmlDeviceGetMemoryInfo_v2(self, handle, out):
+        if self._refuse_v2:
+            return NOT_SUPPORTED
+        return self._memory(handle, out, 2)
+
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle, count, array):
+        device, i, m = self._device(handle)
+        listed = self.processes.get(device["uuid"], self.processes.get(i, []) if m is None else [])
+        if array is None or count._obj.value < len(listed):
+            self._set(count, len(listed))
+            return INSUFFICIENT_SIZE if listed else SUCCESS
+        for slot, process in zip(array, listed):
+            used = process.usedGpuMemory
+            slot.pid, slot.usedGpuMemory = process.pid, NOT_AVAILABLE if used is None else used
+        self._set(count, len(listed))
+        return SUCCESS
+
+    def nvmlDeviceGetGraphicsRunningProcesses_v3(self, handle, count, array):
+        self._set(count, 0)
+        return SUCCESS
+
+    # -- the CUDA driver's enumeration (what nvitop's throw-away process reports)
+    def cuda_uuids(self, cuda_visible_devices, device_order):
+        """CUDA's visible devices: PCI bus order under PCI_BUS_ID, else fastest first; a MIG-enabled
+        GPU shows its first slice; the list stops at the first entry naming no device (CUDA's rule)."""
+        def rank(gpu):
+            return gpu["bus"] if device_order == "PCI_BUS_ID" else (-gpu.get("speed", 0), gpu["bus"])
+
+        ordered = sorted(self.gpus, key=rank)
+        shown = [gpu["mig"][0] if gpu.get("mig") else gpu for gpu in ordered]
+        if cuda_visible_devices is None:
+            return [d["uuid"] for d in shown]
+        chosen = []
+        for token in (t.strip() for t in cuda_visible_devices.split(",")):
+            if token.isdigit() and int(token) < len(shown):
+                found = shown[int(token)]
+            else:
+                every = [d for g in ordered for d in [g, *g.get("mig", [])]]
+                found = next((d for d in every if token and d["uuid"].startswith(token)), None)
+            if found is None:
+                break
+            chosen.append(found["uuid"])
+        return chosen
+
+
+class _CudaQuery:
+    """Stands in for the ``subprocess`` module nvitop uses to ask the CUDA driver (``cuda=False``: no driver)."""
+
+    SubprocessError, DEVNULL = subprocess.SubprocessError, subprocess.DEVNULL
+
+    def __init__(self, lib: FakeNvmlLib, cuda: bool):
+        self.lib, self.cuda, self.asked = lib, cuda, 0
+
+    def check_output(self, argv, **kwargs):
+        self.asked += 1
+        if not self.cuda:
+            raise subprocess.CalledProcessError(1, argv)
+        value = ast.literal_eval(re.search(r"_to_uuids\(\s*(.*?),\s*verbose", argv[-1], re.S).group(1))
+        uuids = self.lib.cuda_uuids(value, os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST"))
+        return ",".join(uuid.split("-", 1)[1] for uuid in uuids) + "\n"
+
+
+def _reset_nvml_state(lib, query) -> None:
+    import nvitop.api.device as nvitop_device
+    import nvitop.api.libnvml as libnvml
+    import pynvml
+
+    pynvml.nvmlLib = lib
+    pynvml._nvmlGetFunctionPointer_cache.clear()
+    pynvml._nvmlLib_refcount = 0
+    for name, value in (("__initialized", False), ("__flags", []), ("__get_memory_info_version_suffix", None),
+                        ("__get_running_processes_version_suffix", None)):
+        setattr(libnvml, name, value)
+    nvitop_device._PHYSICAL_DEVICE_ATTRS = None
+    nvitop_device._parse_cuda_visible_devices.cache_clear()
+    nvitop_device.subprocess = query
+
+
+_REAL = {}
+
+
+def install_fake_nvml(gpus, processes=None, v2=True, v2_refused=False, init_error=None, cuda=True,
+                      missing=()) -> FakeNvmlLib:
+    """Put a :class:`FakeNvmlLib` under the real pynvml and nvitop, until :func:`restore_nvml` (conftest does)."""
+    import nvitop.api.device as nvitop_device
+    import pynvml
+
+    _REAL.setdefault("lib", pynvml.nvmlLib)
+    _REAL.setdefault("subprocess", nvitop_device.subprocess)
+    lib = FakeNvmlLib(gpus, processes, v2, v2_refused, init_error, missing)
+    lib.cuda_query = _CudaQuery(lib, cuda)
+    _reset_nvml_state(lib, lib.cuda_query)
+    return lib
+
+
+def restore_nvml() -> None:
+    """Undo :func:`install_fake_nvml`: the real driver library (or none, as on a CPU machine) again."""
+    if _REAL:
+        _reset_nvml_state(_REAL.pop("lib"), _REAL.pop("subprocess"))
+
+
+def fake_nvml(gpus: list[dict], processes: dict | None = None, v2: bool = True, **options) -> types.ModuleType:
+    """Install a fake driver for ``gpus`` (see :class:`FakeNvmlLib`) and return what ``load_nvml`` returns."""
+    from vramcal.measure.nvml import load_nvml
+
+    install_fake_nvml(gpus, processes, v2, **options)
+    return load_nvml()
+
+
+class Process:
+    def __init__(self, pid, used):
+        self.pid, self.usedGpuMemory = pid, used
 
 
 H200 = {"name": "NVIDIA H200", "uuid": "GPU-5d2c1f7e-aaaa-bbbb-cccc-000000000001", "bus": "00000000:19:00.0",
-        "total": 150754820096, "used": 600 * 2**20}
+        "total": 150754820096, "reserved": 527958016, "used": 600 * 2**20, "cc": (9, 0), "speed": 2}
 L4 = {"name": "NVIDIA L4", "uuid": "GPU-77aa0000-aaaa-bbbb-cccc-000000000002", "bus": "00000000:3B:00.0",
-      "total": 24152899584, "used": 0}
+      "total": 24152899584, "used": 0, "cc": (8, 9), "speed": 1}
+T4 = {"name": "Tesla T4", "uuid": "GPU-1e4e0000-aaaa-bbbb-cccc-000000000003", "bus": "00000000:5E:00.0",
+      "total": 16106127360, "used": 0, "cc": (7, 5), "speed": 0}

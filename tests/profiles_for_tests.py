@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from vramcal.calibrate.fit import fit_linear
 from vramcal.calibrate.limits import LimitSettings, compute_limits
-from vramcal.model import ModelSpec
+from vramcal.models.regressor import ModelSpec
 from vramcal.profile import Profile, Verification
 from vramcal.records import Device, Trial
 
@@ -51,7 +51,8 @@ def seed_peak(batch_size: int, index: int = 0) -> int:
 
 
 def build_profile(device: Device, trials: list[Trial], spec: ModelSpec | None = None,
-                  implementation: str = "transformers", verify: bool = True) -> Profile:
+                  implementation: str = "transformers", verify: bool = True,
+                  verify_offset_bytes: int = -3_000_000) -> Profile:
     """Fit the ok trials within budget, compute limits, optionally add passing verification trials."""
     settings = LimitSettings()
     usable = settings.usable_bytes(device.total_bytes)
@@ -64,13 +65,19 @@ def build_profile(device: Device, trials: list[Trial], spec: ModelSpec | None = 
         limits = compute_limits(fit, device.total_bytes, settings, min(failed) if failed else None)
         if verify:
             for kind, size in (("safe", limits.safe_batch_size), ("conservative", limits.conservative_batch_size)):
-                trial = _like(trials[0], size, int(fit.predict(size)), purpose=f"verify-{kind}")
+                # a real verification peak is not the fit's prediction: offset it, so a report that always
+                # says "passed" or copies the prediction cannot pass the tests
+                peak = int(fit.predict(size)) + verify_offset_bytes
+                trial = _like(trials[0], size, peak, purpose=f"verify-{kind}")
                 trials = [*trials, trial]
                 verification[kind] = Verification(size, trial.fits(usable), trial.peak_bytes)
+    spec = spec or ModelSpec()
     return Profile(
-        device=device, spec=spec or ModelSpec(), implementation=implementation,
+        device=device, model=spec.ref(implementation), implementation=implementation,
         kernel_path="transformers Mamba2 torch_forward (pure PyTorch chunked scan)", settings=settings,
         trials=tuple(trials), fit=fit, limits=limits, verification=verification,
+        data={"source": "synthetic", "data_bytes": 0, "on_device": False, "pool_bytes": 0},
+        model_info={"n_params": spec.n_params()},
         software={"python": "3.11.9", "torch": "2.5.1", "transformers": "4.57.0"},
         run={"warmup_steps": 1, "measured_steps": 2}, created_utc="2025-01-02T03:04:05Z", vramcal_version="0.1.0")
 

@@ -82,9 +82,10 @@ def test_profiles_folder_that_is_a_file(tmp_path):
 
 
 @pytest.mark.parametrize("content, message", [
-    ('{"schema_version": 1, "device": ', "not valid JSON"),
+    ('{"schema_version": 2, "device": ', "not valid JSON"),
     ('{"schema_version": 99}', "schema version 99"),
-    ('{"schema_version": 1, "device": {}}', "not a vramcal profile"),
+    ('{"schema_version": 1}', "schema version 1 is not 2"),
+    ('{"schema_version": 2, "device": {}}', "not a vramcal profile"),
     ("\x00\x01binary", "not valid JSON"),
 ])
 def test_show_refuses_a_corrupt_profile(tmp_path, content, message):
@@ -115,13 +116,20 @@ def test_atomic_writes_leave_the_usual_file_mode_and_no_temporary_files(tmp_path
 
 
 @pytest.mark.parametrize("path, value, message", [
-    (("limits", "conservative_batch_size"), "lots", "Limits.conservative_batch_size = 'lots'"),
-    (("limits", "safe_batch_size"), -5, "negative batch size"),
+    (("limits", "conservative_batch_size"), "lots", "Limits.conservative_batch_size = 'lots' is not int"),
+    (("limits", "safe_batch_size"), True, "Limits.safe_batch_size = True is not int"),
+    (("limits", "safe_batch_size"), -5, "limits.conservative_batch_size = "),
     (("trials", 0, "status"), "fine", "Trial.status = 'fine'"),
     (("device", "total_bytes"), 1.5, "Device.total_bytes = 1.5"),
     (("fit", "slope_bytes_per_sample"), None, "Fit.slope_bytes_per_sample = None"),
+    (("fit", "slope_bytes_per_sample"), float("nan"), "Fit.slope_bytes_per_sample = nan is not a finite number"),
+    (("fit", "overhead_bytes"), float("inf"), "Fit.overhead_bytes = inf is not a finite number"),
+    (("fit", "batch_sizes", 1), "two", "Fit.batch_sizes = (1, 'two'"),
+    (("limits", "usable_bytes"), 10**13, "limits.usable_bytes = 10000000000000 does not follow"),
+    (("verification", "safe", "passed"), False, "verification.safe.passed = False contradicts its peak"),
+    (("verification", "safe", "batch_size"), 3, "verification.safe.batch_size = 3 is not the safe batch size"),
 ])
-def test_a_profile_with_a_wrong_typed_field_is_refused_in_one_line(tmp_path, path, value, message):
+def test_a_profile_with_a_bad_field_is_refused_in_one_line_naming_it(tmp_path, path, value, message):
     import json
 
     from vramcal.profile import save_profile
@@ -139,7 +147,30 @@ def test_a_profile_with_a_wrong_typed_field_is_refused_in_one_line(tmp_path, pat
     for command in (["show", str(bad)], ["limits", str(bad)], ["report", str(bad), "--out", str(tmp_path)]):
         result = invoke(*command)
         assert result.exit_code == 1
-        assert "not a vramcal profile" in one_line_error(result) and message in one_line_error(result)
+        assert f"profile {bad}" in one_line_error(result) and message in one_line_error(result)
+
+
+def test_hand_edited_limits_that_contradict_the_fit_are_refused(tmp_path):
+    """safe = conservative = 10**9 in a file whose fit allows ~60: refused, naming the field and the bound."""
+    import json
+
+    from vramcal.profile import save_profile
+
+    from profiles_for_tests import gpu_profile
+
+    profile = gpu_profile()
+    data = json.loads(save_profile(profile, tmp_path / "good.json").read_text())
+    data["limits"]["safe_batch_size"] = data["limits"]["conservative_batch_size"] = 10**9
+    for entry in data["verification"].values():
+        entry["batch_size"] = 10**9
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    result = invoke("show", str(bad))
+    assert result.exit_code == 1
+    from vramcal.units import format_bytes
+
+    assert (f"limits.safe_batch_size = 1000000000 is above what the file's own fit allows in "
+            f"{format_bytes(profile.limits.usable_bytes)} ({profile.limits.safe_batch_size})") in one_line_error(result)
 
 
 def test_an_unwritable_reports_folder_fails_before_any_trial(tmp_path):

@@ -9,7 +9,7 @@ from scipy import stats
 from vramcal.cli import main
 from vramcal.measure.device import host_device
 from vramcal.measure.trial import TrialRequest, TrialRunner
-from vramcal.model import ModelSpec
+from vramcal.models.regressor import ModelSpec
 from vramcal.profile import load_profile, save_profile
 
 TINY = ModelSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16)
@@ -22,30 +22,37 @@ def runner():
     return TrialRunner(timeout_s=120)
 
 
+def request(spec: ModelSpec, batch_size: int, device, **settings) -> TrialRequest:
+    return TrialRequest(spec.ref("transformers"), batch_size, device, **settings)
+
+
 def test_an_allocation_past_the_host_limit_is_recorded_as_oom(runner):
     device = host_device(2**30)
-    trial = runner.run(TrialRequest(TINY, "transformers", 50_000, device, host_memory_limit_bytes=2**30))
+    trial = runner.run(request(TINY, 50_000, device, host_memory_limit_bytes=2**30))
     assert trial.status == "oom" and trial.peak_bytes is None
     assert "can't allocate memory" in trial.error or "MemoryError" in trial.error
 
 
 def test_a_trial_over_its_time_limit_is_killed_and_recorded():
     slow = TrialRunner(timeout_s=1.0)
-    trial = slow.run(TrialRequest(ModelSpec(), "transformers", 256, host_device(), measured_steps=50))
+    trial = slow.run(request(ModelSpec(), 256, host_device(), measured_steps=50))
     assert trial.status == "timeout" and "time limit" in trial.error
     assert trial.wall_s < 30
 
 
 def test_trials_are_isolated_and_cheap_to_start(runner):
     device = host_device(4 * 2**30)
-    request = TrialRequest(TINY, "transformers", 64, device, host_memory_limit_bytes=device.total_bytes)
-    first, big, again = (runner.run(request), runner.run(TrialRequest(**{**request.__dict__, "batch_size": 2048})),
-                         runner.run(request))
+    small = request(TINY, 64, device, host_memory_limit_bytes=device.total_bytes)
+    first, big, again = runner.run(small), runner.run(small.with_batch_size(2048)), runner.run(small)
     assert first.ok and big.ok and again.ok
     assert big.peak_bytes > first.peak_bytes
     # a fresh process per trial: the big trial before it does not raise the small trial's peak
     assert again.peak_bytes < first.peak_bytes * 1.15
     assert again.startup_s < 1.0  # forked from the preloaded server: no torch import per trial
+    # the trial holds the trainer's data pipeline (synthetic bars of the E-mini sample's size here)
+    assert first.data_bytes == again.data_bytes > 500_000
+    assert runner.context["data"]["data_bytes"] == first.data_bytes
+    assert "torch_forward" in runner.context["kernel_path"]
 
 
 def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
@@ -53,10 +60,12 @@ def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
     result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1GiB", "--reserve", "0",
                                        *TINY_ARGS, "--max-trials", "10", "--out", str(profile_file),
                                        "--reports-dir", str(tmp_path / "reports")])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 0, result.output  # 0: verified (an unverified calibration exits 3)
     assert "peak = " in result.output and "GiB × batch_size" in result.output
     profile = load_profile(profile_file)
-    assert profile.device.kind == "host" and profile.spec == TINY and profile.implementation == "transformers"
+    assert profile.verified, profile.warnings
+    assert profile.device.kind == "host" and profile.model == TINY.ref("transformers")
+    assert profile.implementation == "transformers"
     assert "torch_forward" in profile.kernel_path
     ok = [t for t in profile.trials if t.ok]
     assert len(ok) >= 3
@@ -66,14 +75,14 @@ def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
     limits = profile.limits
     assert 0 < limits.conservative_batch_size < limits.safe_batch_size
     for name in ("safe", "conservative"):
-        check = profile.verification.get(name)
-        if check is not None:
-            assert check.passed == (check.peak_bytes <= limits.usable_bytes)
+        check = profile.verification[name]
+        assert check.passed and check.peak_bytes <= limits.usable_bytes
+        assert check.batch_size == getattr(limits, f"{name}_batch_size")
     copy = tmp_path / "copy.json"
     save_profile(profile, copy)
     assert load_profile(copy) == profile
     shown = CliRunner().invoke(main, ["show", str(profile_file), "--json"])
-    assert shown.exit_code == 0 and json.loads(shown.output)["spec"]["d_model"] == 32
+    assert shown.exit_code == 0 and json.loads(shown.output)["model"]["params"]["d_model"] == 32
 
 
 def test_a_killed_probe_leaves_no_trial_process_behind(tmp_path):
@@ -86,10 +95,11 @@ def test_a_killed_probe_leaves_no_trial_process_behind(tmp_path):
 
     script = tmp_path / "caller.py"
     script.write_text(
-        "from vramcal.measure.device import host_device\nfrom vramcal.model import ModelSpec\n"
+        "from vramcal.measure.device import host_device\nfrom vramcal.models.regressor import ModelSpec\n"
         "from vramcal.measure.trial import TrialRequest, TrialRunner\n"
         "if __name__ == '__main__':\n"
-        "    TrialRunner().run(TrialRequest(ModelSpec(), 'transformers', 64, host_device(), measured_steps=10**6))\n")
+        "    TrialRunner().run(TrialRequest(ModelSpec().ref('transformers'), 64, host_device(), "
+        "measured_steps=10**6))\n")
     caller = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": os.getcwd()})
 
     def trial_pids():

@@ -104,15 +104,17 @@ def test_recorded_host_trials_settle_instead_of_creeping_upward():
 def test_calibration_names_the_first_trials_failure_in_plain_words():
     import pytest
 
-    from vramcal.calibrate.probe import CalibrationError, calibrate
-    from vramcal.model import ModelSpec
+    from vramcal.calibrate.probe import CalibrationError, calibrate_trials
+    from vramcal.models.regressor import ModelSpec
     from vramcal.records import Device
 
     class OomRunner:  # fake at the hardware boundary: every trial runs out of memory
+        context: dict = {}
+
         def run(self, request, purpose=""):
             return Trial(request.batch_size, "oom", error="Traceback ...\nRuntimeError: can't allocate memory\n")
 
     host = Device(kind="host", name="test host", total_bytes=8 * GIB, total_source="--capacity")
     with pytest.raises(CalibrationError) as caught:
-        calibrate(host, ModelSpec(), "transformers", runner=OomRunner())
+        calibrate_trials(host, ModelSpec().ref("transformers"), runner=OomRunner())
     assert "(it ended with oom: RuntimeError: can't allocate memory);" in str(caught.value)

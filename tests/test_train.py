@@ -1,7 +1,8 @@
 """The bundled trainer end to end on CPU: a real tiny Mamba-2 model, synthetic bars, an in-memory profile.
 
-Fakes only at the hardware boundary: a model whose forward raises ``torch.OutOfMemoryError`` for large
-micro-batches, as a GPU would.
+Runs through the command go through the training worker process, as users run them. Faults are injected
+in-process (a :class:`~vramcal.train.loop.Trainer` built here on the factory's real step) only at the
+hardware boundary: a loss that raises ``torch.OutOfMemoryError`` for large micro-batches, as a GPU would.
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ from test_train_data import synthetic_bars
 
 from vramcal.calibrate.fit import fit_linear
 from vramcal.calibrate.limits import LimitSettings, compute_limits
-from vramcal.cli import main  # first: it registers the train and data commands
+from vramcal.cli import main
 from vramcal.measure.device import host_device
-from vramcal.model import ModelSpec, build_model
+from vramcal.models.regressor import ModelSpec, training_step
 from vramcal.profile import Profile, profile_path, save_profile
-from vramcal.records import Device
-from vramcal.train import checkpoint, loop, sizing
+from vramcal.records import Device, Trial
+from vramcal.sizing import scaled_lr
+from vramcal.train import checkpoint, loop
 from vramcal.train.config import TrainConfig, load_config
-from vramcal.train.plan import plan_run
+from vramcal.train.plan import plan_run, resolve
 
 MIB = 2**20
 SPEC = ModelSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16)
@@ -35,15 +37,13 @@ SPEC_ARGS = ["--d-model", "32", "--n-layers", "1", "--d-state", "16", "--headdim
 
 def make_profile(device: Device, spec: ModelSpec = SPEC, slope_mib: int = 24) -> Profile:
     """A profile over synthetic trials: 100 MiB + slope x batch in a 1 GiB budget (safe batch ~12)."""
-    from vramcal.records import Trial
-
     device = Device(**{**device.to_dict(), "total_bytes": 1024 * MIB})
     sizes = (1, 2, 4, 8, 16)
     peaks = [100 * MIB + slope_mib * MIB * b + (i % 2) * MIB for i, b in enumerate(sizes)]
     fit = fit_linear(sizes, peaks)
     settings = LimitSettings()
-    return Profile(device=device, spec=spec, implementation="transformers", kernel_path="test", settings=settings,
-                   trials=tuple(Trial(b, "ok", p) for b, p in zip(sizes, peaks)), fit=fit,
+    return Profile(device=device, model=spec.ref("transformers"), implementation="transformers", kernel_path="test",
+                   settings=settings, trials=tuple(Trial(b, "ok", p) for b, p in zip(sizes, peaks)), fit=fit,
                    limits=compute_limits(fit, device.total_bytes, settings), created_utc="2025-01-01T00:00:00Z")
 
 
@@ -53,8 +53,8 @@ def setup(tmp_path):
     synthetic_bars(400).to_parquet(data)
     profiles = tmp_path / "profiles"
     profile = make_profile(host_device())
-    save_profile(profile, profile_path(profiles, profile.device, SPEC, "transformers"))
-    return {"data": data, "profiles": profiles, "profile": profile, "tmp": tmp_path}
+    path = save_profile(profile, profile_path(profiles, profile.device, profile.model, "transformers"))
+    return {"data": data, "profiles": profiles, "profile": profile, "profile_path": path, "tmp": tmp_path}
 
 
 def train(setup, run: str, *extra: str):
@@ -76,8 +76,18 @@ def one_line_failure(result) -> str:
     assert result.exit_code != 0, result.output
     assert "Traceback" not in result.output and result.exc_info[0] is SystemExit
     lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1, result.output
-    return lines[0]
+    assert lines[-1].startswith("Error: "), result.output
+    assert not [line for line in lines[:-1] if line.startswith("Error")], result.output
+    return lines[-1]
+
+
+def in_process(setup, run: str, **changes):
+    """A plan and the factory's real step, to drive a Trainer in this process (fault injection)."""
+    config = TrainConfig(data=str(setup["data"]), spec=SPEC, gpu="none", profiles_dir=str(setup["profiles"]),
+                         **{"batch_size": 8, "epochs": 1, "max_steps": 2, **changes})
+    plan = plan_run(config, setup["tmp"] / run, resolve(config))
+    step = training_step(torch.device("cpu"), **plan.model.params, **plan.factory_options())
+    return plan, step
 
 
 # --------------------------------------------------------------------------------------------- runs
@@ -92,13 +102,34 @@ def test_a_run_writes_metrics_checkpoints_and_its_record(setup):
     for row in epochs:
         assert math.isfinite(row["train_loss"]) and math.isfinite(row["val_loss"])
         assert 0 <= row["val_dir_acc"] <= 1 and 0 <= row["val_zero_dir_acc"] <= 1
-        assert row["samples_per_s"] > 0 and row["peak_bytes"] > 50 * MIB and row["peak_source"] == "VmHWM"
+        # the trials' peak definition: max(VmHWM, data-segment peak)
+        assert row["samples_per_s"] > 0 and row["peak_bytes"] == max(row["rss_peak_bytes"], row["data_peak_bytes"])
     record = json.loads((run_dir / checkpoint.RUN).read_text())
-    assert record["implementation"] == "transformers" and "torch_forward" in record["kernel_path"]
-    assert record["batch"]["batch_size"] == 8 and record["data"]["train_windows"] == 18
-    assert (run_dir / checkpoint.BEST).is_file()
+    assert record["implementation"] == "transformers" and record["model"]["params"]["d_model"] == 32
+    assert record["sizing"]["batch_size"] == 8 and record["data"]["train_windows"] == 18
+    assert record["host_memory_limit_bytes"] == setup["profile"].device.total_bytes  # the profile's budget
+    assert (run_dir / checkpoint.BEST).is_file() and (run_dir / checkpoint.PREV).is_file()
     assert load_config(run_dir / checkpoint.CONFIG).spec == SPEC
     assert "done: 6 steps" in result.output
+
+
+def test_the_run_compares_its_peak_with_the_profile_and_records_it(setup):
+    """Closed loop: the measured peak beside the prediction after the first epoch and at the end, a warning
+    (this synthetic profile predicts far too little), and an observation appended to the profile."""
+    result = train(setup, "loop", "--epochs", "2", "--batch-size", "8")
+    assert result.exit_code == 0, result.output
+    sizing = json.loads((setup["tmp"] / "loop" / checkpoint.RUN).read_text())["sizing"]
+    assert "after the first epoch: peak " in result.output and "at the end: peak " in result.output
+    assert f"predicted {sizing['predicted_peak_bytes'] / MIB:.2f} MiB" in result.output
+    assert "warning: the measured peak" in result.output and "is above usable memory" in result.output
+    from vramcal.profile import load_profile
+
+    (observation,) = load_profile(setup["profile_path"]).observations
+    measured = max(r["peak_bytes"] for r in rows(setup["tmp"] / "loop"))
+    assert observation.peak_bytes == measured and observation.batch_size == 8 and observation.steps == 6
+    assert observation.predicted_peak_bytes == sizing["predicted_peak_bytes"]
+    shown = CliRunner().invoke(main, ["show", str(setup["profile_path"])])
+    assert "training runs (1)" in shown.output and "ABOVE USABLE" in shown.output
 
 
 def test_runs_are_reproducible_for_a_seed(setup):
@@ -111,72 +142,120 @@ def test_runs_are_reproducible_for_a_seed(setup):
     assert not all(torch.equal(a[k], v) for k, v in weights(setup["tmp"] / "c").items())
 
 
-def test_resume_continues_a_killed_run_to_the_same_weights(setup, monkeypatch):
+def test_resume_continues_a_killed_run_to_the_same_weights(setup):
+    """The training process is killed (SIGKILL) right after epoch 2's checkpoint; --resume ends where a
+    straight run ends."""
+    from vramcal.train.runner import train as run_plan
+
     assert train(setup, "straight", "--epochs", "3", "--batch-size", "8").exit_code == 0
-    real_save = loop.Trainer._save
-
-    def save_then_die(self, row):  # the process is killed right after epoch 2's checkpoint
-        real_save(self, row)
-        if self.progress.epoch == 2:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(loop.Trainer, "_save", save_then_die)
-    train(setup, "killed", "--epochs", "3", "--batch-size", "8")
-    monkeypatch.setattr(loop.Trainer, "_save", real_save)
+    config = TrainConfig(data=str(setup["data"]), spec=SPEC, gpu="none", profiles_dir=str(setup["profiles"]),
+                         batch_size=8, epochs=3)
     killed = setup["tmp"] / "killed"
+
+    def kill_after_epoch_2(row):
+        if row["epoch"] == 2:
+            raise KeyboardInterrupt  # the runner kills the worker process
+
+    with pytest.raises(KeyboardInterrupt):
+        run_plan(plan_run(config, killed, resolve(config)), echo=lambda line: None, on_epoch=kill_after_epoch_2)
     assert [r["epoch"] for r in rows(killed)] == [1, 2]
     result = CliRunner().invoke(main, ["train", "--resume", "--run-dir", str(killed)])
     assert result.exit_code == 0, result.output
-    assert "resuming at step 6" in result.output
+    assert "resuming:" in result.output
     assert [r["epoch"] for r in rows(killed)] == [1, 2, 3]
     straight = weights(setup["tmp"] / "straight")
     assert all(torch.equal(straight[k], v) for k, v in weights(killed).items())
 
 
+def sgd(step) -> None:
+    """Swap AdamW for plain SGD: AdamW normalises the gradient's scale, so a doubled gradient (a micro-batch
+    loss not scaled by its share) would go unseen; with SGD the weights move by the gradient itself."""
+    step.optimizer = torch.optim.SGD(step.model.parameters(), lr=0.05)
+
+
+def oom_when(step, fails) -> list[int]:
+    """Make ``step.loss`` raise CUDA's out-of-memory error when ``fails(micro_batch_size, call)`` says so."""
+    real, calls = step.loss, []
+
+    def loss(batch):
+        calls.append(batch[0].shape[0])
+        if fails(batch[0].shape[0], calls):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(batch)
+
+    step.loss = loss
+    return calls
+
+
 def test_out_of_memory_halves_the_micro_batch_and_keeps_the_gradient(setup):
-    """A forward that fails above 5 samples, as a GPU would: the step is retried as 2 x 4 accumulated."""
-
-    class OomAbove(torch.nn.Module):
-        def __init__(self, spec, implementation):
-            super().__init__()
-            self.inner = build_model(spec, implementation)
-
-        def forward(self, x):
-            if x.shape[0] > 5:
-                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-            return self.inner(x)
-
-    def plan(run):
-        config = TrainConfig(data=str(setup["data"]), spec=SPEC, gpu="none", profiles_dir=str(setup["profiles"]),
-                             batch_size=8, epochs=1, max_steps=2)
-        return plan_run(config, setup["tmp"] / run)
-
+    """Batch 12: the whole batch fails; at micro-batch 6 the first half succeeds (its gradient accumulated)
+    and the second fails; at 3 it runs. The weights equal a plain run's: the failed attempt's gradient was
+    cleared and each micro-batch's loss was scaled by its share."""
+    plan, step = in_process(setup, "oom", batch_size=12, max_steps=1)
+    sgd(step)
+    calls = oom_when(step, lambda size, calls: size == 12 or (size == 6 and calls.count(6) == 2))
     messages = []
-    loop.start(plan("oom"), echo=messages.append, model_factory=OomAbove)
-    loop.start(plan("plain"), echo=lambda line: None)
+    loop.Trainer(plan, step, echo=messages.append).run()
+    assert calls[:7] == [12, 6, 6, 3, 3, 3, 3]
+    plain_plan, plain = in_process(setup, "plain", batch_size=12, max_steps=1)
+    sgd(plain)
+    loop.Trainer(plain_plan, plain, echo=lambda line: None).run()
     events = rows(setup["tmp"] / "oom", "oom")
-    assert [(e["micro_batch_size_from"], e["micro_batch_size_to"], e["batch_size"]) for e in events] == [(8, 4, 8)]
-    assert "retrying with micro-batch 4 x 2 accumulated (effective batch stays 8)" in messages[0]
-    assert rows(setup["tmp"] / "oom")[0]["micro_batch_size"] == 4
-    with_fallback = {k.removeprefix("inner."): v for k, v in weights(setup["tmp"] / "oom").items()}
-    for name, value in weights(setup["tmp"] / "plain").items():
-        torch.testing.assert_close(with_fallback[name], value, rtol=1e-4, atol=1e-6)
+    assert [(e["micro_batch_size_from"], e["micro_batch_size_to"]) for e in events] == [(12, 6), (6, 3)]
+    assert "retrying with micro-batch 3 x 4 accumulated (effective batch stays 12)" in messages[1]
+    for name, value in plain.model.state_dict().items():
+        torch.testing.assert_close(step.model.state_dict()[name], value, rtol=1e-5, atol=1e-7)
 
 
-def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(setup, monkeypatch):
+def test_out_of_memory_at_one_sample_stops_in_one_line_naming_the_checkpoint(setup):
+    """Epoch 1 trains (3 steps, a checkpoint); from epoch 2 on nothing fits, down to one sample."""
+    plan, step = in_process(setup, "hopeless", epochs=2, max_steps=None)
+    calls = oom_when(step, lambda size, calls: len(calls) > 3)
+    with pytest.raises(loop.TrainError) as stopped:
+        loop.Trainer(plan, step, echo=lambda line: None).run()
+    assert calls[3:] == [8, 4, 2, 1]
+    message = str(stopped.value)
+    assert "\n" not in message and message.startswith("out of memory at a micro-batch of 1 sample in the step at "
+                                                       "step 4")
+    assert f"the last good checkpoint is {plan.run_dir / checkpoint.LAST}" in message
+    assert checkpoint.load_checkpoint(plan.run_dir / checkpoint.LAST)["progress"]["step"] == 3
+
+
+def test_validation_falls_back_too(setup):
+    plan, step = in_process(setup, "val-oom", batch_size=8, max_steps=1)
+    real_forward, sizes = loop.forward, []
+
+    def forward(model, x, dtype):
+        sizes.append(x.shape[0])
+        if not model.training and x.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real_forward(model, x, dtype)
+
+    loop.forward = forward
+    try:
+        row = loop.Trainer(plan, step, echo=lambda line: None).run()
+    finally:
+        loop.forward = real_forward
+    assert math.isfinite(row["val_loss"]) and row["micro_batch_size"] == 2
+    assert [e["where"] for e in rows(setup["tmp"] / "val-oom", "oom")] == ["validation", "validation"]
+
+
+def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(setup):
+    plan, step = in_process(setup, "nan", epochs=3, max_steps=None)
     good = {}
-    real_save = loop.Trainer._save
+    trainer = loop.Trainer(plan, step, echo=lambda line: None)
+    real_save = trainer._save
 
-    def save(self, row):
-        real_save(self, row)
-        good.update({k: v.clone() for k, v in self.model.state_dict().items()})
-        self.model.head.bias.data.fill_(float("nan"))  # the next forward is NaN
+    def save(row):
+        real_save(row)
+        good.update({k: v.clone() for k, v in step.model.state_dict().items()})
+        step.model.head.bias.data.fill_(float("nan"))  # the next forward is NaN
 
-    monkeypatch.setattr(loop.Trainer, "_save", save)
-    result = train(setup, "nan", "--epochs", "3", "--batch-size", "8")
-    assert result.exit_code == 1 and "Traceback" not in result.output
-    line = result.output.strip().splitlines()[-1]
-    assert line.startswith("Error: non-finite loss at step 4") and "checkpoint-last.pt" in line
+    trainer._save = save
+    with pytest.raises(loop.NonFiniteError) as stopped:
+        trainer.run()
+    line = str(stopped.value)
+    assert line.startswith("non-finite loss at step 4") and "checkpoint-last.pt" in line
     kept = weights(setup["tmp"] / "nan")
     assert all(torch.equal(kept[k], good[k]) for k in good)
     assert rows(setup["tmp"] / "nan", "non-finite")[0]["step"] == 4
@@ -198,22 +277,36 @@ def test_auto_uses_the_conservative_batch_size_and_scales_the_lr(setup):
     result = train(setup, "auto", "--max-steps", "1", "--lr-scaling", "linear", "--reference-batch-size", "4")
     assert result.exit_code == 0, result.output
     record = json.loads((setup["tmp"] / "auto" / checkpoint.RUN).read_text())
-    assert record["batch"]["batch_size"] == limits.conservative_batch_size
-    assert record["batch"]["source"] == "conservative"
+    assert record["sizing"]["batch_size"] == limits.conservative_batch_size
+    assert record["sizing"]["source"] == "conservative"
     assert record["lr"] == pytest.approx(5e-5 * limits.conservative_batch_size / 4)
 
 
-def test_choose_batch_size_bounds():
+def test_sizing_bounds_and_the_data_term():
+    from vramcal import sizing
+
     profile = make_profile(host_device())
-    safe = profile.limits.safe_batch_size
-    assert sizing.choose_batch_size(profile, None, 1).batch_size == profile.limits.conservative_batch_size
-    assert sizing.choose_batch_size(profile, 3, 5).batch_size == 5
-    assert sizing.choose_batch_size(profile, 3, 5).source == "clamped"
-    assert sizing.choose_batch_size(profile, safe, 1).warning is None
+    safe, fit = profile.limits.safe_batch_size, profile.fit
+    assert sizing.size(profile).batch_size == profile.limits.conservative_batch_size
+    assert sizing.size(profile, purpose="safe").batch_size == safe
+    assert sizing.size(profile, 3, batch_size_min=5).batch_size == 5
+    assert sizing.size(profile, 3, batch_size_min=5).source == "clamped"
+    assert sizing.size(profile, safe).notices == ("the profile's limits were not verified by real trials: they are "
+                                                  "extrapolations; re-run `vramcal probe` to verify them",)
     with pytest.raises(sizing.SizingError, match="above the profile's safe batch size"):
-        sizing.choose_batch_size(profile, None, safe + 1)
-    assert sizing.scaled_lr(1e-4, 384, 96, "sqrt") == pytest.approx(2e-4)
-    assert sizing.scaled_lr(1e-4, 384, 96, "none") == 1e-4
+        sizing.size(profile, None, batch_size_min=safe + 1)
+    # 100 MiB more data than the calibration held: predictions rise by it, the limits fall to fit it
+    more = sizing.size(profile, 4, pool_data_bytes=100 * MIB)
+    assert more.predicted_peak_bytes == int(fit.predict(4) + 100 * MIB) and more.data_delta_bytes == 100 * MIB
+    assert more.upper_bytes == int(fit.upper(4) + 100 * MIB)
+    assert more.safe_batch_size < safe and fit.upper(more.safe_batch_size) + 100 * MIB <= more.usable_bytes
+    assert "the data hold 100.00 MiB more than the calibration's" in more.notices[0]
+    less = sizing.size(profile, pool_data_bytes=-50 * MIB)  # less data never raises the verified limits
+    assert (less.safe_batch_size, less.predicted_peak_bytes) == (safe, int(fit.predict(less.batch_size) - 50 * MIB))
+    with pytest.raises(sizing.SizingError, match="leaves no room for one sample"):
+        sizing.size(profile, pool_data_bytes=2**30)
+    assert scaled_lr(1e-4, 384, 96, "sqrt") == pytest.approx(2e-4)
+    assert scaled_lr(1e-4, 384, 96, "none") == 1e-4
 
 
 def test_lr_schedule_warms_up_then_decays():
@@ -245,7 +338,7 @@ def test_config_file_with_command_line_overrides(setup):
 
 def test_no_profile_says_which_probe_to_run(setup):
     line = one_line_failure(train(setup, "x", "--profiles-dir", str(setup["tmp"] / "empty")))
-    assert "no profile for" in line and "--probe" in line
+    assert "no profile for" in line
     assert "vramcal probe --gpu none --impl transformers --d-model 32 --n-layers 1" in line
 
 
@@ -254,7 +347,7 @@ def test_profiles_of_another_spec_or_device_are_refused(setup):
                                                             seq_len=32, chunk_size=16))
     save_profile(other_spec, setup["tmp"] / "spec.json")
     line = one_line_failure(train(setup, "x", "--profile", str(setup["tmp"] / "spec.json")))
-    assert "another model spec: d_model=32 (profile 64)" in line
+    assert "another model: d_model=32 (profile 64)" in line
     other_device = make_profile(Device(kind="host", name="Some Other CPU (64 cores)", total_bytes=1,
                                        total_source="test"))
     save_profile(other_device, setup["tmp"] / "device.json")
@@ -304,7 +397,7 @@ def test_run_folder_problems_lose_nothing(setup):
 def test_non_finite_settings_are_refused_with_exit_2_and_no_folder(setup, option):
     result = train(setup, "inf", "--max-steps", "1", *option)
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    assert "must be a finite number" in result.output
+    assert f"Invalid value for '{option[0]}': '{option[1]}' is not a finite number" in result.output
     assert not (setup["tmp"] / "inf").exists()
     with pytest.raises(ValueError, match="lr must be a finite number > 0, got inf"):
         TrainConfig(lr=math.inf)
@@ -313,28 +406,29 @@ def test_non_finite_settings_are_refused_with_exit_2_and_no_folder(setup, option
 def test_weights_that_overflow_in_a_step_stop_the_run_and_are_never_saved(setup, monkeypatch):
     """A finite loss and gradient, then a step that overflows the weights (as --lr 1e30 would): the run
     fails like a non-finite training loss, and no checkpoint (good or bad) is written."""
+    plan, step = in_process(setup, "overflow", max_steps=1)
     real_step = loop.optimizer_step
 
-    def overflowing_step(model, *args, **kwargs):
-        grad_norm = real_step(model, *args, **kwargs)
-        model.head.bias.data.fill_(math.inf)
-        return grad_norm
+    def overflowing_step(the_step, **kwargs):
+        norm = real_step(the_step, **kwargs)
+        the_step.model.head.bias.data.fill_(math.inf)
+        return norm
 
     monkeypatch.setattr(loop, "optimizer_step", overflowing_step)
-    result = train(setup, "overflow", "--max-steps", "1")
-    assert result.exit_code == 1 and "Traceback" not in result.output
-    line = result.output.strip().splitlines()[-1]
-    assert line.startswith("Error: non-finite weights at step 1") and "no checkpoint was written yet" in line
+    with pytest.raises(loop.NonFiniteError) as stopped:
+        loop.Trainer(plan, step, echo=lambda line: None).run()
+    line = str(stopped.value)
+    assert line.startswith("non-finite weights at step 1") and "no checkpoint was saved" in line
     run_dir = setup["tmp"] / "overflow"
-    assert not (run_dir / checkpoint.LAST).exists() and not (run_dir / checkpoint.BEST).exists()
+    assert not checkpoint.has_checkpoint(run_dir)
     event = rows(run_dir, "non-finite")[0]  # strict JSON (json.loads of the file succeeded)
     assert event["step"] == 1 and event["weights"] == ["head.bias"]
 
 
 def test_checkpoints_never_hold_non_finite_weights(tmp_path):
     with pytest.raises(ValueError, match="non-finite weights in w"):
-        checkpoint.save_checkpoint(tmp_path / "c.pt", {"model": {"w": torch.tensor([1.0, math.nan])}})
-    assert not (tmp_path / "c.pt").exists()
+        checkpoint.save_checkpoint(tmp_path, {"model": {"w": torch.tensor([1.0, math.nan])}})
+    assert not checkpoint.has_checkpoint(tmp_path)
     torch.save({"format": checkpoint.CHECKPOINT_FORMAT, "model": {"w": torch.tensor([math.inf])}}, tmp_path / "old.pt")
     with pytest.raises(checkpoint.RunDirError, match="holds non-finite weights"):
         checkpoint.load_checkpoint(tmp_path / "old.pt")
@@ -364,8 +458,7 @@ def test_resume_with_fewer_or_more_steps(setup):
     assert "done: 1 step," in train(setup, "one", "--max-steps", "1").output
     short = setup["tmp"] / "short"
     result = CliRunner().invoke(main, ["train", "--resume", "--run-dir", str(short), "--max-steps", "1"])
-    assert result.exit_code == 0 and "--max-steps 1: the run has already done 2 steps, nothing to train" \
-        in result.output
+    assert result.exit_code == 0 and "nothing to train: the run has done 0 epochs and 2 steps" in result.output
     result = CliRunner().invoke(main, ["train", "--resume", "--run-dir", str(short), "--max-steps", "4"])
     assert result.exit_code == 0, result.output
     assert train(setup, "straight", "--max-steps", "4", "--batch-size", "8").exit_code == 0

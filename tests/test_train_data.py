@@ -6,7 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from vramcal.model import N_FEATURES
+from vramcal.models.regressor import N_FEATURES
+from vramcal.train import data as data_module
 from vramcal.train.data import (
     FEATURE_NAMES,
     DataError,
@@ -23,15 +24,7 @@ from vramcal.train.data import (
 
 
 def synthetic_bars(n: int = 400, seed: int = 0) -> pd.DataFrame:
-    """A random walk on a 0.25 tick grid, one bar per second, with consistent OHLC and integer volume."""
-    rng = np.random.default_rng(seed)
-    close = 1600 + 0.25 * np.cumsum(rng.integers(-2, 3, n))
-    open_ = np.concatenate([[close[0]], close[:-1]]) + 0.25 * rng.integers(-1, 2, n)
-    high = np.maximum(open_, close) + 0.25 * rng.integers(0, 3, n)
-    low = np.minimum(open_, close) - 0.25 * rng.integers(0, 3, n)
-    return pd.DataFrame({"timestamp": pd.date_range("2024-01-02 09:30", periods=n, freq="1s"),
-                         "open": open_, "high": high, "low": low, "close": close,
-                         "volume": rng.integers(0, 500, n).astype(float)})
+    return data_module.synthetic_bars(n, seed)
 
 
 def test_load_bars_accepts_capitalised_columns_and_a_datetime_index(tmp_path):
@@ -176,8 +169,8 @@ def test_ticks_to_bars_ohlcv():
     for bar in ("0s", "-5s"):
         with pytest.raises(DataError, match=f"--bar '{bar}' is not a positive length of time"):
             ticks_to_bars(ticks, bar)
-    assert "only 3 1D bars, fewer than one window of the default seq_len 128" in few_bars_notice(3, "1D")
-    assert few_bars_notice(130, "1s") is None
+    assert "only 3 1D bars, fewer than one window of the default seq_len 128" in few_bars_notice(3, "1D", 128)
+    assert few_bars_notice(130, "1s", 128) is None
 
 
 def test_es_sample_builds_real_emini_bars(tmp_path):

@@ -17,10 +17,10 @@ from optuna.trial import TrialState
 from test_train import SPEC, SPEC_ARGS, make_profile, one_line_failure
 from test_train_data import synthetic_bars
 
-from vramcal.cli import main  # first: it registers the train, data and tune commands
+from vramcal.cli import main
 from vramcal.measure.device import host_device
 from vramcal.profile import profile_path, save_profile
-from vramcal.train import checkpoint, loop
+from vramcal.train import checkpoint, runner
 from vramcal.tune.study import BEST_CONFIG, DEFAULT_STUDY_NAME, PLOT, STUDY_DB, TRIALS_TABLE
 
 CONSERVATIVE, SAFE = 10, 12
@@ -44,23 +44,23 @@ def paths(tmp_path_factory):
     synthetic_bars(400).to_parquet(data)
     profile = make_profile(host_device())
     assert (profile.limits.conservative_batch_size, profile.limits.safe_batch_size) == (CONSERVATIVE, SAFE)
-    save_profile(profile, profile_path(tmp / "profiles", profile.device, SPEC, "transformers"))
+    save_profile(profile, profile_path(tmp / "profiles", profile.device, profile.model, "transformers"))
     return {"data": data, "profiles": tmp / "profiles", "tmp": tmp}
 
 
 @pytest.fixture(scope="module")
 def tuned(paths):
     """3 trials wanted; Ctrl-C in the second; then --resume finishes them. Returns both results."""
-    real_start, calls = loop.start, []
+    real_train, calls = runner.train, []
 
-    def start_then_interrupt(*args, **kwargs):
+    def train_then_interrupt(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real_start(*args, **kwargs)
+        return real_train(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(loop, "start", start_then_interrupt)
+        patch.setattr(runner, "train", train_then_interrupt)
         first = tune(paths, "--trials", "3", "--n-initial", "2", "--batch-size-max", "500")
     after_first = [(t.number, t.state, t.params) for t in load(paths).trials]
     resumed = tune(paths, "--resume", "--trials", "3")
@@ -78,7 +78,7 @@ def test_every_trial_batch_lies_inside_the_profile_bounds(tuned):
         assert t.user_attrs["batch_size_used"] == t.params["batch_size"] and t.user_attrs["clamped"] is False
         assert t.user_attrs["samples_per_s"] > 0 and t.user_attrs["val_loss"] > 0
         run = json.loads((tuned["run_dir"] / "trials" / f"{t.number:04d}" / checkpoint.RUN).read_text())
-        assert run["batch"]["batch_size"] == t.params["batch_size"]  # the trainer trained what was suggested
+        assert run["sizing"]["batch_size"] == t.params["batch_size"]  # the trainer trained what was suggested
         assert run["config"]["lr"] == t.params["lr"]
 
 
@@ -89,7 +89,7 @@ def load_study_trials(tuned):
 
 def test_an_interrupted_tune_resumes_the_same_study(tuned):
     first = tuned["first"]
-    assert first.exit_code == 1 and "interrupted" in first.output and "--resume" in first.output
+    assert first.exit_code == 130 and "interrupted" in first.output and "--resume" in first.output
     assert [(n, s) for n, s, _ in tuned["after_first"]] == [(0, TrialState.COMPLETE), (1, TrialState.FAIL)]
     resumed = tuned["resumed"]
     assert resumed.exit_code == 0, resumed.output
@@ -117,7 +117,7 @@ def test_results_table_plot_and_best_config_that_trains(tuned, paths):
                                        "--run-dir", str(paths["tmp"] / "best-run"), "--max-steps", "1"])
     assert result.exit_code == 0, result.output
     run = json.loads((paths["tmp"] / "best-run" / checkpoint.RUN).read_text())
-    assert run["batch"] == {**run["batch"], "batch_size": config["batch_size"], "source": "requested"}
+    assert run["sizing"] == {**run["sizing"], "batch_size": config["batch_size"], "source": "requested"}
     assert run["config"]["weight_decay"] == config["weight_decay"]
 
 
@@ -162,6 +162,7 @@ def test_a_trial_is_pruned_after_the_epoch_that_reports_it_hopeless(paths, tmp_p
     """The trainer's on_epoch hook feeds trial.report; a pruner that prunes everything stops each trial
     after its first of two epochs, and the pruned trials keep their figures and count as finished."""
     from vramcal.train.config import TrainConfig
+    from vramcal.train.plan import resolve
     from vramcal.tune.study import TuneSettings, batch_bounds, finished, open_storage, open_study, run_study
 
     base = TrainConfig(data=str(paths["data"]), spec=SPEC, gpu="none", profiles_dir=str(paths["profiles"]),
@@ -170,7 +171,9 @@ def test_a_trial_is_pruned_after_the_epoch_that_reports_it_hopeless(paths, tmp_p
     storage = open_storage(f"sqlite:///{tmp_path / STUDY_DB}")
     study, _, existed = open_study(storage, "pruning", settings, seed=0, n_initial=1)
     study.pruner = optuna.pruners.ThresholdPruner(upper=0.0)  # every validation loss is above 0
-    assert not existed and run_study(study, settings, batch_bounds(settings), tmp_path, 2, echo=lambda _: None) == 2
+    setting = resolve(base)
+    bounds = batch_bounds(settings, setting)
+    assert not existed and run_study(study, settings, bounds, setting, tmp_path, 2, echo=lambda _: None) == 2
     assert finished(study) == 2
     for t in study.trials:
         assert t.state == TrialState.PRUNED and t.user_attrs["epochs"] == 1
@@ -195,7 +198,7 @@ def test_trials_of_a_killed_worker_are_marked_failed_on_resume(tmp_path):
     study.ask().set_user_attr("worker", f"{host}:{int(dead.stdout)}")
     study.ask().set_user_attr("worker", f"{host}:{os.getppid()}")  # alive
     messages = []
-    assert run_study(study, settings, BatchBounds(1, 1, "p", 1, 1), tmp_path, 0, echo=messages.append) == 0
+    assert run_study(study, settings, BatchBounds(1, 1, "p", 1, 1), None, tmp_path, 0, echo=messages.append) == 0
     assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.RUNNING]
     assert messages == ["trial 0: fail (its worker process is gone)"]
     assert format_table(study).splitlines()[2].split("|")[2].strip() == "fail"  # trial 0's row

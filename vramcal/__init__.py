@@ -1,7 +1,43 @@
 """vramcal: empirical GPU-memory profiler and batch-size calibrator for Mamba-2 training.
 
-Importing this package imports no torch, triton, NVML or mamba_ssm: those load lazily in the device,
-meter and model layers, so ``vramcal --help`` works on a machine with no GPU.
+The public API (:mod:`vramcal.api`)::
+
+    import vramcal
+
+    profile = vramcal.calibrate("mytrain:make_step", gpu="auto")   # real trials, verified limits, saved
+    batch_size = vramcal.batch_size(profile)                        # the conservative batch size
+
+``mytrain.make_step(device, **params)`` returns a :class:`vramcal.TrainingStep`. Also:
+:func:`find_profile`, :func:`load_profile`, :func:`size` (the batch size with its predicted peak),
+:func:`plan_calibration` / :func:`run_calibration` (the two halves of :func:`calibrate`), and
+:class:`vramcal.integrations.lightning.VramcalBatchSize` for Lightning.
+
+Importing this package imports no torch, triton, NVML or mamba_ssm: the names below load on first use,
+so ``vramcal --help`` works on a machine with no GPU.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.2.0"
+
+_API = {
+    "calibrate": "vramcal.api", "plan_calibration": "vramcal.api", "run_calibration": "vramcal.api",
+    "find_profile": "vramcal.api", "batch_size": "vramcal.api", "model_ref": "vramcal.api",
+    "select_devices": "vramcal.api", "probe_command": "vramcal.api", "CalibrationPlan": "vramcal.api",
+    "size": "vramcal.sizing", "Sizing": "vramcal.sizing", "SizingError": "vramcal.sizing",
+    "load_profile": "vramcal.profile", "Profile": "vramcal.profile", "ProfileError": "vramcal.profile",
+    "LimitSettings": "vramcal.calibrate.limits", "CalibrationError": "vramcal.calibrate.probe",
+    "TrainingStep": "vramcal.workload", "ModelRef": "vramcal.workload", "WorkloadError": "vramcal.workload",
+}
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        value = getattr(importlib.import_module(_API[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'vramcal' has no attribute {name!r}")

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -24,10 +25,27 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (as :func:`atomic_write_text`); used for checkpoints too.
+    """Write ``data`` to ``path`` atomically (as :func:`atomic_write_text`).
 
     Raises:
-        OSError: the folder cannot be created or written; ``path`` is then untouched.
+        OSError: the folder cannot be created or written (a full disk, a file-size limit); ``path`` is
+            then untouched.
+    """
+    atomic_write(path, lambda handle: handle.write(data))
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], Any], keep_previous: Path | None = None) -> None:
+    """Write ``path`` atomically by streaming into a temporary file: ``write(handle)``, flush, fsync, rename.
+
+    Streaming (rather than building the bytes first) keeps a large file, such as a checkpoint, from
+    needing a second copy of itself in memory.
+
+    Args:
+        keep_previous: when given and ``path`` exists, its current content is renamed there just before
+            the new file takes its place (both renames are atomic), so the previous version survives.
+
+    Raises:
+        OSError: the folder cannot be created or written; ``path`` (and ``keep_previous``) are then untouched.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -35,13 +53,30 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as handle:
             os.fchmod(handle.fileno(), 0o666 & ~_umask())  # mkstemp makes 0600; use the mode open() would
-            handle.write(data)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
+        if keep_previous is not None and path.exists():
+            os.replace(path, keep_previous)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Make the renames durable (a crash right after could otherwise lose them on some filesystems)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _umask() -> int:

@@ -1,17 +1,26 @@
-"""Profiles: the self-describing JSON file a calibration leaves in ``profiles/``.
+"""Profiles: the self-describing JSON file a calibration leaves in ``profiles/``, and what training adds.
 
-One file per (device, model spec, implementation) at
-``profiles/<device slug>/<implementation>-<spec key>.json``. It carries the schema version, vramcal
-version, UTC creation time, device, software versions, model spec, raw trials, fit, limits and
-verification (pytest-benchmark's habit of machine info + versions + timestamp). Written atomically
-(temporary file in the same folder, fsync, ``os.replace``), so a killed run leaves the previous
-profile intact; read back through the same dataclasses, with one-line errors for bad files.
+One file per (device, model, implementation) at ``profiles/<device slug>/<model name>-<key>.json``. It
+carries the schema version, vramcal version, UTC creation time, device and the environment seen inside
+the trial processes, software versions, the model (factory and arguments), the data the trials held,
+raw trials, fit, limits and verification (pytest-benchmark's habit of machine info + versions +
+timestamp), and the **observations** of training runs that used it: each run's measured peak beside
+the prediction, so the file accumulates evidence of how well it predicts real training.
+
+Files are written atomically (:mod:`vramcal.files`), so a killed run leaves the previous profile
+intact. Reading checks every value — types, finiteness, and that the limits agree with the file's own
+fit, usable memory and verification trials — and names the first bad field in one line, so a corrupt or
+hand-edited file is refused before anything is sized with it (:func:`check_profile`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
+import fcntl
 import json
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,12 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from vramcal.calibrate.fit import Fit
-from vramcal.calibrate.limits import Limits, LimitSettings
+from vramcal.calibrate.limits import Limits, LimitSettings, safe_batch_size
 from vramcal.files import atomic_write_text
-from vramcal.model import ModelSpec
 from vramcal.records import Device, Trial
+from vramcal.units import format_bytes
+from vramcal.workload import ModelRef
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DEFAULT_PROFILES_DIR = Path("profiles")
 
 
@@ -41,15 +51,64 @@ class Verification:
     peak_bytes: int | None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"batch_size": self.batch_size, "passed": self.passed, "peak_bytes": self.peak_bytes}
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One training run that used the profile: what it measured against what the profile predicted.
+
+    Attributes:
+        recorded_utc: when the run ended (ISO 8601, UTC).
+        vramcal_version: the vramcal that trained.
+        batch_size: samples per optimizer step of the run.
+        data_bytes: bytes of data the run held in the measured memory (all of it on the host).
+        peak_bytes: the run's measured peak, by the trials' definition (DESIGN.md).
+        predicted_peak_bytes, upper_bytes: the profile's point prediction and upper 95 % bound for
+            the run, the data term included.
+        usable_bytes: the profile's usable memory.
+        steps: optimizer steps the run made.
+        run_dir: the run folder.
+    """
+
+    recorded_utc: str
+    vramcal_version: str
+    batch_size: int
+    data_bytes: int
+    peak_bytes: int
+    predicted_peak_bytes: int
+    upper_bytes: int
+    usable_bytes: int
+    steps: int
+    run_dir: str
+
+    @property
+    def error(self) -> float:
+        """(measured − predicted) / predicted."""
+        return (self.peak_bytes - self.predicted_peak_bytes) / self.predicted_peak_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
 class Profile:
-    """A calibration result. ``fit``/``limits`` are None when the search could not fit a line."""
+    """A calibration result. ``fit``/``limits`` are None when the search could not fit a line.
+
+    Attributes:
+        model: what was calibrated (the factory and its arguments).
+        implementation: the Mamba-2 implementation (``transformers``, ``mamba_ssm``; ``factory`` for a
+            user's model, whose kernels are in ``kernel_path``).
+        kernel_path: the kernels that ran, as seen inside the trial processes.
+        data: the data the trials held: ``source``, ``data_bytes`` (host memory), ``on_device`` and
+            ``pool_bytes`` (the part in the measured memory: all of it on the host).
+        model_info: what the factory reported about its model (parameter count, ...).
+        environment: what the trial processes saw (CUDA, cuDNN, Triton, allocator settings, ...).
+        observations: training runs that used the profile, oldest first.
+    """
 
     device: Device
-    spec: ModelSpec
+    model: ModelRef
     implementation: str
     kernel_path: str
     settings: LimitSettings
@@ -57,6 +116,10 @@ class Profile:
     fit: Fit | None
     limits: Limits | None
     verification: dict[str, Verification] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    model_info: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
+    observations: tuple[Observation, ...] = ()
     warnings: tuple[str, ...] = ()
     software: dict[str, str | None] = field(default_factory=dict)
     run: dict[str, Any] = field(default_factory=dict)
@@ -71,58 +134,129 @@ class Profile:
                 and all(self.verification.get(k) and self.verification[k].passed
                         for k in ("safe", "conservative")))
 
+    @property
+    def pool_data_bytes(self) -> int:
+        """Bytes of data the trials held in the measured memory (the data term of sizing)."""
+        return int(self.data.get("pool_bytes", 0))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "schema_version": self.schema_version, "vramcal_version": self.vramcal_version,
-            "created_utc": self.created_utc, "device": self.device.to_dict(), "software": self.software,
-            "spec": self.spec.to_dict(), "spec_key": self.spec.key(), "implementation": self.implementation,
-            "kernel_path": self.kernel_path, "settings": self.settings.to_dict(), "run": self.run,
+            "created_utc": self.created_utc, "device": self.device.to_dict(), "environment": self.environment,
+            "software": self.software, "model": self.model.to_dict(), "model_key": self.model.key(),
+            "implementation": self.implementation, "kernel_path": self.kernel_path,
+            "settings": self.settings.to_dict(), "run": self.run, "data": self.data, "model_info": self.model_info,
             "trials": [t.to_dict() for t in self.trials],
             "fit": self.fit.to_dict() if self.fit else None,
             "limits": self.limits.to_dict() if self.limits else None,
             "verification": {k: v.to_dict() for k, v in self.verification.items()},
             "verified": self.verified, "warnings": list(self.warnings),
+            "observations": [o.to_dict() for o in self.observations],
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
-        """Raises: ProfileError for another schema version; KeyError/TypeError for missing fields."""
+        """Raises: ProfileError for another schema version or a bad value (:func:`check_profile`);
+        KeyError/TypeError for missing or unknown fields."""
         if data.get("schema_version") != SCHEMA_VERSION:
-            raise ProfileError(f"schema version {data.get('schema_version')!r} is not {SCHEMA_VERSION}")
+            raise ProfileError(f"schema version {data.get('schema_version')!r} is not {SCHEMA_VERSION} (made by "
+                               f"another vramcal, whose trials measured a different program)")
         profile = cls(
-            device=Device.from_dict(data["device"]), spec=ModelSpec.from_dict(data["spec"]),
+            device=Device.from_dict(data["device"]), model=ModelRef.from_dict(data["model"]),
             implementation=data["implementation"], kernel_path=data["kernel_path"],
             settings=LimitSettings(**data["settings"]),
             trials=tuple(Trial.from_dict(t) for t in data["trials"]),
             fit=Fit.from_dict(data["fit"]) if data["fit"] else None,
             limits=Limits.from_dict(data["limits"]) if data["limits"] else None,
             verification={k: Verification(**v) for k, v in data["verification"].items()},
+            data=data["data"], model_info=data["model_info"], environment=data["environment"],
+            observations=tuple(Observation(**o) for o in data["observations"]),
             warnings=tuple(data["warnings"]), software=data["software"], run=data["run"],
             created_utc=data["created_utc"], vramcal_version=data["vramcal_version"],
             schema_version=data["schema_version"])
-        for record in (profile, profile.device, profile.spec, profile.settings, profile.fit, profile.limits,
-                       *profile.trials, *profile.verification.values()):
-            if record is not None:
-                check_field_types(record)
-        if profile.limits is not None and min(profile.limits.safe_batch_size,
-                                              profile.limits.conservative_batch_size) < 0:
-            raise ValueError("negative batch size in limits")
+        check_profile(profile)
         return profile
 
 
-def check_field_types(record: Any) -> None:
-    """Check a dataclass read from JSON against its annotations (int, float, str, bool, ``X | None``,
-    ``Literal``, ``tuple[T, ...]``, ``dict``), so a hand-edited profile fails here in one line and not
-    later in arithmetic.
+# ------------------------------------------------------------------------------------------- checks
+
+def check_profile(profile: Profile) -> None:
+    """Refuse a profile whose values cannot be trusted, naming the field (a corrupt or hand-edited file).
+
+    Checks the types of every record; that every number is finite; that sizes are positive; and that
+    the limits agree with the file's own evidence: usable memory with the settings and total, the safe
+    size with what the fit's upper bound allows and below any failed batch size, conservative ≤ safe,
+    and each verification with a recorded trial at that size.
 
     Raises:
-        TypeError: the first field whose value does not have the annotated type, by name.
+        ProfileError: the first bad field and why.
     """
+    for record in (profile, profile.device, profile.settings, profile.fit, profile.limits, *profile.trials,
+                   *profile.verification.values(), *profile.observations):
+        if record is not None:
+            _check_fields(record)
+    if profile.device.total_bytes <= 0:
+        raise ProfileError(f"device.total_bytes = {profile.device.total_bytes} is not positive")
+    if profile.fit is not None:
+        _check_fit(profile.fit)
+    if profile.limits is not None:
+        _check_limits(profile)
+
+
+def _check_fields(record: Any) -> None:
+    """Types against the annotations, and every float finite."""
     hints = typing.get_type_hints(type(record))
+    name = type(record).__name__
     for item in dataclasses.fields(record):
         value = getattr(record, item.name)
         if not _has_type(value, hints[item.name]):
-            raise TypeError(f"{type(record).__name__}.{item.name} = {value!r} is not {hints[item.name]}")
+            raise ProfileError(f"{name}.{item.name} = {value!r} is not {_hint_text(hints[item.name])}")
+        values = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise ProfileError(f"{name}.{item.name} = {value!r} is not a finite number")
+
+
+def _check_fit(fit: Fit) -> None:
+    if fit.n_points != len(fit.batch_sizes) or len(fit.batch_sizes) != len(fit.peak_bytes):
+        raise ProfileError(f"fit.n_points = {fit.n_points} does not match its {len(fit.batch_sizes)} points")
+    if not 0 <= fit.r_squared <= 1:
+        raise ProfileError(f"fit.r_squared = {fit.r_squared} is outside [0, 1]")
+    if fit.residual_stderr_bytes < 0 or fit.batch_sxx <= 0:
+        raise ProfileError("fit.residual_stderr_bytes or fit.batch_sxx is negative or zero")
+
+
+def _check_limits(profile: Profile) -> None:
+    limits, fit, settings = profile.limits, profile.fit, profile.settings
+    assert limits is not None
+    if fit is None:
+        raise ProfileError("limits are given without a fit")
+    if limits.total_bytes != profile.device.total_bytes:
+        raise ProfileError(f"limits.total_bytes = {limits.total_bytes} is not device.total_bytes "
+                           f"{profile.device.total_bytes}")
+    if limits.usable_bytes != settings.usable_bytes(limits.total_bytes):
+        raise ProfileError(f"limits.usable_bytes = {limits.usable_bytes} does not follow from the total and the "
+                           f"settings ({settings.usable_bytes(limits.total_bytes)})")
+    if not 0 <= limits.conservative_batch_size <= limits.safe_batch_size:
+        raise ProfileError(f"limits.conservative_batch_size = {limits.conservative_batch_size} is not within "
+                           f"[0, safe_batch_size {limits.safe_batch_size}]")
+    allowed = safe_batch_size(fit, limits.usable_bytes)
+    if limits.safe_batch_size > allowed:
+        raise ProfileError(f"limits.safe_batch_size = {limits.safe_batch_size} is above what the file's own fit "
+                           f"allows in {format_bytes(limits.usable_bytes)} ({allowed})")
+    if limits.failed_batch_size is not None and limits.safe_batch_size >= limits.failed_batch_size:
+        raise ProfileError(f"limits.safe_batch_size = {limits.safe_batch_size} is not below the failed batch size "
+                           f"{limits.failed_batch_size}")
+    sizes = {"safe": limits.safe_batch_size, "conservative": limits.conservative_batch_size}
+    for name, check in profile.verification.items():
+        if name not in sizes or check.batch_size != sizes[name]:
+            raise ProfileError(f"verification.{name}.batch_size = {check.batch_size} is not the {name} batch size "
+                               f"{sizes.get(name)}")
+        if not any(t.batch_size == check.batch_size and t.peak_bytes == check.peak_bytes for t in profile.trials):
+            raise ProfileError(f"verification.{name}: no recorded trial at batch_size {check.batch_size} with "
+                               f"peak_bytes {check.peak_bytes}")
+        if check.passed != (check.peak_bytes is not None and check.peak_bytes <= limits.usable_bytes):
+            raise ProfileError(f"verification.{name}.passed = {check.passed} contradicts its peak "
+                               f"{check.peak_bytes} against usable {limits.usable_bytes}")
 
 
 def _has_type(value: Any, hint: Any) -> bool:
@@ -144,23 +278,43 @@ def _has_type(value: Any, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
-def profile_path(profiles_dir: Path, device: Device, spec: ModelSpec, implementation: str) -> Path:
-    """``<profiles_dir>/<device slug>/<implementation>-<spec key>.json``."""
-    return Path(profiles_dir) / device.slug() / f"{implementation}-{spec.key()}.json"
+def _hint_text(hint: Any) -> str:
+    return re.sub(r"\b(typing|vramcal\.[\w.]+)\.", "", str(hint)).replace("<class '", "").replace("'>", "")
 
 
-def save_profile(profile: Profile, path: Path) -> Path:
-    """Write ``profile`` as JSON (sorted keys, 2-space indent) atomically; returns the path."""
+# ------------------------------------------------------------------------------------------- files
+
+def model_name(model: ModelRef) -> str:
+    """A file-name-safe name for a model: the family, or the user factory's function name."""
+    return model.family or re.sub(r"[^A-Za-z0-9_]+", "-", model.factory.rpartition(":")[2]).strip("-")
+
+
+def profile_path(profiles_dir: Path | str, device: Device, model: ModelRef, implementation: str,
+                 unique_device: bool = False) -> Path:
+    """``<profiles_dir>/<device slug>/<model name>-<implementation>-<model key>.json``.
+
+    ``unique_device`` adds the GPU's identity to the folder, for several identical cards (``--gpu all``).
+    """
+    slug = device.slug(unique=True) if unique_device else device.slug()
+    return Path(profiles_dir) / slug / f"{model_name(model)}-{implementation}-{model.key()}.json"
+
+
+def save_profile(profile: Profile, path: Path | str) -> Path:
+    """Write ``profile`` as JSON (sorted keys, 2-space indent) atomically; returns the path.
+
+    Raises:
+        OSError: the folder cannot be written; the previous file is then untouched.
+    """
     atomic_write_text(Path(path), json.dumps(profile.to_dict(), indent=2, sort_keys=True) + "\n")
     return Path(path)
 
 
 def load_profile(path: Path | str) -> Profile:
-    """Read a profile file.
+    """Read and check a profile file (:func:`check_profile`).
 
     Raises:
-        ProfileError: missing, unreadable, not JSON, another schema version or missing fields; the
-            message names the file and says how to get a good one.
+        ProfileError: missing, unreadable, not JSON, another schema version, a missing field or a bad
+            value; the message names the file (and the field) and says how to get a good one.
     """
     path = Path(path)
     try:
@@ -168,45 +322,71 @@ def load_profile(path: Path | str) -> Profile:
         return Profile.from_dict(data)
     except FileNotFoundError:
         raise ProfileError(f"profile {path} does not exist: run `vramcal probe` to make one") from None
+    except IsADirectoryError:
+        raise ProfileError(f"profile {path} is a folder: name a profile file (*.json)") from None
     except (OSError, UnicodeDecodeError) as error:
         raise ProfileError(f"profile {path} cannot be read ({error})") from None
     except json.JSONDecodeError as error:
         raise ProfileError(f"profile {path} is not valid JSON (line {error.lineno}): it is corrupt or "
                            f"truncated; re-run `vramcal probe` to replace it") from None
     except ProfileError as error:
-        raise ProfileError(f"profile {path}: {error}; re-run `vramcal probe` with this vramcal") from None
+        raise ProfileError(f"profile {path}: {error}; re-run `vramcal probe` to replace it") from None
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise ProfileError(f"profile {path} is not a vramcal profile (bad or missing field: {error}); "
                            f"re-run `vramcal probe` to replace it") from None
 
 
-def find_profile(profiles_dir: Path, device: Device, spec: ModelSpec,
-                 implementation: str | None = None) -> Path | None:
-    """The newest readable profile under ``profiles_dir`` for this device's hardware and this spec.
+def find_profile(profiles_dir: Path | str, device: Device, model: ModelRef) -> tuple[Path | None, list[str]]:
+    """The newest readable profile under ``profiles_dir`` for this device's hardware and this model.
 
-    Looks in the device's folder first, then everywhere below ``profiles_dir``; unreadable files are
-    skipped. ``implementation`` None accepts any implementation.
+    Returns:
+        The path (None when there is none), and one line for each matching-looking file that could not
+        be used (unreadable or failing its checks), so a bad file is reported rather than passed over
+        in silence.
     """
-    profiles_dir = Path(profiles_dir)
-    candidates = []
-    for path in sorted(profiles_dir.glob("**/*.json")):
+    candidates, skipped = [], []
+    for path in sorted(Path(profiles_dir).glob("**/*.json")):
         try:
             profile = load_profile(path)
-        except ProfileError:
+        except ProfileError as error:
+            if model.key() in path.name:
+                skipped.append(str(error))
             continue
-        if (profile.spec == spec and device.same_hardware(profile.device) is None
-                and implementation in (None, profile.implementation)):
-            candidates.append((profile.created_utc, path))
-    return max(candidates)[1] if candidates else None
+        if profile.model == model and device.same_hardware(profile.device) is None:
+            candidates.append((profile.created_utc, str(path)))
+    return (Path(max(candidates)[1]) if candidates else None), skipped
 
 
-def check_profile_matches(profile: Profile, device: Device, spec: ModelSpec) -> None:
-    """Raises: ProfileError naming the first difference in device or spec."""
+def check_profile_matches(profile: Profile, device: Device, model: ModelRef) -> None:
+    """Raises: ProfileError naming the first difference in device or model."""
     difference = device.same_hardware(profile.device)
     if difference:
         raise ProfileError(f"the profile was made on another device ({difference}): run `vramcal probe` here")
-    if profile.spec != spec:
-        diffs = [f"{k}={v} (profile {profile.spec.to_dict()[k]})" for k, v in spec.to_dict().items()
-                 if profile.spec.to_dict()[k] != v]
-        raise ProfileError(f"the profile was made for another model spec: {', '.join(diffs)}; "
-                           f"probe this spec or pass matching options")
+    if profile.model != model:
+        ours, theirs = model.params, profile.model.params
+        diffs = [f"{k}={ours.get(k)} (profile {theirs.get(k)})" for k in sorted(set(ours) | set(theirs))
+                 if ours.get(k) != theirs.get(k)]
+        what = ", ".join(diffs) if profile.model.factory == model.factory else f"factory {profile.model.factory}"
+        raise ProfileError(f"the profile was made for another model: {what}; probe this model or pass matching "
+                           f"options")
+
+
+def append_observation(path: Path | str, observation: Observation) -> Profile:
+    """Add a training run's observation to the profile file, atomically and under a lock (several runs
+    may finish at once).
+
+    Raises:
+        ProfileError: the file is no longer a readable profile. OSError: it cannot be written.
+    """
+    path = Path(path)
+    lock_path = path.with_name(f".{path.name}.lock")
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        profile = load_profile(path)
+        profile = dataclasses.replace(profile, observations=(*profile.observations, observation))
+        save_profile(profile, path)
+    return profile
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

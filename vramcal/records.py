@@ -16,16 +16,24 @@ DeviceKind = Literal["cuda", "host"]
 
 @dataclass(frozen=True)
 class Device:
-    """One calibratable memory pool.
+    """One calibratable memory pool: an NVIDIA GPU, a MIG slice of one, or the host's RAM.
 
     Attributes:
-        kind: ``cuda`` for an NVIDIA GPU, ``host`` for the machine's RAM.
-        name: marketing name (``NVIDIA H200``) or, on the host, the CPU model and core count.
-        total_bytes: memory the limits are computed against (NVML v2 ``total``; on the host the cgroup
-            limit or MemAvailable; or ``--capacity`` when given, never more than the device has).
+        kind: ``cuda`` for an NVIDIA GPU or MIG slice, ``host`` for the machine's RAM.
+        name: marketing name (``NVIDIA H200``; a slice's is ``NVIDIA H100 80GB HBM3 MIG 1g.10gb``) or,
+            on the host, the CPU model and core count.
+        total_bytes: memory the limits are computed against. On a GPU what a process can use: NVML v2
+            ``total - reserved`` (the driver's and firmware's reservation is never allocatable); v1
+            ``total`` on old drivers; a MIG slice's own memory. On the host the cgroup limit or
+            MemAvailable. ``--capacity``, when given, never more than the device has.
         total_source: where ``total_bytes`` came from.
-        uuid, pci_bus_id, nvml_index: NVML identity of a GPU (None on the host).
+        uuid: ``GPU-...`` (a MIG slice: ``MIG-...``), what trials pin ``CUDA_VISIBLE_DEVICES`` to.
+        pci_bus_id, nvml_index: the physical GPU's NVML identity (a slice's parent's). None on the host.
+        cuda_index: the device's CUDA index among those visible to the process that selected it.
         driver_version, cuda_driver_version: NVIDIA driver and the CUDA version it supports.
+        compute_capability: ``major.minor`` (``9.0`` on an H100/H200); None when NVML did not say.
+        nvml_total_bytes, nvml_reserved_bytes: NVML's raw ``total`` and ``reserved`` (v2), bytes.
+        parent_uuid: a MIG slice's physical GPU.
     """
 
     kind: DeviceKind
@@ -37,6 +45,11 @@ class Device:
     nvml_index: int | None = None
     driver_version: str | None = None
     cuda_driver_version: str | None = None
+    cuda_index: int | None = None
+    compute_capability: str | None = None
+    nvml_total_bytes: int | None = None
+    nvml_reserved_bytes: int | None = None
+    parent_uuid: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -45,11 +58,23 @@ class Device:
     def from_dict(cls, data: dict[str, Any]) -> Device:
         return cls(**data)
 
-    def slug(self) -> str:
-        """Folder name under ``profiles/``: e.g. ``nvidia-h200-140gib`` or ``host-amd-epyc-7763-2-cores``."""
+    @property
+    def is_mig(self) -> bool:
+        return (self.uuid or "").startswith("MIG-")
+
+    def slug(self, unique: bool = False) -> str:
+        """Folder name under ``profiles/``: e.g. ``nvidia-h200-140gib`` or ``host-amd-epyc-7763-2-cores``.
+
+        The size is NVML's raw total where known (``total_bytes`` leaves out the driver's reservation,
+        which would move older profiles' folders). ``unique=True`` appends the first 8 hex digits of the
+        UUID (``nvidia-h100-80gb-hbm3-79gib-5d2c1f7e``) to tell identical cards in one machine apart.
+        """
         base = self.name if self.kind == "cuda" else f"host {self.name}"
-        size = f"-{self.total_bytes // 2**30}gib" if self.kind == "cuda" else ""
-        return re.sub(r"[^a-z0-9]+", "-", base.lower()).strip("-") + size
+        size = f"-{(self.nvml_total_bytes or self.total_bytes) // 2**30}gib" if self.kind == "cuda" else ""
+        slug = re.sub(r"[^a-z0-9]+", "-", base.lower()).strip("-") + size
+        if unique and self.uuid:
+            slug += "-" + re.sub(r"[^a-z0-9]", "", self.uuid.lower().split("-", 1)[-1])[:8]
+        return slug
 
     def same_hardware(self, other: Device) -> str | None:
         """None when ``other`` is the same kind of device; else a phrase naming the difference.
@@ -61,7 +86,6 @@ class Device:
         if self.name != other.name:
             return f"device {other.name!r} is not {self.name!r}"
         return None
-
 
 
 TrialStatus = Literal["ok", "oom", "timeout", "error"]
@@ -85,6 +109,8 @@ class Trial:
         torch_max_reserved_bytes, torch_max_allocated_bytes: caching allocator peaks in the measured steps.
         rss_peak_bytes: VmHWM of the trial process over the measured steps (host).
         data_peak_bytes: peak VmData of the trial process (host; :func:`vramcal.measure.meters.peak_data_bytes`).
+        data_bytes: bytes of training data the trial held in the measured memory (all of it on the
+            host; on a GPU only device-resident data).
         step_s: median wall time of the measured steps, seconds.
         samples_per_s: ``batch_size / step_s``.
         startup_s: seconds from asking for the process to the trial code running in it.
@@ -104,6 +130,7 @@ class Trial:
     torch_max_allocated_bytes: int | None = None
     rss_peak_bytes: int | None = None
     data_peak_bytes: int | None = None
+    data_bytes: int | None = None
     step_s: float | None = None
     samples_per_s: float | None = None
     startup_s: float | None = None

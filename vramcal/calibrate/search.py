@@ -183,16 +183,27 @@ def _grow_target(trials: Sequence[Trial], settings: SearchSettings) -> int | Non
 def _estimated_limit(trials: Sequence[Trial], fitting: Sequence[Trial], usable_bytes: int) -> float | None:
     """Batch size where the line through the finished trials reaches usable memory; None if unknown.
 
-    With three or more finished trials, the fit's point estimate; with two or more fitting trials, the
-    line through the two largest; with one, or a line that does not rise, unknown.
+    With three or more finished trials whose line rises measurably, the fit's point estimate; with two
+    or more fitting trials whose peaks differ measurably (:func:`rises`), the line through the two largest;
+    else unknown (a flat start: the first samples fit in memory the process already holds, and a line
+    through them would extrapolate to an absurd limit).
     """
     fit = fit_trials(trials)
-    if fit is not None:
+    if fit is not None and fit.slope_bytes_per_sample > 3 * fit.slope_stderr_bytes_per_sample:
         slope, overhead = fit.slope_bytes_per_sample, fit.overhead_bytes
-    elif len(fitting) >= 2:
+    elif len(fitting) >= 2 and rises(fitting[-2], fitting[-1]):
         low, high = fitting[-2], fitting[-1]
         slope = (high.peak_bytes - low.peak_bytes) / (high.batch_size - low.batch_size)
         overhead = high.peak_bytes - slope * high.batch_size
     else:
         return None
     return (usable_bytes - overhead) / slope if slope > 0 else None
+
+
+FLAT_FRACTION = 0.02  # peaks within 2 % (or FLAT_BYTES) of each other are not a measurable rise
+FLAT_BYTES = 8 * 2**20
+
+
+def rises(low: Trial, high: Trial) -> bool:
+    """Whether ``high``'s peak is measurably above ``low``'s (more than the noise of one trial)."""
+    return high.peak_bytes - low.peak_bytes > max(FLAT_FRACTION * low.peak_bytes, FLAT_BYTES)  # type: ignore[operator]

@@ -1,29 +1,37 @@
-"""What the commands print for people: one line per trial, and a calibration's summary."""
+"""What the commands print for people: one line per trial, a calibration's summary, past training runs."""
 
 from __future__ import annotations
 
 import sys
 
+import click
+
 from vramcal.units import format_bytes
 
 
 class TrialPrinter:
-    """One line per finished trial above a tqdm progress bar (trials run / at most max_trials)."""
+    """One line per finished trial above a tqdm progress bar (trials run / at most max_trials).
 
-    def __init__(self, max_trials: int, usable_bytes: int) -> None:
+    Args:
+        err: print to stderr (``--json`` keeps stdout for the JSON).
+    """
+
+    def __init__(self, max_trials: int, usable_bytes: int, err: bool = False) -> None:
         from tqdm import tqdm
 
-        self._usable_bytes = usable_bytes
-        self._bar = tqdm(total=max_trials, desc="trials", unit="trial", leave=False, file=sys.stderr,
-                         disable=None)
+        self._usable_bytes, self._file = usable_bytes, sys.stderr if err else sys.stdout
+        self._bar = tqdm(total=max_trials, desc="trials", unit="trial", leave=False, file=sys.stderr, disable=None)
 
     def __call__(self, trial) -> None:
         peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
         step = f"{trial.step_s:.3f} s/step, {trial.samples_per_s:.1f} samples/s" if trial.step_s else ""
         status = "over" if trial.ok and not trial.fits(self._usable_bytes) else trial.status
         self._bar.write(f"  batch_size {trial.batch_size:>6}  {status:<7}  peak {peak:>10}  {step}  "
-                        f"[{trial.purpose}, {trial.wall_s:.1f} s]")
+                        f"[{trial.purpose}, {trial.wall_s:.1f} s]", file=self._file)
         self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
 
 
 def summary(profile) -> str:
@@ -44,3 +52,22 @@ def summary(profile) -> str:
                  f"floor((usable - overhead) / slope): {limits.point_safe_batch_size})")
     lines.extend(f"warning: {w}" for w in profile.warnings)
     return "\n".join(lines)
+
+
+def observations_lines(profile) -> list[str]:
+    """How the training runs that used the profile compared with its prediction, one line each."""
+    if not profile.observations:
+        return ["training runs: none recorded yet"]
+    lines = [f"training runs ({len(profile.observations)}): measured peak against the prediction"]
+    for o in profile.observations:
+        mark = ("ABOVE USABLE" if o.peak_bytes > o.usable_bytes else "above the upper bound"
+                if o.peak_bytes > o.upper_bytes else "within the bound")
+        lines.append(f"  {o.recorded_utc}  batch_size {o.batch_size:>6}  peak {format_bytes(o.peak_bytes):>10}  "
+                     f"predicted {format_bytes(o.predicted_peak_bytes):>10} ({o.error:+.1%})  {mark}  "
+                     f"[{o.steps} steps, vramcal {o.vramcal_version}]")
+    return lines
+
+
+def echo_lines(text: str | list[str], err: bool = False) -> None:
+    for line in [text] if isinstance(text, str) else text:
+        click.echo(line, err=err)

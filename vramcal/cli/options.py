@@ -1,15 +1,31 @@
-"""Option types and option groups shared by several commands, declared once."""
+"""Option types and option groups shared by several commands, each declared once; and the one place
+where errors become one line and an exit status.
+
+Exit statuses (README "Exit codes"): 0 done; 1 a failure the message explains (bad data, no profile,
+no device, a trial that could not start, a failed run); 2 a bad option value; 3 a calibration that wrote
+a profile whose limits are not verified by real trials (or has none); 130 interrupted.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import click
+from click.core import ParameterSource
 
-from vramcal.model import DTYPE_POLICIES, ModelSpec
+from vramcal.models.mamba2 import DTYPE_POLICIES, IMPLEMENTATIONS
+from vramcal.models.regressor import ModelSpec
 from vramcal.units import format_bytes, parse_bytes
 
+EXIT_UNVERIFIED = 3
+EXIT_INTERRUPTED = 130
 _DEFAULTS = ModelSpec()
+SPEC_NAMES = ("d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len", "dtype")
 
 
 class ByteSize(click.ParamType):
@@ -30,32 +46,155 @@ class ByteSize(click.ParamType):
         return n_bytes
 
 
-def spec_options(command):
-    """The ModelSpec options shared by probe, train and tune (field names as the options)."""
-    options = [
-        click.option("--d-model", type=click.IntRange(1), default=_DEFAULTS.d_model, show_default=True),
-        click.option("--n-layers", type=click.IntRange(1), default=_DEFAULTS.n_layers, show_default=True),
-        click.option("--d-state", type=click.IntRange(1), default=_DEFAULTS.d_state, show_default=True),
-        click.option("--headdim", type=click.IntRange(1), default=_DEFAULTS.headdim, show_default=True),
-        click.option("--expand", type=click.IntRange(1), default=_DEFAULTS.expand, show_default=True),
-        click.option("--chunk-size", type=click.IntRange(1), default=_DEFAULTS.chunk_size, show_default=True),
-        click.option("--seq-len", type=click.IntRange(1), default=_DEFAULTS.seq_len, show_default=True),
-        click.option("--dtype", type=click.Choice(DTYPE_POLICIES), default=_DEFAULTS.dtype, show_default=True,
-                     help="fp32, or fp32 weights with bf16 autocast (CUDA only)"),
-    ]
-    return functools.reduce(lambda cmd, option: option(cmd), reversed(options), command)
+class FiniteFloat(click.FloatRange):
+    """A float range that refuses NaN and infinities (click's ranges let NaN through: it compares false)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
 
 
-def spec_from_options(options: dict) -> ModelSpec:
-    """Pop the spec options from a click kwargs dict and build a validated ModelSpec.
+class BatchSize(click.ParamType):
+    """``auto`` (None) or a positive integer."""
 
-    Raises:
-        click.BadParameter: the spec is impossible; the message says which values would work.
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        if value is None or str(value).lower() == "auto":
+            return None
+        try:
+            number = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither auto nor an integer", param, ctx)
+        if number < 1:
+            self.fail(f"{number} is not >= 1", param, ctx)
+        return number
+
+
+class KeyValue(click.ParamType):
+    """``KEY=VALUE``; the value is read as JSON when it parses (numbers, true/false, lists), else as text."""
+
+    name = "KEY=VALUE"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        key, sep, text = str(value).partition("=")
+        if not sep or not key.isidentifier():
+            self.fail(f"{value!r} is not KEY=VALUE with KEY a Python identifier", param, ctx)
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            parsed = text
+        if isinstance(parsed, float) and not math.isfinite(parsed):
+            self.fail(f"{key}: {text} is not a finite number", param, ctx)
+        return key, parsed
+
+
+def group(*decorators: Callable) -> Callable:
+    """Several click decorators as one, applied in the order written (so ``--help`` lists them so)."""
+    return lambda command: functools.reduce(lambda cmd, option: option(cmd), reversed(decorators), command)
+
+
+def explicit(ctx: click.Context) -> set[str]:
+    """The parameters given on the command line (not defaults)."""
+    return {name for name in ctx.params
+            if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
+
+
+GPU_HELP = "auto | none (the host) | all | a CUDA index among the visible GPUs | a GPU/MIG UUID"
+
+device_options = group(
+    click.option("--gpu", default="auto", show_default=True, help=GPU_HELP),
+    click.option("--impl", "implementation", type=click.Choice(IMPLEMENTATIONS), default="auto", show_default=True,
+                 help="the Mamba-2 implementation: mamba_ssm's fused kernels on GPUs where they import"),
+)
+
+spec_options = group(
+    click.option("--d-model", type=click.IntRange(1), default=_DEFAULTS.d_model, show_default=True),
+    click.option("--n-layers", type=click.IntRange(1), default=_DEFAULTS.n_layers, show_default=True),
+    click.option("--d-state", type=click.IntRange(1), default=_DEFAULTS.d_state, show_default=True),
+    click.option("--headdim", type=click.IntRange(1), default=_DEFAULTS.headdim, show_default=True),
+    click.option("--expand", type=click.IntRange(1), default=_DEFAULTS.expand, show_default=True),
+    click.option("--chunk-size", type=click.IntRange(1), default=_DEFAULTS.chunk_size, show_default=True),
+    click.option("--seq-len", type=click.IntRange(1), default=_DEFAULTS.seq_len, show_default=True),
+    click.option("--dtype", type=click.Choice(DTYPE_POLICIES), default=_DEFAULTS.dtype, show_default=True,
+                 help="fp32, or fp32 weights with bf16 autocast (CUDA, compute capability 8.0+)"),
+)
+
+data_options = group(
+    click.option("--stride", type=click.IntRange(1), default=None, help="bars between windows [default: seq_len // 2]"),
+    click.option("--val-fraction", type=FiniteFloat(0, 1, min_open=True, max_open=True), default=0.2,
+                 show_default=True, help="the last fraction of rows, for validation"),
+    click.option("--data-on-device", is_flag=True, help="hold the windows in GPU memory (counted there) instead of "
+                 "host memory with batches copied per step"),
+)
+
+training_options = group(
+    click.option("--data", "data", type=click.Path(dir_okay=False), default="data/es_1s.parquet", show_default=True,
+                 help="OHLCV parquet: timestamp, open, high, low, close, volume"),
+    click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+                 help="JSON or TOML file of settings (option names with underscores); options given here win"),
+    device_options,
+    click.option("--capacity", type=ByteSize(min_bytes=2**20), default=None,
+                 help="memory budget, e.g. 12GiB: on the host the training process's limit (default: the "
+                      "profile's budget); on a GPU it narrows the card"),
+    spec_options,
+    click.option("--profile", default="auto", show_default=True, help="auto (look in --profiles-dir) or a file"),
+    click.option("--profiles-dir", type=click.Path(file_okay=False), default="profiles", show_default=True),
+    click.option("--batch-size-min", type=click.IntRange(1), default=1, show_default=True),
+    click.option("--lr-scaling", type=click.Choice(("none", "linear", "sqrt")), default="sqrt", show_default=True,
+                 help="how the peak LR follows the batch size from --reference-batch-size"),
+    click.option("--reference-batch-size", type=click.IntRange(1), default=96, show_default=True),
+    click.option("--warmup-steps", type=click.IntRange(0), default=None, help="[default: 5 % of the steps]"),
+    click.option("--max-steps", type=click.IntRange(1), default=None, help="stop after this many optimizer steps"),
+    click.option("--seed", type=int, default=0, show_default=True),
+    data_options,
+    click.option("--checkpoint-steps", type=click.IntRange(1), default=None,
+                 help="also save a checkpoint every N steps within an epoch"),
+    click.option("--checkpoint-minutes", type=FiniteFloat(0, min_open=True), default=None,
+                 help="also save a checkpoint every M minutes within an epoch"),
+)
+
+limit_options = group(
+    click.option("--reserve", type=ByteSize(), default="512MiB", show_default=True, help="memory kept free"),
+    click.option("--margin", type=FiniteFloat(0, 1, max_open=True), default=0.10, show_default=True,
+                 help="fraction of total memory kept free"),
+    click.option("--conservative", "conservative_fraction", type=FiniteFloat(0, 1, min_open=True), default=0.9,
+                 show_default=True, help="conservative = floor(this x safe)"),
+)
+
+
+def spec_params(options: dict[str, Any]) -> dict[str, Any]:
+    """Pop the spec options from a click kwargs dict."""
+    return {name: options.pop(name) for name in SPEC_NAMES}
+
+
+@contextlib.contextmanager
+def one_line(interrupted: str = "interrupted") -> Iterator[None]:
+    """Turn vramcal's user-facing errors into one line and exit 1 (Ctrl-C: ``interrupted`` and exit 130).
+
+    Every error class vramcal raises for people is a ValueError (bad data, no profile, no device, a bad
+    factory) or a RuntimeError subclass whose message is written for people (a failed calibration or
+    run, NVML); OSError covers files that cannot be written.
     """
-    names = ("d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len", "dtype")
-    spec = ModelSpec(**{name: options.pop(name) for name in names})
+    from vramcal.calibrate.probe import CalibrationError
+    from vramcal.measure.device import NvmlError
+    from vramcal.train.errors import TrainError
+
     try:
-        spec.validate()
-    except ValueError as error:
-        raise click.BadParameter(str(error), param_hint="model spec") from None
-    return spec
+        yield
+    except click.ClickException:
+        raise
+    except KeyboardInterrupt:
+        raise Interrupted(interrupted) from None
+    except (ValueError, CalibrationError, NvmlError, TrainError) as error:
+        raise click.ClickException(str(error)) from None
+    except OSError as error:
+        raise click.ClickException(f"cannot write {error.filename or 'a file'} ({error.strerror or error})") from None
+
+
+class Interrupted(click.ClickException):
+    exit_code = EXIT_INTERRUPTED

@@ -1,101 +1,174 @@
-"""The ``vramcal`` command line: a thin click layer over the library.
+"""``vramcal probe`` and ``vramcal show``: thin adapters over :mod:`vramcal.api`."""
 
-Each command parses, calls a vramcal function, prints. User-fixable failures are
-``click.ClickException`` (exit 1, one line), bad values ``click.BadParameter`` (exit 2).
-"""
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import click
 
-from vramcal.cli.console import TrialPrinter, summary
-from vramcal.cli.options import ByteSize, spec_from_options, spec_options
-from vramcal.model import IMPLEMENTATIONS
+from vramcal.cli.console import TrialPrinter, echo_lines, observations_lines, summary
+from vramcal.cli.options import (
+    EXIT_UNVERIFIED,
+    SPEC_NAMES,
+    ByteSize,
+    KeyValue,
+    data_options,
+    device_options,
+    explicit,
+    group,
+    limit_options,
+    one_line,
+    spec_options,
+)
+from vramcal.models.regressor import ModelSpec
 from vramcal.units import format_bytes
+
+DEFAULT_DATA = Path("data/es_1s.parquet")
+
+model_options = group(
+    click.option("--model", default="regressor", show_default=True,
+                 help="regressor (vramcal's trainer) | lm (a Mamba-2 language model from a transformers config) | "
+                      "module:function (your factory returning a vramcal.TrainingStep)"),
+    click.option("--model-arg", "model_args", type=KeyValue(), multiple=True,
+                 help="KEY=VALUE for --model lm or your factory (repeat); lm needs config=<Mamba2Config JSON>"),
+)
+
+trial_options = group(
+    click.option("--warmup-steps", type=click.IntRange(1), default=1, show_default=True),
+    click.option("--measured-steps", type=click.IntRange(2), default=2, show_default=True),
+    click.option("--val-steps", type=click.IntRange(0), default=1, show_default=True,
+                 help="validation passes per trial, at the trial's batch size, as the trainer validates"),
+    click.option("--max-trials", type=click.IntRange(3), default=16, show_default=True),
+    click.option("--timeout", "timeout_s", type=click.FloatRange(1, 86400), default=900, show_default=True,
+                 help="seconds before a trial is killed"),
+)
 
 
 @click.command()
-@click.option("--gpu", default="auto", show_default=True,
-              help="auto | none (the host) | all | an NVML index | a GPU UUID")
+@device_options
 @click.option("--capacity", type=ByteSize(min_bytes=2**20), default=None,
               help="memory budget, e.g. 12GiB (default: the whole device; host: cgroup limit or MemAvailable)")
-@click.option("--impl", "implementation", type=click.Choice(IMPLEMENTATIONS), default="auto", show_default=True)
+@model_options
 @spec_options
-@click.option("--reserve", type=ByteSize(), default="512MiB", show_default=True, help="memory kept free")
-@click.option("--margin", type=click.FloatRange(0, 1, max_open=True), default=0.10, show_default=True,
-              help="fraction of total memory kept free")
-@click.option("--conservative", "conservative_fraction", type=click.FloatRange(0, 1, min_open=True),
-              default=0.9, show_default=True, help="conservative = floor(this x safe)")
-@click.option("--warmup-steps", type=click.IntRange(1), default=1, show_default=True)
-@click.option("--measured-steps", type=click.IntRange(2), default=2, show_default=True)
-@click.option("--max-trials", type=click.IntRange(3), default=16, show_default=True)
-@click.option("--timeout", "timeout_s", type=click.FloatRange(1), default=900, show_default=True,
-              help="seconds before a trial is killed")
+@click.option("--data", type=click.Path(dir_okay=False), default=None,
+              help="regressor: the OHLCV parquet the trials hold [default: data/es_1s.parquet if it exists, "
+                   "else synthetic bars of its size]")
+@data_options
+@limit_options
+@trial_options
 @click.option("--profiles-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("profiles"),
               show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="profile file (default: <profiles-dir>/<device>/<impl>-<spec hash>.json)")
+              help="profile file (default: <profiles-dir>/<device>/<model>-<impl>-<hash>.json)")
 @click.option("--reports-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
               show_default=True)
 @click.option("--no-report", is_flag=True, help="do not write the PNG/Markdown report")
-def probe(gpu, capacity, implementation, reserve, margin, conservative_fraction, warmup_steps, measured_steps,
-          max_trials, timeout_s, profiles_dir, out, reports_dir, no_report, **spec_kwargs) -> None:
-    """Calibrate: real training steps at growing batch sizes, a fit, verified safe/conservative limits."""
-    from vramcal.calibrate.limits import LimitSettings
-    from vramcal.calibrate.probe import CalibrationError, calibrate, check_request
-    from vramcal.measure.device import DeviceError, NvmlError, select
-    from vramcal.profile import profile_path, save_profile
+@click.option("--json", "as_json", is_flag=True, help="print the profile(s) as JSON on stdout (the rest on stderr)")
+@click.pass_context
+def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, conservative_fraction, profiles_dir,
+          out, reports_dir, no_report, as_json, **options) -> None:
+    """Calibrate: real training steps at growing batch sizes, a fit, verified safe/conservative limits.
 
-    spec = spec_from_options(spec_kwargs)
-    settings = LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
-    try:
-        devices, notice = select(gpu, capacity)
-    except (DeviceError, NvmlError) as error:
-        raise click.ClickException(str(error)) from None
-    if notice:
-        click.echo(notice)
-    if devices[0].kind == "host" and capacity is None:
-        click.echo(f"calibrating all of the host's {devices[0].total_source} "
-                   f"({format_bytes(devices[0].total_bytes)}); pass --capacity, e.g. 4GiB, to budget less")
-    if out is not None and len(devices) > 1:
-        raise click.BadParameter("--out names one file; with --gpu all, use --profiles-dir", param_hint="--out")
-    for device in devices:
+    Exits 0 when every profile written is verified, 3 when one is not (its limits are estimates).
+    """
+    from vramcal import api
+
+    with one_line("interrupted: no profile written; existing profiles are unchanged"):
+        model, params = model_params(options, explicit(ctx))
+        settings = api.LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
+        devices, notice = api.select_devices(gpu, capacity)
+        if out is not None and len(devices) > 1:
+            raise click.BadParameter("--out names one file; with --gpu all, use --profiles-dir", param_hint="--out")
+        echo_lines(([notice] if notice else []) + host_hint(devices[0], capacity), err=as_json)
+        plans = [api.plan_calibration(model, params, device=device, implementation=implementation, settings=settings,
+                                      options=factory_options(model, options), profiles_dir=profiles_dir, out=out,
+                                      unique_device=len(devices) > 1) for device in devices]
+        for plan in plans:
+            check_writable(plan.path.parent, "profiles", "--out or --profiles-dir")
+            if not no_report:
+                check_writable(reports_dir, "reports", "--reports-dir, or --no-report")
+        profiles = [calibrate_one(plan, options, as_json, None if no_report else reports_dir) for plan in plans]
+    if as_json:
+        click.echo(json.dumps([p.to_dict() for p in profiles] if len(profiles) > 1 else profiles[0].to_dict(),
+                              indent=2, sort_keys=True))
+    if not all(p.verified for p in profiles):
+        ctx.exit(EXIT_UNVERIFIED)
+
+
+def model_params(options: dict[str, Any], given: set[str]) -> tuple[str, dict[str, Any]]:
+    """The model choice and its arguments from the options (spec options for the regressor; ``--model-arg``,
+    ``--seq-len`` and ``--dtype`` for the others).
+
+    Raises:
+        click.BadParameter: options that do not apply to the chosen model.
+    """
+    model, args = options.pop("model"), dict(options.pop("model_args"))
+    spec = {name: options.pop(name) for name in SPEC_NAMES}
+    if model == "regressor":
+        if args:
+            raise click.BadParameter("the regressor takes the spec options (--d-model, ...), not --model-arg",
+                                     param_hint="--model-arg")
         try:
-            concrete = check_request(device, spec, implementation, settings)
+            ModelSpec(**spec).validate()
         except ValueError as error:
-            raise click.ClickException(str(error)) from None
-        path = out or profile_path(profiles_dir, device, spec, concrete)
-        _check_writable(path.parent, "profiles", "--out or --profiles-dir")
-        if not no_report:
-            _check_writable(reports_dir, "reports", "--reports-dir, or --no-report")
-        click.echo(f"calibrating {spec.short()} [{concrete}] on {device.name}, "
-                   f"{format_bytes(device.total_bytes)} ({device.total_source}), "
-                   f"usable {format_bytes(settings.usable_bytes(device.total_bytes))}")
-        try:
-            profile = calibrate(device, spec, concrete, settings, warmup_steps=warmup_steps,
-                                measured_steps=measured_steps, max_trials=max_trials, timeout_s=timeout_s,
-                                on_trial=TrialPrinter(max_trials, settings.usable_bytes(device.total_bytes)))
-        except (ValueError, CalibrationError) as error:
-            raise click.ClickException(str(error)) from None
-        except KeyboardInterrupt:
-            kept = f"; the existing {path} is unchanged" if path.exists() else ""
-            raise click.ClickException(f"interrupted: no profile written{kept}") from None
-        try:
-            save_profile(profile, path)
-        except OSError as error:
-            raise click.ClickException(f"cannot write the profile to {path} ({error.strerror}): "
-                                       f"choose another --out or --profiles-dir") from None
-        click.echo(summary(profile))
-        click.echo(f"profile: {path}")
-        if not no_report:
-            _write_report(profile, reports_dir)
+            raise click.BadParameter(str(error), param_hint="model spec") from None
+        return model, spec
+    stray = sorted(n for n in SPEC_NAMES if n in given and n not in ("seq_len", "dtype"))
+    if stray:
+        raise click.BadParameter(f"{', '.join('--' + s.replace('_', '-') for s in stray)} apply to --model "
+                                 f"regressor; pass arguments of --model {model} with --model-arg", param_hint="--model")
+    for name in ("seq_len", "dtype"):
+        if name in given or (model == "lm" and name not in args):
+            args.setdefault(name, spec[name])
+    return model, args
 
-def _check_writable(folder: Path, what: str, options: str) -> None:
+
+def factory_options(model: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The regressor's data options (the file the trials hold; none for other models)."""
+    data = options.pop("data")
+    picked = {k: options.pop(k) for k in ("stride", "val_fraction", "data_on_device")}
+    if model != "regressor":
+        return {}
+    if data is None and DEFAULT_DATA.is_file():
+        data = str(DEFAULT_DATA)
+    return {"data": data, **picked}
+
+
+def host_hint(device, capacity: int | None) -> list[str]:
+    if device.kind == "host" and capacity is None:
+        return [f"calibrating all of the host's {device.total_source} ({format_bytes(device.total_bytes)}); "
+                f"pass --capacity, e.g. 4GiB, to budget less"]
+    return []
+
+
+def calibrate_one(plan, options: dict[str, Any], as_json: bool, reports_dir: Path | None):
+    """Run one device's calibration, print its summary, write its report; returns the profile."""
+    from vramcal import api
+
+    echo_lines(f"calibrating {plan.model.short()} on {plan.device.name}, {format_bytes(plan.device.total_bytes)} "
+               f"({plan.device.total_source}), usable {format_bytes(plan.usable_bytes)}", err=as_json)
+    printer = TrialPrinter(options["max_trials"], plan.usable_bytes, err=as_json)
+    try:
+        profile = api.run_calibration(plan, on_trial=printer, **options)
+    finally:
+        printer.close()
+    echo_lines([summary(profile), f"profile: {plan.path}"], err=as_json)
+    if reports_dir is not None:
+        from vramcal.report import write_report
+
+        png, markdown = write_report([profile], reports_dir)
+        echo_lines(f"report: {markdown} and {png}", err=as_json)
+    if not profile.verified:
+        echo_lines(f"not verified: {'; '.join(profile.warnings) or 'no verification trial passed'} (exit "
+                   f"{EXIT_UNVERIFIED})", err=True)
+    return profile
+
+
+def check_writable(folder: Path, what: str, options: str) -> None:
     """Fail before any trial when ``folder`` cannot take files (a calibration can take an hour)."""
-    import tempfile
-
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".vramcal-write-check."):
@@ -105,33 +178,21 @@ def _check_writable(folder: Path, what: str, options: str) -> None:
                                    f"choose another {options}") from None
 
 
-def _write_report(profile, reports_dir: Path) -> None:
-    from vramcal.report import write_report
-
-    try:
-        png, markdown = write_report([profile], reports_dir)
-    except OSError as error:
-        raise click.ClickException(f"cannot write the report to {reports_dir} ({error.strerror}): "
-                                   f"choose another --reports-dir") from None
-    click.echo(f"report: {markdown} and {png}")
-
 @click.command()
 @click.argument("profile_path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="print the profile as JSON for programs")
 def show(profile_path: Path, as_json: bool) -> None:
-    """Print a profile for people (or --json for programs)."""
-    from vramcal.profile import ProfileError, load_profile
+    """Print a profile for people (or --json for programs), with the training runs that used it."""
+    from vramcal.profile import load_profile
 
-    try:
+    with one_line():
         profile = load_profile(profile_path)
-    except ProfileError as error:
-        raise click.ClickException(str(error)) from None
     if as_json:
         click.echo(json.dumps(profile.to_dict(), indent=2, sort_keys=True))
         return
     click.echo(f"{profile_path}  (vramcal {profile.vramcal_version}, {profile.created_utc})")
-    click.echo(f"model: {profile.spec.short()}  [{profile.implementation}: {profile.kernel_path}]")
+    click.echo(f"model: {profile.model.short()}  [{profile.implementation}: {profile.kernel_path}]")
     for trial in profile.trials:
         peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
         click.echo(f"  batch_size {trial.batch_size:>6}  {trial.status:<7}  peak {peak:>10}  {trial.purpose}")
-    click.echo(summary(profile))
+    echo_lines([summary(profile), *observations_lines(profile)])

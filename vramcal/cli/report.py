@@ -5,10 +5,12 @@ Both read profile files only, so a profile made on a GPU box reports anywhere.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
 
+from vramcal.cli.options import one_line
 from vramcal.report.catalogue import GpuModel, parse_gpu_list
 
 
@@ -45,22 +47,22 @@ def _profile_paths(paths: tuple[Path, ...]) -> list[Path]:
 
 
 def _load(paths: list[Path]):
-    from vramcal.profile import ProfileError, load_profile
+    from vramcal.profile import load_profile
 
-    try:
+    with one_line():
         return [load_profile(path) for path in paths]
-    except ProfileError as error:
-        raise click.ClickException(str(error)) from None
 
 
 @click.command("report")
 @click.argument("profiles", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
               show_default=True, help="folder for the PNG and the Markdown")
-@click.option("--name", default=None, help="file stem (default: <device>-<implementation>-<spec hash>, "
+@click.option("--name", default=None, help="file stem (default: <device>-<model>-<implementation>-<hash>, "
                                            "or compare-<hash> for several profiles)")
 @click.option("--gpus", type=GpuList(), default="", help=GPUS_HELP)
-def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, gpus: list[GpuModel]) -> None:
+@click.option("--json", "as_json", is_flag=True, help="print the files written and each profile's limits as JSON")
+def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, gpus: list[GpuModel],
+                   as_json: bool) -> None:
     """Write a PNG and a Markdown report from profile files.
 
     PROFILES are profile files, or folders (every profile below them). Several profiles are drawn on
@@ -68,7 +70,8 @@ def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, 
     """
     from vramcal.report import write_report
 
-    loaded = _load(_profile_paths(profiles))
+    paths = _profile_paths(profiles)
+    loaded = _load(paths)
     try:
         png, markdown = write_report(loaded, out_dir, name=name, extra_gpus=gpus)
     except ValueError as error:
@@ -76,13 +79,19 @@ def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, 
     except OSError as error:
         raise click.ClickException(f"cannot write the report to {out_dir} ({error.strerror}): "
                                    f"choose another --out") from None
-    click.echo(f"report: {markdown} and {png}")
+    if not as_json:
+        click.echo(f"report: {markdown} and {png}")
+        return
+    facts = [{"profile": str(path), "verified": p.verified, "limits": p.limits.to_dict() if p.limits else None,
+              "observations": len(p.observations)} for path, p in zip(paths, loaded)]
+    click.echo(json.dumps({"png": str(png), "markdown": str(markdown), "profiles": facts}, indent=2, sort_keys=True))
 
 
 @click.command("limits")
 @click.argument("profile", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--gpus", type=GpuList(), default="", help=GPUS_HELP)
-def limits_command(profile: Path, gpus: list[GpuModel]) -> None:
+@click.option("--json", "as_json", is_flag=True, help="print the table as JSON for programs")
+def limits_command(profile: Path, gpus: list[GpuModel], as_json: bool) -> None:
     """Print limits on common GPUs, extrapolated from PROFILE's fit.
 
     The same table as the report's "Limits on other GPUs": safe and conservative batch sizes per card,
@@ -96,8 +105,13 @@ def limits_command(profile: Path, gpus: list[GpuModel]) -> None:
         rows = other_gpu_limits(loaded, gpus)
     except ValueError as error:
         raise click.ClickException(f"{profile}: {error}") from None
+    if as_json:
+        click.echo(json.dumps({"profile": str(profile), "verified": loaded.verified, "formula": loaded.fit.formula(),
+                               "gpus": [{"gpu": r.gpu.label, "measured": r.measured, **r.limits.to_dict()}
+                                        for r in rows]}, indent=2, sort_keys=True))
+        return
     click.echo(f"{loaded.fit.formula()}  (r² = {loaded.fit.r_squared:.4f}, n = {loaded.fit.n_points})")
-    click.echo(f"measured on {device_label(loaded)}, {loaded.implementation}, {loaded.spec.short()}")
+    click.echo(f"measured on {device_label(loaded)}, {loaded.implementation}, {loaded.model.short()}")
     for note in missing_notes(loaded):
         click.echo(note)
     click.echo("")

@@ -1,15 +1,23 @@
-"""Imported once by the trial fork server, so each trial process starts with torch and the
-transformers Mamba-2 module already imported (several seconds each on a small CPU).
+"""Imported once by the worker fork server, so every worker — trial or training run — starts with the
+same modules already imported (torch and transformers take seconds each on a small CPU) and the same
+process make-up: the trainer's data libraries (pandas, pyarrow), its loop and its progress bars.
 
-It also imports what ``vramcal train`` imports to read its data (pandas, pyarrow): on the host, a
-trial's peak is the process's resident set, and the trainer's process carries those libraries too.
+pyarrow's default memory pool is the system allocator in workers (:class:`vramcal.measure.worker.Workers`
+starts the server with ``ARROW_DEFAULT_MEMORY_POOL=system``; pyarrow reads it once, at load):
+jemalloc/mimalloc keep address space after a read, which the host budget's ``RLIMIT_DATA`` counts (about
+1 GiB on the E-mini bars). tqdm's monitor thread is switched off: a thread's stack is 8 MiB of data
+segment, and a worker should not carry threads that depend on whether a progress bar was drawn.
 """
 
 import pandas  # noqa: F401
 import pyarrow.parquet  # noqa: F401
 import torch  # noqa: F401
+import tqdm
 
-import vramcal.train.step  # noqa: F401
-from vramcal.model import import_transformers_mamba2
+import vramcal.models.regressor  # noqa: F401
+import vramcal.train.loop  # noqa: F401
+import vramcal.workload  # noqa: F401
+from vramcal.models.mamba2 import import_transformers_mamba2
 
+tqdm.tqdm.monitor_interval = 0
 import_transformers_mamba2()

@@ -1,9 +1,14 @@
-"""Devices that vramcal calibrates: NVIDIA GPUs found through NVML, or the host's memory.
+"""Devices that vramcal calibrates: NVIDIA GPUs and MIG slices found through NVML, or the host's memory.
 
-This module and :mod:`vramcal.measure.meters` are the only ones that touch NVML. Every NVML call goes through
-:func:`nvml_query`, which turns driver errors into :class:`NvmlError` values with a readable message
-(the pattern of nvitop's ``libnvml.py``). GPUs are identified by UUID and PCI bus id, never by position:
-CUDA and NVML may order them differently, so a trial pins its GPU with ``CUDA_VISIBLE_DEVICES=<UUID>``.
+Selection honours the environment the way CUDA does: ``--gpu auto`` is the first GPU *visible* to this
+process (``CUDA_VISIBLE_DEVICES``), ``--gpu N`` is CUDA index N among the visible ones in CUDA's order
+(PCI bus order under ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, else CUDA's default "fastest first", as the CUDA
+driver itself reports it: :func:`vramcal.measure.nvml.visible_uuids`), ``--gpu all`` is every visible
+one, and a UUID (``GPU-...`` or a MIG slice's ``MIG-...``) must be visible. Devices are then identified
+by UUID, never by position: a trial pins its device with ``CUDA_VISIBLE_DEVICES=<UUID>``.
+
+NVML itself lives in :mod:`vramcal.measure.nvml` (every call through one wrapper, errors as
+:class:`NvmlError`); this module and :mod:`vramcal.measure.meters` are its only users.
 """
 
 from __future__ import annotations
@@ -12,94 +17,41 @@ import os
 import platform
 import re
 import types
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
 
+from vramcal.measure.nvml import (  # noqa: F401 - re-exported: the names callers import from here
+    NvmlError,
+    list_gpus,
+    load_nvml,
+    nvml_handle,
+    nvml_memory_info,
+    nvml_query,
+    visible_gpus,
+)
 from vramcal.records import Device
 from vramcal.units import format_bytes
 
-
-class NvmlError(RuntimeError):
-    """NVML is missing or a query failed; the message says why and what to do."""
+BF16_MIN_COMPUTE_CAPABILITY = (8, 0)  # bf16 tensor cores and autocast speed: Ampere (sm_80) and later
 
 
 class DeviceError(ValueError):
     """A --gpu or --capacity choice that names no usable device; the message says which would work."""
 
 
-# ---------------------------------------------------------------------------------------------- NVML
+def check_dtype(device: Device, dtype_policy: str) -> None:
+    """Refuse ``bf16-autocast`` on a GPU below compute capability 8.0 (pre-Ampere: no bf16 tensor cores).
 
-def load_nvml() -> types.ModuleType:
-    """Import and initialise NVML from ``nvidia-ml-py`` (module ``pynvml``).
-
-    Raises:
-        NvmlError: the package or the driver library is missing, or nvmlInit failed.
-    """
-    try:
-        import pynvml
-    except ImportError as error:
-        raise NvmlError("nvidia-ml-py is not installed: pip install nvidia-ml-py, or use --gpu none "
-                        "to calibrate the host") from error
-    try:
-        pynvml.nvmlInit()
-    except Exception as error:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        raise NvmlError(f"NVML could not start ({error}): the NVIDIA driver is not installed or not "
-                        f"visible here; use --gpu none to calibrate the host") from error
-    return pynvml
-
-
-def nvml_query(nvml: types.ModuleType, func: str, *args: Any) -> Any:
-    """Call ``nvml.<func>(*args)``, decoding bytes to str; every NVML call in vramcal goes through here.
+    Unknown capability (NVML did not say) and the host pass; the host's own bf16 rule is the caller's.
 
     Raises:
-        NvmlError: the call failed; the message names the call and NVML's reason.
+        ValueError: one line naming the card, its capability and the fix.
     """
-    try:
-        value = getattr(nvml, func)(*args)
-    except Exception as error:  # noqa: BLE001 - pynvml raises NVMLError subclasses per code
-        raise NvmlError(f"NVML {func} failed: {error}") from error
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def nvml_memory_info(nvml: types.ModuleType, handle: Any) -> Any:
-    """Memory info from the v2 API (``total``/``reserved``/``free``/``used`` in bytes), else v1."""
-    version = getattr(nvml, "nvmlMemory_v2", None)
-    if version is not None:
-        try:
-            return nvml.nvmlDeviceGetMemoryInfo(handle, version=version)
-        except TypeError:  # an old binding without the version argument
-            pass
-    return nvml_query(nvml, "nvmlDeviceGetMemoryInfo", handle)
-
-
-def list_gpus(nvml: types.ModuleType) -> list[Device]:
-    """Every GPU NVML sees, in NVML order, with name, UUID, PCI bus id, total bytes and driver."""
-    count = nvml_query(nvml, "nvmlDeviceGetCount")
-    driver = nvml_query(nvml, "nvmlSystemGetDriverVersion")
-    try:
-        cuda = nvml_query(nvml, "nvmlSystemGetCudaDriverVersion_v2")
-        cuda_version = f"{cuda // 1000}.{cuda % 1000 // 10}"
-    except NvmlError:
-        cuda_version = None
-    gpus = []
-    for index in range(count):
-        handle = nvml_query(nvml, "nvmlDeviceGetHandleByIndex", index)
-        pci = nvml_query(nvml, "nvmlDeviceGetPciInfo", handle)
-        bus_id = pci.busId.decode() if isinstance(pci.busId, bytes) else pci.busId
-        gpus.append(Device(
-            kind="cuda", name=nvml_query(nvml, "nvmlDeviceGetName", handle),
-            total_bytes=int(nvml_memory_info(nvml, handle).total), total_source="NVML v2 total",
-            uuid=nvml_query(nvml, "nvmlDeviceGetUUID", handle), pci_bus_id=bus_id, nvml_index=index,
-            driver_version=driver, cuda_driver_version=cuda_version))
-    return gpus
-
-
-def nvml_handle(nvml: types.ModuleType, device: Device) -> Any:
-    """The NVML handle of ``device``, looked up by UUID (falling back to PCI bus id)."""
-    try:
-        return nvml_query(nvml, "nvmlDeviceGetHandleByUUID", device.uuid)
-    except NvmlError:
-        return nvml_query(nvml, "nvmlDeviceGetHandleByPciBusId", device.pci_bus_id)
+    if dtype_policy != "bf16-autocast" or device.kind != "cuda" or not device.compute_capability:
+        return
+    major, minor = (int(part) for part in device.compute_capability.split("."))
+    if (major, minor) < BF16_MIN_COMPUTE_CAPABILITY:
+        raise ValueError(f"dtype bf16-autocast needs compute capability 8.0 or newer, and {device.name} has "
+                         f"{device.compute_capability}: use --dtype fp32")
 
 
 # ---------------------------------------------------------------------------------------------- host
@@ -166,58 +118,84 @@ def _cpu_name(proc: str) -> str:
 # ---------------------------------------------------------------------------------------------- select
 
 def select(gpu: str, capacity_bytes: int | None = None,
-           nvml_loader: Callable[[], types.ModuleType] | None = None) -> tuple[list[Device], str | None]:
-    """Resolve a ``--gpu`` choice to devices.
+           nvml_loader: Callable[[], types.ModuleType] | None = None,
+           environ: Mapping[str, str] | None = None) -> tuple[list[Device], str | None]:
+    """Resolve a ``--gpu`` choice to devices, among those visible to this process (see the module doc).
 
     Args:
-        gpu: ``auto`` (first GPU, else the host), ``none`` (the host), ``all`` (every GPU), an NVML
-            index such as ``0``, or a UUID such as ``GPU-5d2c...``.
+        gpu: ``auto`` (first visible GPU, else the host), ``none`` (the host), ``all`` (every visible
+            GPU), a CUDA index such as ``0``, or a UUID (or a prefix of 8+ characters) such as
+            ``GPU-5d2c...`` or ``MIG-...``.
         capacity_bytes: optional ``--capacity``; on a GPU it narrows ``total_bytes`` (never widens it).
-        nvml_loader: returns an initialised NVML module (default :func:`load_nvml`; a fake in tests).
+        nvml_loader: returns an initialised NVML namespace (default :func:`load_nvml`).
+        environ: where ``CUDA_VISIBLE_DEVICES`` is read (default ``os.environ``).
 
     Returns:
         The devices, and a one-line notice for the user (e.g. why the host was chosen) or None.
 
     Raises:
-        DeviceError: the choice names no device here; the message lists the ones that exist.
+        DeviceError: the choice names no visible device; the message lists the ones that are.
         NvmlError: a GPU was asked for explicitly and NVML is unusable.
     """
-    choice = gpu.strip()
+    choice, environ = gpu.strip(), os.environ if environ is None else environ
     if choice == "none":
         return [host_device(capacity_bytes)], None
     try:
-        gpus = list_gpus((nvml_loader or load_nvml)())
+        nvml = (nvml_loader or load_nvml)()
+        gpus = visible_gpus(nvml, dict(environ))
     except NvmlError as error:
         if choice == "auto":
-            return [host_device(capacity_bytes)], _host_notice(f"no usable NVIDIA GPU ({error.__cause__ or error})",
-                                                               capacity_bytes)
+            return [host_device(capacity_bytes)], _host_notice(f"no usable NVIDIA GPU ({error})", capacity_bytes)
         raise
+    hidden = _visibility(environ)
     if choice == "auto":
         if not gpus:
-            return [host_device(capacity_bytes)], _host_notice("NVML sees no GPU", capacity_bytes)
+            return [host_device(capacity_bytes)], _host_notice(f"no GPU is visible{hidden}", capacity_bytes)
         chosen = gpus[:1]
     elif choice == "all":
         if not gpus:
-            raise DeviceError("--gpu all: NVML sees no GPU here; use --gpu none to calibrate the host")
+            raise DeviceError(f"--gpu all: no GPU is visible here{hidden}; use --gpu none to calibrate the host")
         chosen = gpus
     elif choice.isdigit():
-        index = int(choice)
-        if index >= len(gpus):
-            available = ", ".join(str(g.nvml_index) for g in gpus) or "none"
-            raise DeviceError(f"--gpu {index}: this machine has {len(gpus)} GPU(s) (indices: {available}); "
-                              f"use one of those, --gpu auto, or --gpu none")
-        chosen = [gpus[index]]
+        if int(choice) >= len(gpus):
+            raise DeviceError(f"--gpu {choice}: this machine has {len(gpus)} GPU(s) (indices: "
+                              f"{', '.join(str(g.cuda_index) for g in gpus) or 'none'}) visible{hidden}; "
+                              f"use one of those CUDA indices, --gpu auto, or --gpu none")
+        chosen = [gpus[int(choice)]]
     else:
-        chosen = [g for g in gpus if g.uuid == choice or (g.uuid or "").startswith(choice)
-                  and choice.startswith(("GPU-", "MIG-")) and len(choice) >= 8]
-        if not chosen:
-            listing = "; ".join(f"{g.nvml_index}: {g.uuid}" for g in gpus) or "no GPU"
-            raise DeviceError(f"--gpu {choice}: no GPU with that index or UUID here ({listing}); "
-                              f"use auto, none, all, an index or a UUID")
-        chosen = chosen[:1]
+        chosen = [_by_uuid(nvml, choice, gpus, environ)]
     if capacity_bytes is not None:
         chosen = [_narrow(g, capacity_bytes) for g in chosen]
     return chosen, None
+
+
+def _visibility(environ: Mapping[str, str]) -> str:
+    value = environ.get("CUDA_VISIBLE_DEVICES")
+    return "" if value is None else f" (CUDA_VISIBLE_DEVICES={value!r})"
+
+
+def _by_uuid(nvml: types.ModuleType, choice: str, gpus: list[Device], environ: Mapping[str, str]) -> Device:
+    """The visible device whose UUID is ``choice`` or starts with it (8+ characters); with
+    ``CUDA_VISIBLE_DEVICES`` unset, any MIG slice NVML knows (CUDA lists only a card's first slice)."""
+    def matches(uuid: str | None) -> bool:
+        return uuid == choice or (len(choice) >= 8 and choice.startswith(("GPU-", "MIG-"))
+                                  and (uuid or "").startswith(choice))
+
+    found = [g for g in gpus if matches(g.uuid)]
+    if not found and choice.startswith("MIG-") and "CUDA_VISIBLE_DEVICES" not in environ:
+        from vramcal.measure.nvml import gpu_record
+
+        try:
+            return gpu_record(nvml, nvml_query(nvml, "nvmlDeviceGetHandleByUUID", choice))
+        except NvmlError:
+            pass
+    if len(found) == 1:
+        return found[0]
+    listing = "; ".join(f"{g.cuda_index}: {g.uuid}" for g in gpus) or "none"
+    if found:
+        raise DeviceError(f"--gpu {choice}: matches {len(found)} GPUs ({listing}); give more of the UUID")
+    raise DeviceError(f"--gpu {choice}: no GPU with that index or UUID is visible here{_visibility(environ)} "
+                      f"(visible: {listing}); use auto, none, all, a CUDA index or a visible UUID")
 
 
 def _host_notice(reason: str, capacity_bytes: int | None) -> str:

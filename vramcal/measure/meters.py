@@ -1,44 +1,198 @@
-"""Memory meters used inside a trial process: NVML sampling and torch allocator peaks (GPU), VmHWM (host).
+"""The meter: one definition of peak_bytes (DESIGN.md), used by trial processes and the trainer alike.
 
-With :mod:`vramcal.measure.device`, the only module that touches NVML or ``torch.cuda`` memory functions. The
-definitions are DESIGN.md's: a GPU trial's ``peak_bytes`` is the larger of (a) the NVML per-process
-used memory, sampled in a background thread, and (b) the NVML overhead measured after warm-up plus
-``torch.cuda.max_memory_reserved()``. When NVML reports no per-process figure (common in containers,
-where the PID namespace hides the process), (a) falls back to the change in device-wide used memory
-since before CUDA was initialised.
+    meter = open_meter(device, host_limit_bytes)  # first thing in the process, before CUDA starts
+    meter.check_pinned()                           # once CUDA has started (GPU; no-op on the host)
+    ...build, warm up...
+    meter.reset()                                  # the measured span starts here
+    ...measured steps...
+    figures = meter.read()                         # peak_bytes and every source
+    meter.environment(); meter.close()
+
+On a GPU, ``peak_bytes = max(NVML peak, nvml_overhead_bytes + torch.cuda.max_memory_reserved())``: the
+NVML peak comes from :class:`~vramcal.measure.sampler.NvmlSampler` (baseline before CUDA started, so the
+context, weights and data count), the overhead (NVML usage minus torch's reserved memory: the CUDA
+context, cuBLAS workspaces, kernels) is re-measured at each :meth:`CudaMeter.reset`. On the host,
+``peak_bytes = max(VmHWM, data-segment peak)``: the figure the host budget (``RLIMIT_DATA``) binds.
+
+With :mod:`vramcal.measure.nvml`, the only module that touches NVML or ``torch.cuda`` memory functions.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
-import threading
-import time
-import types
-from typing import Any
+import resource
+import sys
+from typing import Any, Protocol
 
-from vramcal.measure.device import NvmlError, nvml_memory_info, nvml_query
+from vramcal.measure.nvml import NvmlError, load_nvml, nvml_handle
+from vramcal.measure.oom import is_out_of_memory  # noqa: F401 - re-exported: the name callers use
+from vramcal.measure.sampler import BASELINE_SETTLE_S, NVML_SAMPLE_INTERVAL_S, NvmlSampler  # noqa: F401
+from vramcal.records import Device
 
-NVML_SAMPLE_INTERVAL_S = 0.002
+ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_MODULE_LOADING")
+HOST_MALLOC_ENV = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                   "LD_PRELOAD", "OMP_NUM_THREADS")
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    """True for an allocator out-of-memory error, the one place vramcal classifies them.
+class MeterError(RuntimeError):
+    """The meter cannot measure what it was asked to; the message says why and what to do."""
 
-    ``torch.OutOfMemoryError`` (CUDA caching allocator) by type; ``MemoryError`` (Python); and the CPU
-    allocator's failure, which torch raises as a plain ``RuntimeError`` from ``alloc_cpu.cpp``
-    (``DefaultCPUAllocator: can't allocate memory``), so that one is recognised by its message.
+
+class Meter(Protocol):
+    kind: str
+
+    def check_pinned(self) -> None: ...
+    def reset(self) -> None: ...
+    def read(self) -> dict[str, Any]: ...
+    def environment(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+def open_meter(device: Device, host_limit_bytes: int | None = None, *, settle_s: float = BASELINE_SETTLE_S,
+               nvml_loader: Any = None) -> Meter:
+    """Start measuring this process on ``device``; call it before CUDA is initialised.
+
+    GPU: pins ``CUDA_VISIBLE_DEVICES`` to the device's UUID (a MIG slice's ``MIG-`` UUID), waits up to
+    ``settle_s`` for the device's used memory to settle, takes the baseline and starts the sampler.
+    Host: sets ``RLIMIT_DATA`` to ``host_limit_bytes`` when given.
+
+    Raises:
+        MeterError: CUDA was already initialised in this process, or the device has no UUID.
+        NvmlError: NVML is unusable.
     """
-    import torch
+    if device.kind == "cuda":
+        return CudaMeter(device, settle_s=settle_s, nvml_loader=nvml_loader)
+    return HostMeter(host_limit_bytes)
 
-    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    return isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(error)
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+class CudaMeter:
+    """The GPU meter; see :func:`open_meter`."""
+
+    kind = "cuda"
+
+    def __init__(self, device: Device, settle_s: float = BASELINE_SETTLE_S, nvml_loader: Any = None) -> None:
+        if not device.uuid:
+            raise MeterError(f"{device.name} has no UUID to pin: select it with vramcal.measure.device.select")
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            raise MeterError("CUDA was initialised before the meter opened, so CUDA_VISIBLE_DEVICES can no longer "
+                             "be pinned and the baseline would leave this process's context out: open the meter "
+                             "before any CUDA call")
+        self.device = device
+        os.environ["CUDA_VISIBLE_DEVICES"] = device.uuid
+        nvml = (nvml_loader or load_nvml)()
+        self._sampler = NvmlSampler(nvml, nvml_handle(nvml, device), settle_s=settle_s).start()
+        self.nvml_overhead_bytes = 0
+
+    def check_pinned(self) -> None:
+        """Raise unless torch's current CUDA device is the chosen one (compared by UUID).
+
+        Raises:
+            MeterError: something touched CUDA before the pin (e.g. a ``__main__`` re-imported by the
+                fork server's children), so the steps would run on another device than the one metered.
+        """
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        wanted = {_uuid_body(self.device.uuid), _uuid_body(self.device.parent_uuid)} - {""}
+        if _uuid_body(str(props.uuid)) not in wanted:
+            raise MeterError(f"torch runs on {props.name} ({props.uuid}) but the meter measures {self.device.name} "
+                             f"({self.device.uuid}): CUDA started before CUDA_VISIBLE_DEVICES was pinned; open the "
+                             f"meter before anything touches CUDA")
+
+    def reset(self) -> None:
+        """Synchronize; reset torch's and the sampler's peaks; re-measure the NVML overhead."""
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self._sampler.reset_peaks()
+        self.nvml_overhead_bytes = self._sampler.current_bytes() - int(torch.cuda.memory_reserved())
+
+    def read(self) -> dict[str, Any]:
+        """Figures since the last :meth:`reset` (bytes): ``peak_bytes`` and every source.
+
+        Raises:
+            MeterError: NVML stopped answering during the span.
+        """
+        synchronize("cuda")
+        if self._sampler.error is None:
+            try:
+                self._sampler.sample()
+            except NvmlError as error:
+                self._sampler.error = str(error)
+        if self._sampler.error is not None:
+            raise MeterError(f"NVML stopped answering while measuring ({self._sampler.error}): the figures are "
+                             f"incomplete; check the GPU with nvidia-smi and run again")
+        return cuda_peaks(self._sampler, self.nvml_overhead_bytes)
+
+    def environment(self) -> dict[str, Any]:
+        """What changes GPU memory use besides the model, read after CUDA started (for the profile)."""
+        import torch
+
+        major, minor = torch.cuda.get_device_capability()
+        return {"torch_version": torch.__version__, "torch_cuda_version": torch.version.cuda,
+                "cudnn_version": torch.backends.cudnn.version(), "triton_version": _version("triton"),
+                "compute_capability": f"{major}.{minor}", **{name: os.environ.get(name) for name in ALLOCATOR_ENV}}
+
+    def close(self) -> None:
+        self._sampler.stop()
+
+
+def _uuid_body(uuid: str | None) -> str:
+    """A UUID without its ``GPU-``/``MIG-`` prefix, lower case (torch prints CUDA's UUIDs bare)."""
+    text = (uuid or "").strip().lower()
+    return text.split("-", 1)[1] if text.startswith(("gpu-", "mig-")) else text
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- host
 
+class HostMeter:
+    """The host meter; see :func:`open_meter`. ``RLIMIT_DATA`` stays for the life of the process."""
+
+    kind = "host"
+
+    def __init__(self, host_limit_bytes: int | None = None) -> None:
+        if host_limit_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_DATA, (host_limit_bytes, host_limit_bytes))
+
+    def check_pinned(self) -> None:
+        """Nothing to pin on the host."""
+
+    def reset(self) -> None:
+        """Reset VmHWM (the data-segment peak cannot be reset: it covers the whole process life)."""
+        reset_peak_rss()
+
+    def read(self) -> dict[str, Any]:
+        return host_peaks()
+
+    def environment(self) -> dict[str, Any]:
+        """The malloc-relevant settings of this process (for the profile)."""
+        import torch
+
+        return {"torch_version": torch.__version__, "torch_num_threads": torch.get_num_threads(),
+                **{name: os.environ.get(name) for name in HOST_MALLOC_ENV}}
+
+    def close(self) -> None:
+        """Nothing to stop on the host."""
+
+
 def read_status_bytes(field: str, pid: int | str = "self") -> int:
-    """A ``/proc/<pid>/status`` memory field (``VmHWM``, ``VmRSS``, ``VmData``) in bytes."""
+    """A ``/proc/<pid>/status`` memory field (``VmHWM``, ``VmRSS``, ``VmData``) in bytes.
+
+    Raises:
+        KeyError: the kernel does not report the field.
+    """
     with open(f"/proc/{pid}/status") as handle:
         for line in handle:
             if line.startswith(field + ":"):
@@ -80,80 +234,7 @@ def reset_peak_rss() -> bool:
     return True
 
 
-# ---------------------------------------------------------------------------------------------- GPU
-
-class NvmlSampler:
-    """Samples NVML memory of one GPU in a background thread.
-
-    Tracks the peak of this process's used memory (``nvmlDeviceGetComputeRunningProcesses``) and the
-    peak of device-wide used memory minus ``baseline_bytes`` (device used before this process
-    initialised CUDA). ``process_peak_bytes`` stays None when NVML never listed this PID with a figure.
-    """
-
-    def __init__(self, nvml: types.ModuleType, handle: Any, pid: int | None = None,
-                 interval_s: float = NVML_SAMPLE_INTERVAL_S) -> None:
-        self._nvml, self._handle, self._pid = nvml, handle, pid or os.getpid()
-        self._interval_s = interval_s
-        self.baseline_bytes = self.device_used_bytes()
-        self.process_peak_bytes: int | None = None
-        self.device_delta_peak_bytes = 0
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="vramcal-nvml", daemon=True)
-
-    def device_used_bytes(self) -> int:
-        return int(nvml_memory_info(self._nvml, self._handle).used)
-
-    def process_used_bytes(self) -> int | None:
-        """This PID's used GPU memory in bytes, or None when NVML does not report it."""
-        for func in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-            try:
-                processes = nvml_query(self._nvml, func, self._handle)
-            except NvmlError:
-                continue
-            for process in processes:
-                used = getattr(process, "usedGpuMemory", None)
-                if process.pid == self._pid and used is not None and used < 2**63 - 1:
-                    return int(used)
-        return None
-
-    def sample(self) -> None:
-        used = self.process_used_bytes()
-        if used is not None:
-            self.process_peak_bytes = max(self.process_peak_bytes or 0, used)
-        self.device_delta_peak_bytes = max(self.device_delta_peak_bytes,
-                                           self.device_used_bytes() - self.baseline_bytes)
-        self.samples += 1
-
-    def current_bytes(self) -> int:
-        """This process's GPU memory now: the per-process figure, else the device-wide change."""
-        used = self.process_used_bytes()
-        return used if used is not None else self.device_used_bytes() - self.baseline_bytes
-
-    def reset_peaks(self) -> None:
-        self.process_peak_bytes = None
-        self.device_delta_peak_bytes = 0
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sample()
-            time.sleep(self._interval_s)
-
-    def __enter__(self) -> NvmlSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sample()
-
-    def peak_bytes(self) -> int:
-        """The NVML figure for this process: per-process peak, else the device-wide peak change."""
-        if self.process_peak_bytes is not None:
-            return self.process_peak_bytes
-        return self.device_delta_peak_bytes
-
+# ---------------------------------------------------------------------------------------------- torch.cuda
 
 def torch_cuda_peaks() -> dict[str, int]:
     """``torch.cuda`` allocator peaks since the last reset, in bytes (current device)."""
@@ -169,8 +250,7 @@ def cuda_peaks(sampler: NvmlSampler, nvml_overhead_bytes: int) -> dict[str, Any]
     torch_peaks = torch_cuda_peaks()
     nvml_peak = sampler.peak_bytes()
     return {"peak_bytes": max(nvml_peak, nvml_overhead_bytes + torch_peaks["torch_max_reserved_bytes"]),
-            "nvml_peak_bytes": nvml_peak,
-            "nvml_source": "process" if sampler.process_peak_bytes is not None else "device-delta",
+            "nvml_peak_bytes": nvml_peak, "nvml_source": sampler.source,
             "nvml_overhead_bytes": nvml_overhead_bytes, **torch_peaks}
 
 

@@ -1,216 +1,137 @@
-"""One trial: real training steps of the real model at one batch size, in a process of its own.
+"""One trial: real training steps of the real training step at one batch size, in a worker of its own.
 
-A trial is a fresh process forked from a fork server that has already imported torch and the
-transformers Mamba-2 module (``multiprocessing`` ``forkserver`` with a preload), so a trial's start-up
-costs a fork, not the seconds of importing torch and transformers, and no trial inherits allocator
-state, CUDA context or memory from another: a trial's peak does not depend on the trials before it.
+The trial runs what training runs (:mod:`vramcal.workload`), in the kind of process training runs in
+(:mod:`vramcal.measure.worker`), measured by the meter training uses (:func:`vramcal.measure.meters.open_meter`):
 
-Inside the trial: build the model and AdamW, ``warmup_steps`` steps (AdamW allocates its state and
-Triton autotunes there), synchronize, reset the peaks, then ``measured_steps`` steps of forward,
-backward and ``optimizer.step()``, each timed after a synchronize (torch.utils.benchmark's habit).
-Out-of-memory is caught here, by :func:`vramcal.measure.meters.is_out_of_memory`, and nowhere else.
+1. open the meter before anything is allocated (it pins the GPU by UUID, or sets the host budget's
+   ``RLIMIT_DATA``), so the peak includes the CUDA context, the weights and the data;
+2. build the step with its factory on the device: model, optimizer, data pipeline;
+3. ``warmup_steps`` optimizer steps (AdamW allocates its state and Triton autotunes there), then reset
+   the peaks;
+4. ``measured_steps`` steps, each on a fresh batch from the pipeline and timed after a synchronize
+   (torch.utils.benchmark's habit), then ``val_steps`` validation passes at the same batch size, as the
+   trainer validates;
+5. read the peaks: the trial's ``peak_bytes`` covers training steps and validation alike.
+
+Out-of-memory errors are recognised by :func:`vramcal.measure.meters.is_out_of_memory` only.
 """
 
 from __future__ import annotations
 
-import gc
-import multiprocessing
-import os
+import json
 import statistics
-import threading
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from vramcal.model import ModelSpec
+from vramcal.measure.worker import Outcome, Workers
 from vramcal.records import Device, Trial
+from vramcal.workload import ModelRef
 
 
 @dataclass(frozen=True)
 class TrialRequest:
-    """What a trial process needs: picklable, sent to the child."""
+    """What a trial process needs (picklable).
 
-    spec: ModelSpec
-    implementation: str
+    Attributes:
+        model: the factory and its arguments (the profile's key).
+        batch_size: samples per step.
+        device: where to measure.
+        options_json: more factory arguments as JSON that do not change the model (e.g. the dataset
+            file of the regressor); recorded in the profile, not part of its key.
+        warmup_steps, measured_steps, val_steps: the steps of the trial (module docstring).
+        host_memory_limit_bytes: ``RLIMIT_DATA`` for a host trial (the budget); None: no limit.
+    """
+
+    model: ModelRef
     batch_size: int
     device: Device
+    options_json: str = "{}"
     warmup_steps: int = 1
     measured_steps: int = 2
+    val_steps: int = 1
     host_memory_limit_bytes: int | None = None
-    seed: int = 0
+
+    def with_batch_size(self, batch_size: int) -> TrialRequest:
+        return TrialRequest(self.model, batch_size, self.device, self.options_json, self.warmup_steps,
+                            self.measured_steps, self.val_steps, self.host_memory_limit_bytes)
 
 
 class TrialRunner:
-    """Runs trials in fresh processes forked from a preloaded fork server.
+    """Runs trials in workers (:class:`~vramcal.measure.worker.Workers`).
 
     Args:
         timeout_s: a trial still running after this many seconds is killed and recorded as ``timeout``.
+        workers: the worker pool (one is made by default); share one to fork from one server.
 
-    The host's trials run under ``RLIMIT_DATA = host_memory_limit_bytes`` (by default the device's
-    total_bytes), so a trial that would exceed the budget fails with the CPU allocator's out-of-memory
-    error, as a GPU trial fails with CUDA's, instead of pushing the host into swap or the OOM killer.
+    ``context`` holds what the last finished trial reported about the whole calibration: the kernel
+    path that ran, the software environment seen inside the process, the model's facts and the data.
     """
 
-    def __init__(self, timeout_s: float = 900.0) -> None:
+    def __init__(self, timeout_s: float = 900.0, workers: Workers | None = None) -> None:
         self.timeout_s = timeout_s
-        self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(["vramcal.measure._preload"])
+        self.workers = workers or Workers()
+        self.context: dict[str, Any] = {}
 
     def run(self, request: TrialRequest, purpose: str = "") -> Trial:
         """Run one trial; never raises for what happens inside the trial process."""
-        receiver, sender = self._context.Pipe(duplex=False)
-        started = time.time()
-        process = self._context.Process(target=_child, args=(sender, request, started, os.getpid()),
-                                        daemon=True)
-        process.start()
-        sender.close()
-        result: dict[str, Any] | None = None
-        if receiver.poll(self.timeout_s):
-            try:
-                result = receiver.recv()
-            except EOFError:
-                result = None
-        else:
-            process.kill()
-            result = {"status": "timeout", "error": f"killed after the {self.timeout_s:.0f} s time limit"}
-        process.join()
-        receiver.close()
-        if result is None:
-            result = _exit_status(process.exitcode)
-        return Trial(batch_size=request.batch_size, purpose=purpose, wall_s=time.time() - started, **result)
+        outcome = self.workers.run(measure, request, timeout_s=self.timeout_s)
+        return self.record(request, outcome, purpose)
+
+    def record(self, request: TrialRequest, outcome: Outcome, purpose: str) -> Trial:
+        if outcome.status != "ok":
+            return Trial(batch_size=request.batch_size, status=outcome.status, purpose=purpose,
+                         startup_s=outcome.startup_s, wall_s=outcome.wall_s, error=outcome.error)
+        figures = dict(outcome.result)
+        self.context = figures.pop("context")
+        return Trial(batch_size=request.batch_size, status="ok", purpose=purpose, startup_s=outcome.startup_s,
+                     wall_s=outcome.wall_s, **figures)
 
 
-def _exit_status(exitcode: int | None) -> dict[str, Any]:
-    if exitcode == -9:
-        return {"status": "oom", "error": "trial process killed by SIGKILL (the kernel's OOM killer?)"}
-    return {"status": "error", "error": f"trial process exited with code {exitcode} without a result"}
-
-
-def _child(sender: Any, request: TrialRequest, started: float, caller_pid: int) -> None:
-    """Entry point of the trial process: measure, then send one result dict."""
-    startup_s = time.time() - started
-    threading.Thread(target=_exit_with_caller, args=(caller_pid,), daemon=True).start()
-    try:
-        result = measure(request)
-    except BaseException as error:  # noqa: BLE001 - everything becomes a recorded status
-        result = _failure(error)
-    result["startup_s"] = startup_s
-    sender.send(result)
-    sender.close()
-
-
-def _failure(error: BaseException) -> dict[str, Any]:
-    """The result of a trial that raised: ``oom`` or ``error`` with the traceback's last lines.
-
-    The traceback's frames still hold the step's tensors; they are cleared first, so that reporting an
-    out-of-memory error does not itself run out of memory (a trial at the limit would otherwise die
-    with no result).
-    """
-    from vramcal.measure.meters import is_out_of_memory
-
-    status = "oom" if is_out_of_memory(error) else "error"
-    traceback.clear_frames(error.__traceback__)
-    gc.collect()
-    try:
-        tail = "".join(traceback.format_exception(error)[-3:]).strip()[-1500:]
-    except MemoryError:
-        tail = f"{type(error).__name__} (no memory left to format its traceback)"
-    return {"status": status, "error": tail}
-
-
-def _exit_with_caller(caller_pid: int, interval_s: float = 0.5) -> None:
-    """End this trial when the process that asked for it is gone (a killed probe must not leave a
-    trial holding gigabytes: the fork server, not the caller, is the trial's parent)."""
-    while True:
-        try:
-            os.kill(caller_pid, 0)
-        except ProcessLookupError:
-            os._exit(1)
-        time.sleep(interval_s)
-
-
-def measure(request: TrialRequest) -> dict[str, Any]:
-    """Build the model, warm up, and measure training steps; returns the Trial fields it measured.
-
-    Runs in the trial process. Input ``x``: (batch_size, seq_len, n_features) float32 standard normal;
-    target: (batch_size, seq_len) float32; loss: mean squared error, as in ``vramcal train``.
-
-    Raises:
-        torch.OutOfMemoryError / RuntimeError: allocation failures, classified by the caller.
-    """
-    device = request.device
-    if device.kind == "cuda":
-        os.environ["CUDA_VISIBLE_DEVICES"] = device.uuid or ""  # pin by UUID before CUDA initialises
-        return _measure_cuda(request)
-    if request.host_memory_limit_bytes is not None:
-        import resource
-
-        resource.setrlimit(resource.RLIMIT_DATA, (request.host_memory_limit_bytes,) * 2)
-    return _measure_host(request)
-
-
-def _training_setup(request: TrialRequest, torch_device: str):
+def torch_device(device: Device):
+    """The torch device a worker trains on: ``cuda`` (the pinned GPU is the only visible one) or ``cpu``."""
     import torch
 
-    from vramcal.model import build_model
-    from vramcal.train.step import make_optimizer, train_step
-
-    torch.manual_seed(request.seed)
-    spec = request.spec
-    model = build_model(spec, request.implementation).to(torch_device)
-    optimizer = make_optimizer(model, lr=1e-4)
-    x = torch.randn(request.batch_size, spec.seq_len, spec.n_features, device=torch_device)
-    y = torch.randn(request.batch_size, spec.seq_len, device=torch_device)
-
-    def step() -> None:
-        train_step(model, optimizer, x, y, spec.dtype, torch_device)
-
-    return step
+    return torch.device("cuda" if device.kind == "cuda" else "cpu")
 
 
-def _timed_steps(step, n_steps: int, device_kind: str) -> list[float]:
-    from vramcal.measure.meters import synchronize
+def measure(request: TrialRequest, channel: Any = None) -> dict[str, Any]:
+    """Build, warm up and measure (module docstring); runs in the trial process.
 
-    times = []
-    for _ in range(n_steps):
+    Returns:
+        The :class:`~vramcal.records.Trial` fields measured, and ``context`` (see :class:`TrialRunner`).
+
+    Raises:
+        Whatever the step raises (out-of-memory errors included); the worker records it.
+    """
+    from vramcal.measure.meters import open_meter, synchronize
+    from vramcal.workload import build, detect_kernel_path, train_step, validation_step
+
+    device, batch_size = request.device, request.batch_size
+    meter = open_meter(device, request.host_memory_limit_bytes)
+    try:
         start = time.perf_counter()
-        step()
-        synchronize(device_kind)
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def _measure_host(request: TrialRequest) -> dict[str, Any]:
-    from vramcal.measure.meters import host_peaks, reset_peak_rss
-
-    start = time.perf_counter()
-    step = _training_setup(request, "cpu")
-    build_s = time.perf_counter() - start
-    _timed_steps(step, request.warmup_steps, "host")
-    reset_peak_rss()
-    step_times = _timed_steps(step, request.measured_steps, "host")
-    return _summary(request, step_times, build_s, **host_peaks())
-
-
-def _measure_cuda(request: TrialRequest) -> dict[str, Any]:
-    from vramcal.measure import meters
-    from vramcal.measure.device import load_nvml, nvml_handle
-
-    nvml = load_nvml()
-    with meters.NvmlSampler(nvml, nvml_handle(nvml, request.device)) as sampler:
-        start = time.perf_counter()
-        step = _training_setup(request, "cuda")
+        step = build(request.model, torch_device(device), json.loads(request.options_json))
+        meter.check_pinned()
         build_s = time.perf_counter() - start
-        _timed_steps(step, request.warmup_steps, "cuda")
-        meters.torch_cuda_reset_peaks()
-        nvml_overhead = sampler.current_bytes() - meters.torch_cuda_reserved_bytes()
-        sampler.reset_peaks()
-        step_times = _timed_steps(step, request.measured_steps, "cuda")
-    return _summary(request, step_times, build_s, **meters.cuda_peaks(sampler, nvml_overhead))
-
-
-def _summary(request: TrialRequest, step_times: list[float], build_s: float, **figures: Any) -> dict[str, Any]:
-    step_s = statistics.median(step_times)
-    return {"status": "ok", "step_s": step_s, "samples_per_s": request.batch_size / step_s,
-            "build_s": build_s, **figures}
+        for _ in range(request.warmup_steps):
+            train_step(step, step.batch(batch_size))
+        synchronize(device.kind)
+        meter.reset()
+        times = []
+        for _ in range(request.measured_steps):
+            start = time.perf_counter()
+            train_step(step, step.batch(batch_size))
+            synchronize(device.kind)
+            times.append(time.perf_counter() - start)
+        for _ in range(request.val_steps):
+            validation_step(step, batch_size)
+        figures = meter.read()
+        context = {"kernel_path": step.kernel_path or detect_kernel_path(step.model),
+                   "environment": meter.environment(), "info": step.info,
+                   "data": {"data_bytes": step.data_bytes, "on_device": step.data_on_device}}
+    finally:
+        meter.close()
+    step_s = statistics.median(times)
+    return {"step_s": step_s, "samples_per_s": batch_size / step_s, "build_s": build_s,
+            "data_bytes": step.pool_data_bytes(device.kind), "context": context, **figures}

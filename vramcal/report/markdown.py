@@ -25,12 +25,14 @@ MISSING = "—"
 # ---------------------------------------------------------------------------------------------- naming
 
 def report_name(profiles: Sequence[Profile]) -> str:
-    """File stem: ``<device slug>-<implementation>-<spec key>``; for several profiles ``compare-<hash>``."""
+    """File stem: ``<device slug>-<model name>-<implementation>-<model key>``; for several profiles
+    ``compare-<hash>``."""
+    from vramcal.profile import model_name
+
+    names = [f"{p.device.slug()}-{model_name(p.model)}-{p.implementation}-{p.model.key()}" for p in profiles]
     if len(profiles) == 1:
-        p = profiles[0]
-        return f"{p.device.slug()}-{p.implementation}-{p.spec.key()}"
-    keys = "\n".join(sorted(f"{p.device.slug()}-{p.implementation}-{p.spec.key()}" for p in profiles))
-    return f"compare-{hashlib.sha256(keys.encode()).hexdigest()[:8]}"
+        return names[0]
+    return f"compare-{hashlib.sha256(chr(10).join(sorted(names)).encode()).hexdigest()[:8]}"
 
 
 def device_label(profile: Profile) -> str:
@@ -46,19 +48,20 @@ def series_labels(profiles: Sequence[Profile]) -> tuple[list[str], list[str]]:
     The title's first line names the shared device, implementation and vramcal version, the second the
     shared model spec (or says that the specs differ).
     """
-    parts = [{"device": device_label(p), "impl": p.implementation, "spec": p.spec.to_dict(),
+    parts = [{"device": device_label(p), "impl": p.implementation, "spec": p.model.params,
               "version": f"vramcal {p.vramcal_version or '?'}"} for p in profiles]
     shared = [part for part in ("device", "impl", "version") if len({str(x[part]) for x in parts}) == 1]
-    spec_keys = [k for k in parts[0]["spec"] if len({str(x["spec"][k]) for x in parts}) > 1]
+    keys = dict.fromkeys(k for x in parts for k in x["spec"])
+    spec_keys = [k for k in keys if len({str(x["spec"].get(k)) for x in parts}) > 1]
     labels = []
     for x in parts:
         bits = [x[part] for part in ("device", "impl", "version") if part not in shared]
-        bits += [" ".join(f"{k}={x['spec'][k]}" for k in spec_keys)] if spec_keys else []
+        bits += [" ".join(f"{k}={x['spec'].get(k)}" for k in spec_keys)] if spec_keys else []
         labels.append(" · ".join(bits) or "profile")
     first = [parts[0][part] for part in ("device", "impl", "version") if part in shared]
     if len(profiles) > 1:
         first.insert(0, f"{len(profiles)} profiles")
-    spec = f"Mamba-2 {profiles[0].spec.short()}" if not spec_keys else "model specs differ (see legend)"
+    spec = profiles[0].model.short() if not spec_keys else "models differ (see legend)"
     return labels, [" · ".join(first), spec]
 
 
@@ -233,8 +236,8 @@ def summary_table(profile: Profile) -> str:
     device_text = f"{device_label(profile)}; total from {device.total_source}" + f"; {drivers}" * bool(drivers)
     rows = [("Device", device_text),
             ("Software", software),
-            ("Model", (f"Mamba-2 {profile.spec.short()} ({profile.spec.n_params():,} parameters, "
-                      f"spec key {profile.spec.key()})")),
+            ("Model", _model_text(profile)),
+            ("Data held", _data_text(profile)),
             ("Implementation", f"{profile.implementation}: {profile.kernel_path}")]
     if fit is not None:
         rows.append(("Memory model", (f"`{fit.formula()}`; r² = {fit.r_squared:.4f}, n = {fit.n_points}, "
@@ -265,6 +268,32 @@ def summary_table(profile: Profile) -> str:
     return markdown_table(["", ""], [[f"**{k}**", v] for k, v in rows])
 
 
+def _model_text(profile: Profile) -> str:
+    n_params = profile.model_info.get("n_params")
+    count = f"{n_params:,} parameters, " if isinstance(n_params, int) else ""
+    return f"{profile.model.short()} ({count}factory `{profile.model.factory}`, key {profile.model.key()})"
+
+
+def _data_text(profile: Profile) -> str:
+    data = profile.data
+    where = "on the device" if data.get("on_device") else "in host memory"
+    return (f"{data.get('source', MISSING)}: {format_bytes(data.get('data_bytes', 0))} {where}; "
+            f"{format_bytes(profile.pool_data_bytes)} of it in the measured memory (the data term of sizing)")
+
+
+def observations_table(profile: Profile) -> str:
+    """The training runs that used the profile: measured peak against the prediction and the bound."""
+    rows = []
+    for o in profile.observations:
+        verdict = ("**above usable**" if o.peak_bytes > o.usable_bytes else "**above the bound**"
+                   if o.peak_bytes > o.upper_bytes else "within the bound")
+        rows.append([o.recorded_utc, str(o.batch_size), format_bytes(o.data_bytes), format_bytes(o.peak_bytes),
+                     format_bytes(o.predicted_peak_bytes), f"{o.error:+.1%}", format_bytes(o.upper_bytes), verdict,
+                     str(o.steps), o.vramcal_version])
+    return markdown_table(["recorded (UTC)", "batch", "data", "measured peak", "predicted", "error", "upper bound",
+                           "verdict", "steps", "vramcal"], rows, right=[1, 2, 3, 4, 5, 6, 8])
+
+
 def _verification_text(profile: Profile, usable: int) -> str:
     if not profile.verification:
         return "**none**: no verification trial ran"
@@ -290,7 +319,11 @@ def profile_section(profile: Profile, extra_gpus: Sequence[GpuModel], level: str
         warnings.append(profile.fit.nonlinearity)
     if warnings:
         lines += [f"{level} Warnings", "", *(f"- {w}" for w in dict.fromkeys(warnings)), ""]
-    lines += [f"{level} Trials", "", ("Peaks in binary units (1 GiB = 2³⁰ bytes); the raw bytes are in the "
+    lines += [f"{level} Training runs", ""]
+    lines += ([("Each `vramcal train` run that used this profile appends its measured peak (by the trials' "
+                "definition) beside the prediction for its batch size and data."), "", observations_table(profile)]
+              if profile.observations else ["None recorded yet: `vramcal train` appends one per run."])
+    lines += ["", f"{level} Trials", "", ("Peaks in binary units (1 GiB = 2³⁰ bytes); the raw bytes are in the "
               "profile. `over-budget`: finished, but its peak exceeded usable memory; `in fit`: a point of the "
               "fitted line."), "",
               trials_table(profile), "", f"{level} Limits on other GPUs (extrapolated)", ""]

@@ -3,20 +3,22 @@
 ::
 
     <run_dir>/config.json          the TrainConfig (what --resume continues with)
-    <run_dir>/run.json             device, implementation, kernel path, batch size and why, LR, data
+    <run_dir>/run.json             the plan: device, model, batch size and prediction, LR, data, budget
     <run_dir>/metrics.jsonl        one JSON object per line: kind "epoch" rows and "oom"/"non-finite" events
-                               (strict JSON: a NaN or infinite figure is null)
-    <run_dir>/checkpoint-last.pt   model, optimizer, scheduler and progress after the last epoch (or stop)
-    <run_dir>/checkpoint-best.pt   the same at the lowest validation loss so far
+                                   (strict JSON: a NaN or infinite figure is null)
+    <run_dir>/checkpoint-last.pt   model, optimizer, scheduler and progress at the last save
+    <run_dir>/checkpoint-prev.pt   the save before it (kept when a new one replaces it)
+    <run_dir>/checkpoint-best.pt   the save at the lowest validation loss so far
 
-A killed run leaves every file either at its previous or its new content (temporary file in the same
-folder, fsync, ``os.replace``), so ``--resume`` always finds a whole checkpoint; a checkpoint is only
-written with finite weights.
+The promises: a killed run leaves every file at its previous or its new content (:mod:`vramcal.files`);
+``metrics.jsonl`` is written after the checkpoint that holds the same rows, so it never lists an epoch
+that no checkpoint holds; a checkpoint only ever holds finite weights; and a run folder is always
+either resumable (a readable checkpoint: ``--resume``) or reusable (none: a new run may start there).
+A truncated or unreadable ``checkpoint-last.pt`` falls back to the previous or best one, with a notice.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -24,33 +26,42 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vramcal.files import atomic_write_bytes, atomic_write_text
+from vramcal.files import atomic_write, atomic_write_json, atomic_write_text
 
 CONFIG = "config.json"
 RUN = "run.json"
 METRICS = "metrics.jsonl"
 LAST = "checkpoint-last.pt"
+PREV = "checkpoint-prev.pt"
 BEST = "checkpoint-best.pt"
-CHECKPOINT_FORMAT = 1
+CHECKPOINTS = (LAST, PREV, BEST)  # in the order a resume tries them
+CHECKPOINT_FORMAT = 2
 
 
 class RunDirError(ValueError):
     """A run folder that cannot be used as asked; the one-line message says what to do."""
 
 
+def has_checkpoint(run_dir: Path) -> bool:
+    return any((Path(run_dir) / name).is_file() for name in CHECKPOINTS)
+
+
 def check_run_dir(run_dir: Path, resume: bool) -> Path:
     """Check the run folder without creating or writing anything (so a failed start leaves nothing behind).
 
+    A folder holds a run when it has a checkpoint; one whose run never saved a checkpoint (it failed
+    before its first save) may be used by a new run.
+
     Raises:
-        RunDirError: a new run in a folder that already holds one, a resume with no checkpoint to resume,
-            or a folder that cannot be created (its nearest existing parent is a file or not writable).
+        RunDirError: a new run in a folder that holds one, a resume with no checkpoint or no config, or a
+            folder that cannot be created (its nearest existing parent is a file or not writable).
     """
     run_dir = Path(run_dir)
     if resume:
-        if not (run_dir / LAST).is_file() or not (run_dir / CONFIG).is_file():
-            raise RunDirError(f"nothing to resume in {run_dir}: it has no {LAST} and {CONFIG} "
-                              f"(start a new run without --resume)")
-    elif (run_dir / CONFIG).exists() or (run_dir / LAST).exists():
+        if not has_checkpoint(run_dir) or not (run_dir / CONFIG).is_file() or not (run_dir / RUN).is_file():
+            raise RunDirError(f"nothing to resume in {run_dir}: it has no checkpoint (the run saved none), or no "
+                              f"{CONFIG}/{RUN}; start a new run there without --resume")
+    elif has_checkpoint(run_dir):
         raise RunDirError(f"{run_dir} already holds a run: pass --resume to continue it, or choose another --run-dir")
     existing = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
@@ -79,7 +90,7 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> Path:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    atomic_write_json(path, data)
 
 
 def write_metrics(run_dir: Path, rows: list[dict[str, Any]]) -> Path:
@@ -111,40 +122,82 @@ def non_finite_tensors(state_dict: dict[str, Any]) -> list[str]:
             if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not bool(tensor.isfinite().all())]
 
 
-def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
-    """``torch.save`` of ``payload`` (tensors, dicts, lists, numbers, strings), written atomically.
+def save_checkpoint(run_dir: Path, payload: dict[str, Any], best: bool = False) -> Path:
+    """Save ``payload`` (tensors, dicts, lists, numbers, strings) as the last checkpoint, keeping the one it
+    replaces as ``checkpoint-prev.pt``, and as the best one when ``best``.
+
+    Streamed straight into the file (``torch.save`` to the open temporary file), so saving needs no
+    second copy of the weights and optimizer state in memory.
 
     Raises:
         ValueError: the model weights (``payload["model"]``) are not all finite; nothing is written, so
             a checkpoint on disk always holds finite weights.
+        OSError: the disk is full or the file too large; the files on disk are then unchanged.
     """
     import torch
 
     bad = non_finite_tensors(payload.get("model", {}))
     if bad:
-        raise ValueError(f"refusing to save {path}: non-finite weights in {', '.join(bad[:3])}")
-
-    buffer = io.BytesIO()
-    torch.save({"format": CHECKPOINT_FORMAT, **payload}, buffer)
-    atomic_write_bytes(path, buffer.getvalue())
+        raise ValueError(f"refusing to save a checkpoint: non-finite weights in {', '.join(bad[:3])}")
+    run_dir = Path(run_dir)
+    content = {"format": CHECKPOINT_FORMAT, **payload}
+    atomic_write(run_dir / LAST, lambda handle: torch.save(content, handle), keep_previous=run_dir / PREV)
+    if best:
+        atomic_write(run_dir / BEST, lambda handle: torch.save(content, handle))
+    return run_dir / LAST
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """Read a checkpoint onto the CPU (``weights_only``: no code runs from the file).
 
     Raises:
-        RunDirError: the file is unreadable, not a checkpoint, or another format.
+        RunDirError: the file is unreadable (truncated?), not a checkpoint, another format, or holds
+            non-finite weights.
     """
     import torch
 
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - torch raises many types for a bad file
-        raise RunDirError(f"{path} is not a readable checkpoint ({type(error).__name__}): "
-                          f"start a new run with another --run-dir") from None
+        raise RunDirError(f"{path} is not a readable checkpoint ({type(error).__name__}; truncated?)") from None
     if not isinstance(payload, dict) or payload.get("format") != CHECKPOINT_FORMAT:
         raise RunDirError(f"{path} is not a vramcal checkpoint of format {CHECKPOINT_FORMAT}")
     if non_finite_tensors(payload.get("model", {})):
-        raise RunDirError(f"{path} holds non-finite weights (NaN or infinity): it cannot be resumed; "
-                          f"start a new run with a lower --lr")
+        raise RunDirError(f"{path} holds non-finite weights (NaN or infinity): it cannot be resumed")
     return payload
+
+
+def load_resumable(run_dir: Path) -> tuple[dict[str, Any], Path, str | None]:
+    """The newest readable checkpoint of ``run_dir``: last, else previous, else best.
+
+    Returns:
+        The payload, its path, and a notice when it is not ``checkpoint-last.pt`` (None otherwise).
+
+    Raises:
+        RunDirError: no checkpoint can be read (each one's reason in the message).
+    """
+    reasons = []
+    for name in CHECKPOINTS:
+        path = Path(run_dir) / name
+        if not path.is_file():
+            continue
+        try:
+            payload = load_checkpoint(path)
+        except RunDirError as error:
+            reasons.append(str(error))
+            continue
+        progress = payload["progress"]
+        notice = None if name == LAST else (
+            f"{'; '.join(reasons) or f'{LAST} is missing'}: resuming from {path} (epoch {progress['epoch']}, "
+            f"step {progress['step']})")
+        return payload, path, notice
+    raise RunDirError(f"no readable checkpoint in {run_dir} ({'; '.join(reasons) or 'none saved'}): start a new run")
+
+
+def last_good(run_dir: Path) -> str:
+    """A phrase naming the checkpoint a failed run can resume from, for one-line errors."""
+    for name in CHECKPOINTS:
+        path = Path(run_dir) / name
+        if path.is_file():
+            return f"the last good checkpoint is {path}; continue with `vramcal train --resume --run-dir {run_dir}`"
+    return f"no checkpoint was saved; start the run again (the same --run-dir {run_dir} can be used)"

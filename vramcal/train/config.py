@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from vramcal.model import ModelSpec
+from vramcal.models.regressor import ModelSpec
 
 LrScaling = Literal["none", "linear", "sqrt"]
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
@@ -45,6 +45,10 @@ class TrainConfig:
         warmup_steps: linear warm-up steps; None = 5 % of the run's steps (at least 1).
         max_steps: stop after this many optimizer steps (None: run all epochs).
         stride: window spacing in bars; None = seq_len // 2 (see :mod:`vramcal.train.data`).
+        data_on_device: hold the windows in the GPU's memory (counted there) instead of host memory
+            with batches copied per step.
+        checkpoint_steps, checkpoint_minutes: also save a checkpoint every this many steps or minutes
+            within an epoch (None: at the end of each epoch only), so a kill loses less than an epoch.
         min_lr_fraction: the cosine decay ends at this fraction of the peak LR.
 
     Paths (``data``, ``profiles_dir``, a ``profile`` file) are used as given, so relative ones are relative
@@ -76,6 +80,9 @@ class TrainConfig:
     seed: int = 0
     stride: int | None = None
     val_fraction: float = 0.2
+    data_on_device: bool = False
+    checkpoint_steps: int | None = None
+    checkpoint_minutes: float | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -89,11 +96,16 @@ class TrainConfig:
             (math.isfinite(self.max_grad_norm) and self.max_grad_norm > 0,
              f"max_grad_norm must be a finite number > 0, got {self.max_grad_norm}"),
             (self.warmup_steps is None or self.warmup_steps >= 0, "warmup_steps must be >= 0"),
-            (0 <= self.min_lr_fraction <= 1, "min_lr_fraction must be in [0, 1]"),
+            (math.isfinite(self.min_lr_fraction) and 0 <= self.min_lr_fraction <= 1,
+             "min_lr_fraction must be in [0, 1]"),
             (self.epochs >= 1, "epochs must be >= 1"),
             (self.max_steps is None or self.max_steps >= 1, "max_steps must be >= 1"),
             (self.stride is None or self.stride >= 1, "stride must be >= 1"),
             (0 < self.val_fraction < 1, "val_fraction must be in (0, 1)"),
+            (self.checkpoint_steps is None or self.checkpoint_steps >= 1, "checkpoint_steps must be >= 1"),
+            (self.checkpoint_minutes is None
+             or (math.isfinite(self.checkpoint_minutes) and self.checkpoint_minutes > 0),
+             f"checkpoint_minutes must be a finite number > 0, got {self.checkpoint_minutes}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -158,7 +170,7 @@ def load_config(path: Path | str) -> TrainConfig:
         raise ConfigError(f"config {path}: {error.strerror or error}") from None
     try:
         if path.suffix.lower() == ".toml":
-            import tomllib  # Python >= 3.11
+            import tomllib
 
             data = tomllib.loads(text)
             data = data.get("train", data)

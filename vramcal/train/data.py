@@ -71,6 +71,7 @@ def load_bars(path: Path | str) -> pd.DataFrame:
         DataError: the file is missing, empty, not parquet, lacks a column, has NaN/infinite/non-positive
             prices, negative volume, inconsistent bars, or unsorted or duplicate timestamps.
     """
+
     import pandas as pd
 
     path = Path(path)
@@ -186,6 +187,25 @@ def _timestamps(column: pd.Series, path: Path | str) -> pd.Series:
     return column
 
 
+def synthetic_bars(n_bars: int = 34_171, seed: int = 0) -> pd.DataFrame:
+    """Random-walk bars with the E-mini sample's size and shape, for calibrating without a data file.
+
+    A random walk on the 0.25-point tick grid from 1600, one bar per second, consistent OHLC and integer
+    volume; ``n_bars`` defaults to the number of 1-second bars of ``vramcal data es-sample``, so the data
+    a calibration holds matches the sample's.
+    """
+    import pandas as pd
+
+    rng = np.random.default_rng(seed)
+    close = 1600 + 0.25 * np.cumsum(rng.integers(-2, 3, n_bars))
+    open_ = np.concatenate([[close[0]], close[:-1]]) + 0.25 * rng.integers(-1, 2, n_bars)
+    high = np.maximum(open_, close) + 0.25 * rng.integers(0, 3, n_bars)
+    low = np.minimum(open_, close) - 0.25 * rng.integers(0, 3, n_bars)
+    return pd.DataFrame({"timestamp": pd.date_range("2024-01-02 09:30", periods=n_bars, freq="1s"),
+                         "open": open_, "high": high, "low": low, "close": close,
+                         "volume": rng.integers(0, 500, n_bars).astype(float)})
+
+
 # ------------------------------------------------------------------------------------ E-mini sample
 
 def mlfinpy_tick_path() -> Path:
@@ -261,11 +281,8 @@ def write_parquet(frame: pd.DataFrame, path: Path | str) -> Path:
     return path
 
 
-def few_bars_notice(n_bars: int, bar: str, seq_len: int | None = None) -> str | None:
-    """A warning when ``n_bars`` make no window of ``seq_len`` bars (default: the default model's), else None."""
-    from vramcal.model import ModelSpec
-
-    seq_len = seq_len or ModelSpec().seq_len
+def few_bars_notice(n_bars: int, bar: str, seq_len: int) -> str | None:
+    """A warning when ``n_bars`` make no window of ``seq_len`` bars (the default model's), else None."""
     need = seq_len + 2
     if n_bars >= need:
         return None

@@ -1,65 +1,118 @@
-"""Everything decided before the first step: data, run folder, device, implementation, profile, batch, LR.
+"""Everything decided before the first step: data, run folder, device, model, profile, batch size, LR, budget.
+
+Decided in two parts, so ``vramcal tune`` decides the first once for a whole study:
+
+* :func:`resolve` — what a run is sized against: the data (loaded and checked), the device, the model's
+  key, the profile and the run's data bytes (the data term of :mod:`vramcal.sizing`), and the host
+  budget the run's process gets (``RLIMIT_DATA`` = the profile's budget, or ``--capacity``).
+* :func:`plan_run` — one run: its batch size (:func:`vramcal.sizing.size`), LR and folder.
 
 Checks run cheapest first (spec, data, run folder) so a bad input fails in a second with one line,
-before a device is touched or a calibration started. The run folder is only checked then; it is
-created after every check has passed, so a run that cannot start leaves nothing behind.
+before a device is touched or a calibration started. The run folder is created only after every check.
+The :class:`Plan` is plain data: it travels to the worker process that trains.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import os
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+import json
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from vramcal.measure.device import select
-from vramcal.model import ModelSpec, kernel_path, resolve_implementation
+from vramcal.profile import Profile
 from vramcal.records import Device
+from vramcal.sizing import Sizing, SizingError, scaled_lr, size
 from vramcal.train import checkpoint
 from vramcal.train.config import ConfigError, TrainConfig, load_config
-from vramcal.train.data import DataError, Windows, load_bars, make_windows
-from vramcal.train.sizing import BatchChoice, SizingError, choose_batch_size, resolve_profile, scaled_lr
+from vramcal.train.data import Windows, load_bars, make_windows
+from vramcal.units import format_bytes
+from vramcal.workload import ModelRef
 
-ProbeFn = Callable[[Device, ModelSpec, str], Path]
+
+@dataclass(frozen=True)
+class Setting:
+    """What runs are sized against (decided once per run, or once per tuning study).
+
+    Attributes:
+        config: the settings the setting was resolved from (the data and model part).
+        device: where to train.
+        model: the regressor's key (spec + concrete implementation).
+        profile, profile_path: the profile that sizes the runs.
+        data_stats: the windows' facts (rows, split, stride, window counts).
+        pool_data_bytes: bytes of data the run holds in the measured memory (the data term).
+        host_memory_limit_bytes: ``RLIMIT_DATA`` of the training process on the host, else None.
+        notices: lines for people (device choice, unreadable profiles skipped, the budget applied).
+    """
+
+    config: TrainConfig
+    device: Device
+    model: ModelRef
+    profile: Profile
+    profile_path: str
+    data_stats: dict[str, Any]
+    pool_data_bytes: int
+    host_memory_limit_bytes: int | None
+    notices: tuple[str, ...] = ()
+
+    @property
+    def train_windows(self) -> int:
+        return int(self.data_stats["train_windows"])
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A run, fully decided.
+    """A run, fully decided; sent to the worker that trains.
 
     Attributes:
-        torch_device: ``cpu`` or ``cuda`` (the chosen GPU pinned by ``CUDA_VISIBLE_DEVICES=<UUID>``).
-        batch: the batch size per optimizer step and where it came from.
-        profile_path: the profile that sized the run (None when resumed from a checkpoint's choice).
-        profile_limits: the profile's limits and formula, for the run record and the benchmark.
+        sizing: the batch size and the profile's prediction for it (data term included).
         lr: the peak learning rate after ``lr_scaling``.
+        resume: continue from the run folder's last checkpoint.
     """
 
     config: TrainConfig
     run_dir: Path
     device: Device
-    torch_device: str
-    implementation: str
-    kernel_path: str
-    batch: BatchChoice
+    model: ModelRef
+    sizing: Sizing
     profile_path: str | None
-    profile_limits: dict[str, Any]
     lr: float
-    windows: Windows
+    data_stats: dict[str, Any]
+    host_memory_limit_bytes: int | None
+    resume: bool = False
     notices: tuple[str, ...] = ()
+
+    @property
+    def batch_size(self) -> int:
+        return self.sizing.batch_size
+
+    @property
+    def implementation(self) -> str:
+        return str(self.model.params.get("implementation"))
+
+    def factory_options(self) -> dict[str, Any]:
+        """The regressor factory's arguments beyond the model's key: the data and the optimizer."""
+        c = self.config
+        return {"data": str(Path(c.data).resolve()), "stride": c.stride, "val_fraction": c.val_fraction,
+                "data_on_device": c.data_on_device, "lr": self.lr, "weight_decay": c.weight_decay,
+                "max_grad_norm": c.max_grad_norm, "seed": c.seed}
 
     def record(self) -> dict[str, Any]:
         """The content of ``run.json``."""
-        import torch
-
-        return {"config": self.config.to_dict(), "device": self.device.to_dict(),
-                "torch_device": self.torch_device, "implementation": self.implementation,
-                "kernel_path": self.kernel_path, "batch": asdict(self.batch), "profile": self.profile_path,
-                "profile_limits": self.profile_limits, "lr": self.lr, "data": self.windows.stats(),
-                "notices": list(self.notices), "torch": torch.__version__,
+        return {"config": self.config.to_dict(), "device": self.device.to_dict(), "model": self.model.to_dict(),
+                "implementation": self.implementation, "sizing": asdict(self.sizing), "profile": self.profile_path,
+                "lr": self.lr, "data": self.data_stats, "host_memory_limit_bytes": self.host_memory_limit_bytes,
+                "notices": list(self.notices),
                 "written_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], run_dir: Path) -> Plan:
+        """The plan a run folder's ``run.json`` describes (for ``--resume``)."""
+        return cls(config=TrainConfig.from_dict(record["config"]), run_dir=Path(run_dir),
+                   device=Device.from_dict(record["device"]), model=ModelRef.from_dict(record["model"]),
+                   sizing=Sizing(**{**record["sizing"], "notices": tuple(record["sizing"]["notices"])}),
+                   profile_path=record["profile"], lr=record["lr"], data_stats=record["data"],
+                   host_memory_limit_bytes=record["host_memory_limit_bytes"], resume=True)
 
 
 def load_windows(config: TrainConfig) -> Windows:
@@ -68,118 +121,105 @@ def load_windows(config: TrainConfig) -> Windows:
     return make_windows(bars, config.spec.seq_len, config.stride, config.val_fraction, source=config.data)
 
 
-def pick_device(gpu: str, capacity_bytes: int | None = None) -> tuple[Device, str, list[str]]:
-    """The device to train on, its torch device string, and notices for the user.
-
-    Raises:
-        DeviceError / NvmlError: from :func:`vramcal.measure.device.select`.
-        SizingError: a GPU that this torch build cannot use.
-    """
-    devices, notice = select(gpu, capacity_bytes)
-    device, notices = devices[0], [notice] if notice else []
-    if len(devices) > 1:
-        notices.append(f"--gpu {gpu}: training uses one GPU, {device.name} ({device.uuid})")
-    if device.kind == "host":
-        return device, "cpu", notices
-    os.environ["CUDA_VISIBLE_DEVICES"] = device.uuid or ""  # pin by UUID before CUDA initialises
-    import torch
-
-    if not torch.cuda.is_available():
-        raise SizingError(f"{device.name} is here but this torch ({torch.__version__}) cannot use CUDA: "
-                          f"install a CUDA build of torch, or train on the host with --gpu none")
-    return device, "cuda", notices
-
-
-def plan_run(config: TrainConfig, run_dir: Path, *, probe: ProbeFn | None = None,
-             capacity_bytes: int | None = None) -> Plan:
-    """Decide a new run.
+def resolve(config: TrainConfig, capacity_bytes: int | None = None, probe: Any = None) -> Setting:
+    """Decide what runs of ``config`` are sized against (module docstring).
 
     Args:
-        probe: when given, calibrate first (it returns the new profile's path) instead of looking one up.
+        capacity_bytes: ``--capacity``: the host budget (default: the profile's), or a GPU narrowed.
+        probe: calibrate first instead of looking a profile up: a callable taking the
+            :class:`~vramcal.api.CalibrationPlan` and returning the profile (it prints as it goes).
 
     Raises:
-        ValueError: an impossible spec; DataError, RunDirError, SizingError, DeviceError, NvmlError,
-            ConfigError: one-line messages for the user.
+        ValueError: an impossible spec; DataError, DeviceError, NvmlError, SizingError, ConfigError:
+            one-line messages for the user.
     """
-    spec = config.spec
-    spec.validate()
+    from vramcal import api
+
+    config.spec.validate()
     windows = load_windows(config)
-    checkpoint.check_run_dir(run_dir, resume=False)  # created only once every check has passed (at the end)
-    device, torch_device, notices = pick_device(config.gpu, capacity_bytes)
-    if spec.dtype == "bf16-autocast" and device.kind != "cuda":
-        raise ConfigError("dtype bf16-autocast is for CUDA GPUs; use --dtype fp32 on the host")
-    implementation = resolve_implementation(config.implementation, device.kind)
+    devices, notice = api.select_devices(config.gpu, capacity_bytes)
+    device, notices = devices[0], [notice] if notice else []
+    if len(devices) > 1:
+        notices.append(f"--gpu {config.gpu}: training uses one GPU, {device.name} ({device.uuid})")
+    model = api.model_ref("regressor", config.spec.to_dict(), device=device, implementation=config.implementation)
+    pool = data_bytes(windows) if device.kind == "host" or config.data_on_device else 0
     if probe is not None:
         if config.profile != "auto":
             raise ConfigError("--probe writes a new profile: leave --profile at auto")
-        profile, path = resolve_profile(str(probe(device, spec, implementation)), config.profiles_dir,
-                                        device, spec, implementation)
+        plan = api.plan_calibration(model, device=device, options={"data": config.data, "stride": config.stride,
+                                                                    "val_fraction": config.val_fraction,
+                                                                    "data_on_device": config.data_on_device},
+                                    profiles_dir=config.profiles_dir)
+        probe(plan)
+        profile_file: str | None = str(plan.path)
     else:
-        profile, path = resolve_profile(config.profile, config.profiles_dir, device, spec, implementation)
-    batch = choose_batch_size(profile, config.batch_size, config.batch_size_min)
-    if batch.warning:
-        notices.append(batch.warning)
-    n_train = len(windows.train_starts)
-    if batch.batch_size > n_train:
-        notices.append(f"batch size {batch.batch_size} is more than the {n_train} training windows: one step per "
-                       f"epoch of {n_train} samples (a smaller --stride gives more windows)")
-        batch = BatchChoice(n_train, batch.source + "+data", batch.warning,
-                            int(profile.fit.predict(n_train)))  # type: ignore[union-attr]
-    limits = profile.limits
-    profile_limits = {"conservative_batch_size": limits.conservative_batch_size,  # type: ignore[union-attr]
-                      "safe_batch_size": limits.safe_batch_size,  # type: ignore[union-attr]
-                      "usable_bytes": limits.usable_bytes, "total_bytes": limits.total_bytes,  # type: ignore[union-attr]
-                      "formula": profile.fit.formula(),  # type: ignore[union-attr]
-                      "overhead_bytes": profile.fit.overhead_bytes,  # type: ignore[union-attr]
-                      "slope_bytes_per_sample": profile.fit.slope_bytes_per_sample,  # type: ignore[union-attr]
-                      "verified": profile.verified}
-    lr = scaled_lr(config.lr, batch.batch_size, config.reference_batch_size, config.lr_scaling)
-    checkpoint.prepare_run_dir(run_dir, resume=False)
-    return Plan(config=config, run_dir=Path(run_dir), device=device, torch_device=torch_device,
-                implementation=implementation, kernel_path=kernel_path(implementation), batch=batch,
-                profile_path=str(path), profile_limits=profile_limits, lr=lr, windows=windows,
-                notices=tuple(notices))
+        profile_file = None if config.profile == "auto" else config.profile
+    profile, path, skipped = api.find_profile(model, device=device, profiles_dir=config.profiles_dir, path=profile_file)
+    notices += [f"skipped {line}" for line in skipped]
+    limit = None
+    if device.kind == "host":
+        limit = capacity_bytes or profile.device.total_bytes
+        notices.append(f"host budget: this run's process may hold at most {format_bytes(limit)} (RLIMIT_DATA, as "
+                       f"the calibration's trials{'' if capacity_bytes else '; --capacity to change it'})")
+    return Setting(config, device, model, profile, str(path), windows.stats(), pool, limit, tuple(notices))
 
 
-def plan_resume(run_dir: Path, overrides: dict[str, Any]) -> tuple[Plan, dict[str, Any]]:
-    """Decide the continuation of the run in ``run_dir`` from its config and last checkpoint.
+def data_bytes(windows: Windows) -> int:
+    """Bytes the trainer's pipeline holds for these windows (as :class:`vramcal.models.regressor.WindowPipeline`)."""
+    return int(windows.features.nbytes + windows.targets.nbytes + windows.train_starts.nbytes * 2
+               + windows.val_starts.nbytes)
 
-    Args:
-        overrides: settings given on the command line (``epochs``, ``max_steps``) that replace the saved ones.
 
-    Returns:
-        The plan (batch size, LR and implementation as the run started) and the checkpoint payload.
+def plan_run(config: TrainConfig, run_dir: Path, setting: Setting) -> Plan:
+    """Decide a new run of ``config`` in ``run_dir`` against ``setting`` (from :func:`resolve`).
 
     Raises:
-        RunDirError: nothing to resume, or an unreadable checkpoint. DataError: the data file changed.
+        SizingError: no batch size within the bounds. RunDirError: the folder holds a run or is unwritable.
     """
+    checkpoint.check_run_dir(run_dir, resume=False)
+    sizing = size(setting.profile, config.batch_size, batch_size_min=config.batch_size_min,
+                  pool_data_bytes=setting.pool_data_bytes)
+    notices = list(setting.notices) + list(sizing.notices)
+    if sizing.batch_size > setting.train_windows:
+        n_train = setting.train_windows
+        if n_train < config.batch_size_min:
+            raise SizingError(f"--batch-size-min {config.batch_size_min} is more than the {n_train} training "
+                              f"windows: lower it, or use more data or a smaller --stride")
+        notices.append(f"batch size {sizing.batch_size} is more than the {n_train} training windows: one step per "
+                       f"epoch of {n_train} samples (a smaller --stride gives more windows)")
+        sizing = replace(size(setting.profile, n_train, batch_size_min=config.batch_size_min,
+                              pool_data_bytes=setting.pool_data_bytes), source=sizing.source + "+data")
+    lr = scaled_lr(config.lr, sizing.batch_size, config.reference_batch_size, config.lr_scaling)
+    checkpoint.prepare_run_dir(run_dir, resume=False)
+    return Plan(config=config, run_dir=Path(run_dir), device=setting.device, model=setting.model, sizing=sizing,
+                profile_path=setting.profile_path, lr=lr, data_stats=setting.data_stats,
+                host_memory_limit_bytes=setting.host_memory_limit_bytes, notices=tuple(notices))
+
+
+def plan_resume(run_dir: Path, overrides: dict[str, Any]) -> Plan:
+    """The continuation of the run in ``run_dir``: its saved plan with ``epochs``/``max_steps`` replaced.
+
+    The worker checks the data against the checkpoint and says when there is nothing left to train.
+
+    Raises:
+        RunDirError: nothing to resume. DataError: the data file is gone or unreadable.
+        DeviceError, NvmlError: the device is not here.
+    """
+    from vramcal import api
+
     run_dir = checkpoint.prepare_run_dir(run_dir, resume=True)
+    try:
+        plan = Plan.from_record(json.loads((run_dir / checkpoint.RUN).read_text()), run_dir)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise checkpoint.RunDirError(f"{run_dir / checkpoint.RUN} is not a readable run record ({error}): start "
+                                     f"a new run") from None
     config = load_config(run_dir / checkpoint.CONFIG).replace(**overrides)
-    state = checkpoint.load_checkpoint(run_dir / checkpoint.LAST)
     windows = load_windows(config)
-    saved = state["data_stats"]
-    if (saved["rows"], saved["split_row"], saved["stride"]) != (len(windows.targets), windows.split_row,
-                                                                windows.stride):
-        raise DataError(f"{config.data} is not the data this run started on ({saved['rows']} rows then, "
-                        f"{len(windows.targets)} now): resume with the same file, or start a new run")
-    device, torch_device, notices = pick_device(config.gpu)
-    recorded = Device.from_dict(state["device"])
-    difference = device.same_hardware(recorded)
+    device = api.select_devices(config.gpu)[0][0]
+    notices = []
+    difference = device.same_hardware(plan.device)
     if difference:
         notices.append(f"resuming on other hardware than the run started on ({difference}); the batch size "
-                       f"stays {state['batch']['batch_size']}")
-    done = state["progress"]
-    if config.max_steps is not None and done["step"] >= config.max_steps:
-        notices.append(f"--max-steps {config.max_steps}: the run has already done {done['step']} steps, nothing "
-                       f"to train (pass a larger --max-steps to go on)")
-    elif done["epoch"] >= config.epochs:
-        notices.append(f"--epochs {config.epochs}: the run has already done {done['epoch']} epochs, nothing "
-                       f"to train (pass a larger --epochs to go on)")
-    implementation = state["implementation"]
-    resolve_implementation(implementation, device.kind)
-    plan = Plan(config=config, run_dir=run_dir, device=device, torch_device=torch_device,
-                implementation=implementation, kernel_path=kernel_path(implementation),
-                batch=BatchChoice(**state["batch"]), profile_path=state.get("profile_path"),
-                profile_limits=state.get("profile_limits", {}), lr=state["lr"], windows=windows,
-                notices=tuple(notices))
-    return plan, state
+                       f"stays {plan.batch_size}")
+    return replace(plan, config=config, device=device if difference else plan.device, data_stats=windows.stats(),
+                   notices=tuple(notices))

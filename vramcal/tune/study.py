@@ -18,13 +18,18 @@ median pruner (``optuna.pruners.MedianPruner``) stops trials worse than the medi
 the same epoch. A non-finite loss (the learning rate was too high) ends a trial as pruned, so TPE
 still learns from it.
 
-Trials run in this process, not in a subprocess each like the probe's: pruning needs ``trial.report``
-inside the training loop; out-of-memory is already handled by the trainer's micro-batch fallback; and
-the model, data and CUDA context are set up once rather than per trial (seconds per trial on a GPU).
-The caching allocator is emptied between trials. A crash that kills the process loses only the running
-trial: the study lives in a database and ``--resume`` continues it. A killed trial is marked failed
-(:func:`fail_dead_trials`) when the study is resumed or joined: at once when it ran on this host in a
-process that is gone, otherwise by optuna's heartbeat once its grace period has passed.
+Each trial is a ``vramcal train`` run in a worker process of its own (:func:`vramcal.train.runner.train`),
+made like the probe's trials that sized it; after each epoch the worker asks this process, which calls
+``trial.report`` and answers "stop" when the pruner says so. Whatever goes wrong inside a trial — an
+out-of-memory error the trainer could not recover from, a crash, a ``kill -9`` of the worker — fails
+that trial only: the study goes on and writes its results. What the trials are sized against (data,
+device, profile) is decided once for the study (:func:`vramcal.train.plan.resolve`). A killed study
+loses only its running trial: the study lives in a database and ``--resume`` continues it; a trial left
+running is marked failed (:func:`fail_dead_trials`) when the study is resumed or joined.
+
+Storage URLs may hold credentials (``postgresql://user:password@host/db``): they are read from
+``--storage`` or the ``VRAMCAL_TUNE_STORAGE`` environment variable (which no process list shows) and
+printed or written only through :func:`redact`.
 
 Storage: SQLite at ``<run_dir>/study.db`` by default, or any URL optuna's ``RDBStorage`` opens
 (``postgresql://``, ``mysql://``, ``sqlite:///``). Several processes or machines given the same
@@ -36,9 +41,9 @@ The trials table, the best configuration and the PNG are made by :mod:`vramcal.t
 
 from __future__ import annotations
 
-import gc
 import math
 import os
+import re
 import socket
 import warnings
 from collections.abc import Callable
@@ -46,7 +51,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramcal.sizing import size
 from vramcal.train.config import TrainConfig
+from vramcal.train.plan import Setting
 
 Echo = Callable[[str], None]
 STUDY_DB = "study.db"
@@ -136,33 +143,23 @@ class BatchBounds:
                 f"{self.conservative}, safe {self.safe})")
 
 
-def batch_bounds(settings: TuneSettings, capacity_bytes: int | None = None) -> BatchBounds:
-    """The batch-size search range from the matching profile, found as ``vramcal train`` finds it.
+def batch_bounds(settings: TuneSettings, setting: Setting) -> BatchBounds:
+    """The batch-size search range from the setting's profile, sized as ``vramcal train`` sizes a run.
 
-    Upper end: the profile's conservative batch size, or ``batch_size_max`` when lower (a higher one
-    is narrowed with a notice); never more than the training windows (a larger batch is one whole epoch).
+    Upper end: the conservative batch size (:func:`vramcal.sizing.size`, with the data term), or
+    ``batch_size_max`` when lower (a higher one is narrowed with a notice); never more than the training
+    windows (a larger batch is one whole epoch).
 
     Raises:
-        TuneError: the whole user range lies above the profile's conservative batch size (or above the
-            number of training windows). SizingError, DataError, DeviceError, ValueError: from the
-            trainer's planning, one line each.
+        TuneError: the whole user range lies above the conservative batch size or the training windows.
+        SizingError: the profile has no usable limits.
     """
-    from vramcal.model import resolve_implementation
-    from vramcal.train.plan import load_windows, pick_device
-    from vramcal.train.sizing import resolve_profile
-
-    base = settings.base
-    base.spec.validate()
-    n_train = len(load_windows(base).train_starts)
-    device, _, notices = pick_device(base.gpu, capacity_bytes)
-    implementation = resolve_implementation(base.implementation, device.kind)  # type: ignore[arg-type]
-    profile, path = resolve_profile(base.profile, base.profiles_dir, device, base.spec, implementation)
-    limits = profile.limits
-    assert limits is not None  # resolve_profile refuses profiles without limits
-    conservative, low = limits.conservative_batch_size, base.batch_size_min
+    sizing = size(setting.profile, purpose="conservative", pool_data_bytes=setting.pool_data_bytes)
+    conservative, low, n_train = sizing.conservative_batch_size, settings.base.batch_size_min, setting.train_windows
+    notices = list(setting.notices) + list(sizing.notices)
     if low > conservative:
         raise TuneError(f"--batch-size-min {low} is above the profile's conservative batch size {conservative} "
-                        f"({path}): every batch in the range would be clamped; lower --batch-size-min")
+                        f"({setting.profile_path}): every batch in the range would be clamped; lower --batch-size-min")
     high = conservative
     if settings.batch_size_max is not None and settings.batch_size_max <= conservative:
         high = settings.batch_size_max
@@ -175,7 +172,12 @@ def batch_bounds(settings: TuneSettings, capacity_bytes: int | None = None) -> B
                             f"or use more data or a smaller --stride")
         notices.append(f"the data has {n_train} training windows: searching batch sizes up to {n_train}")
         high = n_train
-    return BatchBounds(low, high, str(path), conservative, limits.safe_batch_size, tuple(notices))
+    return BatchBounds(low, high, setting.profile_path, conservative, sizing.safe_batch_size, tuple(notices))
+
+
+def redact(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for everything vramcal prints or writes)."""
+    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
 
 
 # ------------------------------------------------------------------------------------------- study
@@ -198,7 +200,7 @@ def open_storage(url: str):
             return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S)
         except Exception as error:  # sqlalchemy, drivers and optuna raise many kinds; all mean "cannot open"
             first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise TuneError(f"cannot open the study storage {url}: {first[:200]}") from None
+            raise TuneError(f"cannot open the study storage {redact(url)}: {redact(first)[:200]}") from None
 
 
 def open_study(storage, study_name: str, settings: TuneSettings | None, seed: int, n_initial: int):
@@ -219,8 +221,8 @@ def open_study(storage, study_name: str, settings: TuneSettings | None, seed: in
     names = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
     existed = study_name in names
     if not existed and settings is None:
-        raise TuneError(f"there is no study {study_name!r} to resume in {storage.url}: start one without --resume "
-                        f"(known: {', '.join(sorted(names)) or 'none'})")
+        raise TuneError(f"there is no study {study_name!r} to resume in {redact(storage.url)}: start one without "
+                        f"--resume (known: {', '.join(sorted(names)) or 'none'})")
     study = optuna.create_study(storage=storage, study_name=study_name, direction="minimize", load_if_exists=True)
     if existed:
         saved = study.user_attrs.get("settings")
@@ -289,11 +291,12 @@ def finished(study) -> int:
     return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.trials)
 
 
-def run_study(study, settings: TuneSettings, bounds: BatchBounds, run_dir: Path, n_trials: int,
-              echo: Echo = print, capacity_bytes: int | None = None) -> int:
+def run_study(study, settings: TuneSettings, bounds: BatchBounds, setting: Setting, run_dir: Path, n_trials: int,
+              echo: Echo = print) -> int:
     """Run trials until the study has ``n_trials`` complete or pruned ones (across all its workers).
 
-    Trials left RUNNING by a killed worker are marked failed first (:func:`fail_dead_trials`).
+    Trials left RUNNING by a killed worker are marked failed first (:func:`fail_dead_trials`). A trial
+    that fails (any error) is recorded as failed with its one-line reason, and the study goes on.
 
     Returns:
         The number of trials this call ran.
@@ -307,13 +310,11 @@ def run_study(study, settings: TuneSettings, bounds: BatchBounds, run_dir: Path,
     remaining = n_trials - finished(study)
     if remaining <= 0:
         return 0
-    from vramcal.train.loop import TrainError
-
     before = len(study.trials)
-    objective = Objective(settings, bounds, Path(run_dir), echo, capacity_bytes)
+    objective = Objective(settings, bounds, setting, Path(run_dir), echo)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        study.optimize(objective, n_trials=remaining, gc_after_trial=True, catch=(TrainError,),
+        study.optimize(objective, n_trials=remaining, gc_after_trial=True, catch=(Exception,),
                        callbacks=[MaxTrialsCallback(n_trials, states=(TrialState.COMPLETE, TrialState.PRUNED)),
                                   _announce(echo)])
     return len(study.trials) - before
@@ -322,10 +323,9 @@ def run_study(study, settings: TuneSettings, bounds: BatchBounds, run_dir: Path,
 class Objective:
     """One trial: suggest, plan and train with the trainer's own functions, report each epoch."""
 
-    def __init__(self, settings: TuneSettings, bounds: BatchBounds, run_dir: Path, echo: Echo,
-                 capacity_bytes: int | None = None) -> None:
-        self.settings, self.bounds, self.run_dir, self.echo = settings, bounds, run_dir, echo
-        self.capacity_bytes = capacity_bytes
+    def __init__(self, settings: TuneSettings, bounds: BatchBounds, setting: Setting, run_dir: Path,
+                 echo: Echo) -> None:
+        self.settings, self.bounds, self.setting, self.run_dir, self.echo = settings, bounds, setting, run_dir, echo
 
     def config(self, trial) -> TrainConfig:
         """The trial's training settings: the base ones with the four suggested knobs."""
@@ -339,41 +339,41 @@ class Objective:
     def __call__(self, trial) -> float:
         import optuna
 
-        from vramcal.measure import meters
-        from vramcal.train import loop
+        from vramcal.train.errors import TrainError
         from vramcal.train.plan import plan_run
+        from vramcal.train.runner import train
 
         trial.set_user_attr("worker", worker_id())
         config = self.config(trial)
-        plan = plan_run(config, self.run_dir / "trials" / f"{trial.number:04d}", capacity_bytes=self.capacity_bytes)
-        batch = plan.batch
-        trial.set_user_attr("batch_size_used", batch.batch_size)
-        trial.set_user_attr("clamped", batch.source != "requested")
-        trial.set_user_attr("batch_source", batch.source)
+        plan = plan_run(config, self.run_dir / "trials" / f"{trial.number:04d}", self.setting)
+        sizing = plan.sizing
+        trial.set_user_attr("batch_size_used", sizing.batch_size)
+        trial.set_user_attr("clamped", sizing.source != "requested")
+        trial.set_user_attr("batch_source", sizing.source)
         trial.set_user_attr("run_dir", str(plan.run_dir))
-        if batch.warning:
-            self.echo(f"trial {trial.number}: warning: {batch.warning}")
-        self.echo(f"trial {trial.number}: lr {config.lr:.3g}, batch_size {batch.batch_size} ({batch.source}), "
-                  f"weight_decay {config.weight_decay:.3g}, max_grad_norm {config.max_grad_norm:.3g}")
+        echo = lambda line: self.echo(f"trial {trial.number}: {line}")  # noqa: E731
+        if sizing.source == "clamped":
+            echo(f"warning: {sizing.notices[0]}")
+        echo(f"lr {config.lr:.3g}, batch_size {sizing.batch_size} ({sizing.source}), weight_decay "
+             f"{config.weight_decay:.3g}, max_grad_norm {config.max_grad_norm:.3g}")
         rows: list[dict[str, Any]] = []
 
-        def on_epoch(row: dict[str, Any]) -> None:
+        def on_epoch(row: dict[str, Any]) -> str | None:
             rows.append(row)
             _record(trial, rows)
             trial.report(row["val_loss"], row["epoch"])
-            if trial.should_prune():
-                raise optuna.TrialPruned(f"val_loss {row['val_loss']:.4f} at epoch {row['epoch']} is worse "
-                                         f"than the median of earlier trials")
+            return "stop" if trial.should_prune() else None
 
         try:
-            loop.start(plan, echo=lambda line: self.echo(f"trial {trial.number}: {line}"), on_epoch=on_epoch)
-        except loop.NonFiniteError as error:
-            trial.set_user_attr("stopped", str(error).split(":")[0])
-            raise optuna.TrialPruned(str(error)) from None
-        finally:
-            gc.collect()
-            if plan.torch_device == "cuda":
-                meters.torch_cuda_empty_cache()
+            result = train(plan, echo=echo, on_epoch=on_epoch)
+        except TrainError as error:
+            trial.set_user_attr("stopped", str(error))
+            if "non-finite" in str(error):  # the LR was too high: a result TPE should learn from
+                raise optuna.TrialPruned(str(error)) from None
+            raise
+        if result.stopped:
+            raise optuna.TrialPruned(f"val_loss {rows[-1]['val_loss']:.4f} at epoch {rows[-1]['epoch']} is worse "
+                                     f"than the median of earlier trials")
         return min(r["val_loss"] for r in rows)
 
 

@@ -1,0 +1,201 @@
+"""Worker processes: trials and training runs, each in a fresh process forked from one preloaded server.
+
+Both kinds of work run in the same kind of process, made the same way: forked from a
+``multiprocessing`` fork server that has already imported torch, transformers, pandas and pyarrow
+(:mod:`vramcal.measure._preload`), so a worker starts in a fork rather than seconds of imports, inherits
+no allocator state, CUDA context or memory from an earlier one, and — what the promise rests on — a
+training run's process has the make-up of the trials that sized it (imports, thread pools, libraries'
+pages, the budget's ``RLIMIT_DATA``).
+
+A worker talks to its caller over one pipe: it may send messages (lines to print, epoch figures) and
+ask questions (the tuner's "prune?"), then sends one final result. Whatever happens inside — an
+out-of-memory error, a crash, a hang past the time limit, a ``kill -9`` — becomes an :class:`Outcome`
+for the caller, never its end. A worker ends when its caller is gone (its parent is the fork server,
+so it watches the caller's PID).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import multiprocessing
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+PRELOAD = "vramcal.measure._preload"
+OutcomeStatus = Literal["ok", "oom", "timeout", "error"]
+Handler = Callable[[str, Any], Any]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a worker ended.
+
+    Attributes:
+        status: ``ok``; ``oom`` (an out-of-memory error, or killed by SIGKILL as the kernel's OOM killer
+            does); ``timeout`` (killed after the time limit); ``error`` (anything else).
+        result: what the worker's function returned (``ok`` only).
+        error: the traceback's last lines, or why the process ended without a result.
+        error_type: the exception's class name (None when the process died without one).
+        message: the exception's first line, for one-line reports to people.
+        startup_s: seconds from asking for the process to the worker's function running.
+        wall_s: seconds of the whole run as seen by the caller.
+    """
+
+    status: OutcomeStatus
+    result: Any = None
+    error: str | None = None
+    error_type: str | None = None
+    message: str | None = None
+    startup_s: float | None = None
+    wall_s: float | None = None
+
+
+class Channel:
+    """The worker's side of the pipe: :meth:`send` a message, or :meth:`ask` and wait for the reply."""
+
+    def __init__(self, connection: Any) -> None:
+        self._connection = connection
+
+    def send(self, kind: str, payload: Any = None) -> None:
+        self._connection.send(("message", kind, payload))
+
+    def ask(self, kind: str, payload: Any = None) -> Any:
+        self._connection.send(("ask", kind, payload))
+        return self._connection.recv()
+
+
+class Workers:
+    """Runs functions in fresh worker processes (module docstring).
+
+    The first run starts the fork server (it imports torch and the rest once, seconds on a small CPU);
+    later runs fork in milliseconds.
+
+    The fork server starts with ``ARROW_DEFAULT_MEMORY_POOL=system`` (unless the caller set it): pyarrow's
+    default pools keep about 1 GiB of address space after reading a parquet file, which a host budget
+    (``RLIMIT_DATA``) would count.
+
+    Args:
+        extra_preload: more modules for the fork server to import (a user's factory module), so each
+            worker does not import it again. Only the first pool of a process starts the server; later
+            pools share it.
+    """
+
+    def __init__(self, extra_preload: tuple[str, ...] = ()) -> None:
+        # pyarrow reads its pool choice once, when it loads: set it for the fork server before it starts.
+        os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+        self._context = multiprocessing.get_context("forkserver")
+        self._context.set_forkserver_preload([PRELOAD, *extra_preload])
+
+    def run(self, function: Callable[..., Any] | str, *args: Any, timeout_s: float | None = None,
+            handler: Handler | None = None) -> Outcome:
+        """Run ``function(*args, channel=Channel)`` in a worker and wait for it.
+
+        Args:
+            function: a module-level function (it is pickled by reference), or its name
+                ``module:function`` (imported in the worker only, so the caller need not import it).
+            timeout_s: kill the worker after this many seconds (None: no limit).
+            handler: ``handler(kind, payload)`` for the worker's messages; its return value answers an ask.
+
+        Raises:
+            KeyboardInterrupt: the caller was interrupted; the worker is killed first.
+        """
+        ours, theirs = self._context.Pipe(duplex=True)
+        started = time.time()
+        process = self._context.Process(target=_worker_main, args=(theirs, function, args, started, os.getpid()))
+        process.start()
+        theirs.close()
+        final = None
+        try:
+            final = _listen(ours, handler, started, timeout_s)
+        except KeyboardInterrupt:
+            process.kill()
+            raise
+        finally:
+            if final is None or final.get("status") == "timeout":
+                process.kill()
+            process.join()
+            ours.close()
+        if final is None:
+            final = _exit_status(process.exitcode)
+        return Outcome(wall_s=time.time() - started, **final)
+
+
+def _listen(connection: Any, handler: Handler | None, started: float,
+            timeout_s: float | None) -> dict[str, Any] | None:
+    """Serve the worker's messages until its final result; None when it died without one."""
+    while True:
+        wait = None if timeout_s is None else max(0.0, started + timeout_s - time.time())
+        if not connection.poll(wait):
+            limit = f"killed after the {timeout_s:.0f} s time limit"
+            return {"status": "timeout", "error": limit, "message": limit}
+        try:
+            kind, *rest = connection.recv()
+        except (EOFError, OSError):
+            return None
+        if kind == "done":
+            return rest[0]
+        reply = handler(rest[0], rest[1]) if handler is not None else None
+        if kind == "ask":
+            connection.send(reply)
+
+
+def _exit_status(exitcode: int | None) -> dict[str, Any]:
+    if exitcode == -9:
+        return {"status": "oom", "error": "the process was killed by SIGKILL (the kernel's OOM killer?)",
+                "message": "killed by SIGKILL (the kernel's out-of-memory killer?)"}
+    return {"status": "error", "error": f"the process exited with code {exitcode} without a result",
+            "message": f"the process exited with code {exitcode} without a result"}
+
+
+def _worker_main(connection: Any, function: Callable[..., Any], args: tuple, started: float,
+                 caller_pid: int) -> None:
+    """Entry point of a worker process: run, then send one final result."""
+    startup_s = time.time() - started
+    threading.Thread(target=_exit_with_caller, args=(caller_pid,), daemon=True, name="vramcal-caller").start()
+    try:
+        if isinstance(function, str):
+            module, _, name = function.partition(":")
+            function = getattr(importlib.import_module(module), name)
+        final = {"status": "ok", "result": function(*args, channel=Channel(connection))}
+    except BaseException as error:  # noqa: BLE001 - everything becomes a recorded status
+        final = failure(error)
+    final["startup_s"] = startup_s
+    connection.send(("done", final))
+    connection.close()
+
+
+def failure(error: BaseException) -> dict[str, Any]:
+    """The final result of a worker that raised: ``oom`` or ``error``, the traceback's last lines, the
+    exception's class name and first line.
+
+    The traceback's frames still hold the step's tensors; they are cleared first, so that reporting an
+    out-of-memory error does not itself run out of memory.
+    """
+    from vramcal.measure.meters import is_out_of_memory
+
+    status = "oom" if is_out_of_memory(error) else "error"
+    message = (str(error).strip().splitlines() or [type(error).__name__])[0][:500]
+    traceback.clear_frames(error.__traceback__)
+    gc.collect()
+    try:
+        tail = "".join(traceback.format_exception(error)[-3:]).strip()[-1500:]
+    except MemoryError:
+        tail = f"{type(error).__name__} (no memory left to format its traceback)"
+    return {"status": status, "error": tail, "error_type": type(error).__name__, "message": message}
+
+
+def _exit_with_caller(caller_pid: int, interval_s: float = 0.5) -> None:
+    """End this worker when the process that asked for it is gone (a killed probe must not leave a
+    trial holding gigabytes: the fork server, not the caller, is the worker's parent)."""
+    while True:
+        try:
+            os.kill(caller_pid, 0)
+        except ProcessLookupError:
+            os._exit(1)
+        time.sleep(interval_s)

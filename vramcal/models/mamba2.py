@@ -1,0 +1,117 @@
+"""The Mamba-2 model that vramcal calibrates and trains: its spec and the one function that builds it.
+
+Only this module imports Mamba-2 implementations. Two are supported, both from well-kept libraries:
+
+* ``transformers``: ``transformers.Mamba2Model`` on its pure-PyTorch chunked-scan path (``torch_forward``),
+  which runs on CPUs and GPUs. Where ``mamba_ssm`` is installed, transformers >= 5.2x binds the Triton
+  kernels of ``mamba_ssm`` into the model at import time, even for CPU tensors, and crashes on them;
+  vramcal imports the transformers module with ``mamba_ssm`` and ``causal_conv1d`` hidden, so this path
+  is always the PyTorch one it claims to be.
+* ``mamba_ssm``: ``mamba_ssm.modules.mamba2.Mamba2``, the authors' fused Triton/CUDA kernels
+  (``mamba_split_conv1d_scan_combined``, ``use_mem_eff_path=True``). GPU only; it needs the compiled
+  ``causal_conv1d`` package, because mamba_ssm 2.3.2's training path without it does not run.
+
+The profile records which one ran (:func:`kernel_path`): their memory differs by several times.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+from typing import Literal
+
+Implementation = Literal["auto", "transformers", "mamba_ssm"]
+DtypePolicy = Literal["fp32", "bf16-autocast"]
+IMPLEMENTATIONS: tuple[str, ...] = ("auto", "transformers", "mamba_ssm")
+DTYPE_POLICIES: tuple[str, ...] = ("fp32", "bf16-autocast")
+
+
+def mamba_ssm_available() -> bool:
+    """True when mamba_ssm's Mamba2 module and the compiled causal_conv1d can both be imported."""
+    try:
+        import_mamba_ssm_mamba2()
+        importlib.import_module("causal_conv1d")
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+        return False
+    return True
+
+
+def resolve_implementation(implementation: Implementation, device_kind: str) -> str:
+    """Pick the concrete implementation for a device (``cuda`` or ``host``).
+
+    ``auto`` picks ``mamba_ssm`` on CUDA when :func:`mamba_ssm_available`, else ``transformers``.
+
+    Raises:
+        ValueError: ``mamba_ssm`` asked for on the host, or asked for where it cannot be imported.
+    """
+    if implementation == "auto":
+        return "mamba_ssm" if device_kind == "cuda" and mamba_ssm_available() else "transformers"
+    if implementation == "mamba_ssm":
+        if device_kind != "cuda":
+            raise ValueError("the mamba_ssm implementation runs on NVIDIA GPUs only: use --impl transformers")
+        if not mamba_ssm_available():
+            raise ValueError("mamba_ssm is not usable here (it needs mamba-ssm and the compiled causal-conv1d): "
+                             "pip install 'vramcal[cuda]' on a GPU box, or use --impl transformers")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
+    return implementation
+
+
+def kernel_path(implementation: str) -> str:
+    """The kernel path a concrete implementation runs in training, as recorded in profiles."""
+    if implementation == "mamba_ssm":
+        return "mamba_ssm.Mamba2 fused mamba_split_conv1d_scan_combined (Triton + causal_conv1d CUDA)"
+    return "transformers Mamba2 torch_forward (pure PyTorch chunked scan; mamba_ssm kernels not bound)"
+
+
+def import_transformers_mamba2() -> types.ModuleType:
+    """Import ``transformers.models.mamba2.modeling_mamba2`` bound to its pure-PyTorch functions.
+
+    transformers binds ``mamba_ssm``/``causal_conv1d`` functions at import when they are importable;
+    hiding them from ``sys.modules`` during the import keeps the PyTorch reference path. If the module
+    was imported earlier with kernels bound, it is reloaded under the same guard.
+    """
+    name = "transformers.models.mamba2.modeling_mamba2"
+    hidden = ("mamba_ssm", "causal_conv1d")
+    saved = {key: sys.modules[key] for key in list(sys.modules)
+             if key.split(".")[0] in hidden}
+    for key in saved:
+        del sys.modules[key]
+    for key in hidden:
+        sys.modules[key] = None  # type: ignore[assignment]  # makes `import key` raise ImportError
+    try:
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "_vramcal_torch_only", False):
+            return module
+        module = importlib.reload(module) if module is not None else importlib.import_module(name)
+        module._vramcal_torch_only = True
+        # transformers warns at every first call that it falls back to PyTorch: here that is the intent.
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity_error()
+        return module
+    finally:
+        for key in hidden:
+            sys.modules.pop(key, None)
+        sys.modules.update(saved)
+
+
+def import_mamba_ssm_mamba2() -> types.ModuleType:
+    """Import ``mamba_ssm.modules.mamba2``.
+
+    mamba-ssm 2.3.2's package ``__init__`` imports the compiled ``selective_scan_cuda`` (Mamba-1 only);
+    when that extension is missing, the package is entered as a bare namespace so Mamba-2's Triton
+    modules still import.
+    """
+    try:
+        return importlib.import_module("mamba_ssm.modules.mamba2")
+    except ImportError as error:
+        if "selective_scan_cuda" not in str(error):
+            raise
+    spec = importlib.util.find_spec("mamba_ssm")
+    package = types.ModuleType("mamba_ssm")
+    package.__path__ = list(spec.submodule_search_locations)  # type: ignore[union-attr]
+    sys.modules["mamba_ssm"] = package
+    return importlib.import_module("mamba_ssm.modules.mamba2")

@@ -1,0 +1,151 @@
+"""Sizing: from a profile to the batch size a run uses and what the profile predicts for it — decided once.
+
+Pure functions over a :class:`~vramcal.profile.Profile`; ``vramcal train``, ``vramcal tune``, the
+Lightning callback and the public API all size through :func:`size`, and pass its :class:`Sizing` on.
+
+The data term. A profile records the bytes of data its trials held in the measured memory
+(``Profile.pool_data_bytes``: on the host, the whole dataset; on a GPU, only data placed on the device).
+A run that holds more there has that much less for everything else, so every prediction adds
+``delta = run's bytes − calibration's bytes``, and with ``delta > 0`` the limits are recomputed against
+``usable − delta`` (never above the profile's verified sizes):
+
+    predicted(b) = overhead + slope × b + delta          upper(b) = fit.upper(b) + delta
+    safe = min(profile safe, largest b with upper(b) ≤ usable)      conservative = ⌊fraction × safe⌋
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from vramcal.calibrate.limits import safe_batch_size
+from vramcal.profile import Profile
+from vramcal.units import format_bytes
+
+Purpose = Literal["conservative", "safe"]
+
+
+class SizingError(ValueError):
+    """No usable profile or batch size; the one-line message says which command or option fixes it."""
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The batch size a run uses, why, and what the profile predicts for it. Bytes are integers.
+
+    Attributes:
+        batch_size: samples per optimizer step.
+        source: ``conservative`` or ``safe`` (the profile's), ``requested`` (the caller's, within
+            bounds) or ``clamped`` (the caller's, moved into [batch_size_min, safe]).
+        safe_batch_size, conservative_batch_size: the limits in force (after the data term).
+        predicted_peak_bytes, upper_bytes: point prediction and upper 95 % bound of the run's peak.
+        usable_bytes, total_bytes: the profile's memory figures.
+        data_delta_bytes: the run's data bytes in the measured memory minus the calibration's.
+        verified: the profile's limits were verified by real trials.
+        notices: one line each, for people: clamping, the data term, an unverified profile.
+    """
+
+    batch_size: int
+    source: str
+    safe_batch_size: int
+    conservative_batch_size: int
+    predicted_peak_bytes: int
+    upper_bytes: int
+    usable_bytes: int
+    total_bytes: int
+    data_delta_bytes: int
+    verified: bool
+    notices: tuple[str, ...] = ()
+
+
+def limits_for_data(profile: Profile, pool_data_bytes: int | None) -> tuple[int, int, int, list[str]]:
+    """(safe, conservative, data delta, notices) with the data term applied (module docstring).
+
+    Raises:
+        SizingError: the profile has no limits, or the data leave no room for one sample.
+    """
+    limits, fit = profile.limits, profile.fit
+    if limits is None or fit is None or limits.safe_batch_size < 1:
+        raise SizingError("the profile has no usable limits (nothing fitted or nothing fits): re-run `vramcal probe`")
+    delta = 0 if pool_data_bytes is None else pool_data_bytes - profile.pool_data_bytes
+    safe, conservative, notices = limits.safe_batch_size, limits.conservative_batch_size, []
+    if delta > 0:
+        safe = min(safe, safe_batch_size(fit, limits.usable_bytes - delta))
+        if safe < 1:
+            raise SizingError(f"the data hold {format_bytes(delta)} more than the calibration's, which leaves no "
+                              f"room for one sample in {format_bytes(limits.usable_bytes)}: calibrate with this "
+                              f"data (vramcal probe --data ...), or keep the data off the device")
+        conservative = min(conservative, math.floor(profile.settings.conservative_fraction * safe))
+        if safe < limits.safe_batch_size:
+            notices.append(f"the data hold {format_bytes(delta)} more than the calibration's: safe batch size "
+                           f"{limits.safe_batch_size} -> {safe}, conservative {limits.conservative_batch_size} -> "
+                           f"{conservative}")
+    if not profile.verified:
+        notices.append("the profile's limits were not verified by real trials: they are extrapolations; "
+                       "re-run `vramcal probe` to verify them")
+    return safe, conservative, delta, notices
+
+
+def size(profile: Profile, request: int | None = None, *, purpose: Purpose = "conservative",
+         batch_size_min: int = 1, pool_data_bytes: int | None = None) -> Sizing:
+    """The batch size for a run and the profile's prediction for it.
+
+    Args:
+        profile: a checked profile (:func:`vramcal.profile.load_profile`).
+        request: the caller's batch size, clamped to ``[batch_size_min, safe]``; None = ``purpose``.
+        purpose: which limit to use when nothing is requested.
+        batch_size_min: the smallest batch size acceptable.
+        pool_data_bytes: the run's data bytes in the measured memory (None: as in the calibration).
+
+    The seed documents clamp the user's batch size to [min, max] before any allocation; here max is the
+    profile's safe batch size (the largest whose upper prediction bound fits in usable memory).
+
+    Raises:
+        SizingError: no limits, min above the safe batch size, or the limit for ``purpose`` below min.
+    """
+    safe, conservative, delta, notices = limits_for_data(profile, pool_data_bytes)
+    if batch_size_min > safe:
+        raise SizingError(f"--batch-size-min {batch_size_min} is above the profile's safe batch size {safe}: "
+                          f"lower --batch-size-min, or use a smaller model or a larger device")
+    if request is None:
+        batch, source = (conservative, "conservative") if purpose == "conservative" else (safe, "safe")
+        if batch < batch_size_min:
+            raise SizingError(f"the profile's {purpose} batch size {batch} is below --batch-size-min "
+                              f"{batch_size_min}: pass --batch-size between {batch_size_min} and {safe}")
+    else:
+        batch = min(max(request, batch_size_min), safe)
+        source = "requested" if batch == request else "clamped"
+        if batch != request:
+            notices.insert(0, f"--batch-size {request} is outside [{batch_size_min}, {safe}] (--batch-size-min, "
+                              f"the profile's safe batch size): using {batch}")
+    return sizing_at(profile, batch, source, safe, conservative, delta, tuple(notices))
+
+
+def sizing_at(profile: Profile, batch_size: int, source: str, safe: int, conservative: int, delta: int,
+              notices: tuple[str, ...] = ()) -> Sizing:
+    """The :class:`Sizing` record at ``batch_size`` (predictions with the data term)."""
+    fit, limits = profile.fit, profile.limits
+    assert fit is not None and limits is not None
+    return Sizing(batch_size=batch_size, source=source, safe_batch_size=safe, conservative_batch_size=conservative,
+                  predicted_peak_bytes=int(fit.predict(batch_size) + delta),
+                  upper_bytes=int(fit.upper(batch_size) + delta), usable_bytes=limits.usable_bytes,
+                  total_bytes=limits.total_bytes, data_delta_bytes=delta, verified=profile.verified,
+                  notices=notices)
+
+
+def scaled_lr(lr: float, batch_size: int, reference_batch_size: int, scaling: str) -> float:
+    """Peak learning rate for ``batch_size`` given ``lr`` at ``reference_batch_size``.
+
+    ``none``: lr. ``linear``: lr x b / ref (Goyal et al. 2017, for SGD). ``sqrt``: lr x sqrt(b / ref),
+    the square-root scaling rule for Adam (Malladi et al. 2022, "On the SDEs and Scaling Rules for
+    Adaptive Gradient Algorithms").
+    """
+    ratio = batch_size / reference_batch_size
+    if scaling == "none":
+        return lr
+    if scaling == "linear":
+        return lr * ratio
+    if scaling == "sqrt":
+        return lr * math.sqrt(ratio)
+    raise ValueError(f"lr scaling must be none, linear or sqrt, got {scaling!r}")

@@ -1,0 +1,143 @@
+"""Running a planned training run: in a worker process, compared with its profile, recorded in it.
+
+The caller's side of ``vramcal train`` (and of each ``vramcal tune`` trial): it writes the run folder's
+records, starts the training worker (:func:`vramcal.train.loop.train_in_worker`) — a process made like
+the trials that sized the run — prints what it says, and closes the loop. After the first epoch and at
+the end it prints the measured peak beside the profile's prediction and upper 95 % bound, warns when the
+peak is above the bound or above usable memory, and appends the run's observation to the profile.
+
+Whatever happens in the worker ends here as one line (:class:`~vramcal.train.loop.TrainError`): an
+out-of-memory error that could not be recovered, a crash, a full disk, a ``kill -9`` — each naming the
+last good checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vramcal import __version__
+from vramcal.profile import Observation, ProfileError, append_observation, utc_now
+from vramcal.sizing import Sizing
+from vramcal.train import checkpoint
+from vramcal.train.errors import Stopped, TrainError
+from vramcal.train.plan import Plan
+from vramcal.units import format_bytes
+
+Echo = Callable[[str], None]
+TRAIN_WORKER = "vramcal.train.loop:train_in_worker"  # by name: the caller does not import torch
+# Errors raised in the worker whose message is already one line for people.
+_USER_ERRORS = {"DataError", "RunDirError", "TrainError", "NonFiniteError", "WorkloadError", "ValueError",
+                "MeterError", "ConfigError"}
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How a run ended: its last epoch row, steps, largest epoch peak and the observation recorded."""
+
+    last: dict[str, Any]
+    steps: int
+    peak_bytes: int | None
+    observation: Observation | None
+    stopped: bool = False
+
+
+def compare(sizing: Sizing, peak_bytes: int) -> tuple[str, list[str]]:
+    """The measured peak against the profile's prediction, as one line, and warnings.
+
+    Returns:
+        ``peak 2.70 GiB: predicted 2.60 GiB (+3.8 %), upper bound 2.75 GiB, usable 3.10 GiB`` and a warning
+        for a peak above the upper bound or above usable memory.
+    """
+    error = (peak_bytes - sizing.predicted_peak_bytes) / sizing.predicted_peak_bytes
+    line = (f"peak {format_bytes(peak_bytes)} at batch_size {sizing.batch_size}: predicted "
+            f"{format_bytes(sizing.predicted_peak_bytes)} ({error:+.1%}), upper bound "
+            f"{format_bytes(sizing.upper_bytes)}, usable {format_bytes(sizing.usable_bytes)}")
+    warnings = []
+    if peak_bytes > sizing.usable_bytes:
+        warnings.append(f"the measured peak {format_bytes(peak_bytes)} is above usable memory "
+                        f"{format_bytes(sizing.usable_bytes)}: the profile does not hold for this run; re-run "
+                        f"`vramcal probe` (with this run's data) and report it")
+    elif peak_bytes > sizing.upper_bytes:
+        warnings.append(f"the measured peak is above the profile's upper 95 % bound "
+                        f"{format_bytes(sizing.upper_bytes)}: the profile under-predicts this run")
+    return line, warnings
+
+
+def train(plan: Plan, echo: Echo = print, on_epoch: Callable[[dict[str, Any]], Any] | None = None,
+          workers: Any = None) -> RunResult:
+    """Run ``plan`` in a worker and close the loop with its profile (module docstring).
+
+    Args:
+        on_epoch: called with each epoch's row; returning ``"stop"`` ends the run (``RunResult.stopped``).
+        workers: a :class:`vramcal.measure.worker.Workers` to fork from (one is made by default).
+
+    Raises:
+        TrainError: the run failed; the message is one line naming the last good checkpoint.
+        KeyboardInterrupt: interrupted (the worker is killed; checkpoints on disk stay).
+    """
+    from vramcal.measure.worker import Workers
+
+    if not plan.resume:  # absolute paths: --resume works from any directory
+        checkpoint.write_json(plan.run_dir / checkpoint.CONFIG, plan.config.with_absolute_paths().to_dict())
+        checkpoint.write_json(plan.run_dir / checkpoint.RUN, plan.record())
+    first = []
+
+    def handle(kind: str, payload: Any) -> Any:
+        if kind == "line":
+            echo(payload)
+        elif kind == "epoch":
+            if not first and payload.get("peak_bytes"):
+                first.append(payload)
+                _report(plan, payload["peak_bytes"], echo, "after the first epoch")
+            return on_epoch(payload) if on_epoch is not None else None
+        return None
+
+    outcome = (workers or Workers()).run(TRAIN_WORKER, plan, handler=handle)
+    if outcome.status != "ok":
+        if outcome.error_type == "Stopped":
+            return RunResult({}, 0, None, None, stopped=True)
+        raise TrainError(_failure_line(plan, outcome))
+    result = outcome.result
+    observation = None
+    if result["peak_bytes"]:
+        _report(plan, result["peak_bytes"], echo, "at the end")
+        observation = _observe(plan, result, echo)
+    return RunResult(result["last"], result["step"], result["peak_bytes"], observation)
+
+
+def _report(plan: Plan, peak_bytes: int, echo: Echo, when: str) -> None:
+    line, warnings = compare(plan.sizing, peak_bytes)
+    echo(f"{when}: {line}")
+    for warning in warnings:
+        echo(f"warning: {warning}")
+
+
+def _observe(plan: Plan, result: dict[str, Any], echo: Echo) -> Observation | None:
+    """Append the run's observation to its profile (a failure to write it is a warning, not the run's end)."""
+    observation = Observation(
+        recorded_utc=utc_now(), vramcal_version=__version__, batch_size=plan.batch_size,
+        data_bytes=int(result["data_bytes"]), peak_bytes=int(result["peak_bytes"]),
+        predicted_peak_bytes=plan.sizing.predicted_peak_bytes, upper_bytes=plan.sizing.upper_bytes,
+        usable_bytes=plan.sizing.usable_bytes, steps=int(result["step"]), run_dir=str(plan.run_dir.resolve()))
+    if plan.profile_path is None:
+        return observation
+    try:
+        append_observation(plan.profile_path, observation)
+    except (OSError, ProfileError) as error:
+        echo(f"warning: could not record this run in {plan.profile_path} ({error})")
+    return observation
+
+
+def _failure_line(plan: Plan, outcome: Any) -> str:
+    if outcome.error_type in _USER_ERRORS and outcome.message:
+        return outcome.message
+    kept = checkpoint.last_good(plan.run_dir)
+    if outcome.status == "oom":
+        return (f"the training process ran out of memory ({outcome.message}) and could not recover; {kept}; "
+                f"a smaller --batch-size, or a fresh `vramcal probe`, may be needed")
+    return f"the training process failed ({outcome.error_type or outcome.status}: {outcome.message}); {kept}"
+
+
+__all__ = ["RunResult", "Stopped", "TrainError", "compare", "train"]

@@ -1,0 +1,304 @@
+"""What vramcal calibrates: a training step, built by a factory that a trial process imports by name.
+
+A **factory** is any importable function ``module:function`` that builds one training step on a device::
+
+    def make_step(device: torch.device, **params) -> vramcal.TrainingStep: ...
+
+vramcal calls it inside each trial process (and the bundled trainer calls its own factory the same
+way), so the model, optimizer and data live in the process whose memory is measured. ``params`` are
+plain JSON values (numbers, strings, booleans, lists, dicts): they travel to the trial process and are
+kept in the profile, which identifies the calibration by the factory's name and these arguments
+(:class:`ModelRef`). A factory that takes a ``seq_len`` parameter can be calibrated over several
+sequence lengths.
+
+One step, as a trial runs it and as the trainer runs it (:func:`train_step`)::
+
+    loss = step.loss(batch)          # forward pass; any autocast inside
+    loss.backward()
+    clip_grad_norm_(parameters, step.max_grad_norm)   # when set
+    step.optimizer.step()
+    step.optimizer.zero_grad(set_to_none=True)
+
+and a validation pass runs ``step.loss(step.val_batch(batch_size))`` under ``torch.no_grad()``.
+
+Families shipped with vramcal are named factories: ``regressor`` (the bundled Mamba-2 regressor that
+``vramcal train`` trains) and ``lm`` (a Mamba-2 causal language model from a transformers
+``Mamba2Config``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+FAMILIES = {
+    "regressor": "vramcal.models.regressor:training_step",
+    "lm": "vramcal.models.lm:training_step",
+}
+_ORDER = ("config", "d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len", "dtype")
+_QUIET = ("n_features", "d_conv", "n_groups")  # the regressor's fixed settings
+_FACTORY_NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+class WorkloadError(ValueError):
+    """A factory that cannot be found, called or used; the one-line message names it and the fix."""
+
+
+@dataclass
+class TrainingStep:
+    """One training step of a model on a device, as a factory returns it.
+
+    Attributes:
+        model: the module being trained (already on the device).
+        optimizer: its optimizer (state is allocated by the first step, as in training).
+        batch: ``batch(batch_size) -> batch``: the next training batch, on the device, from the same
+            data pipeline training uses (the trial draws several, as training does).
+        loss: ``loss(batch) -> scalar tensor``: the forward pass and loss, under any autocast wanted.
+        max_grad_norm: gradient clipping by total L2 norm before the optimizer step; None = no clipping.
+        val_batch: ``val_batch(batch_size) -> batch`` for the validation pass; None = ``batch``.
+        data_bytes: bytes the dataset holds in host memory while training (0 for generated data).
+        data_on_device: True when the dataset is held in the device's memory (it then counts there).
+        kernel_path: which kernels the model runs, for the profile (e.g. the Mamba-2 implementation);
+            None lets vramcal detect it from the model's modules.
+        info: anything else worth recording in the profile (plain JSON values).
+    """
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    batch: Callable[[int], Any]
+    loss: Callable[[Any], torch.Tensor]
+    max_grad_norm: float | None = 1.0
+    val_batch: Callable[[int], Any] | None = None
+    data_bytes: int = 0
+    data_on_device: bool = False
+    kernel_path: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def pool_data_bytes(self, device_kind: str) -> int:
+        """Bytes of data in the measured memory pool: all of it on the host, on a GPU only device-resident data."""
+        return self.data_bytes if device_kind == "host" or self.data_on_device else 0
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """The identity of what a profile calibrated: a factory and its arguments (the profile's key).
+
+    Attributes:
+        factory: ``module:function``, or a family name (``regressor``, ``lm``) resolved by :data:`FAMILIES`.
+        params_json: the arguments as canonical JSON (sorted keys), so the record is hashable and stable.
+    """
+
+    factory: str
+    params_json: str = "{}"
+
+    @classmethod
+    def make(cls, factory: str, params: dict[str, Any] | None = None) -> ModelRef:
+        """Raises: WorkloadError for a malformed factory name or arguments that are not plain JSON values."""
+        name = FAMILIES.get(factory, factory)
+        if not _FACTORY_NAME.match(name):
+            raise WorkloadError(f"--model {factory!r} is neither {', '.join(FAMILIES)} nor module:function "
+                                f"(e.g. mypackage.train:make_step)")
+        try:
+            text = json.dumps(params or {}, sort_keys=True, allow_nan=False)
+        except (TypeError, ValueError) as error:
+            raise WorkloadError(f"model arguments must be plain JSON values: {error}") from None
+        return cls(name, text)
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return json.loads(self.params_json)
+
+    @property
+    def family(self) -> str | None:
+        """``regressor`` or ``lm`` for vramcal's own factories, else None (a user's factory)."""
+        return next((name for name, path in FAMILIES.items() if path == self.factory), None)
+
+    def replace(self, **params: Any) -> ModelRef:
+        return ModelRef.make(self.factory, {**self.params, **params})
+
+    def without(self, *names: str) -> ModelRef:
+        return ModelRef.make(self.factory, {k: v for k, v in self.params.items() if k not in names})
+
+    def key(self) -> str:
+        """8 hex digits of SHA-256 over the factory and its canonical arguments."""
+        return hashlib.sha256(f"{self.factory}\n{self.params_json}".encode()).hexdigest()[:8]
+
+    def short(self) -> str:
+        """One line for titles: the family or factory, its arguments (the usual Mamba-2 ones first, values only
+        for ``dtype``), and the implementation in brackets."""
+        params = self.params
+        implementation = params.pop("implementation", None)
+        for quiet in _QUIET:
+            params.pop(quiet, None)
+        order = sorted(params, key=lambda k: (_ORDER.index(k) if k in _ORDER else len(_ORDER), k))
+        args = [str(params[k]) if k == "dtype" else f"{k}={_short_value(params[k])}" for k in order]
+        tail = [f"[{implementation}]"] if implementation else []
+        return " ".join([self.family or self.factory, *args, *tail])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"factory": self.factory, "params": self.params}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelRef:
+        return cls.make(data["factory"], data["params"])
+
+
+def _short_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return f"{{{len(value)} settings}}"
+    return str(value)
+
+
+def load_factory(ref: ModelRef) -> Callable[..., TrainingStep]:
+    """Import the factory named by ``ref``.
+
+    Raises:
+        WorkloadError: the module cannot be imported or has no such function (one line, with the reason).
+    """
+    module_name, _, attribute = ref.factory.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as error:  # noqa: BLE001 - any import failure is the user's module failing
+        raise WorkloadError(f"cannot import {module_name} for --model {ref.factory} "
+                            f"({type(error).__name__}: {_first_line(error)}): check the name and that it is "
+                            f"importable (on PYTHONPATH or installed)") from None
+    for part in attribute.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise WorkloadError(f"{module_name} has no {attribute} for --model {ref.factory}: name a function "
+                                f"that returns a vramcal.TrainingStep")
+    if not callable(target):
+        raise WorkloadError(f"--model {ref.factory} is not callable: name a function that returns a "
+                            f"vramcal.TrainingStep")
+    return target
+
+
+def accepts(factory: Callable[..., Any], name: str) -> bool:
+    """Whether ``factory`` takes a keyword argument ``name`` (directly or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
+def build(ref: ModelRef, device: torch.device, options: dict[str, Any] | None = None) -> TrainingStep:
+    """Call the factory on ``device`` with the reference's arguments (and ``options``, arguments that do
+    not change the model, such as the regressor's data file) and check what it returns.
+
+    Raises:
+        WorkloadError: the factory is missing, raised (its error's first line), or did not return a
+            :class:`TrainingStep`.
+        torch.OutOfMemoryError, MemoryError: passed through (the caller records them as out-of-memory).
+    """
+    from vramcal.measure.meters import is_out_of_memory
+
+    factory = load_factory(ref)
+    try:
+        step = factory(device=device, **ref.params, **(options or {}))
+    except Exception as error:
+        if is_out_of_memory(error):
+            raise
+        raise WorkloadError(f"--model {ref.factory} raised {type(error).__name__}: {_first_line(error)}") from None
+    if not isinstance(step, TrainingStep):
+        raise WorkloadError(f"--model {ref.factory} returned {type(step).__name__}, not a vramcal.TrainingStep: "
+                            f"return vramcal.TrainingStep(model=..., optimizer=..., batch=..., loss=...)")
+    return step
+
+
+def detect_kernel_path(model: torch.nn.Module) -> str:
+    """Which Mamba-2 kernels a model runs, read from its modules (for the profile).
+
+    ``mamba_ssm`` ``Mamba2`` modules run the fused Triton/CUDA kernels. transformers' ``Mamba2Mixer``
+    runs mamba_ssm's kernels when transformers found mamba_ssm at import (it binds them function by
+    function), and its pure-PyTorch chunked scan when vramcal imported it with mamba_ssm hidden
+    (:func:`vramcal.models.mamba2.import_transformers_mamba2`) or mamba_ssm is not installed.
+    """
+    import sys
+
+    kinds = {f"{type(m).__module__}.{type(m).__name__}" for m in model.modules()}
+    if any(k.startswith("mamba_ssm.") and k.endswith(".Mamba2") for k in kinds):
+        return "mamba_ssm.Mamba2 fused kernels (Triton + causal_conv1d CUDA)"
+    mixers = {k.rpartition(".")[0] for k in kinds if k.endswith("modeling_mamba2.Mamba2Mixer")}
+    if mixers:
+        modeling = sys.modules.get(next(iter(mixers)))
+        if getattr(modeling, "_vramcal_torch_only", False) or "mamba_ssm" not in sys.modules:
+            return "transformers Mamba2 torch_forward (pure PyTorch chunked scan; mamba_ssm kernels not bound)"
+        return "transformers Mamba2 with mamba_ssm kernels bound (mamba_split_conv1d_scan_combined)"
+    return "no Mamba-2 module found (a user model): kernels not identified"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else type(error).__name__
+
+
+# ------------------------------------------------------------------------------------------- steps
+
+def train_step(step: TrainingStep, batch: Any) -> torch.Tensor:
+    """One optimizer step on ``batch`` (module docstring); returns the loss, detached."""
+    loss = step.loss(batch)
+    loss.backward()
+    optimizer_step(step)
+    return loss.detach()
+
+
+def optimizer_step(step: TrainingStep, skip_non_finite: bool = False) -> torch.Tensor | None:
+    """Clip (when ``max_grad_norm`` is set), step, and free the gradients.
+
+    Args:
+        skip_non_finite: when the gradient norm is NaN or infinite, free the gradients without stepping,
+            so the weights stay the last good ones (the trainer then stops; trials never skip).
+
+    Returns:
+        The total gradient norm before clipping (a scalar tensor), or None without clipping.
+    """
+    import torch
+
+    norm = None
+    if step.max_grad_norm is not None:
+        norm = torch.nn.utils.clip_grad_norm_(step.model.parameters(), step.max_grad_norm)
+        if skip_non_finite and not bool(torch.isfinite(norm)):
+            step.optimizer.zero_grad(set_to_none=True)
+            return norm
+    step.optimizer.step()
+    step.optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def validation_step(step: TrainingStep, batch_size: int) -> None:
+    """One validation forward pass at ``batch_size`` under ``torch.no_grad()`` in eval mode."""
+    import torch
+
+    batch = (step.val_batch or step.batch)(batch_size)
+    step.model.eval()
+    with torch.no_grad():
+        step.loss(batch)
+    step.model.train()
+
+
+def split_batch(batch: Any, start: int, stop: int) -> Any:
+    """Rows ``[start, stop)`` of a batch: a tensor, or a tuple, list or dict of tensors (dim 0 is the batch)."""
+    if isinstance(batch, dict):
+        return {k: split_batch(v, start, stop) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(split_batch(v, start, stop) for v in batch)
+    return batch[start:stop]
+
+
+def batch_length(batch: Any) -> int:
+    """The batch size of a batch (see :func:`split_batch`): the first tensor's dim 0."""
+    if isinstance(batch, dict):
+        return batch_length(next(iter(batch.values())))
+    if isinstance(batch, (tuple, list)):
+        return batch_length(batch[0])
+    return int(batch.shape[0])
