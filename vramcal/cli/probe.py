@@ -14,6 +14,7 @@ from vramcal.cli.options import (
     EXIT_UNVERIFIED,
     SPEC_NAMES,
     ByteSize,
+    FiniteFloat,
     KeyValue,
     data_options,
     device_options,
@@ -42,7 +43,7 @@ trial_options = group(
     click.option("--val-steps", type=click.IntRange(0), default=1, show_default=True,
                  help="validation passes per trial, at the trial's batch size, as the trainer validates"),
     click.option("--max-trials", type=click.IntRange(3), default=16, show_default=True),
-    click.option("--timeout", "timeout_s", type=click.FloatRange(1, 86400), default=900, show_default=True,
+    click.option("--timeout", "timeout_s", type=FiniteFloat(1, 86400), default=900, show_default=True,
                  help="seconds before a trial is killed"),
 )
 

@@ -74,7 +74,7 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
         else:
             config = make_config(config_file, options, given)
             setting = planning.resolve(config, capacity, probe=probe_printer if probe else None)
-            run_dir = run_dir or Path("runs") / dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+            run_dir = run_dir or Path("runs") / dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
             plan = planning.plan_run(config, run_dir, setting)
         announce(plan)
     with one_line(f"interrupted: the checkpoints in {plan.run_dir} are kept; continue with "

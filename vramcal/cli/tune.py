@@ -60,7 +60,7 @@ def tune_command(ctx: click.Context, config_file: str | None, run_dir: Path | No
     if resume and run_dir is None and storage is None:
         raise click.BadParameter("--resume needs the --run-dir of the tune (or --storage and --study-name)",
                                  param_hint="--resume")
-    run_dir = run_dir or Path("runs") / dt.datetime.now(dt.timezone.utc).strftime("tune-%Y%m%d-%H%M%S")
+    run_dir = run_dir or Path("runs") / dt.datetime.now(dt.UTC).strftime("tune-%Y%m%d-%H%M%S")
     echo = lambda line: click.echo(line, err=True)  # noqa: E731
     resume_hint = f"`vramcal tune --run-dir {run_dir} --resume`" + (" with the same --storage and --study-name"
                                                                      if storage else "")

@@ -103,7 +103,7 @@ class Plan:
                 "implementation": self.implementation, "sizing": asdict(self.sizing), "profile": self.profile_path,
                 "lr": self.lr, "data": self.data_stats, "host_memory_limit_bytes": self.host_memory_limit_bytes,
                 "notices": list(self.notices),
-                "written_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+                "written_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
     @classmethod
     def from_record(cls, record: dict[str, Any], run_dir: Path) -> Plan:
