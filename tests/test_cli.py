@@ -170,7 +170,8 @@ def test_hand_edited_limits_that_contradict_the_fit_are_refused(tmp_path):
     from vramcal.units import format_bytes
 
     assert (f"limits.safe_batch_size = 1000000000 is above what the file's own fit allows in "
-            f"{format_bytes(profile.limits.usable_bytes)} ({profile.limits.safe_batch_size})") in one_line_error(result)
+            f"{format_bytes(profile.limits.usable_bytes)} ({profile.limits.safe_batch_size}) and no trial there "
+            f"fitted") in one_line_error(result)
 
 
 def test_an_unwritable_reports_folder_fails_before_any_trial(tmp_path):

@@ -305,6 +305,15 @@ def test_sizing_bounds_and_the_data_term():
     assert (less.safe_batch_size, less.predicted_peak_bytes) == (safe, int(fit.predict(less.batch_size) - 50 * MIB))
     with pytest.raises(sizing.SizingError, match="leaves no room for one sample"):
         sizing.size(profile, pool_data_bytes=2**30)
+    # a verified profile keeps its limits while the safe size's own trial, plus the extra data, still fits
+    from profiles_for_tests import gpu_profile
+
+    verified = gpu_profile()
+    room = verified.limits.usable_bytes - verified.verification["safe"].peak_bytes
+    kept = sizing.size(verified, purpose="safe", pool_data_bytes=room // 2)
+    assert kept.safe_batch_size == verified.limits.safe_batch_size and kept.data_delta_bytes == room // 2
+    assert sizing.size(verified, purpose="safe", pool_data_bytes=room + 2**20).safe_batch_size < \
+        verified.limits.safe_batch_size
     assert scaled_lr(1e-4, 384, 96, "sqrt") == pytest.approx(2e-4)
     assert scaled_lr(1e-4, 384, 96, "none") == 1e-4
 

@@ -240,9 +240,11 @@ def _check_limits(profile: Profile) -> None:
         raise ProfileError(f"limits.conservative_batch_size = {limits.conservative_batch_size} is not within "
                            f"[0, safe_batch_size {limits.safe_batch_size}]")
     allowed = safe_batch_size(fit, limits.usable_bytes)
-    if limits.safe_batch_size > allowed:
+    evidence = [t for t in profile.trials if t.batch_size == limits.safe_batch_size]
+    verified = bool(evidence) and all(t.fits(limits.usable_bytes) for t in evidence)
+    if limits.safe_batch_size > allowed and not verified:  # the search never reports less than what fitted
         raise ProfileError(f"limits.safe_batch_size = {limits.safe_batch_size} is above what the file's own fit "
-                           f"allows in {format_bytes(limits.usable_bytes)} ({allowed})")
+                           f"allows in {format_bytes(limits.usable_bytes)} ({allowed}) and no trial there fitted")
     if limits.failed_batch_size is not None and limits.safe_batch_size >= limits.failed_batch_size:
         raise ProfileError(f"limits.safe_batch_size = {limits.safe_batch_size} is not below the failed batch size "
                            f"{limits.failed_batch_size}")

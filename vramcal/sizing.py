@@ -6,8 +6,8 @@ Lightning callback and the public API all size through :func:`size`, and pass it
 The data term. A profile records the bytes of data its trials held in the measured memory
 (``Profile.pool_data_bytes``: on the host, the whole dataset; on a GPU, only data placed on the device).
 A run that holds more there has that much less for everything else, so every prediction adds
-``delta = run's bytes − calibration's bytes``, and with ``delta > 0`` the limits are recomputed against
-``usable − delta`` (never above the profile's verified sizes):
+``delta = run's bytes − calibration's bytes``; when the safe size's verification peak plus ``delta`` no
+longer fits, the limits are recomputed against ``usable − delta`` (never above the profile's verified sizes):
 
     predicted(b) = overhead + slope × b + delta          upper(b) = fit.upper(b) + delta
     safe = min(profile safe, largest b with upper(b) ≤ usable)      conservative = ⌊fraction × safe⌋
@@ -70,7 +70,9 @@ def limits_for_data(profile: Profile, pool_data_bytes: int | None) -> tuple[int,
         raise SizingError("the profile has no usable limits (nothing fitted or nothing fits): re-run `vramcal probe`")
     delta = 0 if pool_data_bytes is None else pool_data_bytes - profile.pool_data_bytes
     safe, conservative, notices = limits.safe_batch_size, limits.conservative_batch_size, []
-    if delta > 0:
+    check = profile.verification.get("safe")
+    still_fits = check is not None and check.passed and check.peak_bytes + delta <= limits.usable_bytes
+    if delta > 0 and not still_fits:  # the safe size's own trial, plus the extra data, no longer fits
         safe = min(safe, safe_batch_size(fit, limits.usable_bytes - delta))
         if safe < 1:
             raise SizingError(f"the data hold {format_bytes(delta)} more than the calibration's, which leaves no "

@@ -1,29 +1,36 @@
 """The search policy: which batch size to try next, as a pure function of the trials so far.
 
-Separate from the code that runs trials (Accelerate's injectable back-off is the model), so it is
-tested with recorded and fake trials. The policy:
+Separate from the code that runs trials (Accelerate's injectable back-off is the model), so it is tested
+with recorded and synthetic trials. Its rules:
 
-1. **Grow** from ``start_batch_size`` while far from the limit: x8 with one point (the smallest batches
-   sit on a flat start on CPUs, where the first samples fit in memory already mapped); then aim at half
-   of the batch size where the line through the measured points (two points, or the fit once there are
-   three) reaches usable memory, at most ``max_growth`` times the largest fitting batch, and never at or
-   above a batch size that already failed. "Far" means the largest fitting batch is below
-   ``far_fraction`` of that estimate.
-2. **Fit** once at least three trials finished (over-budget ones included: they are measurements),
-   and compute the limits (:mod:`vramcal.calibrate.limits`), with the safe batch size kept below the smallest
-   batch size that failed (out of memory, over usable memory, timeout or crash).
-3. **Verify** with real trials at the safe (a little below the computed size, within
-   ``snap_tolerance / 2``, so the refit that the new point causes does not leave it above the moved
-   limit), then the conservative batch size. A failure there is a
-   data point: the limit comes down and the next call proposes the new sizes; when a real failure,
-   not the fit, binds the limit, the safe size is found by bisection between the largest fitting
-   batch and the smallest failed one. A limit is *settled*
-   on a trial that fitted at, or at most ``snap_tolerance`` below, the computed size, so refits that
-   move the limit by a sample or two do not chase it forever; the reported limit is that trial's
-   batch size, which is never above the computed one.
+1. **Grow** from ``start_batch_size`` while far from the limit: x8 while the peaks do not rise measurably
+   (a *flat start*: on CPUs the first samples fit in memory the process already holds), then aim at half
+   of the batch size where the line through the rising points reaches usable memory, at most
+   ``max_growth`` times the largest fitting batch and never at or above a batch size that failed.
+2. **Fit locally** (:func:`fit_points`): the line is fitted through the trials that measure the slope
+   near the limit — the flat start is left out (it would pull the slope down), and so are points below
+   ``1/local_span`` of the largest measured batch (peaks bend: what matters is the slope where the limit
+   is). Over-budget trials are measurements and count. A fit needs three such points; until there are,
+   the policy **adds points** where they pin the line down: below the limit, between what fitted and
+   what failed.
+3. **Measure the boundary**: one trial aimed just under the batch size where the fit reaches the
+   device's *whole* memory (``boundary_fraction`` of it), allowed to run over the usable budget, so the
+   line is fitted across the range it is used on and the predicted out-of-memory boundary is a short
+   interpolation, not a long extrapolation (a second one, lower, when the first runs out of memory).
+4. **Verify** the safe size with two real trials at the same batch size — the limit is where noise
+   matters, and the pair's spread enters the fit's residuals, so the prediction interval covers how
+   much one batch size varies between runs — then the conservative size with one. A failure is a
+   data point: the limit comes down and the next call proposes the new sizes. When a real failure, not
+   the fit, binds the limit, the safe size is found by bisection between the largest fitting batch and
+   the smallest failed one.
+5. **Never less than the evidence**: the safe size is at least the largest batch size that fitted (every
+   trial there within usable memory) below the smallest failure: a fitting trial is itself a
+   verification, however wide the interval of a fit with few points.
 
-The policy never reports an untested extrapolation: :func:`settle` marks each limit with the trial
-behind it, and a limit without one is unverified.
+A limit is *settled* on trials that fitted at, or at most ``snap_tolerance`` below, the computed size, so
+refits that move the limit by a sample or two do not chase it forever. The policy never reports an
+untested extrapolation: :func:`settle` marks each limit with the trial behind it, and a limit without one
+is unverified.
 """
 
 from __future__ import annotations
@@ -37,10 +44,20 @@ from vramcal.calibrate.fit import Fit, fit_linear
 from vramcal.calibrate.limits import Limits, LimitSettings, compute_limits
 from vramcal.records import Trial
 
+FLAT_FRACTION = 0.02  # peaks within 2 % (or FLAT_BYTES) of each other are not a measurable rise
+FLAT_BYTES = 8 * 2**20
+
 
 @dataclass(frozen=True)
 class SearchSettings:
-    """Knobs of the policy. ``total_bytes`` is the device's memory; limits derive usable from it."""
+    """Knobs of the policy. ``total_bytes`` is the device's memory; limits derive usable from it.
+
+    Attributes:
+        local_span: fit points below ``largest measured batch / local_span`` are left out (rule 2).
+        boundary_fraction: the boundary trial aims at this fraction of the predicted boundary (rule 3);
+            0 switches the boundary trial off.
+        repeat_safe: verify the safe size twice (rule 4).
+    """
 
     total_bytes: int
     limits: LimitSettings = LimitSettings()
@@ -48,6 +65,9 @@ class SearchSettings:
     max_growth: int = 64
     far_fraction: float = 0.4
     snap_tolerance: float = 0.05
+    local_span: int = 16
+    boundary_fraction: float = 0.97
+    repeat_safe: bool = True
     max_trials: int = 16
     max_batch_size: int = 2**20
 
@@ -58,7 +78,8 @@ class SearchSettings:
 
 @dataclass(frozen=True)
 class Step:
-    """The next trial to run: its batch size and why (``grow``, ``verify-conservative``, ``verify-safe``)."""
+    """The next trial to run and why: ``grow``, ``fill``, ``boundary``, ``verify-safe``,
+    ``verify-safe-repeat`` or ``verify-conservative``."""
 
     batch_size: int
     purpose: str
@@ -75,61 +96,154 @@ class Settled:
     failed_batch_size: int | None
 
 
+# ------------------------------------------------------------------------------------------ facts
+
 def failed_batch_size(trials: Sequence[Trial], usable_bytes: int) -> int | None:
     """The smallest batch size that did not fit (any status but a fitting ``ok``), or None."""
     failed = [t.batch_size for t in trials if not t.fits(usable_bytes)]
     return min(failed) if failed else None
 
 
-def fit_trials(trials: Sequence[Trial]) -> Fit | None:
-    """The fit through every finished trial, or None with fewer than 3 points over 2 batch sizes."""
-    points = [t for t in trials if t.ok]
-    if len(points) < 3 or len({t.batch_size for t in points}) < 2:
+def fits_at(trials: Sequence[Trial], batch_size: int, usable_bytes: int) -> list[Trial]:
+    """The trials at ``batch_size`` when every one of them fitted, else []."""
+    at = [t for t in trials if t.batch_size == batch_size]
+    return at if at and all(t.fits(usable_bytes) for t in at) else []
+
+
+def largest_fitting(trials: Sequence[Trial], usable_bytes: int) -> int | None:
+    """The largest batch size below the smallest failure whose trials all fitted (rule 5)."""
+    failed = failed_batch_size(trials, usable_bytes)
+    sizes = [t.batch_size for t in trials if (failed is None or t.batch_size < failed)
+             and fits_at(trials, t.batch_size, usable_bytes)]
+    return max(sizes) if sizes else None
+
+
+def rises(low: Trial, high: Trial) -> bool:
+    """Whether ``high``'s peak is measurably above ``low``'s (more than the noise of one trial)."""
+    return high.peak_bytes - low.peak_bytes > max(FLAT_FRACTION * low.peak_bytes, FLAT_BYTES)  # type: ignore[operator]
+
+
+def fit_points(trials: Sequence[Trial], settings: SearchSettings) -> list[Trial]:
+    """The trials the line is fitted through (rule 2): finished ones, without the flat start, within the
+    local span of the largest measured batch (widened when that leaves fewer than three)."""
+    finished = sorted((t for t in trials if t.ok), key=lambda t: t.batch_size)
+    if not finished:
+        return []
+    first = finished[0]
+    flat = [t for t in finished if not rises(first, t)]
+    if len({t.batch_size for t in flat}) >= 2:  # two sizes at one peak: a flat start, not a slope
+        finished = [t for t in finished if rises(first, t)]
+    if not finished:
+        return []
+    low = finished[-1].batch_size / settings.local_span
+    local = [t for t in finished if t.batch_size >= low]
+    return local if _enough(local) else finished
+
+
+def _enough(points: Sequence[Trial]) -> bool:
+    return len(points) >= 3 and len({t.batch_size for t in points}) >= 2
+
+
+def fit_trials(trials: Sequence[Trial], settings: SearchSettings | None = None) -> Fit | None:
+    """The fit through :func:`fit_points`, or None with fewer than 3 points over 2 batch sizes."""
+    points = fit_points(trials, settings or SearchSettings(total_bytes=1))
+    if not _enough(points):
         return None
     return fit_linear([t.batch_size for t in points], [t.peak_bytes for t in points])
 
 
+# ------------------------------------------------------------------------------------------ settle
+
 def settle(trials: Sequence[Trial], settings: SearchSettings) -> Settled:
-    """Fit, limits and verifying trials for the trials so far (module docstring, steps 2 and 3)."""
+    """Fit, limits and verifying trials for the trials so far (module docstring, rules 2, 4 and 5)."""
     usable = settings.usable_bytes
     failed = failed_batch_size(trials, usable)
-    fit = fit_trials(trials)
+    fit = fit_trials(trials, settings)
     if fit is None or fit.slope_bytes_per_sample <= 0:
         return Settled(fit, None, None, None, failed)
     limits = compute_limits(fit, settings.total_bytes, settings.limits, failed)
-    target = limits.safe_batch_size
+    evidence = largest_fitting(trials, usable) or 0
+    target = max(limits.safe_batch_size, evidence)
+    point = limits.point_safe_batch_size if failed is None else min(limits.point_safe_batch_size, failed - 1)
+    if target < (1 - 3 * settings.snap_tolerance) * point:  # a wide interval: halve the gap to the point estimate
+        target = max(target, (evidence + point + 1) // 2)
     if failed is not None and target >= failed - 1:
         target = _bisect_below(trials, failed, settings)  # the failure binds, not the fit
-    safe_trial = _snap(trials, target, settings)
+    safe_trial = _snap(trials, target, settings, repeats=2 if settings.repeat_safe else 1,
+                       tolerance=_settle_tolerance(trials, settings))
     safe = safe_trial.batch_size if safe_trial else target
     conservative_target = math.floor(settings.limits.conservative_fraction * safe)
-    conservative_trial = _snap(trials, conservative_target, settings)
+    conservative_trial = _snap(trials, conservative_target, settings, repeats=1)
     conservative = conservative_trial.batch_size if conservative_trial else conservative_target
-    limits = dataclasses.replace(limits, safe_batch_size=safe, conservative_batch_size=conservative)
+    boundary = boundary_batch_size(trials, settings, limits.boundary_batch_size)
+    limits = dataclasses.replace(limits, safe_batch_size=safe, conservative_batch_size=conservative,
+                                 boundary_batch_size=boundary)
     return Settled(fit, limits, safe_trial, conservative_trial, failed)
+
+
+def boundary_batch_size(trials: Sequence[Trial], settings: SearchSettings, fitted: float) -> float:
+    """Where the peak reaches the device's whole memory: the line through the top third of the measured
+    batch sizes (else the top half): the boundary trials and the verifications, since peaks bend and the
+    slope near the boundary is read near it; else ``fitted`` (the main fit's); never at or above a batch
+    size that ran out of memory.
+    """
+    finished = [t for t in trials if t.ok]
+    top = max((t.batch_size for t in finished), default=0)
+    near = [t for t in finished if t.batch_size >= top * 2 / 3]
+    if len({t.batch_size for t in near}) < 2:
+        near = [t for t in finished if t.batch_size >= top / 2]
+    boundary = fitted
+    if len({t.batch_size for t in near}) >= 2:
+        import numpy as np
+
+        slope, overhead = np.polyfit([t.batch_size for t in near], [t.peak_bytes for t in near], 1)
+        if slope > 0:
+            boundary = float((settings.total_bytes - overhead) / slope)
+    hard_failed = min((t.batch_size for t in trials if not t.ok), default=None)
+    return boundary if hard_failed is None else min(boundary, hard_failed - 1)
 
 
 def _bisect_below(trials: Sequence[Trial], failed: int, settings: SearchSettings) -> int:
     """Safe target when a real failure binds: the largest fitting batch below ``failed`` once the gap is
     within ``snap_tolerance`` (or one sample), else the midpoint (the next bisection trial)."""
-    below = max(t.batch_size for t in trials if t.fits(settings.usable_bytes) and t.batch_size < failed)
+    below = largest_fitting(trials, settings.usable_bytes) or 0
     if failed - below <= max(1, math.floor(settings.snap_tolerance * failed)):
         return below
     return (below + failed) // 2
 
 
-def _snap(trials: Sequence[Trial], target: int, settings: SearchSettings) -> Trial | None:
-    """The fitting trial with the largest batch size in ``[target * (1 - snap_tolerance), target]``."""
-    low = math.floor(target * (1 - settings.snap_tolerance))
-    near = [t for t in trials if t.fits(settings.usable_bytes) and low <= t.batch_size <= target]
-    return max(near, key=lambda t: t.batch_size) if near and target >= 1 else None
+def _settle_tolerance(trials: Sequence[Trial], settings: SearchSettings) -> float:
+    """How far below the computed safe size a verified one may settle: ``snap_tolerance`` at first; after
+    one verified round 3x that; after two, anything below. Peaks that bend make each verification move
+    the local fit (and the limit) a little further; this bounds the chase to two rounds."""
+    repeats = settings.repeat_safe + 1
+    rounds = sum(1 for size in {t.batch_size for t in trials if t.purpose.startswith("verify-safe")}
+                 if len(fits_at(trials, size, settings.usable_bytes)) >= repeats)
+    return settings.snap_tolerance if rounds == 0 else 3 * settings.snap_tolerance if rounds == 1 else 1.0
 
+
+def _snap(trials: Sequence[Trial], target: int, settings: SearchSettings, repeats: int,
+          tolerance: float | None = None) -> Trial | None:
+    """The largest batch size in ``[target * (1 - tolerance), target]`` (default ``snap_tolerance``) with
+    at least ``repeats`` trials, all fitting; its last trial (None when there is none)."""
+    if target < 1:
+        return None
+    low = math.floor(target * (1 - (settings.snap_tolerance if tolerance is None else tolerance)))
+    sizes = sorted({t.batch_size for t in trials if low <= t.batch_size <= target}, reverse=True)
+    for size in sizes:
+        at = fits_at(trials, size, settings.usable_bytes)
+        if len(at) >= repeats:
+            return at[-1]
+    return None
+
+
+# ------------------------------------------------------------------------------------------- next
 
 def next_batch_size(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
     """The next trial to run, or None when the calibration is done (or cannot go on).
 
-    Done means: both limits settled on fitting trials; or nothing fits; or ``max_trials`` were run;
-    or no larger batch size can be tried while fewer than three trials finished.
+    Done means: both limits settled on fitting trials; or nothing fits; or ``max_trials`` were run; or
+    no batch size is left to try.
     """
     if not trials:
         return Step(settings.start_batch_size, "grow")
@@ -137,58 +251,44 @@ def next_batch_size(trials: Sequence[Trial], settings: SearchSettings) -> Step |
         return None
     if not any(t.fits(settings.usable_bytes) for t in trials):
         return None  # the smallest batch already failed: nothing fits
-    grow = _grow_target(trials, settings)
-    if grow is not None:
-        return Step(grow, "grow")
-    state = settle(trials, settings)
-    if state.limits is None or state.limits.safe_batch_size < 1:
-        return None
     tried = {t.batch_size for t in trials}
-    if state.safe_trial is None:
-        # A little below the target, inside its snap window: the verification adds a point that moves
-        # the refit, and a trial still inside the moved window settles the limit instead of chasing it.
-        target = state.limits.safe_batch_size
-        below = max(1, math.floor(target * (1 - settings.snap_tolerance / 2)))
-        for batch_size in (below, target):
-            if batch_size not in tried:
-                return Step(batch_size, "verify-safe")
-    conservative = state.limits.conservative_batch_size  # floor(fraction x the settled safe size)
-    if state.conservative_trial is None and conservative >= 1 and conservative not in tried:
-        return Step(conservative, "verify-conservative")
-    return None
+    for step in (_grow(trials, settings), _fill(trials, settings), _boundary(trials, settings)):
+        if step is not None and (step.batch_size not in tried or step.purpose == "verify-safe-repeat"):
+            return step
+    return _verify(trials, settings)
 
 
-def _grow_target(trials: Sequence[Trial], settings: SearchSettings) -> int | None:
-    """A larger batch size to try while far from the limit, or None when growth is over."""
+def _grow(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
+    """A larger batch size to try while far from the limit (rule 1), or None when growth is over."""
     usable = settings.usable_bytes
     fitting = sorted((t for t in trials if t.fits(usable)), key=lambda t: t.batch_size)
     largest = fitting[-1].batch_size
     failed = failed_batch_size(trials, usable)
-    estimate = _estimated_limit(trials, fitting, usable)
-    n_points = len({t.batch_size for t in trials if t.ok})
+    estimate = _estimated_limit(trials, fitting, settings)
     if estimate is None:
-        target = largest * 8  # one point, or a line that does not rise yet: no estimate to aim at
-    elif n_points >= 3 and largest >= settings.far_fraction * estimate:
-        return None  # close enough: fit and verify
+        target = largest * 8  # one point, or peaks that do not rise yet: no estimate to aim at
+    elif largest >= settings.far_fraction * estimate:
+        return None  # close enough: fill in points, fit and verify
     else:
         target = max(2 * largest, math.floor(estimate / 2))
     target = min(target, settings.max_growth * largest, settings.max_batch_size)
     if failed is not None and target >= failed:
+        if estimate is None and len(fitting) >= 2:
+            return None  # the failure came before any slope: fill points below it instead
         target = (largest + failed) // 2
     if target <= largest or target in {t.batch_size for t in trials}:
         return None
-    return target
+    return Step(target, "grow")
 
 
-def _estimated_limit(trials: Sequence[Trial], fitting: Sequence[Trial], usable_bytes: int) -> float | None:
-    """Batch size where the line through the finished trials reaches usable memory; None if unknown.
+def _estimated_limit(trials: Sequence[Trial], fitting: Sequence[Trial], settings: SearchSettings) -> float | None:
+    """Batch size where the line through the rising trials reaches usable memory; None if unknown.
 
-    With three or more finished trials whose line rises measurably, the fit's point estimate; with two
-    or more fitting trials whose peaks differ measurably (:func:`rises`), the line through the two largest;
-    else unknown (a flat start: the first samples fit in memory the process already holds, and a line
-    through them would extrapolate to an absurd limit).
+    The fit's point estimate when it has three rising points and a slope clear of its error; else the
+    line through the two largest fitting trials when their peaks differ measurably; else unknown (a flat
+    start would extrapolate to an absurd limit).
     """
-    fit = fit_trials(trials)
+    fit = fit_trials(trials, settings)
     if fit is not None and fit.slope_bytes_per_sample > 3 * fit.slope_stderr_bytes_per_sample:
         slope, overhead = fit.slope_bytes_per_sample, fit.overhead_bytes
     elif len(fitting) >= 2 and rises(fitting[-2], fitting[-1]):
@@ -197,13 +297,75 @@ def _estimated_limit(trials: Sequence[Trial], fitting: Sequence[Trial], usable_b
         overhead = high.peak_bytes - slope * high.batch_size
     else:
         return None
-    return (usable_bytes - overhead) / slope if slope > 0 else None
+    return (settings.usable_bytes - overhead) / slope if slope > 0 else None
 
 
-FLAT_FRACTION = 0.02  # peaks within 2 % (or FLAT_BYTES) of each other are not a measurable rise
-FLAT_BYTES = 8 * 2**20
+def _fill(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
+    """A point that pins the line down when the fit has fewer than three (rule 2), or None."""
+    points = fit_points(trials, settings)
+    if _enough(points):
+        return None
+    usable = settings.usable_bytes
+    largest = largest_fitting(trials, usable) or 0
+    failed = failed_batch_size(trials, usable)
+    ceiling = (failed - 1) if failed is not None else settings.max_batch_size
+    estimate = _estimated_limit(trials, sorted((t for t in trials if t.fits(usable)), key=lambda t: t.batch_size),
+                                settings)
+    tried = {t.batch_size for t in trials}
+    candidates = []
+    if estimate is not None:
+        candidates.append(math.floor(min(estimate, ceiling) * (1 - settings.snap_tolerance)))
+    candidates.append((largest + ceiling + 1) // 2)  # between what fitted and what failed
+    lowest_rising = min((t.batch_size for t in points), default=largest)
+    candidates.append(math.ceil((lowest_rising + largest) / 2))  # between the points that rise
+    for batch in candidates:
+        if 1 <= batch <= ceiling and batch not in tried:
+            return Step(batch, "grow" if batch > largest else "fill")
+    return None
 
 
-def rises(low: Trial, high: Trial) -> bool:
-    """Whether ``high``'s peak is measurably above ``low``'s (more than the noise of one trial)."""
-    return high.peak_bytes - low.peak_bytes > max(FLAT_FRACTION * low.peak_bytes, FLAT_BYTES)  # type: ignore[operator]
+def _boundary(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
+    """A trial just under the predicted out-of-memory boundary (rule 3), or None."""
+    if settings.boundary_fraction <= 0:
+        return None
+    probes = [t for t in trials if t.purpose == "boundary"]
+    if len(probes) >= 2:
+        return None
+    state = settle(trials, settings)
+    if state.limits is None:
+        return None
+    boundary = state.limits.boundary_batch_size
+    measured = max((t.batch_size for t in trials if t.ok), default=0)
+    if measured >= settings.boundary_fraction * boundary / (1 + 2 * settings.snap_tolerance):
+        return None  # a trial already measured near the boundary
+    failed = min((t.batch_size for t in trials if not t.ok), default=None)
+    target = math.floor(settings.boundary_fraction * boundary)
+    if failed is not None:
+        target = min(target, (measured + failed) // 2)
+    if target <= measured or target > settings.max_batch_size:
+        return None
+    return Step(target, "boundary")
+
+
+def _verify(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
+    """The verification trials (rule 4): safe twice, then conservative."""
+    state = settle(trials, settings)
+    if state.limits is None or state.limits.safe_batch_size < 1:
+        return None
+    tried = {t.batch_size for t in trials}
+    if state.safe_trial is None:
+        target = state.limits.safe_batch_size
+        once = _snap(trials, target, settings, repeats=1)
+        if once is not None and settings.repeat_safe:
+            return Step(once.batch_size, "verify-safe-repeat")
+        # a little below the target, inside its snap window: the verification adds a point that moves the
+        # refit, and a trial still inside the moved window settles the limit instead of chasing it
+        below = max(1, math.floor(target * (1 - settings.snap_tolerance / 2)))
+        for batch_size in (below, target):
+            if batch_size not in tried:
+                return Step(batch_size, "verify-safe")
+        return None
+    conservative = state.limits.conservative_batch_size  # floor(fraction x the settled safe size)
+    if state.conservative_trial is None and conservative >= 1 and conservative not in tried:
+        return Step(conservative, "verify-conservative")
+    return None
