@@ -20,7 +20,7 @@ PROBE_ARGS ?= --gpu auto
 endif
 TRAIN_ARGS ?= --epochs 1
 
-.PHONY: setup run test lint clean gpu-wheels gpu-rehearsal
+.PHONY: setup run test lint clean gpu-wheels gpu-rehearsal gpu-fused-wheels
 
 setup: $(VENV)/.installed
 
@@ -54,10 +54,17 @@ clean:
 # check's preflight verifies it). psutil is nvitop's one dependency, a binary abi3 wheel.
 GPU_WHEELS ?= "transformers>=5.23" "nvitop>=1.4" "psutil>=5.6.6"
 gpu-wheels:
-	rm -rf wheels
+	rm -f wheels/transformers-*.whl wheels/nvitop-*.whl wheels/psutil-*.whl
 	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
 		--python-version 3.12 --platform manylinux2014_x86_64 -d wheels $(GPU_WHEELS)
 
 # The GPU check rehearsed on this CPU machine in an environment like the H200 image's (.rehearsal/).
 gpu-rehearsal:
 	scripts/gpu_rehearsal.sh
+
+# Optional wheels for the fused path (--impl mamba_ssm) on the H200 image: causal-conv1d compiled for sm_90
+# against torch 2.11 + CUDA 13 (about 10 minutes on 2 cores; needs nvcc 13 and `make gpu-rehearsal`'s venv),
+# mamba-ssm without its Mamba-1 extension, einops. See scripts/FUSED_WHEELS.md. gpu-wheels replaces only its
+# own wheels, so these stay. FUSED_ARGS=--force rebuilds.
+gpu-fused-wheels:
+	scripts/build_fused_wheels.sh $(FUSED_ARGS)

@@ -4,7 +4,9 @@
 # pyarrow, matplotlib, click, tqdm, huggingface-hub, tokenizers, safetensors).
 # What vramcal needs beyond them is carried in ./wheels (filled by `make gpu-wheels` on a machine with
 # PyPI: transformers>=5.23, nvitop and its psutil) and installed here without dependencies: the image's
-# packages satisfy the rest, and scripts/preflight.py checks that they do.
+# packages satisfy the rest, and scripts/preflight.py checks that they do. The fused path's wheels
+# (`make gpu-fused-wheels`: causal-conv1d compiled for sm_90, mamba-ssm, einops) are optional; when they
+# are in ./wheels the same command installs them, and the preflight prints whether they import.
 # Usage: OUT=/some/dir scripts/gpu_check.sh     (default OUT: the repo, i.e. profiles/ and reports/)
 # Exit codes: 0 done; 3 preflight: a package missing or too old (one line each); 4 no NVIDIA GPU
 # visible (one line); any other: pip's, or scripts/gpu_check.py's (124: its time limit).

@@ -9,7 +9,9 @@ tokenizers, safetensors ...; nvitop needs psutil): the carried wheels are instal
 so nothing else checks that the image's packages satisfy them. Only a missing package or a version
 below a declared minimum is a problem; a version above a declared maximum is printed as a warning
 (the image's own packages are what there is). Then every top-level module is imported once, which
-catches a broken install that metadata cannot show.
+catches a broken install that metadata cannot show. The fused Mamba-2 path (mamba-ssm + causal-conv1d,
+carried only when built: make gpu-fused-wheels) is optional: one line says whether it is present and
+importable, and its absence is no problem.
 """
 
 from __future__ import annotations
@@ -127,6 +129,39 @@ def installed_versions(names: Iterable[str]) -> dict[str, str | None]:
     return versions
 
 
+def fused_path_line(installed: Mapping[str, str | None], importer: Callable[[], object] | None = None) -> str:
+    """The optional line on the fused Mamba-2 path (``--impl mamba_ssm``); never a problem.
+
+    Its wheels (mamba-ssm without the Mamba-1 extension, causal-conv1d compiled for sm_90 against torch
+    2.11 + CUDA 13) are carried only when ``make gpu-fused-wheels`` built them (scripts/FUSED_WHEELS.md).
+
+    Args:
+        installed: canonical distribution name -> version or None, for ``mamba-ssm`` and ``causal-conv1d``.
+        importer: imports both when they are installed (by default ``causal_conv1d``, which loads its
+            compiled ``causal_conv1d_cuda``, and vramcal's ``import_mamba_ssm_mamba2``); any exception is
+            reported on the line.
+    """
+    versions = {name: installed.get(name) for name in ("mamba-ssm", "causal-conv1d")}
+    found = ", ".join(f"{name} {version}" for name, version in versions.items() if version)
+    if not all(versions.values()):
+        missing = ", ".join(name for name, version in versions.items() if not version)
+        return (f"fused path (--impl mamba_ssm): absent ({missing} not installed{'; ' + found if found else ''}); "
+                f"optional: carry its wheels (make gpu-fused-wheels)")
+    try:
+        (importer or _import_fused)()
+    except Exception as error:  # noqa: BLE001 - any failure to import is the finding
+        return (f"fused path (--impl mamba_ssm): present ({found}) but not importable: "
+                f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+    return f"fused path (--impl mamba_ssm): present ({found})"
+
+
+def _import_fused() -> None:
+    from vramcal.models.mamba2 import import_mamba_ssm_mamba2
+
+    importlib.import_module("causal_conv1d")
+    import_mamba_ssm_mamba2()
+
+
 def gpu_problem() -> str | None:
     """None when NVML shows at least one GPU visible to this process, else the one line to print."""
     from vramcal.measure.nvml import NvmlError, load_nvml, visible_gpus
@@ -161,6 +196,7 @@ def main(argv: list[str]) -> int:
     found = ", ".join(f"{name} {installed[name]}" for name in ("torch", "transformers", "nvitop") if name in installed)
     origin = Path(importlib.import_module("transformers").__file__).parent.parent
     print(f"preflight: packages ok ({found}; transformers from {origin})")
+    print(f"preflight: {fused_path_line(installed_versions(['mamba-ssm', 'causal-conv1d']))}")
     if "--gpu" in argv and (line := gpu_problem()) is not None:
         print(line, file=sys.stderr)
         return EXIT_NO_GPU

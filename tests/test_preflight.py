@@ -78,3 +78,17 @@ def test_the_gpu_line(gpu):
         install_fake_nvml([L4], init_error=9)
         assert preflight.gpu_problem() == ("no NVIDIA GPU visible (NVML: Driver Not Loaded): "
                                            "the GPU check needs one")
+
+
+def test_the_fused_path_line_is_optional_and_says_why_it_cannot_run():
+    absent = preflight.fused_path_line({"mamba-ssm": None, "causal-conv1d": None})
+    assert absent.startswith("fused path (--impl mamba_ssm): absent (mamba-ssm, causal-conv1d not installed)")
+    both = {"mamba-ssm": "2.3.2.post1", "causal-conv1d": "1.7.0"}
+    assert preflight.fused_path_line(both, importer=lambda: None) == (
+        "fused path (--impl mamba_ssm): present (mamba-ssm 2.3.2.post1, causal-conv1d 1.7.0)")
+
+    def broken():
+        raise ImportError("libcudart.so.13: cannot open shared object file")
+
+    assert preflight.fused_path_line(both, importer=broken).endswith(
+        "but not importable: ImportError: libcudart.so.13: cannot open shared object file")
