@@ -76,7 +76,8 @@ def calibrate(run: Run, device, spec: ModelSpec, implementation: str, options: d
     limits = profile.limits
     return plan, profile, {
         "profile": str(plan.path), "wall_s": time.time() - started, "trials": len(profile.trials),
-        "kernel_path": profile.kernel_path, "verified": profile.verified, "formula": profile.fit and profile.fit.formula(),
+        "kernel_path": profile.kernel_path, "verified": profile.verified,
+        "formula": profile.fit and profile.fit.formula(),
         "safe": limits and limits.safe_batch_size, "conservative": limits and limits.conservative_batch_size,
         "predicted_boundary": limits and limits.boundary_batch_size, "environment": profile.environment,
         "sequence": [(t.batch_size, t.status, t.purpose, t.peak_bytes) for t in profile.trials]}
@@ -138,19 +139,21 @@ def summary(results: dict[str, Any]) -> str:
         if name in steps:
             s = steps[name]
             lines.append(f"- calibration `{name}`: {s['wall_s']:.1f} s, {s['trials']} trials, safe {s['safe']}, "
-                         f"conservative {s['conservative']}, verified {s['verified']}, kernel path {s['kernel_path']}; "
-                         f"`{s['formula']}`")
+                         f"conservative {s['conservative']}, verified {s['verified']}, kernel path "
+                         f"{s['kernel_path']}; `{s['formula']}`")
     if "boundary" in steps:
         b = steps["boundary"]
-        lines.append(f"- boundary (default spec): predicted {b['predicted']:.1f}, bisected largest ok {b['largest_ok']}, "
-                     f"smallest failed {b['smallest_failed']} ({'' if b['complete'] else 'not '}complete), error "
-                     f"{b['error_pct'] and round(b['error_pct'], 2)} %")
+        lines.append(f"- boundary (default spec): predicted {b['predicted']:.1f}, bisected largest ok "
+                     f"{b['largest_ok']}, smallest failed {b['smallest_failed']} ({'' if b['complete'] else 'not '}"
+                     f"complete), error {b['error_pct'] and round(b['error_pct'], 2)} %")
     if "train" in steps:
         t = steps["train"]
         lines.append(f"- training one epoch at batch {t['batch_size']}: measured peak "
-                     f"{format_bytes(t['measured_peak_bytes'])} against predicted {format_bytes(t['predicted_peak_bytes'])} "
-                     f"({t['error_pct']:+.1f} %) and upper bound {format_bytes(t['upper_bytes'])}")
-    lines += [f"- skipped: {', '.join(results.get('skipped', [])) or 'nothing'}", f"- elapsed: {results['elapsed_s']:.0f} s"]
+                     f"{format_bytes(t['measured_peak_bytes'])} against predicted "
+                     f"{format_bytes(t['predicted_peak_bytes'])} ({t['error_pct']:+.1f} %) and upper bound "
+                     f"{format_bytes(t['upper_bytes'])}")
+    lines += [f"- skipped: {', '.join(results.get('skipped', [])) or 'nothing'}",
+              f"- elapsed: {results['elapsed_s']:.0f} s"]
     return "\n".join(lines) + "\n"
 
 
