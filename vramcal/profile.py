@@ -29,6 +29,7 @@ from typing import Any
 
 from vramcal.calibrate.fit import Fit
 from vramcal.calibrate.limits import Limits, LimitSettings, safe_batch_size
+from vramcal.calibrate.surface import Surface
 from vramcal.files import atomic_write_text
 from vramcal.records import Device, Trial
 from vramcal.units import format_bytes
@@ -105,6 +106,9 @@ class Profile:
         model_info: what the factory reported about its model (parameter count, ...).
         environment: what the trial processes saw (CUDA, cuDNN, Triton, allocator settings, ...).
         observations: training runs that used the profile, oldest first.
+        surface: for a calibration over several sequence lengths, the model in batch_size × seq_len and
+            the limits verified at each length (``model`` then has no ``seq_len``; ``fit``, ``limits`` and
+            ``verification`` are the reference length's). None for one length.
     """
 
     device: Device
@@ -120,6 +124,7 @@ class Profile:
     model_info: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
     observations: tuple[Observation, ...] = ()
+    surface: Surface | None = None
     warnings: tuple[str, ...] = ()
     software: dict[str, str | None] = field(default_factory=dict)
     run: dict[str, Any] = field(default_factory=dict)
@@ -129,10 +134,20 @@ class Profile:
 
     @property
     def verified(self) -> bool:
-        """Both the safe and the conservative batch size ran for real within usable memory."""
+        """Both the safe and the conservative batch size ran for real within usable memory (at every
+        calibrated length)."""
         return (self.limits is not None and self.limits.safe_batch_size > 0
-                and all(self.verification.get(k) and self.verification[k].passed
-                        for k in ("safe", "conservative")))
+                and all(self.verification.get(k) and self.verification[k].passed for k in ("safe", "conservative"))
+                and (self.surface is None or all(entry.verified for entry in self.surface.lengths)))
+
+    def covers(self, model: ModelRef) -> bool:
+        """Whether the profile sizes ``model``: the same model, or (over several lengths) the same model at a
+        seq_len inside the calibrated range."""
+        if self.surface is None:
+            return model == self.model
+        seq_len = model.params.get("seq_len")
+        return (isinstance(seq_len, int) and model.without("seq_len") == self.model
+                and self.surface.covers(seq_len))
 
     @property
     def pool_data_bytes(self) -> int:
@@ -152,6 +167,7 @@ class Profile:
             "verification": {k: v.to_dict() for k, v in self.verification.items()},
             "verified": self.verified, "warnings": list(self.warnings),
             "observations": [o.to_dict() for o in self.observations],
+            "surface": self.surface.to_dict() if self.surface else None,
         }
 
     @classmethod
@@ -171,6 +187,7 @@ class Profile:
             verification={k: Verification(**v) for k, v in data["verification"].items()},
             data=data["data"], model_info=data["model_info"], environment=data["environment"],
             observations=tuple(Observation(**o) for o in data["observations"]),
+            surface=Surface.from_dict(data["surface"]) if data.get("surface") else None,
             warnings=tuple(data["warnings"]), software=data["software"], run=data["run"],
             created_utc=data["created_utc"], vramcal_version=data["vramcal_version"],
             schema_version=data["schema_version"])
@@ -191,8 +208,10 @@ def check_profile(profile: Profile) -> None:
     Raises:
         ProfileError: the first bad field and why.
     """
+    surface = profile.surface
     for record in (profile, profile.device, profile.settings, profile.fit, profile.limits, *profile.trials,
-                   *profile.verification.values(), *profile.observations):
+                   *profile.verification.values(), *profile.observations, surface, surface and surface.fit,
+                   *(surface.lengths if surface else ())):
         if record is not None:
             _check_fields(record)
     if profile.device.total_bytes <= 0:
@@ -201,6 +220,8 @@ def check_profile(profile: Profile) -> None:
         _check_fit(profile.fit)
     if profile.limits is not None:
         _check_limits(profile)
+    if surface is not None:
+        _check_surface(profile, surface)
 
 
 def _check_fields(record: Any) -> None:
@@ -259,6 +280,23 @@ def _check_limits(profile: Profile) -> None:
         if check.passed != (check.peak_bytes is not None and check.peak_bytes <= limits.usable_bytes):
             raise ProfileError(f"verification.{name}.passed = {check.passed} contradicts its peak "
                                f"{check.peak_bytes} against usable {limits.usable_bytes}")
+
+
+def _check_surface(profile: Profile, surface: Surface) -> None:
+    """Each calibrated length's limits against the trials recorded at that length."""
+    usable = profile.settings.usable_bytes(profile.device.total_bytes)
+    for entry in surface.lengths:
+        if not 0 <= entry.conservative_batch_size <= entry.safe_batch_size:
+            raise ProfileError(f"surface seq_len {entry.seq_len}: conservative_batch_size "
+                               f"{entry.conservative_batch_size} is not within [0, safe {entry.safe_batch_size}]")
+        for name, size, peak in (("safe", entry.safe_batch_size, entry.safe_peak_bytes),
+                                 ("conservative", entry.conservative_batch_size, entry.conservative_peak_bytes)):
+            if peak is None:
+                continue
+            trials = [t for t in profile.trials if t.seq_len == entry.seq_len and t.batch_size == size]
+            if not trials or not all(t.fits(usable) for t in trials) or peak not in [t.peak_bytes for t in trials]:
+                raise ProfileError(f"surface seq_len {entry.seq_len}: the {name} batch size {size} has no fitting "
+                                   f"trial with peak_bytes {peak}")
 
 
 def _has_type(value: Any, hint: Any) -> bool:
@@ -354,7 +392,7 @@ def find_profile(profiles_dir: Path | str, device: Device, model: ModelRef) -> t
             if model.key() in path.name:
                 skipped.append(str(error))
             continue
-        if profile.model == model and device.same_hardware(profile.device) is None:
+        if profile.covers(model) and device.same_hardware(profile.device) is None:
             candidates.append((profile.created_utc, str(path)))
     return (Path(max(candidates)[1]) if candidates else None), skipped
 
@@ -364,7 +402,11 @@ def check_profile_matches(profile: Profile, device: Device, model: ModelRef) -> 
     difference = device.same_hardware(profile.device)
     if difference:
         raise ProfileError(f"the profile was made on another device ({difference}): run `vramcal probe` here")
-    if profile.model != model:
+    if not profile.covers(model):
+        if profile.surface is not None and model.without("seq_len") == profile.model:
+            raise ProfileError(f"seq_len {model.params.get('seq_len')} is outside the profile's calibrated lengths "
+                               f"{min(profile.surface.seq_lens)}-{max(profile.surface.seq_lens)}: calibrate it "
+                               f"(vramcal probe --seq-len ...)")
         ours, theirs = model.params, profile.model.params
         diffs = [f"{k}={ours.get(k)} (profile {theirs.get(k)})" for k in sorted(set(ours) | set(theirs))
                  if ours.get(k) != theirs.get(k)]

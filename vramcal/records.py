@@ -118,6 +118,7 @@ class Trial:
         wall_s: seconds of the whole trial as seen by the caller.
         purpose: why the search chose this size (``grow``, ``verify-conservative``, ...).
         error: the last lines of the traceback (``oom``/``error``/``timeout``), else None.
+        seq_len: the trial's sequence length in a calibration over several lengths (None: the model's one).
     """
 
     batch_size: int
@@ -138,6 +139,7 @@ class Trial:
     wall_s: float | None = None
     purpose: str = ""
     error: str | None = None
+    seq_len: int | None = None
 
     @property
     def ok(self) -> bool:

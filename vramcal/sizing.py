@@ -16,10 +16,11 @@ longer fits, the limits are recomputed against ``usable − delta`` (never above
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from vramcal.calibrate.limits import safe_batch_size
+from vramcal.calibrate.limits import Limits, safe_batch_size
 from vramcal.profile import Profile
 from vramcal.units import format_bytes
 
@@ -59,21 +60,70 @@ class Sizing:
     notices: tuple[str, ...] = ()
 
 
-def limits_for_data(profile: Profile, pool_data_bytes: int | None) -> tuple[int, int, int, list[str]]:
+@dataclass(frozen=True)
+class LengthModel:
+    """What sizing needs from a profile at one sequence length.
+
+    Attributes:
+        predict, upper: point prediction and upper 95 % bound of the peak at a batch size (bytes).
+        safe_for: the largest batch size whose upper bound fits in a given number of bytes.
+        limits: the limits at this length.
+        safe_peak_bytes: the safe size's verification peak (None: not verified at this length).
+        verified: both limits verified by real trials at this length.
+        basis: a note when the limits are not a calibrated length's own (an interpolation).
+    """
+
+    predict: Callable[[int], float]
+    upper: Callable[[int], float]
+    safe_for: Callable[[int], int]
+    limits: Limits
+    safe_peak_bytes: int | None
+    verified: bool
+    basis: str | None = None
+
+
+def length_model(profile: Profile, seq_len: int | None = None) -> LengthModel:
+    """The profile's model at ``seq_len``: the one-length fit (``seq_len`` None or the profile's), or, for a
+    profile calibrated over several lengths, the 2-D model there (:mod:`vramcal.calibrate.surface`).
+
+    Raises:
+        SizingError: no limits; ``seq_len`` outside the calibrated range or not a multiple of chunk_size.
+    """
+    limits, fit, surface = profile.limits, profile.fit, profile.surface
+    if limits is None or fit is None or limits.safe_batch_size < 1:
+        raise SizingError("the profile has no usable limits (nothing fitted or nothing fits): re-run `vramcal probe`")
+    if surface is None or seq_len is None or seq_len == surface.reference_seq_len:
+        check = profile.verification.get("safe")
+        return LengthModel(fit.predict, fit.upper, lambda usable: safe_batch_size(fit, usable), limits,
+                           check.peak_bytes if check is not None and check.passed else None, profile.verified)
+    from vramcal.calibrate.fit2d import safe_batch_size_2d
+    from vramcal.calibrate.surface import answer_at, limits_at
+
+    try:
+        at = limits_at(surface, seq_len, limits.total_bytes, profile.settings)
+        basis = answer_at(surface, seq_len, at.usable_bytes, profile.settings.conservative_fraction)[2]
+    except ValueError as error:
+        raise SizingError(str(error)) from None
+    entry, fit2 = surface.at(seq_len), surface.fit
+    return LengthModel(lambda b: fit2.predict(b, seq_len), lambda b: fit2.upper(b, seq_len),
+                       lambda usable: safe_batch_size_2d(fit2, usable, seq_len), at,
+                       entry.safe_peak_bytes if entry else None, bool(entry and entry.verified),
+                       None if entry else f"seq_len {seq_len}: {basis}")
+
+
+def limits_for_data(model: LengthModel, profile: Profile,
+                    pool_data_bytes: int | None) -> tuple[int, int, int, list[str]]:
     """(safe, conservative, data delta, notices) with the data term applied (module docstring).
 
     Raises:
-        SizingError: the profile has no limits, or the data leave no room for one sample.
+        SizingError: the data leave no room for one sample.
     """
-    limits, fit = profile.limits, profile.fit
-    if limits is None or fit is None or limits.safe_batch_size < 1:
-        raise SizingError("the profile has no usable limits (nothing fitted or nothing fits): re-run `vramcal probe`")
+    limits = model.limits
     delta = 0 if pool_data_bytes is None else pool_data_bytes - profile.pool_data_bytes
     safe, conservative, notices = limits.safe_batch_size, limits.conservative_batch_size, []
-    check = profile.verification.get("safe")
-    still_fits = check is not None and check.passed and check.peak_bytes + delta <= limits.usable_bytes
+    still_fits = model.safe_peak_bytes is not None and model.safe_peak_bytes + delta <= limits.usable_bytes
     if delta > 0 and not still_fits:  # the safe size's own trial, plus the extra data, no longer fits
-        safe = min(safe, safe_batch_size(fit, limits.usable_bytes - delta))
+        safe = min(safe, model.safe_for(limits.usable_bytes - delta))
         if safe < 1:
             raise SizingError(f"the data hold {format_bytes(delta)} more than the calibration's, which leaves no "
                               f"room for one sample in {format_bytes(limits.usable_bytes)}: calibrate with this "
@@ -83,14 +133,16 @@ def limits_for_data(profile: Profile, pool_data_bytes: int | None) -> tuple[int,
             notices.append(f"the data hold {format_bytes(delta)} more than the calibration's: safe batch size "
                            f"{limits.safe_batch_size} -> {safe}, conservative {limits.conservative_batch_size} -> "
                            f"{conservative}")
-    if not profile.verified:
+    if model.basis:
+        notices.append(model.basis)
+    elif not model.verified:
         notices.append("the profile's limits were not verified by real trials: they are extrapolations; "
                        "re-run `vramcal probe` to verify them")
     return safe, conservative, delta, notices
 
 
 def size(profile: Profile, request: int | None = None, *, purpose: Purpose = "conservative",
-         batch_size_min: int = 1, pool_data_bytes: int | None = None) -> Sizing:
+         batch_size_min: int = 1, pool_data_bytes: int | None = None, seq_len: int | None = None) -> Sizing:
     """The batch size for a run and the profile's prediction for it.
 
     Args:
@@ -99,14 +151,17 @@ def size(profile: Profile, request: int | None = None, *, purpose: Purpose = "co
         purpose: which limit to use when nothing is requested.
         batch_size_min: the smallest batch size acceptable.
         pool_data_bytes: the run's data bytes in the measured memory (None: as in the calibration).
+        seq_len: the run's sequence length, for a profile calibrated over several (:func:`length_model`).
 
     The seed documents clamp the user's batch size to [min, max] before any allocation; here max is the
     profile's safe batch size (the largest whose upper prediction bound fits in usable memory).
 
     Raises:
-        SizingError: no limits, min above the safe batch size, or the limit for ``purpose`` below min.
+        SizingError: no limits, min above the safe batch size, the limit for ``purpose`` below min, or a
+            ``seq_len`` the profile does not cover.
     """
-    safe, conservative, delta, notices = limits_for_data(profile, pool_data_bytes)
+    model = length_model(profile, seq_len)
+    safe, conservative, delta, notices = limits_for_data(model, profile, pool_data_bytes)
     if batch_size_min > safe:
         raise SizingError(f"--batch-size-min {batch_size_min} is above the profile's safe batch size {safe}: "
                           f"lower --batch-size-min, or use a smaller model or a larger device")
@@ -121,19 +176,10 @@ def size(profile: Profile, request: int | None = None, *, purpose: Purpose = "co
         if batch != request:
             notices.insert(0, f"--batch-size {request} is outside [{batch_size_min}, {safe}] (--batch-size-min, "
                               f"the profile's safe batch size): using {batch}")
-    return sizing_at(profile, batch, source, safe, conservative, delta, tuple(notices))
-
-
-def sizing_at(profile: Profile, batch_size: int, source: str, safe: int, conservative: int, delta: int,
-              notices: tuple[str, ...] = ()) -> Sizing:
-    """The :class:`Sizing` record at ``batch_size`` (predictions with the data term)."""
-    fit, limits = profile.fit, profile.limits
-    assert fit is not None and limits is not None
-    return Sizing(batch_size=batch_size, source=source, safe_batch_size=safe, conservative_batch_size=conservative,
-                  predicted_peak_bytes=int(fit.predict(batch_size) + delta),
-                  upper_bytes=int(fit.upper(batch_size) + delta), usable_bytes=limits.usable_bytes,
-                  total_bytes=limits.total_bytes, data_delta_bytes=delta, verified=profile.verified,
-                  notices=notices)
+    return Sizing(batch_size=batch, source=source, safe_batch_size=safe, conservative_batch_size=conservative,
+                  predicted_peak_bytes=int(model.predict(batch) + delta), upper_bytes=int(model.upper(batch) + delta),
+                  usable_bytes=model.limits.usable_bytes, total_bytes=model.limits.total_bytes,
+                  data_delta_bytes=delta, verified=model.verified, notices=tuple(notices))
 
 
 def scaled_lr(lr: float, batch_size: int, reference_batch_size: int, scaling: str) -> float:

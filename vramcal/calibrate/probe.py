@@ -16,8 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from vramcal import __version__
+from vramcal.calibrate import surface
 from vramcal.calibrate.limits import LimitSettings
-from vramcal.calibrate.search import SearchSettings, next_batch_size, settle
+from vramcal.calibrate.search import SearchSettings, Step, next_batch_size, settle
 from vramcal.measure.trial import TrialRequest, TrialRunner
 from vramcal.profile import Profile, Verification, utc_now
 from vramcal.records import Device, Trial
@@ -40,7 +41,8 @@ def check_budget(device: Device, settings: LimitSettings) -> None:
 def calibrate_trials(device: Device, model: ModelRef, settings: LimitSettings = LimitSettings(), *,
               options: dict[str, Any] | None = None, warmup_steps: int = 1, measured_steps: int = 2,
               val_steps: int = 1, max_trials: int = 16, timeout_s: float = 900.0,
-              runner: TrialRunner | None = None, on_trial: Callable[[Trial], None] | None = None) -> Profile:
+              runner: TrialRunner | None = None, on_trial: Callable[[Trial], None] | None = None,
+              seq_lens: tuple[int, ...] = ()) -> Profile:
     """Calibrate ``model`` on ``device`` and return the profile (not yet written).
 
     Args:
@@ -53,6 +55,9 @@ def calibrate_trials(device: Device, model: ModelRef, settings: LimitSettings = 
         timeout_s: per-trial time limit; a slower trial is recorded as ``timeout``.
         runner: a :class:`TrialRunner` (made here by default).
         on_trial: called with each trial as it finishes (progress output).
+        seq_lens: two or more sequence lengths to calibrate at once (:mod:`vramcal.calibrate.surface`; the
+            factory takes ``seq_len``): the profile then holds the model in batch_size × seq_len, and
+            ``max_trials`` grows by 4 per length beyond the first.
 
     Raises:
         ValueError: no usable memory (:func:`check_budget`), or measured_steps < 2.
@@ -68,8 +73,13 @@ def calibrate_trials(device: Device, model: ModelRef, settings: LimitSettings = 
                             measured_steps, val_steps, host_limit)
     started = time.perf_counter()
     trials: list[Trial] = []
-    while (step := next_batch_size(trials, search)) is not None:
-        trial = runner.run(template.with_batch_size(step.batch_size), purpose=step.purpose)
+    if len(seq_lens) > 1:
+        search = dataclasses.replace(search, max_trials=max_trials + 4 * (len(seq_lens) - 1))
+    while (chosen := _next(trials, search, seq_lens)) is not None:
+        seq_len, step = chosen
+        request = template if seq_len is None else dataclasses.replace(template, model=model.replace(seq_len=seq_len))
+        trial = runner.run(request.with_batch_size(step.batch_size), purpose=step.purpose)
+        trial = trial if seq_len is None else dataclasses.replace(trial, seq_len=seq_len)
         trials.append(trial)
         if on_trial:
             on_trial(trial)
@@ -79,7 +89,46 @@ def calibrate_trials(device: Device, model: ModelRef, settings: LimitSettings = 
     run = {"wall_s": time.perf_counter() - started, "warmup_steps": warmup_steps, "measured_steps": measured_steps,
            "val_steps": val_steps, "timeout_s": timeout_s, "max_trials": max_trials,
            "host_memory_limit": "RLIMIT_DATA = total_bytes" if host_limit else None}
+    if len(seq_lens) > 1:
+        run["seq_lens"] = list(seq_lens)
+        return assemble_surface(device, model, settings, trials, search, run, runner.context, options or {},
+                                seq_lens)
     return assemble(device, model, settings, trials, search, run, runner.context, options or {})
+
+
+def _next(trials: list[Trial], search: SearchSettings, seq_lens: tuple[int, ...]) -> tuple[int | None, Step] | None:
+    if len(seq_lens) > 1:
+        return surface.next_trial(trials, seq_lens, search)
+    step = next_batch_size(trials, search)
+    return None if step is None else (None, step)
+
+
+def assemble_surface(device: Device, model: ModelRef, settings: LimitSettings, trials: list[Trial],
+                     search: SearchSettings, run: dict[str, Any], context: dict[str, Any], options: dict[str, Any],
+                     seq_lens: tuple[int, ...]) -> Profile:
+    """The profile of a calibration over several lengths: the reference length's one-length fields, the
+    surface, and a warning for each length left unverified or for terms the 2-D model lacks."""
+    reference = surface.reference_length(seq_lens)
+    one = assemble(device, model.replace(seq_len=reference), settings, surface.at_length(trials, reference), search,
+                   run, context, options)
+    found, _, _ = surface.settle_surface(trials, seq_lens, chunk_size(model), search)
+    warnings = list(one.warnings)
+    if found is None:
+        warnings.append("no model in batch_size x seq_len: too few points over the lengths")
+    else:
+        warnings += [f"seq_len {e.seq_len}: limits not verified by real trials" for e in found.lengths
+                     if not e.verified]
+        if found.fit.extra_terms:
+            warnings.append(found.fit.extra_terms)
+    return dataclasses.replace(one, model=model.without("seq_len"), trials=tuple(trials), surface=found,
+                               warnings=tuple(warnings))
+
+
+def chunk_size(model: ModelRef) -> int:
+    """The model's chunk_size (lengths are multiples of it): the regressor's, the LM config's, else 1."""
+    params = model.params
+    config = params.get("config") if isinstance(params.get("config"), dict) else {}
+    return int(params.get("chunk_size") or config.get("chunk_size") or 1)
 
 
 def first_trial_failure(first: Trial, device: Device, usable_bytes: int) -> str:

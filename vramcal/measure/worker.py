@@ -16,10 +16,12 @@ so it watches the caller's PID).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import multiprocessing
 import os
+import sys
 import threading
 import time
 import traceback
@@ -117,7 +119,8 @@ class Workers:
         ours, theirs = self._context.Pipe(duplex=True)
         started = time.time()
         process = self._context.Process(target=_worker_main, args=(theirs, function, args, started, os.getpid()))
-        process.start()
+        with _main_left_alone():
+            process.start()
         theirs.close()
         final = None
         try:
@@ -133,6 +136,27 @@ class Workers:
         if final is None:
             final = _exit_status(process.exitcode)
         return Outcome(wall_s=time.time() - started, **final)
+
+
+@contextlib.contextmanager
+def _main_left_alone():
+    """Start a worker without it re-running the caller's script.
+
+    multiprocessing prepares a forkserver child by importing the parent's ``__main__`` from its file, so
+    that functions defined there can be unpickled: a user's ``python train.py`` would run its top-level code
+    again in every trial (and without a ``__main__`` guard, recurse). Workers only run vramcal's functions
+    and factories imported by module name, so the file is hidden while the process starts.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        yield  # run as a module (python -m ...): its import by name has no side effects beyond the module's own
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def _listen(connection: Any, handler: Handler | None, started: float,

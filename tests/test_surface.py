@@ -1,0 +1,149 @@
+"""Calibration over several sequence lengths (issue 13): the policy against synthetic memory surfaces, the
+profile's record and the answers at any length, sizing at a length, and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from vramcal.calibrate.fit2d import fit_2d
+from vramcal.calibrate.search import SearchSettings
+from vramcal.calibrate.surface import (
+    LengthLimits,
+    Surface,
+    answer_at,
+    longest_at,
+    next_trial,
+    reference_length,
+    settle_surface,
+)
+from vramcal.records import Trial
+
+from fakes import GIB
+
+MIB = 2**20
+
+
+def run(memory, settings, seq_lens, noise=0.0, seed=0):
+    """Drive the real 2-D policy with a fake trial runner: peak = memory(batch_size, seq_len)."""
+    rng, trials = np.random.default_rng(seed), []
+    while (chosen := next_trial(trials, seq_lens, settings)) is not None:
+        seq_len, step = chosen
+        peak = int(memory(step.batch_size, seq_len) * (1 + rng.normal(0, noise)))
+        status = "oom" if peak > settings.total_bytes else "ok"
+        trials.append(Trial(step.batch_size, status, peak if status == "ok" else None, purpose=step.purpose,
+                            seq_len=seq_len))
+    return trials
+
+
+def surface_memory(overhead, per_token, per_sample):
+    return lambda b, length: overhead + per_token * b * length + per_sample * b
+
+
+def largest_within(memory, length, budget):
+    low, high = 0, 1
+    while memory(high, length) <= budget:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if memory(middle, length) <= budget else (low, middle)
+    return low
+
+
+@pytest.mark.parametrize("total, noise", [(80 * GIB, 0.0), (80 * GIB, 0.01), (4 * GIB, 0.01)])
+def test_three_lengths_end_verified_with_fewer_trials_than_three_calibrations(total, noise):
+    settings = SearchSettings(total_bytes=total, max_trials=16 + 8)
+    usable = settings.usable_bytes
+    memory = surface_memory(0.1 * usable, usable / 3e6, usable / 3e4)  # per-sample memory matters at 128
+    seq_lens = (128, 512, 2048)
+    trials = run(memory, settings, seq_lens, noise)
+    surface, fit, limits = settle_surface(trials, seq_lens, 64, settings)
+    assert surface is not None and surface.reference_seq_len == 512
+    for entry in surface.lengths:
+        assert entry.verified, entry
+        truth = largest_within(memory, entry.seq_len, usable)
+        assert memory(entry.safe_batch_size, entry.seq_len) <= usable * (1 + 2 * noise)
+        assert entry.safe_batch_size >= 0.75 * truth - 1 and entry.conservative_batch_size <= entry.safe_batch_size
+    per_length = [len([t for t in trials if t.seq_len == length]) for length in (128, 2048)]
+    assert all(n <= 5 for n in per_length), per_length  # each other length: its verifications only
+    assert len(trials) < 3 * len([t for t in trials if t.seq_len == 512])
+
+
+def test_the_model_predicts_lengths_between_the_calibrated_ones_within_5_percent():
+    settings = SearchSettings(total_bytes=80 * GIB, max_trials=24)
+    usable = settings.usable_bytes
+    memory = surface_memory(0.1 * usable, usable / 3e6, usable / 3e4)
+    trials = run(memory, settings, (128, 512, 2048), noise=0.005)
+    surface, _, _ = settle_surface(trials, (128, 512, 2048), 64, settings)
+    for length in (256, 1024):
+        safe, conservative, basis = answer_at(surface, length, usable, 0.9)
+        assert "interpolated" in basis
+        assert abs(surface.fit.predict(safe, length) - memory(safe, length)) / memory(safe, length) < 0.05
+        assert memory(safe, length) <= usable and conservative == math.floor(0.9 * safe)
+
+
+def test_the_longest_length_at_a_batch_size_is_within_one_chunk_of_the_truth():
+    settings = SearchSettings(total_bytes=80 * GIB, max_trials=24)
+    usable = settings.usable_bytes
+    memory = surface_memory(0.1 * usable, usable / 3e6, usable / 3e4)
+    trials = run(memory, settings, (128, 512, 2048))
+    surface, _, _ = settle_surface(trials, (128, 512, 2048), 64, settings)
+    for batch in (600, 2000):
+        answer = longest_at(surface, batch, usable)
+        truth = max(length for length in range(64, 2049, 64) if memory(batch, length) <= usable)
+        assert answer % 64 == 0 and memory(batch, answer) <= usable and truth - answer <= 64
+
+
+def test_the_reference_is_the_middle_length():
+    assert reference_length((2048, 128, 512)) == 512
+    assert reference_length((128, 256)) == 128
+
+
+def make_surface() -> Surface:
+    batches, lengths = [100, 400, 200, 800, 50, 100], [512, 512, 128, 128, 2048, 2048]
+    peaks = [int(GIB + 20_000 * b * n + 3 * MIB * b) for b, n in zip(batches, lengths)]
+    fit = fit_2d(batches, lengths, [p + (i % 3) * MIB for i, p in enumerate(peaks)])
+    entries = (LengthLimits(128, 900, 810, 9 * GIB, 8 * GIB), LengthLimits(512, 400, 360, 9 * GIB, 8 * GIB + MIB),
+               LengthLimits(2048, 100, 90, None, None))
+    return Surface(fit, 512, 64, entries)
+
+
+def test_answers_inside_outside_and_between_the_calibrated_lengths():
+    surface = make_surface()
+    assert answer_at(surface, 128, 75 * GIB, 0.9) == (900, 810, "verified")
+    assert answer_at(surface, 2048, 75 * GIB, 0.9)[2] == "not verified"
+    safe, _, basis = answer_at(surface, 1024, 75 * GIB, 0.9)
+    assert basis.startswith("interpolated") and safe <= 400  # never above the shorter calibrated length's
+    with pytest.raises(ValueError, match="outside the calibrated range 128-2048: calibrate it"):
+        answer_at(surface, 4096, 75 * GIB, 0.9)
+    with pytest.raises(ValueError, match="seq_len 100 is not a multiple of chunk_size 64"):
+        answer_at(surface, 100, 75 * GIB, 0.9)
+    assert Surface.from_dict(surface.to_dict()) == surface
+
+
+def test_a_profile_over_lengths_covers_its_range_and_sizes_at_a_length(tmp_path):
+    from profiles_for_tests import gpu_profile
+
+    from vramcal.models.regressor import ModelSpec
+    from vramcal.profile import load_profile, save_profile
+    from vramcal.sizing import SizingError, size
+
+    base, surface = gpu_profile(), make_surface()
+    evidence = [Trial(size, "ok", peak, seq_len=e.seq_len) for e in surface.lengths
+                for size, peak in ((e.safe_batch_size, e.safe_peak_bytes), (e.conservative_batch_size,
+                                                                           e.conservative_peak_bytes)) if peak]
+    profile = dataclasses.replace(base, model=base.model.without("seq_len"), surface=surface,
+                                  trials=base.trials + tuple(evidence))
+    assert profile.covers(ModelSpec(seq_len=256).ref("transformers"))
+    assert not profile.covers(ModelSpec(seq_len=4096).ref("transformers"))
+    assert not profile.covers(ModelSpec(d_model=64, seq_len=256).ref("transformers"))
+    assert load_profile(save_profile(profile, tmp_path / "p.json")) == profile
+    at_128 = size(profile, purpose="safe", seq_len=128)
+    assert at_128.safe_batch_size == 900 and at_128.predicted_peak_bytes == int(profile.surface.fit.predict(900, 128))
+    between = size(profile, seq_len=1024)
+    assert between.notices[-1].startswith("seq_len 1024: interpolated")
+    with pytest.raises(SizingError, match="outside the calibrated range"):
+        size(profile, seq_len=8192)

@@ -1,0 +1,286 @@
+"""One calibration for several sequence lengths: the policy and the record of the memory model in
+batch_size × seq_len (issue 13).
+
+The model (:mod:`vramcal.calibrate.fit2d`): ``peak = overhead + per_token × (batch_size × seq_len) +
+per_sample × batch_size`` with its 95 % prediction interval. The policy, and why it needs few trials:
+
+1. **One full calibration at a reference length** — the middle one of those requested
+   (:func:`reference_length`): the one-length search (:mod:`vramcal.calibrate.search`: growth, local fit,
+   boundary trial, verification) pins the overhead and the slope in batch_size at that length, from a
+   length that is interpolated from, not extrapolated.
+2. **Each other length costs its verifications only**, longest first: a first trial at the safe size the
+   model predicts there (before any other length was measured, the slope is scaled by the length: the
+   per-token assumption, which over-predicts a longer length's memory, so that first guess fits), which
+   is also the point that splits the slope into its per-token and per-sample parts;
+   then the safe size twice and the conservative size once, each a point of the 2-D fit. Peaks that bend
+   or a failure bind the limit at that length as in the one-length search (bisection, never less than
+   the largest size that fitted there).
+
+So three lengths take one calibration plus about three trials per further length, where three separate
+calibrations take three full searches. The fit's extra-terms test (tokens² and a per-length term) is
+reported when the data need more terms, as the one-length fit reports curvature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vramcal.calibrate.fit import Fit
+from vramcal.calibrate.fit2d import Fit2D, fit_2d, longest_seq_len, safe_batch_size_2d
+from vramcal.calibrate.limits import Limits
+from vramcal.calibrate.search import (
+    SearchSettings,
+    Step,
+    failed_batch_size,
+    fit_points,
+    fits_at,
+    largest_fitting,
+    next_batch_size,
+    settle,
+)
+from vramcal.records import Trial
+
+
+@dataclass(frozen=True)
+class LengthLimits:
+    """The verified limits at one calibrated sequence length.
+
+    Attributes:
+        seq_len: tokens (or bars) per sample.
+        safe_batch_size, conservative_batch_size: as in :class:`~vramcal.calibrate.limits.Limits`.
+        safe_peak_bytes, conservative_peak_bytes: the verification trials' peaks (None: not verified).
+        failed_batch_size: the smallest batch size that did not fit at this length, or None.
+    """
+
+    seq_len: int
+    safe_batch_size: int
+    conservative_batch_size: int
+    safe_peak_bytes: int | None
+    conservative_peak_bytes: int | None
+    failed_batch_size: int | None = None
+
+    @property
+    def verified(self) -> bool:
+        return self.safe_peak_bytes is not None and self.conservative_peak_bytes is not None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Surface:
+    """The 2-D memory model of a profile calibrated at several lengths, and the limits verified at each.
+
+    Attributes:
+        fit: the model in batch_size × seq_len.
+        reference_seq_len: the length of the full one-length calibration (the profile's one-length fields).
+        chunk_size: lengths are multiples of it.
+        lengths: the verified limits at each calibrated length, shortest first.
+    """
+
+    fit: Fit2D
+    reference_seq_len: int
+    chunk_size: int
+    lengths: tuple[LengthLimits, ...]
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return tuple(entry.seq_len for entry in self.lengths)
+
+    def covers(self, seq_len: int) -> bool:
+        """Whether ``seq_len`` lies inside the calibrated range (interpolation, not extrapolation)."""
+        return min(self.seq_lens) <= seq_len <= max(self.seq_lens)
+
+    def at(self, seq_len: int) -> LengthLimits | None:
+        return next((entry for entry in self.lengths if entry.seq_len == seq_len), None)
+
+    def to_dict(self) -> dict:
+        return {"fit": self.fit.to_dict(), "reference_seq_len": self.reference_seq_len,
+                "chunk_size": self.chunk_size, "lengths": [entry.to_dict() for entry in self.lengths]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Surface:
+        return cls(fit=Fit2D.from_dict(data["fit"]), reference_seq_len=data["reference_seq_len"],
+                   chunk_size=data["chunk_size"], lengths=tuple(LengthLimits(**e) for e in data["lengths"]))
+
+
+def reference_length(seq_lens: Sequence[int]) -> int:
+    """The length calibrated in full: the middle of the requested ones (the lower middle of an even count)."""
+    ordered = sorted(seq_lens)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def at_length(trials: Sequence[Trial], seq_len: int) -> list[Trial]:
+    return [t for t in trials if t.seq_len == seq_len]
+
+
+def surface_fit(trials: Sequence[Trial], settings: SearchSettings) -> Fit2D | None:
+    """The 2-D fit through each length's fit points (:func:`vramcal.calibrate.search.fit_points`: no flat
+    start, local to the limit), or None while it has fewer than 4 points over 2 lengths and 2 batch sizes."""
+    points = [t for length in {t.seq_len for t in trials} for t in fit_points(at_length(trials, length), settings)]
+    if len({t.seq_len for t in points}) < 2 or len({t.batch_size for t in points}) < 2 or len(points) < 4:
+        return None
+    try:
+        return fit_2d([t.batch_size for t in points], [t.seq_len for t in points], [t.peak_bytes for t in points])
+    except ValueError:  # collinear designs: wait for another point
+        return None
+
+
+def predicted_safe(trials: Sequence[Trial], seq_len: int, reference: int, settings: SearchSettings) -> int:
+    """The safe batch size the model gives at ``seq_len``: from the 2-D fit, or before there is one, from the
+    reference length's fit with its slope scaled by ``seq_len / reference`` (all memory per token)."""
+    usable = settings.usable_bytes
+    fit2 = surface_fit(trials, settings)
+    if fit2 is not None:
+        return safe_batch_size_2d(fit2, usable, seq_len)
+    state = settle(at_length(trials, reference), settings)
+    fit = state.fit
+    if fit is None or fit.slope_bytes_per_sample <= 0:
+        return 0
+    slope = fit.slope_bytes_per_sample * seq_len / reference
+    return max(0, math.floor((usable - fit.overhead_bytes) / slope * (1 - settings.snap_tolerance)))
+
+
+def length_limits(trials: Sequence[Trial], seq_len: int, reference: int, settings: SearchSettings) -> LengthLimits:
+    """The limits at one non-reference length: the model's safe size, never less than the largest size that
+    fitted there (twice), below any failure there; bisection when a failure binds (search rules 4 and 5)."""
+    usable = settings.usable_bytes
+    here = at_length(trials, seq_len)
+    failed = failed_batch_size(here, usable)
+    target = max(predicted_safe(trials, seq_len, reference, settings), largest_fitting(here, usable) or 0)
+    if failed is not None and target >= failed - 1:
+        below = largest_fitting(here, usable) or 0
+        target = below if failed - below <= max(1, math.floor(settings.snap_tolerance * failed)) \
+            else (below + failed) // 2
+    safe_trial = _settled(here, target, settings, repeats=2 if settings.repeat_safe else 1)
+    safe = safe_trial.batch_size if safe_trial else target
+    conservative = math.floor(settings.limits.conservative_fraction * safe)
+    conservative_trial = _settled(here, conservative, settings, repeats=1)
+    if conservative_trial is not None:
+        conservative = conservative_trial.batch_size
+    return LengthLimits(seq_len, safe, conservative, safe_trial and safe_trial.peak_bytes,
+                        conservative_trial and conservative_trial.peak_bytes, failed)
+
+
+def _settled(trials: Sequence[Trial], target: int, settings: SearchSettings, repeats: int) -> Trial | None:
+    if target < 1:
+        return None
+    low = math.floor(target * (1 - 2 * settings.snap_tolerance))
+    for size in sorted({t.batch_size for t in trials if low <= t.batch_size <= target}, reverse=True):
+        at = fits_at(trials, size, settings.usable_bytes)
+        if len(at) >= repeats:
+            return at[-1]
+    return None
+
+
+def next_trial(trials: Sequence[Trial], seq_lens: Sequence[int], settings: SearchSettings) -> tuple[int, Step] | None:
+    """The next (seq_len, step) of a calibration over ``seq_lens``, or None when done (module docstring).
+
+    ``trials`` carry their ``seq_len``. The reference length runs the one-length search first; each other
+    length (shortest first) then its verifications. ``settings.max_trials`` bounds the whole calibration.
+    """
+    if len(trials) >= settings.max_trials:
+        return None
+    reference = reference_length(seq_lens)
+    step = next_batch_size(at_length(trials, reference), dataclasses.replace(settings, max_trials=10**6))
+    if step is not None:
+        return reference, step
+    if settle(at_length(trials, reference), settings).safe_trial is None:
+        return None  # the reference length did not settle: nothing to scale from
+    # longest first: scaling the reference slope by the length over-predicts a longer length's memory
+    # (the per-sample part does not grow with it), so that first guess fits, and its point splits the slope
+    for seq_len in sorted((length for length in seq_lens if length != reference), reverse=True):
+        step = _verify_length(trials, seq_len, reference, settings)
+        if step is not None:
+            return seq_len, step
+    return None
+
+
+def _verify_length(trials: Sequence[Trial], seq_len: int, reference: int, settings: SearchSettings) -> Step | None:
+    here = at_length(trials, seq_len)
+    if here and not any(t.fits(settings.usable_bytes) for t in here) and min(t.batch_size for t in here) == 1:
+        return None  # one sample does not fit at this length
+    limits = length_limits(trials, seq_len, reference, settings)
+    tried = {t.batch_size for t in here}
+    if limits.safe_batch_size < 1:
+        return Step(1, "verify-safe") if 1 not in tried else None
+    if limits.safe_peak_bytes is None:
+        once = _settled(here, limits.safe_batch_size, settings, repeats=1)
+        if once is not None and settings.repeat_safe:
+            return Step(once.batch_size, "verify-safe-repeat")
+        below = max(1, math.floor(limits.safe_batch_size * (1 - settings.snap_tolerance / 2)))
+        for batch_size in (below, limits.safe_batch_size):
+            if batch_size not in tried:
+                return Step(batch_size, "verify-safe")
+        return None
+    if limits.conservative_peak_bytes is None and limits.conservative_batch_size >= 1:
+        if limits.conservative_batch_size not in tried:
+            return Step(limits.conservative_batch_size, "verify-conservative")
+    return None
+
+
+def settle_surface(trials: Sequence[Trial], seq_lens: Sequence[int], chunk_size: int,
+                   settings: SearchSettings) -> tuple[Surface | None, Fit | None, Limits | None]:
+    """The surface (None without a 2-D fit) and the reference length's one-length fit and limits."""
+    reference = reference_length(seq_lens)
+    state = settle(at_length(trials, reference), settings)
+    fit2 = surface_fit(trials, settings)
+    if fit2 is None or state.limits is None:
+        return None, state.fit, state.limits
+    entries = []
+    for seq_len in sorted(seq_lens):
+        if seq_len == reference:
+            entries.append(LengthLimits(seq_len, state.limits.safe_batch_size, state.limits.conservative_batch_size,
+                                        state.safe_trial and state.safe_trial.peak_bytes,
+                                        state.conservative_trial and state.conservative_trial.peak_bytes,
+                                        state.failed_batch_size))
+        else:
+            entries.append(length_limits(trials, seq_len, reference, settings))
+    return Surface(fit2, reference, chunk_size, tuple(entries)), state.fit, state.limits
+
+
+def answer_at(surface: Surface, seq_len: int, usable_bytes: int, conservative_fraction: float) -> tuple[int, int, str]:
+    """(safe, conservative, basis) at any length: a calibrated length's verified limits, or inside the range
+    the model's safe size, never above the verified limit of the next shorter calibrated length (memory
+    grows with length), marked an interpolation.
+
+    Raises:
+        ValueError: ``seq_len`` outside the calibrated range, or not a multiple of chunk_size.
+    """
+    if seq_len % surface.chunk_size:
+        raise ValueError(f"seq_len {seq_len} is not a multiple of chunk_size {surface.chunk_size}")
+    if not surface.covers(seq_len):
+        raise ValueError(f"seq_len {seq_len} is outside the calibrated range {min(surface.seq_lens)}-"
+                         f"{max(surface.seq_lens)}: calibrate it (vramcal probe --seq-len ...)")
+    entry = surface.at(seq_len)
+    if entry is not None:
+        return entry.safe_batch_size, entry.conservative_batch_size, "verified" if entry.verified else "not verified"
+    shorter = max((e for e in surface.lengths if e.seq_len < seq_len), key=lambda e: e.seq_len)
+    safe = min(safe_batch_size_2d(surface.fit, usable_bytes, seq_len), shorter.safe_batch_size)
+    return safe, math.floor(conservative_fraction * safe), "interpolated (not verified at this length)"
+
+
+def longest_at(surface: Surface, batch_size: int, usable_bytes: int) -> int:
+    """The longest seq_len (a multiple of chunk_size, inside the calibrated range) whose upper bound at
+    ``batch_size`` fits in usable memory; 0 when none does."""
+    return longest_seq_len(surface.fit, usable_bytes, batch_size, surface.chunk_size, min(surface.seq_lens),
+                           max(surface.seq_lens))
+
+
+def limits_at(surface: Surface, seq_len: int, total_bytes: int, settings) -> Limits:
+    """A :class:`~vramcal.calibrate.limits.Limits` record at ``seq_len`` (for sizing and reports)."""
+    usable = settings.usable_bytes(total_bytes)
+    safe, conservative, _ = answer_at(surface, seq_len, usable, settings.conservative_fraction)
+    fit = surface.fit
+    slope = fit.bytes_per_token * seq_len + fit.bytes_per_sample
+    point = max(0, math.floor((usable - fit.overhead_bytes) / slope)) if slope > 0 else 0
+    boundary = (total_bytes - fit.overhead_bytes) / slope if slope > 0 else math.inf
+    entry = surface.at(seq_len)
+    return Limits(total_bytes=total_bytes, usable_bytes=usable, safe_batch_size=safe, point_safe_batch_size=point,
+                  conservative_batch_size=conservative, boundary_batch_size=boundary,
+                  failed_batch_size=entry.failed_batch_size if entry else None)
+
+
