@@ -147,3 +147,24 @@ def test_a_profile_over_lengths_covers_its_range_and_sizes_at_a_length(tmp_path)
     assert between.notices[-1].startswith("seq_len 1024: interpolated")
     with pytest.raises(SizingError, match="outside the calibrated range"):
         size(profile, seq_len=8192)
+
+
+def test_the_report_draws_safe_batch_against_seq_len_and_tables_each_length(tmp_path):
+    import struct
+
+    from profiles_for_tests import gpu_profile
+
+    from vramcal.report import write_report
+
+    base, surface = gpu_profile(), make_surface()
+    evidence = [Trial(e.safe_batch_size, "ok", e.safe_peak_bytes, seq_len=e.seq_len) for e in surface.lengths
+                if e.safe_peak_bytes] + [Trial(e.conservative_batch_size, "ok", e.conservative_peak_bytes,
+                                               seq_len=e.seq_len) for e in surface.lengths if e.safe_peak_bytes]
+    profile = dataclasses.replace(base, model=base.model.without("seq_len"), surface=surface,
+                                  trials=base.trials + tuple(evidence))
+    png, markdown = write_report([profile], tmp_path)
+    text = markdown.read_text()
+    assert "## Sequence lengths" in text and "a full search at seq_len 512" in text
+    assert "|    2048 |  100 |           90 | **no**   |           — |      0 | verifications" in text
+    width, height = struct.unpack(">II", png.read_bytes()[16:24])
+    assert (width, height) == (1820, 760)  # three panels: memory, throughput, safe batch against seq_len

@@ -19,7 +19,14 @@ import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from vramcal.report.markdown import format_rate, series_labels, throughput_knee, trial_state, usable_bytes
+from vramcal.report.markdown import (
+    format_rate,
+    reference_trials,
+    series_labels,
+    throughput_knee,
+    trial_state,
+    usable_bytes,
+)
 from vramcal.units import format_bytes
 
 if TYPE_CHECKING:
@@ -39,13 +46,17 @@ def render_png(profiles: Sequence[Profile]) -> bytes:
     from matplotlib.figure import Figure
 
     labels, title = series_labels(profiles)
-    figure = Figure(figsize=FIGSIZE_IN, dpi=DPI, layout="constrained")
+    lengths = any(p.surface for p in profiles)
+    figure = Figure(figsize=(FIGSIZE_IN[0] * (1.3 if lengths else 1), FIGSIZE_IN[1]), dpi=DPI, layout="constrained")
     FigureCanvasAgg(figure)
-    memory_ax, speed_ax = figure.subplots(1, 2, width_ratios=[1.5, 1])
+    axes = figure.subplots(1, 3 if lengths else 2, width_ratios=[1.5, 1, 1] if lengths else [1.5, 1])
+    memory_ax, speed_ax = axes[0], axes[1]
     colors = [COLORS[i % len(COLORS)] for i in range(len(profiles))]
     for profile, color in zip(profiles, colors):
         _draw_memory(memory_ax, profile, color)
         _draw_speed(speed_ax, profile, color)
+        if lengths:
+            _draw_lengths(axes[2], profile, color)
     _draw_memory_lines(memory_ax, profiles, colors)
     _format_axes(memory_ax, speed_ax, profiles)
     handles = [_series_handle(p, c) for p, c in zip(profiles, colors)]
@@ -72,7 +83,7 @@ def render_png(profiles: Sequence[Profile]) -> bytes:
 
 def _draw_memory(ax: Any, profile: Profile, color: str) -> None:
     usable = usable_bytes(profile)
-    states = [(trial, trial_state(trial, usable)) for trial in profile.trials]
+    states = [(trial, trial_state(trial, usable)) for trial in reference_trials(profile)]
     ok = [(t.batch_size, t.peak_bytes / GIB) for t, s in states if s == "ok"]
     over = [(t.batch_size, t.peak_bytes / GIB) for t, s in states if s == "over-budget"]
     oom = [(t.batch_size, usable / GIB) for t, s in states if s == "oom"]
@@ -87,7 +98,7 @@ def _draw_memory(ax: Any, profile: Profile, color: str) -> None:
         return
     import numpy as np
 
-    right = max([t.batch_size for t in profile.trials] + [limits.safe_batch_size if limits else 0]) * 1.08
+    right = max([t.batch_size for t in reference_trials(profile)] + [limits.safe_batch_size if limits else 0]) * 1.08
     grid = np.linspace(0, max(right, 1.0), 240)
     ax.plot(grid, [fit.predict(b) / GIB for b in grid], color=color, lw=1.6, zorder=3)
     ax.fill_between(grid, [fit.lower(b) / GIB for b in grid], [fit.upper(b) / GIB for b in grid],
@@ -108,7 +119,7 @@ def _draw_memory_lines(ax: Any, profiles: Sequence[Profile], colors: Sequence[st
 
 def _median_rates(profile: Profile) -> dict[int, float]:
     rates: dict[int, list[float]] = {}
-    for trial in profile.trials:
+    for trial in reference_trials(profile):
         if trial.ok and trial.samples_per_s:
             rates.setdefault(trial.batch_size, []).append(trial.samples_per_s)
     return {b: statistics.median(v) for b, v in sorted(rates.items())}
@@ -121,7 +132,7 @@ def _draw_speed(ax: Any, profile: Profile, color: str) -> None:
     # a faint line: neighbouring batch sizes often differ by noise (a busy host), not by a trend
     ax.plot(list(medians), list(medians.values()), color=color, lw=1.0, alpha=0.35, zorder=3)
     ax.scatter(list(medians), list(medians.values()), color=color, s=22, zorder=4)
-    knee = throughput_knee(profile.trials)
+    knee = throughput_knee(reference_trials(profile))
     if knee is not None and len(medians) > 1:
         ax.scatter([knee[2]], [medians[knee[2]]], marker="*", s=170, color=color, edgecolors="black",
                    linewidths=0.6, zorder=5)
@@ -131,14 +142,49 @@ def _draw_speed(ax: Any, profile: Profile, color: str) -> None:
         ax.axvline(limits.conservative_batch_size, color=color, ls="-.", lw=1.0, alpha=0.7)
 
 
+def _draw_lengths(ax: Any, profile: Profile, color: str) -> None:
+    """Safe batch size against seq_len: the model's answer at every multiple of chunk_size inside the
+    calibrated range (a line), the calibrated lengths' verified limits (filled: safe, open: conservative)."""
+    from vramcal.calibrate.surface import answer_at
+
+    surface = profile.surface
+    if surface is None:
+        return
+    usable, fraction = usable_bytes(profile), profile.settings.conservative_fraction
+    low, high, step = min(surface.seq_lens), max(surface.seq_lens), surface.chunk_size
+    grid = range(low, high + 1, max(step, (high - low) // 200 // step * step or step))
+    ax.plot(list(grid), [answer_at(surface, n, usable, fraction)[0] for n in grid], color=color, lw=1.4, zorder=3)
+    for entry in surface.lengths:
+        style = {"color": color} if entry.verified else {"color": OOM_COLOR, "marker": "x"}
+        ax.scatter([entry.seq_len], [entry.safe_batch_size], s=40, zorder=4, **{"marker": "o", **style})
+        ax.scatter([entry.seq_len], [entry.conservative_batch_size], s=40, zorder=4, facecolors="none",
+                   edgecolors=style["color"], marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter("{x:g}")
+    ax.set(xlabel="seq_len", ylabel="batch size", title="Safe batch size against seq_len")
+    ax.grid(True, color="#dddddd", lw=0.6)
+    from matplotlib.lines import Line2D
+
+    ax.legend(handles=[Line2D([], [], color=KEY, lw=1.4, label="the model's safe size (interpolated)"),
+                       Line2D([], [], color=KEY, marker="o", ls="none", label="verified safe"),
+                       Line2D([], [], color=KEY, marker="o", mfc="none", ls="none", label="verified conservative"),
+                       Line2D([], [], color=OOM_COLOR, marker="x", ls="none", label="not verified")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.11), fontsize=8.5, frameon=False)
+
+
 def _format_axes(memory_ax: Any, speed_ax: Any, profiles: Sequence[Profile]) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    batches = [t.batch_size for p in profiles for t in p.trials]
-    top = max([p.device.total_bytes for p in profiles] + [t.peak_bytes or 0 for p in profiles for t in p.trials])
+    batches = [t.batch_size for p in profiles for t in reference_trials(p)]
+    top = max([p.device.total_bytes for p in profiles] + [t.peak_bytes or 0 for p in profiles
+                                                          for t in reference_trials(p)])
     memory_ax.set_xlim(left=0)
     memory_ax.set_ylim(bottom=0, top=top / GIB * 1.06)
-    memory_ax.set_title("Peak memory per training step", fontsize=11)
+    references = {p.surface.reference_seq_len for p in profiles if p.surface}
+    at_length = f" (seq_len {references.pop()})" if len(references) == 1 else ""
+    memory_ax.set_title(f"Peak memory per training step{at_length}", fontsize=11)
     memory_ax.set_ylabel("peak memory (GiB)")
     speed_ax.set_title("Throughput of the same trials", fontsize=11)
     speed_ax.set_ylabel("throughput (samples/s)")
@@ -175,7 +221,7 @@ def _fit_text(profile: Profile, short: bool = False) -> str:
 
 
 def _speed_text(profile: Profile, short: bool = False) -> str:
-    knee = throughput_knee(profile.trials)
+    knee = throughput_knee(reference_trials(profile))
     if knee is None:
         return "no successful trial: no throughput"
     if short:

@@ -67,6 +67,14 @@ def series_labels(profiles: Sequence[Profile]) -> tuple[list[str], list[str]]:
 
 # ---------------------------------------------------------------------------------------------- facts
 
+def reference_trials(profile: Profile) -> list[Trial]:
+    """The trials of the profile's one-length fit: all of them, or for a calibration over several lengths
+    those at the reference length (the others are in the sequence-length section)."""
+    if profile.surface is None:
+        return list(profile.trials)
+    return [t for t in profile.trials if t.seq_len in (None, profile.surface.reference_seq_len)]
+
+
 def usable_bytes(profile: Profile) -> int:
     """The profile's usable memory: from its limits, else from its settings and device."""
     if profile.limits is not None:
@@ -258,7 +266,7 @@ def summary_table(profile: Profile) -> str:
     else:
         rows += [("Safe batch size", "**none** (no fit)"), ("Conservative batch size", "**none** (no fit)")]
     rows.append(("Verification", _verification_text(profile, usable)))
-    knee = throughput_knee(profile.trials)
+    knee = throughput_knee(reference_trials(profile))
     if knee is not None:
         best, rate, reach = knee
         rows.append(("Throughput", (f"best {format_rate(rate)} samples/s at batch {best}; "
@@ -309,6 +317,30 @@ def _verification_text(profile: Profile, usable: int) -> str:
     return "; ".join(parts)
 
 
+def lengths_section(profile: Profile, level: str) -> list[str]:
+    """For a calibration over several lengths: the model in batch_size × seq_len and each length's limits."""
+    surface = profile.surface
+    if surface is None:
+        return []
+    fit = surface.fit
+    rows = []
+    for entry in surface.lengths:
+        n = sum(1 for t in profile.trials if t.seq_len == entry.seq_len)
+        rows.append([str(entry.seq_len), _batch(entry.safe_batch_size), _batch(entry.conservative_batch_size),
+                     "yes" if entry.verified else "**no**", _bytes(entry.safe_peak_bytes), str(n),
+                     "reference (full search)" if entry.seq_len == surface.reference_seq_len else "verifications"])
+    lines = [f"{level} Sequence lengths", "",
+             (f"One calibration over {len(surface.lengths)} lengths: `{fit.formula()}` (r² = {fit.r_squared:.4f}, "
+              f"n = {fit.n_points}, s = {format_bytes(fit.residual_stderr_bytes)}), a full search at seq_len "
+              f"{surface.reference_seq_len} and the verifications at the others; any length in between is an "
+              f"interpolation (`vramcal limits --seq-len`)."), "",
+             markdown_table(["seq_len", "safe", "conservative", "verified", "safe's peak", "trials", "how"], rows,
+                            right=[0, 1, 2, 4, 5]), ""]
+    if fit.extra_terms:
+        lines += [f"> **Needs more terms**: {fit.extra_terms}", ""]
+    return lines
+
+
 def profile_section(profile: Profile, extra_gpus: Sequence[GpuModel], level: str = "##") -> list[str]:
     """Summary, notes, trials and other-GPU limits of one profile, as Markdown lines."""
     lines = [f"{level} Summary", "", summary_table(profile), ""]
@@ -319,6 +351,7 @@ def profile_section(profile: Profile, extra_gpus: Sequence[GpuModel], level: str
         warnings.append(profile.fit.nonlinearity)
     if warnings:
         lines += [f"{level} Warnings", "", *(f"- {w}" for w in dict.fromkeys(warnings)), ""]
+    lines += lengths_section(profile, level)
     lines += [f"{level} Training runs", ""]
     lines += ([("Each `vramcal train` run that used this profile appends its measured peak (by the trials' "
                 "definition) beside the prediction for its batch size and data."), "", observations_table(profile)]
