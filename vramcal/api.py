@@ -20,6 +20,9 @@ profile into a batch size and its predicted peak. Each returns a record that the
 
 from __future__ import annotations
 
+import json
+import shlex
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,12 +90,13 @@ def model_ref(model: str | ModelRef = "regressor", params: dict[str, Any] | None
         _check_dtype(device, spec.dtype)
         return spec.ref(resolve_implementation(implementation, device.kind))
     if model == "lm":
-        from vramcal.models.lm import read_config
+        from vramcal.models.lm import check_params, read_config
 
         if "config" not in params or "seq_len" not in params:
             raise ValueError("--model lm needs --model-arg config=<Mamba2Config JSON file> and --seq-len")
         params["config"] = read_config(params["config"])
         params.setdefault("dtype", "fp32")
+        check_params(params["config"], params["seq_len"], params["dtype"])
         _check_dtype(device, params["dtype"])
         return ModelRef.make("lm", {**params, "implementation": resolve_implementation(implementation, device.kind)})
     ref = ModelRef.make(model, params)
@@ -158,24 +162,64 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
                     val_steps: int = 1) -> Profile:
     """Run the calibration's trials (each in a fresh worker process) and write the profile.
 
+    A user's factory module is imported in each trial process after the meter has pinned the device
+    (never preloaded into the fork server): a module that touches CUDA when imported, as
+    ``DEVICE = "cuda" if torch.cuda.is_available() else "cpu"`` does, would otherwise start CUDA before
+    the pin.
+
     Returns:
         The profile; ``profile.verified`` says whether real trials verified both limits.
 
     Raises:
-        CalibrationError: the first trial failed (one sample does not fit, or the step crashed).
+        CalibrationError: the first trial failed: one sample does not fit, or the training step itself
+            failed (the factory raised or returned something else, or the step raised; the message
+            gives the error's first line and says to fix the step, not the budget).
         OSError: the profile could not be written (the previous file is untouched).
     """
     from vramcal.measure.trial import TrialRunner
-    from vramcal.measure.worker import Workers
 
-    module = plan.model.factory.partition(":")[0]
-    runner = TrialRunner(timeout_s=timeout_s, workers=Workers(extra_preload=() if plan.model.family else (module,)))
-    profile = calibrate_trials(plan.device, plan.model, plan.settings, options=plan.options, runner=runner,
-                               on_trial=on_trial, max_trials=max_trials, warmup_steps=warmup_steps,
-                               measured_steps=measured_steps, val_steps=val_steps, timeout_s=timeout_s)
+    trials: list[Trial] = []
+
+    def record(trial: Trial) -> None:
+        trials.append(trial)
+        if on_trial is not None:
+            on_trial(trial)
+
+    runner = TrialRunner(timeout_s=timeout_s)
+    try:
+        profile = calibrate_trials(plan.device, plan.model, plan.settings, options=plan.options, runner=runner,
+                                   on_trial=record, max_trials=max_trials, warmup_steps=warmup_steps,
+                                   measured_steps=measured_steps, val_steps=val_steps, timeout_s=timeout_s)
+    except CalibrationError:
+        if trials and trials[0].status == "error":
+            raise CalibrationError(_step_failure(plan.model, trials[0])) from None
+        raise
     if save:
         save_profile(profile, plan.path)
     return profile
+
+
+def _step_failure(model: ModelRef, trial: Trial) -> str:
+    """Why a calibration's first trial crashed (status ``error``), in one line: the exception's first line
+    (read from the trial's traceback tail) and that the training step, not the budget, needs fixing."""
+    header = _exception_header(trial.error or "")
+    name = model.family or model.factory
+    return (f"the training step of {name} failed in the first trial (batch_size {trial.batch_size}), before any "
+            f"memory limit: {header}: fix the step (call the factory and one step by hand to see the traceback)")
+
+
+def _exception_header(tail: str) -> str:
+    """``Type: first line`` of the last exception in a traceback's tail (its frames are indented lines;
+    the header is the first unindented line after the last frame). vramcal's own WorkloadError is shown
+    by its message alone (it names the factory)."""
+    lines = tail.strip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    rest = [line for line in lines[(frames[-1] + 1 if frames else 0):] if line and not line.startswith(" ")]
+    header = rest[0] if rest else (lines[-1] if lines else "no error text recorded")
+    kind, sep, message = header.partition(": ")
+    if sep and kind.rpartition(".")[2] == "WorkloadError":
+        return message[:300]
+    return f"{kind.rpartition('.')[2]}{sep}{message}"[:300]
 
 
 def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *, gpu: str = "auto",
@@ -223,9 +267,21 @@ def probe_command(device: Device, ref: ModelRef) -> str:
     elif ref.family == "lm":
         args = ["--model lm", "--model-arg config=<its config file>", f"--seq-len {params['seq_len']}"]
     else:
-        args = [f"--model {ref.factory}", *(f"--model-arg {k}={v}" for k, v in params.items())]
+        args = [f"--model {ref.factory}", *(f"--model-arg {shlex.quote(f'{k}={_arg_text(v)}')}"
+                                            for k, v in params.items())]
     return " ".join(["vramcal probe", f"--gpu {gpu}", *([f"--impl {implementation}"] if implementation else []),
                      *args])
+
+
+def _arg_text(value: Any) -> str:
+    """A ``--model-arg`` value that reads back as ``value`` (:class:`vramcal.cli.options.KeyValue` reads JSON,
+    else text)."""
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except ValueError:
+            return value
+    return json.dumps(value)
 
 
 def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *,
@@ -275,3 +331,10 @@ def batch_size(profile: Profile, purpose: Purpose = "conservative", *, request: 
     """
     return size(profile, request, purpose=purpose, batch_size_min=batch_size_min,
                 pool_data_bytes=pool_data_bytes).batch_size
+
+
+# The package vramcal.calibrate (the calibration's modules) and this function share the name
+# ``vramcal.calibrate``: importing the package binds the name to it, over the function that
+# ``vramcal.__getattr__`` would give. This module imports the package (above), so it binds the name back
+# to the public function here. (Renaming the package would remove the clash.)
+sys.modules["vramcal"].calibrate = calibrate

@@ -11,6 +11,12 @@ kept in the profile, which identifies the calibration by the factory's name and 
 (:class:`ModelRef`). A factory that takes a ``seq_len`` parameter can be calibrated over several
 sequence lengths.
 
+The factory's module must be importable in the trial processes. They start with the calling process's
+``sys.path`` and working directory (multiprocessing hands both over), so a module beside the calling
+script, on ``PYTHONPATH`` or installed works, and ``vramcal probe`` also looks in the current directory.
+A function defined in ``__main__`` or in a notebook cannot be named: put it in a module. A trial imports
+the module after its meter has pinned the device, so what the module allocates when imported counts.
+
 One step, as a trial runs it and as the trainer runs it (:func:`train_step`)::
 
     loss = step.loss(batch)          # forward pass; any autocast inside
@@ -152,9 +158,16 @@ class ModelRef:
         return cls.make(data["factory"], data["params"])
 
 
+_SHAPE = (("hidden_size", "hidden"), ("num_hidden_layers", "layers"), ("vocab_size", "vocab"), ("state_size", "state"))
+
+
 def _short_value(value: Any) -> str:
+    """A value for :meth:`ModelRef.short`: a config dict by its shape (``(hidden 64, layers 2, vocab 512, state
+    16, +7 more)``), other dicts by their size."""
     if isinstance(value, dict):
-        return f"{{{len(value)} settings}}"
+        shape = [f"{label} {value[key]}" for key, label in _SHAPE if key in value]
+        rest = len(value) - len(shape)
+        return f"({', '.join(shape)}{f', +{rest} more' if rest else ''})" if shape else f"{{{len(value)} settings}}"
     return str(value)
 
 
@@ -170,7 +183,8 @@ def load_factory(ref: ModelRef) -> Callable[..., TrainingStep]:
     except Exception as error:  # noqa: BLE001 - any import failure is the user's module failing
         raise WorkloadError(f"cannot import {module_name} for --model {ref.factory} "
                             f"({type(error).__name__}: {_first_line(error)}): check the name and that it is "
-                            f"importable (on PYTHONPATH or installed)") from None
+                            f"importable: installed, on PYTHONPATH, or (vramcal probe) in the current directory"
+                            ) from None
     for part in attribute.split("."):
         target = getattr(target, part, None)
         if target is None:

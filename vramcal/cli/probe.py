@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +81,9 @@ def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, co
     """
     from vramcal import api
 
-    with one_line("interrupted: no profile written; existing profiles are unchanged"):
+    with one_line("interrupted: no profile written; existing profiles are unchanged"), stdout_to_stderr(as_json):
         model, params = model_params(options, explicit(ctx))
+        importable_from_cwd(model)
         settings = api.LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
         devices, notice = api.select_devices(gpu, capacity)
         if out is not None and len(devices) > 1:
@@ -125,6 +130,32 @@ def model_params(options: dict[str, Any], given: set[str]) -> tuple[str, dict[st
         if name in given or (model == "lm" and name not in args):
             args.setdefault(name, spec[name])
     return model, args
+
+
+def importable_from_cwd(model: str) -> None:
+    """Let ``--model module:function`` name a module in the current directory, as ``python -m`` would (and
+    uvicorn or gunicorn do for ``module:app``); PYTHONPATH and installed packages work as usual. Trial
+    processes start with this ``sys.path``."""
+    if ":" in model and os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
+@contextlib.contextmanager
+def stdout_to_stderr(active: bool) -> Iterator[None]:
+    """Point file descriptor 1 at stderr while ``active`` (``--json``), so that what trial processes and
+    libraries print (to the descriptor they inherit, not to click's stream) cannot mix into the JSON."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def factory_options(model: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -8,13 +8,21 @@ loss is transformers' own next-token cross-entropy (``labels=input_ids``).
 
 Calibrate it with ``vramcal probe --model lm --model-arg config=path/to/config.json --seq-len 512``; the
 profile keeps the config's settings themselves (not the path), so it identifies the model wherever the
-file goes. ``configs/`` in the repository holds examples (the published mamba2-130m shape and a small
-one for CPUs).
+file goes. The config is either a transformers ``Mamba2Config`` (a Hugging Face ``config.json``) or a
+``mamba_ssm`` ``MambaConfig`` (the ``config.json`` of the state-spaces checkpoints: ``d_model``,
+``n_layer``, ``ssm_cfg``), converted by :func:`from_mamba_ssm`. ``configs/`` in the repository holds
+examples: ``mamba2-130m.json`` (the published state-spaces/mamba2-130m shape), ``mamba2-lm-small.json``
+(a CPU-sized model with a host profile in ``profiles/``) and ``mamba2-lm-tiny.json`` (for tests).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
+import math
+import sys
+import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,51 +31,176 @@ from vramcal.workload import TrainingStep
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from transformers import Mamba2Config
+
+# Keys of a Hugging Face config.json that describe the file, not the model.
+BOOKKEEPING = ("architectures", "transformers_version", "model_type", "torch_dtype", "dtype", "_name_or_path")
+# Keys published Mamba-2 config.json files carry that transformers' Mamba2 has no option for (it always
+# uses a gated RMSNorm, gate before norm): they change no tensor's size, so they are dropped.
+NO_OPTION = ("rms_norm", "norm_before_gate")
+# Without these a misspelt key would silently give Mamba2Config's default, a 64-layer 4096-wide model.
+SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size")
+# mamba_ssm's defaults (mamba_ssm/models/config_mamba.py MambaConfig, mamba_ssm/modules/mamba2.py Mamba2).
+MAMBA_SSM_DEFAULTS = {"d_state": 128, "d_conv": 4, "expand": 2, "headdim": 64, "ngroups": 1, "chunk_size": 256,
+                      "bias": False, "conv_bias": True}
 
 
-def read_config(source: str | dict[str, Any]) -> dict[str, Any]:
+def read_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
     """A ``Mamba2Config``'s settings from a JSON file (or a dict), checked by building the config.
 
-    A Hugging Face ``config.json`` works as it is (its bookkeeping keys such as ``architectures`` and
-    ``transformers_version`` are dropped).
+    Accepts a Hugging Face ``config.json`` as it is (its bookkeeping keys such as ``architectures`` are
+    dropped) and a ``mamba_ssm`` one (converted by :func:`from_mamba_ssm`).
+
+    Returns:
+        The settings (``Mamba2Config`` keyword arguments), as the profile records them.
 
     Raises:
-        ValueError: the file is missing or not JSON, or transformers refuses the settings (one line).
+        ValueError: the file is missing or not JSON; a key that is not a ``Mamba2Config`` setting; a
+            missing ``hidden_size``, ``num_hidden_layers`` or ``vocab_size``; or settings transformers
+            refuses (one line each).
     """
-    if isinstance(source, str):
+    where = source if isinstance(source, (str, Path)) else "the config"
+    if isinstance(source, (str, Path)):
         try:
             settings = json.loads(Path(source).read_text())
         except OSError as error:
-            raise ValueError(f"--model lm: cannot read the config {source} ({error.strerror or error})") from None
+            raise ValueError(f"--model lm: cannot read the config {source} ({error.strerror or error}): give "
+                             f"--model-arg config=<a Mamba2Config JSON file>, e.g. configs/mamba2-lm-small.json"
+                             ) from None
         except json.JSONDecodeError as error:
-            raise ValueError(f"--model lm: {source} is not JSON (line {error.lineno})") from None
+            raise ValueError(f"--model lm: {source} is not JSON (line {error.lineno}: {error.msg})") from None
     else:
-        settings = dict(source)
+        settings = source
     if not isinstance(settings, dict):
-        raise ValueError("--model lm: the config must be a JSON object of Mamba2Config settings")
-    settings = {k: v for k, v in settings.items() if k not in ("architectures", "transformers_version", "model_type",
-                                                              "torch_dtype", "dtype")}
+        raise ValueError(f"--model lm: {where} must be a JSON object of Mamba2Config settings")
+    if any(key in settings for key in ("d_model", "n_layer", "ssm_cfg")):
+        settings = from_mamba_ssm(settings)
+    settings = {k: v for k, v in settings.items() if k not in BOOKKEEPING + NO_OPTION}
+    if _is_default_time_step_limit(settings.get("time_step_limit")):
+        del settings["time_step_limit"]  # (0, inf) is the default, and profiles hold finite JSON numbers only
+    known = {field.name for field in dataclasses.fields(_config_class())}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"--model lm: {where}: {', '.join(unknown)} {'is not a' if len(unknown) == 1 else 'are not'} "
+                         f"Mamba2Config setting{'s' * (len(unknown) > 1)}: fix or remove "
+                         f"{'it' if len(unknown) == 1 else 'them'} (see configs/mamba2-130m.json)")
+    missing = [key for key in SHAPE_KEYS if key not in settings]
+    if missing:
+        raise ValueError(f"--model lm: {where} does not set {', '.join(missing)}: give the model's shape "
+                         f"(see configs/mamba2-130m.json)")
     mamba2_config(settings)
     return settings
 
 
-def mamba2_config(settings: dict[str, Any]):
+def from_mamba_ssm(settings: dict[str, Any]) -> dict[str, Any]:
+    """``Mamba2Config`` settings for a ``mamba_ssm`` ``MambaConfig`` (``d_model``, ``n_layer``, ``ssm_cfg``...).
+
+    mamba_ssm pads the vocabulary up to a multiple of ``pad_vocab_size_multiple`` (its
+    ``MambaLMHeadModel``), ties the embeddings by default, and takes its Mamba2 block's defaults for what
+    ``ssm_cfg`` leaves out (:data:`MAMBA_SSM_DEFAULTS`). Initialisation settings (``A_init_range``, ``dt_*``)
+    change no memory and are dropped.
+
+    Raises:
+        ValueError: a model transformers' Mamba2 cannot build: Mamba-1 layers, attention layers, MLP
+            layers (``d_intermediate``) or a partial SSM (``d_ssm``).
+    """
+    ssm = {**MAMBA_SSM_DEFAULTS, **(settings.get("ssm_cfg") or {})}
+    layer = ssm.get("layer", "Mamba1")
+    if layer != "Mamba2":
+        raise ValueError(f"--model lm: this mamba_ssm config has {layer} layers (ssm_cfg.layer); vramcal's lm "
+                         f"is Mamba-2")
+    for key, why in (("attn_layer_idx", "attention layers"), ("d_intermediate", "MLP layers")):
+        if settings.get(key):
+            raise ValueError(f"--model lm: this mamba_ssm config has {why} ({key}), which transformers' Mamba2 "
+                             f"does not build: calibrate it with your own factory (--model module:function)")
+    if ssm.get("d_ssm") is not None:
+        raise ValueError("--model lm: ssm_cfg.d_ssm (an SSM on part of the width) is not in transformers' Mamba2")
+    multiple = int(settings.get("pad_vocab_size_multiple", 8))
+    vocab = math.ceil(int(settings["vocab_size"]) / multiple) * multiple
+    inner = int(ssm["expand"]) * int(settings["d_model"])
+    return {"hidden_size": settings["d_model"], "num_hidden_layers": settings["n_layer"], "vocab_size": vocab,
+            "state_size": ssm["d_state"], "expand": ssm["expand"], "head_dim": ssm["headdim"],
+            "num_heads": inner // int(ssm["headdim"]), "n_groups": ssm["ngroups"], "conv_kernel": ssm["d_conv"],
+            "chunk_size": ssm["chunk_size"], "use_bias": ssm["bias"], "use_conv_bias": ssm["conv_bias"],
+            "residual_in_fp32": settings.get("residual_in_fp32", True),
+            "tie_word_embeddings": settings.get("tie_embeddings", True)}
+
+
+def _is_default_time_step_limit(value: Any) -> bool:
+    try:
+        return value is not None and [float(v) for v in value] == [0.0, math.inf]
+    except (TypeError, ValueError):
+        return False
+
+
+def _config_class() -> type[Mamba2Config]:
+    from transformers import Mamba2Config
+
+    return Mamba2Config
+
+
+def mamba2_config(settings: dict[str, Any]) -> Mamba2Config:
     """``transformers.Mamba2Config(**settings)``.
 
     Raises:
-        ValueError: unknown settings, or heads that do not tile the inner width.
+        ValueError: a setting of the wrong type, or heads that do not tile the inner width (one line).
     """
-    from transformers import Mamba2Config
-
     try:
-        config = Mamba2Config(**settings)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"--model lm: Mamba2Config refuses the config: {str(error).splitlines()[0]}") from None
+        config = _config_class()(**settings)
+    except Exception as error:  # noqa: BLE001 - huggingface_hub's strict-dataclass errors are neither TypeError nor ValueError
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        raise ValueError(f"--model lm: Mamba2Config refuses the config: {' '.join(lines[:2])[:300]}") from None
     inner = config.expand * config.hidden_size
     if config.num_heads * config.head_dim != inner:
         raise ValueError(f"--model lm: num_heads x head_dim = {config.num_heads * config.head_dim} must equal "
                          f"expand x hidden_size = {inner}")
     return config
+
+
+def check_params(config: dict[str, Any], seq_len: Any, dtype: str = "fp32") -> Mamba2Config:
+    """Check the family's arguments before any trial (and again in the trial process).
+
+    Returns:
+        The built ``Mamba2Config``.
+
+    Raises:
+        ValueError: a bad config (:func:`mamba2_config`), a ``seq_len`` that is not a positive multiple of
+            the config's ``chunk_size``, or an unknown ``dtype``.
+    """
+    if dtype not in DTYPE_POLICIES:
+        raise ValueError(f"--model lm: dtype must be one of {', '.join(DTYPE_POLICIES)}, got {dtype!r}")
+    settings = mamba2_config(config)
+    chunk = settings.chunk_size
+    whole = isinstance(seq_len, int) and not isinstance(seq_len, bool)
+    if not whole or seq_len < 1 or seq_len % chunk:
+        low = seq_len // chunk * chunk if whole else 0
+        options = [v for v in (low, low + chunk) if v > 0]
+        raise ValueError(f"--model lm: seq_len {seq_len!r} is not a positive multiple of the config's chunk_size "
+                         f"{chunk}: use --seq-len {' or '.join(map(str, options))}")
+    return settings
+
+
+def _modeling_with_kernels() -> types.ModuleType:
+    """transformers' ``modeling_mamba2`` with mamba_ssm's kernels bound (the ``mamba_ssm`` implementation).
+
+    transformers binds the kernels when the module is imported. The worker fork server preloads it with
+    mamba_ssm hidden (:func:`vramcal.models.mamba2.import_transformers_mamba2`), so here, in the trial
+    process only, it is reloaded with mamba_ssm visible.
+    """
+    from vramcal.models.mamba2 import import_mamba_ssm_mamba2
+
+    try:
+        import_mamba_ssm_mamba2()  # the package importable even without Mamba-1's compiled extension
+    except ImportError:
+        pass  # transformers then binds what it can import, and detect_kernel_path records it
+    name = "transformers.models.mamba2.modeling_mamba2"
+    module = sys.modules.get(name)
+    if module is None:
+        module = importlib.import_module(name)
+    elif getattr(module, "_vramcal_torch_only", False):
+        module = importlib.reload(module)
+    module._vramcal_torch_only = False
+    return module
 
 
 def training_step(device: torch.device, *, config: dict[str, Any], seq_len: int, dtype: str = "fp32",
@@ -86,22 +219,14 @@ def training_step(device: torch.device, *, config: dict[str, Any], seq_len: int,
     Batches: ``input_ids`` (batch_size, seq_len) int64 on the device.
 
     Raises:
-        ValueError: a bad config, seq_len or dtype.
+        ValueError: a bad config, seq_len or dtype (:func:`check_params`).
     """
     import torch
 
     from vramcal.models.mamba2 import import_transformers_mamba2
 
-    if dtype not in DTYPE_POLICIES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPE_POLICIES)}, got {dtype!r}")
-    settings = mamba2_config(config)
-    if seq_len < 1 or seq_len % settings.chunk_size:
-        raise ValueError(f"seq_len {seq_len} is not a positive multiple of the config's chunk_size "
-                         f"{settings.chunk_size}")
-    if implementation == "transformers":
-        modeling = import_transformers_mamba2()
-    else:
-        import transformers.models.mamba2.modeling_mamba2 as modeling
+    settings = check_params(config, seq_len, dtype)
+    modeling = import_transformers_mamba2() if implementation == "transformers" else _modeling_with_kernels()
     torch.manual_seed(seed)
     model = modeling.Mamba2ForCausalLM(settings).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
@@ -111,7 +236,7 @@ def training_step(device: torch.device, *, config: dict[str, Any], seq_len: int,
     def batch(batch_size: int) -> torch.Tensor:
         return torch.randint(0, settings.vocab_size, (batch_size, seq_len), device=device, generator=generator)
 
-    def loss(input_ids: torch.Tensor) -> torch.Tensor:
+    def loss(input_ids: torch.Tensor) -> torch.Tensor:  # (B, seq_len) int64 -> scalar; logits (B, seq_len, vocab)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             return model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
 

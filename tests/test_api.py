@@ -1,0 +1,146 @@
+"""The public API and ``probe --model module:function`` with a user's factory (tests/user_models.py).
+
+Under pytest the tests folder is on ``sys.path`` (pytest puts it there for conftest.py), so the trial
+processes, forked from a server that starts with the caller's ``sys.path``, import ``user_models`` too.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+import vramcal
+import vramcal.api  # noqa: F401 - binds vramcal.calibrate to the function (other test modules import the package first)
+from vramcal.cli import main
+from vramcal.measure.device import host_device
+from vramcal.profile import load_profile
+
+GIB = 2**30
+PARAMS = {"n_features": 16384, "width": 8}
+HOST = dict(gpu="none", capacity_bytes=GIB, settings=vramcal.LimitSettings(reserve_bytes=0))
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """One real calibration of the user's MLP on 1 GiB of host memory (about 10 trials, 20-40 s)."""
+    profiles = tmp_path_factory.mktemp("profiles")
+    seen = []
+    profile = vramcal.calibrate("user_models:mlp", PARAMS, profiles_dir=profiles, on_trial=seen.append, **HOST)
+    return profile, profiles, seen
+
+
+def test_a_user_factory_calibrates_to_a_verified_profile_that_names_it(calibrated):
+    profile, profiles, seen = calibrated
+    assert profile.verified, profile.warnings
+    assert profile.model.factory == "user_models:mlp" and profile.model.params == PARAMS
+    assert profile.model.family is None and profile.implementation == "factory"
+    assert profile.kernel_path.startswith("no Mamba-2 module found (a user model)")
+    assert profile.model_info == {"n_params": 16384 * 8 + 8 + 8 * 8 + 8 + 8 + 1}
+    assert list(profile.trials) == seen and len(seen) >= 5
+    limits = profile.limits
+    assert 0 < limits.conservative_batch_size < limits.safe_batch_size
+    # the input's 64 KiB per sample dominates (activations of width 8 are 32 B per layer)
+    assert 0.95 * 64 * 2**10 <= profile.fit.slope_bytes_per_sample < 1.5 * 64 * 2**10
+    saved = list(profiles.glob("**/mlp-factory-*.json"))
+    assert len(saved) == 1 and load_profile(saved[0]) == profile
+    assert saved[0].parent.name == host_device().slug()
+
+
+def test_find_profile_and_batch_size_read_it_back(calibrated):
+    profile, profiles, _ = calibrated
+    found, path, notices = vramcal.find_profile("user_models:mlp", PARAMS, device=host_device(GIB),
+                                                profiles_dir=profiles)
+    assert found == profile and notices == [] and path.name.startswith("mlp-factory-")
+    limits = profile.limits
+    assert vramcal.batch_size(found) == limits.conservative_batch_size
+    assert vramcal.batch_size(found, "safe") == limits.safe_batch_size
+    assert vramcal.batch_size(found, request=10**9) == limits.safe_batch_size
+    assert vramcal.size(found, 7).predicted_peak_bytes == int(profile.fit.predict(7))
+    with pytest.raises(vramcal.SizingError, match="another model: width=16 \\(profile 8\\)"):
+        vramcal.find_profile("user_models:mlp", {**PARAMS, "width": 16}, device=host_device(GIB), path=path)
+    with pytest.raises(vramcal.SizingError, match="no profile for .* `vramcal probe --gpu none --model "
+                                                  "user_models:mlp --model-arg n_features=16384 --model-arg width=4`"):
+        vramcal.find_profile("user_models:mlp", {**PARAMS, "width": 4}, device=host_device(GIB),
+                             profiles_dir=profiles)
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("no_such_module_here:make", "cannot import no_such_module_here for --model no_such_module_here:make "
+                                 "(ModuleNotFoundError: No module named 'no_such_module_here'): check the name "
+                                 "and that it is importable: installed, on PYTHONPATH, or (vramcal probe) in the "
+                                 "current directory"),
+    ("user_models:nope", "user_models has no nope for --model user_models:nope: name a function that returns "
+                         "a vramcal.TrainingStep"),
+    ("user_models:not_callable", "--model user_models:not_callable is not callable"),
+    ("user_models", "--model 'user_models' is neither regressor, lm nor module:function"),
+])
+def test_a_factory_that_cannot_be_called_fails_before_any_trial_in_one_line(factory, message):
+    with pytest.raises(vramcal.WorkloadError) as error:
+        vramcal.calibrate(factory, **HOST)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1GiB", "--model", factory,
+                                       "--no-report"])
+    assert result.exit_code == 1 and result.output.startswith(f"Error: {message}")
+    assert len(result.output.strip().splitlines()) == 1, result.output
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("user_models:raises", "raised ValueError: width must be a multiple of 64: fix the step"),
+    ("user_models:wrong_type", "--model user_models:wrong_type returned MLP, not a vramcal.TrainingStep: "
+                               "return vramcal.TrainingStep(model=..., optimizer=..., batch=..., loss=...): fix"),
+    ("user_models:loss_raises", "before any memory limit: RuntimeError: mat1 and mat2 shapes cannot be multiplied "
+                                "(8x16 and 32x16): fix the step"),
+])
+def test_a_step_that_fails_in_the_first_trial_says_why_in_one_line(factory, message, tmp_path):
+    seen = []
+    with pytest.raises(vramcal.CalibrationError) as error:
+        vramcal.calibrate(factory, profiles_dir=tmp_path, on_trial=seen.append, **HOST)
+    text = str(error.value)
+    assert text.startswith(f"the training step of {factory} failed in the first trial (batch_size 1)")
+    assert message in text and "\n" not in text
+    assert "capacity" not in text and "second line" not in text  # not a budget problem; first line only
+    assert [t.status for t in seen] == ["error"]  # one trial, then the calibration stops
+    assert not list(tmp_path.iterdir())  # no profile written
+
+
+def test_the_cli_says_it_in_one_line_too(tmp_path):
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1GiB", "--model",
+                                       "user_models:raises", "--model-arg", "width=100", "--out",
+                                       str(tmp_path / "p.json"), "--no-report"])
+    errors = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert errors == [errors[0]] and "raised ValueError: width must be a multiple of 64: fix" in errors[0]
+    assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize("first", [
+    "",
+    "import vramcal.sizing, vramcal.api",  # the package vramcal.calibrate imported before the API
+    "from vramcal.integrations.lightning import VramcalBatchSize",
+])
+def test_vramcal_calibrate_is_the_public_function(first):
+    """The package vramcal.calibrate shares the name; importing it must not hide the function."""
+    code = f"{first}; import vramcal; f = vramcal.calibrate; import vramcal.api; print(f is vramcal.api.calibrate)"
+    out = subprocess.run([sys.executable, "-c", code.lstrip("; ")], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+
+
+def test_model_args_that_are_not_plain_json_are_refused():
+    with pytest.raises(vramcal.WorkloadError, match="plain JSON values"):
+        vramcal.model_ref("user_models:mlp", {"width": float("nan")}, device=host_device())
+
+
+def test_the_probe_command_for_a_missing_profile_reads_back_as_the_same_arguments():
+    import shlex
+
+    from vramcal.cli.options import KeyValue
+
+    params = {"flag": True, "name": "two words", "sizes": [1, 2], "digits": "3", "lr": 2.5e-4, "cfg": {"a": None}}
+    command = vramcal.probe_command(host_device(), vramcal.ModelRef.make("user_models:mlp", params))
+    words = shlex.split(command)
+    assert words[:5] == ["vramcal", "probe", "--gpu", "none", "--model"] and words[5] == "user_models:mlp"
+    given = [words[i + 1] for i, word in enumerate(words) if word == "--model-arg"]
+    assert dict(KeyValue().convert(text, None, None) for text in given) == params

@@ -1,0 +1,162 @@
+"""The Lightning callback on the CPU: a real Trainer.fit of a tiny LightningModule wrapping a user model."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer  # the dev extra installs lightning
+from torch.utils.data import DataLoader, TensorDataset
+from user_models import MLP
+
+from vramcal.measure.device import host_device
+from vramcal.measure.meters import host_peaks, read_status_bytes
+from vramcal.profile import profile_path, save_profile
+from vramcal.records import Device
+from vramcal.sizing import SizingError
+from vramcal.units import format_bytes
+
+from profiles_for_tests import build_profile, host_trial
+
+MIB = 2**20
+N_FEATURES = 16
+
+
+def profile_here(verify: bool = True):
+    """A profile of this host: 600 MiB + 100 MiB per sample, so safe is about 60 and conservative about 54."""
+    trials = [host_trial(b, 600 * MIB + 100 * MIB * b + (i % 2) * MIB) for i, b in enumerate((1, 2, 4, 8, 16))]
+    return build_profile(host_device(8 * 2**30), trials, verify=verify)
+
+
+def dataset(n: int = 256) -> TensorDataset:
+    x = torch.randn(n, N_FEATURES)
+    return TensorDataset(x, x[:, :1].clone())
+
+
+class Regressor(LightningModule):
+    """A user model in a LightningModule; it records the batch sizes it trained on."""
+
+    def __init__(self, batch_size: int = 1, with_loader: bool = True) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.with_loader = with_loader
+        self.net = MLP(N_FEATURES, 8)
+        self.seen: set[int] = set()
+        self.rss_at_fit_start = None
+
+    def training_step(self, batch, batch_index):
+        x, y = batch
+        self.seen.add(x.shape[0])
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def on_fit_start(self) -> None:  # runs after the callbacks' on_fit_start (their reset)
+        self.rss_at_fit_start = read_status_bytes("VmRSS")
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=self.batch_size) if self.with_loader else None
+
+
+class Data(LightningDataModule):
+    def __init__(self, batch_size: int = 1) -> None:
+        super().__init__()
+        self.save_hyperparameters()  # batch_size lives in hparams only
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=self.hparams.batch_size)
+
+
+def fit(module, callback, tmp_path, datamodule=None) -> None:
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      default_root_dir=tmp_path, callbacks=[callback])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(num_workers|bottleneck|log_every_n_steps|treespec).*")
+        trainer.fit(module, datamodule=datamodule)
+
+
+def test_sets_the_conservative_size_and_reports_the_measured_peak(tmp_path, caplog):
+    from vramcal.integrations.lightning import VramcalBatchSize
+
+    profile = profile_here()
+    path = save_profile(profile, tmp_path / "host.json")
+    callback, module = VramcalBatchSize(path), Regressor()
+    with caplog.at_level(logging.INFO):
+        fit(module, callback, tmp_path)
+    conservative = profile.limits.conservative_batch_size
+    assert 1 < conservative < profile.limits.safe_batch_size
+    assert module.batch_size == conservative and module.seen == {conservative}
+    assert callback.sizing.source == "conservative" and callback.profile_source == str(path)
+    # the peak is this process's: at least what it held at fit start, at most its peak since
+    assert module.rss_at_fit_start <= callback.peak_bytes <= host_peaks()["peak_bytes"]
+    assert f"peak {format_bytes(callback.peak_bytes)} at batch_size {conservative}: predicted " \
+           f"{format_bytes(callback.sizing.predicted_peak_bytes)}" in callback.report
+    assert "host peak" in callback.report
+    assert callback.report in caplog.text
+    assert f"batch_size = {conservative} (conservative" in caplog.text
+
+
+def test_clamps_a_request_on_the_datamodules_hparams_with_a_warning(tmp_path):
+    from vramcal.integrations.lightning import VramcalBatchSize
+
+    profile = profile_here()
+    data, module = Data(batch_size=3), Regressor(with_loader=False)
+    del module.batch_size  # only the DataModule's hparams hold it
+    callback = VramcalBatchSize(profile, request=10_000)
+    with pytest.warns(UserWarning, match=r"--batch-size 10000 is outside \[1, \d+\]"):
+        fit(module, callback, tmp_path, datamodule=data)
+    safe = profile.limits.safe_batch_size
+    assert data.hparams.batch_size == safe and module.seen == {safe}
+    assert callback.sizing.source == "clamped"
+
+
+def test_warns_for_an_unverified_profile(tmp_path):
+    from vramcal.integrations.lightning import VramcalBatchSize
+
+    profile = profile_here(verify=False)
+    assert not profile.verified
+    with pytest.warns(UserWarning, match="not verified by real trials"):
+        fit(Regressor(), VramcalBatchSize(profile, request=5), tmp_path)
+
+
+def test_finds_the_profile_by_model_in_a_profiles_folder(tmp_path):
+    from vramcal.integrations.lightning import VramcalBatchSize
+
+    profile = profile_here()  # made for the bundled regressor at its defaults, transformers implementation
+    path = save_profile(profile, profile_path(tmp_path / "profiles", profile.device, profile.model, "transformers"))
+    callback, module = VramcalBatchSize(model="regressor", params={}, profiles_dir=tmp_path / "profiles"), Regressor()
+    fit(module, callback, tmp_path)
+    assert callback.profile_source == str(path) and module.seen == {profile.limits.conservative_batch_size}
+
+
+def test_refuses_in_one_line(tmp_path):
+    from vramcal.integrations.lightning import VramcalBatchSize
+
+    with pytest.raises(ValueError, match="needs profile=.*or model="):
+        VramcalBatchSize()
+    elsewhere = build_profile(Device(kind="host", name="Another CPU (64 cores)", total_bytes=8 * 2**30,
+                                     total_source="MemAvailable"), [host_trial(b, (600 + 100 * b) * MIB)
+                                                                    for b in (1, 2, 4, 8)])
+    with pytest.raises(SizingError, match=r"made on another device .*'Another CPU \(64 cores\)'") as error:
+        fit(Regressor(), VramcalBatchSize(elsewhere), tmp_path)
+    assert "\n" not in str(error.value)
+    with pytest.raises(SizingError, match="the given profile: the profile was made for another model: d_model=64"):
+        fit(Regressor(), VramcalBatchSize(profile_here(), model="regressor", params={"d_model": 64}), tmp_path)
+    module = Regressor()
+    with pytest.raises(ValueError, match="neither the LightningModule nor its DataModule has 'bs'"):
+        fit(module, VramcalBatchSize(profile_here(), attr="bs"), tmp_path)
+    with pytest.raises(SizingError, match="no profile for .* run `vramcal probe"):
+        fit(module, VramcalBatchSize(model="regressor", profiles_dir=tmp_path / "empty"), tmp_path)
+
+
+def test_importing_vramcal_does_not_import_lightning():
+    code = ("import sys, vramcal, vramcal.api; vramcal.batch_size; "
+            "print(sorted(m for m in ('lightning', 'pytorch_lightning') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,77 @@
+"""Factories as a user writes them: plain PyTorch, importable by name (``user_models:mlp``), plus broken ones.
+
+vramcal imports this module in its trial processes, so it must be importable there: under pytest the
+``tests`` folder is on ``sys.path`` (pytest puts it there for ``conftest.py``), and the worker fork
+server starts with the caller's ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import vramcal
+
+
+class MLP(torch.nn.Module):
+    """A plain regressor: (batch_size, n_features) fp32 -> (batch_size, 1) fp32."""
+
+    def __init__(self, n_features: int, width: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(n_features, width), torch.nn.GELU(),
+                                          torch.nn.Linear(width, width), torch.nn.GELU(), torch.nn.Linear(width, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, n_features) -> (B, 1)
+        return self.layers(x)
+
+
+def mlp(device: torch.device, *, n_features: int = 16384, width: int = 8, lr: float = 1e-3,
+        seed: int = 0) -> vramcal.TrainingStep:
+    """A tiny MLP regressor's training step; batches are (x: (B, n_features), y: (B, 1)) fp32 on ``device``.
+
+    Wide inputs and a narrow model: 64 KiB of input per sample at the defaults, little compute, so a
+    budget of a few hundred MiB is reached at a few thousand samples in well under a second per step.
+    """
+    torch.manual_seed(seed)
+    model = MLP(n_features, width).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(batch_size, n_features, device=device, generator=generator)
+        return x, x[:, :1].clone()
+
+    def loss(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x), y)
+
+    return vramcal.TrainingStep(model=model, optimizer=optimizer, batch=batch, loss=loss,
+                                info={"n_params": sum(p.numel() for p in model.parameters())})
+
+
+# ------------------------------------------------------------------------------- broken factories
+
+not_callable = 42
+
+
+def raises(device: torch.device, **params) -> vramcal.TrainingStep:
+    raise ValueError("width must be a multiple of 64\n(a second line that must not be printed)")
+
+
+def wrong_type(device: torch.device, **params) -> torch.nn.Module:
+    return MLP(4, 4)
+
+
+def loss_raises(device: torch.device, **params) -> vramcal.TrainingStep:
+    step = mlp(device, n_features=16, width=16)
+
+    def loss(batch):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (8x16 and 32x16)")
+
+    step.loss = loss
+    return step
+
+
+def chatty(device: torch.device, **params) -> vramcal.TrainingStep:
+    """:func:`mlp`, printing to stdout as user code does (``probe --json`` must keep stdout JSON only)."""
+    print("chatty: building the model", flush=True)
+    return mlp(device, **params)
