@@ -184,3 +184,90 @@ def test_es_sample_builds_real_emini_bars(tmp_path):
     assert len(loaded) == len(bars) > 2000  # ~45 hours of trading in September 2013
     assert 1600 < loaded["close"].median() < 1700  # the E-mini S&P 500 then
     assert loaded["volume"].sum() > 500_000
+
+
+# ------------------------------------------------------------------------- data that ruins training
+
+def two_sessions(n: int = 300, days_apart: float = 3.0, jump: float = 1.3) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Two sessions of 1 s bars, the second ``days_apart`` days after the first ends and ``jump`` x higher."""
+    first, second = synthetic_bars(n, seed=1), synthetic_bars(n, seed=2)
+    second[["open", "high", "low", "close"]] *= jump
+    second["timestamp"] = first["timestamp"].iloc[-1] + pd.Timedelta(days=days_apart) + (
+        second["timestamp"] - second["timestamp"].iloc[0])
+    return first, second
+
+
+def test_windows_never_span_a_session_break_and_its_return_is_no_target():
+    """Issue 10, item 6: two sessions three days apart, the second 30 % higher. Without the gap rule the one
+    return across the gap inflated the target scale 55x (a 49-sigma target)."""
+    first, second = two_sessions()
+    bars = pd.concat([first, second], ignore_index=True)
+    windows = make_windows(bars, seq_len=32, stride=8, val_fraction=0.2)
+    j = len(first)  # bar j is the second session's first: the return of bar j crosses the gap
+    assert windows.gaps == 1 and windows.longest_gap_s == pytest.approx(3 * 86400)
+    for start in np.concatenate([windows.train_starts, windows.val_starts]):
+        bars_read = range(start, start + 32 + 2)  # row i reads bars i (previous close), i + 1 and i + 2 (target)
+        assert max(bars_read) < j or min(bars_read) >= j, f"the window at row {start} spans the gap"
+    assert any(s >= j for s in windows.train_starts)  # the second session trains too
+    # the target scale is the first session's and the second's return spread, not the gap's
+    alone = [float(raw_features(b)[0][:, 0].std()) for b in (first, second)]
+    assert min(alone) * 0.9 < windows.target_scale < max(alone) * 1.1
+    rows = np.concatenate([windows.train_starts[:, None] + np.arange(32)])
+    assert np.abs(windows.targets[rows]).max() < 8  # no many-sigma target in any training window
+    assert windows.targets[j - 2] == 0 and not windows.features[j - 1].any()  # cross-gap rows are zeroed
+    assert "1 gap between bars (session breaks: pauses over 30 min; the longest 3 days)" in \
+        data_module.gap_notice(windows.stats())
+
+
+def test_quiet_seconds_and_weekends_are_not_gaps():
+    """Seconds without trades (the E-mini sample has thousands of 10-209 s pauses) and weekends in daily
+    bars are the data's own rhythm, not session breaks."""
+    quiet = synthetic_bars(400)
+    quiet.loc[100:, "timestamp"] += pd.Timedelta(seconds=200)  # a 201 s pause among 1 s bars
+    assert make_windows(quiet, seq_len=32).gaps == 0
+    daily = synthetic_bars(400).assign(timestamp=pd.bdate_range("2020-01-01", periods=400))  # weekends: 3 days
+    assert make_windows(daily, seq_len=32).gaps == 0
+    assert data_module.gap_notice(make_windows(daily, seq_len=32).stats()) is None
+    holiday = daily.copy()
+    holiday.loc[200:, "timestamp"] += pd.Timedelta(days=30)  # a month without data is a gap in daily bars
+    assert make_windows(holiday, seq_len=32).gaps == 1
+
+
+def test_sessions_too_short_for_a_window_say_so():
+    first, second = two_sessions(n=30)
+    with pytest.raises(DataError, match="between its 1 gap") as caught:
+        make_windows(pd.concat([first, second], ignore_index=True), seq_len=32)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(("change", "names"), [
+    (lambda b: b.assign(open=1600.0, high=1600.0, low=1600.0, close=1600.0, volume=0.0),
+     "log_return, log_open_gap, log_high, log_low, log1p_volume do not vary"),
+    (lambda b: b.assign(volume=0.0), "log1p_volume does not vary"),
+    (lambda b: b.assign(volume=123.0), "log1p_volume does not vary"),
+])
+def test_a_training_split_without_spread_is_refused_in_one_line(change, names):
+    """Constant prices and zero volume trained on all-zero targets (std 0 silently replaced by 1)."""
+    with pytest.raises(DataError) as caught:
+        make_windows(change(synthetic_bars(400)), seq_len=32, source="flat.parquet")
+    line = str(caught.value)
+    assert line.startswith("flat.parquet: ") and names in line and "zero spread" in line and "\n" not in line
+
+
+def test_train_prints_the_gap_notice(tmp_path):
+    from click.testing import CliRunner
+    from test_train import SPEC_ARGS, make_profile
+
+    from vramcal.cli import main
+    from vramcal.measure.device import host_device
+    from vramcal.profile import profile_path, save_profile
+
+    first, second = two_sessions()
+    pd.concat([first, second], ignore_index=True).to_parquet(tmp_path / "bars.parquet")
+    profile = make_profile(host_device())
+    save_profile(profile, profile_path(tmp_path / "profiles", profile.device, profile.model, "transformers"))
+    result = CliRunner().invoke(main, ["train", "--data", str(tmp_path / "bars.parquet"), "--gpu", "none",
+                                       "--profiles-dir", str(tmp_path / "profiles"), "--run-dir",
+                                       str(tmp_path / "run"), "--max-steps", "1", *SPEC_ARGS])
+    assert result.exit_code == 0, result.output
+    assert "data: 1 gap between bars" in result.output

@@ -136,7 +136,9 @@ def probe_printer(plan) -> None:
 
 
 def announce(plan) -> None:
-    """What the run is about to do, on stderr: notices, model, batch size and its prediction, data."""
+    """What the run is about to do, on stderr: notices, model, batch size and its prediction, data (and its gaps)."""
+    from vramcal.train.data import gap_notice
+
     sizing, config, stats = plan.sizing, plan.config, plan.data_stats
     for notice in plan.notices:
         click.echo(f"warning: {notice}" if notice.startswith(("--batch-size", "the ")) else notice, err=True)
@@ -149,3 +151,6 @@ def announce(plan) -> None:
     click.echo(f"data: {stats['rows']} rows, {stats['train_windows']} training and {stats['val_windows']} validation "
                f"windows of {stats['seq_len']} bars (stride {stats['stride']}), validation from "
                f"{stats['first_val_timestamp']}; run folder {plan.run_dir}", err=True)
+    gaps = gap_notice(stats)
+    if gaps:
+        click.echo(gaps, err=True)

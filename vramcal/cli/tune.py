@@ -51,7 +51,6 @@ def _range(name: str, default: tuple[float, float], help_text: str):
 def tune_command(ctx: click.Context, config_file: str | None, run_dir: Path | None, resume: bool,
                  storage: str | None, study_name: str, trials: int, capacity: int | None, **options: Any) -> None:
     """Search learning rate, batch size (within the profile's bounds), weight decay and clip norm with optuna."""
-    from vramcal.train.plan import resolve
     from vramcal.tune import report
     from vramcal.tune import study as tune
 
@@ -65,30 +64,49 @@ def tune_command(ctx: click.Context, config_file: str | None, run_dir: Path | No
     resume_hint = f"`vramcal tune --run-dir {run_dir} --resume`" + (" with the same --storage and --study-name"
                                                                      if storage else "")
     with one_line(f"interrupted: the study is kept; continue it with {resume_hint}"):
-        if storage is None:
-            check_default_storage(run_dir, resume)
-        if not resume:  # every check before a study is touched
-            setting = resolve(settings.base, capacity)
-            bounds = tune.batch_bounds(settings, setting)
-        url = storage or tune.default_storage(run_dir)
-        if storage is None:
-            run_dir.mkdir(parents=True, exist_ok=True)
-        study, settings, existed = tune.open_study(tune.open_storage(url), study_name, None if resume else settings,
-                                                   settings.base.seed, settings.n_initial)
-        if existed:
-            ignored = sorted(given - set(_PER_CALL))
-            echo(f"{'resuming' if resume else 'joining'} study {study_name!r} ({len(study.trials)} trials so far) with "
-                 f"its saved settings" + (f"; ignoring {', '.join('--' + o.replace('_', '-') for o in ignored)}"
-                                          if ignored else ""))
-            setting = resolve(settings.base, capacity)
-            bounds = tune.batch_bounds(settings, setting)
-        for notice in bounds.notices:
-            echo(notice if notice.startswith("host budget") else f"warning: {notice}")
+        study, settings, setting, bounds, url = open_tune(settings, run_dir, resume, storage, study_name, capacity,
+                                                          given, echo)
         echo(f"study {study_name!r} in {tune.redact(url)}: {trials} trials, TPE after {settings.n_initial} random, "
              f"median pruning; {bounds.describe()}")
         tune.run_study(study, settings, bounds, setting, run_dir, trials, echo=echo)
         written = report.write_results(study, settings, bounds, run_dir)
     print_results(study, written)
+
+
+def open_tune(settings, run_dir: Path, resume: bool, storage: str | None, study_name: str, capacity: int | None,
+              given: set[str], echo):
+    """Check everything, then open (or create) the study and decide the batch bounds, printing the notices.
+
+    Returns:
+        (study, the settings it searches, the :class:`~vramcal.train.plan.Setting`, the batch bounds, the
+        storage URL: print it only through :func:`vramcal.tune.study.redact`).
+    """
+    from vramcal.train.data import gap_notice
+    from vramcal.train.plan import resolve
+    from vramcal.tune import study as tune
+
+    if storage is None:
+        check_default_storage(run_dir, resume)
+    if not resume:  # every check before a study is touched
+        setting = resolve(settings.base, capacity)
+        bounds = tune.batch_bounds(settings, setting)
+    url = storage or tune.default_storage(run_dir)
+    if storage is None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    study, settings, existed = tune.open_study(tune.open_storage(url), study_name, None if resume else settings,
+                                               settings.base.seed, settings.n_initial)
+    if existed:
+        ignored = sorted(given - set(_PER_CALL))
+        echo(f"{'resuming' if resume else 'joining'} study {study_name!r} ({len(study.trials)} trials so far) with "
+             f"its saved settings" + (f"; ignoring {', '.join('--' + o.replace('_', '-') for o in ignored)}"
+                                      if ignored else ""))
+        setting = resolve(settings.base, capacity)
+        bounds = tune.batch_bounds(settings, setting)
+    for notice in bounds.notices:
+        echo(notice if notice.startswith("host budget") else f"warning: {notice}")
+    if gap_notice(setting.data_stats):
+        echo(gap_notice(setting.data_stats))
+    return study, settings, setting, bounds, url
 
 
 def tune_settings(config_file: str | None, options: dict[str, Any], given: set[str]):
@@ -125,13 +143,18 @@ def check_default_storage(run_dir: Path, resume: bool) -> None:
 
 
 def print_results(study, written: dict[str, Path]) -> None:
-    from vramcal.tune.report import best_trial, format_table
+    from vramcal.tune.report import best_trial, failure_lines, format_table
 
     click.echo(format_table(study))
+    for line in failure_lines(study):
+        click.echo(line)
     best = best_trial(study)
-    if best is None:
-        click.echo("no trial completed: no best configuration")
-    else:
+    if best is not None:
         click.echo(f"best: trial {best.number}, val_loss {best.value:.5f} -> {written['best']}")
         click.echo(f"train it: vramcal train --config {written['best']}")
     click.echo(f"table: {written['table']}  plot: {written['plot']}")
+    if best is None:
+        failed = len(failure_lines(study))
+        raise click.ClickException("no trial completed, no best configuration"
+                                   + (f": {failed} failed (the reasons are above and in {written['table']})"
+                                      if failed else ""))

@@ -14,7 +14,10 @@ The promises: a killed run leaves every file at its previous or its new content 
 ``metrics.jsonl`` is written after the checkpoint that holds the same rows, so it never lists an epoch
 that no checkpoint holds; a checkpoint only ever holds finite weights; and a run folder is always
 either resumable (a readable checkpoint: ``--resume``) or reusable (none: a new run may start there).
-A truncated or unreadable ``checkpoint-last.pt`` falls back to the previous or best one, with a notice.
+A truncated or unreadable ``checkpoint-last.pt`` falls back to the previous or best one, with a notice,
+and is set aside (``checkpoint-last.pt.unreadable``) so the next save does not keep it as the previous
+one; a folder whose checkpoints are all unreadable takes a new run. The temporary file of a save that a
+kill interrupted is deleted when a run starts or resumes there.
 """
 
 from __future__ import annotations
@@ -46,11 +49,22 @@ def has_checkpoint(run_dir: Path) -> bool:
     return any((Path(run_dir) / name).is_file() for name in CHECKPOINTS)
 
 
+def has_readable_checkpoint(run_dir: Path) -> bool:
+    """Whether a checkpoint of ``run_dir`` loads (:func:`load_checkpoint`; reads the files, imports torch:
+    call it only where a run folder holds checkpoint files)."""
+    try:
+        load_resumable(run_dir)
+    except RunDirError:
+        return False
+    return True
+
+
 def check_run_dir(run_dir: Path, resume: bool) -> Path:
     """Check the run folder without creating or writing anything (so a failed start leaves nothing behind).
 
-    A folder holds a run when it has a checkpoint; one whose run never saved a checkpoint (it failed
-    before its first save) may be used by a new run.
+    A folder holds a run when it has a readable checkpoint; one whose run never saved a checkpoint (it
+    failed before its first save), or whose checkpoints are all unreadable (truncated), may be used by a
+    new run (:func:`prepare_run_dir` sets unreadable ones aside).
 
     Raises:
         RunDirError: a new run in a folder that holds one, a resume with no checkpoint or no config, or a
@@ -61,7 +75,7 @@ def check_run_dir(run_dir: Path, resume: bool) -> Path:
         if not has_checkpoint(run_dir) or not (run_dir / CONFIG).is_file() or not (run_dir / RUN).is_file():
             raise RunDirError(f"nothing to resume in {run_dir}: it has no checkpoint (the run saved none), or no "
                               f"{CONFIG}/{RUN}; start a new run there without --resume")
-    elif has_checkpoint(run_dir):
+    elif has_checkpoint(run_dir) and has_readable_checkpoint(run_dir):
         raise RunDirError(f"{run_dir} already holds a run: pass --resume to continue it, or choose another --run-dir")
     existing = next(p for p in (run_dir.absolute(), *run_dir.absolute().parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
@@ -81,6 +95,11 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> Path:
     run_dir = check_run_dir(run_dir, resume)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(run_dir)
+        if not resume:  # what is left are unreadable checkpoints (check_run_dir): kept aside, never reused
+            for name in CHECKPOINTS:
+                if (run_dir / name).is_file():
+                    set_aside(run_dir / name)
         with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".vramcal-write-check."):
             pass
     except OSError as error:
@@ -89,8 +108,30 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> Path:
     return run_dir
 
 
+def _naming(path: Path, write: Any) -> None:
+    """Run ``write()``; a failed write (a full disk, a file-size limit) is raised as an OSError naming
+    ``path``, so the one-line error says which file.
+
+    ``torch.save``'s zip writer turns the OSError of the file's ``write`` into its own RuntimeError
+    (``[enforce fail at inline_container.cc] unexpected pos ...``), keeping the OSError as its context;
+    that OSError is the failure. A RuntimeError without one propagates as it is.
+    """
+    try:
+        write()
+    except OSError as error:
+        if error.filename is not None and Path(error.filename).name == Path(path).name:
+            raise
+        raise OSError(error.errno, error.strerror or str(error), str(path)) from error
+    except RuntimeError as error:
+        cause = error.__cause__ or error.__context__
+        if not isinstance(cause, OSError):
+            raise
+        raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from error
+
+
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    atomic_write_json(path, data)
+    """Raises: OSError naming ``path`` (:func:`_naming`)."""
+    _naming(path, lambda: atomic_write_json(path, data))
 
 
 def write_metrics(run_dir: Path, rows: list[dict[str, Any]]) -> Path:
@@ -99,8 +140,8 @@ def write_metrics(run_dir: Path, rows: list[dict[str, Any]]) -> Path:
     The file is strict JSON: a NaN or infinite number is written as ``null``.
     """
     path = Path(run_dir) / METRICS
-    atomic_write_text(path, "".join(json.dumps(_finite_or_null(row), sort_keys=True, allow_nan=False) + "\n"
-                                    for row in rows))
+    text = "".join(json.dumps(_finite_or_null(row), sort_keys=True, allow_nan=False) + "\n" for row in rows)
+    _naming(path, lambda: atomic_write_text(path, text))
     return path
 
 
@@ -132,7 +173,8 @@ def save_checkpoint(run_dir: Path, payload: dict[str, Any], best: bool = False) 
     Raises:
         ValueError: the model weights (``payload["model"]``) are not all finite; nothing is written, so
             a checkpoint on disk always holds finite weights.
-        OSError: the disk is full or the file too large; the files on disk are then unchanged.
+        OSError: the disk is full or the file too large (naming the file); that file is then unchanged
+            (the last checkpoint may be new when only the best one failed).
     """
     import torch
 
@@ -141,9 +183,10 @@ def save_checkpoint(run_dir: Path, payload: dict[str, Any], best: bool = False) 
         raise ValueError(f"refusing to save a checkpoint: non-finite weights in {', '.join(bad[:3])}")
     run_dir = Path(run_dir)
     content = {"format": CHECKPOINT_FORMAT, **payload}
-    atomic_write(run_dir / LAST, lambda handle: torch.save(content, handle), keep_previous=run_dir / PREV)
+    _naming(run_dir / LAST, lambda: atomic_write(run_dir / LAST, lambda handle: torch.save(content, handle),
+                                                 keep_previous=run_dir / PREV))
     if best:
-        atomic_write(run_dir / BEST, lambda handle: torch.save(content, handle))
+        _naming(run_dir / BEST, lambda: atomic_write(run_dir / BEST, lambda handle: torch.save(content, handle)))
     return run_dir / LAST
 
 
@@ -191,7 +234,35 @@ def load_resumable(run_dir: Path) -> tuple[dict[str, Any], Path, str | None]:
             f"{'; '.join(reasons) or f'{LAST} is missing'}: resuming from {path} (epoch {progress['epoch']}, "
             f"step {progress['step']})")
         return payload, path, notice
-    raise RunDirError(f"no readable checkpoint in {run_dir} ({'; '.join(reasons) or 'none saved'}): start a new run")
+    raise RunDirError(f"no readable checkpoint in {run_dir} ({'; '.join(reasons) or 'none saved'}): start a new run "
+                      f"there without --resume (the unreadable files are then kept as *.unreadable)")
+
+
+def set_aside(path: Path) -> Path:
+    """Rename an unreadable checkpoint ``<name>`` to ``<name>.unreadable``: before a resumed run saves (the
+    save would otherwise keep an unreadable ``checkpoint-last.pt`` as ``checkpoint-prev.pt``, in place of
+    the good one), or before a new run starts in a folder whose checkpoints are all unreadable.
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    aside = Path(path).with_name(Path(path).name + ".unreadable")
+    os.replace(path, aside)
+    return aside
+
+
+def remove_stale_temporaries(run_dir: Path) -> list[Path]:
+    """Delete the temporary files a killed save left (``.checkpoint-last.pt.<random>.tmp``, ...).
+
+    Each is as large as a checkpoint; a run killed during saves again and again would fill the disk with
+    them. Call it only where no other process is saving into ``run_dir`` (a start or a resume).
+    """
+    removed = []
+    for name in (*CHECKPOINTS, METRICS, CONFIG, RUN):
+        for stale in Path(run_dir).glob(f".{name}.*.tmp"):
+            stale.unlink(missing_ok=True)
+            removed.append(stale)
+    return removed
 
 
 def last_good(run_dir: Path) -> str:

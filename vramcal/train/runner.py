@@ -102,7 +102,8 @@ def train(plan: Plan, echo: Echo = print, on_epoch: Callable[[dict[str, Any]], A
     result = outcome.result
     observation = None
     if result["peak_bytes"]:
-        _report(plan, result["peak_bytes"], echo, "at the end")
+        if result["epochs"] > 1:
+            _report(plan, result["peak_bytes"], echo, "at the end")
         observation = _observe(plan, result, echo)
     return RunResult(result["last"], result["step"], result["peak_bytes"], observation)
 

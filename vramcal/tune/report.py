@@ -45,6 +45,14 @@ def format_table(study) -> str:
     return "\n".join(lines)
 
 
+def failure_lines(study) -> list[str]:
+    """One line per failed trial with its recorded reason (``trial 3 failed: ...``)."""
+    from optuna.trial import TrialState
+
+    return [f"trial {t.number} failed: {t.user_attrs.get('error') or 'no reason recorded'}"
+            for t in study.trials if t.state == TrialState.FAIL]
+
+
 def best_trial(study):
     """The complete trial with the lowest validation loss, or None."""
     from optuna.trial import TrialState
@@ -74,13 +82,16 @@ def write_results(study, settings: TuneSettings, bounds: BatchBounds, run_dir: P
     """
     run_dir = Path(run_dir)
     written = {"table": run_dir / TRIALS_TABLE, "plot": run_dir / PLOT}
-    atomic_write_text(written["table"], f"# {study.study_name}\n\n{bounds.describe()}\n\n{format_table(study)}\n")
+    failures = "".join(f"\n- {line}" for line in failure_lines(study))
+    atomic_write_text(written["table"], f"# {study.study_name}\n\n{bounds.describe()}\n\n{format_table(study)}\n"
+                                        + (f"\nFailed trials:\n{failures}\n" if failures else ""))
     config = best_config(study, settings)
     if config is not None:
         written["best"] = run_dir / BEST_CONFIG
         atomic_write_text(written["best"], config.to_json())
     plot_study(study, bounds, written["plot"])
     return written
+
 
 _STYLE = {"complete": ("o", "tab:blue"), "pruned": ("x", "tab:orange"), "fail": ("s", "tab:red")}
 

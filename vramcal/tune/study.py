@@ -175,9 +175,16 @@ def batch_bounds(settings: TuneSettings, setting: Setting) -> BatchBounds:
     return BatchBounds(low, high, setting.profile_path, conservative, sizing.safe_batch_size, tuple(notices))
 
 
-def redact(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for everything vramcal prints or writes)."""
-    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
+def redact(text: str) -> str:
+    """``text`` (a storage URL, or an error message that may quote one) with passwords replaced by ``***``,
+    for everything vramcal prints or writes.
+
+    The password of ``scheme://user:password@host/...`` runs to the *last* ``@`` (so a password holding an
+    unescaped ``@`` or ``/`` is hidden whole, at the cost of hiding more of a URL that has an ``@`` after its
+    host); ``password=...`` and ``passwd=...`` parameters (query strings, driver DSNs) are hidden too.
+    """
+    text = re.sub(r"(://[^:/@\s]*:)\S*@", r"\1***@", text)
+    return re.sub(r"((?:password|passwd)\s*=\s*)[^&\s'\"]*", r"\1***", text, flags=re.IGNORECASE)
 
 
 # ------------------------------------------------------------------------------------------- study
@@ -217,7 +224,8 @@ def open_study(storage, study_name: str, settings: TuneSettings | None, seed: in
     """
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)  # vramcal prints one line per trial itself
+    # vramcal prints one line per trial itself; optuna's own warning for a failed trial carries its traceback
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     names = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
     existed = study_name in names
     if not existed and settings is None:
@@ -277,6 +285,7 @@ def fail_dead_trials(study) -> list[int]:
         worker_host, _, pid = str(trial.user_attrs.get("worker", "")).rpartition(":")
         if worker_host == host and pid.isdigit() and int(pid) != os.getpid() and _process_is_gone(int(pid)):
             try:
+                study._storage.set_trial_user_attr(trial._trial_id, "error", "its worker process is gone")
                 study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
             except optuna.exceptions.UpdateFinishedTrialError:
                 pass  # it finished meanwhile
@@ -296,7 +305,9 @@ def run_study(study, settings: TuneSettings, bounds: BatchBounds, setting: Setti
     """Run trials until the study has ``n_trials`` complete or pruned ones (across all its workers).
 
     Trials left RUNNING by a killed worker are marked failed first (:func:`fail_dead_trials`). A trial
-    that fails (any error) is recorded as failed with its one-line reason, and the study goes on.
+    that fails (any error) is recorded as failed with its one-line reason, and the study goes on with
+    another trial in its place, until this call has seen more than ``n_trials`` failures (a study of N
+    trials tolerates N failed ones; more means something fails every trial, and the reasons say what).
 
     Returns:
         The number of trials this call ran.
@@ -307,17 +318,19 @@ def run_study(study, settings: TuneSettings, bounds: BatchBounds, setting: Setti
 
     for number in fail_dead_trials(study):
         echo(f"trial {number}: fail (its worker process is gone)")
-    remaining = n_trials - finished(study)
-    if remaining <= 0:
-        return 0
-    before = len(study.trials)
     objective = Objective(settings, bounds, setting, Path(run_dir), echo)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        study.optimize(objective, n_trials=remaining, gc_after_trial=True, catch=(Exception,),
-                       callbacks=[MaxTrialsCallback(n_trials, states=(TrialState.COMPLETE, TrialState.PRUNED)),
-                                  _announce(echo)])
-    return len(study.trials) - before
+    while (remaining := n_trials - finished(study)) > 0:
+        if objective.failures > n_trials:
+            echo(f"stopping: {objective.failures} trials failed (see the reasons above), {finished(study)} of "
+                 f"{n_trials} finished")
+            break
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.optimize(objective, n_trials=min(remaining, n_trials + 1 - objective.failures), gc_after_trial=True,
+                           catch=(Exception,),
+                           callbacks=[MaxTrialsCallback(n_trials, states=(TrialState.COMPLETE, TrialState.PRUNED)),
+                                      _announce(echo)])
+    return objective.calls
 
 
 class Objective:
@@ -326,6 +339,7 @@ class Objective:
     def __init__(self, settings: TuneSettings, bounds: BatchBounds, setting: Setting, run_dir: Path,
                  echo: Echo) -> None:
         self.settings, self.bounds, self.setting, self.run_dir, self.echo = settings, bounds, setting, run_dir, echo
+        self.calls = self.failures = 0  # trials this objective ran, and how many of them failed
 
     def config(self, trial) -> TrainConfig:
         """The trial's training settings: the base ones with the four suggested knobs."""
@@ -337,13 +351,31 @@ class Objective:
             max_grad_norm=trial.suggest_float("max_grad_norm", *s.max_grad_norm_range, log=True))
 
     def __call__(self, trial) -> float:
+        """Train the trial; any error (a failed run, a crash, a folder that cannot be written) fails this
+        trial only, with its one-line reason in the ``error`` user attribute (optuna records it as FAIL)."""
+        import optuna
+
+        trial.set_user_attr("worker", worker_id())
+        self.calls += 1
+        try:
+            return self._train(trial)
+        except optuna.TrialPruned:
+            raise
+        except KeyboardInterrupt:
+            trial.set_user_attr("error", "interrupted (Ctrl-C or a kill of the tune)")
+            raise
+        except Exception as error:
+            self.failures += 1
+            trial.set_user_attr("error", failure_reason(error))
+            raise
+
+    def _train(self, trial) -> float:
         import optuna
 
         from vramcal.train.errors import TrainError
         from vramcal.train.plan import plan_run
         from vramcal.train.runner import train
 
-        trial.set_user_attr("worker", worker_id())
         config = self.config(trial)
         plan = plan_run(config, self.run_dir / "trials" / f"{trial.number:04d}", self.setting)
         sizing = plan.sizing
@@ -388,10 +420,23 @@ def _record(trial, rows: list[dict[str, Any]]) -> None:
     trial.set_user_attr("peak_bytes", max(r["peak_bytes"] for r in rows))
 
 
+def failure_reason(error: BaseException) -> str:
+    """One line for a failed trial: the message of vramcal's own errors (written for people, naming the
+    trial's last good checkpoint), else ``Type: first line``; passwords redacted (:func:`redact`)."""
+    from vramcal.train.errors import TrainError
+
+    lines = str(error).strip().splitlines()
+    first = lines[0] if lines else ""
+    own = isinstance(error, TrainError | TuneError) or type(error).__name__ in ("DataError", "RunDirError",
+                                                                                 "SizingError", "ConfigError")
+    return redact(first if own and first else f"{type(error).__name__}: {first}".rstrip(": "))[:500]
+
+
 def _announce(echo: Echo):
     def callback(study, trial) -> None:
         value = trial.user_attrs.get("val_loss")
         shown = f"val_loss {value:.4f}" if value is not None else "no validation"
-        echo(f"trial {trial.number}: {trial.state.name.lower()}, {shown}")
+        reason = trial.user_attrs.get("error")
+        echo(f"trial {trial.number}: {trial.state.name.lower()}, {shown}" + (f" ({reason})" if reason else ""))
 
     return callback
