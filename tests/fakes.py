@@ -20,7 +20,7 @@ def run_policy(memory: Callable[[int], float], settings, oom_above: int | None =
 
     A batch above ``oom_above`` (or whose peak exceeds the device's total) is recorded as ``oom``.
     """
-    from vramcal.calibrate.search import next_batch_size
+    from vramcal.calibration.search import next_batch_size
 
     trials: list[Trial] = []
     while (step := next_batch_size(trials, settings)) is not None:

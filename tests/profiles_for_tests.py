@@ -6,8 +6,8 @@ with a trial over budget, one out of memory, and verification at the safe and co
 
 from __future__ import annotations
 
-from vramcal.calibrate.fit import fit_linear
-from vramcal.calibrate.limits import LimitSettings, compute_limits
+from vramcal.calibration.fit import fit_linear
+from vramcal.calibration.limits import LimitSettings, compute_limits
 from vramcal.models.regressor import ModelSpec
 from vramcal.profile import Profile, Verification
 from vramcal.records import Device, Trial

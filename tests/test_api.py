@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 import vramcal
-import vramcal.api  # noqa: F401 - binds vramcal.calibrate to the function (other test modules import the package first)
+import vramcal.api  # noqa: F401 - binds vramcal.calibration to the function (other test modules import the package first)
 from vramcal.cli import main
 from vramcal.measure.device import host_device
 from vramcal.profile import load_profile
@@ -118,11 +118,11 @@ def test_the_cli_says_it_in_one_line_too(tmp_path):
 
 @pytest.mark.parametrize("first", [
     "",
-    "import vramcal.sizing, vramcal.api",  # the package vramcal.calibrate imported before the API
+    "import vramcal.sizing, vramcal.api",  # the package vramcal.calibration imported before the API
     "from vramcal.integrations.lightning import VramcalBatchSize",
 ])
 def test_vramcal_calibrate_is_the_public_function(first):
-    """The package vramcal.calibrate shares the name; importing it must not hide the function."""
+    """The package vramcal.calibration shares the name; importing it must not hide the function."""
     code = f"{first}; import vramcal; f = vramcal.calibrate; import vramcal.api; print(f is vramcal.api.calibrate)"
     out = subprocess.run([sys.executable, "-c", code.lstrip("; ")], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"

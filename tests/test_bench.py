@@ -1,48 +1,231 @@
-"""The benchmark's pure parts (tables, ratios, answers) on a synthetic results dict; no Lightning needed."""
+"""The benchmark's pure parts on synthetic results: rounds and their medians and spreads, targets, the answers
+that need survival runs, the truth's bisection and cache, the closed-loop sizing, the data term's GPU path,
+and the Python-versions comparison. No trial, no Lightning, no Accelerate."""
 
 from __future__ import annotations
 
-from bench.compare import _answers
-from bench.table import markdown, ratios, rows
+import dataclasses
+
+import pytest
+
+from bench.compare import round_orders
+from bench.data_term import gpu_path, tile_bars
+from bench.python_versions import Calibration, agreement
+from bench.survive import outcome, sizing_at
+from bench.table import ResultsError, markdown, needs_survival, ratios, rows, summary, targets
+from bench.truth import bisect_largest, cached
+from vramcal.calibration.fit import fit_linear
+from vramcal.sizing import size
+from vramcal.train.data import make_windows, synthetic_bars
+
+from profiles_for_tests import host_profile
+
+MIB = 2**20
+OK_TRIAL = {"batch_size": 1, "status": "ok"}
+
+
+def _vramcal_run(round_number: int, wall_s: float, conservative: int, safe: int, boundary: float,
+                 tool: str = "vramcal") -> dict:
+    return {"round": round_number, "position": 0, "answer": conservative, "trials": [OK_TRIAL] * 6,
+            "process_wall_s": wall_s, "returncode": 0, "profile_label": f"{tool}/r{round_number}",
+            "limits": {"conservative_batch_size": conservative, "safe_batch_size": safe,
+                       "boundary_batch_size": boundary, "usable_bytes": 2**29}}
+
+
+def _anchor_run(round_number: int, wall_s: float, answer: int | None, trials: int = 12) -> dict:
+    return {"round": round_number, "position": 1, "answer": answer, "trials": [OK_TRIAL] * trials,
+            "process_wall_s": wall_s, "returncode": 0 if answer else 1}
+
+
+def _survival(batch_size: int, status: str, peak_mib: float, predicted_mib: float, upper_mib: float,
+              steps_done: int = 200) -> dict:
+    prediction = {"predicted_peak_bytes": int(predicted_mib * MIB), "upper_bytes": int(upper_mib * MIB)}
+    return {"batch_size": batch_size, "status": status, "steps": 200, "steps_done": steps_done,
+            "peak_bytes": int(peak_mib * MIB), **prediction, "sources": ["x"], "profile_label": "vramcal/r1",
+            "wall_s": 100.0, "predictions": {f"vramcal/r{r}": prediction for r in (1, 2, 3)}}
 
 
 def _results() -> dict:
-    trial = {"batch_size": 1, "status": "ok"}
     return {
-        "spec_name": "small", "spec": {"d_model": 64}, "steps": 50, "accelerate_start": 1024,
+        "bench_schema": 2, "spec_name": "small", "spec": {"d_model": 64}, "steps": 200, "rounds": 3, "seed": 0,
+        "accelerate_start": 1024, "quick": False, "data": {"path": "data/es_1s.parquet", "stride": 1},
+        "orders": [["vramcal", "lightning-binsearch"]] * 3,
         "environment": {"budget": "1.50 GiB", "budget_bytes": 1610612736, "machine": "cpu", "cpus": 2,
                         "platform": "linux", "versions": {"torch": "2.13.0"}, "limit": "RLIMIT_DATA",
                         "created_utc": "2025-01-01T00:00:00Z", "load_average_start": [1.0, 1.0, 1.0]},
         "limit_check": {"binds": True, "recognised_by_all": True},
-        "ground_truth": {"batch_size": 200, "first_failing_batch_size": 201, "trials": [trial] * 10, "wall_s": 90.0},
-        "tools": {
-            "vramcal": {"answer": 120, "trials": [trial] * 6, "process_wall_s": 30.0, "returncode": 0,
-                        "limits": {"conservative_batch_size": 120, "safe_batch_size": 134,
-                                   "boundary_batch_size": 204.0, "usable_bytes": 2**29}},
-            "lightning-binsearch": {"answer": 190, "trials": [trial] * 12, "process_wall_s": 120.0, "returncode": 0},
-            "accelerate": {"answer": 190, "trials": [trial] * 3, "process_wall_s": 60.0, "returncode": 0},
+        "ground_truth": {"batch_size": 200, "first_failing_batch_size": 201, "trials": [{"batch_size": 1,
+                                                                                         "status": "ok"}] * 10,
+                         "wall_s": 90.0, "key": {"vramcal_commit": "abc1234"}},
+        "runs": {
+            "vramcal": [_vramcal_run(1, 30.0, 120, 134, 204.0), _vramcal_run(2, 50.0, 120, 134, 205.0),
+                        _vramcal_run(3, 40.0, 121, 135, 205.5)],
+            "lightning-binsearch": [_anchor_run(1, 120.0, 190), _anchor_run(2, 80.0, 190), _anchor_run(3, 100.0, 190)],
+            "accelerate": [_anchor_run(1, 60.0, 190, 3), _anchor_run(2, 70.0, None, 3), _anchor_run(3, 65.0, 190, 3)],
         },
-        "survival": {"120": {"status": "ok", "steps_done": 50, "rss_peak_bytes": 2**30},
-                     "134": {"status": "ok", "steps_done": 50, "rss_peak_bytes": 2**30},
-                     "190": {"status": "oom", "steps_done": 1, "rss_peak_bytes": 2**30}},
+        "survival": [_survival(190, "oom-fallback", 1500, 1400, 1450, steps_done=40),
+                     _survival(135, "ok", 1000, 980, 1030), _survival(134, "ok", 1000, 990, 1040),
+                     _survival(121, "ok", 930, 920, 960), _survival(120, "ok", 925, 915, 955)],
     }
 
 
-def test_rows_give_errors_against_the_truth_and_survival():
+def test_a_tool_summary_gives_the_median_and_range_of_its_rounds_and_whether_answers_differ():
+    figures = summary(_results()["runs"]["lightning-binsearch"])
+    assert (figures["wall_s_median"], figures["wall_s_min"], figures["wall_s_max"]) == (100.0, 80.0, 120.0)
+    assert figures["answers"] == [190, 190, 190] and not figures["answers_differ"]
+    accelerate = summary(_results()["runs"]["accelerate"])
+    assert accelerate["answers_differ"] and accelerate["failed_rounds"] == [2]
+
+
+def test_rows_show_medians_spreads_differing_answers_and_survival():
     by_tool = {row["tool"]: row for row in rows(_results())}
-    assert by_tool["vramcal predicted boundary"]["error_pct"] == "+2.0"
-    assert by_tool["vramcal conservative"]["error_pct"] == "-40.0"
-    assert by_tool["vramcal conservative"]["survived"] == "yes"
-    assert by_tool["lightning-binsearch"]["survived"] == "no (oom at step 1)"
-    assert by_tool["accelerate"]["trials"] == 3
+    conservative = by_tool["vramcal conservative"]
+    assert conservative["wall_s_median"] == "40.0" and conservative["wall_s_range"] == "30.0-50.0"
+    assert conservative["batch_size"] == "120 / 120 / 121 (differ)"
+    assert conservative["error_pct"] == "-40.0"  # median 120 against 200
+    assert conservative["survived"] == "yes"  # 120 and 121 both finished
+    assert by_tool["vramcal predicted boundary"]["batch_size"] == "204.0 / 205.0 / 205.5 (differ)"
+    assert by_tool["vramcal predicted boundary"]["error_pct"] == "+2.5"
+    assert by_tool["lightning-binsearch"]["batch_size"] == "190"
+    assert by_tool["lightning-binsearch"]["survived"] == "no (oom-fallback at step 40)"
+    assert by_tool["accelerate (failed in round 2)"]["batch_size"] == "190 / - / 190 (differ)"
 
 
-def test_ratios_divide_vramcal_by_each_anchor():
+def test_ratios_divide_medians():
     assert ratios(_results()) == [
-        {"anchor": "lightning-binsearch", "wall_ratio": "0.25", "trials_ratio": "0.50"},
-        {"anchor": "accelerate", "wall_ratio": "0.50", "trials_ratio": "2.00"}]
+        {"tool": "vramcal", "anchor": "lightning-binsearch", "wall_ratio": "0.40", "trials_ratio": "0.50"},
+        {"tool": "vramcal", "anchor": "accelerate", "wall_ratio": "0.62", "trials_ratio": "2.00"}]
 
 
-def test_every_answer_and_the_safe_size_get_a_survival_run():
-    assert _answers(_results()) == {120, 134, 190}
-    assert "| vramcal safe | 6 | 30.0 | 134 | -33.0 | yes |" in markdown(_results())
+def test_targets_hold_in_every_round_or_not_at_all():
+    by_target = {t["target"]: t for t in targets(_results())}
+    boundary = by_target["vramcal: predicted boundary within 3 % of the ground truth"]
+    assert boundary["met"] == "yes" and "205.5 (+2.8 %)" in boundary["measured"]
+    assert by_target["vramcal: safe batch size never above the ground truth"]["met"] == "yes"
+    assert by_target["vramcal: median wall time at most half of Lightning binsearch's"]["met"] == "yes"
+    assert by_target["vramcal: 200 training steps at the safe size finish with no out-of-memory error"]["met"] == "yes"
+    safe = by_target["vramcal: trainer's peak at the safe size within 5 % of the prediction and at or below the "
+                     "upper bound"]
+    assert safe["met"] == "yes" and "b=135" in safe["measured"]
+
+    results = _results()
+    results["runs"]["vramcal"][2]["limits"]["boundary_batch_size"] = 207.0  # +3.5 % in one round of three
+    results["survival"][3] = _survival(121, "ok", 1000, 920, 960)  # above the upper bound and +8.7 %
+    by_target = {t["target"]: t for t in targets(results)}
+    assert by_target["vramcal: predicted boundary within 3 % of the ground truth"]["met"] == "**no**"
+    conservative = by_target["vramcal: trainer's peak at the conservative size within 5 % of the prediction and at "
+                             "or below the upper bound"]
+    assert conservative["met"] == "**no**" and "+8.7 %" in conservative["measured"]
+
+
+def test_a_safe_size_above_the_truth_or_a_missing_survival_run_is_reported():
+    results = _results()
+    results["runs"]["vramcal"][0]["limits"]["safe_batch_size"] = 201
+    results["survival"] = [s for s in results["survival"] if s["batch_size"] != 120]
+    by_target = {t["target"]: t for t in targets(results)}
+    assert by_target["vramcal: safe batch size never above the ground truth"]["met"] == "**no**"
+    assert by_target["vramcal: 200 training steps at the safe size finish with no out-of-memory error"]["met"] == "-"
+    conservative = by_target["vramcal: trainer's peak at the conservative size within 5 % of the prediction and at "
+                             "or below the upper bound"]
+    assert conservative["met"] == "-" and "not run" in conservative["measured"]
+
+
+def test_every_answer_of_every_round_and_each_safe_size_needs_a_survival_run():
+    sizes = needs_survival(_results())
+    assert sorted(sizes) == [120, 121, 134, 135, 190]
+    assert sizes[120] == ["vramcal conservative r1", "vramcal conservative r2"]
+    assert sizes[190] == ["lightning-binsearch r1", "lightning-binsearch r2", "lightning-binsearch r3",
+                          "accelerate r1", "accelerate r3"]
+
+
+def test_the_page_renders_rounds_and_survival_and_refuses_old_results():
+    page = markdown(_results())
+    assert "| vramcal safe | 3 | 40.0 | 30.0-50.0 | 6 | 134 / 134 / 135 (differ) | -33.0 | yes |" in page
+    assert "| 190 | x | oom-fallback | 40/200 |" in page
+    with pytest.raises(ResultsError, match="rerun"):
+        markdown({k: v for k, v in _results().items() if k != "bench_schema"})
+
+
+def test_round_orders_are_seeded_permutations():
+    tools = ["vramcal", "vramcal-anchor-margin", "lightning-binsearch", "lightning-power", "accelerate"]
+    orders = round_orders(tools, 3, seed=0)
+    assert orders == round_orders(tools, 3, seed=0)
+    assert all(sorted(order) == sorted(tools) for order in orders)
+    assert len({tuple(order) for order in orders}) > 1
+    assert orders != round_orders(tools, 3, seed=1)
+
+
+def test_bisection_finds_the_largest_fitting_size_and_tries_these_sizes():
+    tried = []
+
+    def fits(batch_size: int) -> bool:
+        tried.append(batch_size)
+        return batch_size <= 37
+
+    assert bisect_largest(fits) == (37, 38)
+    assert tried == [1, 2, 4, 8, 16, 32, 64, 48, 40, 36, 38, 37]
+    assert bisect_largest(lambda b: False) == (0, 1)
+
+
+def test_the_cached_truth_is_used_only_for_the_same_key():
+    key = {"spec": {"d_model": 64}, "budget_bytes": 1, "vramcal_commit": "abc"}
+    old = {"ground_truth": {"batch_size": 200, "key": key}}
+    assert cached(old, dict(key))["batch_size"] == 200
+    assert cached(old, {**key, "vramcal_commit": "def"}) is None
+    assert cached({}, key) is None
+
+
+def test_sizing_at_any_size_gives_the_profiles_prediction_there_without_clamping():
+    profile = host_profile()
+    safe = profile.limits.safe_batch_size
+    above = sizing_at(profile, safe + 50)
+    assert above.batch_size == safe + 50
+    assert above.predicted_peak_bytes == int(profile.fit.predict(safe + 50))
+    assert above.upper_bytes == int(profile.fit.upper(safe + 50))
+    within = sizing_at(profile, safe - 1)
+    reference = size(profile, safe - 1)
+    assert (within.predicted_peak_bytes, within.upper_bytes) == (reference.predicted_peak_bytes,
+                                                                 reference.upper_bytes)
+    more_data = sizing_at(profile, safe - 1, pool_data_bytes=profile.pool_data_bytes + 10 * MIB)
+    assert more_data.predicted_peak_bytes == reference.predicted_peak_bytes + 10 * MIB
+
+
+def test_an_out_of_memory_fallback_is_not_survival():
+    assert outcome(200, 200, 0, None) == "ok"
+    assert outcome(200, 54, 1, None) == "oom-fallback"
+    assert outcome(200, 3, 0, "the training process ran out of memory (...)") == "oom"
+    assert outcome(200, 3, 0, "the training process failed (ValueError: x)") == "error"
+    assert outcome(200, 150, 0, None) == "error"
+
+
+def test_tiled_bars_keep_each_copy_apart():
+    bars = synthetic_bars(500)
+    tiled = tile_bars(bars, 3)
+    assert len(tiled) == 1500 and tiled["timestamp"].is_monotonic_increasing
+    three = make_windows(tiled, 32, stride=1, val_fraction=0.2)
+    # A window never spans the week between copies: a copy of 500 bars gives 500 - 2 rows, so 467 windows
+    # of 32, and the train/validation split (inside the last copy) loses fewer than 32 more; windows across
+    # the copies would give up to 1500 - 2 - 31 = 1467.
+    assert len(three.train_starts) + len(three.val_starts) in range(3 * 467 - 31, 3 * 467 + 1)
+
+
+def test_data_in_host_memory_leaves_the_gpu_prediction_unchanged_and_device_data_counts():
+    profile = host_profile()
+    result = gpu_path(profile, {"host": 0, "device": 5 * MIB}, {"host": 0, "device": 50 * MIB})
+    assert result["host"]["unchanged"]
+    assert result["device"]["predicted_large"] - result["device"]["predicted_1x"] == 45 * MIB
+    assert not result["device"]["unchanged"]
+
+
+def test_python_versions_agree_when_each_peak_lies_in_the_others_interval():
+    sizes = [1, 8, 32, 64, 100]
+    line = [500 * MIB + 5 * MIB * b for b in sizes]
+    fit_a = fit_linear(sizes, [p + d for p, d in zip(line, (2, -3, 1, 2, -2))])
+    fit_b = fit_linear(sizes, [p + d * MIB for p, d in zip(line, (1, -1, 2, -2, 0))])
+    shifted = dataclasses.replace(fit_b, overhead_bytes=fit_b.overhead_bytes + 200 * MIB)
+    a = Calibration("3.11", 100, 90, int(fit_a.predict(100)), True, fit_a)
+    b = Calibration("3.12", 100, 90, int(fit_b.predict(100)), True, fit_b)
+    c = Calibration("3.13", 100, 90, int(shifted.predict(100)), True, shifted)
+    pairs = {(p["version"], p["against"]): p["inside"] for p in agreement([a, b, c])}
+    assert pairs[("3.11", "3.12")] and pairs[("3.12", "3.11")] is False  # 3.11's interval is tight
+    assert pairs[("3.13", "3.12")] is False and pairs[("3.11", "3.13")] is False

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from vramcal.calibrate.fit import Fit, fit_linear
+from vramcal.calibration.fit import Fit, fit_linear
 
 GIB = 2**30
 

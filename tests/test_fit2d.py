@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from vramcal.calibrate.fit2d import (
+from vramcal.calibration.fit2d import (
     Fit2D,
     check_seq_lens,
     fit_2d,

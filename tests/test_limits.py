@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from vramcal.calibrate.fit import fit_linear
-from vramcal.calibrate.limits import LimitSettings, compute_limits, safe_batch_size
+from vramcal.calibration.fit import fit_linear
+from vramcal.calibration.limits import LimitSettings, compute_limits, safe_batch_size
 
 GIB = 2**30
 

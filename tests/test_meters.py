@@ -10,7 +10,8 @@ import types
 import pytest
 import torch
 
-from vramcal.measure import meters, oom
+from vramcal import oom
+from vramcal.measure import meters
 from vramcal.measure.device import select
 from vramcal.measure.meters import MeterError, NvmlSampler, is_out_of_memory, open_meter
 from vramcal.measure.nvml import nvml_handle

@@ -58,7 +58,7 @@ def test_trials_are_isolated_and_cheap_to_start(runner):
 def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
     profile_file = tmp_path / "tiny.json"
     result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1GiB", "--reserve", "0",
-                                       *TINY_ARGS, "--max-trials", "10", "--out", str(profile_file),
+                                       *TINY_ARGS, "--max-trials", "10", "--boundary", "--out", str(profile_file),
                                        "--reports-dir", str(tmp_path / "reports")])
     assert result.exit_code == 0, result.output  # 0: verified (an unverified calibration exits 3)
     assert "peak = " in result.output and "GiB × batch_size" in result.output

@@ -5,8 +5,8 @@ import itertools
 import numpy as np
 import pytest
 
-from vramcal.calibrate.limits import LimitSettings
-from vramcal.calibrate.search import SearchSettings, Step, next_batch_size, settle
+from vramcal.calibration.limits import LimitSettings
+from vramcal.calibration.search import SearchSettings, Step, next_batch_size, settle
 from vramcal.records import Trial
 
 from fakes import GIB, run_policy
@@ -66,7 +66,7 @@ def test_noisy_memory_settles_on_verified_sizes_within_usable():
 def test_a_repeated_size_puts_its_spread_into_the_fit():
     """Two trials at one batch size that differ (host noise): the residual error covers that spread, so the
     prediction interval is at least as wide as the repeatability of one size."""
-    from vramcal.calibrate.search import fit_trials
+    from vramcal.calibration.search import fit_trials
 
     mib = 2**20
     trials = [Trial(64, "ok", 1000 * mib), Trial(128, "ok", 1500 * mib), Trial(200, "ok", 2060 * mib),
@@ -113,7 +113,7 @@ def test_max_trials_bounds_the_calibration():
 def test_a_flat_start_is_left_out_of_the_fit():
     """Host peaks sit flat for the first samples (memory the process already holds); a line through them
     would pull the slope down. The fit uses the rising points only."""
-    from vramcal.calibrate.search import fit_points
+    from vramcal.calibration.search import fit_points
 
     mib = 2**20
     trials = [Trial(1, "ok", 556 * mib), Trial(8, "ok", 556 * mib), Trial(64, "ok", 557 * mib),
@@ -142,7 +142,7 @@ def test_a_small_limit_after_a_flat_start_still_ends_verified():
 
 def test_the_safe_size_is_never_below_the_largest_size_that_fitted():
     """Few points and a wide interval put the fit's safe size low; a batch that fitted twice is evidence."""
-    from vramcal.calibrate.search import largest_fitting
+    from vramcal.calibration.search import largest_fitting
 
     settings = SearchSettings(total_bytes=80 * GIB)
     usable = settings.usable_bytes
@@ -226,7 +226,7 @@ def test_synthetic_curves_end_verified_and_safe(kind):
 def test_calibration_names_the_first_trials_failure_in_plain_words():
     import pytest
 
-    from vramcal.calibrate.probe import CalibrationError, calibrate_trials
+    from vramcal.calibration.probe import CalibrationError, calibrate_trials
     from vramcal.models.regressor import ModelSpec
     from vramcal.records import Device
 
@@ -234,7 +234,7 @@ def test_calibration_names_the_first_trials_failure_in_plain_words():
         context: dict = {}
 
         def run(self, request, purpose=""):
-            return Trial(request.batch_size, "oom", error="Traceback ...\nRuntimeError: can't allocate memory\n")
+            return Trial(request.batch_size, "oom", error="RuntimeError: can't allocate memory\nTraceback ...\n")
 
     host = Device(kind="host", name="test host", total_bytes=8 * GIB, total_source="--capacity")
     with pytest.raises(CalibrationError) as caught:

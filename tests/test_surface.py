@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from vramcal.calibrate.fit2d import fit_2d
-from vramcal.calibrate.search import SearchSettings
-from vramcal.calibrate.surface import (
+from vramcal.calibration.fit2d import fit_2d
+from vramcal.calibration.search import SearchSettings
+from vramcal.calibration.surface import (
     LengthLimits,
     Surface,
     answer_at,
@@ -125,11 +125,11 @@ def test_answers_inside_outside_and_between_the_calibrated_lengths():
 
 
 def test_a_profile_over_lengths_covers_its_range_and_sizes_at_a_length(tmp_path):
-    from profiles_for_tests import gpu_profile
-
     from vramcal.models.regressor import ModelSpec
     from vramcal.profile import load_profile, save_profile
     from vramcal.sizing import SizingError, size
+
+    from profiles_for_tests import gpu_profile
 
     base, surface = gpu_profile(), make_surface()
     evidence = [Trial(size, "ok", peak, seq_len=e.seq_len) for e in surface.lengths
@@ -144,7 +144,7 @@ def test_a_profile_over_lengths_covers_its_range_and_sizes_at_a_length(tmp_path)
     at_128 = size(profile, purpose="safe", seq_len=128)
     assert at_128.safe_batch_size == 900 and at_128.predicted_peak_bytes == int(profile.surface.fit.predict(900, 128))
     between = size(profile, seq_len=1024)
-    assert between.notices[-1].startswith("seq_len 1024: interpolated")
+    assert between.notices[-1] == "the profile's limits at this seq_len are interpolated (not verified at this length)"
     with pytest.raises(SizingError, match="outside the calibrated range"):
         size(profile, seq_len=8192)
 
@@ -152,9 +152,9 @@ def test_a_profile_over_lengths_covers_its_range_and_sizes_at_a_length(tmp_path)
 def test_the_report_draws_safe_batch_against_seq_len_and_tables_each_length(tmp_path):
     import struct
 
-    from profiles_for_tests import gpu_profile
-
     from vramcal.report import write_report
+
+    from profiles_for_tests import gpu_profile
 
     base, surface = gpu_profile(), make_surface()
     evidence = [Trial(e.safe_batch_size, "ok", e.safe_peak_bytes, seq_len=e.seq_len) for e in surface.lengths
@@ -168,3 +168,43 @@ def test_the_report_draws_safe_batch_against_seq_len_and_tables_each_length(tmp_
     assert "|    2048 |  100 |           90 | **no**   |           — |      0 | verifications" in text
     width, height = struct.unpack(">II", png.read_bytes()[16:24])
     assert (width, height) == (1820, 760)  # three panels: memory, throughput, safe batch against seq_len
+
+
+def test_probe_limits_and_train_over_lengths_for_real(tmp_path):
+    """A real calibration at three lengths of the tiny model, answers between them (one verified by a real
+    trial), and a training run at an uncalibrated length sized by the surface."""
+    import json
+
+    from click.testing import CliRunner
+
+    from vramcal.cli import main
+    from vramcal.profile import load_profile
+
+    tiny = ["--d-model", "32", "--n-layers", "1", "--d-state", "16", "--headdim", "16", "--chunk-size", "16"]
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "640MiB", "--reserve", "0",
+                                       "--margin", "0.05", *tiny, "--seq-len", "16,32,64", "--no-boundary",
+                                       "--out", str(out), "--no-report"])
+    assert result.exit_code == 0, result.output
+    profile = load_profile(out)
+    assert profile.verified and profile.surface.seq_lens == (16, 32, 64) and "seq_len" not in profile.model.params
+    assert "seq_len     64  safe" in result.output and "over seq_len: peak = " in result.output
+    assert "at seq_len 16, 32, 64 on" in result.output
+    reference = [t for t in profile.trials if t.seq_len == 32]
+    assert len(profile.trials) - len(reference) <= 10  # the other lengths: their verifications only
+    answer = CliRunner().invoke(main, ["limits", str(out), "--seq-len", "48", "--json"])
+    found = json.loads(answer.output)
+    assert found["basis"].startswith("interpolated") and found["upper_bytes"] <= found["usable_bytes"]
+    checked = CliRunner().invoke(main, ["limits", str(out), "--batch-size", str(found["safe_batch_size"]),
+                                        "--verify"])
+    assert checked.exit_code == 0 and "verified: peak" in checked.output, checked.output
+    bars = tmp_path / "bars.parquet"
+    from test_train_data import synthetic_bars
+
+    synthetic_bars(3000).to_parquet(bars)
+    trained = CliRunner().invoke(main, ["train", "--gpu", "none", *tiny, "--seq-len", "48", "--profile", str(out),
+                                        "--data", str(bars), "--stride", "1", "--max-steps", "2", "--run-dir",
+                                        str(tmp_path / "run")])
+    assert trained.exit_code == 0, trained.output
+    assert "interpolated (not verified at this length)" in trained.output
+    assert f"batch_size {found['conservative_batch_size']} (conservative" in trained.output

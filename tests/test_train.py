@@ -17,8 +17,8 @@ import torch
 from click.testing import CliRunner
 from test_train_data import synthetic_bars
 
-from vramcal.calibrate.fit import fit_linear
-from vramcal.calibrate.limits import LimitSettings, compute_limits
+from vramcal.calibration.fit import fit_linear
+from vramcal.calibration.limits import LimitSettings, compute_limits
 from vramcal.cli import main
 from vramcal.measure.device import host_device
 from vramcal.models.regressor import ModelSpec, training_step

@@ -29,7 +29,7 @@ _API = {
     "select_devices": "vramcal.api", "probe_command": "vramcal.api", "CalibrationPlan": "vramcal.api",
     "size": "vramcal.sizing", "Sizing": "vramcal.sizing", "SizingError": "vramcal.sizing",
     "load_profile": "vramcal.profile", "Profile": "vramcal.profile", "ProfileError": "vramcal.profile",
-    "LimitSettings": "vramcal.calibrate.limits", "CalibrationError": "vramcal.calibrate.probe",
+    "LimitSettings": "vramcal.calibration.limits", "CalibrationError": "vramcal.calibration.probe",
     "TrainingStep": "vramcal.workload", "ModelRef": "vramcal.workload", "WorkloadError": "vramcal.workload",
 }
 __all__ = ["__version__", *_API]

@@ -20,16 +20,16 @@ profile into a batch size and its predicted peak. Each returns a record that the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vramcal.calibrate.limits import LimitSettings
-from vramcal.calibrate.probe import CalibrationError, calibrate_trials, check_budget
+from vramcal.calibration.limits import LimitSettings
+from vramcal.calibration.probe import CalibrationError, calibrate_trials, check_budget
 from vramcal.profile import (
     DEFAULT_PROFILES_DIR,
     Profile,
@@ -43,9 +43,9 @@ from vramcal.records import Device, Trial
 from vramcal.sizing import Purpose, Sizing, SizingError, size
 from vramcal.workload import ModelRef, WorkloadError, load_factory
 
-__all__ = ["CalibrationError", "CalibrationPlan", "LimitSettings", "Profile", "ProfileError", "Sizing",
-           "SizingError", "WorkloadError", "batch_size", "calibrate", "find_profile", "load_profile",
-           "model_ref", "plan_calibration", "probe_command", "run_calibration", "select_devices", "size"]
+__all__ = ["Answer", "CalibrationError", "CalibrationPlan", "LimitSettings", "Profile", "ProfileError", "Sizing",
+           "SizingError", "WorkloadError", "answer", "batch_size", "calibrate", "find_profile", "load_profile",
+           "model_ref", "plan_calibration", "probe_command", "run_calibration", "select_devices", "size", "verify"]
 
 
 def select_devices(gpu: str = "auto", capacity_bytes: int | None = None) -> tuple[list[Device], str | None]:
@@ -124,6 +124,7 @@ class CalibrationPlan:
         settings: reserve, margin and conservative fraction.
         options: factory arguments that do not change the model (the regressor's data file).
         path: where the profile will be written.
+        seq_lens: two or more sequence lengths calibrated at once (issue 13), else ().
     """
 
     device: Device
@@ -131,6 +132,7 @@ class CalibrationPlan:
     settings: LimitSettings
     options: dict[str, Any]
     path: Path
+    seq_lens: tuple[int, ...] = ()
 
     @property
     def usable_bytes(self) -> int:
@@ -140,26 +142,62 @@ class CalibrationPlan:
 def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *, device: Device,
                      implementation: str = "auto", settings: LimitSettings = LimitSettings(),
                      options: dict[str, Any] | None = None, profiles_dir: Path | str = DEFAULT_PROFILES_DIR,
-                     out: Path | str | None = None, unique_device: bool = False) -> CalibrationPlan:
+                     out: Path | str | None = None, unique_device: bool = False,
+                     seq_lens: str | Sequence[int] = ()) -> CalibrationPlan:
     """Check everything knowable before the first trial (:func:`model_ref`, the budget) and place the file.
 
+    Args:
+        seq_lens: calibrate several sequence lengths at once (one profile holding the model in
+            batch_size × seq_len, :mod:`vramcal.calibration.surface`): a list, or a text as ``--seq-len``
+            takes it (``"128,512,2048"``, or a range ``"128:2048"``: its ends and their geometric middle);
+            each a multiple of the model's chunk_size; the factory must take ``seq_len``. A single length
+            is a one-length calibration at it.
+
     Raises:
-        ValueError, WorkloadError: see :func:`model_ref`; a budget with no usable memory.
+        ValueError, WorkloadError: see :func:`model_ref`; lengths that are not multiples of chunk_size or a
+            factory without ``seq_len``; a budget with no usable memory.
     """
+    from vramcal.calibration.fit2d import parse_seq_lens
+
+    text = seq_lens if isinstance(seq_lens, str) else ",".join(map(str, seq_lens))
+    lengths = parse_seq_lens(text) if text else ()
+    if lengths:
+        params = {**(params or {}), "seq_len": lengths[0]}
     ref = model_ref(model, params, device=device, implementation=implementation)
+    if lengths:
+        lengths = _check_lengths(ref, text, device, implementation)
+        ref = ref.replace(seq_len=lengths[0]) if len(lengths) == 1 else ref
     check_budget(device, settings)
     options = dict(options or {})
     if ref.family == "regressor" and options.get("data") is not None:
         options["data"] = str(Path(options["data"]).resolve())
     implementation_name = ref.params.get("implementation", "factory")
-    path = Path(out) if out is not None else profile_path(profiles_dir, device, ref, implementation_name,
+    key = ref.without("seq_len") if len(lengths) > 1 else ref
+    path = Path(out) if out is not None else profile_path(profiles_dir, device, key, implementation_name,
                                                           unique_device)
-    return CalibrationPlan(device, ref, settings, options, path)
+    return CalibrationPlan(device, ref, settings, options, path, lengths if len(lengths) > 1 else ())
+
+
+def _check_lengths(ref: ModelRef, text: str, device: Device, implementation: str) -> tuple[int, ...]:
+    """The lengths ``text`` asks for (:func:`vramcal.calibration.fit2d.design_lengths`), each a multiple of the
+    model's chunk_size and a model the family accepts at it."""
+    from vramcal.calibration.fit2d import design_lengths
+    from vramcal.calibration.probe import chunk_size
+    from vramcal.workload import accepts
+
+    if not ref.family and not accepts(load_factory(ref), "seq_len"):
+        raise ValueError(f"--seq-len: {ref.factory} takes no seq_len argument")
+    lengths = design_lengths(text, chunk_size(ref))
+    for length in lengths:  # e.g. the regressor's spec checks at every length
+        model_ref(ref.factory if not ref.family else ref.family,
+                  {k: v for k, v in ref.params.items() if k != "implementation"} | {"seq_len": length},
+                  device=device, implementation=implementation)
+    return lengths
 
 
 def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Callable[[Trial], None] | None = None,
                     max_trials: int = 16, timeout_s: float = 900.0, warmup_steps: int = 1, measured_steps: int = 2,
-                    val_steps: int = 1) -> Profile:
+                    val_steps: int = 1, boundary: bool = True) -> Profile:
     """Run the calibration's trials (each in a fresh worker process) and write the profile.
 
     A user's factory module is imported in each trial process after the meter has pinned the device
@@ -178,48 +216,13 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
     """
     from vramcal.measure.trial import TrialRunner
 
-    trials: list[Trial] = []
-
-    def record(trial: Trial) -> None:
-        trials.append(trial)
-        if on_trial is not None:
-            on_trial(trial)
-
-    runner = TrialRunner(timeout_s=timeout_s)
-    try:
-        profile = calibrate_trials(plan.device, plan.model, plan.settings, options=plan.options, runner=runner,
-                                   on_trial=record, max_trials=max_trials, warmup_steps=warmup_steps,
-                                   measured_steps=measured_steps, val_steps=val_steps, timeout_s=timeout_s)
-    except CalibrationError:
-        if trials and trials[0].status == "error":
-            raise CalibrationError(_step_failure(plan.model, trials[0])) from None
-        raise
+    profile = calibrate_trials(plan.device, plan.model, plan.settings, options=plan.options,
+                               runner=TrialRunner(timeout_s=timeout_s), on_trial=on_trial, max_trials=max_trials,
+                               warmup_steps=warmup_steps, measured_steps=measured_steps, val_steps=val_steps,
+                               timeout_s=timeout_s, seq_lens=plan.seq_lens, boundary=boundary)
     if save:
         save_profile(profile, plan.path)
     return profile
-
-
-def _step_failure(model: ModelRef, trial: Trial) -> str:
-    """Why a calibration's first trial crashed (status ``error``), in one line: the exception's first line
-    (read from the trial's traceback tail) and that the training step, not the budget, needs fixing."""
-    header = _exception_header(trial.error or "")
-    name = model.family or model.factory
-    return (f"the training step of {name} failed in the first trial (batch_size {trial.batch_size}), before any "
-            f"memory limit: {header}: fix the step (call the factory and one step by hand to see the traceback)")
-
-
-def _exception_header(tail: str) -> str:
-    """``Type: first line`` of the last exception in a traceback's tail (its frames are indented lines;
-    the header is the first unindented line after the last frame). vramcal's own WorkloadError is shown
-    by its message alone (it names the factory)."""
-    lines = tail.strip().splitlines()
-    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
-    rest = [line for line in lines[(frames[-1] + 1 if frames else 0):] if line and not line.startswith(" ")]
-    header = rest[0] if rest else (lines[-1] if lines else "no error text recorded")
-    kind, sep, message = header.partition(": ")
-    if sep and kind.rpartition(".")[2] == "WorkloadError":
-        return message[:300]
-    return f"{kind.rpartition('.')[2]}{sep}{message}"[:300]
 
 
 def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *, gpu: str = "auto",
@@ -333,8 +336,76 @@ def batch_size(profile: Profile, purpose: Purpose = "conservative", *, request: 
                 pool_data_bytes=pool_data_bytes).batch_size
 
 
-# The package vramcal.calibrate (the calibration's modules) and this function share the name
-# ``vramcal.calibrate``: importing the package binds the name to it, over the function that
-# ``vramcal.__getattr__`` would give. This module imports the package (above), so it binds the name back
-# to the public function here. (Renaming the package would remove the clash.)
-sys.modules["vramcal"].calibrate = calibrate
+@dataclass(frozen=True)
+class Answer:
+    """A profile's answer at a sequence length or a batch size (``vramcal limits --seq-len/--batch-size``).
+
+    Attributes:
+        seq_len: the length answered at (for ``--batch-size``: the longest that fits).
+        batch_size: the batch size answered at (for ``--seq-len``: the safe one).
+        safe_batch_size, conservative_batch_size: the limits at ``seq_len``.
+        basis: ``verified`` (a calibrated length), ``not verified``, or an interpolation note.
+        predicted_peak_bytes, upper_bytes, usable_bytes: the model's figures at (batch_size, seq_len).
+    """
+
+    seq_len: int
+    batch_size: int
+    safe_batch_size: int
+    conservative_batch_size: int
+    basis: str
+    predicted_peak_bytes: int
+    upper_bytes: int
+    usable_bytes: int
+
+
+def answer(profile: Profile, *, seq_len: int | None = None, batch_size: int | None = None) -> Answer:
+    """The safe and conservative batch sizes at ``seq_len``, or the longest seq_len at ``batch_size``
+    (a multiple of chunk_size inside the calibrated range whose upper 95 % bound fits in usable memory).
+
+    Raises:
+        SizingError: both or neither given; the profile covers one length only and ``seq_len`` is another
+            (or ``batch_size`` is asked); a length outside the calibrated range or not a multiple of
+            chunk_size; no length fits ``batch_size``.
+    """
+    from vramcal.calibration.surface import longest_at
+    from vramcal.sizing import length_model
+
+    if (seq_len is None) == (batch_size is None):
+        raise SizingError("give --seq-len or --batch-size (one of them)")
+    surface, usable = profile.surface, profile.settings.usable_bytes(profile.device.total_bytes)
+    own = profile.model.params.get("seq_len")
+    if surface is None and (batch_size is not None or seq_len != own):
+        raise SizingError(f"the profile was calibrated at seq_len {own} only: calibrate several lengths "
+                          f"(vramcal probe --seq-len {own},{seq_len or 2 * own}) to answer at others")
+    if batch_size is not None:
+        seq_len = longest_at(surface, batch_size, usable)
+        if seq_len < 1:
+            raise SizingError(f"no seq_len in {min(surface.seq_lens)}-{max(surface.seq_lens)} fits batch_size "
+                              f"{batch_size} within usable memory")
+    model = length_model(profile, seq_len)
+    sizing = size(profile, batch_size, purpose="safe", seq_len=seq_len) if batch_size is None else None
+    batch = batch_size if batch_size is not None else sizing.batch_size
+    basis = "verified" if model.verified else (model.basis or "not verified")
+    return Answer(seq_len, batch, model.limits.safe_batch_size, model.limits.conservative_batch_size, basis,
+                  int(model.predict(batch)), int(model.upper(batch)), model.limits.usable_bytes)
+
+
+def verify(profile: Profile, batch_size: int, seq_len: int | None = None, *, timeout_s: float = 900.0) -> Trial:
+    """One real trial of the profile's model at (``batch_size``, ``seq_len``) on the profile's device here
+    (the host at the profile's budget), as a calibration's verification runs it.
+
+    Raises:
+        SizingError: the profile's device is not here.
+    """
+    from vramcal.measure.trial import TrialRequest, TrialRunner
+
+    gpu = "none" if profile.device.kind == "host" else (profile.device.uuid or "auto")
+    device = select_devices(gpu, profile.device.total_bytes if profile.device.kind == "host" else None)[0][0]
+    if device.same_hardware(profile.device):
+        raise SizingError(f"the profile was made on {profile.device.name}, this is {device.name}: verify it there")
+    device = dataclasses.replace(device, total_bytes=profile.device.total_bytes)
+    model = profile.model.replace(seq_len=seq_len) if seq_len is not None else profile.model
+    request = TrialRequest(model, batch_size, device, json.dumps(profile.data.get("options", {}), sort_keys=True),
+                           host_memory_limit_bytes=device.total_bytes if device.kind == "host" else None)
+    trial = TrialRunner(timeout_s=timeout_s).run(request, purpose="verify-answer")
+    return dataclasses.replace(trial, seq_len=seq_len)

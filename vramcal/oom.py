@@ -43,16 +43,23 @@ ONEDNN_PRIMITIVE_MESSAGE = "could not create a primitive"
 #   torch.OutOfMemoryError); it is a size mismatch, not exhaustion.
 
 
-def is_out_of_memory(error: BaseException) -> bool:
+def is_out_of_memory(error: BaseException, after_failure: bool = False) -> bool:
     """True when ``error`` (or an exception it was raised from or during) is an allocation failure.
 
     See :data:`OOM_MESSAGES` and :data:`ONEDNN_PRIMITIVE_MESSAGE` for the message-only kinds.
+
+    Args:
+        after_failure: this process already had an allocation failure (the trainer after a fallback): a
+            process whose memory an earlier failure left fragmented or held fails the next oneDNN
+            scratchpad allocation with only oneDNN's message, with no allocation error left in its chain
+            (seen under ``prlimit --data``, issue 10).
     """
     chain = _chain(error)
     if any(_is_oom_itself(e) for e in chain):
         return True
     return (isinstance(error, RuntimeError) and ONEDNN_PRIMITIVE_MESSAGE in str(error)
-            and (len(chain) > 1 and any(_is_oom_itself(e) for e in chain[1:]) or _under_data_limit()))
+            and (after_failure or len(chain) > 1 and any(_is_oom_itself(e) for e in chain[1:])
+                 or _under_data_limit()))
 
 
 def _is_oom_itself(error: BaseException) -> bool:

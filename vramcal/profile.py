@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vramcal.calibrate.fit import Fit
-from vramcal.calibrate.limits import Limits, LimitSettings, safe_batch_size
-from vramcal.calibrate.surface import Surface
+from vramcal.calibration.fit import Fit
+from vramcal.calibration.limits import Limits, LimitSettings, safe_batch_size
+from vramcal.calibration.surface import Surface
 from vramcal.files import atomic_write_text
 from vramcal.records import Device, Trial
 from vramcal.units import format_bytes

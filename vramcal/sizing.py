@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from vramcal.calibrate.limits import Limits, safe_batch_size
+from vramcal.calibration.limits import Limits, safe_batch_size
 from vramcal.profile import Profile
 from vramcal.units import format_bytes
 
@@ -84,7 +84,7 @@ class LengthModel:
 
 def length_model(profile: Profile, seq_len: int | None = None) -> LengthModel:
     """The profile's model at ``seq_len``: the one-length fit (``seq_len`` None or the profile's), or, for a
-    profile calibrated over several lengths, the 2-D model there (:mod:`vramcal.calibrate.surface`).
+    profile calibrated over several lengths, the 2-D model there (:mod:`vramcal.calibration.surface`).
 
     Raises:
         SizingError: no limits; ``seq_len`` outside the calibrated range or not a multiple of chunk_size.
@@ -96,8 +96,8 @@ def length_model(profile: Profile, seq_len: int | None = None) -> LengthModel:
         check = profile.verification.get("safe")
         return LengthModel(fit.predict, fit.upper, lambda usable: safe_batch_size(fit, usable), limits,
                            check.peak_bytes if check is not None and check.passed else None, profile.verified)
-    from vramcal.calibrate.fit2d import safe_batch_size_2d
-    from vramcal.calibrate.surface import answer_at, limits_at
+    from vramcal.calibration.fit2d import safe_batch_size_2d
+    from vramcal.calibration.surface import answer_at, limits_at
 
     try:
         at = limits_at(surface, seq_len, limits.total_bytes, profile.settings)
@@ -108,7 +108,7 @@ def length_model(profile: Profile, seq_len: int | None = None) -> LengthModel:
     return LengthModel(lambda b: fit2.predict(b, seq_len), lambda b: fit2.upper(b, seq_len),
                        lambda usable: safe_batch_size_2d(fit2, usable, seq_len), at,
                        entry.safe_peak_bytes if entry else None, bool(entry and entry.verified),
-                       None if entry else f"seq_len {seq_len}: {basis}")
+                       None if entry else basis)
 
 
 def limits_for_data(model: LengthModel, profile: Profile,
@@ -134,7 +134,7 @@ def limits_for_data(model: LengthModel, profile: Profile,
                            f"{limits.safe_batch_size} -> {safe}, conservative {limits.conservative_batch_size} -> "
                            f"{conservative}")
     if model.basis:
-        notices.append(model.basis)
+        notices.append(f"the profile's limits at this seq_len are {model.basis}")
     elif not model.verified:
         notices.append("the profile's limits were not verified by real trials: they are extrapolations; "
                        "re-run `vramcal probe` to verify them")

@@ -214,7 +214,7 @@ def build(ref: ModelRef, device: torch.device, options: dict[str, Any] | None = 
             :class:`TrainingStep`.
         torch.OutOfMemoryError, MemoryError: passed through (the caller records them as out-of-memory).
     """
-    from vramcal.measure.meters import is_out_of_memory
+    from vramcal.oom import is_out_of_memory
 
     factory = load_factory(ref)
     try:

@@ -329,3 +329,19 @@ def parse_seq_lens(text: str) -> tuple[int, ...]:
             raise ValueError(f"the range is reversed: write {high}:{low}")
         return (low,) if low == high else (low, high)
     return tuple(sorted({_parse_length(part) for part in text.split(",")}))
+
+
+def design_lengths(text: str, chunk_size: int) -> tuple[int, ...]:
+    """The lengths a ``--seq-len`` text asks for: a list as written; a range ``low:high`` as its ends and
+    their geometric middle rounded to a multiple of chunk_size (three lengths pin the 2-D model and its
+    extra-terms test; the middle is the reference calibrated in full). Each checked by
+    :func:`check_seq_lens`.
+
+    Raises:
+        ValueError: as :func:`parse_seq_lens` and :func:`check_seq_lens`.
+    """
+    lengths = check_seq_lens(parse_seq_lens(text), chunk_size)
+    if ":" in text and len(lengths) == 2:
+        middle = round(math.sqrt(lengths[0] * lengths[1]) / chunk_size) * chunk_size
+        lengths = tuple(sorted({lengths[0], min(max(middle, lengths[0]), lengths[1]), lengths[1]}))
+    return lengths

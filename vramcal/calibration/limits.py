@@ -18,7 +18,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from vramcal.calibrate.fit import Fit
+from vramcal.calibration.fit import Fit
 
 DEFAULT_RESERVE_BYTES = 2**29
 DEFAULT_MARGIN = 0.10

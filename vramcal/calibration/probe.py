@@ -1,7 +1,7 @@
 """Calibration: run the search policy against real trials and assemble a :class:`~vramcal.profile.Profile`.
 
 The loop is ``step = next_batch_size(trials)`` -> run the trial in a worker of its own -> repeat; the
-fit, limits and verification come from :func:`vramcal.calibrate.search.settle` over the recorded
+fit, limits and verification come from :func:`vramcal.calibration.search.settle` over the recorded
 trials, and :func:`assemble` is a pure function of them.
 """
 
@@ -16,9 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 from vramcal import __version__
-from vramcal.calibrate import surface
-from vramcal.calibrate.limits import LimitSettings
-from vramcal.calibrate.search import SearchSettings, Step, next_batch_size, settle
+from vramcal.calibration import surface
+from vramcal.calibration.limits import LimitSettings
+from vramcal.calibration.search import SearchSettings, Step, next_batch_size, settle
 from vramcal.measure.trial import TrialRequest, TrialRunner
 from vramcal.profile import Profile, Verification, utc_now
 from vramcal.records import Device, Trial
@@ -42,7 +42,7 @@ def calibrate_trials(device: Device, model: ModelRef, settings: LimitSettings = 
               options: dict[str, Any] | None = None, warmup_steps: int = 1, measured_steps: int = 2,
               val_steps: int = 1, max_trials: int = 16, timeout_s: float = 900.0,
               runner: TrialRunner | None = None, on_trial: Callable[[Trial], None] | None = None,
-              seq_lens: tuple[int, ...] = ()) -> Profile:
+              seq_lens: tuple[int, ...] = (), boundary: bool = True) -> Profile:
     """Calibrate ``model`` on ``device`` and return the profile (not yet written).
 
     Args:
@@ -55,9 +55,11 @@ def calibrate_trials(device: Device, model: ModelRef, settings: LimitSettings = 
         timeout_s: per-trial time limit; a slower trial is recorded as ``timeout``.
         runner: a :class:`TrialRunner` (made here by default).
         on_trial: called with each trial as it finishes (progress output).
-        seq_lens: two or more sequence lengths to calibrate at once (:mod:`vramcal.calibrate.surface`; the
+        seq_lens: two or more sequence lengths to calibrate at once (:mod:`vramcal.calibration.surface`; the
             factory takes ``seq_len``): the profile then holds the model in batch_size × seq_len, and
             ``max_trials`` grows by 4 per length beyond the first.
+        boundary: run the boundary trials (search rule 3); without them the predicted out-of-memory
+            boundary is an extrapolation, and the calibration is faster (the largest trials are skipped).
 
     Raises:
         ValueError: no usable memory (:func:`check_budget`), or measured_steps < 2.
@@ -67,7 +69,8 @@ def calibrate_trials(device: Device, model: ModelRef, settings: LimitSettings = 
         raise ValueError(f"measured_steps must be >= 2, got {measured_steps}")
     check_budget(device, settings)
     runner = runner or TrialRunner(timeout_s=timeout_s)
-    search = SearchSettings(total_bytes=device.total_bytes, limits=settings, max_trials=max_trials)
+    search = SearchSettings(total_bytes=device.total_bytes, limits=settings, max_trials=max_trials,
+                            boundary_fraction=SearchSettings.boundary_fraction if boundary else 0.0)
     host_limit = device.total_bytes if device.kind == "host" else None
     template = TrialRequest(model, 1, device, json.dumps(options or {}, sort_keys=True), warmup_steps,
                             measured_steps, val_steps, host_limit)
@@ -85,8 +88,9 @@ def calibrate_trials(device: Device, model: ModelRef, settings: LimitSettings = 
             on_trial(trial)
     first = trials[0]
     if not first.fits(search.usable_bytes):
-        raise CalibrationError(first_trial_failure(first, device, search.usable_bytes))
-    run = {"wall_s": time.perf_counter() - started, "warmup_steps": warmup_steps, "measured_steps": measured_steps,
+        raise CalibrationError(first_trial_failure(first, device, search.usable_bytes, model))
+    run = {"wall_s": time.perf_counter() - started, "boundary_trials": boundary, "warmup_steps": warmup_steps,
+           "measured_steps": measured_steps,
            "val_steps": val_steps, "timeout_s": timeout_s, "max_trials": max_trials,
            "host_memory_limit": "RLIMIT_DATA = total_bytes" if host_limit else None}
     if len(seq_lens) > 1:
@@ -131,13 +135,17 @@ def chunk_size(model: ModelRef) -> int:
     return int(params.get("chunk_size") or config.get("chunk_size") or 1)
 
 
-def first_trial_failure(first: Trial, device: Device, usable_bytes: int) -> str:
-    """Why a calibration could not start, in one line, with what to change."""
-    if first.ok:
-        why = f"its peak was {format_bytes(first.peak_bytes)}"
-    else:
-        last = (first.error or "").strip().splitlines()[-1:] or [""]
-        why = f"it ended with {first.status}: {last[0]}"
+def first_trial_failure(first: Trial, device: Device, usable_bytes: int, model: ModelRef) -> str:
+    """Why a calibration could not start, in one line, with what to change: the training step itself
+    failed (an ``error``: fix the step), or one sample does not fit (change the budget or the model)."""
+    header = (first.error or "").strip().splitlines()[:1] or ["no error text recorded"]
+    if first.status == "error":
+        kind, sep, message = header[0].partition(": ")
+        what = message if kind == "WorkloadError" else header[0]  # vramcal's own message names the factory
+        return (f"the training step of {model.family or model.factory} failed in the first trial (batch_size "
+                f"{first.batch_size}), before any memory limit: {what[:300]}: fix the step (call the factory "
+                f"and one step by hand to see the traceback)")
+    why = f"its peak was {format_bytes(first.peak_bytes)}" if first.ok else f"it ended with {first.status}: {header[0]}"
     return (f"batch_size {first.batch_size} does not fit in the usable {format_bytes(usable_bytes)} of "
             f"{device.name} ({why}); give a larger --capacity, a smaller --reserve or --margin, or a smaller model")
 

@@ -40,8 +40,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vramcal.calibrate.fit import Fit, fit_linear
-from vramcal.calibrate.limits import Limits, LimitSettings, compute_limits
+from vramcal.calibration.fit import Fit, fit_linear
+from vramcal.calibration.limits import Limits, LimitSettings, compute_limits
 from vramcal.records import Trial
 
 FLAT_FRACTION = 0.02  # peaks within 2 % (or FLAT_BYTES) of each other are not a measurable rise

@@ -1,11 +1,11 @@
 """One calibration for several sequence lengths: the policy and the record of the memory model in
 batch_size × seq_len (issue 13).
 
-The model (:mod:`vramcal.calibrate.fit2d`): ``peak = overhead + per_token × (batch_size × seq_len) +
+The model (:mod:`vramcal.calibration.fit2d`): ``peak = overhead + per_token × (batch_size × seq_len) +
 per_sample × batch_size`` with its 95 % prediction interval. The policy, and why it needs few trials:
 
 1. **One full calibration at a reference length** — the middle one of those requested
-   (:func:`reference_length`): the one-length search (:mod:`vramcal.calibrate.search`: growth, local fit,
+   (:func:`reference_length`): the one-length search (:mod:`vramcal.calibration.search`: growth, local fit,
    boundary trial, verification) pins the overhead and the slope in batch_size at that length, from a
    length that is interpolated from, not extrapolated.
 2. **Each other length costs its verifications only**, longest first: a first trial at the safe size the
@@ -28,10 +28,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vramcal.calibrate.fit import Fit
-from vramcal.calibrate.fit2d import Fit2D, fit_2d, longest_seq_len, safe_batch_size_2d
-from vramcal.calibrate.limits import Limits
-from vramcal.calibrate.search import (
+from vramcal.calibration.fit import Fit
+from vramcal.calibration.fit2d import Fit2D, fit_2d, longest_seq_len, safe_batch_size_2d
+from vramcal.calibration.limits import Limits
+from vramcal.calibration.search import (
     SearchSettings,
     Step,
     failed_batch_size,
@@ -50,7 +50,7 @@ class LengthLimits:
 
     Attributes:
         seq_len: tokens (or bars) per sample.
-        safe_batch_size, conservative_batch_size: as in :class:`~vramcal.calibrate.limits.Limits`.
+        safe_batch_size, conservative_batch_size: as in :class:`~vramcal.calibration.limits.Limits`.
         safe_peak_bytes, conservative_peak_bytes: the verification trials' peaks (None: not verified).
         failed_batch_size: the smallest batch size that did not fit at this length, or None.
     """
@@ -118,7 +118,7 @@ def at_length(trials: Sequence[Trial], seq_len: int) -> list[Trial]:
 
 
 def surface_fit(trials: Sequence[Trial], settings: SearchSettings) -> Fit2D | None:
-    """The 2-D fit through each length's fit points (:func:`vramcal.calibrate.search.fit_points`: no flat
+    """The 2-D fit through each length's fit points (:func:`vramcal.calibration.search.fit_points`: no flat
     start, local to the limit), or None while it has fewer than 4 points over 2 lengths and 2 batch sizes."""
     points = [t for length in {t.seq_len for t in trials} for t in fit_points(at_length(trials, length), settings)]
     if len({t.seq_len for t in points}) < 2 or len({t.batch_size for t in points}) < 2 or len(points) < 4:
@@ -271,7 +271,7 @@ def longest_at(surface: Surface, batch_size: int, usable_bytes: int) -> int:
 
 
 def limits_at(surface: Surface, seq_len: int, total_bytes: int, settings) -> Limits:
-    """A :class:`~vramcal.calibrate.limits.Limits` record at ``seq_len`` (for sizing and reports)."""
+    """A :class:`~vramcal.calibration.limits.Limits` record at ``seq_len`` (for sizing and reports)."""
     usable = settings.usable_bytes(total_bytes)
     safe, conservative, _ = answer_at(surface, seq_len, usable, settings.conservative_fraction)
     fit = surface.fit

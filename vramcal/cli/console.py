@@ -26,7 +26,8 @@ class TrialPrinter:
         peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
         step = f"{trial.step_s:.3f} s/step, {trial.samples_per_s:.1f} samples/s" if trial.step_s else ""
         status = "over" if trial.ok and not trial.fits(self._usable_bytes) else trial.status
-        self._bar.write(f"  batch_size {trial.batch_size:>6}  {status:<7}  peak {peak:>10}  {step}  "
+        length = f"seq_len {trial.seq_len:>5}  " if trial.seq_len is not None else ""
+        self._bar.write(f"  {length}batch_size {trial.batch_size:>6}  {status:<7}  peak {peak:>10}  {step}  "
                         f"[{trial.purpose}, {trial.wall_s:.1f} s]", file=self._file)
         self._bar.update(1)
 
@@ -50,6 +51,12 @@ def summary(profile) -> str:
         lines.append(f"{name:<13} batch_size {value:<6} ({state})")
     lines.append(f"(point estimate without the prediction interval, the seeds' formula "
                  f"floor((usable - overhead) / slope): {limits.point_safe_batch_size})")
+    if profile.surface is not None:
+        surface = profile.surface
+        lines.append(f"over seq_len: {surface.fit.formula()}   (r² = {surface.fit.r_squared:.4f}, "
+                     f"{surface.fit.n_points} points; the lines above are seq_len {surface.reference_seq_len})")
+        lines += [f"  seq_len {e.seq_len:>6}  safe {e.safe_batch_size:<7} conservative {e.conservative_batch_size:<7} "
+                  f"({'verified' if e.verified else 'NOT verified'})" for e in surface.lengths]
     lines.extend(f"warning: {w}" for w in profile.warnings)
     return "\n".join(lines)
 

@@ -47,13 +47,14 @@ class ByteSize(click.ParamType):
 
 
 class FiniteFloat(click.FloatRange):
-    """A float range that refuses NaN and infinities (click's ranges let NaN through: it compares false)."""
+    """A float range that refuses NaN and infinities first, with one message for all of them (click's ranges
+    let NaN through: it compares false; ``1e999`` reads as infinity)."""
 
     def convert(self, value, param, ctx):
-        number = super().convert(value, param, ctx)
+        number = click.FLOAT.convert(value, param, ctx)
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number", param, ctx)
-        return number
+        return super().convert(number, param, ctx)
 
 
 class BatchSize(click.ParamType):
@@ -112,17 +113,27 @@ device_options = group(
                  help="the Mamba-2 implementation: mamba_ssm's fused kernels on GPUs where they import"),
 )
 
-spec_options = group(
-    click.option("--d-model", type=click.IntRange(1), default=_DEFAULTS.d_model, show_default=True),
-    click.option("--n-layers", type=click.IntRange(1), default=_DEFAULTS.n_layers, show_default=True),
-    click.option("--d-state", type=click.IntRange(1), default=_DEFAULTS.d_state, show_default=True),
-    click.option("--headdim", type=click.IntRange(1), default=_DEFAULTS.headdim, show_default=True),
-    click.option("--expand", type=click.IntRange(1), default=_DEFAULTS.expand, show_default=True),
-    click.option("--chunk-size", type=click.IntRange(1), default=_DEFAULTS.chunk_size, show_default=True),
-    click.option("--seq-len", type=click.IntRange(1), default=_DEFAULTS.seq_len, show_default=True),
-    click.option("--dtype", type=click.Choice(DTYPE_POLICIES), default=_DEFAULTS.dtype, show_default=True,
-                 help="fp32, or fp32 weights with bf16 autocast (CUDA, compute capability 8.0+)"),
-)
+def _spec_group(seq_len_option: Callable) -> Callable:
+    return group(
+        click.option("--d-model", type=click.IntRange(1), default=_DEFAULTS.d_model, show_default=True),
+        click.option("--n-layers", type=click.IntRange(1), default=_DEFAULTS.n_layers, show_default=True),
+        click.option("--d-state", type=click.IntRange(1), default=_DEFAULTS.d_state, show_default=True),
+        click.option("--headdim", type=click.IntRange(1), default=_DEFAULTS.headdim, show_default=True),
+        click.option("--expand", type=click.IntRange(1), default=_DEFAULTS.expand, show_default=True),
+        click.option("--chunk-size", type=click.IntRange(1), default=_DEFAULTS.chunk_size, show_default=True),
+        seq_len_option,
+        click.option("--dtype", type=click.Choice(DTYPE_POLICIES), default=_DEFAULTS.dtype, show_default=True,
+                     help="fp32, or fp32 weights with bf16 autocast (CUDA, compute capability 8.0+)"),
+    )
+
+
+spec_options = _spec_group(click.option("--seq-len", type=click.IntRange(1), default=_DEFAULTS.seq_len,
+                                        show_default=True))
+# probe: one length, or several calibrated at once (issue 13)
+probe_spec_options = _spec_group(click.option(
+    "--seq-len", default=str(_DEFAULTS.seq_len), show_default=True,
+    help="one length, or several calibrated at once: a list 128,512,2048 or a range 128:2048 (its ends and their "
+         "geometric middle); multiples of chunk_size"))
 
 data_options = group(
     click.option("--stride", type=click.IntRange(1), default=None, help="bars between windows [default: seq_len // 2]"),
@@ -180,7 +191,7 @@ def one_line(interrupted: str = "interrupted") -> Iterator[None]:
     factory) or a RuntimeError subclass whose message is written for people (a failed calibration or
     run, NVML); OSError covers files that cannot be written.
     """
-    from vramcal.calibrate.probe import CalibrationError
+    from vramcal.calibration.probe import CalibrationError
     from vramcal.measure.device import NvmlError
     from vramcal.train.errors import TrainError
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from vramcal.calibration.fit2d import parse_seq_lens
 from vramcal.cli.console import TrialPrinter, echo_lines, observations_lines, summary
 from vramcal.cli.options import (
     EXIT_UNVERIFIED,
@@ -26,7 +27,7 @@ from vramcal.cli.options import (
     group,
     limit_options,
     one_line,
-    spec_options,
+    probe_spec_options,
 )
 from vramcal.models.regressor import ModelSpec
 from vramcal.units import format_bytes
@@ -49,6 +50,9 @@ trial_options = group(
     click.option("--max-trials", type=click.IntRange(3), default=16, show_default=True),
     click.option("--timeout", "timeout_s", type=FiniteFloat(1, 86400), default=900, show_default=True,
                  help="seconds before a trial is killed"),
+    click.option("--boundary/--no-boundary", default=True, show_default=True,
+                 help="measure near the out-of-memory boundary (its largest trials); without: faster, and the "
+                      "predicted boundary is an extrapolation"),
 )
 
 
@@ -57,7 +61,7 @@ trial_options = group(
 @click.option("--capacity", type=ByteSize(min_bytes=2**20), default=None,
               help="memory budget, e.g. 12GiB (default: the whole device; host: cgroup limit or MemAvailable)")
 @model_options
-@spec_options
+@probe_spec_options
 @click.option("--data", type=click.Path(dir_okay=False), default=None,
               help="regressor: the OHLCV parquet the trials hold [default: data/es_1s.parquet if it exists, "
                    "else synthetic bars of its size]")
@@ -82,7 +86,9 @@ def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, co
     from vramcal import api
 
     with one_line("interrupted: no profile written; existing profiles are unchanged"), stdout_to_stderr(as_json):
-        model, params = model_params(options, explicit(ctx))
+        given = explicit(ctx)
+        seq_lens = options["seq_len"] if "seq_len" in given else ""  # else the spec's default or --model-arg's
+        model, params = model_params(options, given)
         importable_from_cwd(model)
         settings = api.LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
         devices, notice = api.select_devices(gpu, capacity)
@@ -91,7 +97,7 @@ def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, co
         echo_lines(([notice] if notice else []) + host_hint(devices[0], capacity), err=as_json)
         plans = [api.plan_calibration(model, params, device=device, implementation=implementation, settings=settings,
                                       options=factory_options(model, options), profiles_dir=profiles_dir, out=out,
-                                      unique_device=len(devices) > 1) for device in devices]
+                                      unique_device=len(devices) > 1, seq_lens=seq_lens) for device in devices]
         for plan in plans:
             check_writable(plan.path.parent, "profiles", "--out or --profiles-dir")
             if not no_report:
@@ -113,6 +119,10 @@ def model_params(options: dict[str, Any], given: set[str]) -> tuple[str, dict[st
     """
     model, args = options.pop("model"), dict(options.pop("model_args"))
     spec = {name: options.pop(name) for name in SPEC_NAMES}
+    try:
+        spec["seq_len"] = parse_seq_lens(str(spec["seq_len"]))[0]  # the first of several (the API takes them all)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--seq-len") from None
     if model == "regressor":
         if args:
             raise click.BadParameter("the regressor takes the spec options (--d-model, ...), not --model-arg",
@@ -180,7 +190,9 @@ def calibrate_one(plan, options: dict[str, Any], as_json: bool, reports_dir: Pat
     """Run one device's calibration, print its summary, write its report; returns the profile."""
     from vramcal import api
 
-    echo_lines(f"calibrating {plan.model.short()} on {plan.device.name}, {format_bytes(plan.device.total_bytes)} "
+    what = (f"{plan.model.without('seq_len').short()} at seq_len {', '.join(map(str, plan.seq_lens))}"
+            if plan.seq_lens else plan.model.short())
+    echo_lines(f"calibrating {what} on {plan.device.name}, {format_bytes(plan.device.total_bytes)} "
                f"({plan.device.total_source}), usable {format_bytes(plan.usable_bytes)}", err=as_json)
     printer = TrialPrinter(options["max_trials"], plan.usable_bytes, err=as_json)
     try:
@@ -226,5 +238,6 @@ def show(profile_path: Path, as_json: bool) -> None:
     click.echo(f"model: {profile.model.short()}  [{profile.implementation}: {profile.kernel_path}]")
     for trial in profile.trials:
         peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
-        click.echo(f"  batch_size {trial.batch_size:>6}  {trial.status:<7}  peak {peak:>10}  {trial.purpose}")
+        length = f"seq_len {trial.seq_len:>5}  " if trial.seq_len is not None else ""
+        click.echo(f"  {length}batch_size {trial.batch_size:>6}  {trial.status:<7}  peak {peak:>10}  {trial.purpose}")
     echo_lines([summary(profile), *observations_lines(profile)])

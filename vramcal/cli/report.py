@@ -5,12 +5,13 @@ Both read profile files only, so a profile made on a GPU box reports anywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import click
 
-from vramcal.cli.options import one_line
+from vramcal.cli.options import EXIT_UNVERIFIED, one_line
 from vramcal.report.catalogue import GpuModel, parse_gpu_list
 
 
@@ -90,23 +91,66 @@ def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, 
 @click.command("limits")
 @click.argument("profile", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--gpus", type=GpuList(), default="", help=GPUS_HELP)
-@click.option("--json", "as_json", is_flag=True, help="print the table as JSON for programs")
-def limits_command(profile: Path, gpus: list[GpuModel], as_json: bool) -> None:
-    """Print limits on common GPUs, extrapolated from PROFILE's fit.
+@click.option("--seq-len", type=click.IntRange(1), default=None,
+              help="safe and conservative batch sizes at this length (a profile calibrated over several lengths)")
+@click.option("--batch-size", type=click.IntRange(1), default=None,
+              help="the longest seq_len at this batch size (a profile calibrated over several lengths)")
+@click.option("--verify", is_flag=True, help="run one real trial at the answer (on the profile's device, here)")
+@click.option("--json", "as_json", is_flag=True, help="print the answer or the table as JSON for programs")
+@click.pass_context
+def limits_command(ctx: click.Context, profile: Path, gpus: list[GpuModel], seq_len: int | None,
+                   batch_size: int | None, verify: bool, as_json: bool) -> None:
+    """Print PROFILE's limits: on common GPUs (extrapolated from its fit), or at a sequence length or batch size.
 
-    The same table as the report's "Limits on other GPUs": safe and conservative batch sizes per card,
-    assuming the fit's overhead and slope carry over (they do only roughly).
+    The GPU table is the report's "Limits on other GPUs": safe and conservative batch sizes per card,
+    assuming the fit's overhead and slope carry over (they do only roughly). With --seq-len or --batch-size,
+    the answer of a profile calibrated over several lengths; --verify checks it with a real trial (exit 3
+    when that trial does not fit).
     """
+    loaded = _load([profile])[0]
+    if seq_len is None and batch_size is None:
+        if verify:
+            raise click.BadParameter("--verify checks an answer: give --seq-len or --batch-size", param_hint="--verify")
+        _gpu_table(profile, loaded, gpus, as_json)
+        return
+    from vramcal import api
+
+    with one_line():
+        found = api.answer(loaded, seq_len=seq_len, batch_size=batch_size)
+        trial = api.verify(loaded, found.batch_size, found.seq_len) if verify else None
+    _print_answer(found, trial, as_json)
+    if trial is not None and not trial.fits(found.usable_bytes):
+        ctx.exit(EXIT_UNVERIFIED)
+
+
+def _print_answer(found, trial, as_json: bool) -> None:
+    from vramcal.units import format_bytes
+
+    if as_json:
+        check = None if trial is None else {"status": trial.status, "peak_bytes": trial.peak_bytes,
+                                            "fits": trial.fits(found.usable_bytes)}
+        click.echo(json.dumps({**dataclasses.asdict(found), "verification": check}, indent=2, sort_keys=True))
+        return
+    click.echo(f"seq_len {found.seq_len}: safe batch_size {found.safe_batch_size}, conservative "
+               f"{found.conservative_batch_size} ({found.basis})")
+    click.echo(f"at batch_size {found.batch_size}: predicted peak {format_bytes(found.predicted_peak_bytes)}, upper "
+               f"bound {format_bytes(found.upper_bytes)}, usable {format_bytes(found.usable_bytes)}")
+    if trial is not None:
+        verdict = (f"verified: peak {format_bytes(trial.peak_bytes)}" if trial.fits(found.usable_bytes) else
+                   f"NOT verified: {trial.status}" + (f", peak {format_bytes(trial.peak_bytes)}" if trial.ok else ""))
+        click.echo(f"real trial at batch_size {found.batch_size}, seq_len {found.seq_len}: {verdict}")
+
+
+def _gpu_table(path: Path, loaded, gpus: list[GpuModel], as_json: bool) -> None:
     from vramcal.report.catalogue import other_gpu_limits
     from vramcal.report.markdown import device_label, limits_notes, limits_table, missing_notes
 
-    loaded = _load([profile])[0]
     try:
         rows = other_gpu_limits(loaded, gpus)
     except ValueError as error:
-        raise click.ClickException(f"{profile}: {error}") from None
+        raise click.ClickException(f"{path}: {error}") from None
     if as_json:
-        click.echo(json.dumps({"profile": str(profile), "verified": loaded.verified, "formula": loaded.fit.formula(),
+        click.echo(json.dumps({"profile": str(path), "verified": loaded.verified, "formula": loaded.fit.formula(),
                                "gpus": [{"gpu": r.gpu.label, "measured": r.measured, **r.limits.to_dict()}
                                         for r in rows]}, indent=2, sort_keys=True))
         return

@@ -40,7 +40,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-import vramcal.api  # noqa: F401 - also binds vramcal.calibrate to the function (see the end of vramcal.api)
+import vramcal.api  # noqa: F401 - also binds vramcal.calibration to the function (see the end of vramcal.api)
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile, ProfileError, load_profile
 from vramcal.sizing import Purpose, Sizing, SizingError, size
 from vramcal.units import format_bytes

@@ -26,8 +26,8 @@ import sys
 from typing import Any, Protocol
 
 from vramcal.measure.nvml import NvmlError, load_nvml, nvml_handle
-from vramcal.measure.oom import is_out_of_memory  # noqa: F401 - re-exported: the name callers use
 from vramcal.measure.sampler import BASELINE_SETTLE_S, NVML_SAMPLE_INTERVAL_S, NvmlSampler  # noqa: F401
+from vramcal.oom import is_out_of_memory  # noqa: F401 - re-exported: the name callers use
 from vramcal.records import Device
 
 ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_MODULE_LOADING")

@@ -13,7 +13,7 @@ The trial runs what training runs (:mod:`vramcal.workload`), in the kind of proc
    trainer validates;
 5. read the peaks: the trial's ``peak_bytes`` covers training steps and validation alike.
 
-Out-of-memory errors are recognised by :func:`vramcal.measure.meters.is_out_of_memory` only.
+Out-of-memory errors are recognised by :func:`vramcal.oom.is_out_of_memory` only.
 """
 
 from __future__ import annotations
@@ -80,8 +80,10 @@ class TrialRunner:
 
     def record(self, request: TrialRequest, outcome: Outcome, purpose: str) -> Trial:
         if outcome.status != "ok":
+            header = f"{outcome.error_type}: {outcome.message}" if outcome.error_type else outcome.message
+            error = "\n".join(text for text in (header, outcome.error) if text)  # first line: what failed
             return Trial(batch_size=request.batch_size, status=outcome.status, purpose=purpose,
-                         startup_s=outcome.startup_s, wall_s=outcome.wall_s, error=outcome.error)
+                         startup_s=outcome.startup_s, wall_s=outcome.wall_s, error=error)
         figures = dict(outcome.result)
         self.context = figures.pop("context")
         return Trial(batch_size=request.batch_size, status="ok", purpose=purpose, startup_s=outcome.startup_s,

@@ -210,7 +210,7 @@ def failure(error: BaseException) -> dict[str, Any]:
     The traceback's frames still hold the step's tensors; they are cleared first, so that reporting an
     out-of-memory error does not itself run out of memory.
     """
-    from vramcal.measure.meters import is_out_of_memory
+    from vramcal.oom import is_out_of_memory
 
     status = "oom" if is_out_of_memory(error) else "error"
     message = (str(error).strip().splitlines() or [type(error).__name__])[0][:500]

@@ -1,7 +1,7 @@
 """Limits on other GPUs, extrapolated from one profile's fit, for a built-in catalogue of common cards.
 
 The seed documents give a table of "GPU-specific safe limits" per card; vramcal computes the same rows
-from a measured fit with :func:`vramcal.calibrate.limits.compute_limits` and each card's total memory. These rows
+from a measured fit with :func:`vramcal.calibration.limits.compute_limits` and each card's total memory. These rows
 are extrapolations: they assume the same ``overhead_bytes`` and ``slope_bytes_per_sample`` on another
 card, which is not exact (the CUDA context, cuBLAS workspaces and the kernels chosen differ by card,
 driver and architecture). Only the measured device's row is measured.
@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vramcal.calibrate.limits import Limits, compute_limits
+from vramcal.calibration.limits import Limits, compute_limits
 from vramcal.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:

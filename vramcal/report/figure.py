@@ -145,7 +145,7 @@ def _draw_speed(ax: Any, profile: Profile, color: str) -> None:
 def _draw_lengths(ax: Any, profile: Profile, color: str) -> None:
     """Safe batch size against seq_len: the model's answer at every multiple of chunk_size inside the
     calibrated range (a line), the calibrated lengths' verified limits (filled: safe, open: conservative)."""
-    from vramcal.calibrate.surface import answer_at
+    from vramcal.calibration.surface import answer_at
 
     surface = profile.surface
     if surface is None:

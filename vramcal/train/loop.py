@@ -38,8 +38,9 @@ from typing import Any
 
 import torch
 
-from vramcal.measure.meters import is_out_of_memory, synchronize
+from vramcal.measure.meters import synchronize
 from vramcal.models.regressor import RegressorStep, forward
+from vramcal.oom import is_out_of_memory
 from vramcal.train import checkpoint
 from vramcal.train.errors import NonFiniteError, Stopped, TrainError
 from vramcal.train.plan import Plan
@@ -115,6 +116,7 @@ class Trainer:
             for group, base_lr in zip(step.optimizer.param_groups, self.scheduler.base_lrs):  # the new total's LR
                 group["lr"] = base_lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
         self._measuring = state is not None  # a resumed run's first step is not its first ever
+        self._had_oom = False  # an allocation failed in this process (see _out_of_memory)
         self._last_save = time.monotonic()
 
     # ------------------------------------------------------------------------------------ a step
@@ -134,15 +136,21 @@ class Trainer:
                 grad_norm = optimizer_step(self.step, skip_non_finite=True)
                 return float(loss), float(grad_norm) if grad_norm is not None else 0.0
             except Exception as error:
-                if not is_out_of_memory(error):
+                if not self._out_of_memory(error):
                     raise
-                message = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+                message = _first_line(error)
             self._fall_back(micro, batch, message, "step")
+
+    def _out_of_memory(self, error: BaseException) -> bool:
+        """An allocation failure (:func:`vramcal.oom.is_out_of_memory`, oneDNN's bare message included once
+        this run has had one)."""
+        return is_out_of_memory(error, after_failure=self._had_oom)
 
     def _fall_back(self, micro: int, batch: int, message: str, where: str) -> None:
         """Free what the failed attempt held and halve the micro-batch, or stop at one sample."""
         import gc
 
+        self._had_oom = True
         self.step.optimizer.zero_grad(set_to_none=True)
         gc.collect()
         if self.plan.device.kind == "cuda":
@@ -188,9 +196,9 @@ class Trainer:
                                      (hit & moved).sum(), moved.sum()]).double().cpu()
                 position += len(x)
             except Exception as error:
-                if not is_out_of_memory(error):
+                if not self._out_of_memory(error):
                     raise
-                self._fall_back(chunk, chunk, str(error).splitlines()[0][:200], "validation")
+                self._fall_back(chunk, chunk, _first_line(error), "validation")
         model.train()
         n = len(starts) * pipeline.windows.seq_len
         se, zero_se, hits, unchanged, move_hits, moves = sums.tolist()
@@ -327,9 +335,16 @@ class Trainer:
             checkpoint.write_metrics(plan.run_dir, progress.rows)
         except OSError as error:
             raise TrainError(f"cannot write {error.filename or plan.run_dir} ({error.strerror or error}): stopped "
-                             f"at step {progress.step}; {checkpoint.last_good(plan.run_dir)} once there is "
-                             f"space") from None
+                             f"at step {progress.step}, unsaved; {checkpoint.last_good(plan.run_dir)} once there "
+                             f"is space") from None
         self._last_save = time.monotonic()
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's first line (at most 200 characters), or its class name when it has no message
+    (``MemoryError()`` has none)."""
+    lines = str(error).strip().splitlines()
+    return lines[0][:200] if lines else type(error).__name__
 
 
 # ------------------------------------------------------------------------------------ the worker
@@ -365,13 +380,20 @@ def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
             state, path, notice = checkpoint.load_resumable(plan.run_dir)
             if notice:
                 echo(f"warning: {notice}")
+                if path.name != checkpoint.LAST and (plan.run_dir / checkpoint.LAST).exists():
+                    echo(f"the unreadable {checkpoint.LAST} is kept as "
+                         f"{checkpoint.set_aside(plan.run_dir / checkpoint.LAST).name}")
             _check_same_data(state, step, plan)
+            done = state["progress"]
+            within = f", batch {done['batch_in_epoch']} of epoch {done['epoch'] + 1}" if done["batch_in_epoch"] else ""
+            echo(f"continuing from {path}: {done['epoch']} epoch(s) and {done['step']} step(s) done{within}")
         trainer = Trainer(plan, step, meter, echo=echo, state=state, on_epoch=on_epoch)
         last = trainer.run()
     finally:
         meter.close()
     peaks = [r["peak_bytes"] for r in trainer.progress.rows if r["kind"] == "epoch" and "peak_bytes" in r]
     return {"last": last, "step": trainer.progress.step, "peak_bytes": max(peaks) if peaks else None,
+            "epochs": len(peaks),
             "data_bytes": step.pool_data_bytes(plan.device.kind)}
 
 

@@ -177,8 +177,9 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting) -> Plan:
         SizingError: no batch size within the bounds. RunDirError: the folder holds a run or is unwritable.
     """
     checkpoint.check_run_dir(run_dir, resume=False)
+    seq_len = config.spec.seq_len if setting.profile.surface is not None else None
     sizing = size(setting.profile, config.batch_size, batch_size_min=config.batch_size_min,
-                  pool_data_bytes=setting.pool_data_bytes)
+                  pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len)
     notices = list(setting.notices) + list(sizing.notices)
     if sizing.batch_size > setting.train_windows:
         n_train = setting.train_windows
@@ -188,7 +189,8 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting) -> Plan:
         notices.append(f"batch size {sizing.batch_size} is more than the {n_train} training windows: one step per "
                        f"epoch of {n_train} samples (a smaller --stride gives more windows)")
         sizing = replace(size(setting.profile, n_train, batch_size_min=config.batch_size_min,
-                              pool_data_bytes=setting.pool_data_bytes), source=sizing.source + "+data")
+                              pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len),
+                         source=sizing.source + "+data")
     lr = scaled_lr(config.lr, sizing.batch_size, config.reference_batch_size, config.lr_scaling)
     checkpoint.prepare_run_dir(run_dir, resume=False)
     return Plan(config=config, run_dir=Path(run_dir), device=setting.device, model=setting.model, sizing=sizing,
