@@ -20,10 +20,10 @@ import importlib
 import importlib.metadata
 import re
 import sys
+import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-import tomllib
 from packaging.requirements import Requirement
 from packaging.version import InvalidVersion, Version
 
