@@ -360,9 +360,6 @@ def test_a_calibration_without_verified_limits_says_why_and_exits_3(monkeypatch,
     assert not load_profile(tmp_path / "p.json").verified
 
 
-@pytest.mark.xfail(strict=True, reason="calibrate/probe.py _with_warnings and cli/console.py summary (not this "
-                   "helper's files): a fit without limits prints 'no fit: ' and nothing; a flat start says 'only N "
-                   "trial(s) finished over N batch size(s) ... (a fit needs 3 over 2 batch sizes)'")
 @pytest.mark.parametrize("case", ["flat", "verification-over"])
 def test_the_reason_for_no_limits_is_neither_empty_nor_contradictory(monkeypatch, tmp_path, case):
     from vramcal.profile import load_profile

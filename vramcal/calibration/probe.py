@@ -176,11 +176,20 @@ def assemble(device: Device, model: ModelRef, settings: LimitSettings, trials: l
 
 
 def _with_warnings(profile: Profile, fit, n_trials: int) -> Profile:
+    """The profile with a warning for each way it falls short: why there are no limits, curvature, no
+    verification."""
     warnings = []
-    if fit is None:
-        ok = sum(t.ok for t in profile.trials)
-        warnings.append(f"only {ok} trial(s) finished over {len({t.batch_size for t in profile.trials if t.ok})} "
+    finished = [t for t in profile.trials if t.ok]
+    if fit is None and len(finished) >= 3 and len({t.batch_size for t in finished}) >= 2:
+        warnings.append(f"the peaks of {len(finished)} finished trials did not rise measurably with batch_size (a "
+                        f"flat start, or failures before the slope showed): no slope to fit, no limits; give a "
+                        f"larger budget, or --max-trials for more batch sizes")
+    elif fit is None:
+        warnings.append(f"only {len(finished)} trial(s) finished over {len({t.batch_size for t in finished})} "
                         f"batch size(s): no fit, no limits (a fit needs 3 over 2 batch sizes)")
+    elif profile.limits is None:
+        warnings.append(f"the fitted slope is not positive ({fit.formula()}): the peaks fall with batch_size over the "
+                        f"fitted trials, so no limit can be extrapolated; re-run with a larger budget")
     elif fit.nonlinearity:
         warnings.append(fit.nonlinearity)
     if profile.limits is not None and not profile.verified:
