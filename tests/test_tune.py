@@ -7,6 +7,7 @@ synthetic bars (18 training windows). One tune is run once per module: interrupt
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -121,6 +122,36 @@ def test_results_table_plot_and_best_config_that_trains(tuned, paths):
     assert run["config"]["weight_decay"] == config["weight_decay"]
 
 
+def test_look_back_windows_are_searched_each_within_its_own_batch_bounds(paths, tmp_path):
+    """--seq-lens: one profile per length (the longer one's slope doubled); each trial picks a length and a
+    batch size inside that length's bounds, and the trainer trains exactly that pair."""
+    conservative = {}
+    for length, slope in ((32, 24), (64, 48)):
+        profile = make_profile(host_device(), dataclasses.replace(SPEC, seq_len=length), slope)
+        save_profile(profile, profile_path(tmp_path / "profiles", profile.device, profile.model, "transformers"))
+        conservative[length] = profile.limits.conservative_batch_size
+    assert conservative[64] < conservative[32] == CONSERVATIVE
+    run_dir = tmp_path / "run"
+    result = CliRunner().invoke(main, [
+        "tune", "--data", str(paths["data"]), "--profiles-dir", str(tmp_path / "profiles"), "--gpu", "none",
+        "--run-dir", str(run_dir), *SPEC_ARGS, "--epochs", "1", "--max-steps", "2", "--trials", "4",
+        "--n-initial", "4", "--seq-lens", "32,64", "--seed", "2"])  # seeds 0 and 1 draw 64 four times
+    assert result.exit_code == 0, result.output
+    assert f"seq_len 32: batch_size in [1, {conservative[32]}]; seq_len 64: batch_size in [1, {conservative[64]}]" \
+        in result.output
+    trials = optuna.load_study(study_name=DEFAULT_STUDY_NAME, storage=f"sqlite:///{run_dir / STUDY_DB}").trials
+    assert {t.params["seq_len"] for t in trials} == {32, 64}
+    for t in trials:
+        length, batch = t.params["seq_len"], t.user_attrs["batch_size"]
+        assert 1 <= batch <= conservative[length] and t.user_attrs["batch_size_used"] == batch
+        run = json.loads((run_dir / "trials" / f"{t.number:04d}" / checkpoint.RUN).read_text())
+        assert (run["config"]["spec"]["seq_len"], run["sizing"]["batch_size"]) == (length, batch)
+    assert "| seq_len |" in (run_dir / TRIALS_TABLE).read_text()
+    best = min(trials, key=lambda t: t.value)
+    config = json.loads((run_dir / BEST_CONFIG).read_text())
+    assert (config["spec"]["seq_len"], config["batch_size"]) == (best.params["seq_len"], best.user_attrs["batch_size"])
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 @pytest.mark.parametrize("extra, message", [
@@ -128,6 +159,8 @@ def test_results_table_plot_and_best_config_that_trains(tuned, paths):
     (("--batch-size-min", "8", "--batch-size-max", "4"), "the low end 8 is above the high end 4"),
     (("--max-grad-norm-range", "0", "1"), "bounds must be > 0"),
     (("--trials", "0"), "0 is not in the range x>=1"),
+    (("--seq-lens", "32,40"), "seq_len 40 is not a multiple of chunk_size 16: use 32 or 48"),
+    (("--seq-lens", "64:32"), "the range is reversed: write 32:64"),
 ])
 def test_bad_values_exit_2_with_one_clear_line(paths, extra, message):
     result = tune(paths, *extra, run="bad")
@@ -162,8 +195,7 @@ def test_a_trial_is_pruned_after_the_epoch_that_reports_it_hopeless(paths, tmp_p
     """The trainer's on_epoch hook feeds trial.report; a pruner that prunes everything stops each trial
     after its first of two epochs, and the pruned trials keep their figures and count as finished."""
     from vramcal.train.config import TrainConfig
-    from vramcal.train.plan import resolve
-    from vramcal.tune.study import TuneSettings, batch_bounds, finished, open_storage, open_study, run_study
+    from vramcal.tune.study import TuneSettings, finished, open_storage, open_study, run_study, search_space
 
     base = TrainConfig(data=str(paths["data"]), spec=SPEC, gpu="none", profiles_dir=str(paths["profiles"]),
                        epochs=2, batch_size_min=8)
@@ -171,9 +203,8 @@ def test_a_trial_is_pruned_after_the_epoch_that_reports_it_hopeless(paths, tmp_p
     storage = open_storage(f"sqlite:///{tmp_path / STUDY_DB}")
     study, _, existed = open_study(storage, "pruning", settings, seed=0, n_initial=1)
     study.pruner = optuna.pruners.ThresholdPruner(upper=0.0)  # every validation loss is above 0
-    setting = resolve(base)
-    bounds = batch_bounds(settings, setting)
-    assert not existed and run_study(study, settings, bounds, setting, tmp_path, 2, echo=lambda _: None) == 2
+    space = search_space(settings)
+    assert not existed and run_study(study, settings, space, tmp_path, 2, echo=lambda _: None) == 2
     assert finished(study) == 2
     for t in study.trials:
         assert t.state == TrialState.PRUNED and t.user_attrs["epochs"] == 1
@@ -188,17 +219,18 @@ def test_trials_of_a_killed_worker_are_marked_failed_on_resume(tmp_path):
     import subprocess
     import sys
 
+    from vramcal.tune import study as studies
     from vramcal.tune.report import format_table
-    from vramcal.tune.study import BatchBounds, TuneSettings, open_storage, open_study, run_study, worker_id
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    host = worker_id().rpartition(":")[0]
-    storage = open_storage(f"sqlite:///{tmp_path / STUDY_DB}")
-    study, settings, _ = open_study(storage, "killed", TuneSettings(), seed=0, n_initial=1)
+    host = studies.worker_id().rpartition(":")[0]
+    storage = studies.open_storage(f"sqlite:///{tmp_path / STUDY_DB}")
+    study, settings, _ = studies.open_study(storage, "killed", studies.TuneSettings(), seed=0, n_initial=1)
     study.ask().set_user_attr("worker", f"{host}:{int(dead.stdout)}")
     study.ask().set_user_attr("worker", f"{host}:{os.getppid()}")  # alive
     messages = []
-    assert run_study(study, settings, BatchBounds(1, 1, "p", 1, 1), None, tmp_path, 0, echo=messages.append) == 0
+    assert studies.run_study(study, settings, studies.SearchSpace(((64, None, studies.BatchBounds(1, 1, "p", 1, 1)),)),
+                          tmp_path, 0, echo=messages.append) == 0
     assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.RUNNING]
     assert messages == ["trial 0: fail (its worker process is gone)"]
     assert format_table(study).splitlines()[2].split("|")[2].strip() == "fail"  # trial 0's row

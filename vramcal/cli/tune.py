@@ -42,6 +42,10 @@ def _range(name: str, default: tuple[float, float], help_text: str):
               help="random trials before TPE models the results")
 @click.option("--batch-size-max", type=click.IntRange(1), default=None,
               help="[default: the profile's conservative batch size, also the most allowed]")
+@click.option("--seq-lens", default=None,
+              help="look-back windows to search too, e.g. 64,128,256 or a range 64:256 (its ends and middle); "
+                   "each needs a profile that covers it (one calibrated over several lengths, or one per length); "
+                   "batch bounds follow the length")
 @_range("--lr-range", (1e-5, 1e-3), "peak learning rate at --reference-batch-size, log scale")
 @_range("--weight-decay-range", (0.0, 0.1), "AdamW weight decay, linear scale")
 @_range("--max-grad-norm-range", (0.25, 4.0), "gradient clipping norm, log scale")
@@ -64,12 +68,11 @@ def tune_command(ctx: click.Context, config_file: str | None, run_dir: Path | No
     resume_hint = f"`vramcal tune --run-dir {run_dir} --resume`" + (" with the same --storage and --study-name"
                                                                      if storage else "")
     with one_line(f"interrupted: the study is kept; continue it with {resume_hint}"):
-        study, settings, setting, bounds, url = open_tune(settings, run_dir, resume, storage, study_name, capacity,
-                                                          given, echo)
+        study, settings, space, url = open_tune(settings, run_dir, resume, storage, study_name, capacity, given, echo)
         echo(f"study {study_name!r} in {tune.redact(url)}: {trials} trials, TPE after {settings.n_initial} random, "
-             f"median pruning; {bounds.describe()}")
-        tune.run_study(study, settings, bounds, setting, run_dir, trials, echo=echo)
-        written = report.write_results(study, settings, bounds, run_dir)
+             f"median pruning; {space.describe()}")
+        tune.run_study(study, settings, space, run_dir, trials, echo=echo)
+        written = report.write_results(study, settings, space, run_dir)
     print_results(study, written)
 
 
@@ -78,18 +81,16 @@ def open_tune(settings, run_dir: Path, resume: bool, storage: str | None, study_
     """Check everything, then open (or create) the study and decide the batch bounds, printing the notices.
 
     Returns:
-        (study, the settings it searches, the :class:`~vramcal.train.plan.Setting`, the batch bounds, the
-        storage URL: print it only through :func:`vramcal.tune.study.redact`).
+        (study, the settings it searches, the :class:`~vramcal.tune.study.SearchSpace`, the storage URL: print
+        it only through :func:`vramcal.tune.study.redact`).
     """
     from vramcal.train.data import gap_notice
-    from vramcal.train.plan import resolve
     from vramcal.tune import study as tune
 
     if storage is None:
         check_default_storage(run_dir, resume)
     if not resume:  # every check before a study is touched
-        setting = resolve(settings.base, capacity)
-        bounds = tune.batch_bounds(settings, setting)
+        space = tune.search_space(settings, capacity)
     url = storage or tune.default_storage(run_dir)
     if storage is None:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -100,13 +101,12 @@ def open_tune(settings, run_dir: Path, resume: bool, storage: str | None, study_
         echo(f"{'resuming' if resume else 'joining'} study {study_name!r} ({len(study.trials)} trials so far) with "
              f"its saved settings" + (f"; ignoring {', '.join('--' + o.replace('_', '-') for o in ignored)}"
                                       if ignored else ""))
-        setting = resolve(settings.base, capacity)
-        bounds = tune.batch_bounds(settings, setting)
-    for notice in bounds.notices:
+        space = tune.search_space(settings, capacity)
+    for notice in space.notices:
         echo(notice if notice.startswith("host budget") else f"warning: {notice}")
-    if gap_notice(setting.data_stats):
-        echo(gap_notice(setting.data_stats))
-    return study, settings, setting, bounds, url
+    if gap_notice(space.lengths[0][1].data_stats):
+        echo(gap_notice(space.lengths[0][1].data_stats))
+    return study, settings, space, url
 
 
 def tune_settings(config_file: str | None, options: dict[str, Any], given: set[str]):
@@ -116,6 +116,7 @@ def tune_settings(config_file: str | None, options: dict[str, Any], given: set[s
 
     ranges = {k: options.pop(k) for k in ("lr_range", "weight_decay_range", "max_grad_norm_range")}
     batch_size_max, n_initial = options.pop("batch_size_max"), options.pop("n_initial")
+    seq_lens = options.pop("seq_lens")
     try:
         if config_file is None:
             base = TrainConfig.from_dict(options)
@@ -123,11 +124,24 @@ def tune_settings(config_file: str | None, options: dict[str, Any], given: set[s
             base = load_config(config_file).replace(**{k: v for k, v in options.items() if k in given})
         base = base.replace(**{k: getattr(TrainConfig(), k) for k in _SEARCHED})
         base.spec.validate()
-        return tune.TuneSettings(base=base, batch_size_max=batch_size_max, n_initial=n_initial, **ranges)
+        lengths = seq_len_choices(seq_lens, base.spec.chunk_size) if seq_lens is not None else ()
+        return tune.TuneSettings(base=base, batch_size_max=batch_size_max, n_initial=n_initial, seq_lens=lengths,
+                                 **ranges)
     except tune.TuneError as error:
         raise click.BadParameter(str(error)) from None
     except ValueError as error:  # ConfigError, an impossible spec
         raise click.ClickException(str(error)) from None
+
+
+def seq_len_choices(text: str, chunk_size: int) -> tuple[int, ...]:
+    """``--seq-lens`` read as ``vramcal probe --seq-len`` reads it (a list, or a range's ends and middle);
+    bad ones exit 2."""
+    from vramcal.calibration.fit2d import design_lengths
+
+    try:
+        return design_lengths(text, chunk_size)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="'--seq-lens'") from None
 
 
 def check_default_storage(run_dir: Path, resume: bool) -> None:

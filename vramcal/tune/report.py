@@ -11,9 +11,9 @@ from pathlib import Path
 
 from vramcal.files import atomic_write_bytes, atomic_write_text
 from vramcal.train.config import TrainConfig
-from vramcal.tune.study import BEST_CONFIG, PLOT, TRIALS_TABLE, BatchBounds, TuneSettings
+from vramcal.tune.study import BEST_CONFIG, PLOT, TRIALS_TABLE, SearchSpace, TuneSettings
 
-COLUMNS = ("trial", "state", "lr", "batch", "used", "clamped", "weight_decay", "max_grad_norm", "epochs",
+COLUMNS = ("trial", "state", "seq_len", "lr", "batch", "used", "clamped", "weight_decay", "max_grad_norm", "epochs",
            "val_loss", "samples/s")
 
 
@@ -29,7 +29,8 @@ def table_rows(study) -> list[tuple[str, ...]]:
 
         clamped = a.get("clamped")
         rows.append((f"{t.number}{'*' if best is not None and t.number == best.number else ''}",
-                     t.state.name.lower(), num(p.get("lr"), ".3g"), num(p.get("batch_size"), "d"),
+                     t.state.name.lower(), num(p.get("seq_len"), "d"), num(p.get("lr"), ".3g"),
+                     num(p.get("batch_size", a.get("batch_size")), "d"),
                      num(a.get("batch_size_used"), "d"), "-" if clamped is None else ("yes" if clamped else "no"),
                      num(p.get("weight_decay"), ".3g"), num(p.get("max_grad_norm"), ".3g"),
                      num(a.get("epochs"), "d"), num(a.get("val_loss"), ".5f"), num(a.get("samples_per_s"), ".1f")))
@@ -37,9 +38,12 @@ def table_rows(study) -> list[tuple[str, ...]]:
 
 
 def format_table(study) -> str:
-    """The trials as an aligned text table (also valid Markdown)."""
+    """The trials as an aligned text table (also valid Markdown); the seq_len column only when the study
+    searched look-back windows."""
     rows = [COLUMNS, *table_rows(study)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    if all(row[2] == "-" for row in rows[1:]):
+        rows = [row[:2] + row[3:] for row in rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
@@ -69,12 +73,13 @@ def best_config(study, settings: TuneSettings) -> TrainConfig | None:
     if best is None:
         return None
     p = best.params
-    return settings.base.replace(lr=p["lr"], batch_size=best.user_attrs.get("batch_size_used", p["batch_size"]),
-                                 weight_decay=p["weight_decay"],
-                                 max_grad_norm=p["max_grad_norm"]).with_absolute_paths()
+    length = {"seq_len": p["seq_len"]} if "seq_len" in p else {}
+    return settings.base.replace(lr=p["lr"], batch_size=best.user_attrs.get("batch_size_used", p.get("batch_size")),
+                                 weight_decay=p["weight_decay"], max_grad_norm=p["max_grad_norm"],
+                                 **length).with_absolute_paths()
 
 
-def write_results(study, settings: TuneSettings, bounds: BatchBounds, run_dir: Path) -> dict[str, Path]:
+def write_results(study, settings: TuneSettings, space: SearchSpace, run_dir: Path) -> dict[str, Path]:
     """``best-config.json`` (for ``vramcal train --config``), ``trials.md`` and ``tune.png``, atomically.
 
     Raises:
@@ -83,13 +88,13 @@ def write_results(study, settings: TuneSettings, bounds: BatchBounds, run_dir: P
     run_dir = Path(run_dir)
     written = {"table": run_dir / TRIALS_TABLE, "plot": run_dir / PLOT}
     failures = "".join(f"\n- {line}" for line in failure_lines(study))
-    atomic_write_text(written["table"], f"# {study.study_name}\n\n{bounds.describe()}\n\n{format_table(study)}\n"
+    atomic_write_text(written["table"], f"# {study.study_name}\n\n{space.describe()}\n\n{format_table(study)}\n"
                                         + (f"\nFailed trials:\n{failures}\n" if failures else ""))
     config = best_config(study, settings)
     if config is not None:
         written["best"] = run_dir / BEST_CONFIG
         atomic_write_text(written["best"], config.to_json())
-    plot_study(study, bounds, written["plot"])
+    plot_study(study, None if space.searched else space.lengths[0][2], written["plot"])
     return written
 
 
@@ -101,7 +106,7 @@ def _points(study) -> list[tuple[int, str, float, int]]:
     points = []
     for t in study.trials:
         value = t.user_attrs.get("val_loss")
-        batch = t.user_attrs.get("batch_size_used", t.params.get("batch_size"))
+        batch = t.user_attrs.get("batch_size_used", t.params.get("batch_size", t.user_attrs.get("batch_size")))
         if value is not None and math.isfinite(value) and batch is not None:
             points.append((t.number, t.state.name.lower(), float(value), int(batch)))
     return points
@@ -143,8 +148,9 @@ def plot_study(study, bounds, path: Path) -> Path:
 
     for axis_formatter in (by_batch.xaxis.set_major_formatter, by_batch.xaxis.set_minor_formatter):
         axis_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
-    for x, style, label in ((bounds.low, ":", "search bounds"), (bounds.high, ":", None),
-                            (bounds.conservative, "--", "conservative"), (bounds.safe, "-", "safe")):
+    lines = () if bounds is None else ((bounds.low, ":", "search bounds"), (bounds.high, ":", None),
+                                       (bounds.conservative, "--", "conservative"), (bounds.safe, "-", "safe"))
+    for x, style, label in lines:  # with several look-back windows each has its own bounds: none drawn
         by_batch.axvline(x, color="grey", linestyle=style, linewidth=1, label=label)
     by_batch.set(xlabel="batch size used", ylabel="validation loss (MSE)",
                  title="validation loss vs batch size")

@@ -41,6 +41,7 @@ The trials table, the best configuration and the PNG are made by :mod:`vramcal.t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -80,6 +81,8 @@ class TuneSettings:
         batch_size_max: the user's upper batch bound (None: the profile's conservative batch size);
             the lower bound is ``base.batch_size_min``.
         n_initial: random start-up trials before TPE models the results.
+        seq_lens: look-back windows to search too (categorical); each trial's batch range is that length's
+            (issue 13: no trial is spent on a (batch, length) pair that cannot fit). () = the base's seq_len.
     """
 
     base: TrainConfig = field(default_factory=TrainConfig)
@@ -88,6 +91,7 @@ class TuneSettings:
     max_grad_norm_range: tuple[float, float] = (0.25, 4.0)
     batch_size_max: int | None = None
     n_initial: int = 5
+    seq_lens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_range("--lr-range", *self.lr_range, positive=True)
@@ -98,6 +102,11 @@ class TuneSettings:
                         positive=True)
         if self.n_initial < 0:
             raise TuneError(f"--n-initial must be >= 0, got {self.n_initial}")
+        for length in self.seq_lens:
+            try:
+                dataclasses.replace(self.base.spec, seq_len=length).validate()
+            except ValueError as error:
+                raise TuneError(f"--seq-lens: {error}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "base": self.base.to_dict()}
@@ -106,7 +115,7 @@ class TuneSettings:
     def from_dict(cls, data: dict[str, Any]) -> TuneSettings:
         ranges = {k: tuple(data[k]) for k in ("lr_range", "weight_decay_range", "max_grad_norm_range")}
         return cls(base=TrainConfig.from_dict(data["base"]), batch_size_max=data["batch_size_max"],
-                   n_initial=data["n_initial"], **ranges)
+                   n_initial=data["n_initial"], seq_lens=tuple(data.get("seq_lens", ())), **ranges)
 
 
 def check_range(name: str, low: float, high: float, positive: bool = False) -> None:
@@ -154,7 +163,8 @@ def batch_bounds(settings: TuneSettings, setting: Setting) -> BatchBounds:
         TuneError: the whole user range lies above the conservative batch size or the training windows.
         SizingError: the profile has no usable limits.
     """
-    sizing = size(setting.profile, purpose="conservative", pool_data_bytes=setting.pool_data_bytes)
+    seq_len = setting.config.spec.seq_len if setting.profile.surface is not None else None
+    sizing = size(setting.profile, purpose="conservative", pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len)
     conservative, low, n_train = sizing.conservative_batch_size, settings.base.batch_size_min, setting.train_windows
     notices = list(setting.notices) + list(sizing.notices)
     if low > conservative:
@@ -173,6 +183,52 @@ def batch_bounds(settings: TuneSettings, setting: Setting) -> BatchBounds:
         notices.append(f"the data has {n_train} training windows: searching batch sizes up to {n_train}")
         high = n_train
     return BatchBounds(low, high, setting.profile_path, conservative, sizing.safe_batch_size, tuple(notices))
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What trials may choose: for each look-back window, what it is sized against and its batch bounds.
+
+    Attributes:
+        lengths: ``(seq_len, setting, bounds)`` per length (one entry: the base's length, not searched).
+    """
+
+    lengths: tuple[tuple[int, Setting, BatchBounds], ...]
+
+    @property
+    def searched(self) -> bool:
+        return len(self.lengths) > 1
+
+    def at(self, seq_len: int) -> tuple[Setting, BatchBounds]:
+        return next((setting, bounds) for length, setting, bounds in self.lengths if length == seq_len)
+
+    def describe(self) -> str:
+        if not self.searched:
+            return self.lengths[0][2].describe()
+        return "; ".join(f"seq_len {length}: batch_size in [{b.low}, {b.high}]" for length, _, b in self.lengths) + \
+            f" (profiles: {', '.join(sorted({b.profile_path for _, _, b in self.lengths}))})"
+
+    @property
+    def notices(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(n for _, _, bounds in self.lengths for n in bounds.notices))
+
+
+def search_space(settings: TuneSettings, capacity_bytes: int | None = None) -> SearchSpace:
+    """Resolve each searched length (data, device, its profile: one over several lengths, or one per length)
+    and its batch bounds, as ``vramcal train`` sizes a run at that length.
+
+    Raises:
+        TuneError, SizingError, DataError, DeviceError: as :func:`batch_bounds` and
+            :func:`vramcal.train.plan.resolve`, for the first length that cannot be searched.
+    """
+    from vramcal.train.plan import resolve
+
+    lengths = settings.seq_lens or (settings.base.spec.seq_len,)
+    entries = []
+    for length in sorted(lengths):
+        setting = resolve(settings.base.replace(seq_len=length), capacity_bytes)
+        entries.append((length, setting, batch_bounds(settings, setting)))
+    return SearchSpace(tuple(entries))
 
 
 def redact(text: str) -> str:
@@ -300,7 +356,7 @@ def finished(study) -> int:
     return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.trials)
 
 
-def run_study(study, settings: TuneSettings, bounds: BatchBounds, setting: Setting, run_dir: Path, n_trials: int,
+def run_study(study, settings: TuneSettings, space: SearchSpace, run_dir: Path, n_trials: int,
               echo: Echo = print) -> int:
     """Run trials until the study has ``n_trials`` complete or pruned ones (across all its workers).
 
@@ -318,7 +374,7 @@ def run_study(study, settings: TuneSettings, bounds: BatchBounds, setting: Setti
 
     for number in fail_dead_trials(study):
         echo(f"trial {number}: fail (its worker process is gone)")
-    objective = Objective(settings, bounds, setting, Path(run_dir), echo)
+    objective = Objective(settings, space, Path(run_dir), echo)
     while (remaining := n_trials - finished(study)) > 0:
         if objective.failures > n_trials:
             echo(f"stopping: {objective.failures} trials failed (see the reasons above), {finished(study)} of "
@@ -336,19 +392,30 @@ def run_study(study, settings: TuneSettings, bounds: BatchBounds, setting: Setti
 class Objective:
     """One trial: suggest, plan and train with the trainer's own functions, report each epoch."""
 
-    def __init__(self, settings: TuneSettings, bounds: BatchBounds, setting: Setting, run_dir: Path,
-                 echo: Echo) -> None:
-        self.settings, self.bounds, self.setting, self.run_dir, self.echo = settings, bounds, setting, run_dir, echo
+    def __init__(self, settings: TuneSettings, space: SearchSpace, run_dir: Path, echo: Echo) -> None:
+        self.settings, self.space, self.run_dir, self.echo = settings, space, run_dir, echo
         self.calls = self.failures = 0  # trials this objective ran, and how many of them failed
 
-    def config(self, trial) -> TrainConfig:
-        """The trial's training settings: the base ones with the four suggested knobs."""
+    def config(self, trial) -> tuple[TrainConfig, Setting]:
+        """The trial's training settings (the base ones with the suggested knobs) and what they are sized
+        against. When look-back windows are searched, the length is chosen first and the batch size as a
+        share of that length's range on a log scale (``batch_share``: one distribution for all lengths, so
+        TPE can model it), recorded as the ``batch_size`` user attribute."""
         s = self.settings
-        return s.base.replace(
-            lr=trial.suggest_float("lr", *s.lr_range, log=True),
-            batch_size=trial.suggest_int("batch_size", self.bounds.low, self.bounds.high, log=True),
+        if self.space.searched:
+            length = trial.suggest_categorical("seq_len", [entry[0] for entry in self.space.lengths])
+            setting, bounds = self.space.at(length)
+            share = trial.suggest_float("batch_share", 0.0, 1.0)
+            batch = round(math.exp(math.log(bounds.low) + share * (math.log(bounds.high) - math.log(bounds.low))))
+            trial.set_user_attr("batch_size", batch)
+        else:
+            length, setting, bounds = self.space.lengths[0]
+            batch = trial.suggest_int("batch_size", bounds.low, bounds.high, log=True)
+        config = s.base.replace(
+            seq_len=length, lr=trial.suggest_float("lr", *s.lr_range, log=True), batch_size=batch,
             weight_decay=trial.suggest_float("weight_decay", *s.weight_decay_range),
             max_grad_norm=trial.suggest_float("max_grad_norm", *s.max_grad_norm_range, log=True))
+        return config, setting
 
     def __call__(self, trial) -> float:
         """Train the trial; any error (a failed run, a crash, a folder that cannot be written) fails this
@@ -376,8 +443,8 @@ class Objective:
         from vramcal.train.plan import plan_run
         from vramcal.train.runner import train
 
-        config = self.config(trial)
-        plan = plan_run(config, self.run_dir / "trials" / f"{trial.number:04d}", self.setting)
+        config, setting = self.config(trial)
+        plan = plan_run(config, self.run_dir / "trials" / f"{trial.number:04d}", setting)
         sizing = plan.sizing
         trial.set_user_attr("batch_size_used", sizing.batch_size)
         trial.set_user_attr("clamped", sizing.source != "requested")
@@ -386,7 +453,8 @@ class Objective:
         echo = lambda line: self.echo(f"trial {trial.number}: {line}")  # noqa: E731
         if sizing.source == "clamped":
             echo(f"warning: {sizing.notices[0]}")
-        echo(f"lr {config.lr:.3g}, batch_size {sizing.batch_size} ({sizing.source}), weight_decay "
+        length = f"seq_len {config.spec.seq_len}, " if self.space.searched else ""
+        echo(f"{length}lr {config.lr:.3g}, batch_size {sizing.batch_size} ({sizing.source}), weight_decay "
              f"{config.weight_decay:.3g}, max_grad_norm {config.max_grad_norm:.3g}")
         rows: list[dict[str, Any]] = []
 
