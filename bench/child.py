@@ -4,83 +4,94 @@
 under ``RLIMIT_DATA = budget`` (set before ``exec``, so the limit covers the interpreter, the imports and
 the tool's own bookkeeping, as it would for a user's script). Each tool writes one JSON result:
 ``answer`` (the batch size it returns), ``trials`` (one dict per batch size it tried: ``batch_size``,
-``status`` ``ok``/``oom``, ``start_s`` seconds since the process started) and ``answer_s`` (seconds from
-the process start to the answer, measured inside the process; the parent also measures the process's
-whole wall time).
+``status`` ``ok``/``oom``, ``start_s`` seconds since the process was launched) and ``answer_s`` (seconds
+from the launch to the answer, measured inside the process; the parent also measures the whole process).
 
 Tools:
 
-* ``vramcal``: :func:`vramcal.calibrate.probe.calibrate` on ``host_device(capacity_bytes=budget)``.
+* ``vramcal``: :func:`vramcal.api.plan_calibration` then :func:`vramcal.api.run_calibration` on
+  ``host_device(capacity_bytes=budget)`` with its default limit settings (reserve 0.5 GiB, margin 10 %);
+  ``vramcal-anchor-margin``: the same at the anchors' own margin (reserve 0, margin 5 %, Lightning
+  binsearch's default ``margin=0.05``). The answer is the conservative batch size.
 * ``lightning-binsearch`` / ``lightning-power``: ``lightning.pytorch.tuner.Tuner.scale_batch_size``
-  with its defaults (``init_val=2``, ``max_trials=25``, ``steps_per_trial=3``, binsearch ``margin=0.05``)
-  on the same model in a LightningModule.
+  with its defaults (``init_val=2``, ``max_trials=25``, ``steps_per_trial=3``, binsearch ``margin=0.05``).
 * ``accelerate``: ``accelerate.utils.find_executable_batch_size`` (back-off x0.9) from ``start``.
-* ``survive``: ``steps`` real :func:`vramcal.train.step.train_step` calls at ``batch_size``, a fresh
-  random batch per step as a data loader would give; records the status and the peak RSS (VmHWM).
 
-Every search runs 3 training steps per batch size (vramcal: 1 warm-up + 2 measured), with AdamW
-(lr 1e-4, weight decay 0.01), gradient clipping at norm 1.0, and mean-squared error on
-``x: (batch_size, seq_len, n_features)`` float32 -> ``(batch_size, seq_len)``.
+The same training step for all: the anchors train the step vramcal's factory builds
+(:func:`vramcal.models.regressor.training_step`: the trainer's model, AdamW, loss, clipping norm and
+windows of the same bars), so every tool sizes the program ``vramcal train`` runs. The anchors' batches
+come from a ``DataLoader`` over those windows (shuffled, default collate), as a Lightning or Accelerate
+user would write it: ``x: (batch_size, seq_len, n_features)`` float32, ``y: (batch_size, seq_len)``.
+Every search runs 3 training steps per batch size (vramcal: 1 warm-up + 2 measured + a validation pass).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
-import traceback
 from typing import Any
 
 PROCESS_START = time.time()  # refined from the parent's launch time in main()
 STEPS_PER_TRIAL = 3
 
 
-def _spec(request: dict):
-    from vramcal.models.regressor import ModelSpec
-
-    return ModelSpec.from_dict(request["spec"])
-
-
-def _random_bars(spec, length: int = 2**24):
-    """A map-style dataset of random samples: item ``i`` -> (x: (seq_len, n_features), y: (seq_len,))."""
+def _step(request: dict):
+    """The regressor's training step from vramcal's factory, on the CPU (a fresh model, optimizer, data)."""
     import torch
+
+    from vramcal.models.regressor import ModelSpec
+    from vramcal.workload import build
+
+    ref = ModelSpec.from_dict(request["spec"]).ref("transformers")
+    return build(ref, torch.device("cpu"), {"data": request["data"], "stride": request["stride"]})
+
+
+def _windows(step):
+    """A map-style dataset over the step's training windows: item ``i`` -> ``(x: (L, F), y: (L,))``."""
     from torch.utils.data import Dataset
 
-    class RandomBars(Dataset):
+    pipeline = step.pipeline
+    length = pipeline.windows.seq_len
+
+    class Windows(Dataset):
         def __len__(self) -> int:
-            return length  # far above any batch size, so Lightning never caps at the dataset length
+            return len(pipeline.train_starts)
 
         def __getitem__(self, index: int):
-            return torch.randn(spec.seq_len, spec.n_features), torch.randn(spec.seq_len)
+            start = int(pipeline.train_starts[index])
+            return pipeline.features[start:start + length], pipeline.targets[start:start + length]
 
-    return RandomBars()
+    return Windows()
 
 
 # ------------------------------------------------------------------------------------------ vramcal
 
-def run_vramcal(request: dict) -> dict[str, Any]:
-    from vramcal.calibrate.limits import LimitSettings
-    from vramcal.calibrate.probe import calibrate
+def run_vramcal(request: dict, anchor_margin: bool) -> dict[str, Any]:
+    from vramcal import api
+    from vramcal.calibration.limits import LimitSettings
     from vramcal.measure.device import host_device
 
     trials: list[dict] = []
-    trial_start = [time.time()]
 
     def on_trial(trial) -> None:
         trials.append({"batch_size": trial.batch_size, "status": trial.status, "purpose": trial.purpose,
                        "peak_bytes": trial.peak_bytes, "wall_s": trial.wall_s,
-                       "start_s": trial_start[0] - PROCESS_START})
-        trial_start[0] = time.time()
+                       "end_s": time.time() - PROCESS_START})
 
-    profile = calibrate(host_device(capacity_bytes=request["budget_bytes"]), _spec(request), "transformers",
-                        LimitSettings(), on_trial=on_trial)
+    settings = LimitSettings(reserve_bytes=0, margin=0.05) if anchor_margin else LimitSettings()
+    device = host_device(capacity_bytes=request["budget_bytes"])
+    plan = api.plan_calibration("regressor", request["spec"], device=device, settings=settings,
+                                options={"data": request["data"], "stride": request["stride"]},
+                                out=request["profile_out"])
+    profile = api.run_calibration(plan, on_trial=on_trial)
     limits, fit = profile.limits, profile.fit
-    return {"answer": limits.conservative_batch_size, "trials": trials,
-            "limits": limits.to_dict(), "fit": {"overhead_bytes": fit.overhead_bytes,
-                                                "slope_bytes_per_sample": fit.slope_bytes_per_sample},
-            "verification": {name: dataclasses.asdict(v) for name, v in profile.verification.items()},
-            "warnings": list(profile.warnings)}
+    return {"answer": limits.conservative_batch_size if limits else None, "trials": trials,
+            "settings": settings.to_dict(), "limits": limits.to_dict() if limits else None,
+            "fit": None if fit is None else {"overhead_bytes": fit.overhead_bytes,
+                                             "slope_bytes_per_sample": fit.slope_bytes_per_sample},
+            "verification": {name: v.to_dict() for name, v in profile.verification.items()},
+            "verified": profile.verified, "warnings": list(profile.warnings), "profile_path": str(plan.path)}
 
 
 # ---------------------------------------------------------------------------------------- Lightning
@@ -89,33 +100,28 @@ def run_lightning(request: dict, mode: str) -> dict[str, Any]:
     import tempfile
 
     import lightning.pytorch as pl
-    import torch
     from lightning.pytorch.tuner import Tuner
     from torch.utils.data import DataLoader
 
-    from vramcal.models.regressor import build_model
-    from vramcal.train.step import forward, make_optimizer
-
-    spec = _spec(request)
+    step = _step(request)
     trials: list[dict] = []
 
     class Mamba2Module(pl.LightningModule):
-        """The vramcal model, optimizer and loss as a LightningModule (clipping by the Trainer)."""
+        """vramcal's training step as a LightningModule (clipping by the Trainer, at the step's norm)."""
 
         def __init__(self) -> None:
             super().__init__()
             self.batch_size = 2  # Tuner.scale_batch_size's attribute; its init_val overrides it
-            self.model = build_model(spec, "transformers")
+            self.model = step.model
 
         def train_dataloader(self):
-            return DataLoader(_random_bars(spec), batch_size=self.batch_size)
+            return DataLoader(_windows(step), batch_size=self.batch_size, shuffle=True)
 
         def training_step(self, batch, batch_index):
-            x, y = batch  # (B, L, F), (B, L)
-            return torch.nn.functional.mse_loss(forward(self.model, x, spec.dtype, "cpu").float(), y)
+            return step.loss(batch)  # batch: x (B, L, F), y (B, L)
 
         def configure_optimizers(self):
-            return make_optimizer(self.model, lr=1e-4)
+            return step.optimizer
 
         def on_train_start(self) -> None:  # one call per trial of the finder
             trials.append({"batch_size": self.batch_size, "status": "oom", "start_s": time.time() - PROCESS_START})
@@ -126,7 +132,8 @@ def run_lightning(request: dict, mode: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as root:
         trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=STEPS_PER_TRIAL, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                             gradient_clip_val=1.0, gradient_clip_algorithm="norm", default_root_dir=root)
+                             gradient_clip_val=step.max_grad_norm, gradient_clip_algorithm="norm",
+                             default_root_dir=root)
         answer = Tuner(trainer).scale_batch_size(Mamba2Module(), mode=mode, steps_per_trial=STEPS_PER_TRIAL)
     return {"answer": answer, "trials": trials,
             "settings": {"mode": mode, "init_val": 2, "max_trials": 25, "steps_per_trial": STEPS_PER_TRIAL,
@@ -141,10 +148,8 @@ def run_accelerate(request: dict) -> dict[str, Any]:
     from accelerate.utils import find_executable_batch_size
     from torch.utils.data import DataLoader
 
-    from vramcal.models.regressor import build_model
-    from vramcal.train.step import forward, make_optimizer
+    from vramcal.models.regressor import forward
 
-    spec = _spec(request)
     accelerator = Accelerator(cpu=True)
     trials: list[dict] = []
 
@@ -153,14 +158,14 @@ def run_accelerate(request: dict) -> dict[str, Any]:
         # Accelerate's documented pattern: free what the last attempt prepared, build everything inside.
         trials.append({"batch_size": batch_size, "status": "oom", "start_s": time.time() - PROCESS_START})
         accelerator.free_memory()
-        model = build_model(spec, "transformers")
-        optimizer = make_optimizer(model, lr=1e-4)
-        loader = DataLoader(_random_bars(spec), batch_size=batch_size)
-        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        step = _step(request)
+        loader = DataLoader(_windows(step), batch_size=batch_size, shuffle=True)
+        model, optimizer, loader = accelerator.prepare(step.model, step.optimizer, loader)
+        dtype = step.spec.dtype
         for _, (x, y) in zip(range(STEPS_PER_TRIAL), loader):  # x: (B, L, F), y: (B, L)
-            loss = torch.nn.functional.mse_loss(forward(model, x, spec.dtype, "cpu").float(), y)
+            loss = torch.nn.functional.mse_loss(forward(model, x, dtype).float(), y)  # the factory's loss
             accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            accelerator.clip_grad_norm_(model.parameters(), step.max_grad_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         trials[-1]["status"] = "ok"
@@ -173,37 +178,10 @@ def run_accelerate(request: dict) -> dict[str, Any]:
                          "steps_per_trial": STEPS_PER_TRIAL}}
 
 
-# ------------------------------------------------------------------------------------------ survive
-
-def run_survive(request: dict) -> dict[str, Any]:
-    """``steps`` training steps at ``batch_size``; status ``ok`` or ``oom`` (classified by vramcal)."""
-    import torch
-
-    from vramcal.measure.meters import is_out_of_memory, read_status_bytes
-    from vramcal.models.regressor import build_model
-    from vramcal.train.step import make_optimizer, train_step
-
-    spec, batch_size = _spec(request), request["batch_size"]
-    torch.manual_seed(0)
-    done, status, error = 0, "ok", None
-    try:
-        model = build_model(spec, "transformers")
-        optimizer = make_optimizer(model, lr=1e-4)
-        for _ in range(request["steps"]):
-            x = torch.randn(batch_size, spec.seq_len, spec.n_features)  # (B, L, F)
-            y = torch.randn(batch_size, spec.seq_len)  # (B, L)
-            train_step(model, optimizer, x, y, spec.dtype, "cpu")
-            done += 1
-    except Exception as caught:  # noqa: BLE001 - the outcome is the measurement
-        status = "oom" if is_out_of_memory(caught) else "error"
-        error = "".join(traceback.format_exception(caught)[-2:])[-800:]
-    return {"answer": batch_size, "status": status, "steps_done": done, "error": error,
-            "rss_peak_bytes": read_status_bytes("VmHWM"), "trials": []}
-
-
-TOOLS = {"vramcal": run_vramcal, "lightning-binsearch": lambda r: run_lightning(r, "binsearch"),
-         "lightning-power": lambda r: run_lightning(r, "power"), "accelerate": run_accelerate,
-         "survive": run_survive}
+TOOLS = {"vramcal": lambda r: run_vramcal(r, anchor_margin=False),
+         "vramcal-anchor-margin": lambda r: run_vramcal(r, anchor_margin=True),
+         "lightning-binsearch": lambda r: run_lightning(r, "binsearch"),
+         "lightning-power": lambda r: run_lightning(r, "power"), "accelerate": run_accelerate}
 
 
 def main(argv: list[str]) -> int:
@@ -212,13 +190,13 @@ def main(argv: list[str]) -> int:
     with open(request_path) as handle:
         request = json.load(handle)
     PROCESS_START = request.get("launched_at", PROCESS_START)
-    if tool != "vramcal" and not request.get("mkldnn", True):
+    if not tool.startswith("vramcal") and not request.get("mkldnn", True):
         import torch
 
         # After an out-of-memory error inside a long-lived process, oneDNN's conv1d can fail with
         # "RuntimeError: could not create a primitive", which neither Lightning's is_oom_error nor
-        # Accelerate's should_reduce_batch_size (nor vramcal) recognises, so the finder crashes instead
-        # of backing off. Off in every anchor and survival process alike (native conv1d path instead).
+        # Accelerate's should_reduce_batch_size recognises, so the finder crashes instead of backing
+        # off. Off in every anchor process alike (native conv1d path instead); see bench/README.md.
         torch.backends.mkldnn.enabled = False
     result = TOOLS[tool](request)
     result["answer_s"] = time.time() - PROCESS_START

@@ -1,20 +1,20 @@
 """vramcal against Lightning's BatchSizeFinder and Accelerate's find_executable_batch_size, one budget.
 
-``python -m bench.compare --spec small --budget 1.5GiB`` runs, for one ModelSpec and memory budget:
+``python -m bench.compare --spec small`` runs, for each ModelSpec named and its memory budget:
 
-1. the ground truth: the largest batch size whose real trial (1 warm-up + 2 measured steps, vramcal's
-   :class:`~vramcal.measure.trial.TrialRunner`) finishes under the budget, by doubling then bisection; cached
-   in the results JSON and reused unless ``--refresh-truth``;
-2. each tool (``vramcal``, ``lightning-binsearch``, ``lightning-power``, ``accelerate``) in a fresh
-   Python process (:mod:`bench.child`), timed from process launch to exit;
-3. for each batch size a tool returned, ``--steps`` (50) real training steps in a fresh process.
+1. the ground truth (:mod:`bench.truth`): the largest batch size whose vramcal trial — the trainer's own
+   program — finishes under the budget, by bisection; cached in the results JSON;
+2. ``--rounds`` interleaved rounds of the tools (``vramcal``, ``vramcal-anchor-margin``,
+   ``lightning-binsearch``, ``lightning-power``, ``accelerate``), each round in a shuffled but seeded
+   order, each tool in a fresh Python process (:mod:`bench.child`) timed from launch to exit;
+3. survival (:mod:`bench.survive`): every batch size a tool returned in any round (and each vramcal
+   tool's safe size) trained by ``vramcal train``'s runner for ``--steps`` optimizer steps under the
+   budget, its measured peak beside each vramcal profile's prediction.
 
-The budget on the host is ``RLIMIT_DATA = budget`` on every process, set in the child between ``fork``
-and ``exec`` (``preexec_fn``), so it covers the whole process from interpreter start: an allocation that
-would take the process's data segment past the budget fails with torch's CPU allocator error
-(``DefaultCPUAllocator: can't allocate memory``), which vramcal, Lightning's ``is_oom_error`` and
-Accelerate's ``should_reduce_batch_size`` all recognise. vramcal calibrates against the same figure
-(``--capacity`` = budget). Results go to ``bench/results/<spec>-<budget>.{json,md,csv}``.
+The budget on the host is ``RLIMIT_DATA = budget`` on every tool's process, set between ``fork`` and
+``exec`` (``preexec_fn``), so it covers the whole process from interpreter start; vramcal's trials and
+the trainer's process set the same limit on themselves. Results go to
+``bench/results/<spec>-<budget>.{json,md,csv}`` (``--quick``: ``bench/results/quick/``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import argparse
 import json
 import os
 import platform
+import random
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,17 +33,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vramcal.models.regressor import ModelSpec
+from bench.specs import QUICK_BUDGET, SPECS
+from bench.table import SCHEMA, TOOLS, needs_survival, write_tables
+from bench.truth import cached, ground_truth, truth_key, vramcal_commit
 from vramcal.units import format_bytes, parse_bytes
 
-SPECS = {
-    "small": ModelSpec(d_model=64, n_layers=2, d_state=16, headdim=16, seq_len=64, chunk_size=32),
-    "default": ModelSpec(),
-}
-ANCHORS = ("lightning-binsearch", "lightning-power", "accelerate")
-TOOLS = ("vramcal",) + ANCHORS
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
+DATA = "data/es_1s.parquet"
+QUICK = {"spec": "small", "budget": QUICK_BUDGET, "steps": 10, "rounds": 1, "accelerate_start": 256}
 
 
 def _limit(budget_bytes: int):
@@ -50,67 +50,53 @@ def _limit(budget_bytes: int):
     return apply
 
 
-def run_child(tool: str, request: dict, budget_bytes: int, timeout_s: float = 1800.0) -> dict[str, Any]:
+def child_environment() -> dict[str, str]:
+    """The environment of every tool's process: this one's, plus the allocator settings vramcal's workers
+    run with (:class:`vramcal.measure.worker.Workers`: glibc malloc tunables, pyarrow's system pool),
+    so the anchors search in the process make-up that the trainer, which trains their answers, runs in."""
+    from vramcal.measure.worker import HOST_MALLOC
+
+    env = dict(os.environ)
+    env.setdefault("GLIBC_TUNABLES", HOST_MALLOC)
+    env.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+    return env
+
+
+def run_child(tool: str, request: dict, budget_bytes: int, timeout_s: float) -> dict[str, Any]:
     """Run ``bench.child TOOL`` in a fresh process under ``RLIMIT_DATA = budget_bytes``; its result dict
-    plus ``process_wall_s`` (launch to exit), ``returncode`` and the stderr tail."""
+    plus ``process_wall_s`` (launch to exit), ``returncode`` and the stderr tail of a failed process."""
     with tempfile.TemporaryDirectory() as folder:
         request_path, result_path = Path(folder, "request.json"), Path(folder, "result.json")
         launched = time.time()
         request_path.write_text(json.dumps({**request, "launched_at": launched}))
-        process = subprocess.run([sys.executable, "-m", "bench.child", tool, str(request_path), str(result_path)],
-                                 cwd=REPO, preexec_fn=_limit(budget_bytes), capture_output=True, text=True,
-                                 timeout=timeout_s)
+        try:
+            process = subprocess.run([sys.executable, "-m", "bench.child", tool, str(request_path), str(result_path)],
+                                     cwd=REPO, preexec_fn=_limit(budget_bytes), capture_output=True, text=True,
+                                     timeout=timeout_s, env=child_environment())
+            returncode, stderr = process.returncode, process.stderr
+        except subprocess.TimeoutExpired as expired:
+            returncode, stderr = "timeout", str(expired.stderr or "")
         wall = time.time() - launched
         result = json.loads(result_path.read_text()) if result_path.exists() else {"answer": None, "trials": []}
-    result.update(process_wall_s=wall, returncode=process.returncode,
-                  stderr_tail=process.stderr[-1500:] if process.returncode else None)
+    result.update(process_wall_s=wall, returncode=returncode, stderr_tail=stderr[-1500:] if returncode else None)
     return result
 
 
-def ground_truth(spec: ModelSpec, budget_bytes: int) -> dict[str, Any]:
-    """Largest batch size whose real trial finishes under ``RLIMIT_DATA = budget_bytes``: double from 1
-    until a trial fails, then bisect until the fitting and failing sizes are adjacent."""
-    from vramcal.measure.device import host_device
-    from vramcal.measure.trial import TrialRequest, TrialRunner
+def train_windows(data: str, seq_len: int, stride: int) -> int:
+    """How many training windows the trainer cuts from ``data`` (default validation fraction)."""
+    from vramcal.train.data import load_bars, make_windows
 
-    runner, device = TrialRunner(timeout_s=1800), host_device(capacity_bytes=budget_bytes)
-    trials: list[dict] = []
-    started = time.time()
-
-    def fits(batch_size: int) -> bool:
-        request = TrialRequest(spec=spec, implementation="transformers", batch_size=batch_size, device=device,
-                               host_memory_limit_bytes=budget_bytes)
-        trial = runner.run(request, purpose="truth")
-        trials.append({"batch_size": batch_size, "status": trial.status, "peak_bytes": trial.peak_bytes,
-                       "wall_s": trial.wall_s, "error": (trial.error or "")[-300:] or None})
-        print(f"  truth trial {batch_size}: {trial.status}", flush=True)
-        if trial.status not in ("ok", "oom"):
-            # A crash or a hang at this size is a failure at this size (the search goes on below it), but it
-            # is not an out-of-memory error: the results file lists it apart, never counted as an oom.
-            print(f"  truth trial {batch_size} ended with {trial.status} (not oom): {trial.error}", flush=True)
-        return trial.status == "ok"
-
-    low, high = 0, 1
-    while fits(high):
-        low, high = high, high * 2
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return {"batch_size": low, "first_failing_batch_size": high, "trials": trials,
-            "non_oom_failures": [t for t in trials if t["status"] not in ("ok", "oom")],
-            "vramcal_commit": vramcal_commit(), "wall_s": time.time() - started}
+    return len(make_windows(load_bars(data), seq_len, stride, source=data).train_starts)
 
 
-def vramcal_commit() -> str | None:
-    """The checked-out commit of this repository (``+dirty`` when vramcal/ has uncommitted changes)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "vramcal"], cwd=REPO, capture_output=True,
-                               text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
+def round_orders(tools: list[str], rounds: int, seed: int) -> list[list[str]]:
+    """The order of the tools in each round: a shuffle seeded by (seed, round), so a rerun repeats it."""
+    orders = []
+    for number in range(1, rounds + 1):
+        order = list(tools)
+        random.Random(seed * 1000 + number).shuffle(order)
+        orders.append(order)
+    return orders
 
 
 def check_limit_binds(budget_bytes: int) -> dict[str, Any]:
@@ -118,12 +104,13 @@ def check_limit_binds(budget_bytes: int) -> dict[str, Any]:
     error that all three tools recognise (else the budget is not enforced the way this benchmark says)."""
     code = ("import torch\nfrom accelerate.utils.memory import should_reduce_batch_size as a\n"
             "from lightning.pytorch.utilities.memory import is_oom_error as l\n"
-            "from vramcal.meters import is_out_of_memory as v\n"
+            "from vramcal.oom import is_out_of_memory as v\n"
             f"try:\n    torch.ones({int(budget_bytes * 1.05)}, dtype=torch.uint8)\n    print('ALLOCATED')\n"
             "except Exception as e:\n"
             "    print(repr(str(e)[:160]), 'vramcal', v(e), 'lightning', l(e), 'accelerate', a(e))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, preexec_fn=_limit(budget_bytes),
-                         capture_output=True, text=True).stdout.strip()
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, preexec_fn=_limit(budget_bytes),
+                          capture_output=True, text=True, env=child_environment())
+    out = done.stdout.strip() or done.stderr.strip()[-300:]
     return {"binds": "ALLOCATED" not in out and "can't allocate memory" in out,
             "recognised_by_all": out.endswith("vramcal True lightning True accelerate True"), "output": out}
 
@@ -141,81 +128,186 @@ def environment(budget_bytes: int) -> dict[str, Any]:
             versions[package] = None
     return {"machine": host_device().name, "cpus": os.cpu_count(), "platform": platform.platform(),
             "versions": versions, "budget_bytes": budget_bytes, "budget": format_bytes(budget_bytes),
-            "limit": "RLIMIT_DATA = budget on each tool's whole process (preexec_fn, before exec)",
+            "limit": "RLIMIT_DATA = budget on each tool's whole process (preexec_fn, before exec), on vramcal's "
+                     "trial and training processes (set by their meter)",
             "load_average_start": os.getloadavg(), "vramcal_commit": vramcal_commit(),
             "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.splitlines()[0])
-    parser.add_argument("--spec", choices=sorted(SPECS), default="small")
-    parser.add_argument("--budget", default="1.5GiB", help="memory budget, e.g. 1.5GiB")
-    parser.add_argument("--steps", type=int, default=50, help="steps of the survival run (50 for results)")
+    parser.add_argument("--spec", default="small", help="comma-separated spec names: " + ", ".join(SPECS))
+    parser.add_argument("--budget", default=None, help="memory budget, e.g. 1.5GiB (default: the spec's)")
+    parser.add_argument("--steps", type=int, default=200, help="optimizer steps of each survival run")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the tools")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the order of the tools in each round")
     parser.add_argument("--accelerate-start", type=int, default=1024,
                         help="starting_batch_size of find_executable_batch_size")
     parser.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of " + ",".join(TOOLS))
+    parser.add_argument("--data", default=DATA, help="the OHLCV bars every tool trains on")
+    parser.add_argument("--stride", type=int, default=1, help="bars between windows (1: ~27k E-mini windows)")
     parser.add_argument("--refresh-truth", action="store_true", help="recompute the cached ground truth")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--no-survival", action="store_true", help="skip the survival runs")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before a tool's process is killed")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
     parser.add_argument("--no-mkldnn", action="store_true",
-                        help="turn oneDNN off in the anchors' and survival processes (see README)")
+                        help="turn oneDNN off in the anchors' processes (see bench/README.md)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"smoke run: small spec at {QUICK_BUDGET}, 10 steps, 1 round, Accelerate from 256, "
+                             f"to bench/results/quick")
     args = parser.parse_args(argv)
+    if args.quick:
+        given = set(argv or sys.argv[1:])
+        for name, value in QUICK.items():
+            if f"--{name.replace('_', '-')}" not in given:
+                setattr(args, name, value)
+        args.out = args.out or RESULTS / "quick"
+    args.out = args.out or RESULTS
+    unknown = [s for s in args.spec.split(",") if s not in SPECS]
+    bad_tools = [t for t in args.tools.split(",") if t not in TOOLS]
+    if unknown or bad_tools:
+        parser.error(f"unknown spec(s) {unknown} (known: {', '.join(SPECS)})" if unknown
+                     else f"unknown tool(s) {bad_tools} (known: {', '.join(TOOLS)})")
+    if not Path(args.data).is_file():
+        parser.error(f"no {args.data}: build it with `.venv/bin/python -m vramcal data es-sample`")
+    return args
 
-    from bench.table import write_tables  # noqa: PLC0415 - after argument errors
 
-    spec, budget = SPECS[args.spec], parse_bytes(args.budget)
-    stem = f"{args.spec}-{args.budget.replace('.', '_')}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path = args.out / f"{stem}.json"
-    old = json.loads(json_path.read_text()) if json_path.exists() else {}
-    truth_key = {"spec": spec.to_dict(), "budget_bytes": budget}
-    results: dict[str, Any] = {"spec_name": args.spec, "spec": spec.to_dict(), "environment": environment(budget),
-                               "steps": args.steps, "accelerate_start": args.accelerate_start}
-    results["limit_check"] = check_limit_binds(budget)
-    print("limit check:", results["limit_check"], flush=True)
-    cached = old.get("ground_truth")
-    if cached and not args.refresh_truth and cached.get("key") == truth_key:
-        results["ground_truth"] = {**cached, "cached": True}
-    else:
-        print("ground truth ...", flush=True)
-        results["ground_truth"] = {**ground_truth(spec, budget), "key": truth_key, "cached": False}
-    print("ground truth:", results["ground_truth"]["batch_size"], flush=True)
-    json_path.write_text(json.dumps({**old, "ground_truth": results["ground_truth"]}, indent=1, sort_keys=True))
-
-    request = {"spec": spec.to_dict(), "budget_bytes": budget, "start": args.accelerate_start,
-               "mkldnn": not args.no_mkldnn}
-    results["adaptations"] = ("torch.backends.mkldnn.enabled = False in the anchors' and survival processes "
-                              "(see bench/README.md)") if args.no_mkldnn else None
-    results["tools"] = {}
-    for tool in args.tools.split(","):
-        print(f"{tool} ...", flush=True)
-        results["tools"][tool] = run_child(tool, request, budget)
-        print(f"  {tool}: answer {results['tools'][tool]['answer']} in "
-              f"{results['tools'][tool]['process_wall_s']:.1f} s", flush=True)
-        json_path.write_text(json.dumps(results, indent=1, sort_keys=True))  # progress survives a crash
-
-    results["survival"] = {}
-    for batch_size in sorted(_answers(results), reverse=True):
-        print(f"survival run at {batch_size} ...", flush=True)
-        survive = run_child("survive", {"spec": spec.to_dict(), "batch_size": batch_size, "steps": args.steps,
-                                        "mkldnn": not args.no_mkldnn}, budget)
-        results["survival"][str(batch_size)] = survive
-        print(f"  {batch_size}: {survive.get('status')} after {survive.get('steps_done')} steps", flush=True)
-    results["environment"]["load_average_end"] = os.getloadavg()
-    json_path.write_text(json.dumps(results, indent=1, sort_keys=True))
-    write_tables(results, args.out / f"{stem}.md", args.out / f"{stem}.csv")
-    print((args.out / f"{stem}.md").read_text())
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # SIGTERM ends the run like Ctrl-C: subprocess.run and vramcal's workers kill their process first
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        for name in args.spec.split(","):
+            run_spec(args, name)
+    except KeyboardInterrupt:
+        print("interrupted: the results JSON keeps what finished", file=sys.stderr)
+        return 130
     return 0
 
 
-def _answers(results: dict) -> set[int]:
-    """Every batch size a tool returned (vramcal: conservative and safe) that needs a survival run."""
-    sizes = set()
-    for name, tool in results["tools"].items():
-        if tool.get("answer"):
-            sizes.add(int(tool["answer"]))
-        if name == "vramcal" and tool.get("limits"):
-            sizes.add(int(tool["limits"]["safe_batch_size"]))
-    return sizes
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def run_spec(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """Truth, rounds of tools, survival runs and tables for one spec (module docstring)."""
+    from vramcal.measure.trial import TrialRunner
+    from vramcal.measure.worker import Workers
+
+    bench_spec = SPECS[name]
+    budget_text = args.budget or bench_spec.budget
+    spec, budget = bench_spec.spec.to_dict(), parse_bytes(budget_text)
+    data = str(Path(args.data).resolve())
+    stem = f"{name}-{budget_text.replace('.', '_')}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / f"{stem}.json"
+    old = json.loads(json_path.read_text()) if json_path.exists() else {}
+    env = environment(budget)
+    print(f"== {name} at {format_bytes(budget)} ({env['vramcal_commit']})", flush=True)
+    results: dict[str, Any] = {
+        "bench_schema": SCHEMA, "spec_name": name, "spec": spec, "environment": env, "steps": args.steps,
+        "rounds": args.rounds, "seed": args.seed, "accelerate_start": args.accelerate_start, "quick": args.quick,
+        "data": {"path": args.data, "stride": args.stride,
+                 "train_windows": train_windows(data, bench_spec.spec.seq_len, args.stride)},
+        "runs": {}, "survival": [],
+        "notes": old.get("notes", []) if old.get("bench_schema") == SCHEMA else [],
+        "adaptations": ["every tool's process runs with vramcal's worker allocator settings (GLIBC_TUNABLES="
+                        "malloc tunables, ARROW_DEFAULT_MEMORY_POOL=system), the make-up of the trainer that trains "
+                        "the answers"]}
+    if args.no_mkldnn:
+        results["adaptations"].append("torch.backends.mkldnn.enabled = False in the anchors' processes "
+                                      "(see bench/README.md)")
+    results["limit_check"] = check_limit_binds(budget)
+    print("limit check:", results["limit_check"], flush=True)
+
+    workers = Workers()
+    key = truth_key(spec, budget, {"data": args.data, "stride": args.stride}, env["vramcal_commit"],
+                    env["versions"]["torch"])
+    truth = None if args.refresh_truth else cached(old, key)
+    if truth is not None:
+        results["ground_truth"] = {**truth, "cached": True}
+    else:
+        print("ground truth ...", flush=True)
+        runner = TrialRunner(timeout_s=args.timeout, workers=workers)
+        found = ground_truth(spec, budget, data, args.stride, runner=runner)
+        results["ground_truth"] = {**found, "key": key, "cached": False}
+    print(f"ground truth: {results['ground_truth']['batch_size']}", flush=True)
+    _write(json_path, {**old, "ground_truth": results["ground_truth"]})
+
+    with tempfile.TemporaryDirectory(prefix="vramcal-bench-") as work:
+        request = {"spec": spec, "budget_bytes": budget, "start": args.accelerate_start, "data": data,
+                   "stride": args.stride, "mkldnn": not args.no_mkldnn}
+        results["orders"] = round_orders(args.tools.split(","), args.rounds, args.seed)
+        for number, order in enumerate(results["orders"], start=1):
+            for position, tool in enumerate(order):
+                print(f"round {number}: {tool} ...", flush=True)
+                run = run_child(tool, {**request, "profile_out": str(Path(work) / f"{tool}-r{number}.json")}, budget,
+                                args.timeout)
+                run.update(round=number, position=position)
+                if tool.startswith("vramcal"):
+                    run["profile_label"] = f"{tool}/r{number}"
+                results["runs"].setdefault(tool, []).append(run)
+                print(f"  {tool}: answer {run.get('answer')} in {run['process_wall_s']:.1f} s, "
+                      f"{len(run.get('trials') or [])} trials" + (f" (rc {run['returncode']}: "
+                      f"{(run['stderr_tail'] or '').strip().splitlines()[-1:]})" if run["returncode"] else ""),
+                      flush=True)
+                _write(json_path, results)  # progress survives a crash
+        if not args.no_survival:
+            results["survival"] = survival_runs(results, spec, budget, data, args.stride, args.steps, workers,
+                                                save=lambda: _write(json_path, results))
+    results["environment"]["load_average_end"] = os.getloadavg()
+    _write(json_path, results)
+    write_tables(results, args.out / f"{stem}.md", args.out / f"{stem}.csv")
+    print((args.out / f"{stem}.md").read_text(), flush=True)
+    return results
+
+
+def survival_runs(results: dict[str, Any], spec: dict[str, Any], budget: int, data: str, stride: int, steps: int,
+                  workers: Any, save: Any = None) -> list[dict[str, Any]]:
+    """Train every answer (largest first) with vramcal's runner; each run's peak beside every vramcal
+    profile's prediction at that size (``predictions``, keyed ``<tool>/r<round>``)."""
+    from bench.survive import sizing_at, survive
+    from vramcal.profile import load_profile
+
+    profiles = {run["profile_label"]: run["profile_path"] for tool, runs in results["runs"].items()
+                for run in runs
+                if run.get("profile_path") and (run.get("limits") or {}).get("safe_batch_size", 0) >= 1}
+    if not profiles:
+        print("no vramcal profile with limits to plan the survival runs with: skipped", flush=True)
+        return []
+    loaded = {label: load_profile(path) for label, path in profiles.items()}
+    out = []
+    for batch_size, sources in sorted(needs_survival(results).items(), reverse=True):
+        label = next((s.split()[0] + "/" + s.split()[-1] for s in sources if s.startswith("vramcal")),
+                     "vramcal/r1" if "vramcal/r1" in profiles else next(iter(profiles)))
+        print(f"survival at {batch_size} ({', '.join(sources)}; planned with {label}) ...", flush=True)
+        try:
+            run = survive(spec, budget, batch_size, profiles[label], data=data, stride=stride, steps=steps,
+                          workers=workers)
+        except (ValueError, OSError) as error:  # vramcal's one-line errors (planning, data, run folder)
+            print(f"  {batch_size}: could not plan the run: {error}", flush=True)
+            out.append({"batch_size": batch_size, "status": "error", "steps": steps, "steps_done": 0,
+                        "peak_bytes": None, "failure": str(error), "sources": sources, "profile_label": label})
+            continue
+        pool = loaded[label].pool_data_bytes + run["data_delta_bytes"]
+        run.update(sources=sources, profile_label=label,
+                   predictions={key: {"predicted_peak_bytes": s.predicted_peak_bytes, "upper_bytes": s.upper_bytes}
+                                for key, profile in loaded.items()
+                                for s in [sizing_at(profile, batch_size, pool)]})
+        print(f"  {batch_size}: {run['status']} after {run['steps_done']} steps, peak "
+              f"{format_bytes(run['peak_bytes']) if run['peak_bytes'] else '-'} (predicted "
+              f"{format_bytes(run['predicted_peak_bytes'])}, upper {format_bytes(run['upper_bytes'])}), "
+              f"{run['wall_s']:.0f} s", flush=True)
+        out.append(run)
+        results["survival"] = out
+        if save is not None:
+            save()
+    return out
+
+
+def _write(path: Path, results: dict[str, Any]) -> None:
+    path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,155 +1,305 @@
-"""The results table (Markdown and CSV) from the results dict of :mod:`bench.compare`: pure, re-runnable."""
+"""The results tables (Markdown and CSV) from the results dict of :mod:`bench.compare`: pure, re-runnable.
+
+``python -m bench.table bench/results/small-1_5GiB.json`` re-renders the ``.md`` and ``.csv`` beside it.
+
+The dict (``bench_schema`` 2) holds ``runs[tool]``: one record per round (``round``, ``answer``,
+``trials``, ``process_wall_s``, ``returncode``; vramcal's also ``limits`` and ``profile_label``),
+``ground_truth``, and ``survival``: one record per batch size trained (``status``, ``steps_done``,
+``peak_bytes``, the closed-loop figures of the profile it was planned with, and ``predictions`` keyed
+``<vramcal tool>/r<round>``: each vramcal profile's point prediction and upper bound at that size).
+"""
 
 from __future__ import annotations
 
 import csv
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 from vramcal.units import format_bytes
 
-COLUMNS = ("tool", "trials", "wall_s", "batch_size", "error_pct", "survived", "survival_peak_rss")
+SCHEMA = 2
+VRAMCAL = ("vramcal", "vramcal-anchor-margin")
+ANCHORS = ("lightning-binsearch", "lightning-power", "accelerate")
+TOOLS = VRAMCAL + ANCHORS
+LABELS = {"vramcal": "vramcal", "vramcal-anchor-margin": "vramcal (anchors' margin)"}
+COLUMNS = ("tool", "rounds", "wall_s_median", "wall_s_range", "trials", "batch_size", "error_pct", "survived")
+BOUNDARY_TOLERANCE = 0.03  # issue 9: predicted boundary within 3 % of the measured one
+PREDICTION_TOLERANCE = 0.05  # issue 9: the trainer's peak within 5 % of the point prediction
+WALL_RATIO_TARGET = 0.5
+
+
+class ResultsError(ValueError):
+    """A results file this module cannot render (another schema); the message says how to get one."""
+
+
+# ------------------------------------------------------------------------------------------ summaries
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A tool's rounds in figures: median and range of the process wall time (s), trials and answers per
+    round, whether the answers differ, and the rounds that failed (no answer)."""
+    walls = [r["process_wall_s"] for r in runs]
+    answers = [r.get("answer") for r in runs]
+    return {"rounds": len(runs), "wall_s_median": statistics.median(walls) if walls else None,
+            "wall_s_min": min(walls, default=None), "wall_s_max": max(walls, default=None),
+            "trials": [len(r.get("trials") or []) for r in runs], "answers": answers,
+            "answers_differ": len({a for a in answers}) > 1,
+            "failed_rounds": [r["round"] for r in runs if r.get("answer") is None]}
+
+
+def _limit(runs: list[dict[str, Any]], name: str) -> list[Any]:
+    return [(r.get("limits") or {}).get(name) for r in runs]
+
+
+def _values(values: list[Any], digits: int = 0) -> str:
+    """``105`` when every round agrees, else ``105 / 107 / 105 (differ)``; ``-`` for a missing value."""
+    text = ["-" if v is None else f"{v:.{digits}f}" if isinstance(v, float) else str(v) for v in values]
+    if not text:
+        return "-"
+    return text[0] if len(set(text)) == 1 else " / ".join(text) + " (differ)"
+
+
+def _error(values: list[Any], truth: int) -> str:
+    present = [v for v in values if v is not None]
+    if not present or not truth:
+        return "-"
+    return f"{100 * (statistics.median(present) - truth) / truth:+.1f}"
+
+
+def survival_at(results: dict[str, Any], batch_size: Any) -> dict[str, Any] | None:
+    if batch_size is None:
+        return None
+    return next((s for s in results.get("survival", []) if s["batch_size"] == int(batch_size)), None)
+
+
+def _survived(results: dict[str, Any], sizes: list[Any]) -> str:
+    verdicts = []
+    for size in sorted({int(s) for s in sizes if s is not None}):
+        run = survival_at(results, size)
+        if run is None:
+            verdicts.append("not run")
+        elif run["status"] == "ok":
+            verdicts.append("yes")
+        else:
+            verdicts.append(f"no ({run['status']} at step {run.get('steps_done')})")
+    if not verdicts:
+        return "-"
+    return verdicts[0] if len(set(verdicts)) == 1 else "; ".join(
+        f"{s}: {v}" for s, v in zip(sorted({int(s) for s in sizes if s is not None}), verdicts))
 
 
 def rows(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per tool answer; vramcal gives three (conservative, safe, and its predicted boundary)."""
+    """One row per tool answer; each vramcal tool gives three (conservative, safe, predicted boundary)."""
     truth = results["ground_truth"]["batch_size"]
-
-    def survival(batch_size: int | None) -> tuple[str, str]:
-        run = results["survival"].get(str(batch_size)) if batch_size else None
-        if run is None:
-            return "-", "-"
-        verdict = "yes" if run.get("status") == "ok" else f"no ({run.get('status')} at step {run.get('steps_done')})"
-        return verdict, format_bytes(run["rss_peak_bytes"]) if run.get("rss_peak_bytes") else "-"
-
-    def error(batch_size: float | None) -> str:
-        return f"{100 * (batch_size - truth) / truth:+.1f}" if batch_size else "-"
-
-    out = [{"tool": "ground truth (bisection)", "trials": len(results["ground_truth"]["trials"]),
-            "wall_s": f"{results['ground_truth']['wall_s']:.1f}", "batch_size": truth, "error_pct": "0.0",
-            "survived": "-", "survival_peak_rss": "-"}]
-    for name, tool in _ordered(results["tools"]):
-        answer = tool.get("answer")
-        base = {"trials": len(tool["trials"]), "wall_s": f"{tool['process_wall_s']:.1f}"}
-        if name == "vramcal" and tool.get("limits"):
-            limits = tool["limits"]
-            for label, size in (("vramcal conservative", limits["conservative_batch_size"]),
-                                ("vramcal safe", limits["safe_batch_size"])):
-                survived, rss = survival(size)
-                out.append({"tool": label, **base, "batch_size": size, "error_pct": error(size),
-                            "survived": survived, "survival_peak_rss": rss})
-            boundary = limits["boundary_batch_size"]
-            out.append({"tool": "vramcal predicted boundary", **base, "batch_size": f"{boundary:.1f}",
-                        "error_pct": error(boundary), "survived": "-", "survival_peak_rss": "-"})
+    out = [{"tool": "ground truth (bisection)", "rounds": 1,
+            "wall_s_median": _seconds(results["ground_truth"]["wall_s"]), "wall_s_range": "-",
+            "trials": str(len(results["ground_truth"]["trials"])), "batch_size": str(truth),
+            "error_pct": "0.0", "survived": "-"}]
+    for name in ordered(results["runs"]):
+        runs = results["runs"][name]
+        figures = summary(runs)
+        base = {"rounds": figures["rounds"], "wall_s_median": _seconds(figures["wall_s_median"]),
+                "wall_s_range": f"{_seconds(figures['wall_s_min'])}-{_seconds(figures['wall_s_max'])}",
+                "trials": _values(figures["trials"])}
+        failed = (f" (failed in round {', '.join(map(str, figures['failed_rounds']))})"
+                  if figures["failed_rounds"] else "")
+        if name in VRAMCAL:
+            for label in ("conservative", "safe"):
+                sizes = _limit(runs, f"{label}_batch_size")
+                out.append({"tool": f"{LABELS[name]} {label}{failed}", **base, "batch_size": _values(sizes),
+                            "error_pct": _error(sizes, truth), "survived": _survived(results, sizes)})
+            boundary = _limit(runs, "boundary_batch_size")
+            out.append({"tool": f"{LABELS[name]} predicted boundary", **base, "batch_size": _values(boundary, 1),
+                        "error_pct": _error(boundary, truth), "survived": "-"})
             continue
-        survived, rss = survival(answer)
-        out.append({"tool": name if tool.get("returncode") == 0 else f"{name} (failed: rc {tool.get('returncode')})",
-                    **base, "batch_size": answer if answer is not None else "-", "error_pct": error(answer),
-                    "survived": survived, "survival_peak_rss": rss})
-    for row in out:
-        row["survived"] = row["survived"] if row["survived"] == "-" else row["survived"]
+        answers = figures["answers"]
+        out.append({"tool": name + failed, **base, "batch_size": _values(answers),
+                    "error_pct": _error(answers, truth), "survived": _survived(results, answers)})
     return out
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def ordered(runs: dict[str, Any]) -> list[str]:
+    """The tools in the table's order (vramcal first, then the anchors; the JSON's keys are sorted)."""
+    return sorted(runs, key=lambda name: TOOLS.index(name) if name in TOOLS else len(TOOLS))
+
+
+def wall_ratio(results: dict[str, Any], tool: str, anchor: str) -> float | None:
+    """Median process wall time of ``tool`` over that of ``anchor`` (below 1: ``tool`` is faster)."""
+    runs = results["runs"]
+    if not runs.get(tool) or not runs.get(anchor):
+        return None
+    return summary(runs[tool])["wall_s_median"] / summary(runs[anchor])["wall_s_median"]
 
 
 def ratios(results: dict[str, Any]) -> list[dict[str, str]]:
-    """vramcal's process wall time and trial count divided by each anchor's (below 1: vramcal cheaper)."""
-    tools = results["tools"]
-    mine = tools.get("vramcal")
-    if not mine:
-        return []
+    """Each vramcal tool's median wall time and median trial count over each anchor's."""
     out = []
-    for name, tool in _ordered(tools):
-        if name == "vramcal" or not tool.get("trials"):
-            continue
-        out.append({"anchor": name, "wall_ratio": f"{mine['process_wall_s'] / tool['process_wall_s']:.2f}",
-                    "trials_ratio": f"{len(mine['trials']) / len(tool['trials']):.2f}"})
+    for tool in (t for t in VRAMCAL if results["runs"].get(t)):
+        mine = summary(results["runs"][tool])
+        for anchor in (a for a in ANCHORS if results["runs"].get(a)):
+            theirs = summary(results["runs"][anchor])
+            trials = statistics.median(theirs["trials"])
+            out.append({"tool": LABELS[tool], "anchor": anchor,
+                        "wall_ratio": f"{wall_ratio(results, tool, anchor):.2f}",
+                        "trials_ratio": f"{statistics.median(mine['trials']) / trials:.2f}" if trials else "-"})
     return out
 
 
+# -------------------------------------------------------------------------------------------- targets
+
+def closed_loop(run: dict[str, Any] | None, key: str) -> tuple[str, str]:
+    """(measured, met) of the trainer's peak at one size against one profile's prediction ``key``:
+    at or below the upper 95 % bound and within 5 % of the point prediction."""
+    if run is None or run.get("peak_bytes") is None:
+        return ("not run" if run is None else f"no peak ({run['status']})"), "-"
+    prediction = run.get("predictions", {}).get(key)
+    if prediction is None:
+        return "no prediction", "-"
+    peak, predicted, upper = run["peak_bytes"], prediction["predicted_peak_bytes"], prediction["upper_bytes"]
+    off = (peak - predicted) / predicted
+    met = peak <= upper and abs(off) <= PREDICTION_TOLERANCE
+    return (f"b={run['batch_size']}: {format_bytes(peak)} vs {format_bytes(predicted)} ({100 * off:+.1f} %), "
+            f"upper {format_bytes(upper)}"), _yes(met)
+
+
+def _combine(parts: list[tuple[str, str]]) -> tuple[str, str]:
+    measured = "; ".join(m for m, _ in parts) or "-"
+    verdicts = [v for _, v in parts]
+    met = "-" if not verdicts or "-" in verdicts else _yes(all(v == "yes" for v in verdicts))
+    return measured, met
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, str]]:
+    """Issue 9's targets for each vramcal tool, each with the measured figures of every round and whether
+    it was met in all of them."""
+    truth = results["ground_truth"]["batch_size"]
+    steps = results["steps"]
+    out = []
+    for tool in (t for t in VRAMCAL if results["runs"].get(t)):
+        runs, label = results["runs"][tool], LABELS[tool]
+        if any(r.get("limits") is None for r in runs):
+            out.append({"target": f"{label} ran", "measured": "no limits in round(s) " + ", ".join(
+                str(r["round"]) for r in runs if r.get("limits") is None), "met": "**no**"})
+            continue
+        boundaries = _limit(runs, "boundary_batch_size")
+        offs = [(b - truth) / truth for b in boundaries]
+        out.append({"target": f"{label}: predicted boundary within 3 % of the ground truth",
+                    "measured": ", ".join(f"{b:.1f} ({100 * o:+.1f} %)" for b, o in zip(boundaries, offs))
+                    + f" vs {truth}", "met": _yes(all(abs(o) <= BOUNDARY_TOLERANCE for o in offs))})
+        for which in ("safe", "conservative"):
+            sizes = _limit(runs, f"{which}_batch_size")
+            out.append({"target": f"{label}: {which} batch size never above the ground truth",
+                        "measured": f"{_values(sizes)} vs {truth}", "met": _yes(all(s <= truth for s in sizes))})
+        for which in ("conservative", "safe"):
+            parts = [closed_loop(survival_at(results, r["limits"][f"{which}_batch_size"]), f"{tool}/r{r['round']}")
+                     for r in runs]
+            measured, met = _combine(parts)
+            out.append({"target": f"{label}: trainer's peak at the {which} size within 5 % of the prediction and "
+                                  f"at or below the upper bound", "measured": measured, "met": met})
+        survivals = [survival_at(results, r["limits"]["safe_batch_size"]) for r in runs]
+        measured = "; ".join("not run" if s is None else f"b={s['batch_size']}: {s['status']} after "
+                             f"{s['steps_done']} steps" for s in survivals)
+        met = "-" if any(s is None for s in survivals) else _yes(all(s["status"] == "ok" for s in survivals))
+        out.append({"target": f"{label}: {steps} training steps at the safe size finish with no out-of-memory error",
+                    "measured": measured, "met": met})
+        ratio = wall_ratio(results, tool, "lightning-binsearch")
+        if ratio is not None:
+            mine, theirs = summary(runs), summary(results["runs"]["lightning-binsearch"])
+            out.append({"target": f"{label}: median wall time at most half of Lightning binsearch's",
+                        "measured": f"{mine['wall_s_median']:.1f} s vs {theirs['wall_s_median']:.1f} s (ratio "
+                                    f"{ratio:.2f}; ranges {mine['wall_s_min']:.1f}-{mine['wall_s_max']:.1f} s and "
+                                    f"{theirs['wall_s_min']:.1f}-{theirs['wall_s_max']:.1f} s)",
+                        "met": _yes(ratio <= WALL_RATIO_TARGET)})
+    return out
+
+
+def needs_survival(results: dict[str, Any]) -> dict[int, list[str]]:
+    """Every batch size a survival run must train, with where it came from: each tool's answer in each
+    round, and each vramcal tool's safe size (its conservative size is its answer)."""
+    sizes: dict[int, list[str]] = {}
+    for name, runs in results["runs"].items():
+        for run in runs:
+            found = [("", run.get("answer"))]
+            if name in VRAMCAL and run.get("limits"):
+                found = [(" conservative", run["limits"]["conservative_batch_size"]),
+                         (" safe", run["limits"]["safe_batch_size"])]
+            for what, size in found:
+                if size:
+                    sizes.setdefault(int(size), []).append(f"{name}{what} r{run['round']}")
+    return sizes
+
+
+# ------------------------------------------------------------------------------------------- markdown
+
+def survival_table(results: dict[str, Any]) -> list[str]:
+    lines = ["| batch | from | status | steps | peak | predicted (profile) | peak vs predicted | upper | <= upper | "
+             "wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for run in sorted(results.get("survival", []), key=lambda s: -s["batch_size"]):
+        peak = run.get("peak_bytes")
+        predicted, upper = run.get("predicted_peak_bytes"), run.get("upper_bytes")
+        vs = f"{100 * (peak - predicted) / predicted:+.1f} %" if peak and predicted else "-"
+        below = "-" if not (peak and upper) else _yes(peak <= upper)
+        lines.append(f"| {run['batch_size']} | {', '.join(run.get('sources', []))} | {run['status']} | "
+                     f"{run['steps_done']}/{run['steps']} | {format_bytes(peak) if peak else '-'} | "
+                     f"{format_bytes(predicted) if predicted else '-'} ({run.get('profile_label', '-')}) | {vs} | "
+                     f"{format_bytes(upper) if upper else '-'} | {below} | {run.get('wall_s', 0):.0f} |")
+    return lines
+
+
 def markdown(results: dict[str, Any]) -> str:
-    env = results["environment"]
-    truth = results["ground_truth"]
-    vram = results["tools"].get("vramcal", {})
-    lines = [f"# vramcal vs batch-size finders: spec `{results['spec_name']}`, budget {env['budget']}", "",
+    """The results page (raises ResultsError for a results dict of another schema)."""
+    if results.get("bench_schema") != SCHEMA:
+        raise ResultsError(f"results of bench schema {results.get('bench_schema', 1)}, not {SCHEMA}: rerun "
+                           f"`python -m bench.compare` to make new ones")
+    env, truth = results["environment"], results["ground_truth"]
+    lines = [f"# vramcal vs batch-size finders: spec `{results['spec_name']}`, budget {env['budget']}"
+             + (" (quick smoke run: not results)" if results.get("quick") else ""), "",
              f"- model: `{json.dumps(results['spec'], sort_keys=True)}` (transformers Mamba-2, fp32, AdamW)",
+             f"- data: {results['data']['path']}, stride {results['data']['stride']} "
+             f"({results['data'].get('train_windows', '?')} training windows)",
              f"- machine: {env['machine']}, {env['cpus']} CPUs, {env['platform']}",
              f"- versions: {', '.join(f'{k} {v}' for k, v in env['versions'].items())}",
              f"- budget: {env['budget']} ({env['budget_bytes']} B), enforced as {env['limit']}",
              f"- limit check (alloc 1.05 x budget under the limit): binds={results['limit_check']['binds']}, "
              f"recognised by vramcal/Lightning/Accelerate={results['limit_check']['recognised_by_all']}",
              f"- ground truth: {truth['batch_size']} (first failing {truth['first_failing_batch_size']}; "
-             f"{'cached from an earlier run' if truth.get('cached') else 'computed in this run'}, "
-             f"trials by vramcal commit {truth.get('vramcal_commit') or 'unknown'}; "
-             f"{_non_oom(truth)})",
+             f"{'cached from an earlier run' if truth.get('cached') else 'computed in this run'}, trials by vramcal "
+             f"commit {truth.get('key', {}).get('vramcal_commit') or 'unknown'}; {_non_oom(truth)})",
              f"- vramcal commit of this run: {env.get('vramcal_commit') or 'unknown'}",
-             f"- survival run: {results['steps']} train steps in a fresh process under the same limit",
+             f"- rounds: {results['rounds']} (seed {results['seed']}), orders: "
+             + "; ".join(", ".join(order) for order in results.get("orders", [])),
+             f"- survival: {results['steps']} optimizer steps of `vramcal train`'s runner at each answer, under the "
+             f"budget (RLIMIT_DATA)",
              f"- Accelerate starting_batch_size: {results['accelerate_start']}",
              f"- load average at start/end: {_load(env.get('load_average_start'))} / "
              f"{_load(env.get('load_average_end'))} (the machine is shared: wall times are noisy)",
              f"- created (UTC): {env['created_utc']}", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(row[c]) for c in COLUMNS) + " |" for row in rows(results)]
-    lines += ["", "Ratios of vramcal's wall time and trials to each anchor's (same run):", "",
-              "| anchor | wall_ratio | trials_ratio |", "|---|---|---|"]
-    lines += [f"| {r['anchor']} | {r['wall_ratio']} | {r['trials_ratio']} |" for r in ratios(results)]
-    if vram.get("limits"):
-        limits = vram["limits"]
-        lines += ["", f"vramcal: usable {format_bytes(limits['usable_bytes'])} of {env['budget']} "
-                  f"(reserve 0.5 GiB + margin 10 %); safe {limits['safe_batch_size']} and conservative "
-                  f"{limits['conservative_batch_size']} sit {truth['batch_size'] - limits['safe_batch_size']} and "
-                  f"{truth['batch_size'] - limits['conservative_batch_size']} below the ground truth by design."]
-    lines += ["", "## Targets", "", "| target | measured | met |", "|---|---|---|"]
+    lines += ["", "Ratios of each vramcal tool's median wall time and trials to each anchor's (same rounds):", "",
+              "| vramcal | anchor | wall_ratio | trials_ratio |", "|---|---|---|---|"]
+    lines += [f"| {r['tool']} | {r['anchor']} | {r['wall_ratio']} | {r['trials_ratio']} |" for r in ratios(results)]
+    lines += ["", f"## Survival: `vramcal train`, {results['steps']} steps under the budget", ""]
+    lines += survival_table(results)
+    lines += ["", "## Targets (issue 9)", "", "| target | measured | met |", "|---|---|---|"]
     lines += [f"| {t['target']} | {t['measured']} | {t['met']} |" for t in targets(results)]
     if results.get("adaptations"):
-        lines += ["", f"Adaptations: {results['adaptations']}."]
-    lines += ["", "Trials per tool (batch size:status):", ""]
-    for name, tool in [("ground truth", truth)] + _ordered(results["tools"]):
-        lines.append(f"- {name}: " + ", ".join(f"{t['batch_size']}:{t['status']}" for t in tool["trials"]))
-    notes = results.get("notes") or ([results["note"]] if results.get("note") else [])
-    if notes:
-        lines += ["", "## Notes", ""] + [f"- {note}" for note in notes]
+        lines += ["", "Adaptations: " + "; ".join(results["adaptations"]) + "."]
+    lines += ["", "Trials per tool and round (batch size:status):", ""]
+    lines.append("- ground truth: " + ", ".join(f"{t['batch_size']}:{t['status']}" for t in truth["trials"]))
+    for name in ordered(results["runs"]):
+        for run in results["runs"][name]:
+            lines.append(f"- {name} r{run['round']}: " + ", ".join(f"{t['batch_size']}:{t['status']}"
+                                                                   for t in run.get("trials") or []))
+    if results.get("notes"):
+        lines += ["", "## Notes", ""] + [f"- {note}" for note in results["notes"]]
     return "\n".join(lines) + "\n"
-
-
-def targets(results: dict[str, Any]) -> list[dict[str, str]]:
-    """The issue's targets for vramcal, each with the measured figure and whether it was met."""
-    truth = results["ground_truth"]["batch_size"]
-    tools = results["tools"]
-    vram = tools.get("vramcal", {})
-    limits = vram.get("limits")
-    if not limits:
-        return [{"target": "vramcal ran", "measured": f"no limits (rc {vram.get('returncode')})", "met": "no"}]
-    out = []
-    boundary = limits["boundary_batch_size"]
-    off = 100 * (boundary - truth) / truth
-    out.append({"target": "predicted boundary within 3 % of the ground truth",
-                "measured": f"{boundary:.1f} vs {truth} ({off:+.1f} %)", "met": _yes(abs(off) <= 3.0)})
-    for label in ("safe", "conservative"):
-        size = limits[f"{label}_batch_size"]
-        out.append({"target": f"{label} batch size never above the ground truth",
-                    "measured": f"{size} vs {truth} (gap {truth - size}, {100 * (truth - size) / truth:.1f} % below)",
-                    "met": _yes(size <= truth)})
-    conservative = limits["conservative_batch_size"]
-    run = results.get("survival", {}).get(str(conservative))
-    out.append({"target": f"conservative batch size survives {results['steps']} steps",
-                "measured": "not run" if run is None else f"{run.get('status')} after {run.get('steps_done')} steps",
-                "met": "-" if run is None else _yes(run.get("status") == "ok"
-                                                    and run.get("steps_done") == results["steps"])})
-    binsearch = tools.get("lightning-binsearch")
-    if binsearch:
-        ratio = vram["process_wall_s"] / binsearch["process_wall_s"]
-        out.append({"target": "vramcal wall time at most half of Lightning binsearch's",
-                    "measured": f"{vram['process_wall_s']:.1f} s vs {binsearch['process_wall_s']:.1f} s "
-                                f"(ratio {ratio:.2f})", "met": _yes(ratio <= 0.5)})
-    return out
-
-
-def _ordered(tools: dict[str, Any]) -> list[tuple[str, Any]]:
-    """vramcal first, then the anchors in the order bench.compare runs them (the JSON's keys are sorted)."""
-    order = ("vramcal", "lightning-binsearch", "lightning-power", "accelerate")
-    return sorted(tools.items(), key=lambda item: order.index(item[0]) if item[0] in order else len(order))
 
 
 def _yes(flag: bool) -> str:
@@ -176,7 +326,18 @@ def write_tables(results: dict[str, Any], md_path: Path, csv_path: Path) -> None
         writer.writerows(rows(results))
 
 
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m bench.table RESULTS.json", file=sys.stderr)
+        return 2
+    path = Path(argv[0])
+    try:
+        write_tables(json.loads(path.read_text()), path.with_suffix(".md"), path.with_suffix(".csv"))
+    except (OSError, ValueError) as error:
+        print(f"{path}: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":  # re-render: python -m bench.table bench/results/small-1_5GiB.json
-    path = Path(sys.argv[1])
-    data = json.loads(path.read_text())
-    write_tables(data, path.with_suffix(".md"), path.with_suffix(".csv"))
+    sys.exit(main(sys.argv[1:]))

@@ -15,10 +15,9 @@ estimate and upper 95 % bound).
 
     .venv/bin/python bench/train_throughput.py --data data/es_1s.parquet --gpu none --steps 4 --stride 8
 
-On the host the trainer's VmHWM also holds what a probe trial never loads: pandas and pyarrow
-(~90 MiB of libraries) and the bars (~35 MiB for the 1-s E-mini file), so expect its peak some
-0.1-0.2 GiB above the prediction; the reserve (0.5 GiB) and margin (10 %) are there for that. On a GPU
-those live in host memory and do not count.
+A trial runs the trainer's own program (the same factory, data pipeline, worker process and meter), so
+the peak should sit within a few per cent of the prediction; ``vramcal train`` prints the same
+comparison after its first epoch.
 
 ``--stride 8`` gives ~3,400 training windows on the 1-s E-mini bars, so a conservative batch of
 several hundred still fills whole batches.
@@ -33,10 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vramcal.measure.device import select
-from vramcal.models.mamba2 import resolve_implementation
+from vramcal import api
 from vramcal.models.regressor import ModelSpec
-from vramcal.train.sizing import resolve_profile
 from vramcal.units import format_bytes
 
 SEED_BATCH_SIZE = 96
@@ -44,7 +41,7 @@ SEED_BATCH_SIZE = 96
 
 def run_trainer(args: argparse.Namespace, batch: str, run_dir: Path) -> dict:
     """One ``vramcal train`` run in a fresh process; returns its last epoch row and run record."""
-    command = [sys.executable, "-m", "vramcal", "train", "--data", args.data, "--gpu", args.gpu,
+    command = [sys.executable, "-m", "vramcal", "train", "--data", args.data, "--gpu", args.gpu, "--impl", args.impl,
                "--profile", args.profile, "--profiles-dir", args.profiles_dir, "--batch-size", batch,
                "--max-steps", str(args.steps), "--epochs", "1", "--run-dir", str(run_dir),
                *(["--stride", str(args.stride)] if args.stride else []), *args.spec_args]
@@ -70,10 +67,11 @@ def main() -> None:
     args = parser.parse_args()
     spec = _spec(args.spec_args)
 
-    device = select(args.gpu)[0][0]
-    implementation = resolve_implementation(args.impl, device.kind)
-    profile, path = resolve_profile(args.profile, args.profiles_dir, device, spec, implementation)
-    print(f"device: {device.name}; model: {spec.short()} [{implementation}]")
+    device = api.select_devices(args.gpu)[0][0]
+    profile, path, _ = api.find_profile("regressor", spec.to_dict(), device=device, implementation=args.impl,
+                                        profiles_dir=args.profiles_dir,
+                                        path=None if args.profile == "auto" else args.profile)
+    print(f"device: {device.name}; model: {spec.short()} [{profile.implementation}]")
     print(f"profile: {path}\n  {profile.fit.formula()}; conservative {profile.limits.conservative_batch_size}, "
           f"safe {profile.limits.safe_batch_size}, usable {format_bytes(profile.limits.usable_bytes)}")
     results = {}
