@@ -11,6 +11,7 @@ import sys
 
 import pytest
 from click.testing import CliRunner
+from host_budget import budget, capacity
 
 import vramcal
 import vramcal.api  # noqa: F401 - binds vramcal.calibration to the function (other test modules import the package first)
@@ -20,7 +21,11 @@ from vramcal.profile import load_profile
 
 GIB = 2**30
 PARAMS = {"n_features": 16384, "width": 8}
-HOST = dict(gpu="none", capacity_bytes=GIB, settings=vramcal.LimitSettings(reserve_bytes=0))
+
+
+def host() -> dict:
+    """1 GiB of host memory, no reserve (grown by what this torch build's workers hold: tests/host_budget.py)."""
+    return dict(gpu="none", capacity_bytes=budget(GIB), settings=vramcal.LimitSettings(reserve_bytes=0))
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +33,7 @@ def calibrated(tmp_path_factory):
     """One real calibration of the user's MLP on 1 GiB of host memory (about 10 trials, 20-40 s)."""
     profiles = tmp_path_factory.mktemp("profiles")
     seen = []
-    profile = vramcal.calibrate("user_models:mlp", PARAMS, profiles_dir=profiles, on_trial=seen.append, **HOST)
+    profile = vramcal.calibrate("user_models:mlp", PARAMS, profiles_dir=profiles, on_trial=seen.append, **host())
     return profile, profiles, seen
 
 
@@ -51,7 +56,7 @@ def test_a_user_factory_calibrates_to_a_verified_profile_that_names_it(calibrate
 
 def test_find_profile_and_batch_size_read_it_back(calibrated):
     profile, profiles, _ = calibrated
-    found, path, notices = vramcal.find_profile("user_models:mlp", PARAMS, device=host_device(GIB),
+    found, path, notices = vramcal.find_profile("user_models:mlp", PARAMS, device=host_device(budget(GIB)),
                                                 profiles_dir=profiles)
     assert found == profile and notices == [] and path.name.startswith("mlp-factory-")
     limits = profile.limits
@@ -60,10 +65,11 @@ def test_find_profile_and_batch_size_read_it_back(calibrated):
     assert vramcal.batch_size(found, request=10**9) == limits.safe_batch_size
     assert vramcal.size(found, 7).predicted_peak_bytes == int(profile.fit.predict(7))
     with pytest.raises(vramcal.SizingError, match="another model: width=16 \\(profile 8\\)"):
-        vramcal.find_profile("user_models:mlp", {**PARAMS, "width": 16}, device=host_device(GIB), path=path)
+        vramcal.find_profile("user_models:mlp", {**PARAMS, "width": 16}, device=host_device(budget(GIB)),
+                             path=path)
     with pytest.raises(vramcal.SizingError, match="no profile for .* `vramcal probe --gpu none --model "
                                                   "user_models:mlp --model-arg n_features=16384 --model-arg width=4`"):
-        vramcal.find_profile("user_models:mlp", {**PARAMS, "width": 4}, device=host_device(GIB),
+        vramcal.find_profile("user_models:mlp", {**PARAMS, "width": 4}, device=host_device(budget(GIB)),
                              profiles_dir=profiles)
 
 
@@ -79,7 +85,7 @@ def test_find_profile_and_batch_size_read_it_back(calibrated):
 ])
 def test_a_factory_that_cannot_be_called_fails_before_any_trial_in_one_line(factory, message):
     with pytest.raises(vramcal.WorkloadError) as error:
-        vramcal.calibrate(factory, **HOST)
+        vramcal.calibrate(factory, **host())
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
     result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1GiB", "--model", factory,
                                        "--no-report"])
@@ -97,7 +103,7 @@ def test_a_factory_that_cannot_be_called_fails_before_any_trial_in_one_line(fact
 def test_a_step_that_fails_in_the_first_trial_says_why_in_one_line(factory, message, tmp_path):
     seen = []
     with pytest.raises(vramcal.CalibrationError) as error:
-        vramcal.calibrate(factory, profiles_dir=tmp_path, on_trial=seen.append, **HOST)
+        vramcal.calibrate(factory, profiles_dir=tmp_path, on_trial=seen.append, **host())
     text = str(error.value)
     assert text.startswith(f"the training step of {factory} failed in the first trial (batch_size 1)")
     assert message in text and "\n" not in text
@@ -107,7 +113,7 @@ def test_a_step_that_fails_in_the_first_trial_says_why_in_one_line(factory, mess
 
 
 def test_the_cli_says_it_in_one_line_too(tmp_path):
-    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1GiB", "--model",
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", capacity(GIB), "--model",
                                        "user_models:raises", "--model-arg", "width=100", "--out",
                                        str(tmp_path / "p.json"), "--no-report"])
     errors = [line for line in result.output.splitlines() if line.startswith("Error")]

@@ -4,6 +4,7 @@ import os
 
 import pytest
 from click.testing import CliRunner
+from host_budget import MIB, capacity
 
 from vramcal.cli import main
 
@@ -59,8 +60,8 @@ def test_bf16_on_the_host_and_a_capacity_too_small_for_the_reserve():
 
 
 def test_a_capacity_smaller_than_one_sample(tmp_path):
-    result = invoke("probe", "--gpu", "none", "--capacity", "700MiB", "--reserve", "0", "--margin", "0.5",
-                    "--out", str(tmp_path / "p.json"))
+    result = invoke("probe", "--gpu", "none", "--capacity", capacity(700 * MIB, margin=0.5), "--reserve", "0",
+                    "--margin", "0.5", "--out", str(tmp_path / "p.json"))
     assert result.exit_code == 1
     assert "batch_size 1 does not fit in the usable" in one_line_error(result)
     assert not (tmp_path / "p.json").exists()

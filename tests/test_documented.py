@@ -9,7 +9,9 @@ new option cannot ship untried.
 One probe runs real trials (``--max-trials 3``: it ends unverified, exit 3). The verified profile the
 other commands read comes from a probe whose trials' *measurements* are faked at the hardware boundary
 (:func:`fake_measurement`: peak memory as a known line in the batch size), so ``train --probe`` runs the
-real calibration loop, printer, profile file and training run in seconds.
+real calibration loop, printer, profile file and training run in seconds. Budgets that real trials or
+training runs live under grow by what this torch build's workers hold beyond the CPU build's, and so does
+the fake line (tests/host_budget.py): the limits and the runs' room are the same on every build.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import click
 import pandas as pd
 import pytest
 from click.testing import CliRunner
+from host_budget import capacity, extra_bytes
 from test_train import SPEC_ARGS
 from test_train_data import synthetic_bars
 
@@ -32,6 +35,7 @@ from vramcal.cli.options import EXIT_UNVERIFIED
 from vramcal.records import Trial
 
 MIB = 2**20
+GIB = 2**30
 TESTS = Path(__file__).parent
 
 
@@ -50,7 +54,12 @@ def invoke(*args: str, code: int = 0, **kwargs):
     return result
 
 
-def fake_measurement(monkeypatch, peak=lambda b, purpose: 550 * MIB + int(0.4 * MIB * b) + (b * 7919 % 7) * 50_000):
+def known_line(b: int, purpose: str) -> int:
+    """The fake peaks: 550 MiB + 0.4 MiB per sample with a little noise, plus tests/host_budget.py's extra."""
+    return extra_bytes() + 550 * MIB + int(0.4 * MIB * b) + (b * 7919 % 7) * 50_000
+
+
+def fake_measurement(monkeypatch, peak=known_line):
     """Trials measured by ``peak(batch_size, purpose)`` (bytes; None = out of memory) instead of a device.
 
     Only the measurement is fake: the search, the fit, the limits, the verification, the profile file
@@ -78,8 +87,8 @@ def home(tmp_path_factory):
                   % 7), "Volume": 1 + pd.Series(range(300)) % 5}).to_csv(tmp / "ticks.csv", index=False)
     with pytest.MonkeyPatch.context() as patch:
         fake_measurement(patch)
-        invoke("probe", "--gpu", "none", "--capacity", "1.5GiB", *SPEC_ARGS, "--data", tmp / "bars.parquet",
-               "--profiles-dir", tmp / "profiles", "--no-report")
+        invoke("probe", "--gpu", "none", "--capacity", capacity(3 * GIB // 2), *SPEC_ARGS, "--data",
+               tmp / "bars.parquet", "--profiles-dir", tmp / "profiles", "--no-report")
     (profile,) = (tmp / "profiles").rglob("*.json")
     return {"tmp": tmp, "bars": tmp / "bars.parquet", "profiles": tmp / "profiles", "profile": profile}
 
@@ -98,9 +107,9 @@ def test_help_and_version_of_every_command():
 def test_probe_with_every_option_and_real_trials(home):
     """Three real trials cannot verify a limit: the profile is written, the reason is one line, exit 3."""
     tmp = home["tmp"]
-    result = invoke("probe", "--gpu", "none", "--impl", "transformers", "--capacity", "2GiB", "--model", "regressor",
-                    *SPEC_ARGS, "--expand", "2", "--dtype", "fp32", "--data", home["bars"], "--stride", "16",
-                    "--val-fraction", "0.2", "--data-on-device", "--reserve", "0", "--margin", "0.1",
+    result = invoke("probe", "--gpu", "none", "--impl", "transformers", "--capacity", capacity(2 * GIB), "--model",
+                    "regressor", *SPEC_ARGS, "--expand", "2", "--dtype", "fp32", "--data", home["bars"],
+                    "--stride", "16", "--val-fraction", "0.2", "--data-on-device", "--reserve", "0", "--margin", "0.1",
                     "--conservative", "0.9", "--warmup-steps", "1", "--measured-steps", "2", "--val-steps", "1",
                     "--max-trials", "3", "--timeout", "120", "--profiles-dir", tmp / "p", "--out", tmp / "real.json",
                     "--reports-dir", tmp / "reports", "--json", code=EXIT_UNVERIFIED)
@@ -132,7 +141,7 @@ def test_train_with_every_option_then_resume(home):
     config.write_text(json.dumps({"seed": 3, "lr_scaling": "none"}))
     run = tmp / "run"
     result = invoke("train", "--config", config, "--data", home["bars"], "--gpu", "none", "--impl", "transformers",
-                    "--capacity", "1.5GiB", *SPEC_ARGS, "--expand", "2", "--dtype", "fp32", "--profile",
+                    "--capacity", capacity(3 * GIB // 2), *SPEC_ARGS, "--expand", "2", "--dtype", "fp32", "--profile",
                     home["profile"], "--profiles-dir", home["profiles"], "--batch-size-min", "1", "--lr-scaling",
                     "linear",
                     "--reference-batch-size", "8", "--warmup-steps", "1", "--max-steps", "3", "--seed", "1",
@@ -149,7 +158,8 @@ def test_train_probe_calibrates_then_trains(home, monkeypatch):
     """``train --probe``: the calibration (trials printed on stderr), its profile, then the run with it."""
     fake_measurement(monkeypatch)
     profiles = home["tmp"] / "probed"
-    result = invoke("train", "--probe", "--gpu", "none", "--capacity", "1.5GiB", *SPEC_ARGS, "--data", home["bars"],
+    result = invoke("train", "--probe", "--gpu", "none", "--capacity", capacity(3 * GIB // 2), *SPEC_ARGS, "--data",
+                    home["bars"],
                     "--profiles-dir", profiles, "--run-dir", home["tmp"] / "probed-run", "--max-steps", "2")
     assert "calibrating regressor d_model=32" in result.stderr and "verify-conservative" in result.stderr
     (profile,) = profiles.rglob("*.json")

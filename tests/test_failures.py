@@ -17,6 +17,7 @@ import test_train
 import test_tune
 import torch
 from click.testing import CliRunner
+from host_budget import capacity
 from test_train import in_process, one_line_failure, rows, sgd
 from test_tune import tune
 
@@ -375,9 +376,9 @@ def test_the_issues_reproducer_exits_3_with_its_reason(tmp_path):
     """Issue 10: ``probe ... --chunk-size 1 --seq-len 1 --max-trials 3`` printed ``no fit:`` with nothing after
     it, exited 0 and wrote a profile with no limits. Real trials."""
     spec = ["--d-model", "32", "--n-layers", "1", "--d-state", "16", "--headdim", "16"]
-    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "2GiB", *spec, "--chunk-size", "1",
-                                       "--seq-len", "1", "--max-trials", "3", "--out", str(tmp_path / "p.json"),
-                                       "--no-report"])
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", capacity(2**31), *spec,
+                                       "--chunk-size", "1", "--seq-len", "1", "--max-trials", "3",
+                                       "--out", str(tmp_path / "p.json"), "--no-report"])
     assert result.exit_code == 3, result.output
     assert re.fullmatch(r"not verified: \S.{15,} \(exit 3\)", result.stderr.strip().splitlines()[-1])
 

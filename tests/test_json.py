@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from host_budget import capacity
 
 from vramcal.cli import main
 from vramcal.profile import load_profile, save_profile
@@ -25,10 +26,10 @@ def test_probe_json_from_a_shell_is_only_json_on_stdout_even_when_the_factory_pr
     """A user's module in the current directory (not on PYTHONPATH, not installed) that prints to stdout in
     every trial; three trials, so the limits are unverified and the exit status is 3."""
     shutil.copy(TESTS / "user_models.py", tmp_path / "shop_models.py")
-    result = subprocess.run([str(VRAMCAL), "probe", "--json", "--gpu", "none", "--capacity", "1GiB", "--reserve", "0",
-                             "--model", "shop_models:chatty", "--model-arg", "width=4", "--max-trials", "3",
-                             "--out", "p.json", "--no-report"], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run([str(VRAMCAL), "probe", "--json", "--gpu", "none", "--capacity", capacity(2**30),
+                             "--reserve", "0", "--model", "shop_models:chatty", "--model-arg", "width=4",
+                             "--max-trials", "3", "--out", "p.json", "--no-report"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 3, result.stderr
     printed = json.loads(result.stdout)  # the whole of stdout
     assert printed == load_profile(tmp_path / "p.json").to_dict()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from host_budget import MIB, capacity
 
 from vramcal.cli import main
 from vramcal.models.lm import from_mamba_ssm, mamba2_config, read_config
@@ -126,7 +127,7 @@ def test_probe_of_a_tiny_lm_writes_a_verified_profile_of_the_torch_path(tmp_path
     out = tmp_path / "lm.json"
     result = probe("--model-arg", f"config={TINY.relative_to(REPO) if Path.cwd() == REPO else TINY}",
                    "--seq-len", "32", "--reserve", "0", "--out", str(out), "--reports-dir", str(tmp_path / "r"),
-                   capacity="800MiB")
+                   capacity=capacity(800 * MIB))
     assert result.exit_code == 0, result.output  # verified
     assert "calibrating lm config=(hidden 64, layers 2, vocab 512, state 16, +7 more) seq_len=32 fp32 [transformers]" \
         in result.output

@@ -4,6 +4,7 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from host_budget import budget, capacity
 from scipy import stats
 
 from vramcal.cli import main
@@ -27,8 +28,8 @@ def request(spec: ModelSpec, batch_size: int, device, **settings) -> TrialReques
 
 
 def test_an_allocation_past_the_host_limit_is_recorded_as_oom(runner):
-    device = host_device(2**30)
-    trial = runner.run(request(TINY, 50_000, device, host_memory_limit_bytes=2**30))
+    device = host_device(budget(2**30))
+    trial = runner.run(request(TINY, 50_000, device, host_memory_limit_bytes=device.total_bytes))
     assert trial.status == "oom" and trial.peak_bytes is None
     assert "can't allocate memory" in trial.error or "MemoryError" in trial.error
 
@@ -41,7 +42,7 @@ def test_a_trial_over_its_time_limit_is_killed_and_recorded():
 
 
 def test_trials_are_isolated_and_cheap_to_start(runner):
-    device = host_device(4 * 2**30)
+    device = host_device(budget(4 * 2**30))
     small = request(TINY, 64, device, host_memory_limit_bytes=device.total_bytes)
     first, big, again = runner.run(small), runner.run(small.with_batch_size(2048)), runner.run(small)
     assert first.ok and big.ok and again.ok
@@ -57,7 +58,7 @@ def test_trials_are_isolated_and_cheap_to_start(runner):
 
 def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
     profile_file = tmp_path / "tiny.json"
-    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1GiB", "--reserve", "0",
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", capacity(2**30), "--reserve", "0",
                                        *TINY_ARGS, "--max-trials", "10", "--boundary", "--out", str(profile_file),
                                        "--reports-dir", str(tmp_path / "reports")])
     assert result.exit_code == 0, result.output  # 0: verified (an unverified calibration exits 3)

@@ -176,15 +176,16 @@ def test_probe_limits_and_train_over_lengths_for_real(tmp_path):
     import json
 
     from click.testing import CliRunner
+    from host_budget import capacity
 
     from vramcal.cli import main
     from vramcal.profile import load_profile
 
     tiny = ["--d-model", "32", "--n-layers", "1", "--d-state", "16", "--headdim", "16", "--chunk-size", "16"]
     out = tmp_path / "p.json"
-    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "640MiB", "--reserve", "0",
-                                       "--margin", "0.05", *tiny, "--seq-len", "16,32,64", "--no-boundary",
-                                       "--out", str(out), "--no-report"])
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", capacity(640 * 2**20, 0.05),
+                                       "--reserve", "0", "--margin", "0.05", *tiny, "--seq-len", "16,32,64",
+                                       "--no-boundary", "--out", str(out), "--no-report"])
     assert result.exit_code == 0, result.output
     profile = load_profile(out)
     assert profile.verified and profile.surface.seq_lens == (16, 32, 64) and "seq_len" not in profile.model.params
