@@ -4,9 +4,10 @@ import os
 
 import pytest
 from click.testing import CliRunner
-from host_budget import MIB, capacity
+from host_budget import MIB, capacity, preload_data_bytes
 
 from vramcal.cli import main
+from vramcal.units import format_bytes
 
 from fakes import L4, fake_nvml
 
@@ -64,6 +65,22 @@ def test_a_capacity_smaller_than_one_sample(tmp_path):
                     "--margin", "0.5", "--out", str(tmp_path / "p.json"))
     assert result.exit_code == 1
     assert "batch_size 1 does not fit in the usable" in one_line_error(result)
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_capacity_below_what_a_trial_process_holds_before_its_step(tmp_path):
+    """A budget under the data segment a worker holds before it runs anything (the interpreter, torch and
+    the rest of the preload) fits no batch size, and the line says so: it is neither the step's failure nor
+    whichever allocation happened to fail first (with the CUDA build of torch: a parquet reader's thread,
+    reported as 'failed ... before any memory limit: fix the step')."""
+    below = preload_data_bytes() // 2
+    result = invoke("probe", "--gpu", "none", "--capacity", str(below), "--reserve", "0", "--margin", "0",
+                    "--out", str(tmp_path / "p.json"))
+    assert result.exit_code == 1
+    line = one_line_error(result)
+    assert "batch_size 1 does not fit in the usable" in line and "give a larger --capacity" in line
+    assert f"the host budget {format_bytes(below)} is below the " in line
+    assert "this process held before its step" in line
     assert not (tmp_path / "p.json").exists()
 
 

@@ -2,6 +2,7 @@
 the sampler's cost, the pin check, and which errors are out-of-memory."""
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -205,6 +206,21 @@ def test_the_host_meter_sets_the_data_limit_and_reads_the_host_peaks():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == [str(8 * GIB), "['data_peak_bytes',", "'peak_bytes',", "'rss_peak_bytes']", "True", "host"]
     assert "torch_num_threads" in meters.HostMeter().environment()
+
+
+def test_a_host_budget_below_what_the_process_holds_is_out_of_memory_before_any_limit_is_set():
+    """Under such a budget every allocation fails, wherever the first one happens; the meter says why at once,
+    as an out-of-memory error (the budget, not the step), and leaves the process's limit alone. In a process
+    of its own: a meter that set the limit would leave this one unable to allocate."""
+    code = ("import resource; from vramcal.measure.device import host_device; "
+            "from vramcal.measure.meters import is_out_of_memory, open_meter\n"
+            "before = resource.getrlimit(resource.RLIMIT_DATA)\n"
+            "try:\n    open_meter(host_device(), 2**20)\n"
+            "except MemoryError as error:\n"
+            "    print(is_out_of_memory(error), resource.getrlimit(resource.RLIMIT_DATA) == before, error)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert re.fullmatch(r"True True the host budget 1\.00 MiB is below the \d+\.\d\d MiB this process held before its "
+                        r"step \(the interpreter, torch and the libraries it imported\)\n", out), out
 
 
 class OutOfResources(Exception):  # triton.runtime.errors.OutOfResources, by name and message

@@ -29,6 +29,7 @@ from vramcal.measure.nvml import NvmlError, load_nvml, nvml_handle
 from vramcal.measure.sampler import BASELINE_SETTLE_S, NVML_SAMPLE_INTERVAL_S, NvmlSampler  # noqa: F401
 from vramcal.oom import is_out_of_memory  # noqa: F401 - re-exported: the name callers use
 from vramcal.records import Device
+from vramcal.units import format_bytes
 
 ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_MODULE_LOADING")
 HOST_MALLOC_ENV = ("GLIBC_TUNABLES", "ARROW_DEFAULT_MEMORY_POOL",
@@ -61,6 +62,8 @@ def open_meter(device: Device, host_limit_bytes: int | None = None, *, settle_s:
     Raises:
         MeterError: CUDA was already initialised in this process, or the device has no UUID.
         NvmlError: NVML is unusable.
+        MemoryError: the host budget is at or below the data segment this process already holds (no batch
+            size can fit; the limit is left unset).
     """
     if device.kind == "cuda":
         return CudaMeter(device, settle_s=settle_s, nvml_loader=nvml_loader)
@@ -165,6 +168,13 @@ class HostMeter:
 
     def __init__(self, host_limit_bytes: int | None = None) -> None:
         if host_limit_bytes is not None:
+            held = read_status_bytes("VmData")
+            if held >= host_limit_bytes:
+                # every allocation would fail, wherever it happens first (a library's thread, a parquet read):
+                # a budget problem, said as one, not the failure of whatever ran into it
+                raise MemoryError(f"the host budget {format_bytes(host_limit_bytes)} is below the "
+                                  f"{format_bytes(held)} this process held before its step (the interpreter, torch "
+                                  f"and the libraries it imported)")
             resource.setrlimit(resource.RLIMIT_DATA, (host_limit_bytes, host_limit_bytes))
 
     def check_pinned(self) -> None:
