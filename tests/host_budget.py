@@ -9,52 +9,51 @@ is about 470 MiB (:data:`REFERENCE_BYTES`). The CUDA build (the only torch 2.13 
 and 3.13; it runs on the CPU) maps about 540 MiB more before a step runs, which left a 1 GiB budget almost
 nothing and failed every real run under one.
 
-:func:`extra_bytes` measures it once per test session: the data segment of a fresh process that has imported
-the workers' preload with the workers' allocator settings, less the reference. :func:`budget` grows a figure
-by it so that what the budget leaves above the worker's own footprint is the same on every build: on the
-CPU build it returns the figure unchanged.
+:func:`extra_bytes` measures it once per test session, in a worker of vramcal's own (the fork server the
+tests' trials and runs use: starting it is the first real run's cost anyway, and the worker is a fork), less
+the reference. :func:`budget` grows a figure by it so that what the budget leaves above a worker's own
+footprint is the same on every build: on the CPU build it returns the figure unchanged.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
-import subprocess
-import sys
+from typing import Any
 
 from vramcal.calibration.limits import DEFAULT_MARGIN
-from vramcal.measure.worker import HOST_MALLOC, PRELOAD
 
 MIB = 2**20
-# The workers' preload with torch 2.13.0+cpu on Python 3.11 (this repository's .venv, 2-core host): 470-471 MiB
-# of data segment over repeated runs; the CUDA build (cu130) holds 1009-1021 MiB on Python 3.11-3.13.
+# A worker's data segment at its start with torch 2.13.0+cpu on Python 3.11 (this repository's .venv, 2-core
+# host): 470.2 MiB; with the CUDA build (cu130) 1009-1021 MiB on Python 3.11-3.13.
 REFERENCE_BYTES = 472 * MIB
-# Closer than this to the reference is the reference's own build (run-to-run spread about 2 MiB; other
-# library versions a few MiB): the tests' figures hold as written, with the room they already leave.
+# Closer than this to the reference is the reference's own build (other library versions move it by a few
+# MiB): the tests' figures hold as written, with the room they already leave.
 TOLERANCE_BYTES = 16 * MIB
 
-_MEASURE = (f"import importlib; importlib.import_module({PRELOAD!r}); "
-            "from vramcal.measure.meters import peak_data_bytes; print(peak_data_bytes())")
+
+def _data_bytes_here(channel: Any = None) -> int:
+    """In a worker: its data-segment peak before it runs anything else (bytes)."""
+    from vramcal.measure.meters import peak_data_bytes
+
+    return peak_data_bytes()
 
 
 @functools.cache
-def preload_data_bytes() -> int:
-    """The data-segment peak of a fresh process after the workers' preload (bytes), in the workers' make-up:
-    pyarrow's system memory pool and vramcal's malloc settings, unless this environment sets them."""
-    env = dict(os.environ)
-    env.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
-    env.setdefault("GLIBC_TUNABLES", HOST_MALLOC)
-    done = subprocess.run([sys.executable, "-c", _MEASURE], capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, f"measuring the workers' preload failed:\n{done.stderr[-2000:]}"
-    return int(done.stdout.split()[-1])
+def worker_data_bytes() -> int:
+    """What a worker (a trial's or a training run's process) holds at its start: its data-segment peak."""
+    from vramcal.measure.worker import Workers
+
+    outcome = Workers().run(_data_bytes_here, timeout_s=300)
+    assert outcome.status == "ok", f"measuring a worker failed: {outcome.error}"
+    return outcome.result
 
 
 @functools.cache
 def extra_bytes() -> int:
     """What a worker of this interpreter and torch build holds beyond :data:`REFERENCE_BYTES` (0 within
     :data:`TOLERANCE_BYTES` of it, or below it), rounded up to a whole MiB."""
-    over = preload_data_bytes() - REFERENCE_BYTES
+    over = worker_data_bytes() - REFERENCE_BYTES
     return math.ceil(over / MIB) * MIB if over > TOLERANCE_BYTES else 0
 
 

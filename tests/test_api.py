@@ -19,18 +19,20 @@ from vramcal.cli import main
 from vramcal.measure.device import host_device
 from vramcal.profile import load_profile
 
-GIB = 2**30
 PARAMS = {"n_features": 16384, "width": 8}
+# 640 MiB of host memory, no reserve: about 100 MiB above a worker's own footprint, 1,500 samples of 64 KiB,
+# so the largest trials take a fraction of a second (grown by what this torch build's workers hold beyond the
+# CPU build's: tests/host_budget.py)
+CAPACITY = 640 * 2**20
 
 
 def host() -> dict:
-    """1 GiB of host memory, no reserve (grown by what this torch build's workers hold: tests/host_budget.py)."""
-    return dict(gpu="none", capacity_bytes=budget(GIB), settings=vramcal.LimitSettings(reserve_bytes=0))
+    return dict(gpu="none", capacity_bytes=budget(CAPACITY), settings=vramcal.LimitSettings(reserve_bytes=0))
 
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
-    """One real calibration of the user's MLP on 1 GiB of host memory (about 10 trials, 20-40 s)."""
+    """One real calibration of the user's MLP on 640 MiB of host memory (about 10 trials, 5-15 s)."""
     profiles = tmp_path_factory.mktemp("profiles")
     seen = []
     profile = vramcal.calibrate("user_models:mlp", PARAMS, profiles_dir=profiles, on_trial=seen.append, **host())
@@ -56,7 +58,7 @@ def test_a_user_factory_calibrates_to_a_verified_profile_that_names_it(calibrate
 
 def test_find_profile_and_batch_size_read_it_back(calibrated):
     profile, profiles, _ = calibrated
-    found, path, notices = vramcal.find_profile("user_models:mlp", PARAMS, device=host_device(budget(GIB)),
+    found, path, notices = vramcal.find_profile("user_models:mlp", PARAMS, device=host_device(budget(CAPACITY)),
                                                 profiles_dir=profiles)
     assert found == profile and notices == [] and path.name.startswith("mlp-factory-")
     limits = profile.limits
@@ -65,11 +67,11 @@ def test_find_profile_and_batch_size_read_it_back(calibrated):
     assert vramcal.batch_size(found, request=10**9) == limits.safe_batch_size
     assert vramcal.size(found, 7).predicted_peak_bytes == int(profile.fit.predict(7))
     with pytest.raises(vramcal.SizingError, match="another model: width=16 \\(profile 8\\)"):
-        vramcal.find_profile("user_models:mlp", {**PARAMS, "width": 16}, device=host_device(budget(GIB)),
+        vramcal.find_profile("user_models:mlp", {**PARAMS, "width": 16}, device=host_device(budget(CAPACITY)),
                              path=path)
     with pytest.raises(vramcal.SizingError, match="no profile for .* `vramcal probe --gpu none --model "
                                                   "user_models:mlp --model-arg n_features=16384 --model-arg width=4`"):
-        vramcal.find_profile("user_models:mlp", {**PARAMS, "width": 4}, device=host_device(budget(GIB)),
+        vramcal.find_profile("user_models:mlp", {**PARAMS, "width": 4}, device=host_device(budget(CAPACITY)),
                              profiles_dir=profiles)
 
 
@@ -113,7 +115,7 @@ def test_a_step_that_fails_in_the_first_trial_says_why_in_one_line(factory, mess
 
 
 def test_the_cli_says_it_in_one_line_too(tmp_path):
-    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", capacity(GIB), "--model",
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", capacity(CAPACITY), "--model",
                                        "user_models:raises", "--model-arg", "width=100", "--out",
                                        str(tmp_path / "p.json"), "--no-report"])
     errors = [line for line in result.output.splitlines() if line.startswith("Error")]

@@ -126,8 +126,8 @@ def test_bad_lm_input_is_one_line_before_any_trial(args, message, tmp_path):
 def test_probe_of_a_tiny_lm_writes_a_verified_profile_of_the_torch_path(tmp_path):
     out = tmp_path / "lm.json"
     result = probe("--model-arg", f"config={TINY.relative_to(REPO) if Path.cwd() == REPO else TINY}",
-                   "--seq-len", "32", "--reserve", "0", "--out", str(out), "--reports-dir", str(tmp_path / "r"),
-                   capacity=capacity(800 * MIB))
+                   "--seq-len", "32", "--reserve", "0", "--no-boundary", "--out", str(out), "--reports-dir",
+                   str(tmp_path / "r"), capacity=capacity(800 * MIB))
     assert result.exit_code == 0, result.output  # verified
     assert "calibrating lm config=(hidden 64, layers 2, vocab 512, state 16, +7 more) seq_len=32 fp32 [transformers]" \
         in result.output

@@ -123,6 +123,18 @@ def test_a_flat_start_is_left_out_of_the_fit():
     assert next_batch_size(trials[:3], SearchSettings(total_bytes=2 * GIB)) == Step(512, "grow")
 
 
+def test_verifications_near_the_limit_at_one_peak_are_fitted_not_dropped_as_a_flat_start():
+    """A length calibrated by its verifications only (vramcal.calibration.surface) has sizes about 10 % apart
+    whose peaks differ by less than the noise threshold; they are points near the limit, not a flat start
+    (with the CUDA build of torch, whose process holds 540 MiB more, the threshold grew past their difference
+    and the whole length was dropped: no surface)."""
+    from vramcal.calibration.search import fit_points
+
+    mib = 2**20
+    trials = [Trial(121, "ok", 1126 * mib), Trial(135, "ok", 1136 * mib), Trial(135, "ok", 1136 * mib)]
+    assert [t.batch_size for t in fit_points(trials, SearchSettings(total_bytes=2 * GIB))] == [121, 135, 135]
+
+
 def test_a_small_limit_after_a_flat_start_still_ends_verified():
     """The issue's reproducer on an 80 GiB card: 1 and 8 at one peak, 64 out of memory, 36 higher. The
     policy adds points where the fit is too thin instead of giving up, and ends verified."""

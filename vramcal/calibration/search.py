@@ -46,6 +46,9 @@ from vramcal.records import Trial
 
 FLAT_FRACTION = 0.02  # peaks within 2 % (or FLAT_BYTES) of each other are not a measurable rise
 FLAT_BYTES = 8 * 2**20
+# A flat start spans at least this factor of batch sizes (growth while flat is x8); closer sizes at one peak are
+# verifications near the limit whose difference is within the noise, and they are fitted
+FLAT_START_SPAN = 2
 
 
 @dataclass(frozen=True)
@@ -130,8 +133,8 @@ def fit_points(trials: Sequence[Trial], settings: SearchSettings) -> list[Trial]
     if not finished:
         return []
     first = finished[0]
-    flat = [t for t in finished if not rises(first, t)]
-    if len({t.batch_size for t in flat}) >= 2:  # two sizes at one peak: a flat start, not a slope
+    flat = [t.batch_size for t in finished if not rises(first, t)]
+    if max(flat) >= FLAT_START_SPAN * first.batch_size:  # sizes far apart at one peak: a flat start, not a slope
         finished = [t for t in finished if rises(first, t)]
     if not finished:
         return []
