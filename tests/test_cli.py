@@ -53,6 +53,16 @@ def test_gpu_index_that_does_not_exist(monkeypatch):
     assert result.exit_code == 1 and "no GPU with that index or UUID" in one_line_error(result)
 
 
+def test_gpu_all_plans_every_card_before_any_trial(monkeypatch):
+    """With two GPUs the data options were taken (popped) for the first card's plan and the second's raised
+    KeyError (a traceback); an unwritable profiles folder stops both plans before any trial, in one line."""
+    from fakes import H200
+
+    monkeypatch.setattr("vramcal.measure.device.load_nvml", lambda: fake_nvml([L4, H200]))
+    result = invoke("probe", "--gpu", "all", "--profiles-dir", "/proc/vramcal-profiles")
+    assert result.exit_code == 1 and "cannot write profiles" in one_line_error(result), result.output
+
+
 def test_bf16_on_the_host_and_a_capacity_too_small_for_the_reserve():
     result = invoke("probe", "--gpu", "none", "--dtype", "bf16-autocast")
     assert result.exit_code == 1 and "bf16-autocast is for CUDA GPUs" in one_line_error(result)
@@ -96,6 +106,7 @@ def test_profiles_folder_that_is_a_file(tmp_path):
     ('{"schema_version": 99}', "schema version 99"),
     ('{"schema_version": 1}', "schema version 1 is not 2"),
     ('{"schema_version": 2, "device": {}}', "not a vramcal profile"),
+    ('[1, 2]', "its top level is a JSON list, not an object; re-run `vramcal probe`"),
     ("\x00\x01binary", "not valid JSON"),
 ])
 def test_show_refuses_a_corrupt_profile(tmp_path, content, message):

@@ -43,6 +43,19 @@ def test_every_shipped_config_reads(name):
     assert {"hidden_size", "num_hidden_layers", "vocab_size"} <= set(settings)
 
 
+def test_a_config_without_chunk_size_has_transformers_default_for_its_lengths(tmp_path):
+    """Lengths are multiples of chunk_size; a config file without one has Mamba2Config's (256), not 1 (which
+    made --seq-len 256:2048's middle length 724, a length the family then refused)."""
+    from vramcal.api import model_ref
+    from vramcal.calibration.probe import chunk_size
+    from vramcal.measure.device import host_device
+
+    config = {k: v for k, v in json.loads(TINY.read_text()).items() if k != "chunk_size"}
+    (tmp_path / "c.json").write_text(json.dumps(config))
+    ref = model_ref("lm", {"config": str(tmp_path / "c.json"), "seq_len": 256}, device=host_device(2**30))
+    assert chunk_size(ref) == 256 == mamba2_config(config).chunk_size
+
+
 def test_mamba_ssm_configs_that_transformers_cannot_build_are_refused():
     with pytest.raises(ValueError, match="has Mamba1 layers"):
         from_mamba_ssm({**MAMBA2_130M, "ssm_cfg": {}})

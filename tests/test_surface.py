@@ -147,6 +147,16 @@ def test_a_profile_over_lengths_covers_its_range_and_sizes_at_a_length(tmp_path)
     assert between.notices[-1] == "the profile's limits at this seq_len are interpolated (not verified at this length)"
     with pytest.raises(SizingError, match="outside the calibrated range"):
         size(profile, seq_len=8192)
+    # a run's length is needed: without it, the reference length's limits would size a longer run too large
+    with pytest.raises(SizingError, match="the profile covers seq_len 128-2048: give the run's seq_len"):
+        size(profile)
+    import vramcal
+
+    assert vramcal.batch_size(profile, "safe", seq_len=128) == 900
+    assert vramcal.batch_size(profile, "safe", seq_len=2048) < 900
+    with pytest.raises(SizingError, match="calibrated at seq_len 128, not 256"):  # one length is one length
+        size(base, seq_len=256)
+    assert size(base, seq_len=128) == size(base)
 
 
 def test_the_report_draws_safe_batch_against_seq_len_and_tables_each_length(tmp_path):

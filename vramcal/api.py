@@ -205,10 +205,20 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
     ``DEVICE = "cuda" if torch.cuda.is_available() else "cpu"`` does, would otherwise start CUDA before
     the pin.
 
+    Args:
+        save: write the profile to ``plan.path`` (atomically).
+        on_trial: called with each finished trial, in order.
+        max_trials: at most this many trials (>= 1; several lengths add 4 per extra length).
+        timeout_s: seconds before one trial's process is killed (the trial then counts as ``timeout``).
+        warmup_steps, measured_steps, val_steps: training steps per trial: unmeasured, measured (>= 2: the
+            peak is the largest of them), and validation batches.
+        boundary: measure near the out-of-memory boundary (calibration/search.py, rule 3).
+
     Returns:
         The profile; ``profile.verified`` says whether real trials verified both limits.
 
     Raises:
+        ValueError: ``measured_steps`` below 2 or ``max_trials`` below 1.
         CalibrationError: the first trial failed: one sample does not fit, or the training step itself
             failed (the factory raised or returned something else, or the step raised; the message
             gives the error's first line and says to fix the step, not the budget).
@@ -299,6 +309,8 @@ def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | N
     Raises:
         SizingError: none matches (the message gives the ``vramcal probe`` command that makes one), or
             ``path`` is for another device or model (names the difference), or has no limits.
+        WorkloadError, ValueError: ``model`` or ``params`` are not a model vramcal can build (:func:`model_ref`).
+        DeviceError, NvmlError: ``device`` is None and no device can be selected.
     """
     from vramcal.profile import find_profile as search
 
@@ -325,15 +337,20 @@ def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | N
 
 
 def batch_size(profile: Profile, purpose: Purpose = "conservative", *, request: int | None = None,
-               batch_size_min: int = 1, pool_data_bytes: int | None = None) -> int:
-    """The batch size to train with: the profile's conservative (or safe) size, or ``request`` clamped to
-    ``[batch_size_min, safe]`` (:func:`vramcal.sizing.size`, which also gives the predicted peak).
+               batch_size_min: int = 1, pool_data_bytes: int | None = None, seq_len: int | None = None) -> int:
+    """The batch size to train with (samples): the profile's conservative (or safe) size, or ``request``
+    clamped to ``[batch_size_min, safe]`` (:func:`vramcal.sizing.size`, which also gives the predicted peak).
+
+    Args:
+        pool_data_bytes: the run's data bytes in the measured memory (None: as much as the calibration held).
+        seq_len: the run's sequence length; required for a profile calibrated over several lengths.
 
     Raises:
-        SizingError: the profile has no limits, or the bounds are empty.
+        SizingError: the profile has no limits, the bounds are empty, or ``seq_len`` is missing for, or
+            outside, what the profile calibrated.
     """
     return size(profile, request, purpose=purpose, batch_size_min=batch_size_min,
-                pool_data_bytes=pool_data_bytes).batch_size
+                pool_data_bytes=pool_data_bytes, seq_len=seq_len).batch_size
 
 
 @dataclass(frozen=True)

@@ -359,6 +359,8 @@ def load_profile(path: Path | str) -> Profile:
     path = Path(path)
     try:
         data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ProfileError(f"its top level is a JSON {type(data).__name__}, not an object")
         return Profile.from_dict(data)
     except FileNotFoundError:
         raise ProfileError(f"profile {path} does not exist: run `vramcal probe` to make one") from None

@@ -45,6 +45,8 @@ class Sizing:
         data_delta_bytes: the run's data bytes in the measured memory minus the calibration's.
         verified: the profile's limits were verified by real trials.
         notices: one line each, for people: clamping, the data term, an unverified profile.
+        fitted_from: the smallest batch size of the fitted points (None: a 2-D model); below it the
+            prediction is an extrapolation (:func:`verdict`).
     """
 
     batch_size: int
@@ -58,6 +60,7 @@ class Sizing:
     data_delta_bytes: int
     verified: bool
     notices: tuple[str, ...] = ()
+    fitted_from: int | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class LengthModel:
         safe_peak_bytes: the safe size's verification peak (None: not verified at this length).
         verified: both limits verified by real trials at this length.
         basis: a note when the limits are not a calibrated length's own (an interpolation).
+        fitted_from: the smallest batch size of the one-length fit's points (None: the 2-D model).
     """
 
     predict: Callable[[int], float]
@@ -80,22 +84,34 @@ class LengthModel:
     safe_peak_bytes: int | None
     verified: bool
     basis: str | None = None
+    fitted_from: int | None = None
 
 
 def length_model(profile: Profile, seq_len: int | None = None) -> LengthModel:
-    """The profile's model at ``seq_len``: the one-length fit (``seq_len`` None or the profile's), or, for a
-    profile calibrated over several lengths, the 2-D model there (:mod:`vramcal.calibration.surface`).
+    """The profile's model at the run's ``seq_len``: the one-length fit (a profile of one length: ``seq_len``
+    is its own, or None), or, for a profile calibrated over several lengths, the 2-D model there
+    (:mod:`vramcal.calibration.surface`), which needs the length.
 
     Raises:
-        SizingError: no limits; ``seq_len`` outside the calibrated range or not a multiple of chunk_size.
+        SizingError: no limits; a one-length profile asked about another length; a several-length profile
+            asked without a length, or at one outside its range or not a multiple of chunk_size.
     """
     limits, fit, surface = profile.limits, profile.fit, profile.surface
     if limits is None or fit is None or limits.safe_batch_size < 1:
         raise SizingError("the profile has no usable limits (nothing fitted or nothing fits): re-run `vramcal probe`")
-    if surface is None or seq_len is None or seq_len == surface.reference_seq_len:
+    own = profile.model.params.get("seq_len")
+    if surface is None and seq_len is not None and own is not None and seq_len != own:
+        raise SizingError(f"the profile was calibrated at seq_len {own}, not {seq_len}: calibrate {seq_len} (vramcal "
+                          f"probe --seq-len {seq_len}, or several lengths: --seq-len {min(own, seq_len)},"
+                          f"{max(own, seq_len)})")
+    if surface is not None and seq_len is None:
+        raise SizingError(f"the profile covers seq_len {min(surface.seq_lens)}-{max(surface.seq_lens)}: give the "
+                          f"run's seq_len (its memory depends on it)")
+    if surface is None or seq_len == surface.reference_seq_len:
         check = profile.verification.get("safe")
         return LengthModel(fit.predict, fit.upper, lambda usable: safe_batch_size(fit, usable), limits,
-                           check.peak_bytes if check is not None and check.passed else None, profile.verified)
+                           check.peak_bytes if check is not None and check.passed else None, profile.verified,
+                           fitted_from=fitted_from(profile))
     from vramcal.calibration.fit2d import safe_batch_size_2d
     from vramcal.calibration.surface import answer_at, limits_at
 
@@ -176,10 +192,34 @@ def size(profile: Profile, request: int | None = None, *, purpose: Purpose = "co
         if batch != request:
             notices.insert(0, f"--batch-size {request} is outside [{batch_size_min}, {safe}] (--batch-size-min, "
                               f"the profile's safe batch size): using {batch}")
+    if model.fitted_from is not None and batch < model.fitted_from:
+        notices.append(f"batch_size {batch} is below the fitted range (from batch_size {model.fitted_from}): its "
+                       f"predicted peak extrapolates a line fitted near the limit, and small batches can peak above it")
     return Sizing(batch_size=batch, source=source, safe_batch_size=safe, conservative_batch_size=conservative,
                   predicted_peak_bytes=int(model.predict(batch) + delta), upper_bytes=int(model.upper(batch) + delta),
                   usable_bytes=model.limits.usable_bytes, total_bytes=model.limits.total_bytes,
-                  data_delta_bytes=delta, verified=model.verified, notices=tuple(notices))
+                  data_delta_bytes=delta, verified=model.verified, notices=tuple(notices),
+                  fitted_from=model.fitted_from)
+
+
+def fitted_from(profile: Profile) -> int | None:
+    """The smallest batch size among the one-length fit's points (None: no fit, or a profile over lengths)."""
+    if profile.fit is None or profile.surface is not None or not profile.fit.batch_sizes:
+        return None
+    return min(profile.fit.batch_sizes)
+
+
+def verdict(peak_bytes: int, upper_bytes: int, usable_bytes: int, batch_size: int, fitted_from: int | None) -> str:
+    """How a training run's measured peak compares with the profile's figures for it (bytes; batch sizes in
+    samples): ``above usable``; ``above the bound`` (the upper 95 % bound: the profile under-predicts the
+    run); ``below the fitted range`` (above the bound at a batch size smaller than every fitted point, where
+    the line, fitted near the limit, is an extrapolation: on the host, peaks at small batches sit above it);
+    else ``within the bound``."""
+    if peak_bytes > usable_bytes:
+        return "above usable"
+    if peak_bytes <= upper_bytes:
+        return "within the bound"
+    return "below the fitted range" if fitted_from is not None and batch_size < fitted_from else "above the bound"
 
 
 def scaled_lr(lr: float, batch_size: int, reference_batch_size: int, scaling: str) -> float:

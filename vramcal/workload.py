@@ -299,20 +299,3 @@ def validation_step(step: TrainingStep, batch_size: int) -> None:
         step.loss(batch)
     step.model.train()
 
-
-def split_batch(batch: Any, start: int, stop: int) -> Any:
-    """Rows ``[start, stop)`` of a batch: a tensor, or a tuple, list or dict of tensors (dim 0 is the batch)."""
-    if isinstance(batch, dict):
-        return {k: split_batch(v, start, stop) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(split_batch(v, start, stop) for v in batch)
-    return batch[start:stop]
-
-
-def batch_length(batch: Any) -> int:
-    """The batch size of a batch (see :func:`split_batch`): the first tensor's dim 0."""
-    if isinstance(batch, dict):
-        return batch_length(next(iter(batch.values())))
-    if isinstance(batch, (tuple, list)):
-        return batch_length(batch[0])
-    return int(batch.shape[0])

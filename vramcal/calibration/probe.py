@@ -62,11 +62,13 @@ def calibrate_trials(device: Device, model: ModelRef, settings: LimitSettings = 
             boundary is an extrapolation, and the calibration is faster (the largest trials are skipped).
 
     Raises:
-        ValueError: no usable memory (:func:`check_budget`), or measured_steps < 2.
+        ValueError: no usable memory (:func:`check_budget`), measured_steps < 2 or max_trials < 1.
         CalibrationError: the first trial failed (too little memory for one sample, or a crash).
     """
     if measured_steps < 2:
         raise ValueError(f"measured_steps must be >= 2, got {measured_steps}")
+    if max_trials < 1:
+        raise ValueError(f"max_trials must be >= 1, got {max_trials}")
     check_budget(device, settings)
     runner = runner or TrialRunner(timeout_s=timeout_s)
     search = SearchSettings(total_bytes=device.total_bytes, limits=settings, max_trials=max_trials,
@@ -129,10 +131,14 @@ def assemble_surface(device: Device, model: ModelRef, settings: LimitSettings, t
 
 
 def chunk_size(model: ModelRef) -> int:
-    """The model's chunk_size (lengths are multiples of it): the regressor's, the LM config's, else 1."""
+    """The model's chunk_size (lengths are multiples of it): the regressor's, the LM config's (transformers'
+    ``Mamba2Config`` default where the file has none), else 1."""
     params = model.params
-    config = params.get("config") if isinstance(params.get("config"), dict) else {}
-    return int(params.get("chunk_size") or config.get("chunk_size") or 1)
+    if isinstance(params.get("config"), dict):
+        from vramcal.models.lm import mamba2_config
+
+        return mamba2_config(params["config"]).chunk_size
+    return int(params.get("chunk_size") or 1)
 
 
 def first_trial_failure(first: Trial, device: Device, usable_bytes: int, model: ModelRef) -> str:

@@ -180,7 +180,7 @@ def next_trial(trials: Sequence[Trial], seq_lens: Sequence[int], settings: Searc
     """The next (seq_len, step) of a calibration over ``seq_lens``, or None when done (module docstring).
 
     ``trials`` carry their ``seq_len``. The reference length runs the one-length search first; each other
-    length (shortest first) then its verifications. ``settings.max_trials`` bounds the whole calibration.
+    length (longest first) then its verifications. ``settings.max_trials`` bounds the whole calibration.
     """
     if len(trials) >= settings.max_trials:
         return None

@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from vramcal.sizing import fitted_from, verdict
 from vramcal.units import format_bytes
 
 
@@ -66,9 +67,10 @@ def observations_lines(profile) -> list[str]:
     if not profile.observations:
         return ["training runs: none recorded yet"]
     lines = [f"training runs ({len(profile.observations)}): measured peak against the prediction"]
+    start = fitted_from(profile)
     for o in profile.observations:
-        mark = ("ABOVE USABLE" if o.peak_bytes > o.usable_bytes else "above the upper bound"
-                if o.peak_bytes > o.upper_bytes else "within the bound")
+        mark = verdict(o.peak_bytes, o.upper_bytes, o.usable_bytes, o.batch_size, start)
+        mark = mark.upper() if mark == "above usable" else mark
         lines.append(f"  {o.recorded_utc}  batch_size {o.batch_size:>6}  peak {format_bytes(o.peak_bytes):>10}  "
                      f"predicted {format_bytes(o.predicted_peak_bytes):>10} ({o.error:+.1%})  {mark}  "
                      f"[{o.steps} steps, vramcal {o.vramcal_version}]")

@@ -13,7 +13,6 @@ import functools
 import json
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import click
 from click.core import ParameterSource
@@ -176,11 +175,6 @@ limit_options = group(
     click.option("--conservative", "conservative_fraction", type=FiniteFloat(0, 1, min_open=True), default=0.9,
                  show_default=True, help="conservative = floor(this x safe)"),
 )
-
-
-def spec_params(options: dict[str, Any]) -> dict[str, Any]:
-    """Pop the spec options from a click kwargs dict."""
-    return {name: options.pop(name) for name in SPEC_NAMES}
 
 
 @contextlib.contextmanager

@@ -95,8 +95,9 @@ def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, co
         if out is not None and len(devices) > 1:
             raise click.BadParameter("--out names one file; with --gpu all, use --profiles-dir", param_hint="--out")
         echo_lines(([notice] if notice else []) + host_hint(devices[0], capacity), err=as_json)
+        data = factory_options(model, options)
         plans = [api.plan_calibration(model, params, device=device, implementation=implementation, settings=settings,
-                                      options=factory_options(model, options), profiles_dir=profiles_dir, out=out,
+                                      options=data, profiles_dir=profiles_dir, out=out,
                                       unique_device=len(devices) > 1, seq_lens=seq_lens) for device in devices]
         for plan in plans:
             check_writable(plan.path.parent, "profiles", "--out or --profiles-dir")

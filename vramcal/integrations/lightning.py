@@ -58,7 +58,8 @@ class VramcalBatchSize(Callback):
         profile: a :class:`~vramcal.profile.Profile`, a profile file, or None to find the newest matching
             one for ``model`` on this run's device under ``profiles_dir`` (:func:`vramcal.api.find_profile`).
         model, params: what was calibrated (``regressor``, ``lm`` or ``module:function`` and its
-            arguments), to find the profile or check the given file against.
+            arguments), to find the profile or check the given file against; ``params["seq_len"]`` is the
+            run's length, which a profile calibrated over several lengths needs.
         profiles_dir: where to look when ``profile`` is None.
         purpose: ``conservative`` (default) or ``safe``: which limit to use when nothing is requested.
         batch_size_min: the smallest batch size acceptable (samples).
@@ -103,7 +104,7 @@ class VramcalBatchSize(Callback):
         device = _device(trainer)
         profile, self.profile_source = self._find(device)
         self.sizing = size(profile, self.request, purpose=self.purpose, batch_size_min=self.batch_size_min,
-                           pool_data_bytes=self.pool_data_bytes)
+                           pool_data_bytes=self.pool_data_bytes, seq_len=(self.params or {}).get("seq_len"))
         for notice in self.sizing.notices:
             rank_zero_warn(f"vramcal: {notice}")
         lightning_setattr(pl_module, self.attr, self.sizing.batch_size)

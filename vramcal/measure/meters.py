@@ -279,6 +279,7 @@ def torch_cuda_reserved_bytes() -> int:
 
 
 def torch_cuda_empty_cache() -> None:
+    """Return the CUDA caching allocator's free blocks to the driver (after an out-of-memory error)."""
     import torch
 
     torch.cuda.empty_cache()

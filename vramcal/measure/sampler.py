@@ -110,10 +110,6 @@ class NvmlSampler:
         """Device-wide (or MIG-slice-wide) used memory now, bytes."""
         return memory_figures(self._nvml, self._handle).used_bytes
 
-    def process_used_bytes(self) -> int | None:
-        """This PID's used GPU memory in bytes, or None when NVML does not report it."""
-        return self._processes().get(self._pid)
-
     def _device_delta(self, processes: dict[int, int | None]) -> int:
         others_change = sum((processes.get(pid) or 0) - used for pid, used in self._others_baseline.items())
         return self.device_used_bytes() - self.baseline_bytes - others_change

@@ -28,8 +28,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 # The trainer's input features (vramcal.train.data computes them); the probe feeds the same width.
 N_FEATURES = 5
-SPEC_FIELDS = ("d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len", "n_features",
-               "d_conv", "n_groups", "dtype")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from vramcal.report.catalogue import GpuLimitRow, GpuModel, other_gpu_limits
+from vramcal.sizing import fitted_from, verdict
 from vramcal.units import format_bytes
 
 if TYPE_CHECKING:
@@ -223,8 +224,8 @@ def limits_notes(profile: Profile) -> list[str]:
          f"size may differ from it by a few samples, since its row comes from the fit alone."),
     ]
     if profile.limits is not None and profile.limits.failed_batch_size is not None:
-        notes.append(f"Batch {profile.limits.failed_batch_size} failed on the measured device, so cards with no "
-                     f"more memory are capped below it.")
+        notes.append(f"Batch {profile.limits.failed_batch_size} ran out of memory or over usable memory on the "
+                     f"measured device, so cards with no more memory are capped below it.")
     if profile.device.kind == "host":
         notes.append("This profile was measured in host RAM, not on a GPU: its overhead is the Python process "
                      "with torch's CPU libraries and no CUDA context, so the GPU rows are orders of magnitude, "
@@ -291,12 +292,12 @@ def _data_text(profile: Profile) -> str:
 
 def observations_table(profile: Profile) -> str:
     """The training runs that used the profile: measured peak against the prediction and the bound."""
-    rows = []
+    rows, start = [], fitted_from(profile)
     for o in profile.observations:
-        verdict = ("**above usable**" if o.peak_bytes > o.usable_bytes else "**above the bound**"
-                   if o.peak_bytes > o.upper_bytes else "within the bound")
+        found = verdict(o.peak_bytes, o.upper_bytes, o.usable_bytes, o.batch_size, start)
+        found = found if found in ("within the bound", "below the fitted range") else f"**{found}**"
         rows.append([o.recorded_utc, str(o.batch_size), format_bytes(o.data_bytes), format_bytes(o.peak_bytes),
-                     format_bytes(o.predicted_peak_bytes), f"{o.error:+.1%}", format_bytes(o.upper_bytes), verdict,
+                     format_bytes(o.predicted_peak_bytes), f"{o.error:+.1%}", format_bytes(o.upper_bytes), found,
                      str(o.steps), o.vramcal_version])
     return markdown_table(["recorded (UTC)", "batch", "data", "measured peak", "predicted", "error", "upper bound",
                            "verdict", "steps", "vramcal"], rows, right=[1, 2, 3, 4, 5, 6, 8])

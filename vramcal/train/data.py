@@ -53,15 +53,15 @@ and 105 validation windows: an epoch of the default model is seconds on a GPU an
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import itertools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from vramcal.files import atomic_write
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -283,20 +283,16 @@ def ticks_to_bars(ticks: pd.DataFrame, bar: str) -> pd.DataFrame:
 
 
 def write_parquet(frame: pd.DataFrame, path: Path | str) -> Path:
-    """Write ``frame`` as parquet atomically (a temporary file in the same folder, then ``os.replace``).
+    """Write ``frame`` as parquet atomically (:func:`vramcal.files.atomic_write`: a temporary file in the same
+    folder, fsynced, then renamed over ``path``).
 
     Raises:
         DataError: the folder cannot be created or written (e.g. a part of the path is a file).
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        frame.to_parquet(tmp, index=False)
-        os.replace(tmp, path)
+        atomic_write(path, lambda handle: frame.to_parquet(handle, index=False))
     except OSError as error:
-        with contextlib.suppress(OSError):  # the folder may not exist, or be a file: nothing to clean
-            tmp.unlink(missing_ok=True)
         raise DataError(f"cannot write {path} ({error.strerror or error}): choose another --out") from None
     return path
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from vramcal.measure.meters import synchronize
+from vramcal.measure.meters import synchronize, torch_cuda_empty_cache
 from vramcal.models.regressor import RegressorStep, forward
 from vramcal.oom import is_out_of_memory
 from vramcal.train import checkpoint
@@ -154,7 +154,7 @@ class Trainer:
         self.step.optimizer.zero_grad(set_to_none=True)
         gc.collect()
         if self.plan.device.kind == "cuda":
-            torch.cuda.empty_cache()
+            torch_cuda_empty_cache()
         if micro <= 1:
             raise TrainError(f"out of memory at a micro-batch of 1 sample in the {where} at step "
                              f"{self.progress.step + 1} ({message}): memory could not be recovered; "

@@ -177,7 +177,7 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting) -> Plan:
         SizingError: no batch size within the bounds. RunDirError: the folder holds a run or is unwritable.
     """
     checkpoint.check_run_dir(run_dir, resume=False)
-    seq_len = config.spec.seq_len if setting.profile.surface is not None else None
+    seq_len = config.spec.seq_len
     sizing = size(setting.profile, config.batch_size, batch_size_min=config.batch_size_min,
                   pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len)
     notices = list(setting.notices) + list(sizing.notices)
@@ -223,5 +223,7 @@ def plan_resume(run_dir: Path, overrides: dict[str, Any]) -> Plan:
     if difference:
         notices.append(f"resuming on other hardware than the run started on ({difference}); the batch size "
                        f"stays {plan.batch_size}")
-    return replace(plan, config=config, device=device if difference else plan.device, data_stats=windows.stats(),
-                   notices=tuple(notices))
+    # the device found now (a GPU is pinned by its UUID, which another card of the same model does not share),
+    # with the run's own budget
+    return replace(plan, config=config, device=replace(device, total_bytes=plan.device.total_bytes),
+                   data_stats=windows.stats(), notices=tuple(notices))

@@ -19,7 +19,7 @@ from typing import Any
 
 from vramcal import __version__
 from vramcal.profile import Observation, ProfileError, append_observation, utc_now
-from vramcal.sizing import Sizing
+from vramcal.sizing import Sizing, verdict
 from vramcal.train import checkpoint
 from vramcal.train.errors import Stopped, TrainError
 from vramcal.train.plan import Plan
@@ -54,14 +54,18 @@ def compare(sizing: Sizing, peak_bytes: int) -> tuple[str, list[str]]:
     line = (f"peak {format_bytes(peak_bytes)} at batch_size {sizing.batch_size}: predicted "
             f"{format_bytes(sizing.predicted_peak_bytes)} ({error:+.1%}), upper bound "
             f"{format_bytes(sizing.upper_bytes)}, usable {format_bytes(sizing.usable_bytes)}")
-    warnings = []
-    if peak_bytes > sizing.usable_bytes:
-        warnings.append(f"the measured peak {format_bytes(peak_bytes)} is above usable memory "
-                        f"{format_bytes(sizing.usable_bytes)}: the profile does not hold for this run; re-run "
-                        f"`vramcal probe` (with this run's data) and report it")
-    elif peak_bytes > sizing.upper_bytes:
-        warnings.append(f"the measured peak is above the profile's upper 95 % bound "
-                        f"{format_bytes(sizing.upper_bytes)}: the profile under-predicts this run")
+    found = verdict(peak_bytes, sizing.upper_bytes, sizing.usable_bytes, sizing.batch_size, sizing.fitted_from)
+    warnings = {
+        "above usable": [f"the measured peak {format_bytes(peak_bytes)} is above usable memory "
+                         f"{format_bytes(sizing.usable_bytes)}: the profile does not hold for this run; re-run "
+                         f"`vramcal probe` (with this run's data) and report it"],
+        "above the bound": [f"the measured peak is above the profile's upper 95 % bound "
+                            f"{format_bytes(sizing.upper_bytes)}: the profile under-predicts this run"],
+        "below the fitted range": [f"the measured peak is above the line's upper bound "
+                                   f"{format_bytes(sizing.upper_bytes)} at batch_size {sizing.batch_size}, below the "
+                                   f"fitted range (from batch_size {sizing.fitted_from}), where the line is an "
+                                   f"extrapolation; the profile's limits are not affected"],
+    }.get(found, [])
     return line, warnings
 
 

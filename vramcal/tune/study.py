@@ -163,7 +163,7 @@ def batch_bounds(settings: TuneSettings, setting: Setting) -> BatchBounds:
         TuneError: the whole user range lies above the conservative batch size or the training windows.
         SizingError: the profile has no usable limits.
     """
-    seq_len = setting.config.spec.seq_len if setting.profile.surface is not None else None
+    seq_len = setting.config.spec.seq_len
     sizing = size(setting.profile, purpose="conservative", pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len)
     conservative, low, n_train = sizing.conservative_batch_size, settings.base.batch_size_min, setting.train_windows
     notices = list(setting.notices) + list(sizing.notices)
