@@ -110,27 +110,23 @@ def open_tune(settings, run_dir: Path, resume: bool, storage: str | None, study_
 
 
 def tune_settings(config_file: str | None, options: dict[str, Any], given: set[str]):
-    """Defaults < config file < options given here; ranges checked (bad ones exit 2)."""
-    from vramcal.train.config import TrainConfig, load_config
+    """Defaults < config file < options given here, as ``vramcal train`` reads them (an unusable config file
+    exits 1; an impossible spec or a bad range exits 2)."""
+    from vramcal.cli.train import make_config
+    from vramcal.train.config import TrainConfig
     from vramcal.tune import study as tune
 
     ranges = {k: options.pop(k) for k in ("lr_range", "weight_decay_range", "max_grad_norm_range")}
     batch_size_max, n_initial = options.pop("batch_size_max"), options.pop("n_initial")
     seq_lens = options.pop("seq_lens")
+    base = make_config(config_file, options, given)
+    base = base.replace(**{k: getattr(TrainConfig(), k) for k in _SEARCHED})
+    lengths = seq_len_choices(seq_lens, base.spec.chunk_size) if seq_lens is not None else ()
     try:
-        if config_file is None:
-            base = TrainConfig.from_dict(options)
-        else:
-            base = load_config(config_file).replace(**{k: v for k, v in options.items() if k in given})
-        base = base.replace(**{k: getattr(TrainConfig(), k) for k in _SEARCHED})
-        base.spec.validate()
-        lengths = seq_len_choices(seq_lens, base.spec.chunk_size) if seq_lens is not None else ()
         return tune.TuneSettings(base=base, batch_size_max=batch_size_max, n_initial=n_initial, seq_lens=lengths,
                                  **ranges)
     except tune.TuneError as error:
         raise click.BadParameter(str(error)) from None
-    except ValueError as error:  # ConfigError, an impossible spec
-        raise click.ClickException(str(error)) from None
 
 
 def seq_len_choices(text: str, chunk_size: int) -> tuple[int, ...]:
