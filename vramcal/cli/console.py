@@ -50,7 +50,7 @@ def summary(profile) -> str:
         state = (f"verified: peak {format_bytes(check.peak_bytes)}" if check and check.passed
                  else "NOT verified")
         lines.append(f"{name:<13} batch_size {value:<6} ({state})")
-    lines.append(f"(point estimate without the prediction interval, the seeds' formula "
+    lines.append(f"(point estimate without the prediction interval, the plain formula "
                  f"floor((usable - overhead) / slope): {limits.point_safe_batch_size})")
     if profile.surface is not None:
         surface = profile.surface
