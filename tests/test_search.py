@@ -123,6 +123,17 @@ def test_a_flat_start_is_left_out_of_the_fit():
     assert next_batch_size(trials[:3], SearchSettings(total_bytes=2 * GIB)) == Step(512, "grow")
 
 
+def test_without_a_failure_a_missing_fit_point_is_added_below_the_estimate_not_halfway_to_the_cap():
+    """Recorded on Python 3.11 with the CUDA build of torch (2 GiB budget): a flat start (1 and 8 within 2 %
+    of a 1.02 GiB process) and two rising points, 64 and 98, right under the estimated limit (~104). With no
+    failure, "halfway between what fitted and what failed" took the batch-size cap for the failure and
+    proposed 524,337, then bisected down through eleven out-of-memory trials and ended unverified."""
+    trials = [Trial(1, "ok", 1099984896), Trial(8, "ok", 1120956416), Trial(64, "ok", 1282473984),
+              Trial(98, "ok", 1379581952)]
+    step = next_batch_size(trials, SearchSettings(total_bytes=2 * GIB))
+    assert step == Step(81, "fill")  # between the rising points: the third point of the fit
+
+
 def test_verifications_near_the_limit_at_one_peak_are_fitted_not_dropped_as_a_flat_start():
     """A length calibrated by its verifications only (vramcal.calibration.surface) has sizes about 10 % apart
     whose peaks differ by less than the noise threshold; they are points near the limit, not a flat start

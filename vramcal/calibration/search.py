@@ -318,7 +318,8 @@ def _fill(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
     candidates = []
     if estimate is not None:
         candidates.append(math.floor(min(estimate, ceiling) * (1 - settings.snap_tolerance)))
-    candidates.append((largest + ceiling + 1) // 2)  # between what fitted and what failed
+    if failed is not None:
+        candidates.append((largest + ceiling + 1) // 2)  # between what fitted and what failed
     lowest_rising = min((t.batch_size for t in points), default=largest)
     candidates.append(math.ceil((lowest_rising + largest) / 2))  # between the points that rise
     for batch in candidates:
