@@ -107,20 +107,25 @@ def test_a_run_killed_mid_epoch_resumes_from_its_mid_epoch_checkpoint(setup):
     """``--checkpoint-steps 2``: SIGKILL to the whole process group in the middle of the only epoch; the
     resumed run starts at the saved step (not at the epoch's start) and ends with a straight run's weights."""
     args = ["--epochs", "1", "--stride", "2", "--batch-size", "4", "--checkpoint-steps", "2"]  # 36 steps
-    run = setup / "killed"
-    process = subprocess.Popen([sys.executable, "-m", "vramcal", *train_args(setup, "killed", *args)], cwd=setup,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    run, log = setup / "killed", setup / "killed.log"
+    with open(log, "w") as output:
+        process = subprocess.Popen([sys.executable, "-m", "vramcal", *train_args(setup, "killed", *args)], cwd=setup,
+                                   stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline, progress = time.monotonic() + 120, {}
-        while time.monotonic() < deadline and progress.get("step", 0) < 6:
+        while time.monotonic() < deadline and progress.get("step", 0) < 6 and process.poll() is None:
             time.sleep(0.05)
             try:
                 progress = saved_progress(run / checkpoint.LAST)
             except (checkpoint.RunDirError, FileNotFoundError):
                 pass
     finally:
+        ended = process.poll()
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+    assert ended is None and progress.get("step", 0) >= 6, (
+        f"the run {'ended (exit ' + str(ended) + ')' if ended is not None else 'saved no step 6 in 120 s'} "
+        f"before the kill:\n{log.read_text()[-2000:]}")
     kept = saved_progress(run / checkpoint.LAST)
     assert kept["epoch"] == 0 and 6 <= kept["step"] < 36 and kept["batch_in_epoch"] == kept["step"]
     assert kept["step"] % 2 == 0 and epochs(run) == []  # saved every 2 steps; no epoch finished
