@@ -15,8 +15,10 @@ from vramcal.records import Trial
 GIB = 2**30
 
 
-def run_policy(memory: Callable[[int], float], settings, oom_above: int | None = None) -> list[Trial]:
-    """Drive the real search policy with a fake trial runner: peak = memory(batch_size).
+def run_policy(memory: Callable[[int], float], settings, oom_above: int | None = None,
+               creep: Callable[[int], float] | None = None) -> list[Trial]:
+    """Drive the real search policy with a fake trial runner: peak = memory(batch_size), plus
+    ``creep(batch_size)`` for the steady trial (the long one).
 
     A batch above ``oom_above`` (or whose peak exceeds the device's total) is recorded as ``oom``.
     """
@@ -24,7 +26,7 @@ def run_policy(memory: Callable[[int], float], settings, oom_above: int | None =
 
     trials: list[Trial] = []
     while (step := next_batch_size(trials, settings)) is not None:
-        peak = int(memory(step.batch_size))
+        peak = int(memory(step.batch_size) + (creep(step.batch_size) if creep and step.purpose == "steady" else 0))
         if (oom_above is not None and step.batch_size > oom_above) or peak > settings.total_bytes:
             trials.append(Trial(step.batch_size, "oom", purpose=step.purpose, error="CUDA out of memory"))
         else:

@@ -111,10 +111,12 @@ def test_probe_with_every_option_and_real_trials(home):
                     "regressor", *SPEC_ARGS, "--expand", "2", "--dtype", "fp32", "--data", home["bars"],
                     "--stride", "16", "--val-fraction", "0.2", "--data-on-device", "--reserve", "0", "--margin", "0.1",
                     "--conservative", "0.9", "--warmup-steps", "1", "--measured-steps", "2", "--val-steps", "1",
-                    "--max-trials", "3", "--timeout", "120", "--profiles-dir", tmp / "p", "--out", tmp / "real.json",
+                    "--steady-steps", "5", "--max-trials", "3", "--timeout", "120", "--profiles-dir", tmp / "p",
+                    "--out", tmp / "real.json",
                     "--reports-dir", tmp / "reports", "--json", code=EXIT_UNVERIFIED)
     profile = json.loads(result.stdout)
     assert len(profile["trials"]) == 3 and profile["data"]["options"]["data_on_device"] is True
+    assert profile["run"]["steady_steps"] == 5 and profile["creep"] is None  # three trials: none was steady
     assert not profile.get("verification", {}).get("safe", {}).get("passed")
     last = result.stderr.strip().splitlines()[-1]
     assert re.fullmatch(r"not verified: .{20,} \(exit 3\)", last), result.stderr

@@ -22,7 +22,7 @@ def test_exact_sequence_for_a_linear_card():
     trials = run_policy(linear(0.529 * GIB, 0.088 * GIB), settings)
     assert [(t.batch_size, t.purpose) for t in trials] == [
         (1, "grow"), (8, "grow"), (116, "grow"), (258, "boundary"), (227, "verify-safe"),
-        (227, "verify-safe-repeat"), (204, "verify-conservative")]
+        (227, "verify-safe-repeat"), (204, "verify-conservative"), (227, "steady")]
     # safe: the point formula gives 233; verified 2.5 % below it (floor(233 x 0.975) = 227), twice;
     # conservative = floor(0.9 x 227); the boundary trial (over usable, under total) measured the top
     state = settle(trials, settings)
@@ -57,7 +57,7 @@ def test_noisy_memory_settles_on_verified_sizes_within_usable():
     state = settle(trials, settings)
     point = (settings.usable_bytes - 0.4 * GIB) / (0.02 * GIB)
     assert state.limits.safe_batch_size <= point  # noise only lowers the limit
-    safe_trials = [t for t in trials if t.batch_size == state.limits.safe_batch_size]
+    safe_trials = [t for t in trials if t.batch_size == state.limits.safe_batch_size and t.purpose != "steady"]
     assert len(safe_trials) == 2 and all(t.peak_bytes <= settings.usable_bytes for t in safe_trials)
     assert state.conservative_trial.peak_bytes <= settings.usable_bytes
     assert len(trials) <= settings.max_trials
@@ -221,29 +221,83 @@ def _largest_within(memory, budget: float) -> int:
 
 
 @pytest.mark.parametrize("kind", ["linear", "allocator-steps", "flat-start", "bend-up", "bend-down"])
-def test_synthetic_curves_end_verified_and_safe(kind):
-    """GPU- and host-scale budgets, limits from 8 to 60,000 samples, noise-free and with 1 % noise:
-    every calibration ends with both limits verified, the safe size's true peak within usable memory
+@pytest.mark.parametrize("creep", [0.0, 0.06])
+def test_synthetic_curves_end_verified_and_safe(kind, creep):
+    """GPU- and host-scale budgets, limits from 8 to 60,000 samples, noise-free and with 1 % noise, with
+    and without a step creep (a long run peaks 6 % of the activations higher than a short trial): every
+    calibration ends with both limits verified, the safe size's true long-run peak within usable memory
     (noise may let it sit up to 2 sigma over) and at most a quarter (and a sample) below the true limit,
-    within max_trials; noise-free, the predicted boundary is within 5 % of the true one (a sample is 4 %
-    at the smallest limits)."""
+    within max_trials; noise-free, the predicted boundary (a short trial's) is within 5 % of the true one
+    (a sample is 4 % at the smallest limits)."""
     for total, limit, noise, seed in itertools.product((4 * GIB, 80 * GIB), (8, 60, 2000, 60_000), (0.0, 0.01),
                                                        (0, 1)):
         settings = SearchSettings(total_bytes=total)
         usable, memory = settings.usable_bytes, _curve(kind, total, limit)
+
+        def extra(b, memory=memory):
+            return creep * (memory(b) - memory(0))
         rng = np.random.default_rng(seed)
         trials = run_policy(lambda b, memory=memory, rng=rng, noise=noise: memory(b) * (1 + rng.normal(0, noise)),
-                            settings)
+                            settings, creep=extra)
         state = settle(trials, settings)
-        case = (kind, total // GIB, limit, noise, seed, [(t.batch_size, t.purpose, t.status) for t in trials])
+        case = (kind, creep, total // GIB, limit, noise, seed, [(t.batch_size, t.purpose, t.status) for t in trials])
         assert state.safe_trial is not None and state.conservative_trial is not None, case
+        assert [t.purpose for t in trials].count("steady") == 1, case
         safe, conservative = state.limits.safe_batch_size, state.limits.conservative_batch_size
-        assert memory(safe) <= usable * (1 + 2 * noise) + 2**20, case
-        assert memory(conservative) <= usable + 2**20 and conservative <= safe, case
-        assert safe >= 0.75 * _largest_within(memory, usable) - 1, case  # and the card is not wasted
+
+        def long_run(b, memory=memory, extra=extra):
+            return memory(b) + extra(b)
+        assert long_run(safe) <= usable * (1 + 2 * noise) + 2**20, case
+        assert long_run(conservative) <= usable * (1 + 2 * noise) + 2**20 and conservative <= safe, case
+        assert safe >= 0.75 * _largest_within(long_run, usable) - 1, case  # and the card is not wasted
         if noise == 0:
             truth = _largest_within(memory, total)
             assert abs(state.limits.boundary_batch_size - truth) <= max(1.5, 0.05 * truth), case
+            at = state.safe_trial.batch_size  # its verification is read as the long run's peak
+            assert state.safe_trial.peak_bytes == pytest.approx(long_run(at), rel=0.01), case
+            if kind == "linear":  # and the fit predicts the long run
+                assert state.fit.predict(at) == pytest.approx(long_run(at), rel=1e-3), case
+
+
+def test_a_creep_past_usable_memory_brings_the_limits_down_and_verifies_them_again():
+    """The steady trial at the verified safe size peaks above usable memory: the limits come down, the
+    new safe size is verified by short trials whose steady-equivalent peaks fit, and no second steady
+    trial runs (the creep is measured)."""
+    settings = SearchSettings(total_bytes=24 * GIB)
+    memory = linear(0.529 * GIB, 0.088 * GIB)
+    trials = run_policy(memory, settings, creep=lambda b: 0.01 * GIB * b)  # 11 % of the activations
+    purposes = [(t.batch_size, t.purpose) for t in trials]
+    assert purposes[:8] == [(1, "grow"), (8, "grow"), (116, "grow"), (258, "boundary"), (227, "verify-safe"),
+                            (227, "verify-safe-repeat"), (204, "verify-conservative"), (227, "steady")]
+    state = settle(trials, settings)
+    safe = state.limits.safe_batch_size
+    assert safe < 227 and state.safe_trial is not None and state.conservative_trial is not None
+    assert memory(safe) + 0.01 * GIB * safe <= settings.usable_bytes
+    assert [t for t in trials[8:] if t.purpose.startswith("verify-safe")], purposes
+    assert [t.purpose for t in trials].count("steady") == 1
+    assert state.limits.boundary_batch_size == pytest.approx((24 - 0.529) / 0.088, abs=1.5)  # a short trial's
+
+
+def test_a_steady_trial_that_runs_out_of_memory_is_a_failure_and_gets_one_more_try():
+    settings = SearchSettings(total_bytes=24 * GIB)
+    memory = linear(0.529 * GIB, 0.088 * GIB)
+    trials = []
+    while (step := next_batch_size(trials, settings)) is not None:
+        if step.purpose == "steady":
+            trials.append(Trial(step.batch_size, "oom", purpose="steady", error="CUDA out of memory"))
+        else:
+            trials.append(Trial(step.batch_size, "ok", int(memory(step.batch_size)), purpose=step.purpose))
+    steady = [t for t in trials if t.purpose == "steady"]
+    state = settle(trials, settings)
+    assert len(steady) == 2 and steady[1].batch_size < steady[0].batch_size
+    assert state.limits.safe_batch_size < steady[1].batch_size and state.safe_trial is not None
+
+
+def test_no_steady_trial_when_steady_steps_is_zero():
+    settings = SearchSettings(total_bytes=24 * GIB, steady_steps=0)
+    trials = run_policy(linear(0.529 * GIB, 0.088 * GIB), settings, creep=lambda b: 0.01 * GIB * b)
+    assert "steady" not in [t.purpose for t in trials]
+    assert settle(trials, settings).limits.safe_batch_size == 227
 
 
 def test_calibration_names_the_first_trials_failure_in_plain_words():
@@ -263,3 +317,40 @@ def test_calibration_names_the_first_trials_failure_in_plain_words():
     with pytest.raises(CalibrationError) as caught:
         calibrate_trials(host, ModelSpec().ref("transformers"), runner=OomRunner())
     assert "(it ended with oom: RuntimeError: can't allocate memory);" in str(caught.value)
+
+
+def test_the_creep_is_read_from_the_steady_trial_and_scaled_per_token():
+    from vramcal.calibration.creep import measure_creep, steady_equivalent
+
+    trials = [Trial(100, "ok", 1000 * 2**20, purpose="verify-safe", seq_len=64),
+              Trial(100, "ok", 1010 * 2**20, purpose="verify-safe-repeat", seq_len=64),
+              Trial(100, "ok", 1045 * 2**20, purpose="steady", seq_len=64),
+              Trial(50, "ok", 900 * 2**20, purpose="verify-safe", seq_len=128),
+              Trial(120, "oom", purpose="grow", seq_len=64)]
+    creep = measure_creep(trials)
+    assert (creep.short_peak_bytes, creep.bytes_at_steady) == (1005 * 2**20, 40 * 2**20)
+    read = steady_equivalent(trials)
+    assert [t.peak_bytes for t in read] == [1040 * 2**20, 1050 * 2**20, 940 * 2**20, None]  # 50 x 128 = 100 x 64
+    assert steady_equivalent(read) == read  # idempotent: the search and the profile may both apply it
+    lower = [*trials[:2], Trial(100, "ok", 990 * 2**20, purpose="steady", seq_len=64)]
+    assert measure_creep(lower).per_sample_bytes == 0  # a steady trial below the short ones: no creep, never less
+    failed = [*trials[:2], Trial(100, "oom", purpose="steady")]
+    assert measure_creep(failed) is None and [t.status for t in steady_equivalent(failed)] == ["ok", "ok", "oom"]
+
+
+def test_a_profile_with_a_steady_trial_records_the_creep_and_loads(tmp_path):
+    from vramcal.calibration.probe import assemble
+    from vramcal.models.regressor import ModelSpec
+    from vramcal.profile import load_profile, save_profile
+
+    from profiles_for_tests import gpu_device
+
+    device = gpu_device(total_bytes=24 * GIB)
+    settings = SearchSettings(total_bytes=device.total_bytes)
+    trials = run_policy(linear(0.529 * GIB, 0.088 * GIB), settings, creep=lambda b: 0.01 * GIB * b)
+    profile = assemble(device, ModelSpec().ref("transformers"), settings.limits, trials, settings, {}, {}, {})
+    assert profile.verified and profile.creep.batch_size == 227
+    assert profile.verification["safe"].peak_bytes > max(t.peak_bytes for t in trials if t.batch_size ==
+                                                          profile.limits.safe_batch_size and t.purpose != "steady")
+    loaded = load_profile(save_profile(profile, tmp_path / "p.json"))  # its checks accept the creep-read peaks
+    assert loaded.creep == profile.creep and loaded.to_dict()["creep"]["per_sample_bytes"] == pytest.approx(0.01 * GIB)

@@ -197,7 +197,7 @@ def _check_lengths(ref: ModelRef, text: str, device: Device, implementation: str
 
 def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Callable[[Trial], None] | None = None,
                     max_trials: int = 16, timeout_s: float = 900.0, warmup_steps: int = 1, measured_steps: int = 2,
-                    val_steps: int = 1, boundary: bool = True) -> Profile:
+                    val_steps: int = 1, steady_steps: int = 40, boundary: bool = True) -> Profile:
     """Run the calibration's trials (each in a fresh worker process) and write the profile.
 
     A user's factory module is imported in each trial process after the meter has pinned the device
@@ -212,13 +212,15 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
         timeout_s: seconds before one trial's process is killed (the trial then counts as ``timeout``).
         warmup_steps, measured_steps, val_steps: training steps per trial: unmeasured, measured (>= 2: the
             peak is the largest of them), and validation batches.
+        steady_steps: measured steps of the one steady trial at the verified safe size, which measures how
+            much more a long run peaks than a trial (the step creep, calibration/creep.py); 0: none.
         boundary: measure near the out-of-memory boundary (calibration/search.py, rule 3).
 
     Returns:
         The profile; ``profile.verified`` says whether real trials verified both limits.
 
     Raises:
-        ValueError: ``measured_steps`` below 2 or ``max_trials`` below 1.
+        ValueError: ``measured_steps`` below 2, ``steady_steps`` below 0 or ``max_trials`` below 1.
         CalibrationError: the first trial failed: one sample does not fit, or the training step itself
             failed (the factory raised or returned something else, or the step raised; the message
             gives the error's first line and says to fix the step, not the budget).
@@ -229,7 +231,8 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
     profile = calibrate_trials(plan.device, plan.model, plan.settings, options=plan.options,
                                runner=TrialRunner(timeout_s=timeout_s), on_trial=on_trial, max_trials=max_trials,
                                warmup_steps=warmup_steps, measured_steps=measured_steps, val_steps=val_steps,
-                               timeout_s=timeout_s, seq_lens=plan.seq_lens, boundary=boundary)
+                               steady_steps=steady_steps, timeout_s=timeout_s, seq_lens=plan.seq_lens,
+                               boundary=boundary)
     if save:
         save_profile(profile, plan.path)
     return profile
@@ -248,7 +251,8 @@ def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None
         capacity_bytes: a budget below the device's memory (bytes); on the host, trials run under
             ``RLIMIT_DATA`` = the budget.
         settings: reserve (bytes), margin and conservative fraction.
-        trial_settings: ``max_trials``, ``timeout_s``, ``warmup_steps``, ``measured_steps``, ``val_steps``.
+        trial_settings: ``max_trials``, ``timeout_s``, ``warmup_steps``, ``measured_steps``, ``val_steps``,
+            ``steady_steps``, ``boundary`` (:func:`run_calibration`).
 
     Returns:
         The profile: ``limits.safe_batch_size`` and ``limits.conservative_batch_size`` (samples), the fit

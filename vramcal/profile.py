@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramcal.calibration.creep import Creep, measure_creep, steady_equivalent
 from vramcal.calibration.fit import Fit
 from vramcal.calibration.limits import Limits, LimitSettings, safe_batch_size
 from vramcal.calibration.surface import Surface
@@ -150,6 +151,12 @@ class Profile:
                 and self.surface.covers(seq_len))
 
     @property
+    def creep(self) -> Creep | None:
+        """The step creep its steady trial measured (:mod:`vramcal.calibration.creep`; None: not measured).
+        The fit, limits and verification peaks include it; the trials keep their raw peaks."""
+        return measure_creep(self.trials)
+
+    @property
     def pool_data_bytes(self) -> int:
         """Bytes of data the trials held in the measured memory (the data term of sizing)."""
         return int(self.data.get("pool_bytes", 0))
@@ -166,6 +173,7 @@ class Profile:
             "limits": self.limits.to_dict() if self.limits else None,
             "verification": {k: v.to_dict() for k, v in self.verification.items()},
             "verified": self.verified, "warnings": list(self.warnings),
+            "creep": self.creep.to_dict() if self.creep else None,
             "observations": [o.to_dict() for o in self.observations],
             "surface": self.surface.to_dict() if self.surface else None,
         }
@@ -261,7 +269,8 @@ def _check_limits(profile: Profile) -> None:
         raise ProfileError(f"limits.conservative_batch_size = {limits.conservative_batch_size} is not within "
                            f"[0, safe_batch_size {limits.safe_batch_size}]")
     allowed = safe_batch_size(fit, limits.usable_bytes)
-    evidence = [t for t in profile.trials if t.batch_size == limits.safe_batch_size]
+    trials = steady_equivalent(profile.trials)  # what the fit and the verifications were computed from
+    evidence = [t for t in trials if t.batch_size == limits.safe_batch_size]
     verified = bool(evidence) and all(t.fits(limits.usable_bytes) for t in evidence)
     if limits.safe_batch_size > allowed and not verified:  # the search never reports less than what fitted
         raise ProfileError(f"limits.safe_batch_size = {limits.safe_batch_size} is above what the file's own fit "
@@ -274,7 +283,7 @@ def _check_limits(profile: Profile) -> None:
         if name not in sizes or check.batch_size != sizes[name]:
             raise ProfileError(f"verification.{name}.batch_size = {check.batch_size} is not the {name} batch size "
                                f"{sizes.get(name)}")
-        if not any(t.batch_size == check.batch_size and t.peak_bytes == check.peak_bytes for t in profile.trials):
+        if not any(t.batch_size == check.batch_size and t.peak_bytes == check.peak_bytes for t in trials):
             raise ProfileError(f"verification.{name}: no recorded trial at batch_size {check.batch_size} with "
                                f"peak_bytes {check.peak_bytes}")
         if check.passed != (check.peak_bytes is not None and check.peak_bytes <= limits.usable_bytes):
@@ -293,7 +302,8 @@ def _check_surface(profile: Profile, surface: Surface) -> None:
                                  ("conservative", entry.conservative_batch_size, entry.conservative_peak_bytes)):
             if peak is None:
                 continue
-            trials = [t for t in profile.trials if t.seq_len == entry.seq_len and t.batch_size == size]
+            trials = [t for t in steady_equivalent(profile.trials)
+                      if t.seq_len == entry.seq_len and t.batch_size == size]
             if not trials or not all(t.fits(usable) for t in trials) or peak not in [t.peak_bytes for t in trials]:
                 raise ProfileError(f"surface seq_len {entry.seq_len}: the {name} batch size {size} has no fitting "
                                    f"trial with peak_bytes {peak}")

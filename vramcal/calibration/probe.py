@@ -17,6 +17,7 @@ from typing import Any
 
 from vramcal import __version__
 from vramcal.calibration import surface
+from vramcal.calibration.creep import STEADY
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import SearchSettings, Step, next_batch_size, settle
 from vramcal.measure.trial import TrialRequest, TrialRunner
@@ -40,7 +41,7 @@ def check_budget(device: Device, settings: LimitSettings) -> None:
 
 def calibrate_trials(device: Device, model: ModelRef, settings: LimitSettings = LimitSettings(), *,
               options: dict[str, Any] | None = None, warmup_steps: int = 1, measured_steps: int = 2,
-              val_steps: int = 1, max_trials: int = 16, timeout_s: float = 900.0,
+              val_steps: int = 1, steady_steps: int = 40, max_trials: int = 16, timeout_s: float = 900.0,
               runner: TrialRunner | None = None, on_trial: Callable[[Trial], None] | None = None,
               seq_lens: tuple[int, ...] = (), boundary: bool = True) -> Profile:
     """Calibrate ``model`` on ``device`` and return the profile (not yet written).
@@ -51,6 +52,8 @@ def calibrate_trials(device: Device, model: ModelRef, settings: LimitSettings = 
         settings: reserve, margin and conservative fraction.
         options: factory arguments that do not change the model (the regressor's data file, ...).
         warmup_steps, measured_steps, val_steps: steps per trial (measured_steps >= 2).
+        steady_steps: measured steps of the one steady trial at the verified safe size, which measures the
+            step creep (:mod:`vramcal.calibration.creep`); 0 runs none, and the profile has no creep term.
         max_trials: the most trials to run.
         timeout_s: per-trial time limit; a slower trial is recorded as ``timeout``.
         runner: a :class:`TrialRunner` (made here by default).
@@ -62,17 +65,21 @@ def calibrate_trials(device: Device, model: ModelRef, settings: LimitSettings = 
             boundary is an extrapolation, and the calibration is faster (the largest trials are skipped).
 
     Raises:
-        ValueError: no usable memory (:func:`check_budget`), measured_steps < 2 or max_trials < 1.
+        ValueError: no usable memory (:func:`check_budget`), measured_steps < 2, steady_steps < 0 or
+            max_trials < 1.
         CalibrationError: the first trial failed (too little memory for one sample, or a crash).
     """
     if measured_steps < 2:
         raise ValueError(f"measured_steps must be >= 2, got {measured_steps}")
     if max_trials < 1:
         raise ValueError(f"max_trials must be >= 1, got {max_trials}")
+    if steady_steps < 0:
+        raise ValueError(f"steady_steps must be >= 0, got {steady_steps}")
     check_budget(device, settings)
     runner = runner or TrialRunner(timeout_s=timeout_s)
     search = SearchSettings(total_bytes=device.total_bytes, limits=settings, max_trials=max_trials,
-                            boundary_fraction=SearchSettings.boundary_fraction if boundary else 0.0)
+                            boundary_fraction=SearchSettings.boundary_fraction if boundary else 0.0,
+                            steady_steps=steady_steps)
     host_limit = device.total_bytes if device.kind == "host" else None
     template = TrialRequest(model, 1, device, json.dumps(options or {}, sort_keys=True), warmup_steps,
                             measured_steps, val_steps, host_limit)
@@ -83,6 +90,8 @@ def calibrate_trials(device: Device, model: ModelRef, settings: LimitSettings = 
     while (chosen := _next(trials, search, seq_lens)) is not None:
         seq_len, step = chosen
         request = template if seq_len is None else dataclasses.replace(template, model=model.replace(seq_len=seq_len))
+        if step.purpose == STEADY:
+            request = dataclasses.replace(request, measured_steps=steady_steps)
         trial = runner.run(request.with_batch_size(step.batch_size), purpose=step.purpose)
         trial = trial if seq_len is None else dataclasses.replace(trial, seq_len=seq_len)
         trials.append(trial)
@@ -92,7 +101,7 @@ def calibrate_trials(device: Device, model: ModelRef, settings: LimitSettings = 
     if not first.fits(search.usable_bytes):
         raise CalibrationError(first_trial_failure(first, device, search.usable_bytes, model))
     run = {"wall_s": time.perf_counter() - started, "boundary_trials": boundary, "warmup_steps": warmup_steps,
-           "measured_steps": measured_steps,
+           "measured_steps": measured_steps, "steady_steps": steady_steps,
            "val_steps": val_steps, "timeout_s": timeout_s, "max_trials": max_trials,
            "host_memory_limit": "RLIMIT_DATA = total_bytes" if host_limit else None}
     if len(seq_lens) > 1:

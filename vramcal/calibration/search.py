@@ -26,6 +26,10 @@ with recorded and synthetic trials. Its rules:
 5. **Never less than the evidence**: the safe size is at least the largest batch size that fitted (every
    trial there within usable memory) below the smallest failure: a fitting trial is itself a
    verification, however wide the interval of a fit with few points.
+6. **Measure the step creep** once the limits are verified: one *steady trial* at the safe size, of
+   ``steady_steps`` measured steps (:mod:`vramcal.calibration.creep`). From then on every rule reads the
+   trials' steady-equivalent peaks (the peak a long run reaches at that size): when the creep pushes the
+   safe size's peak past usable memory, the limits come down and are verified again.
 
 A limit is *settled* on trials that fitted at, or at most ``snap_tolerance`` below, the computed size, so
 refits that move the limit by a sample or two do not chase it forever. The policy never reports an
@@ -40,6 +44,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vramcal.calibration.creep import STEADY, short_trials, steady_equivalent
 from vramcal.calibration.fit import Fit, fit_linear
 from vramcal.calibration.limits import Limits, LimitSettings, compute_limits
 from vramcal.records import Trial
@@ -60,6 +65,7 @@ class SearchSettings:
         boundary_fraction: the boundary trial aims at this fraction of the predicted boundary (rule 3);
             0 switches the boundary trial off.
         repeat_safe: verify the safe size twice (rule 4).
+        steady_steps: measured steps of the steady trial (rule 6); 0 runs none (no creep term).
     """
 
     total_bytes: int
@@ -73,6 +79,7 @@ class SearchSettings:
     repeat_safe: bool = True
     max_trials: int = 16
     max_batch_size: int = 2**20
+    steady_steps: int = 40
 
     @property
     def usable_bytes(self) -> int:
@@ -82,7 +89,7 @@ class SearchSettings:
 @dataclass(frozen=True)
 class Step:
     """The next trial to run and why: ``grow``, ``fill``, ``boundary``, ``verify-safe``,
-    ``verify-safe-repeat`` or ``verify-conservative``."""
+    ``verify-safe-repeat``, ``verify-conservative`` or ``steady`` (``steady_steps`` measured steps)."""
 
     batch_size: int
     purpose: str
@@ -158,7 +165,9 @@ def fit_trials(trials: Sequence[Trial], settings: SearchSettings | None = None) 
 # ------------------------------------------------------------------------------------------ settle
 
 def settle(trials: Sequence[Trial], settings: SearchSettings) -> Settled:
-    """Fit, limits and verifying trials for the trials so far (module docstring, rules 2, 4 and 5)."""
+    """Fit, limits and verifying trials for the trials so far (module docstring, rules 2, 4, 5 and 6): from
+    the steady-equivalent peaks, but the boundary from the trials as measured (it is a trial's boundary)."""
+    measured, trials = short_trials(trials), steady_equivalent(trials)
     usable = settings.usable_bytes
     failed = failed_batch_size(trials, usable)
     fit = fit_trials(trials, settings)
@@ -178,7 +187,7 @@ def settle(trials: Sequence[Trial], settings: SearchSettings) -> Settled:
     conservative_target = math.floor(settings.limits.conservative_fraction * safe)
     conservative_trial = _snap(trials, conservative_target, settings, repeats=1)
     conservative = conservative_trial.batch_size if conservative_trial else conservative_target
-    boundary = boundary_batch_size(trials, settings, limits.boundary_batch_size)
+    boundary = boundary_batch_size(measured, settings, limits.boundary_batch_size)
     limits = dataclasses.replace(limits, safe_batch_size=safe, conservative_batch_size=conservative,
                                  boundary_batch_size=boundary)
     return Settled(fit, limits, safe_trial, conservative_trial, failed)
@@ -245,20 +254,21 @@ def _snap(trials: Sequence[Trial], target: int, settings: SearchSettings, repeat
 def next_batch_size(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
     """The next trial to run, or None when the calibration is done (or cannot go on).
 
-    Done means: both limits settled on fitting trials; or nothing fits; or ``max_trials`` were run; or
-    no batch size is left to try.
+    Done means: both limits settled on fitting trials and the creep measured; or nothing fits; or
+    ``max_trials`` were run; or no batch size is left to try.
     """
     if not trials:
         return Step(settings.start_batch_size, "grow")
     if len(trials) >= settings.max_trials:
         return None
+    raw, trials = trials, steady_equivalent(trials)
     if not any(t.fits(settings.usable_bytes) for t in trials):
         return None  # the smallest batch already failed: nothing fits
     tried = {t.batch_size for t in trials}
-    for step in (_grow(trials, settings), _fill(trials, settings), _boundary(trials, settings)):
+    for step in (_grow(trials, settings), _fill(trials, settings), _boundary(raw, settings)):
         if step is not None and (step.batch_size not in tried or step.purpose == "verify-safe-repeat"):
             return step
-    return _verify(trials, settings)
+    return _verify(trials, settings) or _steady(raw, settings)
 
 
 def _grow(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
@@ -332,6 +342,7 @@ def _boundary(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
     """A trial just under the predicted out-of-memory boundary (rule 3), or None."""
     if settings.boundary_fraction <= 0:
         return None
+    trials = short_trials(trials)
     probes = [t for t in trials if t.purpose == "boundary"]
     if len(probes) >= 2:
         return None
@@ -373,3 +384,13 @@ def _verify(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
     if state.conservative_trial is None and conservative >= 1 and conservative not in tried:
         return Step(conservative, "verify-conservative")
     return None
+
+
+def _steady(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
+    """The steady trial at the verified safe size (rule 6), or None: creep measured, switched off, or two
+    steady trials failed already."""
+    steady = [t for t in trials if t.purpose == STEADY]
+    if settings.steady_steps <= 0 or any(t.ok for t in steady) or len(steady) >= 2:
+        return None
+    state = settle(trials, settings)
+    return None if state.safe_trial is None else Step(state.safe_trial.batch_size, STEADY)

@@ -28,6 +28,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vramcal.calibration.creep import steady_equivalent
 from vramcal.calibration.fit import Fit
 from vramcal.calibration.fit2d import Fit2D, fit_2d, longest_seq_len, safe_batch_size_2d
 from vramcal.calibration.limits import Limits
@@ -120,6 +121,7 @@ def at_length(trials: Sequence[Trial], seq_len: int) -> list[Trial]:
 def surface_fit(trials: Sequence[Trial], settings: SearchSettings) -> Fit2D | None:
     """The 2-D fit through each length's fit points (:func:`vramcal.calibration.search.fit_points`: no flat
     start, local to the limit), or None while it has fewer than 4 points over 2 lengths and 2 batch sizes."""
+    trials = steady_equivalent(trials)
     points = [t for length in {t.seq_len for t in trials} for t in fit_points(at_length(trials, length), settings)]
     if len({t.seq_len for t in points}) < 2 or len({t.batch_size for t in points}) < 2 or len(points) < 4:
         return None
@@ -148,7 +150,7 @@ def length_limits(trials: Sequence[Trial], seq_len: int, reference: int, setting
     """The limits at one non-reference length: the model's safe size, never less than the largest size that
     fitted there (twice), below any failure there; bisection when a failure binds (search rules 4 and 5)."""
     usable = settings.usable_bytes
-    here = at_length(trials, seq_len)
+    here = at_length(steady_equivalent(trials), seq_len)
     failed = failed_batch_size(here, usable)
     target = max(predicted_safe(trials, seq_len, reference, settings), largest_fitting(here, usable) or 0)
     if failed is not None and target >= failed - 1:

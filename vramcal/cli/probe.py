@@ -47,6 +47,9 @@ trial_options = group(
     click.option("--measured-steps", type=click.IntRange(2), default=2, show_default=True),
     click.option("--val-steps", type=click.IntRange(0), default=1, show_default=True,
                  help="validation passes per trial, at the trial's batch size, as the trainer validates"),
+    click.option("--steady-steps", type=click.IntRange(0), default=40, show_default=True,
+                 help="measured steps of one steady trial at the verified safe size: how much more a long run "
+                      "peaks than a short trial (the step creep), added to the predictions; 0 skips it"),
     click.option("--max-trials", type=click.IntRange(3), default=16, show_default=True),
     click.option("--timeout", "timeout_s", type=FiniteFloat(1, 86400), default=900, show_default=True,
                  help="seconds before a trial is killed"),

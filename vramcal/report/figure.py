@@ -1,9 +1,10 @@
 """The report's figure: peak memory and throughput against batch size, one colour per profile.
 
-Memory panel: each trial's peak (successful trials as filled points, over-budget ones as open
-triangles at their measured peak, out-of-memory ones as crosses on the usable-memory line since their
-peak is unknown), the fitted line with its 95 % prediction band, horizontal lines for total and usable
-memory, vertical lines at the safe and conservative batch sizes, the formula and r² in the legend.
+Memory panel: each trial's peak as the fit reads it, with the measured step creep added
+(:mod:`vramcal.calibration.creep`; successful trials as filled points, over-budget ones as open
+triangles, out-of-memory ones as crosses on the usable-memory line since their peak is unknown), the
+steady trial's own peak as a diamond, the fitted line with its 95 % prediction band, horizontal lines for
+total and usable memory, vertical lines at the safe and conservative batch sizes, the formula and r² in the legend.
 Throughput panel: samples/s of the same trials (median per batch size), with a star where 90 % of the
 best rate is reached. The legends sit below the panels, so no label covers data: one entry per
 profile in its colour, then a key of the marker and line styles in black.
@@ -19,6 +20,7 @@ import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from vramcal.calibration.creep import STEADY, steady_equivalent
 from vramcal.report.markdown import (
     format_rate,
     reference_trials,
@@ -83,7 +85,10 @@ def render_png(profiles: Sequence[Profile]) -> bytes:
 
 def _draw_memory(ax: Any, profile: Profile, color: str) -> None:
     usable = usable_bytes(profile)
-    states = [(trial, trial_state(trial, usable)) for trial in reference_trials(profile)]
+    states = [(trial, trial_state(trial, usable)) for trial in steady_equivalent(reference_trials(profile))]
+    steady = [(t.batch_size, t.peak_bytes / GIB) for t in reference_trials(profile) if t.purpose == STEADY and t.ok]
+    if steady:
+        ax.scatter(*zip(*steady), marker="D", facecolors="none", edgecolors=color, s=60, linewidths=1.4, zorder=5)
     ok = [(t.batch_size, t.peak_bytes / GIB) for t, s in states if s == "ok"]
     over = [(t.batch_size, t.peak_bytes / GIB) for t, s in states if s == "over-budget"]
     oom = [(t.batch_size, usable / GIB) for t, s in states if s == "oom"]
@@ -238,7 +243,11 @@ def _memory_key(profiles: Sequence[Profile]) -> list:
     states = {trial_state(t, usable_bytes(p)) for p in profiles for t in p.trials}
     limits = profiles[0].limits if single else None
     verified = "" if not single or profiles[0].verified else " (unverified)"
-    key = [Line2D([], [], color=KEY, marker="o", ls="none", label="trial peak")]
+    creep = any(p.creep for p in profiles)
+    key = [Line2D([], [], color=KEY, marker="o", ls="none",
+                  label="trial peak" + (" + step creep" if creep else ""))]
+    if creep:
+        key.append(Line2D([], [], color=KEY, marker="D", mfc="none", ls="none", label="steady trial (long run)"))
     if "over-budget" in states:
         key.append(Line2D([], [], color=KEY, marker="^", mfc="none", ls="none", ms=8,
                           label="over budget (peak > usable)"))

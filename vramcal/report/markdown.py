@@ -255,6 +255,7 @@ def summary_table(profile: Profile) -> str:
                                      f"{format_bytes(fit.slope_stderr_bytes_per_sample)} per sample")))
     else:
         rows.append(("Memory model", "**none** (fewer than 3 successful trials)"))
+    rows.append(("Step creep", _creep_text(profile)))
     rows.append(("Usable memory", (f"{format_bytes(usable)} = total − {format_bytes(settings.reserve_bytes)} "
                                    f"− "
                                   f"{settings.margin * 100:g} % of total")))
@@ -301,6 +302,17 @@ def observations_table(profile: Profile) -> str:
                      str(o.steps), o.vramcal_version])
     return markdown_table(["recorded (UTC)", "batch", "data", "measured peak", "predicted", "error", "upper bound",
                            "verdict", "steps", "vramcal"], rows, right=[1, 2, 3, 4, 5, 6, 8])
+
+
+def _creep_text(profile: Profile) -> str:
+    creep, steps = profile.creep, profile.run.get("steady_steps")
+    if creep is None:
+        return ("not measured (`--steady-steps 0`, or no steady trial finished): predictions are a trial's "
+                "few steps, and a long run may peak a few percent higher" if steps is not None else MISSING)
+    return (f"+{format_bytes(creep.per_sample_bytes)} per sample, in the model and the limits: a steady trial of "
+            f"{steps} steps at batch {creep.batch_size} peaked {format_bytes(creep.steady_peak_bytes)} against "
+            f"{format_bytes(creep.short_peak_bytes)} for the short trials there "
+            f"(+{creep.bytes_at_steady / creep.short_peak_bytes:.1%}); the trials table shows raw peaks")
 
 
 def _verification_text(profile: Profile, usable: int) -> str:
