@@ -354,3 +354,17 @@ def test_a_profile_with_a_steady_trial_records_the_creep_and_loads(tmp_path):
                                                           profile.limits.safe_batch_size and t.purpose != "steady")
     loaded = load_profile(save_profile(profile, tmp_path / "p.json"))  # its checks accept the creep-read peaks
     assert loaded.creep == profile.creep and loaded.to_dict()["creep"]["per_sample_bytes"] == pytest.approx(0.01 * GIB)
+
+
+def test_a_boundary_trial_bisected_down_from_a_failure_is_followed_by_one_near_the_boundary():
+    """The benchmark's wide spec at 2 GiB (recorded peaks, MiB; bisection put the boundary at 55): the first
+    boundary trial (71) ran out of memory, the second (43) landed far below; the line through 43 and the
+    verifications extrapolated to 57.5 (+4.5 %). A third trial near the predicted boundary pins it to +1.6 %."""
+    recorded = {1: 563.8, 2: 599.5, 4: 683.5, 8: 833.8, 16: 980.8, 21: 1133.6, 24: 1232.4, 32: 1393.3,
+                43: 1695.1, 48: 1834.0, 52: 1940.2, 54: 1996.3, 55: 2023.3}
+    sizes = sorted(recorded)
+    settings = SearchSettings(total_bytes=2 * GIB)
+    trials = run_policy(lambda b: np.interp(b, sizes, [recorded[s] * 2**20 for s in sizes]), settings, oom_above=55)
+    boundary = [(t.batch_size, t.status) for t in trials if t.purpose == "boundary"]
+    assert boundary[:2] == [(71, "oom"), (43, "ok")] and len(boundary) == 3 and boundary[2][0] > 43
+    assert abs(settle(trials, settings).limits.boundary_batch_size - 55) <= 0.03 * 55

@@ -16,7 +16,8 @@ with recorded and synthetic trials. Its rules:
 3. **Measure the boundary**: one trial aimed just under the batch size where the fit reaches the
    device's *whole* memory (``boundary_fraction`` of it), allowed to run over the usable budget, so the
    line is fitted across the range it is used on and the predicted out-of-memory boundary is a short
-   interpolation, not a long extrapolation (a second one, lower, when the first runs out of memory).
+   interpolation, not a long extrapolation (a second one, lower, when the first runs out of memory, and a
+   third when the second, bisected down from that failure, landed far below the boundary it predicts).
 4. **Verify** the safe size with two real trials at the same batch size — the limit is where noise
    matters, and the pair's spread enters the fit's residuals, so the prediction interval covers how
    much one batch size varies between runs — then the conservative size with one. A failure is a
@@ -344,7 +345,8 @@ def _boundary(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
         return None
     trials = short_trials(trials)
     probes = [t for t in trials if t.purpose == "boundary"]
-    if len(probes) >= 2:
+    third = len(probes) == 2 and not probes[0].ok and probes[1].ok  # bisected down from a failure
+    if len(probes) >= (3 if third else 2):
         return None
     state = settle(trials, settings)
     if state.limits is None:
