@@ -16,8 +16,9 @@ with recorded and synthetic trials. Its rules:
 3. **Measure the boundary**: one trial aimed just under the batch size where the fit reaches the
    device's *whole* memory (``boundary_fraction`` of it), allowed to run over the usable budget, so the
    line is fitted across the range it is used on and the predicted out-of-memory boundary is a short
-   interpolation, not a long extrapolation (a second one, lower, when the first runs out of memory, and a
-   third when the second, bisected down from that failure, landed far below the boundary it predicts).
+   interpolation, not a long extrapolation (a second one when the first runs out of memory or lands far
+   below, and a third when of those two one fitted and one failed, and the largest that fitted is still
+   far below the boundary).
 4. **Verify** the safe size with two real trials at the same batch size — the limit is where noise
    matters, and the pair's spread enters the fit's residuals, so the prediction interval covers how
    much one batch size varies between runs — then the conservative size with one. A failure is a
@@ -188,24 +189,28 @@ def settle(trials: Sequence[Trial], settings: SearchSettings) -> Settled:
     conservative_target = math.floor(settings.limits.conservative_fraction * safe)
     conservative_trial = _snap(trials, conservative_target, settings, repeats=1)
     conservative = conservative_trial.batch_size if conservative_trial else conservative_target
-    boundary = boundary_batch_size(measured, settings, limits.boundary_batch_size)
+    boundary = boundary_batch_size(measured, settings)
     limits = dataclasses.replace(limits, safe_batch_size=safe, conservative_batch_size=conservative,
                                  boundary_batch_size=boundary)
     return Settled(fit, limits, safe_trial, conservative_trial, failed)
 
 
-def boundary_batch_size(trials: Sequence[Trial], settings: SearchSettings, fitted: float) -> float:
-    """Where the peak reaches the device's whole memory: the line through the top third of the measured
-    batch sizes (else the top half): the boundary trials and the verifications, since peaks bend and the
-    slope near the boundary is read near it; else ``fitted`` (the main fit's); never at or above a batch
-    size that ran out of memory.
+def boundary_batch_size(trials: Sequence[Trial], settings: SearchSettings) -> float:
+    """Where a trial's peak reaches the device's whole memory: the line through the top third of the
+    measured batch sizes (else the top half): the boundary trials and the verifications, since peaks bend
+    and the slope near the boundary is read near it; else the line through the fit points; never at or
+    above a batch size that ran out of memory. ``trials`` are as measured (no step creep): the boundary is
+    compared with bisection by the same trials.
     """
     finished = [t for t in trials if t.ok]
     top = max((t.batch_size for t in finished), default=0)
     near = [t for t in finished if t.batch_size >= top * 2 / 3]
     if len({t.batch_size for t in near}) < 2:
         near = [t for t in finished if t.batch_size >= top / 2]
-    boundary = fitted
+    fit = fit_trials(trials, settings)
+    boundary = math.inf
+    if fit is not None and fit.slope_bytes_per_sample > 0:
+        boundary = (settings.total_bytes - fit.overhead_bytes) / fit.slope_bytes_per_sample
     if len({t.batch_size for t in near}) >= 2:
         import numpy as np
 
@@ -345,7 +350,7 @@ def _boundary(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
         return None
     trials = short_trials(trials)
     probes = [t for t in trials if t.purpose == "boundary"]
-    third = len(probes) == 2 and not probes[0].ok and probes[1].ok  # bisected down from a failure
+    third = len(probes) == 2 and sum(t.ok for t in probes) == 1  # one fitted, one failed: far from the boundary?
     if len(probes) >= (3 if third else 2):
         return None
     state = settle(trials, settings)
