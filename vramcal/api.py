@@ -413,7 +413,9 @@ def answer(profile: Profile, *, seq_len: int | None = None, batch_size: int | No
 
 def verify(profile: Profile, batch_size: int, seq_len: int | None = None, *, timeout_s: float = 900.0) -> Trial:
     """One real trial of the profile's model at (``batch_size``, ``seq_len``) on the profile's device here
-    (the host at the profile's budget), as a calibration's verification runs it.
+    (the host at the profile's budget), as a calibration's verification runs it and reads it: its
+    ``peak_bytes`` includes the profile's step creep at that size (:mod:`vramcal.calibration.creep`), and the
+    measured figures stay in its sources (``rss_peak_bytes``, ``data_peak_bytes``, ``nvml_peak_bytes``, ...).
 
     Raises:
         SizingError: the profile's device is not here.
@@ -429,4 +431,8 @@ def verify(profile: Profile, batch_size: int, seq_len: int | None = None, *, tim
     request = TrialRequest(model, batch_size, device, json.dumps(profile.data.get("options", {}), sort_keys=True),
                            host_memory_limit_bytes=device.total_bytes if device.kind == "host" else None)
     trial = TrialRunner(timeout_s=timeout_s).run(request, purpose="verify-answer")
-    return dataclasses.replace(trial, seq_len=seq_len)
+    trial = dataclasses.replace(trial, seq_len=seq_len)
+    creep = profile.creep
+    if creep is None or not trial.ok:
+        return trial
+    return dataclasses.replace(trial, peak_bytes=trial.peak_bytes + creep.bytes_at(batch_size, seq_len))
