@@ -84,6 +84,15 @@ def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
         check = profile.verification[name]
         assert check.passed and check.peak_bytes <= limits.usable_bytes
         assert check.batch_size == getattr(limits, f"{name}_batch_size")
+    steady = [t for t in profile.trials if t.purpose == "steady"]  # the step creep, measured at the safe size
+    assert steady and profile.creep is not None and profile.creep.batch_size == steady[-1].batch_size
+    short = [t.peak_bytes for t in profile.trials if t.batch_size == steady[-1].batch_size and t.purpose != "steady"]
+    assert profile.creep.bytes_at_steady == max(0, steady[-1].peak_bytes - round(sum(short) / len(short)))
+    from vramcal import api  # a verification is read as the calibration reads its own: with the creep
+
+    answer = api.verify(profile, limits.conservative_batch_size)
+    assert answer.peak_bytes == max(answer.rss_peak_bytes, answer.data_peak_bytes) + profile.creep.bytes_at(
+        limits.conservative_batch_size)
     copy = tmp_path / "copy.json"
     save_profile(profile, copy)
     assert load_profile(copy) == profile
