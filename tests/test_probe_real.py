@@ -1,6 +1,7 @@
 """Real trials and a real probe of a tiny Mamba-2 on the host (no fakes)."""
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -67,6 +68,7 @@ def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
                                        str(tmp_path / "reports")])
     assert result.exit_code == 0, result.output  # 0: verified (an unverified calibration exits 3)
     assert "peak = " in result.output and "GiB × batch_size" in result.output
+    assert re.search(r"step creep +\+[\d.]+ [KMG]?i?B at batch_size \d+ over 40 steps", result.output), result.output
     profile = load_profile(profile_file)
     assert profile.verified, profile.warnings
     assert profile.device.kind == "host" and profile.model == TINY.ref("transformers")

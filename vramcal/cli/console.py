@@ -44,6 +44,10 @@ def summary(profile) -> str:
         lines.append("no fit: " + "; ".join(profile.warnings))
         return "\n".join(lines)
     lines.append(f"{fit.formula()}   (r² = {fit.r_squared:.4f}, {fit.n_points} points)")
+    creep = profile.creep
+    if creep is not None:
+        lines.append(f"step creep    +{format_bytes(creep.bytes_at_steady)} at batch_size {creep.batch_size} over "
+                     f"{profile.run.get('steady_steps', '?')} steps (in the line, the limits and the verified peaks)")
     lines.append(f"usable        {format_bytes(limits.usable_bytes)}")
     for name, value in (("safe", limits.safe_batch_size), ("conservative", limits.conservative_batch_size)):
         check = profile.verification.get(name)
