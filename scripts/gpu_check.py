@@ -80,6 +80,7 @@ def calibrate(run: Run, device, spec: ModelSpec, implementation: str, options: d
         "formula": profile.fit and profile.fit.formula(),
         "safe": limits and limits.safe_batch_size, "conservative": limits and limits.conservative_batch_size,
         "predicted_boundary": limits and limits.boundary_batch_size, "environment": profile.environment,
+        "creep": profile.creep and profile.creep.to_dict(),
         "sequence": [(t.batch_size, t.status, t.purpose, t.peak_bytes) for t in profile.trials]}
 
 
