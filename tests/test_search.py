@@ -352,6 +352,10 @@ def test_a_profile_with_a_steady_trial_records_the_creep_and_loads(tmp_path):
     assert profile.verified and profile.creep.batch_size == 227
     assert profile.verification["safe"].peak_bytes > max(t.peak_bytes for t in trials if t.batch_size ==
                                                           profile.limits.safe_batch_size and t.purpose != "steady")
+    from vramcal.report.markdown import trials_table
+
+    marked = [line for line in trials_table(profile).splitlines() if line.rstrip(" |").endswith("yes")]
+    assert len(marked) == profile.fit.n_points  # the fit's points are the trials' peaks plus the creep
     loaded = load_profile(save_profile(profile, tmp_path / "p.json"))  # its checks accept the creep-read peaks
     assert loaded.creep == profile.creep and loaded.to_dict()["creep"]["per_sample_bytes"] == pytest.approx(0.01 * GIB)
 

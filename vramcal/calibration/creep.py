@@ -77,6 +77,13 @@ def measure_creep(trials: Sequence[Trial]) -> Creep | None:
                  max(0, last.peak_bytes - mean) / last.batch_size)  # type: ignore[operator]
 
 
+def read_peak(trial: Trial, creep: Creep | None) -> int | None:
+    """A short trial's peak as the fit reads it: plus the creep at its size (None: it has no peak)."""
+    if creep is None or not trial.ok:
+        return trial.peak_bytes
+    return trial.peak_bytes + creep.bytes_at(trial.batch_size, trial.seq_len)  # type: ignore[operator]
+
+
 def steady_equivalent(trials: Sequence[Trial]) -> list[Trial]:
     """The trials as the search and the fit read them: finished short trials with the creep added to
     their peaks, failed ones as they are, finished steady trials left out (their figure is the creep),
@@ -87,11 +94,8 @@ def steady_equivalent(trials: Sequence[Trial]) -> list[Trial]:
         if trial.purpose == STEADY:
             if not trial.ok:
                 out.append(trial)
-        elif creep is not None and trial.ok:
-            out.append(dataclasses.replace(trial, peak_bytes=trial.peak_bytes + creep.bytes_at(  # type: ignore[operator]
-                trial.batch_size, trial.seq_len)))
         else:
-            out.append(trial)
+            out.append(dataclasses.replace(trial, peak_bytes=read_peak(trial, creep)))
     return out
 
 

@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from vramcal.calibration.creep import STEADY, read_peak
 from vramcal.report.catalogue import GpuLimitRow, GpuModel, other_gpu_limits
 from vramcal.sizing import fitted_from, verdict
 from vramcal.units import format_bytes
@@ -162,12 +163,13 @@ def trials_table(profile: Profile) -> str:
         ("step time", True, lambda t: MISSING if t.step_s is None else _seconds(t.step_s)),
         ("samples/s", True, lambda t: MISSING if t.samples_per_s is None else format_rate(t.samples_per_s)),
         ("in fit", False, None)]
-    rows = []
+    rows, creep = [], profile.creep
     for index, trial in enumerate(profile.trials, 1):
         row = [str(index)] + [get(trial) for _, _, get in columns[1:-1]]
-        key = (trial.batch_size, trial.peak_bytes)
-        row.append("yes" if trial.ok and in_fit[key] > 0 else "")
-        in_fit[key] -= 1 if trial.ok and in_fit[key] > 0 else 0
+        key = (trial.batch_size, read_peak(trial, creep))  # the fit's points carry the step creep
+        fitted = trial.ok and trial.purpose != STEADY and in_fit[key] > 0
+        row.append("yes" if fitted else "")
+        in_fit[key] -= fitted
         rows.append(row)
     keep = [i for i, (header, _, _) in enumerate(columns)
             if header in ("#", "batch", "status", "peak") or any(r[i] not in (MISSING, "") for r in rows)]
