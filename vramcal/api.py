@@ -420,6 +420,7 @@ def verify(profile: Profile, batch_size: int, seq_len: int | None = None, *, tim
     Raises:
         SizingError: the profile's device is not here.
     """
+    from vramcal.calibration.creep import read_peak
     from vramcal.measure.trial import TrialRequest, TrialRunner
 
     gpu = "none" if profile.device.kind == "host" else (profile.device.uuid or "auto")
@@ -430,9 +431,5 @@ def verify(profile: Profile, batch_size: int, seq_len: int | None = None, *, tim
     model = profile.model.replace(seq_len=seq_len) if seq_len is not None else profile.model
     request = TrialRequest(model, batch_size, device, json.dumps(profile.data.get("options", {}), sort_keys=True),
                            host_memory_limit_bytes=device.total_bytes if device.kind == "host" else None)
-    trial = TrialRunner(timeout_s=timeout_s).run(request, purpose="verify-answer")
-    trial = dataclasses.replace(trial, seq_len=seq_len)
-    creep = profile.creep
-    if creep is None or not trial.ok:
-        return trial
-    return dataclasses.replace(trial, peak_bytes=trial.peak_bytes + creep.bytes_at(batch_size, seq_len))
+    trial = dataclasses.replace(TrialRunner(timeout_s=timeout_s).run(request, purpose="verify-answer"), seq_len=seq_len)
+    return dataclasses.replace(trial, peak_bytes=read_peak(trial, profile.creep))
