@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vramcal.calibration.creep import STEADY_STEPS
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.probe import CalibrationError, calibrate_trials, check_budget
 from vramcal.profile import (
@@ -197,7 +198,7 @@ def _check_lengths(ref: ModelRef, text: str, device: Device, implementation: str
 
 def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Callable[[Trial], None] | None = None,
                     max_trials: int = 16, timeout_s: float = 900.0, warmup_steps: int = 1, measured_steps: int = 2,
-                    val_steps: int = 1, steady_steps: int = 40, boundary: bool = True) -> Profile:
+                    val_steps: int = 1, steady_steps: int = STEADY_STEPS, boundary: bool = True) -> Profile:
     """Run the calibration's trials (each in a fresh worker process) and write the profile.
 
     A user's factory module is imported in each trial process after the meter has pinned the device

@@ -17,7 +17,7 @@ from typing import Any
 
 from vramcal import __version__
 from vramcal.calibration import surface
-from vramcal.calibration.creep import STEADY
+from vramcal.calibration.creep import STEADY, STEADY_STEPS
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import SearchSettings, Step, next_batch_size, settle
 from vramcal.measure.trial import TrialRequest, TrialRunner
@@ -41,7 +41,7 @@ def check_budget(device: Device, settings: LimitSettings) -> None:
 
 def calibrate_trials(device: Device, model: ModelRef, settings: LimitSettings = LimitSettings(), *,
               options: dict[str, Any] | None = None, warmup_steps: int = 1, measured_steps: int = 2,
-              val_steps: int = 1, steady_steps: int = 40, max_trials: int = 16, timeout_s: float = 900.0,
+              val_steps: int = 1, steady_steps: int = STEADY_STEPS, max_trials: int = 16, timeout_s: float = 900.0,
               runner: TrialRunner | None = None, on_trial: Callable[[Trial], None] | None = None,
               seq_lens: tuple[int, ...] = (), boundary: bool = True) -> Profile:
     """Calibrate ``model`` on ``device`` and return the profile (not yet written).

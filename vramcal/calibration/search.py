@@ -46,7 +46,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vramcal.calibration.creep import STEADY, short_trials, steady_equivalent
+from vramcal.calibration.creep import STEADY, STEADY_STEPS, short_trials, steady_equivalent
 from vramcal.calibration.fit import Fit, fit_linear
 from vramcal.calibration.limits import Limits, LimitSettings, compute_limits
 from vramcal.records import Trial
@@ -81,7 +81,7 @@ class SearchSettings:
     repeat_safe: bool = True
     max_trials: int = 16
     max_batch_size: int = 2**20
-    steady_steps: int = 40
+    steady_steps: int = STEADY_STEPS
 
     @property
     def usable_bytes(self) -> int:

@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from vramcal.calibration.creep import STEADY_STEPS
 from vramcal.calibration.fit2d import parse_seq_lens
 from vramcal.cli.console import TrialPrinter, echo_lines, observations_lines, summary
 from vramcal.cli.options import (
@@ -47,7 +48,7 @@ trial_options = group(
     click.option("--measured-steps", type=click.IntRange(2), default=2, show_default=True),
     click.option("--val-steps", type=click.IntRange(0), default=1, show_default=True,
                  help="validation passes per trial, at the trial's batch size, as the trainer validates"),
-    click.option("--steady-steps", type=click.IntRange(0), default=40, show_default=True,
+    click.option("--steady-steps", type=click.IntRange(0), default=STEADY_STEPS, show_default=True,
                  help="measured steps of one steady trial at the verified safe size: how much more a long run "
                       "peaks than a short trial (the step creep), added to the predictions; 0 skips it"),
     click.option("--max-trials", type=click.IntRange(3), default=16, show_default=True),
