@@ -207,16 +207,14 @@ def boundary_batch_size(trials: Sequence[Trial], settings: SearchSettings) -> fl
     near = [t for t in finished if t.batch_size >= top * 2 / 3]
     if len({t.batch_size for t in near}) < 2:
         near = [t for t in finished if t.batch_size >= top / 2]
-    fit = fit_trials(trials, settings)
-    boundary = math.inf
-    if fit is not None and fit.slope_bytes_per_sample > 0:
-        boundary = (settings.total_bytes - fit.overhead_bytes) / fit.slope_bytes_per_sample
+    slope = overhead = 0.0
     if len({t.batch_size for t in near}) >= 2:
         import numpy as np
 
         slope, overhead = np.polyfit([t.batch_size for t in near], [t.peak_bytes for t in near], 1)
-        if slope > 0:
-            boundary = float((settings.total_bytes - overhead) / slope)
+    if slope <= 0 and (fit := fit_trials(trials, settings)) is not None:  # no line near the boundary
+        slope, overhead = fit.slope_bytes_per_sample, fit.overhead_bytes
+    boundary = float((settings.total_bytes - overhead) / slope) if slope > 0 else math.inf
     hard_failed = min((t.batch_size for t in trials if not t.ok), default=None)
     return boundary if hard_failed is None else min(boundary, hard_failed - 1)
 
