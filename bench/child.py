@@ -40,10 +40,10 @@ def _step(request: dict):
     """The regressor's training step from vramcal's factory, on the CPU (a fresh model, optimizer, data)."""
     import torch
 
-    from vramcal.models.regressor import ModelSpec
+    from vramcal.models.regressor.spec import RegressorSpec
     from vramcal.workload import build
 
-    ref = ModelSpec.from_dict(request["spec"]).ref("transformers")
+    ref = RegressorSpec.from_dict(request["spec"]).ref("transformers")
     return build(ref, torch.device("cpu"), {"data": request["data"], "stride": request["stride"]})
 
 
@@ -148,7 +148,7 @@ def run_accelerate(request: dict) -> dict[str, Any]:
     from accelerate.utils import find_executable_batch_size
     from torch.utils.data import DataLoader
 
-    from vramcal.models.regressor import forward
+    from vramcal.models.regressor.step import forward
 
     accelerator = Accelerator(cpu=True)
     trials: list[dict] = []

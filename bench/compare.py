@@ -1,6 +1,6 @@
 """vramcal against Lightning's BatchSizeFinder and Accelerate's find_executable_batch_size, one budget.
 
-``python -m bench.compare --spec small`` runs, for each ModelSpec named and its memory budget:
+``python -m bench.compare --spec small`` runs, for each RegressorSpec named and its memory budget:
 
 1. the ground truth (:mod:`bench.truth`): the largest batch size whose vramcal trial — the trainer's own
    program — finishes under the budget, by bisection; cached in the results JSON;
@@ -84,7 +84,8 @@ def run_child(tool: str, request: dict, budget_bytes: int, timeout_s: float) -> 
 
 def train_windows(data: str, seq_len: int, stride: int) -> int:
     """How many training windows the trainer cuts from ``data`` (default validation fraction)."""
-    from vramcal.train.data import load_bars, make_windows
+    from vramcal.models.regressor.bars import load_bars
+    from vramcal.models.regressor.windows import make_windows
 
     return len(make_windows(load_bars(data), seq_len, stride, source=data).train_starts)
 

@@ -84,10 +84,10 @@ def pools(data: str, spec: dict[str, Any], stride: int | None) -> dict[str, int]
     memory (``host``) and with ``data_on_device`` (``device``); the step is built on the CPU."""
     import torch
 
-    from vramcal.models.regressor import ModelSpec
+    from vramcal.models.regressor.spec import RegressorSpec
     from vramcal.workload import build
 
-    ref = ModelSpec.from_dict(spec).ref("transformers")
+    ref = RegressorSpec.from_dict(spec).ref("transformers")
     step = build(ref, torch.device("cpu"), {"data": data, "stride": stride})
     on_device = dataclasses.replace(step, data_on_device=True)
     return {"host": step.pool_data_bytes("cuda"), "device": on_device.pool_data_bytes("cuda")}
@@ -172,9 +172,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from vramcal import api
     from vramcal.measure.device import host_device
     from vramcal.measure.worker import Workers
+    from vramcal.models.regressor.bars import load_bars, write_parquet
     from vramcal.sizing import length_model
     from vramcal.train.config import TrainConfig
-    from vramcal.train.data import load_bars, write_parquet
     from vramcal.train.errors import TrainError
     from vramcal.train.plan import plan_run, resolve
     from vramcal.train.runner import train

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vramcal.models.regressor import ModelSpec
+from vramcal.models.regressor.spec import RegressorSpec
 
 
 @dataclass(frozen=True)
@@ -17,18 +17,19 @@ class BenchSpec:
     """A named spec and its default host budget (bytes, a ``--budget`` string for file names)."""
 
     name: str
-    spec: ModelSpec
+    spec: RegressorSpec
     budget: str
 
 
 SPECS = {s.name: s for s in (
-    BenchSpec("small", ModelSpec(d_model=64, n_layers=2, d_state=16, headdim=16, seq_len=64, chunk_size=32), "1.5GiB"),
-    BenchSpec("default", ModelSpec(), "2.5GiB"),
+    BenchSpec("small", RegressorSpec(d_model=64, n_layers=2, d_state=16, headdim=16, seq_len=64, chunk_size=32),
+              "1.5GiB"),
+    BenchSpec("default", RegressorSpec(), "2.5GiB"),
     # ~26 MiB per sample on the host: at 2 GiB the truth is ~55 samples, vramcal's default safe size ~30
-    BenchSpec("wide", ModelSpec(d_model=256, n_layers=4, d_state=64, headdim=64, seq_len=128, chunk_size=64),
+    BenchSpec("wide", RegressorSpec(d_model=256, n_layers=4, d_state=64, headdim=64, seq_len=128, chunk_size=64),
               "2GiB"),
     # ~17 MiB per sample: at 1.5 GiB the truth is ~60 samples, vramcal's default safe size ~20
-    BenchSpec("long", ModelSpec(d_model=64, n_layers=2, d_state=16, headdim=16, seq_len=512, chunk_size=64),
+    BenchSpec("long", RegressorSpec(d_model=64, n_layers=2, d_state=16, headdim=16, seq_len=512, chunk_size=64),
               "1.5GiB"),
 )}
 # The smallest budget at which vramcal's defaults (reserve 0.5 GiB, margin 10 %) leave room above a trial's

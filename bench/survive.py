@@ -59,7 +59,7 @@ def survive(spec: dict[str, Any], budget_bytes: int, batch_size: int, profile_pa
         ``predicted_peak_bytes``/``upper_bytes``/``usable_bytes`` of ``profile_path`` at that size, the
         number of out-of-memory ``fallbacks``, ``wall_s`` and the runner's lines.
     """
-    from vramcal.models.regressor import ModelSpec
+    from vramcal.models.regressor.spec import RegressorSpec
     from vramcal.train.config import TrainConfig
     from vramcal.train.errors import TrainError
     from vramcal.train.plan import plan_run, resolve
@@ -72,7 +72,7 @@ def survive(spec: dict[str, Any], budget_bytes: int, batch_size: int, profile_pa
         if echo is not None:
             echo(line)
 
-    config = TrainConfig(data=data, spec=ModelSpec.from_dict(spec), implementation="transformers", gpu="none",
+    config = TrainConfig(data=data, spec=RegressorSpec.from_dict(spec), implementation="transformers", gpu="none",
                          profile=profile_path, epochs=10**6, max_steps=steps, stride=stride)
     started = time.time()
     failure, result = None, None

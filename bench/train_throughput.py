@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 
 from vramcal import api
-from vramcal.models.regressor import ModelSpec
+from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.units import format_bytes
 
 SEED_BATCH_SIZE = 96
@@ -96,12 +96,12 @@ def main() -> None:
           f"{conservative['samples_per_s'] / seed['samples_per_s']:.2f}x); peak source: {conservative['peak_source']}")
 
 
-def _spec(spec_args: list[str]) -> ModelSpec:
+def _spec(spec_args: list[str]) -> RegressorSpec:
     values = {}
     for option, value in zip(spec_args[::2], spec_args[1::2]):
         name = option.lstrip("-").replace("-", "_")
         values[name] = value if name == "dtype" else int(value)
-    return ModelSpec(**values)
+    return RegressorSpec(**values)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def ground_truth(spec: dict[str, Any], budget_bytes: int, data: str, stride: int
     """Bisect the largest batch size whose vramcal trial finishes under ``RLIMIT_DATA = budget_bytes``.
 
     Args:
-        spec: the :class:`~vramcal.models.regressor.ModelSpec` as a dict.
+        spec: the :class:`~vramcal.models.regressor.RegressorSpec` as a dict.
         data, stride: the bars and window stride the trials hold (as the tools' and the trainer's).
         runner: a :class:`~vramcal.measure.trial.TrialRunner` (one is made by default).
 
@@ -91,10 +91,11 @@ def ground_truth(spec: dict[str, Any], budget_bytes: int, data: str, stride: int
     """
     from vramcal.measure.device import host_device
     from vramcal.measure.trial import TrialRequest, TrialRunner
-    from vramcal.models.regressor import ModelSpec
+    from vramcal.models.regressor.spec import RegressorSpec
 
     runner = runner or TrialRunner(timeout_s=timeout_s)
-    template = TrialRequest(ModelSpec.from_dict(spec).ref("transformers"), 1, host_device(capacity_bytes=budget_bytes),
+    template = TrialRequest(RegressorSpec.from_dict(spec).ref("transformers"), 1,
+                            host_device(capacity_bytes=budget_bytes),
                             json.dumps({"data": data, "stride": stride}, sort_keys=True),
                             host_memory_limit_bytes=budget_bytes)
     trials: list[dict[str, Any]] = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from vramcal.calibration.fit import fit_linear
 from vramcal.calibration.limits import LimitSettings, compute_limits
-from vramcal.models.regressor import ModelSpec
+from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.profile import Profile, Verification
 from vramcal.records import Device, Trial
 
@@ -50,7 +50,7 @@ def seed_peak(batch_size: int, index: int = 0) -> int:
     return SEED_OVERHEAD_BYTES + SEED_SLOPE_BYTES * batch_size + NOISE_BYTES[index % len(NOISE_BYTES)]
 
 
-def build_profile(device: Device, trials: list[Trial], spec: ModelSpec | None = None,
+def build_profile(device: Device, trials: list[Trial], spec: RegressorSpec | None = None,
                   implementation: str = "transformers", verify: bool = True,
                   verify_offset_bytes: int = -3_000_000) -> Profile:
     """Fit the ok trials within budget, compute limits, optionally add passing verification trials."""
@@ -71,7 +71,7 @@ def build_profile(device: Device, trials: list[Trial], spec: ModelSpec | None = 
                 trial = _like(trials[0], size, peak, purpose=f"verify-{kind}")
                 trials = [*trials, trial]
                 verification[kind] = Verification(size, trial.fits(usable), trial.peak_bytes)
-    spec = spec or ModelSpec()
+    spec = spec or RegressorSpec()
     return Profile(
         device=device, model=spec.ref(implementation), implementation=implementation,
         kernel_path="transformers Mamba2 torch_forward (pure PyTorch chunked scan)", settings=settings,

@@ -15,8 +15,9 @@ from bench.survive import outcome, sizing_at
 from bench.table import ResultsError, markdown, needs_survival, ratios, rows, summary, targets
 from bench.truth import bisect_largest, cached
 from vramcal.calibration.fit import fit_linear
+from vramcal.models.regressor.bars import synthetic_bars
+from vramcal.models.regressor.windows import make_windows
 from vramcal.sizing import size
-from vramcal.train.data import make_windows, synthetic_bars
 
 from profiles_for_tests import host_profile
 

@@ -233,8 +233,8 @@ def test_redact_hides_passwords_in_urls_and_messages(text, shown):
 def test_a_study_whose_every_trial_fails_stops_and_says_so(paths, monkeypatch):
     """A fault that fails every trial (here: the data file vanished mid-study) ends the study after one
     failure more than the trials asked, with its results written and one closing line (exit 1)."""
+    from vramcal.models.regressor.bars import DataError
     from vramcal.train import runner
-    from vramcal.train.data import DataError
     from vramcal.tune.study import TRIALS_TABLE
 
     def train(plan, **kwargs):

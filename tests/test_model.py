@@ -7,9 +7,10 @@ import textwrap
 import pytest
 
 from vramcal.models.mamba2 import kernel_path, resolve_implementation
-from vramcal.models.regressor import ModelSpec, build_model
+from vramcal.models.regressor.spec import RegressorSpec
+from vramcal.models.regressor.step import build_model
 
-TINY = ModelSpec(d_model=32, n_layers=2, d_state=16, headdim=16, seq_len=32, chunk_size=16)
+TINY = RegressorSpec(d_model=32, n_layers=2, d_state=16, headdim=16, seq_len=32, chunk_size=16)
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -21,16 +22,16 @@ TINY = ModelSpec(d_model=32, n_layers=2, d_state=16, headdim=16, seq_len=32, chu
 ])
 def test_impossible_specs_are_refused_with_values_that_work(changes, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        ModelSpec(**changes).validate()
+        RegressorSpec(**changes).validate()
 
 
 def test_the_profile_key_is_stable_and_distinguishes_specs_and_implementations():
-    key = ModelSpec().ref("transformers").key()
-    assert key == ModelSpec().ref("transformers").key()
-    assert key != ModelSpec(seq_len=256).ref("transformers").key()
-    assert key != ModelSpec().ref("mamba_ssm").key()
-    assert ModelSpec.from_dict(TINY.to_dict()) == TINY
-    assert ModelSpec.from_ref(TINY.ref("transformers")) == (TINY, "transformers")
+    key = RegressorSpec().ref("transformers").key()
+    assert key == RegressorSpec().ref("transformers").key()
+    assert key != RegressorSpec(seq_len=256).ref("transformers").key()
+    assert key != RegressorSpec().ref("mamba_ssm").key()
+    assert RegressorSpec.from_dict(TINY.to_dict()) == TINY
+    assert RegressorSpec.from_ref(TINY.ref("transformers")) == (TINY, "transformers")
 
 
 def test_the_built_model_maps_windows_to_one_prediction_per_position():
@@ -69,8 +70,9 @@ RUN = """
 import sys, torch
 sys.path.insert(0, {path!r})
 if {guarded}:
-    from vramcal.models.regressor import ModelSpec, build_model
-    model = build_model(ModelSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16),
+    from vramcal.models.regressor.spec import RegressorSpec
+    from vramcal.models.regressor.step import build_model
+    model = build_model(RegressorSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16),
                         "transformers")
     model(torch.randn(2, 32, 5)).sum().backward()
 else:

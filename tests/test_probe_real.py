@@ -11,10 +11,10 @@ from scipy import stats
 from vramcal.cli import main
 from vramcal.measure.device import host_device
 from vramcal.measure.trial import TrialRequest, TrialRunner
-from vramcal.models.regressor import ModelSpec
+from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.profile import load_profile, save_profile
 
-TINY = ModelSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16)
+TINY = RegressorSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16)
 TINY_ARGS = ["--d-model", "32", "--n-layers", "1", "--d-state", "16", "--headdim", "16", "--seq-len", "32",
              "--chunk-size", "16"]
 
@@ -24,7 +24,7 @@ def runner():
     return TrialRunner(timeout_s=120)
 
 
-def request(spec: ModelSpec, batch_size: int, device, **settings) -> TrialRequest:
+def request(spec: RegressorSpec, batch_size: int, device, **settings) -> TrialRequest:
     return TrialRequest(spec.ref("transformers"), batch_size, device, **settings)
 
 
@@ -37,7 +37,7 @@ def test_an_allocation_past_the_host_limit_is_recorded_as_oom(runner):
 
 def test_a_trial_over_its_time_limit_is_killed_and_recorded():
     slow = TrialRunner(timeout_s=1.0)
-    trial = slow.run(request(ModelSpec(), 256, host_device(), measured_steps=50))
+    trial = slow.run(request(RegressorSpec(), 256, host_device(), measured_steps=50))
     assert trial.status == "timeout" and "time limit" in trial.error
     assert trial.wall_s < 30
 
@@ -112,10 +112,10 @@ def test_a_killed_probe_leaves_no_trial_process_behind(tmp_path):
 
     script = tmp_path / "caller.py"
     script.write_text(
-        "from vramcal.measure.device import host_device\nfrom vramcal.models.regressor import ModelSpec\n"
+        "from vramcal.measure.device import host_device\nfrom vramcal.models.regressor import RegressorSpec\n"
         "from vramcal.measure.trial import TrialRequest, TrialRunner\n"
         "if __name__ == '__main__':\n"
-        "    TrialRunner().run(TrialRequest(ModelSpec().ref('transformers'), 64, host_device(), "
+        "    TrialRunner().run(TrialRequest(RegressorSpec().ref('transformers'), 64, host_device(), "
         "measured_steps=10**6))\n")
     caller = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": os.getcwd()})
 

@@ -304,7 +304,7 @@ def test_calibration_names_the_first_trials_failure_in_plain_words():
     import pytest
 
     from vramcal.calibration.probe import CalibrationError, calibrate_trials
-    from vramcal.models.regressor import ModelSpec
+    from vramcal.models.regressor.spec import RegressorSpec
     from vramcal.records import Device
 
     class OomRunner:  # fake at the hardware boundary: every trial runs out of memory
@@ -315,7 +315,7 @@ def test_calibration_names_the_first_trials_failure_in_plain_words():
 
     host = Device(kind="host", name="test host", total_bytes=8 * GIB, total_source="--capacity")
     with pytest.raises(CalibrationError) as caught:
-        calibrate_trials(host, ModelSpec().ref("transformers"), runner=OomRunner())
+        calibrate_trials(host, RegressorSpec().ref("transformers"), runner=OomRunner())
     assert "(it ended with oom: RuntimeError: can't allocate memory);" in str(caught.value)
 
 
@@ -340,7 +340,7 @@ def test_the_creep_is_read_from_the_steady_trial_and_scaled_per_token():
 
 def test_a_profile_with_a_steady_trial_records_the_creep_and_loads(tmp_path):
     from vramcal.calibration.probe import assemble
-    from vramcal.models.regressor import ModelSpec
+    from vramcal.models.regressor.spec import RegressorSpec
     from vramcal.profile import load_profile, save_profile
 
     from profiles_for_tests import gpu_device
@@ -348,7 +348,7 @@ def test_a_profile_with_a_steady_trial_records_the_creep_and_loads(tmp_path):
     device = gpu_device(total_bytes=24 * GIB)
     settings = SearchSettings(total_bytes=device.total_bytes)
     trials = run_policy(linear(0.529 * GIB, 0.088 * GIB), settings, creep=lambda b: 0.01 * GIB * b)
-    profile = assemble(device, ModelSpec().ref("transformers"), settings.limits, trials, settings, {}, {}, {})
+    profile = assemble(device, RegressorSpec().ref("transformers"), settings.limits, trials, settings, {}, {}, {})
     assert profile.verified and profile.creep.batch_size == 227
     assert profile.verification["safe"].peak_bytes > max(t.peak_bytes for t in trials if t.batch_size ==
                                                           profile.limits.safe_batch_size and t.purpose != "steady")

@@ -125,7 +125,7 @@ def test_answers_inside_outside_and_between_the_calibrated_lengths():
 
 
 def test_a_profile_over_lengths_covers_its_range_and_sizes_at_a_length(tmp_path):
-    from vramcal.models.regressor import ModelSpec
+    from vramcal.models.regressor.spec import RegressorSpec
     from vramcal.profile import load_profile, save_profile
     from vramcal.sizing import SizingError, size
 
@@ -137,9 +137,9 @@ def test_a_profile_over_lengths_covers_its_range_and_sizes_at_a_length(tmp_path)
                                                                            e.conservative_peak_bytes)) if peak]
     profile = dataclasses.replace(base, model=base.model.without("seq_len"), surface=surface,
                                   trials=base.trials + tuple(evidence))
-    assert profile.covers(ModelSpec(seq_len=256).ref("transformers"))
-    assert not profile.covers(ModelSpec(seq_len=4096).ref("transformers"))
-    assert not profile.covers(ModelSpec(d_model=64, seq_len=256).ref("transformers"))
+    assert profile.covers(RegressorSpec(seq_len=256).ref("transformers"))
+    assert not profile.covers(RegressorSpec(seq_len=4096).ref("transformers"))
+    assert not profile.covers(RegressorSpec(d_model=64, seq_len=256).ref("transformers"))
     assert load_profile(save_profile(profile, tmp_path / "p.json")) == profile
     at_128 = size(profile, purpose="safe", seq_len=128)
     assert at_128.safe_batch_size == 900 and at_128.predicted_peak_bytes == int(profile.surface.fit.predict(900, 128))

@@ -22,7 +22,8 @@ from vramcal.calibration.fit import fit_linear
 from vramcal.calibration.limits import LimitSettings, compute_limits
 from vramcal.cli import main
 from vramcal.measure.device import host_device
-from vramcal.models.regressor import ModelSpec, training_step
+from vramcal.models.regressor.spec import RegressorSpec
+from vramcal.models.regressor.step import training_step
 from vramcal.profile import Profile, profile_path, save_profile
 from vramcal.records import Device, Trial
 from vramcal.sizing import scaled_lr
@@ -31,12 +32,12 @@ from vramcal.train.config import TrainConfig, load_config
 from vramcal.train.plan import plan_run, resolve
 
 MIB = 2**20
-SPEC = ModelSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16)
+SPEC = RegressorSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16)
 SPEC_ARGS = ["--d-model", "32", "--n-layers", "1", "--d-state", "16", "--headdim", "16", "--seq-len", "32",
              "--chunk-size", "16"]
 
 
-def make_profile(device: Device, spec: ModelSpec = SPEC, slope_mib: int = 24) -> Profile:
+def make_profile(device: Device, spec: RegressorSpec = SPEC, slope_mib: int = 24) -> Profile:
     """A profile over synthetic trials: 100 MiB + slope x batch in a 1 GiB budget (safe batch 12, conservative 10).
 
     The budget is the training runs' ``RLIMIT_DATA``: it and the overhead grow by what this torch build's
@@ -366,7 +367,8 @@ def test_config_file_with_command_line_overrides(setup):
     assert (saved.lr, saved.seed, saved.spec, saved.max_steps, saved.batch_size) == (1e-3, 5, SPEC, 1, None)
     toml = setup["tmp"] / "best.toml"
     toml.write_text('[train]\nlr = 2e-4\nd_model = 64\nbatch_size = 8\n')
-    assert load_config(toml).replace(seed=1) == TrainConfig(lr=2e-4, spec=ModelSpec(d_model=64), batch_size=8, seed=1)
+    expected = TrainConfig(lr=2e-4, spec=RegressorSpec(d_model=64), batch_size=8, seed=1)
+    assert load_config(toml).replace(seed=1) == expected
     toml.write_text('lr = 2e-4\nlearning_rate = 1\n')
     line = one_line_failure(CliRunner().invoke(main, ["train", "--config", str(toml)]))
     assert "unknown setting(s) learning_rate" in line
@@ -381,7 +383,7 @@ def test_no_profile_says_which_probe_to_run(setup):
 
 
 def test_profiles_of_another_spec_or_device_are_refused(setup):
-    other_spec = make_profile(host_device(), spec=ModelSpec(d_model=64, n_layers=1, d_state=16, headdim=16,
+    other_spec = make_profile(host_device(), spec=RegressorSpec(d_model=64, n_layers=1, d_state=16, headdim=16,
                                                             seq_len=32, chunk_size=16))
     save_profile(other_spec, setup["tmp"] / "spec.json")
     line = one_line_failure(train(setup, "x", "--profile", str(setup["tmp"] / "spec.json")))

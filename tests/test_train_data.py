@@ -6,21 +6,20 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from vramcal.models.regressor import N_FEATURES
-from vramcal.train import data as data_module
-from vramcal.train.data import (
-    FEATURE_NAMES,
+from vramcal.models.regressor import bars as data_module
+from vramcal.models.regressor import windows as windows_module
+from vramcal.models.regressor.bars import (
     DataError,
     check_bars,
     es_sample,
     few_bars_notice,
     load_bars,
-    make_windows,
     mlfinpy_tick_path,
-    raw_features,
     ticks_to_bars,
     write_parquet,
 )
+from vramcal.models.regressor.spec import N_FEATURES
+from vramcal.models.regressor.windows import FEATURE_NAMES, make_windows, raw_features
 
 
 def synthetic_bars(n: int = 400, seed: int = 0) -> pd.DataFrame:
@@ -216,7 +215,7 @@ def test_windows_never_span_a_session_break_and_its_return_is_no_target():
     assert np.abs(windows.targets[rows]).max() < 8  # no many-sigma target in any training window
     assert windows.targets[j - 2] == 0 and not windows.features[j - 1].any()  # cross-gap rows are zeroed
     assert "1 gap between bars (session breaks: pauses over 30 min; the longest 3 days)" in \
-        data_module.gap_notice(windows.stats())
+        windows_module.gap_notice(windows.stats())
 
 
 def test_quiet_seconds_and_weekends_are_not_gaps():
@@ -227,7 +226,7 @@ def test_quiet_seconds_and_weekends_are_not_gaps():
     assert make_windows(quiet, seq_len=32).gaps == 0
     daily = synthetic_bars(400).assign(timestamp=pd.bdate_range("2020-01-01", periods=400))  # weekends: 3 days
     assert make_windows(daily, seq_len=32).gaps == 0
-    assert data_module.gap_notice(make_windows(daily, seq_len=32).stats()) is None
+    assert windows_module.gap_notice(make_windows(daily, seq_len=32).stats()) is None
     holiday = daily.copy()
     holiday.loc[200:, "timestamp"] += pd.Timedelta(days=30)  # a month without data is a gap in daily bars
     assert make_windows(holiday, seq_len=32).gaps == 1

@@ -70,7 +70,7 @@ def model_ref(model: str | ModelRef = "regressor", params: dict[str, Any] | None
     kernels import, else ``transformers``).
 
     Args:
-        model: ``regressor`` (params: :class:`~vramcal.models.regressor.ModelSpec` fields), ``lm``
+        model: ``regressor`` (params: :class:`~vramcal.models.regressor.RegressorSpec` fields), ``lm``
             (params: ``config``, a JSON file or dict of ``Mamba2Config`` settings, ``seq_len``,
             ``dtype``), ``module:function`` (params: the factory's keyword arguments), or a ModelRef.
 
@@ -84,9 +84,9 @@ def model_ref(model: str | ModelRef = "regressor", params: dict[str, Any] | None
         return model
     params = dict(params or {})
     if model == "regressor":
-        from vramcal.models.regressor import ModelSpec
+        from vramcal.models.regressor.spec import RegressorSpec
 
-        spec = ModelSpec.from_dict(params)
+        spec = RegressorSpec.from_dict(params)
         spec.validate()
         _check_dtype(device, spec.dtype)
         return spec.ref(resolve_implementation(implementation, device.kind))
@@ -277,9 +277,9 @@ def probe_command(device: Device, ref: ModelRef) -> str:
     params = ref.params
     implementation = params.pop("implementation", None)
     if ref.family == "regressor":
-        from vramcal.models.regressor import ModelSpec
+        from vramcal.models.regressor.spec import RegressorSpec
 
-        defaults = ModelSpec().to_dict()
+        defaults = RegressorSpec().to_dict()
         args = [f"--{k.replace('_', '-')} {params[k]}" for k in defaults
                 if k not in ("n_features", "d_conv", "n_groups") and k in params and defaults[k] != params[k]]
     elif ref.family == "lm":

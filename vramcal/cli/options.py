@@ -18,12 +18,12 @@ import click
 from click.core import ParameterSource
 
 from vramcal.models.mamba2 import DTYPE_POLICIES, IMPLEMENTATIONS
-from vramcal.models.regressor import ModelSpec
+from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.units import format_bytes, parse_bytes
 
 EXIT_UNVERIFIED = 3
 EXIT_INTERRUPTED = 130
-_DEFAULTS = ModelSpec()
+_DEFAULTS = RegressorSpec()
 SPEC_NAMES = ("d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len", "dtype")
 
 

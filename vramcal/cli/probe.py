@@ -30,7 +30,7 @@ from vramcal.cli.options import (
     one_line,
     probe_spec_options,
 )
-from vramcal.models.regressor import ModelSpec
+from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.units import format_bytes
 
 DEFAULT_DATA = Path("data/es_1s.parquet")
@@ -133,7 +133,7 @@ def model_params(options: dict[str, Any], given: set[str]) -> tuple[str, dict[st
             raise click.BadParameter("the regressor takes the spec options (--d-model, ...), not --model-arg",
                                      param_hint="--model-arg")
         try:
-            ModelSpec(**spec).validate()
+            RegressorSpec(**spec).validate()
         except ValueError as error:
             raise click.BadParameter(str(error), param_hint="model spec") from None
         return model, spec

@@ -14,7 +14,7 @@ import click
 
 from vramcal.cli.console import TrialPrinter, echo_lines, summary
 from vramcal.cli.options import BatchSize, FiniteFloat, explicit, one_line, training_options
-from vramcal.models.regressor import ModelSpec
+from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.units import format_bytes
 
 
@@ -31,11 +31,11 @@ def data_group() -> None:
               help="a tick CSV (DateTime, Price, Volume); default: the E-mini S&P 500 sample inside mlfinpy")
 def es_sample_command(bar: str, out: Path, ticks: Path | None) -> None:
     """OHLCV bars from real E-mini S&P 500 futures ticks (September 2013, ~500,000 trades)."""
-    from vramcal.train.data import es_sample, few_bars_notice
+    from vramcal.models.regressor.bars import es_sample, few_bars_notice
 
     with one_line():
         bars = es_sample(bar, out, ticks)
-    notice = few_bars_notice(len(bars), bar, ModelSpec().seq_len)
+    notice = few_bars_notice(len(bars), bar, RegressorSpec().seq_len)
     if notice:
         click.echo(f"warning: {notice}", err=True)
     click.echo(f"{len(bars)} bars of {bar} from {bars['timestamp'].iloc[0]} to {bars['timestamp'].iloc[-1]} -> {out}")
@@ -137,7 +137,7 @@ def probe_printer(plan) -> None:
 
 def announce(plan) -> None:
     """What the run is about to do, on stderr: notices, model, batch size and its prediction, data (and its gaps)."""
-    from vramcal.train.data import gap_notice
+    from vramcal.models.regressor.windows import gap_notice
 
     sizing, config, stats = plan.sizing, plan.config, plan.data_stats
     for notice in plan.notices:

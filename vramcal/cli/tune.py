@@ -84,7 +84,7 @@ def open_tune(settings, run_dir: Path, resume: bool, storage: str | None, study_
         (study, the settings it searches, the :class:`~vramcal.tune.study.SearchSpace`, the storage URL: print
         it only through :func:`vramcal.tune.study.redact`).
     """
-    from vramcal.train.data import gap_notice
+    from vramcal.models.regressor.windows import gap_notice
     from vramcal.tune import study as tune
 
     if storage is None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from vramcal.models.regressor import ModelSpec
+from vramcal.models.regressor.spec import RegressorSpec
 
 LrScaling = Literal["none", "linear", "sqrt"]
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
@@ -44,7 +44,7 @@ class TrainConfig:
             2017) or ``sqrt`` (lr x sqrt(b/ref), the square-root rule for Adam, Malladi et al. 2022).
         warmup_steps: linear warm-up steps; None = 5 % of the run's steps (at least 1).
         max_steps: stop after this many optimizer steps (None: run all epochs).
-        stride: window spacing in bars; None = seq_len // 2 (see :mod:`vramcal.train.data`).
+        stride: window spacing in bars; None = seq_len // 2 (see :mod:`vramcal.models.regressor.windows`).
         data_on_device: hold the windows in the GPU's memory (counted there) instead of host memory
             with batches copied per step.
         checkpoint_steps, checkpoint_minutes: also save a checkpoint every this many steps or minutes
@@ -61,7 +61,7 @@ class TrainConfig:
     """
 
     data: str = "data/es_1s.parquet"
-    spec: ModelSpec = field(default_factory=ModelSpec)
+    spec: RegressorSpec = field(default_factory=RegressorSpec)
     implementation: str = "auto"
     gpu: str = "auto"
     profile: str = "auto"
@@ -126,7 +126,7 @@ class TrainConfig:
         data = dict(data)
         if str(data.get("batch_size", "")).lower() == "auto":  # as on the command line; TOML has no null
             data["batch_size"] = None
-        spec_names = {f.name for f in dataclasses.fields(ModelSpec)}
+        spec_names = {f.name for f in dataclasses.fields(RegressorSpec)}
         spec_values = dict(data.pop("spec", None) or {})
         spec_values.update({k: data.pop(k) for k in list(data) if k in spec_names})
         names = {f.name for f in dataclasses.fields(cls)}
@@ -135,13 +135,13 @@ class TrainConfig:
             known = ", ".join(sorted(names | spec_names))
             raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {known}")
         try:
-            return cls(spec=ModelSpec(**spec_values), **data)
+            return cls(spec=RegressorSpec(**spec_values), **data)
         except TypeError as error:
             raise ConfigError(f"bad setting: {error}") from None
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with ``changes``; spec fields (``d_model=...``) go into the spec."""
-        spec_names = {f.name for f in dataclasses.fields(ModelSpec)}
+        spec_names = {f.name for f in dataclasses.fields(RegressorSpec)}
         spec_changes = {k: changes.pop(k) for k in list(changes) if k in spec_names}
         if spec_changes:
             changes["spec"] = dataclasses.replace(changes.get("spec", self.spec), **spec_changes)

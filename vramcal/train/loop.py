@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from vramcal.measure.meters import synchronize, torch_cuda_empty_cache
-from vramcal.models.regressor import RegressorStep, forward
+from vramcal.models.regressor.step import RegressorStep, forward
 from vramcal.oom import is_out_of_memory
 from vramcal.train import checkpoint
 from vramcal.train.errors import NonFiniteError, Stopped, TrainError
@@ -398,7 +398,7 @@ def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
 
 
 def _check_same_data(state: dict[str, Any], step: RegressorStep, plan: Plan) -> None:
-    from vramcal.train.data import DataError
+    from vramcal.models.regressor.bars import DataError
 
     saved, windows = state["data_stats"], step.pipeline.windows
     if (saved["rows"], saved["split_row"], saved["stride"]) != (len(windows.targets), windows.split_row,

@@ -20,12 +20,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vramcal.models.regressor.bars import load_bars
+from vramcal.models.regressor.windows import Windows, make_windows
 from vramcal.profile import Profile
 from vramcal.records import Device
 from vramcal.sizing import Sizing, SizingError, scaled_lr, size
 from vramcal.train import checkpoint
 from vramcal.train.config import ConfigError, TrainConfig, load_config
-from vramcal.train.data import Windows, load_bars, make_windows
 from vramcal.units import format_bytes
 from vramcal.workload import ModelRef
 

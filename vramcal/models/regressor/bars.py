@@ -1,61 +1,15 @@
-"""OHLCV bars for the bundled trainer: loading and checking, the E-mini tick sample, features, windows.
+"""OHLCV bars for the regressor family: loading and checking a bar file, the E-mini tick sample.
 
 Bars are a parquet file with columns ``timestamp, open, high, low, close, volume`` (any
 capitalisation; ``datetime``/``date``/``time`` also name the timestamp, or a datetime index).
 Time-zone-aware timestamps are converted to UTC and made naive; numeric (epoch) timestamps are refused,
-as their unit cannot be known.
-
-Features of bar t (``N_FEATURES = 5``), all relative to the previous close ``C[t-1]`` so they are
-scale-free and stationary::
-
-    log(C[t] / C[t-1])      the bar's log return
-    log(O[t] / C[t-1])      the opening gap
-    log(H[t] / C[t-1])      the intrabar high, relative to the previous close
-    log(L[t] / C[t-1])      the intrabar low, relative to the previous close
-    log1p(V[t])             log volume
-
-each standardised as ``(f - mean) / std`` with the mean and standard deviation of the *training split
-only*. The target at bar t is the next bar's log return, ``log(C[t+1] / C[t]) / std_r``, scaled by the
-training-split standard deviation ``std_r`` of the return and not centred, so 0 still means "no move"
-and its sign is the direction. A window is ``seq_len`` consecutive bars: ``x`` (seq_len, 5) and ``y``
-(seq_len,), one target per position, as the model predicts one next-bar return per position.
-
-Rows: of n bars, the first has no previous close and the last no next bar, so ``M = n - 2`` rows carry
-both features and a target (row i = bar i + 1). The split is chronological: training rows
-``[0, s)``, validation rows ``[s, M)`` with ``s = round(M * (1 - val_fraction))``; windows start every
-``stride`` rows from the first row of each side (of each segment's part of it, when there are gaps, see
-below) and never cross ``s``. The last training target is the return of the first validation bar, an
-input there, never a validation target.
-
-Gaps (session breaks): a spacing between consecutive bars longer than ``GAP_FACTOR`` (10) times the
-median spacing *and* longer than ``GAP_MIN`` (30 minutes) is a gap. The relative part is issue 10's rule
-(a break "far longer than the bar spacing"): it keeps a weekend out of daily bars' gaps. The absolute
-part keeps quiet seconds out: trade-driven bars drop intervals without trades, and the one-second
-E-mini sample has 2,941 spacings of 10 to 209 s (the market was open, just quiet) and one of 6.5 hours;
-the shortest regular session break of the major exchanges is about an hour (CME Globex's daily
-maintenance halt, 17:00-18:00 ET; the Tokyo and Hong Kong lunch breaks), so 30 minutes catches every
-one of those with a factor of two to spare. The bars between gaps form segments; a window never spans a
-gap (its rows and the bars its targets read lie in one segment), and the rows whose features or target
-reach across a gap (the return across a gap) are in no window and left out of the training statistics
-(they are zeroed). Of a segment of k bars, k - 2 rows carry in-segment features and targets, as a file
-without gaps does.
-
-A training split on which a feature or the target has zero spread (constant prices, zero volume) is
-refused: it teaches nothing, and standardising it would divide by zero.
-
-Default ``stride = seq_len // 2``: the loss covers every position of a window, so a stride of seq_len
-already trains on every bar's target once; half of that puts every bar (but the first half-window) also
-in the second half of some window, with at least seq_len/2 bars of context, at twice the samples and no
-more. On the 34,171 one-second E-mini bars (one gap) with the default seq_len 128 that is 424 training
-and 105 validation windows: an epoch of the default model is seconds on a GPU and about 10 s on a 2-core CPU
-(about 60 samples/s), so a run of several epochs fits in minutes anywhere.
+as their unit cannot be known. What the trainer makes of them (features, windows, the split) is
+:mod:`vramcal.models.regressor.windows`.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import itertools
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -68,10 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 COLUMNS = ("timestamp", "open", "high", "low", "close", "volume")
 TIMESTAMP_ALIASES = ("timestamp", "datetime", "date", "time", "ts")
-FEATURE_NAMES = ("log_return", "log_open_gap", "log_high", "log_low", "log1p_volume")
 MLFINPY_TICKS = ("dataset", "data", "tick_data.csv")
-GAP_FACTOR = 10  # a gap is longer than this many median bar spacings ...
-GAP_MIN_S = 30 * 60  # ... and longer than this (module docstring: the rule and its sources)
 
 
 class DataError(ValueError):
@@ -319,164 +270,3 @@ def es_sample(bar: str, out: Path | str, ticks_csv: Path | str | None = None) ->
     bars = check_bars(ticks_to_bars(ticks, bar), source)
     write_parquet(bars, out)
     return bars
-
-
-# ------------------------------------------------------------------------------ features, windows
-
-@dataclass(frozen=True)
-class Windows:
-    """Standardised rows and the window starts of each split.
-
-    Attributes:
-        features: (M, N_FEATURES) float32, standardised with training-split statistics (0 in rows that
-            reach across a gap).
-        targets: (M,) float32, next-bar log return / training std of the log return (0 in rows whose
-            target is the return across a gap: never a target, as no window holds them).
-        train_starts, val_starts: (n_windows,) int64 first rows of the windows of each split.
-        seq_len, stride: window length and spacing, bars.
-        split_row: s, the first validation row.
-        feature_mean, feature_std: (N_FEATURES,) the training statistics; target_scale: std_r.
-        first_val_timestamp: when the validation split begins (ISO text).
-        gaps: the number of gaps (session breaks) between bars; longest_gap_s: the longest, seconds (0.0
-            without gaps); gap_threshold_s: the spacing above which a pause is a gap, seconds.
-    """
-
-    features: np.ndarray
-    targets: np.ndarray
-    train_starts: np.ndarray
-    val_starts: np.ndarray
-    seq_len: int
-    stride: int
-    split_row: int
-    feature_mean: np.ndarray
-    feature_std: np.ndarray
-    target_scale: float
-    first_val_timestamp: str
-    gaps: int = 0
-    longest_gap_s: float = 0.0
-    gap_threshold_s: float = 0.0
-
-    def stats(self) -> dict:
-        """The normalisation, for checkpoints and run records (plain JSON types)."""
-        return {"feature_names": list(FEATURE_NAMES), "feature_mean": self.feature_mean.tolist(),
-                "feature_std": self.feature_std.tolist(), "target_scale": self.target_scale,
-                "rows": len(self.targets), "split_row": self.split_row, "seq_len": self.seq_len,
-                "stride": self.stride, "train_windows": len(self.train_starts),
-                "val_windows": len(self.val_starts), "first_val_timestamp": self.first_val_timestamp,
-                "gaps": self.gaps, "longest_gap_s": self.longest_gap_s, "gap_threshold_s": self.gap_threshold_s}
-
-
-def gap_notice(stats: dict) -> str | None:
-    """The line telling people how many gaps the data have (from :meth:`Windows.stats`), or None."""
-    n = int(stats.get("gaps", 0))
-    if n == 0:
-        return None
-    return (f"data: {n} gap{'' if n == 1 else 's'} between bars (session breaks: pauses over "
-            f"{_duration(stats['gap_threshold_s'])}; the longest {_duration(stats['longest_gap_s'])}): no window "
-            f"spans one, and the return across each is neither a target nor in the statistics")
-
-
-def _duration(seconds: float) -> str:
-    for unit, size in (("days", 86400), ("hours", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.3g} {unit}"
-    return f"{seconds:.3g} s"
-
-
-def find_gaps(timestamps: pd.Series) -> tuple[np.ndarray, float]:
-    """Where the bars pause for a session break (module docstring: the rule and its sources).
-
-    Args:
-        timestamps: (n,) strictly increasing bar times.
-
-    Returns:
-        The bar indices j (ascending int64) such that the pause between bar j - 1 and bar j is a gap,
-        and the threshold in seconds (``max(GAP_FACTOR x median spacing, GAP_MIN_S)``).
-    """
-    stamps = np.asarray(timestamps, dtype="datetime64[ns]").astype(np.int64)
-    spacing_s = np.diff(stamps) / 1e9  # (n - 1,)
-    if len(spacing_s) == 0:
-        return np.zeros(0, dtype=np.int64), float(GAP_MIN_S)
-    threshold = max(GAP_FACTOR * float(np.median(spacing_s)), float(GAP_MIN_S))
-    return (np.flatnonzero(spacing_s > threshold) + 1).astype(np.int64), threshold
-
-
-def raw_features(bars: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """Unstandardised features and next-bar log returns.
-
-    Returns:
-        features (n - 2, 5) float64 for bars 1..n-2, and returns (n - 2,) float64, the log return of
-        bars 2..n-1 (the target of each row, before scaling).
-    """
-    close = bars["close"].to_numpy()
-    prev = close[:-1]
-    per_bar = np.stack([np.log(close[1:] / prev), np.log(bars["open"].to_numpy()[1:] / prev),
-                        np.log(bars["high"].to_numpy()[1:] / prev), np.log(bars["low"].to_numpy()[1:] / prev),
-                        np.log1p(bars["volume"].to_numpy()[1:])], axis=1)  # (n - 1, 5), bars 1..n-1
-    return per_bar[:-1], per_bar[1:, 0]
-
-
-def _starts(segments: list[tuple[int, int]], low: int, high: int, seq_len: int, stride: int) -> np.ndarray:
-    """Window starts every ``stride`` rows from the first row of each segment's part of ``[low, high)``,
-    each window inside it. ``segments``: ``[first row, end row)`` of the rows of each segment."""
-    starts = []
-    for first, end in segments:
-        first, end = max(first, low), min(end, high)
-        if end - first >= seq_len:
-            starts.append(np.arange(first, end - seq_len + 1, stride, dtype=np.int64))
-    return np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
-
-
-def make_windows(bars: pd.DataFrame, seq_len: int, stride: int | None = None,
-                 val_fraction: float = 0.2, source: str = "bars") -> Windows:
-    """Features, targets and the chronological split (module docstring has the formulas and the gap rule).
-
-    Raises:
-        DataError: fewer bars than one window, a split that leaves a side without a window (gaps
-            included), or a feature or the target with zero spread on the training split.
-        ValueError: stride < 1 or val_fraction outside (0, 1).
-    """
-    stride = stride or max(1, seq_len // 2)
-    if stride < 1:
-        raise ValueError(f"stride must be >= 1, got {stride}")
-    if not 0 < val_fraction < 1:
-        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    n_bars = len(bars)
-    if n_bars < seq_len + 2:
-        raise DataError(f"{source}: {n_bars} bars are fewer than one window: seq_len {seq_len} needs at least "
-                        f"{seq_len + 2} bars (one before for the first return, one after for the last target)")
-    features, returns = raw_features(bars)
-    rows = len(returns)
-    split = round(rows * (1 - val_fraction))
-    gaps, threshold = find_gaps(bars["timestamp"])
-    # Bars [a, b) of a segment give rows [a, b - 2): row i reads bars i..i+2 (previous close, bar, target).
-    edges = [0, *gaps.tolist(), n_bars]
-    segments = [(a, b - 2) for a, b in itertools.pairwise(edges) if b - 2 > a]
-    valid = np.zeros(rows, dtype=bool)
-    for first, end in segments:
-        valid[first:end] = True
-    train_starts = _starts(segments, 0, split, seq_len, stride)
-    val_starts = _starts(segments, split, rows, seq_len, stride)
-    if len(train_starts) == 0 or len(val_starts) == 0:
-        need = int(np.ceil(seq_len / min(val_fraction, 1 - val_fraction))) + 2
-        within = f" between its {len(gaps)} gap(s)" if len(gaps) else ""
-        raise DataError(f"{source}: {n_bars} bars give {len(train_starts)} training and {len(val_starts)} "
-                        f"validation windows of {seq_len} bars{within} (val_fraction {val_fraction}); need about "
-                        f"{need} bars{' without a gap' if len(gaps) else ''}, or a smaller --seq-len")
-    training = features[:split][valid[:split]]
-    mean, std = training.mean(axis=0), training.std(axis=0)
-    flat = [name for name, m, sd in zip(FEATURE_NAMES, mean, std) if not sd > 1e-12 + 1e-9 * abs(m)]
-    if flat:
-        raise DataError(f"{source}: {', '.join(flat)} do{'es' if len(flat) == 1 else ''} not vary on the training "
-                        f"split ({len(training)} rows; constant prices or volume?): a feature or target with "
-                        f"zero spread teaches nothing; use bars whose prices and volume move")
-    scale = float(std[0])
-    standardised = ((features - mean) / std).astype(np.float32)
-    targets = (returns / scale).astype(np.float32)
-    standardised[~valid], targets[~valid] = 0.0, 0.0
-    spacing_s = np.diff(np.asarray(bars["timestamp"], dtype="datetime64[ns]").astype(np.int64)) / 1e9
-    return Windows(
-        features=standardised, targets=targets, train_starts=train_starts, val_starts=val_starts, seq_len=seq_len,
-        stride=stride, split_row=split, feature_mean=mean, feature_std=std, target_scale=scale,
-        first_val_timestamp=str(bars["timestamp"].iloc[split + 1]), gaps=len(gaps),
-        longest_gap_s=float(spacing_s[gaps - 1].max()) if len(gaps) else 0.0, gap_threshold_s=threshold)

@@ -1,4 +1,4 @@
-"""The ``nn.Module`` classes of the calibrated model (imported lazily by :func:`vramcal.model.build_model`).
+"""The ``nn.Module`` classes of the regressor (imported lazily by :func:`vramcal.models.regressor.step.build_model`).
 
 The Mamba-2 blocks themselves come from transformers or mamba_ssm; this file only wires an input
 projection, a library backbone and a regression head around them.
