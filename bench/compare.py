@@ -193,8 +193,8 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def run_spec(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """Truth, rounds of tools, survival runs and tables for one spec (module docstring)."""
+    from vramcal import api
     from vramcal.measure.trial import TrialRunner
-    from vramcal.measure.worker import Workers
 
     bench_spec = SPECS[name]
     budget_text = args.budget or bench_spec.budget
@@ -222,7 +222,7 @@ def run_spec(args: argparse.Namespace, name: str) -> dict[str, Any]:
     results["limit_check"] = check_limit_binds(budget)
     print("limit check:", results["limit_check"], flush=True)
 
-    workers = Workers()
+    workers = api.worker_pool()
     key = truth_key(spec, budget, {"data": args.data, "stride": args.stride}, env["vramcal_commit"],
                     env["versions"]["torch"])
     truth = None if args.refresh_truth else cached(old, key)
@@ -230,8 +230,7 @@ def run_spec(args: argparse.Namespace, name: str) -> dict[str, Any]:
         results["ground_truth"] = {**truth, "cached": True}
     else:
         print("ground truth ...", flush=True)
-        runner = TrialRunner(timeout_s=args.timeout, workers=workers)
-        found = ground_truth(spec, budget, data, args.stride, runner=runner)
+        found = ground_truth(spec, budget, data, args.stride, runner=TrialRunner(workers), timeout_s=args.timeout)
         results["ground_truth"] = {**found, "key": key, "cached": False}
     print(f"ground truth: {results['ground_truth']['batch_size']}", flush=True)
     _write(json_path, {**old, "ground_truth": results["ground_truth"]})

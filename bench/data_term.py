@@ -171,7 +171,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench.compare import environment
     from vramcal import api
     from vramcal.measure.device import host_device
-    from vramcal.measure.worker import Workers
     from vramcal.models.regressor.bars import load_bars, write_parquet
     from vramcal.sizing import length_model
     from vramcal.train.config import TrainConfig
@@ -200,7 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"training {args.steps} steps at {sizing.batch_size} on {args.factor}x the data ...", flush=True)
         status, failure, result = "ok", None, None
         try:
-            result = train(dataclasses.replace(run_plan, profile_path=None), echo=print, workers=Workers())
+            result = train(dataclasses.replace(run_plan, profile_path=None), echo=print, workers=api.worker_pool())
         except TrainError as error:
             status, failure = ("oom" if "out of memory" in str(error) else "error"), str(error)
         gpu = gpu_path(profile, pools(small, spec.to_dict(), args.stride), pools(large, spec.to_dict(), args.stride))

@@ -33,7 +33,7 @@ from vramcal.sizing import Sizing, length_model, size
 def sizing_at(profile: Profile, batch_size: int, pool_data_bytes: int | None = None) -> Sizing:
     """A :class:`~vramcal.sizing.Sizing` at ``batch_size`` whatever the profile's limits (no clamping):
     the profile's prediction and upper bound there, plus the data term. Pure."""
-    base = size(profile, None, purpose="safe", pool_data_bytes=pool_data_bytes)
+    base = size(profile, None, limit="safe", pool_data_bytes=pool_data_bytes)
     model = length_model(profile)
     delta = base.data_delta_bytes
     return dataclasses.replace(base, batch_size=batch_size, source="bench",

@@ -68,9 +68,9 @@ def main() -> None:
     spec = _spec(args.spec_args)
 
     device = api.select_devices(args.gpu)[0][0]
-    profile, path, _ = api.find_profile("regressor", spec.to_dict(), device=device, implementation=args.impl,
-                                        profiles_dir=args.profiles_dir,
-                                        path=None if args.profile == "auto" else args.profile)
+    located = api.locate_profile("regressor", spec.to_dict(), device=device, implementation=args.impl,
+                                 profiles_dir=args.profiles_dir, path=None if args.profile == "auto" else args.profile)
+    profile, path = located.profile, located.path
     print(f"device: {device.name}; model: {spec.short()} [{profile.implementation}]")
     print(f"profile: {path}\n  {profile.fit.formula()}; conservative {profile.limits.conservative_batch_size}, "
           f"safe {profile.limits.safe_batch_size}, usable {format_bytes(profile.limits.usable_bytes)}")

@@ -89,15 +89,17 @@ def ground_truth(spec: dict[str, Any], budget_bytes: int, data: str, stride: int
         ``batch_size`` (the truth), ``first_failing_batch_size``, every trial, the non-oom failures and
         the wall time (seconds).
     """
+    from vramcal.api import worker_pool
     from vramcal.measure.device import host_device
     from vramcal.measure.trial import TrialRequest, TrialRunner
     from vramcal.models.regressor.spec import RegressorSpec
+    from vramcal.records import TrialSettings
 
-    runner = runner or TrialRunner(timeout_s=timeout_s)
+    runner = runner or TrialRunner(worker_pool())
     template = TrialRequest(RegressorSpec.from_dict(spec).ref("transformers"), 1,
                             host_device(capacity_bytes=budget_bytes),
                             json.dumps({"data": data, "stride": stride}, sort_keys=True),
-                            host_memory_limit_bytes=budget_bytes)
+                            TrialSettings(timeout_s=timeout_s))
     trials: list[dict[str, Any]] = []
     started = time.time()
 

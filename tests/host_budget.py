@@ -2,7 +2,7 @@
 this interpreter and torch build hold beyond the build the figures were written for.
 
 Every trial and training run is a worker forked from a server that has imported torch, transformers, pandas
-and pyarrow (``vramcal/measure/_preload.py``), so its data segment, which the host budget (``RLIMIT_DATA``)
+and pyarrow (``vramcal/preload.py``), so its data segment, which the host budget (``RLIMIT_DATA``)
 binds and the host peak counts, starts at what those imports hold. The tests' budgets (``--capacity 1GiB``,
 the in-memory profile's 1 GiB, ...) were written with the CPU build of torch 2.13 on Python 3.11, where that
 is about 470 MiB (:data:`REFERENCE_BYTES`). The CUDA build (the only torch 2.13 PyPI offers for Python 3.12
@@ -42,9 +42,9 @@ def _data_bytes_here(channel: Any = None) -> int:
 @functools.cache
 def worker_data_bytes() -> int:
     """What a worker (a trial's or a training run's process) holds at its start: its data-segment peak."""
-    from vramcal.measure.worker import Workers
+    from vramcal.api import worker_pool
 
-    outcome = Workers().run(_data_bytes_here, timeout_s=300)
+    outcome = worker_pool().run(_data_bytes_here, timeout_s=300)
     assert outcome.status == "ok", f"measuring a worker failed: {outcome.error}"
     return outcome.result
 

@@ -14,9 +14,9 @@ from click.testing import CliRunner
 from host_budget import budget, capacity
 
 import vramcal
-import vramcal.api  # noqa: F401 - binds vramcal.calibration to the function (other test modules import the package first)
 from vramcal.cli import main
 from vramcal.measure.device import host_device
+from vramcal.models.registry import family_of
 from vramcal.profile import load_profile
 
 PARAMS = {"n_features": 16384, "width": 8}
@@ -43,7 +43,7 @@ def test_a_user_factory_calibrates_to_a_verified_profile_that_names_it(calibrate
     profile, profiles, seen = calibrated
     assert profile.verified, profile.warnings
     assert profile.model.factory == "user_models:mlp" and profile.model.params == PARAMS
-    assert profile.model.family is None and profile.implementation == "factory"
+    assert family_of(profile.model).name == "factory" and profile.implementation == "factory"
     assert profile.kernel_path.startswith("no Mamba-2 module found (a user model)")
     assert profile.model_info == {"n_params": 16384 * 8 + 8 + 8 * 8 + 8 + 8 + 1}
     assert list(profile.trials) == seen and len(seen) >= 5
@@ -58,21 +58,24 @@ def test_a_user_factory_calibrates_to_a_verified_profile_that_names_it(calibrate
 
 def test_find_profile_and_batch_size_read_it_back(calibrated):
     profile, profiles, _ = calibrated
-    found, path, notices = vramcal.find_profile("user_models:mlp", PARAMS, device=host_device(budget(CAPACITY)),
-                                                profiles_dir=profiles)
-    assert found == profile and notices == [] and path.name.startswith("mlp-factory-")
+    located = vramcal.locate_profile("user_models:mlp", PARAMS, device=host_device(budget(CAPACITY)),
+                                     profiles_dir=profiles)
+    found, path = located.profile, located.path
+    assert found == profile and located.notices == () and path.name.startswith("mlp-factory-")
+    assert vramcal.find_profile("user_models:mlp", PARAMS, gpu="none", capacity_bytes=budget(CAPACITY),
+                                profiles_dir=profiles) == profile
     limits = profile.limits
     assert vramcal.batch_size(found) == limits.conservative_batch_size
     assert vramcal.batch_size(found, "safe") == limits.safe_batch_size
     assert vramcal.batch_size(found, request=10**9) == limits.safe_batch_size
     assert vramcal.size(found, 7).predicted_peak_bytes == int(profile.fit.predict(7))
     with pytest.raises(vramcal.SizingError, match="another model: width=16 \\(profile 8\\)"):
-        vramcal.find_profile("user_models:mlp", {**PARAMS, "width": 16}, device=host_device(budget(CAPACITY)),
+        vramcal.find_profile("user_models:mlp", {**PARAMS, "width": 16}, gpu="none", capacity_bytes=budget(CAPACITY),
                              path=path)
     with pytest.raises(vramcal.SizingError, match="no profile for .* `vramcal probe --gpu none --model "
                                                   "user_models:mlp --model-arg n_features=16384 --model-arg width=4`"):
-        vramcal.find_profile("user_models:mlp", {**PARAMS, "width": 4}, device=host_device(budget(CAPACITY)),
-                             profiles_dir=profiles)
+        vramcal.locate_profile("user_models:mlp", {**PARAMS, "width": 4}, device=host_device(budget(CAPACITY)),
+                               profiles_dir=profiles)
 
 
 @pytest.mark.parametrize("factory, message", [

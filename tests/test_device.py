@@ -4,8 +4,9 @@ import os
 
 import pytest
 
-from vramcal.measure.device import DeviceError, NvmlError, check_dtype, host_device, list_gpus, select
-from vramcal.measure.nvml import load_nvml, nvml_handle, nvml_query
+from vramcal.measure.device import DeviceError, host_device, select
+from vramcal.measure.nvml import NvmlError, list_gpus, load_nvml, nvml_handle, nvml_query
+from vramcal.models.mamba2 import check_dtype
 from vramcal.records import Device
 
 from fakes import DRIVER_NOT_LOADED, GIB, H200, L4, T4, fake_nvml, install_fake_nvml
@@ -167,7 +168,8 @@ def test_bf16_is_refused_below_compute_capability_8():
         check_dtype(t4, "bf16-autocast")
     check_dtype(t4, "fp32")
     check_dtype(h200, "bf16-autocast")
-    check_dtype(host_device(), "bf16-autocast")  # the host's rule is the caller's
+    with pytest.raises(ValueError, match=r"^dtype bf16-autocast is for CUDA GPUs; use --dtype fp32 on the host$"):
+        check_dtype(host_device(), "bf16-autocast")
 
 
 def test_host_total_prefers_cgroup_limit_then_memavailable(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 
 from vramcal.calibration.fit2d import (
     Fit2D,
+    SeqLens,
     check_seq_lens,
     fit_2d,
     longest_seq_len,
@@ -180,9 +181,10 @@ def test_check_seq_lens():
 
 
 def test_parse_seq_lens():
-    assert parse_seq_lens("2048, 128,512,128") == (128, 512, 2048)
-    assert parse_seq_lens(" 128:2048 ") == (128, 2048)
-    assert parse_seq_lens("256") == (256,)
+    assert parse_seq_lens("2048, 128,512,128").lengths == (128, 512, 2048)
+    assert parse_seq_lens(" 128:2048 ") == SeqLens((128, 2048), is_range=True)
+    assert parse_seq_lens("128:2048").design(64) == (128, 512, 2048)
+    assert parse_seq_lens("256") == SeqLens((256,))
     for text, message in [("", "no seq_len given"), ("  ", "no seq_len given"),
                           ("2048:128", "the range is reversed: write 128:2048"),
                           ("128,abc", "'abc' is not a whole number"), ("1.5", "not a whole number"),

@@ -13,6 +13,7 @@ from host_budget import MIB, capacity
 
 from vramcal.cli import main
 from vramcal.models.lm import from_mamba_ssm, mamba2_config, read_config
+from vramcal.models.registry import family_of
 from vramcal.profile import load_profile
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,13 +48,12 @@ def test_a_config_without_chunk_size_has_transformers_default_for_its_lengths(tm
     """Lengths are multiples of chunk_size; a config file without one has Mamba2Config's (256), not 1 (which
     made --seq-len 256:2048's middle length 724, a length the family then refused)."""
     from vramcal.api import model_ref
-    from vramcal.calibration.probe import chunk_size
     from vramcal.measure.device import host_device
 
     config = {k: v for k, v in json.loads(TINY.read_text()).items() if k != "chunk_size"}
     (tmp_path / "c.json").write_text(json.dumps(config))
     ref = model_ref("lm", {"config": str(tmp_path / "c.json"), "seq_len": 256}, device=host_device(2**30))
-    assert chunk_size(ref) == 256 == mamba2_config(config).chunk_size
+    assert family_of(ref).chunk_size(ref) == 256 == mamba2_config(config).chunk_size
 
 
 def test_mamba_ssm_configs_that_transformers_cannot_build_are_refused():
@@ -146,7 +146,7 @@ def test_probe_of_a_tiny_lm_writes_a_verified_profile_of_the_torch_path(tmp_path
         in result.output
     profile = load_profile(out)
     assert profile.verified, profile.warnings
-    assert profile.model.family == "lm" and profile.model.factory == "vramcal.models.lm:training_step"
+    assert family_of(profile.model).name == "lm" and profile.model.factory == "vramcal.models.lm:training_step"
     assert profile.model.params == {"config": json.loads(TINY.read_text()), "seq_len": 32, "dtype": "fp32",
                                     "implementation": "transformers"}
     assert profile.kernel_path.startswith("transformers Mamba2 torch_forward (pure PyTorch chunked scan")

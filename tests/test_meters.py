@@ -14,9 +14,10 @@ import torch
 from vramcal import oom
 from vramcal.measure import meters
 from vramcal.measure.device import select
-from vramcal.measure.meters import MeterError, NvmlSampler, is_out_of_memory, open_meter
+from vramcal.measure.meters import MeterError, open_meter
 from vramcal.measure.nvml import nvml_handle
-from vramcal.measure.sampler import NVML_SAMPLE_INTERVAL_S, settled
+from vramcal.measure.sampler import NVML_SAMPLE_INTERVAL_S, NvmlSampler, settled
+from vramcal.oom import is_out_of_memory
 
 from fakes import GIB, H200, L4, Process, fake_nvml, install_fake_nvml
 
@@ -213,7 +214,7 @@ def test_a_host_budget_below_what_the_process_holds_is_out_of_memory_before_any_
     as an out-of-memory error (the budget, not the step), and leaves the process's limit alone. In a process
     of its own: a meter that set the limit would leave this one unable to allocate."""
     code = ("import resource; from vramcal.measure.device import host_device; "
-            "from vramcal.measure.meters import is_out_of_memory, open_meter\n"
+            "from vramcal.measure.meters import open_meter\nfrom vramcal.oom import is_out_of_memory\n"
             "before = resource.getrlimit(resource.RLIMIT_DATA)\n"
             "try:\n    open_meter(host_device(), 2**20)\n"
             "except MemoryError as error:\n"

@@ -8,11 +8,13 @@ from click.testing import CliRunner
 from host_budget import budget, capacity
 from scipy import stats
 
+from vramcal.api import worker_pool
 from vramcal.cli import main
 from vramcal.measure.device import host_device
 from vramcal.measure.trial import TrialRequest, TrialRunner
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.profile import load_profile, save_profile
+from vramcal.records import TrialSettings
 
 TINY = RegressorSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16)
 TINY_ARGS = ["--d-model", "32", "--n-layers", "1", "--d-state", "16", "--headdim", "16", "--seq-len", "32",
@@ -21,30 +23,31 @@ TINY_ARGS = ["--d-model", "32", "--n-layers", "1", "--d-state", "16", "--headdim
 
 @pytest.fixture(scope="module")
 def runner():
-    return TrialRunner(timeout_s=120)
+    return TrialRunner(worker_pool())
 
 
 def request(spec: RegressorSpec, batch_size: int, device, **settings) -> TrialRequest:
-    return TrialRequest(spec.ref("transformers"), batch_size, device, **settings)
+    return TrialRequest(spec.ref("transformers"), batch_size, device, settings=TrialSettings(**{"timeout_s": 120,
+                                                                                              **settings}))
 
 
 def test_an_allocation_past_the_host_limit_is_recorded_as_oom(runner):
     device = host_device(budget(2**30))
-    trial = runner.run(request(TINY, 50_000, device, host_memory_limit_bytes=device.total_bytes))
+    trial = runner.run(request(TINY, 50_000, device))
     assert trial.status == "oom" and trial.peak_bytes is None
     assert "can't allocate memory" in trial.error or "MemoryError" in trial.error
 
 
 def test_a_trial_over_its_time_limit_is_killed_and_recorded():
-    slow = TrialRunner(timeout_s=1.0)
-    trial = slow.run(request(RegressorSpec(), 256, host_device(), measured_steps=50))
+    slow = request(RegressorSpec(), 256, host_device(), measured_steps=50, timeout_s=1.0)
+    trial = TrialRunner(worker_pool()).run(slow)
     assert trial.status == "timeout" and "time limit" in trial.error
     assert trial.wall_s < 30
 
 
 def test_trials_are_isolated_and_cheap_to_start(runner):
     device = host_device(budget(4 * 2**30))
-    small = request(TINY, 64, device, host_memory_limit_bytes=device.total_bytes)
+    small = request(TINY, 64, device)
     first, big, again = runner.run(small), runner.run(small.with_batch_size(2048)), runner.run(small)
     assert first.ok and big.ok and again.ok
     assert big.peak_bytes > first.peak_bytes
@@ -112,11 +115,12 @@ def test_a_killed_probe_leaves_no_trial_process_behind(tmp_path):
 
     script = tmp_path / "caller.py"
     script.write_text(
-        "from vramcal.measure.device import host_device\nfrom vramcal.models.regressor import RegressorSpec\n"
+        "from vramcal.api import worker_pool\nfrom vramcal.measure.device import host_device\n"
+        "from vramcal.models.regressor import RegressorSpec\nfrom vramcal.records import TrialSettings\n"
         "from vramcal.measure.trial import TrialRequest, TrialRunner\n"
         "if __name__ == '__main__':\n"
-        "    TrialRunner().run(TrialRequest(RegressorSpec().ref('transformers'), 64, host_device(), "
-        "measured_steps=10**6))\n")
+        "    TrialRunner(worker_pool()).run(TrialRequest(RegressorSpec().ref('transformers'), 64, host_device(), "
+        "settings=TrialSettings(measured_steps=10**6)))\n")
     caller = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": os.getcwd()})
 
     def trial_pids():

@@ -1,6 +1,7 @@
 """The search policy against fake trial runners: exact sequences, OOM above N, noise, non-linearity."""
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -303,7 +304,7 @@ def test_no_steady_trial_when_steady_steps_is_zero():
 def test_calibration_names_the_first_trials_failure_in_plain_words():
     import pytest
 
-    from vramcal.calibration.probe import CalibrationError, calibrate_trials
+    from vramcal.calibrator import CalibrationError, CalibrationPlan, run_trials
     from vramcal.models.regressor.spec import RegressorSpec
     from vramcal.records import Device
 
@@ -315,7 +316,8 @@ def test_calibration_names_the_first_trials_failure_in_plain_words():
 
     host = Device(kind="host", name="test host", total_bytes=8 * GIB, total_source="--capacity")
     with pytest.raises(CalibrationError) as caught:
-        calibrate_trials(host, RegressorSpec().ref("transformers"), runner=OomRunner())
+        run_trials(CalibrationPlan(host, RegressorSpec().ref("transformers"), LimitSettings(), {}, Path("p.json")),
+                   OomRunner())
     assert "(it ended with oom: RuntimeError: can't allocate memory);" in str(caught.value)
 
 
@@ -339,7 +341,7 @@ def test_the_creep_is_read_from_the_steady_trial_and_scaled_per_token():
 
 
 def test_a_profile_with_a_steady_trial_records_the_creep_and_loads(tmp_path):
-    from vramcal.calibration.probe import assemble
+    from vramcal.calibrator import CalibrationPlan, assemble
     from vramcal.models.regressor.spec import RegressorSpec
     from vramcal.profile import load_profile, save_profile
 
@@ -348,7 +350,8 @@ def test_a_profile_with_a_steady_trial_records_the_creep_and_loads(tmp_path):
     device = gpu_device(total_bytes=24 * GIB)
     settings = SearchSettings(total_bytes=device.total_bytes)
     trials = run_policy(linear(0.529 * GIB, 0.088 * GIB), settings, creep=lambda b: 0.01 * GIB * b)
-    profile = assemble(device, RegressorSpec().ref("transformers"), settings.limits, trials, settings, {}, {}, {})
+    plan = CalibrationPlan(device, RegressorSpec().ref("transformers"), settings.limits, {}, tmp_path / "p.json")
+    profile = assemble(plan, trials, {}, 1.0)
     assert profile.verified and profile.creep.batch_size == 227
     assert profile.verification["safe"].peak_bytes > max(t.peak_bytes for t in trials if t.batch_size ==
                                                           profile.limits.safe_batch_size and t.purpose != "steady")

@@ -141,7 +141,7 @@ def test_a_profile_over_lengths_covers_its_range_and_sizes_at_a_length(tmp_path)
     assert not profile.covers(RegressorSpec(seq_len=4096).ref("transformers"))
     assert not profile.covers(RegressorSpec(d_model=64, seq_len=256).ref("transformers"))
     assert load_profile(save_profile(profile, tmp_path / "p.json")) == profile
-    at_128 = size(profile, purpose="safe", seq_len=128)
+    at_128 = size(profile, limit="safe", seq_len=128)
     assert at_128.safe_batch_size == 900 and at_128.predicted_peak_bytes == int(profile.surface.fit.predict(900, 128))
     between = size(profile, seq_len=1024)
     assert between.notices[-1] == "the profile's limits at this seq_len are interpolated (not verified at this length)"

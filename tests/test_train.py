@@ -318,7 +318,7 @@ def test_sizing_bounds_and_the_data_term():
     profile = make_profile(host_device())
     safe, fit = profile.limits.safe_batch_size, profile.fit
     assert sizing.size(profile).batch_size == profile.limits.conservative_batch_size
-    assert sizing.size(profile, purpose="safe").batch_size == safe
+    assert sizing.size(profile, limit="safe").batch_size == safe
     assert sizing.size(profile, 3, batch_size_min=5).batch_size == 5
     assert sizing.size(profile, 3, batch_size_min=5).source == "clamped"
     assert sizing.size(profile, safe).notices == ("the profile's limits were not verified by real trials: they are "
@@ -340,9 +340,9 @@ def test_sizing_bounds_and_the_data_term():
 
     verified = gpu_profile()
     room = verified.limits.usable_bytes - verified.verification["safe"].peak_bytes
-    kept = sizing.size(verified, purpose="safe", pool_data_bytes=room // 2)
+    kept = sizing.size(verified, limit="safe", pool_data_bytes=room // 2)
     assert kept.safe_batch_size == verified.limits.safe_batch_size and kept.data_delta_bytes == room // 2
-    assert sizing.size(verified, purpose="safe", pool_data_bytes=room + 2**20).safe_batch_size < \
+    assert sizing.size(verified, limit="safe", pool_data_bytes=room + 2**20).safe_batch_size < \
         verified.limits.safe_batch_size
     assert scaled_lr(1e-4, 384, 96, "sqrt") == pytest.approx(2e-4)
     assert scaled_lr(1e-4, 384, 96, "none") == 1e-4

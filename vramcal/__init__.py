@@ -25,11 +25,13 @@ __version__ = "0.2.0"
 
 _API = {
     "calibrate": "vramcal.api", "plan_calibration": "vramcal.api", "run_calibration": "vramcal.api",
-    "find_profile": "vramcal.api", "batch_size": "vramcal.api", "model_ref": "vramcal.api",
+    "find_profile": "vramcal.api", "locate_profile": "vramcal.api", "batch_size": "vramcal.api",
+    "model_ref": "vramcal.api",
     "select_devices": "vramcal.api", "probe_command": "vramcal.api", "CalibrationPlan": "vramcal.api",
     "size": "vramcal.sizing", "Sizing": "vramcal.sizing", "SizingError": "vramcal.sizing",
     "load_profile": "vramcal.profile", "Profile": "vramcal.profile", "ProfileError": "vramcal.profile",
-    "LimitSettings": "vramcal.calibration.limits", "CalibrationError": "vramcal.calibration.probe",
+    "LimitSettings": "vramcal.calibration.limits", "CalibrationError": "vramcal.calibrator",
+    "TrialSettings": "vramcal.records",
     "TrainingStep": "vramcal.workload", "ModelRef": "vramcal.workload", "WorkloadError": "vramcal.workload",
 }
 __all__ = ["__version__", *_API]

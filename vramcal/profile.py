@@ -32,6 +32,7 @@ from vramcal.calibration.fit import Fit
 from vramcal.calibration.limits import Limits, LimitSettings, safe_batch_size
 from vramcal.calibration.surface import Surface
 from vramcal.files import atomic_write_text
+from vramcal.models.registry import family_of
 from vramcal.records import Device, Trial
 from vramcal.units import format_bytes
 from vramcal.workload import ModelRef
@@ -334,9 +335,10 @@ def _hint_text(hint: Any) -> str:
 
 # ------------------------------------------------------------------------------------------- files
 
-def model_name(model: ModelRef) -> str:
-    """A file-name-safe name for a model: the family, or the user factory's function name."""
-    return model.family or re.sub(r"[^A-Za-z0-9_]+", "-", model.factory.rpartition(":")[2]).strip("-")
+def profile_name(model: ModelRef, implementation: str) -> str:
+    """``<model name>-<implementation>-<model key>``: the family (or the user factory's function name), the
+    implementation, and 8 hex digits of the model's key."""
+    return f"{family_of(model).label(model)}-{implementation}-{model.key()}"
 
 
 def profile_path(profiles_dir: Path | str, device: Device, model: ModelRef, implementation: str,
@@ -346,7 +348,7 @@ def profile_path(profiles_dir: Path | str, device: Device, model: ModelRef, impl
     ``unique_device`` adds the GPU's identity to the folder, for several identical cards (``--gpu all``).
     """
     slug = device.slug(unique=True) if unique_device else device.slug()
-    return Path(profiles_dir) / slug / f"{model_name(model)}-{implementation}-{model.key()}.json"
+    return Path(profiles_dir) / slug / f"{profile_name(model, implementation)}.json"
 
 
 def save_profile(profile: Profile, path: Path | str) -> Path:
@@ -388,7 +390,7 @@ def load_profile(path: Path | str) -> Profile:
                            f"re-run `vramcal probe` to replace it") from None
 
 
-def find_profile(profiles_dir: Path | str, device: Device, model: ModelRef) -> tuple[Path | None, list[str]]:
+def newest_profile(profiles_dir: Path | str, device: Device, model: ModelRef) -> tuple[Path | None, list[str]]:
     """The newest readable profile under ``profiles_dir`` for this device's hardware and this model.
 
     Returns:
@@ -404,14 +406,14 @@ def find_profile(profiles_dir: Path | str, device: Device, model: ModelRef) -> t
             if model.key() in path.name:
                 skipped.append(str(error))
             continue
-        if profile.covers(model) and device.same_hardware(profile.device) is None:
+        if profile.covers(model) and device.hardware_difference(profile.device) is None:
             candidates.append((profile.created_utc, str(path)))
     return (Path(max(candidates)[1]) if candidates else None), skipped
 
 
 def check_profile_matches(profile: Profile, device: Device, model: ModelRef) -> None:
     """Raises: ProfileError naming the first difference in device or model."""
-    difference = device.same_hardware(profile.device)
+    difference = device.hardware_difference(profile.device)
     if difference:
         raise ProfileError(f"the profile was made on another device ({difference}): run `vramcal probe` here")
     if not profile.covers(model):

@@ -1,4 +1,4 @@
-"""Records: the plain, frozen data vramcal measures and keeps (devices, trials).
+"""Records: the plain, frozen data vramcal measures and keeps (devices, trials, how trials run).
 
 This module imports no process, hardware or framework code, so the pure parts (search policy, fit,
 limits, profiles, reports) can use these records on any machine.
@@ -76,7 +76,7 @@ class Device:
             slug += "-" + re.sub(r"[^a-z0-9]", "", self.uuid.lower().split("-", 1)[-1])[:8]
         return slug
 
-    def same_hardware(self, other: Device) -> str | None:
+    def hardware_difference(self, other: Device) -> str | None:
         """None when ``other`` is the same kind of device; else a phrase naming the difference.
 
         GPUs match by name (any card of the same model), the host by CPU name and core count.
@@ -89,6 +89,45 @@ class Device:
 
 
 TrialStatus = Literal["ok", "oom", "timeout", "error"]
+
+
+@dataclass(frozen=True)
+class TrialSettings:
+    """How the trials of a calibration run, and how many: one record from the command line to the trial.
+
+    Attributes:
+        warmup_steps: unmeasured optimizer steps first (AdamW allocates its state, Triton autotunes).
+        measured_steps: measured steps of each trial (>= 2: the peak is the largest of them).
+        val_steps: validation passes at the trial's batch size, as the trainer validates.
+        steady_steps: measured steps of the one steady trial that measures the step creep
+            (:mod:`vramcal.calibration.creep`); 0 runs none.
+        max_trials: the most trials of a calibration (>= 1; several lengths add 4 per extra length).
+        timeout_s: seconds before a trial's process is killed (the trial then counts as ``timeout``).
+        boundary: measure near the out-of-memory boundary (:mod:`vramcal.calibration.search`, rule 3).
+
+    Raises (on construction):
+        ValueError: a setting outside its range, named.
+    """
+
+    warmup_steps: int = 1
+    measured_steps: int = 2
+    val_steps: int = 1
+    steady_steps: int = 40
+    max_trials: int = 16
+    timeout_s: float = 900.0
+    boundary: bool = True
+
+    def __post_init__(self) -> None:
+        for name, low in (("warmup_steps", 0), ("measured_steps", 2), ("val_steps", 0), ("steady_steps", 0),
+                          ("max_trials", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s < float("inf")):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)

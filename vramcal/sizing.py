@@ -24,7 +24,7 @@ from vramcal.calibration.limits import Limits, safe_batch_size
 from vramcal.profile import Profile
 from vramcal.units import format_bytes
 
-Purpose = Literal["conservative", "safe"]
+Limit = Literal["conservative", "safe"]  # which of the profile's limits a run takes
 
 
 class SizingError(ValueError):
@@ -157,14 +157,14 @@ def limits_for_data(model: LengthModel, profile: Profile,
     return safe, conservative, delta, notices
 
 
-def size(profile: Profile, request: int | None = None, *, purpose: Purpose = "conservative",
+def size(profile: Profile, request: int | None = None, *, limit: Limit = "conservative",
          batch_size_min: int = 1, pool_data_bytes: int | None = None, seq_len: int | None = None) -> Sizing:
     """The batch size for a run and the profile's prediction for it.
 
     Args:
         profile: a checked profile (:func:`vramcal.profile.load_profile`).
-        request: the caller's batch size, clamped to ``[batch_size_min, safe]``; None = ``purpose``.
-        purpose: which limit to use when nothing is requested.
+        request: the caller's batch size, clamped to ``[batch_size_min, safe]``; None = ``limit``.
+        limit: which limit to use when nothing is requested.
         batch_size_min: the smallest batch size acceptable.
         pool_data_bytes: the run's data bytes in the measured memory (None: as in the calibration).
         seq_len: the run's sequence length, for a profile calibrated over several (:func:`length_model`).
@@ -173,7 +173,7 @@ def size(profile: Profile, request: int | None = None, *, purpose: Purpose = "co
     profile's safe batch size (the largest whose upper prediction bound fits in usable memory).
 
     Raises:
-        SizingError: no limits, min above the safe batch size, the limit for ``purpose`` below min, or a
+        SizingError: no limits, min above the safe batch size, the ``limit`` below min, or a
             ``seq_len`` the profile does not cover.
     """
     model = length_model(profile, seq_len)
@@ -182,9 +182,9 @@ def size(profile: Profile, request: int | None = None, *, purpose: Purpose = "co
         raise SizingError(f"--batch-size-min {batch_size_min} is above the profile's safe batch size {safe}: "
                           f"lower --batch-size-min, or use a smaller model or a larger device")
     if request is None:
-        batch, source = (conservative, "conservative") if purpose == "conservative" else (safe, "safe")
+        batch, source = (conservative, "conservative") if limit == "conservative" else (safe, "safe")
         if batch < batch_size_min:
-            raise SizingError(f"the profile's {purpose} batch size {batch} is below --batch-size-min "
+            raise SizingError(f"the profile's {limit} batch size {batch} is below --batch-size-min "
                               f"{batch_size_min}: pass --batch-size between {batch_size_min} and {safe}")
     else:
         batch = min(max(request, batch_size_min), safe)

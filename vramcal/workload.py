@@ -29,7 +29,7 @@ and a validation pass runs ``step.loss(step.val_batch(batch_size))`` under ``tor
 
 Families shipped with vramcal are named factories: ``regressor`` (the bundled Mamba-2 regressor that
 ``vramcal train`` trains) and ``lm`` (a Mamba-2 causal language model from a transformers
-``Mamba2Config``).
+``Mamba2Config``); :mod:`vramcal.models.registry` says what differs between them.
 """
 
 from __future__ import annotations
@@ -46,12 +46,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-FAMILIES = {
-    "regressor": "vramcal.models.regressor:training_step",
-    "lm": "vramcal.models.lm:training_step",
-}
-_ORDER = ("config", "d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len", "dtype")
-_QUIET = ("n_features", "d_conv", "n_groups")  # the regressor's fixed settings
 _FACTORY_NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
@@ -99,7 +93,7 @@ class ModelRef:
     """The identity of what a profile calibrated: a factory and its arguments (the profile's key).
 
     Attributes:
-        factory: ``module:function``, or a family name (``regressor``, ``lm``) resolved by :data:`FAMILIES`.
+        factory: ``module:function`` (a family's is in :mod:`vramcal.models.registry`).
         params_json: the arguments as canonical JSON (sorted keys), so the record is hashable and stable.
     """
 
@@ -109,24 +103,22 @@ class ModelRef:
     @classmethod
     def make(cls, factory: str, params: dict[str, Any] | None = None) -> ModelRef:
         """Raises: WorkloadError for a malformed factory name or arguments that are not plain JSON values."""
-        name = FAMILIES.get(factory, factory)
-        if not _FACTORY_NAME.match(name):
-            raise WorkloadError(f"--model {factory!r} is neither {', '.join(FAMILIES)} nor module:function "
-                                f"(e.g. mypackage.train:make_step)")
+        if not cls.is_factory_name(factory):
+            raise WorkloadError(f"{factory!r} is not module:function (e.g. mypackage.train:make_step)")
         try:
             text = json.dumps(params or {}, sort_keys=True, allow_nan=False)
         except (TypeError, ValueError) as error:
             raise WorkloadError(f"model arguments must be plain JSON values: {error}") from None
-        return cls(name, text)
+        return cls(factory, text)
+
+    @staticmethod
+    def is_factory_name(name: str) -> bool:
+        """Whether ``name`` reads as ``module:function`` (dotted names on both sides)."""
+        return bool(_FACTORY_NAME.match(name))
 
     @property
     def params(self) -> dict[str, Any]:
         return json.loads(self.params_json)
-
-    @property
-    def family(self) -> str | None:
-        """``regressor`` or ``lm`` for vramcal's own factories, else None (a user's factory)."""
-        return next((name for name, path in FAMILIES.items() if path == self.factory), None)
 
     def replace(self, **params: Any) -> ModelRef:
         return ModelRef.make(self.factory, {**self.params, **params})
@@ -138,37 +130,12 @@ class ModelRef:
         """8 hex digits of SHA-256 over the factory and its canonical arguments."""
         return hashlib.sha256(f"{self.factory}\n{self.params_json}".encode()).hexdigest()[:8]
 
-    def short(self) -> str:
-        """One line for titles: the family or factory, its arguments (the usual Mamba-2 ones first, values only
-        for ``dtype``), and the implementation in brackets."""
-        params = self.params
-        implementation = params.pop("implementation", None)
-        for quiet in _QUIET:
-            params.pop(quiet, None)
-        order = sorted(params, key=lambda k: (_ORDER.index(k) if k in _ORDER else len(_ORDER), k))
-        args = [str(params[k]) if k == "dtype" else f"{k}={_short_value(params[k])}" for k in order]
-        tail = [f"[{implementation}]"] if implementation else []
-        return " ".join([self.family or self.factory, *args, *tail])
-
     def to_dict(self) -> dict[str, Any]:
         return {"factory": self.factory, "params": self.params}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelRef:
         return cls.make(data["factory"], data["params"])
-
-
-_SHAPE = (("hidden_size", "hidden"), ("num_hidden_layers", "layers"), ("vocab_size", "vocab"), ("state_size", "state"))
-
-
-def _short_value(value: Any) -> str:
-    """A value for :meth:`ModelRef.short`: a config dict by its shape (``(hidden 64, layers 2, vocab 512, state
-    16, +7 more)``), other dicts by their size."""
-    if isinstance(value, dict):
-        shape = [f"{label} {value[key]}" for key, label in _SHAPE if key in value]
-        rest = len(value) - len(shape)
-        return f"({', '.join(shape)}{f', +{rest} more' if rest else ''})" if shape else f"{{{len(value)} settings}}"
-    return str(value)
 
 
 def load_factory(ref: ModelRef) -> Callable[..., TrainingStep]:

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from vramcal.records import Trial
 
 STEADY = "steady"  # the purpose of a steady trial
-STEADY_STEPS = 40  # its measured steps by default (the small spec's creep had levelled off by 40: module docstring)
 
 
 @dataclass(frozen=True)

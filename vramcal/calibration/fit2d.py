@@ -307,12 +307,38 @@ def _parse_length(text: str) -> int:
     return int(text)
 
 
-def parse_seq_lens(text: str) -> tuple[int, ...]:
-    """Read ``--seq-lens``: a list ``"128,512,2048"`` or a range ``"128:2048"``.
+@dataclass(frozen=True)
+class SeqLens:
+    """What a ``--seq-len`` text asks for, read once (:func:`parse_seq_lens`).
 
-    A list comes back sorted and de-duplicated. A range comes back as its two ends ``(low, high)`` (one
-    value when they are equal): the middle point needs chunk_size, so the caller adds it. Multiples of
-    chunk_size are checked by :func:`check_seq_lens`.
+    Attributes:
+        lengths: the lengths written, sorted and de-duplicated; for a range, its two ends (one value when
+            they are equal).
+        is_range: the text was a range ``low:high``, whose middle point :meth:`design` adds.
+    """
+
+    lengths: tuple[int, ...]
+    is_range: bool = False
+
+    def design(self, chunk_size: int) -> tuple[int, ...]:
+        """The lengths to calibrate: a list as written; a range as its ends and their geometric middle rounded
+        to a multiple of chunk_size (three lengths pin the 2-D model and its extra-terms test; the middle is
+        the reference calibrated in full). Each checked by :func:`check_seq_lens`.
+
+        Raises:
+            ValueError: as :func:`check_seq_lens`.
+        """
+        lengths = check_seq_lens(self.lengths, chunk_size)
+        if self.is_range and len(lengths) == 2:
+            middle = round(math.sqrt(lengths[0] * lengths[1]) / chunk_size) * chunk_size
+            lengths = tuple(sorted({lengths[0], min(max(middle, lengths[0]), lengths[1]), lengths[1]}))
+        return lengths
+
+
+def parse_seq_lens(text: str) -> SeqLens:
+    """Read ``--seq-len``: a list ``"128,512,2048"`` or a range ``"128:2048"``.
+
+    Multiples of chunk_size are checked by :meth:`SeqLens.design`, which needs the model's chunk_size.
 
     Raises:
         ValueError: empty text, a non-integer, a zero or negative length, or a reversed range.
@@ -327,21 +353,5 @@ def parse_seq_lens(text: str) -> tuple[int, ...]:
         low, high = (_parse_length(end) for end in ends)
         if low > high:
             raise ValueError(f"the range is reversed: write {high}:{low}")
-        return (low,) if low == high else (low, high)
-    return tuple(sorted({_parse_length(part) for part in text.split(",")}))
-
-
-def design_lengths(text: str, chunk_size: int) -> tuple[int, ...]:
-    """The lengths a ``--seq-len`` text asks for: a list as written; a range ``low:high`` as its ends and
-    their geometric middle rounded to a multiple of chunk_size (three lengths pin the 2-D model and its
-    extra-terms test; the middle is the reference calibrated in full). Each checked by
-    :func:`check_seq_lens`.
-
-    Raises:
-        ValueError: as :func:`parse_seq_lens` and :func:`check_seq_lens`.
-    """
-    lengths = check_seq_lens(parse_seq_lens(text), chunk_size)
-    if ":" in text and len(lengths) == 2:
-        middle = round(math.sqrt(lengths[0] * lengths[1]) / chunk_size) * chunk_size
-        lengths = tuple(sorted({lengths[0], min(max(middle, lengths[0]), lengths[1]), lengths[1]}))
-    return lengths
+        return SeqLens((low,) if low == high else (low, high), is_range=low != high)
+    return SeqLens(tuple(sorted({_parse_length(part) for part in text.split(",")})))

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 from vramcal.calibration.fit import Fit
+from vramcal.units import format_bytes
 
 DEFAULT_RESERVE_BYTES = 2**29
 DEFAULT_MARGIN = 0.10
@@ -48,6 +49,13 @@ class LimitSettings:
     def usable_bytes(self, total_bytes: int) -> int:
         """``total_bytes - reserve_bytes - margin * total_bytes`` (may be <= 0 for tiny devices)."""
         return int(total_bytes - self.reserve_bytes - self.margin * total_bytes)
+
+    def check(self, total_bytes: int) -> None:
+        """Raises: ValueError when the reserve and the margin leave no usable memory of ``total_bytes``."""
+        if self.usable_bytes(total_bytes) <= 0:
+            raise ValueError(f"{format_bytes(total_bytes)} leaves no usable memory after the reserve of "
+                             f"{format_bytes(self.reserve_bytes)} and the {self.margin:.0%} margin: give a larger "
+                             f"--capacity or a smaller --reserve/--margin")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

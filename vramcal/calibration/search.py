@@ -46,10 +46,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vramcal.calibration.creep import STEADY, STEADY_STEPS, short_trials, steady_equivalent
+from vramcal.calibration.creep import STEADY, short_trials, steady_equivalent
 from vramcal.calibration.fit import Fit, fit_linear
 from vramcal.calibration.limits import Limits, LimitSettings, compute_limits
-from vramcal.records import Trial
+from vramcal.records import Trial, TrialSettings
 
 FLAT_FRACTION = 0.02  # peaks within 2 % (or FLAT_BYTES) of each other are not a measurable rise
 FLAT_BYTES = 8 * 2**20
@@ -79,9 +79,9 @@ class SearchSettings:
     local_span: int = 16
     boundary_fraction: float = 0.97
     repeat_safe: bool = True
-    max_trials: int = 16
+    max_trials: int = TrialSettings.max_trials
     max_batch_size: int = 2**20
-    steady_steps: int = STEADY_STEPS
+    steady_steps: int = TrialSettings.steady_steps
 
     @property
     def usable_bytes(self) -> int:

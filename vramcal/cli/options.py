@@ -73,6 +73,23 @@ class BatchSize(click.ParamType):
         return number
 
 
+class SeqLenList(click.ParamType):
+    """One sequence length, a list ``128,512,2048`` or a range ``128:2048``, read once
+    (:func:`vramcal.calibration.fit2d.parse_seq_lens`)."""
+
+    name = "N|N,N,...|LOW:HIGH"
+
+    def convert(self, value, param, ctx):
+        from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
+
+        if isinstance(value, SeqLens):
+            return value
+        try:
+            return parse_seq_lens(str(value))
+        except ValueError as error:
+            self.fail(str(error), param, ctx)
+
+
 class KeyValue(click.ParamType):
     """``KEY=VALUE``; the value is read as JSON when it parses (numbers, true/false, lists), else as text."""
 
@@ -130,7 +147,7 @@ spec_options = _spec_group(click.option("--seq-len", type=click.IntRange(1), def
                                         show_default=True))
 # probe: one length, or several calibrated at once (issue 13)
 probe_spec_options = _spec_group(click.option(
-    "--seq-len", default=str(_DEFAULTS.seq_len), show_default=True,
+    "--seq-len", type=SeqLenList(), default=str(_DEFAULTS.seq_len), show_default=True,
     help="one length, or several calibrated at once: a list 128,512,2048 or a range 128:2048 (its ends and their "
          "geometric middle); multiples of chunk_size"))
 
@@ -185,8 +202,8 @@ def one_line(interrupted: str = "interrupted") -> Iterator[None]:
     factory) or a RuntimeError subclass whose message is written for people (a failed calibration or
     run, NVML); OSError covers files that cannot be written.
     """
-    from vramcal.calibration.probe import CalibrationError
-    from vramcal.measure.device import NvmlError
+    from vramcal.calibrator import CalibrationError
+    from vramcal.measure.nvml import NvmlError
     from vramcal.train.errors import TrainError
 
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -13,8 +14,6 @@ from typing import Any
 
 import click
 
-from vramcal.calibration.creep import STEADY_STEPS
-from vramcal.calibration.fit2d import parse_seq_lens
 from vramcal.cli.console import TrialPrinter, echo_lines, observations_lines, summary
 from vramcal.cli.options import (
     EXIT_UNVERIFIED,
@@ -30,7 +29,10 @@ from vramcal.cli.options import (
     one_line,
     probe_spec_options,
 )
+from vramcal.models import registry
+from vramcal.models.registry import describe
 from vramcal.models.regressor.spec import RegressorSpec
+from vramcal.records import TrialSettings
 from vramcal.units import format_bytes
 
 DEFAULT_DATA = Path("data/es_1s.parquet")
@@ -43,21 +45,23 @@ model_options = group(
                  help="KEY=VALUE for --model lm or your factory (repeat); lm needs config=<Mamba2Config JSON>"),
 )
 
+_TRIALS = TrialSettings()  # the defaults of the trial options, from the one record that holds them
 trial_options = group(
-    click.option("--warmup-steps", type=click.IntRange(1), default=1, show_default=True),
-    click.option("--measured-steps", type=click.IntRange(2), default=2, show_default=True),
-    click.option("--val-steps", type=click.IntRange(0), default=1, show_default=True,
+    click.option("--warmup-steps", type=click.IntRange(1), default=_TRIALS.warmup_steps, show_default=True),
+    click.option("--measured-steps", type=click.IntRange(2), default=_TRIALS.measured_steps, show_default=True),
+    click.option("--val-steps", type=click.IntRange(0), default=_TRIALS.val_steps, show_default=True,
                  help="validation passes per trial, at the trial's batch size, as the trainer validates"),
-    click.option("--steady-steps", type=click.IntRange(0), default=STEADY_STEPS, show_default=True,
+    click.option("--steady-steps", type=click.IntRange(0), default=_TRIALS.steady_steps, show_default=True,
                  help="measured steps of one steady trial at the verified safe size: how much more a long run "
                       "peaks than a short trial (the step creep), added to the predictions; 0 skips it"),
-    click.option("--max-trials", type=click.IntRange(3), default=16, show_default=True),
-    click.option("--timeout", "timeout_s", type=FiniteFloat(1, 86400), default=900, show_default=True,
+    click.option("--max-trials", type=click.IntRange(3), default=_TRIALS.max_trials, show_default=True),
+    click.option("--timeout", "timeout_s", type=FiniteFloat(1, 86400), default=_TRIALS.timeout_s, show_default=True,
                  help="seconds before a trial is killed"),
-    click.option("--boundary/--no-boundary", default=True, show_default=True,
+    click.option("--boundary/--no-boundary", default=_TRIALS.boundary, show_default=True,
                  help="measure near the out-of-memory boundary (its largest trials); without: faster, and the "
                       "predicted boundary is an extrapolation"),
 )
+TRIAL_OPTIONS = tuple(f.name for f in dataclasses.fields(TrialSettings))
 
 
 @click.command()
@@ -91,7 +95,8 @@ def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, co
 
     with one_line("interrupted: no profile written; existing profiles are unchanged"), stdout_to_stderr(as_json):
         given = explicit(ctx)
-        seq_lens = options["seq_len"] if "seq_len" in given else ""  # else the spec's default or --model-arg's
+        trials = TrialSettings(**{name: options.pop(name) for name in TRIAL_OPTIONS})
+        seq_lens = options["seq_len"] if "seq_len" in given else None  # else the spec's default or --model-arg's
         model, params = model_params(options, given)
         importable_from_cwd(model)
         settings = api.LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
@@ -99,15 +104,16 @@ def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, co
         if out is not None and len(devices) > 1:
             raise click.BadParameter("--out names one file; with --gpu all, use --profiles-dir", param_hint="--out")
         echo_lines(([notice] if notice else []) + host_hint(devices[0], capacity), err=as_json)
-        data = factory_options(model, options)
+        data = factory_options(options)
         plans = [api.plan_calibration(model, params, device=device, implementation=implementation, settings=settings,
                                       options=data, profiles_dir=profiles_dir, out=out,
-                                      unique_device=len(devices) > 1, seq_lens=seq_lens) for device in devices]
+                                      unique_device=len(devices) > 1, seq_lens=seq_lens or (), trials=trials)
+                 for device in devices]
         for plan in plans:
             check_writable(plan.path.parent, "profiles", "--out or --profiles-dir")
             if not no_report:
                 check_writable(reports_dir, "reports", "--reports-dir, or --no-report")
-        profiles = [calibrate_one(plan, options, as_json, None if no_report else reports_dir) for plan in plans]
+        profiles = [calibrate_one(plan, as_json, None if no_report else reports_dir) for plan in plans]
     if as_json:
         click.echo(json.dumps([p.to_dict() for p in profiles] if len(profiles) > 1 else profiles[0].to_dict(),
                               indent=2, sort_keys=True))
@@ -116,21 +122,19 @@ def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, co
 
 
 def model_params(options: dict[str, Any], given: set[str]) -> tuple[str, dict[str, Any]]:
-    """The model choice and its arguments from the options (spec options for the regressor; ``--model-arg``,
-    ``--seq-len`` and ``--dtype`` for the others).
+    """The model choice and its arguments from the options (the spec options for a family that takes them;
+    ``--model-arg``, and ``--seq-len``/``--dtype`` where the family uses them, for the others).
 
     Raises:
-        click.BadParameter: options that do not apply to the chosen model.
+        click.BadParameter: options that do not apply to the chosen model, or that contradict each other.
     """
     model, args = options.pop("model"), dict(options.pop("model_args"))
     spec = {name: options.pop(name) for name in SPEC_NAMES}
-    try:
-        spec["seq_len"] = parse_seq_lens(str(spec["seq_len"]))[0]  # the first of several (the API takes them all)
-    except ValueError as error:
-        raise click.BadParameter(str(error), param_hint="--seq-len") from None
-    if model == "regressor":
+    spec["seq_len"] = spec["seq_len"].lengths[0]  # the first of several (the API takes them all)
+    family = registry.family(model)  # a malformed name: WorkloadError, one line, exit 1
+    if family.spec_options:
         if args:
-            raise click.BadParameter("the regressor takes the spec options (--d-model, ...), not --model-arg",
+            raise click.BadParameter(f"--model {model} takes the spec options (--d-model, ...), not --model-arg",
                                      param_hint="--model-arg")
         try:
             RegressorSpec(**spec).validate()
@@ -139,10 +143,14 @@ def model_params(options: dict[str, Any], given: set[str]) -> tuple[str, dict[st
         return model, spec
     stray = sorted(n for n in SPEC_NAMES if n in given and n not in ("seq_len", "dtype"))
     if stray:
-        raise click.BadParameter(f"{', '.join('--' + s.replace('_', '-') for s in stray)} apply to --model "
-                                 f"regressor; pass arguments of --model {model} with --model-arg", param_hint="--model")
+        raise click.BadParameter(f"{', '.join('--' + s.replace('_', '-') for s in stray)} apply to --model regressor; "
+                                 f"pass arguments of --model {model} with --model-arg", param_hint="--model")
     for name in ("seq_len", "dtype"):
-        if name in given or (model == "lm" and name not in args):
+        flag = f"--{name.replace('_', '-')}"
+        if name in given and name in args and args[name] != spec[name]:
+            raise click.BadParameter(f"--model-arg {name}={args[name]} and {flag} {spec[name]} disagree: give one "
+                                     f"of them", param_hint=flag)
+        if name in given or (name in family.option_args and name not in args):
             args.setdefault(name, spec[name])
     return model, args
 
@@ -173,15 +181,13 @@ def stdout_to_stderr(active: bool) -> Iterator[None]:
         os.close(saved)
 
 
-def factory_options(model: str, options: dict[str, Any]) -> dict[str, Any]:
-    """The regressor's data options (the file the trials hold; none for other models)."""
+def factory_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The data options (the regressor's: the file the trials hold, data/es_1s.parquet by default when it
+    exists; :meth:`vramcal.models.registry.Family.data_options` keeps those that apply to the model)."""
     data = options.pop("data")
-    picked = {k: options.pop(k) for k in ("stride", "val_fraction", "data_on_device")}
-    if model != "regressor":
-        return {}
     if data is None and DEFAULT_DATA.is_file():
         data = str(DEFAULT_DATA)
-    return {"data": data, **picked}
+    return {"data": data, **{k: options.pop(k) for k in ("stride", "val_fraction", "data_on_device")}}
 
 
 def host_hint(device, capacity: int | None) -> list[str]:
@@ -191,25 +197,26 @@ def host_hint(device, capacity: int | None) -> list[str]:
     return []
 
 
-def calibrate_one(plan, options: dict[str, Any], as_json: bool, reports_dir: Path | None):
-    """Run one device's calibration, print its summary, write its report; returns the profile."""
+def calibrate_one(plan, err: bool = False, reports_dir: Path | None = None):
+    """Run one device's calibration, print its trials and summary (to stderr when ``err``), write its report;
+    returns the profile."""
     from vramcal import api
 
-    what = (f"{plan.model.without('seq_len').short()} at seq_len {', '.join(map(str, plan.seq_lens))}"
-            if plan.seq_lens else plan.model.short())
+    what = (f"{describe(plan.model.without('seq_len'))} at seq_len {', '.join(map(str, plan.seq_lens))}"
+            if plan.seq_lens else describe(plan.model))
     echo_lines(f"calibrating {what} on {plan.device.name}, {format_bytes(plan.device.total_bytes)} "
-               f"({plan.device.total_source}), usable {format_bytes(plan.usable_bytes)}", err=as_json)
-    printer = TrialPrinter(options["max_trials"], plan.usable_bytes, err=as_json)
+               f"({plan.device.total_source}), usable {format_bytes(plan.usable_bytes)}", err=err)
+    printer = TrialPrinter(plan.search().max_trials, plan.usable_bytes, err=err)
     try:
-        profile = api.run_calibration(plan, on_trial=printer, **options)
+        profile = api.run_calibration(plan, on_trial=printer)
     finally:
         printer.close()
-    echo_lines([summary(profile), f"profile: {plan.path}"], err=as_json)
+    echo_lines([summary(profile), f"profile: {plan.path}"], err=err)
     if reports_dir is not None:
         from vramcal.report import write_report
 
         png, markdown = write_report([profile], reports_dir)
-        echo_lines(f"report: {markdown} and {png}", err=as_json)
+        echo_lines(f"report: {markdown} and {png}", err=err)
     if not profile.verified:
         echo_lines(f"not verified: {'; '.join(profile.warnings) or 'no verification trial passed'} (exit "
                    f"{EXIT_UNVERIFIED})", err=True)
@@ -240,7 +247,7 @@ def show(profile_path: Path, as_json: bool) -> None:
         click.echo(json.dumps(profile.to_dict(), indent=2, sort_keys=True))
         return
     click.echo(f"{profile_path}  (vramcal {profile.vramcal_version}, {profile.created_utc})")
-    click.echo(f"model: {profile.model.short()}  [{profile.implementation}: {profile.kernel_path}]")
+    click.echo(f"model: {describe(profile.model)}  [{profile.implementation}: {profile.kernel_path}]")
     for trial in profile.trials:
         peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
         length = f"seq_len {trial.seq_len:>5}  " if trial.seq_len is not None else ""

@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from vramcal.cli.options import EXIT_UNVERIFIED, one_line
+from vramcal.models.registry import describe
 from vramcal.report.catalogue import GpuModel, parse_gpu_list
 
 
@@ -155,7 +156,7 @@ def _gpu_table(path: Path, loaded, gpus: list[GpuModel], as_json: bool) -> None:
                                         for r in rows]}, indent=2, sort_keys=True))
         return
     click.echo(f"{loaded.fit.formula()}  (r² = {loaded.fit.r_squared:.4f}, n = {loaded.fit.n_points})")
-    click.echo(f"measured on {device_label(loaded)}, {loaded.implementation}, {loaded.model.short()}")
+    click.echo(f"measured on {device_label(loaded)}, {loaded.implementation}, {describe(loaded.model)}")
     for note in missing_notes(loaded):
         click.echo(note)
     click.echo("")

@@ -12,8 +12,8 @@ from typing import Any
 
 import click
 
-from vramcal.cli.console import TrialPrinter, echo_lines, summary
 from vramcal.cli.options import BatchSize, FiniteFloat, explicit, one_line, training_options
+from vramcal.cli.probe import calibrate_one
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.units import format_bytes
 
@@ -73,7 +73,9 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
             plan = resume_plan(run_dir, options, given)
         else:
             config = make_config(config_file, options, given)
-            setting = planning.resolve(config, capacity, probe=probe_printer if probe else None)
+            if probe:
+                config = probe_first(config, capacity)
+            setting = planning.resolve(config, capacity)
             run_dir = run_dir or Path("runs") / dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
             plan = planning.plan_run(config, run_dir, setting)
         announce(plan)
@@ -121,18 +123,14 @@ def resume_plan(run_dir: Path | None, options: dict[str, Any], given: set[str]):
     return plan_resume(run_dir, {k: options[k] for k in ("epochs", "max_steps") if k in given})
 
 
-def probe_printer(plan) -> None:
-    """``--probe``: calibrate with the API as ``vramcal probe`` would, printing as it goes (to stderr)."""
-    from vramcal import api
+def probe_first(config, capacity: int | None):
+    """``--probe``: calibrate this run's model on its device over its data, as ``vramcal probe`` does
+    (printing to stderr), and size the run from the profile it wrote."""
+    from vramcal.train.plan import calibration_plan
 
-    echo_lines(f"calibrating {plan.model.short()} on {plan.device.name}, {format_bytes(plan.device.total_bytes)}",
-               err=True)
-    printer = TrialPrinter(16, plan.usable_bytes, err=True)
-    try:
-        profile = api.run_calibration(plan, on_trial=printer)
-    finally:
-        printer.close()
-    echo_lines([summary(profile), f"profile: {plan.path}"], err=True)
+    plan = calibration_plan(config, capacity)
+    calibrate_one(plan, err=True)
+    return config.replace(profile=str(plan.path))
 
 
 def announce(plan) -> None:

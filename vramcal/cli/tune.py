@@ -132,10 +132,10 @@ def tune_settings(config_file: str | None, options: dict[str, Any], given: set[s
 def seq_len_choices(text: str, chunk_size: int) -> tuple[int, ...]:
     """``--seq-lens`` read as ``vramcal probe --seq-len`` reads it (a list, or a range's ends and middle);
     bad ones exit 2."""
-    from vramcal.calibration.fit2d import design_lengths
+    from vramcal.calibration.fit2d import parse_seq_lens
 
     try:
-        return design_lengths(text, chunk_size)
+        return parse_seq_lens(text).design(chunk_size)
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="'--seq-lens'") from None
 

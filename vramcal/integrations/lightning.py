@@ -40,9 +40,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-import vramcal.api  # noqa: F401 - also binds vramcal.calibration to the function (see the end of vramcal.api)
+from vramcal.measure.meters import AttachedMeter, attach_meter
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile, ProfileError, load_profile
-from vramcal.sizing import Purpose, Sizing, SizingError, size
+from vramcal.sizing import Limit, Sizing, SizingError, size
 from vramcal.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,12 +56,12 @@ class VramcalBatchSize(Callback):
 
     Args:
         profile: a :class:`~vramcal.profile.Profile`, a profile file, or None to find the newest matching
-            one for ``model`` on this run's device under ``profiles_dir`` (:func:`vramcal.api.find_profile`).
+            one for ``model`` on this run's device under ``profiles_dir`` (:func:`vramcal.api.locate_profile`).
         model, params: what was calibrated (``regressor``, ``lm`` or ``module:function`` and its
             arguments), to find the profile or check the given file against; ``params["seq_len"]`` is the
             run's length, which a profile calibrated over several lengths needs.
         profiles_dir: where to look when ``profile`` is None.
-        purpose: ``conservative`` (default) or ``safe``: which limit to use when nothing is requested.
+        limit: ``conservative`` (default) or ``safe``: which limit to use when nothing is requested.
         batch_size_min: the smallest batch size acceptable (samples).
         request: a batch size to use instead, clamped to ``[batch_size_min, safe]`` (with a warning).
         attr: the attribute the dataloaders read (``batch_size``).
@@ -78,21 +78,21 @@ class VramcalBatchSize(Callback):
 
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
                  params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
-                 purpose: Purpose = "conservative", batch_size_min: int = 1, request: int | None = None,
+                 limit: Limit = "conservative", batch_size_min: int = 1, request: int | None = None,
                  attr: str = "batch_size", pool_data_bytes: int | None = None) -> None:
         if profile is None and model is None:
             raise ValueError("VramcalBatchSize needs profile=<a profile file or Profile>, or model=<what was "
                              "calibrated> to find one under profiles_dir")
-        if purpose not in ("conservative", "safe"):
-            raise ValueError(f"purpose must be conservative or safe, got {purpose!r}")
+        if limit not in ("conservative", "safe"):
+            raise ValueError(f"limit must be conservative or safe, got {limit!r}")
         self.profile, self.model, self.params = profile, model, params
-        self.profiles_dir, self.purpose, self.batch_size_min = profiles_dir, purpose, batch_size_min
+        self.profiles_dir, self.limit, self.batch_size_min = profiles_dir, limit, batch_size_min
         self.request, self.attr, self.pool_data_bytes = request, attr, pool_data_bytes
         self.sizing: Sizing | None = None
         self.profile_source: str | None = None
         self.peak_bytes: int | None = None
         self.report: str | None = None
-        self._meter: _HostPeak | _CudaPeak | None = None
+        self._meter: AttachedMeter | None = None
         self._definition = ""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -103,7 +103,7 @@ class VramcalBatchSize(Callback):
                              f"in hparams): add it, or pass attr=<the name your dataloaders read>")
         device = _device(trainer)
         profile, self.profile_source = self._find(device)
-        self.sizing = size(profile, self.request, purpose=self.purpose, batch_size_min=self.batch_size_min,
+        self.sizing = size(profile, self.request, limit=self.limit, batch_size_min=self.batch_size_min,
                            pool_data_bytes=self.pool_data_bytes, seq_len=(self.params or {}).get("seq_len"))
         for notice in self.sizing.notices:
             rank_zero_warn(f"vramcal: {notice}")
@@ -113,7 +113,7 @@ class VramcalBatchSize(Callback):
                        f"{s.conservative_batch_size}) from {self.profile_source}: predicted peak "
                        f"{format_bytes(s.predicted_peak_bytes)}, upper bound {format_bytes(s.upper_bytes)}, usable "
                        f"{format_bytes(s.usable_bytes)}")
-        self._meter = _CudaPeak(device) if device.kind == "cuda" else _HostPeak()
+        self._meter = attach_meter(device, warn=lambda line: rank_zero_warn(f"vramcal: {line}"))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._meter is not None:
@@ -143,14 +143,14 @@ class VramcalBatchSize(Callback):
 
     def _find(self, device: Device) -> tuple[Profile, str]:
         """The profile and where it came from, checked against this run's device (and ``model`` when given)."""
-        from vramcal.api import find_profile
+        from vramcal.api import locate_profile
 
         if self.model is not None and not isinstance(self.profile, Profile):
-            profile, path, notices = find_profile(self.model, self.params, device=device,
-                                                  profiles_dir=self.profiles_dir, path=self.profile)
-            for notice in notices:
+            located = locate_profile(self.model, self.params, device=device, profiles_dir=self.profiles_dir,
+                                     path=self.profile)
+            for notice in located.notices:
                 rank_zero_warn(f"vramcal: skipped {notice}")
-            return profile, str(path)
+            return located.profile, str(located.path)
         if isinstance(self.profile, Profile):
             profile, source = self.profile, "the given profile"
         else:
@@ -158,7 +158,7 @@ class VramcalBatchSize(Callback):
                 profile, source = load_profile(self.profile), str(self.profile)
             except ProfileError as error:
                 raise SizingError(str(error)) from None
-        difference = device.same_hardware(profile.device)
+        difference = device.hardware_difference(profile.device)
         if difference:
             raise SizingError(f"{source} was made on another device ({difference}): its batch sizes do not hold "
                               f"on this run's {device.name}; run `vramcal probe` on it")
@@ -187,80 +187,3 @@ def _device(trainer: pl.Trainer) -> Device:
     if root.type == "cpu":
         return select_devices("none")[0][0]
     raise ValueError(f"vramcal's profiles are for NVIDIA GPUs and the host CPU; this run trains on {root.type}")
-
-
-class _HostPeak:
-    """The host peak of this process (:func:`vramcal.measure.meters.host_peaks`).
-
-    VmHWM is reset at fit start; the data-segment peak cannot be reset, so where it was reached before the
-    fit (a long-lived process, a notebook) the figure is an upper bound of the fit's, and the definition
-    says so.
-    """
-
-    definition = "host peak: max(VmHWM since fit start, data-segment peak of the process)"
-
-    def reset(self) -> None:
-        from vramcal.measure.meters import peak_data_bytes, reset_peak_rss
-
-        reset_peak_rss()
-        self._data_peak_at_start = peak_data_bytes()
-
-    def read(self) -> int:
-        from vramcal.measure.meters import host_peaks
-
-        peaks = host_peaks()
-        if peaks["data_peak_bytes"] > peaks["rss_peak_bytes"] and peaks["data_peak_bytes"] <= self._data_peak_at_start:
-            self.definition += ", reached before the fit started: an upper bound of the fit's peak"
-        return peaks["peak_bytes"]
-
-    def close(self) -> None:
-        """Nothing to stop."""
-
-
-class _CudaPeak:
-    """The GPU peak of this process (:func:`vramcal.measure.meters.cuda_peaks`): NVML sampled in a thread,
-    and torch's allocator peak. Without NVML, torch's reserved peak alone (with a warning)."""
-
-    def __init__(self, device: Device) -> None:
-        from vramcal.measure.nvml import NvmlError, load_nvml, nvml_handle
-        from vramcal.measure.sampler import NvmlSampler
-
-        self._overhead_bytes = 0
-        try:
-            nvml = load_nvml()
-            self._sampler: NvmlSampler | None = NvmlSampler(nvml, nvml_handle(nvml, device)).start()
-            self.definition = "GPU peak: max(NVML peak, NVML overhead + torch.cuda.max_memory_reserved())"
-        except NvmlError as error:
-            self._sampler = None
-            self.definition = "GPU peak: torch.cuda.max_memory_reserved() only (no NVML: no CUDA context)"
-            rank_zero_warn(f"vramcal: NVML is unusable ({error}): the peak will be torch.cuda.max_memory_reserved() "
-                           f"alone, which leaves out the CUDA context that the profile counts")
-
-    def reset(self) -> None:
-        from vramcal.measure.meters import torch_cuda_reserved_bytes, torch_cuda_reset_peaks
-
-        torch_cuda_reset_peaks()
-        if self._sampler is not None:
-            self._sampler.reset_peaks()
-            self._overhead_bytes = self._sampler.current_bytes() - torch_cuda_reserved_bytes()
-
-    def read(self) -> int:
-        from vramcal.measure.meters import cuda_peaks, synchronize, torch_cuda_peaks
-        from vramcal.measure.nvml import NvmlError
-
-        synchronize("cuda")
-        if self._sampler is not None:
-            try:
-                self._sampler.sample()
-            except NvmlError as error:
-                self._sampler.error = str(error)
-            if self._sampler.error is None:
-                return cuda_peaks(self._sampler, self._overhead_bytes)["peak_bytes"]
-            rank_zero_warn(f"vramcal: NVML stopped answering ({self._sampler.error}): the peak is "
-                           f"torch.cuda.max_memory_reserved() alone, without the CUDA context")
-            self.definition = "GPU peak: torch.cuda.max_memory_reserved() only (NVML failed)"
-        return torch_cuda_peaks()["torch_max_reserved_bytes"]
-
-    def close(self) -> None:
-        if self._sampler is not None:
-            self._sampler.stop()

@@ -19,39 +19,13 @@ import re
 import types
 from collections.abc import Callable, Mapping
 
-from vramcal.measure.nvml import (  # noqa: F401 - re-exported: the names callers import from here
-    NvmlError,
-    list_gpus,
-    load_nvml,
-    nvml_handle,
-    nvml_memory_info,
-    nvml_query,
-    visible_gpus,
-)
+from vramcal.measure.nvml import NvmlError, load_nvml, nvml_query, visible_gpus
 from vramcal.records import Device
 from vramcal.units import format_bytes
-
-BF16_MIN_COMPUTE_CAPABILITY = (8, 0)  # bf16 tensor cores and autocast speed: Ampere (sm_80) and later
 
 
 class DeviceError(ValueError):
     """A --gpu or --capacity choice that names no usable device; the message says which would work."""
-
-
-def check_dtype(device: Device, dtype_policy: str) -> None:
-    """Refuse ``bf16-autocast`` on a GPU below compute capability 8.0 (pre-Ampere: no bf16 tensor cores).
-
-    Unknown capability (NVML did not say) and the host pass; the host's own bf16 rule is the caller's.
-
-    Raises:
-        ValueError: one line naming the card, its capability and the fix.
-    """
-    if dtype_policy != "bf16-autocast" or device.kind != "cuda" or not device.compute_capability:
-        return
-    major, minor = (int(part) for part in device.compute_capability.split("."))
-    if (major, minor) < BF16_MIN_COMPUTE_CAPABILITY:
-        raise ValueError(f"dtype bf16-autocast needs compute capability 8.0 or newer, and {device.name} has "
-                         f"{device.compute_capability}: use --dtype fp32")
 
 
 # ---------------------------------------------------------------------------------------------- host

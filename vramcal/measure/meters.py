@@ -1,4 +1,5 @@
-"""The meter: one definition of peak_bytes (DESIGN.md), used by trial processes and the trainer alike.
+"""The meter: one definition of peak_bytes (DESIGN.md), used by trial processes, the trainer and the
+framework integrations alike.
 
     meter = open_meter(device, host_limit_bytes)  # first thing in the process, before CUDA starts
     meter.check_pinned()                           # once CUDA has started (GPU; no-op on the host)
@@ -14,6 +15,10 @@ context, weights and data count), the overhead (NVML usage minus torch's reserve
 context, cuBLAS workspaces, kernels) is re-measured at each :meth:`CudaMeter.reset`. On the host,
 ``peak_bytes = max(VmHWM, data-segment peak)``: the figure the host budget (``RLIMIT_DATA``) binds.
 
+A process that was not started for measuring (a Lightning, Hugging Face or Accelerate run: CUDA may have
+started, no budget is set) is measured by :func:`attach_meter`, by the same definitions from the moment it
+is attached.
+
 With :mod:`vramcal.measure.nvml`, the only module that touches NVML or ``torch.cuda`` memory functions.
 """
 
@@ -23,11 +28,11 @@ import importlib.metadata
 import os
 import resource
 import sys
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from vramcal.measure.nvml import NvmlError, load_nvml, nvml_handle
-from vramcal.measure.sampler import BASELINE_SETTLE_S, NVML_SAMPLE_INTERVAL_S, NvmlSampler  # noqa: F401
-from vramcal.oom import is_out_of_memory  # noqa: F401 - re-exported: the name callers use
+from vramcal.measure.sampler import BASELINE_SETTLE_S, NvmlSampler
 from vramcal.records import Device
 from vramcal.units import format_bytes
 
@@ -290,3 +295,94 @@ def synchronize(device_kind: str) -> None:
         import torch
 
         torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------- attached
+
+class AttachedMeter(Protocol):
+    """A meter attached to a running process (:func:`attach_meter`); ``definition`` says what it measured."""
+
+    definition: str
+
+    def reset(self) -> None: ...
+    def read(self) -> int: ...
+    def close(self) -> None: ...
+
+
+def attach_meter(device: Device, warn: Callable[[str], None] = print) -> AttachedMeter:
+    """A meter for this already running process on ``device`` (a CUDA GPU it trains on, or the host), by the
+    trials' definitions: on a GPU ``max(NVML per-process peak, NVML overhead at reset +
+    torch.cuda.max_memory_reserved())``, NVML sampled every 10 ms by a background thread (where NVML is
+    unusable, ``torch.cuda.max_memory_reserved()`` alone, which leaves out the CUDA context: ``warn`` says
+    so); on the host ``max(VmHWM since reset, peak of the data segment over the process's life)``.
+
+    Args:
+        warn: called with one line when the meter falls back to a weaker figure.
+    """
+    return AttachedCudaMeter(device, warn) if device.kind == "cuda" else AttachedHostMeter()
+
+
+class AttachedHostMeter:
+    """The host peak of this process (:func:`host_peaks`).
+
+    VmHWM is reset by :meth:`reset`; the data-segment peak cannot be reset, so where it was reached before
+    (a long-lived process, a notebook) the figure is an upper bound of the span's, and the definition says so.
+    """
+
+    def __init__(self) -> None:
+        self.definition = "host peak: max(VmHWM since fit start, data-segment peak of the process)"
+        self._data_peak_at_start = peak_data_bytes()
+
+    def reset(self) -> None:
+        reset_peak_rss()
+        self._data_peak_at_start = peak_data_bytes()
+
+    def read(self) -> int:
+        peaks = host_peaks()
+        if peaks["data_peak_bytes"] > peaks["rss_peak_bytes"] and peaks["data_peak_bytes"] <= self._data_peak_at_start:
+            self.definition += ", reached before the fit started: an upper bound of the fit's peak"
+        return peaks["peak_bytes"]
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+class AttachedCudaMeter:
+    """The GPU peak of this process (:func:`cuda_peaks`): NVML sampled in a thread, and torch's allocator
+    peak. Without NVML, torch's reserved peak alone (with a warning)."""
+
+    def __init__(self, device: Device, warn: Callable[[str], None] = print) -> None:
+        self._overhead_bytes, self._warn = 0, warn
+        try:
+            nvml = load_nvml()
+            self._sampler: NvmlSampler | None = NvmlSampler(nvml, nvml_handle(nvml, device)).start()
+            self.definition = "GPU peak: max(NVML peak, NVML overhead + torch.cuda.max_memory_reserved())"
+        except NvmlError as error:
+            self._sampler = None
+            self.definition = "GPU peak: torch.cuda.max_memory_reserved() only (no NVML: no CUDA context)"
+            warn(f"NVML is unusable ({error}): the peak will be torch.cuda.max_memory_reserved() alone, which leaves "
+                 f"out the CUDA context that the profile counts")
+
+    def reset(self) -> None:
+        torch_cuda_reset_peaks()
+        if self._sampler is not None:
+            self._sampler.reset_peaks()
+            self._overhead_bytes = self._sampler.current_bytes() - torch_cuda_reserved_bytes()
+
+    def read(self) -> int:
+        synchronize("cuda")
+        if self._sampler is not None:
+            try:
+                self._sampler.sample()
+            except NvmlError as error:
+                self._sampler.error = str(error)
+            if self._sampler.error is None:
+                return cuda_peaks(self._sampler, self._overhead_bytes)["peak_bytes"]
+            self._warn(f"NVML stopped answering ({self._sampler.error}): the peak is "
+                       f"torch.cuda.max_memory_reserved() alone, without the CUDA context")
+            self.definition = "GPU peak: torch.cuda.max_memory_reserved() only (NVML failed)"
+        return torch_cuda_peaks()["torch_max_reserved_bytes"]
+
+    def close(self) -> None:
+        if self._sampler is not None:
+            self._sampler.stop()

@@ -18,6 +18,7 @@ Out-of-memory errors are recognised by :func:`vramcal.oom.is_out_of_memory` only
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramcal.measure.worker import Outcome, Workers
-from vramcal.records import Device, Trial
+from vramcal.records import Device, Trial, TrialSettings
 from vramcal.workload import ModelRef
 
 
@@ -36,46 +37,51 @@ class TrialRequest:
     Attributes:
         model: the factory and its arguments (the profile's key).
         batch_size: samples per step.
-        device: where to measure.
+        device: where to measure; on the host the trial runs under ``RLIMIT_DATA`` = its ``total_bytes``.
         options_json: more factory arguments as JSON that do not change the model (e.g. the dataset
             file of the regressor); recorded in the profile, not part of its key.
-        warmup_steps, measured_steps, val_steps: the steps of the trial (module docstring).
-        host_memory_limit_bytes: ``RLIMIT_DATA`` for a host trial (the budget); None: no limit.
+        settings: the steps of the trial (module docstring) and its time limit.
+        steady: the steady trial: ``settings.steady_steps`` measured steps (:mod:`vramcal.calibration.creep`).
     """
 
     model: ModelRef
     batch_size: int
     device: Device
     options_json: str = "{}"
-    warmup_steps: int = 1
-    measured_steps: int = 2
-    val_steps: int = 1
-    host_memory_limit_bytes: int | None = None
+    settings: TrialSettings = TrialSettings()
+    steady: bool = False
 
     def with_batch_size(self, batch_size: int) -> TrialRequest:
-        return TrialRequest(self.model, batch_size, self.device, self.options_json, self.warmup_steps,
-                            self.measured_steps, self.val_steps, self.host_memory_limit_bytes)
+        return dataclasses.replace(self, batch_size=batch_size)
+
+    @property
+    def measured_steps(self) -> int:
+        return self.settings.steady_steps if self.steady else self.settings.measured_steps
+
+    @property
+    def host_memory_limit_bytes(self) -> int | None:
+        """``RLIMIT_DATA`` of a host trial (the budget); None on a GPU."""
+        return self.device.total_bytes if self.device.kind == "host" else None
 
 
 class TrialRunner:
     """Runs trials in workers (:class:`~vramcal.measure.worker.Workers`).
 
     Args:
-        timeout_s: a trial still running after this many seconds is killed and recorded as ``timeout``.
-        workers: the worker pool (one is made by default); share one to fork from one server.
+        workers: the worker pool, whose fork server the caller preloaded (:func:`vramcal.api.worker_pool`).
 
     ``context`` holds what the last finished trial reported about the whole calibration: the kernel
     path that ran, the software environment seen inside the process, the model's facts and the data.
     """
 
-    def __init__(self, timeout_s: float = 900.0, workers: Workers | None = None) -> None:
-        self.timeout_s = timeout_s
-        self.workers = workers or Workers()
+    def __init__(self, workers: Workers) -> None:
+        self.workers = workers
         self.context: dict[str, Any] = {}
 
     def run(self, request: TrialRequest, purpose: str = "") -> Trial:
-        """Run one trial; never raises for what happens inside the trial process."""
-        outcome = self.workers.run(measure, request, timeout_s=self.timeout_s)
+        """Run one trial (killed after ``request.settings.timeout_s``); never raises for what happens inside the
+        trial process."""
+        outcome = self.workers.run(measure, request, timeout_s=request.settings.timeout_s)
         return self.record(request, outcome, purpose)
 
     def record(self, request: TrialRequest, outcome: Outcome, purpose: str) -> Trial:
@@ -116,7 +122,7 @@ def measure(request: TrialRequest, channel: Any = None) -> dict[str, Any]:
         step = build(request.model, torch_device(device), json.loads(request.options_json))
         meter.check_pinned()
         build_s = time.perf_counter() - start
-        for _ in range(request.warmup_steps):
+        for _ in range(request.settings.warmup_steps):
             train_step(step, step.batch(batch_size))
         synchronize(device.kind)
         meter.reset()
@@ -126,7 +132,7 @@ def measure(request: TrialRequest, channel: Any = None) -> dict[str, Any]:
             train_step(step, step.batch(batch_size))
             synchronize(device.kind)
             times.append(time.perf_counter() - start)
-        for _ in range(request.val_steps):
+        for _ in range(request.settings.val_steps):
             validation_step(step, batch_size)
         figures = meter.read()
         context = {"kernel_path": step.kernel_path or detect_kernel_path(step.model),

@@ -1,11 +1,16 @@
 """Worker processes: trials and training runs, each in a fresh process forked from one preloaded server.
 
 Both kinds of work run in the same kind of process, made the same way: forked from a
-``multiprocessing`` fork server that has already imported torch, transformers, pandas and pyarrow
-(:mod:`vramcal.measure._preload`), so a worker starts in a fork rather than seconds of imports, inherits
-no allocator state, CUDA context or memory from an earlier one, and — what the promise rests on — a
-training run's process has the make-up of the trials that sized it (imports, thread pools, libraries'
-pages, the budget's ``RLIMIT_DATA``).
+``multiprocessing`` fork server that has already imported what the caller names (vramcal's callers name
+:mod:`vramcal.preload`: torch, transformers, pandas, pyarrow, the families, the trainer), so a worker starts
+in a fork rather than seconds of imports, inherits no allocator state, CUDA context or memory from an
+earlier one, and — what the promise rests on — a training run's process has the make-up of the trials
+that sized it (imports, thread pools, libraries' pages, the budget's ``RLIMIT_DATA``).
+
+A fork must not inherit CUDA: the server starts with ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (torch then
+answers ``torch.cuda.is_available()`` from NVML instead of initialising the driver, which is what a
+library's import-time check would otherwise do), and every worker checks first that it holds no CUDA
+state (:func:`cuda_started`); one that does fails at once with one line saying so.
 
 A worker talks to its caller over one pipe: it may send messages (lines to print, epoch figures) and
 ask questions (the tuner's "prune?"), then sends one final result. Whatever happens inside — an
@@ -29,7 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-PRELOAD = "vramcal.measure._preload"
 # glibc malloc in workers: blocks of 4 MiB and more are mapped and unmapped on their own (a fixed threshold:
 # glibc's default threshold drifts up to 32 MiB as blocks are freed, and the heap then fragments by chance),
 # one arena, and transparent huge pages for those mappings. Measured on the tiny spec (2-core host): three
@@ -91,17 +95,17 @@ class Workers:
     them. Both are read once, when a process starts, and recorded in the profile's environment.
 
     Args:
-        extra_preload: more modules for the fork server to import (a user's factory module), so each
-            worker does not import it again. Only the first pool of a process starts the server; later
-            pools share it.
+        preload: the modules the fork server imports before it forks (the caller's: what its workers run).
+            Only the first pool of a process starts the server; later pools share it.
     """
 
-    def __init__(self, extra_preload: tuple[str, ...] = ()) -> None:
+    def __init__(self, preload: tuple[str, ...]) -> None:
         # read once when a process starts: set them for the fork server before it starts
         os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
         os.environ.setdefault("GLIBC_TUNABLES", HOST_MALLOC)
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload([PRELOAD, *extra_preload])
+        self._context.set_forkserver_preload(list(preload))
 
     def run(self, function: Callable[..., Any] | str, *args: Any, timeout_s: float | None = None,
             handler: Handler | None = None) -> Outcome:
@@ -192,6 +196,11 @@ def _worker_main(connection: Any, function: Callable[..., Any], args: tuple, sta
     startup_s = time.time() - started
     threading.Thread(target=_exit_with_caller, args=(caller_pid,), daemon=True, name="vramcal-caller").start()
     try:
+        started_cuda = cuda_started()
+        if started_cuda:
+            raise RuntimeError(f"this worker inherited CUDA from its fork server ({started_cuda}): a forked process "
+                               f"cannot use it; something imported by the server started CUDA (a module that calls "
+                               f"torch.cuda at import?): keep CUDA calls out of module level")
         if isinstance(function, str):
             module, _, name = function.partition(":")
             function = getattr(importlib.import_module(module), name)
@@ -201,6 +210,20 @@ def _worker_main(connection: Any, function: Callable[..., Any], args: tuple, sta
     final["startup_s"] = startup_s
     connection.send(("done", final))
     connection.close()
+
+
+def cuda_started() -> str | None:
+    """Why this process holds torch's CUDA state already (initialised here, or inherited from a parent that
+    initialised it: torch's "bad fork"), or None. A forked worker must hold none: CUDA cannot be used after
+    a fork ("Cannot re-initialize CUDA in forked subprocess")."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if getattr(torch.cuda, "_is_in_bad_fork", lambda: False)():
+        return "its parent initialised CUDA before forking it"
+    if torch.cuda.is_initialized():
+        return "torch.cuda is initialised"
+    return None
 
 
 def failure(error: BaseException) -> dict[str, Any]:

@@ -33,6 +33,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import Mamba2Config
 
+# The factory a profile of this family names (kept in every profile: it must not move).
+FACTORY = "vramcal.models.lm:training_step"
 # Keys of a Hugging Face config.json that describe the file, not the model.
 BOOKKEEPING = ("architectures", "transformers_version", "model_type", "torch_dtype", "dtype", "_name_or_path")
 # Keys published Mamba-2 config.json files carry that transformers' Mamba2 has no option for (it always

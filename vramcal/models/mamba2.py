@@ -20,12 +20,16 @@ import importlib
 import importlib.util
 import sys
 import types
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vramcal.records import Device
 
 Implementation = Literal["auto", "transformers", "mamba_ssm"]
 DtypePolicy = Literal["fp32", "bf16-autocast"]
 IMPLEMENTATIONS: tuple[str, ...] = ("auto", "transformers", "mamba_ssm")
 DTYPE_POLICIES: tuple[str, ...] = ("fp32", "bf16-autocast")
+BF16_MIN_COMPUTE_CAPABILITY = (8, 0)  # bf16 tensor cores and autocast speed: Ampere (sm_80) and later
 
 
 def mamba_ssm_available() -> bool:
@@ -57,6 +61,25 @@ def resolve_implementation(implementation: Implementation, device_kind: str) -> 
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
     return implementation
+
+
+def check_dtype(device: Device, dtype_policy: str) -> None:
+    """Refuse a dtype policy the device cannot run: ``bf16-autocast`` off CUDA, or on a GPU below compute
+    capability 8.0 (pre-Ampere: no bf16 tensor cores). An unknown capability (NVML did not say) passes.
+
+    Raises:
+        ValueError: one line naming the device, its capability and the fix.
+    """
+    if dtype_policy != "bf16-autocast":
+        return
+    if device.kind != "cuda":
+        raise ValueError("dtype bf16-autocast is for CUDA GPUs; use --dtype fp32 on the host")
+    if not device.compute_capability:
+        return
+    major, minor = (int(part) for part in device.compute_capability.split("."))
+    if (major, minor) < BF16_MIN_COMPUTE_CAPABILITY:
+        raise ValueError(f"dtype bf16-autocast needs compute capability 8.0 or newer, and {device.name} has "
+                         f"{device.compute_capability}: use --dtype fp32")
 
 
 def kernel_path(implementation: str) -> str:

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from vramcal.calibration.creep import STEADY, read_peak
+from vramcal.models.registry import describe
+from vramcal.profile import profile_name
 from vramcal.report.catalogue import GpuLimitRow, GpuModel, other_gpu_limits
 from vramcal.sizing import fitted_from, verdict
 from vramcal.units import format_bytes
@@ -29,9 +31,7 @@ MISSING = "—"
 def report_name(profiles: Sequence[Profile]) -> str:
     """File stem: ``<device slug>-<model name>-<implementation>-<model key>``; for several profiles
     ``compare-<hash>``."""
-    from vramcal.profile import model_name
-
-    names = [f"{p.device.slug()}-{model_name(p.model)}-{p.implementation}-{p.model.key()}" for p in profiles]
+    names = [f"{p.device.slug()}-{profile_name(p.model, p.implementation)}" for p in profiles]
     if len(profiles) == 1:
         return names[0]
     return f"compare-{hashlib.sha256(chr(10).join(sorted(names)).encode()).hexdigest()[:8]}"
@@ -63,7 +63,7 @@ def series_labels(profiles: Sequence[Profile]) -> tuple[list[str], list[str]]:
     first = [parts[0][part] for part in ("device", "impl", "version") if part in shared]
     if len(profiles) > 1:
         first.insert(0, f"{len(profiles)} profiles")
-    spec = profiles[0].model.short() if not spec_keys else "models differ (see legend)"
+    spec = describe(profiles[0].model) if not spec_keys else "models differ (see legend)"
     return labels, [" · ".join(first), spec]
 
 
@@ -283,7 +283,7 @@ def summary_table(profile: Profile) -> str:
 def _model_text(profile: Profile) -> str:
     n_params = profile.model_info.get("n_params")
     count = f"{n_params:,} parameters, " if isinstance(n_params, int) else ""
-    return f"{profile.model.short()} ({count}factory `{profile.model.factory}`, key {profile.model.key()})"
+    return f"{describe(profile.model)} ({count}factory `{profile.model.factory}`, key {profile.model.key()})"
 
 
 def _data_text(profile: Profile) -> str:

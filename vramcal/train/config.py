@@ -147,6 +147,12 @@ class TrainConfig:
             changes["spec"] = dataclasses.replace(changes.get("spec", self.spec), **spec_changes)
         return dataclasses.replace(self, **changes)
 
+    def data_options(self) -> dict[str, Any]:
+        """The regressor factory's data options (:data:`vramcal.models.registry.DATA_OPTIONS`): the bar file (made
+        absolute, for the worker), how it is cut into windows, and where the windows live."""
+        return {"data": str(Path(self.data).resolve()), "stride": self.stride, "val_fraction": self.val_fraction,
+                "data_on_device": self.data_on_device}
+
     def with_absolute_paths(self) -> TrainConfig:
         """A copy whose ``data``, ``profiles_dir`` and ``profile`` file (unless ``auto``) are absolute."""
         profile = self.profile if self.profile == "auto" else str(Path(self.profile).resolve())

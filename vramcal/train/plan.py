@@ -94,9 +94,8 @@ class Plan:
     def factory_options(self) -> dict[str, Any]:
         """The regressor factory's arguments beyond the model's key: the data and the optimizer."""
         c = self.config
-        return {"data": str(Path(c.data).resolve()), "stride": c.stride, "val_fraction": c.val_fraction,
-                "data_on_device": c.data_on_device, "lr": self.lr, "weight_decay": c.weight_decay,
-                "max_grad_norm": c.max_grad_norm, "seed": c.seed}
+        return {**c.data_options(), "lr": self.lr, "weight_decay": c.weight_decay, "max_grad_norm": c.max_grad_norm,
+                "seed": c.seed}
 
     def record(self) -> dict[str, Any]:
         """The content of ``run.json``."""
@@ -122,53 +121,62 @@ def load_windows(config: TrainConfig) -> Windows:
     return make_windows(bars, config.spec.seq_len, config.stride, config.val_fraction, source=config.data)
 
 
-def resolve(config: TrainConfig, capacity_bytes: int | None = None, probe: Any = None) -> Setting:
+def resolve(config: TrainConfig, capacity_bytes: int | None = None) -> Setting:
     """Decide what runs of ``config`` are sized against (module docstring).
 
     Args:
         capacity_bytes: ``--capacity``: the host budget (default: the profile's), or a GPU narrowed.
-        probe: calibrate first instead of looking a profile up: a callable taking the
-            :class:`~vramcal.api.CalibrationPlan` and returning the profile (it prints as it goes).
 
     Raises:
-        ValueError: an impossible spec; DataError, DeviceError, NvmlError, SizingError, ConfigError:
-            one-line messages for the user.
+        ValueError: an impossible spec; DataError, DeviceError, NvmlError, SizingError: one-line messages for
+            the user.
     """
     from vramcal import api
 
-    config.spec.validate()
     windows = load_windows(config)
-    devices, notice = api.select_devices(config.gpu, capacity_bytes)
-    device, notices = devices[0], [notice] if notice else []
-    if len(devices) > 1:
-        notices.append(f"--gpu {config.gpu}: training uses one GPU, {device.name} ({device.uuid})")
+    device, notices = _device(config, capacity_bytes)
     model = api.model_ref("regressor", config.spec.to_dict(), device=device, implementation=config.implementation)
-    pool = data_bytes(windows) if device.kind == "host" or config.data_on_device else 0
-    if probe is not None:
-        if config.profile != "auto":
-            raise ConfigError("--probe writes a new profile: leave --profile at auto")
-        plan = api.plan_calibration(model, device=device, options={"data": config.data, "stride": config.stride,
-                                                                    "val_fraction": config.val_fraction,
-                                                                    "data_on_device": config.data_on_device},
-                                    profiles_dir=config.profiles_dir)
-        probe(plan)
-        profile_file: str | None = str(plan.path)
-    else:
-        profile_file = None if config.profile == "auto" else config.profile
-    profile, path, skipped = api.find_profile(model, device=device, profiles_dir=config.profiles_dir, path=profile_file)
-    notices += [f"skipped {line}" for line in skipped]
+    located = api.locate_profile(model, device=device, profiles_dir=config.profiles_dir,
+                                 path=None if config.profile == "auto" else config.profile)
+    notices += [f"skipped {line}" for line in located.notices]
     limit = None
     if device.kind == "host":
-        limit = capacity_bytes or profile.device.total_bytes
+        limit = capacity_bytes or located.profile.device.total_bytes
         notices.append(f"host budget: this run's process may hold at most {format_bytes(limit)} (RLIMIT_DATA, as "
                        f"the calibration's trials{'' if capacity_bytes else '; --capacity to change it'})")
-    return Setting(config, device, model, profile, str(path), windows.stats(), pool, limit, tuple(notices))
+    pool = windows.pipeline_bytes if device.kind == "host" or config.data_on_device else 0
+    return Setting(config, device, model, located.profile, str(located.path), windows.stats(), pool, limit,
+                   tuple(notices))
 
 
-def data_bytes(windows: Windows) -> int:
-    """Bytes the trainer's pipeline holds for these windows (as :class:`vramcal.models.regressor.WindowPipeline`)."""
-    return int(windows.features.nbytes + windows.targets.nbytes + windows.train_starts.nbytes * 2
-               + windows.val_starts.nbytes)
+def calibration_plan(config: TrainConfig, capacity_bytes: int | None = None):
+    """The calibration ``vramcal train --probe`` runs before it trains: this run's model on its device (at
+    ``capacity_bytes``), over its data (checked first), written under its ``profiles_dir``.
+
+    Raises:
+        ConfigError: a profile file named (``--probe`` writes a new one). DataError, DeviceError, NvmlError,
+            ValueError: as :func:`resolve`.
+    """
+    from vramcal import api
+
+    if config.profile != "auto":
+        raise ConfigError("--probe writes a new profile: leave --profile at auto")
+    load_windows(config)
+    device, _ = _device(config, capacity_bytes)
+    return api.plan_calibration("regressor", config.spec.to_dict(), device=device,
+                                implementation=config.implementation, options=config.data_options(),
+                                profiles_dir=config.profiles_dir)
+
+
+def _device(config: TrainConfig, capacity_bytes: int | None) -> tuple[Device, list[str]]:
+    """The one device a run trains on, and notices (why the host, which of several GPUs)."""
+    from vramcal import api
+
+    devices, notice = api.select_devices(config.gpu, capacity_bytes)
+    notices = [notice] if notice else []
+    if len(devices) > 1:
+        notices.append(f"--gpu {config.gpu}: training uses one GPU, {devices[0].name} ({devices[0].uuid})")
+    return devices[0], notices
 
 
 def plan_run(config: TrainConfig, run_dir: Path, setting: Setting) -> Plan:
@@ -220,7 +228,7 @@ def plan_resume(run_dir: Path, overrides: dict[str, Any]) -> Plan:
     windows = load_windows(config)
     device = api.select_devices(config.gpu)[0][0]
     notices = []
-    difference = device.same_hardware(plan.device)
+    difference = device.hardware_difference(plan.device)
     if difference:
         notices.append(f"resuming on other hardware than the run started on ({difference}); the batch size "
                        f"stays {plan.batch_size}")

@@ -75,13 +75,13 @@ def train(plan: Plan, echo: Echo = print, on_epoch: Callable[[dict[str, Any]], A
 
     Args:
         on_epoch: called with each epoch's row; returning ``"stop"`` ends the run (``RunResult.stopped``).
-        workers: a :class:`vramcal.measure.worker.Workers` to fork from (one is made by default).
+        workers: a :class:`vramcal.measure.worker.Workers` to fork from (default :func:`vramcal.api.worker_pool`).
 
     Raises:
         TrainError: the run failed; the message is one line naming the last good checkpoint.
         KeyboardInterrupt: interrupted (the worker is killed; checkpoints on disk stay).
     """
-    from vramcal.measure.worker import Workers
+    from vramcal.api import worker_pool
 
     if not plan.resume:  # absolute paths: --resume works from any directory
         checkpoint.write_json(plan.run_dir / checkpoint.CONFIG, plan.config.with_absolute_paths().to_dict())
@@ -98,7 +98,7 @@ def train(plan: Plan, echo: Echo = print, on_epoch: Callable[[dict[str, Any]], A
             return on_epoch(payload) if on_epoch is not None else None
         return None
 
-    outcome = (workers or Workers()).run(TRAIN_WORKER, plan, handler=handle)
+    outcome = (workers or worker_pool()).run(TRAIN_WORKER, plan, handler=handle)
     if outcome.status != "ok":
         if outcome.error_type == "Stopped":
             return RunResult({}, 0, None, None, stopped=True)

@@ -164,7 +164,7 @@ def batch_bounds(settings: TuneSettings, setting: Setting) -> BatchBounds:
         SizingError: the profile has no usable limits.
     """
     seq_len = setting.config.spec.seq_len
-    sizing = size(setting.profile, purpose="conservative", pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len)
+    sizing = size(setting.profile, limit="conservative", pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len)
     conservative, low, n_train = sizing.conservative_batch_size, settings.base.batch_size_min, setting.train_windows
     notices = list(setting.notices) + list(sizing.notices)
     if low > conservative:

@@ -97,9 +97,9 @@ class WindowPipeline:
 
     @property
     def data_bytes(self) -> int:
-        """Bytes the pipeline holds: rows, targets, window starts and one epoch's permutation."""
-        return int(self.features.nbytes + self.targets.nbytes + self.train_starts.nbytes * 2
-                   + self.val_starts.nbytes)
+        """Bytes the pipeline holds (:attr:`vramcal.models.regressor.windows.Windows.pipeline_bytes`: its tensors
+        share the windows' arrays)."""
+        return self.windows.pipeline_bytes
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
         """Indices into ``train_starts`` in the order of ``epoch`` (a seeded permutation, int64)."""

@@ -97,6 +97,12 @@ class Windows:
     longest_gap_s: float = 0.0
     gap_threshold_s: float = 0.0
 
+    @property
+    def pipeline_bytes(self) -> int:
+        """Bytes the trainer's data pipeline holds for these windows: rows, targets, window starts and one epoch's
+        permutation of the training starts (:class:`vramcal.models.regressor.step.WindowPipeline`); the data term."""
+        return int(self.features.nbytes + self.targets.nbytes + self.train_starts.nbytes * 2 + self.val_starts.nbytes)
+
     def stats(self) -> dict:
         """The normalisation, for checkpoints and run records (plain JSON types)."""
         return {"feature_names": list(FEATURE_NAMES), "feature_mean": self.feature_mean.tolist(),

@@ -1,0 +1,224 @@
+"""The calibration loop: the search policy against real trials, and the profile assembled from them.
+
+``step = next_batch_size(trials)`` -> run the trial in a worker of its own -> repeat; the fit, limits and
+verification then come from :func:`vramcal.calibration.search.settle` over the recorded trials, and
+:func:`assemble` is a pure function of them. What to calibrate, where and how is decided before the first
+trial, in one record, the :class:`CalibrationPlan` (:func:`vramcal.api.plan_calibration` makes it).
+
+This module sits above the pure calibration core (:mod:`vramcal.calibration`: fits, limits, the search)
+and the profile record, and below the front door: it is the one place where trials and the policy meet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from vramcal import __version__
+from vramcal.calibration import surface
+from vramcal.calibration.creep import STEADY
+from vramcal.calibration.limits import LimitSettings
+from vramcal.calibration.search import SearchSettings, Step, next_batch_size, settle
+from vramcal.measure.trial import TrialRequest
+from vramcal.models.registry import family_of
+from vramcal.profile import Profile, Verification, utc_now
+from vramcal.records import Device, Trial, TrialSettings
+from vramcal.units import format_bytes
+from vramcal.workload import ModelRef
+
+
+class CalibrationError(RuntimeError):
+    """A calibration that cannot produce limits (e.g. one sample does not fit); the message says why."""
+
+
+class Runner(Protocol):
+    """What runs trials: :class:`vramcal.measure.trial.TrialRunner`, or a fake at the hardware boundary."""
+
+    context: dict[str, Any]
+
+    def run(self, request: TrialRequest, purpose: str = "") -> Trial: ...
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """A calibration, fully decided before its first trial.
+
+    Attributes:
+        device: where to measure (its ``total_bytes`` is the budget).
+        model: what to calibrate (the profile's key).
+        settings: reserve, margin and conservative fraction.
+        options: factory arguments that do not change the model (the regressor's data file).
+        path: where the profile will be written.
+        seq_lens: two or more sequence lengths calibrated at once (issue 13), else ().
+        trials: how each trial runs and how many (:class:`~vramcal.records.TrialSettings`).
+    """
+
+    device: Device
+    model: ModelRef
+    settings: LimitSettings
+    options: dict[str, Any]
+    path: Path
+    seq_lens: tuple[int, ...] = ()
+    trials: TrialSettings = TrialSettings()
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.settings.usable_bytes(self.device.total_bytes)
+
+    def search(self) -> SearchSettings:
+        """The search policy's settings: the budget, the limits, and the trials' caps (4 more trials per
+        length beyond the first)."""
+        trials = self.trials
+        return SearchSettings(total_bytes=self.device.total_bytes, limits=self.settings,
+                              max_trials=trials.max_trials + 4 * max(0, len(self.seq_lens) - 1),
+                              boundary_fraction=SearchSettings.boundary_fraction if trials.boundary else 0.0,
+                              steady_steps=trials.steady_steps)
+
+    def request(self, step: Step, seq_len: int | None = None) -> TrialRequest:
+        """The trial of ``step`` (at ``seq_len`` in a calibration over several lengths)."""
+        model = self.model if seq_len is None else self.model.replace(seq_len=seq_len)
+        return TrialRequest(model, step.batch_size, self.device, json.dumps(self.options, sort_keys=True),
+                            self.trials, steady=step.purpose == STEADY)
+
+
+def run_trials(plan: CalibrationPlan, runner: Runner, on_trial: Callable[[Trial], None] | None = None) -> Profile:
+    """Calibrate as ``plan`` says and return the profile (not yet written).
+
+    Args:
+        runner: runs each trial in a fresh worker (:class:`vramcal.measure.trial.TrialRunner`).
+        on_trial: called with each trial as it finishes (progress output).
+
+    Raises:
+        CalibrationError: the first trial failed (too little memory for one sample, or a crash).
+    """
+    search, started, trials = plan.search(), time.perf_counter(), []
+    while (chosen := _next(trials, search, plan.seq_lens)) is not None:
+        seq_len, step = chosen
+        trial = runner.run(plan.request(step, seq_len), purpose=step.purpose)
+        trials.append(trial if seq_len is None else dataclasses.replace(trial, seq_len=seq_len))
+        if on_trial:
+            on_trial(trials[-1])
+    first = trials[0]
+    if not first.fits(search.usable_bytes):
+        raise CalibrationError(first_trial_failure(first, plan))
+    return assemble(plan, trials, runner.context, time.perf_counter() - started)
+
+
+def _next(trials: list[Trial], search: SearchSettings, seq_lens: tuple[int, ...]) -> tuple[int | None, Step] | None:
+    if len(seq_lens) > 1:
+        return surface.next_trial(trials, seq_lens, search)
+    step = next_batch_size(trials, search)
+    return None if step is None else (None, step)
+
+
+def first_trial_failure(first: Trial, plan: CalibrationPlan) -> str:
+    """Why a calibration could not start, in one line, with what to change: the training step itself
+    failed (an ``error``: fix the step), or one sample does not fit (change the budget or the model)."""
+    header = (first.error or "").strip().splitlines()[:1] or ["no error text recorded"]
+    if first.status == "error":
+        kind, _, message = header[0].partition(": ")
+        what = message if kind == "WorkloadError" else header[0]  # vramcal's own message names the factory
+        return (f"the training step of {family_of(plan.model).title(plan.model)} failed in the first trial "
+                f"(batch_size {first.batch_size}), before any memory limit: {what[:300]}: fix the step (call the "
+                f"factory and one step by hand to see the traceback)")
+    why = f"its peak was {format_bytes(first.peak_bytes)}" if first.ok else f"it ended with {first.status}: {header[0]}"
+    return (f"batch_size {first.batch_size} does not fit in the usable {format_bytes(plan.usable_bytes)} of "
+            f"{plan.device.name} ({why}); give a larger --capacity, a smaller --reserve or --margin, or a smaller "
+            f"model")
+
+
+# -------------------------------------------------------------------------------------- the profile
+
+def assemble(plan: CalibrationPlan, trials: list[Trial], context: dict[str, Any], wall_s: float) -> Profile:
+    """The profile of recorded trials (pure: fit, limits, verification and warnings).
+
+    ``context`` is what the trial processes reported (:attr:`vramcal.measure.trial.TrialRunner.context`).
+    A calibration over several lengths adds the surface to the reference length's one-length fields.
+    """
+    run = {"wall_s": wall_s, **plan.trials.to_dict(), "boundary_trials": plan.trials.boundary,
+           "host_memory_limit": "RLIMIT_DATA = total_bytes" if plan.device.kind == "host" else None}
+    del run["boundary"]
+    if len(plan.seq_lens) > 1:
+        return _assemble_surface(plan, trials, context, {**run, "seq_lens": list(plan.seq_lens)})
+    return _assemble_one(plan, plan.model, trials, context, run)
+
+
+def _assemble_one(plan: CalibrationPlan, model: ModelRef, trials: list[Trial], context: dict[str, Any],
+                  run: dict[str, Any]) -> Profile:
+    search = plan.search()
+    state = settle(trials, search)
+    verification = {}
+    for name, trial in (("safe", state.safe_trial), ("conservative", state.conservative_trial)):
+        if trial is not None:
+            verification[name] = Verification(trial.batch_size, trial.fits(search.usable_bytes), trial.peak_bytes)
+    pool = max((t.data_bytes or 0 for t in trials if t.ok), default=0)
+    data = {"source": family_of(model).data_source(plan.options), "options": plan.options, "pool_bytes": pool,
+            **context.get("data", {})}
+    profile = Profile(
+        device=plan.device, model=model, implementation=family_of(model).implementation(model),
+        kernel_path=context.get("kernel_path", "unknown (no trial finished)"), settings=plan.settings,
+        trials=tuple(trials), fit=state.fit, limits=state.limits, verification=verification, data=data,
+        model_info=context.get("info", {}), environment=context.get("environment", {}),
+        software=software_versions(), run=run, created_utc=utc_now(), vramcal_version=__version__)
+    return dataclasses.replace(profile, warnings=tuple(_warnings(profile, len(trials))))
+
+
+def _assemble_surface(plan: CalibrationPlan, trials: list[Trial], context: dict[str, Any],
+                      run: dict[str, Any]) -> Profile:
+    """The reference length's one-length fields, the surface, and a warning for each length left unverified
+    or for terms the 2-D model lacks."""
+    reference = surface.reference_length(plan.seq_lens)
+    one = _assemble_one(plan, plan.model.replace(seq_len=reference), surface.at_length(trials, reference),
+                        context, run)
+    found, _, _ = surface.settle_surface(trials, plan.seq_lens, family_of(plan.model).chunk_size(plan.model),
+                                         plan.search())
+    warnings = list(one.warnings)
+    if found is None:
+        warnings.append("no model in batch_size x seq_len: too few points over the lengths")
+    else:
+        warnings += [f"seq_len {e.seq_len}: limits not verified by real trials" for e in found.lengths
+                     if not e.verified]
+        if found.fit.extra_terms:
+            warnings.append(found.fit.extra_terms)
+    return dataclasses.replace(one, model=plan.model.without("seq_len"), trials=tuple(trials), surface=found,
+                               warnings=tuple(warnings))
+
+
+def _warnings(profile: Profile, n_trials: int) -> list[str]:
+    """A warning for each way the profile falls short: why there are no limits, curvature, no verification."""
+    warnings, fit = [], profile.fit
+    finished = [t for t in profile.trials if t.ok]
+    if fit is None and len(finished) >= 3 and len({t.batch_size for t in finished}) >= 2:
+        warnings.append(f"the peaks of {len(finished)} finished trials did not rise measurably with batch_size (a "
+                        f"flat start, or failures before the slope showed): no slope to fit, no limits; give a "
+                        f"larger budget, or --max-trials for more batch sizes")
+    elif fit is None:
+        warnings.append(f"only {len(finished)} trial(s) finished over {len({t.batch_size for t in finished})} "
+                        f"batch size(s): no fit, no limits (a fit needs 3 over 2 batch sizes)")
+    elif profile.limits is None:
+        warnings.append(f"the fitted slope is not positive ({fit.formula()}): the peaks fall with batch_size over the "
+                        f"fitted trials, so no limit can be extrapolated; re-run with a larger budget")
+    elif fit.nonlinearity:
+        warnings.append(fit.nonlinearity)
+    if profile.limits is not None and not profile.verified:
+        warnings.append(f"limits not verified by real trials within {n_trials} trials: treat them as "
+                        f"estimates, or re-run with a larger --max-trials")
+    return warnings
+
+
+def software_versions() -> dict[str, str | None]:
+    """Versions of Python and the packages whose behaviour changes the measured memory."""
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for package in ("torch", "transformers", "mamba-ssm", "causal-conv1d", "triton", "nvidia-ml-py", "nvitop"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions

@@ -1,0 +1,243 @@
+"""The model families vramcal builds, in one place: how each is named, checked, described and sized.
+
+What a profile calibrates is a *factory* (``module:function``, :mod:`vramcal.workload`) and its arguments,
+a :class:`~vramcal.workload.ModelRef`. Two families ship with vramcal:
+
+* ``regressor`` — the bundled trainer's Mamba-2 regressor over windows of bars
+  (:mod:`vramcal.models.regressor`); its arguments are the :class:`~vramcal.models.regressor.spec.RegressorSpec`
+  fields and a concrete implementation; it takes the data options (a bar file, stride, ...);
+* ``lm`` — a Mamba-2 causal language model from a transformers ``Mamba2Config`` (:mod:`vramcal.models.lm`);
+
+and any other ``module:function`` is a user's factory. Everything that differs between them — how a
+reference is checked, its chunk size and whether it takes a ``seq_len``, the command line that probes it,
+its data options, the arguments left out of titles, its file label — is a method of its :class:`Family`.
+No other module tells the families apart by name: they ask :func:`family` or :func:`family_of`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vramcal.models import lm
+from vramcal.models.mamba2 import check_dtype, resolve_implementation
+from vramcal.models.regressor.spec import FACTORY as REGRESSOR_FACTORY
+from vramcal.models.regressor.spec import RegressorSpec
+from vramcal.workload import ModelRef, WorkloadError, accepts, load_factory
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vramcal.records import Device
+
+# The usual Mamba-2 arguments first in titles, in this order; the rest alphabetically.
+_ORDER = ("config", "d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len", "dtype")
+_SHAPE = (("hidden_size", "hidden"), ("num_hidden_layers", "layers"), ("vocab_size", "vocab"), ("state_size", "state"))
+DATA_OPTIONS = ("data", "stride", "val_fraction", "data_on_device")  # the regressor's; they do not change the model
+
+
+@dataclass(frozen=True)
+class Family:
+    """A user's factory (``module:function``): the base every family refines.
+
+    Attributes:
+        factory: ``module:function``.
+        name: the family's name (``regressor``, ``lm``), or ``factory`` for a user's.
+        quiet: arguments left out of titles (fixed settings).
+        spec_options: whether the command line's spec options (``--d-model``, ...) are its arguments
+            (else ``--model-arg KEY=VALUE``).
+        option_args: arguments the command line fills from its ``--seq-len``/``--dtype`` defaults when
+            ``--model-arg`` does not give them.
+    """
+
+    factory: str
+    name: str = "factory"
+    quiet: tuple[str, ...] = ()
+    spec_options: bool = False
+    option_args: tuple[str, ...] = ()
+
+    def check(self, params: dict[str, Any], device: Device, implementation: str) -> ModelRef:
+        """The checked reference of the factory with ``params`` on ``device`` (a user's factory: importable).
+
+        Raises:
+            WorkloadError: the module cannot be imported or has no such function.
+        """
+        ref = ModelRef.make(self.factory, params)
+        load_factory(ref)  # a missing module or function fails here, in one line, before any trial
+        return ref
+
+    def chunk_size(self, ref: ModelRef) -> int:
+        """The model's chunk_size (sequence lengths are multiples of it); 1 when the factory names none."""
+        return int(ref.params.get("chunk_size") or 1)
+
+    def takes_seq_len(self, ref: ModelRef) -> bool:
+        return accepts(load_factory(ref), "seq_len")
+
+    def implementation(self, ref: ModelRef) -> str:
+        """The Mamba-2 implementation a profile of ``ref`` records (``factory``: the user's model)."""
+        return str(ref.params.get("implementation", "factory"))
+
+    def title(self, ref: ModelRef) -> str:
+        """The family's name for people, or the factory's ``module:function``."""
+        return self.factory if self.name == "factory" else self.name
+
+    def label(self, ref: ModelRef) -> str:
+        """A file-name-safe name: the family, or the user factory's function name."""
+        if self.name != "factory":
+            return self.name
+        return re.sub(r"[^A-Za-z0-9_]+", "-", self.factory.rpartition(":")[2]).strip("-")
+
+    def probe_args(self, ref: ModelRef) -> list[str]:
+        """The ``vramcal probe`` options that calibrate ``ref`` (its model part)."""
+        params = _without_implementation(ref)
+        return [f"--model {ref.factory}", *(f"--model-arg {shlex.quote(f'{k}={_arg_text(v)}')}"
+                                            for k, v in params.items())]
+
+    def data_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The options that apply to this family's factory (they do not change the model): none."""
+        return {}
+
+    def data_source(self, options: dict[str, Any]) -> str:
+        """What the profile says its trials' data were."""
+        return "the factory's"
+
+
+@dataclass(frozen=True)
+class Regressor(Family):
+    """vramcal's regressor (:mod:`vramcal.models.regressor`)."""
+
+    factory: str = REGRESSOR_FACTORY
+    name: str = "regressor"
+    quiet: tuple[str, ...] = ("n_features", "d_conv", "n_groups")
+    spec_options: bool = True
+
+    def check(self, params: dict[str, Any], device: Device, implementation: str) -> ModelRef:
+        """Raises: ValueError: an impossible spec, or a dtype or implementation the device cannot run."""
+        spec = RegressorSpec.from_dict(params)
+        spec.validate()
+        check_dtype(device, spec.dtype)
+        return spec.ref(resolve_implementation(implementation, device.kind))
+
+    def takes_seq_len(self, ref: ModelRef) -> bool:
+        return True
+
+    def probe_args(self, ref: ModelRef) -> list[str]:
+        params, defaults = ref.params, RegressorSpec().to_dict()
+        return [f"--{k.replace('_', '-')} {params[k]}" for k in defaults
+                if k not in self.quiet and k in params and defaults[k] != params[k]]
+
+    def data_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        picked = {k: options[k] for k in DATA_OPTIONS if k in options}
+        if picked.get("data") is not None:
+            picked["data"] = str(Path(picked["data"]).resolve())
+        return picked
+
+    def data_source(self, options: dict[str, Any]) -> str:
+        return options.get("data") or "synthetic"
+
+
+@dataclass(frozen=True)
+class LanguageModel(Family):
+    """A Mamba-2 causal language model from a ``Mamba2Config`` (:mod:`vramcal.models.lm`)."""
+
+    factory: str = lm.FACTORY
+    name: str = "lm"
+    option_args: tuple[str, ...] = ("seq_len", "dtype")
+
+    def check(self, params: dict[str, Any], device: Device, implementation: str) -> ModelRef:
+        """Raises: ValueError: no config or seq_len, a config transformers refuses, a seq_len that is not a
+        multiple of its chunk_size, or a dtype the device cannot run."""
+        if "config" not in params or "seq_len" not in params:
+            raise ValueError("--model lm needs --model-arg config=<Mamba2Config JSON file> and --seq-len")
+        params = {"dtype": "fp32", **params, "config": lm.read_config(params["config"])}
+        lm.check_params(params["config"], params["seq_len"], params["dtype"])
+        check_dtype(device, params["dtype"])
+        return ModelRef.make(self.factory, {**params, "implementation": resolve_implementation(implementation,
+                                                                                             device.kind)})
+
+    def chunk_size(self, ref: ModelRef) -> int:
+        return lm.mamba2_config(ref.params["config"]).chunk_size
+
+    def takes_seq_len(self, ref: ModelRef) -> bool:
+        return True
+
+    def probe_args(self, ref: ModelRef) -> list[str]:
+        return ["--model lm", "--model-arg config=<its config file>", f"--seq-len {ref.params['seq_len']}"]
+
+
+FAMILIES: dict[str, Family] = {"regressor": Regressor(), "lm": LanguageModel()}
+_BY_FACTORY = {each.factory: each for each in FAMILIES.values()}
+
+
+def family(model: str) -> Family:
+    """The family a ``--model`` choice names: ``regressor``, ``lm``, or a user's ``module:function``.
+
+    Raises:
+        WorkloadError: neither a family name nor ``module:function``.
+    """
+    found = FAMILIES.get(model) or _BY_FACTORY.get(model)
+    if found is not None:
+        return found
+    if not ModelRef.is_factory_name(model):
+        raise WorkloadError(f"--model {model!r} is neither {', '.join(FAMILIES)} nor module:function "
+                            f"(e.g. mypackage.train:make_step)")
+    return Family(model)
+
+
+def family_of(ref: ModelRef) -> Family:
+    """The family of a reference (by its factory)."""
+    return _BY_FACTORY.get(ref.factory) or Family(ref.factory)
+
+
+def model_ref(model: str | ModelRef, params: dict[str, Any] | None = None, *, device: Device,
+              implementation: str = "auto") -> ModelRef:
+    """The checked key of ``model`` on ``device``: the factory, its arguments, and for vramcal's families a
+    concrete implementation (``auto`` picks ``mamba_ssm`` on a GPU where its kernels import, else
+    ``transformers``). A :class:`~vramcal.workload.ModelRef` is taken as it is.
+
+    Raises:
+        ValueError: an impossible spec or config, a dtype the device cannot run, an implementation that
+            cannot run here. WorkloadError: a user factory that cannot be imported.
+    """
+    if isinstance(model, ModelRef):
+        return model
+    return family(model).check(dict(params or {}), device, implementation)
+
+
+def describe(ref: ModelRef) -> str:
+    """One line for titles: the family or factory, its arguments (the usual Mamba-2 ones first, values only
+    for ``dtype``, a config by its shape), and the implementation in brackets."""
+    chosen = family_of(ref)
+    params = {k: v for k, v in _without_implementation(ref).items() if k not in chosen.quiet}
+    order = sorted(params, key=lambda k: (_ORDER.index(k) if k in _ORDER else len(_ORDER), k))
+    args = [str(params[k]) if k == "dtype" else f"{k}={_short_value(params[k])}" for k in order]
+    implementation = ref.params.get("implementation")
+    tail = [f"[{implementation}]"] if implementation else []
+    return " ".join([chosen.title(ref), *args, *tail])
+
+
+def _without_implementation(ref: ModelRef) -> dict[str, Any]:
+    return {k: v for k, v in ref.params.items() if k != "implementation"}
+
+
+def _short_value(value: Any) -> str:
+    """A value for :func:`describe`: a config dict by its shape (``(hidden 64, layers 2, vocab 512, state 16,
+    +7 more)``), other dicts by their size."""
+    if isinstance(value, dict):
+        shape = [f"{label} {value[key]}" for key, label in _SHAPE if key in value]
+        rest = len(value) - len(shape)
+        return f"({', '.join(shape)}{f', +{rest} more' if rest else ''})" if shape else f"{{{len(value)} settings}}"
+    return str(value)
+
+
+def _arg_text(value: Any) -> str:
+    """A ``--model-arg`` value that reads back as ``value`` (:class:`vramcal.cli.options.KeyValue` reads JSON,
+    else text)."""
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except ValueError:
+            return value
+    return json.dumps(value)
