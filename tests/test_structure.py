@@ -1,10 +1,19 @@
-"""The house (issue 12): no import cycles, short command functions, commands registered in one place, and a
-light ``import vramcal``."""
+"""The house (issues 12 and 24): layers that import only downwards and no cycle, a pure calibration core, the
+model families told apart in one place, the trial settings' defaults written once, short functions and
+commands, commands registered in one place, docstring references that resolve, and a light ``import vramcal``.
+
+The layers, from the ground up (DESIGN.md, "The parts"): each module imports only modules of its own layer
+or below.
+"""
 
 from __future__ import annotations
 
 import ast
+import builtins
+import dataclasses
+import importlib
 import inspect
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,6 +23,21 @@ import click
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vramcal"
+# The layers, lowest first: a module's prefix decides its layer (the longest prefix that matches).
+LAYERS = (
+    ("vramcal", "vramcal.units", "vramcal.files", "vramcal.records", "vramcal.oom"),  # plain records and helpers
+    ("vramcal.workload", "vramcal.calibration"),  # what a trial runs; the pure calibration core
+    ("vramcal.models", "vramcal.measure"),  # the families; processes and hardware
+    ("vramcal.profile",),  # the profile file
+    ("vramcal.sizing", "vramcal.calibrator"),  # profile -> batch size; trials -> profile
+    ("vramcal.api", "vramcal.report"),  # the front door; reports from profiles
+    ("vramcal.train",),  # the bundled trainer
+    ("vramcal.tune", "vramcal.integrations", "vramcal.preload"),  # studies, frameworks, the worker server's imports
+    ("vramcal.cli", "vramcal.__main__"),  # the commands
+)
+PURE = ("vramcal.calibration", "vramcal.records", "vramcal.units", "vramcal.profile", "vramcal.sizing",
+        "vramcal.report")  # tested with recorded or synthetic trials: no process, hardware or trainer code
+PROCESS = ("vramcal.measure", "vramcal.train", "vramcal.calibrator", "vramcal.api", "vramcal.tune", "vramcal.cli")
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -85,20 +109,163 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
 
 
+def layer(module: str) -> int:
+    """The index in :data:`LAYERS` of the longest prefix of ``module``."""
+    matches = [(len(prefix), index) for index, prefixes in enumerate(LAYERS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} is in no layer: add it to LAYERS (and DESIGN.md)"
+    return max(matches)[1]
+
+
+def test_every_import_runs_down_the_layers():
+    graph = import_graph()
+    upward = [f"{a} -> {b}" for a, targets in graph.items() for b in targets if layer(b) > layer(a)]
+    assert upward == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    assert layer("vramcal.calibration.search") < layer("vramcal.profile") < layer("vramcal.calibrator")
+    assert layer("vramcal.measure.worker") == layer("vramcal.models.registry") < layer("vramcal.train.loop")
+
+
+def reaches(graph: dict[str, set[str]], module: str) -> set[str]:
+    seen, todo = set(), [module]
+    while todo:
+        for other in graph[todo.pop()] - seen:
+            seen.add(other)
+            todo.append(other)
+    return seen
+
+
 def test_records_and_pure_parts_import_no_process_or_hardware_code():
     graph = import_graph()
+    pure = [m for m in graph if m.startswith(PURE)]
+    assert "vramcal.calibration.search" in pure and "vramcal.report.markdown" in pure
+    for module in pure:
+        assert not {m for m in reaches(graph, module) if m.startswith(PROCESS)}, module
 
-    def reaches(module: str) -> set[str]:
-        seen, todo = set(), [module]
-        while todo:
-            for other in graph[todo.pop()] - seen:
-                seen.add(other)
-                todo.append(other)
-        return seen
 
-    for pure in ("vramcal.records", "vramcal.profile", "vramcal.calibration.search", "vramcal.calibration.fit",
-                 "vramcal.calibration.surface", "vramcal.sizing", "vramcal.report.markdown"):
-        assert not {m for m in reaches(pure) if m.startswith(("vramcal.measure", "vramcal.train.loop"))}, pure
+def test_no_module_but_the_registry_tells_the_model_families_apart_by_name():
+    """Comparisons with a family's name, or with the factory paths profiles record, live in the registry (and a
+    family's own module, checking that a reference is its own)."""
+    names = {"regressor", "lm", "vramcal.models.regressor:training_step", "vramcal.models.lm:training_step"}
+    allowed = {"vramcal/models/registry.py", "vramcal/models/regressor/spec.py", "vramcal/models/lm.py"}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = str(path.relative_to(ROOT))
+        for node in ast.walk(ast.parse(path.read_text())):
+            constants = []
+            if isinstance(node, ast.Compare):
+                constants = [n for n in ast.walk(node) if isinstance(n, ast.Constant)]
+            elif isinstance(node, ast.Attribute) and node.attr == "family":
+                if getattr(node.value, "id", "") != "registry":  # registry.family(name) is the registry's answer
+                    found.append(f"{where}:{node.lineno} .family")
+            if any(c.value in names for c in constants) and where not in allowed:
+                found.append(f"{where}:{node.lineno}")
+            if isinstance(node, ast.Constant) and node.value in names - {"regressor", "lm"} and where not in allowed:
+                found.append(f"{where}:{node.lineno} names a factory path")
+    assert found == []
+
+
+def test_the_trial_settings_defaults_are_written_once():
+    """Each default of :class:`vramcal.records.TrialSettings` is a literal there only: elsewhere a parameter or
+    a field of that name takes its default from the record."""
+    from vramcal.records import TrialSettings
+
+    names = {f.name for f in dataclasses.fields(TrialSettings)}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "records.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = node.args.args + node.args.kwonlyargs
+                defaults = [*([None] * (len(node.args.args) - len(node.args.defaults))), *node.args.defaults,
+                            *node.args.kw_defaults]
+                found += [f"{path.name}:{node.lineno} {a.arg}" for a, d in zip(arguments, defaults)
+                          if a.arg in names and isinstance(d, ast.Constant) and d.value is not None]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                if node.target.id in names and isinstance(node.value, ast.Constant) and node.value.value is not None:
+                    found.append(f"{path.name}:{node.lineno} {node.target.id}")
+    assert found == []  # (the trainer's LR warm-up, TrainConfig.warmup_steps, defaults to None: 5 % of the run)
+    from vramcal.cli.probe import probe
+
+    defaults = {p.name: p.default for p in probe.params if p.name in names}
+    assert defaults == {k: v for k, v in dataclasses.asdict(TrialSettings()).items()}
+
+
+def test_no_function_in_the_package_is_over_50_lines():
+    """From its ``def`` to its last line, docstring included (a command's option decorators are declarations)."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 50:
+                long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})")
+    assert long == []
+
+
+# ------------------------------------------------------------------------------ docstring references
+
+ROLE = re.compile(r":(?:func|class|mod|meth|attr|data|exc|obj):`~?([\w.]+)`")
+DOTTED = re.compile(r"(?<![\w./`-])(vramcal(?:\.\w+)+)")
+
+
+def docstring_references() -> list[tuple[str, list[str], str]]:
+    """(module, enclosing classes, name) for each Sphinx role and each ``vramcal.`` dotted name in a docstring."""
+    found = []
+
+    def visit(module: str, node: ast.AST, scope: list[str]) -> None:
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            text = ast.get_docstring(node, clean=False) or ""
+            found.extend((module, scope, name.rstrip(".")) for name in {*ROLE.findall(text), *DOTTED.findall(text)})
+        for child in ast.iter_child_nodes(node):
+            visit(module, child, scope + [child.name] if isinstance(child, ast.ClassDef) else scope)
+
+    for path in sorted(PACKAGE.rglob("*.py")):
+        visit(".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"),
+              ast.parse(path.read_text()), [])
+    return found
+
+
+def resolves(module: str, scope: list[str], name: str) -> bool | None:
+    """Whether ``name`` names something: a ``vramcal.`` path, or a name in the module (or its enclosing class,
+    or Python's builtins). None for another package's name, which is not checked."""
+    def walk(target: object, parts: list[str]) -> bool:
+        for part in parts:
+            annotations = getattr(target, "__annotations__", {}) if isinstance(target, type) else {}
+            if not hasattr(target, part) and part not in annotations:
+                return False
+            target = getattr(target, part, None)
+        return True
+
+    parts = name.split(".")
+    if parts[0] == "vramcal":
+        for split in range(len(parts), 0, -1):
+            try:
+                return walk(importlib.import_module(".".join(parts[:split])), parts[split:])
+            except ModuleNotFoundError:
+                continue
+    home = importlib.import_module(module)
+    places = [builtins, home]
+    for name_ in scope:
+        places.append(getattr(places[-1], name_))
+    if any(walk(place, parts) for place in places):
+        return True
+    return None if "." in name else False
+
+
+def test_every_docstring_reference_resolves():
+    references = docstring_references()
+    assert len(references) > 200  # the docstrings were really read
+    unresolved = sorted({f"{m}: {n}" for m, s, n in references if resolves(m, s, n) is False})
+    assert unresolved == []
+
+
+def test_the_reference_check_finds_a_stale_reference():
+    assert resolves("vramcal.api", [], "vramcal.train.sizing.choose_batch_size") is False
+    assert resolves("vramcal.api", [], "no_such_name") is False
+    assert resolves("vramcal.calibration.fit2d", ["SeqLens"], "design") is True
+    assert resolves("vramcal.measure.trial", [], "vramcal.measure.trial.TrialRunner.context") is True
 
 
 def test_every_command_is_registered_in_one_place_and_is_short():

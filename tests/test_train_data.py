@@ -239,18 +239,33 @@ def test_sessions_too_short_for_a_window_say_so():
     assert "\n" not in str(caught.value)
 
 
-@pytest.mark.parametrize(("change", "names"), [
-    (lambda b: b.assign(open=1600.0, high=1600.0, low=1600.0, close=1600.0, volume=0.0),
-     "log_return, log_open_gap, log_high, log_low, log1p_volume do not vary"),
-    (lambda b: b.assign(volume=0.0), "log1p_volume does not vary"),
-    (lambda b: b.assign(volume=123.0), "log1p_volume does not vary"),
-])
-def test_a_training_split_without_spread_is_refused_in_one_line(change, names):
-    """Constant prices and zero volume trained on all-zero targets (std 0 silently replaced by 1)."""
+def test_constant_prices_are_refused_in_one_line():
+    """Closes that never move give all-zero targets: nothing to learn."""
+    flat = synthetic_bars(400).assign(open=1600.0, high=1600.0, low=1600.0, close=1600.0, volume=0.0)
     with pytest.raises(DataError) as caught:
-        make_windows(change(synthetic_bars(400)), seq_len=32, source="flat.parquet")
+        make_windows(flat, seq_len=32, source="flat.parquet")
     line = str(caught.value)
-    assert line.startswith("flat.parquet: ") and names in line and "zero spread" in line and "\n" not in line
+    assert line.startswith("flat.parquet: the closes do not move") and "zero spread" in line and "\n" not in line
+
+
+@pytest.mark.parametrize(("change", "flat"), [
+    (lambda b: b.assign(volume=0.0), ("log1p_volume",)),  # zero volume: a real case for some instruments
+    (lambda b: b.assign(volume=123.0), ("log1p_volume",)),
+    (lambda b: b.assign(open=b["close"].shift(1).fillna(b["close"].iloc[0]),
+                        high=lambda f: f[["open", "high", "close"]].max(axis=1),
+                        low=lambda f: f[["open", "low", "close"]].min(axis=1)), ("log_open_gap",)),
+])
+def test_a_feature_without_spread_is_the_datas_fact_not_an_error(change, flat):
+    """Contiguous bars (each open the previous close) and zero volume train: the flat feature is centred and
+    named, the others standardised as usual."""
+    windows = make_windows(change(synthetic_bars(400)), seq_len=32)
+    assert windows.flat_features == flat and windows.stats()["flat_features"] == list(flat)
+    index = [FEATURE_NAMES.index(name) for name in flat]
+    training = windows.features[:windows.split_row]
+    assert np.allclose(training[:, index], 0.0) and np.all(np.isfinite(windows.features))
+    others = [i for i in range(len(FEATURE_NAMES)) if i not in index]
+    assert np.allclose(training[:, others].std(axis=0), 1.0, atol=0.05)
+    assert flat[0] in windows_module.flat_notice(windows.stats())
 
 
 def test_train_prints_the_gap_notice(tmp_path):

@@ -1,1 +1,3 @@
-"""Calibrating: the search policy, the fits, the limits, and the loop that runs trials (pure but for the loop)."""
+"""The calibration core, pure: the fits, the limits, the search policy, the surface over lengths and the step
+creep, each a function of recorded trials (tested with recorded and synthetic ones). The loop that runs real
+trials against it is :mod:`vramcal.calibrator`, above the profile."""

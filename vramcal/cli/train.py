@@ -134,8 +134,9 @@ def probe_first(config, capacity: int | None):
 
 
 def announce(plan) -> None:
-    """What the run is about to do, on stderr: notices, model, batch size and its prediction, data (and its gaps)."""
-    from vramcal.models.regressor.windows import gap_notice
+    """What the run is about to do, on stderr: notices, model, batch size and its prediction, data (its gaps, its
+    features without spread)."""
+    from vramcal.models.regressor.windows import data_notices
 
     sizing, config, stats = plan.sizing, plan.config, plan.data_stats
     for notice in plan.notices:
@@ -149,6 +150,5 @@ def announce(plan) -> None:
     click.echo(f"data: {stats['rows']} rows, {stats['train_windows']} training and {stats['val_windows']} validation "
                f"windows of {stats['seq_len']} bars (stride {stats['stride']}), validation from "
                f"{stats['first_val_timestamp']}; run folder {plan.run_dir}", err=True)
-    gaps = gap_notice(stats)
-    if gaps:
-        click.echo(gaps, err=True)
+    for line in data_notices(stats):
+        click.echo(line, err=True)

@@ -84,7 +84,7 @@ def open_tune(settings, run_dir: Path, resume: bool, storage: str | None, study_
         (study, the settings it searches, the :class:`~vramcal.tune.study.SearchSpace`, the storage URL: print
         it only through :func:`vramcal.tune.study.redact`).
     """
-    from vramcal.models.regressor.windows import gap_notice
+    from vramcal.models.regressor.windows import data_notices
     from vramcal.tune import study as tune
 
     if storage is None:
@@ -104,8 +104,8 @@ def open_tune(settings, run_dir: Path, resume: bool, storage: str | None, study_
         space = tune.search_space(settings, capacity)
     for notice in space.notices:
         echo(notice if notice.startswith("host budget") else f"warning: {notice}")
-    if gap_notice(space.lengths[0][1].data_stats):
-        echo(gap_notice(space.lengths[0][1].data_stats))
+    for line in data_notices(space.lengths[0][1].data_stats):
+        echo(line)
     return study, settings, space, url
 
 

@@ -74,9 +74,11 @@ class TrialRunner:
     path that ran, the software environment seen inside the process, the model's facts and the data.
     """
 
+    context: dict[str, Any]
+
     def __init__(self, workers: Workers) -> None:
         self.workers = workers
-        self.context: dict[str, Any] = {}
+        self.context = {}
 
     def run(self, request: TrialRequest, purpose: str = "") -> Trial:
         """Run one trial (killed after ``request.settings.timeout_s``); never raises for what happens inside the

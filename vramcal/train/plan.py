@@ -20,8 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from vramcal.models.regressor.bars import load_bars
-from vramcal.models.regressor.windows import Windows, make_windows
+from vramcal.models.regressor.windows import Windows
 from vramcal.profile import Profile
 from vramcal.records import Device
 from vramcal.sizing import Sizing, SizingError, scaled_lr, size
@@ -116,9 +115,11 @@ class Plan:
 
 
 def load_windows(config: TrainConfig) -> Windows:
-    """Bars from ``config.data`` cut into windows. Raises: DataError."""
-    bars = load_bars(config.data)
-    return make_windows(bars, config.spec.seq_len, config.stride, config.val_fraction, source=config.data)
+    """Bars from ``config.data`` cut into windows (:func:`vramcal.models.regressor.step.load_windows`).
+    Raises: DataError."""
+    from vramcal.models.regressor.step import load_windows as windows_of
+
+    return windows_of(config.data, config.spec.seq_len, config.stride, config.val_fraction)
 
 
 def resolve(config: TrainConfig, capacity_bytes: int | None = None) -> Setting:

@@ -112,6 +112,18 @@ def _points(study) -> list[tuple[int, str, float, int]]:
     return points
 
 
+def _draw_best_so_far(axes, points) -> None:
+    """The lowest validation loss of the complete trials so far, as a step line, trial by trial."""
+    complete = sorted((p for p in points if p[1] == "complete"), key=lambda p: p[0])
+    if complete:
+        best, xs, ys = math.inf, [], []
+        for number, _, value, _ in complete:
+            best = min(best, value)
+            xs.append(number)
+            ys.append(best)
+        axes.step(xs, ys, where="post", color="black", linewidth=1, label="best so far")
+
+
 def plot_study(study, bounds, path: Path) -> Path:
     """Write the two-panel figure to ``path`` (atomically) and return it.
 
@@ -134,14 +146,7 @@ def plot_study(study, bounds, path: Path) -> Path:
         if chosen:
             history.scatter([p[0] for p in chosen], [p[2] for p in chosen], marker=marker, color=color, label=state)
             by_batch.scatter([p[3] for p in chosen], [p[2] for p in chosen], marker=marker, color=color, label=state)
-    complete = sorted((p for p in points if p[1] == "complete"), key=lambda p: p[0])
-    if complete:
-        best, xs, ys = math.inf, [], []
-        for number, _, value, _ in complete:
-            best = min(best, value)
-            xs.append(number)
-            ys.append(best)
-        history.step(xs, ys, where="post", color="black", linewidth=1, label="best so far")
+    _draw_best_so_far(history, points)
     history.set(xlabel="trial", ylabel="validation loss (MSE)", title="optimisation history")
     by_batch.set_xscale("log")
     from matplotlib.ticker import FuncFormatter

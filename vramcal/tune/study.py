@@ -5,13 +5,13 @@ proposed batch size to the hardware's bounds before allocating; they list as fut
 search space itself should use the trainer's bounds. Here it does: the batch-size range is
 ``[--batch-size-min, the profile's conservative batch size]`` (narrowed further by ``--batch-size-max``
 and by the number of training windows), so no trial is spent on a batch that cannot fit. The trainer
-still clamps whatever it is given (:func:`vramcal.train.sizing.choose_batch_size`), a second guard;
+still clamps whatever it is given (:func:`vramcal.sizing.size`), a second guard;
 each trial records whether it did.
 
 Search: TPE (``optuna.samplers.TPESampler``, Bergstra et al. 2011) after ``n_initial`` random start-up
 trials, over the learning rate (log), the batch size (log, integer), the weight decay and the gradient
 clip norm (log). Each trial is a real ``vramcal train`` run (:func:`vramcal.train.plan.plan_run` and
-:func:`vramcal.train.loop.start`, the same code as the command) of ``epochs`` epochs or ``max_steps``
+:func:`vramcal.train.runner.train`, the same code as the command) of ``epochs`` epochs or ``max_steps``
 steps in ``<run_dir>/trials/<number>`` (zero-padded: ``trials/0000``); its value is its lowest validation loss (what
 ``checkpoint-best.pt`` holds). After every epoch the validation loss goes to ``trial.report`` and a
 median pruner (``optuna.pruners.MedianPruner``) stops trials worse than the median of earlier ones at

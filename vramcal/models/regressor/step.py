@@ -150,6 +150,21 @@ class RegressorStep(TrainingStep):
     pipeline: WindowPipeline | None = None
 
 
+def load_windows(data: str | None, seq_len: int, stride: int | None = None, val_fraction: float = 0.2) -> Windows:
+    """The windows of an OHLCV parquet file (:func:`vramcal.models.regressor.bars.load_bars`), or of synthetic
+    bars of the E-mini sample's size when ``data`` is None (:func:`vramcal.models.regressor.bars.synthetic_bars`),
+    cut by :func:`vramcal.models.regressor.windows.make_windows`.
+
+    Raises:
+        DataError: unusable bars, or too few for a window of each split.
+    """
+    from vramcal.models.regressor.bars import load_bars, synthetic_bars
+    from vramcal.models.regressor.windows import make_windows
+
+    bars = load_bars(data) if data is not None else synthetic_bars()
+    return make_windows(bars, seq_len, stride, val_fraction, source=data or "synthetic bars")
+
+
 def training_step(device: torch.device, *, implementation: str = "transformers", data: str | None = None,
                   stride: int | None = None, val_fraction: float = 0.2, data_on_device: bool = False,
                   lr: float = 1e-4, weight_decay: float = 0.01, max_grad_norm: float = 1.0, seed: int = 0,
@@ -160,9 +175,7 @@ def training_step(device: torch.device, *, implementation: str = "transformers",
     Args:
         device: where to train.
         implementation: ``transformers`` or ``mamba_ssm`` (concrete).
-        data: an OHLCV parquet file (:func:`vramcal.models.regressor.bars.load_bars`), or None for synthetic bars of
-            the size of the E-mini sample (:func:`vramcal.models.regressor.bars.synthetic_bars`).
-        stride, val_fraction: how the bars are cut into windows (:func:`vramcal.models.regressor.windows.make_windows`).
+        data, stride, val_fraction: the windows (:func:`load_windows`).
         data_on_device: hold the windows in the device's memory (see the module docstring).
         lr, weight_decay: AdamW's (the memory does not depend on them).
         max_grad_norm: gradient clipping norm.
@@ -178,14 +191,10 @@ def training_step(device: torch.device, *, implementation: str = "transformers",
     import torch
 
     from vramcal.models.mamba2 import kernel_path
-    from vramcal.models.regressor.bars import load_bars, synthetic_bars
-    from vramcal.models.regressor.windows import make_windows
 
     spec = RegressorSpec.from_dict(spec_fields)
     spec.validate()
-    bars = load_bars(data) if data is not None else synthetic_bars()
-    windows = make_windows(bars, spec.seq_len, stride, val_fraction, source=data or "synthetic bars")
-    del bars
+    windows = load_windows(data, spec.seq_len, stride, val_fraction)
     torch.manual_seed(seed)
     model = build_model(spec, implementation).to(device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,

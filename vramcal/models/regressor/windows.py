@@ -35,8 +35,12 @@ reach across a gap (the return across a gap) are in no window and left out of th
 (they are zeroed). Of a segment of k bars, k - 2 rows carry in-segment features and targets, as a file
 without gaps does.
 
-A training split on which a feature or the target has zero spread (constant prices, zero volume) is
-refused: it teaches nothing, and standardising it would divide by zero.
+Spread: a training split on which the *target* has zero spread (the closes never move: constant prices)
+is refused, since no model can learn from it. A *feature* without spread on the training split is a fact
+of the data, not an error: bars whose opens equal the previous close (a common way to build contiguous
+bars) have a constant opening gap, and some instruments report zero volume. Such a feature is centred on
+its training mean and left unscaled (its standard deviation is taken as 1, so it is 0 on the training
+split and carries no information), and the windows name it (``flat_features``) so the trainer says so.
 
 Default ``stride = seq_len // 2``: the loss covers every position of a window, so a stride of seq_len
 already trains on every bar's target once; half of that puts every bar (but the first half-window) also
@@ -80,6 +84,8 @@ class Windows:
         first_val_timestamp: when the validation split begins (ISO text).
         gaps: the number of gaps (session breaks) between bars; longest_gap_s: the longest, seconds (0.0
             without gaps); gap_threshold_s: the spacing above which a pause is a gap, seconds.
+        flat_features: the features without spread on the training split (module docstring: centred, not
+            scaled).
     """
 
     features: np.ndarray
@@ -96,6 +102,7 @@ class Windows:
     gaps: int = 0
     longest_gap_s: float = 0.0
     gap_threshold_s: float = 0.0
+    flat_features: tuple[str, ...] = ()
 
     @property
     def pipeline_bytes(self) -> int:
@@ -110,7 +117,8 @@ class Windows:
                 "rows": len(self.targets), "split_row": self.split_row, "seq_len": self.seq_len,
                 "stride": self.stride, "train_windows": len(self.train_starts),
                 "val_windows": len(self.val_starts), "first_val_timestamp": self.first_val_timestamp,
-                "gaps": self.gaps, "longest_gap_s": self.longest_gap_s, "gap_threshold_s": self.gap_threshold_s}
+                "gaps": self.gaps, "longest_gap_s": self.longest_gap_s, "gap_threshold_s": self.gap_threshold_s,
+                "flat_features": list(self.flat_features)}
 
 
 def gap_notice(stats: dict) -> str | None:
@@ -180,7 +188,7 @@ def make_windows(bars: pd.DataFrame, seq_len: int, stride: int | None = None,
 
     Raises:
         DataError: fewer bars than one window, a split that leaves a side without a window (gaps
-            included), or a feature or the target with zero spread on the training split.
+            included), or a target (the closes) without spread on the training split.
         ValueError: stride < 1 or val_fraction outside (0, 1).
     """
     stride = stride or max(1, seq_len // 2)
@@ -193,37 +201,67 @@ def make_windows(bars: pd.DataFrame, seq_len: int, stride: int | None = None,
         raise DataError(f"{source}: {n_bars} bars are fewer than one window: seq_len {seq_len} needs at least "
                         f"{seq_len + 2} bars (one before for the first return, one after for the last target)")
     features, returns = raw_features(bars)
-    rows = len(returns)
-    split = round(rows * (1 - val_fraction))
+    split = round(len(returns) * (1 - val_fraction))
     gaps, threshold = find_gaps(bars["timestamp"])
-    # Bars [a, b) of a segment give rows [a, b - 2): row i reads bars i..i+2 (previous close, bar, target).
-    edges = [0, *gaps.tolist(), n_bars]
-    segments = [(a, b - 2) for a, b in itertools.pairwise(edges) if b - 2 > a]
-    valid = np.zeros(rows, dtype=bool)
-    for first, end in segments:
-        valid[first:end] = True
+    segments, valid = _segments(gaps, n_bars)
     train_starts = _starts(segments, 0, split, seq_len, stride)
-    val_starts = _starts(segments, split, rows, seq_len, stride)
+    val_starts = _starts(segments, split, len(returns), seq_len, stride)
     if len(train_starts) == 0 or len(val_starts) == 0:
         need = int(np.ceil(seq_len / min(val_fraction, 1 - val_fraction))) + 2
         within = f" between its {len(gaps)} gap(s)" if len(gaps) else ""
         raise DataError(f"{source}: {n_bars} bars give {len(train_starts)} training and {len(val_starts)} "
                         f"validation windows of {seq_len} bars{within} (val_fraction {val_fraction}); need about "
                         f"{need} bars{' without a gap' if len(gaps) else ''}, or a smaller --seq-len")
-    training = features[:split][valid[:split]]
-    mean, std = training.mean(axis=0), training.std(axis=0)
-    flat = [name for name, m, sd in zip(FEATURE_NAMES, mean, std) if not sd > 1e-12 + 1e-9 * abs(m)]
-    if flat:
-        raise DataError(f"{source}: {', '.join(flat)} do{'es' if len(flat) == 1 else ''} not vary on the training "
-                        f"split ({len(training)} rows; constant prices or volume?): a feature or target with "
-                        f"zero spread teaches nothing; use bars whose prices and volume move")
-    scale = float(std[0])
-    standardised = ((features - mean) / std).astype(np.float32)
-    targets = (returns / scale).astype(np.float32)
+    mean, std, flat = _training_statistics(features[:split][valid[:split]], source)
+    standardised, targets = ((features - mean) / std).astype(np.float32), (returns / std[0]).astype(np.float32)
     standardised[~valid], targets[~valid] = 0.0, 0.0
     spacing_s = np.diff(np.asarray(bars["timestamp"], dtype="datetime64[ns]").astype(np.int64)) / 1e9
     return Windows(
         features=standardised, targets=targets, train_starts=train_starts, val_starts=val_starts, seq_len=seq_len,
-        stride=stride, split_row=split, feature_mean=mean, feature_std=std, target_scale=scale,
+        stride=stride, split_row=split, feature_mean=mean, feature_std=std, target_scale=float(std[0]),
         first_val_timestamp=str(bars["timestamp"].iloc[split + 1]), gaps=len(gaps),
-        longest_gap_s=float(spacing_s[gaps - 1].max()) if len(gaps) else 0.0, gap_threshold_s=threshold)
+        longest_gap_s=float(spacing_s[gaps - 1].max()) if len(gaps) else 0.0, gap_threshold_s=threshold,
+        flat_features=flat)
+
+
+def _segments(gaps: np.ndarray, n_bars: int) -> tuple[list[tuple[int, int]], np.ndarray]:
+    """The rows ``[first, end)`` of each segment between gaps, and which of the ``n_bars - 2`` rows lie in one.
+
+    Bars ``[a, b)`` of a segment give rows ``[a, b - 2)``: row i reads bars i..i+2 (previous close, bar, target).
+    """
+    edges = [0, *gaps.tolist(), n_bars]
+    segments = [(a, b - 2) for a, b in itertools.pairwise(edges) if b - 2 > a]
+    valid = np.zeros(n_bars - 2, dtype=bool)
+    for first, end in segments:
+        valid[first:end] = True
+    return segments, valid
+
+
+def _training_statistics(training: np.ndarray, source: str) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+    """Mean and standard deviation of the training rows' features (N_FEATURES,), with 1 for a feature without
+    spread, and the names of those (module docstring).
+
+    Raises:
+        DataError: the log return (the target's source) has no spread: the closes never move.
+    """
+    mean, std = training.mean(axis=0), training.std(axis=0)
+    flat = tuple(name for name, m, sd in zip(FEATURE_NAMES, mean, std) if not sd > 1e-12 + 1e-9 * abs(m))
+    if FEATURE_NAMES[0] in flat:
+        raise DataError(f"{source}: the closes do not move on the training split ({len(training)} rows): a target "
+                        f"with zero spread teaches nothing; use bars whose prices move")
+    return mean, np.where([name in flat for name in FEATURE_NAMES], 1.0, std), flat
+
+
+def flat_notice(stats: dict) -> str | None:
+    """The line telling people which features do not vary (from :meth:`Windows.stats`), or None."""
+    flat = stats.get("flat_features") or []
+    if not flat:
+        return None
+    return (f"data: {', '.join(flat)} do{'es' if len(flat) == 1 else ''} not vary on the training split (e.g. opens "
+            f"equal to the previous close, or zero volume): centred, not scaled, so the model sees a constant")
+
+
+def data_notices(stats: dict) -> list[str]:
+    """The lines about the data people should read before a run (from :meth:`Windows.stats`): its gaps and its
+    features without spread."""
+    return [line for line in (gap_notice(stats), flat_notice(stats)) if line]
