@@ -120,26 +120,113 @@ class Workers:
         Raises:
             KeyboardInterrupt: the caller was interrupted; the worker is killed first.
         """
+        return self.run_all([(function, args)], timeout_s=timeout_s, handler=handler)[0]
+
+    def start(self, function: Callable[..., Any] | str, *args: Any, handler: Handler | None = None) -> Job:
+        """Start ``function(*args, channel=Channel)`` in a worker and return at once (:class:`Job`)."""
         ours, theirs = self._context.Pipe(duplex=True)
         started = time.time()
         process = self._context.Process(target=_worker_main, args=(theirs, function, args, started, os.getpid()))
         with _main_left_alone():
             process.start()
         theirs.close()
-        final = None
+        return Job(process, ours, started, handler)
+
+    def run_all(self, calls: list[tuple[Callable[..., Any] | str, tuple]], *, timeout_s: float | None = None,
+                handler: Handler | None = None, grace_s: float = 10.0) -> list[Outcome]:
+        """Run several workers at once (the ranks of a world) and wait for all of them.
+
+        When one ends without a result ``ok``, the others get ``grace_s`` seconds to end by themselves (they
+        agree on the failure at their next collective), then are killed: one worker's failure never leaves
+        the others waiting in a collective. After ``timeout_s`` all still running are killed (``timeout``).
+
+        Returns:
+            The outcomes in the order of ``calls``; a worker killed after another's failure is ``error``,
+            naming it.
+
+        Raises:
+            KeyboardInterrupt: the caller was interrupted; every worker is killed first.
+        """
+        jobs = [self.start(function, *args, handler=handler) for function, args in calls]
+        deadline = None if timeout_s is None else time.time() + timeout_s
         try:
-            final = _listen(ours, handler, started, timeout_s)
-        except KeyboardInterrupt:
-            process.kill()
-            raise
+            _serve(jobs, deadline, grace_s)
         finally:
-            if final is None or final.get("status") == "timeout":
-                process.kill()
-            process.join()
-            ours.close()
-        if final is None:
-            final = _exit_status(process.exitcode)
-        return Outcome(wall_s=time.time() - started, **final)
+            for job in jobs:
+                job.close()
+        return [job.outcome for job in jobs]
+
+
+class Job:
+    """A started worker: the caller's end of its pipe; :attr:`outcome` once it has ended."""
+
+    def __init__(self, process: Any, connection: Any, started: float, handler: Handler | None) -> None:
+        self.process, self.connection, self.started, self.handler = process, connection, started, handler
+        self.final: dict[str, Any] | None = None
+        self.outcome: Outcome | None = None
+
+    def receive(self) -> None:
+        """Serve one message from the worker (its final result ends the job)."""
+        try:
+            kind, *rest = self.connection.recv()
+        except (EOFError, OSError):
+            self.end(None)
+            return
+        if kind == "done":
+            self.end(rest[0])
+            return
+        reply = self.handler(rest[0], rest[1]) if self.handler is not None else None
+        if kind == "ask":
+            self.connection.send(reply)
+
+    def end(self, final: dict[str, Any] | None, kill: bool = False) -> None:
+        """Record how the worker ended (None: it died without a result; its exit status says how); ``kill``
+        a worker that has not ended by itself (a worker that sent its result exits on its own, so its
+        semaphores and files are released)."""
+        if self.outcome is not None:
+            return
+        if kill or final is None:
+            self.process.kill()
+        self.process.join()
+        final = final or _exit_status(self.process.exitcode)
+        self.outcome = Outcome(wall_s=time.time() - self.started, **final)
+
+    def close(self) -> None:
+        """Kill the worker if it still runs, and release the pipe."""
+        if self.outcome is None:
+            stopped = "stopped by its caller"
+            self.end({"status": "error", "error": stopped, "message": stopped}, kill=True)
+        self.connection.close()
+
+
+def _serve(jobs: list[Job], deadline: float | None, grace_s: float) -> None:
+    """Serve every job's messages until all have ended (module docstring of :meth:`Workers.run_all`)."""
+    from multiprocessing.connection import wait
+
+    stop_at = deadline
+    while running := [job for job in jobs if job.outcome is None]:
+        left = None if stop_at is None else max(0.0, stop_at - time.time())
+        ready = wait([job.connection for job in running], timeout=left)
+        for job in running:
+            if job.connection in ready:
+                job.receive()
+        failed = [i for i, job in enumerate(jobs) if job.outcome is not None and job.outcome.status != "ok"]
+        if failed and (stop_at is None or stop_at > time.time() + grace_s):
+            stop_at = time.time() + grace_s  # the others may agree on the failure; then they are stopped
+        if not ready and stop_at is not None and time.time() >= stop_at:
+            _stop(running, failed, deadline)
+            return
+
+
+def _stop(running: list[Job], failed: list[int], deadline: float | None) -> None:
+    """End the jobs still running: at the time limit (``timeout``), or after another worker failed."""
+    for job in running:
+        if failed:
+            what = f"stopped after worker {failed[0]} of the world failed"
+            job.end({"status": "error", "error": what, "message": what}, kill=True)
+        else:
+            limit = f"killed after the {deadline - job.started:.0f} s time limit"
+            job.end({"status": "timeout", "error": limit, "message": limit}, kill=True)
 
 
 @contextlib.contextmanager
@@ -161,25 +248,6 @@ def _main_left_alone():
         yield
     finally:
         main.__file__ = path
-
-
-def _listen(connection: Any, handler: Handler | None, started: float,
-            timeout_s: float | None) -> dict[str, Any] | None:
-    """Serve the worker's messages until its final result; None when it died without one."""
-    while True:
-        wait = None if timeout_s is None else max(0.0, started + timeout_s - time.time())
-        if not connection.poll(wait):
-            limit = f"killed after the {timeout_s:.0f} s time limit"
-            return {"status": "timeout", "error": limit, "message": limit}
-        try:
-            kind, *rest = connection.recv()
-        except (EOFError, OSError):
-            return None
-        if kind == "done":
-            return rest[0]
-        reply = handler(rest[0], rest[1]) if handler is not None else None
-        if kind == "ask":
-            connection.send(reply)
 
 
 def _exit_status(exitcode: int | None) -> dict[str, Any]:
