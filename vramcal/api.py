@@ -43,8 +43,9 @@ from vramcal.profile import (
     profile_path,
     save_profile,
 )
-from vramcal.records import Device, Trial, TrialSettings
+from vramcal.records import Device, Trial, TrialSettings, World
 from vramcal.sizing import Limit, Sizing, SizingError, size
+from vramcal.units import format_bytes
 from vramcal.workload import ModelRef, WorkloadError
 
 __all__ = ["Answer", "CalibrationError", "CalibrationPlan", "LimitSettings", "Located", "Profile", "ProfileError",
@@ -82,8 +83,8 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
                      implementation: str = "auto", settings: LimitSettings = LimitSettings(),
                      options: dict[str, Any] | None = None, profiles_dir: Path | str = DEFAULT_PROFILES_DIR,
                      out: Path | str | None = None, unique_device: bool = False,
-                     seq_lens: str | Sequence[int] | SeqLens = (),
-                     trials: TrialSettings = TrialSettings()) -> CalibrationPlan:
+                     seq_lens: str | Sequence[int] | SeqLens = (), trials: TrialSettings = TrialSettings(),
+                     world: World | None = None, rank_devices: Sequence[Device] = ()) -> CalibrationPlan:
     """Check everything knowable before the first trial (:func:`model_ref`, the lengths, the budget) and
     place the file.
 
@@ -97,10 +98,13 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
             each a multiple of the model's chunk_size; the factory must take ``seq_len``. A single length
             is a one-length calibration at it.
         trials: how each trial runs and how many (:class:`~vramcal.records.TrialSettings`).
+        world: calibrate a DDP world of ranks (:class:`~vramcal.records.World`); the limits are per rank.
+        rank_devices: the ranks' GPUs (``world.nproc`` of one model; ``device`` is rank 0's); () on the host,
+            where every rank runs on the host under the budget.
 
     Raises:
         ValueError, WorkloadError: see :func:`model_ref`; lengths that are not multiples of chunk_size or a
-            factory without ``seq_len``; a budget with no usable memory.
+            factory without ``seq_len``; a budget with no usable memory; a world whose devices do not fit it.
     """
     lengths = _read_lengths(seq_lens)
     ref = model_ref(model, {**(params or {}), **({"seq_len": lengths.lengths[0]} if lengths else {})}, device=device,
@@ -110,11 +114,33 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
         ref = ref.replace(seq_len=designed[0])
     several = designed if len(designed) > 1 else ()
     settings.check(device.total_bytes)
+    _check_world(world, device, tuple(rank_devices))
     family = family_of(ref)
     key = ref.without("seq_len") if several else ref
     path = Path(out) if out is not None else profile_path(profiles_dir, device, key, family.implementation(ref),
-                                                          unique_device)
-    return CalibrationPlan(device, ref, settings, family.data_options(dict(options or {})), path, several, trials)
+                                                          unique_device, world)
+    return CalibrationPlan(device, ref, settings, family.data_options(dict(options or {})), path, several, trials,
+                           world, tuple(rank_devices))
+
+
+def _check_world(world: World | None, device: Device, rank_devices: tuple[Device, ...]) -> None:
+    """Raises: ValueError for a world whose backend does not run on the device, or whose GPUs are not
+    ``world.nproc`` cards of one model."""
+    if world is None:
+        if rank_devices:
+            raise ValueError("rank_devices are for a DDP world: give world=World(nproc)")
+        return
+    if (world.backend == "nccl") != (device.kind == "cuda"):
+        raise ValueError(f"the {world.backend} backend does not run on {device.name}: use gloo on the host and "
+                         f"nccl on NVIDIA GPUs")
+    if device.kind == "cuda":
+        if len(rank_devices) != world.nproc:
+            raise ValueError(f"a DDP world of {world.nproc} ranks needs {world.nproc} GPUs, {len(rank_devices)} are "
+                             f"visible here: use fewer ranks, or CUDA_VISIBLE_DEVICES to show more")
+        names = {d.name for d in rank_devices}
+        if len(names) > 1:
+            raise ValueError(f"the ranks' GPUs differ ({', '.join(sorted(names))}): calibrate each model of card on "
+                             f"its own (a profile is per device)")
 
 
 def _read_lengths(seq_lens: str | Sequence[int] | SeqLens) -> SeqLens | None:
@@ -163,9 +189,30 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True,
     from vramcal.measure.trial import TrialRunner
 
     profile = run_trials(plan, TrialRunner(worker_pool()), on_trial)
+    if plan.world is not None:
+        profile = dataclasses.replace(profile, single_process=ddp_term(profile, plan.path.parent.parent))
     if save:
         save_profile(profile, plan.path)
     return profile
+
+
+def ddp_term(profile: Profile, profiles_dir: Path | str) -> dict[str, Any] | None:
+    """The DDP term of a DDP profile: its safe size's per-rank peak (its verification, step creep included)
+    against the prediction there of the newest single-process profile of the same model and device under
+    ``profiles_dir`` (bytes; None when there is none, or the DDP profile has no verified safe size)."""
+    check = profile.verification.get("safe")
+    found, _ = newest_profile(profiles_dir, profile.device, profile.model)
+    if found is None or check is None or check.peak_bytes is None:
+        return None
+    try:
+        single = load_profile(found)
+        predicted = size(single, check.batch_size, batch_size_min=1, seq_len=profile.model.params.get("seq_len"))
+    except (ProfileError, SizingError):
+        return None
+    at = int(single.fit.predict(check.batch_size))  # the line at the DDP size, clamped or not
+    return {"profile": str(found), "batch_size": check.batch_size, "predicted_peak_bytes": at,
+            "single_safe_batch_size": predicted.safe_batch_size, "ddp_peak_bytes": check.peak_bytes,
+            "term_bytes": check.peak_bytes - at}
 
 
 def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *, gpu: str = "auto",
@@ -200,12 +247,13 @@ def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None
     return run_calibration(plan, save=save, on_trial=on_trial)
 
 
-def probe_command(device: Device, ref: ModelRef) -> str:
+def probe_command(device: Device, ref: ModelRef, world: World | None = None) -> str:
     """The ``vramcal probe`` command line that makes a missing profile (non-default options only)."""
     gpu = "none" if device.kind == "host" else "auto"
     implementation = ref.params.get("implementation")
+    ranks = [f"--nproc {world.nproc}"] if world else []
     return " ".join(["vramcal probe", f"--gpu {gpu}", *([f"--impl {implementation}"] if implementation else []),
-                     *family_of(ref).probe_args(ref)])
+                     *ranks, *family_of(ref).probe_args(ref)])
 
 
 @dataclass(frozen=True)
@@ -220,8 +268,10 @@ class Located:
 
 def locate_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *,
                    device: Device, implementation: str = "auto", profiles_dir: Path | str = DEFAULT_PROFILES_DIR,
-                   path: Path | str | None = None) -> Located:
-    """The profile for a model on ``device``: the newest matching one under ``profiles_dir``, or ``path``.
+                   path: Path | str | None = None, world: World | None = None,
+                   total_bytes: int | None = None) -> Located:
+    """The profile for a model on ``device`` (in a DDP ``world``; None: one process): the newest matching one
+    under ``profiles_dir`` (calibrated at ``total_bytes``, when given: a host rank's own budget), or ``path``.
 
     Raises:
         SizingError: none matches (the message gives the ``vramcal probe`` command that makes one), or
@@ -231,15 +281,17 @@ def locate_profile(model: str | ModelRef = "regressor", params: dict[str, Any] |
     ref = model_ref(model, params, device=device, implementation=implementation)
     notices: list[str] = []
     if path is None:
-        found, notices = newest_profile(profiles_dir, device, ref)
+        found, notices = newest_profile(profiles_dir, device, ref, world, total_bytes)
         if found is None:
             bad = f" ({len(notices)} matching file(s) failed their checks: {notices[0]})" if notices else ""
-            raise SizingError(f"no profile for {device.name} and {describe(ref)} in {profiles_dir}/{bad}: run "
-                              f"`{probe_command(device, ref)}` first")
+            where = f" for {world.describe()}" if world else ""
+            budget = f" at {format_bytes(total_bytes)}" if total_bytes else ""
+            raise SizingError(f"no profile for {device.name}{budget} and {describe(ref)}{where} in {profiles_dir}/"
+                              f"{bad}: run `{probe_command(device, ref, world)}` first")
         path = found
     try:
         profile = load_profile(path)
-        check_profile_matches(profile, device, ref)
+        check_profile_matches(profile, device, ref, world)
     except ProfileError as error:
         raise SizingError(str(error) if str(error).startswith("profile ") else f"{path}: {error}") from None
     if profile.limits is None or profile.fit is None or profile.limits.safe_batch_size < 1:

@@ -29,7 +29,7 @@ from vramcal.calibration.search import SearchSettings, Step, next_batch_size, se
 from vramcal.measure.trial import TrialRequest
 from vramcal.models.registry import family_of
 from vramcal.profile import Profile, Verification, utc_now
-from vramcal.records import Device, Trial, TrialSettings
+from vramcal.records import Device, Trial, TrialSettings, World
 from vramcal.units import format_bytes
 from vramcal.workload import ModelRef
 
@@ -58,6 +58,8 @@ class CalibrationPlan:
         path: where the profile will be written.
         seq_lens: two or more sequence lengths calibrated at once (issue 13), else ().
         trials: how each trial runs and how many (:class:`~vramcal.records.TrialSettings`).
+        world: a DDP world each trial runs in (limits per rank), or None for one process.
+        rank_devices: the ranks' devices (one GPU each); () = every rank on ``device`` (the host).
     """
 
     device: Device
@@ -67,6 +69,8 @@ class CalibrationPlan:
     path: Path
     seq_lens: tuple[int, ...] = ()
     trials: TrialSettings = TrialSettings()
+    world: World | None = None
+    rank_devices: tuple[Device, ...] = ()
 
     @property
     def usable_bytes(self) -> int:
@@ -85,7 +89,8 @@ class CalibrationPlan:
         """The trial of ``step`` (at ``seq_len`` in a calibration over several lengths)."""
         model = self.model if seq_len is None else self.model.replace(seq_len=seq_len)
         return TrialRequest(model, step.batch_size, self.device, json.dumps(self.options, sort_keys=True),
-                            self.trials, steady=step.purpose == STEADY)
+                            self.trials, steady=step.purpose == STEADY, world=self.world,
+                            rank_devices=self.rank_devices)
 
 
 def run_trials(plan: CalibrationPlan, runner: Runner, on_trial: Callable[[Trial], None] | None = None) -> Profile:
@@ -142,9 +147,9 @@ def assemble(plan: CalibrationPlan, trials: list[Trial], context: dict[str, Any]
     ``context`` is what the trial processes reported (:attr:`vramcal.measure.trial.TrialRunner.context`).
     A calibration over several lengths adds the surface to the reference length's one-length fields.
     """
-    run = {"wall_s": wall_s, **plan.trials.to_dict(), "boundary_trials": plan.trials.boundary,
+    settings = {k: v for k, v in plan.trials.to_dict().items() if k != "boundary"}
+    run = {"wall_s": wall_s, **settings, "boundary_trials": plan.trials.boundary,
            "host_memory_limit": "RLIMIT_DATA = total_bytes" if plan.device.kind == "host" else None}
-    del run["boundary"]
     if len(plan.seq_lens) > 1:
         return _assemble_surface(plan, trials, context, {**run, "seq_lens": list(plan.seq_lens)})
     return _assemble_one(plan, plan.model, trials, context, run)
@@ -165,7 +170,7 @@ def _assemble_one(plan: CalibrationPlan, model: ModelRef, trials: list[Trial], c
         device=plan.device, model=model, implementation=family_of(model).implementation(model),
         kernel_path=context.get("kernel_path", "unknown (no trial finished)"), settings=plan.settings,
         trials=tuple(trials), fit=state.fit, limits=state.limits, verification=verification, data=data,
-        model_info=context.get("info", {}), environment=context.get("environment", {}),
+        model_info=context.get("info", {}), environment=context.get("environment", {}), world=plan.world,
         software=software_versions(), run=run, created_utc=utc_now(), vramcal_version=__version__)
     return dataclasses.replace(profile, warnings=tuple(_warnings(profile, len(trials))))
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import fcntl
+import hashlib
 import json
 import math
 import re
@@ -33,7 +34,7 @@ from vramcal.calibration.limits import Limits, LimitSettings, safe_batch_size
 from vramcal.calibration.surface import Surface
 from vramcal.files import atomic_write_text
 from vramcal.models.registry import family_of
-from vramcal.records import Device, Trial
+from vramcal.records import Device, Trial, World
 from vramcal.units import format_bytes
 from vramcal.workload import ModelRef
 
@@ -111,6 +112,10 @@ class Profile:
         surface: for a calibration over several sequence lengths, the model in batch_size × seq_len and
             the limits verified at each length (``model`` then has no ``seq_len``; ``fit``, ``limits`` and
             ``verification`` are the reference length's). None for one length.
+        world: the DDP world the trials ran in (every limit is then per rank), or None for one process.
+        single_process: in a DDP profile, the DDP term: the per-rank peak at the safe size against a
+            single-process profile of the same model and device (``profile``, ``batch_size``,
+            ``predicted_peak_bytes``, ``ddp_peak_bytes``, ``term_bytes``), when one was found.
     """
 
     device: Device
@@ -127,6 +132,8 @@ class Profile:
     environment: dict[str, Any] = field(default_factory=dict)
     observations: tuple[Observation, ...] = ()
     surface: Surface | None = None
+    world: World | None = None
+    single_process: dict[str, Any] | None = None
     warnings: tuple[str, ...] = ()
     software: dict[str, str | None] = field(default_factory=dict)
     run: dict[str, Any] = field(default_factory=dict)
@@ -177,6 +184,7 @@ class Profile:
             "creep": self.creep.to_dict() if self.creep else None,
             "observations": [o.to_dict() for o in self.observations],
             "surface": self.surface.to_dict() if self.surface else None,
+            "world": self.world.to_dict() if self.world else None, "single_process": self.single_process,
         }
 
     @classmethod
@@ -197,6 +205,8 @@ class Profile:
             data=data["data"], model_info=data["model_info"], environment=data["environment"],
             observations=tuple(Observation(**o) for o in data["observations"]),
             surface=Surface.from_dict(data["surface"]) if data.get("surface") else None,
+            world=World.from_dict(data["world"]) if data.get("world") else None,
+            single_process=data.get("single_process"),
             warnings=tuple(data["warnings"]), software=data["software"], run=data["run"],
             created_utc=data["created_utc"], vramcal_version=data["vramcal_version"],
             schema_version=data["schema_version"])
@@ -218,9 +228,9 @@ def check_profile(profile: Profile) -> None:
         ProfileError: the first bad field and why.
     """
     surface = profile.surface
-    for record in (profile, profile.device, profile.settings, profile.fit, profile.limits, *profile.trials,
-                   *profile.verification.values(), *profile.observations, surface, surface and surface.fit,
-                   *(surface.lengths if surface else ())):
+    for record in (profile, profile.device, profile.settings, profile.fit, profile.limits, profile.world,
+                   *profile.trials, *profile.verification.values(), *profile.observations, surface,
+                   surface and surface.fit, *(surface.lengths if surface else ())):
         if record is not None:
             _check_fields(record)
     if profile.device.total_bytes <= 0:
@@ -335,20 +345,27 @@ def _hint_text(hint: Any) -> str:
 
 # ------------------------------------------------------------------------------------------- files
 
-def profile_name(model: ModelRef, implementation: str) -> str:
+def profile_name(model: ModelRef, implementation: str, world: World | None = None) -> str:
     """``<model name>-<implementation>-<model key>``: the family (or the user factory's function name), the
-    implementation, and 8 hex digits of the model's key."""
-    return f"{family_of(model).label(model)}-{implementation}-{model.key()}"
+    implementation, and 8 hex digits of the model's key; a DDP world adds ``-ddp<ranks>`` (and 6 hex digits
+    of its settings when they are not DDP's defaults)."""
+    name = f"{family_of(model).label(model)}-{implementation}-{model.key()}"
+    if world is None:
+        return name
+    settings = {k: v for k, v in world.to_dict().items() if k not in ("nproc", "backend")}
+    default = settings == {k: v for k, v in World(2).to_dict().items() if k not in ("nproc", "backend")}
+    tail = "" if default else "-" + hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:6]
+    return f"{name}-ddp{world.nproc}{tail}"
 
 
 def profile_path(profiles_dir: Path | str, device: Device, model: ModelRef, implementation: str,
-                 unique_device: bool = False) -> Path:
-    """``<profiles_dir>/<device slug>/<model name>-<implementation>-<model key>.json``.
+                 unique_device: bool = False, world: World | None = None) -> Path:
+    """``<profiles_dir>/<device slug>/<profile name>.json`` (:func:`profile_name`).
 
     ``unique_device`` adds the GPU's identity to the folder, for several identical cards (``--gpu all``).
     """
     slug = device.slug(unique=True) if unique_device else device.slug()
-    return Path(profiles_dir) / slug / f"{profile_name(model, implementation)}.json"
+    return Path(profiles_dir) / slug / f"{profile_name(model, implementation, world)}.json"
 
 
 def save_profile(profile: Profile, path: Path | str) -> Path:
@@ -390,8 +407,10 @@ def load_profile(path: Path | str) -> Profile:
                            f"re-run `vramcal probe` to replace it") from None
 
 
-def newest_profile(profiles_dir: Path | str, device: Device, model: ModelRef) -> tuple[Path | None, list[str]]:
-    """The newest readable profile under ``profiles_dir`` for this device's hardware and this model.
+def newest_profile(profiles_dir: Path | str, device: Device, model: ModelRef, world: World | None = None,
+                   total_bytes: int | None = None) -> tuple[Path | None, list[str]]:
+    """The newest readable profile under ``profiles_dir`` for this device's hardware, this model and this DDP
+    ``world`` (None: one process), and, when ``total_bytes`` is given, this budget.
 
     Returns:
         The path (None when there is none), and one line for each matching-looking file that could not
@@ -406,16 +425,19 @@ def newest_profile(profiles_dir: Path | str, device: Device, model: ModelRef) ->
             if model.key() in path.name:
                 skipped.append(str(error))
             continue
-        if profile.covers(model) and device.hardware_difference(profile.device) is None:
+        if (profile.covers(model) and device.hardware_difference(profile.device) is None and profile.world == world
+                and total_bytes in (None, profile.device.total_bytes)):
             candidates.append((profile.created_utc, str(path)))
     return (Path(max(candidates)[1]) if candidates else None), skipped
 
 
-def check_profile_matches(profile: Profile, device: Device, model: ModelRef) -> None:
-    """Raises: ProfileError naming the first difference in device or model."""
+def check_profile_matches(profile: Profile, device: Device, model: ModelRef, world: World | None = None) -> None:
+    """Raises: ProfileError naming the first difference in device, DDP world or model."""
     difference = device.hardware_difference(profile.device)
     if difference:
         raise ProfileError(f"the profile was made on another device ({difference}): run `vramcal probe` here")
+    if profile.world != world:
+        raise ProfileError(world_difference(profile.world, world))
     if not profile.covers(model):
         if profile.surface is not None and model.without("seq_len") == profile.model:
             raise ProfileError(f"seq_len {model.params.get('seq_len')} is outside the profile's calibrated lengths "
@@ -427,6 +449,19 @@ def check_profile_matches(profile: Profile, device: Device, model: ModelRef) -> 
         what = ", ".join(diffs) if profile.model.factory == model.factory else f"factory {profile.model.factory}"
         raise ProfileError(f"the profile was made for another model: {what}; probe this model or pass matching "
                            f"options")
+
+
+def world_difference(calibrated: World | None, run: World | None) -> str:
+    """Why a profile of ``calibrated`` cannot size a run of ``run`` (DDP worlds; None: one process), with the
+    command that calibrates the run's: a DDP rank holds gradient buckets and communication buffers a single
+    process does not, and they differ with the world's settings."""
+    what = calibrated.describe() if calibrated else "one process"
+    if run is None:
+        return (f"the profile was calibrated for {what}, this run is one process: calibrate it without --nproc, or "
+                f"train with the profile's world")
+    return (f"the profile was calibrated for {what}, this run is {run.describe()}: a rank's memory depends on the "
+            f"world (gradient buckets, communication buffers); calibrate it with `vramcal probe --nproc "
+            f"{run.nproc}` and the same DDP settings")
 
 
 def append_observation(path: Path | str, observation: Observation) -> Profile:

@@ -89,6 +89,59 @@ class Device:
 
 
 TrialStatus = Literal["ok", "oom", "timeout", "error"]
+Backend = Literal["gloo", "nccl"]
+
+
+@dataclass(frozen=True)
+class World:
+    """A DistributedDataParallel world: ``nproc`` ranks started through torch.distributed, each training the
+    same step wrapped in DDP on its own device and measured by its own meter (on the host every rank runs on
+    the host, each under the budget). What the profile of a DDP calibration records, and what a DDP run must
+    match to be sized by it: the limits are per rank.
+
+    Attributes:
+        nproc: ranks (>= 2).
+        backend: ``gloo`` (the host; CPU tensors) or ``nccl`` (NVIDIA GPUs).
+        bucket_cap_mb, gradient_as_bucket_view, find_unused_parameters, static_graph: the settings of
+            ``torch.nn.parallel.DistributedDataParallel`` that change a rank's memory (its gradient buckets are
+            about the gradients' size again unless ``gradient_as_bucket_view``; PyTorch's DDP notes).
+        threads_per_rank: ``torch.set_num_threads`` of each rank (torchrun's default ``OMP_NUM_THREADS=1``).
+
+    Raises (on construction):
+        ValueError: fewer than 2 ranks, an unknown backend, a bucket size that is not positive.
+    """
+
+    nproc: int
+    backend: Backend = "gloo"
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    threads_per_rank: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 2:
+            raise ValueError(f"a DDP world needs at least 2 ranks, got {self.nproc!r}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo (the host) or nccl (NVIDIA GPUs), got {self.backend!r}")
+        if not 0 < self.bucket_cap_mb < float("inf"):
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {self.bucket_cap_mb!r}")
+        if self.threads_per_rank < 1:
+            raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank!r}")
+
+    def describe(self) -> str:
+        """``DDP 2 ranks (gloo, buckets 25 MiB)`` and the settings that differ from DDP's defaults."""
+        extras = [name for name in ("gradient_as_bucket_view", "find_unused_parameters", "static_graph")
+                  if getattr(self, name)]
+        return (f"DDP {self.nproc} ranks ({self.backend}, buckets {self.bucket_cap_mb:g} MiB"
+                + "".join(f", {name}" for name in extras) + ")")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> World:
+        return cls(**data)
 
 
 @dataclass(frozen=True)
@@ -158,6 +211,8 @@ class Trial:
         purpose: why the search chose this size (``grow``, ``verify-conservative``, ...).
         error: the last lines of the traceback (``oom``/``error``/``timeout``), else None.
         seq_len: the trial's sequence length in a calibration over several lengths (None: the model's one).
+        rank_peak_bytes: in a DDP world, each rank's own ``peak_bytes``, rank 0 first; ``peak_bytes`` is the
+            largest (the other figures are that rank's). None for one process.
     """
 
     batch_size: int
@@ -179,6 +234,7 @@ class Trial:
     purpose: str = ""
     error: str | None = None
     seq_len: int | None = None
+    rank_peak_bytes: tuple[int, ...] | None = None
 
     @property
     def ok(self) -> bool:
@@ -193,6 +249,7 @@ class Trial:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trial:
-        return cls(**data)
+        ranks = data.get("rank_peak_bytes")
+        return cls(**{**data, "rank_peak_bytes": tuple(ranks) if isinstance(ranks, list) else ranks})
 
 

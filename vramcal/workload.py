@@ -19,13 +19,17 @@ the module after its meter has pinned the device, so what the module allocates w
 
 One step, as a trial runs it and as the trainer runs it (:func:`train_step`)::
 
-    loss = step.loss(batch)          # forward pass; any autocast inside
+    loss = step.loss(model, batch)   # forward pass through ``model``; any autocast inside
     loss.backward()
     clip_grad_norm_(parameters, step.max_grad_norm)   # when set
     step.optimizer.step()
     step.optimizer.zero_grad(set_to_none=True)
 
-and a validation pass runs ``step.loss(step.val_batch(batch_size))`` under ``torch.no_grad()``.
+where ``model`` is ``step.model``, or, in a DDP world (several ranks), ``step.model`` wrapped in
+``torch.nn.parallel.DistributedDataParallel``: the forward pass must go through the wrapper for the
+gradients to be averaged over the ranks, so a loss that runs under DDP takes the model it is given. A loss
+of the batch alone (``loss(batch)``, calling its own module) works in one process and is refused under DDP.
+A validation pass runs the loss on ``step.val_batch(batch_size)`` under ``torch.no_grad()``.
 
 Families shipped with vramcal are named factories: ``regressor`` (the bundled Mamba-2 regressor that
 ``vramcal train`` trains) and ``lm`` (a Mamba-2 causal language model from a transformers
@@ -62,7 +66,9 @@ class TrainingStep:
         optimizer: its optimizer (state is allocated by the first step, as in training).
         batch: ``batch(batch_size) -> batch``: the next training batch, on the device, from the same
             data pipeline training uses (the trial draws several, as training does).
-        loss: ``loss(batch) -> scalar tensor``: the forward pass and loss, under any autocast wanted.
+        loss: ``loss(model, batch) -> scalar tensor``: the forward pass of ``model`` (the step's module, or
+            its DDP wrapper) and the loss, under any autocast wanted; ``loss(batch)`` is accepted for one
+            process (module docstring).
         max_grad_norm: gradient clipping by total L2 norm before the optimizer step; None = no clipping.
         val_batch: ``val_batch(batch_size) -> batch`` for the validation pass; None = ``batch``.
         data_bytes: bytes the dataset holds in host memory while training (0 for generated data).
@@ -75,7 +81,7 @@ class TrainingStep:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     batch: Callable[[int], Any]
-    loss: Callable[[Any], torch.Tensor]
+    loss: Callable[..., torch.Tensor]
     max_grad_norm: float | None = 1.0
     val_batch: Callable[[int], Any] | None = None
     data_bytes: int = 0
@@ -225,9 +231,35 @@ def _first_line(error: BaseException) -> str:
 
 # ------------------------------------------------------------------------------------------- steps
 
-def train_step(step: TrainingStep, batch: Any) -> torch.Tensor:
-    """One optimizer step on ``batch`` (module docstring); returns the loss, detached."""
-    loss = step.loss(batch)
+def step_loss(step: TrainingStep, batch: Any, model: torch.nn.Module | None = None) -> torch.Tensor:
+    """The step's loss on ``batch``, the forward pass through ``model`` (default ``step.model``; under DDP its
+    wrapper), as the module docstring says.
+
+    Raises:
+        WorkloadError: the loss takes the batch alone and ``model`` is a wrapper it would bypass.
+    """
+    model = step.model if model is None else model
+    if takes_model(step.loss):
+        return step.loss(model, batch)
+    if model is not step.model:
+        raise WorkloadError("the factory's loss takes only the batch, so under DDP it would call its own module and "
+                            "bypass the gradient averaging: write it as loss(model, batch), running model(...)")
+    return step.loss(batch)
+
+
+def takes_model(loss: Callable[..., Any]) -> bool:
+    """Whether ``loss`` takes ``(model, batch)`` (two positional parameters) rather than ``(batch)``."""
+    try:
+        parameters = list(inspect.signature(loss).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
+
+
+def train_step(step: TrainingStep, batch: Any, model: torch.nn.Module | None = None) -> torch.Tensor:
+    """One optimizer step on ``batch`` through ``model`` (:func:`step_loss`); returns the loss, detached."""
+    loss = step_loss(step, batch, model)
     loss.backward()
     optimizer_step(step)
     return loss.detach()
@@ -256,13 +288,14 @@ def optimizer_step(step: TrainingStep, skip_non_finite: bool = False) -> torch.T
     return norm
 
 
-def validation_step(step: TrainingStep, batch_size: int) -> None:
-    """One validation forward pass at ``batch_size`` under ``torch.no_grad()`` in eval mode."""
+def validation_step(step: TrainingStep, batch_size: int, model: torch.nn.Module | None = None) -> None:
+    """One validation forward pass at ``batch_size`` through ``model`` (:func:`step_loss`) under
+    ``torch.no_grad()`` in eval mode."""
     import torch
 
     batch = (step.val_batch or step.batch)(batch_size)
     step.model.eval()
     with torch.no_grad():
-        step.loss(batch)
+        step_loss(step, batch, model)
     step.model.train()
 

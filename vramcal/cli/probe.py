@@ -32,7 +32,7 @@ from vramcal.cli.options import (
 from vramcal.models import registry
 from vramcal.models.registry import describe
 from vramcal.models.regressor.spec import RegressorSpec
-from vramcal.records import TrialSettings
+from vramcal.records import TrialSettings, World
 from vramcal.units import format_bytes
 
 DEFAULT_DATA = Path("data/es_1s.parquet")
@@ -62,6 +62,20 @@ trial_options = group(
                       "predicted boundary is an extrapolation"),
 )
 TRIAL_OPTIONS = tuple(f.name for f in dataclasses.fields(TrialSettings))
+_WORLD = World(2)  # DDP's defaults, from the record
+DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "static_graph")
+world_options = group(
+    click.option("--nproc", type=click.IntRange(1), default=1, show_default=True,
+                 help="ranks of a DDP world per trial (torch.distributed; the host: gloo, every rank under the "
+                      "budget; GPUs: nccl, one visible GPU each): per-rank limits"),
+    click.option("--ddp-backend", type=click.Choice(("gloo", "nccl")), default=None,
+                 help="[default: gloo on the host, nccl on GPUs]"),
+    click.option("--bucket-cap-mb", type=FiniteFloat(0, min_open=True), default=_WORLD.bucket_cap_mb,
+                 show_default=True, help="DDP's gradient bucket size, MiB"),
+    click.option("--gradient-as-bucket-view", is_flag=True, help="DDP's gradients as views of its buckets"),
+    click.option("--find-unused-parameters", is_flag=True, help="DDP's search for parameters without gradients"),
+    click.option("--static-graph", is_flag=True, help="DDP's static-graph mode"),
+)
 
 
 @click.command()
@@ -76,6 +90,7 @@ TRIAL_OPTIONS = tuple(f.name for f in dataclasses.fields(TrialSettings))
 @data_options
 @limit_options
 @trial_options
+@world_options
 @click.option("--profiles-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("profiles"),
               show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -94,21 +109,9 @@ def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, co
     from vramcal import api
 
     with one_line("interrupted: no profile written; existing profiles are unchanged"), stdout_to_stderr(as_json):
-        given = explicit(ctx)
-        trials = TrialSettings(**{name: options.pop(name) for name in TRIAL_OPTIONS})
-        seq_lens = options["seq_len"] if "seq_len" in given else None  # else the spec's default or --model-arg's
-        model, params = model_params(options, given)
-        importable_from_cwd(model)
         settings = api.LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
-        devices, notice = api.select_devices(gpu, capacity)
-        if out is not None and len(devices) > 1:
-            raise click.BadParameter("--out names one file; with --gpu all, use --profiles-dir", param_hint="--out")
-        echo_lines(([notice] if notice else []) + host_hint(devices[0], capacity), err=as_json)
-        data = factory_options(options)
-        plans = [api.plan_calibration(model, params, device=device, implementation=implementation, settings=settings,
-                                      options=data, profiles_dir=profiles_dir, out=out,
-                                      unique_device=len(devices) > 1, seq_lens=seq_lens or (), trials=trials)
-                 for device in devices]
+        plans = plan_probes(explicit(ctx), options, gpu=gpu, capacity=capacity, implementation=implementation,
+                            settings=settings, profiles_dir=profiles_dir, out=out, err=as_json)
         for plan in plans:
             check_writable(plan.path.parent, "profiles", "--out or --profiles-dir")
             if not no_report:
@@ -119,6 +122,54 @@ def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, co
                               indent=2, sort_keys=True))
     if not all(p.verified for p in profiles):
         ctx.exit(EXIT_UNVERIFIED)
+
+
+def plan_probes(given: set[str], options: dict[str, Any], *, gpu: str, capacity: int | None, implementation: str,
+                settings, profiles_dir: Path, out: Path | None, err: bool) -> list:
+    """One :class:`~vramcal.api.CalibrationPlan` per device ``--gpu`` names (one for a DDP world), every check
+    done before any trial; prints the device notices.
+
+    Raises:
+        click.BadParameter: options that do not fit together.
+    """
+    from vramcal import api
+
+    trials = TrialSettings(**{name: options.pop(name) for name in TRIAL_OPTIONS})
+    world = world_of(options)
+    seq_lens = options["seq_len"] if "seq_len" in given else None  # else the spec's default or --model-arg's
+    model, params = model_params(options, given)
+    importable_from_cwd(model)
+    devices, notice = api.select_devices("all" if world and gpu == "auto" else gpu, capacity)
+    if world is not None and "ddp_backend" not in given:
+        world = dataclasses.replace(world, backend="nccl" if devices[0].kind == "cuda" else "gloo")
+    if devices[0].kind == "host" and world is not None:
+        devices = devices[:1]
+    if out is not None and len(devices) > 1 and world is None:
+        raise click.BadParameter("--out names one file; with --gpu all, use --profiles-dir", param_hint="--out")
+    echo_lines(([notice] if notice else []) + host_hint(devices[0], capacity), err=err)
+    data = factory_options(options)
+    common = dict(implementation=implementation, settings=settings, options=data, profiles_dir=profiles_dir,
+                  out=out, seq_lens=seq_lens or (), trials=trials, world=world)
+    if world is not None:
+        ranks = tuple(devices[:world.nproc]) if devices[0].kind == "cuda" else ()
+        return [api.plan_calibration(model, params, device=devices[0], rank_devices=ranks, **common)]
+    return [api.plan_calibration(model, params, device=device, unique_device=len(devices) > 1, **common)
+            for device in devices]
+
+
+def world_of(options: dict[str, Any]):
+    """The DDP world the ``--nproc`` options ask for (None for one process); without ``--ddp-backend``, gloo
+    until :func:`plan_probes` knows the device (nccl on GPUs)."""
+    from vramcal.records import World
+
+    nproc, backend = options.pop("nproc"), options.pop("ddp_backend")
+    ddp = {name: options.pop(name) for name in DDP_OPTIONS}
+    if nproc == 1:
+        return None
+    try:
+        return World(nproc, backend or "gloo", **ddp)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--nproc") from None
 
 
 def model_params(options: dict[str, Any], given: set[str]) -> tuple[str, dict[str, Any]]:

@@ -13,6 +13,11 @@ The trial runs what training runs (:mod:`vramcal.workload`), in the kind of proc
    trainer validates;
 5. read the peaks: the trial's ``peak_bytes`` covers training steps and validation alike.
 
+In a DDP world (``request.world``) each rank is a worker of its own running the same sequence with the
+model wrapped in DDP (:mod:`vramcal.measure.distributed`); the trial's peak is its largest rank's, with
+every rank's kept, and a rank's failure fails the trial for all (the others are stopped, never left
+waiting in a collective).
+
 Out-of-memory errors are recognised by :func:`vramcal.oom.is_out_of_memory` only.
 """
 
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramcal.measure.worker import Outcome, Workers
-from vramcal.records import Device, Trial, TrialSettings
+from vramcal.records import Device, Trial, TrialSettings, World
 from vramcal.workload import ModelRef
 
 
@@ -42,6 +47,8 @@ class TrialRequest:
             file of the regressor); recorded in the profile, not part of its key.
         settings: the steps of the trial (module docstring) and its time limit.
         steady: the steady trial: ``settings.steady_steps`` measured steps (:mod:`vramcal.calibration.creep`).
+        world: a DDP world of ranks (``batch_size`` is then per rank), or None for one process.
+        rank_devices: each rank's device (GPUs: one each); () = every rank on ``device`` (the host).
     """
 
     model: ModelRef
@@ -50,6 +57,11 @@ class TrialRequest:
     options_json: str = "{}"
     settings: TrialSettings = TrialSettings()
     steady: bool = False
+    world: World | None = None
+    rank_devices: tuple[Device, ...] = ()
+
+    def rank_device(self, rank: int) -> Device:
+        return self.rank_devices[rank] if self.rank_devices else self.device
 
     def with_batch_size(self, batch_size: int) -> TrialRequest:
         return dataclasses.replace(self, batch_size=batch_size)
@@ -82,9 +94,45 @@ class TrialRunner:
 
     def run(self, request: TrialRequest, purpose: str = "") -> Trial:
         """Run one trial (killed after ``request.settings.timeout_s``); never raises for what happens inside the
-        trial process."""
+        trial processes."""
+        if request.world is not None:
+            return self.run_world(request, purpose)
         outcome = self.workers.run(measure, request, timeout_s=request.settings.timeout_s)
         return self.record(request, outcome, purpose)
+
+    def run_world(self, request: TrialRequest, purpose: str) -> Trial:
+        """The ranks of a DDP trial, each in a worker, meeting through a file in a fresh folder."""
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="vramcal-world-")
+        try:
+            init = f"file://{folder}/rendezvous"
+            calls = [(measure_rank, (request, rank, init)) for rank in range(request.world.nproc)]
+            outcomes = self.workers.run_all(calls, timeout_s=request.settings.timeout_s)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        if all(o.status == "ok" for o in outcomes):
+            return self.record_world(request, outcomes, purpose)
+        rank, root = first_failure(outcomes)
+        status = "oom" if any(o.status == "oom" for o in outcomes) else root.status
+        return self.record(request, dataclasses.replace(root, status=status, message=f"rank {rank}: {root.message}"),
+                           purpose)
+
+    def record_world(self, request: TrialRequest, outcomes: list[Outcome], purpose: str) -> Trial:
+        """The trial of a world whose ranks all finished: the largest rank's figures, every rank's peak, and the
+        world's step time (its slowest rank's)."""
+        figures = [dict(o.result) for o in outcomes]
+        self.context = figures[0].pop("context")
+        for each in figures:
+            each.pop("context", None)
+            each.pop("rank")
+        top = max(range(len(figures)), key=lambda rank: figures[rank]["peak_bytes"])
+        step_s = max(f["step_s"] for f in figures)
+        trial = {**figures[top], "step_s": step_s, "samples_per_s": request.batch_size / step_s}
+        return Trial(batch_size=request.batch_size, status="ok", purpose=purpose,
+                     startup_s=max(o.startup_s or 0 for o in outcomes), wall_s=max(o.wall_s or 0 for o in outcomes),
+                     rank_peak_bytes=tuple(f["peak_bytes"] for f in figures), **trial)
 
     def record(self, request: TrialRequest, outcome: Outcome, purpose: str) -> Trial:
         if outcome.status != "ok":
@@ -96,6 +144,13 @@ class TrialRunner:
         self.context = figures.pop("context")
         return Trial(batch_size=request.batch_size, status="ok", purpose=purpose, startup_s=outcome.startup_s,
                      wall_s=outcome.wall_s, **figures)
+
+
+def first_failure(outcomes: list[Outcome]) -> tuple[int, Outcome]:
+    """The rank whose failure ended the world: an out-of-memory rank before others, then the earliest to end
+    (the others were stopped after it, or saw it die)."""
+    failed = [(rank, o) for rank, o in enumerate(outcomes) if o.status != "ok"]
+    return min(failed, key=lambda item: (item[1].status != "oom", item[1].wall_s or 0.0))
 
 
 def torch_device(device: Device):
@@ -114,34 +169,70 @@ def measure(request: TrialRequest, channel: Any = None) -> dict[str, Any]:
     Raises:
         Whatever the step raises (out-of-memory errors included); the worker records it.
     """
-    from vramcal.measure.meters import open_meter, synchronize
-    from vramcal.workload import build, detect_kernel_path, train_step, validation_step
+    from vramcal.measure.meters import open_meter
+    from vramcal.workload import build
 
-    device, batch_size = request.device, request.batch_size
+    device = request.device
     meter = open_meter(device, request.host_memory_limit_bytes)
     try:
         start = time.perf_counter()
         step = build(request.model, torch_device(device), json.loads(request.options_json))
         meter.check_pinned()
-        build_s = time.perf_counter() - start
-        for _ in range(request.settings.warmup_steps):
-            train_step(step, step.batch(batch_size))
-        synchronize(device.kind)
-        meter.reset()
-        times = []
-        for _ in range(request.measured_steps):
-            start = time.perf_counter()
-            train_step(step, step.batch(batch_size))
-            synchronize(device.kind)
-            times.append(time.perf_counter() - start)
-        for _ in range(request.settings.val_steps):
-            validation_step(step, batch_size)
-        figures = meter.read()
-        context = {"kernel_path": step.kernel_path or detect_kernel_path(step.model),
-                   "environment": meter.environment(), "info": step.info,
-                   "data": {"data_bytes": step.data_bytes, "on_device": step.data_on_device}}
+        return steps(request, step, step.model, meter, time.perf_counter() - start)
     finally:
         meter.close()
+
+
+def measure_rank(request: TrialRequest, rank: int, init_method: str, channel: Any = None) -> dict[str, Any]:
+    """Rank ``rank`` of a DDP trial (module docstring): the meter on the rank's device, the world joined, the
+    step built (agreed), wrapped in DDP, then measured as :func:`measure` measures one process.
+
+    Raises:
+        Whatever the step raises; :class:`vramcal.measure.distributed.PeerFailed` when another rank failed.
+    """
+    from vramcal.measure.distributed import build_agreed, join, wrap
+    from vramcal.measure.meters import open_meter
+    from vramcal.workload import build
+
+    device = request.rank_device(rank)
+    meter = open_meter(device, request.host_memory_limit_bytes)
+    group = None
+    try:
+        group = join(request.world, rank, init_method, request.settings.timeout_s, torch_device(device))
+        start = time.perf_counter()
+        step = build_agreed(group, lambda: build(request.model, torch_device(device),
+                                                 json.loads(request.options_json)))
+        meter.check_pinned()
+        model = wrap(step.model, request.world, torch_device(device))
+        return {**steps(request, step, model, meter, time.perf_counter() - start), "rank": rank}
+    finally:
+        if group is not None:
+            group.close()
+        meter.close()
+
+
+def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: float) -> dict[str, Any]:
+    """Warm-up, the measured steps and the validation passes through ``model``, and the meter's figures."""
+    from vramcal.measure.meters import synchronize
+    from vramcal.workload import detect_kernel_path, train_step, validation_step
+
+    device, batch_size = request.device, request.batch_size
+    for _ in range(request.settings.warmup_steps):
+        train_step(step, step.batch(batch_size), model)
+    synchronize(device.kind)
+    meter.reset()
+    times = []
+    for _ in range(request.measured_steps):
+        start = time.perf_counter()
+        train_step(step, step.batch(batch_size), model)
+        synchronize(device.kind)
+        times.append(time.perf_counter() - start)
+    for _ in range(request.settings.val_steps):
+        validation_step(step, batch_size, model)
+    figures = meter.read()
+    context = {"kernel_path": step.kernel_path or detect_kernel_path(step.model),
+               "environment": meter.environment(), "info": step.info,
+               "data": {"data_bytes": step.data_bytes, "on_device": step.data_on_device}}
     step_s = statistics.median(times)
     return {"step_s": step_s, "samples_per_s": batch_size / step_s, "build_s": build_s,
             "data_bytes": step.pool_data_bytes(device.kind), "context": context, **figures}

@@ -238,9 +238,10 @@ def training_step(device: torch.device, *, config: dict[str, Any], seq_len: int,
     def batch(batch_size: int) -> torch.Tensor:
         return torch.randint(0, settings.vocab_size, (batch_size, seq_len), device=device, generator=generator)
 
-    def loss(input_ids: torch.Tensor) -> torch.Tensor:  # (B, seq_len) int64 -> scalar; logits (B, seq_len, vocab)
+    def loss(module: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        # (B, seq_len) int64 -> scalar; logits (B, seq_len, vocab)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            return model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+            return module(input_ids=input_ids, labels=input_ids, use_cache=False).loss
 
     return TrainingStep(model=model, optimizer=optimizer, batch=batch, loss=loss, max_grad_norm=max_grad_norm,
                         info={"n_params": sum(p.numel() for p in model.parameters()),

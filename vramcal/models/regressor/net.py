@@ -33,7 +33,9 @@ class Mamba2Regressor(nn.Module):
 class TransformersBackbone(nn.Module):
     """``transformers.Mamba2Model`` fed through ``inputs_embeds``: (B, L, d_model) -> (B, L, d_model).
 
-    Its one-row token embedding is unused; blocks, initialisation and the final RMSNorm are the library's.
+    Its one-row token embedding is unused, and frozen (no gradient, no optimizer state, and DDP finds no
+    parameter without a gradient); blocks, initialisation, the final RMSNorm and the fp32 residual stream
+    (``residual_in_fp32``) are the library's.
     """
 
     def __init__(self, modeling: types.ModuleType, spec) -> None:
@@ -46,6 +48,7 @@ class TransformersBackbone(nn.Module):
             chunk_size=spec.chunk_size, conv_kernel=spec.d_conv, vocab_size=1, pad_token_id=0,
             bos_token_id=0, eos_token_id=0, use_cache=False, residual_in_fp32=True)
         self.model = modeling.Mamba2Model(config)
+        self.model.get_input_embeddings().weight.requires_grad_(False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model(inputs_embeds=hidden, use_cache=False).last_hidden_state
@@ -55,7 +58,10 @@ class MambaSsmBackbone(nn.Module):
     """Pre-norm residual stack of ``mamba_ssm`` Mamba2 mixers: (B, L, d_model) -> (B, L, d_model).
 
     The same layout as mamba_ssm's ``MixerModel`` without its token embedding: for each layer
-    ``h = h + Mamba2(RMSNorm(h))``, then a final RMSNorm.
+    ``h = h + Mamba2(RMSNorm(h))``, then a final RMSNorm. The residual stream ``h`` is fp32 whatever the
+    autocast (the input projection's bf16 output is cast up at the entry, and each block's bf16 output is
+    added to fp32), as transformers' ``Mamba2Model`` keeps it with ``residual_in_fp32=True``: both
+    implementations calibrate the same model.
     """
 
     def __init__(self, mamba2: types.ModuleType, spec) -> None:
@@ -71,6 +77,7 @@ class MambaSsmBackbone(nn.Module):
         self.norm_f = RMSNorm(spec.d_model)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.float()  # (B, L, d_model) fp32: the residual stream
         for norm, mixer in zip(self.norms, self.mixers):
-            hidden = hidden + mixer(norm(hidden))  # (B, L, d_model)
+            hidden = hidden + mixer(norm(hidden))  # (B, L, d_model), fp32 + (bf16 under autocast) -> fp32
         return self.norm_f(hidden)

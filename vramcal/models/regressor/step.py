@@ -201,9 +201,9 @@ def training_step(device: torch.device, *, implementation: str = "transformers",
                                   weight_decay=weight_decay)
     pipeline = WindowPipeline(windows, device, on_device=data_on_device, seed=seed)
 
-    def loss(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x, y = batch
-        return torch.nn.functional.mse_loss(forward(model, x, spec.dtype).float(), y)
+    def loss(module: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch  # (B, L, n_features), (B, L)
+        return torch.nn.functional.mse_loss(forward(module, x, spec.dtype).float(), y)
 
     return RegressorStep(
         model=model, optimizer=optimizer, batch=lambda b: pipeline.next_batch("train", b), loss=loss,
