@@ -43,12 +43,12 @@ def failing_loss(step, fails) -> list[int]:
     """``step.loss`` raises ``fails(micro_batch_size, calls)`` (an exception, or None to run)."""
     real, calls = step.loss, []
 
-    def loss(batch):
+    def loss(model, batch):
         calls.append(batch[0].shape[0])
         error = fails(batch[0].shape[0], calls)
         if error is not None:
             raise error
-        return real(batch)
+        return real(model, batch)
 
     step.loss = loss
     return calls

@@ -204,11 +204,11 @@ def oom_when(step, fails) -> list[int]:
     """Make ``step.loss`` raise CUDA's out-of-memory error when ``fails(micro_batch_size, call)`` says so."""
     real, calls = step.loss, []
 
-    def loss(batch):
+    def loss(model, batch):
         calls.append(batch[0].shape[0])
         if fails(batch[0].shape[0], calls):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(batch)
+        return real(model, batch)
 
     step.loss = loss
     return calls

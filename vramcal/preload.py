@@ -23,6 +23,7 @@ import tqdm
 import vramcal.models.lm  # noqa: F401
 import vramcal.models.regressor  # noqa: F401
 import vramcal.train.loop  # noqa: F401
+import vramcal.train.worker  # noqa: F401
 import vramcal.workload  # noqa: F401
 from vramcal.models.mamba2 import import_transformers_mamba2
 

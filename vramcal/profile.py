@@ -73,6 +73,8 @@ class Observation:
         usable_bytes: the profile's usable memory.
         steps: optimizer steps the run made.
         run_dir: the run folder.
+        rank, world_size: under DDP, the rank this observation is of and the world's ranks (each rank records
+            its own peak against its own profile); None for one process.
     """
 
     recorded_utc: str
@@ -85,6 +87,8 @@ class Observation:
     usable_bytes: int
     steps: int
     run_dir: str
+    rank: int | None = None
+    world_size: int | None = None
 
     @property
     def error(self) -> float:
@@ -360,12 +364,17 @@ def profile_name(model: ModelRef, implementation: str, world: World | None = Non
 
 def profile_path(profiles_dir: Path | str, device: Device, model: ModelRef, implementation: str,
                  unique_device: bool = False, world: World | None = None) -> Path:
-    """``<profiles_dir>/<device slug>/<profile name>.json`` (:func:`profile_name`).
+    """``<profiles_dir>/<device slug>/<profile name>.json`` (:func:`profile_name`); a host budget given as
+    ``--capacity`` adds it (``-1.5gib``), so calibrations of the host at two budgets (the ranks of a DDP run
+    with budgets of their own) keep two files.
 
     ``unique_device`` adds the GPU's identity to the folder, for several identical cards (``--gpu all``).
     """
     slug = device.slug(unique=True) if unique_device else device.slug()
-    return Path(profiles_dir) / slug / f"{profile_name(model, implementation, world)}.json"
+    budget, total = "", device.total_bytes
+    if device.kind == "host" and device.total_source == "--capacity":
+        budget = f"-{total / 2**30:.4g}gib" if total >= 2**30 else f"-{total / 2**20:.4g}mib"
+    return Path(profiles_dir) / slug / f"{profile_name(model, implementation, world)}{budget}.json"
 
 
 def save_profile(profile: Profile, path: Path | str) -> Path:

@@ -45,6 +45,17 @@ class ByteSize(click.ParamType):
         return n_bytes
 
 
+class ByteSizes(ByteSize):
+    """One size, or a comma list (one per local rank of a DDP run on the host): a tuple of byte counts."""
+
+    name = "size[,size...]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        return tuple(ByteSize.convert(self, part.strip(), param, ctx) for part in str(value).split(","))
+
+
 class FiniteFloat(click.FloatRange):
     """A float range that refuses NaN and infinities first, with one message for all of them (click's ranges
     let NaN through: it compares false; ``1e999`` reads as infinity)."""
@@ -165,9 +176,10 @@ training_options = group(
     click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
                  help="JSON or TOML file of settings (option names with underscores); options given here win"),
     device_options,
-    click.option("--capacity", type=ByteSize(min_bytes=2**20), default=None,
+    click.option("--capacity", type=ByteSizes(min_bytes=2**20), default=None,
                  help="memory budget, e.g. 12GiB: on the host the training process's limit (default: the "
-                      "profile's budget); on a GPU it narrows the card"),
+                      "profile's budget); on a GPU it narrows the card; under DDP on the host one per local rank "
+                      "(2GiB,3GiB: each rank sized by its own budget's profile)"),
     spec_options,
     click.option("--profile", default="auto", show_default=True, help="auto (look in --profiles-dir) or a file"),
     click.option("--profiles-dir", type=click.Path(file_okay=False), default="profiles", show_default=True),
@@ -184,6 +196,36 @@ training_options = group(
     click.option("--checkpoint-minutes", type=FiniteFloat(0, min_open=True), default=None,
                  help="also save a checkpoint every M minutes within an epoch"),
 )
+
+DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "static_graph")
+ddp_options = group(
+    click.option("--ddp-backend", type=click.Choice(("gloo", "nccl")), default=None,
+                 help="[default: gloo on the host, nccl on GPUs]"),
+    click.option("--bucket-cap-mb", type=FiniteFloat(0, min_open=True), default=25.0, show_default=True,
+                 help="DDP's gradient bucket size, MiB"),
+    click.option("--gradient-as-bucket-view", is_flag=True, help="DDP's gradients as views of its buckets"),
+    click.option("--find-unused-parameters", is_flag=True, help="DDP's search for parameters without gradients"),
+    click.option("--static-graph", is_flag=True, help="DDP's static-graph mode"),
+)
+
+
+def world_of(nproc: int, options: dict, on_gpu: bool):
+    """The :class:`~vramcal.records.World` the DDP options ask for (popped from ``options``), or None for one
+    process; the backend defaults to nccl on GPUs and gloo on the host.
+
+    Raises:
+        click.BadParameter: a world that cannot be (the message names the option).
+    """
+    from vramcal.records import World
+
+    backend, ddp = options.pop("ddp_backend"), {name: options.pop(name) for name in DDP_OPTIONS}
+    if nproc == 1:
+        return None
+    try:
+        return World(nproc, backend or ("nccl" if on_gpu else "gloo"), **ddp)
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from None
+
 
 limit_options = group(
     click.option("--reserve", type=ByteSize(), default="512MiB", show_default=True, help="memory kept free"),

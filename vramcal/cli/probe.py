@@ -22,17 +22,19 @@ from vramcal.cli.options import (
     FiniteFloat,
     KeyValue,
     data_options,
+    ddp_options,
     device_options,
     explicit,
     group,
     limit_options,
     one_line,
     probe_spec_options,
+    world_of,
 )
 from vramcal.models import registry
 from vramcal.models.registry import describe
 from vramcal.models.regressor.spec import RegressorSpec
-from vramcal.records import TrialSettings, World
+from vramcal.records import TrialSettings
 from vramcal.units import format_bytes
 
 DEFAULT_DATA = Path("data/es_1s.parquet")
@@ -62,19 +64,11 @@ trial_options = group(
                       "predicted boundary is an extrapolation"),
 )
 TRIAL_OPTIONS = tuple(f.name for f in dataclasses.fields(TrialSettings))
-_WORLD = World(2)  # DDP's defaults, from the record
-DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "static_graph")
 world_options = group(
     click.option("--nproc", type=click.IntRange(1), default=1, show_default=True,
                  help="ranks of a DDP world per trial (torch.distributed; the host: gloo, every rank under the "
                       "budget; GPUs: nccl, one visible GPU each): per-rank limits"),
-    click.option("--ddp-backend", type=click.Choice(("gloo", "nccl")), default=None,
-                 help="[default: gloo on the host, nccl on GPUs]"),
-    click.option("--bucket-cap-mb", type=FiniteFloat(0, min_open=True), default=_WORLD.bucket_cap_mb,
-                 show_default=True, help="DDP's gradient bucket size, MiB"),
-    click.option("--gradient-as-bucket-view", is_flag=True, help="DDP's gradients as views of its buckets"),
-    click.option("--find-unused-parameters", is_flag=True, help="DDP's search for parameters without gradients"),
-    click.option("--static-graph", is_flag=True, help="DDP's static-graph mode"),
+    ddp_options,
 )
 
 
@@ -135,13 +129,12 @@ def plan_probes(given: set[str], options: dict[str, Any], *, gpu: str, capacity:
     from vramcal import api
 
     trials = TrialSettings(**{name: options.pop(name) for name in TRIAL_OPTIONS})
-    world = world_of(options)
+    nproc = options.pop("nproc")
     seq_lens = options["seq_len"] if "seq_len" in given else None  # else the spec's default or --model-arg's
     model, params = model_params(options, given)
     importable_from_cwd(model)
-    devices, notice = api.select_devices("all" if world and gpu == "auto" else gpu, capacity)
-    if world is not None and "ddp_backend" not in given:
-        world = dataclasses.replace(world, backend="nccl" if devices[0].kind == "cuda" else "gloo")
+    devices, notice = api.select_devices("all" if nproc > 1 and gpu == "auto" else gpu, capacity)
+    world = world_of(nproc, options, devices[0].kind == "cuda")
     if devices[0].kind == "host" and world is not None:
         devices = devices[:1]
     if out is not None and len(devices) > 1 and world is None:
@@ -155,21 +148,6 @@ def plan_probes(given: set[str], options: dict[str, Any], *, gpu: str, capacity:
         return [api.plan_calibration(model, params, device=devices[0], rank_devices=ranks, **common)]
     return [api.plan_calibration(model, params, device=device, unique_device=len(devices) > 1, **common)
             for device in devices]
-
-
-def world_of(options: dict[str, Any]):
-    """The DDP world the ``--nproc`` options ask for (None for one process); without ``--ddp-backend``, gloo
-    until :func:`plan_probes` knows the device (nccl on GPUs)."""
-    from vramcal.records import World
-
-    nproc, backend = options.pop("nproc"), options.pop("ddp_backend")
-    ddp = {name: options.pop(name) for name in DDP_OPTIONS}
-    if nproc == 1:
-        return None
-    try:
-        return World(nproc, backend or "gloo", **ddp)
-    except ValueError as error:
-        raise click.BadParameter(str(error), param_hint="--nproc") from None
 
 
 def model_params(options: dict[str, Any], given: set[str]) -> tuple[str, dict[str, Any]]:

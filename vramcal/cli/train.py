@@ -12,10 +12,36 @@ from typing import Any
 
 import click
 
-from vramcal.cli.options import BatchSize, FiniteFloat, explicit, one_line, training_options
+from vramcal.cli.options import (
+    DDP_OPTIONS,
+    BatchSize,
+    FiniteFloat,
+    ddp_options,
+    explicit,
+    group,
+    one_line,
+    training_options,
+    world_of,
+)
 from vramcal.cli.probe import calibrate_one
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.units import format_bytes
+
+TORCHRUN_OPTIONS = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "master_addr",
+                    "master_port", "max_restarts", "monitor_interval")
+torchrun_options = group(
+    click.option("--nnodes", default=None, help="torchrun's: nodes of the DDP run (N or MIN:MAX)"),
+    click.option("--node-rank", type=click.IntRange(0), default=None, help="torchrun's: this node's rank"),
+    click.option("--rdzv-backend", default=None, help="torchrun's: rendezvous backend (c10d, static, ...)"),
+    click.option("--rdzv-endpoint", default=None, help="torchrun's: rendezvous host:port"),
+    click.option("--rdzv-id", default=None, help="torchrun's: the job's rendezvous id"),
+    click.option("--rdzv-conf", default=None, help="torchrun's: more rendezvous settings (key=value,...)"),
+    click.option("--master-addr", default=None, help="torchrun's: the static rendezvous' address"),
+    click.option("--master-port", type=click.IntRange(1, 65535), default=None, help="torchrun's: its port"),
+    click.option("--max-restarts", type=click.IntRange(0), default=None, help="torchrun's: restarts of the world"),
+    click.option("--monitor-interval", type=FiniteFloat(0, min_open=True), default=None,
+                 help="torchrun's: seconds between the agent's checks of the ranks"),
+)
 
 
 @click.group("data")
@@ -56,9 +82,14 @@ def es_sample_command(bar: str, out: Path, ticks: Path | None) -> None:
 @click.option("--weight-decay", type=FiniteFloat(0), default=0.01, show_default=True)
 @click.option("--max-grad-norm", type=FiniteFloat(0, min_open=True), default=1.0, show_default=True)
 @click.option("--epochs", type=click.IntRange(1), default=10, show_default=True)
+@click.option("--nproc-per-node", type=click.IntRange(1), default=1, show_default=True,
+              help="DDP ranks on this machine, started by torch.distributed's launcher (torchrun's agent); each "
+                   "rank sized by its own device's profile for the world (vramcal probe --nproc)")
+@torchrun_options
+@ddp_options
 @click.pass_context
 def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | None, resume: bool, probe: bool,
-                  capacity: int | None, **options: Any) -> None:
+                  capacity: tuple[int, ...] | None, nproc_per_node: int, **options: Any) -> None:
     """Train the calibrated Mamba-2 model on OHLCV bars with the profile's batch size.
 
     After the first epoch and at the end it prints its measured peak beside the profile's prediction,
@@ -68,6 +99,12 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
     from vramcal.train.runner import train
 
     given = explicit(ctx)
+    torchrun = {name: options.pop(name) for name in TORCHRUN_OPTIONS}
+    if nproc_per_node > 1 or any(torchrun.values()):
+        train_world(ctx, config_file, options, given, run_dir, resume, probe, capacity or (), nproc_per_node,
+                    {k: v for k, v in torchrun.items() if v is not None})
+        return
+    capacity = single_capacity(capacity, options)
     with one_line():
         if resume:
             plan = resume_plan(run_dir, options, given)
@@ -76,7 +113,7 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
             if probe:
                 config = probe_first(config, capacity)
             setting = planning.resolve(config, capacity)
-            run_dir = run_dir or Path("runs") / dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+            run_dir = run_dir or new_run_dir()
             plan = planning.plan_run(config, run_dir, setting)
         announce(plan)
     with one_line(f"interrupted: the checkpoints in {plan.run_dir} are kept; continue with "
@@ -87,6 +124,73 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
         click.echo(f"done: {last['step']} step{'' if last['step'] == 1 else 's'}, val_loss {last['val_loss']:.4f} "
                    f"(zero-return {last['val_zero_loss']:.4f}), metrics {plan.run_dir / 'metrics.jsonl'}, "
                    f"checkpoint {plan.run_dir / 'checkpoint-last.pt'}")
+
+
+def single_capacity(capacity: tuple[int, ...] | None, options: dict[str, Any]) -> int | None:
+    """The one ``--capacity`` of a single-process run (the DDP options dropped).
+
+    Raises:
+        click.BadParameter: several budgets, or DDP options, without ``--nproc-per-node``.
+    """
+    world_of(1, options, False)  # drops the DDP options: one process has no DDP settings
+    if capacity and len(capacity) > 1:
+        raise click.BadParameter("several budgets are for the ranks of a DDP run: add --nproc-per-node N",
+                                 param_hint="--capacity")
+    return capacity[0] if capacity else None
+
+
+def train_world(ctx, config_file, options, given, run_dir, resume, probe, capacities, nproc_per_node, torchrun):
+    """``--nproc-per-node``: the run's ranks through torchrun's agent (:mod:`vramcal.train.distributed`)."""
+    from vramcal.train import checkpoint, distributed
+    from vramcal.train.config import load_config
+    from vramcal.train.plan import load_windows
+
+    ddp = {name: options.pop(name) for name in ("ddp_backend", *DDP_OPTIONS)}
+    with one_line():
+        if probe:
+            raise click.BadParameter("--probe calibrates one process: calibrate the world first with "
+                                     "`vramcal probe --nproc N`", param_hint="--probe")
+        if len(capacities) not in (0, 1, nproc_per_node):
+            raise click.BadParameter(f"give one budget, or one per local rank ({nproc_per_node})",
+                                     param_hint="--capacity")
+        if resume:
+            run_dir = checkpoint.check_run_dir(resume_dir(run_dir), resume=True)
+            config = load_config(run_dir / checkpoint.CONFIG)
+        else:
+            config = make_config(config_file, options, given)
+            load_windows(config)  # the data checked before any rank starts
+            run_dir = checkpoint.prepare_run_dir(run_dir or new_run_dir(), resume=False)
+        nodes = int(str(torchrun.get("nnodes", 1)).split(":")[-1])
+        world = world_of(nproc_per_node * nodes, ddp, config.gpu != "none" and gpu_here())
+        click.echo(f"training {world.describe()} in {run_dir}", err=True)
+    overrides = {k: options[k] for k in ("epochs", "max_steps") if resume and k in given}
+    with one_line(f"interrupted: the checkpoints in {run_dir} are kept; continue with `vramcal train --resume "
+                  f"--run-dir {run_dir} --nproc-per-node {nproc_per_node}`"):
+        distributed.launch(config, run_dir, world, nproc_per_node, torchrun, capacities, resume, overrides)
+    echo_done(run_dir)
+
+
+def gpu_here() -> bool:
+    """Whether an NVIDIA GPU is visible (the default backend follows it)."""
+    from vramcal import api
+
+    return api.select_devices("auto")[0][0].kind == "cuda"
+
+
+def new_run_dir() -> Path:
+    return Path("runs") / dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+
+
+def echo_done(run_dir: Path) -> None:
+    """The closing line of a DDP run, from the metrics rank 0 wrote."""
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    last = next((r for r in reversed(rows) if r["kind"] == "epoch"), None)
+    if last:
+        click.echo(f"done: {last['step']} steps, val_loss {last['val_loss']:.4f} (zero-return "
+                   f"{last['val_zero_loss']:.4f}), metrics {run_dir / 'metrics.jsonl'}, checkpoint "
+                   f"{run_dir / 'checkpoint-last.pt'}")
 
 
 def make_config(config_file: str | None, options: dict[str, Any], given: set[str]):
@@ -111,11 +215,17 @@ def make_config(config_file: str | None, options: dict[str, Any], given: set[str
     return config
 
 
+def resume_dir(run_dir: Path | None) -> Path:
+    """Raises: click.BadParameter when ``--resume`` has no ``--run-dir``."""
+    if run_dir is None:
+        raise click.BadParameter("--resume needs the --run-dir of the run to continue", param_hint="--resume")
+    return run_dir
+
+
 def resume_plan(run_dir: Path | None, options: dict[str, Any], given: set[str]):
     from vramcal.train.plan import plan_resume
 
-    if run_dir is None:
-        raise click.BadParameter("--resume needs the --run-dir of the run to continue", param_hint="--resume")
+    run_dir = resume_dir(run_dir)
     ignored = sorted(given - {"epochs", "max_steps", "run_dir", "resume"})
     if ignored:
         click.echo(f"--resume continues with the run's saved settings; ignoring "

@@ -53,12 +53,16 @@ def _range(name: str, default: tuple[float, float], help_text: str):
               help="epochs per trial; validation loss after each feeds the pruner")
 @click.pass_context
 def tune_command(ctx: click.Context, config_file: str | None, run_dir: Path | None, resume: bool,
-                 storage: str | None, study_name: str, trials: int, capacity: int | None, **options: Any) -> None:
+                 storage: str | None, study_name: str, trials: int, capacity: tuple[int, ...] | None,
+                 **options: Any) -> None:
     """Search learning rate, batch size (within the profile's bounds), weight decay and clip norm with optuna."""
     from vramcal.tune import report
     from vramcal.tune import study as tune
 
     given = explicit(ctx)
+    if capacity and len(capacity) > 1:
+        raise click.BadParameter("a tune's trials are one process each: give one budget", param_hint="--capacity")
+    capacity = capacity[0] if capacity else None
     settings = tune_settings(config_file, options, given)
     if resume and run_dir is None and storage is None:
         raise click.BadParameter("--resume needs the --run-dir of the tune (or --storage and --study-name)",

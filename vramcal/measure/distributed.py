@@ -1,6 +1,6 @@
 """A rank of a DDP world in a worker process: joining the world, the model wrapped, failures agreed.
 
-A DDP trial (:func:`vramcal.measure.trial.measure_rank`) and a training rank (:mod:`vramcal.train.rank`) run
+A DDP trial (:func:`vramcal.measure.trial.measure_rank`) and a training rank (:mod:`vramcal.train.worker`) run
 the same sequence in a worker forked from vramcal's server, after the meter has pinned the rank's device::
 
     group = join(world, rank, init_method, timeout_s)   # torch.distributed.init_process_group

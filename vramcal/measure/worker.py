@@ -160,6 +160,8 @@ class Workers:
 class Job:
     """A started worker: the caller's end of its pipe; :attr:`outcome` once it has ended."""
 
+    outcome: Outcome | None
+
     def __init__(self, process: Any, connection: Any, started: float, handler: Handler | None) -> None:
         self.process, self.connection, self.started, self.handler = process, connection, started, handler
         self.final: dict[str, Any] | None = None

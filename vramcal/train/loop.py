@@ -24,6 +24,15 @@ written (a full disk) stops the run with one line naming the file and the last g
 
 Resuming with another ``epochs`` or ``max_steps``: the warm-up stays as the run started, and the cosine
 decay is stretched (or shortened) to the new total from the current step.
+
+Under DDP (a :class:`Share` of a world) each step takes the next global batch of the epoch's order and
+each rank its own slice of it, sized by its own profile; each rank's loss is scaled by
+``n_ranks × own / global`` so that DDP's average of the gradients is the gradient of the global batch's
+mean loss (one update equals one step of a single process at the summed batch), and an incomplete last
+global batch is left out of the epoch. Validation is sharded over the ranks and summed. Every decision
+(a non-finite loss, the end) is taken on figures summed over the ranks, so all ranks take it together;
+rank 0 alone writes checkpoints and metrics. An out-of-memory error under DDP ends the run on every rank
+(halving one rank's micro-batch would desynchronise the ranks' gradient reductions).
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from vramcal.train import checkpoint
 from vramcal.train.errors import NonFiniteError, Stopped, TrainError
 from vramcal.train.plan import Plan
 from vramcal.units import format_bytes
-from vramcal.workload import optimizer_step
+from vramcal.workload import optimizer_step, step_loss
 
 Echo = Callable[[str], None]
 EpochHook = Callable[[dict[str, Any]], Any]
@@ -75,6 +84,46 @@ class Progress:
     epoch_step_times: list[float] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Share:
+    """This process's share of the global batch: every rank's batch size and, under DDP, the process group
+    (:class:`vramcal.measure.distributed.Group`); one process holds the whole batch and no group."""
+
+    batch_sizes: tuple[int, ...]
+    rank: int = 0
+    group: Any = None
+
+    @property
+    def global_batch(self) -> int:
+        return sum(self.batch_sizes)
+
+    @property
+    def own(self) -> int:
+        return self.batch_sizes[self.rank]
+
+    @property
+    def offset(self) -> int:
+        return sum(self.batch_sizes[:self.rank])
+
+    @property
+    def weight(self) -> float:
+        """The loss scale under DDP (module docstring): ``n_ranks × own / global``; 1 for one process."""
+        return len(self.batch_sizes) * self.own / self.global_batch
+
+    def summed(self, values: list[float]) -> list[float]:
+        """``values`` summed over the ranks (one process: as they are)."""
+        if self.group is None:
+            return values
+        import torch.distributed as dist
+
+        total = torch.tensor(values, dtype=torch.float64, device=self.group.device)
+        dist.all_reduce(total)
+        return total.tolist()
+
+    def gathered(self, value: Any) -> list[Any]:
+        return [value] if self.group is None else self.group.gather(value)
+
+
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_fraction: float) -> float:
     """Multiplier of the peak LR at ``step``: linear warm-up to 1, then cosine decay to ``min_fraction``."""
     if step < warmup_steps:
@@ -92,22 +141,27 @@ class Trainer:
         state: a checkpoint's payload to resume from.
         on_epoch: called with each epoch's metrics row after its checkpoint is saved; returning
             ``"stop"`` ends the run there (:class:`Stopped`).
+        model: the module the forward pass goes through (under DDP, ``step.model`` wrapped); default
+            ``step.model``.
+        share: this rank's share of the global batch (default: one process, the whole batch).
     """
 
     def __init__(self, plan: Plan, step: RegressorStep, meter: Any = None, echo: Echo = print,
-                 state: dict[str, Any] | None = None, on_epoch: EpochHook | None = None) -> None:
+                 state: dict[str, Any] | None = None, on_epoch: EpochHook | None = None, model: Any = None,
+                 share: Share | None = None) -> None:
         self.plan, self.step, self.meter, self.echo, self.on_epoch = plan, step, meter, echo, on_epoch
         self.config, self.pipeline = plan.config, step.pipeline
+        self.model, self.share = model or step.model, share or Share((plan.batch_size,))
         assert self.pipeline is not None
-        batch = plan.batch_size
-        self.steps_per_epoch = math.ceil(len(self.pipeline.train_starts) / batch)
+        batch, n_train = self.share.global_batch, len(self.pipeline.train_starts)
+        self.steps_per_epoch = n_train // batch if self.share.group is not None else math.ceil(n_train / batch)
         self.total_steps = min(self.config.max_steps or math.inf, self.config.epochs * self.steps_per_epoch)
         self.warmup_steps = (self.config.warmup_steps if self.config.warmup_steps is not None
                              else state["warmup_steps"] if state is not None and "warmup_steps" in state
                              else max(1, round(0.05 * self.total_steps)))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(step.optimizer, lambda s: lr_factor(
             s, self.warmup_steps, int(self.total_steps), self.config.min_lr_fraction))
-        self.progress = Progress(micro_batch_size=batch)
+        self.progress = Progress(micro_batch_size=self.share.own)
         if state is not None:
             step.model.load_state_dict(state["model"])
             step.optimizer.load_state_dict(state["optimizer"])
@@ -122,7 +176,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------ a step
 
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-        """One optimizer step on the whole batch, with the OOM fallback; returns (loss, grad norm)."""
+        """One optimizer step on the whole batch, with the OOM fallback (one process); returns (loss, grad
+        norm), the loss the global batch's mean."""
+        if self.share.group is not None:
+            return self._ranked_step(x, y)
         batch = x.shape[0]
         while True:
             micro = min(self.progress.micro_batch_size, batch)
@@ -130,7 +187,7 @@ class Trainer:
                 loss = torch.zeros((), device=x.device)
                 for i in range(0, batch, micro):
                     share = min(micro, batch - i) / batch
-                    part = self.step.loss((x[i:i + micro], y[i:i + micro]))
+                    part = step_loss(self.step, (x[i:i + micro], y[i:i + micro]), self.model)
                     (part * share).backward()
                     loss += share * part.detach()
                 grad_norm = optimizer_step(self.step, skip_non_finite=True)
@@ -140,6 +197,22 @@ class Trainer:
                     raise
                 message = _first_line(error)
             self._fall_back(micro, batch, message, "step")
+
+    def _ranked_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        """One DDP step on this rank's slice (module docstring: the loss scaled, no fallback)."""
+        share = self.share
+        try:
+            loss = step_loss(self.step, (x, y), self.model)
+            (loss * share.weight).backward()
+            grad_norm = optimizer_step(self.step, skip_non_finite=True)
+        except Exception as error:
+            if not self._out_of_memory(error):
+                raise
+            raise TrainError(f"rank {share.rank} ran out of memory at its batch of {share.own} at step "
+                             f"{self.progress.step + 1} ({_first_line(error)}): under DDP every rank stops; "
+                             f"{checkpoint.last_good(self.plan.run_dir)} with a smaller batch size") from None
+        total, = share.summed([float(loss.detach()) * share.own])
+        return total / share.global_batch, float(grad_norm) if grad_norm is not None else 0.0
 
     def _out_of_memory(self, error: BaseException) -> bool:
         """An allocation failure (:func:`vramcal.oom.is_out_of_memory`, oneDNN's bare message included once
@@ -175,7 +248,8 @@ class Trainer:
         """Validation loss, the zero-return baseline's loss, and directional accuracy of both.
 
         Chunks of the micro-batch size (the training batch size unless an out-of-memory error halved
-        it); a chunk that runs out of memory is retried at half the size.
+        it); a chunk that runs out of memory is retried at half the size. Under DDP each rank takes every
+        n-th window and the sums are added over the ranks.
 
         ``val_dir_acc`` = mean over positions of [sign(prediction) == sign(target)] (sign 0 for 0);
         ``val_zero_dir_acc`` is the same for the naive prediction 0 (= the share of unchanged bars);
@@ -184,7 +258,8 @@ class Trainer:
         model, pipeline = self.step.model, self.pipeline
         model.eval()
         sums = torch.zeros(6, dtype=torch.float64)
-        position, starts = 0, pipeline.val_starts
+        share = self.share
+        position, starts = 0, pipeline.val_starts[share.rank::len(share.batch_sizes)]
         while position < len(starts):
             chunk = max(1, self.progress.micro_batch_size)
             try:
@@ -200,8 +275,8 @@ class Trainer:
                     raise
                 self._fall_back(chunk, chunk, _first_line(error), "validation")
         model.train()
-        n = len(starts) * pipeline.windows.seq_len
-        se, zero_se, hits, unchanged, move_hits, moves = sums.tolist()
+        n = len(pipeline.val_starts) * pipeline.windows.seq_len
+        se, zero_se, hits, unchanged, move_hits, moves = share.summed(sums.tolist())
         return {"val_loss": se / n, "val_zero_loss": zero_se / n, "val_dir_acc": hits / n,
                 "val_zero_dir_acc": unchanged / n, "val_move_dir_acc": move_hits / max(moves, 1)}
 
@@ -225,25 +300,28 @@ class Trainer:
     def _epoch(self) -> None:
         from tqdm import tqdm
 
-        progress, batch = self.progress, self.plan.batch_size
-        batches = self.pipeline.epoch_order(progress.epoch).split(batch)
+        progress, share = self.progress, self.share
+        batches = self.pipeline.epoch_order(progress.epoch).split(share.global_batch)[:self.steps_per_epoch]
         bar = tqdm(total=len(batches), initial=progress.batch_in_epoch, unit="batch", file=sys.stderr,
-                   desc=f"epoch {progress.epoch + 1}/{self.config.epochs}", leave=False, disable=None)
+                   desc=f"epoch {progress.epoch + 1}/{self.config.epochs}", leave=False,
+                   disable=None if share.rank == 0 else True)
         if self._measuring and self.meter is not None:
             self.meter.reset()
         for index in range(progress.batch_in_epoch, len(batches)):
             if progress.step >= self.total_steps:
                 break
             step_start = time.perf_counter()
-            x, y = self.pipeline.gather(self.pipeline.train_starts[batches[index]])
+            starts = self.pipeline.train_starts[batches[index]]  # the global batch; this rank's slice of it:
+            x, y = self.pipeline.gather(starts[share.offset:share.offset + share.own] if share.group else starts)
             loss, grad_norm = self._step(x, y)  # float(loss) waits for the device: the time is the step's
             elapsed = time.perf_counter() - step_start
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 self._stop_non_finite(loss, grad_norm)
             self.scheduler.step()
             progress.step, progress.batch_in_epoch = progress.step + 1, index + 1
-            progress.epoch_loss_sum += loss * x.shape[0]
-            progress.epoch_samples += x.shape[0]
+            samples = share.global_batch if share.group else x.shape[0]
+            progress.epoch_loss_sum += loss * samples
+            progress.epoch_samples += samples
             progress.epoch_train_s += elapsed
             progress.epoch_step_times.append(elapsed)
             if not self._measuring:  # the run's first step allocated AdamW's state: measure from here on
@@ -252,7 +330,7 @@ class Trainer:
                     self.meter.reset()
             bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{progress.epoch_samples / progress.epoch_train_s:.1f}")
             bar.update(1)
-            if index + 1 < len(batches) and self._save_due():
+            if index + 1 < len(batches) and share.rank == 0 and self._save_due():
                 self._save(None)
         synchronize(self.plan.device.kind)
         bar.close()
@@ -268,9 +346,8 @@ class Trainer:
                "samples": progress.epoch_samples, "train_s": train_s,
                "samples_per_s": progress.epoch_samples / train_s if train_s > 0 else 0.0,
                "step_s_median": statistics.median(progress.epoch_step_times) if progress.epoch_step_times else None,
-               "lr": self.step.optimizer.param_groups[0]["lr"], "batch_size": self.plan.batch_size,
-               "micro_batch_size": progress.micro_batch_size, **evaluation,
-               **(self.meter.read() if self.meter else {})}
+               "lr": self.step.optimizer.param_groups[0]["lr"], "batch_size": self.share.global_batch,
+               "micro_batch_size": progress.micro_batch_size, **evaluation, **self._peaks()}
         bad = checkpoint.non_finite_tensors(self.step.model.state_dict())
         if not math.isfinite(row["val_loss"]) or bad:
             self._stop_non_finite(row["train_loss"], math.nan, val_loss=row["val_loss"], weights=bad)
@@ -279,7 +356,8 @@ class Trainer:
             progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
             progress.epoch_loss_sum, progress.epoch_samples, progress.epoch_train_s = 0.0, 0, 0.0
             progress.epoch_step_times = []
-        self._save(row)
+        if self.share.rank == 0:
+            self._save(row)
         peak = f"  peak {format_bytes(row['peak_bytes'])}" if "peak_bytes" in row else ""
         self.echo(f"epoch {row['epoch']}{'' if complete else ' (stopped at max_steps)'}: "
                   f"train_loss {row['train_loss']:.4f}  val_loss {row['val_loss']:.4f} "
@@ -288,6 +366,17 @@ class Trainer:
                   f"{row['samples_per_s']:.1f} samples/s{peak}")
         if self.on_epoch is not None and self.on_epoch(row) == "stop":
             raise Stopped(f"stopped after epoch {row['epoch']} by the caller")
+
+    def _peaks(self) -> dict[str, Any]:
+        """The meter's figures of this epoch (under DDP: the largest rank's peak, and every rank's)."""
+        if self.meter is None:
+            return {}
+        figures = self.meter.read()
+        if self.share.group is None:
+            return figures
+        ranks = self.share.gathered(figures["peak_bytes"])
+        return {**figures, "peak_bytes": max(ranks), "rank_peak_bytes": ranks,
+                "batch_sizes": list(self.share.batch_sizes)}
 
     def _stop_non_finite(self, loss: float, grad_norm: float, val_loss: float | None = None,
                          weights: list[str] | None = None) -> None:
@@ -307,7 +396,8 @@ class Trainer:
         self.progress.rows.append(event)
         kept = checkpoint.last_good(self.plan.run_dir)
         try:
-            checkpoint.write_metrics(self.plan.run_dir, self.progress.rows)
+            if self.share.rank == 0:
+                checkpoint.write_metrics(self.plan.run_dir, self.progress.rows)
         except OSError:
             pass  # the stop is what matters; the event is in the message
         raise NonFiniteError(f"non-finite {what} at step {step} ({detail}): stopped; {kept}. "
@@ -345,63 +435,3 @@ def _first_line(error: BaseException) -> str:
     (``MemoryError()`` has none)."""
     lines = str(error).strip().splitlines()
     return lines[0][:200] if lines else type(error).__name__
-
-
-# ------------------------------------------------------------------------------------ the worker
-
-def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
-    """The training process: meter, step, checkpoint, :class:`Trainer` (runs in a worker).
-
-    Messages to the caller: ``("line", text)`` for people; asks ``("epoch", row)`` after each epoch, whose
-    answer ``"stop"`` ends the run.
-
-    Returns:
-        ``{"last": the last epoch row, "step": optimizer steps done, "peak_bytes": the largest epoch peak}``.
-    """
-    from vramcal.measure.meters import open_meter
-    from vramcal.measure.trial import torch_device
-    from vramcal.workload import build
-
-    def echo(line: str) -> None:
-        if channel is None:
-            print(line)
-        else:
-            channel.send("line", line)
-
-    def on_epoch(row: dict[str, Any]) -> Any:
-        return channel.ask("epoch", row) if channel is not None else None
-
-    meter = open_meter(plan.device, plan.host_memory_limit_bytes)
-    try:
-        step = build(plan.model, torch_device(plan.device), plan.factory_options())
-        meter.check_pinned()
-        state = None
-        if plan.resume:
-            state, path, notice = checkpoint.load_resumable(plan.run_dir)
-            if notice:
-                echo(f"warning: {notice}")
-                if path.name != checkpoint.LAST and (plan.run_dir / checkpoint.LAST).exists():
-                    echo(f"the unreadable {checkpoint.LAST} is kept as "
-                         f"{checkpoint.set_aside(plan.run_dir / checkpoint.LAST).name}")
-            _check_same_data(state, step, plan)
-            done = state["progress"]
-            within = f", batch {done['batch_in_epoch']} of epoch {done['epoch'] + 1}" if done["batch_in_epoch"] else ""
-            echo(f"continuing from {path}: {done['epoch']} epoch(s) and {done['step']} step(s) done{within}")
-        trainer = Trainer(plan, step, meter, echo=echo, state=state, on_epoch=on_epoch)
-        last = trainer.run()
-    finally:
-        meter.close()
-    peaks = [r["peak_bytes"] for r in trainer.progress.rows if r["kind"] == "epoch" and "peak_bytes" in r]
-    return {"last": last, "step": trainer.progress.step, "peak_bytes": max(peaks) if peaks else None,
-            "epochs": len(peaks),
-            "data_bytes": step.pool_data_bytes(plan.device.kind)}
-
-
-def _check_same_data(state: dict[str, Any], step: RegressorStep, plan: Plan) -> None:
-    from vramcal.models.regressor.bars import DataError
-
-    saved, windows = state["data_stats"], step.pipeline.windows
-    if (saved["rows"], saved["split_row"], saved["stride"]) != (len(windows.targets), windows.split_row,
-                                                                windows.stride):
-        raise DataError(f"{plan.config.data} is not the data this run started on ({saved['rows']} rows then, "
-                        f"{len(windows.targets)} now): resume with the same file, or start a new run")

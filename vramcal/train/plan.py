@@ -22,12 +22,14 @@ from typing import Any
 
 from vramcal.models.regressor.windows import Windows
 from vramcal.profile import Profile
-from vramcal.records import Device
+from vramcal.records import Device, World
 from vramcal.sizing import Sizing, SizingError, scaled_lr, size
 from vramcal.train import checkpoint
 from vramcal.train.config import ConfigError, TrainConfig, load_config
 from vramcal.units import format_bytes
 from vramcal.workload import ModelRef
+
+COLLECTIVE_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,12 @@ class Plan:
     """A run, fully decided; sent to the worker that trains.
 
     Attributes:
-        sizing: the batch size and the profile's prediction for it (data term included).
-        lr: the peak learning rate after ``lr_scaling``.
+        sizing: the batch size and the profile's prediction for it (data term included); under DDP this
+            rank's.
+        lr: the peak learning rate after ``lr_scaling`` (under DDP set in the worker, from the global batch).
         resume: continue from the run folder's last checkpoint.
+        world, rank: the DDP world this rank's process trains in (:mod:`vramcal.train.distributed`), or None
+            for one process.
     """
 
     config: TrainConfig
@@ -81,10 +86,17 @@ class Plan:
     host_memory_limit_bytes: int | None
     resume: bool = False
     notices: tuple[str, ...] = ()
+    world: World | None = None
+    rank: int = 0
 
     @property
     def batch_size(self) -> int:
         return self.sizing.batch_size
+
+    @property
+    def collective_timeout_s(self) -> float:
+        """How long a rank waits at a collective before it raises (a dead rank is seen by torchrun sooner)."""
+        return COLLECTIVE_TIMEOUT_S
 
     @property
     def implementation(self) -> str:
@@ -122,11 +134,15 @@ def load_windows(config: TrainConfig) -> Windows:
     return windows_of(config.data, config.spec.seq_len, config.stride, config.val_fraction)
 
 
-def resolve(config: TrainConfig, capacity_bytes: int | None = None) -> Setting:
+def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: World | None = None,
+            budget_matches: bool = False) -> Setting:
     """Decide what runs of ``config`` are sized against (module docstring).
 
     Args:
         capacity_bytes: ``--capacity``: the host budget (default: the profile's), or a GPU narrowed.
+        world: the DDP world a rank of which is being sized (its profile must be calibrated for it).
+        budget_matches: take the host profile calibrated at ``capacity_bytes`` (the ranks of a run on the host
+            with budgets of their own), not the newest at any budget.
 
     Raises:
         ValueError: an impossible spec; DataError, DeviceError, NvmlError, SizingError: one-line messages for
@@ -138,7 +154,8 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None) -> Setting:
     device, notices = _device(config, capacity_bytes)
     model = api.model_ref("regressor", config.spec.to_dict(), device=device, implementation=config.implementation)
     located = api.locate_profile(model, device=device, profiles_dir=config.profiles_dir,
-                                 path=None if config.profile == "auto" else config.profile)
+                                 path=None if config.profile == "auto" else config.profile, world=world,
+                                 total_bytes=capacity_bytes if budget_matches else None)
     notices += [f"skipped {line}" for line in located.notices]
     limit = None
     if device.kind == "host":
@@ -180,13 +197,17 @@ def _device(config: TrainConfig, capacity_bytes: int | None) -> tuple[Device, li
     return devices[0], notices
 
 
-def plan_run(config: TrainConfig, run_dir: Path, setting: Setting) -> Plan:
+def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool = True) -> Plan:
     """Decide a new run of ``config`` in ``run_dir`` against ``setting`` (from :func:`resolve`).
+
+    Args:
+        prepare: check and create the run folder (a DDP rank's launcher did it already: False).
 
     Raises:
         SizingError: no batch size within the bounds. RunDirError: the folder holds a run or is unwritable.
     """
-    checkpoint.check_run_dir(run_dir, resume=False)
+    if prepare:
+        checkpoint.check_run_dir(run_dir, resume=False)
     seq_len = config.spec.seq_len
     sizing = size(setting.profile, config.batch_size, batch_size_min=config.batch_size_min,
                   pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len)
@@ -202,7 +223,8 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting) -> Plan:
                               pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len),
                          source=sizing.source + "+data")
     lr = scaled_lr(config.lr, sizing.batch_size, config.reference_batch_size, config.lr_scaling)
-    checkpoint.prepare_run_dir(run_dir, resume=False)
+    if prepare:
+        checkpoint.prepare_run_dir(run_dir, resume=False)
     return Plan(config=config, run_dir=Path(run_dir), device=setting.device, model=setting.model, sizing=sizing,
                 profile_path=setting.profile_path, lr=lr, data_stats=setting.data_stats,
                 host_memory_limit_bytes=setting.host_memory_limit_bytes, notices=tuple(notices))

@@ -1,7 +1,7 @@
 """Running a planned training run: in a worker process, compared with its profile, recorded in it.
 
 The caller's side of ``vramcal train`` (and of each ``vramcal tune`` trial): it writes the run folder's
-records, starts the training worker (:func:`vramcal.train.loop.train_in_worker`) — a process made like
+records, starts the training worker (:func:`vramcal.train.worker.train_in_worker`) — a process made like
 the trials that sized the run — prints what it says, and closes the loop. After the first epoch and at
 the end it prints the measured peak beside the profile's prediction and upper 95 % bound, warns when the
 peak is above the bound or above usable memory, and appends the run's observation to the profile.
@@ -26,7 +26,7 @@ from vramcal.train.plan import Plan
 from vramcal.units import format_bytes
 
 Echo = Callable[[str], None]
-TRAIN_WORKER = "vramcal.train.loop:train_in_worker"  # by name: the caller does not import torch
+TRAIN_WORKER = "vramcal.train.worker:train_in_worker"  # by name: the caller does not import torch
 # Errors raised in the worker whose message is already one line for people.
 _USER_ERRORS = {"DataError", "RunDirError", "TrainError", "NonFiniteError", "WorkloadError", "ValueError",
                 "MeterError", "ConfigError"}
@@ -83,7 +83,7 @@ def train(plan: Plan, echo: Echo = print, on_epoch: Callable[[dict[str, Any]], A
     """
     from vramcal.api import worker_pool
 
-    if not plan.resume:  # absolute paths: --resume works from any directory
+    if not plan.resume and plan.rank == 0:  # absolute paths: --resume works from any directory
         checkpoint.write_json(plan.run_dir / checkpoint.CONFIG, plan.config.with_absolute_paths().to_dict())
         checkpoint.write_json(plan.run_dir / checkpoint.RUN, plan.record())
     first = []
@@ -92,9 +92,9 @@ def train(plan: Plan, echo: Echo = print, on_epoch: Callable[[dict[str, Any]], A
         if kind == "line":
             echo(payload)
         elif kind == "epoch":
-            if not first and payload.get("peak_bytes"):
+            if not first and own_peak(plan, payload):
                 first.append(payload)
-                _report(plan, payload["peak_bytes"], echo, "after the first epoch")
+                _report(plan, own_peak(plan, payload), echo, "after the first epoch")
             return on_epoch(payload) if on_epoch is not None else None
         return None
 
@@ -104,12 +104,28 @@ def train(plan: Plan, echo: Echo = print, on_epoch: Callable[[dict[str, Any]], A
             return RunResult({}, 0, None, None, stopped=True)
         raise TrainError(_failure_line(plan, outcome))
     result = outcome.result
-    observation = None
-    if result["peak_bytes"]:
+    observation, peak = None, own_peak(plan, result)
+    if peak:
         if result["epochs"] > 1:
-            _report(plan, result["peak_bytes"], echo, "at the end")
-        observation = _observe(plan, result, echo)
-    return RunResult(result["last"], result["step"], result["peak_bytes"], observation)
+            _report(plan, peak, echo, "at the end")
+        if result.get("rank_peak_bytes"):
+            echo(describe_ranks(result["batch_sizes"], result["rank_peak_bytes"]))
+        observation = _observe(plan, {**result, "peak_bytes": peak}, echo)
+    return RunResult(result["last"], result["step"], peak, observation)
+
+
+def own_peak(plan: Plan, figures: dict[str, Any]) -> int | None:
+    """This process's peak in an epoch row or a run's result (under DDP: its own rank's, which its own
+    profile predicts; the row's ``peak_bytes`` is the largest rank's)."""
+    ranks = figures.get("rank_peak_bytes")
+    return ranks[plan.rank] if ranks else figures.get("peak_bytes")
+
+
+def describe_ranks(batch_sizes: list[int], peaks: list[int]) -> str:
+    """``ranks: 0: batch 48, peak 2.10 GiB; 1: batch 48, peak 2.11 GiB (global batch 96)``."""
+    each = "; ".join(f"{rank}: batch {b}, peak {format_bytes(peak)}"
+                     for rank, (b, peak) in enumerate(zip(batch_sizes, peaks)))
+    return f"ranks: {each} (global batch {sum(batch_sizes)})"
 
 
 def _report(plan: Plan, peak_bytes: int, echo: Echo, when: str) -> None:
@@ -125,7 +141,8 @@ def _observe(plan: Plan, result: dict[str, Any], echo: Echo) -> Observation | No
         recorded_utc=utc_now(), vramcal_version=__version__, batch_size=plan.batch_size,
         data_bytes=int(result["data_bytes"]), peak_bytes=int(result["peak_bytes"]),
         predicted_peak_bytes=plan.sizing.predicted_peak_bytes, upper_bytes=plan.sizing.upper_bytes,
-        usable_bytes=plan.sizing.usable_bytes, steps=int(result["step"]), run_dir=str(plan.run_dir.resolve()))
+        usable_bytes=plan.sizing.usable_bytes, steps=int(result["step"]), run_dir=str(plan.run_dir.resolve()),
+        rank=plan.rank if plan.world else None, world_size=plan.world.nproc if plan.world else None)
     if plan.profile_path is None:
         return observation
     try:

@@ -1,0 +1,135 @@
+"""DDP on the host, for real: 2-rank gloo worlds of the tiny model, in trials and in training runs.
+
+A trial is a world of workers whose failure is agreed; a training run goes through torchrun's agent
+(``vramcal train --nproc-per-node 2``), each rank sized by its own profile for the world; one update of a
+heterogeneous world (two budgets, two batch sizes) equals one step of a single process at the summed batch;
+and a killed rank ends the run in one line, resumable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import host_budget
+import pytest
+import torch
+from test_train import SPEC, SPEC_ARGS, make_profile
+from test_train_data import synthetic_bars
+
+from vramcal.api import worker_pool
+from vramcal.calibration.limits import compute_limits
+from vramcal.measure.device import host_device
+from vramcal.measure.trial import TrialRequest, TrialRunner
+from vramcal.profile import load_profile, profile_path, save_profile
+from vramcal.records import TrialSettings, World
+from vramcal.train import checkpoint
+
+pytestmark = pytest.mark.slow
+MIB = 2**20
+
+
+def test_a_world_trial_keeps_every_rank_and_agrees_on_a_failure():
+    runner = TrialRunner(worker_pool())
+    device = host_device(host_budget.budget(1024 * MIB))
+    settings = TrialSettings(timeout_s=120)
+    fits = runner.run(TrialRequest(SPEC.ref("transformers"), 16, device, settings=settings, world=World(2)))
+    assert fits.ok and len(fits.rank_peak_bytes) == 2 and fits.peak_bytes == max(fits.rank_peak_bytes)
+    started = time.time()
+    fails = runner.run(TrialRequest(SPEC.ref("transformers"), 400_000, device, settings=settings, world=World(2)))
+    assert fails.status == "oom" and fails.error.startswith(("RuntimeError: rank ", "MemoryError: rank ")), fails.error
+    assert time.time() - started < 60  # agreed (or the other rank stopped), not left waiting in a collective
+
+
+def ddp_profile(tmp: Path, capacity_mib: int, slope_mib: int):
+    """A DDP (2 ranks) profile of the tiny spec for the host at a budget of its own."""
+    profile = make_profile(host_device(), slope_mib=slope_mib)
+    device = dataclasses.replace(profile.device, total_bytes=host_budget.budget(capacity_mib * MIB),
+                                 total_source="--capacity")
+    profile = dataclasses.replace(profile, device=device, world=World(2),
+                                  limits=compute_limits(profile.fit, device.total_bytes, profile.settings))
+    return save_profile(profile, profile_path(tmp / "profiles", device, profile.model, "transformers",
+                                              world=World(2))), profile
+
+
+def vramcal(tmp: Path, *args: str, **popen) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vramcal", *args], cwd=tmp, capture_output=True, text=True,
+                          timeout=400, **popen)
+
+
+def train_args(tmp: Path, run: str, *extra: str) -> list[str]:
+    return ["train", "--data", str(tmp / "bars.parquet"), "--profiles-dir", str(tmp / "profiles"), "--gpu", "none",
+            "--run-dir", str(tmp / run), *SPEC_ARGS, "--stride", "4", "--warmup-steps", "1", *extra]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ddp")
+    synthetic_bars(1200).to_parquet(tmp / "bars.parquet")
+    small, _ = ddp_profile(tmp, 1024, slope_mib=24)
+    large, _ = ddp_profile(tmp, 1280, slope_mib=24)
+    single = make_profile(host_device(), slope_mib=8)  # one process, room for the summed batch
+    save_profile(single, profile_path(tmp / "profiles", single.device, single.model, "transformers"))
+    return {"tmp": tmp, "small": load_profile(small), "large": load_profile(large), "single": single}
+
+
+def test_two_ranks_on_two_budgets_train_like_one_process_at_the_summed_batch(world):
+    tmp = world["tmp"]
+    b0, b1 = world["small"].limits.conservative_batch_size, world["large"].limits.conservative_batch_size
+    assert b0 != b1  # two budgets: two per-rank batch sizes
+    small, large = (host_budget.budget(m * MIB) for m in (1024, 1280))
+    ddp = vramcal(tmp, *train_args(tmp, "ddp", "--nproc-per-node", "2", "--capacity", f"{small},{large}",
+                                   "--max-steps", "5", "--epochs", "3"))
+    assert ddp.returncode == 0, ddp.stderr
+    assert f"ranks: 0: batch {b0}, " in ddp.stderr and f"; 1: batch {b1}, " in ddp.stderr
+    assert f"(global batch {b0 + b1})" in ddp.stderr
+    one = vramcal(tmp, *train_args(tmp, "one", "--batch-size", str(b0 + b1), "--max-steps", "5", "--epochs", "3"))
+    assert one.returncode == 0, one.stderr
+    a, b = (checkpoint.load_checkpoint(tmp / run / checkpoint.LAST) for run in ("ddp", "one"))
+    assert a["progress"]["step"] == b["progress"]["step"] == 5
+    for name, tensor in b["model"].items():
+        torch.testing.assert_close(a["model"][name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+    observed = [o for p in (world["small"], world["large"]) for o in load_profile(
+        profile_path(tmp / "profiles", p.device, p.model, "transformers", world=World(2))).observations]
+    assert sorted((o.rank, o.batch_size) for o in observed) == [(0, b0), (1, b1)]  # each rank, its own profile
+
+
+def test_a_single_process_profile_cannot_size_a_ddp_run(world, tmp_path):
+    tmp = world["tmp"]
+    result = vramcal(tmp, *train_args(tmp, "refused", "--nproc-per-node", "2", "--profiles-dir",
+                                      str(tmp_path / "none")))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and re.search(r"^Error: rank [01] failed: no profile for .* for DDP 2 ranks", errors[0])
+    assert "`vramcal probe --gpu none --impl transformers --nproc 2 " in errors[0]
+    assert result.stderr.strip().splitlines()[-1] == errors[0], result.stderr  # nothing after it, no agent log
+
+
+def test_a_killed_rank_ends_the_run_in_one_line_and_it_resumes(world):
+    tmp = world["tmp"]
+    args = train_args(tmp, "killed", "--nproc-per-node", "2", "--max-steps", "400", "--epochs", "50",
+                      "--checkpoint-steps", "2")
+    run = subprocess.Popen([sys.executable, "-m", "vramcal", *args], cwd=tmp, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    run_dir, deadline = tmp / "killed", time.time() + 240
+    pid = run_dir / "ranks" / "1.pid"
+    while time.time() < deadline and not ((run_dir / checkpoint.LAST).exists() and pid.exists()):
+        time.sleep(0.5)
+    assert (run_dir / checkpoint.LAST).exists(), "the run never saved a checkpoint"
+    os.kill(int(pid.read_text()), signal.SIGKILL)
+    killed = time.time()
+    out, err = run.communicate(timeout=120)
+    assert time.time() - killed < 60 and run.returncode == 1 and "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and "rank 1 failed" in errors[0] and "--resume" in errors[0], err
+    resumed = vramcal(tmp, "train", "--resume", "--run-dir", str(run_dir), "--nproc-per-node", "2",
+                      "--max-steps", "12")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "continuing from" in resumed.stderr
+    assert checkpoint.load_checkpoint(run_dir / checkpoint.LAST)["progress"]["step"] == 12

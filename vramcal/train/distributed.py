@@ -1,0 +1,138 @@
+"""``vramcal train --nproc-per-node N``: a DDP run launched through torch.distributed's own launcher.
+
+The launcher (:func:`launch`, in the ``vramcal train`` process) checks the data and the run folder, writes
+the run's settings to ``<run_dir>/launch.json`` and starts torchrun's elastic agent
+(``torch.distributed.run``, with ``--nnodes`` and the rendezvous options passed through, so several
+machines join as torchrun users already do). The agent starts one *rank process* per local rank
+(:func:`main`: ``python -m vramcal.train.distributed``), which:
+
+1. finds its own device (GPU: the ``LOCAL_RANK``-th visible one; the host: its own budget, ``--capacity``
+   given once for all or once per local rank) and its own profile, calibrated for this DDP world
+   (:func:`vramcal.profile.world_difference` says why another world's or one process's cannot size it);
+2. sizes its own batch from that profile (ranks on different cards take different batches);
+3. trains in a worker forked from vramcal's server, like the trials that sized it
+   (:func:`vramcal.train.worker.train_in_worker`): the ranks agree on every rank's batch, the learning rate
+   follows the global batch, and gradients are weighted by each rank's samples
+   (:class:`vramcal.train.loop.Share`); rank 0 writes the run's records, checkpoints and metrics;
+4. appends its own observation (its measured peak against its own profile's prediction) to its profile.
+
+A rank that fails writes one line to ``<run_dir>/ranks/<rank>.error`` and exits 1; the agent then stops the
+others (within its monitor interval and shutdown timeout), and the launcher raises one line naming the
+rank. The run folder is left resumable: ``vramcal train --resume --run-dir ... --nproc-per-node N``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from vramcal.files import atomic_write_json
+from vramcal.records import World
+from vramcal.train import checkpoint
+from vramcal.train.config import TrainConfig, load_config
+from vramcal.train.errors import TrainError
+
+LAUNCH = "launch.json"
+RANKS = "ranks"  # <run_dir>/ranks/<rank>.error: a failed rank's one line
+
+
+def launch(config: TrainConfig, run_dir: Path, world: World, nproc_per_node: int, torchrun: dict[str, Any],
+           capacities: tuple[int, ...] = (), resume: bool = False, overrides: dict[str, Any] | None = None) -> None:
+    """Start the run's ranks through torchrun's elastic agent and wait for them (module docstring).
+
+    Args:
+        world: the DDP settings; its ``nproc`` is the whole world (nodes × ``nproc_per_node``).
+        torchrun: the torchrun options given (``--nnodes``, the rendezvous's), by their argument names.
+        capacities: the host budget of every local rank (one value: all alike); () = each profile's own.
+        overrides: ``epochs``/``max_steps`` of a resumed run.
+
+    Raises:
+        TrainError: a rank failed (one line naming it and the last good checkpoint).
+    """
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    atomic_write_json(run_dir / LAUNCH, {"config": config.with_absolute_paths().to_dict(), "world": world.to_dict(),
+                                         "capacities": list(capacities), "resume": resume,
+                                         "overrides": overrides or {}})
+    args = [f"--nproc-per-node={nproc_per_node}", *(f"--{k.replace('_', '-')}={v}" for k, v in torchrun.items()),
+            "-m", "vramcal.train.distributed", str(run_dir / LAUNCH)]
+    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # the agent's own log lines: our one line says it
+    try:
+        run(get_args_parser().parse_args(args))
+    except ChildFailedError as error:
+        raise TrainError(failure_line(run_dir, error)) from None
+
+
+def failure_line(run_dir: Path, error: Any) -> str:
+    """One line for a failed world: the first rank's own line (``ranks/<rank>.error``), or the agent's."""
+    lines = sorted((path.stat().st_mtime, path.stem, path.read_text().strip())
+                   for path in (run_dir / RANKS).glob("*.error") if path.read_text().strip())
+    kept = checkpoint.last_good(run_dir)
+    if lines:
+        _, rank, line = lines[0]
+        return f"rank {rank} failed: {line}; the other ranks were stopped; {kept}"
+    ranks = ", ".join(str(failure.local_rank) for failure in getattr(error, "failures", {}).values()) or "?"
+    return f"rank {ranks} ended without a result (killed?); the other ranks were stopped; {kept}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A rank process (module docstring): plan this rank, train it in a worker, record its observation."""
+    from vramcal.train.runner import train
+
+    spec_path = Path((argv or sys.argv[1:])[0])
+    spec = json.loads(spec_path.read_text())
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    run_dir = spec_path.parent
+    try:
+        plan = rank_plan(spec, run_dir, rank, local_rank, int(os.environ["WORLD_SIZE"]))
+        train(plan, echo=_printer(rank))
+    except (TrainError, ValueError, OSError, RuntimeError) as error:
+        line = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
+        try:
+            (run_dir / RANKS).mkdir(exist_ok=True)
+            (run_dir / RANKS / f"{rank}.error").write_text(line + "\n")
+        except OSError:
+            print(f"rank {rank}: {line}", file=sys.stderr)  # the launcher cannot read it: say it here
+        sys.exit(1)
+
+
+def _printer(rank: int):
+    """Rank 0 prints what the run says; the others print nothing (their failures go to the error file)."""
+    def echo(line: str) -> None:
+        if rank == 0:
+            print(line, file=sys.stderr, flush=True)
+
+    return echo
+
+
+def rank_plan(spec: dict[str, Any], run_dir: Path, rank: int, local_rank: int, world_size: int):
+    """This rank's :class:`~vramcal.train.plan.Plan`: its device, its profile for the world, its batch size.
+
+    Raises:
+        SizingError, DeviceError, DataError, ValueError: one line, naming what this rank could not find.
+    """
+    from vramcal.train.plan import plan_run, resolve
+
+    world = World(**{**spec["world"], "nproc": world_size})
+    capacities = tuple(spec["capacities"])
+    capacity = capacities[local_rank if len(capacities) > 1 else 0] if capacities else None
+    config = TrainConfig.from_dict(spec["config"])
+    if spec["resume"]:
+        config = load_config(run_dir / checkpoint.CONFIG).replace(**spec["overrides"])
+    gpu = str(local_rank) if config.gpu != "none" else "none"
+    setting = resolve(config.replace(gpu=gpu), capacity, world=world,
+                      budget_matches=len(set(capacities)) > 1)
+    plan = plan_run(config, run_dir, setting, prepare=False)
+    return dataclasses.replace(plan, world=world, rank=rank, resume=spec["resume"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The training process: a worker that opens the meter, joins the DDP world (when the plan has one), builds the
+step, resumes, and runs the :class:`~vramcal.train.loop.Trainer`.
+
+It runs in a worker forked from vramcal's server (:func:`vramcal.api.worker_pool`), as the trials that sized
+the run did: :func:`vramcal.train.runner.train` starts it for one process, and each rank of a DDP run starts
+its own (:mod:`vramcal.train.distributed`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vramcal.sizing import scaled_lr
+from vramcal.train import checkpoint
+from vramcal.train.loop import Share, Trainer
+from vramcal.train.plan import Plan
+
+
+def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
+    """The training process: meter, world, step, checkpoint, :class:`~vramcal.train.loop.Trainer`.
+
+    Messages to the caller: ``("line", text)`` for people; asks ``("epoch", row)`` after each epoch, whose
+    answer ``"stop"`` ends the run.
+
+    Returns:
+        ``{"last": the last epoch row, "step": optimizer steps done, "peak_bytes": the largest epoch peak,
+        "epochs", "data_bytes"}``; under DDP also ``rank_peak_bytes`` (each rank's largest epoch peak) and
+        ``batch_sizes`` (each rank's).
+    """
+    from vramcal.measure.meters import open_meter
+
+    def echo(line: str) -> None:
+        if channel is None:
+            print(line)
+        else:
+            channel.send("line", line)
+
+    def on_epoch(row: dict[str, Any]) -> Any:
+        return channel.ask("epoch", row) if channel is not None else None
+
+    meter, group = open_meter(plan.device, plan.host_memory_limit_bytes), None
+    try:
+        group, share, plan = _join(plan)
+        step, model = _build(plan, group)
+        meter.check_pinned()
+        state = _resume_state(plan, step, echo) if plan.resume else None
+        trainer = Trainer(plan, step, meter, echo=echo, state=state, on_epoch=on_epoch, model=model, share=share)
+        last = trainer.run()
+    finally:
+        if group is not None:
+            group.close()
+        meter.close()
+    rows = [r for r in trainer.progress.rows if r["kind"] == "epoch" and "peak_bytes" in r]
+    ranks = [max(r["rank_peak_bytes"][i] for r in rows) for i in range(len(share.batch_sizes))] if group else None
+    return {"last": last, "step": trainer.progress.step, "epochs": len(rows),
+            "peak_bytes": max((r["peak_bytes"] for r in rows), default=None),
+            "data_bytes": step.pool_data_bytes(plan.device.kind), "rank_peak_bytes": ranks,
+            "batch_sizes": list(share.batch_sizes)}
+
+
+def _join(plan: Plan) -> tuple[Any, Share, Plan]:
+    """Join the plan's DDP world (``env://``: torchrun's variables) and agree on every rank's batch size: the
+    global batch sets the learning rate (:func:`vramcal.sizing.scaled_lr`). One process: no group. A rank's
+    training process leaves its PID in ``<run_dir>/ranks/<rank>.pid`` (which process is which rank)."""
+    if plan.world is None:
+        return None, Share((plan.batch_size,)), plan
+    import dataclasses
+    import os
+
+    (plan.run_dir / "ranks").mkdir(exist_ok=True)
+    (plan.run_dir / "ranks" / f"{plan.rank}.pid").write_text(f"{os.getpid()}\n")
+
+    from vramcal.measure.distributed import join
+    from vramcal.measure.trial import torch_device
+
+    group = join(plan.world, plan.rank, "env://", plan.collective_timeout_s, torch_device(plan.device))
+    share = Share(tuple(group.gather(plan.batch_size)), plan.rank, group)
+    c = plan.config
+    return group, share, dataclasses.replace(plan, lr=scaled_lr(c.lr, share.global_batch, c.reference_batch_size,
+                                                                c.lr_scaling))
+
+
+def _build(plan: Plan, group: Any) -> tuple[Any, Any]:
+    """The step (built on every rank, agreed) and the module its forward pass goes through (DDP's wrapper)."""
+    from vramcal.measure.trial import torch_device
+    from vramcal.workload import build
+
+    def make():
+        return build(plan.model, torch_device(plan.device), plan.factory_options())
+
+    if group is None:
+        step = make()
+        return step, step.model
+    from vramcal.measure.distributed import build_agreed, wrap
+
+    step = build_agreed(group, make)
+    return step, wrap(step.model, plan.world, torch_device(plan.device))
+
+
+def _resume_state(plan: Plan, step: Any, echo: Any) -> dict[str, Any]:
+    """The checkpoint to continue from (rank 0 of a DDP run wrote it; every rank reads it)."""
+    state, path, notice = checkpoint.load_resumable(plan.run_dir)
+    if notice:
+        echo(f"warning: {notice}")
+        if path.name != checkpoint.LAST and (plan.run_dir / checkpoint.LAST).exists() and plan.rank == 0:
+            echo(f"the unreadable {checkpoint.LAST} is kept as "
+                 f"{checkpoint.set_aside(plan.run_dir / checkpoint.LAST).name}")
+    _check_same_data(state, step, plan)
+    done = state["progress"]
+    within = f", batch {done['batch_in_epoch']} of epoch {done['epoch'] + 1}" if done["batch_in_epoch"] else ""
+    echo(f"continuing from {path}: {done['epoch']} epoch(s) and {done['step']} step(s) done{within}")
+    return state
+
+
+def _check_same_data(state: dict[str, Any], step: Any, plan: Plan) -> None:
+    from vramcal.models.regressor.bars import DataError
+
+    saved, windows = state["data_stats"], step.pipeline.windows
+    if (saved["rows"], saved["split_row"], saved["stride"]) != (len(windows.targets), windows.split_row,
+                                                                windows.stride):
+        raise DataError(f"{plan.config.data} is not the data this run started on ({saved['rows']} rows then, "
+                        f"{len(windows.targets)} now): resume with the same file, or start a new run")
