@@ -237,8 +237,24 @@ def test_a_journal_trial_without_a_heartbeat_is_stale_on_any_host(tmp_path):
         trial = study.ask()
         trial.set_user_attr("worker", "elsewhere:1")
         storage.set_trial_system_attr(trial._trial_id, HEARTBEAT_ATTR, time.time() - age_s)
-    assert fail_dead_trials(study) == [0]
+    assert fail_dead_trials(study) == [(0, f"its worker sent no heartbeat for {2 * HEARTBEAT_S} s")]
     assert [t.state for t in study.trials] == [TrialState.FAIL, TrialState.RUNNING]
+    assert study.trials[0].user_attrs["error"] == f"its worker sent no heartbeat for {2 * HEARTBEAT_S} s"
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
+def test_a_worker_that_ended_unreaped_is_dead_at_once(tmp_path):
+    """A worker killed under a parent that has not reaped it yet (a zombie: signal 0 still reaches it) is
+    gone, without waiting 2 minutes for its heartbeat to go stale."""
+    from vramcal.tune.workers import fail_dead_trials, worker_id
+
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    wait_for(lambda: Path(f"/proc/{zombie.pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z",
+             "zombie", timeout_s=30)
+    study = optuna.create_study(storage=open_storage(str(tmp_path / "study.log")), study_name="zombie")
+    study.ask().set_user_attr("worker", f"{worker_id().rpartition(':')[0]}:{zombie.pid}")
+    assert fail_dead_trials(study) == [(0, "its worker process is gone")]
+    zombie.wait()
 
 
 @pytest.mark.parametrize(("storage", "message"), [

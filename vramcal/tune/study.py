@@ -336,8 +336,8 @@ def run_study(study, settings: TuneSettings, space: SearchSpace, run_dir: Path, 
     objective = Objective(settings, space, Path(run_dir), echo, n_trials, secrets)
     waited_for: list[int] = []
     while True:
-        for number in fail_dead_trials(study):
-            echo(f"trial {number}: fail (its worker process is gone)")
+        for number, reason in fail_dead_trials(study):
+            echo(f"trial {number}: fail ({reason})")
         trials = study.get_trials(deepcopy=False)
         done, running = finished(trials), [t.number for t in trials if t.state == TrialState.RUNNING]
         if done >= n_trials:
