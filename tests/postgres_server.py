@@ -18,8 +18,8 @@ import shutil
 import socket
 import subprocess
 import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
@@ -30,12 +30,14 @@ START_TIMEOUT_S = 60
 
 @dataclass(frozen=True)
 class Server:
-    """A running server: connect as ``USER`` with ``password`` to ``host:port``."""
+    """A running server: connect as ``USER`` with ``password`` to ``host:port``; ``stop()`` ends it at once
+    (``pg_ctl stop -m immediate``: as a crash or a lost machine would, for tests of a server that goes away)."""
 
     host: str
     port: int
     password: str
     folder: Path
+    stop: Callable[[], None] = field(repr=False, default=lambda: None)
 
     def url(self, scheme: str = "postgresql", password: str | None = None, encode: bool = True) -> str:
         """A storage URL for the server (the password percent-encoded unless ``encode`` is False)."""
@@ -94,6 +96,10 @@ def running_server(password: str) -> Iterator[Server]:
             log = (folder / "server.log").read_text()[-1500:] if (folder / "server.log").exists() else ""
             raise RuntimeError(f"{Path(args[0]).name} failed ({done.returncode}): {done.stderr[-1500:]} {log}")
 
+    def stop() -> None:
+        if (folder / "data" / "postmaster.pid").exists():
+            run(str(bin_dir / "pg_ctl"), "-D", str(folder / "data"), "-m", "immediate", "-w", "stop", timeout=30)
+
     port = _free_port()
     (folder / "pwfile").write_text(password + "\n")
     os.chown(folder / "pwfile", user.pw_uid, user.pw_gid)
@@ -103,9 +109,8 @@ def running_server(password: str) -> Iterator[Server]:
         options = f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=40"
         run(str(bin_dir / "pg_ctl"), "-D", str(folder / "data"), "-l", str(folder / "server.log"), "-o", options,
             "-w", "-t", str(START_TIMEOUT_S), "start")
-        yield Server("127.0.0.1", port, password, folder)
+        yield Server("127.0.0.1", port, password, folder, stop)
     finally:
-        if (folder / "data" / "postmaster.pid").exists():
-            with contextlib.suppress(Exception):
-                run(str(bin_dir / "pg_ctl"), "-D", str(folder / "data"), "-m", "immediate", "-w", "stop", timeout=30)
+        with contextlib.suppress(Exception):
+            stop()
         shutil.rmtree(folder, ignore_errors=True)

@@ -68,12 +68,17 @@ def home(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server():
+def postgres():
+    """Skips (with the reason) where no PostgreSQL server can be started or psycopg is not installed."""
     reason = missing()
     if reason:
         pytest.skip(reason)
-    import psycopg
+    return pytest.importorskip("psycopg", reason="psycopg is not installed: pip install 'vramcal[postgres]'")
 
+
+@pytest.fixture(scope="module")
+def server(postgres):
+    psycopg = postgres
     with running_server(readme_password()) as running:
         with psycopg.connect(host=running.host, port=running.port, user="vramcal", password=running.password,
                              dbname="postgres", autocommit=True) as connection:
@@ -115,7 +120,11 @@ def study_of(storage) -> optuna.Study | None:
 
 
 def finish(worker: subprocess.Popen) -> str:
-    output, _ = worker.communicate(timeout=WORKER_TIMEOUT_S)
+    try:
+        output, _ = worker.communicate(timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(worker.pid, signal.SIGKILL)
+        pytest.fail(f"the worker did not end within {WORKER_TIMEOUT_S} s: {worker.communicate()[0]}")
     assert worker.returncode == 0, output
     assert "Traceback" not in output, output
     return output
@@ -182,6 +191,26 @@ def test_a_missing_postgres_driver_names_the_extra_and_the_url_that_works(home):
         f"{__import__('sqlalchemy').__version__} opens postgresql:// with the psycopg driver, which is not installed: "
         "pip install 'vramcal[postgres]' (psycopg 3), or write postgresql+psycopg2://alice:***@db.example/optuna to "
         "use psycopg2"], done.stderr
+
+
+def test_a_server_that_goes_away_mid_study_is_one_line(home, postgres, monkeypatch):
+    """A second server, stopped (as a crash would) while the first trial trains: the tune ends with one
+    line naming the storage, the password hidden, exit 1 (no traceback)."""
+    from vramcal.train import runner
+
+    real_train = runner.train
+    with running_server("an0ther@pass:w/rd") as doomed:
+        def train(plan, **kwargs):
+            doomed.stop()
+            return real_train(plan, **kwargs)
+
+        monkeypatch.setattr(runner, "train", train)
+        result = CliRunner().invoke(main, args(home, "pg-gone", "--storage", doomed.url(encode=False)))
+    line = one_line_failure(result)
+    assert line.startswith(f"Error: the study storage postgresql://vramcal:***@{doomed.host}:{doomed.port}/postgres "
+                           f"failed: "), line
+    assert "Connection refused" in line and line.endswith("(what was recorded is kept: continue with --resume)"), line
+    assert "an0ther" not in result.output and "pass:w" not in result.output
 
 
 # --------------------------------------------------------------------------------------------- journal
@@ -255,6 +284,22 @@ def test_a_worker_that_ended_unreaped_is_dead_at_once(tmp_path):
     study.ask().set_user_attr("worker", f"{worker_id().rpartition(':')[0]}:{zombie.pid}")
     assert fail_dead_trials(study) == [(0, "its worker process is gone")]
     zombie.wait()
+
+
+def test_a_relative_journal_locks_through_an_absolute_link(tmp_path, monkeypatch):
+    """optuna's journal lock is a symlink to the journal's path: given as written (relative), it dangled, and a
+    lock left by a worker killed while holding it was never broken (another worker then spun forever: seen
+    in the two-worker test). The link is absolute, so the lock's 30 s grace period can break it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "shared").mkdir()
+    storage = open_storage("shared/study.log")
+    lock = storage._backend._lock
+    assert lock.acquire()  # as a worker killed inside a write leaves it
+    try:
+        assert os.readlink(lock._lock_file) == str(tmp_path / "shared" / "study.log")
+        assert os.stat(lock._lock_file).st_mtime  # the link resolves: optuna's grace check can read it
+    finally:
+        lock.release()
 
 
 @pytest.mark.parametrize(("storage", "message"), [

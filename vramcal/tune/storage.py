@@ -157,19 +157,38 @@ def open_storage(url: str | StorageURL, create: bool = True):
 def storage_errors(url: StorageURL) -> Iterator[None]:
     """A storage that fails once open (a lost connection, a server that went away) as one line.
 
+    Any error whose chain (``__cause__``/``__context__``) holds one of SQLAlchemy's errors or optuna's
+    ``StorageInternalError`` is the storage's: optuna 5.0's ``study.optimize`` turns a failed write of a
+    trial's end into an ``UnboundLocalError`` of its own raised while handling it.
+
     Raises:
-        StorageError: for SQLAlchemy's errors and optuna's ``StorageInternalError``, the password hidden.
+        StorageError: for those, with the SQLAlchemy error's first line (the driver's message), the password
+            hidden. Other errors pass unchanged.
     """
+    try:
+        yield
+    except StorageError:
+        raise
+    except Exception as error:
+        cause = _storage_cause(error)
+        if cause is None:
+            raise
+        raise StorageError(f"the study storage {url.shown} failed: {url.hide(first_line(cause))} (what was "
+                           f"recorded is kept: continue with --resume)") from None
+
+
+def _storage_cause(error: BaseException) -> BaseException | None:
+    """The first SQLAlchemy error in ``error``'s chain, else optuna's ``StorageInternalError``, else None."""
     import optuna
     import sqlalchemy
 
-    try:
-        yield
-    except (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as error:
-        cause = error.__cause__ if isinstance(error, optuna.exceptions.StorageInternalError) and error.__cause__ \
-            else error
-        raise StorageError(f"the study storage {url.shown} failed: {url.hide(first_line(cause))} (what was "
-                           f"recorded is kept: continue with --resume)") from None
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    return next((e for e in chain if isinstance(e, sqlalchemy.exc.SQLAlchemyError)),
+                next((e for e in chain if isinstance(e, optuna.exceptions.StorageInternalError)), None))
 
 
 def first_line(error: BaseException) -> str:
@@ -181,7 +200,9 @@ def _open_rdb(url: StorageURL, create: bool):
     import optuna
 
     check_driver(url)
-    return optuna.storages.RDBStorage(url.target, heartbeat_interval=HEARTBEAT_S)
+    storage = optuna.storages.RDBStorage(url.target, heartbeat_interval=HEARTBEAT_S)
+    storage.get_all_studies()  # connects: a refused password or an unreachable server fails here, as "cannot open"
+    return storage
 
 
 def check_driver(url: StorageURL) -> None:
@@ -241,7 +262,9 @@ def _open_journal(url: StorageURL, create: bool):
     if not create and not path.is_file():
         raise StorageError(f"there is no study to resume in {url.shown}: the journal file does not exist "
                            f"(start one without --resume)")
-    storage = heartbeat_journal_storage()(JournalFileBackend(str(path)), HEARTBEAT_S)
+    # Absolute: optuna's lock is a symlink to this path, so a relative one dangles; a dangling lock that a killed
+    # worker left behind is never broken (optuna 5.0 stats it through the link and retries at once, forever).
+    storage = heartbeat_journal_storage()(JournalFileBackend(str(path.resolve())), HEARTBEAT_S)
     storage.get_all_studies()  # reads the log: a file that is not a journal fails here, not mid-study
     return storage
 
