@@ -71,10 +71,10 @@ def tune_command(ctx: click.Context, config_file: str | None, run_dir: Path | No
     echo = lambda line: click.echo(line, err=True)  # noqa: E731
     resume_hint = f"`vramcal tune --run-dir {run_dir} --resume`" + (" with the same --storage and --study-name"
                                                                      if storage else "")
-    given = {param.name: param.opts[0] for param in ctx.command.params if param.name in given - set(_PER_CALL)}
+    options_given = {p.name: p.opts[0] for p in ctx.command.params if p.name in given - set(_PER_CALL)}
     with one_line(f"interrupted: the study is kept; continue it with {resume_hint}"), storages.storage_errors(url):
         study, settings, space = open_tune(settings, run_dir, resume, url, storage is None, study_name, capacity,
-                                           given, echo)
+                                           options_given, echo)
         echo(f"study {study_name!r} in {url.shown}: {trials} trials, TPE after {settings.n_initial} random, "
              f"median pruning; {space.describe()}")
         tune.run_study(study, settings, space, run_dir, trials, echo=echo, secrets=url.secrets)

@@ -239,8 +239,8 @@ def open_study(storage, study_name: str, settings: TuneSettings | None, where: s
     load the study and wait up to :data:`SETTINGS_WAIT_S` for them. The sampler's seed is the saved settings'
     ``seed`` plus the number of trials so far (a resumed study does not repeat its first random trials), plus
     a number from :func:`~vramcal.tune.workers.worker_id` for a study that existed (two workers joining at once
-    do not draw the same trials). TPE runs with ``constant_liar`` (optuna's advice for distributed studies:
-    running trials count as bad results, so workers do not propose the same point).
+    do not draw the same trials). TPE runs with ``constant_liar`` (optuna 5's default, set for optuna 4 too):
+    running trials are penalised, so concurrent workers do not propose the same point.
 
     Args:
         settings: None = the study must exist (``--resume``).
