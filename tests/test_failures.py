@@ -133,7 +133,8 @@ def test_a_failing_trial_fails_alone_and_the_study_writes_its_results(paths, mon
 
     from vramcal.train import runner
     from vramcal.train.errors import TrainError
-    from vramcal.tune.study import BEST_CONFIG, DEFAULT_STUDY_NAME, STUDY_DB, TRIALS_TABLE
+    from vramcal.tune.storage import STUDY_DB
+    from vramcal.tune.study import BEST_CONFIG, DEFAULT_STUDY_NAME, TRIALS_TABLE
 
     real_train = runner.train
 
@@ -193,15 +194,15 @@ def test_a_storage_password_is_never_printed(paths, how):
 def test_a_storage_password_is_never_written(paths, monkeypatch, tmp_path):
     """A study that opens (a SQLite file stands in for the server behind the URL): the study line shows the URL
     with the password hidden, and nothing written under the tune folder holds it."""
-    from vramcal.tune import study as tune_study
+    from vramcal.tune import storage as storages
 
-    real_open, opened = tune_study.open_storage, []
+    real_open, opened = storages.open_storage, []
 
-    def open_storage(url):
-        opened.append(url)
+    def open_storage(url, create=True):
+        opened.append(url.text)
         return real_open(f"sqlite:///{tmp_path / 'server.db'}")
 
-    monkeypatch.setattr(tune_study, "open_storage", open_storage)
+    monkeypatch.setattr(storages, "open_storage", open_storage)
     result = CliRunner().invoke(main, tune_args(paths, "secret", "--trials", "1", "--n-initial", "1"),
                                 env={"VRAMCAL_TUNE_STORAGE": SECRET_URL})
     assert result.exit_code == 0, result.output
@@ -225,7 +226,7 @@ def test_a_storage_password_is_never_written(paths, monkeypatch, tmp_path):
     ("postgresql://db.example:5432/optuna", "postgresql://db.example:5432/optuna"),
 ])
 def test_redact_hides_passwords_in_urls_and_messages(text, shown):
-    from vramcal.tune.study import redact
+    from vramcal.tune.storage import redact
 
     assert redact(text) == shown
 

@@ -22,7 +22,8 @@ from vramcal.cli import main
 from vramcal.measure.device import host_device
 from vramcal.profile import profile_path, save_profile
 from vramcal.train import checkpoint, runner
-from vramcal.tune.study import BEST_CONFIG, DEFAULT_STUDY_NAME, PLOT, STUDY_DB, TRIALS_TABLE
+from vramcal.tune.storage import STUDY_DB
+from vramcal.tune.study import BEST_CONFIG, DEFAULT_STUDY_NAME, PLOT, TRIALS_TABLE
 
 CONSERVATIVE, SAFE = 10, 12
 
@@ -195,17 +196,19 @@ def test_a_trial_is_pruned_after_the_epoch_that_reports_it_hopeless(paths, tmp_p
     """The trainer's on_epoch hook feeds trial.report; a pruner that prunes everything stops each trial
     after its first of two epochs, and the pruned trials keep their figures and count as finished."""
     from vramcal.train.config import TrainConfig
-    from vramcal.tune.study import TuneSettings, finished, open_storage, open_study, run_study, search_space
+    from vramcal.tune.storage import open_storage
+    from vramcal.tune.study import TuneSettings, open_study, run_study, search_space
+    from vramcal.tune.workers import finished
 
     base = TrainConfig(data=str(paths["data"]), spec=SPEC, gpu="none", profiles_dir=str(paths["profiles"]),
                        epochs=2, batch_size_min=8)
     settings = TuneSettings(base=base, n_initial=1)
     storage = open_storage(f"sqlite:///{tmp_path / STUDY_DB}")
-    study, _, existed = open_study(storage, "pruning", settings, seed=0, n_initial=1)
+    study, _, existed = open_study(storage, "pruning", settings)
     study.pruner = optuna.pruners.ThresholdPruner(upper=0.0)  # every validation loss is above 0
     space = search_space(settings)
     assert not existed and run_study(study, settings, space, tmp_path, 2, echo=lambda _: None) == 2
-    assert finished(study) == 2
+    assert finished(study.trials) == 2
     for t in study.trials:
         assert t.state == TrialState.PRUNED and t.user_attrs["epochs"] == 1
         assert list(t.intermediate_values) == [1] and t.user_attrs["val_loss"] == t.intermediate_values[1]
@@ -221,11 +224,13 @@ def test_trials_of_a_killed_worker_are_marked_failed_on_resume(tmp_path):
 
     from vramcal.tune import study as studies
     from vramcal.tune.report import format_table
+    from vramcal.tune.storage import open_storage
+    from vramcal.tune.workers import worker_id
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    host = studies.worker_id().rpartition(":")[0]
-    storage = studies.open_storage(f"sqlite:///{tmp_path / STUDY_DB}")
-    study, settings, _ = studies.open_study(storage, "killed", studies.TuneSettings(), seed=0, n_initial=1)
+    host = worker_id().rpartition(":")[0]
+    storage = open_storage(f"sqlite:///{tmp_path / STUDY_DB}")
+    study, settings, _ = studies.open_study(storage, "killed", studies.TuneSettings())
     study.ask().set_user_attr("worker", f"{host}:{int(dead.stdout)}")
     study.ask().set_user_attr("worker", f"{host}:{os.getppid()}")  # alive
     messages = []

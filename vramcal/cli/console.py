@@ -48,6 +48,10 @@ def summary(profile) -> str:
     if creep is not None:
         lines.append(f"step creep    +{format_bytes(creep.bytes_at_steady)} at batch_size {creep.batch_size} over "
                      f"{profile.run.get('steady_steps', '?')} steps (in the line, the limits and the verified peaks)")
+    if profile.world is not None:
+        from vramcal.report.markdown import world_text
+
+        lines.append(f"world         {world_text(profile).replace('`', '')}")
     lines.append(f"usable        {format_bytes(limits.usable_bytes)}")
     for name, value in (("safe", limits.safe_batch_size), ("conservative", limits.conservative_batch_size)):
         check = profile.verification.get(name)

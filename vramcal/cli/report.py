@@ -150,13 +150,19 @@ def _gpu_table(path: Path, loaded, gpus: list[GpuModel], as_json: bool) -> None:
         rows = other_gpu_limits(loaded, gpus)
     except ValueError as error:
         raise click.ClickException(f"{path}: {error}") from None
+    world = loaded.world
     if as_json:
         click.echo(json.dumps({"profile": str(path), "verified": loaded.verified, "formula": loaded.fit.formula(),
+                               "world": world.to_dict() if world else None,
                                "gpus": [{"gpu": r.gpu.label, "measured": r.measured, **r.limits.to_dict()}
                                         for r in rows]}, indent=2, sort_keys=True))
         return
     click.echo(f"{loaded.fit.formula()}  (r² = {loaded.fit.r_squared:.4f}, n = {loaded.fit.n_points})")
     click.echo(f"measured on {device_label(loaded)}, {loaded.implementation}, {describe(loaded.model)}")
+    if world is not None:
+        safe, conservative, n = loaded.limits.safe_batch_size, loaded.limits.conservative_batch_size, world.nproc
+        click.echo(f"{world.describe()}: the batch sizes below are per rank; this card's world trains {n} x per rank "
+                   f"(safe {safe} -> global {n * safe}, conservative {conservative} -> global {n * conservative})")
     for note in missing_notes(loaded):
         click.echo(note)
     click.echo("")

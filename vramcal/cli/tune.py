@@ -32,12 +32,14 @@ def _range(name: str, default: tuple[float, float], help_text: str):
                    "[default: runs/tune-<UTC time>]")
 @click.option("--resume", is_flag=True, help="continue the study in --run-dir (or --storage/--study-name)")
 @click.option("--storage", default=None, envvar="VRAMCAL_TUNE_STORAGE",
-              help="optuna storage URL (sqlite:///..., postgresql://...), or the VRAMCAL_TUNE_STORAGE environment "
-                   "variable (keeps a password out of process lists; printed with the password hidden) "
-                   "[default: sqlite in --run-dir]; workers given the same URL and --study-name share one study")
+              help="optuna storage: a database URL (sqlite:///..., postgresql://...: pip install 'vramcal[postgres]') "
+                   "or a journal file (journal:///abs/path.log, or a path ending in .log), or the "
+                   "VRAMCAL_TUNE_STORAGE environment variable (keeps a password out of process lists; printed with "
+                   "the password hidden) [default: sqlite in --run-dir]; workers given the same storage and "
+                   "--study-name share one study")
 @click.option("--study-name", default="vramcal-tune", show_default=True)
 @click.option("--trials", type=click.IntRange(1), default=20, show_default=True,
-              help="complete or pruned trials the study should have (across all workers)")
+              help="complete or pruned trials the study should have (across all workers: exactly this many)")
 @click.option("--n-initial", type=click.IntRange(0), default=5, show_default=True,
               help="random trials before TPE models the results")
 @click.option("--batch-size-max", type=click.IntRange(1), default=None,
@@ -57,6 +59,7 @@ def tune_command(ctx: click.Context, config_file: str | None, run_dir: Path | No
                  **options: Any) -> None:
     """Search learning rate, batch size (within the profile's bounds), weight decay and clip norm with optuna."""
     from vramcal.tune import report
+    from vramcal.tune import storage as storages
     from vramcal.tune import study as tune
 
     given = explicit(ctx)
@@ -68,49 +71,95 @@ def tune_command(ctx: click.Context, config_file: str | None, run_dir: Path | No
         raise click.BadParameter("--resume needs the --run-dir of the tune (or --storage and --study-name)",
                                  param_hint="--resume")
     run_dir = run_dir or Path("runs") / dt.datetime.now(dt.UTC).strftime("tune-%Y%m%d-%H%M%S")
+    url = storage_url(storage, run_dir)
     echo = lambda line: click.echo(line, err=True)  # noqa: E731
     resume_hint = f"`vramcal tune --run-dir {run_dir} --resume`" + (" with the same --storage and --study-name"
                                                                      if storage else "")
-    with one_line(f"interrupted: the study is kept; continue it with {resume_hint}"):
-        study, settings, space, url = open_tune(settings, run_dir, resume, storage, study_name, capacity, given, echo)
-        echo(f"study {study_name!r} in {tune.redact(url)}: {trials} trials, TPE after {settings.n_initial} random, "
+    options_given = {p.name: p.opts[0] for p in ctx.command.params if p.name in given - set(_PER_CALL)}
+    with one_line(f"interrupted: the study is kept; continue it with {resume_hint}"), storages.storage_errors(url):
+        study, settings, space = open_tune(settings, run_dir, resume, url, storage is None, study_name, capacity,
+                                           options_given, echo)
+        echo(f"study {study_name!r} in {url.shown}: {trials} trials, TPE after {settings.n_initial} random, "
              f"median pruning; {space.describe()}")
-        tune.run_study(study, settings, space, run_dir, trials, echo=echo)
+        tune.run_study(study, settings, space, run_dir, trials, echo=echo, secrets=url.secrets)
         written = report.write_results(study, settings, space, run_dir)
     print_results(study, written)
 
 
-def open_tune(settings, run_dir: Path, resume: bool, storage: str | None, study_name: str, capacity: int | None,
-              given: set[str], echo):
+def storage_url(storage: str | None, run_dir: Path):
+    """``--storage`` read (:func:`vramcal.tune.storage.parse_storage`), or the tune folder's SQLite; a value of
+    no known form exits 2."""
+    from vramcal.tune import storage as storages
+
+    try:
+        return storages.parse_storage(storages.default_storage(run_dir) if storage is None else storage)
+    except storages.StorageError as error:
+        raise click.BadParameter(str(error), param_hint="'--storage'") from None
+
+
+def open_tune(settings, run_dir: Path, resume: bool, url, in_run_dir: bool, study_name: str,
+              capacity: int | None, given: dict[str, str], echo):
     """Check everything, then open (or create) the study and decide the batch bounds, printing the notices.
 
+    Args:
+        url: the :class:`~vramcal.tune.storage.StorageURL` to open (print it only as its ``shown``).
+        in_run_dir: ``url`` is the tune folder's own SQLite (no --storage).
+        given: the options given on the command line but the ones a resume or a joiner may change, as
+            ``{parameter name: option}`` (``{"implementation": "--impl"}``).
+
     Returns:
-        (study, the settings it searches, the :class:`~vramcal.tune.study.SearchSpace`, the storage URL: print
-        it only through :func:`vramcal.tune.study.redact`).
+        (study, the settings it searches, the :class:`~vramcal.tune.study.SearchSpace`).
     """
     from vramcal.models.regressor.windows import data_notices
+    from vramcal.tune import storage as storages
     from vramcal.tune import study as tune
 
-    if storage is None:
+    if in_run_dir:
         check_default_storage(run_dir, resume)
     if not resume:  # every check before a study is touched
         space = tune.search_space(settings, capacity)
-    url = storage or tune.default_storage(run_dir)
-    if storage is None:
+    if in_run_dir:
         run_dir.mkdir(parents=True, exist_ok=True)
-    study, settings, existed = tune.open_study(tune.open_storage(url), study_name, None if resume else settings,
-                                               settings.base.seed, settings.n_initial)
+    asked = settings
+    study, settings, existed = tune.open_study(storages.open_storage(url, create=not resume), study_name,
+                                               None if resume else settings, url.shown)
     if existed:
-        ignored = sorted(given - set(_PER_CALL))
+        ignored = ignored_options(asked, settings, given)
         echo(f"{'resuming' if resume else 'joining'} study {study_name!r} ({len(study.trials)} trials so far) with "
-             f"its saved settings" + (f"; ignoring {', '.join('--' + o.replace('_', '-') for o in ignored)}"
-                                      if ignored else ""))
+             f"its saved settings" + (f"; ignoring {', '.join(ignored)}" if ignored else ""))
         space = tune.search_space(settings, capacity)
     for notice in space.notices:
         echo(notice if notice.startswith("host budget") else f"warning: {notice}")
     for line in data_notices(space.lengths[0][1].data_stats):
         echo(line)
-    return study, settings, space, url
+    return study, settings, space
+
+
+def ignored_options(asked, saved, given: dict[str, str]) -> list[str]:
+    """The options given here that the study's saved settings override, each with both values
+    (``--epochs 5 (the study's: 2)``), and with ``--config`` the settings from the file that differ
+    (``--config's val_fraction 0.3 (the study's: 0.2)``). Options equal to the saved settings are not named.
+
+    Args:
+        given: ``{parameter name: option}`` of the options given on the command line.
+    """
+    from vramcal.tune.study import setting_differences
+
+    differences = setting_differences(asked, saved)
+    named = [f"{given[name]} {_shown(ours)} (the study's: {_shown(theirs)})"
+             for name, (ours, theirs) in sorted(differences.items()) if name in given]
+    if "config_file" in given:  # the others came from the file (or, not in it, from the defaults)
+        named += [f"--config's {name} {_shown(ours)} (the study's: {_shown(theirs)})"
+                  for name, (ours, theirs) in sorted(differences.items()) if name not in given]
+    return named
+
+
+def _shown(value) -> str:
+    if isinstance(value, list | tuple):
+        return " ".join(_shown(v) for v in value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return "none" if value is None else str(value)
 
 
 def tune_settings(config_file: str | None, options: dict[str, Any], given: set[str]):
@@ -145,11 +194,11 @@ def seq_len_choices(text: str, chunk_size: int) -> tuple[int, ...]:
 
 
 def check_default_storage(run_dir: Path, resume: bool) -> None:
-    from vramcal.tune import study as tune
+    from vramcal.tune.storage import STUDY_DB
 
-    database = run_dir / tune.STUDY_DB
+    database = run_dir / STUDY_DB
     if resume and not database.is_file():
-        raise click.ClickException(f"nothing to resume in {run_dir}: it has no {tune.STUDY_DB} "
+        raise click.ClickException(f"nothing to resume in {run_dir}: it has no {STUDY_DB} "
                                    f"(start a new tune without --resume)")
     if not resume and database.exists():
         raise click.ClickException(f"{run_dir} already holds a study: pass --resume to continue it, "

@@ -10,6 +10,7 @@ import hashlib
 import statistics
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vramcal.calibration.creep import STEADY, read_peak
@@ -258,6 +259,8 @@ def summary_table(profile: Profile) -> str:
     else:
         rows.append(("Memory model", "**none** (fewer than 3 successful trials)"))
     rows.append(("Step creep", _creep_text(profile)))
+    if profile.world is not None:
+        rows.append(("DDP world", world_text(profile)))
     rows.append(("Usable memory", (f"{format_bytes(usable)} = total − {format_bytes(settings.reserve_bytes)} "
                                    f"− "
                                   f"{settings.margin * 100:g} % of total")))
@@ -278,6 +281,22 @@ def summary_table(profile: Profile) -> str:
     rows.append(("Profile", (f"made {profile.created_utc or MISSING} (UTC) by vramcal "
                             f"{profile.vramcal_version or MISSING}, schema {profile.schema_version}")))
     return markdown_table(["", ""], [[f"**{k}**", v] for k, v in rows])
+
+
+def world_text(profile: Profile) -> str:
+    """A DDP profile's world and its DDP term, for people: ``DDP 2 ranks (gloo, buckets 25 MiB): limits per rank
+    (global batch = 2 × per rank); DDP term +12.0 MiB per rank at batch 81 against a single-process profile
+    (predicted 2.31 GiB there)``."""
+    world = profile.world
+    line = (f"{world.describe()}: limits per rank (global batch = {world.nproc} × per rank); every rank's peak in "
+            f"the trials, the largest fitted")
+    term = profile.single_process
+    if term is None:
+        return line + "; DDP term: no single-process profile of this model and device to compare with"
+    return (line + f"; DDP term {term['term_bytes'] / 2**20:+.1f} MiB per rank at batch {term['batch_size']} "
+                   f"against the single-process profile `{Path(term['profile']).name}` (predicted "
+                   f"{format_bytes(term['predicted_peak_bytes'])} there; its safe size "
+                   f"{term['single_safe_batch_size']})")
 
 
 def _model_text(profile: Profile) -> str:

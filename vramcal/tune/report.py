@@ -1,7 +1,8 @@
 """What a ``vramcal tune`` study leaves: the trials table, the best configuration, the PNG.
 
 Pure functions of the optuna study (and the batch bounds in force), so they can be re-run on a stored
-study. The PNG is plain matplotlib on the Agg backend (no display needed).
+study. Surplus trials (started past the count by a worker racing another, never run:
+:mod:`vramcal.tune.workers`) are left out. The PNG is plain matplotlib on the Agg backend (no display needed).
 """
 
 from __future__ import annotations
@@ -12,16 +13,17 @@ from pathlib import Path
 from vramcal.files import atomic_write_bytes, atomic_write_text
 from vramcal.train.config import TrainConfig
 from vramcal.tune.study import BEST_CONFIG, PLOT, TRIALS_TABLE, SearchSpace, TuneSettings
+from vramcal.tune.workers import shown_trials
 
 COLUMNS = ("trial", "state", "seq_len", "lr", "batch", "used", "clamped", "weight_decay", "max_grad_norm", "epochs",
            "val_loss", "samples/s")
 
 
 def table_rows(study) -> list[tuple[str, ...]]:
-    """One row of strings per trial, the best marked with ``*``."""
+    """One row of strings per trial (but the surplus ones, which never ran), the best marked with ``*``."""
     best = best_trial(study)
     rows = []
-    for t in study.trials:
+    for t in shown_trials(study.trials):
         p, a = t.params, t.user_attrs
 
         def num(value, spec: str) -> str:
@@ -54,7 +56,7 @@ def failure_lines(study) -> list[str]:
     from optuna.trial import TrialState
 
     return [f"trial {t.number} failed: {t.user_attrs.get('error') or 'no reason recorded'}"
-            for t in study.trials if t.state == TrialState.FAIL]
+            for t in shown_trials(study.trials) if t.state == TrialState.FAIL]
 
 
 def best_trial(study):
@@ -104,7 +106,7 @@ _STYLE = {"complete": ("o", "tab:blue"), "pruned": ("x", "tab:orange"), "fail": 
 def _points(study) -> list[tuple[int, str, float, int]]:
     """(trial number, state, lowest val_loss, batch size used) of trials that reported a validation loss."""
     points = []
-    for t in study.trials:
+    for t in shown_trials(study.trials):
         value = t.user_attrs.get("val_loss")
         batch = t.user_attrs.get("batch_size_used", t.params.get("batch_size", t.user_attrs.get("batch_size")))
         if value is not None and math.isfinite(value) and batch is not None:
@@ -163,7 +165,7 @@ def plot_study(study, bounds, path: Path) -> Path:
         axes.grid(alpha=0.3)
         if axes.get_legend_handles_labels()[0]:
             axes.legend(fontsize="small")
-    figure.suptitle(f"vramcal tune: {study.study_name}, {len(study.trials)} trials")
+    figure.suptitle(f"vramcal tune: {study.study_name}, {len(shown_trials(study.trials))} trials")
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=110)
     atomic_write_bytes(Path(path), buffer.getvalue())

@@ -24,17 +24,15 @@ made like the probe's trials that sized it; after each epoch the worker asks thi
 out-of-memory error the trainer could not recover from, a crash, a ``kill -9`` of the worker — fails
 that trial only: the study goes on and writes its results. What the trials are sized against (data,
 device, profile) is decided once for the study (:func:`vramcal.train.plan.resolve`). A killed study
-loses only its running trial: the study lives in a database and ``--resume`` continues it; a trial left
-running is marked failed (:func:`fail_dead_trials`) when the study is resumed or joined.
+loses only its running trial: the study lives in a storage and ``--resume`` continues it.
 
-Storage URLs may hold credentials (``postgresql://user:password@host/db``): they are read from
-``--storage`` or the ``VRAMCAL_TUNE_STORAGE`` environment variable (which no process list shows) and
-printed or written only through :func:`redact`.
-
-Storage: SQLite at ``<run_dir>/study.db`` by default, or any URL optuna's ``RDBStorage`` opens
-(``postgresql://``, ``mysql://``, ``sqlite:///``). Several processes or machines given the same
+Storage (:mod:`vramcal.tune.storage`): SQLite at ``<run_dir>/study.db`` by default, any database URL optuna's
+``RDBStorage`` opens (``postgresql://``, ``mysql://``, ``sqlite:///``), or an optuna journal file
+(``journal:///path/study.log``, or a path ending in ``.log``). Several processes or machines given the same
 ``--storage`` and ``--study-name`` work on one study at once (optuna's distributed mode). The first one
 saves the search settings in the study; the others use those, with batch bounds from their own profile.
+They stop at exactly ``--trials`` finished trials between them, and fail the trials of workers that died
+(:mod:`vramcal.tune.workers`, :func:`run_study`).
 
 The trials table, the best configuration and the PNG are made by :mod:`vramcal.tune.report`.
 """
@@ -43,10 +41,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import re
-import socket
+import time
 import warnings
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -55,14 +52,16 @@ from typing import Any
 from vramcal.sizing import size
 from vramcal.train.config import TrainConfig
 from vramcal.train.plan import Setting
+from vramcal.tune.storage import StorageError, redact
+from vramcal.tune.workers import SURPLUS, fail_dead_trials, finished, is_surplus, worker_id
 
 Echo = Callable[[str], None]
-STUDY_DB = "study.db"
 BEST_CONFIG = "best-config.json"
 TRIALS_TABLE = "trials.md"
 PLOT = "tune.png"
 DEFAULT_STUDY_NAME = "vramcal-tune"
-HEARTBEAT_S = 60  # a killed trial is marked failed after 2 x this without a heartbeat
+POLL_S = 3.0  # how often a worker waiting for other workers' last trials looks at the study
+SETTINGS_WAIT_S = 10.0  # how long a joining worker waits for a new study's creator to save its settings
 
 
 class TuneError(ValueError):
@@ -231,52 +230,27 @@ def search_space(settings: TuneSettings, capacity_bytes: int | None = None) -> S
     return SearchSpace(tuple(entries))
 
 
-def redact(text: str) -> str:
-    """``text`` (a storage URL, or an error message that may quote one) with passwords replaced by ``***``,
-    for everything vramcal prints or writes.
-
-    The password of ``scheme://user:password@host/...`` runs to the *last* ``@`` (so a password holding an
-    unescaped ``@`` or ``/`` is hidden whole, at the cost of hiding more of a URL that has an ``@`` after its
-    host); ``password=...`` and ``passwd=...`` parameters (query strings, driver DSNs) are hidden too.
-    """
-    text = re.sub(r"(://[^:/@\s]*:)\S*@", r"\1***@", text)
-    return re.sub(r"((?:password|passwd)\s*=\s*)[^&\s'\"]*", r"\1***", text, flags=re.IGNORECASE)
-
-
 # ------------------------------------------------------------------------------------------- study
 
-def default_storage(run_dir: Path) -> str:
-    return f"sqlite:///{(Path(run_dir) / STUDY_DB).resolve()}"
-
-
-def open_storage(url: str):
-    """optuna's RDB storage with a heartbeat, so trials of a killed process end as failed.
-
-    Raises:
-        TuneError: the URL cannot be opened (bad scheme, missing driver, unreachable server, no folder).
-    """
-    import optuna
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        try:
-            return optuna.storages.RDBStorage(url, heartbeat_interval=HEARTBEAT_S)
-        except Exception as error:  # sqlalchemy, drivers and optuna raise many kinds; all mean "cannot open"
-            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise TuneError(f"cannot open the study storage {redact(url)}: {redact(first)[:200]}") from None
-
-
-def open_study(storage, study_name: str, settings: TuneSettings | None, seed: int, n_initial: int):
+def open_study(storage, study_name: str, settings: TuneSettings | None, where: str = "the storage"):
     """Load study ``study_name`` from ``storage``, or create it with ``settings`` when absent.
+
+    Of workers that start at once, the one whose ``create_study`` succeeds saves its settings; the others
+    load the study and wait up to :data:`SETTINGS_WAIT_S` for them. The sampler's seed is the saved settings'
+    ``seed`` plus the number of trials so far (a resumed study does not repeat its first random trials), plus
+    a number from :func:`~vramcal.tune.workers.worker_id` for a study that existed (two workers joining at once
+    do not draw the same trials). TPE runs with ``constant_liar`` (optuna 5's default, set for optuna 4 too):
+    running trials are penalised, so concurrent workers do not propose the same point.
 
     Args:
         settings: None = the study must exist (``--resume``).
+        where: the storage as printed (:attr:`vramcal.tune.storage.StorageURL.shown`).
 
     Returns:
         (study, the settings it searches: the saved ones for an existing study, and whether it existed).
 
     Raises:
-        TuneError: ``--resume`` of a study that is not there.
+        TuneError: ``--resume`` of a study that is not there; a study not made by ``vramcal tune``.
     """
     import optuna
 
@@ -285,115 +259,121 @@ def open_study(storage, study_name: str, settings: TuneSettings | None, seed: in
     names = {s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)}
     existed = study_name in names
     if not existed and settings is None:
-        raise TuneError(f"there is no study {study_name!r} to resume in {redact(storage.url)}: start one without "
+        raise TuneError(f"there is no study {study_name!r} to resume in {where}: start one without "
                         f"--resume (known: {', '.join(sorted(names)) or 'none'})")
-    study = optuna.create_study(storage=storage, study_name=study_name, direction="minimize", load_if_exists=True)
+    if not existed:
+        try:
+            study = optuna.create_study(storage=storage, study_name=study_name, direction="minimize")
+            study.set_user_attr("settings", settings.to_dict())
+        except optuna.exceptions.DuplicatedStudyError:
+            existed = True  # another worker made it between the two calls
     if existed:
-        saved = study.user_attrs.get("settings")
-        if saved is None:
-            raise TuneError(f"study {study_name!r} was not made by vramcal tune (no saved settings): "
-                            f"choose another --study-name")
-        settings = TuneSettings.from_dict(saved)
-    else:
-        assert settings is not None
-        study.set_user_attr("settings", settings.to_dict())
-    # A fresh sampler seed per start, so a resumed study does not repeat its first random trials.
-    study.sampler = optuna.samplers.TPESampler(n_startup_trials=settings.n_initial, seed=seed + len(study.trials),
-                                               multivariate=True)
+        study = optuna.load_study(study_name=study_name, storage=storage)
+        settings = TuneSettings.from_dict(_saved_settings(study))
+    seed = settings.base.seed + len(study.trials) + (zlib.crc32(worker_id().encode()) if existed else 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.sampler = optuna.samplers.TPESampler(n_startup_trials=settings.n_initial, seed=seed % 2**32,
+                                                   multivariate=True, constant_liar=True)
     study.pruner = optuna.pruners.MedianPruner(n_startup_trials=max(1, settings.n_initial), n_warmup_steps=0)
     return study, settings, existed
 
 
-def worker_id() -> str:
-    """``<host>:<pid>`` of this process, kept in each trial's ``worker`` user attribute."""
-    return f"{socket.gethostname()}:{os.getpid()}"
+def _saved_settings(study) -> dict[str, Any]:
+    """The settings a study's creator saved, waiting for them while a new study has no trials yet.
+
+    Raises:
+        TuneError: the study has trials (or had none for :data:`SETTINGS_WAIT_S`) and no saved settings.
+    """
+    deadline = time.monotonic() + SETTINGS_WAIT_S
+    while (saved := study.user_attrs.get("settings")) is None:
+        if study.trials or time.monotonic() > deadline:
+            raise TuneError(f"study {study.study_name!r} was not made by vramcal tune (no saved settings): "
+                            f"choose another --study-name")
+        time.sleep(0.2)
+    return saved
 
 
-def _process_is_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # PermissionError: it exists, under another user
-        return False
-    return False
-
-
-def fail_dead_trials(study) -> list[int]:
-    """Mark RUNNING trials whose process is dead as FAIL, before a resumed or joining worker goes on.
-
-    A trial is dead when its ``worker`` ran on this host and that process no longer exists (a ``kill -9``
-    or a crash), or when optuna's heartbeat is older than the grace period
-    (:func:`optuna.storages.fail_stale_trials`, any host). Trials of live workers are left alone.
+def setting_differences(asked: TuneSettings, saved: TuneSettings) -> dict[str, tuple[Any, Any]]:
+    """The settings a resumed or joining worker was given that differ from the study's saved ones.
 
     Returns:
-        The numbers of the trials marked failed.
+        ``{name: (asked value, saved value)}``, by option name: the training settings' and the model spec's
+        field names (``epochs``, ``d_model``) and the search's own (``lr_range``, ``n_initial``).
     """
-    import optuna
-    from optuna.trial import TrialState
+    def flat(settings: TuneSettings) -> dict[str, Any]:
+        data = settings.to_dict()
+        base = data.pop("base")
+        return {**base.pop("spec"), **base, **data}
 
-    before = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        optuna.storages.fail_stale_trials(study)
-    host = socket.gethostname()
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        worker_host, _, pid = str(trial.user_attrs.get("worker", "")).rpartition(":")
-        if worker_host == host and pid.isdigit() and int(pid) != os.getpid() and _process_is_gone(int(pid)):
-            try:
-                study._storage.set_trial_user_attr(trial._trial_id, "error", "its worker process is gone")
-                study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL)
-            except optuna.exceptions.UpdateFinishedTrialError:
-                pass  # it finished meanwhile
-    still = {t.number for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
-    return sorted(before - still)
-
-
-def finished(study) -> int:
-    """Trials that count towards ``--trials``: complete or pruned."""
-    from optuna.trial import TrialState
-
-    return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in study.trials)
+    ours, theirs = flat(asked), flat(saved)
+    return {name: (value, theirs.get(name)) for name, value in ours.items() if value != theirs.get(name)}
 
 
 def run_study(study, settings: TuneSettings, space: SearchSpace, run_dir: Path, n_trials: int,
-              echo: Echo = print) -> int:
-    """Run trials until the study has ``n_trials`` complete or pruned ones (across all its workers).
+              echo: Echo = print, secrets: tuple[str, ...] = (), poll_s: float = POLL_S) -> int:
+    """Run trials until the study has exactly ``n_trials`` complete or pruned ones (across all its workers).
 
-    Trials left RUNNING by a killed worker are marked failed first (:func:`fail_dead_trials`). A trial
-    that fails (any error) is recorded as failed with its one-line reason, and the study goes on with
-    another trial in its place, until this call has seen more than ``n_trials`` failures (a study of N
-    trials tolerates N failed ones; more means something fails every trial, and the reasons say what).
+    Before each trial, trials of dead workers are failed (:func:`~vramcal.tune.workers.fail_dead_trials`).
+    When the finished trials and those running in other workers already make ``n_trials``, this worker
+    starts none: it waits, polling every ``poll_s`` seconds, until they end, and runs one in the place of any
+    that fails (or whose worker dies); so every worker ends when the study has ``n_trials`` finished and none
+    running, and its table is the whole study's. Two workers that start a trial at once past the count
+    leave one of them *surplus*: it ends failed before it suggests anything (:meth:`Objective.__call__`) and
+    is left out of the tables. A trial that fails (any error) is recorded as failed with its one-line
+    reason, and another takes its place, until this call has seen more than ``n_trials`` failures (a study
+    of N trials tolerates N failed ones; more means something fails every trial, and the reasons say what).
+
+    Args:
+        secrets: strings (a storage password) hidden from the trials' recorded reasons.
 
     Returns:
         The number of trials this call ran.
     """
     import optuna
-    from optuna.study import MaxTrialsCallback
     from optuna.trial import TrialState
 
-    for number in fail_dead_trials(study):
-        echo(f"trial {number}: fail (its worker process is gone)")
-    objective = Objective(settings, space, Path(run_dir), echo)
-    while (remaining := n_trials - finished(study)) > 0:
+    objective = Objective(settings, space, Path(run_dir), echo, n_trials, secrets)
+    waited_for: list[int] = []
+    while True:
+        for number, reason in fail_dead_trials(study):
+            echo(f"trial {number}: fail ({reason})")
+        trials = study.get_trials(deepcopy=False)
+        done, running = finished(trials), [t.number for t in trials if t.state == TrialState.RUNNING]
+        if done >= n_trials:
+            return objective.calls
         if objective.failures > n_trials:
-            echo(f"stopping: {objective.failures} trials failed (see the reasons above), {finished(study)} of "
+            echo(f"stopping: {objective.failures} trials failed (see the reasons above), {done} of "
                  f"{n_trials} finished")
-            break
+            return objective.calls
+        if done + len(running) >= n_trials:
+            if running != waited_for:
+                echo(f"waiting: {done} of {n_trials} trials finished and trial {', '.join(map(str, running))} "
+                     f"running in another worker; this one runs another if one of them fails")
+                waited_for = running
+            time.sleep(poll_s)
+            continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            study.optimize(objective, n_trials=min(remaining, n_trials + 1 - objective.failures), gc_after_trial=True,
-                           catch=(Exception,),
-                           callbacks=[MaxTrialsCallback(n_trials, states=(TrialState.COMPLETE, TrialState.PRUNED)),
-                                      _announce(echo)])
-    return objective.calls
+            study.optimize(objective, n_trials=1, gc_after_trial=True, catch=(Exception,), callbacks=[_announce(echo)])
+
+
+class Surplus(Exception):
+    """A trial that started past the requested count (:func:`~vramcal.tune.workers.is_surplus`)."""
 
 
 class Objective:
-    """One trial: suggest, plan and train with the trainer's own functions, report each epoch."""
+    """One trial: suggest, plan and train with the trainer's own functions, report each epoch.
 
-    def __init__(self, settings: TuneSettings, space: SearchSpace, run_dir: Path, echo: Echo) -> None:
+    Args:
+        n_trials: the study's requested count (a trial started past it ends at once, :class:`Surplus`).
+        secrets: strings hidden from the recorded reasons (a storage password).
+    """
+
+    def __init__(self, settings: TuneSettings, space: SearchSpace, run_dir: Path, echo: Echo, n_trials: int,
+                 secrets: tuple[str, ...] = ()) -> None:
         self.settings, self.space, self.run_dir, self.echo = settings, space, run_dir, echo
+        self.n_trials, self.secrets = n_trials, secrets
         self.calls = self.failures = 0  # trials this objective ran, and how many of them failed
 
     def config(self, trial) -> tuple[TrainConfig, Setting]:
@@ -419,10 +399,20 @@ class Objective:
 
     def __call__(self, trial) -> float:
         """Train the trial; any error (a failed run, a crash, a folder that cannot be written) fails this
-        trial only, with its one-line reason in the ``error`` user attribute (optuna records it as FAIL)."""
+        trial only, with its one-line reason in the ``error`` user attribute (optuna records it as FAIL).
+
+        Raises:
+            Surplus: the trial started past the count; it ends failed, marked ``surplus``, having suggested
+                and run nothing (optuna records it as FAIL).
+        """
         import optuna
 
         trial.set_user_attr("worker", worker_id())
+        if is_surplus(trial.study.get_trials(deepcopy=False), trial.number, self.n_trials):
+            reason = f"not run: the study had {self.n_trials} trials finished or running when it started"
+            trial.set_user_attr(SURPLUS, True)
+            trial.set_user_attr("error", reason)
+            raise Surplus(reason)
         self.calls += 1
         try:
             return self._train(trial)
@@ -433,7 +423,7 @@ class Objective:
             raise
         except Exception as error:
             self.failures += 1
-            trial.set_user_attr("error", failure_reason(error))
+            trial.set_user_attr("error", failure_reason(error, self.secrets))
             raise
 
     def _train(self, trial) -> float:
@@ -488,20 +478,24 @@ def _record(trial, rows: list[dict[str, Any]]) -> None:
     trial.set_user_attr("peak_bytes", max(r["peak_bytes"] for r in rows))
 
 
-def failure_reason(error: BaseException) -> str:
+def failure_reason(error: BaseException, secrets: tuple[str, ...] = ()) -> str:
     """One line for a failed trial: the message of vramcal's own errors (written for people, naming the
-    trial's last good checkpoint), else ``Type: first line``; passwords redacted (:func:`redact`)."""
+    trial's last good checkpoint), else ``Type: first line``; passwords and ``secrets`` hidden
+    (:func:`vramcal.tune.storage.redact`)."""
     from vramcal.train.errors import TrainError
 
     lines = str(error).strip().splitlines()
     first = lines[0] if lines else ""
-    own = isinstance(error, TrainError | TuneError) or type(error).__name__ in ("DataError", "RunDirError",
-                                                                                 "SizingError", "ConfigError")
-    return redact(first if own and first else f"{type(error).__name__}: {first}".rstrip(": "))[:500]
+    own = isinstance(error, TrainError | TuneError | StorageError) or type(error).__name__ in (
+        "DataError", "RunDirError", "SizingError", "ConfigError")
+    return redact(first if own and first else f"{type(error).__name__}: {first}".rstrip(": "), secrets)[:500]
 
 
 def _announce(echo: Echo):
     def callback(study, trial) -> None:
+        if trial.user_attrs.get(SURPLUS):
+            echo(f"trial {trial.number}: {trial.user_attrs['error']}")
+            return
         value = trial.user_attrs.get("val_loss")
         shown = f"val_loss {value:.4f}" if value is not None else "no validation"
         reason = trial.user_attrs.get("error")

@@ -1,0 +1,309 @@
+"""Where a tune's study lives: the storage URL forms vramcal reads, opening them, and hiding passwords.
+
+Forms (``--storage`` or ``VRAMCAL_TUNE_STORAGE``):
+
+* a database URL that optuna's ``RDBStorage`` opens through SQLAlchemy: ``sqlite:///path/study.db`` (the
+  default, ``<run_dir>/study.db``), ``postgresql://user:password@host:5432/db``, ``mysql+pymysql://...``.
+  SQLAlchemy 2.1 opens ``postgresql://`` with psycopg 3 (2.0 with psycopg2): the ``postgres`` extra
+  (``pip install 'vramcal[postgres]'``) installs psycopg 3 and a SQLAlchemy that uses it;
+  ``postgresql+psycopg2://`` uses psycopg2. A missing driver is one line naming the package to install and the
+  URL form that works with what is installed (:func:`check_driver`).
+* an optuna *journal file* (``optuna.storages.JournalStorage`` over ``journal.JournalFileBackend``: an
+  append-only log of operations, the storage optuna recommends for a shared file system such as NFS, with no
+  database): ``journal:///absolute/path/study.log``, or a plain path ending in ``.log`` or ``.jsonl``
+  (relative to the current folder). The file is made when absent; its folder must exist. Locks are
+  optuna's default (a symlink, atomic on NFS).
+
+A password may hold ``@``, ``:`` or ``/`` unescaped: it runs from the first ``:`` after the user name to the
+*last* ``@`` of the URL, and is percent-encoded before SQLAlchemy reads the URL (already-encoded ``%XX``
+stay as they are), so the driver is given the right host and never echoes a piece of the password as one.
+Everything vramcal prints or writes about a storage passes :func:`redact` with the password known.
+
+Dead trials: both kinds record a heartbeat per running trial every :data:`HEARTBEAT_S` seconds (the
+database's own clock in ``RDBStorage``; for a journal, :func:`heartbeat_journal_storage`'s class writes each
+writer's wall-clock time, so hosts sharing one journal need clocks within about a minute), and a RUNNING
+trial without one for ``2 x HEARTBEAT_S`` is stale (:func:`optuna.storages.fail_stale_trials`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import re
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+from urllib.parse import quote, unquote
+
+STUDY_DB = "study.db"
+JOURNAL_SCHEME = "journal://"
+JOURNAL_SUFFIXES = (".log", ".jsonl")
+HEARTBEAT_S = 60  # a trial is stale after 2 x this without a heartbeat
+HEARTBEAT_ATTR = "vramcal:heartbeat_unix_s"  # a journal trial's last heartbeat (system attribute, seconds)
+POSTGRES_EXTRA = "pip install 'vramcal[postgres]'"
+# PostgreSQL drivers SQLAlchemy knows, by module: the URL scheme that picks each, and how to install it
+_POSTGRES_DRIVERS = {"psycopg": ("postgresql+psycopg", POSTGRES_EXTRA),
+                     "psycopg2": ("postgresql+psycopg2", "pip install psycopg2-binary")}
+_PIP_NAMES = {"MySQLdb": "mysqlclient", "pymysql": "PyMySQL", "psycopg2": "psycopg2-binary"}  # module: package
+_CREDENTIALS = re.compile(r"^(?P<scheme>[A-Za-z][\w+.-]*)://(?P<user>[^:/@\s]*):(?P<password>.*)@(?P<rest>[^@]*)$")
+
+
+class StorageError(ValueError):
+    """A storage that cannot be opened or used; the one-line message (password hidden) says what to do."""
+
+
+@dataclass(frozen=True)
+class StorageURL:
+    """A storage as the user gave it, and what vramcal opens.
+
+    Attributes:
+        text: as given (may hold a password: print :attr:`shown`, never this).
+        kind: ``rdb`` (SQLAlchemy, optuna's ``RDBStorage``) or ``journal`` (a journal file).
+        target: the URL handed to SQLAlchemy (the password percent-encoded) or the journal file's path.
+        secrets: the password as given, decoded and encoded (empty without one), hidden from every message.
+    """
+
+    text: str
+    kind: Literal["rdb", "journal"]
+    target: str
+    secrets: tuple[str, ...] = ()
+
+    @property
+    def shown(self) -> str:
+        return redact(self.text, self.secrets)
+
+    def hide(self, message: str) -> str:
+        """``message`` with this URL's password (and any URL's) hidden."""
+        return redact(message, self.secrets)
+
+
+def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
+    """``text`` (a storage URL, or an error message that may quote one) with passwords replaced by ``***``,
+    for everything vramcal prints or writes.
+
+    The password of ``scheme://user:password@host/...`` runs to the *last* ``@`` of the URL (so one holding
+    an unescaped ``@``, ``:`` or ``/`` is hidden whole, at the cost of hiding more of a URL that has an ``@``
+    after its host); ``password=...`` and ``passwd=...`` parameters (query strings, driver DSNs) are hidden
+    too, and so is every string in ``secrets`` wherever it appears (a known password, quoted by a driver
+    without its URL).
+    """
+    for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    text = re.sub(r"(://[^:/@\s]*:)\S*@", r"\1***@", text)
+    return re.sub(r"((?:password|passwd)\s*=\s*)[^&\s'\"]*", r"\1***", text, flags=re.IGNORECASE)
+
+
+def default_storage(run_dir: Path) -> str:
+    """The SQLite database of a tune folder, ``sqlite:///<run_dir>/study.db`` (absolute)."""
+    return f"sqlite:///{(Path(run_dir) / STUDY_DB).resolve()}"
+
+
+def parse_storage(text: str) -> StorageURL:
+    """Read a ``--storage`` value (the forms in the module docstring).
+
+    Raises:
+        StorageError: a ``journal://`` URL without an absolute path, or a value that is neither a URL nor a
+            journal file path.
+    """
+    text = text.strip()
+    if text.startswith(JOURNAL_SCHEME):
+        path = text[len(JOURNAL_SCHEME):]
+        if not path.startswith("/"):
+            raise StorageError(f"{text}: a journal URL holds an absolute path after three slashes, "
+                               f"journal:///path/to/study.log (or give the path itself, ending in .log)")
+        return StorageURL(text, "journal", path)
+    if "://" not in text:
+        if text.endswith(JOURNAL_SUFFIXES):
+            return StorageURL(text, "journal", text)
+        raise StorageError(f"the study storage {redact(text)!r} is neither a URL (sqlite:///..., postgresql://..., "
+                           f"journal:///...) nor a journal file path ending in .log or .jsonl")
+    match = _CREDENTIALS.match(text)
+    if match is None or not match["password"]:
+        return StorageURL(text, "rdb", text)
+    password = match["password"]
+    encoded = quote(password, safe="%")  # keeps %XX escapes a user wrote; SQLAlchemy unquotes the rest
+    target = f"{match['scheme']}://{match['user']}:{encoded}@{match['rest']}"
+    return StorageURL(text, "rdb", target, tuple(dict.fromkeys((password, unquote(password), encoded))))
+
+
+def open_storage(url: str | StorageURL, create: bool = True):
+    """Open a storage with heartbeats, so trials of a killed process end as failed (module docstring).
+
+    Args:
+        create: a journal file that is absent is made (False: refused, for ``--resume``).
+
+    Raises:
+        StorageError: the URL cannot be opened: a bad form or scheme, a missing driver (the message names the
+            package and the URL form that works), an unreachable server, a missing folder, a file that is not
+            a journal; the password is hidden.
+    """
+    url = parse_storage(url) if isinstance(url, str) else url
+    opener = _open_journal if url.kind == "journal" else _open_rdb
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # optuna's ExperimentalWarning for heartbeats and journals
+        try:
+            return opener(url, create)
+        except StorageError:
+            raise
+        except Exception as error:  # sqlalchemy, drivers and optuna raise many kinds; all mean "cannot open"
+            raise StorageError(f"cannot open the study storage {url.shown}: {url.hide(first_line(error))}") from None
+
+
+@contextlib.contextmanager
+def storage_errors(url: StorageURL) -> Iterator[None]:
+    """A storage that fails once open (a lost connection, a server that went away) as one line.
+
+    Any error whose chain (``__cause__``/``__context__``) holds one of SQLAlchemy's errors or optuna's
+    ``StorageInternalError`` is the storage's: optuna 5.0's ``study.optimize`` turns a failed write of a
+    trial's end into an ``UnboundLocalError`` of its own raised while handling it.
+
+    Raises:
+        StorageError: for those, with the SQLAlchemy error's first line (the driver's message), the password
+            hidden. Other errors pass unchanged.
+    """
+    try:
+        yield
+    except StorageError:
+        raise
+    except Exception as error:
+        cause = _storage_cause(error)
+        if cause is None:
+            raise
+        raise StorageError(f"the study storage {url.shown} failed: {url.hide(first_line(cause))} (what was "
+                           f"recorded is kept: continue with --resume)") from None
+
+
+def _storage_cause(error: BaseException) -> BaseException | None:
+    """The first SQLAlchemy error in ``error``'s chain, else optuna's ``StorageInternalError``, else None."""
+    import optuna
+    import sqlalchemy
+
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    return next((e for e in chain if isinstance(e, sqlalchemy.exc.SQLAlchemyError)),
+                next((e for e in chain if isinstance(e, optuna.exceptions.StorageInternalError)), None))
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (its type's name when empty), at most 300 characters."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+
+
+def _open_rdb(url: StorageURL, create: bool):
+    import optuna
+
+    check_driver(url)
+    storage = optuna.storages.RDBStorage(url.target, heartbeat_interval=HEARTBEAT_S)
+    storage.get_all_studies()  # connects: a refused password or an unreachable server fails here, as "cannot open"
+    return storage
+
+
+def check_driver(url: StorageURL) -> None:
+    """The URL's scheme is one SQLAlchemy knows and its driver imports.
+
+    Raises:
+        StorageError: an unknown scheme; a driver that is not installed, naming what to install and, for
+            PostgreSQL, the URL form that works with the driver that is installed.
+    """
+    import sqlalchemy
+    from sqlalchemy.engine import make_url
+
+    try:
+        dialect = make_url(url.target).get_dialect()
+    except Exception as error:  # ArgumentError (not a URL), NoSuchModuleError (an unknown scheme)
+        raise StorageError(f"cannot open the study storage {url.shown}: {url.hide(first_line(error))} (the forms: "
+                           f"sqlite:///path.db, postgresql://user@host/db, journal:///path.log)") from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as error:
+        module = getattr(error, "name", None) or dialect.driver
+        scheme = url.target.split("://", 1)[0]
+        why = "" if isinstance(error, ModuleNotFoundError) else f" ({first_line(error)})"
+        lead = (f"cannot open the study storage {url.shown}: SQLAlchemy {sqlalchemy.__version__} opens {scheme}:// "
+                f"with the {module} driver, which is not installed{why}")
+        raise StorageError(f"{lead}: {_driver_fix(url, dialect.name, module)}") from None
+
+
+def _driver_fix(url: StorageURL, dialect: str, module: str) -> str:
+    """What to do about a missing driver: the install command, and the URL form that works."""
+    if dialect != "postgresql" or module not in _POSTGRES_DRIVERS:
+        return f"pip install {_PIP_NAMES.get(module, module)}"
+    rest = url.shown.split("://", 1)[1]
+    install = _POSTGRES_DRIVERS[module][1]
+    others = [name for name in _POSTGRES_DRIVERS if name != module and _importable(name)]
+    if others:
+        return f"{install}, or write {_POSTGRES_DRIVERS[others[0]][0]}://{rest} to use the installed {others[0]}"
+    if module == "psycopg":
+        return f"{install} (psycopg 3), or write postgresql+psycopg2://{rest} to use psycopg2"
+    return f"{POSTGRES_EXTRA} and write postgresql+psycopg://{rest} (psycopg 3), or {install}"
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules (imports of it fail)
+        return False
+
+
+def _open_journal(url: StorageURL, create: bool):
+    from optuna.storages.journal import JournalFileBackend
+
+    path = Path(url.target)
+    if not path.parent.is_dir():
+        raise StorageError(f"cannot open the study storage {url.shown}: the folder {path.parent} does not exist "
+                           f"(create it, or give another path)")
+    if not create and not path.is_file():
+        raise StorageError(f"there is no study to resume in {url.shown}: the journal file does not exist "
+                           f"(start one without --resume)")
+    # Absolute: optuna's lock is a symlink to this path, so a relative one dangles; a dangling lock that a killed
+    # worker left behind is never broken (optuna 5.0 stats it through the link and retries at once, forever).
+    storage = heartbeat_journal_storage()(JournalFileBackend(str(path.resolve())), HEARTBEAT_S)
+    storage.get_all_studies()  # reads the log: a file that is not a journal fails here, not mid-study
+    return storage
+
+
+@functools.cache
+def heartbeat_journal_storage() -> type:
+    """The class of a journal storage with heartbeats, defined on first use (importing this module imports
+    no optuna)."""
+    from optuna.storages import JournalStorage
+    from optuna.storages._heartbeat import BaseHeartbeat
+    from optuna.trial import TrialState
+
+    class _HeartbeatJournalStorage(JournalStorage, BaseHeartbeat):
+        """A journal storage with optuna's heartbeat (``BaseHeartbeat``, which only ``RDBStorage`` has): so
+        ``study.optimize`` beats for each running trial and ``fail_stale_trials`` fails trials of dead workers
+        on any host, as on a database. A beat is the writer's wall-clock time in the trial's
+        :data:`HEARTBEAT_ATTR` system attribute."""
+
+        def __init__(self, backend, heartbeat_interval_s: int) -> None:
+            super().__init__(backend)
+            self.heartbeat_interval_s = heartbeat_interval_s
+
+        def record_heartbeat(self, trial_id: int) -> None:
+            try:
+                self.set_trial_system_attr(trial_id, HEARTBEAT_ATTR, time.time())
+            except Exception:  # the trial was failed meanwhile as stale, or the file is briefly unreachable:
+                pass  # the next beat tries again; a heartbeat thread must not die with a traceback
+
+        def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+            now = time.time()
+            return [t._trial_id for t in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
+                    if HEARTBEAT_ATTR in t.system_attrs
+                    and now - t.system_attrs[HEARTBEAT_ATTR] > 2 * self.heartbeat_interval_s]
+
+        def get_heartbeat_interval(self) -> int:
+            return self.heartbeat_interval_s
+
+        def get_heartbeat_stale_trial_callback(self):
+            return None
+
+    return _HeartbeatJournalStorage
+

@@ -1,0 +1,102 @@
+"""Several ``vramcal tune`` processes on one study: who runs a trial, which trials are dead, what counts.
+
+Each trial records the process that runs it in its ``worker`` user attribute (``<host>:<pid>``,
+:func:`worker_id`). A RUNNING trial is *dead* when its worker ran on this host and that process no longer
+exists (a ``kill -9`` or a crash, or ended and not yet reaped by its parent: seen at once), or when the
+storage's heartbeat for it is older than the grace period (any host: :mod:`vramcal.tune.storage`, 2
+minutes). :func:`fail_dead_trials` marks dead trials failed with the reason, and is called before every
+trial and before the results are written, so no table shows a dead trial as running. Trials of live
+workers, here or elsewhere, are left alone.
+
+What counts towards ``--trials``: complete and pruned trials (:func:`finished`). A trial is *surplus* when
+the finished and running trials numbered before it already make the count (:func:`is_surplus`): optuna
+numbers trials in the order the storage created them, so of several workers that started trials at once,
+every worker agrees which ones are past the count.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable
+from pathlib import Path
+
+SURPLUS = "surplus"  # the user attribute of a trial that started past the requested count and did not run
+
+
+def worker_id() -> str:
+    """``<host>:<pid>`` of this process, kept in each trial's ``worker`` user attribute."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _process_is_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this host has ended (a zombie, ended but not yet reaped, counts as ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # PermissionError: it exists, under another user
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except (OSError, IndexError):  # no /proc (not Linux), or it ended meanwhile (seen at the next look)
+        return False
+
+
+def dead_trials(study) -> dict[int, tuple[int, str]]:
+    """The RUNNING trials whose worker is dead (module docstring): ``{trial id: (number, reason)}``."""
+    from optuna.storages._heartbeat import BaseHeartbeat
+    from optuna.trial import TrialState
+
+    storage = study._storage
+    interval_s = storage.get_heartbeat_interval() if isinstance(storage, BaseHeartbeat) else None
+    stale = set(storage._get_stale_trial_ids(study._study_id)) if interval_s else set()
+    host, dead = socket.gethostname(), {}
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        worker_host, _, pid = str(trial.user_attrs.get("worker", "")).rpartition(":")
+        if worker_host == host and pid.isdigit() and int(pid) != os.getpid() and _process_is_gone(int(pid)):
+            dead[trial._trial_id] = (trial.number, "its worker process is gone")
+        elif trial._trial_id in stale:
+            dead[trial._trial_id] = (trial.number, f"its worker sent no heartbeat for {2 * interval_s} s")
+    return dead
+
+
+def fail_dead_trials(study) -> list[tuple[int, str]]:
+    """Mark RUNNING trials whose worker is dead (:func:`dead_trials`) as FAIL, the reason in ``error``.
+
+    Returns:
+        ``(number, reason)`` of each trial marked failed.
+    """
+    import optuna
+    from optuna.trial import TrialState
+
+    failed = []
+    for trial_id, (number, reason) in dead_trials(study).items():
+        try:
+            study._storage.set_trial_user_attr(trial_id, "error", reason)
+            if study._storage.set_trial_state_values(trial_id, state=TrialState.FAIL):
+                failed.append((number, reason))
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # it finished meanwhile, or another worker failed it first
+    return failed
+
+
+def finished(trials: Iterable) -> int:
+    """Trials that count towards ``--trials``: complete or pruned."""
+    from optuna.trial import TrialState
+
+    return sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+
+
+def is_surplus(trials: Iterable, number: int, n_trials: int) -> bool:
+    """Whether trial ``number`` starts past the count: the finished and running trials numbered before it
+    already make ``n_trials``."""
+    from optuna.trial import TrialState
+
+    counted = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
+    return sum(t.number < number and t.state in counted for t in trials) >= n_trials
+
+
+def shown_trials(trials: Iterable) -> list:
+    """The trials a table lists: all but the surplus ones (they never ran)."""
+    return [t for t in trials if not t.user_attrs.get(SURPLUS)]
