@@ -169,6 +169,16 @@ class Profile:
         return measure_creep(self.trials)
 
     @property
+    def held_bytes(self) -> int | None:
+        """What the trials' processes held when their step was built, before the first step (the median over the
+        short trials that recorded it; None in profiles made before it was recorded): the baseline of the
+        process term (:mod:`vramcal.sizing`)."""
+        import statistics
+
+        held = [t.held_bytes for t in self.trials if t.ok and t.held_bytes is not None and t.purpose != "steady"]
+        return int(statistics.median(held)) if held else None
+
+    @property
     def pool_data_bytes(self) -> int:
         """Bytes of data the trials held in the measured memory (the data term of sizing)."""
         return int(self.data.get("pool_bytes", 0))

@@ -213,6 +213,8 @@ class Trial:
         seq_len: the trial's sequence length in a calibration over several lengths (None: the model's one).
         rank_peak_bytes: in a DDP world, each rank's own ``peak_bytes``, rank 0 first; ``peak_bytes`` is the
             largest (the other figures are that rank's). None for one process.
+        held_bytes: what the trial's process held once its step was built, before the first step
+            (:func:`vramcal.measure.meters.held_bytes`): the process term's baseline. None in older profiles.
     """
 
     batch_size: int
@@ -235,6 +237,7 @@ class Trial:
     error: str | None = None
     seq_len: int | None = None
     rank_peak_bytes: tuple[int, ...] | None = None
+    held_bytes: int | None = None
 
     @property
     def ok(self) -> bool:

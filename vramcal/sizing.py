@@ -11,6 +11,17 @@ longer fits, the limits are recomputed against ``usable − delta`` (never above
 
     predicted(b) = overhead + slope × b + delta          upper(b) = fit.upper(b) + delta
     safe = min(profile safe, largest b with upper(b) ≤ usable)      conservative = ⌊fraction × safe⌋
+
+The process term. A process that was not made like the trials' (a Lightning, Hugging Face or Accelerate
+run; another allocator, more imports, loggers, a framework's own tensors) holds a different amount when
+training starts. Its ``process_bytes`` — what it holds then, measured in it (:func:`vramcal.measure.meters.held_bytes`)
+— against what the trials' processes held at the same point (``Profile.held_bytes``, after the step was
+built) is ``delta`` the same way; it includes any data the process holds, so it replaces the data term.
+
+An effective batch. A requested number of samples per optimizer step (``effective_batch``) is kept: the
+micro-batch is the largest the profile allows (the ``limit``, or a request, within its bounds), and the
+accumulation steps reach the effective batch (``ceil(effective / micro)``, the last micro-batch smaller;
+``exact``: a micro-batch that divides it, as ``gradient_accumulation_steps`` frameworks need).
 """
 
 from __future__ import annotations
@@ -43,10 +54,15 @@ class Sizing:
         predicted_peak_bytes, upper_bytes: point prediction and upper 95 % bound of the run's peak.
         usable_bytes, total_bytes: the profile's memory figures.
         data_delta_bytes: the run's data bytes in the measured memory minus the calibration's.
+        process_delta_bytes: what the run's process held at the start of training minus what the trials'
+            processes held (the process term); 0 when not measured.
         verified: the profile's limits were verified by real trials.
         notices: one line each, for people: clamping, the data term, an unverified profile.
         fitted_from: the smallest batch size of the fitted points (None: a 2-D model); below it the
             prediction is an extrapolation (:func:`verdict`).
+        accumulation_steps: micro-batches per optimizer step (``batch_size`` is the micro-batch).
+        effective_batch_size: samples per optimizer step, ``batch_size × accumulation_steps`` (the last
+            micro-batch may be smaller: then the requested effective batch).
     """
 
     batch_size: int
@@ -61,6 +77,9 @@ class Sizing:
     verified: bool
     notices: tuple[str, ...] = ()
     fitted_from: int | None = None
+    process_delta_bytes: int = 0
+    accumulation_steps: int = 1
+    effective_batch_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -127,26 +146,26 @@ def length_model(profile: Profile, seq_len: int | None = None) -> LengthModel:
                        None if entry else basis)
 
 
-def limits_for_data(model: LengthModel, profile: Profile,
-                    pool_data_bytes: int | None) -> tuple[int, int, int, list[str]]:
-    """(safe, conservative, data delta, notices) with the data term applied (module docstring).
+def limits_for_data(model: LengthModel, profile: Profile, delta: int,
+                    cause: str = "the data hold") -> tuple[int, int, list[str]]:
+    """(safe, conservative, notices) with ``delta`` bytes more (or less) in the measured memory than the
+    calibration held (module docstring: the data term, the process term); ``cause`` names where they are.
 
     Raises:
-        SizingError: the data leave no room for one sample.
+        SizingError: ``delta`` leaves no room for one sample.
     """
     limits = model.limits
-    delta = 0 if pool_data_bytes is None else pool_data_bytes - profile.pool_data_bytes
     safe, conservative, notices = limits.safe_batch_size, limits.conservative_batch_size, []
     still_fits = model.safe_peak_bytes is not None and model.safe_peak_bytes + delta <= limits.usable_bytes
-    if delta > 0 and not still_fits:  # the safe size's own trial, plus the extra data, no longer fits
+    if delta > 0 and not still_fits:  # the safe size's own trial, plus the extra bytes, no longer fits
         safe = min(safe, model.safe_for(limits.usable_bytes - delta))
         if safe < 1:
-            raise SizingError(f"the data hold {format_bytes(delta)} more than the calibration's, which leaves no "
-                              f"room for one sample in {format_bytes(limits.usable_bytes)}: calibrate with this "
-                              f"data (vramcal probe --data ...), or keep the data off the device")
+            raise SizingError(f"{cause} {format_bytes(delta)} more than the calibration's, which leaves no room for "
+                              f"one sample in {format_bytes(limits.usable_bytes)}: calibrate the way this run holds "
+                              f"it, or hold less")
         conservative = min(conservative, math.floor(profile.settings.conservative_fraction * safe))
         if safe < limits.safe_batch_size:
-            notices.append(f"the data hold {format_bytes(delta)} more than the calibration's: safe batch size "
+            notices.append(f"{cause} {format_bytes(delta)} more than the calibration's: safe batch size "
                            f"{limits.safe_batch_size} -> {safe}, conservative {limits.conservative_batch_size} -> "
                            f"{conservative}")
     if model.basis:
@@ -154,11 +173,23 @@ def limits_for_data(model: LengthModel, profile: Profile,
     elif not model.verified:
         notices.append("the profile's limits were not verified by real trials: they are extrapolations; "
                        "re-run `vramcal probe` to verify them")
-    return safe, conservative, delta, notices
+    return safe, conservative, notices
+
+
+def extra_bytes(profile: Profile, pool_data_bytes: int | None, process_bytes: int | None) -> tuple[int, int, str]:
+    """(data delta, process delta, what holds them) for :func:`size` (module docstring). The process term, when
+    measured, covers the data the process holds, so the data term is then 0."""
+    if process_bytes is not None:
+        held = profile.held_bytes
+        if held is None:
+            return 0, 0, "this process holds"
+        return 0, process_bytes - held, "this process holds"
+    return (0 if pool_data_bytes is None else pool_data_bytes - profile.pool_data_bytes), 0, "the data hold"
 
 
 def size(profile: Profile, request: int | None = None, *, limit: Limit = "conservative",
-         batch_size_min: int = 1, pool_data_bytes: int | None = None, seq_len: int | None = None) -> Sizing:
+         batch_size_min: int = 1, pool_data_bytes: int | None = None, seq_len: int | None = None,
+         process_bytes: int | None = None, effective_batch: int | None = None, exact: bool = False) -> Sizing:
     """The batch size for a run and the profile's prediction for it.
 
     Args:
@@ -168,16 +199,47 @@ def size(profile: Profile, request: int | None = None, *, limit: Limit = "conser
         batch_size_min: the smallest batch size acceptable.
         pool_data_bytes: the run's data bytes in the measured memory (None: as in the calibration).
         seq_len: the run's sequence length, for a profile calibrated over several (:func:`length_model`).
+        process_bytes: what the run's process holds at the start of training (the process term; module
+            docstring); it replaces ``pool_data_bytes``.
+        effective_batch: samples per optimizer step to keep (module docstring); the batch size found is the
+            micro-batch. ``exact``: a micro-batch that divides it.
 
     The seed documents clamp the user's batch size to [min, max] before any allocation; here max is the
     profile's safe batch size (the largest whose upper prediction bound fits in usable memory).
 
     Raises:
-        SizingError: no limits, min above the safe batch size, the ``limit`` below min, or a
-            ``seq_len`` the profile does not cover.
+        SizingError: no limits, min above the safe batch size, the ``limit`` below min, or a ``seq_len`` the
+            profile does not cover.
     """
     model = length_model(profile, seq_len)
-    safe, conservative, delta, notices = limits_for_data(model, profile, pool_data_bytes)
+    data_delta, process_delta, cause = extra_bytes(profile, pool_data_bytes, process_bytes)
+    safe, conservative, notices = limits_for_data(model, profile, data_delta + process_delta, cause)
+    if process_bytes is not None:
+        notices.insert(0, process_notice(profile, process_bytes, process_delta))
+    batch, source = _chosen(request, limit, safe, conservative, batch_size_min, notices)
+    steps = 1
+    if effective_batch is not None:
+        batch, steps = accumulation(effective_batch, batch, exact)
+        source += "+accumulated" if steps > 1 else ""
+    if model.fitted_from is not None and batch < model.fitted_from:
+        notices.append(f"batch_size {batch} is below the fitted range (from batch_size {model.fitted_from}): its "
+                       f"predicted peak extrapolates a line fitted near the limit, and small batches can peak above it")
+    delta = data_delta + process_delta
+    return Sizing(batch_size=batch, source=source, safe_batch_size=safe, conservative_batch_size=conservative,
+                  predicted_peak_bytes=int(model.predict(batch) + delta), upper_bytes=int(model.upper(batch) + delta),
+                  usable_bytes=model.limits.usable_bytes, total_bytes=model.limits.total_bytes,
+                  data_delta_bytes=data_delta, verified=model.verified, notices=tuple(notices),
+                  fitted_from=model.fitted_from, process_delta_bytes=process_delta, accumulation_steps=steps,
+                  effective_batch_size=batch * steps if effective_batch is None else effective_batch)
+
+
+def _chosen(request: int | None, limit: Limit, safe: int, conservative: int, batch_size_min: int,
+            notices: list[str]) -> tuple[int, str]:
+    """The batch size and its source: the ``limit``, or ``request`` within ``[batch_size_min, safe]``.
+
+    Raises:
+        SizingError: the bounds are empty, or the limit is below ``batch_size_min``.
+    """
     if batch_size_min > safe:
         raise SizingError(f"--batch-size-min {batch_size_min} is above the profile's safe batch size {safe}: "
                           f"lower --batch-size-min, or use a smaller model or a larger device")
@@ -186,20 +248,41 @@ def size(profile: Profile, request: int | None = None, *, limit: Limit = "conser
         if batch < batch_size_min:
             raise SizingError(f"the profile's {limit} batch size {batch} is below --batch-size-min "
                               f"{batch_size_min}: pass --batch-size between {batch_size_min} and {safe}")
-    else:
-        batch = min(max(request, batch_size_min), safe)
-        source = "requested" if batch == request else "clamped"
-        if batch != request:
-            notices.insert(0, f"--batch-size {request} is outside [{batch_size_min}, {safe}] (--batch-size-min, "
-                              f"the profile's safe batch size): using {batch}")
-    if model.fitted_from is not None and batch < model.fitted_from:
-        notices.append(f"batch_size {batch} is below the fitted range (from batch_size {model.fitted_from}): its "
-                       f"predicted peak extrapolates a line fitted near the limit, and small batches can peak above it")
-    return Sizing(batch_size=batch, source=source, safe_batch_size=safe, conservative_batch_size=conservative,
-                  predicted_peak_bytes=int(model.predict(batch) + delta), upper_bytes=int(model.upper(batch) + delta),
-                  usable_bytes=model.limits.usable_bytes, total_bytes=model.limits.total_bytes,
-                  data_delta_bytes=delta, verified=model.verified, notices=tuple(notices),
-                  fitted_from=model.fitted_from)
+        return batch, source
+    batch = min(max(request, batch_size_min), safe)
+    if batch != request:
+        notices.insert(0, f"--batch-size {request} is outside [{batch_size_min}, {safe}] (--batch-size-min, "
+                          f"the profile's safe batch size): using {batch}")
+    return batch, "requested" if batch == request else "clamped"
+
+
+def accumulation(effective_batch: int, micro_limit: int, exact: bool = False) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) that reach ``effective_batch`` samples per optimizer step with
+    micro-batches of at most ``micro_limit`` (module docstring): the fewest steps, ``ceil(effective / limit)``;
+    ``exact``: the largest micro-batch that divides the effective batch.
+
+    Raises:
+        SizingError: an effective batch below 1.
+    """
+    if effective_batch < 1:
+        raise SizingError(f"the effective batch size must be >= 1, got {effective_batch}")
+    if effective_batch <= micro_limit:
+        return effective_batch, 1
+    if exact:
+        micro = max(d for d in range(1, micro_limit + 1) if effective_batch % d == 0)
+        return micro, effective_batch // micro
+    steps = math.ceil(effective_batch / micro_limit)
+    return math.ceil(effective_batch / steps), steps
+
+
+def process_notice(profile: Profile, process_bytes: int, delta: int) -> str:
+    """The process term, for people (module docstring)."""
+    if profile.held_bytes is None:
+        return (f"this process holds {format_bytes(process_bytes)} as training starts, but the profile does not record "
+                f"what its trials held (it predates the process term): recalibrate to size this process")
+    return (f"this process holds {format_bytes(process_bytes)} as training starts, the profile's trials held "
+            f"{format_bytes(profile.held_bytes)}: a process term of {delta / 2**20:+.1f} MiB in the prediction and the "
+            f"limits")
 
 
 def fitted_from(profile: Profile) -> int | None:

@@ -50,6 +50,7 @@ class Meter(Protocol):
     kind: str
 
     def check_pinned(self) -> None: ...
+    def held_bytes(self) -> int: ...
     def reset(self) -> None: ...
     def read(self) -> dict[str, Any]: ...
     def environment(self) -> dict[str, Any]: ...
@@ -111,6 +112,11 @@ class CudaMeter:
             raise MeterError(f"torch runs on {props.name} ({props.uuid}) but the meter measures {self.device.name} "
                              f"({self.device.uuid}): CUDA started before CUDA_VISIBLE_DEVICES was pinned; open the "
                              f"meter before anything touches CUDA")
+
+    def held_bytes(self) -> int:
+        """What this process holds on the GPU now (NVML's figure: the context, weights, data; the process term)."""
+        synchronize("cuda")
+        return self._sampler.current_bytes()
 
     def reset(self) -> None:
         """Synchronize; reset torch's and the sampler's peaks; re-measure the NVML overhead."""
@@ -185,6 +191,10 @@ class HostMeter:
     def check_pinned(self) -> None:
         """Nothing to pin on the host."""
 
+    def held_bytes(self) -> int:
+        """What this process holds now (:func:`host_held_bytes`)."""
+        return host_held_bytes()
+
     def reset(self) -> None:
         """Reset VmHWM (the data-segment peak cannot be reset: it covers the whole process life)."""
         reset_peak_rss()
@@ -214,6 +224,12 @@ def read_status_bytes(field: str, pid: int | str = "self") -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024  # the kernel reports kB (KiB)
     raise KeyError(f"{field} not in /proc/{pid}/status")
+
+
+def host_held_bytes() -> int:
+    """What this process holds now, the current counterpart of the host ``peak_bytes``: the larger of its
+    resident set (VmRSS) and its data segment (VmData), bytes."""
+    return max(read_status_bytes("VmRSS"), read_status_bytes("VmData"))
 
 
 def peak_data_bytes() -> int:
@@ -304,6 +320,7 @@ class AttachedMeter(Protocol):
 
     definition: str
 
+    def held_bytes(self) -> int: ...
     def reset(self) -> None: ...
     def read(self) -> int: ...
     def close(self) -> None: ...
@@ -332,6 +349,9 @@ class AttachedHostMeter:
     def __init__(self) -> None:
         self.definition = "host peak: max(VmHWM since fit start, data-segment peak of the process)"
         self._data_peak_at_start = peak_data_bytes()
+
+    def held_bytes(self) -> int:
+        return host_held_bytes()
 
     def reset(self) -> None:
         reset_peak_rss()
@@ -362,6 +382,11 @@ class AttachedCudaMeter:
             self.definition = "GPU peak: torch.cuda.max_memory_reserved() only (no NVML: no CUDA context)"
             warn(f"NVML is unusable ({error}): the peak will be torch.cuda.max_memory_reserved() alone, which leaves "
                  f"out the CUDA context that the profile counts")
+
+    def held_bytes(self) -> int:
+        """This process's GPU memory now (NVML; without it, torch's reserved memory)."""
+        synchronize("cuda")
+        return self._sampler.current_bytes() if self._sampler is not None else torch_cuda_reserved_bytes()
 
     def reset(self) -> None:
         torch_cuda_reset_peaks()

@@ -178,7 +178,8 @@ def measure(request: TrialRequest, channel: Any = None) -> dict[str, Any]:
         start = time.perf_counter()
         step = build(request.model, torch_device(device), json.loads(request.options_json))
         meter.check_pinned()
-        return steps(request, step, step.model, meter, time.perf_counter() - start)
+        held = meter.held_bytes()  # what the process holds as training starts: the process term's baseline
+        return {**steps(request, step, step.model, meter, time.perf_counter() - start), "held_bytes": held}
     finally:
         meter.close()
 
@@ -204,7 +205,8 @@ def measure_rank(request: TrialRequest, rank: int, init_method: str, channel: An
                                                  json.loads(request.options_json)))
         meter.check_pinned()
         model = wrap(step.model, request.world, torch_device(device))
-        return {**steps(request, step, model, meter, time.perf_counter() - start), "rank": rank}
+        held = meter.held_bytes()
+        return {**steps(request, step, model, meter, time.perf_counter() - start), "rank": rank, "held_bytes": held}
     finally:
         if group is not None:
             group.close()
