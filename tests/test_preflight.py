@@ -184,3 +184,41 @@ def test_the_wheel_check_reads_real_wheels(tmp_path):
     (tmp_path / "broken.whl").write_bytes(b"not a zip")
     with pytest.raises(ValueError, match="^broken.whl is not a readable wheel"):
         preflight.wheel_metadata(tmp_path / "broken.whl")
+
+
+def write_wheel(folder, name, version, requires=()):
+    import zipfile
+
+    path = folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr(f"{name.replace('-', '_')}-{version}.dist-info/METADATA", "Metadata-Version: 2.1\n"
+                       f"Name: {name}\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    return path
+
+
+def test_the_wheels_option_checks_a_folder_of_wheels(tmp_path, capsys):
+    for name, (version, requires) in {"transformers": ("5.24.0", TRANSFORMERS_5_24), "nvitop": ("1.7.2", NVITOP),
+                                      "psutil": ("7.2.2", []), "regex": ("2026.11.19", []),
+                                      "nvidia-ml-py": ("13.615.71", [])}.items():
+        write_wheel(tmp_path, name, version, requires)
+    assert preflight.main(["--wheels", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert "preflight: wheel transformers 5.24.0\n" in out.out and out.err == ""
+    (tmp_path / "psutil-7.2.2-py3-none-any.whl").unlink()
+    assert preflight.main(["--wheels", str(tmp_path)]) == preflight.EXIT_PACKAGES
+    assert capsys.readouterr().err == ("preflight: psutil==7.2.2 is pinned but not carried (none found): run make "
+                                       "gpu-wheels\n")
+
+
+def test_the_gpu_option_needs_a_visible_gpu_and_every_package_gets_a_line(capsys):
+    from fakes import L4, install_fake_nvml
+
+    install_fake_nvml([L4], init_error=9)
+    assert preflight.main(["--gpu"]) == preflight.EXIT_NO_GPU
+    out = capsys.readouterr()
+    assert out.err.splitlines()[-1] == "no NVIDIA GPU visible (NVML: Driver Not Loaded): the GPU check needs one"
+    found = [line for line in out.out.splitlines() if line.startswith("preflight: found ")]
+    names = {line.split()[2].rstrip(":") for line in found}
+    assert names >= {"torch", "transformers", "nvitop", "psutil", "regex", "tokenizers", "huggingface-hub",
+                     "nvidia-ml-py", "triton"}
+    assert "preflight: packages ok (" in out.out
