@@ -8,7 +8,9 @@ written to ``gpu_check.json`` and ``GPU_CHECK.md`` as soon as it ends, and a fai
    or, where that file is missing (it is git-ignored, so a copied working tree lacks it), synthetic bars
    (``vramcal.train.data.synthetic_bars``: 34,171 random-walk 1-s bars, the E-mini sample's size) written to
    the work folder, and the results say so;
-3. ``default``: calibrate the default spec (bf16 autocast on a GPU) on the whole device: profile and report;
+3. ``default``: calibrate the default spec (bf16 autocast on a GPU) on the whole device: profile and report; the
+   calibration runs with ``--steady-steps 0`` and its steady trial (the step creep) runs after it, sized from the
+   calibration's own step times, so a slow steady trial cannot cost the profile (:func:`calibration_step`);
 4. ``large``: calibrate a spec that uses a real share of the card (d_model 768, 24 layers, seq_len 1024; GPU only);
 5. ``boundary``: bisect the default spec's true out-of-memory boundary with real trials on the whole device, to
    compare with the profile's predicted one. Only memory decides (``bench.truth.memory_verdict``): a size does
@@ -77,6 +79,7 @@ from gpu_check_policy import (  # noqa: E402
     cache_files,
     epoch_cut,
     first_and_later,
+    steady_steps_that_fit,
     trial_row,
     trial_settings,
 )
@@ -145,8 +148,9 @@ def plan_training(device: Any, spec: ModelSpec, implementation: str, data: str, 
     return plan_run(config, run_dir, resolve(config))
 
 
-def boundary_runner(plan: Any) -> Any:
-    """``run(batch_size, timeout_s) -> Trial``: one real trial of the calibration's step on its whole device."""
+def trial_runner(plan: Any) -> Callable[..., Any]:
+    """``run(batch_size, timeout_s, purpose, measured_steps=2) -> Trial``: one real trial of the calibration's
+    step on its whole device (seconds)."""
     import json
 
     from vramcal.measure.trial import TrialRequest, TrialRunner
@@ -155,9 +159,10 @@ def boundary_runner(plan: Any) -> Any:
     template = TrialRequest(plan.model, 1, plan.device, json.dumps(plan.options, sort_keys=True),
                             host_memory_limit_bytes=plan.device.total_bytes if plan.device.kind == "host" else None)
 
-    def run(batch_size: int, timeout_s: float) -> Any:
+    def run(batch_size: int, timeout_s: float, purpose: str, measured_steps: int = 2) -> Any:
         runner.timeout_s = timeout_s
-        return runner.run(template.with_batch_size(batch_size), purpose="boundary-bisection")
+        request = dataclasses.replace(template, batch_size=batch_size, measured_steps=measured_steps)
+        return runner.run(request, purpose=purpose)
 
     return run
 
@@ -223,7 +228,16 @@ def data_step(ctx: Context) -> Step:
 
 def calibration_step(ctx: Context, name: str, spec: Callable[[], ModelSpec], implementation: str,
                      caps: Callable[[], Caps], unavailable: Callable[[], str | None] = lambda: None) -> Step:
-    """A calibration as the product runs it, timed; its profile and report go to the work folder.
+    """A calibration as the product runs it, with ``--steady-steps 0``, then its steady trial on its own.
+
+    The calibration (profile and report into the work folder) is complete before the steady trial starts, so a
+    slow steady trial cannot cost the profile (a calibration stopped at its time limit leaves none). The steady
+    trial then runs at the verified safe size, as many measured steps as fit half the step's time left by the
+    calibration's own step times (``gpu_check_policy.steady_steps_that_fit``, at most ``trial_settings``'s
+    ``steady_steps``), with a timeout inside the step's time; its step creep (``vramcal.calibration.creep``'s
+    measure_creep, against the calibration's short trials at that size) is recorded beside the profile, which
+    does not include it (so the train step's prediction has no creep term; the creep says how much of a
+    difference it would explain).
 
     Args:
         spec, caps: read when the step starts (they depend on the device found).
@@ -232,6 +246,7 @@ def calibration_step(ctx: Context, name: str, spec: Callable[[], ModelSpec], imp
     def body(given_s: float, partial: dict[str, Any]) -> dict[str, Any]:
         from vramcal.report import write_report
 
+        deadline = time.monotonic() + given_s
         the_caps = caps()
         settings = trial_settings(the_caps, min(given_s, the_caps.given_s or given_s))
         rows = partial.setdefault("trials", [])
@@ -239,12 +254,12 @@ def calibration_step(ctx: Context, name: str, spec: Callable[[], ModelSpec], imp
 
         def on_trial(trial: Any) -> None:
             printer(trial)
-            rows.append(trial_row(trial, settings["steady_steps"] if trial.purpose == "steady" else 2))
+            rows.append(trial_row(trial, 2))
 
         started = time.monotonic()
         plan = plan_calibration(ctx.device, spec(), implementation, ctx.data, ctx.work / "profiles",
                                 parse_bytes(ctx.args.reserve))
-        profile = run_calibration(plan, settings, on_trial)
+        profile = run_calibration(plan, {**settings, "steady_steps": 0}, on_trial)
         wall_s = time.monotonic() - started
         write_report([profile], ctx.work / "reports")
         ctx.calibrations[name] = (plan, profile)
@@ -255,29 +270,60 @@ def calibration_step(ctx: Context, name: str, spec: Callable[[], ModelSpec], imp
             "formula": profile.fit and profile.fit.formula(),
             "safe": limits and limits.safe_batch_size, "conservative": limits and limits.conservative_batch_size,
             "predicted_boundary": limits and limits.boundary_batch_size, "environment": profile.environment,
-            "creep": profile.creep and profile.creep.to_dict(), "trial_wall_s": times, "sequence": rows,
-            "triton_cache": {"before": partial["triton_cache_before"], "after": cache_files(ctx.triton_dir)}}
-        boundary = f"{limits.boundary_batch_size:.1f}" if limits and limits.boundary_batch_size else "-"
-        figures["summary"] = (
-            f"{wall_s:.0f} s, {len(profile.trials)} trials (at most {settings['max_trials']}, steady "
-            f"{settings['steady_steps']} steps, {settings['timeout_s']:.0f} s per trial), safe "
-            f"{figures['safe']}, conservative {figures['conservative']}, verified {profile.verified}, predicted "
-            f"boundary {boundary}, kernel path {profile.kernel_path}; `{figures['formula']}`; first trial "
-            f"{times['first_s']:.1f} s, later median {times['later_median_s']} s")
+            "trial_wall_s": times, "sequence": rows}
+        partial["calibration"] = figures  # kept if the steady trial is stopped
+        figures["steady"] = steady_trial(plan, profile, settings["steady_steps"], deadline)
+        figures["triton_cache"] = {"before": partial["triton_cache_before"], "after": cache_files(ctx.triton_dir)}
+        figures["summary"] = calibration_line(figures)
         return figures
 
     return Step(name, TIMES[name], body, needs=("device", "data"), unavailable=unavailable)
+
+
+def steady_trial(plan: Any, profile: Any, most_steps: int, deadline: float) -> dict[str, Any]:
+    """The steady trial after a calibration (:func:`calibration_step`): its figures, or why it did not run."""
+    from vramcal.calibration.creep import STEADY, measure_creep
+
+    safe = profile.limits.safe_batch_size if profile.limits and profile.verified else None
+    if safe is None:
+        return {"ran": False, "reason": "no verified safe size"}
+    left_s = deadline - time.monotonic()
+    steps, reason = steady_steps_that_fit(profile.trials, safe, left_s, most_steps)
+    if not steps:
+        return {"ran": False, "reason": reason}
+    trial = trial_runner(plan)(safe, max(5.0, left_s - 3.0), purpose=STEADY, measured_steps=steps)
+    printer(trial)
+    creep = measure_creep([*profile.trials, trial])
+    return {"ran": True, "batch_size": safe, "steps": steps, "trial": trial_row(trial, steps),
+            "creep": creep and creep.to_dict(), "creep_bytes": creep and creep.bytes_at_steady}
+
+
+def calibration_line(figures: dict[str, Any]) -> str:
+    settings, times, steady = figures["settings"], figures["trial_wall_s"], figures["steady"]
+    boundary = f"{figures['predicted_boundary']:.1f}" if figures["predicted_boundary"] else "-"
+    if steady["ran"]:
+        creep = steady["creep_bytes"]
+        steady_text = (f"steady trial {steady['steps']} steps at {steady['batch_size']}: "
+                       f"{steady['trial']['status']}" + (f", creep {format_bytes(creep)}" if creep is not None else ""))
+    else:
+        steady_text = f"no steady trial ({steady['reason']})"
+    return (f"{figures['wall_s']:.0f} s, {figures['trials']} trials (at most {settings['max_trials']}, "
+            f"{settings['timeout_s']:.0f} s per trial), safe {figures['safe']}, conservative "
+            f"{figures['conservative']}, verified {figures['verified']}, predicted boundary {boundary}, kernel path "
+            f"{figures['kernel_path']}; `{figures['formula']}`; first trial {times['first_s']:.1f} s, later median "
+            f"{times['later_median_s']} s; {steady_text}")
 
 
 def boundary_step(ctx: Context) -> Step:
     def body(given_s: float, partial: dict[str, Any]) -> dict[str, Any]:
         plan, profile = ctx.calibrations["default"]
         deadline = time.monotonic() + given_s
-        run = boundary_runner(plan)
+        run = trial_runner(plan)
         timeout_s = (HOST if ctx.kind == "host" else CUDA).trial_timeout_s
         found = bisect_boundary(profile.trials, plan.device.total_bytes,
                                 profile.limits and profile.limits.boundary_batch_size,
-                                lambda size: run(size, min(timeout_s, max(1.0, deadline - time.monotonic()))),
+                                lambda size: run(size, min(timeout_s, max(1.0, deadline - time.monotonic())),
+                                                 "boundary-bisection"),
                                 lambda: deadline - time.monotonic(), partial, on_trial=printer)
         found["trial_wall_s"] = first_and_later(found["trials"])
         found["summary"] = boundary_line(found)

@@ -159,6 +159,28 @@ def boundary_line(found: dict[str, Any]) -> str:
             f"{found['smallest_over']} ({state}){error}, {len(found['trials'])} bisection trials")
 
 
+def steady_steps_that_fit(trials: list[Any], batch_size: int, left_s: float, most: int) -> tuple[int, str | None]:
+    """Measured steps of a steady trial at ``batch_size`` that fit half of ``left_s`` (seconds; the other half is
+    the later steps'), and why none when none do.
+
+    Per step: 1.2 x the slowest step time of the finished trials at that size; before the steps: the trials'
+    median start-and-build time and two steps' time (the warm-up and the validation pass). At most ``most``;
+    fewer than 2: none.
+    """
+    if most < 2:
+        return 0, "no time for it in the time given (trial_settings)"
+    at_size = [t for t in trials if t.ok and t.step_s and t.batch_size == batch_size]
+    timed = [t for t in trials if t.ok and t.startup_s is not None and t.build_s is not None]
+    if not at_size or not timed:
+        return 0, f"no finished trial at batch {batch_size} to time it by"
+    step_s = 1.2 * max(t.step_s for t in at_size)
+    before_s = statistics.median(t.startup_s + t.build_s for t in timed) + 2 * step_s
+    steps = min(most, int((left_s / 2 - before_s) / step_s))
+    if steps < 2:
+        return 0, f"{left_s:.0f} s left: not 2 steps of {step_s:.1f} s in half of it"
+    return steps, None
+
+
 def epoch_cut(trials: list[Any], batch_size: int, train_windows: int, given_s: float) -> int | None:
     """Steps to stop at when the calibration's trials say an epoch would not fit ``given_s`` (None: the epoch fits).
 

@@ -112,6 +112,18 @@ def test_an_epoch_is_cut_to_the_steps_the_trials_say_fit():
     assert policy.epoch_cut([], 100, 100_000, given_s=10) is None  # nothing to estimate from
 
 
+def test_the_steady_trial_gets_the_steps_that_fit_half_the_time_left():
+    trials = [trial(1, peak_mib=101), trial(100, peak_mib=200)]  # 0.1 s per step at 100; start + build 0.3 s
+    # half of 10 s, less 0.3 s and two steps of 1.2 x 0.1 s, in steps of 0.12 s
+    assert policy.steady_steps_that_fit(trials, 100, 10.0, most=40) == (int((5 - 0.3 - 0.24) / 0.12), None)
+    assert policy.steady_steps_that_fit(trials, 100, 1000.0, most=40) == (40, None)
+    assert policy.steady_steps_that_fit(trials, 100, 0.8, most=40) == (0, "1 s left: not 2 steps of 0.1 s in half "
+                                                                           "of it")
+    assert policy.steady_steps_that_fit(trials, 50, 1000.0, most=40) == (0, "no finished trial at batch 50 to time "
+                                                                            "it by")
+    assert policy.steady_steps_that_fit(trials, 100, 1000.0, most=0)[0] == 0
+
+
 def test_first_and_later_trials():
     rows = [policy.trial_row(trial(1, peak_mib=101, wall_s=30.0), 2), policy.trial_row(trial(8, peak_mib=108), 2),
             policy.trial_row(trial(64, peak_mib=164, wall_s=3.0), 2)]
@@ -258,6 +270,7 @@ def test_a_step_made_to_fail_leaves_every_other_steps_result(tmp_path):
     assert steps["data"]["result"]["synthetic"] is True and Path(steps["data"]["result"]["path"]).is_file()
     calibration = steps["default"]["result"]
     assert calibration["verified"] is True and calibration["trials"] == len(calibration["sequence"]) >= 5
+    assert calibration["steady"]["ran"] or calibration["steady"]["reason"]
     assert calibration["trial_wall_s"]["first_s"] > 0 and calibration["trial_wall_s"]["later"] >= 4
     assert steps["train"]["result"]["batch_size"] == calibration["conservative"]
     assert steps["train"]["result"]["measured_peak_bytes"] > 0
