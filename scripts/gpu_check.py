@@ -142,6 +142,7 @@ def plan_training(device: Any, spec: ModelSpec, implementation: str, data: str, 
     from vramcal.train.plan import plan_run, resolve
 
     # stride 1 on a GPU: 27,000 windows of the E-mini sample, so the conservative batch size is not capped by the data
+    # (an epoch that would not fit the step's time is cut: gpu_check_policy.epoch_cut); the host keeps the default
     config = TrainConfig(data=data, spec=spec, gpu="auto" if device.kind == "cuda" else "none",
                          implementation=implementation, profiles_dir=str(profiles_dir), epochs=1,
                          stride=1 if device.kind == "cuda" else None)
@@ -232,7 +233,7 @@ def calibration_step(ctx: Context, name: str, spec: Callable[[], ModelSpec], imp
 
     The calibration (profile and report into the work folder) is complete before the steady trial starts, so a
     slow steady trial cannot cost the profile (a calibration stopped at its time limit leaves none). The steady
-    trial then runs at the verified safe size, as many measured steps as fit half the step's time left by the
+    trial then runs at the verified safe size, as many measured steps as fit a third of the step's time left by the
     calibration's own step times (``gpu_check_policy.steady_steps_that_fit``, at most ``trial_settings``'s
     ``steady_steps``), with a timeout inside the step's time; its step creep (``vramcal.calibration.creep``'s
     measure_creep, against the calibration's short trials at that size) is recorded beside the profile, which

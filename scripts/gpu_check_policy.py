@@ -44,6 +44,7 @@ class Caps:
 CUDA = Caps(max_trials=16, steady_steps=STEADY_STEPS // 2, trial_timeout_s=180, trial_s=8, start_s=15)
 HOST = Caps(max_trials=16, steady_steps=STEADY_STEPS, trial_timeout_s=120, trial_s=3, start_s=10)
 FUSED = Caps(max_trials=8, steady_steps=10, trial_timeout_s=120, trial_s=15, given_s=150)
+STEADY_SHARE = 1 / 3  # of the time a calibration step has left, what its steady trial may take
 STEPS_PER_TRIAL = 4  # a trial is about 4 steps' time: a warm-up, 2 measured steps and the validation pass
 
 
@@ -160,8 +161,8 @@ def boundary_line(found: dict[str, Any]) -> str:
 
 
 def steady_steps_that_fit(trials: list[Any], batch_size: int, left_s: float, most: int) -> tuple[int, str | None]:
-    """Measured steps of a steady trial at ``batch_size`` that fit half of ``left_s`` (seconds; the other half is
-    the later steps'), and why none when none do.
+    """Measured steps of a steady trial at ``batch_size`` that fit :data:`STEADY_SHARE` of ``left_s`` (seconds; the
+    rest is the later steps'), and why none when none do.
 
     Per step: 1.2 x the slowest step time of the finished trials at that size; before the steps: the trials'
     median start-and-build time and two steps' time (the warm-up and the validation pass). At most ``most``;
@@ -175,9 +176,9 @@ def steady_steps_that_fit(trials: list[Any], batch_size: int, left_s: float, mos
         return 0, f"no finished trial at batch {batch_size} to time it by"
     step_s = 1.2 * max(t.step_s for t in at_size)
     before_s = statistics.median(t.startup_s + t.build_s for t in timed) + 2 * step_s
-    steps = min(most, int((left_s / 2 - before_s) / step_s))
+    steps = min(most, int((left_s * STEADY_SHARE - before_s) / step_s))
     if steps < 2:
-        return 0, f"{left_s:.0f} s left: not 2 steps of {step_s:.1f} s in half of it"
+        return 0, f"{left_s:.0f} s left: not 2 steps of {step_s:.1f} s in a third of it"
     return steps, None
 
 

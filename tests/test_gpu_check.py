@@ -112,13 +112,13 @@ def test_an_epoch_is_cut_to_the_steps_the_trials_say_fit():
     assert policy.epoch_cut([], 100, 100_000, given_s=10) is None  # nothing to estimate from
 
 
-def test_the_steady_trial_gets_the_steps_that_fit_half_the_time_left():
+def test_the_steady_trial_gets_the_steps_that_fit_a_third_of_the_time_left():
     trials = [trial(1, peak_mib=101), trial(100, peak_mib=200)]  # 0.1 s per step at 100; start + build 0.3 s
-    # half of 10 s, less 0.3 s and two steps of 1.2 x 0.1 s, in steps of 0.12 s
-    assert policy.steady_steps_that_fit(trials, 100, 10.0, most=40) == (int((5 - 0.3 - 0.24) / 0.12), None)
+    # a third of 15 s, less 0.3 s and two steps of 1.2 x 0.1 s, in steps of 0.12 s
+    assert policy.steady_steps_that_fit(trials, 100, 15.0, most=40) == (int((5 - 0.3 - 0.24) / 0.12), None)
     assert policy.steady_steps_that_fit(trials, 100, 1000.0, most=40) == (40, None)
-    assert policy.steady_steps_that_fit(trials, 100, 0.8, most=40) == (0, "1 s left: not 2 steps of 0.1 s in half "
-                                                                           "of it")
+    assert policy.steady_steps_that_fit(trials, 100, 1.2, most=40) == (0, "1 s left: not 2 steps of 0.1 s in a "
+                                                                           "third of it")
     assert policy.steady_steps_that_fit(trials, 50, 1000.0, most=40) == (0, "no finished trial at batch 50 to time "
                                                                             "it by")
     assert policy.steady_steps_that_fit(trials, 100, 1000.0, most=0)[0] == 0
@@ -242,7 +242,7 @@ def test_bad_options_are_one_line_and_exit_2(capsys):
 
 # ------------------------------------------------------------------------------ real runs on the host
 
-def check_run(*args: str, timeout_s: float = 150) -> tuple[subprocess.CompletedProcess, float]:
+def check_run(*args: str, timeout_s: float = 240) -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
     done = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--gpu", "none", "--spec", "tiny", *args],
                           capture_output=True, text=True, timeout=timeout_s, cwd=ROOT,
@@ -256,7 +256,7 @@ def test_a_step_made_to_fail_leaves_every_other_steps_result(tmp_path):
     and with no bars file the check writes synthetic bars and says so."""
     out = tmp_path / "out"
     done, wall_s = check_run("--out", str(out), "--work", str(tmp_path / "work"), "--capacity", capacity(600 * MIB),
-                             "--reserve", "0", "--budget-s", "60", "--inject-error", "boundary",
+                             "--reserve", "0", "--budget-s", "180", "--inject-error", "boundary",
                              "--data", str(tmp_path / "no-bars.parquet"))
     assert done.returncode == 1, done.stdout + done.stderr  # a step ended in an error
     results = json.loads((out / "gpu_check.json").read_text())
@@ -270,7 +270,8 @@ def test_a_step_made_to_fail_leaves_every_other_steps_result(tmp_path):
     assert steps["data"]["result"]["synthetic"] is True and Path(steps["data"]["result"]["path"]).is_file()
     calibration = steps["default"]["result"]
     assert calibration["verified"] is True and calibration["trials"] == len(calibration["sequence"]) >= 5
-    assert calibration["steady"]["ran"] or calibration["steady"]["reason"]
+    steady = calibration["steady"]  # after the calibration, sized to the time left
+    assert (steady["ran"] and steady["steps"] >= 2 and steady["trial"]["purpose"] == "steady") or steady["reason"]
     assert calibration["trial_wall_s"]["first_s"] > 0 and calibration["trial_wall_s"]["later"] >= 4
     assert steps["train"]["result"]["batch_size"] == calibration["conservative"]
     assert steps["train"]["result"]["measured_peak_bytes"] > 0
@@ -283,7 +284,7 @@ def test_a_step_made_to_fail_leaves_every_other_steps_result(tmp_path):
         names = bundle.getnames()
     assert any(n.startswith("profiles/") and n.endswith(".json") for n in names)
     assert any(n.startswith("reports/") and n.endswith(".md") for n in names)
-    assert results["elapsed_s"] <= 60 and wall_s < 60 + 20
+    assert results["elapsed_s"] <= 180 and wall_s < 180 + 20
     assert "Traceback" not in done.stderr
 
 
