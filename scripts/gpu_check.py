@@ -11,17 +11,19 @@ written to ``gpu_check.json`` and ``GPU_CHECK.md`` as soon as it ends, and a fai
 3. ``default``: calibrate the default spec (bf16 autocast on a GPU) on the whole device: profile and report; the
    calibration runs with ``--steady-steps 0`` and its steady trial (the step creep) runs after it, sized from the
    calibration's own step times, so a slow steady trial cannot cost the profile (:func:`calibration_step`);
-4. ``large``: calibrate a spec that uses a real share of the card (d_model 768, 24 layers, seq_len 1024; GPU only);
-5. ``boundary``: bisect the default spec's true out-of-memory boundary with real trials on the whole device, to
+4. ``boundary``: bisect the default spec's true out-of-memory boundary with real trials on the whole device, to
    compare with the profile's predicted one. Only memory decides (``bench.truth.memory_verdict``): a size does
    not fit when its trial ran out of memory or finished with a peak above the device's memory; an ``error`` or
    ``timeout`` is run once more, reported as what it is, and never becomes the boundary (the bisection stops
    at its last real bounds instead);
-6. ``train``: one epoch of ``vramcal train``'s own runner at the default profile's conservative size (fewer steps
+5. ``train``: one epoch of ``vramcal train``'s own runner at the default profile's conservative size (fewer steps
    when the trials' step times say an epoch would not fit the time given; the results say so), its measured
    peak against the profile's prediction and upper bound;
+6. ``large``: calibrate a spec that uses a real share of the card (d_model 768, 24 layers, seq_len 1024; GPU only);
+   after the steps that need the default profile, so that a slow large spec cannot starve them;
 7. ``fused``: where mamba_ssm imports (its wheels carried: make gpu-fused-wheels), calibrate the default spec with
-   ``--impl mamba_ssm`` under its own caps (``gpu_check_policy.FUSED``: 8 trials, a 10-step steady trial, 150 s).
+   ``--impl mamba_ssm`` under its own caps (``gpu_check_policy.FUSED``: 8 trials, a steady trial of at most 10
+   steps, 150 s).
 
 Time: ``--budget-s`` bounds the whole run (gpu_check.sh runs it under ``timeout 480`` with the default 450 s, and
 the check stops itself before that with everything written). Each step has an estimate and a weight
@@ -48,9 +50,11 @@ Writes ``<out>/gpu_check.json``, ``<out>/GPU_CHECK.md`` and ``<out>/gpu_check_fi
 reports), and nothing else under ``<out>`` (the device tool brings back at most 8 files); profiles, reports,
 the training run, the bars and Triton's cache go to ``--work`` (default ``<out>.work``, beside ``<out>``).
 
-Options: ``--out`` (required), ``--work``, ``--budget-s``, ``--gpu`` (``auto``; ``none`` rehearses on the host),
-``--capacity`` (the host budget, e.g. 2.5GiB), ``--spec`` (``default`` or ``tiny``), ``--data``, and
-``--inject-error STEP`` (that step fails at its start: a rehearsal of a failing step; only this script reads it).
+Options: ``--out`` (required), ``--work``, ``--budget-s`` (seconds, default 450), ``--gpu`` (``auto``; ``none``
+rehearses on the host), ``--capacity`` (the host budget, e.g. 2.5GiB), ``--reserve`` (what the calibrations keep
+free, default 0.5GiB as ``vramcal probe``; 0 lets a small host budget rehearse quickly), ``--spec`` (``default`` or
+``tiny``), ``--data``, and ``--inject-error STEP`` (that step fails at its start: a rehearsal of a failing step;
+only this script reads it).
 Exit status: 0 when every step that ran ended ok, 1 when one did not (the results say which), 2 a bad option.
 """
 
