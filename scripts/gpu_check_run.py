@@ -155,7 +155,8 @@ def run_steps(check: Check, steps: list[Step], kind: Callable[[], str], inject: 
             later = [s for s in steps[index + 1:] if blocked(check, s, kind()) is None]
             weights = weight + sum(s.times[kind()][1] for s in later)
             # the later steps that need this one cannot run without it: their share is this one's to use if it must
-            own = weight + sum(s.times[kind()][1] for s in later if step.name in s.needs)
+            # (a step of no weight, as the device's, takes its estimate only)
+            own = weight + sum(s.times[kind()][1] for s in later if step.name in s.needs) if weight else 0.0
             share = check.left_s() * own / weights if weights else 0.0
             given_s = min(check.left_s(), max(estimate_s, share))
             check.record(step.name, guard(check, step, given_s, inject == step.name))

@@ -209,9 +209,11 @@ def test_a_step_that_the_later_ones_need_may_use_their_share(tmp_path):
             return {}
         return body
 
-    runs.run_steps(check, [step("first", record("first"), weight=1), step("needs-it", record("second"), weight=1,
-                                                                          needs=("first",)),
+    runs.run_steps(check, [step("setup", record("setup"), estimate_s=0.5, weight=0),
+                           step("first", record("first"), weight=1, needs=("setup",)),
+                           step("needs-it", record("second"), weight=1, needs=("first",)),
                            step("other", record("third"), weight=2)], lambda: "host")
+    assert given["setup"] == 0.5  # no weight: its estimate, however many steps need it
     assert given["first"] == pytest.approx(10 * 2 / 4, abs=0.2)  # its weight and its dependent's, of 4
 
 
