@@ -25,6 +25,7 @@ import contextlib
 import datetime as dt
 import json
 import signal
+import sys
 import tarfile
 import time
 import traceback
@@ -115,15 +116,22 @@ class Check:
         print(f"== {name}: {entry['status']}: {line_of(entry)}", flush=True)
 
     def write(self) -> None:
-        """gpu_check.json, GPU_CHECK.md and the bundle, each atomically."""
+        """gpu_check.json, GPU_CHECK.md and the bundle, each atomically; a file that cannot be written is one line
+        on stderr (the previous copy stays), and the check goes on: the next write tries again."""
         self.results["elapsed_s"] = round(self.clock() - self.started, 1)
         self.results["order"] = list(self.results["steps"])  # the JSON's keys are sorted: the steps' run order
-        self.out.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(self.out / RESULTS, self.results)
-        atomic_write_text(self.out / SUMMARY, summary(self.results))
         folders = [self.work / name for name in ("profiles", "reports") if (self.work / name).is_dir()]
+        writes = [(RESULTS, lambda: atomic_write_json(self.out / RESULTS, self.results)),
+                  (SUMMARY, lambda: atomic_write_text(self.out / SUMMARY, summary(self.results)))]
         if folders:
-            atomic_write(self.out / BUNDLE, lambda handle: _pack(handle, folders))
+            writes.append((BUNDLE, lambda: atomic_write(self.out / BUNDLE, lambda handle: _pack(handle, folders))))
+        for name, write in writes:
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+                write()
+            except OSError as error:
+                print(f"could not write {self.out / name} ({error.strerror or error}); the next step's end "
+                      f"tries again", file=sys.stderr, flush=True)
 
 
 def _pack(handle: Any, folders: list[Path]) -> None:
@@ -138,6 +146,10 @@ def run_steps(check: Check, steps: list[Step], kind: Callable[[], str], inject: 
     Args:
         kind: the device kind the times are read for (known once the device step has run).
         inject: the name of a step whose body is replaced by an :class:`InjectedError`.
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C between two steps (inside one it stops that step and skips the rest); the
+            results are written first.
     """
     _terminated.clear()
     previous = signal.signal(signal.SIGTERM, _terminate)

@@ -304,3 +304,14 @@ def test_a_spec_that_cannot_fit_is_one_steps_error_and_the_rest_say_why_they_did
     assert steps["boundary"] == {"status": "skipped", "reason": "needs the default step, which ended error"}
     assert steps["train"] == {"status": "skipped", "reason": "needs the default step, which ended error"}
     assert (tmp_path / "out.work" / "bars-synthetic.parquet").is_file()
+
+
+def test_a_results_file_that_cannot_be_written_is_one_line_and_the_check_goes_on(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / runs.SUMMARY).mkdir()  # a folder where GPU_CHECK.md should go: that write fails, the JSON's does not
+    check = runs.Check(out, tmp_path / "work", budget_s=60, command="test")
+    runs.run_steps(check, [step("first", lambda g, p: {}), step("second", lambda g, p: {})], lambda: "host")
+    assert read(out)["order"] == ["first", "second"] and read(out)["finished"] is True
+    err = capsys.readouterr().err.splitlines()
+    assert err and all(line.startswith(f"could not write {out / runs.SUMMARY} (") for line in err)
