@@ -49,14 +49,17 @@ lint: setup
 clean:
 	rm -rf $(VENV)
 
-# Wheels the GPU check carries to a machine that reaches no package index (see scripts/gpu_check.sh):
-# exactly what the H200 image lacks, for its Python 3.12, without dependencies (the image has them; the
-# check's preflight verifies it). psutil is nvitop's one dependency, a binary abi3 wheel.
-GPU_WHEELS ?= "transformers>=5.23" "nvitop>=1.4" "psutil>=5.6.6"
+# Wheels the GPU check carries to a machine that reaches no package index (see scripts/gpu_check.sh): the
+# exact versions in scripts/gpu_wheels.txt (the one place they are pinned, with the reasons), for the H200
+# image's CPython 3.12, without dependencies; then every wheel's declared requirements are checked against
+# the pins and the image's package list (scripts/preflight.py --wheels). The fused path's wheels stay.
+GPU_WHEELS_FILE := scripts/gpu_wheels.txt
+GPU_WHEEL_NAMES := $(shell sed -n 's/^\([A-Za-z0-9_.-]*\)==.*/\1/p' $(GPU_WHEELS_FILE) | tr -- '-.' '__')
 gpu-wheels:
-	rm -f wheels/transformers-*.whl wheels/nvitop-*.whl wheels/psutil-*.whl
+	rm -f $(foreach name,$(GPU_WHEEL_NAMES),wheels/$(name)-*.whl)
 	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
-		--python-version 3.12 --platform manylinux2014_x86_64 -d wheels $(GPU_WHEELS)
+		--python-version 3.12 --implementation cp --platform manylinux2014_x86_64 -d wheels -r $(GPU_WHEELS_FILE)
+	$(PYTHON) scripts/preflight.py --wheels wheels
 
 # The GPU check rehearsed on this CPU machine in an environment like the H200 image's (.rehearsal/).
 gpu-rehearsal:

@@ -35,7 +35,7 @@ from typing import Any
 
 from bench.specs import QUICK_BUDGET, SPECS
 from bench.table import SCHEMA, TOOLS, needs_survival, write_tables
-from bench.truth import cached, ground_truth, truth_key, vramcal_commit
+from bench.truth import TruthError, cached, ground_truth, truth_key, vramcal_commit
 from vramcal.units import format_bytes, parse_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: the results JSON keeps what finished", file=sys.stderr)
         return 130
+    except TruthError as error:
+        print(f"no ground truth: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

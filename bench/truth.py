@@ -3,10 +3,14 @@ under the budget, found by bisection, and its cache.
 
 A trial (:class:`vramcal.measure.trial.TrialRunner`) builds the trainer's step with the regressor's
 factory on the same data, runs 1 warm-up + 2 measured steps and a validation pass, in a worker forked
-from vramcal's preloaded server, under ``RLIMIT_DATA = budget``. The search doubles from 1 until a trial
-fails, then bisects until the largest finishing and the smallest failing size are adjacent. A trial that
-ends in ``error`` or ``timeout`` counts as a failure at that size but is listed apart, never as an
-out-of-memory error.
+from vramcal's preloaded server, under ``RLIMIT_DATA = budget``. The search doubles from 1 until a size
+does not fit, then bisects until the largest fitting and the smallest non-fitting size are adjacent.
+
+Only memory decides (:func:`memory_verdict`): a size does not fit when its trial ran out of memory
+(``oom``) or finished with a peak above the budget (the peak vramcal's boundary is defined by); it fits
+when its trial finished within the budget. A trial that ends in ``error`` or ``timeout`` says nothing about
+memory: it is run once more, both are listed apart (``non_oom_failures``), and a size that ends so twice
+stops the bisection with :class:`TruthError` rather than become the boundary.
 
 The cache lives in the results JSON, keyed by (spec, budget, data options, Python, torch, vramcal
 commit): :func:`truth_key`. The commit is the last one that changed ``vramcal/`` (plus a hash of
@@ -23,9 +27,27 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 REPO = Path(__file__).resolve().parent.parent
+Verdict = Literal["fits", "over", "unknown"]
+
+
+class TruthError(RuntimeError):
+    """No ground truth: a size whose trial ended in ``error`` or ``timeout`` twice (the message says which)."""
+
+
+def memory_verdict(status: str, peak_bytes: int | None, budget_bytes: int) -> Verdict:
+    """What a trial says about memory: ``fits`` (finished, peak within ``budget_bytes``), ``over`` (ran out of
+    memory, or finished with a peak above the budget) or ``unknown`` (``error``/``timeout``: not a memory outcome).
+
+    The same rule as the GPU check's boundary bisection (scripts/gpu_check.py).
+    """
+    if status == "oom" or (status == "ok" and peak_bytes is not None and peak_bytes > budget_bytes):
+        return "over"
+    if status == "ok" and peak_bytes is not None:
+        return "fits"
+    return "unknown"
 
 
 def bisect_largest(fits: Callable[[int], bool], start: int = 1) -> tuple[int, int]:
@@ -88,6 +110,9 @@ def ground_truth(spec: dict[str, Any], budget_bytes: int, data: str, stride: int
     Returns:
         ``batch_size`` (the truth), ``first_failing_batch_size``, every trial, the non-oom failures and
         the wall time (seconds).
+
+    Raises:
+        TruthError: a size ended in ``error`` or ``timeout`` twice (module docstring).
     """
     from vramcal.api import worker_pool
     from vramcal.measure.device import host_device
@@ -104,14 +129,20 @@ def ground_truth(spec: dict[str, Any], budget_bytes: int, data: str, stride: int
     started = time.time()
 
     def fits(batch_size: int) -> bool:
-        trial = runner.run(template.with_batch_size(batch_size), purpose="truth")
-        trials.append({"batch_size": batch_size, "status": trial.status, "peak_bytes": trial.peak_bytes,
-                       "data_peak_bytes": trial.data_peak_bytes, "rss_peak_bytes": trial.rss_peak_bytes,
-                       "wall_s": trial.wall_s, "error": (trial.error or "")[-300:] or None})
-        echo(f"  truth trial {batch_size}: {trial.status}"
-             + (f" ({trial.error.strip().splitlines()[-1][:160]})" if trial.status not in ("ok", "oom")
-                and trial.error else ""))
-        return trial.status == "ok"
+        for _attempt in range(2):  # an error or a timeout is run once more: it is not a memory outcome
+            trial = runner.run(template.with_batch_size(batch_size), purpose="truth")
+            trials.append({"batch_size": batch_size, "status": trial.status, "peak_bytes": trial.peak_bytes,
+                           "data_peak_bytes": trial.data_peak_bytes, "rss_peak_bytes": trial.rss_peak_bytes,
+                           "wall_s": trial.wall_s, "error": (trial.error or "")[-300:] or None})
+            last_line = trial.error.strip().splitlines()[-1][:160] if trial.error and trial.error.strip() else ""
+            verdict = memory_verdict(trial.status, trial.peak_bytes, budget_bytes)
+            echo(f"  truth trial {batch_size}: {trial.status}" + (" (peak above the budget)" if verdict == "over"
+                 and trial.status == "ok" else "") + (f" ({last_line})" if verdict == "unknown" and last_line else ""))
+            if verdict != "unknown":
+                return verdict == "fits"
+        raise TruthError(f"batch size {batch_size} ended in {trial.status} twice ({last_line or 'no message'}): "
+                         f"that is not out-of-memory, so the ground truth cannot be bisected past it; run that "
+                         f"trial alone to see why, or give a longer --timeout")
 
     low, high = bisect_largest(fits)
     return {"batch_size": low, "first_failing_batch_size": high, "trials": trials,

@@ -1,34 +1,94 @@
-"""The device run (issue 11): everything a lent H200 should establish, in one script and one output folder.
+"""The device run (issues 11, 18): everything a lent H200 should establish, in one script that cannot lose its results.
 
-In order, each step skipped (and said so) when the time budget is spent:
+Its steps, in order, each in its own guard (scripts/gpu_check_run.py: a step's result, error, stop or skip is
+written to ``gpu_check.json`` and ``GPU_CHECK.md`` as soon as it ends, and a failure never stops the next):
 
-1. calibrate the default spec (bf16 autocast) on the whole card, timed: profile and report;
-2. calibrate a large spec that uses a real share of the card (d_model 768, 24 layers, seq_len 1024);
-3. bisect the true out-of-memory boundary of the default spec with real trials on the whole card, to
-   compare with the profile's predicted boundary;
-4. train the default spec for one epoch at its conservative batch size with ``vramcal train``'s own
-   runner, and compare the trainer's measured peak with the profile's prediction and upper bound;
-5. the fused path (``--impl mamba_ssm``) when its carried wheels import: calibrate the default spec.
+1. ``device``: the GPU (``--gpu``), or the host with ``--capacity`` for a rehearsal;
+2. ``data``: the bars the trials and the trainer read: ``--data`` (default the tree's ``data/es_1s.parquet``),
+   or, where that file is missing (it is git-ignored, so a copied working tree lacks it), synthetic bars
+   (``vramcal.train.data.synthetic_bars``: 34,171 random-walk 1-s bars, the E-mini sample's size) written to
+   the work folder, and the results say so;
+3. ``default``: calibrate the default spec (bf16 autocast on a GPU) on the whole device: profile and report; the
+   calibration runs with ``--steady-steps 0`` and its steady trial (the step creep) runs after it, sized from the
+   calibration's own step times, so a slow steady trial cannot cost the profile (:func:`calibration_step`);
+4. ``boundary``: bisect the default spec's true out-of-memory boundary with real trials on the whole device, to
+   compare with the profile's predicted one. Only memory decides (``bench.truth.memory_verdict``): a size does
+   not fit when its trial ran out of memory or finished with a peak above the device's memory; an ``error`` or
+   ``timeout`` is run once more, reported as what it is, and never becomes the boundary (the bisection stops
+   at its last real bounds instead);
+5. ``train``: one epoch of ``vramcal train``'s own runner at the default profile's conservative size (fewer steps
+   when the trials' step times say an epoch would not fit the time given; the results say so), its measured
+   peak against the profile's prediction and upper bound;
+6. ``large``: calibrate a spec that uses a real share of the card (d_model 768, 24 layers, seq_len 1024; GPU only);
+   after the steps that need the default profile, so that a slow large spec cannot starve them;
+7. ``fused``: where mamba_ssm imports (its wheels carried: make gpu-fused-wheels), calibrate the default spec with
+   ``--impl mamba_ssm`` under its own caps (``gpu_check_policy.FUSED``: 8 trials, a steady trial of at most 10
+   steps, 150 s).
 
-Writes ``<out>/profiles/``, ``<out>/reports/``, ``<out>/gpu_check.json`` (every figure) and
-``<out>/GPU_CHECK.md`` (the summary), the JSON after every step so a killed run keeps what it did.
-``--gpu none --capacity 1.5GiB --spec tiny`` rehearses the whole script on a CPU host.
+Time: ``--budget-s`` bounds the whole run (gpu_check.sh runs it under ``timeout 480`` with the default 450 s, and
+the check stops itself before that with everything written). Each step has an estimate and a weight
+(:data:`TIMES`); a calibration's most trials, steady steps and per-trial timeout derive from the time it is given
+(``gpu_check_policy.trial_settings``, from the caps ``CUDA``, ``HOST``, ``FUSED`` there).
+
+Triton (the fused path's kernels): ``TRITON_CACHE_DIR`` is set to ``<work>/triton-cache`` before the first trial
+process starts, so the kernels one trial compiles are found by the next, and ``TRITON_CACHE_AUTOTUNING=1`` makes
+Triton keep its autotuning results there too (triton 3.6.0, read in its wheel and in triton-lang/triton:
+``python/triton/knobs.py`` ``autotuning_knobs.cache = env_bool("TRITON_CACHE_AUTOTUNING")``;
+``python/triton/runtime/autotuner.py`` ``Autotuner.__init__`` turns on ``cache_results`` with it, and
+``check_disk_cache`` then writes ``<kernel>.autotune.json`` through the cache manager of ``TRITON_CACHE_DIR``
+and reads it back instead of benchmarking: for kernels whose configs carry no pre_hook).
+
+What persisting saves is read off each calibration's ``trial_wall_s``: the first trial's wall time (a cold cache
+on a fresh machine: it compiles and autotunes in its warm-up step) against the later trials' (they find the
+kernels and the autotune results on disk), each also split as ``rest_s`` = wall − process start − model build −
+measured steps × median step time, which is the warm-up step (where Triton compiles and autotunes), the
+validation pass and the meter. Later trials run at larger batch sizes, so their walls understate what the cache
+saves; the cache's file counts before and after each step are recorded beside them. No trial runs without the
+cache, so the run does not measure what each trial would cost without it.
+
+Writes ``<out>/gpu_check.json``, ``<out>/GPU_CHECK.md`` and ``<out>/gpu_check_files.tar.gz`` (the profiles and
+reports), and nothing else under ``<out>`` (the device tool brings back at most 8 files); profiles, reports,
+the training run, the bars and Triton's cache go to ``--work`` (default ``<out>.work``, beside ``<out>``).
+
+Options: ``--out`` (required), ``--work``, ``--budget-s`` (seconds, default 450), ``--gpu`` (``auto``; ``none``
+rehearses on the host), ``--capacity`` (the host budget, e.g. 2.5GiB), ``--reserve`` (what the calibrations keep
+free, default 0.5GiB as ``vramcal probe``; 0 lets a small host budget rehearse quickly), ``--spec`` (``default`` or
+``tiny``), ``--data``, and ``--inject-error STEP`` (that step fails at its start: a rehearsal of a failing step;
+only this script reads it).
+Exit status: 0 when every step that ran ended ok, 1 when one did not (the results say which), 2 a bad option.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
+import dataclasses
+import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
-from vramcal import api  # noqa: E402
-from vramcal.files import atomic_write_json, atomic_write_text  # noqa: E402
+from gpu_check_policy import (  # noqa: E402
+    CUDA,
+    FUSED,
+    HOST,
+    Caps,
+    bisect_boundary,
+    boundary_line,
+    cache_files,
+    epoch_cut,
+    first_and_later,
+    steady_steps_that_fit,
+    trial_row,
+    trial_settings,
+)
+from gpu_check_run import Check, Step, run_steps  # noqa: E402
+
 from vramcal.models.regressor import ModelSpec  # noqa: E402
 from vramcal.units import format_bytes, parse_bytes  # noqa: E402
 
@@ -38,171 +98,345 @@ SPECS = {
                        dtype="bf16-autocast"),
     "tiny": ModelSpec(d_model=32, n_layers=1, d_state=16, headdim=16, chunk_size=16, seq_len=32),
 }
-DATA = Path("data/es_1s.parquet")
+DATA = ROOT / "data" / "es_1s.parquet"
+# In this order: the steps that need the default profile run right after it, so a slow large spec cannot starve them.
+STEPS = ("device", "data", "default", "boundary", "train", "large", "fused")
+# (estimate seconds: the least time a step is started with, weight: its share of the time left) per device kind;
+# a step without an entry for a kind does not run on it. Estimates, not measurements: the GPU path has not run on
+# a GPU yet; the device run's wall times (in its results) are what to set them from.
+TIMES: dict[str, dict[str, tuple[float, float]]] = {
+    "device": {"cuda": (20, 0), "host": (10, 0)},  # no weight: it is given its estimate
+    "data": {"cuda": (10, 0), "host": (10, 0)},
+    "default": {"cuda": (80, 4), "host": (35, 4)},  # a calibration: its caps' start_s + MIN_TRIALS x trial_s
+    "boundary": {"cuda": (30, 1.5), "host": (10, 1.5)},
+    "train": {"cuda": (30, 1), "host": (10, 1)},
+    "large": {"cuda": (80, 2)},
+    "fused": {"cuda": (90, 2)},
+}
 
 
-class Run:
-    """The results so far, written after every step."""
+# ------------------------------------------------------------------ vramcal's API, called from here only
+# (vramcal.api and vramcal.train.plan are being renamed: a merge adapts these few functions and nothing else)
 
-    def __init__(self, out: Path, budget_s: float) -> None:
-        self.out, self.deadline, self.started = out, time.time() + budget_s, time.time()
-        self.results: dict[str, Any] = {"command": " ".join(sys.argv), "steps": {}}
+def select_device(gpu: str, capacity_bytes: int | None) -> tuple[Any, str | None]:
+    from vramcal import api
 
-    def left_s(self) -> float:
-        return self.deadline - time.time()
-
-    def record(self, name: str, figures: dict[str, Any]) -> None:
-        self.results["steps"][name] = figures
-        self.results["elapsed_s"] = time.time() - self.started
-        atomic_write_json(self.out / "gpu_check.json", self.results)
-        print(f"== {name}: {json.dumps(figures, default=str)[:600]}", flush=True)
+    devices, notice = api.select_devices(gpu, capacity_bytes)
+    return devices[0], notice
 
 
-def printer(trial) -> None:
+def plan_calibration(device: Any, spec: ModelSpec, implementation: str, data: str, profiles_dir: Path,
+                     reserve_bytes: int) -> Any:
+    from vramcal import api
+
+    return api.plan_calibration("regressor", spec.to_dict(), device=device, implementation=implementation,
+                                options={"data": data}, profiles_dir=profiles_dir,
+                                settings=api.LimitSettings(reserve_bytes=reserve_bytes))
+
+
+def run_calibration(plan: Any, settings: dict[str, Any], on_trial: Any) -> Any:
+    from vramcal import api
+
+    return api.run_calibration(plan, on_trial=on_trial, **settings)
+
+
+def plan_training(device: Any, spec: ModelSpec, implementation: str, data: str, profiles_dir: Path,
+                  run_dir: Path) -> Any:
+    from vramcal.train.config import TrainConfig
+    from vramcal.train.plan import plan_run, resolve
+
+    # stride 1 on a GPU: 27,000 windows of the E-mini sample, so the conservative batch size is not capped by the data
+    # (an epoch that would not fit the step's time is cut: gpu_check_policy.epoch_cut); the host keeps the default
+    config = TrainConfig(data=data, spec=spec, gpu="auto" if device.kind == "cuda" else "none",
+                         implementation=implementation, profiles_dir=str(profiles_dir), epochs=1,
+                         stride=1 if device.kind == "cuda" else None)
+    return plan_run(config, run_dir, resolve(config))
+
+
+def trial_runner(plan: Any) -> Callable[..., Any]:
+    """``run(batch_size, timeout_s, purpose, measured_steps=2) -> Trial``: one real trial of the calibration's
+    step on its whole device (seconds)."""
+    import json
+
+    from vramcal.measure.trial import TrialRequest, TrialRunner
+
+    runner = TrialRunner()
+    template = TrialRequest(plan.model, 1, plan.device, json.dumps(plan.options, sort_keys=True),
+                            host_memory_limit_bytes=plan.device.total_bytes if plan.device.kind == "host" else None)
+
+    def run(batch_size: int, timeout_s: float, purpose: str, measured_steps: int = 2) -> Any:
+        runner.timeout_s = timeout_s
+        request = dataclasses.replace(template, batch_size=batch_size, measured_steps=measured_steps)
+        return runner.run(request, purpose=purpose)
+
+    return run
+
+
+# ---------------------------------------------------------------------------------------------- the steps
+
+@dataclass
+class Context:
+    """What the steps hand on: the device, the bars, the calibrations."""
+
+    args: argparse.Namespace
+    work: Path
+    device: Any = None
+    data: str | None = None
+    calibrations: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        return self.device.kind if self.device is not None else "cuda"
+
+    @property
+    def triton_dir(self) -> Path:
+        return self.work / "triton-cache"
+
+    def spec(self) -> ModelSpec:
+        """The default step's spec: ``--spec`` on a GPU or when tiny; fp32 on the host (bf16 autocast is CUDA's)."""
+        return SPECS[self.args.spec] if self.kind == "cuda" or self.args.spec == "tiny" else ModelSpec()
+
+
+def printer(trial: Any) -> None:
     peak = format_bytes(trial.peak_bytes) if trial.peak_bytes else "-"
     print(f"  batch_size {trial.batch_size:>6} {trial.status:<7} peak {peak:>10} [{trial.purpose}, "
           f"{trial.wall_s:.1f} s]", flush=True)
 
 
-def calibrate(run: Run, device, spec: ModelSpec, implementation: str, options: dict[str, Any]) -> tuple[Any, Any, dict]:
-    """A calibration timed as the product runs it; profile and report into the output folder."""
-    from vramcal.report import write_report
+def device_step(ctx: Context) -> Step:
+    def body(given_s: float, partial: dict[str, Any]) -> dict[str, Any]:
+        args = ctx.args
+        ctx.device, notice = select_device(args.gpu, parse_bytes(args.capacity) if args.capacity else None)
+        d = ctx.device
+        return {"device": d.to_dict(), "notice": notice,
+                "summary": f"{d.name} ({d.kind}), {format_bytes(d.total_bytes)}" + (f"; {notice}" if notice else "")}
 
-    started = time.time()
-    plan = api.plan_calibration("regressor", spec.to_dict(), device=device, implementation=implementation,
-                                options=options, profiles_dir=run.out / "profiles")
-    profile = api.run_calibration(plan, on_trial=printer, max_trials=16, timeout_s=min(300, max(60, run.left_s())))
-    write_report([profile], run.out / "reports")
-    limits = profile.limits
-    return plan, profile, {
-        "profile": str(plan.path), "wall_s": time.time() - started, "trials": len(profile.trials),
-        "kernel_path": profile.kernel_path, "verified": profile.verified,
-        "formula": profile.fit and profile.fit.formula(),
-        "safe": limits and limits.safe_batch_size, "conservative": limits and limits.conservative_batch_size,
-        "predicted_boundary": limits and limits.boundary_batch_size, "environment": profile.environment,
-        "creep": profile.creep and profile.creep.to_dict(),
-        "sequence": [(t.batch_size, t.status, t.purpose, t.peak_bytes) for t in profile.trials]}
+    return Step("device", TIMES["device"], body)
 
 
-def bisect_boundary(run: Run, plan, profile, runner) -> dict[str, Any]:
-    """The largest batch size whose real trial finishes on the whole budget (bisection to 1 %)."""
-    from vramcal.measure.trial import TrialRequest
+def data_step(ctx: Context) -> Step:
+    def body(given_s: float, partial: dict[str, Any]) -> dict[str, Any]:
+        path = Path(ctx.args.data)
+        if path.is_file():
+            ctx.data = str(path.resolve())
+            return {"path": ctx.data, "synthetic": False, "summary": f"bars from {ctx.data}"}
+        from vramcal.train.data import synthetic_bars, write_parquet
 
-    template = TrialRequest(plan.model, 1, plan.device, json.dumps(plan.options, sort_keys=True),
-                            host_memory_limit_bytes=plan.device.total_bytes if plan.device.kind == "host" else None)
-    ok = [t.batch_size for t in profile.trials if t.ok and t.peak_bytes <= plan.device.total_bytes]
-    failed = [t.batch_size for t in profile.trials if not t.ok]
-    low, high = max(ok), min(failed) if failed else None
-    trials = []
-    probe = max(low + 1, math.ceil(profile.limits.boundary_batch_size * 1.03)) if high is None else None
-    while run.left_s() > 30:
-        size = probe if high is None else (low + high) // 2
-        if high is not None and high - low <= max(1, math.ceil(0.01 * low)):
-            break
-        trial = runner.run(template.with_batch_size(size), purpose="boundary-bisection")
-        printer(trial)
-        trials.append((size, trial.status, trial.peak_bytes))
-        if trial.ok and trial.peak_bytes <= plan.device.total_bytes:
-            low, probe = size, size * 2
-        else:
-            high = size
-    predicted = profile.limits.boundary_batch_size
-    return {"largest_ok": low, "smallest_failed": high, "predicted": predicted,
-            "error_pct": 100 * (predicted - low) / low if low else None, "trials": trials,
-            "complete": high is not None and high - low <= max(1, math.ceil(0.01 * low))}
+        bars = synthetic_bars()
+        ctx.data = str(write_parquet(bars, ctx.work / "bars-synthetic.parquet").resolve())
+        why = (f"no {path} (data/ is git-ignored, so a copied working tree lacks it): {len(bars):,} synthetic "
+               f"1-s bars (vramcal.train.data.synthetic_bars, the E-mini sample's size) written to {ctx.data}")
+        return {"path": ctx.data, "synthetic": True, "bars": len(bars), "summary": why}
+
+    return Step("data", TIMES["data"], body)
 
 
-def train_one_epoch(run: Run, device, spec: ModelSpec, implementation: str, profiles: Path, data: str | None):
-    """One epoch of ``vramcal train`` at the profile's conservative size; the trainer's peak against the profile."""
-    from vramcal.train.config import TrainConfig
-    from vramcal.train.plan import plan_run, resolve
-    from vramcal.train.runner import train
+def calibration_step(ctx: Context, name: str, spec: Callable[[], ModelSpec], implementation: str,
+                     caps: Callable[[], Caps], unavailable: Callable[[], str | None] = lambda: None) -> Step:
+    """A calibration as the product runs it, with ``--steady-steps 0``, then its steady trial on its own.
 
-    # stride 1: 27,000 windows of the E-mini sample, so the conservative batch size is not capped by the data
-    config = TrainConfig(data=data, spec=spec, gpu="auto" if device.kind == "cuda" else "none",
-                         implementation=implementation, profiles_dir=str(profiles), epochs=1, stride=1)
-    plan = plan_run(config, run.out / "runs" / f"{spec.dtype}-{implementation}", resolve(config))
-    started = time.time()
-    result = train(plan, echo=lambda line: print(f"  {line}", flush=True))
-    sizing = plan.sizing
-    return {"batch_size": sizing.batch_size, "predicted_peak_bytes": sizing.predicted_peak_bytes,
-            "upper_bytes": sizing.upper_bytes, "usable_bytes": sizing.usable_bytes,
-            "measured_peak_bytes": result.peak_bytes, "steps": result.steps, "wall_s": time.time() - started,
-            "error_pct": 100 * (result.peak_bytes - sizing.predicted_peak_bytes) / sizing.predicted_peak_bytes,
-            "within_upper_bound": result.peak_bytes <= sizing.upper_bytes, "last": result.last}
+    The calibration (profile and report into the work folder) is complete before the steady trial starts, so a
+    slow steady trial cannot cost the profile (a calibration stopped at its time limit leaves none). The steady
+    trial then runs at the verified safe size, as many measured steps as fit a third of the step's time left by the
+    calibration's own step times (``gpu_check_policy.steady_steps_that_fit``, at most ``trial_settings``'s
+    ``steady_steps``), with a timeout inside the step's time; its step creep (``vramcal.calibration.creep``'s
+    measure_creep, against the calibration's short trials at that size) is recorded beside the profile, which
+    does not include it (so the train step's prediction has no creep term; the creep says how much of a
+    difference it would explain).
+
+    Args:
+        spec, caps: read when the step starts (they depend on the device found).
+    """
+
+    def body(given_s: float, partial: dict[str, Any]) -> dict[str, Any]:
+        from vramcal.report import write_report
+
+        deadline = time.monotonic() + given_s
+        the_caps = caps()
+        settings = trial_settings(the_caps, min(given_s, the_caps.given_s or given_s))
+        rows = partial.setdefault("trials", [])
+        partial.update(settings=settings, triton_cache_before=cache_files(ctx.triton_dir))
+
+        def on_trial(trial: Any) -> None:
+            printer(trial)
+            rows.append(trial_row(trial, 2))
+
+        started = time.monotonic()
+        plan = plan_calibration(ctx.device, spec(), implementation, ctx.data, ctx.work / "profiles",
+                                parse_bytes(ctx.args.reserve))
+        profile = run_calibration(plan, {**settings, "steady_steps": 0}, on_trial)
+        wall_s = time.monotonic() - started
+        write_report([profile], ctx.work / "reports")
+        ctx.calibrations[name] = (plan, profile)
+        limits, times = profile.limits, first_and_later(rows)
+        figures = {
+            "profile": str(plan.path), "wall_s": round(wall_s, 1), "trials": len(profile.trials), "settings": settings,
+            "kernel_path": profile.kernel_path, "verified": profile.verified,
+            "formula": profile.fit and profile.fit.formula(),
+            "safe": limits and limits.safe_batch_size, "conservative": limits and limits.conservative_batch_size,
+            "predicted_boundary": limits and limits.boundary_batch_size, "environment": profile.environment,
+            "trial_wall_s": times, "sequence": rows}
+        partial["calibration"] = figures  # kept if the steady trial is stopped
+        figures["steady"] = steady_trial(plan, profile, settings["steady_steps"], deadline)
+        figures["triton_cache"] = {"before": partial["triton_cache_before"], "after": cache_files(ctx.triton_dir)}
+        figures["summary"] = calibration_line(figures)
+        return figures
+
+    return Step(name, TIMES[name], body, needs=("device", "data"), unavailable=unavailable)
 
 
-def summary(results: dict[str, Any]) -> str:
-    """GPU_CHECK.md: the figures issue 11 asks for."""
-    steps = results["steps"]
-    lines = ["# GPU check", "", f"Command: `{results['command']}`", "", f"Device: {steps.get('device', {})}", ""]
-    for name in ("default", "large", "fused"):
-        if name in steps:
-            s = steps[name]
-            lines.append(f"- calibration `{name}`: {s['wall_s']:.1f} s, {s['trials']} trials, safe {s['safe']}, "
-                         f"conservative {s['conservative']}, verified {s['verified']}, kernel path "
-                         f"{s['kernel_path']}; `{s['formula']}`")
-    if "boundary" in steps:
-        b = steps["boundary"]
-        lines.append(f"- boundary (default spec): predicted {b['predicted']:.1f}, bisected largest ok "
-                     f"{b['largest_ok']}, smallest failed {b['smallest_failed']} ({'' if b['complete'] else 'not '}"
-                     f"complete), error {b['error_pct'] and round(b['error_pct'], 2)} %")
-    if "train" in steps:
-        t = steps["train"]
-        lines.append(f"- training one epoch at batch {t['batch_size']}: measured peak "
-                     f"{format_bytes(t['measured_peak_bytes'])} against predicted "
-                     f"{format_bytes(t['predicted_peak_bytes'])} ({t['error_pct']:+.1f} %) and upper bound "
-                     f"{format_bytes(t['upper_bytes'])}")
-    lines += [f"- skipped: {', '.join(results.get('skipped', [])) or 'nothing'}",
-              f"- elapsed: {results['elapsed_s']:.0f} s"]
-    return "\n".join(lines) + "\n"
+def steady_trial(plan: Any, profile: Any, most_steps: int, deadline: float) -> dict[str, Any]:
+    """The steady trial after a calibration (:func:`calibration_step`): its figures, or why it did not run."""
+    from vramcal.calibration.creep import STEADY, measure_creep
+
+    safe = profile.limits.safe_batch_size if profile.limits and profile.verified else None
+    if safe is None:
+        return {"ran": False, "reason": "no verified safe size"}
+    left_s = deadline - time.monotonic()
+    steps, reason = steady_steps_that_fit(profile.trials, safe, left_s, most_steps)
+    if not steps:
+        return {"ran": False, "reason": reason}
+    trial = trial_runner(plan)(safe, max(5.0, left_s - 3.0), purpose=STEADY, measured_steps=steps)
+    printer(trial)
+    creep = measure_creep([*profile.trials, trial])
+    return {"ran": True, "batch_size": safe, "steps": steps, "trial": trial_row(trial, steps),
+            "creep": creep and creep.to_dict(), "creep_bytes": creep and creep.bytes_at_steady}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--budget-s", type=float, default=450, help="stop starting steps after this")
-    parser.add_argument("--gpu", default="auto", help="auto, or none to rehearse on the host")
-    parser.add_argument("--capacity", default=None, help="a budget (host rehearsal)")
-    parser.add_argument("--spec", default="default", choices=("default", "tiny"))
-    args = parser.parse_args()
-    run = Run(args.out, args.budget_s)
-    (device,), notice = api.select_devices(args.gpu, parse_bytes(args.capacity) if args.capacity else None)
-    run.record("device", {"device": device.to_dict(), "notice": notice})
-    data = str(DATA.resolve()) if DATA.is_file() else None
-    options = {"data": data}
-    spec = SPECS[args.spec] if device.kind == "cuda" or args.spec == "tiny" else ModelSpec()
-    names = [("default", spec, "transformers")]
-    if device.kind == "cuda":
-        names.append(("large", SPECS["large"], "transformers"))
-    from vramcal.measure.trial import TrialRunner
+def calibration_line(figures: dict[str, Any]) -> str:
+    settings, times, steady = figures["settings"], figures["trial_wall_s"], figures["steady"]
+    boundary = f"{figures['predicted_boundary']:.1f}" if figures["predicted_boundary"] else "-"
+    if steady["ran"]:
+        creep = steady["creep_bytes"]
+        steady_text = (f"steady trial {steady['steps']} steps at {steady['batch_size']}: "
+                       f"{steady['trial']['status']}" + (f", creep {format_bytes(creep)}" if creep is not None else ""))
+    else:
+        steady_text = f"no steady trial ({steady['reason']})"
+    return (f"{figures['wall_s']:.0f} s, {figures['trials']} trials (at most {settings['max_trials']}, "
+            f"{settings['timeout_s']:.0f} s per trial), safe {figures['safe']}, conservative "
+            f"{figures['conservative']}, verified {figures['verified']}, predicted boundary {boundary}, kernel path "
+            f"{figures['kernel_path']}; `{figures['formula']}`; first trial {times['first_s']:.1f} s, later median "
+            f"{times['later_median_s']} s; {steady_text}")
+
+
+def boundary_step(ctx: Context) -> Step:
+    def body(given_s: float, partial: dict[str, Any]) -> dict[str, Any]:
+        plan, profile = ctx.calibrations["default"]
+        deadline = time.monotonic() + given_s
+        run = trial_runner(plan)
+        timeout_s = (HOST if ctx.kind == "host" else CUDA).trial_timeout_s
+        found = bisect_boundary(profile.trials, plan.device.total_bytes,
+                                profile.limits and profile.limits.boundary_batch_size,
+                                lambda size: run(size, min(timeout_s, max(1.0, deadline - time.monotonic())),
+                                                 "boundary-bisection"),
+                                lambda: deadline - time.monotonic(), partial, on_trial=printer)
+        found["trial_wall_s"] = first_and_later(found["trials"])
+        found["summary"] = boundary_line(found)
+        return found
+
+    return Step("boundary", TIMES["boundary"], body, needs=("default",))
+
+
+def train_step(ctx: Context) -> Step:
+    def body(given_s: float, partial: dict[str, Any]) -> dict[str, Any]:
+        from vramcal.train.runner import train
+
+        _, profile = ctx.calibrations["default"]
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        plan = plan_training(ctx.device, ctx.spec(), "transformers", ctx.data, ctx.work / "profiles",
+                             ctx.work / "runs" / f"train-{stamp}")
+        cut = epoch_cut(profile.trials, plan.batch_size, int(plan.data_stats["train_windows"]), given_s)
+        if cut is not None:
+            plan = dataclasses.replace(plan, config=plan.config.replace(max_steps=cut))
+        partial.update(batch_size=plan.batch_size, max_steps=cut, run_dir=str(plan.run_dir))
+        started = time.monotonic()
+        result = train(plan, echo=lambda line: print(f"  {line}", flush=True))
+        sizing, peak = plan.sizing, result.peak_bytes
+        error = 100 * (peak - sizing.predicted_peak_bytes) / sizing.predicted_peak_bytes if peak else None
+        figures = {"batch_size": sizing.batch_size, "predicted_peak_bytes": sizing.predicted_peak_bytes,
+                   "upper_bytes": sizing.upper_bytes, "usable_bytes": sizing.usable_bytes, "measured_peak_bytes": peak,
+                   "steps": result.steps, "max_steps": cut, "wall_s": round(time.monotonic() - started, 1),
+                   "error_pct": error, "within_upper_bound": peak is not None and peak <= sizing.upper_bytes,
+                   "last": result.last}
+        what = f"{result.steps} steps (an epoch cut to fit the time)" if cut else f"one epoch ({result.steps} steps)"
+        figures["summary"] = (f"{what} at batch {sizing.batch_size}: measured peak "
+                              f"{format_bytes(peak) if peak else '-'} against predicted "
+                              f"{format_bytes(sizing.predicted_peak_bytes)}"
+                              f"{f' ({error:+.1f} %)' if error is not None else ''}, upper bound "
+                              f"{format_bytes(sizing.upper_bytes)}")
+        return figures
+
+    return Step("train", TIMES["train"], body, needs=("default",))
+
+
+def fused_unavailable(ctx: Context) -> str | None:
     from vramcal.models.mamba2 import mamba_ssm_available
 
-    plans: dict[str, Any] = {}
-    run.results["skipped"] = []
-    for name, the_spec, implementation in names:
-        if run.left_s() < 60:
-            run.results["skipped"].append(name)
-            continue
-        plan, profile, figures = calibrate(run, device, the_spec, implementation, options)
-        plans[name] = (plan, profile)
-        run.record(name, figures)
-    if "default" in plans and run.left_s() > 60:
-        run.record("boundary", bisect_boundary(run, *plans["default"], TrialRunner(timeout_s=300)))
-    else:
-        run.results["skipped"].append("boundary")
-    if "default" in plans and run.left_s() > 45:
-        run.record("train", train_one_epoch(run, device, spec, "transformers", run.out / "profiles", data))
-    else:
-        run.results["skipped"].append("train")
-    if device.kind == "cuda" and mamba_ssm_available() and run.left_s() > 60:
-        run.record("fused", calibrate(run, device, spec, "mamba_ssm", options)[2])
-    else:
-        run.results["skipped"].append("fused (wheels absent or no time)" if device.kind == "cuda" else "fused (host)")
-    atomic_write_json(run.out / "gpu_check.json", run.results)
-    atomic_write_text(run.out / "GPU_CHECK.md", summary(run.results))
-    print(summary(run.results))
+    if ctx.kind != "cuda":
+        return "the fused kernels run on a GPU only"
+    if not mamba_ssm_available():
+        return "mamba_ssm or causal_conv1d does not import (their wheels are not carried: make gpu-fused-wheels)"
+    return None
+
+
+def steps(ctx: Context) -> list[Step]:
+    return [device_step(ctx), data_step(ctx),
+            calibration_step(ctx, "default", ctx.spec, "transformers", lambda: HOST if ctx.kind == "host" else CUDA),
+            boundary_step(ctx), train_step(ctx),
+            calibration_step(ctx, "large", lambda: SPECS["large"], "transformers", lambda: CUDA),
+            calibration_step(ctx, "fused", ctx.spec, "mamba_ssm", lambda: FUSED,
+                             unavailable=lambda: fused_unavailable(ctx))]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="results: gpu_check.json, GPU_CHECK.md, the bundle")
+    parser.add_argument("--work", type=Path, default=None, help="profiles, reports, runs, caches (default <out>.work)")
+    parser.add_argument("--budget-s", type=float, default=450, help="the whole check ends within this (seconds)")
+    parser.add_argument("--gpu", default="auto", help="auto, or none to rehearse on the host")
+    parser.add_argument("--capacity", default=None, help="the host budget for a rehearsal, e.g. 2.5GiB")
+    parser.add_argument("--reserve", default="0.5GiB", help="memory the calibrations keep free (vramcal probe's)")
+    parser.add_argument("--spec", default="default", choices=("default", "tiny"))
+    parser.add_argument("--data", default=str(DATA), help="OHLCV bars (missing: synthetic bars are written)")
+    parser.add_argument("--inject-error", choices=STEPS, default=None, help="make this step fail (a rehearsal)")
+    args = parser.parse_args(argv)
+    if args.budget_s <= 0:
+        parser.error(f"--budget-s must be positive, got {args.budget_s}")
+    for option in ("capacity", "reserve"):
+        try:
+            if getattr(args, option) is not None:
+                parse_bytes(getattr(args, option))
+        except ValueError as error:
+            parser.error(f"--{option}: {error}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = args.out.resolve()
+    work = (args.work or out.with_name(out.name + ".work")).resolve()
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        print(f"cannot create {error.filename} ({error.strerror}): give another --out or --work", file=sys.stderr)
+        return 1
+    check = Check(out, work, args.budget_s, " ".join(["scripts/gpu_check.py", *(argv or sys.argv[1:])]))
+    ctx = Context(args, work)
+    # before the first trial process: the fork server, and every worker forked from it, inherit these
+    os.environ["TRITON_CACHE_DIR"] = str(ctx.triton_dir)
+    os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
+    check.results["notes"]["triton"] = (f"TRITON_CACHE_DIR={ctx.triton_dir}, TRITON_CACHE_AUTOTUNING=1 (compiled "
+                                        f"kernels and autotuning results kept across trial processes)")
+    try:
+        run_steps(check, steps(ctx), lambda: ctx.kind, inject=args.inject_error)
+    except KeyboardInterrupt:
+        print(f"interrupted: {out / 'gpu_check.json'} keeps what finished", file=sys.stderr)
+        return 130
+    print((out / "GPU_CHECK.md").read_text(), flush=True)
+    failed = [name for name, entry in check.results["steps"].items() if entry["status"] in ("error", "stopped")]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # CPU rehearsal of the GPU check on the H200 image (issue 11): build a Python 3.12 environment like the
 # image's (torch 2.11 from PyPI - its CUDA 13 build, the image's own, which runs on a CPU; transformers
-# 5.17; no optuna, mamba-ssm, causal-conv1d or nvitop), fill wheels/ with `make gpu-wheels`, run
+# 5.17; no optuna, mamba-ssm, causal-conv1d, nvitop or psutil), fill wheels/ with `make gpu-wheels` (the
+# exact versions of scripts/gpu_wheels.txt, checked against the image's package list), run
 # scripts/gpu_check.sh exactly as the device does, and require that it passes the preflight (the carried
-# transformers shadows 5.17, nvitop and psutil come from the carried wheels) and then stops at the
-# one "no NVIDIA GPU visible" line with exit code 4.
+# transformers shadows 5.17; nvitop, psutil, nvidia-ml-py and regex come from the carried wheels) and then
+# stops at the one "no NVIDIA GPU visible" line with exit code 4.
 # Usage: scripts/gpu_rehearsal.sh   (REHEARSAL_DIR, REHEARSAL_PYTHON, REHEARSAL_TORCH to override)
 set -euo pipefail
 cd "$(dirname "$0")/.."

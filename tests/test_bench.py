@@ -230,3 +230,57 @@ def test_python_versions_agree_when_each_peak_lies_in_the_others_interval():
     pairs = {(p["version"], p["against"]): p["inside"] for p in agreement([a, b, c])}
     assert pairs[("3.11", "3.12")] and pairs[("3.12", "3.11")] is False  # 3.11's interval is tight
     assert pairs[("3.13", "3.12")] is False and pairs[("3.11", "3.13")] is False
+
+
+class ScriptedRunner:
+    """A trial runner at the hardware boundary: each size's trials come from ``outcomes[size]`` in turn
+    (``(status, peak_bytes)``), else ok within the budget up to ``largest``, out of memory above it."""
+
+    def __init__(self, budget_bytes: int, largest: int, outcomes: dict[int, list[tuple[str, int | None]]]) -> None:
+        self.budget_bytes, self.largest, self.outcomes, self.sizes = budget_bytes, largest, outcomes, []
+
+    def run(self, request, purpose=""):
+        from vramcal.records import Trial
+
+        size = request.batch_size
+        self.sizes.append(size)
+        if self.outcomes.get(size):
+            status, peak = self.outcomes[size].pop(0)
+        else:
+            status, peak = ("ok", self.budget_bytes // 2) if size <= self.largest else ("oom", None)
+        return Trial(size, status, peak, purpose=purpose, wall_s=0.1,
+                     error=None if status == "ok" else f"Traceback ...\nRuntimeError: {status} at {size}")
+
+
+TRUTH_SPEC = {"d_model": 32, "n_layers": 1, "d_state": 16, "headdim": 16, "chunk_size": 16, "seq_len": 32}
+
+
+def test_the_truth_is_decided_by_memory_alone_and_an_error_near_the_limit_is_retried_once():
+    from bench.truth import ground_truth
+
+    budget = 1024 * MIB
+    # 40 times out, then runs out of memory; 38 errs, then fits; 39 finishes but peaks above the budget: no fit
+    runner = ScriptedRunner(budget, 37, {40: [("timeout", None)], 38: [("error", None), ("ok", budget - 1)],
+                                         39: [("ok", budget + 1)]})
+    truth = ground_truth(TRUTH_SPEC, budget, "bars.parquet", 1, runner=runner, echo=lambda line: None)
+    assert (truth["batch_size"], truth["first_failing_batch_size"]) == (38, 39)
+    assert runner.sizes == [1, 2, 4, 8, 16, 32, 64, 48, 40, 40, 36, 38, 38, 39]
+    assert [(t["batch_size"], t["status"]) for t in truth["non_oom_failures"]] == [(40, "timeout"), (38, "error")]
+
+
+def test_a_size_that_errs_twice_never_becomes_the_truth():
+    from bench.truth import TruthError, ground_truth
+
+    budget = 1024 * MIB
+    runner = ScriptedRunner(budget, 37, {48: [("error", None), ("timeout", None)]})
+    with pytest.raises(TruthError, match=r"^batch size 48 ended in timeout twice \(RuntimeError: timeout at 48\): "):
+        ground_truth(TRUTH_SPEC, budget, "bars.parquet", 1, runner=runner, echo=lambda line: None)
+    assert runner.sizes == [1, 2, 4, 8, 16, 32, 64, 48, 48]
+
+
+def test_memory_verdict():
+    from bench.truth import memory_verdict
+
+    assert [memory_verdict(status, peak, 100) for status, peak in
+            [("ok", 100), ("ok", 101), ("oom", None), ("error", None), ("timeout", None), ("ok", None)]] == [
+        "fits", "over", "over", "unknown", "unknown", "unknown"]

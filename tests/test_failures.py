@@ -16,6 +16,7 @@ import pytest
 import test_train
 import test_tune
 import torch
+import torch.distributed
 from click.testing import CliRunner
 from host_budget import capacity
 from test_train import in_process, one_line_failure, rows, sgd
@@ -35,6 +36,11 @@ OOM_KINDS = {
     "cuda-runtime": lambda: RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously "
                                          "reported at some other API call"),
     "cudnn": lambda: RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
+    "triton": lambda: RuntimeError("Triton Error [CUDA]: out of memory"),
+    "nccl": lambda: torch.distributed.DistBackendError(
+        "NCCL error in: ProcessGroupNCCL.cpp:3699, unhandled cuda error (run with NCCL_DEBUG=INFO for details), "
+        "NCCL version 2.27.3\nncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\n"
+        "Cuda failure 2 'out of memory'"),
 }
 ONEDNN = "could not create a primitive"
 

@@ -92,3 +92,133 @@ def test_the_fused_path_line_is_optional_and_says_why_it_cannot_run():
 
     assert preflight.fused_path_line(both, importer=broken).endswith(
         "but not importable: ImportError: libcudart.so.13: cannot open shared object file")
+
+
+
+# --- the carried wheels' pins (scripts/gpu_wheels.txt) and the versions found
+
+PINS = preflight.read_pins()
+
+
+def test_the_pins_are_exact_and_with_the_image_meet_every_requirement():
+    assert PINS["transformers"] == "5.24.0"  # the version whose METADATA TRANSFORMERS_5_24 holds: they move together
+    assert set(PINS) == {"transformers", "regex", "nvitop", "nvidia-ml-py", "psutil"}
+    recorded = {name: version for name, version in preflight.H200_IMAGE.items() if version}
+    image = {**IMAGE, **recorded}  # IMAGE's made-up versions only where the image's were not recorded
+    assert preflight.check_versions(requirements(), image, {"transformers": []})[0] != []  # the bare image fails
+    on_top = {**image, **PINS}
+    assert preflight.check_versions(requirements(), on_top, {"transformers": TRANSFORMERS_5_24,
+                                                             "nvitop": NVITOP}) == ([], [])
+    assert preflight.check_versions(requirements(), {**on_top, "regex": "2025.9.18"},  # an older regex than 5.24 needs
+                                    {"transformers": TRANSFORMERS_5_24})[0] == [
+        "too old: regex 2025.9.18 (needs >=2025.10.22, for transformers): carry a newer wheel in wheels/ "
+        "(make gpu-wheels)"]
+
+
+def test_a_pin_must_be_exact(tmp_path):
+    path = tmp_path / "pins.txt"
+    path.write_text("# carried\ntransformers==5.24.0  # the one\n\nnvitop==1.7.2\n")
+    assert preflight.read_pins(path) == {"transformers": "5.24.0", "nvitop": "1.7.2"}
+    for line, why in [("transformers>=5.23", "is not an exact pin"), ("regex==2026.*", "is not an exact pin"),
+                      ("psutil==7.2.2; sys_platform == 'linux'", "is not an exact pin"),
+                      ("Nvitop==1.7.3", "nvitop is pinned twice")]:
+        path.write_text(f"nvitop==1.7.2\n{line}\n")
+        with pytest.raises(ValueError, match=f"^pins.txt:2: .*{why}"):
+            preflight.read_pins(path)
+
+
+def test_one_line_per_package_found_and_a_warning_when_a_carried_wheel_is_not_the_one_imported():
+    installed = {"transformers": "5.24.0", "nvitop": None, "regex": "2025.11.3"}
+    folders = {"transformers": "/repo/.gpu-site", "regex": "/usr/lib/python3/dist-packages"}
+    assert preflight.found_lines(installed, folders) == [
+        "found nvitop: not installed", "found regex 2025.11.3 (/usr/lib/python3/dist-packages)",
+        "found transformers 5.24.0 (/repo/.gpu-site)"]
+    assert preflight.pin_warnings(PINS, installed) == [
+        f"warning: regex 2025.11.3 found, but wheels/ carries {PINS['regex']} (gpu_wheels.txt): is .gpu-site first "
+        f"on PYTHONPATH?"]
+
+
+def carried_wheels(**changes):
+    """(name, version, Requires-Dist) of the pinned wheels, with ``name=(version or None, requires)`` changed."""
+    wheels = {"transformers": ("5.24.0", TRANSFORMERS_5_24), "nvitop": ("1.7.2", NVITOP), "psutil": ("7.2.2", []),
+              "regex": ("2026.11.19", []), "nvidia-ml-py": ("13.615.71", [])}
+    wheels.update(changes)
+    return [(name, version, requires) for name, (version, requires) in wheels.items() if version]
+
+
+def test_the_carried_wheels_meet_their_pins_and_the_image():
+    lines, problems = preflight.check_wheels(carried_wheels(), PINS)
+    assert problems == []
+    assert lines[:2] == ["wheel transformers 5.24.0", "  packaging>=20.0 (for transformers): in the image at a "
+                         "version not recorded: the device's preflight checks it"]
+    assert "wheel nvitop 1.7.2" in lines and not any("colorama" in line for line in lines)  # a Windows-only need
+
+
+def test_carried_wheels_that_miss_their_pins_or_the_image_are_problems():
+    old_hub = {**preflight.H200_IMAGE, "huggingface-hub": "1.30.0"}
+    lines, problems = preflight.check_wheels(carried_wheels(regex=(None, []), psutil=("7.1.0", [])), PINS, old_hub)
+    assert problems == [
+        "psutil==7.2.2 is pinned but not carried (found 7.1.0): run make gpu-wheels",
+        "regex==2026.11.19 is pinned but not carried (none found): run make gpu-wheels",
+        "transformers 5.24.0 needs huggingface-hub<3.0,>=1.31.0, the image's is 1.30.0: pin a huggingface-hub that "
+        "meets it (or another transformers) in gpu_wheels.txt"]
+    # without the carried regex, the image's (no recorded version) is left to the device's preflight
+    assert ("  regex>=2025.10.22 (for transformers): in the image at a version not recorded: the device's preflight "
+            "checks it") in lines
+    _, problems = preflight.check_wheels(carried_wheels(psutil=("7.2.2", ["no-such-package>=1"]),
+                                                        nvitop=("1.7.2", ["psutil>=8"])), PINS)
+    assert problems == ["nvitop 1.7.2 needs psutil>=8, carried is 7.2.2: pin a psutil that meets it (or another "
+                        "nvitop) in gpu_wheels.txt",
+                        "psutil 7.2.2 needs no-such-package>=1, which neither the image nor wheels/ has: pin it in "
+                        "gpu_wheels.txt"]
+
+
+def test_the_wheel_check_reads_real_wheels(tmp_path):
+    import zipfile
+
+    path = tmp_path / "psutil-7.2.2-cp36-abi3-manylinux2010_x86_64.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr("psutil-7.2.2.dist-info/METADATA", "Metadata-Version: 2.1\nName: psutil\nVersion: 7.2.2\n"
+                       "Requires-Dist: pytest; extra == 'test'\n\nA description.\n")
+    assert preflight.wheel_metadata(path) == ("psutil", "7.2.2", ["pytest; extra == 'test'"])
+    (tmp_path / "broken.whl").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="^broken.whl is not a readable wheel"):
+        preflight.wheel_metadata(tmp_path / "broken.whl")
+
+
+def write_wheel(folder, name, version, requires=()):
+    import zipfile
+
+    path = folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr(f"{name.replace('-', '_')}-{version}.dist-info/METADATA", "Metadata-Version: 2.1\n"
+                       f"Name: {name}\nVersion: {version}\n" + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    return path
+
+
+def test_the_wheels_option_checks_a_folder_of_wheels(tmp_path, capsys):
+    for name, (version, requires) in {"transformers": ("5.24.0", TRANSFORMERS_5_24), "nvitop": ("1.7.2", NVITOP),
+                                      "psutil": ("7.2.2", []), "regex": ("2026.11.19", []),
+                                      "nvidia-ml-py": ("13.615.71", [])}.items():
+        write_wheel(tmp_path, name, version, requires)
+    assert preflight.main(["--wheels", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert "preflight: wheel transformers 5.24.0\n" in out.out and out.err == ""
+    (tmp_path / "psutil-7.2.2-py3-none-any.whl").unlink()
+    assert preflight.main(["--wheels", str(tmp_path)]) == preflight.EXIT_PACKAGES
+    assert capsys.readouterr().err == ("preflight: psutil==7.2.2 is pinned but not carried (none found): run make "
+                                       "gpu-wheels\n")
+
+
+def test_the_gpu_option_needs_a_visible_gpu_and_every_package_gets_a_line(capsys):
+    from fakes import L4, install_fake_nvml
+
+    install_fake_nvml([L4], init_error=9)
+    assert preflight.main(["--gpu"]) == preflight.EXIT_NO_GPU
+    out = capsys.readouterr()
+    assert out.err.splitlines()[-1] == "no NVIDIA GPU visible (NVML: Driver Not Loaded): the GPU check needs one"
+    found = [line for line in out.out.splitlines() if line.startswith("preflight: found ")]
+    names = {line.split()[2].rstrip(":") for line in found}
+    assert names >= {"torch", "transformers", "nvitop", "psutil", "regex", "tokenizers", "huggingface-hub",
+                     "nvidia-ml-py", "triton"}
+    assert "preflight: packages ok (" in out.out

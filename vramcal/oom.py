@@ -26,6 +26,21 @@ OOM_MESSAGES: tuple[tuple[str, str], ...] = (
      "torch ATen/cuda/Exceptions.h TORCH_CUDABLAS_CHECK: cuBLAS could not allocate its handle or workspace"),
     ("CUDNN_STATUS_ALLOC_FAILED",
      "torch ATen/cudnn/Exceptions.h and cudnn_frontend: cuDNN could not allocate (cuDNN 8 and 9 status name)"),
+    ("Triton Error [CUDA]: out of memory",
+     "triton third_party/nvidia/backend/driver.c gpuAssert (loadBinary's cuModuleLoadData, the kernel's module) and "
+     "the launcher that third_party/nvidia/backend/driver.py generates (its gpuAssert around cuLaunchKernelEx): "
+     "'Triton Error [CUDA]: ' + cuGetErrorString(CUDA_ERROR_OUT_OF_MEMORY), raised as a RuntimeError (read in the "
+     "triton 3.6.0 wheel, the H200 image's; the fused path's kernels)"),
+    ("Cuda failure 'out of memory'",
+     "NCCL src/include/checks.h CUDACHECK: WARN(\"Cuda failure '%s'\", cudaGetErrorString(err)) on a CUDA runtime "
+     "call (NCCL's own cudaMalloc of its buffers) failing with cudaErrorMemoryAllocation. torch's C10D_NCCL_CHECK "
+     "(torch/csrc/distributed/c10d/NCCLUtils.hpp) raises DistBackendError (a RuntimeError) whose message "
+     "getNcclErrorDetailStr (NCCLUtils.cpp) ends with 'ncclUnhandledCudaError: Call to CUDA function failed.' and "
+     "'Last error:' + ncclGetLastError(), the WARN text (where torch is built with ENABLE_NCCL_GET_LAST_ERROR)"),
+    ("Cuda failure 2 'out of memory'",
+     "NCCL src/include/cudawrap.h CUCHECK: WARN(\"Cuda failure %d '%s'\", err, errStr) on a CUDA driver call "
+     "(cuMemCreate/cuMemMap of NCCL's cuMem buffers) failing with CUDA_ERROR_OUT_OF_MEMORY = 2; reaches Python as "
+     "the line above does"),
 )
 
 # oneDNN (the CPU kernels) reports a failed scratchpad allocation as dnnl_out_of_memory, which torch's
@@ -37,7 +52,11 @@ ONEDNN_PRIMITIVE_MESSAGE = "could not create a primitive"
 # Not out-of-memory, decided:
 # - triton.runtime.errors.OutOfResources ("out of resource: shared memory, Required: ..., Hardware
 #   limit: ..."): a kernel configuration needs more shared memory or registers per block than an SM
-#   has. It does not depend on free device memory; it is a kernel/configuration error.
+#   has. It does not depend on free device memory; it is a kernel/configuration error (and a TritonError,
+#   not a RuntimeError). Nor is any other "Triton Error [CUDA]: ..." (an illegal address, a launch failure).
+# - NCCL's other CUDA failures ("Cuda failure 999 'unknown error'", "Cuda failure 401 'the operation cannot be
+#   performed in the present state'"), and a bare "ncclUnhandledCudaError" without NCCL's last error (a torch
+#   built without ENABLE_NCCL_GET_LAST_ERROR): nothing in them says the card was full.
 # - CUDNN_STATUS_NOT_ENOUGH_WORKSPACE: the workspace handed to cuDNN is smaller than the algorithm
 #   asked for (torch allocates workspaces through the caching allocator, so exhaustion there is a
 #   torch.OutOfMemoryError); it is a size mismatch, not exhaustion.
