@@ -6,7 +6,7 @@ written to ``gpu_check.json`` and ``GPU_CHECK.md`` as soon as it ends, and a fai
 1. ``device``: the GPU (``--gpu``), or the host with ``--capacity`` for a rehearsal;
 2. ``data``: the bars the trials and the trainer read: ``--data`` (default the tree's ``data/es_1s.parquet``),
    or, where that file is missing (it is git-ignored, so a copied working tree lacks it), synthetic bars
-   (``vramcal.train.data.synthetic_bars``: 34,171 random-walk 1-s bars, the E-mini sample's size) written to
+   (``vramcal.models.regressor.bars.synthetic_bars``: 34,171 random-walk 1-s bars, the E-mini sample's size) written to
    the work folder, and the results say so;
 3. ``default``: calibrate the default spec (bf16 autocast on a GPU) on the whole device: profile and report; the
    calibration runs with ``--steady-steps 0`` and its steady trial (the step creep) runs after it, sized from the
@@ -89,14 +89,14 @@ from gpu_check_policy import (  # noqa: E402
 )
 from gpu_check_run import Check, Step, run_steps  # noqa: E402
 
-from vramcal.models.regressor import ModelSpec  # noqa: E402
+from vramcal.models.regressor.spec import RegressorSpec  # noqa: E402
 from vramcal.units import format_bytes, parse_bytes  # noqa: E402
 
 SPECS = {
-    "default": ModelSpec(dtype="bf16-autocast"),
-    "large": ModelSpec(d_model=768, n_layers=24, d_state=128, headdim=64, chunk_size=256, seq_len=1024,
+    "default": RegressorSpec(dtype="bf16-autocast"),
+    "large": RegressorSpec(d_model=768, n_layers=24, d_state=128, headdim=64, chunk_size=256, seq_len=1024,
                        dtype="bf16-autocast"),
-    "tiny": ModelSpec(d_model=32, n_layers=1, d_state=16, headdim=16, chunk_size=16, seq_len=32),
+    "tiny": RegressorSpec(d_model=32, n_layers=1, d_state=16, headdim=16, chunk_size=16, seq_len=32),
 }
 DATA = ROOT / "data" / "es_1s.parquet"
 # In this order: the steps that need the default profile run right after it, so a slow large spec cannot starve them.
@@ -116,7 +116,6 @@ TIMES: dict[str, dict[str, tuple[float, float]]] = {
 
 
 # ------------------------------------------------------------------ vramcal's API, called from here only
-# (vramcal.api and vramcal.train.plan are being renamed: a merge adapts these few functions and nothing else)
 
 def select_device(gpu: str, capacity_bytes: int | None) -> tuple[Any, str | None]:
     from vramcal import api
@@ -125,7 +124,7 @@ def select_device(gpu: str, capacity_bytes: int | None) -> tuple[Any, str | None
     return devices[0], notice
 
 
-def plan_calibration(device: Any, spec: ModelSpec, implementation: str, data: str, profiles_dir: Path,
+def plan_calibration(device: Any, spec: RegressorSpec, implementation: str, data: str, profiles_dir: Path,
                      reserve_bytes: int) -> Any:
     from vramcal import api
 
@@ -135,12 +134,14 @@ def plan_calibration(device: Any, spec: ModelSpec, implementation: str, data: st
 
 
 def run_calibration(plan: Any, settings: dict[str, Any], on_trial: Any) -> Any:
+    """The calibration with the trial settings ``settings`` (:class:`vramcal.records.TrialSettings` fields)."""
     from vramcal import api
+    from vramcal.records import TrialSettings
 
-    return api.run_calibration(plan, on_trial=on_trial, **settings)
+    return api.run_calibration(dataclasses.replace(plan, trials=TrialSettings(**settings)), on_trial=on_trial)
 
 
-def plan_training(device: Any, spec: ModelSpec, implementation: str, data: str, profiles_dir: Path,
+def plan_training(device: Any, spec: RegressorSpec, implementation: str, data: str, profiles_dir: Path,
                   run_dir: Path) -> Any:
     from vramcal.train.config import TrainConfig
     from vramcal.train.plan import plan_run, resolve
@@ -158,16 +159,16 @@ def trial_runner(plan: Any) -> Callable[..., Any]:
     step on its whole device (seconds)."""
     import json
 
+    from vramcal.api import worker_pool
     from vramcal.measure.trial import TrialRequest, TrialRunner
+    from vramcal.records import TrialSettings
 
-    runner = TrialRunner()
-    template = TrialRequest(plan.model, 1, plan.device, json.dumps(plan.options, sort_keys=True),
-                            host_memory_limit_bytes=plan.device.total_bytes if plan.device.kind == "host" else None)
+    runner = TrialRunner(worker_pool())
+    template = TrialRequest(plan.model, 1, plan.device, json.dumps(plan.options, sort_keys=True))
 
     def run(batch_size: int, timeout_s: float, purpose: str, measured_steps: int = 2) -> Any:
-        runner.timeout_s = timeout_s
-        request = dataclasses.replace(template, batch_size=batch_size, measured_steps=measured_steps)
-        return runner.run(request, purpose=purpose)
+        settings = TrialSettings(measured_steps=measured_steps, timeout_s=timeout_s)
+        return runner.run(dataclasses.replace(template, batch_size=batch_size, settings=settings), purpose=purpose)
 
     return run
 
@@ -192,9 +193,9 @@ class Context:
     def triton_dir(self) -> Path:
         return self.work / "triton-cache"
 
-    def spec(self) -> ModelSpec:
+    def spec(self) -> RegressorSpec:
         """The default step's spec: ``--spec`` on a GPU or when tiny; fp32 on the host (bf16 autocast is CUDA's)."""
-        return SPECS[self.args.spec] if self.kind == "cuda" or self.args.spec == "tiny" else ModelSpec()
+        return SPECS[self.args.spec] if self.kind == "cuda" or self.args.spec == "tiny" else RegressorSpec()
 
 
 def printer(trial: Any) -> None:
@@ -220,18 +221,19 @@ def data_step(ctx: Context) -> Step:
         if path.is_file():
             ctx.data = str(path.resolve())
             return {"path": ctx.data, "synthetic": False, "summary": f"bars from {ctx.data}"}
-        from vramcal.train.data import synthetic_bars, write_parquet
+        from vramcal.models.regressor.bars import synthetic_bars, write_parquet
 
         bars = synthetic_bars()
         ctx.data = str(write_parquet(bars, ctx.work / "bars-synthetic.parquet").resolve())
         why = (f"no {path} (data/ is git-ignored, so a copied working tree lacks it): {len(bars):,} synthetic "
-               f"1-s bars (vramcal.train.data.synthetic_bars, the E-mini sample's size) written to {ctx.data}")
+               f"1-s bars (vramcal.models.regressor.bars.synthetic_bars, the E-mini sample's size) written to "
+               f"{ctx.data}")
         return {"path": ctx.data, "synthetic": True, "bars": len(bars), "summary": why}
 
     return Step("data", TIMES["data"], body)
 
 
-def calibration_step(ctx: Context, name: str, spec: Callable[[], ModelSpec], implementation: str,
+def calibration_step(ctx: Context, name: str, spec: Callable[[], RegressorSpec], implementation: str,
                      caps: Callable[[], Caps], unavailable: Callable[[], str | None] = lambda: None) -> Step:
     """A calibration as the product runs it, with ``--steady-steps 0``, then its steady trial on its own.
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.truth import memory_verdict
-from vramcal.calibration.creep import STEADY_STEPS
+from vramcal.records import TrialSettings
 
 MIN_TRIALS = 8  # the search needs about 7-12 to grow, fit, reach the boundary and verify (README)
 BOUNDARY_TOLERANCE = 0.01  # the bisection ends when the bounds are within 1 % of the lower one
@@ -39,10 +39,10 @@ class Caps:
     given_s: float | None = None
 
 
-# On a GPU the steady trial runs half the product's steps (creep.STEADY_STEPS): its 40 steps at the safe size measure
+# On a GPU the steady trial runs half the product's steps (TrialSettings.steady_steps): its 40 steps at the safe size measure
 # the host heap's creep, and on a card that size a step may take seconds; 20 fit the check's minutes.
-CUDA = Caps(max_trials=16, steady_steps=STEADY_STEPS // 2, trial_timeout_s=180, trial_s=8, start_s=15)
-HOST = Caps(max_trials=16, steady_steps=STEADY_STEPS, trial_timeout_s=120, trial_s=3, start_s=10)
+CUDA = Caps(max_trials=16, steady_steps=TrialSettings.steady_steps // 2, trial_timeout_s=180, trial_s=8, start_s=15)
+HOST = Caps(max_trials=16, steady_steps=TrialSettings.steady_steps, trial_timeout_s=120, trial_s=3, start_s=10)
 FUSED = Caps(max_trials=8, steady_steps=10, trial_timeout_s=120, trial_s=15, given_s=150)
 STEADY_SHARE = 1 / 3  # of the time a calibration step has left, what its steady trial may take
 STEPS_PER_TRIAL = 4  # a trial is about 4 steps' time: a warm-up, 2 measured steps and the validation pass

@@ -28,10 +28,10 @@ def gpu_trial(batch_size: int, peak_bytes: int, purpose: str = "grow") -> Trial:
                  samples_per_s=batch_size / step_s, purpose=purpose)
 
 
-def host_trial(batch_size: int, peak_bytes: int, purpose: str = "grow") -> Trial:
+def host_trial(batch_size: int, peak_bytes: int, purpose: str = "grow", held_bytes: int | None = None) -> Trial:
     step_s = 0.05 + 0.01 * batch_size
     return Trial(batch_size=batch_size, status="ok", peak_bytes=peak_bytes, rss_peak_bytes=peak_bytes,
-                 step_s=step_s, samples_per_s=batch_size / step_s, purpose=purpose)
+                 step_s=step_s, samples_per_s=batch_size / step_s, purpose=purpose, held_bytes=held_bytes)
 
 
 def _like(model: Trial, batch_size: int, peak_bytes: int, purpose: str) -> Trial:

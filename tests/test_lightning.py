@@ -15,7 +15,7 @@ from user_models import MLP
 
 from vramcal.measure.device import host_device
 from vramcal.measure.meters import host_peaks, read_status_bytes
-from vramcal.profile import profile_path, save_profile
+from vramcal.profile import load_profile, profile_path, save_profile
 from vramcal.records import Device
 from vramcal.sizing import SizingError
 from vramcal.units import format_bytes
@@ -26,9 +26,11 @@ MIB = 2**20
 N_FEATURES = 16
 
 
-def profile_here(verify: bool = True):
-    """A profile of this host: 600 MiB + 100 MiB per sample, so safe is about 60 and conservative about 54."""
-    trials = [host_trial(b, 600 * MIB + 100 * MIB * b + (i % 2) * MIB) for i, b in enumerate((1, 2, 4, 8, 16))]
+def profile_here(verify: bool = True, held_bytes: int | None = 600 * MIB):
+    """A profile of this host: 600 MiB + 100 MiB per sample, so safe is about 60 and conservative about 54;
+    its trials held ``held_bytes`` when their step was built (the process term's baseline)."""
+    trials = [host_trial(b, 600 * MIB + 100 * MIB * b + (i % 2) * MIB, held_bytes=held_bytes)
+              for i, b in enumerate((1, 2, 4, 8, 16))]
     return build_profile(host_device(8 * 2**30), trials, verify=verify)
 
 
@@ -46,11 +48,13 @@ class Regressor(LightningModule):
         self.with_loader = with_loader
         self.net = MLP(N_FEATURES, 8)
         self.seen: set[int] = set()
+        self.calls = 0
         self.rss_at_fit_start = None
 
     def training_step(self, batch, batch_index):
         x, y = batch
         self.seen.add(x.shape[0])
+        self.calls += 1
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
@@ -72,13 +76,14 @@ class Data(LightningDataModule):
         return DataLoader(dataset(), batch_size=self.hparams.batch_size)
 
 
-def fit(module, callback, tmp_path, datamodule=None) -> None:
+def fit(module, callback, tmp_path, datamodule=None) -> Trainer:
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                       default_root_dir=tmp_path, callbacks=[callback])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(num_workers|bottleneck|log_every_n_steps|treespec).*")
         trainer.fit(module, datamodule=datamodule)
+    return trainer
 
 
 def test_sets_the_conservative_size_and_reports_the_measured_peak(tmp_path, caplog):
@@ -93,6 +98,13 @@ def test_sets_the_conservative_size_and_reports_the_measured_peak(tmp_path, capl
     assert 1 < conservative < profile.limits.safe_batch_size
     assert module.batch_size == conservative and module.seen == {conservative}
     assert callback.sizing.source == "conservative" and callback.profile_source == str(path)
+    # the process term: what this process held at fit start against the trials' 600 MiB, in the prediction
+    assert callback.run.held_bytes > 0 and callback.sizing.process_delta_bytes == callback.run.held_bytes - 600 * MIB
+    assert callback.sizing.predicted_peak_bytes == int(profile.fit.predict(conservative)
+                                                       + callback.sizing.process_delta_bytes)
+    observed = load_profile(path).observations[-1]
+    assert observed.framework == "lightning" and observed.peak_bytes == callback.peak_bytes
+    assert observed.process_delta_bytes == callback.sizing.process_delta_bytes and observed.steps == 2
     # the peak is this process's: at least what it held at fit start, at most its peak since
     assert module.rss_at_fit_start <= callback.peak_bytes <= host_peaks()["peak_bytes"]
     assert f"peak {format_bytes(callback.peak_bytes)} at batch_size {conservative}: predicted " \
@@ -100,6 +112,34 @@ def test_sets_the_conservative_size_and_reports_the_measured_peak(tmp_path, capl
     assert "host peak" in callback.report
     assert callback.report in caplog.text
     assert f"batch_size = {conservative} (conservative" in caplog.text
+
+
+def test_a_process_holding_more_than_the_trials_gets_a_smaller_batch(tmp_path):
+    """The trials held 10 MiB at the start of training (a fiction of this test): this process holds hundreds
+    more, which leave less room for samples, so the limits come down and the batch is set again at fit
+    start, before the dataloaders are built."""
+    profile = profile_here(held_bytes=10 * MIB)
+    from vramcal.integrations.lightning import VramcalBatchSize
+
+    callback, module = VramcalBatchSize(profile, limit="safe"), Regressor()
+    with pytest.warns(UserWarning, match=r"this process holds .* a process term of \+\d"):
+        fit(module, callback, tmp_path)
+    assert callback.sizing.safe_batch_size < profile.limits.safe_batch_size
+    assert module.seen == {callback.sizing.batch_size} and module.batch_size == callback.sizing.safe_batch_size
+
+
+def test_an_effective_batch_is_kept_with_accumulation(tmp_path):
+    """A request for 200 samples per step with a conservative micro-batch about 55: 4 micro-batches of 50."""
+    from vramcal.integrations.lightning import VramcalBatchSize
+
+    callback, module = VramcalBatchSize(profile_here(), effective_batch=200), Regressor()
+    trainer = fit(module, callback, tmp_path)
+    s = callback.sizing
+    assert s.effective_batch_size == 200 and (s.accumulation_steps - 1) * s.batch_size < 200
+    assert s.accumulation_steps * s.batch_size >= 200 and s.batch_size <= profile_here().limits.conservative_batch_size
+    assert max(module.seen) == s.batch_size  # (the epoch's last batch is what is left of the 256 samples)
+    assert trainer.accumulate_grad_batches == s.accumulation_steps == 4
+    assert module.calls == 6  # the epoch's 6 batches: an optimizer step after 4 and one at the epoch's end
 
 
 def test_clamps_a_request_on_the_datamodules_hparams_with_a_warning(tmp_path):

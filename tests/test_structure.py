@@ -247,8 +247,9 @@ def resolves(module: str, scope: list[str], name: str) -> bool | None:
                 continue
     home = importlib.import_module(module)
     places = [builtins, home]
-    for name_ in scope:
-        places.append(getattr(places[-1], name_))
+    for name_ in scope:  # a class defined inside a function is not an attribute of the module: its own names stay
+        places.append(getattr(places[-1], name_, None))
+    places = [place for place in places if place is not None]
     if any(walk(place, parts) for place in places):
         return True
     return None if "." in name else False

@@ -75,6 +75,9 @@ class Observation:
         run_dir: the run folder.
         rank, world_size: under DDP, the rank this observation is of and the world's ranks (each rank records
             its own peak against its own profile); None for one process.
+        framework: who trained, when not ``vramcal train`` (``lightning``, ``transformers.Trainer``,
+            ``accelerate``, ``plain``).
+        process_delta_bytes: the process term in the prediction (:mod:`vramcal.sizing`), when measured.
     """
 
     recorded_utc: str
@@ -89,6 +92,8 @@ class Observation:
     run_dir: str
     rank: int | None = None
     world_size: int | None = None
+    framework: str | None = None
+    process_delta_bytes: int | None = None
 
     @property
     def error(self) -> float:

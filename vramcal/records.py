@@ -214,7 +214,8 @@ class Trial:
         rank_peak_bytes: in a DDP world, each rank's own ``peak_bytes``, rank 0 first; ``peak_bytes`` is the
             largest (the other figures are that rank's). None for one process.
         held_bytes: what the trial's process held once its step was built, before the first step
-            (:func:`vramcal.measure.meters.held_bytes`): the process term's baseline. None in older profiles.
+            (:func:`vramcal.measure.meters.host_held_bytes`, or NVML on a GPU): the process term's baseline.
+            None in older profiles.
     """
 
     batch_size: int

@@ -14,9 +14,10 @@ longer fits, the limits are recomputed against ``usable − delta`` (never above
 
 The process term. A process that was not made like the trials' (a Lightning, Hugging Face or Accelerate
 run; another allocator, more imports, loggers, a framework's own tensors) holds a different amount when
-training starts. Its ``process_bytes`` — what it holds then, measured in it (:func:`vramcal.measure.meters.held_bytes`)
-— against what the trials' processes held at the same point (``Profile.held_bytes``, after the step was
-built) is ``delta`` the same way; it includes any data the process holds, so it replaces the data term.
+training starts. Its ``process_bytes`` — what it holds then, measured in it
+(:func:`vramcal.measure.meters.attach_meter`) — against what the trials' processes held at the same point
+(``Profile.held_bytes``, after the step was built) is ``delta`` the same way; it includes any data the process
+holds, so it replaces the data term.
 
 An effective batch. A requested number of samples per optimizer step (``effective_batch``) is kept: the
 micro-batch is the largest the profile allows (the ``limit``, or a request, within its bounds), and the

@@ -43,22 +43,29 @@ class RunResult:
     stopped: bool = False
 
 
-def compare(sizing: Sizing, peak_bytes: int) -> tuple[str, list[str]]:
+def compare(sizing: Sizing, peak_bytes: int, process: bool = False) -> tuple[str, list[str]]:
     """The measured peak against the profile's prediction, as one line, and warnings.
+
+    Args:
+        process: the prediction carries a measured process term (a framework's process, :mod:`vramcal.sizing`):
+            the advice for a peak above it is then about the process's steps, not the calibration.
 
     Returns:
         ``peak 2.70 GiB: predicted 2.60 GiB (+3.8 %), upper bound 2.75 GiB, usable 3.10 GiB`` and a warning
         for a peak above the upper bound or above usable memory.
     """
     error = (peak_bytes - sizing.predicted_peak_bytes) / sizing.predicted_peak_bytes
+    term = (f", process term {sizing.process_delta_bytes / 2**20:+.1f} MiB" if process else "")
     line = (f"peak {format_bytes(peak_bytes)} at batch_size {sizing.batch_size}: predicted "
-            f"{format_bytes(sizing.predicted_peak_bytes)} ({error:+.1%}), upper bound "
+            f"{format_bytes(sizing.predicted_peak_bytes)} ({error:+.1%}{term}), upper bound "
             f"{format_bytes(sizing.upper_bytes)}, usable {format_bytes(sizing.usable_bytes)}")
     found = verdict(peak_bytes, sizing.upper_bytes, sizing.usable_bytes, sizing.batch_size, sizing.fitted_from)
+    cause = ("beyond what this process held when training started: its steps hold more than the trials' (its "
+             "allocator, tensors it keeps); train at a smaller batch size, and report it" if process else
+             "the profile does not hold for this run; re-run `vramcal probe` (with this run's data) and report it")
     warnings = {
         "above usable": [f"the measured peak {format_bytes(peak_bytes)} is above usable memory "
-                         f"{format_bytes(sizing.usable_bytes)}: the profile does not hold for this run; re-run "
-                         f"`vramcal probe` (with this run's data) and report it"],
+                         f"{format_bytes(sizing.usable_bytes)}: {cause}"],
         "above the bound": [f"the measured peak is above the profile's upper 95 % bound "
                             f"{format_bytes(sizing.upper_bytes)}: the profile under-predicts this run"],
         "below the fitted range": [f"the measured peak is above the line's upper bound "

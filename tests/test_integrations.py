@@ -1,0 +1,133 @@
+"""The Hugging Face Trainer and Accelerate integrations on the CPU, with real transformers and accelerate objects
+and a tiny real Mamba-2 language model; the plain-PyTorch pattern they share (FrameworkRun)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from test_lightning import profile_here
+
+from vramcal.profile import load_profile, save_profile
+from vramcal.sizing import SizingError, accumulation
+
+MIB = 2**20
+TINY = Path(__file__).resolve().parents[1] / "configs" / "mamba2-lm-tiny.json"
+
+
+def tiny_lm():
+    from vramcal.models.lm import mamba2_config, read_config
+    from vramcal.models.mamba2 import import_transformers_mamba2
+
+    torch.manual_seed(0)
+    return import_transformers_mamba2().Mamba2ForCausalLM(mamba2_config(read_config(str(TINY))))
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64, seq_len: int = 32, vocab: int = 64) -> None:
+        self.ids = torch.randint(0, vocab, (n, seq_len), generator=torch.Generator().manual_seed(1))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def test_accumulation_keeps_the_effective_batch():
+    assert accumulation(256, 100) == (86, 3)  # 3 steps of 86 (the last 84): the fewest steps
+    assert accumulation(256, 100, exact=True) == (64, 4)  # the largest micro-batch dividing 256
+    assert accumulation(60, 100) == (60, 1)
+    assert accumulation(97, 10, exact=True) == (1, 97)  # a prime: only 1 divides it
+    with pytest.raises(SizingError):
+        accumulation(0, 10)
+
+
+def test_hf_trainer_is_sized_checked_and_recorded(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from vramcal.integrations.hf import VramcalCallback
+
+    path = save_profile(profile_here(), tmp_path / "host.json")
+    callback = VramcalCallback(path)
+    args = callback.sized(TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, use_cpu=True,
+                                            report_to=[], save_strategy="no", logging_strategy="no",
+                                            disable_tqdm=True), effective_batch_size=128)
+    s = callback.run.sizing
+    assert args.per_device_train_batch_size == s.batch_size and 128 % s.batch_size == 0  # exact: a divisor
+    assert args.gradient_accumulation_steps * args.per_device_train_batch_size == 128
+    assert s.batch_size <= profile_here().limits.conservative_batch_size
+    trainer = Trainer(model=tiny_lm(), args=args, train_dataset=Tokens(), callbacks=[callback])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert trainer.state.global_step == 3
+    assert callback.report.startswith("vramcal: peak ") and "process term" in callback.report
+    observed = load_profile(path).observations[-1]
+    assert observed.framework == "transformers.Trainer" and observed.steps == 3
+    assert observed.process_delta_bytes == callback.run.held_bytes - 600 * MIB
+
+
+def test_hf_trainer_stops_when_its_batch_no_longer_fits(tmp_path):
+    """The trials held 10 MiB: this process holds far more, so the size given no longer fits when training
+    begins, and the run stops with one line naming the size that does."""
+    from transformers import Trainer, TrainingArguments
+
+    from vramcal.integrations.hf import VramcalCallback
+
+    callback = VramcalCallback(profile_here(held_bytes=10 * MIB), limit="safe")
+    args = callback.sized(TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=1, use_cpu=True,
+                                            report_to=[], save_strategy="no", disable_tqdm=True))
+    trainer = Trainer(model=tiny_lm(), args=args, train_dataset=Tokens(), callbacks=[callback])
+    with pytest.raises(SizingError, match=r"^per_device_train_batch_size \d+ no longer fits .* at most \d+$"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+
+
+def test_accelerate_loop_is_sized_checked_and_recorded(tmp_path):
+    from accelerate import Accelerator
+
+    from vramcal.integrations.accelerate import measured, sized
+
+    path = save_profile(profile_here(), tmp_path / "host.json")
+    accelerator = Accelerator(cpu=True)
+    model = tiny_lm()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run = sized(accelerator, path, effective_batch=100)
+    assert accelerator.gradient_accumulation_steps == run.sizing.accumulation_steps > 1
+    loader = accelerator.prepare(torch.utils.data.DataLoader(Tokens(), batch_size=run.sizing.batch_size))
+    with measured(run, accelerator, run_dir=str(tmp_path)) as steps:
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**batch).loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            steps.done += 1
+    assert steps.report.startswith("vramcal: peak ") and run.peak_bytes > 0
+    observed = load_profile(path).observations[-1]
+    assert observed.framework == "accelerate" and observed.steps == steps.done > 0
+
+
+def test_a_plain_loop_uses_the_run_directly(tmp_path):
+    """The plain-PyTorch pattern of the README: size at the start of training, report at the end."""
+    from vramcal.integrations.run import FrameworkRun
+
+    path = save_profile(profile_here(verify=False), tmp_path / "host.json")
+    with pytest.warns(UserWarning, match="not verified by real trials"):
+        run = FrameworkRun(path, device="cpu")
+        model = tiny_lm()
+        batch_size = run.start().batch_size
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = Tokens(n=batch_size).ids
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    line, _ = run.finish(steps=1)
+    assert line.startswith("vramcal: peak ") and f"at batch_size {batch_size}:" in line
+    with pytest.raises(RuntimeError, match=r"finish\(\) before start\(\)"):
+        FrameworkRun(path, device="cpu").finish()

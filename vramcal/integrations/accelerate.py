@@ -1,0 +1,97 @@
+"""Accelerate: a profile's batch size for a plain ``accelerate`` loop, held to its process, and its peak checked.
+
+    from accelerate import Accelerator
+    from vramcal.integrations.accelerate import measured, sized
+
+    accelerator = Accelerator()
+    model, optimizer = accelerator.prepare(model, optimizer)
+    run = sized(accelerator, model="mytrain:make_step", effective_batch=256)   # after prepare, before the loader
+    loader = accelerator.prepare(DataLoader(dataset, batch_size=run.sizing.batch_size, shuffle=True))
+    with measured(run, accelerator) as steps:
+        for batch in loader:
+            with accelerator.accumulate(model):
+                ...
+            steps.done += 1
+
+:func:`sized` finds the profile for this process's device (and, with several processes, for the DDP world),
+measures what this process holds once the model and the optimizer are prepared against what the trials'
+processes held — the process term (:class:`vramcal.integrations.run.FrameworkRun`) — and sizes the batch with it;
+with an effective batch it sets ``accelerator.gradient_accumulation_steps`` to reach it. :func:`measured` prints
+this process's peak against the prediction at the end (the main process) and appends the observation to the
+profile.
+
+Needs ``accelerate`` (``pip install 'vramcal[dev]'`` has it); ``import vramcal`` never imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vramcal.integrations.run import FrameworkRun
+from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
+from vramcal.sizing import Limit
+
+
+def sized(accelerator: Any, profile: Profile | str | Path | None = None, *, model: str | None = None,
+          params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
+          limit: Limit = "conservative", batch_size_min: int = 1, request: int | None = None,
+          effective_batch: int | None = None) -> FrameworkRun:
+    """The run of this ``accelerate.Accelerator``'s process, sized with its process term (module docstring);
+    call it after ``accelerator.prepare(model, optimizer)`` and before building the DataLoader.
+
+    Args:
+        effective_batch: samples per optimizer step of this process to keep (the batch size is then the
+            micro-batch, and ``accelerator.gradient_accumulation_steps`` reaches it).
+        profile, model, params, profiles_dir, limit, batch_size_min, request: as
+            :class:`~vramcal.integrations.run.FrameworkRun`.
+
+    Raises:
+        SizingError, ValueError: as :class:`~vramcal.integrations.run.FrameworkRun`.
+    """
+    world = None
+    if accelerator.num_processes > 1:
+        from vramcal.records import World
+
+        world = World(accelerator.num_processes, "nccl" if accelerator.device.type == "cuda" else "gloo")
+    run = FrameworkRun(profile, model=model, params=params, profiles_dir=profiles_dir, device=accelerator.device,
+                       limit=limit, batch_size_min=batch_size_min, request=request,
+                       effective_batch=effective_batch, world=world, framework="accelerate", warn=_warn)
+    sizing = run.start()
+    if sizing.accumulation_steps > 1:
+        accelerator.gradient_accumulation_steps = sizing.accumulation_steps
+    return run
+
+
+@dataclass
+class Steps:
+    """What :func:`measured` records: the optimizer steps done (``done``); the report once it ended."""
+
+    done: int = 0
+    report: str | None = None
+
+
+@contextlib.contextmanager
+def measured(run: FrameworkRun, accelerator: Any, run_dir: str = "") -> Iterator[Steps]:
+    """Measure the training loop inside: at the end, this process's peak against the prediction (printed by
+    the main process, one line, and warnings) and the observation appended to the profile."""
+    steps = Steps()
+    try:
+        yield steps
+    except BaseException:
+        run.close()
+        raise
+    steps.report, warned = run.finish(steps=steps.done, run_dir=run_dir)
+    if accelerator.is_main_process:
+        print(steps.report, file=sys.stderr, flush=True)
+    for line in warned:
+        _warn(f"vramcal: {line}")
+
+
+def _warn(line: str) -> None:
+    warnings.warn(line, stacklevel=3)

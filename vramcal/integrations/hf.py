@@ -1,0 +1,115 @@
+"""Hugging Face ``transformers.Trainer``: a profile's batch size in the ``TrainingArguments``, held to the Trainer's
+process, and its peak checked at the end of training.
+
+    from transformers import Trainer, TrainingArguments
+    from vramcal.integrations.hf import VramcalCallback
+
+    vramcal_callback = VramcalCallback(model="lm", params={"config": "configs/mamba2-lm-small.json", "seq_len": 256})
+    args = vramcal_callback.sized(TrainingArguments(output_dir="out", max_steps=1000), effective_batch_size=64)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[vramcal_callback])
+    trainer.train()
+
+:meth:`VramcalCallback.sized` fills ``per_device_train_batch_size`` (the largest micro-batch the profile allows,
+or one that divides the requested effective batch) and ``gradient_accumulation_steps`` (what reaches it: the
+effective batch is kept, as users of ``auto_find_batch_size`` ask). When training begins
+(``on_train_begin``: the model is on the device and the optimizer created) the callback measures what this
+process holds against what the trials' processes held — the process term
+(:class:`vramcal.integrations.run.FrameworkRun`) — and stops with one line when the batch no longer fits with it
+(the Trainer's dataloader is built by then, so the size cannot change: the line says which size fits). At the end
+(``on_train_end``) it prints this process's peak beside the prediction and appends the observation to the
+profile. Under DDP (``torchrun``) each rank sizes itself from its own device's profile for the world.
+
+Needs ``transformers`` (a dependency) and ``accelerate`` (which ``Trainer`` needs); ``import vramcal`` imports
+neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from vramcal.integrations.run import FrameworkRun
+from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
+from vramcal.sizing import Limit, SizingError
+
+
+class VramcalCallback(TrainerCallback):
+    """Size a ``transformers.Trainer`` run from a vramcal profile and check its peak (module docstring).
+
+    Args:
+        profile, model, params, profiles_dir, limit, batch_size_min, request: as
+            :class:`vramcal.integrations.run.FrameworkRun` (``request``: a per-device batch size to use instead).
+
+    Attributes: ``run`` (the :class:`~vramcal.integrations.run.FrameworkRun`, after :meth:`sized`), ``report``
+    (the line printed at the end).
+    """
+
+    def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
+                 params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
+                 limit: Limit = "conservative", batch_size_min: int = 1, request: int | None = None) -> None:
+        self._find = {"profile": profile, "model": model, "params": params, "profiles_dir": profiles_dir,
+                      "limit": limit, "batch_size_min": batch_size_min, "request": request}
+        self.run: FrameworkRun | None = None
+        self.report: str | None = None
+
+    def sized(self, args: Any, effective_batch_size: int | None = None) -> Any:
+        """``args`` (``TrainingArguments``) with ``per_device_train_batch_size`` and ``gradient_accumulation_steps``
+        from the profile; ``effective_batch_size`` is the whole world's samples per optimizer step, kept exactly.
+
+        Raises:
+            SizingError: no profile, or no batch size within the bounds; an effective batch the ranks cannot
+                share equally.
+        """
+        world = _world(args)
+        per_rank = None
+        if effective_batch_size is not None:
+            ranks = world.nproc if world else 1
+            if effective_batch_size % ranks:
+                raise SizingError(f"effective_batch_size {effective_batch_size} is not a multiple of the "
+                                  f"{ranks} ranks: give a multiple")
+            per_rank = effective_batch_size // ranks
+        self.run = FrameworkRun(**self._find, device=args.device, world=world, effective_batch=per_rank, exact=True,
+                                framework="transformers.Trainer", warn=_warn)
+        s = self.run.sizing
+        return dataclasses.replace(args, per_device_train_batch_size=s.batch_size,
+                                   gradient_accumulation_steps=s.accumulation_steps)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run is None:
+            raise SizingError("VramcalCallback: pass the TrainingArguments through vramcal_callback.sized(args) "
+                              "before building the Trainer")
+        given = args.per_device_train_batch_size
+        sizing = self.run.start()
+        if given > sizing.safe_batch_size:
+            raise SizingError(f"per_device_train_batch_size {given} no longer fits with what this process holds "
+                              f"(the process term, {sizing.process_delta_bytes / 2**20:+.1f} MiB): build the Trainer "
+                              f"with per_device_train_batch_size at most {sizing.safe_batch_size}")
+        if given != sizing.batch_size:
+            self.run.resize(given)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.run is None or self.run.peak_bytes is not None:
+            return
+        self.report, warned = self.run.finish(steps=state.global_step, run_dir=str(args.output_dir))
+        if state.is_world_process_zero:
+            print(self.report, file=sys.stderr, flush=True)
+        for line in warned:
+            _warn(f"vramcal: {line}")
+
+
+def _warn(line: str) -> None:
+    warnings.warn(line, stacklevel=3)
+
+
+def _world(args: Any):
+    """The DDP world of a Trainer run by several processes (its profile must be calibrated for it)."""
+    if getattr(args, "world_size", 1) < 2:
+        return None
+    from vramcal.records import World
+
+    return World(args.world_size, "nccl" if args.device.type == "cuda" else "gloo")

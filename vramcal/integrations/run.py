@@ -1,0 +1,215 @@
+"""A framework's training run sized by a vramcal profile and checked against it: what the Lightning callback,
+the Hugging Face ``TrainerCallback`` and the Accelerate helpers share, and what a plain PyTorch loop uses::
+
+    run = FrameworkRun(model="mytrain:make_step", device=torch.device("cuda"))   # finds the profile
+    ... build the model and the optimizer, move them to the device ...
+    batch_size = run.start().batch_size   # what this process holds now: the process term, in the sizing
+    ... build the DataLoader at batch_size, train ...
+    print(run.finish(steps))              # the measured peak against the prediction; recorded in the profile
+
+A process that was not made like the trials' (a framework's: other imports, loggers, its own tensors, another
+allocator) holds a different amount when training starts. :meth:`FrameworkRun.start` measures it
+(:func:`vramcal.measure.meters.attach_meter`, the trials' definitions) against what the trials' processes held
+at the same point, carries the difference into the prediction and the limits (:mod:`vramcal.sizing`: the
+process term), and clamps the batch size when it no longer fits. :meth:`FrameworkRun.finish` reads the
+process's peak since then, compares it with the prediction and its upper 95 % bound
+(:func:`vramcal.train.runner.compare`), and appends the observation, process term included, to the profile
+file. Messages speak in the caller's words: the arguments of the integration it came through.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vramcal.profile import DEFAULT_PROFILES_DIR, Observation, Profile, ProfileError, load_profile
+from vramcal.sizing import Limit, Sizing, SizingError, size
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from vramcal.records import Device, World
+
+Warn = Callable[[str], None]
+
+
+def _warn(line: str) -> None:
+    warnings.warn(line, stacklevel=3)
+
+
+class FrameworkRun:
+    """A training run of a framework's process, sized by a profile (module docstring).
+
+    Args:
+        profile: a :class:`~vramcal.profile.Profile`, a profile file, or None to find the newest matching one
+            for ``model`` on this run's device under ``profiles_dir`` (:func:`vramcal.api.locate_profile`).
+        model, params: what was calibrated (``regressor``, ``lm`` or ``module:function`` and its arguments), to
+            find the profile or check the given one; ``params["seq_len"]`` is the run's length.
+        device: the torch device this process trains on (``cuda:N`` or ``cpu``).
+        limit: ``conservative`` (default) or ``safe``, when nothing is requested.
+        batch_size_min: the smallest batch size acceptable (samples).
+        request: a batch size to use instead, clamped to ``[batch_size_min, safe]`` (with a warning).
+        effective_batch: samples per optimizer step to keep; the batch size is then the micro-batch, and
+            ``sizing.accumulation_steps`` reach it (``exact``: a micro-batch that divides it).
+        world: the DDP world this process is a rank of (its profile must be calibrated for it).
+        framework: who trains (``lightning``, ``transformers.Trainer``, ``accelerate``, ``plain``), recorded.
+        warn: how notices reach people (default :func:`warnings.warn`).
+
+    Attributes:
+        sizing: the batch size and its prediction (after :meth:`start`, with the process term).
+        profile, source: the profile and where it came from. held_bytes: what the process held at start.
+
+    Raises:
+        ValueError: neither ``profile`` nor ``model``; a device that is neither a CUDA GPU nor the CPU.
+        SizingError: no matching profile, a profile from another device, model or world, or no batch size
+            within the bounds (each one line).
+    """
+
+    def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
+                 params: dict[str, Any] | None = None, device: torch.device | str = "cpu",
+                 profiles_dir: str | Path = DEFAULT_PROFILES_DIR, limit: Limit = "conservative",
+                 batch_size_min: int = 1, request: int | None = None, effective_batch: int | None = None,
+                 exact: bool = False, world: World | None = None, framework: str = "plain",
+                 warn: Warn = _warn) -> None:
+        if profile is None and model is None:
+            raise ValueError("needs profile=<a profile file or Profile>, or model=<what was calibrated> to find one "
+                             "under profiles_dir")
+        if limit not in ("conservative", "safe"):
+            raise ValueError(f"limit must be conservative or safe, got {limit!r}")
+        self.device, self.world, self.framework, self.warn = vramcal_device(device), world, framework, warn
+        self.profile, self.source, self.path = _find(profile, model, params, self.device, profiles_dir, world)
+        self._asked = {"limit": limit, "batch_size_min": batch_size_min, "request": request,
+                       "effective_batch": effective_batch, "exact": exact, "seq_len": (params or {}).get("seq_len")}
+        self.sizing: Sizing = size(self.profile, request, **self._options())
+        self.held_bytes: int | None = None
+        self.peak_bytes: int | None = None
+        self._meter: Any = None
+
+    def _options(self) -> dict[str, Any]:
+        return {k: v for k, v in self._asked.items() if k != "request"}
+
+    def start(self) -> Sizing:
+        """Training starts (the model and the optimizer are on the device, the data loaded): measure what this
+        process holds, size again with the process term (clamping the batch size when it no longer fits),
+        and start measuring the peak. Returns the new sizing (its notices given to ``warn``)."""
+        from vramcal.measure.meters import attach_meter
+
+        self._meter = attach_meter(self.device, warn=self.warn)
+        self.held_bytes = self._meter.held_bytes()
+        before = self.sizing.batch_size
+        self.sizing = size(self.profile, self._asked["request"], process_bytes=self.held_bytes, **self._options())
+        for notice in self.sizing.notices:
+            self.warn(f"vramcal: {notice}")
+        if self.sizing.batch_size < before:
+            self.warn(f"vramcal: batch_size {before} -> {self.sizing.batch_size}: with what this process holds it "
+                      f"no longer fits the profile's limits")
+        self._meter.reset()
+        return self.sizing
+
+    def resize(self, batch_size: int) -> Sizing:
+        """The sizing at ``batch_size`` (clamped to the bounds), the process term kept: the batch a framework
+        settles on (the smallest over DDP ranks)."""
+        self.sizing = size(self.profile, batch_size, process_bytes=self.held_bytes, **self._options())
+        return self.sizing
+
+    def finish(self, steps: int = 0, run_dir: str = "") -> tuple[str, list[str]]:
+        """The process's peak since :meth:`start` against the prediction (one line, and warnings), and the
+        observation appended to the profile file (a failure to write it is a warning).
+
+        Raises:
+            RuntimeError: :meth:`start` was not called.
+        """
+        from vramcal.train.runner import compare
+
+        if self._meter is None:
+            raise RuntimeError("FrameworkRun.finish() before start(): call start() when training starts")
+        self.peak_bytes = self._meter.read()
+        definition = self._meter.definition
+        self._meter.close()
+        self._meter = None
+        line, warned = compare(self.sizing, self.peak_bytes, process=self.held_bytes is not None)
+        self._observe(steps, run_dir)
+        return f"vramcal: {line} (this process's {definition})", warned
+
+    def close(self) -> None:
+        """Stop measuring (an exception ended the run)."""
+        if self._meter is not None:
+            self._meter.close()
+            self._meter = None
+
+    def _observe(self, steps: int, run_dir: str) -> None:
+        from vramcal import __version__
+        from vramcal.profile import append_observation, utc_now
+
+        if self.path is None:
+            return
+        s = self.sizing
+        observation = Observation(
+            recorded_utc=utc_now(), vramcal_version=__version__, batch_size=s.batch_size, data_bytes=0,
+            peak_bytes=int(self.peak_bytes), predicted_peak_bytes=s.predicted_peak_bytes, upper_bytes=s.upper_bytes,
+            usable_bytes=s.usable_bytes, steps=steps, run_dir=run_dir, framework=self.framework,
+            process_delta_bytes=s.process_delta_bytes)
+        try:
+            append_observation(self.path, observation)
+        except (OSError, ProfileError) as error:
+            self.warn(f"vramcal: could not record this run in {self.path} ({error})")
+
+
+def vramcal_device(device: torch.device | str) -> Device:
+    """The vramcal device of a torch device: a CUDA GPU by its index among the visible ones, or the host.
+
+    Raises:
+        ValueError: another kind of device (MPS, TPU, ...).
+    """
+    import torch
+
+    from vramcal.api import select_devices
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return select_devices(str(device.index or 0))[0][0]
+    if device.type == "cpu":
+        return select_devices("none")[0][0]
+    raise ValueError(f"vramcal's profiles are for NVIDIA GPUs and the host CPU; this run trains on {device.type}")
+
+
+def _find(profile: Profile | str | Path | None, model: str | None, params: dict[str, Any] | None, device: Device,
+          profiles_dir: str | Path, world: World | None) -> tuple[Profile, str, Path | None]:
+    """The profile, where it came from and its file (None: given as an object), checked against this run's
+    device, model and world."""
+    from vramcal.api import locate_profile, model_ref
+    from vramcal.profile import check_profile_matches
+
+    if model is not None and not isinstance(profile, Profile):
+        located = locate_profile(model, params, device=device, profiles_dir=profiles_dir, path=profile, world=world)
+        for notice in located.notices:
+            _warn(f"vramcal: skipped {notice}")
+        return located.profile, str(located.path), located.path
+    if isinstance(profile, Profile):
+        found, source, path = profile, "the given profile", None
+    else:
+        try:
+            found, source, path = load_profile(profile), str(profile), Path(profile)
+        except ProfileError as error:
+            raise SizingError(str(error)) from None
+    try:
+        if model is not None:
+            check_profile_matches(found, device, model_ref(model, params, device=device), world)
+        else:
+            _check_device(found, device, world)
+    except ProfileError as error:
+        raise SizingError(f"{source}: {error}") from None
+    return found, source, path
+
+
+def _check_device(profile: Profile, device: Device, world: World | None) -> None:
+    from vramcal.profile import world_difference
+
+    difference = device.hardware_difference(profile.device)
+    if difference:
+        raise ProfileError(f"made on another device ({difference}): its batch sizes do not hold on this run's "
+                           f"{device.name}; calibrate on it")
+    if profile.world != world:
+        raise ProfileError(world_difference(profile.world, world))
