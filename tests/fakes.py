@@ -16,18 +16,23 @@ GIB = 2**30
 
 
 def run_policy(memory: Callable[[int], float], settings, oom_above: int | None = None,
-               creep: Callable[[int], float] | None = None) -> list[Trial]:
+               creep: Callable[[int], float] | None = None,
+               unmeasured: Callable[[int, int], str | None] | None = None) -> list[Trial]:
     """Drive the real search policy with a fake trial runner: peak = memory(batch_size), plus
     ``creep(batch_size)`` for the steady trial (the long one).
 
-    A batch above ``oom_above`` (or whose peak exceeds the device's total) is recorded as ``oom``.
+    A batch above ``oom_above`` (or whose peak exceeds the device's total) is recorded as ``oom``;
+    ``unmeasured(batch_size, n)`` names a status (``error``, ``timeout``) for the n-th trial (from 0) at a size.
     """
     from vramcal.calibration.search import next_batch_size
 
     trials: list[Trial] = []
     while (step := next_batch_size(trials, settings)) is not None:
         peak = int(memory(step.batch_size) + (creep(step.batch_size) if creep and step.purpose == "steady" else 0))
-        if (oom_above is not None and step.batch_size > oom_above) or peak > settings.total_bytes:
+        status = unmeasured and unmeasured(step.batch_size, sum(t.batch_size == step.batch_size for t in trials))
+        if status:
+            trials.append(Trial(step.batch_size, status, purpose=step.purpose, error=f"{status} (injected)"))
+        elif (oom_above is not None and step.batch_size > oom_above) or peak > settings.total_bytes:
             trials.append(Trial(step.batch_size, "oom", purpose=step.purpose, error="CUDA out of memory"))
         else:
             trials.append(Trial(step.batch_size, "ok", peak, purpose=step.purpose))

@@ -99,8 +99,9 @@ def test_growth_never_jumps_at_or_past_a_failure():
     trials = [Trial(1, "ok", GIB), Trial(2, "oom")]
     assert next_batch_size(trials, settings) is None  # no size left between 1 and 2: cannot fit a line
     trials = [Trial(1, "ok", GIB), Trial(2, "ok", int(1.1 * GIB)), Trial(64, "timeout")]
-    step = next_batch_size(trials, settings)
-    assert step.purpose == "grow" and 2 < step.batch_size < 64
+    assert next_batch_size(trials, settings) == Step(64, "retry")  # rule 7: a timeout measured nothing
+    step = next_batch_size([*trials, Trial(64, "timeout")], settings)
+    assert step.purpose == "grow" and 2 < step.batch_size < 64  # twice: no proposal reaches it
 
 
 def test_max_trials_bounds_the_calibration():
@@ -392,3 +393,41 @@ def test_the_step_creep_moves_the_limits_but_not_the_boundary():
     assert with_creep.limits.boundary_batch_size == without.limits.boundary_batch_size
     assert abs(with_creep.limits.boundary_batch_size - 548) <= 0.03 * 548
     assert with_creep.fit.predict(152) - without.fit.predict(152) == pytest.approx(30.9 * 2**20, rel=0.02)
+
+
+@pytest.mark.parametrize("status", ["error", "timeout"])
+def test_an_error_or_timeout_near_the_limit_is_retried_and_never_becomes_a_limit(status):
+    """Rule 7: the first trial at or above 200 samples ends in an error (or a timeout) once: it is run once
+    more, and the calibration ends as if it had not happened (the same limits and boundary as a clean one)."""
+    settings = SearchSettings(total_bytes=24 * GIB)
+    memory = linear(0.529 * GIB, 0.088 * GIB)
+    clean = settle(run_policy(memory, settings), settings)
+    first = []
+
+    def once(batch_size: int, n: int) -> str | None:
+        if batch_size >= 200 and not first:
+            first.append(batch_size)
+            return status
+        return None
+
+    trials = run_policy(memory, settings, unmeasured=once)
+    retried = [t for t in trials if t.batch_size == first[0]]
+    assert [t.status for t in retried][:2] == [status, "ok"] and retried[1].purpose == "retry"
+    state = settle(trials, settings)
+    assert state.limits.safe_batch_size == clean.limits.safe_batch_size
+    assert state.failed_batch_size == clean.failed_batch_size  # (the retried trial, measured, was over usable)
+    assert state.limits.boundary_batch_size == pytest.approx(clean.limits.boundary_batch_size, rel=0.01)
+
+
+def test_a_size_unmeasured_twice_is_never_reached_again_nor_a_limit():
+    """Every trial at 230 samples or more times out: no proposal reaches them after the retry, no failure is
+    recorded there, and the limits are what the trials below could verify."""
+    settings = SearchSettings(total_bytes=24 * GIB)
+    trials = run_policy(linear(0.529 * GIB, 0.088 * GIB), settings,
+                        unmeasured=lambda b, n: "timeout" if b >= 230 else None)
+    ceiling = min(t.batch_size for t in trials if t.status == "timeout")
+    assert sum(t.batch_size == ceiling for t in trials) == 2  # the trial and its retry
+    assert all(t.batch_size < ceiling for t in trials if t.status != "timeout")
+    state = settle(trials, settings)
+    assert state.failed_batch_size is None and state.limits.failed_batch_size is None
+    assert state.safe_trial is not None and state.safe_trial.batch_size < ceiling

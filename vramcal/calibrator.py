@@ -25,7 +25,7 @@ from vramcal import __version__
 from vramcal.calibration import surface
 from vramcal.calibration.creep import STEADY
 from vramcal.calibration.limits import LimitSettings
-from vramcal.calibration.search import SearchSettings, Step, next_batch_size, settle
+from vramcal.calibration.search import SearchSettings, Step, next_batch_size, settle, unmeasured_ceiling
 from vramcal.measure.trial import TrialRequest
 from vramcal.models.registry import family_of
 from vramcal.profile import Profile, Verification, utc_now
@@ -215,6 +215,11 @@ def _warnings(profile: Profile, n_trials: int) -> list[str]:
     if profile.limits is not None and not profile.verified:
         warnings.append(f"limits not verified by real trials within {n_trials} trials: treat them as "
                         f"estimates, or re-run with a larger --max-trials")
+    ceiling = unmeasured_ceiling(profile.trials)
+    if ceiling is not None:
+        ended = sorted({t.status for t in profile.trials if t.batch_size == ceiling})
+        warnings.append(f"batch_size {ceiling} ended in {' and '.join(ended)} twice: it measured nothing about memory, "
+                        f"so it is no limit, but no larger size was tried (see the trials' errors)")
     return warnings
 
 

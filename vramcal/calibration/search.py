@@ -28,6 +28,10 @@ with recorded and synthetic trials. Its rules:
 5. **Never less than the evidence**: the safe size is at least the largest batch size that fitted (every
    trial there within usable memory) below the smallest failure: a fitting trial is itself a
    verification, however wide the interval of a fit with few points.
+7. **Only memory sets a limit**: a trial that ran out of memory, or finished above usable memory, is a
+   failure at its size; one that ended in an ``error`` or a ``timeout`` measured nothing: it is run once more
+   (``retry``), and a size that failed so twice is never a limit — no proposal reaches it, and limits that
+   would need a trial there stay unverified (the profile says why).
 6. **Measure the step creep** once the limits are verified: one *steady trial* at the safe size, of
    ``steady_steps`` measured steps (:mod:`vramcal.calibration.creep`). From then on every rule reads the
    trials' steady-equivalent peaks (the peak a long run reaches at that size): when the creep pushes the
@@ -110,9 +114,31 @@ class Settled:
 
 # ------------------------------------------------------------------------------------------ facts
 
+def memory_failure(trial: Trial, usable_bytes: int) -> bool:
+    """The trial ran out of memory, or finished above ``usable_bytes`` (rule 7: what sets a limit)."""
+    return trial.status == "oom" or (trial.ok and not trial.fits(usable_bytes))
+
+
+def unmeasured(trial: Trial) -> bool:
+    """The trial ended in an ``error`` or a ``timeout``: it measured nothing about memory (rule 7)."""
+    return trial.status in ("error", "timeout")
+
+
+def unmeasured_ceiling(trials: Sequence[Trial]) -> int | None:
+    """The smallest batch size whose trials ended unmeasured twice (rule 7): no proposal reaches it."""
+    sizes = [b for b in {t.batch_size for t in trials} if sum(unmeasured(t) for t in trials if t.batch_size == b) >= 2]
+    return min(sizes) if sizes else None
+
+
+def proposal_ceiling(trials: Sequence[Trial], usable_bytes: int) -> int | None:
+    """The smallest batch size no proposal may reach: a memory failure, or a size unmeasured twice (rule 7)."""
+    ends = [b for b in (failed_batch_size(trials, usable_bytes), unmeasured_ceiling(trials)) if b is not None]
+    return min(ends) if ends else None
+
+
 def failed_batch_size(trials: Sequence[Trial], usable_bytes: int) -> int | None:
-    """The smallest batch size that did not fit (any status but a fitting ``ok``), or None."""
-    failed = [t.batch_size for t in trials if not t.fits(usable_bytes)]
+    """The smallest batch size with a memory failure (rule 7), or None."""
+    failed = [t.batch_size for t in trials if memory_failure(t, usable_bytes)]
     return min(failed) if failed else None
 
 
@@ -215,7 +241,7 @@ def boundary_batch_size(trials: Sequence[Trial], settings: SearchSettings) -> fl
     if slope <= 0 and (fit := fit_trials(trials, settings)) is not None:  # no line near the boundary
         slope, overhead = fit.slope_bytes_per_sample, fit.overhead_bytes
     boundary = float((settings.total_bytes - overhead) / slope) if slope > 0 else math.inf
-    hard_failed = min((t.batch_size for t in trials if not t.ok), default=None)
+    hard_failed = min((t.batch_size for t in trials if t.status == "oom"), default=None)
     return boundary if hard_failed is None else min(boundary, hard_failed - 1)
 
 
@@ -265,14 +291,21 @@ def next_batch_size(trials: Sequence[Trial], settings: SearchSettings) -> Step |
         return Step(settings.start_batch_size, "grow")
     if len(trials) >= settings.max_trials:
         return None
+    last = trials[-1]
+    if unmeasured(last) and sum(unmeasured(t) for t in trials if t.batch_size == last.batch_size) == 1:
+        return Step(last.batch_size, "retry")  # rule 7: an error or a timeout is run once more
     raw, trials = trials, steady_equivalent(trials)
     if not any(t.fits(settings.usable_bytes) for t in trials):
-        return None  # the smallest batch already failed: nothing fits
-    tried = {t.batch_size for t in trials}
-    for step in (_grow(trials, settings), _fill(trials, settings), _boundary(raw, settings)):
-        if step is not None and (step.batch_size not in tried or step.purpose == "verify-safe-repeat"):
+        return None  # the smallest batch already failed (or could not be measured): nothing fits
+    tried, ceiling = {t.batch_size for t in trials}, unmeasured_ceiling(trials)
+    steps = (_grow(trials, settings), _fill(trials, settings), _boundary(raw, settings), _verify(trials, settings),
+             _steady(raw, settings))
+    for step in steps:
+        if step is None or (ceiling is not None and step.batch_size >= ceiling):
+            continue
+        if step.batch_size not in tried or step.purpose in ("verify-safe-repeat", "verify-conservative", "steady"):
             return step
-    return _verify(trials, settings) or _steady(raw, settings)
+    return None
 
 
 def _grow(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
@@ -280,7 +313,7 @@ def _grow(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
     usable = settings.usable_bytes
     fitting = sorted((t for t in trials if t.fits(usable)), key=lambda t: t.batch_size)
     largest = fitting[-1].batch_size
-    failed = failed_batch_size(trials, usable)
+    failed = proposal_ceiling(trials, usable)
     estimate = _estimated_limit(trials, fitting, settings)
     if estimate is None:
         target = largest * 8  # one point, or peaks that do not rise yet: no estimate to aim at
@@ -324,7 +357,7 @@ def _fill(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
         return None
     usable = settings.usable_bytes
     largest = largest_fitting(trials, usable) or 0
-    failed = failed_batch_size(trials, usable)
+    failed = proposal_ceiling(trials, usable)
     ceiling = (failed - 1) if failed is not None else settings.max_batch_size
     estimate = _estimated_limit(trials, sorted((t for t in trials if t.fits(usable)), key=lambda t: t.batch_size),
                                 settings)
@@ -358,7 +391,8 @@ def _boundary(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
     measured = max((t.batch_size for t in trials if t.ok), default=0)
     if measured >= settings.boundary_fraction * boundary / (1 + 2 * settings.snap_tolerance):
         return None  # a trial already measured near the boundary
-    failed = min((t.batch_size for t in trials if not t.ok), default=None)
+    failed = min((b for b in (min((t.batch_size for t in trials if t.status == "oom"), default=None),
+                              unmeasured_ceiling(trials)) if b is not None), default=None)
     target = math.floor(settings.boundary_fraction * boundary)
     if failed is not None:
         target = min(target, (measured + failed) // 2)
