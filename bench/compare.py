@@ -54,7 +54,7 @@ def child_environment() -> dict[str, str]:
     """The environment of every tool's process: this one's, plus the allocator settings vramcal's workers
     run with (:class:`vramcal.measure.worker.Workers`: glibc malloc tunables, pyarrow's system pool),
     so the anchors search in the process make-up that the trainer, which trains their answers, runs in."""
-    from vramcal.measure.worker import HOST_MALLOC
+    from vramcal.environment import HOST_MALLOC
 
     env = dict(os.environ)
     env.setdefault("GLIBC_TUNABLES", HOST_MALLOC)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vramcal import staleness
 from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibrator import CalibrationError, CalibrationPlan, run_trials
@@ -269,11 +270,14 @@ class Located:
 def locate_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *,
                    device: Device, implementation: str = "auto", profiles_dir: Path | str = DEFAULT_PROFILES_DIR,
                    path: Path | str | None = None, world: World | None = None,
-                   total_bytes: int | None = None) -> Located:
+                   total_bytes: int | None = None, strict: bool | None = None) -> Located:
     """The profile for a model on ``device`` (in a DDP ``world``; None: one process): the newest matching one
-    under ``profiles_dir`` (calibrated at ``total_bytes``, when given: a host rank's own budget), or ``path``.
+    under ``profiles_dir`` (calibrated at ``total_bytes``, when given: a host rank's own budget), or ``path``;
+    a profile made under other software or settings that can move memory adds a notice naming them
+    (:mod:`vramcal.staleness`; ``strict``: refuse it).
 
     Raises:
+        StaleProfileError: ``strict`` (or ``VRAMCAL_STRICT_PROFILE=1``) and the profile is stale.
         SizingError: none matches (the message gives the ``vramcal probe`` command that makes one), or
             ``path`` is for another device or model (names the difference), or has no limits.
         WorkloadError, ValueError: ``model`` or ``params`` are not a model vramcal can build (:func:`model_ref`).
@@ -281,9 +285,10 @@ def locate_profile(model: str | ModelRef = "regressor", params: dict[str, Any] |
     ref = model_ref(model, params, device=device, implementation=implementation)
     notices: list[str] = []
     if path is None:
-        found, notices = newest_profile(profiles_dir, device, ref, world, total_bytes)
+        found, skipped = newest_profile(profiles_dir, device, ref, world, total_bytes)
+        notices = [f"skipped {line}" for line in skipped]
         if found is None:
-            bad = f" ({len(notices)} matching file(s) failed their checks: {notices[0]})" if notices else ""
+            bad = f" ({len(skipped)} matching file(s) failed their checks: {skipped[0]})" if skipped else ""
             where = f" for {world.describe()}" if world else ""
             budget = f" at {format_bytes(total_bytes)}" if total_bytes else ""
             raise SizingError(f"no profile for {device.name}{budget} and {describe(ref)}{where} in {profiles_dir}/"
@@ -297,7 +302,8 @@ def locate_profile(model: str | ModelRef = "regressor", params: dict[str, Any] |
     if profile.limits is None or profile.fit is None or profile.limits.safe_batch_size < 1:
         raise SizingError(f"{path}: the profile has no usable limits (nothing fitted or nothing fits): re-run "
                           f"`{probe_command(device, ref)}`")
-    return Located(profile, Path(path), tuple(notices))
+    stale = staleness.check(profile, str(path), device, strict=strict, command=probe_command(device, ref, world))
+    return Located(profile, Path(path), tuple(notices + ([stale] if stale else [])))
 
 
 def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *, gpu: str = "auto",
@@ -305,7 +311,7 @@ def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | N
                  profiles_dir: Path | str = DEFAULT_PROFILES_DIR, path: Path | str | None = None) -> Profile:
     """The profile for a model on the device ``gpu`` names (as :func:`calibrate` takes it): the newest matching
     one under ``profiles_dir``, or ``path``. Matching files that failed their checks are passed over with a
-    :class:`UserWarning` each.
+    :class:`UserWarning` each, and so is a stale profile (:mod:`vramcal.staleness`).
 
     Raises:
         SizingError, WorkloadError, ValueError: see :func:`locate_profile`. DeviceError, NvmlError: no such device.
@@ -313,7 +319,7 @@ def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | N
     located = locate_profile(model, params, device=select_devices(gpu, capacity_bytes)[0][0],
                              implementation=implementation, profiles_dir=profiles_dir, path=path)
     for notice in located.notices:
-        warnings.warn(f"vramcal: skipped {notice}", stacklevel=2)
+        warnings.warn(f"vramcal: {notice}", stacklevel=2)
     return located.profile
 
 

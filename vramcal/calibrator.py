@@ -12,9 +12,7 @@ and the profile record, and below the front door: it is the one place where tria
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +24,7 @@ from vramcal.calibration import surface
 from vramcal.calibration.creep import STEADY
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import SearchSettings, Step, next_batch_size, settle, unmeasured_ceiling
+from vramcal.environment import software_versions
 from vramcal.measure.trial import TrialRequest
 from vramcal.models.registry import family_of
 from vramcal.profile import Profile, Verification, utc_now
@@ -221,14 +220,3 @@ def _warnings(profile: Profile, n_trials: int) -> list[str]:
         warnings.append(f"batch_size {ceiling} ended in {' and '.join(ended)} twice: it measured nothing about memory, "
                         f"so it is no limit, but no larger size was tried (see the trials' errors)")
     return warnings
-
-
-def software_versions() -> dict[str, str | None]:
-    """Versions of Python and the packages whose behaviour changes the measured memory."""
-    versions: dict[str, str | None] = {"python": platform.python_version()}
-    for package in ("torch", "transformers", "mamba-ssm", "causal-conv1d", "triton", "nvidia-ml-py", "nvitop"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = None
-    return versions

@@ -31,7 +31,8 @@ with recorded and synthetic trials. Its rules:
 7. **Only memory sets a limit**: a trial that ran out of memory, or finished above usable memory, is a
    failure at its size; one that ended in an ``error`` or a ``timeout`` measured nothing: it is run once more
    (``retry``), and a size that failed so twice is never a limit — no proposal reaches it, and limits that
-   would need a trial there stay unverified (the profile says why).
+   would need a trial there stay unverified (the profile says why). A first trial that measured nothing ends
+   the calibration: the step itself failed, or is too slow for the time limit.
 6. **Measure the step creep** once the limits are verified: one *steady trial* at the safe size, of
    ``steady_steps`` measured steps (:mod:`vramcal.calibration.creep`). From then on every rule reads the
    trials' steady-equivalent peaks (the peak a long run reaches at that size): when the creep pushes the
@@ -291,8 +292,8 @@ def next_batch_size(trials: Sequence[Trial], settings: SearchSettings) -> Step |
         return Step(settings.start_batch_size, "grow")
     if len(trials) >= settings.max_trials:
         return None
-    last = trials[-1]
-    if unmeasured(last) and sum(unmeasured(t) for t in trials if t.batch_size == last.batch_size) == 1:
+    last, fitted = trials[-1], any(t.fits(settings.usable_bytes) for t in trials)
+    if fitted and unmeasured(last) and sum(unmeasured(t) for t in trials if t.batch_size == last.batch_size) == 1:
         return Step(last.batch_size, "retry")  # rule 7: an error or a timeout is run once more
     raw, trials = trials, steady_equivalent(trials)
     if not any(t.fits(settings.usable_bytes) for t in trials):

@@ -26,7 +26,7 @@ class TrialPrinter:
     def __call__(self, trial) -> None:
         peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
         step = f"{trial.step_s:.3f} s/step, {trial.samples_per_s:.1f} samples/s" if trial.step_s else ""
-        status = "over" if trial.ok and not trial.fits(self._usable_bytes) else trial.status
+        status = trial_status(trial, self._usable_bytes)
         length = f"seq_len {trial.seq_len:>5}  " if trial.seq_len is not None else ""
         self._bar.write(f"  {length}batch_size {trial.batch_size:>6}  {status:<7}  peak {peak:>10}  {step}  "
                         f"[{trial.purpose}, {trial.wall_s:.1f} s]", file=self._file)
@@ -34,6 +34,11 @@ class TrialPrinter:
 
     def close(self) -> None:
         self._bar.close()
+
+
+def trial_status(trial, usable_bytes: int) -> str:
+    """A trial's status for people: ``over`` for one that finished above usable memory, else its status."""
+    return "over" if trial.ok and not trial.fits(usable_bytes) else trial.status
 
 
 def summary(profile) -> str:

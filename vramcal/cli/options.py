@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 from collections.abc import Callable, Iterator
 
 import click
@@ -170,6 +171,21 @@ data_options = group(
                  "host memory with batches copied per step"),
 )
 
+def strict_profiles(strict: bool) -> None:
+    """``--strict-profile``: refuse stale profiles for the rest of this command (:mod:`vramcal.staleness`), its
+    workers included (they inherit the environment)."""
+    from vramcal.staleness import STRICT_ENV
+
+    if strict:
+        os.environ[STRICT_ENV] = "1"
+
+
+strict_option = click.option("--strict-profile", "strict_profile", is_flag=True,
+                             help="refuse a profile made under other software or settings that can move memory (a "
+                                  "new torch, CUDA, driver or allocator setting; on the host also the torch build and "
+                                  "Python) instead of warning; also VRAMCAL_STRICT_PROFILE=1")
+
+
 training_options = group(
     click.option("--data", "data", type=click.Path(dir_okay=False), default="data/es_1s.parquet", show_default=True,
                  help="OHLCV parquet: timestamp, open, high, low, close, volume"),
@@ -182,6 +198,7 @@ training_options = group(
                       "(2GiB,3GiB: each rank sized by its own budget's profile)"),
     spec_options,
     click.option("--profile", default="auto", show_default=True, help="auto (look in --profiles-dir) or a file"),
+    strict_option,
     click.option("--profiles-dir", type=click.Path(file_okay=False), default="profiles", show_default=True),
     click.option("--batch-size-min", type=click.IntRange(1), default=1, show_default=True),
     click.option("--lr-scaling", type=click.Choice(("none", "linear", "sqrt")), default="sqrt", show_default=True,

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from vramcal.cli.console import TrialPrinter, echo_lines, observations_lines, summary
+from vramcal.cli.console import TrialPrinter, echo_lines, observations_lines, summary, trial_status
 from vramcal.cli.options import (
     EXIT_UNVERIFIED,
     SPEC_NAMES,
@@ -29,6 +29,7 @@ from vramcal.cli.options import (
     limit_options,
     one_line,
     probe_spec_options,
+    strict_option,
     world_of,
 )
 from vramcal.models import registry
@@ -252,6 +253,16 @@ def calibrate_one(plan, err: bool = False, reports_dir: Path | None = None):
     return profile
 
 
+def warn_if_stale(profile, path: Path, strict: bool) -> None:
+    """A warning on stderr for a profile made under other software or settings (:mod:`vramcal.staleness`);
+    ``strict``: refuse it (StaleProfileError, one line)."""
+    from vramcal.staleness import check
+
+    notice = check(profile, str(path), strict=strict or None, command="vramcal probe ... on this machine")
+    if notice:
+        click.echo(f"warning: {notice}", err=True)
+
+
 def check_writable(folder: Path, what: str, options: str) -> None:
     """Fail before any trial when ``folder`` cannot take files (a calibration can take an hour)."""
     try:
@@ -266,12 +277,14 @@ def check_writable(folder: Path, what: str, options: str) -> None:
 @click.command()
 @click.argument("profile_path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="print the profile as JSON for programs")
-def show(profile_path: Path, as_json: bool) -> None:
+@strict_option
+def show(profile_path: Path, as_json: bool, strict_profile: bool) -> None:
     """Print a profile for people (or --json for programs), with the training runs that used it."""
     from vramcal.profile import load_profile
 
     with one_line():
         profile = load_profile(profile_path)
+        warn_if_stale(profile, profile_path, strict_profile)
     if as_json:
         click.echo(json.dumps(profile.to_dict(), indent=2, sort_keys=True))
         return
@@ -280,5 +293,6 @@ def show(profile_path: Path, as_json: bool) -> None:
     for trial in profile.trials:
         peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
         length = f"seq_len {trial.seq_len:>5}  " if trial.seq_len is not None else ""
-        click.echo(f"  {length}batch_size {trial.batch_size:>6}  {trial.status:<7}  peak {peak:>10}  {trial.purpose}")
+        status = trial_status(trial, profile.settings.usable_bytes(profile.device.total_bytes))
+        click.echo(f"  {length}batch_size {trial.batch_size:>6}  {status:<7}  peak {peak:>10}  {trial.purpose}")
     echo_lines([summary(profile), *observations_lines(profile)])

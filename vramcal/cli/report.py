@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from vramcal.cli.options import EXIT_UNVERIFIED, one_line
+from vramcal.cli.options import EXIT_UNVERIFIED, one_line, strict_option
 from vramcal.models.registry import describe
 from vramcal.report.catalogue import GpuModel, parse_gpu_list
 
@@ -98,9 +98,10 @@ def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, 
               help="the longest seq_len at this batch size (a profile calibrated over several lengths)")
 @click.option("--verify", is_flag=True, help="run one real trial at the answer (on the profile's device, here)")
 @click.option("--json", "as_json", is_flag=True, help="print the answer or the table as JSON for programs")
+@strict_option
 @click.pass_context
 def limits_command(ctx: click.Context, profile: Path, gpus: list[GpuModel], seq_len: int | None,
-                   batch_size: int | None, verify: bool, as_json: bool) -> None:
+                   batch_size: int | None, verify: bool, as_json: bool, strict_profile: bool) -> None:
     """Print PROFILE's limits: on common GPUs (extrapolated from its fit), or at a sequence length or batch size.
 
     The GPU table is the report's "Limits on other GPUs": safe and conservative batch sizes per card,
@@ -108,7 +109,11 @@ def limits_command(ctx: click.Context, profile: Path, gpus: list[GpuModel], seq_
     the answer of a profile calibrated over several lengths; --verify checks it with a real trial (exit 3
     when that trial does not fit).
     """
+    from vramcal.cli.probe import warn_if_stale
+
     loaded = _load([profile])[0]
+    with one_line():
+        warn_if_stale(loaded, profile, strict_profile)
     if seq_len is None and batch_size is None:
         if verify:
             raise click.BadParameter("--verify checks an answer: give --seq-len or --batch-size", param_hint="--verify")

@@ -20,6 +20,7 @@ from vramcal.cli.options import (
     explicit,
     group,
     one_line,
+    strict_profiles,
     training_options,
     world_of,
 )
@@ -99,6 +100,7 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
     from vramcal.train.runner import train
 
     given = explicit(ctx)
+    strict_profiles(options.pop("strict_profile"))
     torchrun = {name: options.pop(name) for name in TORCHRUN_OPTIONS}
     if nproc_per_node > 1 or any(torchrun.values()):
         train_world(ctx, config_file, options, given, run_dir, resume, probe, capacity or (), nproc_per_node,

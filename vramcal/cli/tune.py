@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from vramcal.cli.options import explicit, one_line, training_options
+from vramcal.cli.options import explicit, one_line, strict_profiles, training_options
 
 # Settings of the base config that a tune searches (the config's own values are replaced per trial).
 _SEARCHED = ("lr", "batch_size", "weight_decay", "max_grad_norm")
@@ -63,6 +63,7 @@ def tune_command(ctx: click.Context, config_file: str | None, run_dir: Path | No
     from vramcal.tune import study as tune
 
     given = explicit(ctx)
+    strict_profiles(options.pop("strict_profile"))
     if capacity and len(capacity) > 1:
         raise click.BadParameter("a tune's trials are one process each: give one budget", param_hint="--capacity")
     capacity = capacity[0] if capacity else None

@@ -185,7 +185,7 @@ def _find(profile: Profile | str | Path | None, model: str | None, params: dict[
     if model is not None and not isinstance(profile, Profile):
         located = locate_profile(model, params, device=device, profiles_dir=profiles_dir, path=profile, world=world)
         for notice in located.notices:
-            _warn(f"vramcal: skipped {notice}")
+            _warn(f"vramcal: {notice}")
         return located.profile, str(located.path), located.path
     if isinstance(profile, Profile):
         found, source, path = profile, "the given profile", None
@@ -201,6 +201,11 @@ def _find(profile: Profile | str | Path | None, model: str | None, params: dict[
             _check_device(found, device, world)
     except ProfileError as error:
         raise SizingError(f"{source}: {error}") from None
+    from vramcal import staleness
+
+    stale = staleness.check(found, source, device)
+    if stale:
+        _warn(f"vramcal: {stale}")
     return found, source, path
 
 

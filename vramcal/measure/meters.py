@@ -31,15 +31,11 @@ import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from vramcal.environment import ALLOCATOR_ENV, HOST_MALLOC_ENV
 from vramcal.measure.nvml import NvmlError, load_nvml, nvml_handle
 from vramcal.measure.sampler import BASELINE_SETTLE_S, NvmlSampler
 from vramcal.records import Device
 from vramcal.units import format_bytes
-
-ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_MODULE_LOADING")
-HOST_MALLOC_ENV = ("GLIBC_TUNABLES", "ARROW_DEFAULT_MEMORY_POOL",
-                   "MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
-                   "LD_PRELOAD", "OMP_NUM_THREADS")
 
 
 class MeterError(RuntimeError):

@@ -34,13 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-# glibc malloc in workers: blocks of 4 MiB and more are mapped and unmapped on their own (a fixed threshold:
-# glibc's default threshold drifts up to 32 MiB as blocks are freed, and the heap then fragments by chance),
-# one arena, and transparent huge pages for those mappings. Measured on the tiny spec (2-core host): three
-# trials at one batch size varied by 1 % instead of 4-8 %, and peaked 10-15 % lower; the default spec's
-# step took about 30 % more CPU time (page faults of the fresh mappings, fewer with huge pages).
-HOST_MALLOC = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304:glibc.malloc.trim_threshold=4194304:"
-               "glibc.malloc.arena_max=1")
+from vramcal.environment import WORKER_DEFAULTS
+
 OutcomeStatus = Literal["ok", "oom", "timeout", "error"]
 Handler = Callable[[str, Any], Any]
 
@@ -91,8 +86,9 @@ class Workers:
 
     The fork server starts with ``ARROW_DEFAULT_MEMORY_POOL=system`` (pyarrow's default pools keep about
     1 GiB of address space after reading a parquet file, which a host budget, ``RLIMIT_DATA``, would
-    count) and ``GLIBC_TUNABLES`` = :data:`HOST_MALLOC` (repeatable host peaks), unless the caller set
-    them. Both are read once, when a process starts, and recorded in the profile's environment.
+    count) and ``GLIBC_TUNABLES`` = :data:`vramcal.environment.HOST_MALLOC` (repeatable host peaks), unless the
+    caller set them (:data:`vramcal.environment.WORKER_DEFAULTS`). Both are read once, when a process starts, and
+    recorded in the profile's environment.
 
     Args:
         preload: the modules the fork server imports before it forks (the caller's: what its workers run).
@@ -101,9 +97,8 @@ class Workers:
 
     def __init__(self, preload: tuple[str, ...]) -> None:
         # read once when a process starts: set them for the fork server before it starts
-        os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
-        os.environ.setdefault("GLIBC_TUNABLES", HOST_MALLOC)
-        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+        for name, value in WORKER_DEFAULTS.items():
+            os.environ.setdefault(name, value)
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(list(preload))
 

@@ -156,7 +156,7 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
     located = api.locate_profile(model, device=device, profiles_dir=config.profiles_dir,
                                  path=None if config.profile == "auto" else config.profile, world=world,
                                  total_bytes=capacity_bytes if budget_matches else None)
-    notices += [f"skipped {line}" for line in located.notices]
+    notices += list(located.notices)
     limit = None
     if device.kind == "host":
         limit = capacity_bytes or located.profile.device.total_bytes

@@ -1,0 +1,47 @@
+"""The software and the settings a process runs with that change the memory of the same step: read here, recorded
+in every profile, and compared when a profile is used (:mod:`vramcal.staleness`).
+
+Nothing here imports torch: versions come from the installed packages' metadata, settings from the
+environment as a worker will see it (:class:`vramcal.measure.worker.Workers` sets vramcal's defaults for the
+host allocator before its fork server starts: :data:`WORKER_DEFAULTS`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+
+# glibc malloc in workers: blocks of 4 MiB and more are mapped and unmapped on their own (a fixed threshold:
+# glibc's default threshold drifts up to 32 MiB as blocks are freed, and the heap then fragments by chance),
+# one arena, and transparent huge pages for those mappings. Measured on the tiny spec (2-core host): three
+# trials at one batch size varied by 1 % instead of 4-8 %, and peaked 10-15 % lower; the default spec's
+# step took about 30 % more CPU time (page faults of the fresh mappings, fewer with huge pages).
+HOST_MALLOC = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304:glibc.malloc.trim_threshold=4194304:"
+               "glibc.malloc.arena_max=1")
+# What a worker's fork server starts with unless the caller set it (read once, when a process starts).
+WORKER_DEFAULTS = {"ARROW_DEFAULT_MEMORY_POOL": "system", "GLIBC_TUNABLES": HOST_MALLOC,
+                   "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+# The CUDA caching allocator's and the driver's settings (PyTorch's "CUDA semantics" notes), and the host's.
+ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_MODULE_LOADING")
+HOST_MALLOC_ENV = ("GLIBC_TUNABLES", "ARROW_DEFAULT_MEMORY_POOL", "MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_",
+                   "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "LD_PRELOAD", "OMP_NUM_THREADS")
+# Packages recorded in a profile; those whose version can move the memory of the same step.
+RECORDED_PACKAGES = ("torch", "transformers", "mamba-ssm", "causal-conv1d", "triton", "nvidia-ml-py", "nvitop")
+MEMORY_PACKAGES = ("torch", "transformers", "mamba-ssm", "causal-conv1d", "triton")
+
+
+def software_versions() -> dict[str, str | None]:
+    """Versions of Python and the packages of :data:`RECORDED_PACKAGES` (None: not installed)."""
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for package in RECORDED_PACKAGES:
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def worker_setting(name: str) -> str | None:
+    """The value of environment variable ``name`` a worker started now would see."""
+    return os.environ.get(name, WORKER_DEFAULTS.get(name))

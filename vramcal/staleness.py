@@ -1,0 +1,74 @@
+"""A stale profile: its recorded software, driver or allocator settings differ from the running ones in a way
+that can move the memory of the same step (DESIGN.md): a new torch, CUDA or driver changes the CUDA context and
+the kernels' workspaces; ``PYTORCH_CUDA_ALLOC_CONF`` (``expandable_segments``) changes what the caching
+allocator reserves; mamba_ssm, causal_conv1d, Triton and transformers change the kernels and what they keep
+for backward; on the host the torch build, the Python version and the malloc settings change the process's
+own memory. Hundreds of MiB can move, and the profile's figures would size the run without a word.
+
+Every place that uses a profile asks :func:`check`: it returns one notice naming each change and the command
+that recalibrates, or, when strict (the ``strict`` argument, ``--strict-profile``, or
+``VRAMCAL_STRICT_PROFILE=1``), raises :class:`StaleProfileError` with it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from vramcal.environment import ALLOCATOR_ENV, HOST_MALLOC_ENV, MEMORY_PACKAGES, software_versions, worker_setting
+from vramcal.profile import Profile, ProfileError
+from vramcal.records import Device
+
+STRICT_ENV = "VRAMCAL_STRICT_PROFILE"
+
+
+class StaleProfileError(ProfileError):
+    """A profile made under other software or settings, refused because the caller asked to be strict."""
+
+
+def changes(profile: Profile, device: Device | None = None) -> list[str]:
+    """Each change since the profile was made that can move memory (module docstring), as ``torch 2.5.1 ->
+    2.13.0+cpu``; ``device`` is the running device (its driver is compared on a GPU)."""
+    running, recorded = software_versions(), profile.software
+    host = profile.device.kind == "host"
+    names = (*MEMORY_PACKAGES, "python") if host else MEMORY_PACKAGES
+    found = [f"{name} {recorded.get(name) or 'absent'} -> {running.get(name) or 'absent'}" for name in names
+             if name in recorded and recorded.get(name) != running.get(name)]
+    if device is not None and device.kind == "cuda":
+        found += [f"{label} {getattr(profile.device, field)} -> {getattr(device, field)}"
+                  for field, label in (("driver_version", "NVIDIA driver"), ("cuda_driver_version", "CUDA driver"))
+                  if getattr(profile.device, field) and getattr(profile.device, field) != getattr(device, field)]
+        torch = sys.modules.get("torch")
+        cuda = profile.environment.get("torch_cuda_version")
+        if torch is not None and cuda and torch.version.cuda != cuda:
+            found.append(f"torch's CUDA {cuda} -> {torch.version.cuda}")
+    for name in HOST_MALLOC_ENV if host else ALLOCATOR_ENV:
+        if name in profile.environment and profile.environment[name] != worker_setting(name):
+            found.append(f"{name} {_shown(profile.environment[name])} -> {_shown(worker_setting(name))}")
+    return found
+
+
+def check(profile: Profile, source: str, device: Device | None = None, *, strict: bool | None = None,
+          command: str = "vramcal probe") -> str | None:
+    """The notice for a stale profile (None: nothing changed that can move memory).
+
+    Args:
+        source: how to name the profile (its file).
+        strict: refuse a stale profile (None: ``VRAMCAL_STRICT_PROFILE=1`` says).
+        command: what recalibrates it here.
+
+    Raises:
+        StaleProfileError: strict, and the profile is stale.
+    """
+    found = changes(profile, device)
+    if not found:
+        return None
+    line = (f"{source} was made with other software or settings that can move memory ({'; '.join(found)}): its "
+            f"figures may not hold here; recalibrate with `{command}`")
+    if strict if strict is not None else os.environ.get(STRICT_ENV) == "1":
+        raise StaleProfileError(line)
+    return line
+
+
+def _shown(value: str | None) -> str:
+    return "unset" if value is None else repr(value)
