@@ -70,6 +70,8 @@ Reader = Callable[[Any, str], Any]  # (value, path) -> the field's value; raises
 
 def shown(value: Any) -> str:
     """``value`` as a short one-line repr for messages (long values are cut with ``...``)."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
     text = repr(value) if not isinstance(value, (dict, list)) else _json_text(value)
     text = " ".join(text.split())
     return text if len(text) <= _TEXT_LENGTH else text[:_TEXT_LENGTH - 3] + "..."
@@ -265,7 +267,7 @@ def _join(where: str, name: str) -> str:
 
 
 def _number(value: float) -> str:
-    return f"{value:g}"
+    return f"{int(value)}" if float(value).is_integer() else f"{value:g}"
 
 
 def _numeric(text: str) -> bool:
