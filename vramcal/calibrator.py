@@ -119,17 +119,27 @@ def _next(trials: list[Trial], search: SearchSettings, seq_lens: tuple[int, ...]
 
 
 def first_trial_failure(first: Trial, plan: CalibrationPlan) -> str:
-    """Why a calibration could not start, in one line, with what to change: the training step itself
-    failed (an ``error``: fix the step), or one sample does not fit (change the budget or the model)."""
+    """Why a calibration could not start, in one line, with what to change: the training step itself failed
+    (an ``error``: its reason, fix the step), it ran past the time limit (a ``timeout``: the limit and the
+    option that raises it), or one sample does not fit (``oom``, or a peak above usable memory: change the
+    budget or the model). Only the last is about memory."""
+    title, size = family_of(plan.model).title(plan.model), first.batch_size
     header = (first.error or "").strip().splitlines()[:1] or ["no error text recorded"]
     if first.status == "error":
         kind, _, message = header[0].partition(": ")
         what = message if kind == "WorkloadError" else header[0]  # vramcal's own message names the factory
-        return (f"the training step of {family_of(plan.model).title(plan.model)} failed in the first trial "
-                f"(batch_size {first.batch_size}), before any memory limit: {what[:300]}: fix the step (call the "
-                f"factory and one step by hand to see the traceback)")
-    why = f"its peak was {format_bytes(first.peak_bytes)}" if first.ok else f"it ended with {first.status}: {header[0]}"
-    return (f"batch_size {first.batch_size} does not fit in the usable {format_bytes(plan.usable_bytes)} of "
+        return (f"the training step of {title} failed in the first trial (batch_size {size}), before any memory "
+                f"limit: {what[:300]}: fix the step (call the factory and one step by hand to see the traceback)")
+    if first.status == "timeout":
+        return (f"the first trial of {title} (batch_size {size}) timed out: it was killed after the "
+                f"{plan.trials.timeout_s:g} s time limit, before any memory figure (building the model and "
+                f"{plan.trials.warmup_steps + plan.trials.measured_steps} steps at batch_size {size} take longer, "
+                f"or the step hangs): give a larger --timeout (TrialSettings.timeout_s), or a smaller model")
+    if not first.ok and first.status != "oom":
+        return (f"the first trial of {title} (batch_size {size}) finished without a peak figure (the meter read "
+                f"nothing): run it again, and report it if it repeats")
+    why = f"its peak was {format_bytes(first.peak_bytes)}" if first.ok else f"it ran out of memory: {header[0][:200]}"
+    return (f"batch_size {size} does not fit in the usable {format_bytes(plan.usable_bytes)} of "
             f"{plan.device.name} ({why}); give a larger --capacity, a smaller --reserve or --margin, or a smaller "
             f"model")
 
