@@ -135,6 +135,13 @@ def read_record(cls: type, data: Any, where: str, ranges: Mapping[str, Range] | 
         raise SchemaError(where, f"{where}: {error}") from None
 
 
+def _not(path: str, value: Any, what: str) -> SchemaError:
+    """``path = value is <its kind>, not <what>`` (``path is null, not ...`` for null)."""
+    if value is None:
+        return SchemaError(path, f"{path} is null, not {what}")
+    return SchemaError(path, f"{path} = {shown(value)} is {kind(value)}, not {what}")
+
+
 def read_value(value: Any, hint: Any, path: str, limits: Range | None = None) -> Any:
     """``value`` checked against the type ``hint`` (and each number against ``limits``): lists become tuples
     where the hint is a tuple, whole numbers floats where it is a float.
@@ -156,28 +163,28 @@ def read_value(value: Any, hint: Any, path: str, limits: Range | None = None) ->
                 return read_value(value, arg, path, limits)
             except SchemaError:
                 continue
-        raise SchemaError(path, f"{path} = {shown(value)} is {kind(value)}, not {hint_text(hint)}")
+        raise _not(path, value, hint_text(hint))
     if origin is typing.Literal:
         if isinstance(value, bool) or value not in args:
             raise SchemaError(path, f"{path} = {shown(value)} is not one of {', '.join(map(repr, args))}")
         return value
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
-            raise SchemaError(path, f"{path} = {shown(value)} is {kind(value)}, not a list")
+            raise _not(path, value, "a list")
         return tuple(read_value(v, args[0], f"{path}[{i}]", limits) for i, v in enumerate(value))
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
-            raise SchemaError(path, f"{path} = {shown(value)} is {kind(value)}, not an object")
+            raise _not(path, value, "an object")
         return plain(value, path)
     if hint in (int, float):
         return read_number(value, path, hint, limits)
     if hint in (str, bool):
         if not isinstance(value, hint):
-            raise SchemaError(path, f"{path} = {shown(value)} is {kind(value)}, not {hint_text(hint)}")
+            raise _not(path, value, hint_text(hint))
         return value
     if isinstance(value, hint):
         return value
-    raise SchemaError(path, f"{path} = {shown(value)} is {kind(value)}, not {hint_text(hint)}")
+    raise _not(path, value, hint_text(hint))
 
 
 def read_number(value: Any, path: str, hint: type = float, limits: Range | None = None) -> int | float:
@@ -191,7 +198,7 @@ def read_number(value: Any, path: str, hint: type = float, limits: Range | None 
     name = "a whole number" if hint is int else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         hint_quotes = " (write it without quotes)" if isinstance(value, str) and _numeric(value) else ""
-        raise SchemaError(path, f"{path} = {shown(value)} is {kind(value)}, not {name}{hint_quotes}")
+        raise _not(path, value, name + hint_quotes)
     if isinstance(value, float) and not math.isfinite(value):
         raise SchemaError(path, f"{path} = {shown(value)} is not a finite number")
     if abs(value) >= MAX_MAGNITUDE:
@@ -230,7 +237,7 @@ def read_list(value: Any, path: str, read: Reader) -> tuple[Any, ...]:
         SchemaError: not a list, or an item ``read`` refuses.
     """
     if not isinstance(value, list):
-        raise SchemaError(path, f"{path} = {shown(value)} is {kind(value)}, not a list")
+        raise _not(path, value, "a list")
     return tuple(read(item, f"{path}[{i}]") for i, item in enumerate(value))
 
 
@@ -241,7 +248,7 @@ def read_map(value: Any, path: str, read: Reader, keys: tuple[str, ...] | None =
         SchemaError: not an object, an unknown key, or a value ``read`` refuses.
     """
     if not isinstance(value, dict):
-        raise SchemaError(path, f"{path} = {shown(value)} is {kind(value)}, not an object")
+        raise _not(path, value, "an object")
     for key in value:
         if keys is not None and key not in keys:
             raise SchemaError(f"{path}.{key}", f"{path}.{key} is not one of {', '.join(keys)}: remove it")
