@@ -52,6 +52,8 @@ def check_profile(profile: Profile) -> None:
     if usable <= 0:
         raise ProfileError(f"settings leave no usable memory of device.total_bytes {profile.device.total_bytes} "
                            f"(reserve {profile.settings.reserve_bytes}, margin {profile.settings.margin})")
+    if profile.surface is not None:
+        check_surface_shape(profile)
     trials = steady_equivalent(profile.reference_trials)  # what the fit, the limits and the verifications read
     if profile.fit is not None:
         check_fit(profile.fit, trials)
@@ -191,15 +193,37 @@ def check_verification(profile: Profile, trials: Sequence[Trial]) -> None:
 
 
 def check_surface(profile: Profile) -> None:
-    """A calibration over several lengths: the model has no one length, the lengths are distinct multiples of
-    chunk_size including the reference, the 2-D fit is the least-squares plane through its points, which are
-    trials, and each length's limits keep the one-length rules against its own trials.
+    """A calibration over several lengths (its frame checked first, :func:`check_surface_shape`): the 2-D fit
+    is the least-squares plane through its points, which are trials, the reference length's limits are the
+    profile's, and each length's limits keep the one-length rules against its own trials.
 
     Raises:
         ProfileError: the first field that breaks them.
     """
     surface = profile.surface
     assert surface is not None and profile.limits is not None
+    trials = steady_equivalent(profile.trials)
+    check_fit_2d(surface.fit, trials)
+    reference = surface.at(surface.reference_seq_len)
+    limits = profile.limits
+    if (reference.safe_batch_size, reference.conservative_batch_size) != (limits.safe_batch_size,  # type: ignore
+                                                                          limits.conservative_batch_size):
+        raise ProfileError(f"surface seq_len {surface.reference_seq_len} (the reference): its limits are not the "
+                           f"profile's limits ({limits.safe_batch_size}, {limits.conservative_batch_size})")
+    for index, entry in enumerate(surface.lengths):
+        _check_length(profile, entry, f"surface.lengths[{index}]", [t for t in trials if t.seq_len == entry.seq_len])
+
+
+def check_surface_shape(profile: Profile) -> None:
+    """The frame of a calibration over several lengths, checked before anything is read at its reference length:
+    a model without one length, two or more distinct lengths (multiples of chunk_size, shortest first) and a
+    reference among them.
+
+    Raises:
+        ProfileError: the first field that breaks it.
+    """
+    surface = profile.surface
+    assert surface is not None
     if "seq_len" in profile.model.params:
         raise ProfileError("model.params.seq_len is set, yet the profile covers several lengths (surface): a "
                            "profile over lengths keys its model without one")
@@ -213,16 +237,6 @@ def check_surface(profile: Profile) -> None:
     if odd:
         raise ProfileError(f"surface.lengths: seq_len {odd[0]} is not a multiple of surface.chunk_size "
                            f"{surface.chunk_size}")
-    trials = steady_equivalent(profile.trials)
-    check_fit_2d(surface.fit, trials)
-    reference = surface.at(surface.reference_seq_len)
-    limits = profile.limits
-    if (reference.safe_batch_size, reference.conservative_batch_size) != (limits.safe_batch_size,  # type: ignore
-                                                                          limits.conservative_batch_size):
-        raise ProfileError(f"surface seq_len {surface.reference_seq_len} (the reference): its limits are not the "
-                           f"profile's limits ({limits.safe_batch_size}, {limits.conservative_batch_size})")
-    for index, entry in enumerate(surface.lengths):
-        _check_length(profile, entry, f"surface.lengths[{index}]", [t for t in trials if t.seq_len == entry.seq_len])
 
 
 def _check_length(profile: Profile, entry: Any, where: str, trials: Sequence[Trial]) -> None:
