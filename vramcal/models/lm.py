@@ -84,7 +84,11 @@ def read_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
                              f"--model-arg config=<a Mamba2Config JSON file>, e.g. configs/mamba2-lm-small.json"
                              ) from None
         except json.JSONDecodeError as error:
-            raise ValueError(f"--model lm: {source} is not JSON (line {error.lineno}: {error.msg})") from None
+            raise ValueError(f"--model lm: {source} is not JSON (line {error.lineno}: {error.msg}): give a "
+                             f"Mamba2Config JSON file") from None
+        except (UnicodeDecodeError, RecursionError):
+            raise ValueError(f"--model lm: {source} is not a JSON text file (not UTF-8, or nested too deeply): give "
+                             f"a Mamba2Config JSON file") from None
     else:
         settings = source
     if not isinstance(settings, dict):

@@ -235,7 +235,7 @@ def load_config(path: Path | str) -> TrainConfig:
         else:
             data = json.loads(text)
     except ValueError as error:  # json.JSONDecodeError and tomllib.TOMLDecodeError are ValueErrors
-        raise ConfigError(f"config {path} is not valid {path.suffix.lstrip('.') or 'JSON'}: "
+        raise ConfigError(f"config {path} is not valid {'TOML' if path.suffix.lower() == '.toml' else 'JSON'}: "
                           f"{' '.join(str(error).split())}") from None
     except RecursionError:
         raise ConfigError(f"config {path} is nested too deeply to be a table of settings") from None
