@@ -409,6 +409,17 @@ def test_a_real_probe_cut_short_at_4_trials_reads_back(tmp_path):
     assert any("not verified" in notice for notice in size(found).notices)
 
 
+def test_earlier_files_of_the_schema_read(tmp_path):
+    """Schema 2 files written before the calibration over several lengths and the step creep lack ``surface`` and
+    ``creep`` (the committed LM profile lacks ``creep``): they read as they did."""
+    data = json.loads(COMMITTED.read_text())
+    del data["surface"], data["creep"]
+    path = tmp_path / "older.json"
+    path.write_text(json.dumps(data))
+    assert load_profile(path) == load_profile(COMMITTED)
+    accepted(invoke("show", path))
+
+
 def test_the_committed_profiles_load_and_re_render_their_reports_byte_for_byte(tmp_path):
     paths = sorted((REPO / "profiles").glob("**/*.json"))
     assert paths

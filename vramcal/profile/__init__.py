@@ -222,7 +222,7 @@ class Profile:
                 line naming the field; :func:`load_profile` adds the file and the fix).
         """
         _check_identity(data)
-        missing = [key for key in FIELDS if key not in data]
+        missing = [key for key in FIELDS if key not in data and key not in OPTIONAL]
         if missing:
             raise ProfileError(f"{missing[0]} is missing")
         try:
@@ -235,8 +235,9 @@ class Profile:
 
 
 # The keys :meth:`Profile.to_dict` writes: the fields, and three derived from them (checked against them where a
-# file has them: ``creep`` came with schema 2's step creep, so earlier files of the schema lack it).
+# file has them: ``creep`` came with the step creep, so earlier files of the schema lack it).
 FIELDS = tuple(f.name for f in dataclasses.fields(Profile))
+OPTIONAL = ("surface",)  # came with the calibration over several lengths: earlier files of the schema lack it
 DERIVED = ("model_key", "verified", "creep")
 
 
