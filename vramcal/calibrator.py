@@ -138,7 +138,7 @@ def first_trial_failure(first: Trial, plan: CalibrationPlan) -> str:
     if not first.ok and first.status != "oom":
         return (f"the first trial of {title} (batch_size {size}) finished without a peak figure (the meter read "
                 f"nothing): run it again, and report it if it repeats")
-    why = f"its peak was {format_bytes(first.peak_bytes)}" if first.ok else f"it ran out of memory: {header[0][:200]}"
+    why = f"its peak was {format_bytes(first.peak_bytes)}" if first.ok else f"it ran out of memory: {header[0]}"
     return (f"batch_size {size} does not fit in the usable {format_bytes(plan.usable_bytes)} of "
             f"{plan.device.name} ({why}); give a larger --capacity, a smaller --reserve or --margin, or a smaller "
             f"model")
