@@ -582,8 +582,8 @@ def test_a_first_trial_that_hangs_times_out_in_one_line(tmp_path):
 
 
 def test_a_trial_whose_batch_raises_shows_its_reason_in_the_report(tmp_path):
-    """Real trials of a factory whose ``batch()`` raises from 8 samples on: the report's trials table gives the
-    error's reason, and its note does not call the failure out of memory."""
+    """Real trials of a factory whose ``batch()`` raises from 8 samples on: the probe's line for the trial and the
+    report's trials table give the error's reason, and the report's note does not call the failure out of memory."""
     from vramcal.report.markdown import render_markdown
 
     path = tmp_path / "p.json"
@@ -591,6 +591,7 @@ def test_a_trial_whose_batch_raises_shows_its_reason_in_the_report(tmp_path):
                     "corpus_models:batch_raises", "--max-trials", "4", "--steady-steps", "0", "--out", path,
                     "--no-report")
     assert result.exit_code in (0, 3) and "Traceback" not in result.output, result.output
+    assert re.search(r"batch_size +8 +error .*IndexError: sampler has 7 items, batch of 8 requested", result.output)
     profile = load_profile(path)
     assert [t.status for t in profile.trials if t.batch_size >= 8] and all(
         t.status == "error" for t in profile.trials if t.batch_size >= 8)

@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from vramcal.report.markdown import trial_reason
 from vramcal.sizing import fitted_from, verdict
 from vramcal.units import format_bytes
 
@@ -28,8 +29,10 @@ class TrialPrinter:
         step = f"{trial.step_s:.3f} s/step, {trial.samples_per_s:.1f} samples/s" if trial.step_s else ""
         status = "over" if trial.ok and not trial.fits(self._usable_bytes) else trial.status
         length = f"seq_len {trial.seq_len:>5}  " if trial.seq_len is not None else ""
+        reason = trial_reason(trial)  # why a trial that did not finish ended (an error's reason, a timeout's limit)
         self._bar.write(f"  {length}batch_size {trial.batch_size:>6}  {status:<7}  peak {peak:>10}  {step}  "
-                        f"[{trial.purpose}, {trial.wall_s:.1f} s]", file=self._file)
+                        f"[{trial.purpose}, {trial.wall_s:.1f} s]" + (f"  {reason}" if reason else ""),
+                        file=self._file)
         self._bar.update(1)
 
     def close(self) -> None:
