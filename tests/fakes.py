@@ -40,6 +40,49 @@ def run_policy(memory: Callable[[int], float], settings, oom_above: int | None =
     return trials
 
 
+class FakeTrialRunner:
+    """A trial runner at the hardware boundary for :func:`vramcal.calibrator.run_trials`: each trial's peak is
+    ``memory(batch_size, seq_len)`` bytes (``seq_len`` from the trial's model), plus ``creep`` bytes per token (per
+    sample when the model has no seq_len) for the steady trial, plus a deterministic wobble of up to ``noise``
+    bytes; a peak above ``total_bytes`` is recorded as ``oom``. Everything above the runner is the real code."""
+
+    context: dict = {}
+
+    def __init__(self, memory: Callable[[int, int], float], total_bytes: int, creep: float = 0.0, noise: int = 0):
+        self.memory, self.total_bytes, self.creep, self.noise, self.runs = memory, total_bytes, creep, noise, 0
+
+    def run(self, request, purpose: str = "") -> Trial:
+        self.runs += 1
+        b, length = request.batch_size, request.model.params.get("seq_len") or 1
+        wobble = ((self.runs * 7919) % 13 - 6) * self.noise // 6
+        peak = int(self.memory(b, length) + (self.creep * b * length if request.steady else 0) + wobble)
+        if peak > self.total_bytes:
+            return Trial(b, "oom", purpose=purpose, error="CUDA out of memory. Tried to allocate 2.00 GiB", wall_s=0.0)
+        return Trial(b, "ok", peak, rss_peak_bytes=peak, step_s=0.001 * b, samples_per_s=1000.0, purpose=purpose,
+                     wall_s=0.0)
+
+
+def fake_calibration(memory: Callable[[int, int], float], total_bytes: int, *, max_trials: int = 16,
+                     seq_lens: tuple[int, ...] = (), creep: float = 0.0, noise: int = 0, kind: str = "host",
+                     spec=None):
+    """The profile :func:`vramcal.calibrator.run_trials` writes for ``memory`` (bytes at (batch_size, seq_len)) on
+    a device of ``total_bytes``, cut short at ``max_trials`` (the real search, fit, limits and assembly)."""
+    from pathlib import Path
+
+    from vramcal.calibration.limits import LimitSettings
+    from vramcal.calibrator import CalibrationPlan, run_trials
+    from vramcal.models.regressor.spec import RegressorSpec
+    from vramcal.records import Device, TrialSettings
+
+    device = (Device("host", "Fake CPU (2 cores)", total_bytes, "--capacity") if kind == "host" else
+              Device("cuda", "NVIDIA Fake GPU", total_bytes, "NVML v2 total", uuid="GPU-00000000-0000-0000-0000-0000000"
+                     "00001", nvml_total_bytes=total_bytes))
+    spec = spec or RegressorSpec(chunk_size=64, seq_len=128)
+    plan = CalibrationPlan(device, spec.ref("transformers"), LimitSettings(), {}, Path("profile.json"),
+                           seq_lens=seq_lens, trials=TrialSettings(max_trials=max_trials))
+    return run_trials(plan, FakeTrialRunner(memory, total_bytes, creep, noise))
+
+
 # ------------------------------------------------------------------------------ the NVIDIA driver
 #
 # The fake is the driver, not the Python binding: a stand-in for libnvidia-ml.so (``pynvml.nvmlLib``) under

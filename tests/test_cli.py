@@ -103,10 +103,11 @@ def test_profiles_folder_that_is_a_file(tmp_path):
 
 @pytest.mark.parametrize("content, message", [
     ('{"schema_version": 2, "device": ', "not valid JSON"),
-    ('{"schema_version": 99}', "schema version 99"),
-    ('{"schema_version": 1}', "schema version 1 is not 2"),
-    ('{"schema_version": 2, "device": {}}', "not a vramcal profile"),
-    ('[1, 2]', "its top level is a JSON list, not an object; re-run `vramcal probe`"),
+    ('{"schema_version": 99}', "schema_version 99 is not 2"),
+    ('{"schema_version": 1}', "schema_version 1 is not 2"),
+    ('{"schema_version": 2, "device": {}}', "model is missing"),
+    ('{"hello": "world"}', "it is not a vramcal profile (it has no schema_version, device or trials)"),
+    ('[1, 2]', "its top level is a list, not a JSON object: it is not a vramcal profile; re-run `vramcal probe`"),
     ("\x00\x01binary", "not valid JSON"),
 ])
 def test_show_refuses_a_corrupt_profile(tmp_path, content, message):
@@ -137,17 +138,18 @@ def test_atomic_writes_leave_the_usual_file_mode_and_no_temporary_files(tmp_path
 
 
 @pytest.mark.parametrize("path, value, message", [
-    (("limits", "conservative_batch_size"), "lots", "Limits.conservative_batch_size = 'lots' is not int"),
-    (("limits", "safe_batch_size"), True, "Limits.safe_batch_size = True is not int"),
-    (("limits", "safe_batch_size"), -5, "limits.conservative_batch_size = "),
-    (("trials", 0, "status"), "fine", "Trial.status = 'fine'"),
-    (("device", "total_bytes"), 1.5, "Device.total_bytes = 1.5"),
-    (("fit", "slope_bytes_per_sample"), None, "Fit.slope_bytes_per_sample = None"),
-    (("fit", "slope_bytes_per_sample"), float("nan"), "Fit.slope_bytes_per_sample = nan is not a finite number"),
-    (("fit", "overhead_bytes"), float("inf"), "Fit.overhead_bytes = inf is not a finite number"),
-    (("fit", "batch_sizes", 1), "two", "Fit.batch_sizes = (1, 'two'"),
+    (("limits", "conservative_batch_size"), "lots",
+     "limits.conservative_batch_size = 'lots' is a string, not a whole number"),
+    (("limits", "safe_batch_size"), True, "limits.safe_batch_size = true is true/false, not a whole number"),
+    (("limits", "safe_batch_size"), -5, "limits.safe_batch_size = -5 is not >= 0"),
+    (("trials", 0, "status"), "fine", "trials[0].status = 'fine' is not one of 'ok', 'oom', 'timeout', 'error'"),
+    (("device", "total_bytes"), 1.5, "device.total_bytes = 1.5 is not a whole number"),
+    (("fit", "slope_bytes_per_sample"), None, "fit.slope_bytes_per_sample is null, not a number"),
+    (("fit", "slope_bytes_per_sample"), float("nan"), "fit.slope_bytes_per_sample = nan is not a finite number"),
+    (("fit", "overhead_bytes"), float("inf"), "fit.overhead_bytes = inf is not a finite number"),
+    (("fit", "batch_sizes", 1), "two", "fit.batch_sizes[1] = 'two' is a string, not a whole number"),
     (("limits", "usable_bytes"), 10**13, "limits.usable_bytes = 10000000000000 does not follow"),
-    (("verification", "safe", "passed"), False, "verification.safe.passed = False contradicts its peak"),
+    (("verification", "safe", "passed"), False, "verification.safe.passed = false contradicts its peak"),
     (("verification", "safe", "batch_size"), 3, "verification.safe.batch_size = 3 is not the safe batch size"),
 ])
 def test_a_profile_with_a_bad_field_is_refused_in_one_line_naming_it(tmp_path, path, value, message):
@@ -172,7 +174,8 @@ def test_a_profile_with_a_bad_field_is_refused_in_one_line_naming_it(tmp_path, p
 
 
 def test_hand_edited_limits_that_contradict_the_fit_are_refused(tmp_path):
-    """safe = conservative = 10**9 in a file whose fit allows ~60: refused, naming the field and the bound."""
+    """safe = conservative = 10**9 in a file whose fit allows ~60: refused, naming the field and the ceiling (the
+    larger of the fit's point estimate and the largest size that fitted, below the failure)."""
     import json
 
     from vramcal.profile import save_profile
@@ -190,9 +193,16 @@ def test_hand_edited_limits_that_contradict_the_fit_are_refused(tmp_path):
     assert result.exit_code == 1
     from vramcal.units import format_bytes
 
-    assert (f"limits.safe_batch_size = 1000000000 is above what the file's own fit allows in "
-            f"{format_bytes(profile.limits.usable_bytes)} ({profile.limits.safe_batch_size}) and no trial there "
-            f"fitted") in one_line_error(result)
+    point = profile.limits.point_safe_batch_size
+    assert (f"limits.safe_batch_size = 1000000000 is not below the failed batch size "
+            f"{profile.limits.failed_batch_size}") in one_line_error(result)
+    data["limits"]["failed_batch_size"] = None  # and without the failure, the ceiling names the point estimate
+    data["trials"] = [t for t in data["trials"] if t["status"] == "ok" and t["batch_size"] < 128]
+    bad.write_text(json.dumps(data))
+    largest = max(t["batch_size"] for t in data["trials"])
+    assert (f"limits.safe_batch_size = 1000000000 is above what the file's own evidence allows ({point}: the fit's "
+            f"point estimate in {format_bytes(profile.limits.usable_bytes)} is {point}, the largest batch size whose "
+            f"trials fitted {largest})") in one_line_error(invoke("show", str(bad)))
 
 
 def test_an_unwritable_reports_folder_fails_before_any_trial(tmp_path):

@@ -100,21 +100,61 @@ def test_two_ranks_on_two_budgets_train_like_one_process_at_the_summed_batch(wor
     assert sorted((o.rank, o.batch_size) for o in observed) == [(0, b0), (1, b1)]  # each rank, its own profile
 
 
+DDP_SETTINGS = ["--ddp-backend", "gloo", "--bucket-cap-mb", "50", "--gradient-as-bucket-view",
+                "--find-unused-parameters", "--static-graph"]
+
+
 def test_a_single_process_profile_cannot_size_a_ddp_run(world, tmp_path):
+    """Nor a profile of another DDP world: the ranks say which world they looked for and the command that
+    calibrates it (the DDP settings of the run included), in one line; torchrun's own options pass through."""
     tmp = world["tmp"]
-    result = vramcal(tmp, *train_args(tmp, "refused", "--nproc-per-node", "2", "--profiles-dir",
-                                      str(tmp_path / "none")))
+    port = free_port()
+    result = vramcal(tmp, *train_args(tmp, "refused", "--nproc-per-node", "2", *DDP_SETTINGS, "--nnodes", "1",
+                                      "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                                      "--max-restarts", "0", "--monitor-interval", "0.5"))
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
-    assert len(errors) == 1 and re.search(r"^Error: rank [01] failed: no profile for .* for DDP 2 ranks", errors[0])
-    assert "`vramcal probe --gpu none --impl transformers --nproc 2 " in errors[0]
+    assert len(errors) == 1 and re.search(r"^Error: rank [01] failed: no profile for .* for DDP 2 ranks \(gloo, "
+                                          r"buckets 50 MiB, gradient_as_bucket_view, find_unused_parameters, "
+                                          r"static_graph\)", errors[0]), errors
+    assert ("`vramcal probe --gpu none --impl transformers --nproc 2 --bucket-cap-mb 50 --gradient-as-bucket-view "
+            "--find-unused-parameters --static-graph ") in errors[0]
     assert result.stderr.strip().splitlines()[-1] == errors[0], result.stderr  # nothing after it, no agent log
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_probe_records_the_world_and_its_ddp_settings(tmp_path, monkeypatch):
+    """``probe --nproc 2`` with DDP's settings: the profile is per rank of that world, its file named by it (the
+    measurement is faked: the search, the limits and the file are real; the real world trial is above)."""
+    from click.testing import CliRunner
+    from test_documented import fake_measurement
+
+    from vramcal.cli import main
+
+    fake_measurement(monkeypatch)
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1536MiB", *SPEC_ARGS, "--nproc", "2",
+                                       *DDP_SETTINGS, "--profiles-dir", str(tmp_path), "--no-report"])
+    assert result.exit_code == 0, result.output
+    (path,) = tmp_path.rglob("*.json")
+    profile = load_profile(path)
+    assert profile.world == World(2, "gloo", 50.0, True, True, True)
+    assert re.search(r"-ddp2-[0-9a-f]{6}-1\.5gib\.json$", path.name), path.name
+    assert "DDP 2 ranks (gloo, buckets 50 MiB, gradient_as_bucket_view, find_unused_parameters, static_graph)" \
+        in result.output
 
 
 def test_a_killed_rank_ends_the_run_in_one_line_and_it_resumes(world):
     tmp = world["tmp"]
     args = train_args(tmp, "killed", "--nproc-per-node", "2", "--max-steps", "400", "--epochs", "50",
-                      "--checkpoint-steps", "2")
+                      "--checkpoint-steps", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                      f"127.0.0.1:{free_port()}", "--rdzv-id", "killed", "--rdzv-conf", "join_timeout=120")
     run = subprocess.Popen([sys.executable, "-m", "vramcal", *args], cwd=tmp, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
     run_dir, deadline = tmp / "killed", time.time() + 240

@@ -197,3 +197,128 @@ def test_checkpoint_minutes_saves_within_an_epoch(tmp_path):
     loop.Trainer(plan, step, echo=lambda line: None).run()
     previous = saved_progress(plan.run_dir / checkpoint.PREV)
     assert (previous["epoch"], previous["step"], previous["batch_in_epoch"]) == (0, 4, 4)
+
+
+# ------------------------------------------------------------------ two runs in one folder (issue 25, item 7b)
+
+def wait_for(condition, seconds: float, process: subprocess.Popen | None = None) -> bool:
+    """Poll ``condition()`` until it holds, ``seconds`` pass, or ``process`` ends."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and (process is None or process.poll() is None):
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+@pytest.mark.slow  # three `vramcal train` processes (each imports torch): 30-60 s on 2 shared cores
+def test_a_run_folder_takes_one_run_at_a_time_and_a_killed_one_leaves_it_to_the_next(setup):
+    """A second run (new or resumed) in a folder a run is going on in is refused in one line naming the first
+    run's pid, and changes nothing there; once the first is killed, the folder resumes."""
+    args = ["--epochs", "1", "--stride", "2", "--batch-size", "4", "--checkpoint-steps", "2"]  # 36 steps
+    run, log = setup / "shared", setup / "shared.log"
+    with open(log, "w") as output:
+        first = subprocess.Popen([sys.executable, "-m", "vramcal", *train_args(setup, "shared", *args)], cwd=setup,
+                                 stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        saved = wait_for(lambda: (run / checkpoint.LAST).is_file(), 120, first)
+        assert saved, f"the first run saved nothing in 120 s:\n{log.read_text()[-2000:]}"
+        holder = (run / checkpoint.LOCK).read_text().strip()
+        assert holder == str(first.pid)
+        config = (run / checkpoint.CONFIG).read_text()
+        resumed = ["train", "--resume", "--run-dir", str(run)]
+        for second in (train_args(setup, "shared", *args, "--lr", "1e-3"), resumed):
+            line = one_line_error(vramcal(setup, second))
+            assert line == (f"Error: {run} is in use by another run (pid {first.pid}): a run folder takes one run at "
+                            f"a time; wait for it to end, or choose another --run-dir")
+        assert (run / checkpoint.CONFIG).read_text() == config  # the second run wrote nothing
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    result = CliRunner().invoke(main, ["train", "--resume", "--run-dir", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "done: 36 steps" in result.output and epochs(run) == [1]
+
+
+# ------------------------------------------------------------------ a full disk during a probe (item 7a)
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB file system of its own (tmpfs), so a test can fill it: what a full disk is, ENOSPC included."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small file system here (root is needed): {mounted.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    """Fill ``disk`` to the last byte with one file; returns it (delete it to free the space)."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for size in (1 << 20, 4096, 1):
+            try:
+                while os.write(fd, b"\0" * size):
+                    pass
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+    return filler
+
+
+def probe_args(setup: Path, disk: Path, *extra: str) -> list[str]:
+    from test_train import SPEC_ARGS as TINY
+
+    return ["probe", "--gpu", "none", "--capacity", "1GiB", "--reserve", "0", *TINY, "--data",
+            str(setup / "bars.parquet"), "--profiles-dir", str(disk / "profiles"), "--no-report", *extra]
+
+
+@pytest.mark.slow  # a real calibration of the tiny model in a process of its own, stopped, then finished: ~1 min
+def test_a_probe_on_a_full_disk_stops_before_its_first_trial_and_during_one_keeps_its_trials(setup, small_disk):
+    from vramcal.journal import SUFFIX
+
+    previous = small_disk / "profiles" / "host" / "previous.json"
+    previous.parent.mkdir(parents=True)
+    previous.write_text('{"kept": true}\n')
+    filler = fill(small_disk)
+    # before: refused before any trial (a calibration can take an hour), naming the folder
+    line = one_line_error(vramcal(setup, probe_args(setup, small_disk)))
+    assert line.startswith(f"Error: cannot write profiles to {small_disk / 'profiles'}") and "No space left" in line
+    assert "free space there, or choose another --out or --profiles-dir" in line
+    filler.unlink()
+    # during: the disk fills after the first trial; the probe stops, its trials kept in the journal
+    log = setup / "probe.log"
+    with open(log, "w") as output:
+        probe = subprocess.Popen([sys.executable, "-m", "vramcal", *probe_args(setup, small_disk)], cwd=setup,
+                                 stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    journals = lambda: list((small_disk / "profiles").rglob(f"*{SUFFIX}"))  # noqa: E731
+    try:
+        assert wait_for(journals, 180, probe), f"no journal in 180 s:\n{log.read_text()[-2000:]}"
+        filler = fill(small_disk)
+        probe.wait(timeout=300)
+    finally:
+        if probe.poll() is None:
+            os.killpg(probe.pid, signal.SIGKILL)
+    stopped = subprocess.CompletedProcess(probe.args, probe.returncode, "", log.read_text())
+    line = one_line_error(stopped)
+    (journal,) = journals()
+    kept = json.loads(journal.read_text())["trials"]
+    assert f"cannot write the trial journal {journal} (No space left on device)" in line
+    assert "of them kept there; free space and run the same command again to continue from them" in line
+    assert len(kept) >= 1 and previous.read_text() == '{"kept": true}\n'
+    assert list((small_disk / "profiles").rglob("*.json")) == [previous]  # no profile, and no half of one
+    filler.unlink()
+    # the same command again: the kept trials are reused, the calibration finishes, the journal goes
+    result = CliRunner().invoke(main, probe_args(setup, small_disk))
+    assert result.exit_code in (0, 3), result.output
+    assert f"{len(kept)} trial(s) of an earlier run of this calibration are in {journal}" in result.output
+    from vramcal.profile import load_profile
+
+    profile = load_profile(journal.with_name(journal.name.removesuffix(SUFFIX)))
+    assert [t.to_dict() for t in profile.trials[:len(kept)]] == kept
+    assert not journal.exists() and previous.read_text() == '{"kept": true}\n'

@@ -26,9 +26,13 @@ MIB = 2**20
 N_FEATURES = 16
 
 
-def profile_here(verify: bool = True, held_bytes: int | None = 600 * MIB):
+def profile_here(verify: bool = True, held_bytes: int | None = None):
     """A profile of this host: 600 MiB + 100 MiB per sample, so safe is about 60 and conservative about 54;
-    its trials held ``held_bytes`` when their step was built (the process term's baseline)."""
+    its trials held ``held_bytes`` when their step was built (the process term's baseline; default: what this
+    process holds now, so the process term is what a fit adds to it, whatever earlier tests left here)."""
+    from vramcal.measure.meters import host_held_bytes
+
+    held_bytes = host_held_bytes() if held_bytes is None else held_bytes
     trials = [host_trial(b, 600 * MIB + 100 * MIB * b + (i % 2) * MIB, held_bytes=held_bytes)
               for i, b in enumerate((1, 2, 4, 8, 16))]
     return build_profile(host_device(8 * 2**30), trials, verify=verify)
@@ -99,7 +103,8 @@ def test_sets_the_conservative_size_and_reports_the_measured_peak(tmp_path, capl
     assert module.batch_size == conservative and module.seen == {conservative}
     assert callback.sizing.source == "conservative" and callback.profile_source == str(path)
     # the process term: what this process held at fit start against the trials' 600 MiB, in the prediction
-    assert callback.run.held_bytes > 0 and callback.sizing.process_delta_bytes == callback.run.held_bytes - 600 * MIB
+    assert callback.run.held_bytes > 0
+    assert callback.sizing.process_delta_bytes == callback.run.held_bytes - profile.held_bytes
     assert callback.sizing.predicted_peak_bytes == int(profile.fit.predict(conservative)
                                                        + callback.sizing.process_delta_bytes)
     observed = load_profile(path).observations[-1]

@@ -113,9 +113,9 @@ def bad_config(tmp_path: Path, text: str) -> str:
     (["--model-arg", lambda t: bad_config(t, '{"hidden_size": 64,')], "is not JSON (line 1"),
     (["--model-arg", lambda t: bad_config(t, '{"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 512, '
                                              '"num_heads": 3, "head_dim": 16}')],
-     "Mamba2Config refuses the config: Class validation error"),
+     "num_heads x head_dim = 3 x 16 = 48 must equal expand x hidden_size = 2 x 64 = 128: fix num_heads or head_dim"),
     (["--model-arg", lambda t: bad_config(t, '{"hidden_size": "64", "num_hidden_layers": 2, "vocab_size": 512}')],
-     "Field 'hidden_size' expected int, got str"),
+     "hidden_size = '64' is a string, not a whole number (write it without quotes): fix it in the config"),
     (["--model-arg", lambda t: bad_config(t, '{"hidden_sise": 64, "num_hidden_layers": 2, "vocab_size": 512}')],
      "hidden_sise is not a Mamba2Config setting: fix or remove it"),
     (["--model-arg", lambda t: bad_config(t, '{"num_hidden_layers": 2, "vocab_size": 512}')],

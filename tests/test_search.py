@@ -319,7 +319,7 @@ def test_calibration_names_the_first_trials_failure_in_plain_words():
     with pytest.raises(CalibrationError) as caught:
         run_trials(CalibrationPlan(host, RegressorSpec().ref("transformers"), LimitSettings(), {}, Path("p.json")),
                    OomRunner())
-    assert "(it ended with oom: RuntimeError: can't allocate memory);" in str(caught.value)
+    assert "(it ran out of memory: RuntimeError: can't allocate memory);" in str(caught.value)
 
 
 def test_the_creep_is_read_from_the_steady_trial_and_scaled_per_token():

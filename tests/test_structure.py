@@ -25,19 +25,21 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "vramcal"
 # The layers, lowest first: a module's prefix decides its layer (the longest prefix that matches).
 LAYERS = (
-    ("vramcal", "vramcal.units", "vramcal.files", "vramcal.records", "vramcal.oom", "vramcal.environment"),  # records
+    ("vramcal", "vramcal.units", "vramcal.files", "vramcal.records", "vramcal.oom", "vramcal.environment",
+     "vramcal.schema"),  # records and their checked reading
     ("vramcal.workload", "vramcal.calibration"),  # what a trial runs; the pure calibration core
     ("vramcal.models", "vramcal.measure"),  # the families; processes and hardware
     ("vramcal.profile",),  # the profile file
-    ("vramcal.sizing", "vramcal.calibrator", "vramcal.staleness"),  # profile -> batch size; trials -> profile
+    # profile -> batch size; trials -> profile (and their journal); a profile against the running software
+    ("vramcal.sizing", "vramcal.calibrator", "vramcal.journal", "vramcal.staleness"),
     ("vramcal.api", "vramcal.report"),  # the front door; reports from profiles
     ("vramcal.train",),  # the bundled trainer
     ("vramcal.tune", "vramcal.integrations", "vramcal.preload"),  # studies, frameworks, the worker server's imports
     ("vramcal.cli", "vramcal.__main__"),  # the commands
 )
 # tested with recorded or synthetic trials: no process, hardware or trainer code
-PURE = ("vramcal.calibration", "vramcal.records", "vramcal.units", "vramcal.profile", "vramcal.sizing",
-        "vramcal.report", "vramcal.staleness")
+PURE = ("vramcal.calibration", "vramcal.records", "vramcal.schema", "vramcal.units", "vramcal.profile",
+        "vramcal.sizing", "vramcal.report", "vramcal.staleness")
 PROCESS = ("vramcal.measure", "vramcal.train", "vramcal.calibrator", "vramcal.api", "vramcal.tune", "vramcal.cli")
 
 

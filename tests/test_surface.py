@@ -125,24 +125,25 @@ def test_answers_inside_outside_and_between_the_calibrated_lengths():
 
 
 def test_a_profile_over_lengths_covers_its_range_and_sizes_at_a_length(tmp_path):
+    """A profile as the calibration over 128, 512 and 2048 writes it (trials faked at the hardware boundary)."""
     from vramcal.models.regressor.spec import RegressorSpec
     from vramcal.profile import load_profile, save_profile
     from vramcal.sizing import SizingError, size
 
+    from fakes import fake_calibration
     from profiles_for_tests import gpu_profile
 
-    base, surface = gpu_profile(), make_surface()
-    evidence = [Trial(size, "ok", peak, seq_len=e.seq_len) for e in surface.lengths
-                for size, peak in ((e.safe_batch_size, e.safe_peak_bytes), (e.conservative_batch_size,
-                                                                           e.conservative_peak_bytes)) if peak]
-    profile = dataclasses.replace(base, model=base.model.without("seq_len"), surface=surface,
-                                  trials=base.trials + tuple(evidence))
+    base = gpu_profile()
+    profile = fake_calibration(lambda b, n: GIB + 20_000 * b * n + 3 * MIB * b, 12 * GIB, max_trials=40,
+                               seq_lens=(128, 512, 2048), kind="cuda")
+    assert profile.verified and profile.surface.seq_lens == (128, 512, 2048)
     assert profile.covers(RegressorSpec(seq_len=256).ref("transformers"))
     assert not profile.covers(RegressorSpec(seq_len=4096).ref("transformers"))
     assert not profile.covers(RegressorSpec(d_model=64, seq_len=256).ref("transformers"))
     assert load_profile(save_profile(profile, tmp_path / "p.json")) == profile
-    at_128 = size(profile, limit="safe", seq_len=128)
-    assert at_128.safe_batch_size == 900 and at_128.predicted_peak_bytes == int(profile.surface.fit.predict(900, 128))
+    at_128, entry = size(profile, limit="safe", seq_len=128), profile.surface.at(128)
+    assert at_128.safe_batch_size == entry.safe_batch_size > profile.surface.at(2048).safe_batch_size
+    assert at_128.predicted_peak_bytes == int(profile.surface.fit.predict(entry.safe_batch_size, 128))
     between = size(profile, seq_len=1024)
     assert between.notices[-1] == "the profile's limits at this seq_len are interpolated (not verified at this length)"
     with pytest.raises(SizingError, match="outside the calibrated range"):
@@ -152,8 +153,8 @@ def test_a_profile_over_lengths_covers_its_range_and_sizes_at_a_length(tmp_path)
         size(profile)
     import vramcal
 
-    assert vramcal.batch_size(profile, "safe", seq_len=128) == 900
-    assert vramcal.batch_size(profile, "safe", seq_len=2048) < 900
+    assert vramcal.batch_size(profile, "safe", seq_len=128) == entry.safe_batch_size
+    assert vramcal.batch_size(profile, "safe", seq_len=2048) < entry.safe_batch_size
     with pytest.raises(SizingError, match="calibrated at seq_len 128, not 256"):  # one length is one length
         size(base, seq_len=256)
     assert size(base, seq_len=128) == size(base)

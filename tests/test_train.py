@@ -291,6 +291,79 @@ def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(setup):
     assert rows(setup["tmp"] / "nan", "non-finite")[0]["step"] == 4
 
 
+def test_a_nan_at_step_two_keeps_step_one_and_the_run_goes_on_from_it_at_a_lower_lr(setup):
+    """The loss turns NaN at step 2 before any save: the step is skipped, so the weights are step 1's; they are
+    saved, the message says how to go on, and ``--resume --lr`` does (from step 1, at the new LR)."""
+    plan, step = in_process(setup, "nan2", epochs=1, max_steps=None, lr=5e-4)
+    real, calls = step.loss, []
+
+    def loss(model, batch):
+        calls.append(1)
+        value = real(model, batch)
+        return value * float("nan") if len(calls) == 2 else value
+
+    step.loss = loss
+    with pytest.raises(loop.NonFiniteError) as stopped:
+        loop.Trainer(plan, step, echo=lambda line: None).run()
+    line, run_dir = str(stopped.value), setup["tmp"] / "nan2"
+    assert line.startswith("non-finite loss at step 2")
+    assert (f"the last good checkpoint is {run_dir / checkpoint.LAST}; go on from it with a lower learning rate: "
+            f"`vramcal train --resume --run-dir {run_dir} --lr 5e-05`") in line
+    saved = checkpoint.load_checkpoint(run_dir / checkpoint.LAST)
+    assert saved["progress"]["step"] == 1 and not checkpoint.non_finite_tensors(saved["model"])
+    checkpoint.release_run_dir(run_dir)  # what vramcal.train.runner.train does around the trainer
+    checkpoint.write_json(run_dir / checkpoint.CONFIG, plan.config.with_absolute_paths().to_dict())
+    checkpoint.write_json(run_dir / checkpoint.RUN, plan.record())
+    result = CliRunner().invoke(main, ["train", "--resume", "--run-dir", str(run_dir), "--lr", "5e-5"])
+    assert result.exit_code == 0, result.output
+    assert "ignoring" not in result.output and rows(run_dir)[-1]["step"] == 3  # 1 epoch of 3 steps
+    assert json.loads((run_dir / checkpoint.CONFIG).read_text())["lr"] == 5e-4  # the record keeps the start
+    assert checkpoint.load_checkpoint(run_dir / checkpoint.LAST)["scheduler"]["base_lrs"] == pytest.approx(
+        [plan.lr / 10])  # the new LR, scaled to the batch as the first was
+
+
+def test_a_run_that_diverges_says_so_and_exits_1(setup):
+    """``--lr 100`` (issue 25: it once trained to a validation loss of 5,644 against the baseline's 1.0 and exited
+    0): the run stops in one line saying why, the event is in the metrics, and no epoch of it is saved."""
+    line = one_line_failure(train(setup, "lr100", "--lr", "100", "--epochs", "3", "--batch-size", "8"))
+    assert line.startswith("Error: the run diverged at step ")
+    assert "times the zero-return" in line and "--lr 10`" not in line
+    run_dir = setup["tmp"] / "lr100"
+    (event,) = rows(run_dir, "diverged")
+    assert "times the zero-return" in event["reason"] and rows(run_dir) == []
+    assert not checkpoint.has_checkpoint(run_dir) and "start again with a lower learning rate (--lr 10)" in line
+
+
+@pytest.mark.parametrize("losses, baselines, diverged", [
+    ([1.0] * 19 + [50.0], [1.0] * 20, False),  # one bad step is not a divergence
+    ([1.0] * 10 + [20.0] * 10, [1.0] * 20, True),  # the window's mean is 10.5 times the baseline
+    ([0.9 - 0.01 * i for i in range(40)], [1.0] * 40, False),  # learning
+    ([3.0] * 30, [0.25] * 30, True),  # 12 times the same batches' zero-return loss
+    ([9.0] * 30, [1.0] * 30, False),  # bad, not diverged
+    ([100.0] * 19, [1.0] * 19, False),  # too few steps to say
+])
+def test_divergence_of_the_training_loss(losses, baselines, diverged):
+    assert (loop.diverged_loss(losses, baselines) is not None) is diverged
+
+
+@pytest.mark.parametrize("losses, rose", [
+    ([1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7], True),
+    ([1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.4, 1.45], False),  # up by less than half
+    ([1.0, 1.2, 1.1, 1.3, 1.6, 1.5, 1.8, 2.0], True),  # noisy, but every quarter above the one before
+    ([2.0, 1.0, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2], False),  # the first quarter is not the lowest
+    ([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0], False),  # too few steps
+    ([1.0 - 0.01 * i for i in range(100)], False),
+])
+def test_a_loss_rising_through_a_whole_epoch(losses, rose):
+    assert (loop.rising(losses) is not None) is rose
+
+
+def test_divergence_of_the_validation_loss():
+    assert loop.diverged_validation(5644.0, 1.0) == ("the validation loss 5644 is 5.64e+03 times the zero-return "
+                                                     "baseline's 1")
+    assert loop.diverged_validation(9.9, 1.0) is None
+
+
 # ----------------------------------------------------------------------------------- batch sizing
 
 def test_explicit_batch_size_is_clamped_with_a_warning(setup):

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ from vramcal import staleness
 from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibrator import CalibrationError, CalibrationPlan, run_trials
+from vramcal.journal import Journal, journal_path, plan_key
 from vramcal.models.registry import describe, family_of, model_ref
 from vramcal.profile import (
     DEFAULT_PROFILES_DIR,
@@ -165,8 +168,8 @@ def _check_lengths(ref: ModelRef, lengths: SeqLens, device: Device, implementati
     return designed
 
 
-def run_calibration(plan: CalibrationPlan, *, save: bool = True,
-                    on_trial: Callable[[Trial], None] | None = None) -> Profile:
+def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Callable[[Trial], None] | None = None,
+                    on_notice: Callable[[str], None] | None = None) -> Profile:
     """Run the calibration's trials (each in a fresh worker process, :func:`worker_pool`) and write the profile.
 
     A user's factory module is imported in each trial process after the meter has pinned the device
@@ -174,9 +177,15 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True,
     ``DEVICE = "cuda" if torch.cuda.is_available() else "cpu"`` does, would otherwise start CUDA before
     the pin.
 
+    With ``save``, the profile's folder must take :data:`WRITE_CHECK_BYTES` before the first trial, and each
+    trial is kept in the trial journal beside the profile as it finishes (:mod:`vramcal.journal`): a crash, a
+    kill or a full disk loses no trial, and the same calibration run again reuses them. The profile's save
+    removes the journal.
+
     Args:
         save: write the profile to ``plan.path`` (atomically).
-        on_trial: called with each finished trial, in order.
+        on_trial: called with each finished trial, in order (a reused one too).
+        on_notice: called with a line for people about the journal (trials reused, one replaced).
 
     Returns:
         The profile; ``profile.verified`` says whether real trials verified both limits.
@@ -184,17 +193,65 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True,
     Raises:
         CalibrationError: the first trial failed: one sample does not fit, or the training step itself
             failed (the factory raised or returned something else, or the step raised; the message
-            gives the error's first line and says to fix the step, not the budget).
-        OSError: the profile could not be written (the previous file is untouched).
+            gives the error's first line and says to fix the step, not the budget); the journal or the
+            profile could not be written (the previous profile is untouched, the trials are in the journal).
+        OSError: the profile's folder cannot take files (before any trial).
     """
     from vramcal.measure.trial import TrialRunner
 
-    profile = run_trials(plan, TrialRunner(worker_pool()), on_trial)
+    journal = _open_journal(plan, on_notice) if save else None
+    profile = run_trials(plan, TrialRunner(worker_pool()), on_trial, journal)
     if plan.world is not None:
         profile = dataclasses.replace(profile, single_process=ddp_term(profile, plan.path.parent.parent))
-    if save:
-        save_profile(profile, plan.path)
+    if journal is not None:
+        try:
+            save_profile(profile, plan.path)
+        except OSError as error:
+            raise CalibrationError(f"cannot write the profile {plan.path} ({error.strerror or error}): the previous "
+                                   f"profile is untouched and the {len(profile.trials)} trials are kept in "
+                                   f"{journal.path}; free space and run the same command again (it reuses them)") \
+                from None
+        journal.remove()
     return profile
+
+
+def _open_journal(plan: CalibrationPlan, on_notice: Callable[[str], None] | None) -> Journal:
+    """The calibration's journal (:mod:`vramcal.journal`), once its folder took :data:`WRITE_CHECK_BYTES`.
+
+    Raises:
+        OSError: the folder cannot take files.
+    """
+    folder = plan.path.parent
+    made = tuple(p for p in (folder, *folder.parents) if not p.exists())
+    check_writable(folder)
+    journal = Journal.open(journal_path(plan.path), plan_key(plan), made)
+    if journal.notice and on_notice:
+        on_notice(journal.notice)
+    return journal
+
+
+WRITE_CHECK_BYTES = 1 << 20  # 100 times a profile: room for it, its journal and their temporary copies
+
+
+def check_writable(folder: Path, size: int = WRITE_CHECK_BYTES) -> None:
+    """Write and remove ``size`` bytes in ``folder`` (created if missing), synced to disk: a full disk fails
+    here, before a calibration that can take an hour, not after it.
+
+    Raises:
+        OSError: the folder cannot be created, or ``size`` bytes cannot be written there (naming the folder).
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = None
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".vramcal-write-check.", delete=False) as probe:
+            probe.write(b"\0" * size)
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as error:
+        raise OSError(error.errno, error.strerror or str(error), str(folder)) from None
+    finally:
+        if probe is not None:
+            Path(probe.name).unlink(missing_ok=True)
 
 
 def ddp_term(profile: Profile, profiles_dir: Path | str) -> dict[str, Any] | None:
@@ -252,9 +309,19 @@ def probe_command(device: Device, ref: ModelRef, world: World | None = None) -> 
     """The ``vramcal probe`` command line that makes a missing profile (non-default options only)."""
     gpu = "none" if device.kind == "host" else "auto"
     implementation = ref.params.get("implementation")
-    ranks = [f"--nproc {world.nproc}"] if world else []
+    ranks = _world_args(world) if world else []
     return " ".join(["vramcal probe", f"--gpu {gpu}", *([f"--impl {implementation}"] if implementation else []),
                      *ranks, *family_of(ref).probe_args(ref)])
+
+
+def _world_args(world: World) -> list[str]:
+    """``--nproc N`` and the DDP settings that differ from DDP's defaults, as ``vramcal probe`` takes them."""
+    default = World(world.nproc, backend=world.backend, threads_per_rank=world.threads_per_rank)
+    args = [f"--nproc {world.nproc}"]
+    if world.bucket_cap_mb != default.bucket_cap_mb:
+        args.append(f"--bucket-cap-mb {world.bucket_cap_mb:g}")
+    return args + ["--" + name.replace("_", "-") for name in ("gradient_as_bucket_view", "find_unused_parameters",
+                                                               "static_graph") if getattr(world, name)]
 
 
 @dataclass(frozen=True)

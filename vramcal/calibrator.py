@@ -25,6 +25,7 @@ from vramcal.calibration.creep import STEADY
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import SearchSettings, Step, next_batch_size, settle, unmeasured_ceiling
 from vramcal.environment import software_versions
+from vramcal.journal import Journal
 from vramcal.measure.trial import TrialRequest
 from vramcal.models.registry import family_of
 from vramcal.profile import Profile, Verification, utc_now
@@ -35,6 +36,10 @@ from vramcal.workload import ModelRef
 
 class CalibrationError(RuntimeError):
     """A calibration that cannot produce limits (e.g. one sample does not fit); the message says why."""
+
+
+class JournalError(CalibrationError):
+    """The trial journal could not be written (a full disk): the calibration stopped, the trials so far kept."""
 
 
 class Runner(Protocol):
@@ -92,27 +97,50 @@ class CalibrationPlan:
                             rank_devices=self.rank_devices)
 
 
-def run_trials(plan: CalibrationPlan, runner: Runner, on_trial: Callable[[Trial], None] | None = None) -> Profile:
+def run_trials(plan: CalibrationPlan, runner: Runner, on_trial: Callable[[Trial], None] | None = None,
+               journal: Journal | None = None) -> Profile:
     """Calibrate as ``plan`` says and return the profile (not yet written).
 
     Args:
         runner: runs each trial in a fresh worker (:class:`vramcal.measure.trial.TrialRunner`).
-        on_trial: called with each trial as it finishes (progress output).
+        on_trial: called with each trial as it finishes (progress output), a replayed one included.
+        journal: where each trial is recorded as it finishes, and the trials of an earlier run of the same
+            plan to replay (:mod:`vramcal.journal`); None: none.
 
     Raises:
-        CalibrationError: the first trial failed (too little memory for one sample, or a crash).
+        CalibrationError: the first trial failed (too little memory for one sample, or a crash); the journal
+            cannot be written (the calibration stops: what it holds is kept for the next run).
     """
     search, started, trials = plan.search(), time.perf_counter(), []
     while (chosen := _next(trials, search, plan.seq_lens)) is not None:
         seq_len, step = chosen
-        trial = runner.run(plan.request(step, seq_len), purpose=step.purpose)
-        trials.append(trial if seq_len is None else dataclasses.replace(trial, seq_len=seq_len))
+        trial = journal.replay(len(trials), step.batch_size, step.purpose, seq_len) if journal else None
+        if trial is None:
+            trial = runner.run(plan.request(step, seq_len), purpose=step.purpose)
+            trial = trial if seq_len is None else dataclasses.replace(trial, seq_len=seq_len)
+        trials.append(trial)
+        if journal:
+            _record(journal, trials)
         if on_trial:
             on_trial(trials[-1])
     first = trials[0]
     if not first.fits(search.usable_bytes):
+        if journal:
+            journal.discard()
         raise CalibrationError(first_trial_failure(first, plan))
     return assemble(plan, trials, runner.context, time.perf_counter() - started)
+
+
+def _record(journal: Journal, trials: list[Trial]) -> None:
+    """Raises: CalibrationError: the journal cannot be written (a full disk): stop rather than run trials
+    whose results could not be kept."""
+    try:
+        journal.record(trials)
+    except OSError as error:
+        kept = len(trials) - 1
+        raise JournalError(f"cannot write the trial journal {journal.path} ({error.strerror or error}): the "
+                               f"calibration stopped after {len(trials)} trial(s), {kept} of them kept there; free "
+                               f"space and run the same command again to continue from them") from None
 
 
 def _next(trials: list[Trial], search: SearchSettings, seq_lens: tuple[int, ...]) -> tuple[int | None, Step] | None:
@@ -123,17 +151,27 @@ def _next(trials: list[Trial], search: SearchSettings, seq_lens: tuple[int, ...]
 
 
 def first_trial_failure(first: Trial, plan: CalibrationPlan) -> str:
-    """Why a calibration could not start, in one line, with what to change: the training step itself
-    failed (an ``error``: fix the step), or one sample does not fit (change the budget or the model)."""
+    """Why a calibration could not start, in one line, with what to change: the training step itself failed
+    (an ``error``: its reason, fix the step), it ran past the time limit (a ``timeout``: the limit and the
+    option that raises it), or one sample does not fit (``oom``, or a peak above usable memory: change the
+    budget or the model). Only the last is about memory."""
+    title, size = family_of(plan.model).title(plan.model), first.batch_size
     header = (first.error or "").strip().splitlines()[:1] or ["no error text recorded"]
     if first.status == "error":
         kind, _, message = header[0].partition(": ")
         what = message if kind == "WorkloadError" else header[0]  # vramcal's own message names the factory
-        return (f"the training step of {family_of(plan.model).title(plan.model)} failed in the first trial "
-                f"(batch_size {first.batch_size}), before any memory limit: {what[:300]}: fix the step (call the "
-                f"factory and one step by hand to see the traceback)")
-    why = f"its peak was {format_bytes(first.peak_bytes)}" if first.ok else f"it ended with {first.status}: {header[0]}"
-    return (f"batch_size {first.batch_size} does not fit in the usable {format_bytes(plan.usable_bytes)} of "
+        return (f"the training step of {title} failed in the first trial (batch_size {size}), before any memory "
+                f"limit: {what[:300]}: fix the step (call the factory and one step by hand to see the traceback)")
+    if first.status == "timeout":
+        return (f"the first trial of {title} (batch_size {size}) timed out: it was killed after the "
+                f"{plan.trials.timeout_s:g} s time limit, before any memory figure (building the model and "
+                f"{plan.trials.warmup_steps + plan.trials.measured_steps} steps at batch_size {size} take longer, "
+                f"or the step hangs): give a larger --timeout (TrialSettings.timeout_s), or a smaller model")
+    if not first.ok and first.status != "oom":
+        return (f"the first trial of {title} (batch_size {size}) finished without a peak figure (the meter read "
+                f"nothing): run it again, and report it if it repeats")
+    why = f"its peak was {format_bytes(first.peak_bytes)}" if first.ok else f"it ran out of memory: {header[0]}"
+    return (f"batch_size {size} does not fit in the usable {format_bytes(plan.usable_bytes)} of "
             f"{plan.device.name} ({why}); give a larger --capacity, a smaller --reserve or --margin, or a smaller "
             f"model")
 
@@ -204,8 +242,10 @@ def _warnings(profile: Profile, n_trials: int) -> list[str]:
                         f"flat start, or failures before the slope showed): no slope to fit, no limits; give a "
                         f"larger budget, or --max-trials for more batch sizes")
     elif fit is None:
+        unmeasured = sum(t.status in ("error", "timeout") for t in profile.trials)
+        why = f" ({unmeasured} ended in an error or a timeout: see their reasons)" if unmeasured else ""
         warnings.append(f"only {len(finished)} trial(s) finished over {len({t.batch_size for t in finished})} "
-                        f"batch size(s): no fit, no limits (a fit needs 3 over 2 batch sizes)")
+                        f"batch size(s){why}: no fit, no limits (a fit needs 3 over 2 batch sizes)")
     elif profile.limits is None:
         warnings.append(f"the fitted slope is not positive ({fit.formula()}): the peaks fall with batch_size over the "
                         f"fitted trials, so no limit can be extrapolated; re-run with a larger budget")

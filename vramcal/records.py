@@ -11,6 +11,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, read_record
+
 DeviceKind = Literal["cuda", "host"]
 
 
@@ -55,8 +57,9 @@ class Device:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Device:
-        return cls(**data)
+    def from_dict(cls, data: dict[str, Any], where: str = "device") -> Device:
+        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
+        return read_record(cls, data, where, DEVICE_RANGES)
 
     @property
     def is_mig(self) -> bool:
@@ -140,8 +143,9 @@ class World:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> World:
-        return cls(**data)
+    def from_dict(cls, data: dict[str, Any], where: str = "world") -> World:
+        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
+        return read_record(cls, data, where, WORLD_RANGES)
 
 
 @dataclass(frozen=True)
@@ -252,8 +256,19 @@ class Trial:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Trial:
-        ranks = data.get("rank_peak_bytes")
-        return cls(**{**data, "rank_peak_bytes": tuple(ranks) if isinstance(ranks, list) else ranks})
+    def from_dict(cls, data: dict[str, Any], where: str = "trial") -> Trial:
+        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
+        return read_record(cls, data, where, TRIAL_RANGES)
+
+
+# The ranges of the records' numbers as files hold them (the types are the annotations): sizes are positive,
+# byte counts and durations never negative. (``nvml_overhead_bytes`` is a difference of two readings: any sign.)
+DEVICE_RANGES = {"total_bytes": POSITIVE, "nvml_index": NON_NEGATIVE, "cuda_index": NON_NEGATIVE,
+                 "nvml_total_bytes": NON_NEGATIVE, "nvml_reserved_bytes": NON_NEGATIVE}
+WORLD_RANGES = {"nproc": Range(2), "bucket_cap_mb": POSITIVE, "threads_per_rank": AT_LEAST_ONE}
+TRIAL_RANGES = {"batch_size": AT_LEAST_ONE, "peak_bytes": POSITIVE, "seq_len": AT_LEAST_ONE,
+                **dict.fromkeys(("nvml_peak_bytes", "torch_max_reserved_bytes", "torch_max_allocated_bytes",
+                                 "rss_peak_bytes", "data_peak_bytes", "data_bytes", "step_s", "samples_per_s",
+                                 "startup_s", "build_s", "wall_s"), NON_NEGATIVE)}
 
 

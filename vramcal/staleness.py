@@ -63,11 +63,11 @@ def check(profile: Profile, source: str, device: Device | None = None, *, strict
     found = changes(profile, device)
     if not found:
         return None
-    line = (f"{source} was made with other software or settings that can move memory ({'; '.join(found)}): its "
-            f"figures may not hold here; recalibrate with `{command}`")
+    made = f"{source} was made with other software or settings that can move memory ({'; '.join(found)})"
     if strict if strict is not None else os.environ.get(STRICT_ENV) == "1":
-        raise StaleProfileError(line)
-    return line
+        raise StaleProfileError(f"{made}: refused as strict (--strict-profile, strict=True or {STRICT_ENV}=1); "
+                                f"recalibrate with `{command}`, or leave strict off to use it with a warning")
+    return f"{made}: its figures may not hold here; recalibrate with `{command}`"
 
 
 def _shown(value: str | None) -> str:

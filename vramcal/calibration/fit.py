@@ -17,6 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vramcal.schema import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, read_record
 from vramcal.units import format_bytes
 
 CONFIDENCE = 0.95
@@ -84,8 +85,20 @@ class Fit:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> Fit:
-        return cls(**{**data, "batch_sizes": tuple(data["batch_sizes"]), "peak_bytes": tuple(data["peak_bytes"])})
+    def from_dict(cls, data: dict, where: str = "fit") -> Fit:
+        """The record as a file holds it, each field typed and ranged (:data:`FIT_RANGES`).
+
+        Raises:
+            SchemaError: a field missing, unknown, of the wrong type or out of range (named).
+        """
+        return read_record(cls, data, where, FIT_RANGES)
+
+
+# What a fit's numbers can be (the coefficients themselves take any sign; a profile relates them to the points).
+FIT_RANGES = {"overhead_stderr_bytes": NON_NEGATIVE, "slope_stderr_bytes_per_sample": NON_NEGATIVE,
+              "residual_stderr_bytes": NON_NEGATIVE, "r_squared": FRACTION, "n_points": Range(3),
+              "batch_mean": AT_LEAST_ONE, "batch_sxx": POSITIVE, "t_critical": POSITIVE,
+              "batch_sizes": AT_LEAST_ONE, "peak_bytes": POSITIVE}
 
 
 def fit_linear(batch_sizes: Sequence[int], peak_bytes: Sequence[int]) -> Fit:

@@ -22,11 +22,17 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from vramcal.schema import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, SchemaError, read_record
 from vramcal.units import format_bytes
 
 CONFIDENCE = 0.95
 N_COEFFICIENTS = 3
 _MIN_SLOPE_BYTES = 1.0  # growth under one byte per sample (or per position) is rounding noise, not memory
+# What a 2-D fit's numbers can be (the coefficients take any sign; a profile relates them to the points).
+FIT2D_RANGES = {"overhead_stderr_bytes": NON_NEGATIVE, "stderr_bytes_per_token": NON_NEGATIVE,
+                "stderr_bytes_per_sample": NON_NEGATIVE, "residual_stderr_bytes": NON_NEGATIVE, "r_squared": FRACTION,
+                "n_points": Range(N_COEFFICIENTS + 1), "t_critical": POSITIVE, "batch_sizes": AT_LEAST_ONE,
+                "seq_lens": AT_LEAST_ONE, "peak_bytes": POSITIVE}
 _EXTRA_TERMS = ("tokens² (batch_size·seq_len)²", "a per-seq_len term independent of batch_size")
 
 
@@ -100,10 +106,18 @@ class Fit2D:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> Fit2D:
-        return cls(**{**data, "xtx_inverse": tuple(tuple(float(v) for v in row) for row in data["xtx_inverse"]),
-                      "batch_sizes": tuple(data["batch_sizes"]), "seq_lens": tuple(data["seq_lens"]),
-                      "peak_bytes": tuple(data["peak_bytes"])})
+    def from_dict(cls, data: dict, where: str = "surface.fit") -> Fit2D:
+        """The record as a file holds it, each field typed and ranged (:data:`FIT2D_RANGES`).
+
+        Raises:
+            SchemaError: a field missing, unknown, of the wrong type or out of range (named), or an
+                ``xtx_inverse`` that is not 3 × 3.
+        """
+        fit = read_record(cls, data, where, FIT2D_RANGES)
+        if len(fit.xtx_inverse) != N_COEFFICIENTS or any(len(row) != N_COEFFICIENTS for row in fit.xtx_inverse):
+            raise SchemaError(f"{where}.xtx_inverse", f"{where}.xtx_inverse is not a {N_COEFFICIENTS} x "
+                                                      f"{N_COEFFICIENTS} matrix")
+        return fit
 
 
 def fit_2d(batch_sizes: Sequence[int], seq_lens: Sequence[int], peak_bytes: Sequence[int]) -> Fit2D:

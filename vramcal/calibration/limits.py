@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 from vramcal.calibration.fit import Fit
+from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, read_record
 from vramcal.units import format_bytes
 
 DEFAULT_RESERVE_BYTES = 2**29
@@ -60,6 +61,11 @@ class LimitSettings:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "settings") -> LimitSettings:
+        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
+        return read_record(cls, data, where, {"reserve_bytes": NON_NEGATIVE})
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -77,8 +83,14 @@ class Limits:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> Limits:
-        return cls(**data)
+    def from_dict(cls, data: dict, where: str = "limits") -> Limits:
+        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
+        return read_record(cls, data, where, LIMITS_RANGES)
+
+
+LIMITS_RANGES = {"total_bytes": POSITIVE, "usable_bytes": POSITIVE, "safe_batch_size": NON_NEGATIVE,
+                 "point_safe_batch_size": NON_NEGATIVE, "conservative_batch_size": NON_NEGATIVE,
+                 "failed_batch_size": AT_LEAST_ONE}
 
 
 def safe_batch_size(fit: Fit, usable_bytes: int) -> int:
@@ -107,6 +119,34 @@ def safe_batch_size(fit: Fit, usable_bytes: int) -> int:
     return low
 
 
+def point_safe_batch_size(fit: Fit, usable_bytes: int) -> int:
+    """The seeds' point formula ``floor((usable_bytes - overhead_bytes) / slope_bytes_per_sample)``, at least 0;
+    0 when the slope is not positive.
+
+    Raises:
+        OverflowError: a slope so small that the quotient is no number (a line no trial could have fitted).
+    """
+    slope = fit.slope_bytes_per_sample
+    return max(0, math.floor((usable_bytes - fit.overhead_bytes) / slope)) if slope > 0 else 0
+
+
+def safe_ceiling(fit: Fit, usable_bytes: int, largest_fitting: int | None, failed_batch_size: int | None) -> int:
+    """The largest safe batch size a calibration may settle on, from the facts it settles on (samples).
+
+    The search (:func:`vramcal.calibration.search.settle`) takes the larger of what the fit's upper bound
+    allows and the largest batch size whose trials all fitted (search rule 5); narrows a wide interval
+    halfway towards the point estimate; and bisects between the largest fitting size and a failure when the
+    failure binds (rule 4). None of these goes above the larger of the point estimate
+    (:func:`point_safe_batch_size`) and ``largest_fitting``, or to ``failed_batch_size`` and beyond: that
+    is the ceiling, verified or not. A reader of the limits checks them against it.
+
+    Raises:
+        OverflowError: see :func:`point_safe_batch_size`.
+    """
+    ceiling = max(point_safe_batch_size(fit, usable_bytes), largest_fitting or 0)
+    return ceiling if failed_batch_size is None else min(ceiling, failed_batch_size - 1)
+
+
 def compute_limits(fit: Fit, total_bytes: int, settings: LimitSettings,
                    failed_batch_size: int | None = None) -> Limits:
     """Limits from a fit (module docstring has the formulas).
@@ -123,7 +163,7 @@ def compute_limits(fit: Fit, total_bytes: int, settings: LimitSettings,
     if failed_batch_size is not None:
         safe = min(safe, failed_batch_size - 1)
     slope = fit.slope_bytes_per_sample
-    point = max(0, math.floor((usable - fit.overhead_bytes) / slope)) if slope > 0 else 0
+    point = point_safe_batch_size(fit, usable)
     boundary = (total_bytes - fit.overhead_bytes) / slope if slope > 0 else math.inf
     return Limits(total_bytes=total_bytes, usable_bytes=usable, safe_batch_size=max(0, safe),
                   point_safe_batch_size=point,

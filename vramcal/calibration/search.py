@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 from vramcal.calibration.creep import STEADY, short_trials, steady_equivalent
 from vramcal.calibration.fit import Fit, fit_linear
-from vramcal.calibration.limits import Limits, LimitSettings, compute_limits
+from vramcal.calibration.limits import Limits, LimitSettings, compute_limits, safe_ceiling
 from vramcal.records import Trial, TrialSettings
 
 FLAT_FRACTION = 0.02  # peaks within 2 % (or FLAT_BYTES) of each other are not a measurable rise
@@ -210,6 +210,7 @@ def settle(trials: Sequence[Trial], settings: SearchSettings) -> Settled:
         target = max(target, (evidence + point + 1) // 2)
     if failed is not None and target >= failed - 1:
         target = _bisect_below(trials, failed, settings)  # the failure binds, not the fit
+    target = min(target, safe_ceiling(fit, usable, evidence, failed))  # the rule a reader checks the file by
     safe_trial = _snap(trials, target, settings, repeats=2 if settings.repeat_safe else 1,
                        tolerance=_settle_tolerance(trials, settings))
     safe = safe_trial.batch_size if safe_trial else target

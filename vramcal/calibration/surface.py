@@ -43,6 +43,7 @@ from vramcal.calibration.search import (
     settle,
 )
 from vramcal.records import Trial
+from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, read_list, read_record
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,13 @@ class LengthLimits:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "surface.lengths[0]") -> LengthLimits:
+        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
+        return read_record(cls, data, where, {"seq_len": AT_LEAST_ONE, "safe_batch_size": NON_NEGATIVE,
+                                              "conservative_batch_size": NON_NEGATIVE, "safe_peak_bytes": POSITIVE,
+                                              "conservative_peak_bytes": POSITIVE, "failed_batch_size": AT_LEAST_ONE})
 
 
 @dataclass(frozen=True)
@@ -103,9 +111,15 @@ class Surface:
                 "chunk_size": self.chunk_size, "lengths": [entry.to_dict() for entry in self.lengths]}
 
     @classmethod
-    def from_dict(cls, data: dict) -> Surface:
-        return cls(fit=Fit2D.from_dict(data["fit"]), reference_seq_len=data["reference_seq_len"],
-                   chunk_size=data["chunk_size"], lengths=tuple(LengthLimits(**e) for e in data["lengths"]))
+    def from_dict(cls, data: dict, where: str = "surface") -> Surface:
+        """The record as a file holds it, each field typed and ranged (a profile relates it to its trials).
+
+        Raises:
+            SchemaError: a field missing, unknown, of the wrong type or out of range (named).
+        """
+        return read_record(cls, data, where, {"reference_seq_len": AT_LEAST_ONE, "chunk_size": AT_LEAST_ONE},
+                           {"fit": Fit2D.from_dict,
+                            "lengths": lambda value, path: read_list(value, path, LengthLimits.from_dict)})
 
 
 def reference_length(seq_lens: Sequence[int]) -> int:

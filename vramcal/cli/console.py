@@ -6,6 +6,7 @@ import sys
 
 import click
 
+from vramcal.report.markdown import trial_reason
 from vramcal.sizing import fitted_from, verdict
 from vramcal.units import format_bytes
 
@@ -24,16 +25,23 @@ class TrialPrinter:
         self._bar = tqdm(total=max_trials, desc="trials", unit="trial", leave=False, file=sys.stderr, disable=None)
 
     def __call__(self, trial) -> None:
-        peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
-        step = f"{trial.step_s:.3f} s/step, {trial.samples_per_s:.1f} samples/s" if trial.step_s else ""
-        status = trial_status(trial, self._usable_bytes)
-        length = f"seq_len {trial.seq_len:>5}  " if trial.seq_len is not None else ""
-        self._bar.write(f"  {length}batch_size {trial.batch_size:>6}  {status:<7}  peak {peak:>10}  {step}  "
-                        f"[{trial.purpose}, {trial.wall_s:.1f} s]", file=self._file)
+        step = f"{trial.step_s:.3f} s/step, {trial.samples_per_s:.1f} samples/s  " if trial.step_s else ""
+        self._bar.write(trial_line(trial, self._usable_bytes, f"{step}[{trial.purpose}, {trial.wall_s:.1f} s]"),
+                        file=self._file)
         self._bar.update(1)
 
     def close(self) -> None:
         self._bar.close()
+
+
+def trial_line(trial, usable_bytes: int, middle: str) -> str:
+    """One trial for people: length, batch size, status, peak, ``middle``, and why a trial that did not finish
+    ended (an error's reason, a timeout's limit)."""
+    peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
+    length = f"seq_len {trial.seq_len:>5}  " if trial.seq_len is not None else ""
+    reason = trial_reason(trial)
+    return (f"  {length}batch_size {trial.batch_size:>6}  {trial_status(trial, usable_bytes):<7}  peak {peak:>10}  "
+            f"{middle}" + (f"  {reason}" if reason else ""))
 
 
 def trial_status(trial, usable_bytes: int) -> str:

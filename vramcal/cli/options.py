@@ -257,9 +257,10 @@ limit_options = group(
 def one_line(interrupted: str = "interrupted") -> Iterator[None]:
     """Turn vramcal's user-facing errors into one line and exit 1 (Ctrl-C: ``interrupted`` and exit 130).
 
-    Every error class vramcal raises for people is a ValueError (bad data, no profile, no device, a bad
-    factory) or a RuntimeError subclass whose message is written for people (a failed calibration or
-    run, NVML); OSError covers files that cannot be written.
+    Every error class vramcal raises for people is a ValueError (bad data, a bad profile, config or LM config,
+    no profile, no device, a bad factory) or a RuntimeError subclass whose message is written for people (a
+    failed calibration or run, NVML); OSError covers files that cannot be read or written. A message of several
+    lines (a library's) is joined into one.
     """
     from vramcal.calibrator import CalibrationError
     from vramcal.measure.nvml import NvmlError
@@ -272,9 +273,16 @@ def one_line(interrupted: str = "interrupted") -> Iterator[None]:
     except KeyboardInterrupt:
         raise Interrupted(interrupted) from None
     except (ValueError, CalibrationError, NvmlError, TrainError) as error:
-        raise click.ClickException(str(error)) from None
+        raise click.ClickException(single_line(str(error)) or type(error).__name__) from None
     except OSError as error:
-        raise click.ClickException(f"cannot write {error.filename or 'a file'} ({error.strerror or error})") from None
+        raise click.ClickException(f"cannot read or write {error.filename or 'a file'} "
+                                   f"({single_line(error.strerror or str(error))}): check the path and its "
+                                   f"permissions") from None
+
+
+def single_line(text: str) -> str:
+    """``text`` as one line: its lines joined by spaces (a message from a library may span several)."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 class Interrupted(click.ClickException):

@@ -7,14 +7,13 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import click
 
-from vramcal.cli.console import TrialPrinter, echo_lines, observations_lines, summary, trial_status
+from vramcal.cli.console import TrialPrinter, echo_lines, observations_lines, summary, trial_line
 from vramcal.cli.options import (
     EXIT_UNVERIFIED,
     SPEC_NAMES,
@@ -103,7 +102,9 @@ def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, co
     """
     from vramcal import api
 
-    with one_line("interrupted: no profile written; existing profiles are unchanged"), stdout_to_stderr(as_json):
+    with one_line("interrupted: no profile written, existing profiles are unchanged; the trials so far are kept "
+                  "beside the profile (*.journal): run the same command again to continue from them"), \
+            stdout_to_stderr(as_json):
         settings = api.LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
         plans = plan_probes(explicit(ctx), options, gpu=gpu, capacity=capacity, implementation=implementation,
                             settings=settings, profiles_dir=profiles_dir, out=out, err=as_json)
@@ -238,7 +239,7 @@ def calibrate_one(plan, err: bool = False, reports_dir: Path | None = None):
                f"({plan.device.total_source}), usable {format_bytes(plan.usable_bytes)}", err=err)
     printer = TrialPrinter(plan.search().max_trials, plan.usable_bytes, err=err)
     try:
-        profile = api.run_calibration(plan, on_trial=printer)
+        profile = api.run_calibration(plan, on_trial=printer, on_notice=lambda line: echo_lines(line, err=err))
     finally:
         printer.close()
     echo_lines([summary(profile), f"profile: {plan.path}"], err=err)
@@ -256,21 +257,24 @@ def calibrate_one(plan, err: bool = False, reports_dir: Path | None = None):
 def warn_if_stale(profile, path: Path, strict: bool) -> None:
     """A warning on stderr for a profile made under other software or settings (:mod:`vramcal.staleness`);
     ``strict``: refuse it (StaleProfileError, one line)."""
+    from vramcal import api
     from vramcal.staleness import check
 
-    notice = check(profile, str(path), strict=strict or None, command="vramcal probe ... on this machine")
+    notice = check(profile, str(path), strict=strict or None,
+                   command=api.probe_command(profile.device, profile.model, profile.world))
     if notice:
         click.echo(f"warning: {notice}", err=True)
 
 
 def check_writable(folder: Path, what: str, options: str) -> None:
-    """Fail before any trial when ``folder`` cannot take files (a calibration can take an hour)."""
+    """Fail before any trial when ``folder`` cannot take files, a full disk included
+    (:func:`vramcal.api.check_writable`: a calibration can take an hour)."""
+    from vramcal import api
+
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".vramcal-write-check."):
-            pass
+        api.check_writable(folder)
     except OSError as error:
-        raise click.ClickException(f"cannot write {what} to {folder} ({error.strerror}): "
+        raise click.ClickException(f"cannot write {what} to {folder} ({error.strerror}): free space there, or "
                                    f"choose another {options}") from None
 
 
@@ -290,9 +294,7 @@ def show(profile_path: Path, as_json: bool, strict_profile: bool) -> None:
         return
     click.echo(f"{profile_path}  (vramcal {profile.vramcal_version}, {profile.created_utc})")
     click.echo(f"model: {describe(profile.model)}  [{profile.implementation}: {profile.kernel_path}]")
+    usable = profile.settings.usable_bytes(profile.device.total_bytes)
     for trial in profile.trials:
-        peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
-        length = f"seq_len {trial.seq_len:>5}  " if trial.seq_len is not None else ""
-        status = trial_status(trial, profile.settings.usable_bytes(profile.device.total_bytes))
-        click.echo(f"  {length}batch_size {trial.batch_size:>6}  {status:<7}  peak {peak:>10}  {trial.purpose}")
+        click.echo(trial_line(trial, usable, trial.purpose))
     echo_lines([summary(profile), *observations_lines(profile)])

@@ -26,6 +26,7 @@ from vramcal.cli.options import (
 )
 from vramcal.cli.probe import calibrate_one
 from vramcal.models.regressor.spec import RegressorSpec
+from vramcal.train.config import RESUME_OVERRIDES
 from vramcal.units import format_bytes
 
 TORCHRUN_OPTIONS = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "master_addr",
@@ -74,7 +75,8 @@ def es_sample_command(bar: str, out: Path, ticks: Path | None) -> None:
               help="run folder [default: runs/<UTC time>]")
 @click.option("--resume", is_flag=True, help="continue the run in --run-dir from its last checkpoint with its saved "
               "settings; a new --epochs or --max-steps stretches (or shortens) the cosine LR decay to the new "
-              "total from the current step, keeping the warm-up")
+              "total from the current step, keeping the warm-up; a new --lr or --max-grad-norm applies from "
+              "there (after a divergence or a NaN)")
 @click.option("--probe", is_flag=True, help="calibrate this device and model first (on this data), then train")
 @click.option("--batch-size", type=BatchSize(), default="auto", show_default=True,
               help="auto = the profile's conservative batch size; N is clamped to [--batch-size-min, safe]")
@@ -156,7 +158,7 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
             raise click.BadParameter(f"give one budget, or one per local rank ({nproc_per_node})",
                                      param_hint="--capacity")
         if resume:
-            run_dir = checkpoint.check_run_dir(resume_dir(run_dir), resume=True)
+            run_dir = checkpoint.prepare_run_dir(resume_dir(run_dir), resume=True)
             config = load_config(run_dir / checkpoint.CONFIG)
         else:
             config = make_config(config_file, options, given)
@@ -165,10 +167,13 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
         nodes = int(str(torchrun.get("nnodes", 1)).split(":")[-1])
         world = world_of(nproc_per_node * nodes, ddp, config.gpu != "none" and gpu_here())
         click.echo(f"training {world.describe()} in {run_dir}", err=True)
-    overrides = {k: options[k] for k in ("epochs", "max_steps") if resume and k in given}
+    overrides = {k: options[k] for k in RESUME_OVERRIDES if resume and k in given}
     with one_line(f"interrupted: the checkpoints in {run_dir} are kept; continue with `vramcal train --resume "
                   f"--run-dir {run_dir} --nproc-per-node {nproc_per_node}`"):
-        distributed.launch(config, run_dir, world, nproc_per_node, torchrun, capacities, resume, overrides)
+        try:
+            distributed.launch(config, run_dir, world, nproc_per_node, torchrun, capacities, resume, overrides)
+        finally:
+            checkpoint.release_run_dir(run_dir)
     echo_done(run_dir)
 
 
@@ -228,11 +233,11 @@ def resume_plan(run_dir: Path | None, options: dict[str, Any], given: set[str]):
     from vramcal.train.plan import plan_resume
 
     run_dir = resume_dir(run_dir)
-    ignored = sorted(given - {"epochs", "max_steps", "run_dir", "resume"})
+    ignored = sorted(given - {*RESUME_OVERRIDES, "run_dir", "resume"})
     if ignored:
         click.echo(f"--resume continues with the run's saved settings; ignoring "
                    f"{', '.join('--' + o.replace('_', '-') for o in ignored)}", err=True)
-    return plan_resume(run_dir, {k: options[k] for k in ("epochs", "max_steps") if k in given})
+    return plan_resume(run_dir, {k: options[k] for k in RESUME_OVERRIDES if k in given})
 
 
 def probe_first(config, capacity: int | None):

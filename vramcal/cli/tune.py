@@ -67,7 +67,8 @@ def tune_command(ctx: click.Context, config_file: str | None, run_dir: Path | No
     if capacity and len(capacity) > 1:
         raise click.BadParameter("a tune's trials are one process each: give one budget", param_hint="--capacity")
     capacity = capacity[0] if capacity else None
-    settings = tune_settings(config_file, options, given)
+    with one_line():
+        settings = tune_settings(config_file, options, given)
     if resume and run_dir is None and storage is None:
         raise click.BadParameter("--resume needs the --run-dir of the tune (or --storage and --study-name)",
                                  param_hint="--resume")

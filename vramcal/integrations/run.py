@@ -202,8 +202,9 @@ def _find(profile: Profile | str | Path | None, model: str | None, params: dict[
     except ProfileError as error:
         raise SizingError(f"{source}: {error}") from None
     from vramcal import staleness
+    from vramcal.api import probe_command
 
-    stale = staleness.check(found, source, device)
+    stale = staleness.check(found, source, device, command=probe_command(found.device, found.model, found.world))
     if stale:
         _warn(f"vramcal: {stale}")
     return found, source, path

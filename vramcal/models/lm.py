@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vramcal.models.mamba2 import DTYPE_POLICIES
+from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, SchemaError, read_value
 from vramcal.workload import TrainingStep
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -42,6 +43,19 @@ BOOKKEEPING = ("architectures", "transformers_version", "model_type", "torch_dty
 NO_OPTION = ("rms_norm", "norm_before_gate")
 # Without these a misspelt key would silently give Mamba2Config's default, a 64-layer 4096-wide model.
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size")
+# The schema of the settings vramcal sizes with (their type and range; transformers' own checks follow). Floats
+# may be written as whole numbers (1 for 1.0: transformers would refuse the int).
+SETTINGS: dict[str, tuple[Any, Range | None]] = {
+    **dict.fromkeys(("hidden_size", "num_hidden_layers", "vocab_size", "state_size", "expand", "head_dim",
+                     "num_heads", "n_groups", "conv_kernel", "chunk_size"), (int, AT_LEAST_ONE)),
+    "layer_norm_epsilon": (float, POSITIVE), "initializer_range": (float, NON_NEGATIVE),
+    "time_step_min": (float, POSITIVE), "time_step_max": (float, POSITIVE), "time_step_floor": (float, NON_NEGATIVE),
+    **dict.fromkeys(("use_bias", "use_conv_bias", "residual_in_fp32", "tie_word_embeddings", "rescale_prenorm_residual",
+                     "use_cache"), (bool, None)),
+    "hidden_act": (str, None), "time_step_rank": (int | str, AT_LEAST_ONE),
+    "time_step_limit": (tuple[float, ...], NON_NEGATIVE),
+    **dict.fromkeys(("pad_token_id", "bos_token_id"), (int | None, NON_NEGATIVE)),
+}
 # mamba_ssm's defaults (mamba_ssm/models/config_mamba.py MambaConfig, mamba_ssm/modules/mamba2.py Mamba2).
 MAMBA_SSM_DEFAULTS = {"d_state": 128, "d_conv": 4, "expand": 2, "headdim": 64, "ngroups": 1, "chunk_size": 256,
                       "bias": False, "conv_bias": True}
@@ -70,7 +84,11 @@ def read_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
                              f"--model-arg config=<a Mamba2Config JSON file>, e.g. configs/mamba2-lm-small.json"
                              ) from None
         except json.JSONDecodeError as error:
-            raise ValueError(f"--model lm: {source} is not JSON (line {error.lineno}: {error.msg})") from None
+            raise ValueError(f"--model lm: {source} is not JSON (line {error.lineno}: {error.msg}): give a "
+                             f"Mamba2Config JSON file") from None
+        except (UnicodeDecodeError, RecursionError):
+            raise ValueError(f"--model lm: {source} is not a JSON text file (not UTF-8, or nested too deeply): give "
+                             f"a Mamba2Config JSON file") from None
     else:
         settings = source
     if not isinstance(settings, dict):
@@ -90,7 +108,8 @@ def read_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
     if missing:
         raise ValueError(f"--model lm: {where} does not set {', '.join(missing)}: give the model's shape "
                          f"(see configs/mamba2-130m.json)")
-    mamba2_config(settings)
+    settings = check_settings(settings, str(where))
+    mamba2_config(settings, str(where))
     return settings
 
 
@@ -141,22 +160,76 @@ def _config_class() -> type[Mamba2Config]:
     return Mamba2Config
 
 
-def mamba2_config(settings: dict[str, Any]) -> Mamba2Config:
-    """``transformers.Mamba2Config(**settings)``.
+def check_settings(settings: dict[str, Any], where: str = "the config") -> dict[str, Any]:
+    """The settings' schema (:data:`SETTINGS`) and the relations transformers' Mamba2 needs (with its defaults
+    for what ``settings`` leave out): heads that tile the inner width, groups that divide the heads, a
+    ``time_step_limit`` of two numbers in order and ``time_step_min <= time_step_max``.
+
+    Returns:
+        The settings, with floats written as whole numbers made floats (and ``time_step_limit`` a tuple).
 
     Raises:
-        ValueError: a setting of the wrong type, or heads that do not tile the inner width (one line).
+        ValueError: the first bad setting, named with ``where`` (the config file), with what it must be.
     """
+    checked = dict(settings)
+    for name, (hint, limits) in SETTINGS.items():
+        if name in settings:
+            try:
+                checked[name] = read_value(settings[name], hint, name, limits)
+            except SchemaError as error:
+                raise ValueError(f"--model lm: {where}: {error}: fix it in the config") from None
+    if isinstance(checked.get("time_step_rank"), str) and checked["time_step_rank"] != "auto":
+        raise ValueError(f"--model lm: {where}: time_step_rank = {checked['time_step_rank']!r} is neither \"auto\" "
+                         f"nor a whole number: fix it in the config")
+    limit = checked.get("time_step_limit")
+    if limit is not None and (len(limit) != 2 or limit[0] > limit[1]):
+        raise ValueError(f"--model lm: {where}: time_step_limit = {list(limit)} is not two numbers, the lower first: "
+                         f"fix it in the config")
+    full = {**_defaults(), **checked}
+    inner = full["expand"] * full["hidden_size"]
+    if full["num_heads"] * full["head_dim"] != inner:
+        raise ValueError(f"--model lm: {where}: num_heads x head_dim = {full['num_heads']} x {full['head_dim']} = "
+                         f"{full['num_heads'] * full['head_dim']} must equal expand x hidden_size = {full['expand']} x "
+                         f"{full['hidden_size']} = {inner}: fix num_heads or head_dim in the config")
+    if full["num_heads"] % full["n_groups"]:
+        raise ValueError(f"--model lm: {where}: num_heads {full['num_heads']} is not divisible by n_groups "
+                         f"{full['n_groups']}: fix n_groups in the config")
+    if full["time_step_min"] > full["time_step_max"]:
+        raise ValueError(f"--model lm: {where}: time_step_min {full['time_step_min']} is above time_step_max "
+                         f"{full['time_step_max']}: fix it in the config")
+    return checked
+
+
+def _defaults() -> dict[str, Any]:
+    """``Mamba2Config``'s defaults of the settings :func:`check_settings` relates."""
+    fields = {f.name: f.default for f in dataclasses.fields(_config_class())}
+    return {name: fields[name] for name in ("expand", "hidden_size", "num_heads", "head_dim", "n_groups",
+                                            "time_step_min", "time_step_max")}
+
+
+def mamba2_config(settings: dict[str, Any], where: str = "the config") -> Mamba2Config:
+    """``transformers.Mamba2Config(**settings)``, the settings checked first (:func:`check_settings`).
+
+    Raises:
+        ValueError: a bad setting (:func:`check_settings`), or one transformers refuses: one line naming the
+            setting (the line of transformers' error that names it, not its header).
+    """
+    settings = check_settings(settings, where)
     try:
-        config = _config_class()(**settings)
+        return _config_class()(**settings)
     except Exception as error:  # noqa: BLE001 - huggingface_hub's strict-dataclass errors are neither TypeError nor ValueError
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        raise ValueError(f"--model lm: Mamba2Config refuses the config: {' '.join(lines[:2])[:300]}") from None
-    inner = config.expand * config.hidden_size
-    if config.num_heads * config.head_dim != inner:
-        raise ValueError(f"--model lm: num_heads x head_dim = {config.num_heads * config.head_dim} must equal "
-                         f"expand x hidden_size = {inner}")
-    return config
+        raise ValueError(f"--model lm: {where}: Mamba2Config refuses it: {_refusal(error)}: fix it in the config") \
+            from None
+
+
+def _refusal(error: Exception) -> str:
+    """The line of a transformers (huggingface_hub strict dataclass) error that names the field and the problem:
+    its headers (``Class validation error for validator 'validate_architecture':``, ``Validation error for
+    field 'x':``) say nothing, and the exception's type prefix is left out."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    telling = [line for line in lines if not line.endswith(":")] or lines or [type(error).__name__]
+    kind, sep, rest = telling[0].partition(": ")
+    return (rest if sep and kind.isidentifier() and kind.endswith(("Error", "Exception")) else telling[0])[:300]
 
 
 def check_params(config: dict[str, Any], seq_len: Any, dtype: str = "fp32") -> Mamba2Config:

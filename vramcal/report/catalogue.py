@@ -113,11 +113,15 @@ def other_gpu_limits(profile: Profile, extra_gpus: Iterable[GpuModel] = (),
         Rows sorted by total memory (the measured row first among equal totals).
 
     Raises:
-        ValueError: the profile has no fit (fewer than three successful trials) to extrapolate from.
+        ValueError: the profile has no fit (fewer than three successful trials) to extrapolate from, or a fit
+            that does not rise (no limits).
     """
-    if profile.fit is None or profile.limits is None:
-        raise ValueError("the profile has no fitted memory model (it needs at least 3 successful trials): "
-                         "re-run `vramcal probe` to measure more batch sizes")
+    if profile.fit is None:
+        raise ValueError("the profile has no fitted memory model (it needs at least 3 successful trials over 2 "
+                         "batch sizes): re-run `vramcal probe` to measure more batch sizes")
+    if profile.limits is None:
+        raise ValueError(f"the profile's fitted line does not rise ({profile.fit.formula()}), so no limit follows "
+                         f"from it on any card: re-run `vramcal probe` with a larger budget")
     device = profile.device
     failed = profile.limits.failed_batch_size
     measured_label = f"{device.name} (this profile)" if device.kind == "cuda" else f"host: {device.name}"

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vramcal.calibration.creep import STEADY, read_peak
+from vramcal.calibration.creep import STEADY, read_peak, steady_equivalent
 from vramcal.models.registry import describe
 from vramcal.profile import profile_name
 from vramcal.report.catalogue import GpuLimitRow, GpuModel, other_gpu_limits
@@ -73,9 +73,7 @@ def series_labels(profiles: Sequence[Profile]) -> tuple[list[str], list[str]]:
 def reference_trials(profile: Profile) -> list[Trial]:
     """The trials of the profile's one-length fit: all of them, or for a calibration over several lengths
     those at the reference length (the others are in the sequence-length section)."""
-    if profile.surface is None:
-        return list(profile.trials)
-    return [t for t in profile.trials if t.seq_len in (None, profile.surface.reference_seq_len)]
+    return profile.reference_trials
 
 
 def usable_bytes(profile: Profile) -> int:
@@ -90,6 +88,25 @@ def trial_state(trial: Trial, usable: int) -> str:
     if trial.ok and trial.peak_bytes > usable:  # type: ignore[operator]
         return "over-budget"
     return trial.status if trial.status != "ok" or trial.ok else "error"
+
+
+def trial_reason(trial: Trial, width: int = 100) -> str:
+    """Why a trial that did not finish ended: the first line of its error (an ``error``'s exception, a
+    ``timeout``'s limit, an ``oom``'s allocator message), cut to ``width`` characters; "" for a finished one."""
+    if trial.status == "ok" or not trial.error:
+        return ""
+    line = trial.error.strip().splitlines()[0] if trial.error.strip() else ""
+    return line if len(line) <= width else line[:width - 3] + "..."
+
+
+def failure_words(profile: Profile, batch_size: int) -> str:
+    """How the trials at ``batch_size`` failed, in words: ran out of memory or over usable memory, timed out, or
+    failed with an error (the trials table gives its reason)."""
+    usable = usable_bytes(profile)
+    states = {trial_state(t, usable) for t in steady_equivalent(profile.reference_trials) if t.batch_size == batch_size}
+    if states & {"oom", "over-budget"} or not states:
+        return "ran out of memory or over usable memory"
+    return "timed out" if "timeout" in states else "failed with an error (its reason is in the trials table)"
 
 
 def throughput_knee(trials: Iterable[Trial], fraction: float = 0.9) -> tuple[int, float, int] | None:
@@ -115,7 +132,8 @@ def missing_notes(profile: Profile) -> list[str]:
                      f"size(s); a fit needs at least 3 over 2 batch sizes. No line is drawn and no limits are "
                      f"given: re-run `vramcal probe` to measure more batch sizes.")
     elif profile.limits is None:
-        notes.append("No limits were computed for this fit.")
+        notes.append("No limits: the fitted line does not rise with batch_size (its slope is not positive), so no "
+                     "limit follows from it. Re-run `vramcal probe` with a larger budget.")
     elif not profile.verified:
         ran = {k: v for k, v in profile.verification.items() if v is not None}
         what = ("no verification trial ran" if not ran else "; ".join(
@@ -146,9 +164,11 @@ def _bytes(n_bytes: float | None) -> str:
 
 
 def trials_table(profile: Profile) -> str:
-    """Every trial: batch size, purpose, status, peak and each source, step time, samples/s, in-fit mark.
+    """Every trial: batch size, purpose, status, peak and each source, step time, samples/s, why a trial that did
+    not finish ended (:func:`trial_reason`), in-fit mark.
 
-    Columns whose source does not exist on this device (e.g. NVML on the host) are left out.
+    Columns whose source does not exist on this device (e.g. NVML on the host), or that no trial fills, are left
+    out.
     """
     usable = usable_bytes(profile)
     in_fit = Counter(zip(profile.fit.batch_sizes, profile.fit.peak_bytes)) if profile.fit else Counter()
@@ -163,7 +183,7 @@ def trials_table(profile: Profile) -> str:
         ("RSS peak", True, lambda t: _bytes(t.rss_peak_bytes)),
         ("step time", True, lambda t: MISSING if t.step_s is None else _seconds(t.step_s)),
         ("samples/s", True, lambda t: MISSING if t.samples_per_s is None else format_rate(t.samples_per_s)),
-        ("in fit", False, None)]
+        ("reason", False, trial_reason), ("in fit", False, None)]
     rows, creep = [], profile.creep
     for index, trial in enumerate(profile.trials, 1):
         row = [str(index)] + [get(trial) for _, _, get in columns[1:-1]]
@@ -227,8 +247,9 @@ def limits_notes(profile: Profile) -> list[str]:
          f"size may differ from it by a few samples, since its row comes from the fit alone."),
     ]
     if profile.limits is not None and profile.limits.failed_batch_size is not None:
-        notes.append(f"Batch {profile.limits.failed_batch_size} ran out of memory or over usable memory on the "
-                     f"measured device, so cards with no more memory are capped below it.")
+        failed = profile.limits.failed_batch_size
+        notes.append(f"Batch {failed} {failure_words(profile, failed)} on the measured device, so cards with no "
+                     f"more memory are capped below it.")
     if profile.device.kind == "host":
         notes.append("This profile was measured in host RAM, not on a GPU: its overhead is the Python process "
                      "with torch's CPU libraries and no CUDA context, so the GPU rows are orders of magnitude, "
@@ -271,7 +292,8 @@ def summary_table(profile: Profile) -> str:
                  ("Conservative batch size", (f"**{_batch(limits.conservative_batch_size)}**{tag}; "
                                              f"{settings.conservative_fraction:g} × safe"))]
     else:
-        rows += [("Safe batch size", "**none** (no fit)"), ("Conservative batch size", "**none** (no fit)")]
+        why = "**none** (no fit)" if fit is None else "**none** (the fitted line does not rise: no limit follows)"
+        rows += [("Safe batch size", why), ("Conservative batch size", why)]
     rows.append(("Verification", _verification_text(profile, usable)))
     knee = throughput_knee(reference_trials(profile))
     if knee is not None:

@@ -9,6 +9,7 @@
     <run_dir>/checkpoint-last.pt   model, optimizer, scheduler and progress at the last save
     <run_dir>/checkpoint-prev.pt   the save before it (kept when a new one replaces it)
     <run_dir>/checkpoint-best.pt   the save at the lowest validation loss so far
+    <run_dir>/.vramcal.lock        held (flock) by the run going on there, with its pid: one run at a time
 
 The promises: a killed run leaves every file at its previous or its new content (:mod:`vramcal.files`);
 ``metrics.jsonl`` is written after the checkpoint that holds the same rows, so it never lists an epoch
@@ -67,10 +68,14 @@ def check_run_dir(run_dir: Path, resume: bool) -> Path:
     new run (:func:`prepare_run_dir` sets unreadable ones aside).
 
     Raises:
-        RunDirError: a new run in a folder that holds one, a resume with no checkpoint or no config, or a
-            folder that cannot be created (its nearest existing parent is a file or not writable).
+        RunDirError: a folder another run is going on in (:func:`claim_run_dir`), a new run in a folder that
+            holds one, a resume with no checkpoint or no config, or a folder that cannot be created (its
+            nearest existing parent is a file or not writable).
     """
     run_dir = Path(run_dir)
+    holder = run_holder(run_dir)
+    if holder is not None:
+        raise RunDirError(in_use(run_dir, holder))
     if resume:
         if not has_checkpoint(run_dir) or not (run_dir / CONFIG).is_file() or not (run_dir / RUN).is_file():
             raise RunDirError(f"nothing to resume in {run_dir}: it has no checkpoint (the run saved none), or no "
@@ -85,16 +90,20 @@ def check_run_dir(run_dir: Path, resume: bool) -> Path:
 
 
 def prepare_run_dir(run_dir: Path, resume: bool) -> Path:
-    """:func:`check_run_dir`, then (for a new run) create the folder and check that it can be written.
+    """:func:`check_run_dir`, then create the folder, claim it for this process (:func:`claim_run_dir`), check
+    it again (a run may have saved there meanwhile) and check that it can be written.
 
     Call it once every other check has passed, so a run that cannot start leaves no empty folder.
 
     Raises:
-        RunDirError: as :func:`check_run_dir`, or a folder that cannot be created or written.
+        RunDirError: as :func:`check_run_dir`; a folder another run holds; one that cannot be created or
+            written.
     """
     run_dir = check_run_dir(run_dir, resume)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        claim_run_dir(run_dir)
+        check_run_dir(run_dir, resume)
         remove_stale_temporaries(run_dir)
         if not resume:  # what is left are unreadable checkpoints (check_run_dir): kept aside, never reused
             for name in CHECKPOINTS:
@@ -106,6 +115,70 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> Path:
         raise RunDirError(f"cannot write to the run folder {run_dir} ({error.strerror or error}): "
                           f"choose another --run-dir") from None
     return run_dir
+
+
+LOCK = ".vramcal.lock"
+_CLAIMS: dict[Path, int] = {}  # run folder -> the open file this process holds its lock on
+
+
+def claim_run_dir(run_dir: Path) -> None:
+    """Hold ``run_dir`` for this process: an exclusive ``flock`` on ``<run_dir>/.vramcal.lock``, which also
+    holds the holder's pid. The kernel drops the lock when the process ends, however it ends (a killed run
+    leaves its folder to the next); :func:`release_run_dir` drops it sooner. Claiming a folder this process
+    holds is a no-op.
+
+    Raises:
+        RunDirError: another process holds it (a run there is going on), naming its pid.
+        OSError: the lock file cannot be created.
+    """
+    import fcntl
+
+    key = Path(run_dir).absolute()
+    if key in _CLAIMS:
+        return
+    fd = os.open(key / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RunDirError(in_use(run_dir, holder)) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _CLAIMS[key] = fd
+
+
+def run_holder(run_dir: Path) -> str | None:
+    """The pid of another process that holds ``run_dir`` (:func:`claim_run_dir`), or None: nobody does, or
+    this process."""
+    import fcntl
+
+    key = Path(run_dir).absolute()
+    if key in _CLAIMS or not (key / LOCK).is_file():
+        return None
+    try:
+        fd = os.open(key / LOCK, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)  # closing drops a shared lock this check took
+
+
+def in_use(run_dir: Path, holder: str) -> str:
+    return (f"{run_dir} is in use by another run (pid {holder}): a run folder takes one run at a time; wait for "
+            f"it to end, or choose another --run-dir")
+
+
+def release_run_dir(run_dir: Path) -> None:
+    """Drop this process's claim on ``run_dir`` (none held: nothing to do)."""
+    fd = _CLAIMS.pop(Path(run_dir).absolute(), None)
+    if fd is not None:
+        os.close(fd)
 
 
 def _naming(path: Path, write: Any) -> None:

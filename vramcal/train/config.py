@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from vramcal.models.mamba2 import IMPLEMENTATIONS
 from vramcal.models.regressor.spec import RegressorSpec
+from vramcal.schema import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, SchemaError, read_value
 
 LrScaling = Literal["none", "linear", "sqrt"]
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
@@ -24,6 +26,10 @@ SEED_BATCH_SIZE = 96  # the seed documents' training batch size, the default LR 
 
 class ConfigError(ValueError):
     """A config file or value the trainer cannot use; the message names it and what would work."""
+
+# The settings ``--resume`` may change: the run's length (the cosine decay stretched to it), and the learning
+# rate and clipping (after a divergence or a NaN, continue from the last finite checkpoint more gently).
+RESUME_OVERRIDES = ("epochs", "max_steps", "lr", "max_grad_norm")
 
 
 @dataclass(frozen=True)
@@ -118,26 +124,34 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        """Build from a dict of option names; spec fields may be flat or under ``spec``.
+        """Build from a dict of option names; spec fields may be flat or under ``spec``. Every value is typed
+        and ranged first (:data:`CONFIG_RANGES`, :mod:`vramcal.schema`), and the spec checked.
 
         Raises:
-            ConfigError: unknown names, or values of the wrong kind.
+            ConfigError: unknown names, or a value of the wrong kind or out of range (naming the setting).
         """
         data = dict(data)
         if str(data.get("batch_size", "")).lower() == "auto":  # as on the command line; TOML has no null
             data["batch_size"] = None
         spec_names = {f.name for f in dataclasses.fields(RegressorSpec)}
-        spec_values = dict(data.pop("spec", None) or {})
+        nested = data.pop("spec", None)
+        if nested is not None and not isinstance(nested, dict):
+            raise ConfigError(f"spec = {nested!r:.60} is not a table of model settings (d_model, n_layers, ...)")
+        spec_values = {f"spec.{k}": v for k, v in (nested or {}).items()}
         spec_values.update({k: data.pop(k) for k in list(data) if k in spec_names})
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown = sorted({k.removeprefix("spec.") for k in spec_values} - spec_names | set(data) - names)
         if unknown:
             known = ", ".join(sorted(names | spec_names))
             raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {known}")
         try:
-            return cls(spec=RegressorSpec(**spec_values), **data)
-        except TypeError as error:
-            raise ConfigError(f"bad setting: {error}") from None
+            spec = RegressorSpec(**_typed(RegressorSpec, spec_values))
+            spec.validate()
+            return cls(spec=spec, **_typed(cls, data))
+        except SchemaError as error:
+            raise ConfigError(str(error)) from None
+        except ValueError as error:  # RegressorSpec.validate: names the setting
+            raise ConfigError(str(error)) from None
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with ``changes``; spec fields (``d_model=...``) go into the spec."""
@@ -163,6 +177,42 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
 
+# The ranges of the settings' numbers (their types are the annotations); the rest is checked in __post_init__.
+CONFIG_RANGES = {
+    "batch_size": AT_LEAST_ONE, "batch_size_min": AT_LEAST_ONE, "lr": POSITIVE, "reference_batch_size": AT_LEAST_ONE,
+    "weight_decay": NON_NEGATIVE, "max_grad_norm": POSITIVE, "warmup_steps": NON_NEGATIVE,
+    "min_lr_fraction": FRACTION, "epochs": AT_LEAST_ONE, "max_steps": AT_LEAST_ONE, "seed": Range(0, 2**32 - 1),
+    "stride": AT_LEAST_ONE, "val_fraction": Range(0, 1, low_open=True, high_open=True),
+    "checkpoint_steps": AT_LEAST_ONE, "checkpoint_minutes": POSITIVE,
+    **dict.fromkeys(("d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len", "n_features",
+                     "d_conv", "n_groups"), AT_LEAST_ONE),
+}
+PATHS = ("data", "profile", "profiles_dir")  # file and folder names: non-empty text
+
+
+def _typed(record: type, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (keys may carry a ``spec.`` prefix, kept in messages) typed by ``record``'s annotations and
+    :data:`CONFIG_RANGES`; a GPU index may be a number; paths are non-empty; ``implementation`` one of
+    :data:`vramcal.models.mamba2.IMPLEMENTATIONS`.
+
+    Raises:
+        SchemaError: the first value that does not fit, named as the file names it.
+    """
+    import typing
+
+    hints, typed = typing.get_type_hints(record), {}
+    for path, value in values.items():
+        name = path.removeprefix("spec.")
+        if name == "gpu" and isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            value = str(value)  # --gpu 0, written as a number
+        typed[name] = read_value(value, hints[name], path, CONFIG_RANGES.get(name))
+        if name in PATHS + ("gpu",) and not typed[name].strip():
+            raise SchemaError(path, f"{path} is empty: give a {'device' if name == 'gpu' else 'path'}")
+        if name == "implementation" and value not in IMPLEMENTATIONS:
+            raise SchemaError(path, f"{path} = {value!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    return typed
+
+
 def load_config(path: Path | str) -> TrainConfig:
     """Read a ``.json`` or ``.toml`` config file (a ``[train]`` table in TOML is also accepted).
 
@@ -170,10 +220,16 @@ def load_config(path: Path | str) -> TrainConfig:
         ConfigError: the file is missing, unreadable, not JSON/TOML, or holds unknown settings.
     """
     path = Path(path)
+    fix = "fix it in the file, or give the option on the command line"
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"config {path} is not UTF-8 text: name a JSON or TOML file of settings") from None
     except OSError as error:
-        raise ConfigError(f"config {path}: {error.strerror or error}") from None
+        raise ConfigError(f"config {path}: {error.strerror or error}: name a readable JSON or TOML file") from None
+    if not text.strip():
+        raise ConfigError(f"config {path} is empty: write settings in it (e.g. {{\"lr\": 1e-4}}), or leave out "
+                          f"--config")
     try:
         if path.suffix.lower() == ".toml":
             import tomllib
@@ -183,10 +239,13 @@ def load_config(path: Path | str) -> TrainConfig:
         else:
             data = json.loads(text)
     except ValueError as error:  # json.JSONDecodeError and tomllib.TOMLDecodeError are ValueErrors
-        raise ConfigError(f"config {path} is not valid {path.suffix.lstrip('.') or 'JSON'}: {error}") from None
+        raise ConfigError(f"config {path} is not valid {'TOML' if path.suffix.lower() == '.toml' else 'JSON'}: "
+                          f"{' '.join(str(error).split())}") from None
+    except RecursionError:
+        raise ConfigError(f"config {path} is nested too deeply to be a table of settings") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config {path} must hold a table of settings")
+        raise ConfigError(f"config {path} must hold a table of settings, not {type(data).__name__}")
     try:
         return TrainConfig.from_dict(data)
     except ConfigError as error:
-        raise ConfigError(f"config {path}: {error}") from None
+        raise ConfigError(f"config {path}: {error}; {fix}") from None

@@ -9,5 +9,9 @@ class NonFiniteError(TrainError):
     """The loss or the gradient norm became NaN or infinite."""
 
 
+class DivergedError(TrainError):
+    """The loss is far above the zero-return baseline, or rose through a whole epoch (the LR is too high)."""
+
+
 class Stopped(TrainError):
     """The caller asked the run to stop after an epoch (``vramcal tune`` pruning a trial)."""

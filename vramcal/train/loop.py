@@ -18,9 +18,17 @@ halves its chunk the same way. The event is printed and recorded in ``metrics.js
 of one the run stops with one line naming the last good checkpoint.
 
 A non-finite loss or gradient norm stops the run before the optimizer steps (the weights stay the last
-good ones) with a :class:`NonFiniteError`; so does a non-finite validation loss or weight after an epoch.
-No checkpoint is written after it, and none ever holds non-finite weights. A checkpoint that cannot be
-written (a full disk) stops the run with one line naming the file and the last good checkpoint.
+good ones) with a :class:`NonFiniteError`, and that last finite state is saved as the last checkpoint (a
+NaN at step 2 keeps step 1); a non-finite validation loss or weight after an epoch stops it too, keeping
+the checkpoints there are. No checkpoint ever holds non-finite weights. A checkpoint that cannot be written
+(a full disk) stops the run with one line naming the file and the last good checkpoint.
+
+A run that diverges stops with a :class:`DivergedError` (the learning rate is too high), saving nothing
+more: its loss is far above the zero-return baseline's (:data:`DIVERGED_RATIO` times the mean squared
+target of the same batches over the last :data:`DIVERGENCE_STEPS` steps, or of the validation set after an
+epoch), or it rose through a whole epoch (each quarter of the epoch's steps above the one before, the
+last :data:`RISE_RATIO` times the first). The regressor's targets are standardised returns, so the baseline
+is about 1 and a model that learns nothing scores it.
 
 Resuming with another ``epochs`` or ``max_steps``: the warm-up stays as the run started, and the cosine
 decay is stretched (or shortened) to the new total from the current step.
@@ -51,13 +59,17 @@ from vramcal.measure.meters import synchronize, torch_cuda_empty_cache
 from vramcal.models.regressor.step import RegressorStep, forward
 from vramcal.oom import is_out_of_memory
 from vramcal.train import checkpoint
-from vramcal.train.errors import NonFiniteError, Stopped, TrainError
+from vramcal.train.errors import DivergedError, NonFiniteError, Stopped, TrainError
 from vramcal.train.plan import Plan
 from vramcal.units import format_bytes
 from vramcal.workload import optimizer_step, step_loss
 
 Echo = Callable[[str], None]
 EpochHook = Callable[[dict[str, Any]], Any]
+
+DIVERGED_RATIO = 10.0  # loss / zero-return loss: 10 times worse than predicting no move at all
+DIVERGENCE_STEPS = 20  # steps the training loss is averaged over against the same batches' baseline
+RISE_RATIO = 1.5  # last quarter of an epoch's step losses / its first, every quarter above the one before
 
 
 @dataclass
@@ -70,6 +82,8 @@ class Progress:
         best_val_loss: the lowest validation loss so far. rows: everything in ``metrics.jsonl``.
         epoch_loss_sum, epoch_samples, epoch_train_s, epoch_step_times: the unfinished epoch's figures, so
             a run resumed from a mid-epoch checkpoint reports the whole epoch.
+        epoch_losses, epoch_baselines: each step's loss and its batch's zero-return loss (mean squared
+            target) this epoch, for the divergence checks.
     """
 
     epoch: int = 0
@@ -82,6 +96,8 @@ class Progress:
     epoch_samples: int = 0
     epoch_train_s: float = 0.0
     epoch_step_times: list[float] = field(default_factory=list)
+    epoch_losses: list[float] = field(default_factory=list)
+    epoch_baselines: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -167,20 +183,23 @@ class Trainer:
             step.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.progress = Progress(**state["progress"])
-            for group, base_lr in zip(step.optimizer.param_groups, self.scheduler.base_lrs):  # the new total's LR
-                group["lr"] = base_lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+            self.scheduler.base_lrs = [plan.lr] * len(step.optimizer.param_groups)  # a new --lr applies from here
+            for group in step.optimizer.param_groups:  # the new total's LR
+                group["initial_lr"] = plan.lr
+                group["lr"] = plan.lr * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
         self._measuring = state is not None  # a resumed run's first step is not its first ever
         self._had_oom = False  # an allocation failed in this process (see _out_of_memory)
         self._last_save = time.monotonic()
+        self._saved_step = self.progress.step if state is not None else None  # the step the last save holds
 
     # ------------------------------------------------------------------------------------ a step
 
-    def _step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    def _step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
         """One optimizer step on the whole batch, with the OOM fallback (one process); returns (loss, grad
-        norm), the loss the global batch's mean."""
+        norm, the batch's zero-return loss), the losses the global batch's means."""
         if self.share.group is not None:
             return self._ranked_step(x, y)
-        batch = x.shape[0]
+        batch, baseline = x.shape[0], float((y.float() ** 2).mean())
         while True:
             micro = min(self.progress.micro_batch_size, batch)
             try:
@@ -191,14 +210,14 @@ class Trainer:
                     (part * share).backward()
                     loss += share * part.detach()
                 grad_norm = optimizer_step(self.step, skip_non_finite=True)
-                return float(loss), float(grad_norm) if grad_norm is not None else 0.0
+                return float(loss), float(grad_norm) if grad_norm is not None else 0.0, baseline
             except Exception as error:
                 if not self._out_of_memory(error):
                     raise
                 message = _first_line(error)
             self._fall_back(micro, batch, message, "step")
 
-    def _ranked_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    def _ranked_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
         """One DDP step on this rank's slice (module docstring: the loss scaled, no fallback)."""
         share = self.share
         try:
@@ -211,8 +230,9 @@ class Trainer:
             raise TrainError(f"rank {share.rank} ran out of memory at its batch of {share.own} at step "
                              f"{self.progress.step + 1} ({_first_line(error)}): under DDP every rank stops; "
                              f"{checkpoint.last_good(self.plan.run_dir)} with a smaller batch size") from None
-        total, = share.summed([float(loss.detach()) * share.own])
-        return total / share.global_batch, float(grad_norm) if grad_norm is not None else 0.0
+        total, baseline = share.summed([float(loss.detach()) * share.own, float((y.float() ** 2).mean()) * share.own])
+        return (total / share.global_batch, float(grad_norm) if grad_norm is not None else 0.0,
+                baseline / share.global_batch)
 
     def _out_of_memory(self, error: BaseException) -> bool:
         """An allocation failure (:func:`vramcal.oom.is_out_of_memory`, oneDNN's bare message included once
@@ -313,10 +333,13 @@ class Trainer:
             step_start = time.perf_counter()
             starts = self.pipeline.train_starts[batches[index]]  # the global batch; this rank's slice of it:
             x, y = self.pipeline.gather(starts[share.offset:share.offset + share.own] if share.group else starts)
-            loss, grad_norm = self._step(x, y)  # float(loss) waits for the device: the time is the step's
+            loss, grad_norm, baseline = self._step(x, y)  # float(loss) waits for the device: the step's time
             elapsed = time.perf_counter() - step_start
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 self._stop_non_finite(loss, grad_norm)
+            progress.epoch_losses.append(loss)
+            progress.epoch_baselines.append(baseline)
+            self._check_divergence(diverged_loss(progress.epoch_losses, progress.epoch_baselines), progress.step + 1)
             self.scheduler.step()
             progress.step, progress.batch_in_epoch = progress.step + 1, index + 1
             samples = share.global_batch if share.group else x.shape[0]
@@ -351,11 +374,13 @@ class Trainer:
         bad = checkpoint.non_finite_tensors(self.step.model.state_dict())
         if not math.isfinite(row["val_loss"]) or bad:
             self._stop_non_finite(row["train_loss"], math.nan, val_loss=row["val_loss"], weights=bad)
+        self._check_divergence(diverged_validation(row["val_loss"], row["val_zero_loss"])
+                               or (rising(progress.epoch_losses) if complete else None), progress.step)
         progress.rows.append(row)
         if complete:
             progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
             progress.epoch_loss_sum, progress.epoch_samples, progress.epoch_train_s = 0.0, 0, 0.0
-            progress.epoch_step_times = []
+            progress.epoch_step_times, progress.epoch_losses, progress.epoch_baselines = [], [], []
         if self.share.rank == 0:
             self._save(row)
         peak = f"  peak {format_bytes(row['peak_bytes'])}" if "peak_bytes" in row else ""
@@ -378,6 +403,36 @@ class Trainer:
         return {**figures, "peak_bytes": max(ranks), "rank_peak_bytes": ranks,
                 "batch_sizes": list(self.share.batch_sizes)}
 
+    def gentler(self) -> str:
+        """What to do after a divergence or a NaN: go on from the last checkpoint (or start again) with a tenth
+        of the learning rate."""
+        run_dir, lr = self.plan.run_dir, self.config.lr / 10
+        saved = next((run_dir / name for name in checkpoint.CHECKPOINTS if (run_dir / name).is_file()), None)
+        if saved is not None:
+            return (f"the last good checkpoint is {saved}; go on from it with a lower learning "
+                    f"rate: `vramcal train --resume --run-dir {run_dir} --lr {lr:.3g}` (or a lower --max-grad-norm)")
+        return (f"no checkpoint was saved; start again with a lower learning rate (--lr {lr:.3g}) or "
+                f"--max-grad-norm (the same --run-dir {run_dir} can be used)")
+
+    def _check_divergence(self, why: str | None, step: int) -> None:
+        """Record the divergence ``why`` describes (None: none) and stop (module docstring): nothing more is
+        saved, so the last checkpoint is the one before it."""
+        if why is None:
+            return
+        self._record_stop({"kind": "diverged", "epoch": self.progress.epoch + 1, "step": step, "reason": why})
+        raise DivergedError(f"the run diverged at step {step}: {why}; stopped, nothing saved after it; "
+                            f"{self.gentler()}")
+
+    def _record_stop(self, event: dict[str, Any]) -> None:
+        """Add the event that stops the run to the metrics (rank 0 writes them; a failed write is left: the
+        stop is what matters, and its message says why)."""
+        self.progress.rows.append(event)
+        try:
+            if self.share.rank == 0:
+                checkpoint.write_metrics(self.plan.run_dir, self.progress.rows)
+        except OSError:
+            pass
+
     def _stop_non_finite(self, loss: float, grad_norm: float, val_loss: float | None = None,
                          weights: list[str] | None = None) -> None:
         """Record the event and raise. During a step: ``loss``, ``grad_norm``; after an epoch's evaluation:
@@ -393,17 +448,24 @@ class Trainer:
         else:
             what = "loss" if not math.isfinite(loss) else "gradient norm"
             detail = f"loss {loss}, gradient norm {grad_norm}"
-        self.progress.rows.append(event)
-        kept = checkpoint.last_good(self.plan.run_dir)
-        try:
-            if self.share.rank == 0:
-                checkpoint.write_metrics(self.plan.run_dir, self.progress.rows)
-        except OSError:
-            pass  # the stop is what matters; the event is in the message
-        raise NonFiniteError(f"non-finite {what} at step {step} ({detail}): stopped; {kept}. "
-                             f"Try a lower --lr or --max-grad-norm")
+            self._save_finite()
+        self._record_stop(event)
+        raise NonFiniteError(f"non-finite {what} at step {step} ({detail}): stopped; {self.gentler()}")
 
     # ----------------------------------------------------------------------------- checkpoints
+
+    def _save_finite(self) -> None:
+        """After a non-finite step (skipped: the weights and the optimizer's state are the step before's),
+        save that state as the last checkpoint, unless the last save holds it already; a full disk leaves the
+        checkpoints there are."""
+        if self.share.rank != 0 or self.progress.step == self._saved_step:
+            return
+        if checkpoint.non_finite_tensors(self.step.model.state_dict()):
+            return
+        try:
+            self._save(None)
+        except TrainError as error:
+            self.echo(f"warning: the last finite state could not be saved ({error})")
 
     def _save_due(self) -> bool:
         c = self.config
@@ -427,7 +489,41 @@ class Trainer:
             raise TrainError(f"cannot write {error.filename or plan.run_dir} ({error.strerror or error}): stopped "
                              f"at step {progress.step}, unsaved; {checkpoint.last_good(plan.run_dir)} once there "
                              f"is space") from None
-        self._last_save = time.monotonic()
+        self._last_save, self._saved_step = time.monotonic(), progress.step
+
+
+def diverged_loss(losses: list[float], baselines: list[float]) -> str | None:
+    """Why the last :data:`DIVERGENCE_STEPS` steps' training loss says the run diverged (None: it does not):
+    its mean above :data:`DIVERGED_RATIO` times their batches' mean zero-return loss."""
+    if len(losses) < DIVERGENCE_STEPS:
+        return None
+    loss, baseline = (statistics.fmean(v[-DIVERGENCE_STEPS:]) for v in (losses, baselines))
+    if loss <= DIVERGED_RATIO * baseline:
+        return None
+    return (f"the training loss over the last {DIVERGENCE_STEPS} steps, {loss:.4g}, is {loss / baseline:.3g} times "
+            f"the zero-return loss of the same batches ({baseline:.4g})")
+
+
+def diverged_validation(val_loss: float, zero_loss: float) -> str | None:
+    """Why the validation loss says the run diverged: above :data:`DIVERGED_RATIO` times the zero-return
+    baseline's (None: it does not)."""
+    if val_loss <= DIVERGED_RATIO * zero_loss:
+        return None
+    return (f"the validation loss {val_loss:.4g} is {val_loss / zero_loss:.3g} times the zero-return baseline's "
+            f"{zero_loss:.4g}")
+
+
+def rising(losses: list[float]) -> str | None:
+    """Why an epoch's step losses say the run diverged: each quarter's mean above the one before and the
+    last :data:`RISE_RATIO` times the first (None: not so, or fewer than 8 steps)."""
+    if len(losses) < 8:
+        return None
+    n = len(losses)
+    quarters = [statistics.fmean(losses[i * n // 4:(i + 1) * n // 4]) for i in range(4)]
+    if not all(b > a for a, b in zip(quarters, quarters[1:])) or quarters[3] < RISE_RATIO * quarters[0]:
+        return None
+    return (f"the training loss rose through the whole epoch, quarter by quarter from {quarters[0]:.4g} to "
+            f"{quarters[3]:.4g}")
 
 
 def _first_line(error: BaseException) -> str:

@@ -231,7 +231,8 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
 
 
 def plan_resume(run_dir: Path, overrides: dict[str, Any]) -> Plan:
-    """The continuation of the run in ``run_dir``: its saved plan with ``epochs``/``max_steps`` replaced.
+    """The continuation of the run in ``run_dir``: its saved plan with the settings of
+    :data:`~vramcal.train.config.RESUME_OVERRIDES` in ``overrides`` replaced.
 
     The worker checks the data against the checkpoint and says when there is nothing left to train.
 
@@ -248,6 +249,8 @@ def plan_resume(run_dir: Path, overrides: dict[str, Any]) -> Plan:
         raise checkpoint.RunDirError(f"{run_dir / checkpoint.RUN} is not a readable run record ({error}): start "
                                      f"a new run") from None
     config = load_config(run_dir / checkpoint.CONFIG).replace(**overrides)
+    if "lr" in overrides:  # scaled to the run's batch as at its start
+        plan = replace(plan, lr=scaled_lr(config.lr, plan.batch_size, config.reference_batch_size, config.lr_scaling))
     windows = load_windows(config)
     device = api.select_devices(config.gpu)[0][0]
     notices = []

@@ -21,15 +21,15 @@ from vramcal import __version__
 from vramcal.profile import Observation, ProfileError, append_observation, utc_now
 from vramcal.sizing import Sizing, verdict
 from vramcal.train import checkpoint
-from vramcal.train.errors import Stopped, TrainError
+from vramcal.train.errors import DivergedError, NonFiniteError, Stopped, TrainError
 from vramcal.train.plan import Plan
 from vramcal.units import format_bytes
 
 Echo = Callable[[str], None]
 TRAIN_WORKER = "vramcal.train.worker:train_in_worker"  # by name: the caller does not import torch
 # Errors raised in the worker whose message is already one line for people.
-_USER_ERRORS = {"DataError", "RunDirError", "TrainError", "NonFiniteError", "WorkloadError", "ValueError",
-                "MeterError", "ConfigError"}
+_USER_ERRORS = {"DataError", "RunDirError", "TrainError", "NonFiniteError", "DivergedError", "WorkloadError",
+                "ValueError", "MeterError", "ConfigError"}
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,11 @@ def compare(sizing: Sizing, peak_bytes: int, process: bool = False) -> tuple[str
         ``peak 2.70 GiB: predicted 2.60 GiB (+3.8 %), upper bound 2.75 GiB, usable 3.10 GiB`` and a warning
         for a peak above the upper bound or above usable memory.
     """
-    error = (peak_bytes - sizing.predicted_peak_bytes) / sizing.predicted_peak_bytes
+    predicted = sizing.predicted_peak_bytes  # not positive: a line fitted near the limit, far below its range
+    error = f"{(peak_bytes - predicted) / predicted:+.1%}" if predicted > 0 else "no relative error"
     term = (f", process term {sizing.process_delta_bytes / 2**20:+.1f} MiB" if process else "")
     line = (f"peak {format_bytes(peak_bytes)} at batch_size {sizing.batch_size}: predicted "
-            f"{format_bytes(sizing.predicted_peak_bytes)} ({error:+.1%}{term}), upper bound "
+            f"{format_bytes(predicted)} ({error}{term}), upper bound "
             f"{format_bytes(sizing.upper_bytes)}, usable {format_bytes(sizing.usable_bytes)}")
     found = verdict(peak_bytes, sizing.upper_bytes, sizing.usable_bytes, sizing.batch_size, sizing.fitted_from)
     cause = ("beyond what this process held when training started: its steps hold more than the trials' (its "
@@ -88,6 +89,13 @@ def train(plan: Plan, echo: Echo = print, on_epoch: Callable[[dict[str, Any]], A
         TrainError: the run failed; the message is one line naming the last good checkpoint.
         KeyboardInterrupt: interrupted (the worker is killed; checkpoints on disk stay).
     """
+    try:
+        return _run(plan, echo, on_epoch, workers)
+    finally:
+        checkpoint.release_run_dir(plan.run_dir)  # the folder claimed when it was prepared (checkpoint module)
+
+
+def _run(plan: Plan, echo: Echo, on_epoch: Callable[[dict[str, Any]], Any] | None, workers: Any) -> RunResult:
     from vramcal.api import worker_pool
 
     if not plan.resume and plan.rank == 0:  # absolute paths: --resume works from any directory
@@ -109,7 +117,8 @@ def train(plan: Plan, echo: Echo = print, on_epoch: Callable[[dict[str, Any]], A
     if outcome.status != "ok":
         if outcome.error_type == "Stopped":
             return RunResult({}, 0, None, None, stopped=True)
-        raise TrainError(_failure_line(plan, outcome))
+        unstable = {"NonFiniteError": NonFiniteError, "DivergedError": DivergedError}  # kept: tune prunes them
+        raise unstable.get(outcome.error_type, TrainError)(_failure_line(plan, outcome))
     result = outcome.result
     observation, peak = None, own_peak(plan, result)
     if peak:

@@ -15,8 +15,8 @@ clip norm (log). Each trial is a real ``vramcal train`` run (:func:`vramcal.trai
 steps in ``<run_dir>/trials/<number>`` (zero-padded: ``trials/0000``); its value is its lowest validation loss (what
 ``checkpoint-best.pt`` holds). After every epoch the validation loss goes to ``trial.report`` and a
 median pruner (``optuna.pruners.MedianPruner``) stops trials worse than the median of earlier ones at
-the same epoch. A non-finite loss (the learning rate was too high) ends a trial as pruned, so TPE
-still learns from it.
+the same epoch. A non-finite loss or a diverged run (the learning rate was too high) ends a trial as
+pruned, so TPE still learns from it.
 
 Each trial is a ``vramcal train`` run in a worker process of its own (:func:`vramcal.train.runner.train`),
 made like the probe's trials that sized it; after each epoch the worker asks this process, which calls
@@ -429,7 +429,7 @@ class Objective:
     def _train(self, trial) -> float:
         import optuna
 
-        from vramcal.train.errors import TrainError
+        from vramcal.train.errors import DivergedError, NonFiniteError, TrainError
         from vramcal.train.plan import plan_run
         from vramcal.train.runner import train
 
@@ -458,7 +458,7 @@ class Objective:
             result = train(plan, echo=echo, on_epoch=on_epoch)
         except TrainError as error:
             trial.set_user_attr("stopped", str(error))
-            if "non-finite" in str(error):  # the LR was too high: a result TPE should learn from
+            if isinstance(error, (NonFiniteError, DivergedError)):  # the LR was too high: TPE learns from it
                 raise optuna.TrialPruned(str(error)) from None
             raise
         if result.stopped:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
 COLUMNS = ("timestamp", "open", "high", "low", "close", "volume")
 TIMESTAMP_ALIASES = ("timestamp", "datetime", "date", "time", "ts")
 MLFINPY_TICKS = ("dataset", "data", "tick_data.csv")
+PARQUET_MAGIC = b"PAR1"
 
 
 class DataError(ValueError):
@@ -32,24 +33,25 @@ class DataError(ValueError):
 # ------------------------------------------------------------------------------------------- bars
 
 def load_bars(path: Path | str) -> pd.DataFrame:
-    """Read and check an OHLCV parquet file.
+    """Read and check an OHLCV parquet file (the bars' schema: :data:`COLUMNS`, :func:`check_bars`).
 
     Returns:
         A DataFrame with exactly :data:`COLUMNS`, a fresh RangeIndex, ``timestamp`` as datetime64 and
         the rest float64, strictly increasing in time.
 
     Raises:
-        DataError: the file is missing, empty, not parquet, lacks a column, has NaN/infinite/non-positive
-            prices, negative volume, inconsistent bars, or unsorted or duplicate timestamps.
+        DataError: the file is missing, a folder, no regular file, unreadable, empty, not parquet, lacks a
+            column or names one twice, has a column that is not numbers (true/false, text) or not date-times,
+            NaN/infinite/non-positive prices, negative volume, inconsistent bars, or unsorted or duplicate
+            timestamps.
     """
-
     import pandas as pd
 
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such file (build the E-mini sample with `vramcal data es-sample`)")
-    if path.stat().st_size == 0:
-        raise DataError(f"{path}: the file is empty")
+    head = check_file(path, "bars", "build the E-mini sample with `vramcal data es-sample`")
+    if head[:4] != PARQUET_MAGIC:
+        raise DataError(f"{path}: not a readable parquet file (it does not start with parquet's PAR1 bytes: it "
+                        f"starts with {head[:12]!r}): write the bars with pandas' to_parquet")
     try:
         frame = pd.read_parquet(path)
     except Exception as error:  # noqa: BLE001 - pyarrow raises many types for a bad file
@@ -58,13 +60,38 @@ def load_bars(path: Path | str) -> pd.DataFrame:
     return check_bars(_normalise_columns(frame, path), path)
 
 
+def check_file(path: Path, what: str, make: str) -> bytes:
+    """The first bytes of ``path`` once it is a readable, non-empty regular file (``what`` names it, ``make``
+    says how to get one).
+
+    Raises:
+        DataError: no such file, a folder, no regular file (a device such as /dev/null, a pipe, a socket), a
+            file that cannot be read, or an empty one (pseudo-files such as /proc/self/status report a size
+            of 0 and still hold text, so the bytes decide, not the size).
+    """
+    if not path.exists():
+        raise DataError(f"{path}: no such file ({make})")
+    if path.is_dir():
+        raise DataError(f"{path}: is a folder, not a file of {what}: name the file")
+    if not path.is_file():
+        raise DataError(f"{path}: not a regular file (a device, pipe or socket), so no {what}: name a file of {what}")
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(64)
+    except OSError as error:
+        raise DataError(f"{path}: cannot be read ({error.strerror or error}): check its permissions") from None
+    if not head:
+        raise DataError(f"{path}: the file is empty, so no {what} ({make})")
+    return head
+
+
 def _normalise_columns(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
     import pandas as pd
 
-    lower = {str(c).strip().lower(): c for c in frame.columns}
-    if not any(a in lower for a in TIMESTAMP_ALIASES) and isinstance(frame.index, pd.DatetimeIndex):
+    if not any(str(c).strip().lower() in TIMESTAMP_ALIASES for c in frame.columns) \
+            and isinstance(frame.index, pd.DatetimeIndex):
         frame = frame.reset_index(names="timestamp")
-        lower = {str(c).strip().lower(): c for c in frame.columns}
+    lower = column_names(frame, path, COLUMNS[1:] + TIMESTAMP_ALIASES)
     renamed = {}
     stamp = next((lower[a] for a in TIMESTAMP_ALIASES if a in lower), None)
     if stamp is not None:
@@ -79,29 +106,30 @@ def _normalise_columns(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
     return pd.DataFrame(renamed).reset_index(drop=True)
 
 
+def column_names(frame: pd.DataFrame, path: Path | str, wanted: tuple[str, ...]) -> dict[str, object]:
+    """Lower-case name -> the frame's column, for the ``wanted`` names (any capitalisation, spaces around).
+
+    Raises:
+        DataError: a wanted name given by two columns (``close`` and ``Close``): which one holds the data is
+            unknowable.
+    """
+    lower: dict[str, object] = {}
+    for column in frame.columns:
+        key = str(column).strip().lower()
+        if key in wanted and key in lower:
+            raise DataError(f"{path}: columns {lower[key]!r} and {column!r} both name {key}: keep one of them")
+        lower[key] = column
+    return lower
+
+
 def check_bars(frame: pd.DataFrame, path: Path | str = "bars") -> pd.DataFrame:
     """Check normalised bars (see :func:`load_bars`) and convert dtypes. Raises: DataError."""
     import pandas as pd
 
     if len(frame) == 0:
         raise DataError(f"{path}: the file holds no rows")
-    stamps = _timestamps(frame["timestamp"], path)
-    values = {}
-    for name in COLUMNS[1:]:
-        raw = frame[name]
-        numbers = pd.to_numeric(raw, errors="coerce")
-        not_numeric = (numbers.isna() & raw.notna()).to_numpy()
-        if not_numeric.any():
-            row = int(np.argmax(not_numeric))
-            raise DataError(f"{path}: column {name} is not numeric: row {row} ({stamps.iloc[row]}) holds "
-                            f"{str(raw.iloc[row])[:40]!r}; write numbers only")
-        column = numbers.astype("float64").to_numpy()
-        bad = ~np.isfinite(column)
-        if bad.any():
-            row = int(np.argmax(bad))
-            raise DataError(f"{path}: column {name} has {int(bad.sum())} NaN or infinite value(s), first in "
-                            f"row {row} ({stamps.iloc[row]}); clean or drop those bars")
-        values[name] = column
+    stamps = timestamps(frame["timestamp"], path)
+    values = {name: numbers(frame[name], name, path, stamps) for name in COLUMNS[1:]}
     prices = np.stack([values[c] for c in ("open", "high", "low", "close")])
     if (prices <= 0).any():
         row = int(np.argmax((prices <= 0).any(axis=0)))
@@ -126,12 +154,45 @@ def check_bars(frame: pd.DataFrame, path: Path | str = "bars") -> pd.DataFrame:
     return pd.DataFrame({"timestamp": stamps.to_numpy(), **values})
 
 
-def _timestamps(column: pd.Series, path: Path | str) -> pd.Series:
-    """``column`` as naive datetime64: time-zone-aware stamps are converted to UTC and made naive.
+def numbers(raw: pd.Series, name: str, path: Path | str, stamps: pd.Series | None = None) -> np.ndarray:
+    """A column of numbers as float64: numeric columns and text that reads as numbers; every value finite.
+
+    Raises:
+        DataError: true/false values, a value that is no number (names its row, and its time when known), or
+            NaN and infinities (their count and the first row); the fix in each message.
+    """
+    import pandas as pd
+
+    def where(row: int) -> str:
+        return f"row {row}" + (f" ({stamps.iloc[row]})" if stamps is not None else "")
+
+    if pd.api.types.is_bool_dtype(raw) or (raw.dtype == object and raw.map(type).eq(bool).any()):
+        raise DataError(f"{path}: column {name} holds true/false values, not numbers; write numbers only")
+    try:
+        converted = pd.to_numeric(raw, errors="coerce")
+    except (TypeError, ValueError):  # cells pandas cannot even try (lists, dicts)
+        converted = pd.to_numeric(raw.map(lambda v: v if isinstance(v, (int, float, str)) else None), errors="coerce")
+    not_numeric = (converted.isna() & raw.notna()).to_numpy()
+    if not_numeric.any():
+        row = int(np.argmax(not_numeric))
+        raise DataError(f"{path}: column {name} is not numeric: {where(row)} holds {str(raw.iloc[row])[:40]!r}; "
+                        f"write numbers only")
+    column = converted.astype("float64").to_numpy()
+    bad = ~np.isfinite(column)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise DataError(f"{path}: column {name} has {int(bad.sum())} NaN or infinite value(s), first in "
+                        f"{where(row)}; clean or drop those rows")
+    return column
+
+
+def timestamps(column: pd.Series, path: Path | str, name: str = "timestamp") -> pd.Series:
+    """``column`` (named ``name`` in messages) as naive datetime64: time-zone-aware stamps, and text with UTC
+    offsets, are converted to UTC and made naive.
 
     Raises:
         DataError: numbers (epoch times, whose unit cannot be known: the message guesses it and shows
-            the conversion), text that is not a date-time (names the row), or a missing stamp.
+            the conversion), true/false, text that is not a date-time (names the row), or a missing stamp.
     """
     import pandas as pd
 
@@ -140,22 +201,38 @@ def _timestamps(column: pd.Series, path: Path | str) -> pd.Series:
         unit, words = next((u, w) for u, w, low in (("ns", "nanoseconds", 1e17), ("us", "microseconds", 1e14),
                                                       ("ms", "milliseconds", 1e11), ("s", "seconds", 0.0))
                            if magnitude >= low)
-        raise DataError(f"{path}: column timestamp holds numbers, not date-times (they look like epoch {words}): "
-                        f"convert them first, e.g. frame['timestamp'] = pandas.to_datetime(frame['timestamp'], "
+        raise DataError(f"{path}: column {name} holds numbers, not date-times (they look like epoch {words}): "
+                        f"convert them first, e.g. frame['{name}'] = pandas.to_datetime(frame['{name}'], "
                         f"unit='{unit}')")
-    if not (pd.api.types.is_datetime64_any_dtype(column)):
-        parsed = pd.to_datetime(column, errors="coerce", format="mixed")
-        unreadable = (parsed.isna() & column.notna()).to_numpy()
-        if unreadable.any():
-            row = int(np.argmax(unreadable))
-            raise DataError(f"{path}: column timestamp is not a date-time: row {row} holds "
-                            f"{str(column.iloc[row])[:40]!r} (write ISO 8601, e.g. 2024-01-02 09:30:00)")
-        column = parsed
+    if not pd.api.types.is_datetime64_any_dtype(column):
+        column = _parse_stamps(column, path, name)
     if isinstance(column.dtype, pd.DatetimeTZDtype):
         column = column.dt.tz_convert("UTC").dt.tz_localize(None)
     if column.isna().any():
-        raise DataError(f"{path}: timestamp is missing in row {int(np.argmax(column.isna().to_numpy()))}")
+        raise DataError(f"{path}: column {name}: the time is missing in row {int(np.argmax(column.isna().to_numpy()))}"
+                        f"; drop the rows without one")
     return column
+
+
+def _parse_stamps(column: pd.Series, path: Path | str, name: str) -> pd.Series:
+    """Text (or date objects) as datetime64: the whole column at once in one format where it has one (fast on
+    the half-million stamps of a tick file), else stamp by stamp, naming the first one that is no date-time."""
+    import pandas as pd
+
+    try:
+        if not pd.api.types.is_bool_dtype(column) and not column.map(type).eq(bool).any():
+            parsed = pd.to_datetime(column)
+            return parsed if pd.api.types.is_datetime64_any_dtype(parsed) else pd.to_datetime(column, utc=True)
+    except (ValueError, TypeError, OverflowError):
+        pass
+    parsed = pd.to_datetime(column.map(lambda v: None if isinstance(v, bool) else v), errors="coerce",
+                            format="mixed", utc=True)
+    unreadable = (parsed.isna() & column.notna()).to_numpy()
+    if unreadable.any():
+        row = int(np.argmax(unreadable))
+        raise DataError(f"{path}: column {name} is not a date-time: row {row} holds {str(column.iloc[row])[:40]!r} "
+                        f"(write ISO 8601, e.g. 2024-01-02 09:30:00)")
+    return parsed
 
 
 def synthetic_bars(n_bars: int = 34_171, seed: int = 0) -> pd.DataFrame:
@@ -198,12 +275,50 @@ def mlfinpy_tick_path() -> Path:
                     f"pip install --no-deps --force-reinstall mlfinpy==0.1.2")
 
 
-def ticks_to_bars(ticks: pd.DataFrame, bar: str) -> pd.DataFrame:
+TICK_STAMPS = ("datetime", "timestamp")  # the tick file's time column, any capitalisation
+
+
+def check_ticks(ticks: pd.DataFrame, path: Path | str = "ticks") -> pd.DataFrame:
+    """The tick file's schema: a time column (``DateTime`` or ``timestamp``, date-times as :func:`timestamps`
+    reads them), ``Price`` (finite numbers > 0) and ``Volume`` (finite numbers >= 0), any capitalisation.
+
+    Returns:
+        A DataFrame ``timestamp, price, volume``: naive datetime64 and float64, sorted by time (stable).
+
+    Raises:
+        DataError: a missing or doubled column, no trades, or a bad value (names the file, the column and
+            the row, and the fix).
+    """
+    import pandas as pd
+
+    lower = column_names(ticks, path, TICK_STAMPS + ("price", "volume"))
+    stamp = next((lower[a] for a in TICK_STAMPS if a in lower), None)
+    if stamp is None or "price" not in lower or "volume" not in lower:
+        raise DataError(f"{path}: ticks need DateTime, Price and Volume columns, found "
+                        f"{', '.join(map(str, ticks.columns)) or 'none'}")
+    if len(ticks) == 0:
+        raise DataError(f"{path}: the file holds no trades (a header only): give a tick file with trades")
+    stamps = timestamps(ticks[stamp].reset_index(drop=True), path, str(stamp))
+    price = numbers(ticks[lower["price"]].reset_index(drop=True), str(lower["price"]), path, stamps)
+    volume = numbers(ticks[lower["volume"]].reset_index(drop=True), str(lower["volume"]), path, stamps)
+    for name, values, bad, need in ((lower["price"], price, price <= 0, "> 0"), (lower["volume"], volume, volume < 0,
+                                                                              ">= 0")):
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise DataError(f"{path}: column {name} holds {values[row]:g} in row {row} ({stamps.iloc[row]}): it must "
+                            f"be {need}; clean or drop that trade")
+    frame = pd.DataFrame({"timestamp": stamps.to_numpy(), "price": price, "volume": volume})
+    return frame.sort_values("timestamp", kind="stable").reset_index(drop=True)
+
+
+def ticks_to_bars(ticks: pd.DataFrame, bar: str, path: Path | str = "ticks") -> pd.DataFrame:
     """Time bars from trades.
 
     Args:
-        ticks: columns ``DateTime`` (or ``timestamp``), ``Price``, ``Volume`` (any capitalisation).
+        ticks: columns ``DateTime`` (or ``timestamp``), ``Price``, ``Volume`` (any capitalisation), checked by
+            :func:`check_ticks`.
         bar: a pandas offset such as ``1s``, ``5s``, ``1min``.
+        path: where the ticks came from, for messages.
 
     Returns:
         Bars with :data:`COLUMNS`: open/high/low/close of the trade prices in each interval (pandas
@@ -211,24 +326,20 @@ def ticks_to_bars(ticks: pd.DataFrame, bar: str) -> pd.DataFrame:
         trades are dropped, not forward-filled.
 
     Raises:
-        DataError: missing columns or a bar string pandas cannot read.
+        DataError: bad ticks (:func:`check_ticks`) or a bar string pandas cannot read.
     """
     import pandas as pd
 
-    lower = {str(c).lower(): c for c in ticks.columns}
-    stamp = lower.get("datetime") or lower.get("timestamp")
-    if stamp is None or "price" not in lower or "volume" not in lower:
-        raise DataError(f"ticks need DateTime, Price and Volume columns, found {', '.join(map(str, ticks.columns))}")
     try:
         offset = pd.tseries.frequencies.to_offset(bar)
     except ValueError:
         raise DataError(f"--bar {bar!r} is not a pandas time offset: use e.g. 1s, 5s, 1min") from None
     if offset.n <= 0:
         raise DataError(f"--bar {bar!r} is not a positive length of time: use e.g. 1s, 5s, 1min")
-    series = ticks.set_index(pd.to_datetime(ticks[stamp])).sort_index()
+    series = check_ticks(ticks, path).set_index("timestamp")
     resampled = series.resample(offset)
-    bars = resampled[lower["price"]].ohlc()
-    bars["volume"] = resampled[lower["volume"]].sum().astype("float64")
+    bars = resampled["price"].ohlc()
+    bars["volume"] = resampled["volume"].sum().astype("float64")
     bars = bars.dropna(subset=["open"])
     return bars.reset_index(names="timestamp")[list(COLUMNS)]
 
@@ -263,10 +374,12 @@ def es_sample(bar: str, out: Path | str, ticks_csv: Path | str | None = None) ->
     import pandas as pd
 
     source = Path(ticks_csv) if ticks_csv else mlfinpy_tick_path()
+    check_file(source, "ticks", "give --ticks a tick CSV (DateTime, Price, Volume)")
     try:
         ticks = pd.read_csv(source)
-    except (OSError, ValueError) as error:
-        raise DataError(f"cannot read ticks from {source}: {str(error).splitlines()[0][:160]}") from None
-    bars = check_bars(ticks_to_bars(ticks, bar), source)
+    except (OSError, ValueError) as error:  # pandas' EmptyDataError and ParserError are ValueErrors
+        raise DataError(f"{source}: cannot read ticks ({' '.join(str(error).split())[:160]}): give a CSV with "
+                        f"DateTime, Price and Volume columns") from None
+    bars = check_bars(ticks_to_bars(ticks, bar, source), source)
     write_parquet(bars, out)
     return bars

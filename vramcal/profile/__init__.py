@@ -8,9 +8,10 @@ timestamp), and the **observations** of training runs that used it: each run's m
 the prediction, so the file accumulates evidence of how well it predicts real training.
 
 Files are written atomically (:mod:`vramcal.files`), so a killed run leaves the previous profile
-intact. Reading checks every value — types, finiteness, and that the limits agree with the file's own
-fit, usable memory and verification trials — and names the first bad field in one line, so a corrupt or
-hand-edited file is refused before anything is sized with it (:func:`check_profile`).
+intact. Reading goes through one checked schema: every field typed and ranged (:meth:`Profile.from_dict`,
+the records' own ``from_dict``, :mod:`vramcal.schema`), then related to the others by the rules the writer
+follows (:mod:`vramcal.profile.checks`); the first bad field is named in one line, so a corrupt or
+hand-edited file is refused before anything is sized with it, and whatever a calibration writes reads back.
 """
 
 from __future__ import annotations
@@ -21,22 +22,31 @@ import fcntl
 import hashlib
 import json
 import math
-import re
-import types
-import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vramcal.calibration.creep import Creep, measure_creep, steady_equivalent
+from vramcal.calibration.creep import Creep, measure_creep
 from vramcal.calibration.fit import Fit
-from vramcal.calibration.limits import Limits, LimitSettings, safe_batch_size
+from vramcal.calibration.limits import Limits, LimitSettings
 from vramcal.calibration.surface import Surface
 from vramcal.files import atomic_write_text
 from vramcal.models.registry import family_of
 from vramcal.records import Device, Trial, World
-from vramcal.units import format_bytes
-from vramcal.workload import ModelRef
+from vramcal.schema import (
+    AT_LEAST_ONE,
+    NON_NEGATIVE,
+    POSITIVE,
+    SchemaError,
+    kind,
+    plain,
+    read_list,
+    read_map,
+    read_number,
+    read_record,
+)
+from vramcal.workload import ModelRef, WorkloadError
 
 SCHEMA_VERSION = 2
 DEFAULT_PROFILES_DIR = Path("profiles")
@@ -56,6 +66,11 @@ class Verification:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "verification") -> Verification:
+        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
+        return read_record(cls, data, where, {"batch_size": AT_LEAST_ONE, "peak_bytes": POSITIVE})
 
 
 @dataclass(frozen=True)
@@ -97,11 +112,22 @@ class Observation:
 
     @property
     def error(self) -> float:
-        """(measured − predicted) / predicted."""
+        """(measured − predicted) / predicted; infinite when the prediction is not positive (a line fitted near
+        the limit, with a negative overhead, predicts nothing at small batches)."""
+        if self.predicted_peak_bytes <= 0:
+            return math.inf
         return (self.peak_bytes - self.predicted_peak_bytes) / self.predicted_peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "observations[0]") -> Observation:
+        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
+        return read_record(cls, data, where, {"batch_size": AT_LEAST_ONE, "data_bytes": NON_NEGATIVE,
+                                              "peak_bytes": POSITIVE, "usable_bytes": POSITIVE,
+                                              "steps": NON_NEGATIVE, "rank": NON_NEGATIVE,
+                                              "world_size": AT_LEAST_ONE})
 
 
 @dataclass(frozen=True)
@@ -184,6 +210,14 @@ class Profile:
         return int(statistics.median(held)) if held else None
 
     @property
+    def reference_trials(self) -> list[Trial]:
+        """The trials of the one-length fit, limits and verification: all of them, or for a calibration over
+        several lengths those at the reference length (the others are the surface's)."""
+        if self.surface is None:
+            return list(self.trials)
+        return [t for t in self.trials if t.seq_len in (None, self.surface.reference_seq_len)]
+
+    @property
     def pool_data_bytes(self) -> int:
         """Bytes of data the trials held in the measured memory (the data term of sizing)."""
         return int(self.data.get("pool_bytes", 0))
@@ -208,158 +242,88 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
-        """Raises: ProfileError for another schema version or a bad value (:func:`check_profile`);
-        KeyError/TypeError for missing or unknown fields."""
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise ProfileError(f"schema version {data.get('schema_version')!r} is not {SCHEMA_VERSION} (made by "
-                               f"another vramcal, whose trials measured a different program)")
-        profile = cls(
-            device=Device.from_dict(data["device"]), model=ModelRef.from_dict(data["model"]),
-            implementation=data["implementation"], kernel_path=data["kernel_path"],
-            settings=LimitSettings(**data["settings"]),
-            trials=tuple(Trial.from_dict(t) for t in data["trials"]),
-            fit=Fit.from_dict(data["fit"]) if data["fit"] else None,
-            limits=Limits.from_dict(data["limits"]) if data["limits"] else None,
-            verification={k: Verification(**v) for k, v in data["verification"].items()},
-            data=data["data"], model_info=data["model_info"], environment=data["environment"],
-            observations=tuple(Observation(**o) for o in data["observations"]),
-            surface=Surface.from_dict(data["surface"]) if data.get("surface") else None,
-            world=World.from_dict(data["world"]) if data.get("world") else None,
-            single_process=data.get("single_process"),
-            warnings=tuple(data["warnings"]), software=data["software"], run=data["run"],
-            created_utc=data["created_utc"], vramcal_version=data["vramcal_version"],
-            schema_version=data["schema_version"])
+        """The profile a file's JSON object holds: every field typed and ranged (:mod:`vramcal.schema`), then
+        related to the others (:func:`vramcal.profile.checks.check_profile`).
+
+        Raises:
+            ProfileError: not a vramcal profile, another schema version, or the first bad field and why (one
+                line naming the field; :func:`load_profile` adds the file and the fix).
+        """
+        _check_identity(data)
+        missing = [key for key in FIELDS if key not in data and key not in OPTIONAL]
+        if missing:
+            raise ProfileError(f"{missing[0]} is missing")
+        try:
+            profile = read_record(cls, {k: v for k, v in data.items() if k not in DERIVED}, "", readers=_READERS)
+        except SchemaError as error:
+            raise ProfileError(str(error)) from None
         check_profile(profile)
+        check_derived(profile, {k: data[k] for k in DERIVED if k in data})
         return profile
 
 
-# ------------------------------------------------------------------------------------------- checks
+# The keys :meth:`Profile.to_dict` writes: the fields, and three derived from them (checked against them where a
+# file has them: ``creep`` came with the step creep, so earlier files of the schema lack it).
+FIELDS = tuple(f.name for f in dataclasses.fields(Profile))
+# Came later than the schema: the calibration over several lengths (surface), DDP (world, single_process).
+OPTIONAL = ("surface", "world", "single_process")
+DERIVED = ("model_key", "verified", "creep")
 
-def check_profile(profile: Profile) -> None:
-    """Refuse a profile whose values cannot be trusted, naming the field (a corrupt or hand-edited file).
 
-    Checks the types of every record; that every number is finite; that sizes are positive; and that
-    the limits agree with the file's own evidence: usable memory with the settings and total, the safe
-    size with what the fit's upper bound allows and below any failed batch size, conservative ≤ safe,
-    and each verification with a recorded trial at that size.
+def _check_identity(data: dict[str, Any]) -> None:
+    """Raises: ProfileError: no profile at all, or one of another schema version."""
+    if not isinstance(data, dict):
+        raise ProfileError(f"its top level is {kind(data)}, not a JSON object: it is not a vramcal profile")
+    version = data.get("schema_version")
+    if "schema_version" not in data and not {"device", "trials", "fit", "limits"} & set(data):
+        raise ProfileError("it is not a vramcal profile (it has no schema_version, device or trials): name a file "
+                           "that `vramcal probe` wrote")
+    if version != SCHEMA_VERSION or isinstance(version, bool):
+        raise ProfileError(f"schema_version {version!r} is not {SCHEMA_VERSION} (made by another vramcal, whose "
+                           f"trials measured a different program)")
+
+
+def _nullable(read: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
+    return lambda value, path: None if value is None else read(value, path)
+
+
+def _read_model(value: Any, path: str) -> ModelRef:
+    """Raises: SchemaError: not ``{"factory": "module:function", "params": {...}}``."""
+    if not isinstance(value, dict) or set(value) != {"factory", "params"}:
+        raise SchemaError(path, f"{path} is not an object of factory and params")
+    if not isinstance(value["factory"], str) or not isinstance(value["params"], dict):
+        raise SchemaError(path, f"{path}.factory must be a string and {path}.params an object")
+    try:
+        return ModelRef.make(value["factory"], plain(value["params"], f"{path}.params"))
+    except WorkloadError as error:
+        raise SchemaError(path, f"{path}: {error}") from None
+
+
+def _read_data(value: Any, path: str) -> dict[str, Any]:
+    """The data the trials held: an object whose byte counts are whole numbers >= 0 and ``on_device`` a bool.
 
     Raises:
-        ProfileError: the first bad field and why.
+        SchemaError: a bad value, named.
     """
-    surface = profile.surface
-    for record in (profile, profile.device, profile.settings, profile.fit, profile.limits, profile.world,
-                   *profile.trials, *profile.verification.values(), *profile.observations, surface,
-                   surface and surface.fit, *(surface.lengths if surface else ())):
-        if record is not None:
-            _check_fields(record)
-    if profile.device.total_bytes <= 0:
-        raise ProfileError(f"device.total_bytes = {profile.device.total_bytes} is not positive")
-    if profile.fit is not None:
-        _check_fit(profile.fit)
-    if profile.limits is not None:
-        _check_limits(profile)
-    if surface is not None:
-        _check_surface(profile, surface)
+    data = plain(value, path) if isinstance(value, dict) else None
+    if data is None:
+        raise SchemaError(path, f"{path} is {kind(value)}, not an object")
+    for key in ("pool_bytes", "data_bytes"):
+        if key in data:
+            read_number(data[key], f"{path}.{key}", int, NON_NEGATIVE)
+    if not isinstance(data.get("on_device", False), bool):
+        raise SchemaError(f"{path}.on_device", f"{path}.on_device = {data['on_device']!r} is not true or false")
+    return data
 
 
-def _check_fields(record: Any) -> None:
-    """Types against the annotations, and every float finite."""
-    hints = typing.get_type_hints(type(record))
-    name = type(record).__name__
-    for item in dataclasses.fields(record):
-        value = getattr(record, item.name)
-        if not _has_type(value, hints[item.name]):
-            raise ProfileError(f"{name}.{item.name} = {value!r} is not {_hint_text(hints[item.name])}")
-        values = value if isinstance(value, tuple) else (value,)
-        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
-            raise ProfileError(f"{name}.{item.name} = {value!r} is not a finite number")
-
-
-def _check_fit(fit: Fit) -> None:
-    if fit.n_points != len(fit.batch_sizes) or len(fit.batch_sizes) != len(fit.peak_bytes):
-        raise ProfileError(f"fit.n_points = {fit.n_points} does not match its {len(fit.batch_sizes)} points")
-    if not 0 <= fit.r_squared <= 1:
-        raise ProfileError(f"fit.r_squared = {fit.r_squared} is outside [0, 1]")
-    if fit.residual_stderr_bytes < 0 or fit.batch_sxx <= 0:
-        raise ProfileError("fit.residual_stderr_bytes or fit.batch_sxx is negative or zero")
-
-
-def _check_limits(profile: Profile) -> None:
-    limits, fit, settings = profile.limits, profile.fit, profile.settings
-    assert limits is not None
-    if fit is None:
-        raise ProfileError("limits are given without a fit")
-    if limits.total_bytes != profile.device.total_bytes:
-        raise ProfileError(f"limits.total_bytes = {limits.total_bytes} is not device.total_bytes "
-                           f"{profile.device.total_bytes}")
-    if limits.usable_bytes != settings.usable_bytes(limits.total_bytes):
-        raise ProfileError(f"limits.usable_bytes = {limits.usable_bytes} does not follow from the total and the "
-                           f"settings ({settings.usable_bytes(limits.total_bytes)})")
-    if not 0 <= limits.conservative_batch_size <= limits.safe_batch_size:
-        raise ProfileError(f"limits.conservative_batch_size = {limits.conservative_batch_size} is not within "
-                           f"[0, safe_batch_size {limits.safe_batch_size}]")
-    allowed = safe_batch_size(fit, limits.usable_bytes)
-    trials = steady_equivalent(profile.trials)  # what the fit and the verifications were computed from
-    evidence = [t for t in trials if t.batch_size == limits.safe_batch_size]
-    verified = bool(evidence) and all(t.fits(limits.usable_bytes) for t in evidence)
-    if limits.safe_batch_size > allowed and not verified:  # the search never reports less than what fitted
-        raise ProfileError(f"limits.safe_batch_size = {limits.safe_batch_size} is above what the file's own fit "
-                           f"allows in {format_bytes(limits.usable_bytes)} ({allowed}) and no trial there fitted")
-    if limits.failed_batch_size is not None and limits.safe_batch_size >= limits.failed_batch_size:
-        raise ProfileError(f"limits.safe_batch_size = {limits.safe_batch_size} is not below the failed batch size "
-                           f"{limits.failed_batch_size}")
-    sizes = {"safe": limits.safe_batch_size, "conservative": limits.conservative_batch_size}
-    for name, check in profile.verification.items():
-        if name not in sizes or check.batch_size != sizes[name]:
-            raise ProfileError(f"verification.{name}.batch_size = {check.batch_size} is not the {name} batch size "
-                               f"{sizes.get(name)}")
-        if not any(t.batch_size == check.batch_size and t.peak_bytes == check.peak_bytes for t in trials):
-            raise ProfileError(f"verification.{name}: no recorded trial at batch_size {check.batch_size} with "
-                               f"peak_bytes {check.peak_bytes}")
-        if check.passed != (check.peak_bytes is not None and check.peak_bytes <= limits.usable_bytes):
-            raise ProfileError(f"verification.{name}.passed = {check.passed} contradicts its peak "
-                               f"{check.peak_bytes} against usable {limits.usable_bytes}")
-
-
-def _check_surface(profile: Profile, surface: Surface) -> None:
-    """Each calibrated length's limits against the trials recorded at that length."""
-    usable = profile.settings.usable_bytes(profile.device.total_bytes)
-    for entry in surface.lengths:
-        if not 0 <= entry.conservative_batch_size <= entry.safe_batch_size:
-            raise ProfileError(f"surface seq_len {entry.seq_len}: conservative_batch_size "
-                               f"{entry.conservative_batch_size} is not within [0, safe {entry.safe_batch_size}]")
-        for name, size, peak in (("safe", entry.safe_batch_size, entry.safe_peak_bytes),
-                                 ("conservative", entry.conservative_batch_size, entry.conservative_peak_bytes)):
-            if peak is None:
-                continue
-            trials = [t for t in steady_equivalent(profile.trials)
-                      if t.seq_len == entry.seq_len and t.batch_size == size]
-            if not trials or not all(t.fits(usable) for t in trials) or peak not in [t.peak_bytes for t in trials]:
-                raise ProfileError(f"surface seq_len {entry.seq_len}: the {name} batch size {size} has no fitting "
-                                   f"trial with peak_bytes {peak}")
-
-
-def _has_type(value: Any, hint: Any) -> bool:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return True
-    if origin in (typing.Union, types.UnionType):
-        return any(_has_type(value, arg) for arg in args)
-    if origin is typing.Literal:
-        return value in args
-    if origin is tuple:
-        return isinstance(value, tuple) and all(_has_type(v, args[0]) for v in value)
-    if origin is dict:
-        return isinstance(value, dict)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
-
-
-def _hint_text(hint: Any) -> str:
-    return re.sub(r"\b(typing|vramcal\.[\w.]+)\.", "", str(hint)).replace("<class '", "").replace("'>", "")
+_READERS = {
+    "device": Device.from_dict, "model": _read_model, "settings": LimitSettings.from_dict,
+    "trials": lambda value, path: read_list(value, path, Trial.from_dict),
+    "fit": _nullable(Fit.from_dict), "limits": _nullable(Limits.from_dict),
+    "verification": lambda value, path: read_map(value, path, Verification.from_dict, ("safe", "conservative")),
+    "observations": lambda value, path: read_list(value, path, Observation.from_dict),
+    "surface": _nullable(Surface.from_dict), "data": _read_data, "world": _nullable(World.from_dict),
+}
 
 
 # ------------------------------------------------------------------------------------------- files
@@ -403,32 +367,49 @@ def save_profile(profile: Profile, path: Path | str) -> Path:
 
 
 def load_profile(path: Path | str) -> Profile:
-    """Read and check a profile file (:func:`check_profile`).
+    """Read and check a profile file (:meth:`Profile.from_dict`, :func:`check_profile`).
 
     Raises:
-        ProfileError: missing, unreadable, not JSON, another schema version, a missing field or a bad
-            value; the message names the file (and the field) and says how to get a good one.
+        ProfileError: missing, a folder or no regular file, unreadable, empty, not JSON, nested too deeply,
+            not a vramcal profile, another schema version, a missing field or a bad value; one line naming
+            the file (and the field) and how to get a good one.
     """
     path = Path(path)
+    replace = "re-run `vramcal probe` to replace it"
     try:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict):
-            raise ProfileError(f"its top level is a JSON {type(data).__name__}, not an object")
-        return Profile.from_dict(data)
-    except FileNotFoundError:
-        raise ProfileError(f"profile {path} does not exist: run `vramcal probe` to make one") from None
-    except IsADirectoryError:
-        raise ProfileError(f"profile {path} is a folder: name a profile file (*.json)") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ProfileError(f"profile {path} cannot be read ({error})") from None
+        text = _read_text(path)
+        if not text.strip():
+            raise ProfileError(f"profile {path} is empty: it is no profile (a write was cut short?); {replace}")
+        return Profile.from_dict(json.loads(text))
     except json.JSONDecodeError as error:
         raise ProfileError(f"profile {path} is not valid JSON (line {error.lineno}): it is corrupt or "
-                           f"truncated; re-run `vramcal probe` to replace it") from None
+                           f"truncated; {replace}") from None
+    except RecursionError:
+        raise ProfileError(f"profile {path} is nested too deeply to be a profile: it is corrupt; {replace}") from None
     except ProfileError as error:
-        raise ProfileError(f"profile {path}: {error}; re-run `vramcal probe` to replace it") from None
-    except (KeyError, TypeError, ValueError, AttributeError) as error:
-        raise ProfileError(f"profile {path} is not a vramcal profile (bad or missing field: {error}); "
-                           f"re-run `vramcal probe` to replace it") from None
+        if str(error).startswith(f"profile {path} "):
+            raise
+        raise ProfileError(f"profile {path}: {error}; {replace}") from None
+
+
+def _read_text(path: Path) -> str:
+    """Raises: ProfileError: no such file, a folder, no regular file (a device or pipe), unreadable."""
+    if not path.exists():
+        raise ProfileError(f"profile {path} does not exist: run `vramcal probe` to make one, or name an existing "
+                           f"file")
+    if path.is_dir():
+        raise ProfileError(f"profile {path} is a folder: name a profile file (*.json)")
+    if not path.is_file():
+        raise ProfileError(f"profile {path} is not a regular file (a device, pipe or socket): name a profile file "
+                           f"(*.json)")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ProfileError(f"profile {path} is not UTF-8 text: it is no profile; name a profile file (*.json)") \
+            from None
+    except OSError as error:
+        raise ProfileError(f"profile {path} cannot be read ({error.strerror or error}): check its permissions") \
+            from None
 
 
 def newest_profile(profiles_dir: Path | str, device: Device, model: ModelRef, world: World | None = None,
@@ -507,3 +488,6 @@ def append_observation(path: Path | str, observation: Observation) -> Profile:
 
 def utc_now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+from vramcal.profile.checks import check_derived, check_profile  # noqa: E402 - the checks read the records above

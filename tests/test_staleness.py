@@ -1,0 +1,118 @@
+"""Stale profiles (issue 18, item 6): a profile made under another torch, or another allocator setting, says so
+wherever it is used (train, tune, show, limits, the API, the framework callbacks), and --strict-profile /
+VRAMCAL_STRICT_PROFILE=1 refuse it in one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+from click.testing import CliRunner
+from test_train import SPEC, SPEC_ARGS, make_profile
+from test_train_data import synthetic_bars
+
+from vramcal import api
+from vramcal.cli import main
+from vramcal.environment import software_versions, worker_setting
+from vramcal.measure.device import host_device
+from vramcal.profile import profile_path, save_profile
+from vramcal.staleness import STRICT_ENV, StaleProfileError, changes
+
+OLD_TORCH = "2.5.1"
+
+
+@pytest.fixture
+def stale(tmp_path, monkeypatch):
+    """A profile of the tiny spec for this host made under torch 2.5.1 and another GLIBC_TUNABLES; bars."""
+    monkeypatch.delenv(STRICT_ENV, raising=False)
+    synthetic_bars(400).to_parquet(tmp_path / "bars.parquet")
+    profile = make_profile(host_device())
+    profile = dataclasses.replace(profile, software={**software_versions(), "torch": OLD_TORCH},
+                                  environment={**profile.environment, "GLIBC_TUNABLES": "glibc.malloc.arena_max=8"})
+    path = save_profile(profile, profile_path(tmp_path / "profiles", profile.device, profile.model, "transformers"))
+    return {"tmp": tmp_path, "path": path, "profile": profile}
+
+
+def expected_changes() -> tuple[str, str]:
+    import torch
+
+    return (f"torch {OLD_TORCH} -> {torch.__version__}",
+            f"GLIBC_TUNABLES 'glibc.malloc.arena_max=8' -> '{worker_setting('GLIBC_TUNABLES')}'")
+
+
+def test_the_changes_that_move_memory_are_named():
+    profile = make_profile(host_device())
+    assert changes(dataclasses.replace(profile, software=software_versions())) == []
+    edited = dataclasses.replace(profile, software={**software_versions(), "torch": OLD_TORCH, "nvitop": "0.1"},
+                                 environment={**profile.environment, "GLIBC_TUNABLES": "glibc.malloc.arena_max=8"})
+    torch_change, malloc_change = expected_changes()
+    assert changes(edited) == [torch_change, malloc_change]  # nvitop does not move memory: not named
+
+
+def train_args(stale, run: str, *extra: str) -> list[str]:
+    return ["train", "--data", str(stale["tmp"] / "bars.parquet"), "--profiles-dir", str(stale["tmp"] / "profiles"),
+            "--gpu", "none", "--run-dir", str(stale["tmp"] / run), *SPEC_ARGS, "--max-steps", "1", *extra]
+
+
+def notice_in(output: str, path) -> str:
+    lines = [line for line in output.splitlines() if "was made with other software or settings" in line]
+    assert len(lines) == 1, output
+    assert str(path) in lines[0] and all(change in lines[0] for change in expected_changes()), lines[0]
+    assert "recalibrate with `vramcal probe --gpu none --impl transformers --d-model 32" in lines[0]
+    return lines[0]
+
+
+def refused(result, path) -> str:
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith(f"Error: {path} was made with other software or settings that can move memory (")
+    assert f"refused as strict (--strict-profile, strict=True or {STRICT_ENV}=1); recalibrate with `vramcal " \
+           f"probe --gpu none --impl transformers --d-model 32" in line
+    return line
+
+
+def test_show_and_limits_warn_and_refuse_when_strict(stale):
+    runner, path = CliRunner(), str(stale["path"])
+    for command in (["show", path], ["limits", path]):
+        result = runner.invoke(main, command)
+        assert result.exit_code == 0, result.output
+        assert notice_in(result.output, path).startswith("warning: ")
+    refused(runner.invoke(main, ["show", path, "--strict-profile"]), path)
+    refused(runner.invoke(main, ["limits", path, "--strict-profile"]), path)
+
+
+def test_train_warns_trains_and_refuses_when_strict(stale, monkeypatch):
+    runner = CliRunner()
+    result = runner.invoke(main, train_args(stale, "run"))
+    assert result.exit_code == 0, result.output
+    notice_in(result.output, stale["path"])
+    refused(runner.invoke(main, train_args(stale, "strict", "--strict-profile")), stale["path"])
+    assert not (stale["tmp"] / "strict").exists()
+    monkeypatch.setenv(STRICT_ENV, "1")
+    refused(runner.invoke(main, train_args(stale, "strict-env")), stale["path"])
+
+
+def test_tune_refuses_a_stale_profile_when_strict(stale):
+    result = CliRunner().invoke(main, ["tune", "--data", str(stale["tmp"] / "bars.parquet"), "--gpu", "none",
+                                       "--profiles-dir", str(stale["tmp"] / "profiles"), *SPEC_ARGS, "--run-dir",
+                                       str(stale["tmp"] / "tune"), "--trials", "1", "--strict-profile"])
+    refused(result, stale["path"])
+
+
+def test_the_api_and_the_callbacks_say_it_and_refuse_when_strict(stale, monkeypatch):
+    from vramcal.integrations.run import FrameworkRun
+
+    found = api.locate_profile(SPEC.ref("transformers"), device=host_device(),
+                               profiles_dir=stale["tmp"] / "profiles")
+    assert len(found.notices) == 1 and notice_in(found.notices[0], stale["path"])
+    with pytest.raises(StaleProfileError):
+        api.locate_profile(SPEC.ref("transformers"), device=host_device(), profiles_dir=stale["tmp"] / "profiles",
+                           strict=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FrameworkRun(stale["path"], device="cpu")
+    notice_in("\n".join(str(w.message) for w in caught), stale["path"])
+    monkeypatch.setenv(STRICT_ENV, "1")
+    with pytest.raises(StaleProfileError):
+        FrameworkRun(stale["path"], device="cpu")
