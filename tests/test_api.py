@@ -79,28 +79,29 @@ def test_find_profile_and_batch_size_read_it_back(calibrated):
 
 
 @pytest.mark.parametrize("factory, message", [
-    ("no_such_module_here:make", "cannot import no_such_module_here for --model no_such_module_here:make "
+    ("no_such_module_here:make", "cannot import no_such_module_here for {model}no_such_module_here:make "
                                  "(ModuleNotFoundError: No module named 'no_such_module_here'): check the name "
                                  "and that it is importable: installed, on PYTHONPATH, or (vramcal probe) in the "
                                  "current directory"),
-    ("user_models:nope", "user_models has no nope for --model user_models:nope: name a function that returns "
+    ("user_models:nope", "user_models has no nope for {model}user_models:nope: name a function that returns "
                          "a vramcal.TrainingStep"),
-    ("user_models:not_callable", "--model user_models:not_callable is not callable"),
-    ("user_models", "--model 'user_models' is neither regressor, lm nor module:function"),
+    ("user_models:not_callable", "{model}user_models:not_callable is not callable"),
+    ("user_models", "{model}'user_models' is neither regressor, lm nor module:function"),
 ])
 def test_a_factory_that_cannot_be_called_fails_before_any_trial_in_one_line(factory, message):
+    """The API names the argument (``model=``), the command line its flag (``--model``): vramcal.words."""
     with pytest.raises(vramcal.WorkloadError) as error:
         vramcal.calibrate(factory, **host())
-    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+    assert str(error.value).startswith(message.format(model="model=")) and "\n" not in str(error.value)
     result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1GiB", "--model", factory,
                                        "--no-report"])
-    assert result.exit_code == 1 and result.output.startswith(f"Error: {message}")
+    assert result.exit_code == 1 and result.output.startswith(f"Error: {message.format(model='--model ')}")
     assert len(result.output.strip().splitlines()) == 1, result.output
 
 
 @pytest.mark.parametrize("factory, message", [
     ("user_models:raises", "raised ValueError: width must be a multiple of 64: fix the step"),
-    ("user_models:wrong_type", "--model user_models:wrong_type returned MLP, not a vramcal.TrainingStep: "
+    ("user_models:wrong_type", "the factory user_models:wrong_type returned MLP, not a vramcal.TrainingStep: "
                                "return vramcal.TrainingStep(model=..., optimizer=..., batch=..., loss=...): fix"),
     ("user_models:loss_raises", "before any memory limit: RuntimeError: mat1 and mat2 shapes cannot be multiplied "
                                 "(8x16 and 32x16): fix the step"),

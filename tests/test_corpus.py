@@ -551,11 +551,12 @@ class FirstTrial:
 
 
 @pytest.mark.parametrize("status, error, said, unsaid", [
-    ("timeout", "killed after the 7 s time limit", ["timed out", "7 s time limit", "--timeout"], ["does not fit"]),
+    ("timeout", "killed after the 7 s time limit", ["timed out", "7 s time limit", "TrialSettings(timeout_s=)"],
+     ["does not fit"]),
     ("error", "IndexError: sampler has 0 items\n  File ...", ["failed in the first trial", "IndexError: sampler has "
                                                              "0 items", "fix the step"], ["does not fit", "File"]),
     ("oom", "CUDA out of memory. Tried to allocate 2.00 GiB", ["does not fit", "ran out of memory",
-                                                               "--capacity"], ["timed out"]),
+                                                               "capacity_bytes="], ["timed out"]),
 ])
 def test_the_first_trial_says_what_ended_it(status, error, said, unsaid):
     from vramcal.calibration.limits import LimitSettings

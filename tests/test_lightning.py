@@ -154,7 +154,7 @@ def test_clamps_a_request_on_the_datamodules_hparams_with_a_warning(tmp_path):
     data, module = Data(batch_size=3), Regressor(with_loader=False)
     del module.batch_size  # only the DataModule's hparams hold it
     callback = VramcalBatchSize(profile, request=10_000)
-    with pytest.warns(UserWarning, match=r"--batch-size 10000 is outside \[1, \d+\]"):
+    with pytest.warns(UserWarning, match=r"request=10000 is outside \[1, \d+\] \(batch_size_min=, "):
         fit(module, callback, tmp_path, datamodule=data)
     safe = profile.limits.safe_batch_size
     assert data.hparams.batch_size == safe and module.seen == {safe}

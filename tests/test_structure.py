@@ -26,7 +26,7 @@ PACKAGE = ROOT / "vramcal"
 # The layers, lowest first: a module's prefix decides its layer (the longest prefix that matches).
 LAYERS = (
     ("vramcal", "vramcal.units", "vramcal.files", "vramcal.records", "vramcal.oom", "vramcal.environment",
-     "vramcal.schema"),  # records and their checked reading
+     "vramcal.schema", "vramcal.words"),  # records and their checked reading
     ("vramcal.workload", "vramcal.calibration"),  # what a trial runs; the pure calibration core
     ("vramcal.models", "vramcal.measure"),  # the families; processes and hardware
     ("vramcal.profile",),  # the profile file
@@ -39,7 +39,7 @@ LAYERS = (
 )
 # tested with recorded or synthetic trials: no process, hardware or trainer code
 PURE = ("vramcal.calibration", "vramcal.records", "vramcal.schema", "vramcal.units", "vramcal.profile",
-        "vramcal.sizing", "vramcal.report", "vramcal.staleness")
+        "vramcal.sizing", "vramcal.report", "vramcal.staleness", "vramcal.words")
 PROCESS = ("vramcal.measure", "vramcal.train", "vramcal.calibrator", "vramcal.api", "vramcal.tune", "vramcal.cli")
 
 

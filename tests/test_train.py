@@ -385,6 +385,24 @@ def test_auto_uses_the_conservative_batch_size_and_scales_the_lr(setup):
     assert record["lr"] == pytest.approx(5e-5 * limits.conservative_batch_size / 4)
 
 
+def test_messages_name_settings_as_the_caller_gave_them():
+    """The API's callers read its argument names; the command line's read its flags, and the API's words come
+    back in the same process after a command ran (vramcal.words)."""
+    from vramcal import api, sizing
+
+    profile = make_profile(host_device())
+    safe = profile.limits.safe_batch_size
+    with pytest.raises(sizing.SizingError) as raised:
+        api.batch_size(profile, batch_size_min=safe + 1)
+    assert f"batch_size_min={safe + 1} is above the profile's safe batch size {safe}: lower batch_size_min=" \
+        in str(raised.value) and "--" not in str(raised.value)
+    assert sizing.size(profile, safe + 5).notices[0].startswith(f"request={safe + 5} is outside [1, {safe}]")
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--model", "lm", "--seq-len", "64", "--no-report"])
+    assert "--model lm needs --model-arg config=<Mamba2Config JSON file> and --seq-len" in result.output
+    with pytest.raises(ValueError, match=r"^model=lm needs params=config=<Mamba2Config JSON file> and seq_len="):
+        api.plan_calibration("lm", {"seq_len": 64}, device=host_device())
+
+
 def test_sizing_bounds_and_the_data_term():
     from vramcal import sizing
 

@@ -31,6 +31,7 @@ from vramcal.models.registry import family_of
 from vramcal.profile import Profile, Verification, utc_now
 from vramcal.records import Device, Trial, TrialSettings, World
 from vramcal.units import format_bytes
+from vramcal.words import word
 from vramcal.workload import ModelRef
 
 
@@ -166,14 +167,14 @@ def first_trial_failure(first: Trial, plan: CalibrationPlan) -> str:
         return (f"the first trial of {title} (batch_size {size}) timed out: it was killed after the "
                 f"{plan.trials.timeout_s:g} s time limit, before any memory figure (building the model and "
                 f"{plan.trials.warmup_steps + plan.trials.measured_steps} steps at batch_size {size} take longer, "
-                f"or the step hangs): give a larger --timeout (TrialSettings.timeout_s), or a smaller model")
+                f"or the step hangs): give a larger {word('timeout')}, or a smaller model")
     if not first.ok and first.status != "oom":
         return (f"the first trial of {title} (batch_size {size}) finished without a peak figure (the meter read "
                 f"nothing): run it again, and report it if it repeats")
     why = f"its peak was {format_bytes(first.peak_bytes)}" if first.ok else f"it ran out of memory: {header[0]}"
     return (f"batch_size {size} does not fit in the usable {format_bytes(plan.usable_bytes)} of "
-            f"{plan.device.name} ({why}); give a larger --capacity, a smaller --reserve or --margin, or a smaller "
-            f"model")
+            f"{plan.device.name} ({why}); give a larger {word('capacity')}, a smaller {word('reserve')} or "
+            f"{word('margin')}, or a smaller model")
 
 
 # -------------------------------------------------------------------------------------- the profile

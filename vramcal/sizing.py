@@ -35,6 +35,7 @@ from typing import Literal
 from vramcal.calibration.limits import Limits, safe_batch_size
 from vramcal.profile import Profile
 from vramcal.units import format_bytes
+from vramcal.words import given, word
 
 Limit = Literal["conservative", "safe"]  # which of the profile's limits a run takes
 
@@ -121,9 +122,9 @@ def length_model(profile: Profile, seq_len: int | None = None) -> LengthModel:
         raise SizingError("the profile has no usable limits (nothing fitted or nothing fits): re-run `vramcal probe`")
     own = profile.model.params.get("seq_len")
     if surface is None and seq_len is not None and own is not None and seq_len != own:
-        raise SizingError(f"the profile was calibrated at seq_len {own}, not {seq_len}: calibrate {seq_len} (vramcal "
-                          f"probe --seq-len {seq_len}, or several lengths: --seq-len {min(own, seq_len)},"
-                          f"{max(own, seq_len)})")
+        raise SizingError(f"the profile was calibrated at seq_len {own}, not {seq_len}: calibrate {seq_len} (`vramcal "
+                          f"probe --seq-len {seq_len}`, or several lengths: `--seq-len {min(own, seq_len)},"
+                          f"{max(own, seq_len)}`)")
     if surface is not None and seq_len is None:
         raise SizingError(f"the profile covers seq_len {min(surface.seq_lens)}-{max(surface.seq_lens)}: give the "
                           f"run's seq_len (its memory depends on it)")
@@ -242,18 +243,19 @@ def _chosen(request: int | None, limit: Limit, safe: int, conservative: int, bat
         SizingError: the bounds are empty, or the limit is below ``batch_size_min``.
     """
     if batch_size_min > safe:
-        raise SizingError(f"--batch-size-min {batch_size_min} is above the profile's safe batch size {safe}: "
-                          f"lower --batch-size-min, or use a smaller model or a larger device")
+        raise SizingError(f"{given('batch_size_min', batch_size_min)} is above the profile's safe batch size "
+                          f"{safe}: lower {word('batch_size_min')}, or use a smaller model or a larger device")
     if request is None:
         batch, source = (conservative, "conservative") if limit == "conservative" else (safe, "safe")
         if batch < batch_size_min:
-            raise SizingError(f"the profile's {limit} batch size {batch} is below --batch-size-min "
-                              f"{batch_size_min}: pass --batch-size between {batch_size_min} and {safe}")
+            raise SizingError(f"the profile's {limit} batch size {batch} is below "
+                              f"{given('batch_size_min', batch_size_min)}: ask for a batch size "
+                              f"({word('batch_size')}) between {batch_size_min} and {safe}")
         return batch, source
     batch = min(max(request, batch_size_min), safe)
     if batch != request:
-        notices.insert(0, f"--batch-size {request} is outside [{batch_size_min}, {safe}] (--batch-size-min, "
-                          f"the profile's safe batch size): using {batch}")
+        notices.insert(0, f"{given('batch_size', request)} is outside [{batch_size_min}, {safe}] "
+                          f"({word('batch_size_min')}, the profile's safe batch size): using {batch}")
     return batch, "requested" if batch == request else "clamped"
 
 

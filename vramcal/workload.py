@@ -47,6 +47,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vramcal.words import given
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -154,17 +156,17 @@ def load_factory(ref: ModelRef) -> Callable[..., TrainingStep]:
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as error:  # noqa: BLE001 - any import failure is the user's module failing
-        raise WorkloadError(f"cannot import {module_name} for --model {ref.factory} "
+        raise WorkloadError(f"cannot import {module_name} for {given('model', ref.factory)} "
                             f"({type(error).__name__}: {_first_line(error)}): check the name and that it is "
                             f"importable: installed, on PYTHONPATH, or (vramcal probe) in the current directory"
                             ) from None
     for part in attribute.split("."):
         target = getattr(target, part, None)
         if target is None:
-            raise WorkloadError(f"{module_name} has no {attribute} for --model {ref.factory}: name a function "
+            raise WorkloadError(f"{module_name} has no {attribute} for {given('model', ref.factory)}: name a function "
                                 f"that returns a vramcal.TrainingStep")
     if not callable(target):
-        raise WorkloadError(f"--model {ref.factory} is not callable: name a function that returns a "
+        raise WorkloadError(f"{given('model', ref.factory)} is not callable: name a function that returns a "
                             f"vramcal.TrainingStep")
     return target
 
@@ -195,9 +197,9 @@ def build(ref: ModelRef, device: torch.device, options: dict[str, Any] | None = 
     except Exception as error:
         if is_out_of_memory(error):
             raise
-        raise WorkloadError(f"--model {ref.factory} raised {type(error).__name__}: {_first_line(error)}") from None
+        raise WorkloadError(f"the factory {ref.factory} raised {type(error).__name__}: {_first_line(error)}") from None
     if not isinstance(step, TrainingStep):
-        raise WorkloadError(f"--model {ref.factory} returned {type(step).__name__}, not a vramcal.TrainingStep: "
+        raise WorkloadError(f"the factory {ref.factory} returned {type(step).__name__}, not a vramcal.TrainingStep: "
                             f"return vramcal.TrainingStep(model=..., optimizer=..., batch=..., loss=...)")
     return step
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from vramcal.calibration.fit import Fit
 from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, read_record
 from vramcal.units import format_bytes
+from vramcal.words import word
 
 DEFAULT_RESERVE_BYTES = 2**29
 DEFAULT_MARGIN = 0.10
@@ -56,7 +57,7 @@ class LimitSettings:
         if self.usable_bytes(total_bytes) <= 0:
             raise ValueError(f"{format_bytes(total_bytes)} leaves no usable memory after the reserve of "
                              f"{format_bytes(self.reserve_bytes)} and the {self.margin:.0%} margin: give a larger "
-                             f"--capacity or a smaller --reserve/--margin")
+                             f"{word('capacity')} or a smaller {word('reserve')}/{word('margin')}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from vramcal.measure.nvml import NvmlError, load_nvml, nvml_query, visible_gpus
 from vramcal.records import Device
 from vramcal.units import format_bytes
+from vramcal.words import given, word
 
 
 class DeviceError(ValueError):
@@ -48,8 +49,8 @@ def host_device(capacity_bytes: int | None = None, proc: str = "/proc", cgroup: 
         total, source = available, "MemAvailable"
     if capacity_bytes is not None:
         if capacity_bytes > meminfo["MemTotal"]:
-            raise DeviceError(f"--capacity {format_bytes(capacity_bytes)} is more than this host's "
-                              f"{format_bytes(meminfo['MemTotal'])} of RAM: give a smaller --capacity")
+            raise DeviceError(f"{given('capacity', format_bytes(capacity_bytes))} is more than this host's "
+                              f"{format_bytes(meminfo['MemTotal'])} of RAM: give a smaller {word('capacity')}")
         total, source = capacity_bytes, "--capacity"
     return Device(kind="host", name=_cpu_name(proc), total_bytes=total, total_source=source)
 
@@ -178,6 +179,6 @@ def _host_notice(reason: str, capacity_bytes: int | None) -> str:
 
 def _narrow(device: Device, capacity_bytes: int) -> Device:
     if capacity_bytes > device.total_bytes:
-        raise DeviceError(f"--capacity {format_bytes(capacity_bytes)} is more than {device.name}'s "
-                          f"{format_bytes(device.total_bytes)}: give a smaller --capacity or none")
+        raise DeviceError(f"{given('capacity', format_bytes(capacity_bytes))} is more than {device.name}'s "
+                          f"{format_bytes(device.total_bytes)}: give a smaller {word('capacity')} or none")
     return Device(**{**device.to_dict(), "total_bytes": capacity_bytes, "total_source": "--capacity"})

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from vramcal.models.mamba2 import DTYPE_POLICIES
 from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, SchemaError, read_value
+from vramcal.words import given
 from vramcal.workload import TrainingStep
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,6 +62,11 @@ MAMBA_SSM_DEFAULTS = {"d_state": 128, "d_conv": 4, "expand": 2, "headdim": 64, "
                       "bias": False, "conv_bias": True}
 
 
+def _lm() -> str:
+    """``--model lm`` or ``model=lm``: how the caller names this family (:mod:`vramcal.words`)."""
+    return given("model", "lm")
+
+
 def read_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
     """A ``Mamba2Config``'s settings from a JSON file (or a dict), checked by building the config.
 
@@ -80,19 +86,19 @@ def read_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
         try:
             settings = json.loads(Path(source).read_text())
         except OSError as error:
-            raise ValueError(f"--model lm: cannot read the config {source} ({error.strerror or error}): give "
-                             f"--model-arg config=<a Mamba2Config JSON file>, e.g. configs/mamba2-lm-small.json"
-                             ) from None
+            raise ValueError(f"{_lm()}: cannot read the config {source} ({error.strerror or error}): give "
+                             f"{given('params', 'config=<a Mamba2Config JSON file>')}, e.g. "
+                             f"configs/mamba2-lm-small.json") from None
         except json.JSONDecodeError as error:
-            raise ValueError(f"--model lm: {source} is not JSON (line {error.lineno}: {error.msg}): give a "
+            raise ValueError(f"{_lm()}: {source} is not JSON (line {error.lineno}: {error.msg}): give a "
                              f"Mamba2Config JSON file") from None
         except (UnicodeDecodeError, RecursionError):
-            raise ValueError(f"--model lm: {source} is not a JSON text file (not UTF-8, or nested too deeply): give "
+            raise ValueError(f"{_lm()}: {source} is not a JSON text file (not UTF-8, or nested too deeply): give "
                              f"a Mamba2Config JSON file") from None
     else:
         settings = source
     if not isinstance(settings, dict):
-        raise ValueError(f"--model lm: {where} must be a JSON object of Mamba2Config settings")
+        raise ValueError(f"{_lm()}: {where} must be a JSON object of Mamba2Config settings")
     if any(key in settings for key in ("d_model", "n_layer", "ssm_cfg")):
         settings = from_mamba_ssm(settings)
     settings = {k: v for k, v in settings.items() if k not in BOOKKEEPING + NO_OPTION}
@@ -101,12 +107,12 @@ def read_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
     known = {field.name for field in dataclasses.fields(_config_class())}
     unknown = sorted(set(settings) - known)
     if unknown:
-        raise ValueError(f"--model lm: {where}: {', '.join(unknown)} {'is not a' if len(unknown) == 1 else 'are not'} "
+        raise ValueError(f"{_lm()}: {where}: {', '.join(unknown)} {'is not a' if len(unknown) == 1 else 'are not'} "
                          f"Mamba2Config setting{'s' * (len(unknown) > 1)}: fix or remove "
                          f"{'it' if len(unknown) == 1 else 'them'} (see configs/mamba2-130m.json)")
     missing = [key for key in SHAPE_KEYS if key not in settings]
     if missing:
-        raise ValueError(f"--model lm: {where} does not set {', '.join(missing)}: give the model's shape "
+        raise ValueError(f"{_lm()}: {where} does not set {', '.join(missing)}: give the model's shape "
                          f"(see configs/mamba2-130m.json)")
     settings = check_settings(settings, str(where))
     mamba2_config(settings, str(where))
@@ -128,14 +134,14 @@ def from_mamba_ssm(settings: dict[str, Any]) -> dict[str, Any]:
     ssm = {**MAMBA_SSM_DEFAULTS, **(settings.get("ssm_cfg") or {})}
     layer = ssm.get("layer", "Mamba1")
     if layer != "Mamba2":
-        raise ValueError(f"--model lm: this mamba_ssm config has {layer} layers (ssm_cfg.layer); vramcal's lm "
+        raise ValueError(f"{_lm()}: this mamba_ssm config has {layer} layers (ssm_cfg.layer); vramcal's lm "
                          f"is Mamba-2")
     for key, why in (("attn_layer_idx", "attention layers"), ("d_intermediate", "MLP layers")):
         if settings.get(key):
-            raise ValueError(f"--model lm: this mamba_ssm config has {why} ({key}), which transformers' Mamba2 "
+            raise ValueError(f"{_lm()}: this mamba_ssm config has {why} ({key}), which transformers' Mamba2 "
                              f"does not build: calibrate it with your own factory (--model module:function)")
     if ssm.get("d_ssm") is not None:
-        raise ValueError("--model lm: ssm_cfg.d_ssm (an SSM on part of the width) is not in transformers' Mamba2")
+        raise ValueError(f"{_lm()}: ssm_cfg.d_ssm (an SSM on part of the width) is not in transformers' Mamba2")
     multiple = int(settings.get("pad_vocab_size_multiple", 8))
     vocab = math.ceil(int(settings["vocab_size"]) / multiple) * multiple
     inner = int(ssm["expand"]) * int(settings["d_model"])
@@ -177,25 +183,25 @@ def check_settings(settings: dict[str, Any], where: str = "the config") -> dict[
             try:
                 checked[name] = read_value(settings[name], hint, name, limits)
             except SchemaError as error:
-                raise ValueError(f"--model lm: {where}: {error}: fix it in the config") from None
+                raise ValueError(f"{_lm()}: {where}: {error}: fix it in the config") from None
     if isinstance(checked.get("time_step_rank"), str) and checked["time_step_rank"] != "auto":
-        raise ValueError(f"--model lm: {where}: time_step_rank = {checked['time_step_rank']!r} is neither \"auto\" "
+        raise ValueError(f"{_lm()}: {where}: time_step_rank = {checked['time_step_rank']!r} is neither \"auto\" "
                          f"nor a whole number: fix it in the config")
     limit = checked.get("time_step_limit")
     if limit is not None and (len(limit) != 2 or limit[0] > limit[1]):
-        raise ValueError(f"--model lm: {where}: time_step_limit = {list(limit)} is not two numbers, the lower first: "
+        raise ValueError(f"{_lm()}: {where}: time_step_limit = {list(limit)} is not two numbers, the lower first: "
                          f"fix it in the config")
     full = {**_defaults(), **checked}
     inner = full["expand"] * full["hidden_size"]
     if full["num_heads"] * full["head_dim"] != inner:
-        raise ValueError(f"--model lm: {where}: num_heads x head_dim = {full['num_heads']} x {full['head_dim']} = "
+        raise ValueError(f"{_lm()}: {where}: num_heads x head_dim = {full['num_heads']} x {full['head_dim']} = "
                          f"{full['num_heads'] * full['head_dim']} must equal expand x hidden_size = {full['expand']} x "
                          f"{full['hidden_size']} = {inner}: fix num_heads or head_dim in the config")
     if full["num_heads"] % full["n_groups"]:
-        raise ValueError(f"--model lm: {where}: num_heads {full['num_heads']} is not divisible by n_groups "
+        raise ValueError(f"{_lm()}: {where}: num_heads {full['num_heads']} is not divisible by n_groups "
                          f"{full['n_groups']}: fix n_groups in the config")
     if full["time_step_min"] > full["time_step_max"]:
-        raise ValueError(f"--model lm: {where}: time_step_min {full['time_step_min']} is above time_step_max "
+        raise ValueError(f"{_lm()}: {where}: time_step_min {full['time_step_min']} is above time_step_max "
                          f"{full['time_step_max']}: fix it in the config")
     return checked
 
@@ -218,7 +224,7 @@ def mamba2_config(settings: dict[str, Any], where: str = "the config") -> Mamba2
     try:
         return _config_class()(**settings)
     except Exception as error:  # noqa: BLE001 - huggingface_hub's strict-dataclass errors are neither TypeError nor ValueError
-        raise ValueError(f"--model lm: {where}: Mamba2Config refuses it: {_refusal(error)}: fix it in the config") \
+        raise ValueError(f"{_lm()}: {where}: Mamba2Config refuses it: {_refusal(error)}: fix it in the config") \
             from None
 
 
@@ -243,14 +249,14 @@ def check_params(config: dict[str, Any], seq_len: Any, dtype: str = "fp32") -> M
             the config's ``chunk_size``, or an unknown ``dtype``.
     """
     if dtype not in DTYPE_POLICIES:
-        raise ValueError(f"--model lm: dtype must be one of {', '.join(DTYPE_POLICIES)}, got {dtype!r}")
+        raise ValueError(f"{_lm()}: dtype must be one of {', '.join(DTYPE_POLICIES)}, got {dtype!r}")
     settings = mamba2_config(config)
     chunk = settings.chunk_size
     whole = isinstance(seq_len, int) and not isinstance(seq_len, bool)
     if not whole or seq_len < 1 or seq_len % chunk:
         low = seq_len // chunk * chunk if whole else 0
         options = [v for v in (low, low + chunk) if v > 0]
-        raise ValueError(f"--model lm: seq_len {seq_len!r} is not a positive multiple of the config's chunk_size "
+        raise ValueError(f"{_lm()}: seq_len {seq_len!r} is not a positive multiple of the config's chunk_size "
                          f"{chunk}: use --seq-len {' or '.join(map(str, options))}")
     return settings
 

@@ -22,6 +22,8 @@ import sys
 import types
 from typing import TYPE_CHECKING, Literal
 
+from vramcal.words import given
+
 if TYPE_CHECKING:  # pragma: no cover
     from vramcal.records import Device
 
@@ -54,10 +56,12 @@ def resolve_implementation(implementation: Implementation, device_kind: str) -> 
         return "mamba_ssm" if device_kind == "cuda" and mamba_ssm_available() else "transformers"
     if implementation == "mamba_ssm":
         if device_kind != "cuda":
-            raise ValueError("the mamba_ssm implementation runs on NVIDIA GPUs only: use --impl transformers")
+            raise ValueError(f"the mamba_ssm implementation runs on NVIDIA GPUs only: use "
+                             f"{given('implementation', 'transformers')}")
         if not mamba_ssm_available():
-            raise ValueError("mamba_ssm is not usable here (it needs mamba-ssm and the compiled causal-conv1d): "
-                             "pip install 'vramcal[cuda]' on a GPU box, or use --impl transformers")
+            raise ValueError(f"mamba_ssm is not usable here (it needs mamba-ssm and the compiled causal-conv1d): "
+                             f"pip install 'vramcal[cuda]' on a GPU box, or use "
+                             f"{given('implementation', 'transformers')}")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {', '.join(IMPLEMENTATIONS)}, got {implementation!r}")
     return implementation

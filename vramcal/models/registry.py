@@ -27,6 +27,7 @@ from vramcal.models import lm
 from vramcal.models.mamba2 import check_dtype, resolve_implementation
 from vramcal.models.regressor.spec import FACTORY as REGRESSOR_FACTORY
 from vramcal.models.regressor.spec import RegressorSpec
+from vramcal.words import given, word
 from vramcal.workload import ModelRef, WorkloadError, accepts, load_factory
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -150,7 +151,8 @@ class LanguageModel(Family):
         """Raises: ValueError: no config or seq_len, a config transformers refuses, a seq_len that is not a
         multiple of its chunk_size, or a dtype the device cannot run."""
         if "config" not in params or "seq_len" not in params:
-            raise ValueError("--model lm needs --model-arg config=<Mamba2Config JSON file> and --seq-len")
+            raise ValueError(f"{given('model', 'lm')} needs {given('params', 'config=<Mamba2Config JSON file>')} and "
+                             f"{word('seq_len')}")
         params = {"dtype": "fp32", **params, "config": lm.read_config(params["config"])}
         lm.check_params(params["config"], params["seq_len"], params["dtype"])
         check_dtype(device, params["dtype"])
@@ -181,7 +183,7 @@ def family(model: str) -> Family:
     if found is not None:
         return found
     if not ModelRef.is_factory_name(model):
-        raise WorkloadError(f"--model {model!r} is neither {', '.join(FAMILIES)} nor module:function "
+        raise WorkloadError(f"{given('model', repr(model))} is neither {', '.join(FAMILIES)} nor module:function "
                             f"(e.g. mypackage.train:make_step)")
     return Family(model)
 

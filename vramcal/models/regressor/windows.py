@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vramcal.models.regressor.bars import DataError
+from vramcal.words import word
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -211,7 +212,7 @@ def make_windows(bars: pd.DataFrame, seq_len: int, stride: int | None = None,
         within = f" between its {len(gaps)} gap(s)" if len(gaps) else ""
         raise DataError(f"{source}: {n_bars} bars give {len(train_starts)} training and {len(val_starts)} "
                         f"validation windows of {seq_len} bars{within} (val_fraction {val_fraction}); need about "
-                        f"{need} bars{' without a gap' if len(gaps) else ''}, or a smaller --seq-len")
+                        f"{need} bars{' without a gap' if len(gaps) else ''}, or a smaller {word('seq_len')}")
     mean, std, flat = _training_statistics(features[:split][valid[:split]], source)
     standardised, targets = ((features - mean) / std).astype(np.float32), (returns / std[0]).astype(np.float32)
     standardised[~valid], targets[~valid] = 0.0, 0.0
