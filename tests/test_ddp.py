@@ -168,8 +168,9 @@ def test_a_killed_rank_ends_the_run_in_one_line_and_it_resumes(world):
     assert time.time() - killed < 60 and run.returncode == 1 and "Traceback" not in err, err
     errors = [line for line in err.splitlines() if line.startswith("Error")]
     assert len(errors) == 1 and "rank 1 failed" in errors[0] and "--resume" in errors[0], err
+    kept = checkpoint.load_checkpoint(run_dir / checkpoint.LAST)["progress"]["step"]
     resumed = vramcal(tmp, "train", "--resume", "--run-dir", str(run_dir), "--nproc-per-node", "2",
-                      "--max-steps", "12")
+                      "--max-steps", str(kept + 4))
     assert resumed.returncode == 0, resumed.stderr
     assert "continuing from" in resumed.stderr
-    assert checkpoint.load_checkpoint(run_dir / checkpoint.LAST)["progress"]["step"] == 12
+    assert checkpoint.load_checkpoint(run_dir / checkpoint.LAST)["progress"]["step"] == kept + 4

@@ -67,11 +67,17 @@ def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
     profile_file = tmp_path / "tiny.json"
     result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", capacity(640 * 2**20, margin=0.05),
                                        "--reserve", "0", "--margin", "0.05", *TINY_ARGS, "--max-trials", "16",
-                                       "--boundary", "--out", str(profile_file), "--reports-dir",
-                                       str(tmp_path / "reports")])
+                                       "--plateau-steps", "5", "--boundary", "--out", str(profile_file),
+                                       "--reports-dir", str(tmp_path / "reports")])
     assert result.exit_code == 0, result.output  # 0: verified (an unverified calibration exits 3)
     assert "peak = " in result.output and "GiB × batch_size" in result.output
-    assert re.search(r"step creep +\+[\d.]+ [KMG]?i?B at batch_size \d+ over 40 steps", result.output), result.output
+    shape = re.search(r"step creep +\+[\d.]+ [KMG]?i?B at batch_size \d+ over (\d+) steps, (levelled off at step "
+                      r"(\d+)|still rising)", result.output)
+    assert shape, result.output
+    if shape.group(3):  # it ended 5 steps after its last rise (--plateau-steps 5), at most --steady-steps 40
+        assert int(shape.group(1)) == int(shape.group(3)) + 5 <= 40
+    else:
+        assert int(shape.group(1)) == 40
     profile = load_profile(profile_file)
     assert profile.verified, profile.warnings
     assert profile.device.kind == "host" and profile.model == TINY.ref("transformers")
@@ -92,7 +98,9 @@ def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
     steady = [t for t in profile.trials if t.purpose == "steady"]  # the step creep, measured at the safe size
     assert steady and profile.creep is not None and profile.creep.batch_size == steady[-1].batch_size
     short = [t.peak_bytes for t in profile.trials if t.batch_size == steady[-1].batch_size and t.purpose != "steady"]
-    assert profile.creep.bytes_at_steady == max(0, steady[-1].peak_bytes - round(sum(short) / len(short)))
+    measured = max(0, steady[-1].peak_bytes - round(sum(short) / len(short)))
+    assert profile.creep.bytes_at_steady == measured + steady[-1].late_creep_bytes  # and the host's late allowance
+    assert steady[-1].late_creep_bytes == round(0.015 * steady[-1].peak_bytes)
     from vramcal import api  # a verification is read as the calibration reads its own: with the creep
 
     answer = api.verify(profile, limits.conservative_batch_size)

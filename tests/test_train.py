@@ -7,6 +7,7 @@ hardware boundary: a loss that raises ``torch.OutOfMemoryError`` for large micro
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -362,6 +363,23 @@ def test_divergence_of_the_validation_loss():
     assert loop.diverged_validation(5644.0, 1.0) == ("the validation loss 5644 is 5.64e+03 times the zero-return "
                                                      "baseline's 1")
     assert loop.diverged_validation(9.9, 1.0) is None
+
+
+def test_a_run_that_outgrows_its_prediction_says_so_while_it_runs(setup):
+    """The profile's bounds set below what this process holds (as a creep the steady trial missed would do):
+    at the next reading of the peak (every WATCH_STEPS steps) the run warns, once per bound, and records it."""
+    from vramcal.measure.meters import open_meter
+
+    plan, step = in_process(setup, "outgrown", epochs=4, max_steps=None)  # 12 steps
+    plan = dataclasses.replace(plan, sizing=dataclasses.replace(plan.sizing, upper_bytes=MIB, usable_bytes=2 * MIB))
+    messages = []
+    loop.Trainer(plan, step, meter=open_meter(host_device()), echo=messages.append).run()  # the trainer's meter
+    warnings = [m for m in messages if m.startswith("warning: ")]
+    assert len(warnings) == 2 and all(f"step {loop.WATCH_STEPS}: this process's peak" in w for w in warnings)
+    assert "above the profile's upper bound 1.00 MiB" in warnings[0] and "above usable memory 2.00 MiB" in warnings[1]
+    assert "the run outgrows its prediction" in warnings[0]
+    events = rows(plan.run_dir, "outgrown")
+    assert [(e["step"], e["bound_bytes"]) for e in events] == [(loop.WATCH_STEPS, MIB), (loop.WATCH_STEPS, 2 * MIB)]
 
 
 # ----------------------------------------------------------------------------------- batch sizing

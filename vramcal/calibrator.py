@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from vramcal import __version__
 from vramcal.calibration import surface
-from vramcal.calibration.creep import STEADY
+from vramcal.calibration.creep import HOST_LATE_CREEP, STEADY
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import SearchSettings, Step, next_batch_size, settle, unmeasured_ceiling
 from vramcal.environment import software_versions
@@ -117,8 +117,7 @@ def run_trials(plan: CalibrationPlan, runner: Runner, on_trial: Callable[[Trial]
         seq_len, step = chosen
         trial = journal.replay(len(trials), step.batch_size, step.purpose, seq_len) if journal else None
         if trial is None:
-            trial = runner.run(plan.request(step, seq_len), purpose=step.purpose)
-            trial = trial if seq_len is None else dataclasses.replace(trial, seq_len=seq_len)
+            trial = _recorded(plan, runner.run(plan.request(step, seq_len), purpose=step.purpose), seq_len)
         trials.append(trial)
         if journal:
             _record(journal, trials)
@@ -130,6 +129,17 @@ def run_trials(plan: CalibrationPlan, runner: Runner, on_trial: Callable[[Trial]
             journal.discard()
         raise CalibrationError(first_trial_failure(first, plan))
     return assemble(plan, trials, runner.context, time.perf_counter() - started)
+
+
+def _recorded(plan: CalibrationPlan, trial: Trial, seq_len: int | None) -> Trial:
+    """The trial as the profile keeps it: its length in a calibration over several, and a steady trial's
+    allowance for the creep after it (:data:`vramcal.calibration.creep.HOST_LATE_CREEP` on the host)."""
+    if seq_len is not None:
+        trial = dataclasses.replace(trial, seq_len=seq_len)
+    if trial.purpose == STEADY and trial.ok:
+        share = HOST_LATE_CREEP if plan.device.kind == "host" else 0.0
+        trial = dataclasses.replace(trial, late_creep_bytes=round(share * trial.peak_bytes))  # type: ignore[operator]
+    return trial
 
 
 def _record(journal: Journal, trials: list[Trial]) -> None:
@@ -252,6 +262,12 @@ def _warnings(profile: Profile, n_trials: int) -> list[str]:
                         f"fitted trials, so no limit can be extrapolated; re-run with a larger budget")
     elif fit.nonlinearity:
         warnings.append(fit.nonlinearity)
+    creep = profile.creep
+    if creep is not None and not creep.levelled:
+        warnings.append(f"the step creep had not levelled off after the steady trial's {creep.steps} steps at "
+                        f"batch_size {creep.batch_size} (+{format_bytes(creep.late_rise_bytes)} over its last "
+                        f"steps): a longer run may peak above the prediction (vramcal train says so as it runs); "
+                        f"more --steady-steps measure further")
     if profile.limits is not None and not profile.verified:
         warnings.append(f"limits not verified by real trials within {n_trials} trials: treat them as "
                         f"estimates, or re-run with a larger --max-trials")

@@ -156,8 +156,10 @@ class TrialSettings:
         warmup_steps: unmeasured optimizer steps first (AdamW allocates its state, Triton autotunes).
         measured_steps: measured steps of each trial (>= 2: the peak is the largest of them).
         val_steps: validation passes at the trial's batch size, as the trainer validates.
-        steady_steps: measured steps of the one steady trial that measures the step creep
+        steady_steps: the most measured steps of the one steady trial that measures the step creep
             (:mod:`vramcal.calibration.creep`); 0 runs none.
+        plateau_steps: the steady trial ends sooner, once its peak has not risen for this many steps (0: it
+            runs all ``steady_steps``).
         max_trials: the most trials of a calibration (>= 1; several lengths add 4 per extra length).
         timeout_s: seconds before a trial's process is killed (the trial then counts as ``timeout``).
         boundary: measure near the out-of-memory boundary (:mod:`vramcal.calibration.search`, rule 3).
@@ -170,13 +172,14 @@ class TrialSettings:
     measured_steps: int = 2
     val_steps: int = 1
     steady_steps: int = 40
+    plateau_steps: int = 10
     max_trials: int = 16
     timeout_s: float = 900.0
     boundary: bool = True
 
     def __post_init__(self) -> None:
         for name, low in (("warmup_steps", 0), ("measured_steps", 2), ("val_steps", 0), ("steady_steps", 0),
-                          ("max_trials", 1)):
+                          ("plateau_steps", 0), ("max_trials", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -220,6 +223,12 @@ class Trial:
         held_bytes: what the trial's process held once its step was built, before the first step
             (:func:`vramcal.measure.meters.host_held_bytes`, or NVML on a GPU): the process term's baseline.
             None in older profiles.
+        step_peaks: a steady trial's peak so far after each of its measured steps (its curve: where the creep
+            levelled off, :func:`vramcal.calibration.creep.plateau_step`); None for other trials and older
+            profiles.
+        late_creep_bytes: a steady trial's allowance for the creep after its last step
+            (:data:`vramcal.calibration.creep.HOST_LATE_CREEP` of its peak on the host; 0 on a GPU, where it
+            has not been measured); None for other trials and older profiles.
     """
 
     batch_size: int
@@ -243,6 +252,8 @@ class Trial:
     seq_len: int | None = None
     rank_peak_bytes: tuple[int, ...] | None = None
     held_bytes: int | None = None
+    step_peaks: tuple[int, ...] | None = None
+    late_creep_bytes: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -253,7 +264,8 @@ class Trial:
         return self.ok and self.peak_bytes <= usable_bytes  # type: ignore[operator]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The record as JSON holds it (its tuples as lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "trial") -> Trial:
@@ -266,7 +278,8 @@ class Trial:
 DEVICE_RANGES = {"total_bytes": POSITIVE, "nvml_index": NON_NEGATIVE, "cuda_index": NON_NEGATIVE,
                  "nvml_total_bytes": NON_NEGATIVE, "nvml_reserved_bytes": NON_NEGATIVE}
 WORLD_RANGES = {"nproc": Range(2), "bucket_cap_mb": POSITIVE, "threads_per_rank": AT_LEAST_ONE}
-TRIAL_RANGES = {"batch_size": AT_LEAST_ONE, "peak_bytes": POSITIVE, "seq_len": AT_LEAST_ONE,
+TRIAL_RANGES = {"batch_size": AT_LEAST_ONE, "peak_bytes": POSITIVE, "seq_len": AT_LEAST_ONE, "step_peaks": POSITIVE,
+                "late_creep_bytes": NON_NEGATIVE,
                 **dict.fromkeys(("nvml_peak_bytes", "torch_max_reserved_bytes", "torch_max_allocated_bytes",
                                  "rss_peak_bytes", "data_peak_bytes", "data_bytes", "step_s", "samples_per_s",
                                  "startup_s", "build_s", "wall_s"), NON_NEGATIVE)}

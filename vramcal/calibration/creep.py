@@ -1,14 +1,20 @@
 """The step creep: how much more a long training run peaks than a trial of a few steps, measured once.
 
 A trial measures two steps; a training run takes thousands. On the host a worker's peak keeps rising
-with the number of steps (malloc's heap fragments as activations of many sizes come and go), and
-levels off after a few dozen: on the benchmark's small spec at batch 144, 2 / 10 / 40 measured steps
-peaked at 809.0 / 827.4 / 836.5 MiB and 200 training steps at 840.0 MiB (``bench/results``). The
-caching allocator of a GPU can creep the same way. So once the safe size is verified, the search runs
-one **steady trial** there, ``steady_steps`` measured steps long (search rule 6), and every other
-trial's peak is read as the peak a long run at its size would reach:
+with the number of steps (malloc's heap fragments as activations below its 4 MiB mmap threshold come and
+go), and levels off: over 1,000 steps at the four benchmark specs' safe sizes the peak rose 1.3-6.9 % above
+the second step's, most of it in the first few dozen steps (DESIGN.md, "The step creep"). The caching
+allocator of a GPU can creep the same way. So once the safe size is verified, the search runs one
+**steady trial** there (search rule 6): it measures until its peak has not risen for ``plateau_steps``
+steps (:func:`plateau_step`), at most ``steady_steps``, keeping its curve (``Trial.step_peaks``); a curve
+that had not levelled off by then is reported (:attr:`Creep.levelled`), and the trainer says so while it
+runs if its peak passes the prediction. Late rises still come (a creep study of 15 batch sizes to 1,000
+steps saw jumps of up to 20 MiB at steps 260-880): on the host the steady trial's peak gets an allowance of
+:data:`HOST_LATE_CREEP` for them (``Trial.late_creep_bytes``). Every other trial's peak is read as the peak
+a long run at its size would reach:
 
-    creep_per_sample = max(0, steady peak − mean peak of the short trials at that batch size) / batch_size
+    creep_per_sample = (max(0, steady peak − mean peak of the short trials at that batch size)
+                        + the steady trial's late allowance) / batch_size
     steady-equivalent peak(b) = peak(b) + creep_per_sample × b × (seq_len / steady trial's seq_len)
 
 The creep is taken as proportional to the activations (batch_size, and tokens over several lengths):
@@ -26,9 +32,28 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vramcal.records import Trial
+from vramcal.records import Trial, TrialSettings
 
 STEADY = "steady"  # the purpose of a steady trial
+PLATEAU_TOLERANCE = 0.001  # a step's peak must pass the level by more than 0.1 % to count as a rise
+# The host's creep after a steady trial, as a share of its peak: at the four benchmark specs' safe sizes the
+# 1,000-step peak was 0.2-2.8 % above a 10-40-step steady trial's (the creep study, DESIGN.md); 1.5 % centres
+# that range. GPUs: not measured, no allowance (0).
+HOST_LATE_CREEP = 0.015
+
+
+def plateau_step(peaks: Sequence[int], plateau_steps: int, tolerance: float = PLATEAU_TOLERANCE) -> int | None:
+    """The measured step (1-based) of the last rise of ``peaks`` (a peak so far after each step) when none
+    followed it for ``plateau_steps`` steps; None while the curve is still rising (or ``plateau_steps`` is
+    0, or there are fewer steps). A rise is a peak more than ``tolerance`` above the level of the last rise
+    (the first step sets the level)."""
+    if plateau_steps <= 0 or len(peaks) < plateau_steps + 1:
+        return None
+    last, level = 1, peaks[0]
+    for step, peak in enumerate(peaks[1:], start=2):
+        if peak > level * (1 + tolerance):
+            last, level = step, peak
+    return last if len(peaks) - last >= plateau_steps else None
 
 
 @dataclass(frozen=True)
@@ -41,6 +66,13 @@ class Creep:
         steady_peak_bytes: the steady trial's peak.
         short_peak_bytes: the mean peak of the short trials at that batch size.
         per_sample_bytes: ``max(0, steady − short) / batch_size``.
+        steps: the steady trial's measured steps (None: a profile made before its curve was recorded).
+        levelled_at: the step of the curve's last rise, where it levelled off (:func:`plateau_step`), or
+            None: still rising when the trial ended (or no curve recorded).
+        late_rise_bytes: how much the peak rose over the curve's last ``plateau_steps`` steps (the rise still
+            going on; 0 when it levelled off).
+        late_bytes: the allowance for the creep after the steady trial (``Trial.late_creep_bytes``), in
+            ``per_sample_bytes``.
     """
 
     batch_size: int
@@ -48,6 +80,15 @@ class Creep:
     steady_peak_bytes: int
     short_peak_bytes: int
     per_sample_bytes: float
+    steps: int | None = None
+    levelled_at: int | None = None
+    late_rise_bytes: int = 0
+    late_bytes: int = 0
+
+    @property
+    def levelled(self) -> bool:
+        """The curve levelled off within the trial (a profile without a curve: taken as it was measured)."""
+        return self.steps is None or self.levelled_at is not None
 
     @property
     def bytes_at_steady(self) -> int:
@@ -62,8 +103,9 @@ class Creep:
         return dataclasses.asdict(self)
 
 
-def measure_creep(trials: Sequence[Trial]) -> Creep | None:
-    """The creep from the last finished steady trial and the short trials at its size; None without one."""
+def measure_creep(trials: Sequence[Trial], plateau_steps: int = TrialSettings.plateau_steps) -> Creep | None:
+    """The creep from the last finished steady trial and the short trials at its size; None without one.
+    ``plateau_steps``: the steps without a rise that count as levelled off (the trials' setting)."""
     steady = [t for t in trials if t.purpose == STEADY and t.ok]
     if not steady:
         return None
@@ -73,8 +115,14 @@ def measure_creep(trials: Sequence[Trial]) -> Creep | None:
     if not short:
         return None
     mean = round(statistics.fmean(short))  # type: ignore[arg-type]
+    curve = last.step_peaks or ()
+    levelled = plateau_step(curve, plateau_steps) if curve else None
+    window = curve[-plateau_steps - 1:] if curve and plateau_steps else ()
+    late = 0 if levelled is not None or len(window) < 2 else window[-1] - window[0]
+    allowance = last.late_creep_bytes or 0
     return Creep(last.batch_size, last.seq_len, last.peak_bytes, mean,  # type: ignore[arg-type]
-                 max(0, last.peak_bytes - mean) / last.batch_size)  # type: ignore[operator]
+                 (max(0, last.peak_bytes - mean) + allowance) / last.batch_size,  # type: ignore[operator]
+                 len(curve) or None, levelled, late, allowance)
 
 
 def read_peak(trial: Trial, creep: Creep | None) -> int | None:

@@ -34,6 +34,17 @@ class TrialPrinter:
         self._bar.close()
 
 
+def creep_shape(creep) -> str:
+    """``, levelled off at step 7`` or ``, still rising (+4.0 MiB over its last steps)``, and the allowance
+    for later steps (nothing for a profile made before the steady trial's curve was recorded)."""
+    if creep.steps is None:
+        return ""
+    later = f"; {format_bytes(creep.late_bytes)} of it allowed for later steps" if creep.late_bytes else ""
+    if creep.levelled_at is not None:
+        return f", levelled off at step {creep.levelled_at}{later}"
+    return f", still rising (+{format_bytes(creep.late_rise_bytes)} over its last steps){later}"
+
+
 def trial_line(trial, usable_bytes: int, middle: str) -> str:
     """One trial for people: length, batch size, status, peak, ``middle``, and why a trial that did not finish
     ended (an error's reason, a timeout's limit)."""
@@ -60,7 +71,8 @@ def summary(profile) -> str:
     creep = profile.creep
     if creep is not None:
         lines.append(f"step creep    +{format_bytes(creep.bytes_at_steady)} at batch_size {creep.batch_size} over "
-                     f"{profile.run.get('steady_steps', '?')} steps (in the line, the limits and the verified peaks)")
+                     f"{creep.steps or profile.run.get('steady_steps', '?')} steps{creep_shape(creep)} (in the line, "
+                     f"the limits and the verified peaks)")
     if profile.world is not None:
         from vramcal.report.markdown import world_text
 

@@ -54,8 +54,11 @@ trial_options = group(
     click.option("--val-steps", type=click.IntRange(0), default=_TRIALS.val_steps, show_default=True,
                  help="validation passes per trial, at the trial's batch size, as the trainer validates"),
     click.option("--steady-steps", type=click.IntRange(0), default=_TRIALS.steady_steps, show_default=True,
-                 help="measured steps of one steady trial at the verified safe size: how much more a long run "
-                      "peaks than a short trial (the step creep), added to the predictions; 0 skips it"),
+                 help="the most measured steps of one steady trial at the verified safe size: how much more a long "
+                      "run peaks than a short trial (the step creep), added to the predictions; 0 skips it"),
+    click.option("--plateau-steps", type=click.IntRange(0), default=_TRIALS.plateau_steps, show_default=True,
+                 help="the steady trial ends once its peak has not risen for this many steps (0: it runs all "
+                      "--steady-steps); a peak still rising at the end is reported"),
     click.option("--max-trials", type=click.IntRange(3), default=_TRIALS.max_trials, show_default=True),
     click.option("--timeout", "timeout_s", type=FiniteFloat(1, 86400), default=_TRIALS.timeout_s, show_default=True,
                  help="seconds before a trial is killed"),

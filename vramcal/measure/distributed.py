@@ -56,6 +56,15 @@ class Group:
             raise PeerFailed(f"rank {self.rank} stops: another rank of the world failed")
         return bool(flag.item())
 
+    def all_of(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank (an all-reduce of the minimum; no rank fails by it)."""
+        import torch
+        import torch.distributed as dist
+
+        value = torch.tensor([1 if flag else 0], device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return bool(value.item())
+
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (plain Python data), rank 0 first."""
         import torch.distributed as dist

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,8 @@ class TrialRequest:
         options_json: more factory arguments as JSON that do not change the model (e.g. the dataset
             file of the regressor); recorded in the profile, not part of its key.
         settings: the steps of the trial (module docstring) and its time limit.
-        steady: the steady trial: ``settings.steady_steps`` measured steps (:mod:`vramcal.calibration.creep`).
+        steady: the steady trial: at most ``settings.steady_steps`` measured steps, fewer once its peak has
+            levelled off (:mod:`vramcal.calibration.creep`).
         world: a DDP world of ranks (``batch_size`` is then per rank), or None for one process.
         rank_devices: each rank's device (GPUs: one each); () = every rank on ``device`` (the host).
     """
@@ -206,29 +208,41 @@ def measure_rank(request: TrialRequest, rank: int, init_method: str, channel: An
         meter.check_pinned()
         model = wrap(step.model, request.world, torch_device(device))
         held = meter.held_bytes()
-        return {**steps(request, step, model, meter, time.perf_counter() - start), "rank": rank, "held_bytes": held}
+        return {**steps(request, step, model, meter, time.perf_counter() - start, group.all_of), "rank": rank,
+                "held_bytes": held}
     finally:
         if group is not None:
             group.close()
         meter.close()
 
 
-def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: float) -> dict[str, Any]:
-    """Warm-up, the measured steps and the validation passes through ``model``, and the meter's figures."""
+def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: float,
+          all_ranks: Callable[[bool], bool] = bool) -> dict[str, Any]:
+    """Warm-up, the measured steps and the validation passes through ``model``, and the meter's figures.
+
+    A steady trial reads its peak after every measured step (``step_peaks``) and ends once it has not risen
+    for ``settings.plateau_steps`` steps (:func:`vramcal.calibration.creep.plateau_step`); under DDP when
+    every rank's has not (``all_ranks``: the ranks' agreement, so they stop at the same step).
+    """
+    from vramcal.calibration.creep import plateau_step
     from vramcal.measure.meters import synchronize
     from vramcal.workload import detect_kernel_path, train_step, validation_step
 
-    device, batch_size = request.device, request.batch_size
-    for _ in range(request.settings.warmup_steps):
+    device, batch_size, settings = request.device, request.batch_size, request.settings
+    for _ in range(settings.warmup_steps):
         train_step(step, step.batch(batch_size), model)
     synchronize(device.kind)
     meter.reset()
-    times = []
+    times, curve = [], []
     for _ in range(request.measured_steps):
         start = time.perf_counter()
         train_step(step, step.batch(batch_size), model)
         synchronize(device.kind)
         times.append(time.perf_counter() - start)
+        if request.steady:
+            curve.append(int(meter.read()["peak_bytes"]))
+            if all_ranks(plateau_step(curve, settings.plateau_steps) is not None):
+                break
     for _ in range(request.settings.val_steps):
         validation_step(step, batch_size, model)
     figures = meter.read()
@@ -237,4 +251,5 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
                "data": {"data_bytes": step.data_bytes, "on_device": step.data_on_device}}
     step_s = statistics.median(times)
     return {"step_s": step_s, "samples_per_s": batch_size / step_s, "build_s": build_s,
-            "data_bytes": step.pool_data_bytes(device.kind), "context": context, **figures}
+            "data_bytes": step.pool_data_bytes(device.kind), "context": context, **figures,
+            **({"step_peaks": tuple(curve)} if request.steady else {})}

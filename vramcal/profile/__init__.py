@@ -197,7 +197,8 @@ class Profile:
     def creep(self) -> Creep | None:
         """The step creep its steady trial measured (:mod:`vramcal.calibration.creep`; None: not measured).
         The fit, limits and verification peaks include it; the trials keep their raw peaks."""
-        return measure_creep(self.trials)
+        plateau = self.run.get("plateau_steps")
+        return measure_creep(self.trials, *([plateau] if isinstance(plateau, int) else []))
 
     @property
     def held_bytes(self) -> int | None:

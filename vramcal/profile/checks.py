@@ -306,6 +306,9 @@ def check_derived(profile: Profile, written: dict[str, Any]) -> None:
     creep = profile.creep
     expected = {"model_key": profile.model.key(), "verified": profile.verified,
                 "creep": creep.to_dict() if creep else None}
+    if isinstance(written.get("creep"), dict) and isinstance(expected["creep"], dict):
+        # a file written before the creep's curve was recorded holds fewer of its keys: compare those
+        expected["creep"] = {k: v for k, v in expected["creep"].items() if k in written["creep"]}
     for key, value in expected.items():
         if key not in written:
             continue

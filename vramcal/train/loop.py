@@ -70,6 +70,7 @@ EpochHook = Callable[[dict[str, Any]], Any]
 DIVERGED_RATIO = 10.0  # loss / zero-return loss: 10 times worse than predicting no move at all
 DIVERGENCE_STEPS = 20  # steps the training loss is averaged over against the same batches' baseline
 RISE_RATIO = 1.5  # last quarter of an epoch's step losses / its first, every quarter above the one before
+WATCH_STEPS = 10  # steps between readings of the peak against the profile's prediction
 
 
 @dataclass
@@ -191,6 +192,7 @@ class Trainer:
         self._had_oom = False  # an allocation failed in this process (see _out_of_memory)
         self._last_save = time.monotonic()
         self._saved_step = self.progress.step if state is not None else None  # the step the last save holds
+        self._outgrown: set[str] = set()  # the bounds this run's peak has passed (said once each)
 
     # ------------------------------------------------------------------------------------ a step
 
@@ -351,6 +353,8 @@ class Trainer:
                 self._measuring = True
                 if self.meter is not None:
                     self.meter.reset()
+            if progress.step % WATCH_STEPS == 0:
+                self._watch()
             bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{progress.epoch_samples / progress.epoch_train_s:.1f}")
             bar.update(1)
             if index + 1 < len(batches) and share.rank == 0 and self._save_due():
@@ -391,6 +395,25 @@ class Trainer:
                   f"{row['samples_per_s']:.1f} samples/s{peak}")
         if self.on_epoch is not None and self.on_epoch(row) == "stop":
             raise Stopped(f"stopped after epoch {row['epoch']} by the caller")
+
+    def _watch(self) -> None:
+        """Say, while the run goes on, when this process's peak passes the profile's upper bound, then usable
+        memory (once each; an ``outgrown`` event in the metrics): a run that outgrows its prediction (a creep
+        the steady trial did not see) is told before it ends, or before an out-of-memory error."""
+        if self.meter is None or not self._measuring:
+            return
+        peak, sizing = int(self.meter.read()["peak_bytes"]), self.plan.sizing
+        for name, bound in (("the profile's upper bound", sizing.upper_bytes), ("usable memory", sizing.usable_bytes)):
+            if peak <= bound or name in self._outgrown:
+                continue
+            self._outgrown.add(name)
+            self.progress.rows.append({"kind": "outgrown", "epoch": self.progress.epoch + 1,
+                                       "step": self.progress.step, "peak_bytes": peak, "bound": name,
+                                       "bound_bytes": bound, "rank": self.share.rank})
+            self.echo(f"warning: step {self.progress.step}: this process's peak {format_bytes(peak)} is above {name} "
+                      f"{format_bytes(bound)} at batch_size {sizing.batch_size} (predicted "
+                      f"{format_bytes(sizing.predicted_peak_bytes)}): the run outgrows its prediction; a smaller "
+                      f"--batch-size is safer, and a fresh `vramcal probe` measures this creep")
 
     def _peaks(self) -> dict[str, Any]:
         """The meter's figures of this epoch (under DDP: the largest rank's peak, and every rank's)."""
