@@ -152,6 +152,12 @@ class Trial:
             host; on a GPU only device-resident data).
         step_s: median wall time of the measured steps, seconds.
         samples_per_s: ``batch_size / step_s``.
+        step_times_s: the wall time of each measured step, seconds, in order (each timed from drawing its batch
+            to a synchronize after the optimizer step, as the trainer times its steps); None in profiles made
+            before they were recorded (their ``step_s`` is then the only figure).
+        warmup_times_s: the wall time of each warm-up step, seconds (the first allocates the optimizer's
+            state, as a training run's first step does); None when not recorded.
+        val_times_s: the wall time of each validation pass at ``batch_size``, seconds; None when not recorded.
         startup_s: seconds from asking for the process to the trial code running in it.
         build_s: seconds to build the model and optimizer and move them to the device.
         wall_s: seconds of the whole trial as seen by the caller.
@@ -179,6 +185,9 @@ class Trial:
     purpose: str = ""
     error: str | None = None
     seq_len: int | None = None
+    step_times_s: tuple[float, ...] | None = None
+    warmup_times_s: tuple[float, ...] | None = None
+    val_times_s: tuple[float, ...] | None = None
 
     @property
     def ok(self) -> bool:
@@ -193,6 +202,11 @@ class Trial:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trial:
-        return cls(**data)
+        """The trial a profile's JSON holds (its lists of times become tuples; older files have none)."""
+        times = {k: tuple(v) for k in _TIMES if isinstance(v := data.get(k), list)}
+        return cls(**{**data, **times})
+
+
+_TIMES = ("step_times_s", "warmup_times_s", "val_times_s")
 
 

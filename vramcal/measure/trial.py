@@ -13,6 +13,10 @@ The trial runs what training runs (:mod:`vramcal.workload`), in the kind of proc
    trainer validates;
 5. read the peaks: the trial's ``peak_bytes`` covers training steps and validation alike.
 
+Every warm-up step, measured step and validation pass is timed on its own (``warmup_times_s``,
+``step_times_s``, ``val_times_s``), from drawing its batch to a synchronize after it, the way the trainer
+times its steps: the run forecast (:mod:`vramcal.forecast`) reads them.
+
 Out-of-memory errors are recognised by :func:`vramcal.oom.is_out_of_memory` only.
 """
 
@@ -114,7 +118,7 @@ def measure(request: TrialRequest, channel: Any = None) -> dict[str, Any]:
     Raises:
         Whatever the step raises (out-of-memory errors included); the worker records it.
     """
-    from vramcal.measure.meters import open_meter, synchronize
+    from vramcal.measure.meters import open_meter
     from vramcal.workload import build, detect_kernel_path, train_step, validation_step
 
     device, batch_size = request.device, request.batch_size
@@ -124,18 +128,13 @@ def measure(request: TrialRequest, channel: Any = None) -> dict[str, Any]:
         step = build(request.model, torch_device(device), json.loads(request.options_json))
         meter.check_pinned()
         build_s = time.perf_counter() - start
-        for _ in range(request.settings.warmup_steps):
-            train_step(step, step.batch(batch_size))
-        synchronize(device.kind)
+        warmup = [_timed(lambda: train_step(step, step.batch(batch_size)), device.kind)
+                  for _ in range(request.settings.warmup_steps)]
         meter.reset()
-        times = []
-        for _ in range(request.measured_steps):
-            start = time.perf_counter()
-            train_step(step, step.batch(batch_size))
-            synchronize(device.kind)
-            times.append(time.perf_counter() - start)
-        for _ in range(request.settings.val_steps):
-            validation_step(step, batch_size)
+        times = [_timed(lambda: train_step(step, step.batch(batch_size)), device.kind)
+                 for _ in range(request.measured_steps)]
+        val = [_timed(lambda: validation_step(step, batch_size), device.kind)
+               for _ in range(request.settings.val_steps)]
         figures = meter.read()
         context = {"kernel_path": step.kernel_path or detect_kernel_path(step.model),
                    "environment": meter.environment(), "info": step.info,
@@ -144,4 +143,15 @@ def measure(request: TrialRequest, channel: Any = None) -> dict[str, Any]:
         meter.close()
     step_s = statistics.median(times)
     return {"step_s": step_s, "samples_per_s": batch_size / step_s, "build_s": build_s,
+            "step_times_s": tuple(times), "warmup_times_s": tuple(warmup), "val_times_s": tuple(val),
             "data_bytes": step.pool_data_bytes(device.kind), "context": context, **figures}
+
+
+def _timed(run: Any, device_kind: str) -> float:
+    """Seconds ``run()`` took, read after a synchronize (the device's queue drained), as the trainer times a step."""
+    from vramcal.measure.meters import synchronize
+
+    start = time.perf_counter()
+    run()
+    synchronize(device_kind)
+    return time.perf_counter() - start
