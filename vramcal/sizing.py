@@ -21,10 +21,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from vramcal.calibration.limits import Limits, safe_batch_size
+from vramcal.calibration.throughput import find_knee, measured_rates, rate_at
 from vramcal.profile import Profile
+from vramcal.records import Trial
 from vramcal.units import format_bytes
 
 Limit = Literal["conservative", "safe"]  # which of the profile's limits a run takes
+SizeFor = Literal["memory", "throughput"]  # what a run without a requested batch size is sized for
 
 
 class SizingError(ValueError):
@@ -37,8 +40,9 @@ class Sizing:
 
     Attributes:
         batch_size: samples per optimizer step.
-        source: ``conservative`` or ``safe`` (the profile's), ``requested`` (the caller's, within
-            bounds) or ``clamped`` (the caller's, moved into [batch_size_min, safe]).
+        source: ``conservative`` or ``safe`` (the profile's), ``knee`` (the throughput knee, sizing for
+            throughput: :func:`throughput_choice`), ``requested`` (the caller's, within bounds) or ``clamped``
+            (the caller's, moved into [batch_size_min, safe]).
         safe_batch_size, conservative_batch_size: the limits in force (after the data term).
         predicted_peak_bytes, upper_bytes: point prediction and upper 95 % bound of the run's peak.
         usable_bytes, total_bytes: the profile's memory figures.
@@ -158,7 +162,8 @@ def limits_for_data(model: LengthModel, profile: Profile,
 
 
 def size(profile: Profile, request: int | None = None, *, limit: Limit = "conservative",
-         batch_size_min: int = 1, pool_data_bytes: int | None = None, seq_len: int | None = None) -> Sizing:
+         batch_size_min: int = 1, pool_data_bytes: int | None = None, seq_len: int | None = None,
+         size_for: SizeFor = "memory") -> Sizing:
     """The batch size for a run and the profile's prediction for it.
 
     Args:
@@ -168,6 +173,8 @@ def size(profile: Profile, request: int | None = None, *, limit: Limit = "conser
         batch_size_min: the smallest batch size acceptable.
         pool_data_bytes: the run's data bytes in the measured memory (None: as in the calibration).
         seq_len: the run's sequence length, for a profile calibrated over several (:func:`length_model`).
+        size_for: ``memory`` takes ``limit``; ``throughput`` takes the throughput knee when it lies below
+            ``limit`` (:func:`throughput_choice`), the limit otherwise.
 
     The seed documents clamp the user's batch size to [min, max] before any allocation; here max is the
     profile's safe batch size (the largest whose upper prediction bound fits in usable memory).
@@ -186,6 +193,9 @@ def size(profile: Profile, request: int | None = None, *, limit: Limit = "conser
         if batch < batch_size_min:
             raise SizingError(f"the profile's {limit} batch size {batch} is below --batch-size-min "
                               f"{batch_size_min}: pass --batch-size between {batch_size_min} and {safe}")
+        if size_for == "throughput":
+            batch, source, why = throughput_choice(profile, seq_len, batch, source, batch_size_min, safe)
+            notices.append(why)
     else:
         batch = min(max(request, batch_size_min), safe)
         source = "requested" if batch == request else "clamped"
@@ -200,6 +210,43 @@ def size(profile: Profile, request: int | None = None, *, limit: Limit = "conser
                   usable_bytes=model.limits.usable_bytes, total_bytes=model.limits.total_bytes,
                   data_delta_bytes=delta, verified=model.verified, notices=tuple(notices),
                   fitted_from=model.fitted_from)
+
+
+def length_trials(profile: Profile, seq_len: int | None = None) -> list[Trial]:
+    """The trials at the run's length: all of them for a one-length profile; for a profile over several
+    lengths those at ``seq_len`` (the reference length's when None)."""
+    if profile.surface is None:
+        return list(profile.trials)
+    wanted = seq_len or profile.surface.reference_seq_len
+    return [t for t in profile.trials
+            if t.seq_len == wanted or (t.seq_len is None and wanted == profile.surface.reference_seq_len)]
+
+
+def throughput_choice(profile: Profile, seq_len: int | None, limit_batch: int, limit_name: str,
+                      batch_size_min: int = 1, safe: int | None = None) -> tuple[int, str, str]:
+    """(batch size, source, why) sizing for throughput: the throughput knee
+    (:func:`vramcal.calibration.throughput.find_knee`, among the measured sizes a run may use: ``[batch_size_min,
+    safe]``, ``safe`` default the profile's) when it is below ``limit_batch``, else the limit itself (``limit_name``).
+    """
+    rates = measured_rates(length_trials(profile, seq_len))
+    high = safe if safe is not None else profile.limits.safe_batch_size if profile.limits else limit_batch
+    knee = find_knee(rates, batch_size_min, max(high, limit_batch))
+    at_limit = rate_at(rates, limit_batch)
+    there = f" ({at_limit.samples_per_s:.3g} samples/s)" if at_limit else ""
+    if knee is None:
+        return limit_batch, limit_name, (f"sizing for throughput: no measured throughput up to batch_size "
+                                         f"{limit_batch}: using the {limit_name} batch size {limit_batch}")
+    reach = (f"the throughput knee, the smallest measured batch size reaching {knee.fraction * 100:g} % of the best "
+             f"{knee.best.samples_per_s:.3g} samples/s (at batch_size {knee.best.batch_size})")
+    if knee.batch_size < limit_batch:
+        gain = knee.best.samples_per_s / knee.rate.samples_per_s - 1
+        beyond = (f"no measured size gains more than {gain:.1%} over it" if knee.best is not knee.rate
+                  else "no measured size is faster")
+        return knee.batch_size, "knee", (f"sizing for throughput: batch_size {knee.batch_size} "
+                                         f"({knee.rate.samples_per_s:.3g} samples/s) is {reach}, below the "
+                                         f"{limit_name} batch size {limit_batch}{there}; {beyond}")
+    return limit_batch, limit_name, (f"sizing for throughput: {reach}, batch_size {knee.batch_size}, is not below "
+                                     f"the {limit_name} batch size {limit_batch}: using {limit_batch}")
 
 
 def fitted_from(profile: Profile) -> int | None:

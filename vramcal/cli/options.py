@@ -172,6 +172,10 @@ training_options = group(
     click.option("--profile", default="auto", show_default=True, help="auto (look in --profiles-dir) or a file"),
     click.option("--profiles-dir", type=click.Path(file_okay=False), default="profiles", show_default=True),
     click.option("--batch-size-min", type=click.IntRange(1), default=1, show_default=True),
+    click.option("--size-for", type=click.Choice(("memory", "throughput")), default="memory", show_default=True,
+                 help="without --batch-size: memory = the profile's conservative batch size; throughput = the "
+                      "throughput knee (the smallest measured size reaching 95 % of the best samples/s) when it is "
+                      "below that, else the conservative size"),
     click.option("--lr-scaling", type=click.Choice(("none", "linear", "sqrt")), default="sqrt", show_default=True,
                  help="how the peak LR follows the batch size from --reference-batch-size"),
     click.option("--reference-batch-size", type=click.IntRange(1), default=96, show_default=True),
