@@ -29,14 +29,14 @@ LAYERS = (
     ("vramcal.workload", "vramcal.calibration"),  # what a trial runs; the pure calibration core
     ("vramcal.models", "vramcal.measure"),  # the families; processes and hardware
     ("vramcal.profile",),  # the profile file
-    ("vramcal.sizing", "vramcal.calibrator"),  # profile -> batch size; trials -> profile
+    ("vramcal.sizing", "vramcal.forecast", "vramcal.calibrator"),  # profile -> batch size, run time; trials -> profile
     ("vramcal.api", "vramcal.report"),  # the front door; reports from profiles
     ("vramcal.train",),  # the bundled trainer
     ("vramcal.tune", "vramcal.integrations", "vramcal.preload"),  # studies, frameworks, the worker server's imports
     ("vramcal.cli", "vramcal.__main__"),  # the commands
 )
 PURE = ("vramcal.calibration", "vramcal.records", "vramcal.units", "vramcal.profile", "vramcal.sizing",
-        "vramcal.report")  # tested with recorded or synthetic trials: no process, hardware or trainer code
+        "vramcal.forecast", "vramcal.report")
 PROCESS = ("vramcal.measure", "vramcal.train", "vramcal.calibrator", "vramcal.api", "vramcal.tune", "vramcal.cli")
 
 
