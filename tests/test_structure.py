@@ -35,6 +35,7 @@ LAYERS = (
     ("vramcal.tune", "vramcal.integrations", "vramcal.preload"),  # studies, frameworks, the worker server's imports
     ("vramcal.cli", "vramcal.__main__"),  # the commands
 )
+# tested with recorded or synthetic trials: no process, hardware or trainer code
 PURE = ("vramcal.calibration", "vramcal.records", "vramcal.units", "vramcal.profile", "vramcal.sizing",
         "vramcal.forecast", "vramcal.report")
 PROCESS = ("vramcal.measure", "vramcal.train", "vramcal.calibrator", "vramcal.api", "vramcal.tune", "vramcal.cli")
@@ -272,7 +273,7 @@ def test_every_command_is_registered_in_one_place_and_is_short():
     from vramcal.cli import main
 
     registered = {name for name, command in main.commands.items()}
-    assert registered == {"probe", "show", "report", "limits", "train", "data", "tune"}
+    assert registered == {"probe", "show", "report", "limits", "cost", "train", "data", "tune"}
     sources = "\n".join(p.read_text() for p in (PACKAGE / "cli").glob("*.py") if p.name != "__init__.py")
     assert "add_command" not in sources and "main.command" not in sources  # no self-registration
 

@@ -72,6 +72,10 @@ class Observation:
         usable_bytes: the profile's usable memory.
         steps: optimizer steps the run made.
         run_dir: the run folder.
+        samples_per_s, epoch_s: the run's measured training samples/s and mean epoch time (training steps and
+            the validation pass) over its complete epochs; None: not measured (older runs, no complete epoch).
+        forecast_samples_per_s, forecast_epoch_s: the run forecast's for the same epochs
+            (:mod:`vramcal.train.timing`); None: no forecast.
     """
 
     recorded_utc: str
@@ -84,11 +88,22 @@ class Observation:
     usable_bytes: int
     steps: int
     run_dir: str
+    samples_per_s: float | None = None
+    epoch_s: float | None = None
+    forecast_samples_per_s: float | None = None
+    forecast_epoch_s: float | None = None
 
     @property
     def error(self) -> float:
         """(measured − predicted) / predicted."""
         return (self.peak_bytes - self.predicted_peak_bytes) / self.predicted_peak_bytes
+
+    @property
+    def time_error(self) -> float | None:
+        """(measured − forecast) / forecast of the epoch time; None without both."""
+        if self.epoch_s is None or not self.forecast_epoch_s:
+            return None
+        return (self.epoch_s - self.forecast_epoch_s) / self.forecast_epoch_s
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -13,6 +13,7 @@ import functools
 import json
 import math
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import click
 from click.core import ParameterSource
@@ -224,3 +225,27 @@ def one_line(interrupted: str = "interrupted") -> Iterator[None]:
 
 class Interrupted(click.ClickException):
     exit_code = EXIT_INTERRUPTED
+
+
+def profile_paths(paths: tuple[Path, ...]) -> list[Path]:
+    """Expand folders to the profiles (``*.json``) below them, sorted; files stay as given."""
+    expanded = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(path.glob("**/*.json"))
+            if not found:
+                raise click.ClickException(f"{path} holds no profile (*.json): run `vramcal probe` first")
+            expanded += found
+        else:
+            expanded.append(path)
+    return expanded
+
+
+def load_profiles(paths: tuple[Path, ...]) -> tuple[list[Path], list]:
+    """The profile files PATHS name (folders expanded: :func:`profile_paths`), and the profiles, checked; a bad one
+    ends the command with one line."""
+    from vramcal.profile import load_profile
+
+    expanded = profile_paths(paths)
+    with one_line():
+        return expanded, [load_profile(path) for path in expanded]
