@@ -61,19 +61,24 @@ def test_unknown_validation_is_not_counted_and_said_so():
     assert row.epoch_s == pytest.approx(row.train_s)
 
 
-def test_a_profile_forecast_uses_the_conservative_size_and_its_measured_rate():
+def test_a_profile_forecast_uses_the_conservative_size_at_the_steady_rate_of_the_safe_size():
+    """The conservative size (90 % of safe) ran two timed steps; the safe size 4 + 40 (the steady trial): the
+    forecast reads the safe size's steady rate per sample, and says so."""
     profile = timed_profile()
     dataset = calibration_dataset(profile)
     assert (dataset.train_samples, dataset.val_samples) == (424, 105)
     row = forecast_profile(profile, dataset, 10, price_per_hour=0.59)
-    conservative = profile.limits.conservative_batch_size
-    (rate_trial,) = [t for t in profile.trials if t.batch_size == conservative]
-    mean = sum(rate_trial.step_times_s) / 2
-    assert (row.batch_size, row.batch_source) == (conservative, "conservative")
-    assert row.samples_per_s == pytest.approx(conservative / mean)
-    assert row.train_s == pytest.approx(424 * mean / conservative)
-    assert row.val_s == pytest.approx(105 * rate_trial.val_times_s[0] / conservative)
+    conservative, safe = profile.limits.conservative_batch_size, profile.limits.safe_batch_size
+    at_safe = [t for t in profile.trials if t.batch_size == safe]
+    times = [s for t in at_safe for s in t.step_times_s]
+    per_sample = sum(times) / len(times) / safe
+    val_per_sample = sum(t.val_times_s[0] for t in at_safe) / len(at_safe) / safe
+    assert (row.batch_size, row.batch_source, row.steady) == (conservative, "conservative", True)
+    assert row.samples_per_s == pytest.approx(1 / per_sample)
+    assert row.train_s == pytest.approx(424 * per_sample)
+    assert row.val_s == pytest.approx(105 * val_per_sample)
     assert row.cost == pytest.approx(0.59 * row.run_s / 3600)
+    assert f"steady trial at batch size {safe}, read per sample" in " ".join(row.notes)
 
 
 def test_a_batch_larger_than_the_data_is_cut_to_it_as_the_trainer_cuts_it():

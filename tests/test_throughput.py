@@ -7,7 +7,15 @@ import math
 
 import pytest
 
-from vramcal.calibration.throughput import KNEE_FRACTION, STEADY_MIN_STEPS, find_knee, measured_rates, rate_at
+from vramcal.calibration.throughput import (
+    KNEE_FRACTION,
+    NEAR_FRACTION,
+    STEADY_MIN_STEPS,
+    find_knee,
+    measured_rates,
+    rate_at,
+    rate_for_run,
+)
 from vramcal.profile import Profile, load_profile, save_profile
 from vramcal.records import Trial
 
@@ -106,3 +114,18 @@ def test_a_profile_with_a_non_finite_step_time_is_refused(tmp_path):
     bad = dataclasses.replace(profile.trials[0], step_times_s=(0.1, float("nan")))
     with pytest.raises(ProfileError, match="step_times_s"):
         check_profile(dataclasses.replace(profile, trials=(bad, *profile.trials[1:])))
+
+
+def test_a_run_is_forecast_at_a_nearby_steady_rate_per_sample_else_at_the_short_one():
+    rates = measured_rates([trial(90, (1.0, 1.2), val_times_s=(0.3,)), trial(100, (1.0,) * 40, "steady",
+                                                                               val_times_s=(0.2,)),
+                            trial(50, (0.4, 0.4))])
+    assert NEAR_FRACTION == 0.15
+    near = rate_for_run(rates, 90)
+    assert near.per_sample_from == 100 and near.samples_per_s == pytest.approx(100.0)  # 1.0 s per 100 samples
+    assert near.step_s == pytest.approx(0.9) and near.val_s == pytest.approx(0.18) and near.steady
+    assert rate_for_run(rates, 100).per_sample_from is None  # its own steady rate
+    short = rate_for_run(rates, 50)  # 50 % away: its own short rate
+    assert short.per_sample_from is None and not short.steady and short.samples_per_s == pytest.approx(125.0)
+    between = rate_for_run(rates, 70)
+    assert between.interpolated_from == (50, 90)

@@ -2,7 +2,8 @@
 it costs, from the card's profile; pure functions of profiles, a dataset, a number of epochs and prices.
 
 At the run's batch size ``b`` (the conservative one, or the throughput knee: :func:`vramcal.sizing.size`),
-with the rates the card's trials measured there (:mod:`vramcal.calibration.throughput`):
+with the rates the card's trials measured there, steady where it can
+(:func:`vramcal.calibration.throughput.rate_for_run`):
 
     train_s   = train_samples / samples_per_s(b)             every training window once per epoch
     val_s     = val_samples × val_pass_s(b) / b               one validation pass, in chunks of b
@@ -27,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from vramcal.calibration.throughput import Rate, measured_rates, rate_at
+from vramcal.calibration.throughput import NEAR_FRACTION, Rate, measured_rates, rate_at, rate_for_run
 from vramcal.profile import Profile
 from vramcal.sizing import SizeFor, SizingError, length_trials, size
 
@@ -164,7 +165,10 @@ def time_verdict(measured_s: float, forecast_s: float) -> str:
 def rate_notes(rate: Rate, dataset: Dataset) -> list[str]:
     """What a row's rate rests on, when people should know it."""
     notes = []
-    if rate.interpolated_from:
+    if rate.per_sample_from is not None:
+        notes.append(f"samples/s of the steady trial at batch size {rate.per_sample_from}, read per sample (within "
+                     f"{NEAR_FRACTION * 100:g} % of batch size {rate.batch_size}, where only short trials ran)")
+    elif rate.interpolated_from:
         notes.append(f"samples/s interpolated between the measured batch sizes {rate.interpolated_from[0]} and "
                      f"{rate.interpolated_from[1]}")
     elif not rate.per_step:
@@ -187,7 +191,7 @@ def forecast_batch(profile: Profile, batch_size: int, batch_source: str, dataset
     """The forecast for a run of ``epochs`` over ``dataset`` at ``batch_size`` on the profile's card; a batch
     size without a measured rate at or around it gives a row without times."""
     card = card or profile.device.name
-    rate = rate_at(measured_rates(length_trials(profile, seq_len)), batch_size)
+    rate = rate_for_run(measured_rates(length_trials(profile, seq_len)), batch_size)
     if rate is None:
         return Forecast(card, True, epochs, dataset, batch_size, batch_source, price_per_hour=price_per_hour,
                         notes=(f"no throughput measured at or around batch_size {batch_size}: no forecast",))

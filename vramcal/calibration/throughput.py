@@ -25,6 +25,11 @@ measured sizes are sparse, so the knee lies somewhere above the largest measured
 Throughput depends on the card, not only on its memory: there is no rate for a batch size nor for a device
 that was not measured, and nothing here extrapolates one. Between two measured sizes :func:`rate_at`
 interpolates the time per sample linearly, and says so.
+
+A run is forecast at a steady rate where there is one (:func:`rate_for_run`): its own size's, else the steady
+rate of a size within :data:`NEAR_FRACTION` (15 %) of it, read per sample (the conservative size is 90 % of the
+safe one, where the steady trial ran: a short trial's two steps there are seconds of a busy machine, the steady
+trial's forty are minutes), else the short trials' rate at or around the size.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from vramcal.records import Trial
 KNEE_FRACTION = 0.95  # the knee: the smallest batch size reaching this fraction of the best samples/s
 STEADY_MIN_STEPS = 10  # timed steps at one batch size that make its rate steady without a steady trial
 CONFIDENCE = 0.95
+NEAR_FRACTION = 0.15  # a steady rate stands in, per sample, for a size this close to its own (rate_for_run)
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class Rate:
             a run's first step does (None: not recorded).
         val_s: the mean time of one validation pass at this batch size (None: not recorded).
         interpolated_from: for a size between measured ones (:func:`rate_at`), the two it was read from.
+        per_sample_from: for a size read per sample from a nearby steady rate (:func:`rate_for_run`), that size.
     """
 
     batch_size: int
@@ -78,6 +85,7 @@ class Rate:
     first_step_s: float | None = None
     val_s: float | None = None
     interpolated_from: tuple[int, int] | None = None
+    per_sample_from: int | None = None
 
     @property
     def spread(self) -> float | None:
@@ -183,3 +191,24 @@ def rate_at(rates: Sequence[Rate], batch_size: int) -> Rate | None:
     return Rate(batch_size, batch_size / step, None, None, step, None, 0, 0, a.steady and b.steady,
                 a.per_step and b.per_step, None if first is None else first * batch_size,
                 None if val is None else val * batch_size, (a.batch_size, b.batch_size))
+
+
+def rate_for_run(rates: Sequence[Rate], batch_size: int) -> Rate | None:
+    """The rate a run at ``batch_size`` is forecast at (module docstring): a steady rate at that size, else the
+    nearest steady rate within :data:`NEAR_FRACTION` of it read per sample (the same samples/s and interval; the
+    step, first step and validation times scaled by the batch sizes' ratio), else :func:`rate_at`."""
+    own = rate_at(rates, batch_size)
+    if own is not None and own.steady:
+        return own
+    near = [r for r in rates if r.steady and abs(r.batch_size - batch_size) <= NEAR_FRACTION * r.batch_size]
+    if not near:
+        return own
+    steady = min(near, key=lambda r: (abs(r.batch_size - batch_size), r.batch_size))
+    scale = batch_size / steady.batch_size
+
+    def scaled(seconds: float | None) -> float | None:
+        return None if seconds is None else seconds * scale
+
+    return dataclasses.replace(steady, batch_size=batch_size, step_s=steady.step_s * scale,
+                               step_sd_s=scaled(steady.step_sd_s), first_step_s=scaled(steady.first_step_s),
+                               val_s=scaled(steady.val_s), per_sample_from=steady.batch_size)
