@@ -202,3 +202,25 @@ def test_time_verdicts_and_a_dataset_that_cannot_be():
     assert time_verdict(101, 80) == FAR and time_verdict(100, 81) == "within 25 %" and time_verdict(59, 80) == FAR
     with pytest.raises(ValueError, match="at least 1 training sample"):
         Dataset(0, 0, "empty")
+
+
+def test_a_run_observes_its_complete_epochs_against_the_forecast_for_the_same_epochs():
+    from vramcal.forecast import Forecast
+    from vramcal.train.timing import first_epoch_lines, observed
+
+    forecast = Forecast("card", True, 3, Dataset(100, 10, "t"), 10, "conservative", samples_per_s=50.0,
+                        train_s=2.0, val_s=0.5, epoch_s=2.5, first_s=0.3, run_s=7.8)
+    rows = [{"epoch": 1, "complete": True, "epoch_s": 3.0, "train_s": 2.6, "val_s": 0.4, "samples": 100,
+             "samples_per_s": 100 / 2.6},
+            {"epoch": 2, "complete": True, "epoch_s": 2.0, "train_s": 1.6, "val_s": 0.4, "samples": 100},
+            {"epoch": 3, "complete": False, "epoch_s": 0.5, "train_s": 0.5, "val_s": 0.0, "samples": 20}]
+    fields = observed(forecast, rows, fresh=True)
+    assert fields["epoch_s"] == 2.5 and fields["samples_per_s"] == pytest.approx(200 / 4.2)
+    assert fields["forecast_epoch_s"] == pytest.approx(2.5 + 0.3 / 2)  # the first step's extra, shared by 2 epochs
+    assert observed(forecast, rows, fresh=False)["forecast_epoch_s"] == 2.5  # a resumed run has no first step
+    assert observed(None, rows, fresh=True).keys() == {"epoch_s", "samples_per_s"}
+    assert observed(forecast, rows[2:], fresh=True) == {}
+    (line,) = first_epoch_lines(forecast, rows[0], fresh=True)
+    assert "forecast 2.8 s (+7.1%)" in line
+    far = first_epoch_lines(forecast, {**rows[0], "epoch_s": 4.0}, fresh=True)
+    assert len(far) == 2 and far[1].startswith("warning: the epoch took +43%")

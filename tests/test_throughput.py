@@ -120,12 +120,12 @@ def test_a_run_is_forecast_at_a_nearby_steady_rate_per_sample_else_at_the_short_
     rates = measured_rates([trial(90, (1.0, 1.2), val_times_s=(0.3,)), trial(100, (1.0,) * 40, "steady",
                                                                                val_times_s=(0.2,)),
                             trial(50, (0.4, 0.4))])
-    assert NEAR_FRACTION == 0.15
+    assert NEAR_FRACTION == 0.25
     near = rate_for_run(rates, 90)
     assert near.per_sample_from == 100 and near.samples_per_s == pytest.approx(100.0)  # 1.0 s per 100 samples
     assert near.step_s == pytest.approx(0.9) and near.val_s == pytest.approx(0.18) and near.steady
     assert rate_for_run(rates, 100).per_sample_from is None  # its own steady rate
     short = rate_for_run(rates, 50)  # 50 % away: its own short rate
     assert short.per_sample_from is None and not short.steady and short.samples_per_s == pytest.approx(125.0)
-    between = rate_for_run(rates, 70)
+    between = rate_for_run(rates, 70)  # 30 % away from the steady 100: interpolated between the short 50 and 90
     assert between.interpolated_from == (50, 90)

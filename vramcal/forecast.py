@@ -315,7 +315,7 @@ def calibration_dataset(profile: Profile) -> Dataset | None:
         return None
     val = info.get("val_windows")
     return Dataset(train, val if isinstance(val, int) else None,
-                   f"the calibration's data ({info.get('data', profile.data.get('source', 'unknown'))})")
+                   f"the calibration's data: {info.get('data', profile.data.get('source', 'unknown'))}")
 
 
 @dataclass(frozen=True)

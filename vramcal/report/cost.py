@@ -86,8 +86,11 @@ def forecast_notes(forecasts: Sequence[Forecast]) -> list[str]:
                  "cover a busier machine or another software stack.")
     lines.append("Throughput is measured per card: a card without a profile has none (`unknown`), and is never "
                  "estimated from another card's memory or speed.")
-    lines += [f"{f.card}: {note}" for f in forecasts for note in f.notes]
-    return lines
+    shared = {f.card for f in forecasts if [g.card for g in forecasts].count(f.card) > 1}
+    for f in forecasts:
+        who = f"{f.card}, batch size {f.batch_size}" if f.card in shared else f.card
+        lines += [f"{who}: {note}" for note in f.notes]
+    return list(dict.fromkeys(lines))
 
 
 def render_cost_markdown(forecasts: Sequence[Forecast], png_name: str, title: str) -> str:
