@@ -334,3 +334,13 @@ def test_the_report_command_takes_the_forecast_options(tmp_path):
     assert result.exit_code == 0, result.output
     text = (tmp_path / "r" / "f.md").read_text()
     assert "run of 3 epochs" in text and "| H100 " in text and "1,000 training samples" in text
+    from test_train_data import synthetic_bars
+
+    synthetic_bars(3000).to_parquet(tmp_path / "bars.parquet")
+    for extra, phrase in ((["--data", str(tmp_path / "bars.parquet"), "--stride", "64", "--val-fraction", "0.25",
+                            "--seq-len", "128"], "Each epoch: 34 training samples and 10 validation samples"),
+                          (["--bars", "3000", "--stride", "64"], "Each epoch: 36 training samples and 8 validation"),
+                          (["--samples", "500", "--val-samples", "50"], "500 training samples and 50 validation")):
+        result = CliRunner().invoke(report_command, [str(path), "--out", str(tmp_path / "r"), "--name", "g", *extra])
+        assert result.exit_code == 0, result.output
+        assert phrase in (tmp_path / "r" / "g.md").read_text()
