@@ -242,6 +242,9 @@ def throughput_choice(profile: Profile, seq_len: int | None, limit_batch: int, l
         gain = knee.best.samples_per_s / knee.rate.samples_per_s - 1
         beyond = (f"no measured size gains more than {gain:.1%} over it" if knee.best is not knee.rate
                   else "no measured size is faster")
+        if not knee.rate.steady:
+            beyond += (f" (its rate rests on {knee.rate.n_steps} timed step{'s' * (knee.rate.n_steps != 1)} of short "
+                       f"trials: the first epoch's time against the forecast will tell)")
         return knee.batch_size, "knee", (f"sizing for throughput: batch_size {knee.batch_size} "
                                          f"({knee.rate.samples_per_s:.3g} samples/s) is {reach}, below the "
                                          f"{limit_name} batch size {limit_batch}{there}; {beyond}")
