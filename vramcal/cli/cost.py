@@ -152,10 +152,16 @@ def cost_command(profiles: tuple[Path, ...], size_for: str, out_dir: Path, name:
 
 
 def _labels(profiles: list) -> list[str]:
-    """Each row's card: the device's name, with what else differs when two profiles share a device."""
-    from vramcal.report.markdown import series_labels
+    """Each row's card: the device's name, with its memory and the model settings that differ when two profiles
+    share a device name."""
+    from vramcal.units import format_bytes
 
     names = [p.device.name for p in profiles]
     if len(set(names)) == len(names):
         return names
-    return [f"{name} · {label}" for name, label in zip(names, series_labels(profiles)[0])]
+    keys = sorted({k for p in profiles for k in p.model.params})
+    differ = [k for k in keys if len({str(p.model.params.get(k)) for p in profiles}) > 1]
+    totals = len({p.device.total_bytes for p in profiles}) > 1
+    return [" · ".join(x for x in (name, format_bytes(p.device.total_bytes) if totals else "",
+                                   " ".join(f"{k}={p.model.params.get(k)}" for k in differ)) if x)
+            for name, p in zip(names, profiles)]

@@ -38,7 +38,8 @@ def _interval(value: float | None, low: float | None, high: float | None, render
         return MISSING
     if high is None:
         return render(value)
-    return f"{render(value)} ({render(low) if low is not None else '0'}–{render(high)})"
+    ends = (render(low) if low is not None else "0", render(high))
+    return render(value) if ends[0] == ends[1] else f"{render(value)} ({ends[0]}–{ends[1]})"
 
 
 def _money(amount: float) -> str:
@@ -75,11 +76,12 @@ def forecast_table(forecasts: Sequence[Forecast], bold: bool = True) -> str:
 def forecast_notes(forecasts: Sequence[Forecast]) -> list[str]:
     """What the numbers assume, and each row's own notes, as sentences."""
     lines = []
-    dataset = next((f.dataset for f in forecasts if f.dataset is not None), None)
-    if dataset is not None:
-        val = "an unknown number of" if dataset.val_samples is None else f"{dataset.val_samples:,}"
-        lines.append(f"Each epoch: {dataset.train_samples:,} training samples and {val} validation samples "
-                     f"({dataset.source}).")
+    datasets = list(dict.fromkeys(f.dataset for f in forecasts if f.dataset is not None and f.measured))
+    for f in forecasts if len(datasets) > 1 else forecasts[:0]:
+        if f.dataset is not None and f.measured:
+            lines.append(f"{f.card}: each epoch {_epoch_text(f.dataset)}.")
+    if len(datasets) == 1:
+        lines.append(f"Each epoch: {_epoch_text(datasets[0])}.")
     lines.append("Epoch = training samples / samples/s + the validation pass at the trials' per-sample time; the "
                  "run adds the first step's extra time once (it allocates the optimizer's state); cost = price per "
                  "hour × run time. Intervals follow the 95 % interval of the measured step times; they do not "
@@ -91,6 +93,11 @@ def forecast_notes(forecasts: Sequence[Forecast]) -> list[str]:
         who = f"{f.card}, batch size {f.batch_size}" if f.card in shared else f.card
         lines += [f"{who}: {note}" for note in f.notes]
     return list(dict.fromkeys(lines))
+
+
+def _epoch_text(dataset) -> str:
+    val = "an unknown number of" if dataset.val_samples is None else f"{dataset.val_samples:,}"
+    return f"{dataset.train_samples:,} training samples and {val} validation samples ({dataset.source})"
 
 
 def render_cost_markdown(forecasts: Sequence[Forecast], png_name: str, title: str) -> str:

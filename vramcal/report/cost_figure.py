@@ -6,6 +6,7 @@ A pure function of :class:`vramcal.forecast.Forecast` rows; matplotlib is import
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -70,7 +71,8 @@ def _draw_times(ax: Any, forecasts: Sequence[Forecast], unit: tuple[str, float])
         color = COLORS[forecasts.index(f) % len(COLORS)]
         ax.barh(y, run, height=0.6, color=color, alpha=0.8, xerr=[[whisker[0]], [whisker[1]]], capsize=3)
         ax.text(run + whisker[1], y, f"  {format_duration(f.run_s)}", va="center", fontsize=8.5)
-    names = [f"{f.card}\n" + (f"batch {f.batch_size or MISSING}" if f.measured else "no profile") for f in rows]
+    names = [textwrap.fill(f.card, 34) + "\n" + (f"batch {f.batch_size or MISSING}" if f.measured else "no profile")
+             for f in rows]
     ax.set_yticks(range(len(rows)), names, fontsize=8.5)
     ax.set_ylim(-0.6, len(rows) - 0.4)
     epochs = f"{forecasts[0].epochs} epochs, " if forecasts else ""
@@ -90,13 +92,16 @@ def _draw_costs(ax: Any, forecasts: Sequence[Forecast], unit: tuple[str, float])
         ax.errorbar([f.cost], [run], xerr=cost_whisker, yerr=[[whisker[0]], [whisker[1]]], fmt="o", ms=8,
                     color=color, capsize=3)
         best = ", ".join(w for w, on in (("fastest", f.fastest), ("cheapest", f.cheapest)) if on)
-        ax.annotate(f"{f.card}{f' ({best})' if best else ''}", (f.cost, run), textcoords="offset points",
-                    xytext=(8, 6), fontsize=9)
-    missing = [f.card for f in forecasts if f.cost is None]
+        ax.annotate(textwrap.fill(f.card, 40) + (f" ({best})" if best else ""), (f.cost, run), fontsize=8.5,
+                    textcoords="offset points", xytext=(8, 6))
+    missing = [f"{textwrap.shorten(f.card, 40)}: " + ("no measured profile" if not f.measured else "no price (--price)"
+                                                      if f.price_per_hour is None else "no forecast")
+               for f in forecasts if f.cost is None]
     if missing:
-        reason = "no price (--price) or no forecast" if priced else "no prices given (--price NAME=PRICE)"
-        ax.text(0.98, 0.98, f"not placed ({reason}):\n" + "\n".join(missing), transform=ax.transAxes, fontsize=8.5,
-                color="#666666", va="top", ha="right", bbox={"facecolor": "white", "edgecolor": "#dddddd"})
+        reason = "no cost" if priced else "no prices given: --price NAME=PRICE"
+        # lower right: dear and quick, where a card rarely lies
+        ax.text(0.98, 0.02, f"not placed ({reason}):\n" + "\n".join(missing), transform=ax.transAxes, fontsize=8.5,
+                color="#666666", va="bottom", ha="right", bbox={"facecolor": "white", "edgecolor": "#dddddd"})
     costs = [f.cost_high if f.cost_high is not None else f.cost for f in priced]
     runs = [(f.run_high_s if f.run_high_s is not None else f.run_s) / unit[1] for f in priced]
     ax.set_xlim(0, max(costs, default=1.0) * 1.35 or 1.0)

@@ -63,9 +63,10 @@ def first_epoch_lines(forecast: Forecast, row: dict[str, Any], fresh: bool) -> l
              f", {row['samples_per_s']:.3g} samples/s; validation {format_duration(row['val_s'])}): forecast "
              f"{format_duration(expected)} ({error:+.1%})"]
     if time_verdict(row["epoch_s"], expected) == FAR:
+        short = ("; its rate rested on a short trial's few timed steps" if forecast.steady is False else "")
         lines.append(f"warning: the epoch took {error:+.0%} against the forecast: the profile's throughput does not "
-                     f"describe this run (a busier machine, other software, another card?); re-run `vramcal probe` "
-                     f"here to measure it again")
+                     f"describe this run (a busier machine, other software, another card?{short}); re-run "
+                     f"`vramcal probe` here to measure it again")
     return lines
 
 
