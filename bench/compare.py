@@ -139,7 +139,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__.splitlines()[0])
     parser.add_argument("--spec", default="small", help="comma-separated spec names: " + ", ".join(SPECS))
     parser.add_argument("--budget", default=None, help="memory budget, e.g. 1.5GiB (default: the spec's)")
-    parser.add_argument("--steps", type=int, default=200, help="optimizer steps of each survival run")
+    parser.add_argument("--steps", type=int, default=1000,
+                        help="optimizer steps of each survival run (1,000 for results)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the tools")
     parser.add_argument("--seed", type=int, default=0, help="seeds the order of the tools in each round")
     parser.add_argument("--accelerate-start", type=int, default=1024,

@@ -2,9 +2,14 @@
 
 ``gpu_profile`` mimics an RTX 3060 running the seed documents' line (0.529 GB + 0.088 GB × batch),
 with a trial over budget, one out of memory, and verification at the safe and conservative sizes.
+``timed_profile`` gives a card its own speed: every trial times each step (a fixed cost per step plus one per
+sample, with deterministic noise), its warm-up and its validation pass, and a steady trial of 40 steps runs at
+the safe size, as a real calibration's do.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from vramcal.calibration.fit import fit_linear
 from vramcal.calibration.limits import LimitSettings, compute_limits
@@ -101,3 +106,33 @@ def sparse_profile() -> Profile:
     trials = [gpu_trial(1, seed_peak(1)), gpu_trial(2, seed_peak(2, 1)),
               Trial(batch_size=4, status="timeout", purpose="grow", error="killed after the 900 s time limit")]
     return build_profile(gpu_device(), trials)
+
+
+STEP_NOISE = (0.01, -0.02, 0.015, -0.005, 0.02, -0.01, 0.0, 0.005, -0.015, 0.01)  # relative, per step
+
+
+def step_seconds(batch_size: int, fixed_s: float, per_sample_s: float, index: int = 0) -> float:
+    """The synthetic card's step time: ``fixed_s + per_sample_s × batch_size``, times (1 + a little noise)."""
+    return (fixed_s + per_sample_s * batch_size) * (1 + STEP_NOISE[index % len(STEP_NOISE)])
+
+
+def timed(trial: Trial, fixed_s: float, per_sample_s: float, steps: int = 2) -> Trial:
+    """``trial`` with ``steps`` timed steps, a warm-up step 1.5 × as long and a validation pass a third of a step."""
+    times = tuple(step_seconds(trial.batch_size, fixed_s, per_sample_s, i + trial.batch_size) for i in range(steps))
+    median = sorted(times)[len(times) // 2]
+    return dataclasses.replace(trial, step_times_s=times, step_s=median, samples_per_s=trial.batch_size / median,
+                               warmup_times_s=(1.5 * times[0],), val_times_s=(times[0] / 3,))
+
+
+def timed_profile(name: str = "NVIDIA GeForce RTX 4090", total_bytes: int = 24564 * 2**20, fixed_s: float = 0.01,
+                  per_sample_s: float = 0.0004, sizes: tuple[int, ...] = (1, 8, 32, 64, 128, 192)) -> Profile:
+    """A verified GPU profile of one card whose steps take ``fixed_s + per_sample_s × batch`` seconds; every trial
+    timed, a steady trial of 40 steps at the safe size, and the regressor's windows of the E-mini sample in its
+    ``model_info`` (424 training, 105 validation)."""
+    trials = [gpu_trial(b, seed_peak(b, i)) for i, b in enumerate(sizes)]
+    profile = build_profile(gpu_device(name, total_bytes), trials)
+    steady = dataclasses.replace(profile.trials[-2], purpose="steady")  # the safe size's verification trial
+    trials = [timed(t, fixed_s, per_sample_s) for t in profile.trials] + [timed(steady, fixed_s, per_sample_s, 40)]
+    return dataclasses.replace(profile, trials=tuple(trials),
+                               model_info={**profile.model_info, "train_windows": 424, "val_windows": 105,
+                                           "data": "es_1s.parquet"})

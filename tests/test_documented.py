@@ -16,6 +16,7 @@ the fake line (tests/host_budget.py): the limits and the runs' room are the same
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -32,6 +33,7 @@ from test_train_data import synthetic_bars
 
 from vramcal.cli import main
 from vramcal.cli.options import EXIT_UNVERIFIED
+from vramcal.profile import load_profile, save_profile
 from vramcal.records import Trial
 
 MIB = 2**20
@@ -168,6 +170,39 @@ def test_train_probe_calibrates_then_trains(home, monkeypatch):
     assert f"profile: {profile}" in result.stderr and "done: 2 steps" in result.stdout
     run = json.loads((home["tmp"] / "probed-run" / "run.json").read_text())
     assert run["profile"] == str(profile) and run["sizing"]["source"].startswith("conservative")
+
+
+def test_train_and_tune_size_for_throughput_and_the_run_is_shown_beside_its_forecast(home):
+    """A profile whose trials ran fastest per sample at small batches (as on this project's host): ``train
+    --size-for throughput`` trains at the knee and says why; the run's epoch time lands beside the forecast in the
+    profile (here far from it: the profile's step times are made up), ``show`` lists it, the report's section
+    carries it; ``tune --size-for throughput`` searches up to the knee; ``cost`` forecasts both sizes."""
+    tmp = home["tmp"]
+
+    def timed(t: Trial) -> Trial:  # rates: 1 -> 199, 8 -> 602 (the best), 64 -> 427 samples/s, slower above
+        step = 0.004 + 0.001 * t.batch_size + 0.00002 * t.batch_size**2
+        return t if not t.ok else dataclasses.replace(t, step_s=step, samples_per_s=t.batch_size / step,
+                                                      step_times_s=(step, step), val_times_s=(step / 3,))
+
+    profile = load_profile(home["profile"])
+    path = save_profile(dataclasses.replace(profile, trials=tuple(map(timed, profile.trials)), observations=()),
+                        tmp / "knee" / "profile.json")
+    run = tmp / "knee-run"
+    result = invoke("train", "--data", home["bars"], "--gpu", "none", *SPEC_ARGS, "--profile", path, "--size-for",
+                    "throughput", "--epochs", "1", "--run-dir", run)
+    assert "batch_size 8 (knee;" in result.stderr and "sizing for throughput: batch_size 8" in result.stderr
+    assert "forecast: 602 samples/s at batch_size 8" in result.stderr and "after the first epoch: " in result.stderr
+    assert "against the forecast" in result.stderr  # made-up step times: the run is far from them, and says so
+    (observation,) = load_profile(path).observations
+    assert observation.batch_size == 8 and observation.epoch_s > 0 and observation.forecast_epoch_s > 0
+    assert observation.forecast_samples_per_s == pytest.approx(8 / 0.01328)
+    assert "FAR FROM THE FORECAST" in invoke("show", path).output
+    section = invoke("cost", path, "--out", tmp / "knee-cost", "--size-for", "throughput").output
+    assert "8 (knee)" in section
+    tune = invoke("tune", "--data", home["bars"], "--gpu", "none", "--profiles-dir", tmp / "knee", *SPEC_ARGS,
+                  "--run-dir", tmp / "knee-tune", "--size-for", "throughput", "--trials", "1", "--n-initial", "1",
+                  "--epochs", "1", "--max-steps", "1")
+    assert "batch_size in [1, 8]" in tune.output
 
 
 def test_data_es_sample_from_a_tick_file(home):

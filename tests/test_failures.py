@@ -269,11 +269,13 @@ def _float_options() -> list[tuple[tuple[str, ...], str, int, int]]:
 
     found = []
     for path, command in commands():
+        gpu = ["--gpu", "none"] if any("--gpu" in getattr(p, "opts", ()) for p in command.params) else []
         for param in command.params:
             if not isinstance(param, click.Option):
                 continue
             kinds = param.type.types if isinstance(param.type, click.Tuple) else [param.type]
-            found += [(path, param.opts[0], len(kinds), i) for i, kind in enumerate(kinds) if is_float(kind)]
+            found += [(path + tuple(gpu), param.opts[0], len(kinds), i) for i, kind in enumerate(kinds)
+                      if is_float(kind)]
     return found
 
 
@@ -282,20 +284,20 @@ NON_FINITE = ("nan", "NaN", "inf", "-inf", "1e999")
 
 
 def test_the_float_options_were_found():
-    names = {(" ".join(path), option) for path, option, _, _ in FLOAT_OPTIONS}
+    names = {(" ".join(p for p in path if p not in ("--gpu", "none")), option) for path, option, _, _ in FLOAT_OPTIONS}
     assert {("probe", "--timeout"), ("probe", "--margin"), ("probe", "--conservative"), ("train", "--lr"),
             ("train", "--checkpoint-minutes"), ("tune", "--lr-range"), ("tune", "--val-fraction")} <= names
 
 
 @pytest.mark.parametrize("value", NON_FINITE)
 @pytest.mark.parametrize(("path", "option", "arity", "position"), FLOAT_OPTIONS,
-                         ids=[f"{' '.join(p)} {o}[{i}]" for p, o, _, i in FLOAT_OPTIONS])
+                         ids=[f"{' '.join(p[:-2] if '--gpu' in p else p)} {o}[{i}]" for p, o, _, i in FLOAT_OPTIONS])
 def test_every_float_option_refuses_nan_and_infinity(path, option, arity, position, value, tmp_path, monkeypatch):
     """Exit 2 and one line naming the option, before anything starts (no trial, no folder, no file)."""
     monkeypatch.chdir(tmp_path)
     values = ["1"] * arity
     values[position] = value
-    result = CliRunner().invoke(main, [*path, "--gpu", "none", option, *values])
+    result = CliRunner().invoke(main, [*path, option, *values])  # path: the command (and --gpu none where it has it)
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("Error")]
     assert len(errors) == 1 and option in errors[0] and "finite" in errors[0], result.output

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import subprocess
@@ -231,3 +232,116 @@ def test_commands_turn_bad_input_into_one_line_errors(tmp_path):
     result = CliRunner().invoke(limits_command, [str(sparse), "--gpus", "L4"])
     assert result.exit_code == 2 and "NAME=SIZE" in result.output
     assert json.loads(sparse.read_text())["fit"] is None
+
+
+# ---------------------------------------------------------------------------------------------- run forecast
+
+def timed_cards(tmp_path: Path) -> list[Path]:
+    """Profiles of three cards, each with its own speed: two timed (RTX 4090, RTX A4000), one made before step
+    times were recorded (RTX 3060: medians only)."""
+    from profiles_for_tests import timed_profile
+
+    cards = {"4090": timed_profile(),
+             "a4000": timed_profile("NVIDIA RTX A4000", 16376 * 2**20, fixed_s=0.03, per_sample_s=0.0025),
+             "3060": gpu_profile()}
+    return [save_profile(p, tmp_path / "profiles" / f"{name}.json") for name, p in cards.items()]
+
+
+def test_a_cost_table_of_several_cards_renders_in_markdown_json_and_png(tmp_path):
+    from vramcal.cli.cost import cost_command
+    from vramcal.report.cost_figure import DPI as COST_DPI
+    from vramcal.report.cost_figure import FIGSIZE_IN as COST_FIGSIZE
+
+    paths = timed_cards(tmp_path)
+    args = [*map(str, paths), "--samples", "50000", "--val-samples", "5000", "--epochs", "50", "--out",
+            str(tmp_path / "out"), "--name", "cards", "--price", "RTX 4090=0.59,RTX A4000=0.25,H100=2.49"]
+    shown = CliRunner().invoke(cost_command, args)
+    assert shown.exit_code == 0, shown.output
+    lines = {line.split("|")[1].strip(): line for line in shown.output.splitlines() if line.startswith("| ")}
+    assert "fastest, cheapest" in lines["NVIDIA GeForce RTX 4090"] and "0.59" in lines["NVIDIA GeForce RTX 4090"]
+    assert lines["H100"].count("unknown") == 4  # samples/s, epoch, run and cost: never guessed
+    assert "predates per-step" in shown.output  # the RTX 3060's old profile: its trials' medians
+    markdown = (tmp_path / "out" / "cards.md").read_text()
+    assert "| H100 " in markdown and "**fastest, cheapest**" in markdown and "![Run time against cost" in markdown
+    width, height = png_dimensions((tmp_path / "out" / "cards.png").read_bytes())
+    assert (width, height) == (COST_FIGSIZE[0] * COST_DPI, COST_FIGSIZE[1] * COST_DPI)
+    data = json.loads(CliRunner().invoke(cost_command, [*args, "--json", "--size-for", "throughput"]).output)
+    rows = {r["card"]: r for r in data["forecasts"]}
+    assert rows["H100"]["measured"] is False and rows["H100"]["samples_per_s"] is None and rows["H100"]["cost"] is None
+    rtx = rows["NVIDIA GeForce RTX 4090"]
+    assert rtx["cost"] == pytest.approx(0.59 * rtx["run_s"] / 3600) and rtx["batch_source"] in ("knee", "conservative")
+    assert rtx["run_s"] == pytest.approx(50 * (50000 / rtx["samples_per_s"] + rtx["val_s"]) + rtx["first_s"])
+
+
+def test_the_cost_command_cuts_windows_from_bars_or_data_and_refuses_two_datasets(tmp_path):
+    from test_train_data import synthetic_bars
+
+    from vramcal.cli.cost import cost_command
+
+    paths = [str(p) for p in timed_cards(tmp_path)[:1]]
+    synthetic_bars(3000).to_parquet(tmp_path / "bars.parquet")
+    out = ["--out", str(tmp_path / "out")]
+    by_bars = CliRunner().invoke(cost_command, [*paths, *out, "--bars", "3000", "--stride", "64", "--val-fraction",
+                                                "0.2", "--json"])
+    by_data = CliRunner().invoke(cost_command, [*paths, *out, "--data", str(tmp_path / "bars.parquet"), "--stride",
+                                                "64", "--json"])
+    counted = json.loads(by_bars.output)["forecasts"][0]["dataset"]
+    cut = json.loads(by_data.output)["forecasts"][0]["dataset"]
+    assert (counted["train_samples"], counted["val_samples"]) == (cut["train_samples"], cut["val_samples"]) == (36, 8)
+    both = CliRunner().invoke(cost_command, [*paths, *out, "--bars", "3000", "--samples", "10"])
+    assert both.exit_code == 2 and "give one of --data, --bars and --samples" in both.output
+    alone = CliRunner().invoke(cost_command, [*paths, *out, "--val-samples", "10"])
+    assert alone.exit_code == 2 and "--val-samples goes with --samples" in alone.output
+    bad = CliRunner().invoke(cost_command, [*paths, *out, "--price", "RTX 4090=free"])
+    assert bad.exit_code == 2 and "is not a price per hour" in bad.output and "Traceback" not in bad.output
+    multi = CliRunner().invoke(cost_command, [*paths, *out, "--seq-len", "256", "--bars", "3000", "--json"])
+    assert json.loads(multi.output)["forecasts"][0]["dataset"]["train_samples"] == 17  # 256 bars, stride 128
+
+
+def test_the_report_forecasts_its_profile_at_the_conservative_size_and_the_knee(tmp_path):
+    from profiles_for_tests import timed_profile
+
+    profile = timed_profile(fixed_s=0.01, per_sample_s=0.01, sizes=(1, 8, 32, 64, 128))
+    text = render_markdown([profile], "x.png")
+    section = text[text.index("## Throughput and run forecast"):text.index("## Trials")]
+    assert "throughput knee (the smallest measured batch reaching 95 % of it) at batch 32" in section
+    assert f"{profile.limits.conservative_batch_size} (conservative)" in section and "32 (knee)" in section
+    assert "424 training samples and 105 validation samples" in section
+    assert "| yes " in section  # the safe size's rate is steady (the steady trial)
+    summary = text[:text.index("## Throughput and run forecast")]
+    assert "| **Throughput** " in summary and "knee" in summary
+
+
+def test_the_report_lists_runs_far_from_their_forecast(tmp_path):
+    from vramcal.profile import Observation
+
+    from profiles_for_tests import timed_profile
+
+    profile = timed_profile()
+    usable = profile.limits.usable_bytes
+    observation = Observation("2026-01-01T00:00:00Z", "0.2.0", 225, 0, 10**10, 10**10, 10**10, usable, 10, "r",
+                              samples_per_s=300.0, epoch_s=2.0, forecast_samples_per_s=600.0, forecast_epoch_s=1.0)
+    close = dataclasses.replace(observation, epoch_s=1.1)
+    text = render_markdown([dataclasses.replace(profile, observations=(observation, close))], "x.png")
+    assert "| +100.0% | **far**" in text and "+10.0% | close" in text
+    path = save_profile(dataclasses.replace(profile, observations=(observation,)), tmp_path / "p.json")
+    assert load_profile(path).observations[0].time_error == pytest.approx(1.0)
+
+
+def test_the_report_command_takes_the_forecast_options(tmp_path):
+    path = timed_cards(tmp_path)[0]
+    result = CliRunner().invoke(report_command, [str(path), "--out", str(tmp_path / "r"), "--name", "f", "--epochs",
+                                                 "3", "--samples", "1000", "--price", "RTX 4090=0.59,H100=2.49"])
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / "r" / "f.md").read_text()
+    assert "run of 3 epochs" in text and "| H100 " in text and "1,000 training samples" in text
+    from test_train_data import synthetic_bars
+
+    synthetic_bars(3000).to_parquet(tmp_path / "bars.parquet")
+    for extra, phrase in ((["--data", str(tmp_path / "bars.parquet"), "--stride", "64", "--val-fraction", "0.25",
+                            "--seq-len", "128"], "Each epoch: 34 training samples and 10 validation samples"),
+                          (["--bars", "3000", "--stride", "64"], "Each epoch: 36 training samples and 8 validation"),
+                          (["--samples", "500", "--val-samples", "50"], "500 training samples and 50 validation")):
+        result = CliRunner().invoke(report_command, [str(path), "--out", str(tmp_path / "r"), "--name", "g", *extra])
+        assert result.exit_code == 0, result.output
+        assert phrase in (tmp_path / "r" / "g.md").read_text()

@@ -30,8 +30,8 @@ LAYERS = (
     ("vramcal.workload", "vramcal.calibration"),  # what a trial runs; the pure calibration core
     ("vramcal.models", "vramcal.measure"),  # the families; processes and hardware
     ("vramcal.profile",),  # the profile file
-    # profile -> batch size; trials -> profile (and their journal); a profile against the running software
-    ("vramcal.sizing", "vramcal.calibrator", "vramcal.journal", "vramcal.staleness"),
+    # profile -> batch size, run time; trials -> profile (and their journal); a profile against the running software
+    ("vramcal.sizing", "vramcal.forecast", "vramcal.calibrator", "vramcal.journal", "vramcal.staleness"),
     ("vramcal.api", "vramcal.report"),  # the front door; reports from profiles
     ("vramcal.train",),  # the bundled trainer
     ("vramcal.tune", "vramcal.integrations", "vramcal.preload"),  # studies, frameworks, the worker server's imports
@@ -39,7 +39,7 @@ LAYERS = (
 )
 # tested with recorded or synthetic trials: no process, hardware or trainer code
 PURE = ("vramcal.calibration", "vramcal.records", "vramcal.schema", "vramcal.units", "vramcal.profile",
-        "vramcal.sizing", "vramcal.report", "vramcal.staleness", "vramcal.words")
+        "vramcal.sizing", "vramcal.forecast", "vramcal.report", "vramcal.staleness", "vramcal.words")
 PROCESS = ("vramcal.measure", "vramcal.train", "vramcal.calibrator", "vramcal.api", "vramcal.tune", "vramcal.cli")
 
 
@@ -276,7 +276,7 @@ def test_every_command_is_registered_in_one_place_and_is_short():
     from vramcal.cli import main
 
     registered = {name for name, command in main.commands.items()}
-    assert registered == {"probe", "show", "report", "limits", "train", "data", "tune"}
+    assert registered == {"probe", "show", "report", "limits", "cost", "train", "data", "tune"}
     sources = "\n".join(p.read_text() for p in (PACKAGE / "cli").glob("*.py") if p.name != "__init__.py")
     assert "add_command" not in sources and "main.command" not in sources  # no self-registration
 

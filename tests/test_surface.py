@@ -231,3 +231,25 @@ def test_probe_limits_and_train_over_lengths_for_real(tmp_path):
     assert trained.exit_code == 0, trained.output
     assert "interpolated (not verified at this length)" in trained.output
     assert f"batch_size {found['conservative_batch_size']} (conservative" in trained.output
+
+
+def test_a_run_forecast_over_lengths_reads_the_trials_at_the_runs_length():
+    from vramcal.forecast import Dataset, forecast_profile
+
+    from profiles_for_tests import gpu_profile
+
+    base, surface = gpu_profile(), make_surface()
+    step_s = {128: 1.0, 512: 2.0}  # the trials at 128 and 512 (none ran at 2048)
+    evidence = [Trial(size, "ok", peak, seq_len=e.seq_len, step_s=step_s[e.seq_len], step_times_s=(step_s[e.seq_len],))
+                for e in surface.lengths for size, peak in ((e.safe_batch_size, e.safe_peak_bytes),
+                                                            (e.conservative_batch_size, e.conservative_peak_bytes))
+                if peak]
+    profile = dataclasses.replace(base, model=base.model.without("seq_len"), surface=surface,
+                                  trials=base.trials + tuple(evidence))
+    dataset = Dataset(8100, 0, "test")
+    at_128, at_2048 = (forecast_profile(profile, dataset, 1, seq_len=n) for n in (128, 2048))
+    assert (at_128.batch_size, at_128.samples_per_s, at_128.epoch_s) == (810, 810.0, 10.0)
+    # no trial timed a step at 2048: no rate there, none borrowed from another length
+    assert at_2048.batch_size == 90 and at_2048.samples_per_s is None and "no throughput measured" in at_2048.notes[0]
+    unsized = forecast_profile(profile, dataset, 1)
+    assert unsized.run_s is None and "give the run's seq_len" in unsized.notes[0]

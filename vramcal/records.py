@@ -212,6 +212,12 @@ class Trial:
             host; on a GPU only device-resident data).
         step_s: median wall time of the measured steps, seconds.
         samples_per_s: ``batch_size / step_s``.
+        step_times_s: the wall time of each measured step, seconds, in order (each timed from drawing its batch
+            to a synchronize after the optimizer step, as the trainer times its steps); None in profiles made
+            before they were recorded (their ``step_s`` is then the only figure).
+        warmup_times_s: the wall time of each warm-up step, seconds (the first allocates the optimizer's
+            state, as a training run's first step does); None when not recorded.
+        val_times_s: the wall time of each validation pass at ``batch_size``, seconds; None when not recorded.
         startup_s: seconds from asking for the process to the trial code running in it.
         build_s: seconds to build the model and optimizer and move them to the device.
         wall_s: seconds of the whole trial as seen by the caller.
@@ -254,6 +260,9 @@ class Trial:
     held_bytes: int | None = None
     step_peaks: tuple[int, ...] | None = None
     late_creep_bytes: int | None = None
+    step_times_s: tuple[float, ...] | None = None
+    warmup_times_s: tuple[float, ...] | None = None
+    val_times_s: tuple[float, ...] | None = None
 
     @property
     def ok(self) -> bool:
@@ -282,6 +291,7 @@ TRIAL_RANGES = {"batch_size": AT_LEAST_ONE, "peak_bytes": POSITIVE, "seq_len": A
                 "late_creep_bytes": NON_NEGATIVE,
                 **dict.fromkeys(("nvml_peak_bytes", "torch_max_reserved_bytes", "torch_max_allocated_bytes",
                                  "rss_peak_bytes", "data_peak_bytes", "data_bytes", "step_s", "samples_per_s",
-                                 "startup_s", "build_s", "wall_s"), NON_NEGATIVE)}
+                                 "startup_s", "build_s", "wall_s", "step_times_s", "warmup_times_s",
+                                 "val_times_s"), NON_NEGATIVE)}
 
 

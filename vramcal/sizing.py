@@ -23,6 +23,10 @@ An effective batch. A requested number of samples per optimizer step (``effectiv
 micro-batch is the largest the profile allows (the ``limit``, or a request, within its bounds), and the
 accumulation steps reach the effective batch (``ceil(effective / micro)``, the last micro-batch smaller;
 ``exact``: a micro-batch that divides it, as ``gradient_accumulation_steps`` frameworks need).
+
+Sizing for throughput (``size_for="throughput"``): a run without a requested batch size takes the throughput
+knee (:func:`throughput_choice`) when it lies below the limit, the limit otherwise; the memory limit stays the
+default.
 """
 
 from __future__ import annotations
@@ -33,11 +37,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from vramcal.calibration.limits import Limits, safe_batch_size
+from vramcal.calibration.throughput import find_knee, measured_rates, rate_at
 from vramcal.profile import Profile
+from vramcal.records import Trial
 from vramcal.units import format_bytes
 from vramcal.words import given, word
 
 Limit = Literal["conservative", "safe"]  # which of the profile's limits a run takes
+SizeFor = Literal["memory", "throughput"]  # what a run without a requested batch size is sized for
 
 
 class SizingError(ValueError):
@@ -50,8 +57,9 @@ class Sizing:
 
     Attributes:
         batch_size: samples per optimizer step.
-        source: ``conservative`` or ``safe`` (the profile's), ``requested`` (the caller's, within
-            bounds) or ``clamped`` (the caller's, moved into [batch_size_min, safe]).
+        source: ``conservative`` or ``safe`` (the profile's), ``knee`` (the throughput knee, sizing for
+            throughput: :func:`throughput_choice`), ``requested`` (the caller's, within bounds) or ``clamped``
+            (the caller's, moved into [batch_size_min, safe]).
         safe_batch_size, conservative_batch_size: the limits in force (after the data term).
         predicted_peak_bytes, upper_bytes: point prediction and upper 95 % bound of the run's peak.
         usable_bytes, total_bytes: the profile's memory figures.
@@ -191,7 +199,8 @@ def extra_bytes(profile: Profile, pool_data_bytes: int | None, process_bytes: in
 
 def size(profile: Profile, request: int | None = None, *, limit: Limit = "conservative",
          batch_size_min: int = 1, pool_data_bytes: int | None = None, seq_len: int | None = None,
-         process_bytes: int | None = None, effective_batch: int | None = None, exact: bool = False) -> Sizing:
+         process_bytes: int | None = None, effective_batch: int | None = None, exact: bool = False,
+         size_for: SizeFor = "memory") -> Sizing:
     """The batch size for a run and the profile's prediction for it.
 
     Args:
@@ -205,6 +214,8 @@ def size(profile: Profile, request: int | None = None, *, limit: Limit = "conser
             docstring); it replaces ``pool_data_bytes``.
         effective_batch: samples per optimizer step to keep (module docstring); the batch size found is the
             micro-batch. ``exact``: a micro-batch that divides it.
+        size_for: ``memory`` takes ``limit``; ``throughput`` takes the throughput knee when it lies below
+            ``limit`` (:func:`throughput_choice`), the limit otherwise.
 
     The seed documents clamp the user's batch size to [min, max] before any allocation; here max is the
     profile's safe batch size (the largest whose upper prediction bound fits in usable memory).
@@ -219,6 +230,9 @@ def size(profile: Profile, request: int | None = None, *, limit: Limit = "conser
     if process_bytes is not None:
         notices.insert(0, process_notice(profile, process_bytes, process_delta))
     batch, source = _chosen(request, limit, safe, conservative, batch_size_min, notices)
+    if request is None and size_for == "throughput":
+        batch, source, why = throughput_choice(profile, seq_len, batch, source, batch_size_min, safe)
+        notices.append(why)
     steps = 1
     if effective_batch is not None:
         batch, steps = accumulation(effective_batch, batch, exact)
@@ -286,6 +300,46 @@ def process_notice(profile: Profile, process_bytes: int, delta: int) -> str:
     return (f"this process holds {format_bytes(process_bytes)} as training starts, the profile's trials held "
             f"{format_bytes(profile.held_bytes)}: a process term of {delta / 2**20:+.1f} MiB in the prediction and the "
             f"limits")
+
+
+def length_trials(profile: Profile, seq_len: int | None = None) -> list[Trial]:
+    """The trials at the run's length: all of them for a one-length profile; for a profile over several
+    lengths those at ``seq_len`` (the reference length's when None)."""
+    if profile.surface is None:
+        return list(profile.trials)
+    wanted = seq_len or profile.surface.reference_seq_len
+    return [t for t in profile.trials
+            if t.seq_len == wanted or (t.seq_len is None and wanted == profile.surface.reference_seq_len)]
+
+
+def throughput_choice(profile: Profile, seq_len: int | None, limit_batch: int, limit_name: str,
+                      batch_size_min: int = 1, safe: int | None = None) -> tuple[int, str, str]:
+    """(batch size, source, why) sizing for throughput: the throughput knee
+    (:func:`vramcal.calibration.throughput.find_knee`, among the measured sizes a run may use: ``[batch_size_min,
+    safe]``, ``safe`` default the profile's) when it is below ``limit_batch``, else the limit itself (``limit_name``).
+    """
+    rates = measured_rates(length_trials(profile, seq_len))
+    high = safe if safe is not None else profile.limits.safe_batch_size if profile.limits else limit_batch
+    knee = find_knee(rates, batch_size_min, max(high, limit_batch))
+    at_limit = rate_at(rates, limit_batch)
+    there = f" ({at_limit.samples_per_s:.3g} samples/s)" if at_limit else ""
+    if knee is None:
+        return limit_batch, limit_name, (f"sizing for throughput: no measured throughput up to batch_size "
+                                         f"{limit_batch}: using the {limit_name} batch size {limit_batch}")
+    reach = (f"the throughput knee, the smallest measured batch size reaching {knee.fraction * 100:g} % of the best "
+             f"{knee.best.samples_per_s:.3g} samples/s (at batch_size {knee.best.batch_size})")
+    if knee.batch_size < limit_batch:
+        gain = knee.best.samples_per_s / knee.rate.samples_per_s - 1
+        beyond = (f"no measured size gains more than {gain:.1%} over it" if knee.best is not knee.rate
+                  else "no measured size is faster")
+        if not knee.rate.steady:
+            beyond += (f" (its rate rests on {knee.rate.n_steps} timed step{'s' * (knee.rate.n_steps != 1)} of short "
+                       f"trials: the first epoch's time against the forecast will tell)")
+        return knee.batch_size, "knee", (f"sizing for throughput: batch_size {knee.batch_size} "
+                                         f"({knee.rate.samples_per_s:.3g} samples/s) is {reach}, below the "
+                                         f"{limit_name} batch size {limit_batch}{there}; {beyond}")
+    return limit_batch, limit_name, (f"sizing for throughput: {reach}, batch_size {knee.batch_size}, is not below "
+                                     f"the {limit_name} batch size {limit_batch}: using {limit_batch}")
 
 
 def fitted_from(profile: Profile) -> int | None:

@@ -1,4 +1,5 @@
-"""The one formatter and the one parser of byte counts (binary units: 1 GiB = 2**30 bytes)."""
+"""The one formatter and the one parser of byte counts (binary units: 1 GiB = 2**30 bytes), and the one
+formatter of durations."""
 
 from __future__ import annotations
 
@@ -43,3 +44,13 @@ def parse_bytes(text: str) -> int:
         raise ValueError(f"cannot read {text!r} as a size: write a number with a unit such as 12GiB, "
                          f"512MiB or 16GB")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_duration(seconds: float) -> str:
+    """Render a duration for people with three significant digits: ``0.84 s``, ``130 s``, ``11.8 min``,
+    ``9.88 h``; seconds up to 10 minutes, minutes up to 3 hours, then hours."""
+    if seconds < 600:
+        return f"{seconds:.3g} s" if seconds < 100 else f"{seconds:.0f} s"
+    if seconds < 3 * 3600:
+        return f"{seconds / 60:.3g} min"
+    return f"{seconds / 3600:.3g} h" if seconds < 100 * 3600 else f"{seconds / 3600:,.0f} h"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import click
 
 from vramcal import __version__
+from vramcal.cli.cost import cost_command
 from vramcal.cli.probe import probe, show
 from vramcal.cli.report import limits_command, report_command
 from vramcal.cli.train import data_group, train_command
@@ -25,5 +26,5 @@ def main(ctx: click.Context) -> None:
     ctx.with_resource(speaking(FLAGS))  # messages name the command line's flags (vramcal.words)
 
 
-for command in (probe, show, report_command, limits_command, train_command, data_group, tune_command):
+for command in (probe, show, report_command, limits_command, cost_command, train_command, data_group, tune_command):
     main.add_command(command)

@@ -1,4 +1,5 @@
-"""What the commands print for people: one line per trial, a calibration's summary, past training runs."""
+"""What the commands print for people: one line per trial, a calibration's summary, past training runs (their
+peaks against the prediction, their epoch times against the forecast)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import sys
 
 import click
 
+from vramcal.forecast import FAR, time_verdict
 from vramcal.report.markdown import trial_reason
 from vramcal.sizing import fitted_from, verdict
-from vramcal.units import format_bytes
+from vramcal.units import format_bytes, format_duration
 
 
 class TrialPrinter:
@@ -107,7 +109,20 @@ def observations_lines(profile) -> list[str]:
         lines.append(f"  {o.recorded_utc}  batch_size {o.batch_size:>6}  peak {format_bytes(o.peak_bytes):>10}  "
                      f"predicted {format_bytes(o.predicted_peak_bytes):>10} ({o.error:+.1%})  {mark}  "
                      f"[{o.steps} steps, vramcal {o.vramcal_version}]")
+        if o.epoch_s is not None:
+            lines.append(f"  {'':20}  {time_line(o)}")
     return lines
+
+
+def time_line(o) -> str:
+    """An observation's measured epoch time and samples/s beside the forecast's, and how far apart they are."""
+    rate = f", {o.samples_per_s:.3g} samples/s" if o.samples_per_s else ""
+    if o.time_error is None:
+        return f"epoch {format_duration(o.epoch_s)}{rate} (no forecast)"
+    forecast_rate = f", {o.forecast_samples_per_s:.3g} samples/s" if o.forecast_samples_per_s else ""
+    found = time_verdict(o.epoch_s, o.forecast_epoch_s)
+    return (f"epoch {format_duration(o.epoch_s)}{rate}: forecast {format_duration(o.forecast_epoch_s)}{forecast_rate} "
+            f"({o.time_error:+.1%}, {found.upper() if found == FAR else found})")
 
 
 def echo_lines(text: str | list[str], err: bool = False) -> None:

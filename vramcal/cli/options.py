@@ -14,6 +14,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import click
 from click.core import ParameterSource
@@ -201,6 +202,10 @@ training_options = group(
     strict_option,
     click.option("--profiles-dir", type=click.Path(file_okay=False), default="profiles", show_default=True),
     click.option("--batch-size-min", type=click.IntRange(1), default=1, show_default=True),
+    click.option("--size-for", type=click.Choice(("memory", "throughput")), default="memory", show_default=True,
+                 help="without --batch-size: memory = the profile's conservative batch size; throughput = the "
+                      "throughput knee (the smallest measured size reaching 95 % of the best samples/s) when it is "
+                      "below that, else the conservative size"),
     click.option("--lr-scaling", type=click.Choice(("none", "linear", "sqrt")), default="sqrt", show_default=True,
                  help="how the peak LR follows the batch size from --reference-batch-size"),
     click.option("--reference-batch-size", type=click.IntRange(1), default=96, show_default=True),
@@ -287,3 +292,27 @@ def single_line(text: str) -> str:
 
 class Interrupted(click.ClickException):
     exit_code = EXIT_INTERRUPTED
+
+
+def profile_paths(paths: tuple[Path, ...]) -> list[Path]:
+    """Expand folders to the profiles (``*.json``) below them, sorted; files stay as given."""
+    expanded = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(path.glob("**/*.json"))
+            if not found:
+                raise click.ClickException(f"{path} holds no profile (*.json): run `vramcal probe` first")
+            expanded += found
+        else:
+            expanded.append(path)
+    return expanded
+
+
+def load_profiles(paths: tuple[Path, ...]) -> tuple[list[Path], list]:
+    """The profile files PATHS name (folders expanded: :func:`profile_paths`), and the profiles, checked; a bad one
+    ends the command with one line."""
+    from vramcal.profile import load_profile
+
+    expanded = profile_paths(paths)
+    with one_line():
+        return expanded, [load_profile(path) for path in expanded]

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import click
 
-from vramcal.cli.options import EXIT_UNVERIFIED, one_line, strict_option
+from vramcal.cli.cost import forecast_options, forecast_settings
+from vramcal.cli.options import EXIT_UNVERIFIED, load_profiles, one_line, strict_option
 from vramcal.models.registry import describe
 from vramcal.report.catalogue import GpuModel, parse_gpu_list
 
@@ -34,27 +35,6 @@ GPUS_HELP = ('more cards for the other-GPU table, e.g. "RTX 4080=16GiB,L4=22.5Gi
              "(GiB binary, GB decimal)")
 
 
-def _profile_paths(paths: tuple[Path, ...]) -> list[Path]:
-    """Expand folders to the profiles (``*.json``) below them, sorted; files stay as given."""
-    expanded = []
-    for path in paths:
-        if path.is_dir():
-            found = sorted(path.glob("**/*.json"))
-            if not found:
-                raise click.ClickException(f"{path} holds no profile (*.json): run `vramcal probe` first")
-            expanded += found
-        else:
-            expanded.append(path)
-    return expanded
-
-
-def _load(paths: list[Path]):
-    from vramcal.profile import load_profile
-
-    with one_line():
-        return [load_profile(path) for path in paths]
-
-
 @click.command("report")
 @click.argument("profiles", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
@@ -63,19 +43,20 @@ def _load(paths: list[Path]):
                                            "or compare-<hash> for several profiles)")
 @click.option("--gpus", type=GpuList(), default="", help=GPUS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="print the files written and each profile's limits as JSON")
+@forecast_options
 def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, gpus: list[GpuModel],
-                   as_json: bool) -> None:
+                   as_json: bool, **options) -> None:
     """Write a PNG and a Markdown report from profile files.
 
     PROFILES are profile files, or folders (every profile below them). Several profiles are drawn on
-    one figure as comparable series.
+    one figure as comparable series. The report's run forecast (as `vramcal cost`) takes the forecast options.
     """
     from vramcal.report import write_report
 
-    paths = _profile_paths(profiles)
-    loaded = _load(paths)
+    paths, loaded = load_profiles(profiles)
     try:
-        png, markdown = write_report(loaded, out_dir, name=name, extra_gpus=gpus)
+        png, markdown = write_report(loaded, out_dir, name=name, extra_gpus=gpus,
+                                     forecast=forecast_settings(loaded, options))
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--name") from None
     except OSError as error:
@@ -111,7 +92,7 @@ def limits_command(ctx: click.Context, profile: Path, gpus: list[GpuModel], seq_
     """
     from vramcal.cli.probe import warn_if_stale
 
-    loaded = _load([profile])[0]
+    loaded = load_profiles((profile,))[1][0]
     with one_line():
         warn_if_stale(loaded, profile, strict_profile)
     if seq_len is None and batch_size is None:

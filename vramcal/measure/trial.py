@@ -18,6 +18,10 @@ model wrapped in DDP (:mod:`vramcal.measure.distributed`); the trial's peak is i
 every rank's kept, and a rank's failure fails the trial for all (the others are stopped, never left
 waiting in a collective).
 
+Every warm-up step, measured step and validation pass is timed on its own (``warmup_times_s``,
+``step_times_s``, ``val_times_s``), from drawing its batch to a synchronize after it, the way the trainer
+times its steps: the run forecast (:mod:`vramcal.forecast`) reads them.
+
 Out-of-memory errors are recognised by :func:`vramcal.oom.is_out_of_memory` only.
 """
 
@@ -123,7 +127,7 @@ class TrialRunner:
 
     def record_world(self, request: TrialRequest, outcomes: list[Outcome], purpose: str) -> Trial:
         """The trial of a world whose ranks all finished: the largest rank's figures, every rank's peak, and the
-        world's step time (its slowest rank's)."""
+        world's step times (its slowest rank's, step by step: DDP's collectives make every rank wait for it)."""
         figures = [dict(o.result) for o in outcomes]
         self.context = figures[0].pop("context")
         for each in figures:
@@ -131,7 +135,9 @@ class TrialRunner:
             each.pop("rank")
         top = max(range(len(figures)), key=lambda rank: figures[rank]["peak_bytes"])
         step_s = max(f["step_s"] for f in figures)
-        trial = {**figures[top], "step_s": step_s, "samples_per_s": request.batch_size / step_s}
+        slowest = {key: tuple(map(max, zip(*(f[key] for f in figures))))
+                   for key in ("step_times_s", "warmup_times_s", "val_times_s")}
+        trial = {**figures[top], **slowest, "step_s": step_s, "samples_per_s": request.batch_size / step_s}
         return Trial(batch_size=request.batch_size, status="ok", purpose=purpose,
                      startup_s=max(o.startup_s or 0 for o in outcomes), wall_s=max(o.wall_s or 0 for o in outcomes),
                      rank_peak_bytes=tuple(f["peak_bytes"] for f in figures), **trial)
@@ -225,31 +231,36 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
     every rank's has not (``all_ranks``: the ranks' agreement, so they stop at the same step).
     """
     from vramcal.calibration.creep import plateau_step
-    from vramcal.measure.meters import synchronize
     from vramcal.workload import detect_kernel_path, train_step, validation_step
 
     device, batch_size, settings = request.device, request.batch_size, request.settings
-    for _ in range(settings.warmup_steps):
-        train_step(step, step.batch(batch_size), model)
-    synchronize(device.kind)
+    warmup = [_timed(lambda: train_step(step, step.batch(batch_size), model), device.kind)
+              for _ in range(settings.warmup_steps)]
     meter.reset()
     times, curve = [], []
     for _ in range(request.measured_steps):
-        start = time.perf_counter()
-        train_step(step, step.batch(batch_size), model)
-        synchronize(device.kind)
-        times.append(time.perf_counter() - start)
+        times.append(_timed(lambda: train_step(step, step.batch(batch_size), model), device.kind))
         if request.steady:
             curve.append(int(meter.read()["peak_bytes"]))
             if all_ranks(plateau_step(curve, settings.plateau_steps) is not None):
                 break
-    for _ in range(request.settings.val_steps):
-        validation_step(step, batch_size, model)
+    val = [_timed(lambda: validation_step(step, batch_size, model), device.kind) for _ in range(settings.val_steps)]
     figures = meter.read()
     context = {"kernel_path": step.kernel_path or detect_kernel_path(step.model),
                "environment": meter.environment(), "info": step.info,
                "data": {"data_bytes": step.data_bytes, "on_device": step.data_on_device}}
     step_s = statistics.median(times)
     return {"step_s": step_s, "samples_per_s": batch_size / step_s, "build_s": build_s,
+            "step_times_s": tuple(times), "warmup_times_s": tuple(warmup), "val_times_s": tuple(val),
             "data_bytes": step.pool_data_bytes(device.kind), "context": context, **figures,
             **({"step_peaks": tuple(curve)} if request.steady else {})}
+
+
+def _timed(run: Callable[[], Any], device_kind: str) -> float:
+    """Seconds ``run()`` took, read after a synchronize (the device's queue drained), as the trainer times a step."""
+    from vramcal.measure.meters import synchronize
+
+    start = time.perf_counter()
+    run()
+    synchronize(device_kind)
+    return time.perf_counter() - start

@@ -93,6 +93,10 @@ class Observation:
         framework: who trained, when not ``vramcal train`` (``lightning``, ``transformers.Trainer``,
             ``accelerate``, ``plain``).
         process_delta_bytes: the process term in the prediction (:mod:`vramcal.sizing`), when measured.
+        samples_per_s, epoch_s: the run's measured training samples/s and mean epoch time (training steps and
+            the validation pass) over its complete epochs; None: not measured (older runs, no complete epoch).
+        forecast_samples_per_s, forecast_epoch_s: the run forecast's for the same epochs
+            (:mod:`vramcal.train.timing`); None: no forecast.
     """
 
     recorded_utc: str
@@ -109,6 +113,10 @@ class Observation:
     world_size: int | None = None
     framework: str | None = None
     process_delta_bytes: int | None = None
+    samples_per_s: float | None = None
+    epoch_s: float | None = None
+    forecast_samples_per_s: float | None = None
+    forecast_epoch_s: float | None = None
 
     @property
     def error(self) -> float:
@@ -117,6 +125,13 @@ class Observation:
         if self.predicted_peak_bytes <= 0:
             return math.inf
         return (self.peak_bytes - self.predicted_peak_bytes) / self.predicted_peak_bytes
+
+    @property
+    def time_error(self) -> float | None:
+        """(measured − forecast) / forecast of the epoch time; None without both."""
+        if self.epoch_s is None or not self.forecast_epoch_s:
+            return None
+        return (self.epoch_s - self.forecast_epoch_s) / self.forecast_epoch_s
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,5 +1,8 @@
 """Reports: a PNG and a Markdown file made only from profiles, so a GPU box's profile reports anywhere.
 
+:func:`write_report` writes a profile's report; :func:`write_cost_report` the run forecast of several cards
+(``vramcal cost``: :mod:`vramcal.report.cost` and :mod:`vramcal.report.cost_figure`).
+
 :mod:`vramcal.report.figure` draws the PNG, :mod:`vramcal.report.markdown` writes the Markdown (the
 summary, the trials and the limits on other GPUs from :mod:`vramcal.report.catalogue`). Both are pure
 functions of the profiles: the same profiles give the same bytes.
@@ -13,15 +16,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vramcal.files import atomic_write_bytes, atomic_write_text
+from vramcal.forecast import ForecastSettings
 from vramcal.report.catalogue import GpuModel
+from vramcal.report.cost import render_cost_markdown
 from vramcal.report.markdown import render_markdown, report_name
 
 if TYPE_CHECKING:
+    from vramcal.forecast import Forecast
     from vramcal.profile import Profile
 
 
 def write_report(profiles: Sequence[Profile], out_dir: Path, name: str | None = None,
-                 extra_gpus: Sequence[GpuModel] = ()) -> tuple[Path, Path]:
+                 extra_gpus: Sequence[GpuModel] = (), forecast: ForecastSettings = ForecastSettings()
+                 ) -> tuple[Path, Path]:
     """Write ``<out_dir>/<name>.png`` and ``<out_dir>/<name>.md`` atomically; returns (png, md).
 
     Args:
@@ -29,6 +36,7 @@ def write_report(profiles: Sequence[Profile], out_dir: Path, name: str | None = 
         out_dir: the reports folder (created if missing).
         name: file stem; default :func:`report_name`.
         extra_gpus: cards to add to the other-GPU table (``--gpus``).
+        forecast: what the run forecast section forecasts (epochs, data, prices).
 
     Raises:
         ValueError: no profiles, or a name that is not a plain file stem.
@@ -36,13 +44,30 @@ def write_report(profiles: Sequence[Profile], out_dir: Path, name: str | None = 
     """
     if not profiles:
         raise ValueError("a report needs at least one profile")
-    name = name or report_name(profiles)
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-        raise ValueError(f"report name {name!r} must be a plain file stem (letters, digits, '.', '_', '-')")
-    out_dir = Path(out_dir)
-    png_path, md_path = out_dir / f"{name}.png", out_dir / f"{name}.md"
+    png_path, md_path = _paths(out_dir, name or report_name(profiles))
     from vramcal.report.figure import render_png  # matplotlib: only when a figure is drawn
 
     atomic_write_bytes(png_path, render_png(profiles))
-    atomic_write_text(md_path, render_markdown(profiles, png_path.name, extra_gpus))
+    atomic_write_text(md_path, render_markdown(profiles, png_path.name, extra_gpus, forecast))
     return png_path, md_path
+
+
+def write_cost_report(forecasts: Sequence[Forecast], out_dir: Path, name: str, title: str) -> tuple[Path, Path]:
+    """Write the run forecast (:func:`vramcal.forecast.cost_table`'s rows) as ``<out_dir>/<name>.png`` (run time
+    against cost per card) and ``<out_dir>/<name>.md`` atomically; returns (png, md).
+
+    Raises:
+        ValueError: a name that is not a plain file stem. OSError: the folder cannot be written.
+    """
+    png_path, md_path = _paths(out_dir, name)
+    from vramcal.report.cost_figure import render_cost_png  # matplotlib: only when a figure is drawn
+
+    atomic_write_bytes(png_path, render_cost_png(forecasts, title))
+    atomic_write_text(md_path, render_cost_markdown(forecasts, png_path.name, title))
+    return png_path, md_path
+
+
+def _paths(out_dir: Path, name: str) -> tuple[Path, Path]:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise ValueError(f"report name {name!r} must be a plain file stem (letters, digits, '.', '_', '-')")
+    return Path(out_dir) / f"{name}.png", Path(out_dir) / f"{name}.md"

@@ -5,8 +5,9 @@ Memory panel: each trial's peak as the fit reads it, with the measured step cree
 triangles, out-of-memory ones as crosses on the usable-memory line since their peak is unknown), the
 steady trial's own peak as a diamond, the fitted line with its 95 % prediction band, horizontal lines for
 total and usable memory, vertical lines at the safe and conservative batch sizes, the formula and r² in the legend.
-Throughput panel: samples/s of the same trials (median per batch size), with a star where 90 % of the
-best rate is reached. The legends sit below the panels, so no label covers data: one entry per
+Throughput panel: samples/s of the same trials (:mod:`vramcal.calibration.throughput`: the mean step time per
+batch size, with its 95 % interval as whiskers; steady rates ringed), with a star at the throughput knee.
+The legends sit below the panels, so no label covers data: one entry per
 profile in its colour, then a key of the marker and line styles in black.
 
 matplotlib is imported inside :func:`render_png` (Agg canvas, no pyplot state), so importing this
@@ -16,16 +17,16 @@ module is cheap. The PNG is deterministic: fixed size and dpi, no ``Software`` o
 from __future__ import annotations
 
 import io
-import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vramcal.calibration.creep import STEADY, steady_equivalent
 from vramcal.report.markdown import (
     format_rate,
+    profile_knee,
+    profile_rates,
     reference_trials,
     series_labels,
-    throughput_knee,
     trial_state,
     usable_bytes,
 )
@@ -123,27 +124,28 @@ def _draw_memory_lines(ax: Any, profiles: Sequence[Profile], colors: Sequence[st
         ax.axhline(usable / GIB, color=color, lw=1.4, ls=":", zorder=1)
 
 
-def _median_rates(profile: Profile) -> dict[int, float]:
-    rates: dict[int, list[float]] = {}
-    for trial in reference_trials(profile):
-        if trial.ok and trial.samples_per_s:
-            rates.setdefault(trial.batch_size, []).append(trial.samples_per_s)
-    return {b: statistics.median(v) for b, v in sorted(rates.items())}
-
-
 def _draw_speed(ax: Any, profile: Profile, color: str) -> None:
-    medians = _median_rates(profile)
-    if not medians:
+    rates = profile_rates(profile)
+    if not rates:
         return
+    sizes, values = [r.batch_size for r in rates], [r.samples_per_s for r in rates]
     # a faint line: neighbouring batch sizes often differ by noise (a busy host), not by a trend
-    ax.plot(list(medians), list(medians.values()), color=color, lw=1.0, alpha=0.35, zorder=3)
-    ax.scatter(list(medians), list(medians.values()), color=color, s=22, zorder=4)
-    knee = throughput_knee(reference_trials(profile))
-    if knee is not None and len(medians) > 1:
-        ax.scatter([knee[2]], [medians[knee[2]]], marker="*", s=170, color=color, edgecolors="black",
+    ax.plot(sizes, values, color=color, lw=1.0, alpha=0.35, zorder=3)
+    below = [r.samples_per_s - r.low_samples_per_s if r.low_samples_per_s is not None else 0.0 for r in rates]
+    above = [r.high_samples_per_s - r.samples_per_s if r.high_samples_per_s is not None else 0.0 for r in rates]
+    ax.errorbar(sizes, values, yerr=[below, above], fmt="none", ecolor=color, elinewidth=0.9, capsize=2, alpha=0.6,
+                zorder=3)
+    ax.scatter(sizes, values, color=color, s=22, zorder=4)
+    steady = [r for r in rates if r.steady]
+    if steady:
+        ax.scatter([r.batch_size for r in steady], [r.samples_per_s for r in steady], marker="D", facecolors="none",
+                   edgecolors=color, s=60, linewidths=1.2, zorder=4)
+    knee = profile_knee(profile)
+    if knee is not None and len(rates) > 1:
+        ax.scatter([knee.batch_size], [knee.rate.samples_per_s], marker="*", s=170, color=color, edgecolors="black",
                    linewidths=0.6, zorder=5)
     limits = profile.limits
-    if limits is not None and 0 < limits.safe_batch_size <= 4 * max(medians):
+    if limits is not None and 0 < limits.safe_batch_size <= 4 * max(sizes):
         ax.axvline(limits.safe_batch_size, color=color, ls="--", lw=1.0, alpha=0.7)
         ax.axvline(limits.conservative_batch_size, color=color, ls="-.", lw=1.0, alpha=0.7)
 
@@ -194,7 +196,9 @@ def _format_axes(memory_ax: Any, speed_ax: Any, profiles: Sequence[Profile]) -> 
     memory_ax.set_ylabel("peak memory (GiB)")
     speed_ax.set_title("Throughput of the same trials", fontsize=11)
     speed_ax.set_ylabel("throughput (samples/s)")
-    speed_ax.set_ylim(bottom=0)
+    fastest = max((r.samples_per_s for p in profiles for r in profile_rates(p)), default=0.0)
+    # whiskers of two-step rates can reach far: the axis follows the rates, and a whisker leaves it
+    speed_ax.set_ylim(bottom=0, top=fastest * 1.4 if fastest > 0 else None)
     if batches and max(batches) >= 8 * max(1, min(batches)):
         speed_ax.set_xscale("log", base=2)
         speed_ax.xaxis.set_major_formatter("{x:g}")
@@ -227,12 +231,16 @@ def _fit_text(profile: Profile, short: bool = False) -> str:
 
 
 def _speed_text(profile: Profile, short: bool = False) -> str:
-    knee = throughput_knee(reference_trials(profile))
+    knee = profile_knee(profile)
     if knee is None:
         return "no successful trial: no throughput"
+    best, reach = knee.best, knee.rate
     if short:
-        return f"best {format_rate(knee[1])} samples/s at {knee[0]}, 90 % of it from {knee[2]}"
-    return f"best {format_rate(knee[1])} samples/s at batch {knee[0]}; 90 % of it from batch {knee[2]}"
+        return (f"best {format_rate(best.samples_per_s)} samples/s at {best.batch_size}, knee "
+                f"({knee.fraction * 100:g} %) at {knee.batch_size}")
+    return (f"best {format_rate(best.samples_per_s)} samples/s at batch {best.batch_size}; knee "
+            f"({knee.fraction * 100:g} % of it) at batch {knee.batch_size}, {format_rate(reach.samples_per_s)} "
+            f"samples/s")
 
 
 def _memory_key(profiles: Sequence[Profile]) -> list:
@@ -278,7 +286,12 @@ def _value(limits: Any, name: str) -> str:
 def _speed_key(profiles: Sequence[Profile]) -> list:
     from matplotlib.lines import Line2D
 
-    key = [Line2D([], [], color=KEY, marker="*", ms=11, ls="none", label="where 90 % of the best rate is reached")]
+    key = [Line2D([], [], color=KEY, marker="*", ms=11, ls="none",
+                  label="throughput knee: the smallest batch reaching 95 % of the best"),
+           Line2D([], [], color=KEY, marker="|", ms=9, ls="none", label="95 % interval of the mean step time")]
+    if any(r.steady for p in profiles for r in profile_rates(p)):
+        key.append(Line2D([], [], color=KEY, marker="D", mfc="none", ls="none", label="steady (a steady trial, or "
+                          "enough timed steps)"))
     if any(p.limits and p.limits.safe_batch_size > 0 for p in profiles):
         key.append(Line2D([], [], color=KEY, ls="--", label="safe / conservative (-.) batch size"))
     return key

@@ -7,24 +7,26 @@ profiles: the same profiles give the same bytes (the only timestamp is the profi
 from __future__ import annotations
 
 import hashlib
-import statistics
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from vramcal.calibration.creep import STEADY, read_peak, steady_equivalent
+from vramcal.calibration.throughput import Knee, Rate, find_knee, measured_rates
+from vramcal.forecast import FAR_FRACTION, ForecastSettings, profile_forecasts
 from vramcal.models.registry import describe
 from vramcal.profile import profile_name
 from vramcal.report.catalogue import GpuLimitRow, GpuModel, other_gpu_limits
+from vramcal.report.cost import forecast_notes, forecast_table
+from vramcal.report.table import MISSING, markdown_table
 from vramcal.sizing import fitted_from, verdict
-from vramcal.units import format_bytes
+from vramcal.units import format_bytes, format_duration
 
 if TYPE_CHECKING:
     from vramcal.profile import Profile
     from vramcal.records import Trial
 
-MISSING = "—"
 
 
 # ---------------------------------------------------------------------------------------------- naming
@@ -109,18 +111,18 @@ def failure_words(profile: Profile, batch_size: int) -> str:
     return "timed out" if "timeout" in states else "failed with an error (its reason is in the trials table)"
 
 
-def throughput_knee(trials: Iterable[Trial], fraction: float = 0.9) -> tuple[int, float, int] | None:
-    """(batch with the best median samples/s, that rate, smallest batch reaching ``fraction`` of it)."""
-    rates: dict[int, list[float]] = {}
-    for t in trials:
-        if t.ok and t.samples_per_s:
-            rates.setdefault(t.batch_size, []).append(t.samples_per_s)
-    if not rates:
-        return None
-    medians = {b: statistics.median(v) for b, v in sorted(rates.items())}
-    best = max(medians, key=lambda b: (medians[b], -b))
-    knee = min(b for b, v in medians.items() if v >= fraction * medians[best])
-    return best, medians[best], knee
+def profile_rates(profile: Profile) -> list[Rate]:
+    """The measured throughput at each batch size of the profile's one-length fit
+    (:func:`vramcal.calibration.throughput.measured_rates`)."""
+    return measured_rates(reference_trials(profile))
+
+
+def profile_knee(profile: Profile) -> Knee | None:
+    """The throughput knee among the sizes a run may use (up to the safe batch size; every measured size when the
+    profile has no limits)."""
+    limits = profile.limits
+    high = limits.safe_batch_size if limits is not None and limits.safe_batch_size > 0 else None
+    return find_knee(profile_rates(profile), 1, high)
 
 
 def missing_notes(profile: Profile) -> list[str]:
@@ -144,20 +146,6 @@ def missing_notes(profile: Profile) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- tables
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], right: Iterable[int] = ()) -> str:
-    """A Markdown table with padded columns, readable as plain text too; ``right``: right-aligned columns."""
-    right = set(right)
-    cells = [list(header), *[[str(c).replace("|", "\\|") for c in row] for row in rows]]
-    widths = [max(3, *(len(row[i]) for row in cells)) for i in range(len(header))]
-
-    def line(row: Sequence[str]) -> str:
-        return "| " + " | ".join(c.rjust(w) if i in right else c.ljust(w)
-                                 for i, (c, w) in enumerate(zip(row, widths))) + " |"
-
-    rule = "| " + " | ".join("-" * (w - 1) + ":" if i in right else "-" * w for i, w in enumerate(widths)) + " |"
-    return "\n".join([line(cells[0]), rule, *(line(row) for row in cells[1:])])
-
 
 def _bytes(n_bytes: float | None) -> str:
     return MISSING if n_bytes is None else format_bytes(n_bytes)
@@ -295,11 +283,9 @@ def summary_table(profile: Profile) -> str:
         why = "**none** (no fit)" if fit is None else "**none** (the fitted line does not rise: no limit follows)"
         rows += [("Safe batch size", why), ("Conservative batch size", why)]
     rows.append(("Verification", _verification_text(profile, usable)))
-    knee = throughput_knee(reference_trials(profile))
+    knee = profile_knee(profile)
     if knee is not None:
-        best, rate, reach = knee
-        rows.append(("Throughput", (f"best {format_rate(rate)} samples/s at batch {best}; "
-                                   f"90 % of it from batch {reach}")))
+        rows.append(("Throughput", knee_text(knee)))
     rows.append(("Profile", (f"made {profile.created_utc or MISSING} (UTC) by vramcal "
                             f"{profile.vramcal_version or MISSING}, schema {profile.schema_version}")))
     return markdown_table(["", ""], [[f"**{k}**", v] for k, v in rows])
@@ -319,6 +305,22 @@ def world_text(profile: Profile) -> str:
                    f"against the single-process profile `{Path(term['profile']).name}` (predicted "
                    f"{format_bytes(term['predicted_peak_bytes'])} there; its safe size "
                    f"{term['single_safe_batch_size']})")
+
+
+def knee_text(knee: Knee) -> str:
+    """``best 49.8 samples/s at batch 8; throughput knee (95 % of it) at batch 8 (above 1)``, with the intervals."""
+    where = f", somewhere in ({knee.below}, {knee.batch_size}]" if knee.below is not None else ""
+    return (f"best {rate_text(knee.best)} samples/s at batch {knee.best.batch_size}; throughput knee (the smallest "
+            f"measured batch reaching {knee.fraction * 100:g} % of it) at batch {knee.batch_size}: "
+            f"{rate_text(knee.rate)} samples/s{where}")
+
+
+def rate_text(rate: Rate) -> str:
+    """``30.1 (27.2–33.5)``: samples/s with its 95 % interval when there is one."""
+    if rate.low_samples_per_s is None:
+        return format_rate(rate.samples_per_s)
+    high = format_rate(rate.high_samples_per_s) if rate.high_samples_per_s is not None else "∞"
+    return f"{format_rate(rate.samples_per_s)} ({format_rate(rate.low_samples_per_s)}–{high})"
 
 
 def _model_text(profile: Profile) -> str:
@@ -397,7 +399,58 @@ def lengths_section(profile: Profile, level: str) -> list[str]:
     return lines
 
 
-def profile_section(profile: Profile, extra_gpus: Sequence[GpuModel], level: str = "##") -> list[str]:
+def rates_table(rates: Sequence[Rate]) -> str:
+    """The measured throughput at each batch size: samples/s with its interval, step time and spread, steps."""
+    rows = [[f"{r.batch_size:,}", rate_text(r), _seconds(r.step_s),
+             MISSING if r.spread is None else f"{r.spread:.0%}", str(r.n_steps), str(r.n_trials),
+             "yes" if r.steady else "no"] for r in rates]
+    return markdown_table(["batch", "samples/s (95 %)", "mean step", "spread (sd/mean)", "steps", "trials", "steady"],
+                          rows, right=[0, 1, 2, 3, 4, 5])
+
+
+def time_observations_table(profile: Profile) -> str | None:
+    """The training runs that recorded their times: measured samples/s and epoch time against the forecast."""
+    rows = []
+    for o in profile.observations:
+        if o.epoch_s is None:
+            continue
+        error = o.time_error
+        verdict_text = MISSING if error is None else ("**far**" if abs(error) > FAR_FRACTION else "close")
+        rows.append([o.recorded_utc, str(o.batch_size), format_rate(o.samples_per_s) if o.samples_per_s else MISSING,
+                     format_rate(o.forecast_samples_per_s) if o.forecast_samples_per_s else MISSING,
+                     format_duration(o.epoch_s), format_duration(o.forecast_epoch_s) if o.forecast_epoch_s else MISSING,
+                     MISSING if error is None else f"{error:+.1%}", verdict_text])
+    if not rows:
+        return None
+    return markdown_table(["recorded (UTC)", "batch", "samples/s", "forecast", "epoch", "forecast", "error", "verdict"],
+                          rows, right=[1, 2, 3, 4, 5, 6])
+
+
+def forecast_section(profile: Profile, settings: ForecastSettings, level: str = "##") -> list[str]:
+    """The measured throughput, the knee and the run forecast (``vramcal cost``'s table) for one profile."""
+    rates = profile_rates(profile)
+    lines = [f"{level} Throughput and run forecast", ""]
+    if not rates:
+        return lines + ["No trial recorded a step time: no throughput, no forecast.", ""]
+    knee = profile_knee(profile)
+    lines += [("Samples/s at each measured batch size, from every timed step of the trials there (the mean step "
+               "time; 95 % interval of the mean). *Steady*: a steady trial ran there, or enough steps were timed; "
+               "otherwise a short trial's first steps."), "", rates_table(rates), ""]
+    if knee is not None:
+        lines += [f"Throughput: {knee_text(knee)}.", ""]
+    forecasts = profile_forecasts(profile, settings)
+    lines += [f"A `vramcal train` run of {settings.epochs} epochs, at the conservative batch size and at the "
+              f"throughput knee (`--size-for throughput`):", "", forecast_table(forecasts), ""]
+    lines += [f"- {note}" for note in forecast_notes(forecasts)] + [""]
+    observed = time_observations_table(profile)
+    if observed is not None:
+        lines += [("Training runs that recorded their times, against the forecast for their batch size, data and "
+                   f"epochs (**far**: more than {FAR_FRACTION * 100:g} % off):"), "", observed, ""]
+    return lines
+
+
+def profile_section(profile: Profile, extra_gpus: Sequence[GpuModel], level: str = "##",
+                    forecast: ForecastSettings = ForecastSettings()) -> list[str]:
     """Summary, notes, trials and other-GPU limits of one profile, as Markdown lines."""
     lines = [f"{level} Summary", "", summary_table(profile), ""]
     for note in missing_notes(profile):
@@ -412,7 +465,8 @@ def profile_section(profile: Profile, extra_gpus: Sequence[GpuModel], level: str
     lines += ([("Each `vramcal train` run that used this profile appends its measured peak (by the trials' "
                 "definition) beside the prediction for its batch size and data."), "", observations_table(profile)]
               if profile.observations else ["None recorded yet: `vramcal train` appends one per run."])
-    lines += ["", f"{level} Trials", "", ("Peaks in binary units (1 GiB = 2³⁰ bytes); the raw bytes are in the "
+    lines += ["", *forecast_section(profile, forecast, level)]
+    lines += [f"{level} Trials", "", ("Peaks in binary units (1 GiB = 2³⁰ bytes); the raw bytes are in the "
               "profile. `over-budget`: finished, but its peak exceeded usable memory; `in fit`: a point of the "
               "fitted line."), "",
               trials_table(profile), "", f"{level} Limits on other GPUs (extrapolated)", ""]
@@ -424,14 +478,16 @@ def profile_section(profile: Profile, extra_gpus: Sequence[GpuModel], level: str
     return lines
 
 
-def render_markdown(profiles: Sequence[Profile], png_name: str, extra_gpus: Sequence[GpuModel] = ()) -> str:
-    """The whole Markdown report; ``png_name`` is the figure's file name, relative to the report."""
+def render_markdown(profiles: Sequence[Profile], png_name: str, extra_gpus: Sequence[GpuModel] = (),
+                    forecast: ForecastSettings = ForecastSettings()) -> str:
+    """The whole Markdown report; ``png_name`` is the figure's file name, relative to the report; ``forecast``:
+    what its run forecast forecasts."""
     labels, title = series_labels(profiles)
     lines = [f"# vramcal report: {title[0]}", "", f"**{title[1]}**", "",
              "Made by `vramcal report` from profile files only; regenerate it at any time.", "",
              f"![Peak memory and throughput against batch size]({png_name})", ""]
     if len(profiles) == 1:
-        lines += profile_section(profiles[0], extra_gpus)
+        lines += profile_section(profiles[0], extra_gpus, forecast=forecast)
         return "\n".join(lines).rstrip() + "\n"
     body = []
     for label, p in zip(labels, profiles):
@@ -444,5 +500,5 @@ def render_markdown(profiles: Sequence[Profile], png_name: str, extra_gpus: Sequ
     lines += ["## Comparison", "", markdown_table(["profile", "memory model", "r²", "usable", "safe",
                                                    "conservative", "verified"], body, right=[2, 3, 4, 5]), ""]
     for label, p in zip(labels, profiles):
-        lines += [f"## {label}", ""] + profile_section(p, extra_gpus, level="###")
+        lines += [f"## {label}", ""] + profile_section(p, extra_gpus, level="###", forecast=forecast)
     return "\n".join(lines).rstrip() + "\n"

@@ -21,6 +21,7 @@ from vramcal.schema import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range
 
 LrScaling = Literal["none", "linear", "sqrt"]
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
+SIZE_FORS: tuple[str, ...] = ("memory", "throughput")
 SEED_BATCH_SIZE = 96  # the seed documents' training batch size, the default LR reference
 
 
@@ -42,7 +43,10 @@ class TrainConfig:
         implementation: ``auto``, ``transformers`` or ``mamba_ssm``.
         gpu: ``--gpu`` choice (``auto``, ``none``, an index or a UUID).
         profile: ``auto`` (look up ``profiles_dir``) or a profile file path.
-        batch_size: samples per optimizer step; None = the profile's conservative batch size.
+        batch_size: samples per optimizer step; None = the profile's conservative batch size, or sizing for
+            throughput the throughput knee below it (``size_for``).
+        size_for: ``memory`` (the conservative batch size) or ``throughput`` (the knee when it is below the
+            conservative size: :func:`vramcal.sizing.throughput_choice`); only without ``batch_size``.
         batch_size_min: the lower bound an explicit batch size is clamped to.
         lr: peak learning rate at ``reference_batch_size`` (default 5e-5: the seed documents' fix for
             a loss that oscillated at 1e-4).
@@ -74,6 +78,7 @@ class TrainConfig:
     profiles_dir: str = "profiles"
     batch_size: int | None = None
     batch_size_min: int = 1
+    size_for: Literal["memory", "throughput"] = "memory"
     lr: float = 5e-5
     lr_scaling: LrScaling = "sqrt"
     reference_batch_size: int = SEED_BATCH_SIZE
@@ -96,6 +101,7 @@ class TrainConfig:
             (self.batch_size_min >= 1, "batch_size_min must be >= 1"),
             (math.isfinite(self.lr) and self.lr > 0, f"lr must be a finite number > 0, got {self.lr}"),
             (self.lr_scaling in LR_SCALINGS, f"lr_scaling must be one of {', '.join(LR_SCALINGS)}"),
+            (self.size_for in SIZE_FORS, f"size_for must be one of {', '.join(SIZE_FORS)}"),
             (self.reference_batch_size >= 1, "reference_batch_size must be >= 1"),
             (math.isfinite(self.weight_decay) and self.weight_decay >= 0,
              f"weight_decay must be a finite number >= 0, got {self.weight_decay}"),

@@ -11,6 +11,10 @@ Peaks: the meter is reset after the run's first optimizer step (as a trial reset
 at the start of each later epoch; each epoch's row carries the peak over its steps and its validation
 pass, by the trials' definition.
 
+Times, as a trial times its steps: ``train_s`` is the sum of the epoch's step times (each from gathering its
+batch to the loss read back, which waits for the device), ``val_s`` the validation pass, and ``epoch_s`` their
+sum: what the run forecast (:mod:`vramcal.forecast`) forecasts for an epoch.
+
 Out of memory anyway (another process took memory, fragmentation): the step is retried with the
 micro-batch halved and gradients accumulated over ``ceil(batch / micro)`` micro-batches, each loss
 scaled by its share of the batch, so the effective batch and the gradient stay the same; validation
@@ -367,10 +371,12 @@ class Trainer:
         progress = self.progress
         complete = progress.batch_in_epoch == n_batches
         train_s = progress.epoch_train_s
+        val_start = time.perf_counter()
         evaluation = self.evaluate()  # first: an out-of-memory fallback there changes the micro-batch size
+        val_s = time.perf_counter() - val_start
         row = {"kind": "epoch", "epoch": progress.epoch + 1, "complete": complete, "step": progress.step,
                "train_loss": progress.epoch_loss_sum / max(progress.epoch_samples, 1),
-               "samples": progress.epoch_samples, "train_s": train_s,
+               "samples": progress.epoch_samples, "train_s": train_s, "val_s": val_s, "epoch_s": train_s + val_s,
                "samples_per_s": progress.epoch_samples / train_s if train_s > 0 else 0.0,
                "step_s_median": statistics.median(progress.epoch_step_times) if progress.epoch_step_times else None,
                "lr": self.step.optimizer.param_groups[0]["lr"], "batch_size": self.share.global_batch,

@@ -210,7 +210,7 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
         checkpoint.check_run_dir(run_dir, resume=False)
     seq_len = config.spec.seq_len
     sizing = size(setting.profile, config.batch_size, batch_size_min=config.batch_size_min,
-                  pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len)
+                  pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len, size_for=config.size_for)
     notices = list(setting.notices) + list(sizing.notices)
     if sizing.batch_size > setting.train_windows:
         n_train = setting.train_windows

@@ -4,7 +4,9 @@ The caller's side of ``vramcal train`` (and of each ``vramcal tune`` trial): it 
 records, starts the training worker (:func:`vramcal.train.worker.train_in_worker`) — a process made like
 the trials that sized the run — prints what it says, and closes the loop. After the first epoch and at
 the end it prints the measured peak beside the profile's prediction and upper 95 % bound, warns when the
-peak is above the bound or above usable memory, and appends the run's observation to the profile.
+peak is above the bound or above usable memory, and appends the run's observation to the profile. Time is
+closed the same way (:mod:`vramcal.train.timing`): the run's forecast first, its first epoch's time beside it,
+and both in the observation.
 
 Whatever happens in the worker ends here as one line (:class:`~vramcal.train.loop.TrainError`): an
 out-of-memory error that could not be recovered, a crash, a full disk, a ``kill -9`` — each naming the
@@ -20,7 +22,7 @@ from typing import Any
 from vramcal import __version__
 from vramcal.profile import Observation, ProfileError, append_observation, utc_now
 from vramcal.sizing import Sizing, verdict
-from vramcal.train import checkpoint
+from vramcal.train import checkpoint, timing
 from vramcal.train.errors import DivergedError, NonFiniteError, Stopped, TrainError
 from vramcal.train.plan import Plan
 from vramcal.units import format_bytes
@@ -101,15 +103,22 @@ def _run(plan: Plan, echo: Echo, on_epoch: Callable[[dict[str, Any]], Any] | Non
     if not plan.resume and plan.rank == 0:  # absolute paths: --resume works from any directory
         checkpoint.write_json(plan.run_dir / checkpoint.CONFIG, plan.config.with_absolute_paths().to_dict())
         checkpoint.write_json(plan.run_dir / checkpoint.RUN, plan.record())
-    first = []
+    first, rows = [], []
+    forecast = timing.plan_forecast(plan)
+    if forecast is not None:
+        echo(timing.forecast_line(forecast))
 
     def handle(kind: str, payload: Any) -> Any:
         if kind == "line":
             echo(payload)
         elif kind == "epoch":
+            rows.append(payload)
             if not first and own_peak(plan, payload):
                 first.append(payload)
                 _report(plan, own_peak(plan, payload), echo, "after the first epoch")
+            if len(rows) == 1 and forecast is not None:
+                for line in timing.first_epoch_lines(forecast, payload, fresh=not plan.resume):
+                    echo(line)
             return on_epoch(payload) if on_epoch is not None else None
         return None
 
@@ -126,7 +135,8 @@ def _run(plan: Plan, echo: Echo, on_epoch: Callable[[dict[str, Any]], Any] | Non
             _report(plan, peak, echo, "at the end")
         if result.get("rank_peak_bytes"):
             echo(describe_ranks(result["batch_sizes"], result["rank_peak_bytes"]))
-        observation = _observe(plan, {**result, "peak_bytes": peak}, echo)
+        observation = _observe(plan, {**result, "peak_bytes": peak}, echo,
+                               timing.observed(forecast, rows, fresh=not plan.resume))
     return RunResult(result["last"], result["step"], peak, observation)
 
 
@@ -151,14 +161,15 @@ def _report(plan: Plan, peak_bytes: int, echo: Echo, when: str) -> None:
         echo(f"warning: {warning}")
 
 
-def _observe(plan: Plan, result: dict[str, Any], echo: Echo) -> Observation | None:
-    """Append the run's observation to its profile (a failure to write it is a warning, not the run's end)."""
+def _observe(plan: Plan, result: dict[str, Any], echo: Echo, times: dict[str, Any]) -> Observation | None:
+    """Append the run's observation (its measured times and their forecast: ``times``) to its profile (a failure to
+    write it is a warning, not the run's end)."""
     observation = Observation(
         recorded_utc=utc_now(), vramcal_version=__version__, batch_size=plan.batch_size,
         data_bytes=int(result["data_bytes"]), peak_bytes=int(result["peak_bytes"]),
         predicted_peak_bytes=plan.sizing.predicted_peak_bytes, upper_bytes=plan.sizing.upper_bytes,
         usable_bytes=plan.sizing.usable_bytes, steps=int(result["step"]), run_dir=str(plan.run_dir.resolve()),
-        rank=plan.rank if plan.world else None, world_size=plan.world.nproc if plan.world else None)
+        rank=plan.rank if plan.world else None, world_size=plan.world.nproc if plan.world else None, **times)
     if plan.profile_path is None:
         return observation
     try:

@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vramcal.sizing import size
+from vramcal.sizing import size, throughput_choice
 from vramcal.train.config import TrainConfig
 from vramcal.train.plan import Setting
 from vramcal.tune.storage import StorageError, redact
@@ -154,7 +154,8 @@ class BatchBounds:
 def batch_bounds(settings: TuneSettings, setting: Setting) -> BatchBounds:
     """The batch-size search range from the setting's profile, sized as ``vramcal train`` sizes a run.
 
-    Upper end: the conservative batch size (:func:`vramcal.sizing.size`, with the data term), or
+    Upper end: the conservative batch size (:func:`vramcal.sizing.size`, with the data term), sizing for
+    throughput the throughput knee when below it (:func:`vramcal.sizing.throughput_choice`), or
     ``batch_size_max`` when lower (a higher one is narrowed with a notice); never more than the training
     windows (a larger batch is one whole epoch).
 
@@ -169,12 +170,17 @@ def batch_bounds(settings: TuneSettings, setting: Setting) -> BatchBounds:
     if low > conservative:
         raise TuneError(f"--batch-size-min {low} is above the profile's conservative batch size {conservative} "
                         f"({setting.profile_path}): every batch in the range would be clamped; lower --batch-size-min")
-    high = conservative
-    if settings.batch_size_max is not None and settings.batch_size_max <= conservative:
+    high, what = conservative, "conservative batch size"
+    if settings.base.size_for == "throughput":  # no batch above the knee trains faster per sample
+        high, source, why = throughput_choice(setting.profile, seq_len, conservative, "conservative", low,
+                                              sizing.safe_batch_size)
+        what = "throughput knee" if source == "knee" else what
+        notices.append(why)
+    if settings.batch_size_max is not None and settings.batch_size_max <= high:
         high = settings.batch_size_max
     elif settings.batch_size_max is not None:
-        notices.append(f"--batch-size-max {settings.batch_size_max} is above the profile's conservative batch "
-                       f"size: searching up to {conservative}")
+        notices.append(f"--batch-size-max {settings.batch_size_max} is above the profile's {what}: searching up "
+                       f"to {high}")
     if high > n_train:
         if low > n_train:
             raise TuneError(f"--batch-size-min {low} is more than the {n_train} training windows: lower it, "

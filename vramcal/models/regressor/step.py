@@ -210,5 +210,6 @@ def training_step(device: torch.device, *, implementation: str = "transformers",
         max_grad_norm=max_grad_norm, val_batch=lambda b: pipeline.next_batch("val", b),
         data_bytes=pipeline.data_bytes, data_on_device=data_on_device, kernel_path=kernel_path(implementation),
         info={"n_params": sum(p.numel() for p in model.parameters()), "data": data or "synthetic",
-              "train_windows": len(windows.train_starts), "stride": windows.stride},
+              "train_windows": len(windows.train_starts), "val_windows": len(windows.val_starts),
+              "stride": windows.stride},
         spec=spec, pipeline=pipeline)

@@ -225,6 +225,26 @@ def make_windows(bars: pd.DataFrame, seq_len: int, stride: int | None = None,
         flat_features=flat)
 
 
+def window_counts(n_bars: int, seq_len: int, stride: int | None = None, val_fraction: float = 0.2) -> tuple[int, int]:
+    """(training windows, validation windows) that :func:`make_windows` cuts from ``n_bars`` bars without gaps
+    (the module docstring's rows, split and starts, counted instead of made; with gaps there are fewer).
+
+    Raises:
+        ValueError: fewer than one bar, seq_len or stride below 1, or val_fraction outside (0, 1).
+    """
+    stride = stride or max(1, seq_len // 2)
+    if n_bars < 1 or seq_len < 1 or stride < 1 or not 0 < val_fraction < 1:
+        raise ValueError(f"window counts need n_bars, seq_len and stride >= 1 and val_fraction in (0, 1), got "
+                         f"{n_bars}, {seq_len}, {stride}, {val_fraction}")
+    rows = max(0, n_bars - 2)
+    split = round(rows * (1 - val_fraction))
+
+    def count(n_rows: int) -> int:
+        return (n_rows - seq_len) // stride + 1 if n_rows >= seq_len else 0
+
+    return count(split), count(rows - split)
+
+
 def _segments(gaps: np.ndarray, n_bars: int) -> tuple[list[tuple[int, int]], np.ndarray]:
     """The rows ``[first, end)`` of each segment between gaps, and which of the ``n_bars - 2`` rows lie in one.
 

@@ -1,0 +1,66 @@
+"""The steady trial's policy against recorded 1,000-step curves: how far its prediction is from the 1,000th step.
+
+``bench/results/creep/curves.json.gz`` holds the creep study's curves (``STUDY.md`` beside it: what ran): the
+peak after each measured training step of a worker made as vramcal's trials are, on the host, at five specs and
+three batch sizes each, most of them 1,000 steps long. For every curve that reached 1,000 steps this replays
+the shipped policy (:func:`vramcal.calibration.creep.plateau_step` with ``TrialSettings().plateau_steps``, at
+most ``TrialSettings().steady_steps``, then the host's allowance
+:data:`vramcal.calibration.creep.HOST_LATE_CREEP`) on the curve's first steps, and prints the steady trial's
+length, its prediction at that batch size and the error against the peak after 1,000 steps.
+
+    .venv/bin/python -m bench.creep_policy [--plateau-steps N] [--steady-steps N] [--allowance F]
+
+The curves have no validation passes (a trial's does one; the trainer's are full passes, and the study found
+they never raised the peak), and one process per curve: repeats of one size differ by 0.4-0.8 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+from pathlib import Path
+
+from vramcal.calibration.creep import HOST_LATE_CREEP, plateau_step
+from vramcal.records import TrialSettings
+
+CURVES = Path(__file__).parent / "results" / "creep" / "curves.json.gz"
+RUN_STEPS = 1000
+
+
+def replay(curve: list[int], plateau_steps: int, steady_steps: int) -> int:
+    """The steps a steady trial measures on ``curve``: until the plateau, at most ``steady_steps``."""
+    for n in range(1, steady_steps + 1):
+        if plateau_step(curve[:n], plateau_steps) is not None:
+            return n
+    return steady_steps
+
+
+def main() -> None:
+    defaults = TrialSettings()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plateau-steps", type=int, default=defaults.plateau_steps)
+    parser.add_argument("--steady-steps", type=int, default=defaults.steady_steps)
+    parser.add_argument("--allowance", type=float, default=HOST_LATE_CREEP)
+    args = parser.parse_args()
+    runs = [r for r in json.loads(gzip.open(CURVES, "rt").read())["runs"] if len(r["step_peak_bytes"]) >= RUN_STEPS]
+    print(f"plateau_steps {args.plateau_steps}, steady_steps {args.steady_steps}, allowance {args.allowance:.1%}; "
+          f"{len(runs)} curves of {RUN_STEPS} steps")
+    print(f"{'spec':8} {'batch':>5} {'steps':>5} {'steady MiB':>10} {'predicted':>9} {'1,000 steps':>11} {'error':>7}")
+    errors, lengths = [], []
+    for run in sorted(runs, key=lambda r: (r["spec"], r["batch_size"], r["run_id"])):
+        curve = run["step_peak_bytes"]
+        n = replay(curve, args.plateau_steps, args.steady_steps)
+        predicted = max(curve[:n]) * (1 + args.allowance)
+        end = max(curve[:RUN_STEPS])
+        errors.append((end - predicted) / predicted)
+        lengths.append(n)
+        print(f"{run['spec']:8} {run['batch_size']:5} {n:5} {max(curve[:n]) / 2**20:10.1f} {predicted / 2**20:9.1f} "
+              f"{end / 2**20:11.1f} {errors[-1]:+7.2%}")
+    print(f"error (1,000-step peak against the prediction): {min(errors):+.2%} to {max(errors):+.2%}; steady trial "
+          f"{min(lengths)}-{max(lengths)} steps (median {statistics.median(lengths):g})")
+
+
+if __name__ == "__main__":
+    main()

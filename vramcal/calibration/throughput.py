@@ -1,0 +1,216 @@
+"""Throughput: samples per second at each measured batch size, from the trials' own step times, and the knee.
+
+Every trial times each of its measured steps (``Trial.step_times_s``: from drawing the batch to a synchronize
+after the optimizer step, as the trainer times its steps), its warm-up steps and its validation passes. The
+trials that finished at one batch size are pooled:
+
+    step time at b        the mean of their measured step times, n of them, standard deviation sd
+    samples_per_s(b)      b / mean step time
+    95 % interval         b / (mean ± t(0.975, n − 1) × sd / √n): Student's t interval of a mean (Montgomery &
+                          Runger, *Applied Statistics and Probability for Engineers*, 6th ed., eq. 8-7), turned
+                          into rates; none with one step time; its upper end is open when the lower step time is ≤ 0
+
+The mean, not the median: an epoch's time is the sum of its steps' times, so the mean is what a forecast
+multiplies (:mod:`vramcal.forecast`). A batch size's rate is **steady** when a steady trial ran there (the
+step-creep trial, :data:`vramcal.calibration.creep.STEADY`) or its trials timed at least
+:data:`STEADY_MIN_STEPS` steps together; otherwise it is a short trial's figure, its first steps after one
+warm-up. Profiles made before the step times were recorded have each trial's median ``step_s`` only: one
+value per trial, and no interval from fewer than two.
+
+The **knee** (the shared DESIGN.md's "throughput knee"): the smallest batch size whose samples/s reaches
+:data:`KNEE_FRACTION` (95 %) of the best measured samples/s, among the measured sizes a run may use. The
+measured sizes are sparse, so the knee lies somewhere above the largest measured size below it
+(:attr:`Knee.below`): that is the interval of the knee itself; its rate and the best's carry theirs.
+
+Throughput depends on the card, not only on its memory: there is no rate for a batch size nor for a device
+that was not measured, and nothing here extrapolates one. Between two measured sizes :func:`rate_at`
+interpolates the time per sample linearly, and says so.
+
+A run is forecast at a steady rate where there is one (:func:`rate_for_run`): its own size's, else the steady
+rate of a size within :data:`NEAR_FRACTION` (25 %) of it, read per sample, else the short trials' rate at or
+around the size. The conservative size is 90 % of the safe one, where the steady trial ran, or less when the
+step creep it measured brought the limits down (on the small benchmark spec: steady trial at 157, safe 146,
+conservative 131, 17 % below); a short trial's two steps there are seconds of a busy machine, the steady
+trial's forty are minutes, and near the memory limit a batch size's time per sample changes slowly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from vramcal.calibration.creep import STEADY
+from vramcal.records import Trial
+
+KNEE_FRACTION = 0.95  # the knee: the smallest batch size reaching this fraction of the best samples/s
+STEADY_MIN_STEPS = 10  # timed steps at one batch size that make its rate steady without a steady trial
+CONFIDENCE = 0.95
+NEAR_FRACTION = 0.25  # a steady rate stands in, per sample, for a size this close to its own (rate_for_run)
+
+
+@dataclass(frozen=True)
+class Rate:
+    """The measured throughput at one batch size (module docstring). Seconds and samples per second.
+
+    Attributes:
+        batch_size: samples per step.
+        samples_per_s: ``batch_size / step_s``.
+        low_samples_per_s, high_samples_per_s: its 95 % interval; None: not known (one step time), and
+            ``high`` alone None: open above.
+        step_s: the mean measured step time.
+        step_sd_s: the standard deviation of the step times (None with one).
+        n_steps: the step times pooled (the trials' medians, for a profile without step times).
+        n_trials: the trials that finished at this size.
+        per_step: every trial there recorded each step's time (False: a profile made before they were
+            recorded, whose trials give their median step time only).
+        steady: a steady trial ran here, or at least :data:`STEADY_MIN_STEPS` steps were timed.
+        first_step_s: the mean time of the trials' first warm-up step, which allocates the optimizer's state as
+            a run's first step does (None: not recorded).
+        val_s: the mean time of one validation pass at this batch size (None: not recorded).
+        interpolated_from: for a size between measured ones (:func:`rate_at`), the two it was read from.
+        per_sample_from: for a size read per sample from a nearby steady rate (:func:`rate_for_run`), that size.
+    """
+
+    batch_size: int
+    samples_per_s: float
+    low_samples_per_s: float | None
+    high_samples_per_s: float | None
+    step_s: float
+    step_sd_s: float | None
+    n_steps: int
+    n_trials: int
+    steady: bool
+    per_step: bool = True
+    first_step_s: float | None = None
+    val_s: float | None = None
+    interpolated_from: tuple[int, int] | None = None
+    per_sample_from: int | None = None
+
+    @property
+    def spread(self) -> float | None:
+        """The coefficient of variation of the step times (sd / mean), None with one."""
+        return None if self.step_sd_s is None else self.step_sd_s / self.step_s
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Knee:
+    """The throughput knee (module docstring).
+
+    Attributes:
+        batch_size: the smallest measured batch size reaching ``fraction`` of the best rate.
+        rate: the rate there; best: the best measured rate.
+        fraction: :data:`KNEE_FRACTION`.
+        below: the largest measured batch size under the knee (None: the knee is the smallest measured): the
+            knee lies in ``(below, batch_size]``.
+    """
+
+    batch_size: int
+    rate: Rate
+    best: Rate
+    fraction: float
+    below: int | None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def step_times(trial: Trial) -> tuple[float, ...]:
+    """A finished trial's measured step times: each step's, or its median alone (older profiles), or none."""
+    if not trial.ok:
+        return ()
+    if trial.step_times_s:
+        return trial.step_times_s
+    return (trial.step_s,) if trial.step_s else ()
+
+
+def measured_rates(trials: Iterable[Trial]) -> list[Rate]:
+    """One :class:`Rate` per batch size that finished with step times, smallest first (module docstring)."""
+    by_size: dict[int, list[Trial]] = {}
+    for trial in trials:
+        if step_times(trial):
+            by_size.setdefault(trial.batch_size, []).append(trial)
+    return [_rate(b, group) for b, group in sorted(by_size.items())]
+
+
+def _rate(batch_size: int, trials: Sequence[Trial]) -> Rate:
+    times = [s for t in trials for s in step_times(t)]
+    mean = statistics.fmean(times)
+    sd = statistics.stdev(times) if len(times) > 1 else None
+    low = high = None
+    if sd is not None:
+        from scipy import stats
+
+        half = float(stats.t.ppf(0.5 + CONFIDENCE / 2, len(times) - 1)) * sd / math.sqrt(len(times))
+        low = batch_size / (mean + half)
+        high = batch_size / (mean - half) if mean > half else None
+    first = [t.warmup_times_s[0] for t in trials if t.warmup_times_s]
+    val = [s for t in trials for s in (t.val_times_s or ())]
+    steady = any(t.purpose == STEADY for t in trials) or len(times) >= STEADY_MIN_STEPS
+    return Rate(batch_size, batch_size / mean, low, high, mean, sd, len(times), len(trials), steady,
+                all(t.step_times_s for t in trials), statistics.fmean(first) if first else None,
+                statistics.fmean(val) if val else None)
+
+
+def find_knee(rates: Sequence[Rate], low: int = 1, high: int | None = None,
+              fraction: float = KNEE_FRACTION) -> Knee | None:
+    """The knee among the measured rates at batch sizes in ``[low, high]`` (``high`` None: no bound); None
+    without a rate there."""
+    usable = [r for r in rates if r.batch_size >= low and (high is None or r.batch_size <= high)]
+    if not usable:
+        return None
+    best = max(usable, key=lambda r: (r.samples_per_s, -r.batch_size))
+    knee = min((r for r in usable if r.samples_per_s >= fraction * best.samples_per_s), key=lambda r: r.batch_size)
+    below = [r.batch_size for r in usable if r.batch_size < knee.batch_size]
+    return Knee(knee.batch_size, knee, best, fraction, max(below) if below else None)
+
+
+def rate_at(rates: Sequence[Rate], batch_size: int) -> Rate | None:
+    """The rate at ``batch_size``: measured there, or interpolated between the nearest measured sizes on each
+    side (time per sample linear in the batch size; steady only when both are); None outside the measured
+    range: a rate is never extrapolated."""
+    for rate in rates:
+        if rate.batch_size == batch_size:
+            return rate
+    below = [r for r in rates if r.batch_size < batch_size]
+    above = [r for r in rates if r.batch_size > batch_size]
+    if not below or not above:
+        return None
+    a, b = max(below, key=lambda r: r.batch_size), min(above, key=lambda r: r.batch_size)
+    w = (batch_size - a.batch_size) / (b.batch_size - a.batch_size)
+
+    def per_sample(x: float | None, y: float | None, size_x: int, size_y: int) -> float | None:
+        return None if x is None or y is None else (1 - w) * x / size_x + w * y / size_y
+
+    step = batch_size * per_sample(a.step_s, b.step_s, a.batch_size, b.batch_size)
+    first = per_sample(a.first_step_s, b.first_step_s, a.batch_size, b.batch_size)
+    val = per_sample(a.val_s, b.val_s, a.batch_size, b.batch_size)
+    return Rate(batch_size, batch_size / step, None, None, step, None, 0, 0, a.steady and b.steady,
+                a.per_step and b.per_step, None if first is None else first * batch_size,
+                None if val is None else val * batch_size, (a.batch_size, b.batch_size))
+
+
+def rate_for_run(rates: Sequence[Rate], batch_size: int) -> Rate | None:
+    """The rate a run at ``batch_size`` is forecast at (module docstring): a steady rate at that size, else the
+    nearest steady rate within :data:`NEAR_FRACTION` of it read per sample (the same samples/s and interval; the
+    step, first step and validation times scaled by the batch sizes' ratio), else :func:`rate_at`."""
+    own = rate_at(rates, batch_size)
+    if own is not None and own.steady:
+        return own
+    near = [r for r in rates if r.steady and abs(r.batch_size - batch_size) <= NEAR_FRACTION * r.batch_size]
+    if not near:
+        return own
+    steady = min(near, key=lambda r: (abs(r.batch_size - batch_size), r.batch_size))
+    scale = batch_size / steady.batch_size
+
+    def scaled(seconds: float | None) -> float | None:
+        return None if seconds is None else seconds * scale
+
+    return dataclasses.replace(steady, batch_size=batch_size, step_s=steady.step_s * scale,
+                               step_sd_s=scaled(steady.step_sd_s), first_step_s=scaled(steady.first_step_s),
+                               val_s=scaled(steady.val_s), per_sample_from=steady.batch_size)

@@ -1,0 +1,167 @@
+"""``vramcal cost``: a thin click command over :mod:`vramcal.forecast` and :mod:`vramcal.report`, and the
+forecast options it shares with ``vramcal report``.
+
+It reads profile files only: each card's throughput is what its own trials measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from vramcal.cli.options import FiniteFloat, group, load_profiles, one_line
+from vramcal.forecast import DEFAULT_EPOCHS, Dataset, Price, parse_prices
+
+
+class PriceList(click.ParamType):
+    """``--price "NAME=PRICE,..."``, parsed by :func:`vramcal.forecast.parse_prices`."""
+
+    name = "NAME=PRICE,..."
+
+    def convert(self, value, param, ctx) -> list[Price]:
+        if isinstance(value, list):
+            return value
+        try:
+            return parse_prices(value)
+        except ValueError as error:
+            self.fail(str(error), param, ctx)
+
+
+forecast_options = group(
+    click.option("--epochs", type=click.IntRange(1), default=DEFAULT_EPOCHS, show_default=True,
+                 help="epochs of the run forecast"),
+    click.option("--data", type=click.Path(dir_okay=False), default=None,
+                 help="OHLCV parquet whose windows (at each profile's seq_len, --stride, --val-fraction) make an epoch "
+                      "[default: the calibration's own data]"),
+    click.option("--bars", type=click.IntRange(1), default=None,
+                 help="or a number of bars without gaps, cut into windows the same way"),
+    click.option("--samples", type=click.IntRange(1), default=None, help="or the training samples of an epoch"),
+    click.option("--val-samples", type=click.IntRange(0), default=None,
+                 help="with --samples: the validation samples of an epoch [default: not counted]"),
+    click.option("--stride", type=click.IntRange(1), default=None, help="bars between windows [default: seq_len // 2]"),
+    click.option("--val-fraction", type=FiniteFloat(0, 1, min_open=True, max_open=True), default=0.2,
+                 show_default=True, help="the last fraction of rows, for validation"),
+    click.option("--seq-len", type=click.IntRange(1), default=None,
+                 help="the run's length, for a profile calibrated over several [default: each profile's own]"),
+    click.option("--price", "prices", type=PriceList(), default="",
+                 help='price per hour of each card, e.g. "RTX 4090=0.59,RTX A4000=0.25" (matched to the profiles\' '
+                      'devices by name; a card without a profile gets a row with unknown throughput)'),
+)
+
+
+def datasets_for(profiles: list, options: dict[str, Any]) -> list[Dataset | None]:
+    """Each profile's dataset from the forecast options (module docstring of :mod:`vramcal.forecast`).
+
+    Raises:
+        click.BadParameter: more than one of --data, --bars and --samples, or --val-samples without --samples.
+        click.ClickException: a profile without a seq_len asked to cut windows; unreadable data.
+    """
+    from vramcal.forecast import calibration_dataset
+
+    given = [name for name in ("data", "bars", "samples") if options[name] is not None]
+    if len(given) > 1:
+        raise click.BadParameter(f"give one of --data, --bars and --samples, not {' and '.join(given)}",
+                                 param_hint=f"--{given[1]}")
+    if options["val_samples"] is not None and options["samples"] is None:
+        raise click.BadParameter("--val-samples goes with --samples", param_hint="--val-samples")
+    if options["samples"] is not None:
+        return [Dataset(options["samples"], options["val_samples"], "--samples")] * len(profiles)
+    if not given:
+        return [calibration_dataset(p) for p in profiles]
+    return [_windows(p, options) for p in profiles]
+
+
+def _windows(profile, options: dict[str, Any]) -> Dataset:
+    from vramcal.models.regressor.windows import window_counts
+
+    seq_len = options["seq_len"] or profile.model.params.get("seq_len")
+    if not isinstance(seq_len, int):
+        raise click.ClickException(f"{profile.device.name}: the profile's model has no seq_len to cut windows with: "
+                                   f"give --samples")
+    stride, fraction = options["stride"], options["val_fraction"]
+    where = f"seq_len {seq_len}, stride {stride or max(1, seq_len // 2)}, val_fraction {fraction:g}"
+    if options["bars"] is not None:
+        train, val = window_counts(options["bars"], seq_len, stride, fraction)
+        if train < 1:
+            raise click.BadParameter(f"{options['bars']} bars give no training window of {seq_len} bars",
+                                     param_hint="--bars")
+        return Dataset(train, val, f"{options['bars']:,} bars without gaps: {where}")
+    from vramcal.models.regressor.step import load_windows
+
+    with one_line():
+        windows = load_windows(options["data"], seq_len, stride, fraction)
+    return Dataset(len(windows.train_starts), len(windows.val_starts), f"{options['data']}: {where}")
+
+
+def forecast_settings(profiles: list, options: dict[str, Any]):
+    """The report's :class:`vramcal.forecast.ForecastSettings` from the forecast options (the first profile's
+    dataset: a report of several profiles forecasts each over its own calibration data unless one is given)."""
+    from vramcal.forecast import ForecastSettings
+
+    datasets = datasets_for(profiles, options)
+    given = any(options[name] is not None for name in ("data", "bars", "samples"))
+    return ForecastSettings(epochs=options["epochs"], prices=tuple(options["prices"]),
+                            dataset=datasets[0] if given else None, seq_len=options["seq_len"])
+
+
+@click.command("cost")
+@click.argument("profiles", nargs=-1, required=True, type=click.Path(path_type=Path))
+@forecast_options
+@click.option("--size-for", type=click.Choice(("memory", "throughput")), default="memory", show_default=True,
+              help="each card's batch size: memory = the conservative one; throughput = the throughput knee below it")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
+              show_default=True, help="folder for the PNG and the Markdown")
+@click.option("--name", default=None, help="file stem [default: cost-<hash of the profiles and settings>]")
+@click.option("--json", "as_json", is_flag=True, help="print the forecast as JSON for programs")
+def cost_command(profiles: tuple[Path, ...], size_for: str, out_dir: Path, name: str | None, as_json: bool,
+                 **options: Any) -> None:
+    """Forecast a training run's time and cost on each card of PROFILES (files or folders).
+
+    Each card's batch size, samples/s, epoch time, run time and (with --price) cost; the fastest and the cheapest
+    marked. Throughput is each card's own measurement: a priced card without a profile is shown as unknown.
+    """
+    from vramcal.forecast import cost_table
+    from vramcal.report import write_cost_report
+    from vramcal.report.cost import forecast_notes, forecast_table
+
+    paths, loaded = load_profiles(profiles)
+    forecasts = cost_table(loaded, datasets_for(loaded, options), options["epochs"], options["prices"],
+                           size_for=size_for, seq_len=options["seq_len"], labels=_labels(loaded))
+    title = f"{options['epochs']} epochs, {'throughput knee' if size_for == 'throughput' else 'conservative'} batch"
+    stem = name or "cost-" + hashlib.sha256(json.dumps([sorted(map(str, paths)), size_for, options], sort_keys=True,
+                                                       default=str).encode()).hexdigest()[:8]
+    try:
+        png, markdown = write_cost_report(forecasts, out_dir, stem, title)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--name") from None
+    except OSError as error:
+        raise click.ClickException(f"cannot write to {out_dir} ({error.strerror}): choose another --out") from None
+    if as_json:
+        click.echo(json.dumps({"png": str(png), "markdown": str(markdown), "profiles": [str(p) for p in paths],
+                               "size_for": size_for, "forecasts": [f.to_dict() for f in forecasts]},
+                              indent=2, sort_keys=True))
+        return
+    click.echo(forecast_table(forecasts, bold=False))
+    for note in forecast_notes(forecasts):
+        click.echo(click.wrap_text(note, width=110, initial_indent="- ", subsequent_indent="  "))
+    click.echo(f"forecast: {markdown} and {png}")
+
+
+def _labels(profiles: list) -> list[str]:
+    """Each row's card: the device's name, with its memory and the model settings that differ when two profiles
+    share a device name."""
+    from vramcal.units import format_bytes
+
+    names = [p.device.name for p in profiles]
+    if len(set(names)) == len(names):
+        return names
+    keys = sorted({k for p in profiles for k in p.model.params})
+    differ = [k for k in keys if len({str(p.model.params.get(k)) for p in profiles}) > 1]
+    totals = len({p.device.total_bytes for p in profiles}) > 1
+    return [" · ".join(x for x in (name, format_bytes(p.device.total_bytes) if totals else "",
+                                   " ".join(f"{k}={p.model.params.get(k)}" for k in differ)) if x)
+            for name, p in zip(names, profiles)]

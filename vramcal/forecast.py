@@ -1,0 +1,342 @@
+"""The run forecast (the shared DESIGN.md's "run forecast"): how long a training run takes on a card and what
+it costs, from the card's profile; pure functions of profiles, a dataset, a number of epochs and prices.
+
+At the run's batch size ``b`` (the conservative one, or the throughput knee: :func:`vramcal.sizing.size`),
+with the rates the card's trials measured there, steady where it can
+(:func:`vramcal.calibration.throughput.rate_for_run`):
+
+    train_s   = train_samples / samples_per_s(b)             every training window once per epoch
+    val_s     = val_samples × val_pass_s(b) / b               one validation pass, in chunks of b
+    epoch_s   = train_s + val_s
+    first_s   = max(0, first_step_s(b) − step_s(b))           once per run: the first step allocates AdamW's state
+    run_s     = epochs × epoch_s + first_s
+    cost      = price_per_hour × run_s / 3600
+
+The first line is the shared definition (samples per epoch / samples/s: the epoch's last, partly filled batch
+counts at the same rate per sample); the validation pass and the first step are what an epoch of ``vramcal
+train`` holds besides (:mod:`vramcal.train.loop`, whose ``epoch_s`` is ``train_s + val_s`` timed the way a
+trial times its steps). The interval of ``samples_per_s`` carries through to the times and the cost.
+
+A card without a measured profile has no throughput: its row says so and has no times and no cost. Nothing
+is extrapolated from another card, nor from a batch size outside the measured ones.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from vramcal.calibration.throughput import NEAR_FRACTION, Rate, measured_rates, rate_at, rate_for_run
+from vramcal.profile import Profile
+from vramcal.sizing import SizeFor, SizingError, length_trials, size
+
+HOUR_S = 3600.0
+DEFAULT_EPOCHS = 10  # as `vramcal train`'s --epochs (a test keeps them equal)
+FAR_FRACTION = 0.25  # a run's epoch this far (either way) from its forecast is far from it
+FAR = "far from the forecast"
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """What one epoch holds, in samples (windows of bars for the regressor).
+
+    Attributes:
+        train_samples: training samples per epoch.
+        val_samples: validation samples per epoch (None: not known, so not counted: the forecast says so).
+        source: where the counts come from, for people.
+    """
+
+    train_samples: int
+    val_samples: int | None
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.train_samples < 1 or (self.val_samples is not None and self.val_samples < 0):
+            raise ValueError(f"a dataset needs at least 1 training sample and no negative count, got "
+                             f"{self.train_samples} and {self.val_samples}")
+
+
+@dataclass(frozen=True)
+class Price:
+    """A card's rental price: ``name`` as given (``RTX 4090``), dollars (or any currency) per hour."""
+
+    name: str
+    price_per_hour: float
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """One card's run forecast (module docstring). Seconds, samples per second, currency units.
+
+    Attributes:
+        card: the row's name: the profile's device (and model, when the profiles' models differ), or a priced
+            card without a profile.
+        measured: the card has a profile; False: throughput, times and cost unknown.
+        batch_size, batch_source: the run's batch size and why (``conservative``, ``knee``, ...).
+        samples_per_s, low_samples_per_s, high_samples_per_s: the rate at the batch size and its 95 % interval.
+        steady: the rate is a steady one (:mod:`vramcal.calibration.throughput`).
+        train_s, val_s, epoch_s, first_s, run_s: the forecast's terms (module docstring); ``val_s`` None: the
+            validation pass is not counted.
+        run_low_s, run_high_s: ``run_s`` at the ends of the rate's interval (``run_low_s`` None: open).
+        price_per_hour, cost, cost_low, cost_high: the price and the run's cost with its interval.
+        epochs, dataset: what was forecast.
+        fastest, cheapest: the shortest run, the lowest cost among the rows that have one.
+        notes: what people should know about the row (one sentence each).
+    """
+
+    card: str
+    measured: bool
+    epochs: int
+    dataset: Dataset | None
+    batch_size: int | None = None
+    batch_source: str | None = None
+    samples_per_s: float | None = None
+    low_samples_per_s: float | None = None
+    high_samples_per_s: float | None = None
+    steady: bool | None = None
+    train_s: float | None = None
+    val_s: float | None = None
+    epoch_s: float | None = None
+    first_s: float | None = None
+    run_s: float | None = None
+    run_low_s: float | None = None
+    run_high_s: float | None = None
+    price_per_hour: float | None = None
+    cost: float | None = None
+    cost_low: float | None = None
+    cost_high: float | None = None
+    fastest: bool = False
+    cheapest: bool = False
+    notes: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# ------------------------------------------------------------------------------------------ the arithmetic
+
+def epoch_seconds(rate: Rate, dataset: Dataset) -> tuple[float, float | None]:
+    """(train_s, val_s) of one epoch at ``rate`` (module docstring); ``val_s`` None when not countable."""
+    train_s = dataset.train_samples / rate.samples_per_s
+    if dataset.val_samples == 0:
+        return train_s, 0.0
+    if dataset.val_samples is None or rate.val_s is None:
+        return train_s, None
+    return train_s, dataset.val_samples * rate.val_s / rate.batch_size
+
+
+def first_step_extra(rate: Rate) -> float:
+    """What a run's first step takes beyond a steady one (0 when the trials did not time it)."""
+    return 0.0 if rate.first_step_s is None else max(0.0, rate.first_step_s - rate.step_s)
+
+
+def run_seconds(rate: Rate, dataset: Dataset, epochs: int, samples_per_s: float | None = None) -> float | None:
+    """``epochs × epoch_s + first_s`` at ``samples_per_s`` (default the rate's own); None for an open end."""
+    if samples_per_s is None:
+        return None
+    train_s, val_s = epoch_seconds(replace(rate, samples_per_s=samples_per_s), dataset)
+    return epochs * (train_s + (val_s or 0.0)) + first_step_extra(rate)
+
+
+def forecast_rate(rate: Rate, dataset: Dataset, epochs: int, price_per_hour: float | None = None) -> dict[str, Any]:
+    """The forecast's figures at a measured rate: the times, the cost and their intervals (module docstring)."""
+    train_s, val_s = epoch_seconds(rate, dataset)
+    run_s = run_seconds(rate, dataset, epochs, rate.samples_per_s)
+    low, high = (run_seconds(rate, dataset, epochs, rate.high_samples_per_s),
+                 run_seconds(rate, dataset, epochs, rate.low_samples_per_s))
+
+    def cost(seconds: float | None) -> float | None:
+        return None if price_per_hour is None or seconds is None else price_per_hour * seconds / HOUR_S
+
+    return {"samples_per_s": rate.samples_per_s, "low_samples_per_s": rate.low_samples_per_s,
+            "high_samples_per_s": rate.high_samples_per_s, "steady": rate.steady, "train_s": train_s,
+            "val_s": val_s, "epoch_s": train_s + (val_s or 0.0), "first_s": first_step_extra(rate), "run_s": run_s,
+            "run_low_s": low, "run_high_s": high, "price_per_hour": price_per_hour, "cost": cost(run_s),
+            "cost_low": cost(low), "cost_high": cost(high)}
+
+
+def time_verdict(measured_s: float, forecast_s: float) -> str:
+    """``within 25 %`` of the forecast, or :data:`FAR` (more than :data:`FAR_FRACTION` off, either way)."""
+    return FAR if abs(measured_s - forecast_s) > FAR_FRACTION * forecast_s else f"within {FAR_FRACTION * 100:g} %"
+
+
+def rate_notes(rate: Rate, dataset: Dataset) -> list[str]:
+    """What a row's rate rests on, when people should know it."""
+    notes = []
+    if rate.per_sample_from is not None:
+        notes.append(f"samples/s of the steady trial at batch size {rate.per_sample_from}, read per sample (within "
+                     f"{NEAR_FRACTION * 100:g} % of batch size {rate.batch_size}, where only short trials ran)")
+    elif rate.interpolated_from:
+        notes.append(f"samples/s interpolated between the measured batch sizes {rate.interpolated_from[0]} and "
+                     f"{rate.interpolated_from[1]}")
+    elif not rate.per_step:
+        notes.append(f"samples/s from the median step time of {rate.n_trials} short trial{'s' * (rate.n_trials != 1)}"
+                     f" (the profile predates per-step times: no interval)")
+    elif not rate.steady:
+        notes.append(f"samples/s from {rate.n_steps} timed step{'s' * (rate.n_steps != 1)} of short trials, not a "
+                     f"steady trial")
+    if epoch_seconds(rate, dataset)[1] is None:
+        notes.append("the validation pass is not counted (" + ("its size is unknown" if dataset.val_samples is None
+                     else "the profile's trials did not time it") + ")")
+    return notes
+
+
+# ------------------------------------------------------------------------------------------ one card
+
+def forecast_batch(profile: Profile, batch_size: int, batch_source: str, dataset: Dataset, epochs: int, *,
+                   price_per_hour: float | None = None, seq_len: int | None = None,
+                   card: str | None = None) -> Forecast:
+    """The forecast for a run of ``epochs`` over ``dataset`` at ``batch_size`` on the profile's card; a batch
+    size without a measured rate at or around it gives a row without times."""
+    card = card or profile.device.name
+    rate = rate_for_run(measured_rates(length_trials(profile, seq_len)), batch_size)
+    if rate is None:
+        return Forecast(card, True, epochs, dataset, batch_size, batch_source, price_per_hour=price_per_hour,
+                        notes=(f"no throughput measured at or around batch_size {batch_size}: no forecast",))
+    return Forecast(card, True, epochs, dataset, batch_size, batch_source, notes=tuple(rate_notes(rate, dataset)),
+                    **forecast_rate(rate, dataset, epochs, price_per_hour))
+
+
+def forecast_profile(profile: Profile, dataset: Dataset | None, epochs: int, *, price_per_hour: float | None = None,
+                     size_for: SizeFor = "memory", seq_len: int | None = None, card: str | None = None) -> Forecast:
+    """The forecast at the batch size a run would take on the profile's card (:func:`vramcal.sizing.size`: the
+    conservative one, or sizing for throughput the knee), no more than the training samples, as the trainer
+    takes it; without a dataset the rate alone."""
+    card = card or profile.device.name
+    try:
+        sizing = size(profile, size_for=size_for, seq_len=seq_len)
+    except SizingError as error:
+        return Forecast(card, True, epochs, dataset, price_per_hour=price_per_hour, notes=(str(error),))
+    batch, source = sizing.batch_size, sizing.source
+    if dataset is None:
+        rate = rate_at(measured_rates(length_trials(profile, seq_len)), batch)
+        return Forecast(card, True, epochs, None, batch, source, price_per_hour=price_per_hour,
+                        samples_per_s=rate and rate.samples_per_s, low_samples_per_s=rate and rate.low_samples_per_s,
+                        high_samples_per_s=rate and rate.high_samples_per_s, steady=rate and rate.steady,
+                        notes=("no dataset: give one (--data, --bars or --samples) for the times",))
+    if batch > dataset.train_samples:
+        batch, source = dataset.train_samples, f"{source}+data"
+    return forecast_batch(profile, batch, source, dataset, epochs, price_per_hour=price_per_hour, seq_len=seq_len,
+                          card=card)
+
+
+def unknown_card(price: Price, epochs: int, dataset: Dataset | None) -> Forecast:
+    """A priced card without a measured profile: throughput, times and cost unknown, and said so."""
+    return Forecast(price.name, False, epochs, dataset, price_per_hour=price.price_per_hour,
+                    notes=("no measured profile: throughput unknown (it depends on the card, not only its memory); "
+                           "run `vramcal probe` on this card",))
+
+
+# ------------------------------------------------------------------------------------------ several cards
+
+def mark_best(forecasts: Sequence[Forecast]) -> list[Forecast]:
+    """The rows sorted by run time (rows without one last, in their order), the fastest and the cheapest marked
+    (ties: every row at the minimum)."""
+    runs = [f.run_s for f in forecasts if f.run_s is not None]
+    costs = [f.cost for f in forecasts if f.cost is not None]
+    marked = [replace(f, fastest=bool(runs) and f.run_s == min(runs), cheapest=bool(costs) and f.cost == min(costs))
+              for f in forecasts]
+    return sorted(marked, key=lambda f: (f.run_s is None, f.run_s or 0.0))
+
+
+def card_key(name: str) -> str:
+    """A card's name for matching prices: lower case, words only, without ``nvidia`` and ``geforce``
+    (``NVIDIA GeForce RTX 4090`` and ``rtx-4090`` are both ``rtx 4090``)."""
+    words = re.sub(r"[^a-z0-9]+", " ", name.lower()).split()
+    return " ".join(w for w in words if w not in ("nvidia", "geforce"))
+
+
+def match_price(price: Price, profiles: Sequence[Profile]) -> list[int]:
+    """The indices of the profiles a price names: by the device's name (:func:`card_key`; ``host`` names every
+    host profile), else by a whole-word prefix of exactly one device name (``H100`` for ``NVIDIA H100 80GB
+    HBM3``); none when it names no profile's card or several different ones."""
+    key = card_key(price.name)
+    keys = [card_key(p.device.name) for p in profiles]
+    exact = [i for i, (p, k) in enumerate(zip(profiles, keys))
+             if k == key or (key == "host" and p.device.kind == "host")]
+    if exact:
+        return exact
+    prefixed = [i for i, k in enumerate(keys) if k.startswith(key + " ")]
+    return prefixed if len({keys[i] for i in prefixed}) == 1 else []
+
+
+def parse_prices(text: str) -> list[Price]:
+    """Parse ``--price "RTX 4090=0.59,RTX A4000=0.25"``: a card's name and its price per hour (any currency).
+
+    Raises:
+        ValueError: an entry without ``=``, an empty name, a price that is not a finite number >= 0, or a name
+            given twice (any case); the message names the entry.
+    """
+    prices: list[Price] = []
+    for entry in (part.strip() for part in text.split(",")):
+        if not entry:
+            continue
+        name, sep, value = entry.rpartition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--price entry {entry!r} is not NAME=PRICE: write e.g. \"RTX 4090=0.59,RTX A4000=0.25\"")
+        try:
+            number = float(value.strip().lstrip("$"))
+        except ValueError:
+            number = -1.0
+        if not (0 <= number < float("inf")):
+            raise ValueError(f"--price entry {entry!r}: {value.strip()!r} is not a price per hour >= 0, e.g. 0.59")
+        if any(card_key(p.name) == card_key(name) for p in prices):
+            raise ValueError(f"--price entry {entry!r}: {name.strip()!r} is given twice; price each card once")
+        prices.append(Price(name.strip(), number))
+    return prices
+
+
+def cost_table(profiles: Sequence[Profile], datasets: Sequence[Dataset | None], epochs: int,
+               prices: Sequence[Price] = (), *, size_for: SizeFor = "memory", seq_len: int | None = None,
+               labels: Sequence[str] | None = None) -> list[Forecast]:
+    """One forecast per profile (with its dataset and, where a price names its card, its price), one row per price
+    naming no profile (unknown throughput), sorted and marked by :func:`mark_best`."""
+    price_of: dict[int, float] = {}
+    rows = []
+    for price in prices:
+        found = match_price(price, profiles)
+        price_of.update({i: price.price_per_hour for i in found})
+        if not found:
+            rows.append(unknown_card(price, epochs, datasets[0] if datasets else None))
+    labels = labels or [p.device.name for p in profiles]
+    rows = [forecast_profile(p, d, epochs, price_per_hour=price_of.get(i), size_for=size_for, seq_len=seq_len,
+                             card=label) for i, (p, d, label) in enumerate(zip(profiles, datasets, labels))] + rows
+    return mark_best(rows)
+
+
+def calibration_dataset(profile: Profile) -> Dataset | None:
+    """The calibration's own data as a dataset (the windows its factory reported), or None when it reported none
+    (a model without a dataset, such as the language model's random tokens)."""
+    info = profile.model_info
+    train = info.get("train_windows")
+    if not isinstance(train, int) or train < 1:
+        return None
+    val = info.get("val_windows")
+    return Dataset(train, val if isinstance(val, int) else None,
+                   f"the calibration's data: {info.get('data', profile.data.get('source', 'unknown'))}")
+
+
+@dataclass(frozen=True)
+class ForecastSettings:
+    """What a report forecasts for its profile: ``epochs`` over ``dataset`` (None: the calibration's own data,
+    :func:`calibration_dataset`) at ``seq_len`` (a profile over several lengths), with ``prices``."""
+
+    epochs: int = DEFAULT_EPOCHS
+    prices: tuple[Price, ...] = ()
+    dataset: Dataset | None = None
+    seq_len: int | None = None
+
+
+def profile_forecasts(profile: Profile, settings: ForecastSettings = ForecastSettings()) -> list[Forecast]:
+    """The report's forecast for one profile: at the conservative batch size and, when it differs, at the
+    throughput knee; with a row for every priced card that is not the profile's (unknown throughput)."""
+    dataset = settings.dataset or calibration_dataset(profile)
+    rows = cost_table([profile], [dataset], settings.epochs, settings.prices, seq_len=settings.seq_len)
+    own = next(r for r in rows if r.measured)
+    knee = forecast_profile(profile, dataset, settings.epochs, price_per_hour=own.price_per_hour, size_for="throughput",
+                            seq_len=settings.seq_len)
+    if knee.batch_size is not None and knee.batch_size != own.batch_size:
+        rows.append(knee)
+    return mark_best(rows)

@@ -1,0 +1,86 @@
+"""The closed loop for time: a training run's forecast from its profile, and its measured times beside it.
+
+As the memory loop does (:mod:`vramcal.train.runner`), the run prints its forecast before the first step
+(:func:`vramcal.forecast.forecast_batch` at the run's own batch size, data and epochs), its measured epoch time
+beside the forecast after the first epoch, and records both in its profile's observation
+(:class:`vramcal.profile.Observation`: ``samples_per_s``, ``epoch_s`` and their forecasts). A run whose epoch
+time is more than :data:`vramcal.forecast.FAR_FRACTION` off its forecast says so
+(:func:`vramcal.forecast.time_verdict`).
+
+Measured figures are the trainer's epoch rows (:mod:`vramcal.train.loop`): ``epoch_s`` = the epoch's step
+times plus its validation pass, ``samples_per_s`` = training samples over step time; only complete epochs
+count, and the first epoch's forecast carries the first step's extra time (it allocates AdamW's state).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from vramcal.forecast import FAR, Dataset, Forecast, forecast_batch, time_verdict
+from vramcal.profile import ProfileError, load_profile
+from vramcal.train.plan import Plan
+from vramcal.units import format_duration
+
+
+def plan_forecast(plan: Plan) -> Forecast | None:
+    """The forecast for ``plan``'s run (its batch size, windows and epochs); None without a profile file or
+    a forecast there (no throughput measured around the batch size)."""
+    if plan.profile_path is None:
+        return None
+    try:
+        profile = load_profile(plan.profile_path)
+    except ProfileError:
+        return None
+    stats = plan.data_stats
+    dataset = Dataset(int(stats["train_windows"]), int(stats["val_windows"]), "this run's data")
+    epochs = plan.config.epochs
+    if plan.config.max_steps:
+        epochs = min(epochs, math.ceil(plan.config.max_steps / math.ceil(dataset.train_samples / plan.batch_size)))
+    found = forecast_batch(profile, plan.batch_size, plan.sizing.source, dataset, epochs,
+                           seq_len=plan.config.spec.seq_len)
+    return found if found.epoch_s is not None else None
+
+
+def forecast_line(forecast: Forecast) -> str:
+    """``forecast: 30.1 samples/s at batch_size 161, epoch 16.1 s (training 14.1 s + validation 2.0 s), 10 epochs
+    2.7 min``."""
+    val = "validation not counted" if forecast.val_s is None else f"validation {format_duration(forecast.val_s)}"
+    return (f"forecast: {forecast.samples_per_s:.3g} samples/s at batch_size {forecast.batch_size}, epoch "
+            f"{format_duration(forecast.epoch_s)} (training {format_duration(forecast.train_s)} + {val}), "
+            f"{forecast.epochs} epoch{'s' * (forecast.epochs != 1)} {format_duration(forecast.run_s)}")
+
+
+def first_epoch_lines(forecast: Forecast, row: dict[str, Any], fresh: bool) -> list[str]:
+    """The first epoch's measured time beside its forecast, and a warning when it is far from it."""
+    if not row.get("epoch_s") or not row.get("complete", True):
+        return []
+    expected = forecast.epoch_s + (forecast.first_s or 0.0) * fresh
+    error = (row["epoch_s"] - expected) / expected
+    lines = [f"after the first epoch: {format_duration(row['epoch_s'])} (training {format_duration(row['train_s'])}"
+             f", {row['samples_per_s']:.3g} samples/s; validation {format_duration(row['val_s'])}): forecast "
+             f"{format_duration(expected)} ({error:+.1%})"]
+    if time_verdict(row["epoch_s"], expected) == FAR:
+        short = ("; its rate rested on a short trial's few timed steps" if forecast.steady is False else "")
+        lines.append(f"warning: the epoch took {error:+.0%} against the forecast: the profile's throughput does not "
+                     f"describe this run (a busier machine, other software, another card?{short}); re-run "
+                     f"`vramcal probe` here to measure it again")
+    return lines
+
+
+def observed(forecast: Forecast | None, rows: Sequence[dict[str, Any]], fresh: bool) -> dict[str, float | None]:
+    """The observation's time fields (:class:`vramcal.profile.Observation`) from the run's epoch rows: the
+    measured mean epoch time and samples/s over its complete epochs, and the forecast's for the same epochs."""
+    done = [r for r in rows if r.get("complete", True) and r.get("epoch_s")]
+    if not done:
+        return {}
+    train_s = sum(r["train_s"] for r in done)
+    fields = {"epoch_s": statistics.fmean(r["epoch_s"] for r in done),
+              "samples_per_s": sum(r["samples"] for r in done) / train_s if train_s > 0 else None}
+    if forecast is not None and forecast.epoch_s is not None:
+        first = (forecast.first_s or 0.0) if fresh and done[0].get("epoch") == 1 else 0.0
+        fields.update(forecast_epoch_s=forecast.epoch_s + first / len(done),
+                      forecast_samples_per_s=forecast.samples_per_s)
+    return fields
