@@ -27,6 +27,9 @@ def one_line_error(result):
 def test_help_lists_the_commands():
     result = invoke("--help")
     assert result.exit_code == 0 and "probe" in result.output and "show" in result.output
+    assert "-q, --quiet" in result.output and "-v, --verbose" in result.output
+    both = invoke("-q", "-v", "show", "x.json")
+    assert both.exit_code == 2 and "-q and -v contradict each other" in both.output
 
 
 @pytest.mark.parametrize("args, message", [
@@ -86,7 +89,11 @@ def test_a_capacity_below_what_a_trial_process_holds_before_its_step(tmp_path):
     below = worker_data_bytes() // 2
     result = invoke("probe", "--gpu", "none", "--capacity", str(below), "--reserve", "0", "--margin", "0",
                     "--out", str(tmp_path / "p.json"))
-    assert result.exit_code == 1
+    assert result.exit_code == 1 and "  batch_size      1  oom" in result.output  # the trial's line
+    quiet = invoke("-q", "probe", "--gpu", "none", "--capacity", str(below), "--reserve", "0", "--margin", "0",
+                   "--out", str(tmp_path / "p.json"))
+    assert quiet.exit_code == 1 and "batch_size      1" not in quiet.output  # -q: no line per trial, the error stays
+    assert one_line_error(quiet) == one_line_error(result)
     line = one_line_error(result)
     assert "batch_size 1 does not fit in the usable" in line and "give a larger --capacity" in line
     assert f"the host budget {format_bytes(below)} is below the " in line

@@ -35,6 +35,7 @@ from vramcal.cli import main
 from vramcal.cli.options import EXIT_UNVERIFIED
 from vramcal.profile import load_profile, save_profile
 from vramcal.records import Trial
+from vramcal.units import format_bytes
 
 MIB = 2**20
 GIB = 2**30
@@ -153,6 +154,9 @@ def test_train_with_every_option_then_resume(home):
                     "--checkpoint-minutes", "0.5", "--run-dir", run, "--batch-size", "4", "--lr", "1e-4",
                     "--weight-decay", "0.01", "--max-grad-norm", "1.0", "--epochs", "1")
     assert "done: 3 steps" in result.output
+    budget = format_bytes(int(capacity(3 * GIB // 2)))  # what the budget binds, and what it does not (issue 23)
+    assert f"host budget: the training process may hold at most {budget} of data segment (RLIMIT_DATA: heap " \
+           f"and private mappings" in result.stderr and "the worker fork server are outside it" in result.stderr
     saved = json.loads((run / "config.json").read_text())
     assert (saved["seed"], saved["lr_scaling"], saved["checkpoint_steps"], saved["batch_size"]) == (1, "linear", 1, 4)
     assert "done: 4 steps" in invoke("train", "--resume", "--run-dir", run, "--max-steps", "4").output

@@ -65,12 +65,13 @@ def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
     with no reserve and a 5 % margin leave about 130 MiB above a worker's own footprint, a few hundred samples
     of the tiny model, so the largest trials take a fraction of a second."""
     profile_file = tmp_path / "tiny.json"
-    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", capacity(640 * 2**20, margin=0.05),
+    result = CliRunner().invoke(main, ["-v", "probe", "--gpu", "none", "--capacity", capacity(640 * 2**20, margin=0.05),
                                        "--reserve", "0", "--margin", "0.05", *TINY_ARGS, "--max-trials", "16",
                                        "--plateau-steps", "5", "--boundary", "--out", str(profile_file),
                                        "--reports-dir", str(tmp_path / "reports")])
     assert result.exit_code == 0, result.output  # 0: verified (an unverified calibration exits 3)
     assert "peak = " in result.output and "GiB × batch_size" in result.output
+    assert "    steady trial step 1/40, peak " in result.output  # -v: the steady trial step by step
     shape = re.search(r"step creep +\+[\d.]+ [KMG]?i?B at batch_size \d+ over (\d+) steps, (levelled off at step "
                       r"(\d+)|still rising)", result.output)
     assert shape, result.output

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Sequence
@@ -169,7 +170,8 @@ def _check_lengths(ref: ModelRef, lengths: SeqLens, device: Device, implementati
 
 
 def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Callable[[Trial], None] | None = None,
-                    on_notice: Callable[[str], None] | None = None) -> Profile:
+                    on_notice: Callable[[str], None] | None = None,
+                    on_step: Callable[[dict[str, Any]], None] | None = None) -> Profile:
     """Run the calibration's trials (each in a fresh worker process, :func:`worker_pool`) and write the profile.
 
     A user's factory module is imported in each trial process after the meter has pinned the device
@@ -186,6 +188,8 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
         save: write the profile to ``plan.path`` (atomically).
         on_trial: called with each finished trial, in order (a reused one too).
         on_notice: called with a line for people about the journal (trials reused, one replaced).
+        on_step: called with each step of the steady trial as it ends (``step``, ``of``: the most steps,
+            ``peak_bytes``, ``step_s``), the calibration's longest trial (:class:`vramcal.measure.trial.TrialRunner`).
 
     Returns:
         The profile; ``profile.verified`` says whether real trials verified both limits.
@@ -200,7 +204,7 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
     from vramcal.measure.trial import TrialRunner
 
     journal = _open_journal(plan, on_notice) if save else None
-    profile = run_trials(plan, TrialRunner(worker_pool()), on_trial, journal)
+    profile = run_trials(plan, TrialRunner(worker_pool(), on_step), on_trial, journal)
     if plan.world is not None:
         profile = dataclasses.replace(profile, single_process=ddp_term(profile, plan.path.parent.parent))
     if journal is not None:
@@ -278,7 +282,7 @@ def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None
               settings: LimitSettings = LimitSettings(), options: dict[str, Any] | None = None,
               profiles_dir: Path | str = DEFAULT_PROFILES_DIR, save: bool = True,
               on_trial: Callable[[Trial], None] | None = None, seq_lens: str | Sequence[int] = (),
-              trials: TrialSettings = TrialSettings()) -> Profile:
+              trials: TrialSettings = TrialSettings(), progress: bool = True) -> Profile:
     """Calibrate a training step on one device and (by default) save its profile under ``profiles_dir``.
 
     Args:
@@ -288,6 +292,8 @@ def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None
             ``RLIMIT_DATA`` = the budget.
         settings: reserve (bytes), margin and conservative fraction.
         seq_lens, trials: see :func:`plan_calibration`.
+        on_trial: called with each finished trial; without it, and with ``progress``, each trial is printed to
+            stderr as one line, and the steady trial's steps every 10 (:class:`ProgressPrinter`).
 
     Returns:
         The profile: ``limits.safe_batch_size`` and ``limits.conservative_batch_size`` (samples), the fit
@@ -302,7 +308,31 @@ def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None
         raise ValueError(f"gpu={gpu!r} names {len(devices)} devices: calibrate them one at a time")
     plan = plan_calibration(model, params, device=devices[0], implementation=implementation, settings=settings,
                             options=options, profiles_dir=profiles_dir, seq_lens=seq_lens, trials=trials)
-    return run_calibration(plan, save=save, on_trial=on_trial)
+    printer = ProgressPrinter(plan.usable_bytes) if progress and on_trial is None else None
+    return run_calibration(plan, save=save, on_trial=on_trial or printer,
+                           on_step=printer.step if printer is not None else None)
+
+
+class ProgressPrinter:
+    """Progress for people on stderr: one line per finished trial, and every ``every`` steps of the steady
+    trial, so a calibration is never silent for minutes (:func:`calibrate`'s default)."""
+
+    def __init__(self, usable_bytes: int, every: int = 10, file: Any = None) -> None:
+        self.usable_bytes, self.every, self.file = usable_bytes, every, file
+
+    def __call__(self, trial: Trial) -> None:
+        peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
+        over = " (over usable memory)" if trial.ok and not trial.fits(self.usable_bytes) else ""
+        self._print(f"vramcal: trial batch_size {trial.batch_size} [{trial.purpose}]: {trial.status}{over}, peak "
+                    f"{peak}, {trial.wall_s or 0:.1f} s")
+
+    def step(self, payload: dict[str, Any]) -> None:
+        if payload["step"] % self.every == 0:
+            self._print(f"vramcal: steady trial step {payload['step']} (at most {payload['of']}), peak "
+                        f"{format_bytes(payload['peak_bytes'])}")
+
+    def _print(self, line: str) -> None:
+        print(line, file=self.file or sys.stderr, flush=True)
 
 
 def probe_command(device: Device, ref: ModelRef, world: World | None = None) -> str:

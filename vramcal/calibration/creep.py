@@ -4,8 +4,8 @@ A trial measures two steps; a training run takes thousands. On the host a worker
 with the number of steps (malloc's heap fragments as activations below its 4 MiB mmap threshold come and
 go), and levels off: over 1,000 steps at the four benchmark specs' safe sizes the peak rose 1.3-6.9 % above
 the second step's, most of it in the first few dozen steps (DESIGN.md, "The step creep"). The caching
-allocator of a GPU can creep the same way. So once the safe size is verified, the search runs one
-**steady trial** there (search rule 6): it measures until its peak has not risen for ``plateau_steps``
+allocator of a GPU can creep the same way. So once the limits are verified, the search runs one
+**steady trial** at the conservative size, the one a run takes by default (search rule 6): it measures until its peak has not risen for ``plateau_steps``
 steps (:func:`plateau_step`), at most ``steady_steps``, keeping its curve (``Trial.step_peaks``); a curve
 that had not levelled off by then is reported (:attr:`Creep.levelled`), and the trainer says so while it
 runs if its peak passes the prediction. Late rises still come (a creep study of 15 batch sizes to 1,000
@@ -22,7 +22,7 @@ a batch of zero samples has none. The fit, the limits and the verifications are 
 steady-equivalent peaks (so the profile's predictions are the long run's), while the trials keep their
 raw figures in the profile; the predicted out-of-memory boundary stays a trial's (it is compared with
 bisection by the same trials). A steady trial that runs out of memory is a failure at its size: the
-limits come down below it, and one more steady trial is allowed at the new safe size.
+limits come down below it, and one more steady trial is allowed at the new conservative size.
 """
 
 from __future__ import annotations

@@ -33,10 +33,14 @@ with recorded and synthetic trials. Its rules:
    (``retry``), and a size that failed so twice is never a limit — no proposal reaches it, and limits that
    would need a trial there stay unverified (the profile says why). A first trial that measured nothing ends
    the calibration: the step itself failed, or is too slow for the time limit.
-6. **Measure the step creep** once the limits are verified: one *steady trial* at the safe size, of
-   ``steady_steps`` measured steps (:mod:`vramcal.calibration.creep`). From then on every rule reads the
-   trials' steady-equivalent peaks (the peak a long run reaches at that size): when the creep pushes the
-   safe size's peak past usable memory, the limits come down and are verified again.
+6. **Measure the step creep** once the limits are verified: one *steady trial* at the conservative size,
+   the one a run takes by default, of at most ``steady_steps`` measured steps (:mod:`vramcal.calibration.creep`).
+   (At the safe size it missed the conservative size's creep where the two sit on either side of glibc's
+   4 MiB mmap threshold for the activations: default spec at 2.5 GiB, steady at 72 saw +4 MiB, a run at 60 rose
+   +5 % over 42 steps; read per sample, the conservative size's creep over-predicts the safe size's at most
+   by the creep of a tenth of the batch.) From then on every rule reads the trials' steady-equivalent peaks
+   (the peak a long run reaches at that size): when the creep pushes the safe size's peak past usable memory,
+   the limits come down and are verified again.
 
 A limit is *settled* on trials that fitted at, or at most ``snap_tolerance`` below, the computed size, so
 refits that move the limit by a sample or two do not chase it forever. The policy never reports an
@@ -428,10 +432,12 @@ def _verify(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
 
 
 def _steady(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
-    """The steady trial at the verified safe size (rule 6), or None: creep measured, switched off, or two
-    steady trials failed already."""
+    """The steady trial at the verified conservative size, the one a run takes by default (rule 6), or None:
+    the limits not yet verified, the creep measured or switched off, or two steady trials failed already."""
     steady = [t for t in trials if t.purpose == STEADY]
     if settings.steady_steps <= 0 or any(t.ok for t in steady) or len(steady) >= 2:
         return None
     state = settle(trials, settings)
-    return None if state.safe_trial is None else Step(state.safe_trial.batch_size, STEADY)
+    if state.safe_trial is None or state.conservative_trial is None:
+        return None
+    return Step(state.conservative_trial.batch_size, STEADY)

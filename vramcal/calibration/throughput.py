@@ -28,10 +28,9 @@ interpolates the time per sample linearly, and says so.
 
 A run is forecast at a steady rate where there is one (:func:`rate_for_run`): its own size's, else the steady
 rate of a size within :data:`NEAR_FRACTION` (25 %) of it, read per sample, else the short trials' rate at or
-around the size. The conservative size is 90 % of the safe one, where the steady trial ran, or less when the
-step creep it measured brought the limits down (on the small benchmark spec: steady trial at 157, safe 146,
-conservative 131, 17 % below); a short trial's two steps there are seconds of a busy machine, the steady
-trial's forty are minutes, and near the memory limit a batch size's time per sample changes slowly.
+around the size. The steady trial runs at the conservative size, which moves when the step creep it measured
+brings the limits down; a short trial's two steps are seconds of a busy machine, the steady trial's dozens
+are a steadier rate, and near the memory limit a batch size's time per sample changes slowly.
 """
 
 from __future__ import annotations

@@ -7,9 +7,20 @@ prints. User-fixable failures are ``click.ClickException`` (exit 1, one line), b
 
 from __future__ import annotations
 
-import click
+import contextlib
+import contextvars
+import os
+from collections.abc import Iterator
+
+# The command's own process reads parquet files too (the bars, to plan a run): pyarrow's default pool (jemalloc)
+# would reserve about 1 GiB of address space there that nothing uses (issue 23: a run's process tree looked much
+# larger than its budget). Set before anything imports pyarrow; a value the user exported wins.
+os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+
+import click  # noqa: E402 - after the pool is chosen
 
 from vramcal import __version__
+from vramcal.cli.console import VERBOSITY
 from vramcal.cli.cost import cost_command
 from vramcal.cli.probe import probe, show
 from vramcal.cli.report import limits_command, report_command
@@ -20,10 +31,24 @@ from vramcal.words import FLAGS, speaking
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="vramcal")
+@click.option("-q", "--quiet", is_flag=True, help="no line per trial and no progress bars (results and errors stay)")
+@click.option("-v", "--verbose", is_flag=True, help="also a line per step of the steady trial")
 @click.pass_context
-def main(ctx: click.Context) -> None:
+def main(ctx: click.Context, quiet: bool, verbose: bool) -> None:
     """Measure the memory of real Mamba-2 training steps and calibrate safe batch sizes."""
+    if quiet and verbose:
+        raise click.UsageError("-q and -v contradict each other: give one")
     ctx.with_resource(speaking(FLAGS))  # messages name the command line's flags (vramcal.words)
+    ctx.with_resource(_set(VERBOSITY, -1 if quiet else 1 if verbose else 0))
+
+
+@contextlib.contextmanager
+def _set(variable: contextvars.ContextVar, value: object) -> Iterator[None]:
+    token = variable.set(value)
+    try:
+        yield
+    finally:
+        variable.reset(token)
 
 
 for command in (probe, show, report_command, limits_command, cost_command, train_command, data_group, tune_command):

@@ -3,6 +3,7 @@ peaks against the prediction, their epoch times against the forecast)."""
 
 from __future__ import annotations
 
+import contextvars
 import sys
 
 import click
@@ -12,9 +13,14 @@ from vramcal.report.markdown import trial_reason
 from vramcal.sizing import fitted_from, verdict
 from vramcal.units import format_bytes, format_duration
 
+# How much the commands say as they go (vramcal -q / -v): -1 quiet, 0 normal, 1 verbose.
+VERBOSITY: contextvars.ContextVar[int] = contextvars.ContextVar("vramcal_verbosity", default=0)
+
 
 class TrialPrinter:
-    """One line per finished trial above a tqdm progress bar (trials run / at most max_trials).
+    """One line per finished trial above a tqdm progress bar (trials run / at most max_trials), whose postfix
+    follows the steady trial step by step (:meth:`step`); ``vramcal -v`` prints each such step as a line too,
+    ``-q`` prints neither the trials nor the bar (the summary stays).
 
     Args:
         err: print to stderr (``--json`` keeps stdout for the JSON).
@@ -23,14 +29,25 @@ class TrialPrinter:
     def __init__(self, max_trials: int, usable_bytes: int, err: bool = False) -> None:
         from tqdm import tqdm
 
-        self._usable_bytes, self._file = usable_bytes, sys.stderr if err else sys.stdout
-        self._bar = tqdm(total=max_trials, desc="trials", unit="trial", leave=False, file=sys.stderr, disable=None)
+        self._usable_bytes, self._file, self._level = usable_bytes, sys.stderr if err else sys.stdout, VERBOSITY.get()
+        self._bar = tqdm(total=max_trials, desc="trials", unit="trial", leave=False, file=sys.stderr,
+                         disable=True if self._level < 0 else None)
 
     def __call__(self, trial) -> None:
-        step = f"{trial.step_s:.3f} s/step, {trial.samples_per_s:.1f} samples/s  " if trial.step_s else ""
-        self._bar.write(trial_line(trial, self._usable_bytes, f"{step}[{trial.purpose}, {trial.wall_s:.1f} s]"),
-                        file=self._file)
+        if self._level >= 0:
+            step = f"{trial.step_s:.3f} s/step, {trial.samples_per_s:.1f} samples/s  " if trial.step_s else ""
+            self._bar.write(trial_line(trial, self._usable_bytes, f"{step}[{trial.purpose}, {trial.wall_s:.1f} s]"),
+                            file=self._file)
+        self._bar.set_postfix_str("")
         self._bar.update(1)
+
+    def step(self, payload: dict) -> None:
+        """A steady trial's step as it ends (:class:`vramcal.measure.trial.TrialRunner`'s ``on_step``)."""
+        text = (f"steady trial step {payload['step']}/{payload['of']}, peak {format_bytes(payload['peak_bytes'])}, "
+                f"{payload['step_s']:.2f} s/step")
+        self._bar.set_postfix_str(text)
+        if self._level > 0:
+            self._bar.write(f"    {text}", file=self._file)
 
     def close(self) -> None:
         self._bar.close()

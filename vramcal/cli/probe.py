@@ -242,7 +242,8 @@ def calibrate_one(plan, err: bool = False, reports_dir: Path | None = None):
                f"({plan.device.total_source}), usable {format_bytes(plan.usable_bytes)}", err=err)
     printer = TrialPrinter(plan.search().max_trials, plan.usable_bytes, err=err)
     try:
-        profile = api.run_calibration(plan, on_trial=printer, on_notice=lambda line: echo_lines(line, err=err))
+        profile = api.run_calibration(plan, on_trial=printer, on_notice=lambda line: echo_lines(line, err=err),
+                                      on_step=printer.step)
     finally:
         printer.close()
     echo_lines([summary(profile), f"profile: {plan.path}"], err=err)

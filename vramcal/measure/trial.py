@@ -87,6 +87,8 @@ class TrialRunner:
 
     Args:
         workers: the worker pool, whose fork server the caller preloaded (:func:`vramcal.api.worker_pool`).
+        on_step: called in this process with each step of a steady trial as it ends (its ``step`` message,
+            :func:`steps`): progress through the longest trial.
 
     ``context`` holds what the last finished trial reported about the whole calibration: the kernel
     path that ran, the software environment seen inside the process, the model's facts and the data.
@@ -94,16 +96,21 @@ class TrialRunner:
 
     context: dict[str, Any]
 
-    def __init__(self, workers: Workers) -> None:
-        self.workers = workers
+    def __init__(self, workers: Workers, on_step: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.workers, self.on_step = workers, on_step
         self.context = {}
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        """A worker's message: a steady trial's ``step`` goes to ``on_step`` (progress)."""
+        if kind == "step" and self.on_step is not None:
+            self.on_step(payload)
 
     def run(self, request: TrialRequest, purpose: str = "") -> Trial:
         """Run one trial (killed after ``request.settings.timeout_s``); never raises for what happens inside the
         trial processes."""
         if request.world is not None:
             return self.run_world(request, purpose)
-        outcome = self.workers.run(measure, request, timeout_s=request.settings.timeout_s)
+        outcome = self.workers.run(measure, request, timeout_s=request.settings.timeout_s, handler=self._handle)
         return self.record(request, outcome, purpose)
 
     def run_world(self, request: TrialRequest, purpose: str) -> Trial:
@@ -115,7 +122,7 @@ class TrialRunner:
         try:
             init = f"file://{folder}/rendezvous"
             calls = [(measure_rank, (request, rank, init)) for rank in range(request.world.nproc)]
-            outcomes = self.workers.run_all(calls, timeout_s=request.settings.timeout_s)
+            outcomes = self.workers.run_all(calls, timeout_s=request.settings.timeout_s, handler=self._handle)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         if all(o.status == "ok" for o in outcomes):
@@ -187,7 +194,8 @@ def measure(request: TrialRequest, channel: Any = None) -> dict[str, Any]:
         step = build(request.model, torch_device(device), json.loads(request.options_json))
         meter.check_pinned()
         held = meter.held_bytes()  # what the process holds as training starts: the process term's baseline
-        return {**steps(request, step, step.model, meter, time.perf_counter() - start), "held_bytes": held}
+        return {**steps(request, step, step.model, meter, time.perf_counter() - start, channel=channel),
+                "held_bytes": held}
     finally:
         meter.close()
 
@@ -214,8 +222,8 @@ def measure_rank(request: TrialRequest, rank: int, init_method: str, channel: An
         meter.check_pinned()
         model = wrap(step.model, request.world, torch_device(device))
         held = meter.held_bytes()
-        return {**steps(request, step, model, meter, time.perf_counter() - start, group.all_of), "rank": rank,
-                "held_bytes": held}
+        return {**steps(request, step, model, meter, time.perf_counter() - start, group.all_of,
+                        channel if rank == 0 else None), "rank": rank, "held_bytes": held}
     finally:
         if group is not None:
             group.close()
@@ -223,12 +231,14 @@ def measure_rank(request: TrialRequest, rank: int, init_method: str, channel: An
 
 
 def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: float,
-          all_ranks: Callable[[bool], bool] = bool) -> dict[str, Any]:
+          all_ranks: Callable[[bool], bool] = bool, channel: Any = None) -> dict[str, Any]:
     """Warm-up, the measured steps and the validation passes through ``model``, and the meter's figures.
 
     A steady trial reads its peak after every measured step (``step_peaks``) and ends once it has not risen
     for ``settings.plateau_steps`` steps (:func:`vramcal.calibration.creep.plateau_step`); under DDP when
-    every rank's has not (``all_ranks``: the ranks' agreement, so they stop at the same step).
+    every rank's has not (``all_ranks``: the ranks' agreement, so they stop at the same step). It sends each
+    step through ``channel`` as it ends (a ``step`` message: ``step``, ``of`` (the most), ``peak_bytes``,
+    ``step_s``), so the caller's progress moves through its minutes.
     """
     from vramcal.calibration.creep import plateau_step
     from vramcal.workload import detect_kernel_path, train_step, validation_step
@@ -242,6 +252,9 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
         times.append(_timed(lambda: train_step(step, step.batch(batch_size), model), device.kind))
         if request.steady:
             curve.append(int(meter.read()["peak_bytes"]))
+            if channel is not None:
+                channel.send("step", {"step": len(curve), "of": request.measured_steps, "peak_bytes": curve[-1],
+                                      "step_s": times[-1]})
             if all_ranks(plateau_step(curve, settings.plateau_steps) is not None):
                 break
     val = [_timed(lambda: validation_step(step, batch_size, model), device.kind) for _ in range(settings.val_steps)]

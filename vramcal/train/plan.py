@@ -160,8 +160,10 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
     limit = None
     if device.kind == "host":
         limit = capacity_bytes or located.profile.device.total_bytes
-        notices.append(f"host budget: this run's process may hold at most {format_bytes(limit)} (RLIMIT_DATA, as "
-                       f"the calibration's trials{'' if capacity_bytes else '; --capacity to change it'})")
+        notices.append(f"host budget: the training process may hold at most {format_bytes(limit)} of data segment "
+                       f"(RLIMIT_DATA: heap and private mappings, as the calibration's trials"
+                       f"{'' if capacity_bytes else '; --capacity to change it'}); this command's own process and "
+                       f"the worker fork server are outside it (together a few hundred MiB resident)")
     pool = windows.pipeline_bytes if device.kind == "host" or config.data_on_device else 0
     return Setting(config, device, model, located.profile, str(located.path), windows.stats(), pool, limit,
                    tuple(notices))
