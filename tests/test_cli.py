@@ -28,7 +28,7 @@ def test_help_lists_the_commands():
     result = invoke("--help")
     assert result.exit_code == 0 and "probe" in result.output and "show" in result.output
     assert "-q, --quiet" in result.output and "-v, --verbose" in result.output
-    both = invoke("-q", "-v", "show", "x.json")
+    both = invoke("--quiet", "--verbose", "show", "x.json")
     assert both.exit_code == 2 and "-q and -v contradict each other" in both.output
 
 

@@ -100,7 +100,7 @@ def test_accelerate_loop_is_sized_checked_and_recorded(tmp_path):
     model, optimizer = accelerator.prepare(model, optimizer)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run = sized(accelerator, path, effective_batch=100)
+        run = sized(accelerator, path, effective_batch_size=100)
     assert accelerator.gradient_accumulation_steps == run.sizing.accumulation_steps > 1
     loader = accelerator.prepare(torch.utils.data.DataLoader(Tokens(), batch_size=run.sizing.batch_size))
     with measured(run, accelerator, run_dir=str(tmp_path)) as steps:

@@ -137,7 +137,7 @@ def test_an_effective_batch_is_kept_with_accumulation(tmp_path):
     """A request for 200 samples per step with a conservative micro-batch about 55: 4 micro-batches of 50."""
     from vramcal.integrations.lightning import VramcalBatchSize
 
-    callback, module = VramcalBatchSize(profile_here(), effective_batch=200), Regressor()
+    callback, module = VramcalBatchSize(profile_here(), effective_batch_size=200), Regressor()
     trainer = fit(module, callback, tmp_path)
     s = callback.sizing
     assert s.effective_batch_size == 200 and (s.accumulation_steps - 1) * s.batch_size < 200

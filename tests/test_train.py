@@ -393,6 +393,22 @@ def test_explicit_batch_size_is_clamped_with_a_warning(setup):
     assert rows(setup["tmp"] / "clamp")[0]["batch_size"] == safe
 
 
+def test_an_effective_batch_is_kept_with_accumulated_micro_batches(setup):
+    """--effective-batch-size 10 with micro-batches of at most 4: 3 micro-batches of 4, 4 and 2 per optimizer
+    step; the LR scales with 10 and the memory prediction is the micro-batch's (issue 21)."""
+    result = train(setup, "effective", "--batch-size", "4", "--effective-batch-size", "10", "--max-steps", "2",
+                   "--lr-scaling", "linear", "--reference-batch-size", "5")
+    assert result.exit_code == 0, result.output
+    assert "batch_size 4 x 3 accumulated = 10 per optimizer step (requested+accumulated; " in result.output
+    record = json.loads((setup["tmp"] / "effective" / checkpoint.RUN).read_text())
+    assert record["sizing"]["batch_size"] == 4 and record["sizing"]["accumulation_steps"] == 3
+    assert record["sizing"]["effective_batch_size"] == 10 and record["lr"] == pytest.approx(5e-5 * 10 / 5)
+    epoch = rows(setup["tmp"] / "effective")[0]
+    assert epoch["step"] == 2 and epoch["micro_batch_size"] == 4 and epoch["batch_size"] == 10
+    ddp = train(setup, "effective-ddp", "--effective-batch-size", "10", "--nproc-per-node", "2")
+    assert ddp.exit_code == 2 and "--effective-batch-size" in ddp.output and "is for one process" in ddp.output
+
+
 def test_auto_uses_the_conservative_batch_size_and_scales_the_lr(setup):
     limits = setup["profile"].limits
     result = train(setup, "auto", "--max-steps", "1", "--lr-scaling", "linear", "--reference-batch-size", "4")

@@ -19,7 +19,7 @@ training starts. Its ``process_bytes`` — what it holds then, measured in it
 (``Profile.held_bytes``, after the step was built) is ``delta`` the same way; it includes any data the process
 holds, so it replaces the data term.
 
-An effective batch. A requested number of samples per optimizer step (``effective_batch``) is kept: the
+An effective batch. A requested number of samples per optimizer step (``effective_batch_size``) is kept: the
 micro-batch is the largest the profile allows (the ``limit``, or a request, within its bounds), and the
 accumulation steps reach the effective batch (``ceil(effective / micro)``, the last micro-batch smaller;
 ``exact``: a micro-batch that divides it, as ``gradient_accumulation_steps`` frameworks need).
@@ -199,7 +199,7 @@ def extra_bytes(profile: Profile, pool_data_bytes: int | None, process_bytes: in
 
 def size(profile: Profile, request: int | None = None, *, limit: Limit = "conservative",
          batch_size_min: int = 1, pool_data_bytes: int | None = None, seq_len: int | None = None,
-         process_bytes: int | None = None, effective_batch: int | None = None, exact: bool = False,
+         process_bytes: int | None = None, effective_batch_size: int | None = None, exact: bool = False,
          size_for: SizeFor = "memory") -> Sizing:
     """The batch size for a run and the profile's prediction for it.
 
@@ -212,7 +212,7 @@ def size(profile: Profile, request: int | None = None, *, limit: Limit = "conser
         seq_len: the run's sequence length, for a profile calibrated over several (:func:`length_model`).
         process_bytes: what the run's process holds at the start of training (the process term; module
             docstring); it replaces ``pool_data_bytes``.
-        effective_batch: samples per optimizer step to keep (module docstring); the batch size found is the
+        effective_batch_size: samples per optimizer step to keep (module docstring); the batch size found is the
             micro-batch. ``exact``: a micro-batch that divides it.
         size_for: ``memory`` takes ``limit``; ``throughput`` takes the throughput knee when it lies below
             ``limit`` (:func:`throughput_choice`), the limit otherwise.
@@ -234,8 +234,8 @@ def size(profile: Profile, request: int | None = None, *, limit: Limit = "conser
         batch, source, why = throughput_choice(profile, seq_len, batch, source, batch_size_min, safe)
         notices.append(why)
     steps = 1
-    if effective_batch is not None:
-        batch, steps = accumulation(effective_batch, batch, exact)
+    if effective_batch_size is not None:
+        batch, steps = accumulation(effective_batch_size, batch, exact)
         source += "+accumulated" if steps > 1 else ""
     if model.fitted_from is not None and batch < model.fitted_from:
         notices.append(f"batch_size {batch} is below the fitted range (from batch_size {model.fitted_from}): its "
@@ -246,7 +246,7 @@ def size(profile: Profile, request: int | None = None, *, limit: Limit = "conser
                   usable_bytes=model.limits.usable_bytes, total_bytes=model.limits.total_bytes,
                   data_delta_bytes=data_delta, verified=model.verified, notices=tuple(notices),
                   fitted_from=model.fitted_from, process_delta_bytes=process_delta, accumulation_steps=steps,
-                  effective_batch_size=batch * steps if effective_batch is None else effective_batch)
+                  effective_batch_size=batch * steps if effective_batch_size is None else effective_batch_size)
 
 
 def _chosen(request: int | None, limit: Limit, safe: int, conservative: int, batch_size_min: int,
@@ -273,23 +273,23 @@ def _chosen(request: int | None, limit: Limit, safe: int, conservative: int, bat
     return batch, "requested" if batch == request else "clamped"
 
 
-def accumulation(effective_batch: int, micro_limit: int, exact: bool = False) -> tuple[int, int]:
-    """(micro-batch, accumulation steps) that reach ``effective_batch`` samples per optimizer step with
+def accumulation(effective_batch_size: int, micro_limit: int, exact: bool = False) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) that reach ``effective_batch_size`` samples per optimizer step with
     micro-batches of at most ``micro_limit`` (module docstring): the fewest steps, ``ceil(effective / limit)``;
     ``exact``: the largest micro-batch that divides the effective batch.
 
     Raises:
         SizingError: an effective batch below 1.
     """
-    if effective_batch < 1:
-        raise SizingError(f"the effective batch size must be >= 1, got {effective_batch}")
-    if effective_batch <= micro_limit:
-        return effective_batch, 1
+    if effective_batch_size < 1:
+        raise SizingError(f"the effective batch size must be >= 1, got {effective_batch_size}")
+    if effective_batch_size <= micro_limit:
+        return effective_batch_size, 1
     if exact:
-        micro = max(d for d in range(1, micro_limit + 1) if effective_batch % d == 0)
-        return micro, effective_batch // micro
-    steps = math.ceil(effective_batch / micro_limit)
-    return math.ceil(effective_batch / steps), steps
+        micro = max(d for d in range(1, micro_limit + 1) if effective_batch_size % d == 0)
+        return micro, effective_batch_size // micro
+    steps = math.ceil(effective_batch_size / micro_limit)
+    return math.ceil(effective_batch_size / steps), steps
 
 
 def process_notice(profile: Profile, process_bytes: int, delta: int) -> str:

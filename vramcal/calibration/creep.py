@@ -3,15 +3,16 @@
 A trial measures two steps; a training run takes thousands. On the host a worker's peak keeps rising
 with the number of steps (malloc's heap fragments as activations below its 4 MiB mmap threshold come and
 go), and levels off: over 1,000 steps at the four benchmark specs' safe sizes the peak rose 1.3-6.9 % above
-the second step's, most of it in the first few dozen steps (DESIGN.md, "The step creep"). The caching
-allocator of a GPU can creep the same way. So once the limits are verified, the search runs one
-**steady trial** at the conservative size, the one a run takes by default (search rule 6): it measures until its peak has not risen for ``plateau_steps``
-steps (:func:`plateau_step`), at most ``steady_steps``, keeping its curve (``Trial.step_peaks``); a curve
-that had not levelled off by then is reported (:attr:`Creep.levelled`), and the trainer says so while it
-runs if its peak passes the prediction. Late rises still come (a creep study of 15 batch sizes to 1,000
-steps saw jumps of up to 20 MiB at steps 260-880): on the host the steady trial's peak gets an allowance of
-:data:`HOST_LATE_CREEP` for them (``Trial.late_creep_bytes``). Every other trial's peak is read as the peak
-a long run at its size would reach:
+the second step's, most of it in the first few dozen steps (``bench/results/creep/STUDY.md``). The caching
+allocator of a GPU can creep the same way. So once the limits are verified, the search runs one **steady
+trial** at the conservative size, the one a run takes by default (search rule 6; at the safe size it missed
+the conservative size's creep where the two sit on either side of the mmap threshold). It measures until
+its peak has not risen for ``plateau_steps`` steps (:func:`plateau_step`), at most ``steady_steps``, keeping
+its curve (``Trial.step_peaks``); a curve that had not levelled off by then is reported
+(:attr:`Creep.levelled`), and the trainer says so while it runs if its peak passes the prediction. Late rises
+still come (the study saw jumps of up to 20 MiB at steps 260-880 of 1,000): on the host the steady trial's
+peak gets an allowance of :data:`HOST_LATE_CREEP` for them (``Trial.late_creep_bytes``). Every other trial's
+peak is read as the peak a long run at its size would reach:
 
     creep_per_sample = (max(0, steady peak − mean peak of the short trials at that batch size)
                         + the steady trial's late allowance) / batch_size

@@ -36,11 +36,11 @@ with recorded and synthetic trials. Its rules:
 6. **Measure the step creep** once the limits are verified: one *steady trial* at the conservative size,
    the one a run takes by default, of at most ``steady_steps`` measured steps (:mod:`vramcal.calibration.creep`).
    (At the safe size it missed the conservative size's creep where the two sit on either side of glibc's
-   4 MiB mmap threshold for the activations: default spec at 2.5 GiB, steady at 72 saw +4 MiB, a run at 60 rose
-   +5 % over 42 steps; read per sample, the conservative size's creep over-predicts the safe size's at most
-   by the creep of a tenth of the batch.) From then on every rule reads the trials' steady-equivalent peaks
-   (the peak a long run reaches at that size): when the creep pushes the safe size's peak past usable memory,
-   the limits come down and are verified again.
+   4 MiB mmap threshold for the activations: default spec at 2.5 GiB, steady at 72 saw +4 MiB, a run at 60
+   rose 5 % over 42 steps. Read per sample, the conservative size's creep then over-predicts the safe size's:
+   the error is on the side of memory, at the safe size only.) From then on every rule reads the trials'
+   steady-equivalent peaks (the peak a long run reaches at that size): when the creep pushes the safe size's
+   peak past usable memory, the limits come down and are verified again.
 
 A limit is *settled* on trials that fitted at, or at most ``snap_tolerance`` below, the computed size, so
 refits that move the limit by a sample or two do not chase it forever. The policy never reports an

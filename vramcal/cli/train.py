@@ -78,6 +78,9 @@ def es_sample_command(bar: str, out: Path, ticks: Path | None) -> None:
               "total from the current step, keeping the warm-up; a new --lr or --max-grad-norm applies from "
               "there (after a divergence or a NaN)")
 @click.option("--probe", is_flag=True, help="calibrate this device and model first (on this data), then train")
+@click.option("--effective-batch-size", type=click.IntRange(1), default=None,
+              help="samples per optimizer step to keep: the largest micro-batch the profile allows (--batch-size, "
+                   "or its limit) and the gradient accumulation steps that reach it; the LR scales with it")
 @click.option("--batch-size", type=BatchSize(), default="auto", show_default=True,
               help="auto = the profile's conservative batch size; N is clamped to [--batch-size-min, safe]")
 @click.option("--lr", type=FiniteFloat(0, min_open=True), default=5e-5, show_default=True,
@@ -154,6 +157,9 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
         if probe:
             raise click.BadParameter("--probe calibrates one process: calibrate the world first with "
                                      "`vramcal probe --nproc N`", param_hint="--probe")
+        if options.get("effective_batch_size") is not None:
+            raise click.BadParameter("is for one process: under DDP each rank trains at its own batch size and the "
+                                     "global batch is their sum", param_hint="--effective-batch-size")
         if len(capacities) not in (0, 1, nproc_per_node):
             raise click.BadParameter(f"give one budget, or one per local rank ({nproc_per_node})",
                                      param_hint="--capacity")
@@ -260,8 +266,11 @@ def announce(plan) -> None:
         click.echo(f"warning: {notice}" if notice.startswith(("--batch-size", "the ")) else notice, err=True)
     verb = "resuming" if plan.resume else "training"
     click.echo(f"{verb}: {config.spec.short()} [{plan.implementation}] on {plan.device.name}", err=True)
-    click.echo(f"batch_size {sizing.batch_size} ({sizing.source}; profile {plan.profile_path}, predicted peak "
-               f"{format_bytes(sizing.predicted_peak_bytes)}, upper bound {format_bytes(sizing.upper_bytes)}), "
+    accumulated = (f" x {sizing.accumulation_steps} accumulated = {sizing.effective_batch_size} per optimizer step"
+                   if sizing.accumulation_steps > 1 else "")
+    click.echo(f"batch_size {sizing.batch_size}{accumulated} ({sizing.source}; profile {plan.profile_path}, "
+               f"predicted peak {format_bytes(sizing.predicted_peak_bytes)}, upper bound "
+               f"{format_bytes(sizing.upper_bytes)}), "
                f"lr {plan.lr:.3g} ({config.lr_scaling} scaling from {config.lr:g} at batch "
                f"{config.reference_batch_size})", err=True)
     click.echo(f"data: {stats['rows']} rows, {stats['train_windows']} training and {stats['val_windows']} validation "

@@ -5,7 +5,7 @@
 
     accelerator = Accelerator()
     model, optimizer = accelerator.prepare(model, optimizer)
-    run = sized(accelerator, model="mytrain:make_step", effective_batch=256)   # after prepare, before the loader
+    run = sized(accelerator, model="mytrain:make_step", effective_batch_size=256)   # after prepare, before the loader
     loader = accelerator.prepare(DataLoader(dataset, batch_size=run.sizing.batch_size, shuffle=True))
     with measured(run, accelerator) as steps:
         for batch in loader:
@@ -41,12 +41,12 @@ from vramcal.sizing import Limit
 def sized(accelerator: Any, profile: Profile | str | Path | None = None, *, model: str | None = None,
           params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
           limit: Limit = "conservative", batch_size_min: int = 1, request: int | None = None,
-          effective_batch: int | None = None) -> FrameworkRun:
+          effective_batch_size: int | None = None) -> FrameworkRun:
     """The run of this ``accelerate.Accelerator``'s process, sized with its process term (module docstring);
     call it after ``accelerator.prepare(model, optimizer)`` and before building the DataLoader.
 
     Args:
-        effective_batch: samples per optimizer step of this process to keep (the batch size is then the
+        effective_batch_size: samples per optimizer step of this process to keep (the batch size is then the
             micro-batch, and ``accelerator.gradient_accumulation_steps`` reaches it).
         profile, model, params, profiles_dir, limit, batch_size_min, request: as
             :class:`~vramcal.integrations.run.FrameworkRun`.
@@ -61,7 +61,7 @@ def sized(accelerator: Any, profile: Profile | str | Path | None = None, *, mode
         world = World(accelerator.num_processes, "nccl" if accelerator.device.type == "cuda" else "gloo")
     run = FrameworkRun(profile, model=model, params=params, profiles_dir=profiles_dir, device=accelerator.device,
                        limit=limit, batch_size_min=batch_size_min, request=request,
-                       effective_batch=effective_batch, world=world, framework="accelerate", warn=_warn)
+                       effective_batch_size=effective_batch_size, world=world, framework="accelerate", warn=_warn)
     sizing = run.start()
     if sizing.accumulation_steps > 1:
         accelerator.gradient_accumulation_steps = sizing.accumulation_steps

@@ -73,8 +73,8 @@ class VramcalCallback(TrainerCallback):
                 raise SizingError(f"effective_batch_size {effective_batch_size} is not a multiple of the "
                                   f"{ranks} ranks: give a multiple")
             per_rank = effective_batch_size // ranks
-        self.run = FrameworkRun(**self._find, device=args.device, world=world, effective_batch=per_rank, exact=True,
-                                framework="transformers.Trainer", warn=_warn)
+        self.run = FrameworkRun(**self._find, device=args.device, world=world, effective_batch_size=per_rank,
+                                exact=True, framework="transformers.Trainer", warn=_warn)
         s = self.run.sizing
         return dataclasses.replace(args, per_device_train_batch_size=s.batch_size,
                                    gradient_accumulation_steps=s.accumulation_steps)

@@ -60,7 +60,7 @@ class VramcalBatchSize(Callback):
         limit: ``conservative`` (default) or ``safe``: which limit to use when nothing is requested.
         batch_size_min: the smallest batch size acceptable (samples).
         request: a batch size to use instead, clamped to ``[batch_size_min, safe]`` (with a warning).
-        effective_batch: samples per optimizer step (per rank) to keep: the batch size is the largest that
+        effective_batch_size: samples per optimizer step (per rank) to keep: the batch size is the largest that
             fits, ``trainer.accumulate_grad_batches`` the micro-batches that reach it.
         attr: the attribute the dataloaders read (``batch_size``).
 
@@ -77,7 +77,7 @@ class VramcalBatchSize(Callback):
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
                  params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
                  limit: Limit = "conservative", batch_size_min: int = 1, request: int | None = None,
-                 effective_batch: int | None = None, attr: str = "batch_size") -> None:
+                 effective_batch_size: int | None = None, attr: str = "batch_size") -> None:
         if profile is None and model is None:
             raise ValueError("VramcalBatchSize needs profile=<a profile file or Profile>, or model=<what was "
                              "calibrated> to find one under profiles_dir")
@@ -85,7 +85,7 @@ class VramcalBatchSize(Callback):
             raise ValueError(f"limit must be conservative or safe, got {limit!r}")
         self._find = {"profile": profile, "model": model, "params": params, "profiles_dir": profiles_dir,
                       "limit": limit, "batch_size_min": batch_size_min, "request": request,
-                      "effective_batch": effective_batch}
+                      "effective_batch_size": effective_batch_size}
         self.attr = attr
         self.run: FrameworkRun | None = None
         self.sizing: Sizing | None = None

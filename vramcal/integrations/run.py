@@ -51,7 +51,7 @@ class FrameworkRun:
         limit: ``conservative`` (default) or ``safe``, when nothing is requested.
         batch_size_min: the smallest batch size acceptable (samples).
         request: a batch size to use instead, clamped to ``[batch_size_min, safe]`` (with a warning).
-        effective_batch: samples per optimizer step to keep; the batch size is then the micro-batch, and
+        effective_batch_size: samples per optimizer step to keep; the batch size is then the micro-batch, and
             ``sizing.accumulation_steps`` reach it (``exact``: a micro-batch that divides it).
         world: the DDP world this process is a rank of (its profile must be calibrated for it).
         framework: who trains (``lightning``, ``transformers.Trainer``, ``accelerate``, ``plain``), recorded.
@@ -70,7 +70,7 @@ class FrameworkRun:
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
                  params: dict[str, Any] | None = None, device: torch.device | str = "cpu",
                  profiles_dir: str | Path = DEFAULT_PROFILES_DIR, limit: Limit = "conservative",
-                 batch_size_min: int = 1, request: int | None = None, effective_batch: int | None = None,
+                 batch_size_min: int = 1, request: int | None = None, effective_batch_size: int | None = None,
                  exact: bool = False, world: World | None = None, framework: str = "plain",
                  warn: Warn = _warn) -> None:
         if profile is None and model is None:
@@ -81,7 +81,8 @@ class FrameworkRun:
         self.device, self.world, self.framework, self.warn = vramcal_device(device), world, framework, warn
         self.profile, self.source, self.path = _find(profile, model, params, self.device, profiles_dir, world)
         self._asked = {"limit": limit, "batch_size_min": batch_size_min, "request": request,
-                       "effective_batch": effective_batch, "exact": exact, "seq_len": (params or {}).get("seq_len")}
+                       "effective_batch_size": effective_batch_size, "exact": exact,
+                       "seq_len": (params or {}).get("seq_len")}
         self.sizing: Sizing = size(self.profile, request, **self._options())
         self.held_bytes: int | None = None
         self.peak_bytes: int | None = None

@@ -48,6 +48,9 @@ class TrainConfig:
         size_for: ``memory`` (the conservative batch size) or ``throughput`` (the knee when it is below the
             conservative size: :func:`vramcal.sizing.throughput_choice`); only without ``batch_size``.
         batch_size_min: the lower bound an explicit batch size is clamped to.
+        effective_batch_size: samples per optimizer step to keep (one process): the batch size above (or the
+            profile's limit) becomes the largest micro-batch that fits, and gradients are accumulated over the
+            micro-batches that reach it (:func:`vramcal.sizing.accumulation`); the LR scales with it.
         lr: peak learning rate at ``reference_batch_size`` (default 5e-5: the seed documents' fix for
             a loss that oscillated at 1e-4).
         lr_scaling: how the peak LR follows the batch size: ``none``, ``linear`` (lr x b/ref, Goyal et al.
@@ -78,6 +81,7 @@ class TrainConfig:
     profiles_dir: str = "profiles"
     batch_size: int | None = None
     batch_size_min: int = 1
+    effective_batch_size: int | None = None
     size_for: Literal["memory", "throughput"] = "memory"
     lr: float = 5e-5
     lr_scaling: LrScaling = "sqrt"
@@ -99,6 +103,7 @@ class TrainConfig:
         checks = [
             (self.batch_size is None or self.batch_size >= 1, "batch_size must be >= 1"),
             (self.batch_size_min >= 1, "batch_size_min must be >= 1"),
+            (self.effective_batch_size is None or self.effective_batch_size >= 1, "effective_batch_size must be >= 1"),
             (math.isfinite(self.lr) and self.lr > 0, f"lr must be a finite number > 0, got {self.lr}"),
             (self.lr_scaling in LR_SCALINGS, f"lr_scaling must be one of {', '.join(LR_SCALINGS)}"),
             (self.size_for in SIZE_FORS, f"size_for must be one of {', '.join(SIZE_FORS)}"),
@@ -185,7 +190,8 @@ class TrainConfig:
 
 # The ranges of the settings' numbers (their types are the annotations); the rest is checked in __post_init__.
 CONFIG_RANGES = {
-    "batch_size": AT_LEAST_ONE, "batch_size_min": AT_LEAST_ONE, "lr": POSITIVE, "reference_batch_size": AT_LEAST_ONE,
+    "batch_size": AT_LEAST_ONE, "batch_size_min": AT_LEAST_ONE, "effective_batch_size": AT_LEAST_ONE, "lr": POSITIVE,
+    "reference_batch_size": AT_LEAST_ONE,
     "weight_decay": NON_NEGATIVE, "max_grad_norm": POSITIVE, "warmup_steps": NON_NEGATIVE,
     "min_lr_fraction": FRACTION, "epochs": AT_LEAST_ONE, "max_steps": AT_LEAST_ONE, "seed": Range(0, 2**32 - 1),
     "stride": AT_LEAST_ONE, "val_fraction": Range(0, 1, low_open=True, high_open=True),

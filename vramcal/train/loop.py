@@ -172,7 +172,7 @@ class Trainer:
                  share: Share | None = None) -> None:
         self.plan, self.step, self.meter, self.echo, self.on_epoch = plan, step, meter, echo, on_epoch
         self.config, self.pipeline = plan.config, step.pipeline
-        self.model, self.share = model or step.model, share or Share((plan.batch_size,))
+        self.model, self.share = model or step.model, share or Share((plan.step_batch_size,))
         assert self.pipeline is not None
         batch, n_train = self.share.global_batch, len(self.pipeline.train_starts)
         self.steps_per_epoch = n_train // batch if self.share.group is not None else math.ceil(n_train / batch)
@@ -182,7 +182,7 @@ class Trainer:
                              else max(1, round(0.05 * self.total_steps)))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(step.optimizer, lambda s: lr_factor(
             s, self.warmup_steps, int(self.total_steps), self.config.min_lr_fraction))
-        self.progress = Progress(micro_batch_size=self.share.own)
+        self.progress = Progress(micro_batch_size=plan.batch_size)  # an effective batch accumulates micro-batches
         if state is not None:
             step.model.load_state_dict(state["model"])
             step.optimizer.load_state_dict(state["optimizer"])

@@ -91,7 +91,13 @@ class Plan:
 
     @property
     def batch_size(self) -> int:
+        """Samples per forward/backward: what the profile sized (the micro-batch with an effective batch)."""
         return self.sizing.batch_size
+
+    @property
+    def step_batch_size(self) -> int:
+        """Samples per optimizer step: the batch size, or the effective batch its micro-batches accumulate to."""
+        return self.sizing.effective_batch_size or self.sizing.batch_size
 
     @property
     def collective_timeout_s(self) -> float:
@@ -212,9 +218,13 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
         checkpoint.check_run_dir(run_dir, resume=False)
     seq_len = config.spec.seq_len
     sizing = size(setting.profile, config.batch_size, batch_size_min=config.batch_size_min,
-                  pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len, size_for=config.size_for)
+                  pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len, size_for=config.size_for,
+                  effective_batch_size=config.effective_batch_size)
     notices = list(setting.notices) + list(sizing.notices)
-    if sizing.batch_size > setting.train_windows:
+    if config.effective_batch_size is not None and config.effective_batch_size > setting.train_windows:
+        raise SizingError(f"--effective-batch-size {config.effective_batch_size} is more than the "
+                          f"{setting.train_windows} training windows: lower it, or use more data or a smaller --stride")
+    if config.effective_batch_size is None and sizing.batch_size > setting.train_windows:
         n_train = setting.train_windows
         if n_train < config.batch_size_min:
             raise SizingError(f"--batch-size-min {config.batch_size_min} is more than the {n_train} training "
@@ -224,7 +234,8 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
         sizing = replace(size(setting.profile, n_train, batch_size_min=config.batch_size_min,
                               pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len),
                          source=sizing.source + "+data")
-    lr = scaled_lr(config.lr, sizing.batch_size, config.reference_batch_size, config.lr_scaling)
+    lr = scaled_lr(config.lr, sizing.effective_batch_size or sizing.batch_size, config.reference_batch_size,
+                   config.lr_scaling)
     if prepare:
         checkpoint.prepare_run_dir(run_dir, resume=False)
     return Plan(config=config, run_dir=Path(run_dir), device=setting.device, model=setting.model, sizing=sizing,

@@ -63,7 +63,7 @@ def _join(plan: Plan) -> tuple[Any, Share, Plan]:
     global batch sets the learning rate (:func:`vramcal.sizing.scaled_lr`). One process: no group. A rank's
     training process leaves its PID in ``<run_dir>/ranks/<rank>.pid`` (which process is which rank)."""
     if plan.world is None:
-        return None, Share((plan.batch_size,)), plan
+        return None, Share((plan.step_batch_size,)), plan
     import dataclasses
     import os
 
