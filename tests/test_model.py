@@ -98,3 +98,48 @@ def test_an_installed_mamba_ssm_does_not_hijack_the_cpu_path(tmp_path, guarded):
         assert "trained on the PyTorch path" in result.stdout
     else:  # the failure vramcal guards against, reproduced with the fake package
         assert result.returncode != 0 and "Triton kernel called on CPU tensors" in result.stderr
+
+
+def _dtypes(blocks, run, entering: bool = False) -> list:
+    """The dtype of what each of ``blocks`` returns (``entering``: is given) while ``run()`` runs."""
+    seen = []
+    hooks = [b.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype)) if entering else
+             b.register_forward_hook(lambda module, args, out: seen.append(out.dtype)) for b in blocks]
+    try:
+        run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def test_the_residual_stream_is_fp32_under_bf16_autocast_on_both_paths():
+    """Issue 18: under bf16 autocast the input projection's output is bf16; on both implementations the residual
+    stream the blocks add to, and pass on, is fp32 (transformers: ``residual_in_fp32`` casts it in each block; the
+    mamba_ssm backbone casts it up at its entry), so the two calibrate the same model. transformers runs for real; the mamba_ssm backbone's own
+    residual code runs with its CUDA kernels (RMSNorm, the Mamba2 mixer) stood in for by bf16-returning modules."""
+    import torch
+
+    from vramcal.models.regressor import net
+
+    spec = RegressorSpec(d_model=32, n_layers=2, d_state=16, headdim=16, chunk_size=16, seq_len=32)
+    x = torch.randn(2, spec.seq_len, spec.n_features)
+    model = build_model(spec, "transformers")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.input_proj(x).dtype == torch.bfloat16  # what both backbones are fed
+        layers = model.backbone.model.layers
+        assert _dtypes(layers, lambda: model(x)) == [torch.float32] * spec.n_layers  # residual + mixer, fp32
+
+    class Kernel(torch.nn.Module):  # a CUDA kernel's stand-in: bf16 out, as under autocast
+        def forward(self, hidden):
+            return (hidden * 0.5).to(torch.bfloat16)
+
+    backbone = net.MambaSsmBackbone.__new__(net.MambaSsmBackbone)
+    torch.nn.Module.__init__(backbone)
+    backbone.norms = torch.nn.ModuleList(Kernel() for _ in range(spec.n_layers))
+    backbone.mixers = torch.nn.ModuleList(Kernel() for _ in range(spec.n_layers))
+    backbone.norm_f = torch.nn.Identity()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = model.input_proj(x)
+        assert _dtypes(backbone.norms, lambda: backbone(hidden), entering=True) == [torch.float32] * spec.n_layers
+        assert backbone(hidden).dtype == torch.float32

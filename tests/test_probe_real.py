@@ -45,6 +45,14 @@ def test_a_trial_over_its_time_limit_is_killed_and_recorded():
     assert trial.wall_s < 30
 
 
+def test_a_worker_forks_from_a_server_that_never_started_cuda(runner):
+    """Issue 18, fork safety: the server imported torch and the families (its preload) and left CUDA alone, with
+    torch's NVML-based CUDA checks on, so a worker can start CUDA itself after the fork."""
+    outcome = runner.workers.run("user_models:process_state", timeout_s=60)
+    assert outcome.status == "ok", outcome.message
+    assert outcome.result == {"torch_imported": True, "cuda_started": None, "nvml_check": "1"}
+
+
 def test_trials_are_isolated_and_cheap_to_start(runner):
     device = host_device(budget(4 * 2**30))
     small = request(TINY, 64, device)

@@ -75,3 +75,14 @@ def chatty(device: torch.device, **params) -> vramcal.TrainingStep:
     """:func:`mlp`, printing to stdout as user code does (``probe --json`` must keep stdout JSON only)."""
     print("chatty: building the model", flush=True)
     return mlp(device, **params)
+
+
+def process_state(channel=None) -> dict:
+    """What a worker forked from vramcal's preloaded server holds (test_probe_real: fork safety)."""
+    import os
+    import sys
+
+    from vramcal.measure.worker import cuda_started
+
+    return {"torch_imported": "torch" in sys.modules, "cuda_started": cuda_started(),
+            "nvml_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")}
