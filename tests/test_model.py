@@ -103,8 +103,13 @@ def test_an_installed_mamba_ssm_does_not_hijack_the_cpu_path(tmp_path, guarded):
 def _dtypes(blocks, run, entering: bool = False) -> list:
     """The dtype of what each of ``blocks`` returns (``entering``: is given) while ``run()`` runs."""
     seen = []
-    hooks = [b.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype)) if entering else
-             b.register_forward_hook(lambda module, args, out: seen.append(out.dtype)) for b in blocks]
+    def given(module, args):
+        seen.append(args[0].dtype)
+
+    def returned(module, args, out):
+        seen.append(out.dtype)
+
+    hooks = [b.register_forward_pre_hook(given) if entering else b.register_forward_hook(returned) for b in blocks]
     try:
         run()
     finally:
