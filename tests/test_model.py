@@ -121,8 +121,9 @@ def _dtypes(blocks, run, entering: bool = False) -> list:
 def test_the_residual_stream_is_fp32_under_bf16_autocast_on_both_paths():
     """Issue 18: under bf16 autocast the input projection's output is bf16; on both implementations the residual
     stream the blocks add to, and pass on, is fp32 (transformers: ``residual_in_fp32`` casts it in each block; the
-    mamba_ssm backbone casts it up at its entry), so the two calibrate the same model. transformers runs for real; the mamba_ssm backbone's own
-    residual code runs with its CUDA kernels (RMSNorm, the Mamba2 mixer) stood in for by bf16-returning modules."""
+    mamba_ssm backbone casts it up at its entry), so the two calibrate the same model. transformers runs for real;
+    the mamba_ssm backbone's own residual code runs with its CUDA kernels (RMSNorm, the Mamba2 mixer) stood in for
+    by bf16-returning modules."""
     import torch
 
     from vramcal.models.regressor import net
