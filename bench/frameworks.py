@@ -172,7 +172,8 @@ def main() -> None:
     parser.add_argument("--profile", default=None)
     args = parser.parse_args()
     if args.child:
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # the frameworks' own; vramcal's warnings are what it printed
+        warnings.filterwarnings("always", message="vramcal")
         print(json.dumps(child(args.child, args.profile, args.steps, args.seq_len)))
         return
     import vramcal
@@ -190,7 +191,10 @@ def main() -> None:
             rows.append({"framework": framework, "error": done.stderr.strip().splitlines()[-1:]})
             print(f"{framework}: failed: {rows[-1]['error']}")
             continue
-        row = {**json.loads(done.stdout.strip().splitlines()[-1]), "outside_vmhwm_bytes": outside["VmHWM"],
+        printed = [line[line.index("vramcal"):] for line in (done.stdout + done.stderr).splitlines()
+                   if "vramcal: " in line and "warnings.warn" not in line]
+        row = {**json.loads(done.stdout.strip().splitlines()[-1]), "printed": printed,
+               "outside_vmhwm_bytes": outside["VmHWM"],
                "outside_vmdata_bytes": outside["VmData"], "wall_s": time.perf_counter() - started,
                "steps": args.steps}
         row["error_fraction"] = (row["peak_bytes"] - row["predicted_peak_bytes"]) / row["predicted_peak_bytes"]
@@ -217,6 +221,8 @@ def main() -> None:
                      f"({(r['process_delta_bytes'] or 0) / 2**20:+.1f} MiB) | {format_bytes(r['peak_bytes'])} | "
                      f"{r['error_fraction']:+.1%} | {format_bytes(r['usable_bytes'])} | "
                      f"{format_bytes(r['outside_vmhwm_bytes'])} |")
+    for r in rows:
+        lines += ["", f"{r['framework']} printed:", "", "```", *r.get("printed", []), "```"]
     lines += ["", "Command: `.venv/bin/python -m bench.frameworks --steps "
               f"{args.steps} --capacity {args.capacity} --seq-len {args.seq_len}`"]
     (args.out / "frameworks.md").write_text("\n".join(lines) + "\n")

@@ -409,6 +409,21 @@ def test_an_effective_batch_is_kept_with_accumulated_micro_batches(setup):
     assert ddp.exit_code == 2 and "--effective-batch-size" in ddp.output and "is for one process" in ddp.output
 
 
+def test_a_ddp_rank_is_forecast_on_its_share_of_the_windows(setup):
+    """Under DDP each rank steps through its share of the epoch's windows at its own batch size: a 2-rank run's
+    epoch takes about half a single process's at the same per-rank batch (vramcal.train.timing)."""
+    from profiles_for_tests import timed_profile
+
+    from vramcal.records import World
+    from vramcal.train import timing
+
+    plan, _ = in_process(setup, "forecast")
+    timed = save_profile(timed_profile(), setup["tmp"] / "timed.json")
+    one = timing.plan_forecast(dataclasses.replace(plan, profile_path=str(timed)))
+    two = timing.plan_forecast(dataclasses.replace(plan, profile_path=str(timed), world=World(2, "gloo")))
+    assert one.epoch_s == pytest.approx(2 * two.epoch_s, rel=0.1) and one.samples_per_s == two.samples_per_s
+
+
 def test_auto_uses_the_conservative_batch_size_and_scales_the_lr(setup):
     limits = setup["profile"].limits
     result = train(setup, "auto", "--max-steps", "1", "--lr-scaling", "linear", "--reference-batch-size", "4")

@@ -26,8 +26,9 @@ from vramcal.units import format_duration
 
 
 def plan_forecast(plan: Plan) -> Forecast | None:
-    """The forecast for ``plan``'s run (its batch size, windows and epochs); None without a profile file or
-    a forecast there (no throughput measured around the batch size)."""
+    """The forecast for ``plan``'s run (its batch size, windows and epochs; under DDP this rank's share of the
+    windows, at its own batch size: the ranks step together); None without a profile file or a forecast there
+    (no throughput measured around the batch size)."""
     if plan.profile_path is None:
         return None
     try:
@@ -35,7 +36,9 @@ def plan_forecast(plan: Plan) -> Forecast | None:
     except ProfileError:
         return None
     stats = plan.data_stats
-    dataset = Dataset(int(stats["train_windows"]), int(stats["val_windows"]), "this run's data")
+    ranks = plan.world.nproc if plan.world is not None else 1
+    dataset = Dataset(math.ceil(int(stats["train_windows"]) / ranks), math.ceil(int(stats["val_windows"]) / ranks),
+                      "this run's data" if ranks == 1 else "this rank's share of this run's data")
     epochs = plan.config.epochs
     if plan.config.max_steps:
         epochs = min(epochs, math.ceil(plan.config.max_steps / math.ceil(dataset.train_samples / plan.batch_size)))
