@@ -412,10 +412,10 @@ def test_an_effective_batch_is_kept_with_accumulated_micro_batches(setup):
 def test_a_ddp_rank_is_forecast_on_its_share_of_the_windows(setup):
     """Under DDP each rank steps through its share of the epoch's windows at its own batch size: a 2-rank run's
     epoch takes about half a single process's at the same per-rank batch (vramcal.train.timing)."""
-    from profiles_for_tests import timed_profile
-
     from vramcal.records import World
     from vramcal.train import timing
+
+    from profiles_for_tests import timed_profile
 
     plan, _ = in_process(setup, "forecast")
     timed = save_profile(timed_profile(), setup["tmp"] / "timed.json")
