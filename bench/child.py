@@ -118,7 +118,9 @@ def run_lightning(request: dict, mode: str) -> dict[str, Any]:
             return DataLoader(_windows(step), batch_size=self.batch_size, shuffle=True)
 
         def training_step(self, batch, batch_index):
-            return step.loss(batch)  # batch: x (B, L, F), y (B, L)
+            from vramcal.workload import step_loss
+
+            return step_loss(step, batch, self.model)  # batch: x (B, L, F), y (B, L); the step's own loss
 
         def configure_optimizers(self):
             return step.optimizer
