@@ -35,9 +35,9 @@ def stale(tmp_path, monkeypatch):
 
 
 def expected_changes() -> tuple[str, str]:
-    import torch
-
-    return (f"torch {OLD_TORCH} -> {torch.__version__}",
+    # the running torch as a profile records it: the installed distribution's version (2.13.0+cpu for the CPU
+    # wheel; 2.13.0 for PyPI's CUDA wheel, whose torch.__version__ is 2.13.0+cu130)
+    return (f"torch {OLD_TORCH} -> {software_versions()['torch']}",
             f"GLIBC_TUNABLES 'glibc.malloc.arena_max=8' -> '{worker_setting('GLIBC_TUNABLES')}'")
 
 
