@@ -80,8 +80,9 @@ def test_find_profile_and_batch_size_read_it_back(calibrated):
     with pytest.raises(vramcal.SizingError, match="another model: width=16 \\(profile 8\\)"):
         vramcal.find_profile("user_models:mlp", {**PARAMS, "width": 16}, gpu="none", capacity_bytes=budget(CAPACITY),
                              path=path)
-    with pytest.raises(vramcal.SizingError, match="no profile for .* `vramcal probe --gpu none --model "
-                                                  "user_models:mlp --model-arg n_features=16384 --model-arg width=4`"):
+    with pytest.raises(vramcal.SizingError, match=r"no profile for .* `vramcal probe --gpu none --capacity \S+ "
+                                                  r"--model user_models:mlp --model-arg n_features=16384 --model-arg "
+                                                  r"width=4`"):  # the budget the device was given, too
         vramcal.locate_profile("user_models:mlp", {**PARAMS, "width": 4}, device=host_device(budget(CAPACITY)),
                                profiles_dir=profiles)
 

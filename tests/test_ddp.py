@@ -100,6 +100,19 @@ def test_two_ranks_on_two_budgets_train_like_one_process_at_the_summed_batch(wor
     assert sorted((o.rank, o.batch_size) for o in observed) == [(0, b0), (1, b1)]  # each rank, its own profile
 
 
+def test_a_global_batch_larger_than_the_data_is_one_line(world):
+    """Each rank fits its batch, but together they need more windows than the data has: one line, before a step
+    (it was an internal 'max() arg is an empty sequence')."""
+    tmp = world["tmp"]
+    small = host_budget.budget(1024 * MIB)
+    result = vramcal(tmp, *train_args(tmp, "too-big", "--nproc-per-node", "2", "--capacity", str(small), "--stride",
+                                      "64", "--max-steps", "2"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("Error: rank ") and " failed: the global batch " in line, line
+    assert "training windows: a DDP step needs a full batch on every rank" in line
+
+
 DDP_SETTINGS = ["--ddp-backend", "gloo", "--bucket-cap-mb", "50", "--gradient-as-bucket-view",
                 "--find-unused-parameters", "--static-graph"]
 

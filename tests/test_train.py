@@ -424,6 +424,20 @@ def test_a_ddp_rank_is_forecast_on_its_share_of_the_windows(setup):
     assert one.epoch_s == pytest.approx(2 * two.epoch_s, rel=0.1) and one.samples_per_s == two.samples_per_s
 
 
+def test_a_host_budget_takes_the_profile_calibrated_at_it(setup):
+    """On the host, --capacity is the run's budget: the profile looked up is the one calibrated at it (one of
+    another budget does not describe the run: the line gives the probe that makes it); a profile named with
+    --profile at another budget trains with a warning saying so."""
+    other = str(2 * host_budget.budget(1024 * MIB))
+    looked_up = train(setup, "other-budget", "--capacity", other, "--max-steps", "1")
+    assert looked_up.exit_code == 1, looked_up.output
+    assert "vramcal probe" in one_line_failure(looked_up) and "--capacity" in one_line_failure(looked_up)
+    named = train(setup, "named", "--capacity", other, "--profile", str(setup["profile_path"]), "--max-steps", "1")
+    assert named.exit_code == 0, named.output
+    assert "warning: the profile was calibrated at a budget of " in named.output
+    assert "its limits describe the calibration's budget (`vramcal probe --capacity " in named.output
+
+
 def test_auto_uses_the_conservative_batch_size_and_scales_the_lr(setup):
     limits = setup["profile"].limits
     result = train(setup, "auto", "--max-steps", "1", "--lr-scaling", "linear", "--reference-batch-size", "4")

@@ -50,7 +50,7 @@ from vramcal.profile import (
 )
 from vramcal.records import Device, Trial, TrialSettings, World
 from vramcal.sizing import Limit, Sizing, SizingError, size
-from vramcal.units import format_bytes
+from vramcal.units import format_bytes, size_argument
 from vramcal.workload import ModelRef, WorkloadError
 
 __all__ = ["Answer", "CalibrationError", "CalibrationPlan", "LimitSettings", "Located", "Profile", "ProfileError",
@@ -340,8 +340,9 @@ def probe_command(device: Device, ref: ModelRef, world: World | None = None) -> 
     gpu = "none" if device.kind == "host" else "auto"
     implementation = ref.params.get("implementation")
     ranks = _world_args(world) if world else []
-    return " ".join(["vramcal probe", f"--gpu {gpu}", *([f"--impl {implementation}"] if implementation else []),
-                     *ranks, *family_of(ref).probe_args(ref)])
+    budget = [f"--capacity {size_argument(device.total_bytes)}"] if device.total_source == "--capacity" else []
+    impl = [f"--impl {implementation}"] if implementation else []
+    return " ".join(["vramcal probe", f"--gpu {gpu}", *budget, *impl, *ranks, *family_of(ref).probe_args(ref)])
 
 
 def _world_args(world: World) -> list[str]:

@@ -46,6 +46,13 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
+def size_argument(n_bytes: int) -> str:
+    """``n_bytes`` as a command line takes it back exactly: ``1.50GiB`` when that reads back as ``n_bytes``
+    (:func:`parse_bytes`), else the byte count (``1706382678``)."""
+    text = format_bytes(n_bytes).replace(" ", "")
+    return text if parse_bytes(text) == n_bytes else str(int(n_bytes))
+
+
 def format_duration(seconds: float) -> str:
     """Render a duration for people with three significant digits: ``0.84 s``, ``130 s``, ``11.8 min``,
     ``9.88 h``; seconds up to 10 minutes, minutes up to 3 hours, then hours."""

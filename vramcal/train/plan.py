@@ -26,7 +26,7 @@ from vramcal.records import Device, World
 from vramcal.sizing import Sizing, SizingError, scaled_lr, size
 from vramcal.train import checkpoint
 from vramcal.train.config import ConfigError, TrainConfig, load_config
-from vramcal.units import format_bytes
+from vramcal.units import format_bytes, size_argument
 from vramcal.workload import ModelRef
 
 COLLECTIVE_TIMEOUT_S = 300.0
@@ -147,8 +147,9 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
     Args:
         capacity_bytes: ``--capacity``: the host budget (default: the profile's), or a GPU narrowed.
         world: the DDP world a rank of which is being sized (its profile must be calibrated for it).
-        budget_matches: take the host profile calibrated at ``capacity_bytes`` (the ranks of a run on the host
-            with budgets of their own), not the newest at any budget.
+        budget_matches: take the host profile calibrated at ``capacity_bytes``, not the newest at any budget
+            (always so on the host when ``capacity_bytes`` is given and the profile is looked up: a profile of
+            another budget does not describe a run under this one).
 
     Raises:
         ValueError: an impossible spec; DataError, DeviceError, NvmlError, SizingError: one-line messages for
@@ -161,11 +162,16 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
     model = api.model_ref("regressor", config.spec.to_dict(), device=device, implementation=config.implementation)
     located = api.locate_profile(model, device=device, profiles_dir=config.profiles_dir,
                                  path=None if config.profile == "auto" else config.profile, world=world,
-                                 total_bytes=capacity_bytes if budget_matches else None)
+                                 total_bytes=capacity_bytes if budget_matches or device.kind == "host" else None)
     notices += list(located.notices)
     limit = None
     if device.kind == "host":
         limit = capacity_bytes or located.profile.device.total_bytes
+        calibrated = located.profile.device.total_bytes
+        if limit != calibrated:
+            notices.append(f"the profile was calibrated at a budget of {format_bytes(calibrated)}, this run's is "
+                           f"{format_bytes(limit)}: its limits describe the calibration's budget "
+                           f"(`vramcal probe --capacity {size_argument(limit)}` calibrates this one)")
         notices.append(f"host budget: the training process may hold at most {format_bytes(limit)} of data segment "
                        f"(RLIMIT_DATA: heap and private mappings, as the calibration's trials"
                        f"{'' if capacity_bytes else '; --capacity to change it'}); this command's own process and "

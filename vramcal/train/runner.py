@@ -31,7 +31,7 @@ Echo = Callable[[str], None]
 TRAIN_WORKER = "vramcal.train.worker:train_in_worker"  # by name: the caller does not import torch
 # Errors raised in the worker whose message is already one line for people.
 _USER_ERRORS = {"DataError", "RunDirError", "TrainError", "NonFiniteError", "DivergedError", "WorkloadError",
-                "ValueError", "MeterError", "ConfigError"}
+                "ValueError", "MeterError", "ConfigError", "SizingError"}
 
 
 @dataclass(frozen=True)

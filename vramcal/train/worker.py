@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vramcal.sizing import scaled_lr
+from vramcal.sizing import SizingError, scaled_lr
 from vramcal.train import checkpoint
 from vramcal.train.loop import Share, Trainer
 from vramcal.train.plan import Plan
@@ -75,6 +75,12 @@ def _join(plan: Plan) -> tuple[Any, Share, Plan]:
 
     group = join(plan.world, plan.rank, "env://", plan.collective_timeout_s, torch_device(plan.device))
     share = Share(tuple(group.gather(plan.batch_size)), plan.rank, group)
+    n_train = int(plan.data_stats["train_windows"])
+    if share.global_batch > n_train:  # every rank sees the same figures, so all stop with the same line
+        group.close()
+        raise SizingError(f"the global batch {share.global_batch} ({' + '.join(map(str, share.batch_sizes))} over "
+                          f"{len(share.batch_sizes)} ranks) is more than the {n_train} training windows: a DDP step "
+                          f"needs a full batch on every rank; use more data, a smaller --stride or --batch-size")
     c = plan.config
     return group, share, dataclasses.replace(plan, lr=scaled_lr(c.lr, share.global_batch, c.reference_batch_size,
                                                                 c.lr_scaling))
