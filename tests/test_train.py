@@ -399,7 +399,8 @@ def test_an_effective_batch_is_kept_with_accumulated_micro_batches(setup):
     result = train(setup, "effective", "--batch-size", "4", "--effective-batch-size", "10", "--max-steps", "2",
                    "--lr-scaling", "linear", "--reference-batch-size", "5")
     assert result.exit_code == 0, result.output
-    assert "batch_size 4 x 3 accumulated = 10 per optimizer step (requested+accumulated; " in result.output
+    assert "batch_size 4 x 3 accumulated = 10 per optimizer step (the last micro-batch 2) (requested+accumulated; " \
+        in result.output
     record = json.loads((setup["tmp"] / "effective" / checkpoint.RUN).read_text())
     assert record["sizing"]["batch_size"] == 4 and record["sizing"]["accumulation_steps"] == 3
     assert record["sizing"]["effective_batch_size"] == 10 and record["lr"] == pytest.approx(5e-5 * 10 / 5)

@@ -266,8 +266,11 @@ def announce(plan) -> None:
         click.echo(f"warning: {notice}" if notice.startswith(("--batch-size", "the ")) else notice, err=True)
     verb = "resuming" if plan.resume else "training"
     click.echo(f"{verb}: {config.spec.short()} [{plan.implementation}] on {plan.device.name}", err=True)
-    accumulated = (f" x {sizing.accumulation_steps} accumulated = {sizing.effective_batch_size} per optimizer step"
-                   if sizing.accumulation_steps > 1 else "")
+    accumulated = ""
+    if sizing.accumulation_steps > 1:  # the fewest micro-batches within the limit, evened out (sizing.accumulation)
+        last = sizing.effective_batch_size - sizing.batch_size * (sizing.accumulation_steps - 1)
+        accumulated = (f" x {sizing.accumulation_steps} accumulated = {sizing.effective_batch_size} per optimizer step"
+                       + (f" (the last micro-batch {last})" if last != sizing.batch_size else ""))
     click.echo(f"batch_size {sizing.batch_size}{accumulated} ({sizing.source}; profile {plan.profile_path}, "
                f"predicted peak {format_bytes(sizing.predicted_peak_bytes)}, upper bound "
                f"{format_bytes(sizing.upper_bytes)}), "
