@@ -26,8 +26,6 @@ Needs ``accelerate`` (``pip install 'vramcal[dev]'`` has it); ``import vramcal``
 from __future__ import annotations
 
 import contextlib
-import sys
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +59,7 @@ def sized(accelerator: Any, profile: Profile | str | Path | None = None, *, mode
         world = World(accelerator.num_processes, "nccl" if accelerator.device.type == "cuda" else "gloo")
     run = FrameworkRun(profile, model=model, params=params, profiles_dir=profiles_dir, device=accelerator.device,
                        limit=limit, batch_size_min=batch_size_min, request=request,
-                       effective_batch_size=effective_batch_size, world=world, framework="accelerate", warn=_warn)
+                       effective_batch_size=effective_batch_size, world=world, framework="accelerate")
     sizing = run.start()
     if sizing.accumulation_steps > 1:
         accelerator.gradient_accumulation_steps = sizing.accumulation_steps
@@ -86,12 +84,4 @@ def measured(run: FrameworkRun, accelerator: Any, run_dir: str = "") -> Iterator
     except BaseException:
         run.close()
         raise
-    steps.report, warned = run.finish(steps=steps.done, run_dir=run_dir)
-    if accelerator.is_main_process:
-        print(steps.report, file=sys.stderr, flush=True)
-    for line in warned:
-        _warn(f"vramcal: {line}")
-
-
-def _warn(line: str) -> None:
-    warnings.warn(line, stacklevel=3)
+    steps.report = run.conclude(steps=steps.done, run_dir=run_dir, main_process=accelerator.is_main_process)

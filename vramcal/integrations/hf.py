@@ -26,8 +26,6 @@ neither.
 from __future__ import annotations
 
 import dataclasses
-import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +72,7 @@ class VramcalCallback(TrainerCallback):
                                   f"{ranks} ranks: give a multiple")
             per_rank = effective_batch_size // ranks
         self.run = FrameworkRun(**self._find, device=args.device, world=world, effective_batch_size=per_rank,
-                                exact=True, framework="transformers.Trainer", warn=_warn)
+                                exact=True, framework="transformers.Trainer")
         s = self.run.sizing
         return dataclasses.replace(args, per_device_train_batch_size=s.batch_size,
                                    gradient_accumulation_steps=s.accumulation_steps)
@@ -95,15 +93,8 @@ class VramcalCallback(TrainerCallback):
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.run is None or self.run.peak_bytes is not None:
             return
-        self.report, warned = self.run.finish(steps=state.global_step, run_dir=str(args.output_dir))
-        if state.is_world_process_zero:
-            print(self.report, file=sys.stderr, flush=True)
-        for line in warned:
-            _warn(f"vramcal: {line}")
-
-
-def _warn(line: str) -> None:
-    warnings.warn(line, stacklevel=3)
+        self.report = self.run.conclude(steps=state.global_step, run_dir=str(args.output_dir),
+                                        main_process=state.is_world_process_zero)
 
 
 def _world(args: Any):

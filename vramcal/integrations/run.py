@@ -19,6 +19,7 @@ file. Messages speak in the caller's words: the arguments of the integration it 
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -133,6 +134,16 @@ class FrameworkRun:
         line, warned = compare(self.sizing, self.peak_bytes, process=self.held_bytes is not None)
         self._observe(steps, run_dir)
         return f"vramcal: {line} (this process's {definition})", warned
+
+    def conclude(self, steps: int = 0, run_dir: str = "", main_process: bool = True) -> str:
+        """:meth:`finish`, said: its line printed to stderr by the main process, its warnings through ``warn``
+        (every process); returns the line."""
+        report, warned = self.finish(steps=steps, run_dir=run_dir)
+        if main_process:
+            print(report, file=sys.stderr, flush=True)
+        for line in warned:
+            self.warn(f"vramcal: {line}")
+        return report
 
     def close(self) -> None:
         """Stop measuring (an exception ended the run)."""
