@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from test_train import SPEC, SPEC_ARGS, make_profile
+from test_train import SPEC, SPEC_ARGS, make_profile, training_folder
 from test_train_data import synthetic_bars
 
 from vramcal.cli import main
@@ -38,9 +38,7 @@ FILE_LIMIT_BYTES = SPEC.n_params() * 2
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
-    synthetic_bars(400).to_parquet(tmp / "bars.parquet")
-    profile = make_profile(host_device())
-    save_profile(profile, profile_path(tmp / "profiles", profile.device, profile.model, "transformers"))
+    training_folder(tmp)
     return tmp
 
 

@@ -9,14 +9,12 @@ import warnings
 
 import pytest
 from click.testing import CliRunner
-from test_train import SPEC, SPEC_ARGS, make_profile
-from test_train_data import synthetic_bars
+from test_train import SPEC, SPEC_ARGS, make_profile, training_folder
 
 from vramcal import api
 from vramcal.cli import main
 from vramcal.environment import software_versions, worker_setting
 from vramcal.measure.device import host_device
-from vramcal.profile import profile_path, save_profile
 from vramcal.staleness import STRICT_ENV, StaleProfileError, changes
 
 OLD_TORCH = "2.5.1"
@@ -26,11 +24,10 @@ OLD_TORCH = "2.5.1"
 def stale(tmp_path, monkeypatch):
     """A profile of the tiny spec for this host made under torch 2.5.1 and another GLIBC_TUNABLES; bars."""
     monkeypatch.delenv(STRICT_ENV, raising=False)
-    synthetic_bars(400).to_parquet(tmp_path / "bars.parquet")
     profile = make_profile(host_device())
     profile = dataclasses.replace(profile, software={**software_versions(), "torch": OLD_TORCH},
                                   environment={**profile.environment, "GLIBC_TUNABLES": "glibc.malloc.arena_max=8"})
-    path = save_profile(profile, profile_path(tmp_path / "profiles", profile.device, profile.model, "transformers"))
+    path = training_folder(tmp_path, profile)
     return {"tmp": tmp_path, "path": path, "profile": profile}
 
 

@@ -56,14 +56,20 @@ def make_profile(device: Device, spec: RegressorSpec = SPEC, slope_mib: int = 24
                    limits=compute_limits(fit, device.total_bytes, settings), created_utc="2025-01-01T00:00:00Z")
 
 
+def training_folder(tmp: Path, profile: Profile | None = None) -> Path:
+    """What a training test runs against, in ``tmp``: 400 synthetic bars (``bars.parquet``) and ``profile``
+    (default: :func:`make_profile` for this host) under ``profiles/``; returns the profile's path."""
+    synthetic_bars(400).to_parquet(tmp / "bars.parquet")
+    profile = profile or make_profile(host_device())
+    return save_profile(profile, profile_path(tmp / "profiles", profile.device, profile.model, "transformers"))
+
+
 @pytest.fixture()
 def setup(tmp_path):
-    data = tmp_path / "bars.parquet"
-    synthetic_bars(400).to_parquet(data)
-    profiles = tmp_path / "profiles"
     profile = make_profile(host_device())
-    path = save_profile(profile, profile_path(profiles, profile.device, profile.model, "transformers"))
-    return {"data": data, "profiles": profiles, "profile": profile, "profile_path": path, "tmp": tmp_path}
+    path = training_folder(tmp_path, profile)
+    return {"data": tmp_path / "bars.parquet", "profiles": tmp_path / "profiles", "profile": profile,
+            "profile_path": path, "tmp": tmp_path}
 
 
 def train(setup, run: str, *extra: str):

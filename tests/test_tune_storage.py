@@ -24,12 +24,9 @@ import pytest
 from click.testing import CliRunner
 from optuna.trial import TrialState
 from postgres_server import missing, running_server
-from test_train import SPEC_ARGS, make_profile, one_line_failure
-from test_train_data import synthetic_bars
+from test_train import SPEC_ARGS, one_line_failure, training_folder
 
 from vramcal.cli import main
-from vramcal.measure.device import host_device
-from vramcal.profile import profile_path, save_profile
 from vramcal.tune.storage import HEARTBEAT_ATTR, open_storage, parse_storage
 from vramcal.tune.study import TRIALS_TABLE
 
@@ -60,9 +57,7 @@ def readme_password() -> str:
 @pytest.fixture(scope="module")
 def home(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("storage")
-    synthetic_bars(400).to_parquet(tmp / "bars.parquet")
-    profile = make_profile(host_device())
-    save_profile(profile, profile_path(tmp / "profiles", profile.device, profile.model, "transformers"))
+    training_folder(tmp)
     (tmp / "shared" / "tune").mkdir(parents=True)
     return tmp
 
