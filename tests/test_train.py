@@ -429,6 +429,11 @@ def test_a_ddp_rank_is_forecast_on_its_share_of_the_windows(setup):
     one = timing.plan_forecast(dataclasses.replace(plan, profile_path=str(timed)))
     two = timing.plan_forecast(dataclasses.replace(plan, profile_path=str(timed), world=World(2, "gloo")))
     assert one.epoch_s == pytest.approx(2 * two.epoch_s, rel=0.1) and one.samples_per_s == two.samples_per_s
+    # an effective batch: --max-steps counts optimizer steps, each of the effective batch's samples
+    plan, _ = in_process(setup, "forecast-effective", effective_batch_size=16, epochs=10)
+    per_epoch = math.ceil(plan.data_stats["train_windows"] / 16)
+    plan = dataclasses.replace(plan, profile_path=str(timed), config=plan.config.replace(max_steps=3 * per_epoch))
+    assert plan.batch_size == 8 and timing.plan_forecast(plan).epochs == 3
 
 
 def test_a_host_budget_takes_the_profile_calibrated_at_it(setup):

@@ -41,7 +41,7 @@ def plan_forecast(plan: Plan) -> Forecast | None:
                       "this run's data" if ranks == 1 else "this rank's share of this run's data")
     epochs = plan.config.epochs
     if plan.config.max_steps:
-        epochs = min(epochs, math.ceil(plan.config.max_steps / math.ceil(dataset.train_samples / plan.batch_size)))
+        epochs = min(epochs, math.ceil(plan.config.max_steps / math.ceil(dataset.train_samples / plan.step_batch_size)))
     found = forecast_batch(profile, plan.batch_size, plan.sizing.source, dataset, epochs,
                            seq_len=plan.config.spec.seq_len)
     return found if found.epoch_s is not None else None
