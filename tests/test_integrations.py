@@ -132,3 +132,21 @@ def test_a_plain_loop_uses_the_run_directly(tmp_path):
     assert line.startswith("vramcal: peak ") and f"at batch_size {batch_size}:" in line
     with pytest.raises(RuntimeError, match=r"finish\(\) before start\(\)"):
         FrameworkRun(path, device="cpu").finish()
+
+
+def test_sizing_a_run_adds_little_to_the_process_it_measures(tmp_path):
+    """Loading and sizing refit the profile: in Python floats, not through BLAS, whose first call maps
+    OpenBLAS's 32 MiB buffer into the data segment, which the process term would then count against the
+    trials' processes (a fresh process: this one's OpenBLAS is awake already; the modules imported first)."""
+    import subprocess
+    import sys
+
+    path = save_profile(profile_here(), tmp_path / "host.json")
+    script = ("import torch, numpy, scipy.stats\n"
+              "from vramcal.integrations.run import FrameworkRun\n"
+              "from vramcal.measure.meters import read_status_bytes\n"
+              "before = read_status_bytes('VmData')\n"
+              f"FrameworkRun({str(path)!r}, device='cpu').start()\n"
+              "print(read_status_bytes('VmData') - before)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert 0 <= int(done.stdout.split()[-1]) < 8 * MIB, done.stdout

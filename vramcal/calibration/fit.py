@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from vramcal.schema import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, read_record
@@ -116,47 +116,76 @@ def fit_linear(batch_sizes: Sequence[int], peak_bytes: Sequence[int]) -> Fit:
     Raises:
         ValueError: fewer than 3 points, fewer than 2 distinct batch sizes, or mismatched lengths.
     """
-    import numpy as np
     from scipy import stats
 
     if len(batch_sizes) != len(peak_bytes):
         raise ValueError("batch_sizes and peak_bytes differ in length")
     if len(batch_sizes) < 3 or len(set(batch_sizes)) < 2:
         raise ValueError(f"a fit needs at least 3 points over 2 batch sizes, got {len(batch_sizes)} points")
-    b = np.asarray(batch_sizes, dtype=float)
-    y = np.asarray(peak_bytes, dtype=float)
-    result = stats.linregress(b, y)
+    # Ordinary least squares in Python floats (the textbook formulas scipy.stats.linregress uses): NumPy's
+    # covariance would call BLAS, whose first call maps OpenBLAS's 32 MiB buffer (:func:`_quadratic`).
+    b, y = [float(v) for v in batch_sizes], [float(v) for v in peak_bytes]
     n = len(b)
-    residuals = y - (result.intercept + result.slope * b)
-    ssr = float(np.sum(residuals**2))
+    b_mean, y_mean = math.fsum(b) / n, math.fsum(y) / n
+    sxx = math.fsum((v - b_mean) ** 2 for v in b)
+    syy = math.fsum((v - y_mean) ** 2 for v in y)
+    sxy = math.fsum((u - b_mean) * (v - y_mean) for u, v in zip(b, y, strict=True))
+    slope = sxy / sxx
+    intercept = y_mean - slope * b_mean
+    ssr = math.fsum((v - intercept - slope * u) ** 2 for u, v in zip(b, y, strict=True))
     s = math.sqrt(ssr / (n - 2))
     return Fit(
-        overhead_bytes=float(result.intercept), slope_bytes_per_sample=float(result.slope),
-        overhead_stderr_bytes=float(result.intercept_stderr), slope_stderr_bytes_per_sample=float(result.stderr),
-        residual_stderr_bytes=s, r_squared=float(result.rvalue**2), n_points=n, batch_mean=float(b.mean()),
-        batch_sxx=float(np.sum((b - b.mean()) ** 2)), t_critical=float(stats.t.ppf(0.5 + CONFIDENCE / 2, n - 2)),
+        overhead_bytes=intercept, slope_bytes_per_sample=slope,
+        overhead_stderr_bytes=s * math.sqrt(1 / n + b_mean**2 / sxx), slope_stderr_bytes_per_sample=s / math.sqrt(sxx),
+        residual_stderr_bytes=s, r_squared=0.0 if syy == 0 else min(1.0, sxy**2 / (sxx * syy)), n_points=n,
+        batch_mean=b_mean, batch_sxx=sxx, t_critical=float(stats.t.ppf(0.5 + CONFIDENCE / 2, n - 2)),
         batch_sizes=tuple(int(v) for v in batch_sizes), peak_bytes=tuple(int(v) for v in peak_bytes),
-        nonlinearity=_nonlinearity(b, y, ssr))
+        nonlinearity=_nonlinearity(b, y, ssr, intercept + slope * max(b)))
 
 
-def _nonlinearity(b, y, ssr_linear: float) -> str | None:
-    import numpy as np
+def _nonlinearity(b: list[float], y: list[float], ssr_linear: float, linear_at_max: float) -> str | None:
     from scipy import stats
 
     n = len(b)
-    if n < 4 or len(set(b.tolist())) < 3:
+    if n < 4 or len(set(b)) < 3:
         return None
-    coefficients = np.polyfit(b, y, 2)
-    ssr_quadratic = float(np.sum((y - np.polyval(coefficients, b)) ** 2))
+    quadratic = _quadratic(b, y)
+    ssr_quadratic = math.fsum((v - quadratic(x)) ** 2 for x, v in zip(b, y, strict=True))
     if ssr_quadratic <= 0:
         p_value = 0.0 if ssr_linear > 0 else 1.0
     else:
         f_stat = (ssr_linear - ssr_quadratic) / (ssr_quadratic / (n - 3))
         p_value = float(stats.f.sf(f_stat, 1, n - 3))
-    b_max = float(b.max())
-    linear_at_max = np.polyval(np.polyfit(b, y, 1), b_max)
-    deviation = abs(np.polyval(coefficients, b_max) - linear_at_max) / max(abs(linear_at_max), 1.0)
+    b_max = max(b)
+    deviation = abs(quadratic(b_max) - linear_at_max) / max(abs(linear_at_max), 1.0)
     if p_value < 0.01 and deviation > 0.02:
         return (f"peaks are not linear in batch_size (quadratic term p = {p_value:.2g}, "
                 f"{deviation:.1%} off the line at batch_size {b_max:.0f}); trust only verified limits")
     return None
+
+
+def _quadratic(b: list[float], y: list[float]) -> Callable[[float], float]:
+    """The least-squares parabola through (b, y), as a function of b.
+
+    Solved from the normal equations in the centred, scaled variable z = (b - mean) / spread (which keeps
+    them well conditioned), by Gaussian elimination in Python floats. NumPy's ``polyfit`` would call LAPACK,
+    whose first call maps OpenBLAS's 32 MiB buffer: every process that loads a profile refits it
+    (:func:`vramcal.profile.checks.check_fit`), and a framework's process measures its own data segment
+    against the trials' (:mod:`vramcal.integrations.run`), which never map it.
+    """
+    mean = sum(b) / len(b)
+    spread = max(abs(v - mean) for v in b)
+    z = [(v - mean) / spread for v in b]
+    power = [sum(v ** k for v in z) for k in range(5)]
+    rows = [[power[i + j] for j in range(3)] + [sum(v ** i * w for v, w in zip(z, y, strict=True))]
+            for i in range(3)]
+    for i in range(3):  # elimination with partial pivoting, then back substitution
+        pivot = max(range(i, 3), key=lambda r: abs(rows[r][i]))
+        rows[i], rows[pivot] = rows[pivot], rows[i]
+        for r in range(i + 1, 3):
+            factor = rows[r][i] / rows[i][i]
+            rows[r] = [a - factor * c for a, c in zip(rows[r], rows[i], strict=True)]
+    c = [0.0, 0.0, 0.0]
+    for i in (2, 1, 0):
+        c[i] = (rows[i][3] - sum(rows[i][j] * c[j] for j in range(i + 1, 3))) / rows[i][i]
+    return lambda v: c[0] + c[1] * ((v - mean) / spread) + c[2] * ((v - mean) / spread) ** 2
