@@ -49,7 +49,8 @@ def test_a_user_factory_calibrates_to_a_verified_profile_that_names_it(calibrate
     assert profile.model.factory == "user_models:mlp" and profile.model.params == PARAMS
     assert family_of(profile.model).name == "factory" and profile.implementation == "factory"
     assert profile.kernel_path.startswith("no Mamba-2 module found (a user model)")
-    assert profile.model_info == {"n_params": 16384 * 8 + 8 + 8 * 8 + 8 + 8 + 1}
+    n_params = 16384 * 8 + 8 + 8 * 8 + 8 + 8 + 1
+    assert profile.model_info == {"n_params": n_params, "gradient_bytes": 4 * n_params}  # fp32, all trained
     assert len(profile.trials) >= 5 and len(seen) >= len(profile.trials)  # calibrate()'s default progress
     trial_lines = [line for line in seen if line.startswith("vramcal: trial batch_size ")]
     assert [int(line.split()[3]) for line in trial_lines] == [t.batch_size for t in profile.trials]

@@ -133,6 +133,41 @@ def test_a_process_holding_more_than_the_trials_gets_a_smaller_batch(tmp_path):
     assert module.seen == {callback.sizing.batch_size} and module.batch_size == callback.sizing.safe_batch_size
 
 
+def test_automatic_optimization_adds_the_gradients_to_the_prediction(tmp_path):
+    """Lightning zeroes the gradients after the next forward pass: the profile's gradient bytes join the
+    prediction and the limits; under manual optimization (the module's own order) they do not."""
+    import dataclasses
+
+    from vramcal.integrations.lightning import VramcalBatchSize
+    from vramcal.sizing import size
+
+    profile = profile_here()
+    profile = dataclasses.replace(profile, model_info={**profile.model_info, "gradient_bytes": 150 * MIB})
+    callback = VramcalBatchSize(profile, limit="safe")
+    with pytest.warns(UserWarning, match=r"held through the forward pass \(Lightning's automatic optimization .*\): "
+                                         r"a gradient term of \+150.00 MiB"):
+        fit(Regressor(), callback, tmp_path)
+    s, plain = callback.sizing, size(profile, limit="safe", process_bytes=callback.run.held_bytes)
+    assert s.gradient_delta_bytes == 150 * MIB and s.safe_batch_size < plain.safe_batch_size
+    assert s.predicted_peak_bytes == int(profile.fit.predict(s.batch_size) + s.process_delta_bytes + 150 * MIB)
+    assert "gradient term +150.0 MiB" in callback.report
+
+    class Manual(Regressor):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, index):
+            optimizer = self.optimizers()
+            optimizer.zero_grad(set_to_none=True)
+            self.manual_backward(super().training_step(batch, index))
+            optimizer.step()
+
+    manual = VramcalBatchSize(profile, limit="safe")
+    fit(Manual(), manual, tmp_path)
+    assert manual.sizing.gradient_delta_bytes == 0 and "gradient term" not in manual.report
+
+
 def test_an_effective_batch_is_kept_with_accumulation(tmp_path):
     """A request for 200 samples per step with a conservative micro-batch about 55: 4 micro-batches of 50."""
     from vramcal.integrations.lightning import VramcalBatchSize

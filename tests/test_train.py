@@ -31,6 +31,7 @@ from vramcal.sizing import scaled_lr
 from vramcal.train import checkpoint, loop
 from vramcal.train.config import TrainConfig, load_config
 from vramcal.train.plan import plan_run, resolve
+from vramcal.units import format_bytes
 
 MIB = 2**20
 SPEC = RegressorSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16)
@@ -508,8 +509,31 @@ def test_sizing_bounds_and_the_data_term():
     room = verified.limits.usable_bytes - verified.verification["safe"].peak_bytes
     kept = sizing.size(verified, limit="safe", pool_data_bytes=room // 2)
     assert kept.safe_batch_size == verified.limits.safe_batch_size and kept.data_delta_bytes == room // 2
-    assert sizing.size(verified, limit="safe", pool_data_bytes=room + 2**20).safe_batch_size < \
-        verified.limits.safe_batch_size
+    # 1 MiB over: the safe size moves down the fit from its verified peak by the samples that hold 1 MiB; the
+    # fit's upper bound alone (the rule before) takes it lower
+    from profiles_for_tests import host_profile
+
+    host = host_profile()
+    room = host.limits.usable_bytes - sizing.length_model(host).safe_peak_bytes
+    over, top = sizing.size(host, limit="safe", pool_data_bytes=room + 2**20), host.limits.safe_batch_size
+    assert over.safe_batch_size < top
+    assert host.fit.predict(top) - host.fit.predict(over.safe_batch_size) >= 2**20 > \
+        host.fit.predict(top) - host.fit.predict(over.safe_batch_size + 1)
+    assert host.fit.upper(over.safe_batch_size) + room + 2**20 > host.limits.usable_bytes
+    # the gradient term: a run whose forward passes run beside the gradients (accumulation does by itself)
+    grads = room + 2 * MIB  # more than the verified safe size leaves room for
+    counted = dataclasses.replace(host, model_info={**host.model_info, "gradient_bytes": grads})
+    held = sizing.size(counted, 4, gradients_in_forward="a test's reason")
+    assert held.gradient_delta_bytes == grads and held.predicted_peak_bytes == int(host.fit.predict(4) + grads)
+    assert held.notices[0] == (f"the gradients are held through the forward pass (a test's reason): a gradient term "
+                               f"of +{format_bytes(grads)} in the prediction and the limits")
+    accumulated = sizing.size(counted, effective_batch_size=10 * top)
+    assert accumulated.accumulation_steps > 1 and accumulated.gradient_delta_bytes == grads
+    assert accumulated.safe_batch_size < top and "accumulation: the micro-batches after the first" in \
+        accumulated.notices[0]
+    assert sizing.size(counted, effective_batch_size=top // 2).gradient_delta_bytes == 0  # one micro-batch
+    unrecorded = sizing.size(host, 4, gradients_in_forward="a test's reason")
+    assert unrecorded.gradient_delta_bytes == 0 and "does not record their bytes" in unrecorded.notices[0]
     assert scaled_lr(1e-4, 384, 96, "sqrt") == pytest.approx(2e-4)
     assert scaled_lr(1e-4, 384, 96, "none") == 1e-4
 

@@ -218,9 +218,16 @@ def _assemble_one(plan: CalibrationPlan, model: ModelRef, trials: list[Trial], c
         device=plan.device, model=model, implementation=family_of(model).implementation(model),
         kernel_path=context.get("kernel_path", "unknown (no trial finished)"), settings=plan.settings,
         trials=tuple(trials), fit=state.fit, limits=state.limits, verification=verification, data=data,
-        model_info=context.get("info", {}), environment=context.get("environment", {}), world=plan.world,
+        model_info=model_info(context), environment=context.get("environment", {}), world=plan.world,
         software=software_versions(), run=run, created_utc=utc_now(), vramcal_version=__version__)
     return dataclasses.replace(profile, warnings=tuple(_warnings(profile, len(trials))))
+
+
+def model_info(context: dict[str, Any]) -> dict[str, Any]:
+    """What the factory reported about its model, and the bytes of its gradients that vramcal counted in the trial
+    (``gradient_bytes``: the sizing's gradient term, :mod:`vramcal.sizing`)."""
+    counted = {"gradient_bytes": context["gradient_bytes"]} if "gradient_bytes" in context else {}
+    return {**context.get("info", {}), **counted}
 
 
 def _assemble_surface(plan: CalibrationPlan, trials: list[Trial], context: dict[str, Any],

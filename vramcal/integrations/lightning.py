@@ -16,6 +16,9 @@ margin, and holds it to this process (:class:`vramcal.integrations.run.Framework
   measures what this process holds against what the trials' processes held (the process term), carries it
   into the prediction and the limits, and sets the size again when it no longer fits; with an effective
   batch it sets ``trainer.accumulate_grad_batches`` to reach it;
+- under automatic optimization Lightning zeroes the gradients between the forward and the backward pass,
+  so each forward pass runs beside the previous step's gradients: their bytes (the profile's
+  ``gradient_bytes``) join the prediction and the limits too (:mod:`vramcal.sizing`, the gradient term);
 - at ``on_fit_end`` it prints this process's peak since fit start beside the prediction and its upper 95 %
   bound, warns when the peak is above either, and appends the observation to the profile.
 
@@ -101,7 +104,8 @@ class VramcalBatchSize(Callback):
             raise ValueError(f"neither the LightningModule nor its DataModule has {self.attr!r} (an attribute or "
                              f"in hparams): add it, or pass attr=<the name your dataloaders read>")
         self.run = FrameworkRun(**self._find, device=trainer.strategy.root_device, world=_world(trainer),
-                                framework="lightning", warn=lambda line: rank_zero_warn(line))
+                                framework="lightning", gradients_in_forward=_gradients_in_forward(pl_module),
+                                warn=lambda line: rank_zero_warn(line))
         self.profile_source = self.run.source
         self._apply(trainer, pl_module, self.run.sizing)
 
@@ -140,6 +144,16 @@ class VramcalBatchSize(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self.run is not None:
             self.run.close()
+
+
+def _gradients_in_forward(pl_module: pl.LightningModule) -> str | None:
+    """Why the module's forward passes run beside the previous step's gradients: Lightning's automatic
+    optimization zeroes them inside its closure, after the forward pass (``Closure.closure``: step, zero_grad,
+    backward), where a trial frees them after the optimizer step. None under manual optimization (the
+    module's own order)."""
+    if not pl_module.automatic_optimization:
+        return None
+    return "Lightning's automatic optimization zeroes them after the next forward pass"
 
 
 def _world(trainer: pl.Trainer):

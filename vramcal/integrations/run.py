@@ -56,6 +56,9 @@ class FrameworkRun:
             ``sizing.accumulation_steps`` reach it (``exact``: a micro-batch that divides it).
         world: the DDP world this process is a rank of (its profile must be calibrated for it).
         framework: who trains (``lightning``, ``transformers.Trainer``, ``accelerate``, ``plain``), recorded.
+        gradients_in_forward: why this run's forward passes run beside the previous step's gradients (None: the
+            loop frees them after the optimizer step, as the trials do): their bytes join the prediction and the
+            limits (:mod:`vramcal.sizing`, the gradient term; accumulation adds it by itself).
         warn: how notices reach people (default :func:`warnings.warn`).
 
     Attributes:
@@ -73,7 +76,7 @@ class FrameworkRun:
                  profiles_dir: str | Path = DEFAULT_PROFILES_DIR, limit: Limit = "conservative",
                  batch_size_min: int = 1, request: int | None = None, effective_batch_size: int | None = None,
                  exact: bool = False, world: World | None = None, framework: str = "plain",
-                 warn: Warn = _warn) -> None:
+                 gradients_in_forward: str | None = None, warn: Warn = _warn) -> None:
         if profile is None and model is None:
             raise ValueError("needs profile=<a profile file or Profile>, or model=<what was calibrated> to find one "
                              "under profiles_dir")
@@ -83,7 +86,7 @@ class FrameworkRun:
         self.profile, self.source, self.path = _find(profile, model, params, self.device, profiles_dir, world)
         self._asked = {"limit": limit, "batch_size_min": batch_size_min, "request": request,
                        "effective_batch_size": effective_batch_size, "exact": exact,
-                       "seq_len": (params or {}).get("seq_len")}
+                       "seq_len": (params or {}).get("seq_len"), "gradients_in_forward": gradients_in_forward}
         self.sizing: Sizing = size(self.profile, request, **self._options())
         self.held_bytes: int | None = None
         self.peak_bytes: int | None = None

@@ -260,13 +260,19 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
     val = [_timed(lambda: validation_step(step, batch_size, model), device.kind) for _ in range(settings.val_steps)]
     figures = meter.read()
     context = {"kernel_path": step.kernel_path or detect_kernel_path(step.model),
-               "environment": meter.environment(), "info": step.info,
+               "environment": meter.environment(), "info": step.info, "gradient_bytes": gradient_bytes(step.model),
                "data": {"data_bytes": step.data_bytes, "on_device": step.data_on_device}}
     step_s = statistics.median(times)
     return {"step_s": step_s, "samples_per_s": batch_size / step_s, "build_s": build_s,
             "step_times_s": tuple(times), "warmup_times_s": tuple(warmup), "val_times_s": tuple(val),
             "data_bytes": step.pool_data_bytes(device.kind), "context": context, **figures,
             **({"step_peaks": tuple(curve)} if request.steady else {})}
+
+
+def gradient_bytes(model: Any) -> int:
+    """Bytes of the gradients a step of ``model`` holds: every parameter that requires one, at its own element size
+    (what ``loss.backward()`` allocates into ``param.grad``)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def _timed(run: Callable[[], Any], device_kind: str) -> float:

@@ -156,7 +156,8 @@ class Profile:
         kernel_path: the kernels that ran, as seen inside the trial processes.
         data: the data the trials held: ``source``, ``data_bytes`` (host memory), ``on_device`` and
             ``pool_bytes`` (the part in the measured memory: all of it on the host).
-        model_info: what the factory reported about its model (parameter count, ...).
+        model_info: what the factory reported about its model (parameter count, ...), and ``gradient_bytes``
+            (what vramcal counted in the trial: the bytes of the gradients a step holds).
         environment: what the trial processes saw (CUDA, cuDNN, Triton, allocator settings, ...).
         observations: training runs that used the profile, oldest first.
         surface: for a calibration over several sequence lengths, the model in batch_size × seq_len and

@@ -58,7 +58,8 @@ def compare(sizing: Sizing, peak_bytes: int, process: bool = False) -> tuple[str
     """
     predicted = sizing.predicted_peak_bytes  # not positive: a line fitted near the limit, far below its range
     error = f"{(peak_bytes - predicted) / predicted:+.1%}" if predicted > 0 else "no relative error"
-    term = (f", process term {sizing.process_delta_bytes / 2**20:+.1f} MiB" if process else "")
+    term = (f", process term {sizing.process_delta_bytes / 2**20:+.1f} MiB" if process else "") + (
+        f", gradient term +{sizing.gradient_delta_bytes / 2**20:.1f} MiB" if sizing.gradient_delta_bytes else "")
     line = (f"peak {format_bytes(peak_bytes)} at batch_size {sizing.batch_size}: predicted "
             f"{format_bytes(predicted)} ({error}{term}), upper bound "
             f"{format_bytes(sizing.upper_bytes)}, usable {format_bytes(sizing.usable_bytes)}")
