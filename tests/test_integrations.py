@@ -150,3 +150,38 @@ def test_sizing_a_run_adds_little_to_the_process_it_measures(tmp_path):
               "print(read_status_bytes('VmData') - before)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert 0 <= int(done.stdout.split()[-1]) < 8 * MIB, done.stdout
+
+
+def test_a_framework_process_gets_the_trials_malloc_on_the_host():
+    """glibc's default mmap threshold rises when a mapped block is freed, and the next 5 MiB blocks stay in the
+    heap after their free; with the trials' settings (set by FrameworkRun.start on the host) they go back. A
+    fresh process each: the setting is the process's."""
+    import subprocess
+    import sys
+
+    script = ("import ctypes, sys\n"
+              "from vramcal.environment import set_host_malloc\n"
+              "from vramcal.measure.meters import read_status_bytes\n"
+              "done = set_host_malloc() if sys.argv[1] == 'set' else None\n"
+              "libc = ctypes.CDLL(None)\n"
+              "libc.malloc.restype, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_void_p]\n"
+              "before = read_status_bytes('VmData')\n"
+              "for _ in range(3):\n"
+              "    block = libc.malloc(5 * 2**20)\n"
+              "    ctypes.memset(block, 1, 5 * 2**20)\n"
+              "    libc.free(block)\n"
+              "print(done, read_status_bytes('VmData') - before)")
+
+    def run(mode: str, **env: str) -> list[str]:
+        import os
+
+        done = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=60,
+                              check=True, env={**os.environ, **env})
+        return done.stdout.rsplit(None, 1)
+
+    from vramcal.environment import HOST_MALLOC
+
+    assert int(run("default")[1]) >= 4 * MIB
+    said, kept = run("set")
+    assert said == "mmap_threshold 4194304, trim_threshold 4194304, arena_max 1" and int(kept) < MIB
+    assert run("set", GLIBC_TUNABLES=HOST_MALLOC)[0] == "None"  # started with them: nothing to set or say

@@ -59,6 +59,9 @@ class FrameworkRun:
         gradients_in_forward: why this run's forward passes run beside the previous step's gradients (None: the
             loop frees them after the optimizer step, as the trials do): their bytes join the prediction and the
             limits (:mod:`vramcal.sizing`, the gradient term; accumulation adds it by itself).
+        host_malloc: on the host, :meth:`start` gives this process the trials' glibc malloc settings
+            (:func:`vramcal.environment.set_host_malloc`: with glibc's defaults the same step can hold a third
+            more), and says so; False keeps glibc's defaults.
         warn: how notices reach people (default :func:`warnings.warn`).
 
     Attributes:
@@ -76,13 +79,14 @@ class FrameworkRun:
                  profiles_dir: str | Path = DEFAULT_PROFILES_DIR, limit: Limit = "conservative",
                  batch_size_min: int = 1, request: int | None = None, effective_batch_size: int | None = None,
                  exact: bool = False, world: World | None = None, framework: str = "plain",
-                 gradients_in_forward: str | None = None, warn: Warn = _warn) -> None:
+                 gradients_in_forward: str | None = None, host_malloc: bool = True, warn: Warn = _warn) -> None:
         if profile is None and model is None:
             raise ValueError("needs profile=<a profile file or Profile>, or model=<what was calibrated> to find one "
                              "under profiles_dir")
         if limit not in ("conservative", "safe"):
             raise ValueError(f"limit must be conservative or safe, got {limit!r}")
         self.device, self.world, self.framework, self.warn = vramcal_device(device), world, framework, warn
+        self.host_malloc = host_malloc
         self.profile, self.source, self.path = _find(profile, model, params, self.device, profiles_dir, world)
         self._asked = {"limit": limit, "batch_size_min": batch_size_min, "request": request,
                        "effective_batch_size": effective_batch_size, "exact": exact,
@@ -96,11 +100,14 @@ class FrameworkRun:
         return {k: v for k, v in self._asked.items() if k != "request"}
 
     def start(self) -> Sizing:
-        """Training starts (the model and the optimizer are on the device, the data loaded): measure what this
-        process holds, size again with the process term (clamping the batch size when it no longer fits),
-        and start measuring the peak. Returns the new sizing (its notices given to ``warn``)."""
+        """Training starts (the model and the optimizer are on the device, the data loaded): on the host give
+        the process the trials' malloc settings (``host_malloc``), measure what it holds, size again with the
+        process term (clamping the batch size when it no longer fits), and start measuring the peak. Returns
+        the new sizing (its notices given to ``warn``)."""
         from vramcal.measure.meters import attach_meter
 
+        if self.device.kind == "host" and self.host_malloc:
+            self._set_host_malloc()
         self._meter = attach_meter(self.device, warn=self.warn)
         self.held_bytes = self._meter.held_bytes()
         before = self.sizing.batch_size
@@ -112,6 +119,15 @@ class FrameworkRun:
                       f"no longer fits the profile's limits")
         self._meter.reset()
         return self.sizing
+
+    def _set_host_malloc(self) -> None:
+        from vramcal.environment import HOST_MALLOC, set_host_malloc
+
+        done = set_host_malloc()
+        if done:
+            self.warn(f"vramcal: this process's glibc malloc now runs as the trials' did ({done}: mallopt), for "
+                      f"their host figures to hold here; export GLIBC_TUNABLES={HOST_MALLOC} before Python starts to "
+                      f"have it from the first allocation")
 
     def resize(self, batch_size: int) -> Sizing:
         """The sizing at ``batch_size`` (clamped to the bounds), the process term kept: the batch a framework
