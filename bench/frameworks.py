@@ -8,7 +8,8 @@ that trains the same model with the framework and vramcal's integration at the p
 * ``lightning``: a ``LightningModule`` whose ``batch_size`` the ``VramcalBatchSize`` callback sets;
 * ``hf``: ``transformers.Trainer`` with ``VramcalCallback.sized(TrainingArguments(...))``;
 * ``accelerate``: ``accelerator.prepare`` on the model and AdamW, ``sized(accelerator, ...)``, and
-  ``measured(...)`` around the loop.
+  ``measured(...)`` around the loop;
+* ``plain``: a plain PyTorch loop with ``FrameworkRun`` (the README's pattern).
 
 Each prints what the integration predicted (its process term included) and the peak it measured in its own
 process (the trials' definition: on the host the larger of VmHWM and the data-segment peak). The parent reads
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "mamba2-lm-tiny.json"
-FRAMEWORKS = ("lightning", "hf", "accelerate")
+FRAMEWORKS = ("lightning", "hf", "accelerate", "plain")
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -69,8 +70,10 @@ def child(framework: str, profile: str, steps: int, seq_len: int) -> dict[str, A
         run = _lightning(profile, steps, seq_len, conservative)
     elif framework == "hf":
         run = _hf(profile, steps, seq_len, conservative)
-    else:
+    elif framework == "accelerate":
         run = _accelerate(profile, steps, seq_len, conservative)
+    else:
+        run = _plain(profile, steps, seq_len, conservative)
     s = run.sizing
     return {"framework": framework, "batch_size": s.batch_size, "conservative": conservative,
             "predicted_peak_bytes": s.predicted_peak_bytes, "upper_bytes": s.upper_bytes,
@@ -140,6 +143,23 @@ def _accelerate(profile: str, steps: int, seq_len: int, hint: int):
             done.done += 1
             if done.done >= steps:
                 break
+    return run
+
+
+def _plain(profile: str, steps: int, seq_len: int, hint: int):
+    from vramcal.integrations.run import FrameworkRun
+
+    run = FrameworkRun(profile, device="cpu")
+    model, data = model_and_data(seq_len, steps, hint)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    loader = torch.utils.data.DataLoader(data, batch_size=run.start().batch_size)
+    for done, batch in enumerate(loader, start=1):
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if done >= steps:
+            break
+    run.conclude(steps)
     return run
 
 
