@@ -104,10 +104,14 @@ class FrameworkRun:
         the process the trials' malloc settings (``host_malloc``), measure what it holds, size again with the
         process term (clamping the batch size when it no longer fits), and start measuring the peak. Returns
         the new sizing (its notices given to ``warn``)."""
+        from vramcal.environment import HOST_MALLOC, set_host_malloc
         from vramcal.measure.meters import attach_meter
 
-        if self.device.kind == "host" and self.host_malloc:
-            self._set_host_malloc()
+        done = set_host_malloc() if self.device.kind == "host" and self.host_malloc else None
+        if done:
+            self.warn(f"vramcal: this process's glibc malloc now runs as the trials' did ({done}: mallopt), for "
+                      f"their host figures to hold here; export GLIBC_TUNABLES={HOST_MALLOC} before Python starts to "
+                      f"have it from the first allocation")
         self._meter = attach_meter(self.device, warn=self.warn)
         self.held_bytes = self._meter.held_bytes()
         before = self.sizing.batch_size
@@ -119,15 +123,6 @@ class FrameworkRun:
                       f"no longer fits the profile's limits")
         self._meter.reset()
         return self.sizing
-
-    def _set_host_malloc(self) -> None:
-        from vramcal.environment import HOST_MALLOC, set_host_malloc
-
-        done = set_host_malloc()
-        if done:
-            self.warn(f"vramcal: this process's glibc malloc now runs as the trials' did ({done}: mallopt), for "
-                      f"their host figures to hold here; export GLIBC_TUNABLES={HOST_MALLOC} before Python starts to "
-                      f"have it from the first allocation")
 
     def resize(self, batch_size: int) -> Sizing:
         """The sizing at ``batch_size`` (clamped to the bounds), the process term kept: the batch a framework
