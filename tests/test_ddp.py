@@ -117,6 +117,34 @@ DDP_SETTINGS = ["--ddp-backend", "gloo", "--bucket-cap-mb", "50", "--gradient-as
                 "--find-unused-parameters", "--static-graph"]
 
 
+def test_the_ddp_term_is_read_against_the_single_process_profile_of_the_same_budget(tmp_path):
+    """A newer single-process profile at another budget is passed over for the one calibrated at the DDP
+    profile's budget; without one, the newest at any budget."""
+    from vramcal.api import ddp_term
+    from vramcal.profile import Verification
+
+    _, ddp = ddp_profile(tmp_path, 1024, slope_mib=24)
+    safe = ddp.limits.safe_batch_size
+    peak = int(ddp.fit.predict(safe)) + 10 * MIB
+    ddp = dataclasses.replace(ddp, verification={"safe": Verification(safe, True, peak)})
+    profiles = tmp_path / "profiles"
+    same = make_profile(host_device(), slope_mib=24)  # the same budget as the DDP profile's
+    other = dataclasses.replace(make_profile(host_device(), slope_mib=30), created_utc="2025-06-01T00:00:00Z")
+    device = dataclasses.replace(other.device, total_bytes=2 * ddp.device.total_bytes, total_source="--capacity")
+    other = dataclasses.replace(other, device=device, limits=compute_limits(other.fit, device.total_bytes,
+                                                                              other.settings))
+    assert same.device.total_bytes == ddp.device.total_bytes
+    for single in (same, other):
+        save_profile(single, profile_path(profiles, single.device, single.model, "transformers"))
+    term = ddp_term(ddp, profiles)
+    assert term["predicted_peak_bytes"] == int(same.fit.predict(safe)) and term["term_bytes"] == peak - int(
+        same.fit.predict(safe))
+    for path in profiles.glob("**/*.json"):
+        if load_profile(path).device.total_bytes == same.device.total_bytes and load_profile(path).world is None:
+            path.unlink()  # no single-process profile at the DDP profile's budget: the newest at any
+    assert ddp_term(ddp, profiles)["predicted_peak_bytes"] == int(other.fit.predict(safe))
+
+
 def test_a_single_process_profile_cannot_size_a_ddp_run(world, tmp_path):
     """Nor a profile of another DDP world: the ranks say which world they looked for and the command that
     calibrates it (the DDP settings of the run included), in one line; torchrun's own options pass through."""

@@ -261,9 +261,12 @@ def check_writable(folder: Path, size: int = WRITE_CHECK_BYTES) -> None:
 def ddp_term(profile: Profile, profiles_dir: Path | str) -> dict[str, Any] | None:
     """The DDP term of a DDP profile: its safe size's per-rank peak (its verification, step creep included)
     against the prediction there of the newest single-process profile of the same model and device under
-    ``profiles_dir`` (bytes; None when there is none, or the DDP profile has no verified safe size)."""
+    ``profiles_dir``, calibrated at the same budget where there is one (bytes; None when there is none, or the
+    DDP profile has no verified safe size)."""
     check = profile.verification.get("safe")
-    found, _ = newest_profile(profiles_dir, profile.device, profile.model)
+    found, _ = newest_profile(profiles_dir, profile.device, profile.model, total_bytes=profile.device.total_bytes)
+    if found is None:
+        found, _ = newest_profile(profiles_dir, profile.device, profile.model)
     if found is None or check is None or check.peak_bytes is None:
         return None
     try:
