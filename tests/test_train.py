@@ -520,6 +520,14 @@ def test_sizing_bounds_and_the_data_term():
     assert host.fit.predict(top) - host.fit.predict(over.safe_batch_size) >= 2**20 > \
         host.fit.predict(top) - host.fit.predict(over.safe_batch_size + 1)
     assert host.fit.upper(over.safe_batch_size) + room + 2**20 > host.limits.usable_bytes
+    # at a verified size the prediction is never below the verification's peak (step creep included)
+    cons = host.verification["conservative"]
+    above = int(host.fit.predict(cons.batch_size)) + 30 * MIB
+    evidence = dataclasses.replace(host, verification={**host.verification, "conservative": dataclasses.replace(
+        cons, peak_bytes=above)})
+    assert sizing.size(evidence).batch_size == cons.batch_size and sizing.size(evidence).predicted_peak_bytes == above
+    assert sizing.size(host).predicted_peak_bytes == int(host.fit.predict(cons.batch_size))  # below the line: the line
+    assert sizing.size(evidence, cons.batch_size - 1).predicted_peak_bytes == int(host.fit.predict(cons.batch_size - 1))
     # the gradient term: a run whose forward passes run beside the gradients (accumulation does by itself)
     grads = room + 2 * MIB  # more than the verified safe size leaves room for
     counted = dataclasses.replace(host, model_info={**host.model_info, "gradient_bytes": grads})

@@ -11,7 +11,8 @@ longer fits, the safe size moves down until it does — along the fit from its v
 what the safe size holds; the fit, what a sample adds), or to where the fit's upper bound fits, whichever is
 larger — and never above the profile's verified sizes:
 
-    predicted(b) = overhead + slope × b + delta          upper(b) = fit.upper(b) + delta
+    predicted(b) = max(overhead + slope × b, verified peak at b) + delta
+    upper(b) = max(fit.upper(b), verified peak at b) + delta
     safe = min(profile safe, max(largest b with verified_peak − (predicted(safe) − predicted(b)) + delta ≤ usable,
                                  largest b with upper(b) ≤ usable))          conservative = ⌊fraction × safe⌋
 
@@ -49,7 +50,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from vramcal.calibration.limits import Limits, safe_batch_size
@@ -77,7 +78,8 @@ class Sizing:
             throughput: :func:`throughput_choice`), ``requested`` (the caller's, within bounds) or ``clamped``
             (the caller's, moved into [batch_size_min, safe]).
         safe_batch_size, conservative_batch_size: the limits in force (after the data term).
-        predicted_peak_bytes, upper_bytes: point prediction and upper 95 % bound of the run's peak.
+        predicted_peak_bytes, upper_bytes: point prediction and upper 95 % bound of the run's peak (at a size a
+            verification trial measured, never below its peak, step creep included: the evidence).
         usable_bytes, total_bytes: the profile's memory figures.
         data_delta_bytes: the run's data bytes in the measured memory minus the calibration's.
         process_delta_bytes: what the run's process held at the start of training minus what the trials'
@@ -133,6 +135,12 @@ class LengthModel:
     verified: bool
     basis: str | None = None
     fitted_from: int | None = None
+    verified_peaks: dict[int, int] = field(default_factory=dict)
+
+    def expected(self, batch_size: int) -> float:
+        """The prediction at ``batch_size``: the line, or the verified peak there when that is higher (never
+        below the evidence: a verification trial measured that size, its step creep included)."""
+        return max(self.predict(batch_size), self.verified_peaks.get(batch_size, 0))
 
 
 def length_model(profile: Profile, seq_len: int | None = None) -> LengthModel:
@@ -157,9 +165,10 @@ def length_model(profile: Profile, seq_len: int | None = None) -> LengthModel:
                           f"run's seq_len (its memory depends on it)")
     if surface is None or seq_len == surface.reference_seq_len:
         check = profile.verification.get("safe")
+        peaks = {v.batch_size: v.peak_bytes for v in profile.verification.values() if v.passed and v.peak_bytes}
         return LengthModel(fit.predict, fit.upper, lambda usable: safe_batch_size(fit, usable), limits,
                            check.peak_bytes if check is not None and check.passed else None, profile.verified,
-                           fitted_from=fitted_from(profile))
+                           fitted_from=fitted_from(profile), verified_peaks=peaks)
     from vramcal.calibration.fit2d import safe_batch_size_2d
     from vramcal.calibration.surface import answer_at, limits_at
 
@@ -293,8 +302,9 @@ def _size(profile: Profile, model: LengthModel, extra: tuple[int, int, str], pro
         notices.append(f"batch_size {batch} is below the fitted range (from batch_size {model.fitted_from}): its "
                        f"predicted peak extrapolates a line fitted near the limit, and small batches can peak above it")
     delta = data_delta + process_delta + gradient_delta
+    expected, upper = model.expected(batch), max(model.upper(batch), model.expected(batch))
     return Sizing(batch_size=batch, source=source, safe_batch_size=safe, conservative_batch_size=conservative,
-                  predicted_peak_bytes=int(model.predict(batch) + delta), upper_bytes=int(model.upper(batch) + delta),
+                  predicted_peak_bytes=int(expected + delta), upper_bytes=int(upper + delta),
                   usable_bytes=model.limits.usable_bytes, total_bytes=model.limits.total_bytes,
                   data_delta_bytes=data_delta, verified=model.verified, notices=tuple(notices),
                   fitted_from=model.fitted_from, process_delta_bytes=process_delta, accumulation_steps=steps,
