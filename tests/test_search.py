@@ -244,8 +244,10 @@ def test_synthetic_curves_end_verified_and_safe(kind, creep):
         state = settle(trials, settings)
         case = (kind, creep, total // GIB, limit, noise, seed, [(t.batch_size, t.purpose, t.status) for t in trials])
         assert state.safe_trial is not None and state.conservative_trial is not None, case
-        assert [t.purpose for t in trials].count("steady") == 1, case
         safe, conservative = state.limits.safe_batch_size, state.limits.conservative_batch_size
+        steady = [t.batch_size for t in trials if t.purpose == "steady"]
+        # one steady trial, and a second where the creep moved the conservative size away from the first's
+        assert len(steady) == 1 or (len(steady) == 2 and abs(steady[0] - steady[1]) > 0.05 * steady[1]), case
 
         def long_run(b, memory=memory, extra=extra):
             return memory(b) + extra(b)
@@ -263,9 +265,9 @@ def test_synthetic_curves_end_verified_and_safe(kind, creep):
 
 def test_a_creep_past_usable_memory_brings_the_limits_down_and_verifies_them_again():
     """The steady trial at the verified conservative size reads a creep that takes the safe size above usable
-    memory: the limits come down, the
-    new safe size is verified by short trials whose steady-equivalent peaks fit, and no second steady
-    trial runs (the creep is measured)."""
+    memory: the limits come down, the new safe size is verified by short trials whose steady-equivalent peaks
+    fit, and a second steady trial measures the creep at the new conservative size (more than 5 % below the
+    first's); no third."""
     settings = SearchSettings(total_bytes=24 * GIB)
     memory = linear(0.529 * GIB, 0.088 * GIB)
     trials = run_policy(memory, settings, creep=lambda b: 0.01 * GIB * b)  # 11 % of the activations
@@ -277,7 +279,8 @@ def test_a_creep_past_usable_memory_brings_the_limits_down_and_verifies_them_aga
     assert safe < 227 and state.safe_trial is not None and state.conservative_trial is not None
     assert memory(safe) + 0.01 * GIB * safe <= settings.usable_bytes
     assert [t for t in trials[8:] if t.purpose.startswith("verify-safe")], purposes
-    assert [t.purpose for t in trials].count("steady") == 1
+    steady = [t.batch_size for t in trials if t.purpose == "steady"]
+    assert len(steady) == 2 and steady[0] == 204 and steady[1] == state.limits.conservative_batch_size < 0.95 * 204
     assert state.limits.boundary_batch_size == pytest.approx((24 - 0.529) / 0.088, abs=1.5)  # a short trial's
 
 
@@ -354,7 +357,8 @@ def test_a_profile_with_a_steady_trial_records_the_creep_and_loads(tmp_path):
     trials = run_policy(linear(0.529 * GIB, 0.088 * GIB), settings, creep=lambda b: 0.01 * GIB * b)
     plan = CalibrationPlan(device, RegressorSpec().ref("transformers"), settings.limits, {}, tmp_path / "p.json")
     profile = assemble(plan, trials, {}, 1.0)
-    assert profile.verified and profile.creep.batch_size == 204  # at the conservative size
+    assert profile.verified and profile.creep.batch_size == profile.limits.conservative_batch_size < 204  # the
+    # second steady trial's, at the conservative size the first one's creep brought the limits down to
     assert profile.verification["safe"].peak_bytes > max(t.peak_bytes for t in trials if t.batch_size ==
                                                           profile.limits.safe_batch_size and t.purpose != "steady")
     from vramcal.report.markdown import trials_table
