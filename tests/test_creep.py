@@ -87,4 +87,7 @@ def test_the_host_steady_trial_gets_an_allowance_for_later_steps_and_a_gpu_none(
     assert host.creep.bytes_at_steady >= trial.late_creep_bytes  # no creep measured: the allowance alone
     gpu = fake_calibration(memory, 4 * GIB, kind="cuda")
     assert steady(gpu).late_creep_bytes == 0 and gpu.creep.late_bytes == 0
-    assert f"{format_bytes(host.creep.late_bytes)} of it allowed for later steps" in summary(host)
+    assert host.creep.bytes_at_steady == host.creep.late_bytes  # no rise measured: the allowance is all of it
+    assert "steps, flat over them: all of it the allowance for later steps" in summary(host)
+    rising = calibrate(lambda n: 1 - math.exp(-n / 3))
+    assert f"{format_bytes(rising.creep.late_bytes)} of it allowed for later steps" in summary(rising)

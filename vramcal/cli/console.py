@@ -55,10 +55,13 @@ class TrialPrinter:
 
 def creep_shape(creep) -> str:
     """``, levelled off at step 7`` or ``, still rising (+4.0 MiB over its last steps)``, and the allowance
-    for later steps (nothing for a profile made before the steady trial's curve was recorded)."""
+    for later steps (``, flat over them: ...`` when the allowance is all of it; nothing for a profile made
+    before the steady trial's curve was recorded)."""
     if creep.steps is None:
         return ""
     later = f"; {format_bytes(creep.late_bytes)} of it allowed for later steps" if creep.late_bytes else ""
+    if creep.late_bytes and creep.bytes_at_steady <= creep.late_bytes and creep.levelled_at is not None:
+        return ", flat over them: all of it the allowance for later steps"
     if creep.levelled_at is not None:
         return f", levelled off at step {creep.levelled_at}{later}"
     return f", still rising (+{format_bytes(creep.late_rise_bytes)} over its last steps){later}"
