@@ -11,9 +11,11 @@ that trains the same model with the framework and vramcal's integration at the p
   ``measured(...)`` around the loop;
 * ``plain``: a plain PyTorch loop with ``FrameworkRun`` (the README's pattern).
 
-Each prints what the integration predicted (its process term included) and the peak it measured in its own
-process (the trials' definition: on the host the larger of VmHWM and the data-segment peak). The parent reads
-the same process from outside, polling ``/proc/<pid>/status`` (VmHWM, VmData) every 50 ms, as a cross-check.
+Each runs in the environment this command started with (not with the allocator settings vramcal's worker pool
+puts in ``os.environ`` for its fork server: a user's script starts without them). Each prints what the
+integration predicted (its process term included) and the peak it measured in its own process (the trials'
+definition: on the host the larger of VmHWM and the data-segment peak). The parent reads the same process from
+outside, polling ``/proc/<pid>/status`` (VmHWM, VmData) every 50 ms, as a cross-check.
 
     .venv/bin/python -m bench.frameworks [--steps 100] [--capacity 1.5GiB] [--out bench/results/frameworks]
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -163,9 +166,15 @@ def _plain(profile: str, steps: int, seq_len: int, hint: int):
     return run
 
 
+# The environment this command started with: vramcal's worker pool sets its allocator defaults in os.environ
+# for the fork server (vramcal.environment.WORKER_DEFAULTS), and a user's script would not start with them.
+USER_ENV = dict(os.environ)
+
+
 def watch(command: list[str]) -> tuple[subprocess.CompletedProcess, dict[str, int]]:
-    """Run ``command``, polling its /proc status: the largest VmHWM and VmData seen (bytes)."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """Run ``command`` in the environment this command started with, polling its /proc status: the largest
+    VmHWM and VmData seen (bytes)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=USER_ENV)
     seen = {"VmHWM": 0, "VmData": 0}
     while process.poll() is None:
         try:
