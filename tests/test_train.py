@@ -31,7 +31,7 @@ from vramcal.sizing import scaled_lr
 from vramcal.train import checkpoint, loop
 from vramcal.train.config import TrainConfig, load_config
 from vramcal.train.plan import plan_run, resolve
-from vramcal.units import format_bytes
+from vramcal.units import format_bytes, format_duration
 
 MIB = 2**20
 SPEC = RegressorSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16)
@@ -435,6 +435,20 @@ def test_a_ddp_rank_is_forecast_on_its_share_of_the_windows(setup):
     per_epoch = math.ceil(plan.data_stats["train_windows"] / 16)
     plan = dataclasses.replace(plan, profile_path=str(timed), config=plan.config.replace(max_steps=3 * per_epoch))
     assert plan.batch_size == 8 and timing.plan_forecast(plan).epochs == 3
+    # --max-steps inside an epoch: that epoch's training is cut where the run stops (its validation still runs)
+    four = dataclasses.replace(plan, config=plan.config.replace(max_steps=4 * per_epoch))
+    whole = timing.plan_forecast(four)
+    cut = dataclasses.replace(plan, config=plan.config.replace(max_steps=3 * per_epoch + per_epoch // 2))
+    part = timing.plan_forecast(cut)
+    assert part.epochs == whole.epochs == 4 and part.epoch_s == whole.epoch_s
+    unrun = (per_epoch - per_epoch // 2) / per_epoch * whole.train_s
+    assert part.run_s == pytest.approx(whole.run_s - unrun)
+    assert f"{3 * per_epoch + per_epoch // 2} steps (max_steps, in epoch 4)" in timing.forecast_line(part, cut)
+    assert timing.forecast_line(whole, four).endswith(f"{4 * per_epoch} steps (max_steps, in epoch 4) "
+                                                      f"{format_duration(whole.run_s)}")
+    epochs = dataclasses.replace(plan, config=plan.config.replace(max_steps=None))
+    assert timing.forecast_line(timing.plan_forecast(epochs), epochs).endswith(" 10 epochs " + format_duration(
+        timing.plan_forecast(epochs).run_s))
 
 
 def test_a_host_budget_takes_the_profile_calibrated_at_it(setup):

@@ -107,7 +107,7 @@ def _run(plan: Plan, echo: Echo, on_epoch: Callable[[dict[str, Any]], Any] | Non
     first, rows = [], []
     forecast = timing.plan_forecast(plan)
     if forecast is not None:
-        echo(timing.forecast_line(forecast))
+        echo(timing.forecast_line(forecast, plan))
 
     def handle(kind: str, payload: Any) -> Any:
         if kind == "line":

@@ -14,6 +14,7 @@ count, and the first epoch's forecast carries the first step's extra time (it al
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
@@ -39,21 +40,45 @@ def plan_forecast(plan: Plan) -> Forecast | None:
     ranks = plan.world.nproc if plan.world is not None else 1
     dataset = Dataset(math.ceil(int(stats["train_windows"]) / ranks), math.ceil(int(stats["val_windows"]) / ranks),
                       "this run's data" if ranks == 1 else "this rank's share of this run's data")
-    epochs = plan.config.epochs
-    if plan.config.max_steps:
-        epochs = min(epochs, math.ceil(plan.config.max_steps / math.ceil(dataset.train_samples / plan.step_batch_size)))
+    per_epoch = math.ceil(dataset.train_samples / plan.step_batch_size)
+    steps = cut_steps(plan.config.epochs, per_epoch, plan.config.max_steps)
+    epochs = plan.config.epochs if steps is None else math.ceil(steps / per_epoch)
     found = forecast_batch(profile, plan.batch_size, plan.sizing.source, dataset, epochs,
                            seq_len=plan.config.spec.seq_len)
-    return found if found.epoch_s is not None else None
+    if found.epoch_s is None:
+        return None
+    if steps is None:
+        return found
+    # the last epoch stops at max_steps (and still validates): its training time not run comes off, at each rate
+    unrun = (epochs * per_epoch - steps) / per_epoch * found.train_s
+
+    def less(run_s: float | None, rate: float | None) -> float | None:
+        return None if run_s is None or rate is None else run_s - unrun * found.samples_per_s / rate
+
+    return dataclasses.replace(found, run_s=less(found.run_s, found.samples_per_s),
+                               run_low_s=less(found.run_low_s, found.high_samples_per_s),
+                               run_high_s=less(found.run_high_s, found.low_samples_per_s))
 
 
-def forecast_line(forecast: Forecast) -> str:
+def cut_steps(epochs: int, steps_per_epoch: int, max_steps: int | None) -> int | None:
+    """The optimizer steps of a run that ``max_steps`` stops before its ``epochs`` end (None: whole epochs)."""
+    if not max_steps or max_steps >= epochs * steps_per_epoch:
+        return None
+    return max_steps
+
+
+def forecast_line(forecast: Forecast, plan: Plan | None = None) -> str:
     """``forecast: 30.1 samples/s at batch_size 161, epoch 16.1 s (training 14.1 s + validation 2.0 s), 10 epochs
-    2.7 min``."""
+    2.7 min`` (``..., 40 steps (max_steps, in epoch 2) 9.5 s`` when ``plan``'s max_steps stops it sooner)."""
     val = "validation not counted" if forecast.val_s is None else f"validation {format_duration(forecast.val_s)}"
+    run = f"{forecast.epochs} epoch{'s' * (forecast.epochs != 1)}"
+    if plan is not None and forecast.dataset is not None:
+        per_epoch = math.ceil(forecast.dataset.train_samples / plan.step_batch_size)
+        steps = cut_steps(plan.config.epochs, per_epoch, plan.config.max_steps)
+        run = run if steps is None else f"{steps} step{'s' * (steps != 1)} (max_steps, in epoch {forecast.epochs})"
     return (f"forecast: {forecast.samples_per_s:.3g} samples/s at batch_size {forecast.batch_size}, epoch "
             f"{format_duration(forecast.epoch_s)} (training {format_duration(forecast.train_s)} + {val}), "
-            f"{forecast.epochs} epoch{'s' * (forecast.epochs != 1)} {format_duration(forecast.run_s)}")
+            f"{run} {format_duration(forecast.run_s)}")
 
 
 def first_epoch_lines(forecast: Forecast, row: dict[str, Any], fresh: bool) -> list[str]:
