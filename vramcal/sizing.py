@@ -302,7 +302,8 @@ def _size(profile: Profile, model: LengthModel, extra: tuple[int, int, str], pro
         notices.append(f"batch_size {batch} is below the fitted range (from batch_size {model.fitted_from}): its "
                        f"predicted peak extrapolates a line fitted near the limit, and small batches can peak above it")
     delta = data_delta + process_delta + gradient_delta
-    expected, upper = model.expected(batch), max(model.upper(batch), model.expected(batch))
+    expected = model.expected(batch)
+    upper = max(model.upper(batch), expected)
     return Sizing(batch_size=batch, source=source, safe_batch_size=safe, conservative_batch_size=conservative,
                   predicted_peak_bytes=int(expected + delta), upper_bytes=int(upper + delta),
                   usable_bytes=model.limits.usable_bytes, total_bytes=model.limits.total_bytes,

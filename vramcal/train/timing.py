@@ -40,8 +40,7 @@ def plan_forecast(plan: Plan) -> Forecast | None:
     ranks = plan.world.nproc if plan.world is not None else 1
     dataset = Dataset(math.ceil(int(stats["train_windows"]) / ranks), math.ceil(int(stats["val_windows"]) / ranks),
                       "this run's data" if ranks == 1 else "this rank's share of this run's data")
-    per_epoch = math.ceil(dataset.train_samples / plan.step_batch_size)
-    steps = cut_steps(plan.config.epochs, per_epoch, plan.config.max_steps)
+    per_epoch, steps = cut_steps(plan, dataset)
     epochs = plan.config.epochs if steps is None else math.ceil(steps / per_epoch)
     found = forecast_batch(profile, plan.batch_size, plan.sizing.source, dataset, epochs,
                            seq_len=plan.config.spec.seq_len)
@@ -60,11 +59,13 @@ def plan_forecast(plan: Plan) -> Forecast | None:
                                run_high_s=less(found.run_high_s, found.low_samples_per_s))
 
 
-def cut_steps(epochs: int, steps_per_epoch: int, max_steps: int | None) -> int | None:
-    """The optimizer steps of a run that ``max_steps`` stops before its ``epochs`` end (None: whole epochs)."""
-    if not max_steps or max_steps >= epochs * steps_per_epoch:
-        return None
-    return max_steps
+def cut_steps(plan: Plan, dataset: Dataset) -> tuple[int, int | None]:
+    """(optimizer steps per epoch of ``dataset``, the steps of ``plan``'s run when its max_steps stops it before
+    its epochs end: None for whole epochs)."""
+    per_epoch, max_steps = math.ceil(dataset.train_samples / plan.step_batch_size), plan.config.max_steps
+    if not max_steps or max_steps >= plan.config.epochs * per_epoch:
+        return per_epoch, None
+    return per_epoch, max_steps
 
 
 def forecast_line(forecast: Forecast, plan: Plan | None = None) -> str:
@@ -73,8 +74,7 @@ def forecast_line(forecast: Forecast, plan: Plan | None = None) -> str:
     val = "validation not counted" if forecast.val_s is None else f"validation {format_duration(forecast.val_s)}"
     run = f"{forecast.epochs} epoch{'s' * (forecast.epochs != 1)}"
     if plan is not None and forecast.dataset is not None:
-        per_epoch = math.ceil(forecast.dataset.train_samples / plan.step_batch_size)
-        steps = cut_steps(plan.config.epochs, per_epoch, plan.config.max_steps)
+        steps = cut_steps(plan, forecast.dataset)[1]
         run = run if steps is None else f"{steps} step{'s' * (steps != 1)} (max_steps, in epoch {forecast.epochs})"
     return (f"forecast: {forecast.samples_per_s:.3g} samples/s at batch_size {forecast.batch_size}, epoch "
             f"{format_duration(forecast.epoch_s)} (training {format_duration(forecast.train_s)} + {val}), "
