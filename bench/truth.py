@@ -130,7 +130,7 @@ def ground_truth(spec: dict[str, Any], budget_bytes: int, data: str, stride: int
 
     def fits(batch_size: int) -> bool:
         for _attempt in range(2):  # an error or a timeout is run once more: it is not a memory outcome
-            trial = runner.run(template.with_batch_size(batch_size), purpose="truth")
+            (trial,) = runner.run(template.with_batch_size(batch_size), purpose="truth")
             trials.append({"batch_size": batch_size, "status": trial.status, "peak_bytes": trial.peak_bytes,
                            "data_peak_bytes": trial.data_peak_bytes, "rss_peak_bytes": trial.rss_peak_bytes,
                            "wall_s": trial.wall_s, "error": (trial.error or "")[-300:] or None})

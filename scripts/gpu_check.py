@@ -168,7 +168,8 @@ def trial_runner(plan: Any) -> Callable[..., Any]:
 
     def run(batch_size: int, timeout_s: float, purpose: str, measured_steps: int = 2) -> Any:
         settings = TrialSettings(measured_steps=measured_steps, timeout_s=timeout_s)
-        return runner.run(dataclasses.replace(template, batch_size=batch_size, settings=settings), purpose=purpose)
+        (trial,) = runner.run(dataclasses.replace(template, batch_size=batch_size, settings=settings), purpose=purpose)
+        return trial
 
     return run
 

@@ -35,6 +35,8 @@ def run_policy(memory: Callable[[int], float], settings, oom_above: int | None =
         elif (oom_above is not None and step.batch_size > oom_above) or peak > settings.total_bytes:
             trials.append(Trial(step.batch_size, "oom", purpose=step.purpose, error="CUDA out of memory"))
         else:
+            if step.verifies:  # the steady trial's first steps: a short trial at its size
+                trials.append(Trial(step.batch_size, "ok", int(memory(step.batch_size)), purpose="verify-conservative"))
             trials.append(Trial(step.batch_size, "ok", peak, purpose=step.purpose))
         assert len(trials) <= settings.max_trials
     return trials
@@ -57,25 +59,34 @@ class FakeTrialRunner:
         self.memory, self.total_bytes, self.creep, self.noise, self.curve = memory, total_bytes, creep, noise, curve
         self.runs = 0
 
-    def run(self, request, purpose: str = "") -> Trial:
+    def run(self, request, purpose: str = "") -> tuple[Trial, ...]:
         from vramcal.calibration.creep import plateau_step
 
         self.runs += 1
         b, length = request.batch_size, request.model.params.get("seq_len") or 1
         wobble = ((self.runs * 7919) % 13 - 6) * self.noise // 6
-        peak, curve = int(self.memory(b, length) + wobble), None
+        short = peak = int(self.memory(b, length) + wobble)
+        curve = None
         if request.steady:
             curve = []
             while len(curve) < request.measured_steps:
                 curve.append(int(peak + self.creep * b * length * self.curve(len(curve) + 1)))
                 curve[-1] = max(curve[-1], curve[-2] if len(curve) > 1 else 0)  # the peak so far
+                if len(curve) == request.settings.measured_steps:
+                    short = curve[-1]
                 if plateau_step(curve, request.settings.plateau_steps) is not None:
                     break
             peak, curve = curve[-1], tuple(curve)
         if peak > self.total_bytes:
-            return Trial(b, "oom", purpose=purpose, error="CUDA out of memory. Tried to allocate 2.00 GiB", wall_s=0.0)
-        return Trial(b, "ok", peak, rss_peak_bytes=peak, step_s=0.001 * b, samples_per_s=1000.0, purpose=purpose,
-                     wall_s=0.0, step_peaks=curve)
+            return (Trial(b, "oom", purpose=purpose, error="CUDA out of memory. Tried to allocate 2.00 GiB",
+                          wall_s=0.0),)
+        trial = Trial(b, "ok", peak, rss_peak_bytes=peak, step_s=0.001 * b, samples_per_s=1000.0, purpose=purpose,
+                      wall_s=0.0, step_peaks=curve)
+        if not request.verifies:
+            return (trial,)
+        first = Trial(b, "ok", short, rss_peak_bytes=short, step_s=0.001 * b, samples_per_s=1000.0,
+                      purpose="verify-conservative", wall_s=0.0)
+        return first, trial
 
 
 def fake_calibration(memory: Callable[[int, int], float], total_bytes: int, *, max_trials: int = 16,

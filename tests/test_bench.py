@@ -248,8 +248,8 @@ class ScriptedRunner:
             status, peak = self.outcomes[size].pop(0)
         else:
             status, peak = ("ok", self.budget_bytes // 2) if size <= self.largest else ("oom", None)
-        return Trial(size, status, peak, purpose=purpose, wall_s=0.1,
-                     error=None if status == "ok" else f"Traceback ...\nRuntimeError: {status} at {size}")
+        return (Trial(size, status, peak, purpose=purpose, wall_s=0.1,
+                      error=None if status == "ok" else f"Traceback ...\nRuntimeError: {status} at {size}"),)
 
 
 TRUTH_SPEC = {"d_model": 32, "n_layers": 1, "d_state": 16, "headdim": 16, "chunk_size": 16, "seq_len": 32}

@@ -547,7 +547,7 @@ class FirstTrial:
     def run(self, request, purpose: str = ""):
         from vramcal.records import Trial
 
-        return Trial(request.batch_size, self.status, purpose=purpose, error=self.error, wall_s=1.0)
+        return (Trial(request.batch_size, self.status, purpose=purpose, error=self.error, wall_s=1.0),)
 
 
 @pytest.mark.parametrize("status, error, said, unsaid", [

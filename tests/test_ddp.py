@@ -39,12 +39,20 @@ def test_a_world_trial_keeps_every_rank_and_agrees_on_a_failure():
     runner = TrialRunner(worker_pool())
     device = host_device(host_budget.budget(1024 * MIB))
     settings = TrialSettings(timeout_s=120)
-    fits = runner.run(TrialRequest(SPEC.ref("transformers"), 16, device, settings=settings, world=World(2)))
+    (fits,) = runner.run(TrialRequest(SPEC.ref("transformers"), 16, device, settings=settings, world=World(2)))
     assert fits.ok and len(fits.rank_peak_bytes) == 2 and fits.peak_bytes == max(fits.rank_peak_bytes)
     started = time.time()
-    fails = runner.run(TrialRequest(SPEC.ref("transformers"), 400_000, device, settings=settings, world=World(2)))
+    (fails,) = runner.run(TrialRequest(SPEC.ref("transformers"), 400_000, device, settings=settings,
+                                       world=World(2)))
     assert fails.status == "oom" and fails.error.startswith(("RuntimeError: rank ", "MemoryError: rank ")), fails.error
     assert time.time() - started < 60  # agreed (or the other rank stopped), not left waiting in a collective
+    steady = TrialRequest(SPEC.ref("transformers"), 16, device, settings=TrialSettings(
+        timeout_s=120, steady_steps=6, plateau_steps=2), steady=True, verifies=True, world=World(2))
+    short, long = runner.run(steady, purpose="steady")  # its first steps verify the size, on every rank
+    assert (short.purpose, long.purpose) == ("verify-conservative", "steady")
+    assert len(short.rank_peak_bytes) == len(long.rank_peak_bytes) == 2
+    assert all(a <= b for a, b in zip(short.rank_peak_bytes, long.rank_peak_bytes))
+    assert len(short.step_times_s) == 2 and long.step_times_s[:2] == short.step_times_s
 
 
 def ddp_profile(tmp: Path, capacity_mib: int, slope_mib: int):

@@ -71,11 +71,13 @@ def fake_measurement(monkeypatch, peak=known_line):
     from vramcal.measure.trial import TrialRunner
 
     def run(self, request, purpose=""):
-        b, value = request.batch_size, peak(request.batch_size, purpose)
-        if value is None:
-            return Trial(b, "oom", purpose=purpose, error="DefaultCPUAllocator: can't allocate memory", wall_s=0.0)
-        return Trial(b, "ok", value, rss_peak_bytes=value, step_s=0.01, samples_per_s=b / 0.01, purpose=purpose,
-                     wall_s=0.0)
+        b = request.batch_size
+        purposes = ("verify-conservative", purpose) if request.verifies else (purpose,)  # a steady trial's two records
+        values = [peak(b, each) for each in purposes]
+        if values[-1] is None:
+            return (Trial(b, "oom", purpose=purpose, error="DefaultCPUAllocator: can't allocate memory", wall_s=0.0),)
+        return tuple(Trial(b, "ok", value, rss_peak_bytes=value, step_s=0.01, samples_per_s=b / 0.01, purpose=each,
+                           wall_s=0.0) for each, value in zip(purposes, values))
 
     monkeypatch.setattr(TrialRunner, "run", run)
 

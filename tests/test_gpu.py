@@ -21,7 +21,7 @@ def test_gpu_trial_peak_covers_allocator_and_nvml():
     (device,), _ = select("0")
     spec = RegressorSpec(d_model=64, n_layers=2, d_state=32, headdim=32, seq_len=128, chunk_size=64)
     runner = TrialRunner(worker_pool())
-    small, large = (runner.run(TrialRequest(spec.ref("transformers"), b, device)) for b in (4, 64))
+    small, large = (runner.run(TrialRequest(spec.ref("transformers"), b, device))[0] for b in (4, 64))
     assert small.ok and large.ok
     for trial in (small, large):
         assert trial.peak_bytes >= trial.torch_max_reserved_bytes >= trial.torch_max_allocated_bytes > 0

@@ -72,6 +72,24 @@ def test_a_calibration_cut_short_is_finished_from_its_journal(tmp_path, monkeypa
     assert load_profile(tmp_path / "p.json").limits == straight.limits
 
 
+def test_a_steady_trial_that_verifies_is_journaled_and_replayed_as_its_two_records(tmp_path, monkeypatch):
+    """One process, two records (its first steps verify the conservative size): killed between them, the journal
+    holds both, and a rerun replays both instead of running the steady trial again."""
+    ran = counted(monkeypatch)
+    straight = api.run_calibration(plan(tmp_path / "straight"))
+    pairs = [(t.batch_size, t.purpose) for t in straight.trials]
+    at = pairs.index((straight.limits.conservative_batch_size, "verify-conservative"))
+    assert pairs[at + 1] == (pairs[at][0], "steady")
+    ran.clear()
+    with pytest.raises(Stop):
+        api.run_calibration(plan(tmp_path), on_trial=stop_after(at + 1))  # after the first of the two
+    journal = journal_path(tmp_path / "p.json")
+    assert [t["purpose"] for t in json.loads(journal.read_text())["trials"]][at:] == ["verify-conservative", "steady"]
+    ran.clear()
+    profile = api.run_calibration(plan(tmp_path))
+    assert (pairs[at][0], "steady") not in ran and profile.limits == straight.limits
+
+
 def test_another_calibrations_journal_is_replaced_and_unmeasured_trials_run_again(tmp_path, monkeypatch):
     ran = counted(monkeypatch)
     with pytest.raises(Stop):

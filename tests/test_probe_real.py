@@ -33,14 +33,14 @@ def request(spec: RegressorSpec, batch_size: int, device, **settings) -> TrialRe
 
 def test_an_allocation_past_the_host_limit_is_recorded_as_oom(runner):
     device = host_device(budget(2**30))
-    trial = runner.run(request(TINY, 50_000, device))
+    (trial,) = runner.run(request(TINY, 50_000, device))
     assert trial.status == "oom" and trial.peak_bytes is None
     assert "can't allocate memory" in trial.error or "MemoryError" in trial.error
 
 
 def test_a_trial_over_its_time_limit_is_killed_and_recorded():
     slow = request(RegressorSpec(), 256, host_device(), measured_steps=50, timeout_s=1.0)
-    trial = TrialRunner(worker_pool()).run(slow)
+    (trial,) = TrialRunner(worker_pool()).run(slow)
     assert trial.status == "timeout" and "time limit" in trial.error
     assert trial.wall_s < 30
 
@@ -56,7 +56,7 @@ def test_a_worker_forks_from_a_server_that_never_started_cuda(runner):
 def test_trials_are_isolated_and_cheap_to_start(runner):
     device = host_device(budget(4 * 2**30))
     small = request(TINY, 64, device)
-    first, big, again = runner.run(small), runner.run(small.with_batch_size(2048)), runner.run(small)
+    (first,), (big,), (again,) = runner.run(small), runner.run(small.with_batch_size(2048)), runner.run(small)
     assert first.ok and big.ok and again.ok
     assert big.peak_bytes > first.peak_bytes
     # a fresh process per trial: the big trial before it does not raise the small trial's peak
@@ -66,6 +66,26 @@ def test_trials_are_isolated_and_cheap_to_start(runner):
     assert first.data_bytes == again.data_bytes > 500_000
     assert runner.context["data"]["data_bytes"] == first.data_bytes
     assert "torch_forward" in runner.context["kernel_path"]
+
+
+def test_a_steady_trial_that_verifies_records_its_first_steps_as_a_short_trial(runner):
+    """Issue 19: the conservative size's verification is the steady trial's first steps, read in the same process
+    as a short trial reads them (warm-up, the measured steps, the validation passes), then the steady trial goes
+    on; both records come back, the short one first."""
+    import dataclasses
+
+    steady = dataclasses.replace(request(TINY, 64, host_device(budget(4 * 2**30)), steady_steps=8, plateau_steps=3),
+                                 steady=True, verifies=True)
+    short, long = runner.run(steady, purpose="steady")
+    settings = steady.settings
+    assert (short.purpose, long.purpose) == ("verify-conservative", "steady") and short.ok and long.ok
+    assert len(short.step_times_s) == settings.measured_steps < len(long.step_times_s) == len(long.step_peaks)
+    assert long.step_times_s[:settings.measured_steps] == short.step_times_s  # the same steps, counted once
+    assert len(short.val_times_s) == len(long.val_times_s) == settings.val_steps  # each validated as it ends
+    assert long.step_peaks[settings.measured_steps - 1] <= short.peak_bytes <= long.peak_bytes
+    assert short.step_peaks is None and short.wall_s < long.wall_s
+    (plain,) = runner.run(dataclasses.replace(steady, verifies=False), purpose="steady")  # one record without it
+    assert plain.purpose == "steady" and plain.step_peaks
 
 
 def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
@@ -81,12 +101,14 @@ def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
     assert "peak = " in result.output and "GiB × batch_size" in result.output
     assert "    steady trial step 1/40, peak " in result.output  # -v: the steady trial step by step
     shape = re.search(r"step creep +\+[\d.]+ [KMG]?i?B at batch_size \d+ over (\d+) steps, (levelled off at step "
-                      r"(\d+)|still rising)", result.output)
+                      r"(\d+)|still rising|flat over them)", result.output)
     assert shape, result.output
     if shape.group(3):  # it ended 5 steps after its last rise (--plateau-steps 5), at most --steady-steps 40
         assert int(shape.group(1)) == int(shape.group(3)) + 5 <= 40
-    else:
+    elif shape.group(2) == "still rising":
         assert int(shape.group(1)) == 40
+    else:  # no creep beyond the short trials' peaks: it levelled off (at some step) and stopped 5 steps later
+        assert 6 <= int(shape.group(1)) < 40
     profile = load_profile(profile_file)
     assert profile.verified, profile.warnings
     assert profile.device.kind == "host" and profile.model == TINY.ref("transformers")
@@ -104,7 +126,7 @@ def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
         check = profile.verification[name]
         assert check.passed and check.peak_bytes <= limits.usable_bytes
         assert check.batch_size == getattr(limits, f"{name}_batch_size")
-    steady = [t for t in profile.trials if t.purpose == "steady"]  # the step creep, measured at the safe size
+    steady = [t for t in profile.trials if t.purpose == "steady"]  # the step creep, measured at the conservative size
     assert steady and profile.creep is not None and profile.creep.batch_size == steady[-1].batch_size
     short = [t.peak_bytes for t in profile.trials if t.batch_size == steady[-1].batch_size and t.purpose != "steady"]
     measured = max(0, steady[-1].peak_bytes - round(sum(short) / len(short)))

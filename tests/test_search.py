@@ -189,7 +189,7 @@ def test_recorded_host_trials_settle_instead_of_creeping_upward():
     settings = SearchSettings(total_bytes=4 * GIB, boundary_fraction=0)
     state = settle(recorded, settings)
     assert state.safe_trial.batch_size == 114 and state.limits.safe_batch_size == 114
-    assert next_batch_size(recorded, settings) == Step(102, "verify-conservative")
+    assert next_batch_size(recorded, settings) == Step(102, "steady", verifies=True)  # its first steps verify 102
 
 
 def _curve(kind: str, total: int, limit: int):
@@ -284,6 +284,26 @@ def test_a_creep_past_usable_memory_brings_the_limits_down_and_verifies_them_aga
     assert state.limits.boundary_batch_size == pytest.approx((24 - 0.529) / 0.088, abs=1.5)  # a short trial's
 
 
+def test_the_steady_trials_first_steps_verify_the_conservative_size():
+    """Rule 6 (issue 19): once the safe size is verified, the policy asks for one steady trial at the conservative
+    size that verifies it too, instead of a short verification and then a steady trial there; the records are the
+    same (a ``verify-conservative`` and a ``steady`` at 204), one process fewer. Switched off: two processes."""
+    import dataclasses
+
+    settings = SearchSettings(total_bytes=24 * GIB)
+    trials = run_policy(linear(0.529 * GIB, 0.088 * GIB), settings)
+    at = [(t.batch_size, t.purpose) for t in trials].index((204, "verify-conservative"))
+    assert next_batch_size(trials[:at], settings) == Step(204, "steady", verifies=True)
+    apart = dataclasses.replace(settings, steady_verifies=False)
+    assert next_batch_size(trials[:at], apart) == Step(204, "verify-conservative")
+    assert next_batch_size(trials[:at + 1], apart) == Step(204, "steady")
+    assert [(t.batch_size, t.purpose) for t in run_policy(linear(0.529 * GIB, 0.088 * GIB), apart)] == [
+        (t.batch_size, t.purpose) for t in trials]
+    # no room for both records under max_trials: the verification runs on its own
+    assert next_batch_size(trials[:at], dataclasses.replace(settings, max_trials=at + 1)) == Step(
+        204, "verify-conservative")
+
+
 def test_a_steady_trial_that_runs_out_of_memory_is_a_failure_and_gets_one_more_try():
     settings = SearchSettings(total_bytes=24 * GIB)
     memory = linear(0.529 * GIB, 0.088 * GIB)
@@ -317,7 +337,7 @@ def test_calibration_names_the_first_trials_failure_in_plain_words():
         context: dict = {}
 
         def run(self, request, purpose=""):
-            return Trial(request.batch_size, "oom", error="RuntimeError: can't allocate memory\nTraceback ...\n")
+            return (Trial(request.batch_size, "oom", error="RuntimeError: can't allocate memory\nTraceback ...\n"),)
 
     host = Device(kind="host", name="test host", total_bytes=8 * GIB, total_source="--capacity")
     with pytest.raises(CalibrationError) as caught:

@@ -519,5 +519,6 @@ def verify(profile: Profile, batch_size: int, seq_len: int | None = None, *,
     model = profile.model.replace(seq_len=seq_len) if seq_len is not None else profile.model
     request = TrialRequest(model, batch_size, device, json.dumps(profile.data.get("options", {}), sort_keys=True),
                            trials)
-    trial = dataclasses.replace(TrialRunner(worker_pool()).run(request, purpose="verify-answer"), seq_len=seq_len)
+    (trial,) = TrialRunner(worker_pool()).run(request, purpose="verify-answer")
+    trial = dataclasses.replace(trial, seq_len=seq_len)
     return dataclasses.replace(trial, peak_bytes=read_peak(trial, profile.creep))

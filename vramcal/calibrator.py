@@ -48,7 +48,8 @@ class Runner(Protocol):
 
     context: dict[str, Any]
 
-    def run(self, request: TrialRequest, purpose: str = "") -> Trial: ...
+    def run(self, request: TrialRequest, purpose: str = "") -> tuple[Trial, ...]:
+        """The trial's record; two for a steady trial that verifies (``verify-conservative``, then ``steady``)."""
 
 
 @dataclass(frozen=True)
@@ -88,13 +89,14 @@ class CalibrationPlan:
         return SearchSettings(total_bytes=self.device.total_bytes, limits=self.settings,
                               max_trials=trials.max_trials + 4 * max(0, len(self.seq_lens) - 1),
                               boundary_fraction=SearchSettings.boundary_fraction if trials.boundary else 0.0,
-                              steady_steps=trials.steady_steps)
+                              steady_steps=trials.steady_steps,
+                              steady_verifies=trials.steady_steps > trials.measured_steps)
 
     def request(self, step: Step, seq_len: int | None = None) -> TrialRequest:
         """The trial of ``step`` (at ``seq_len`` in a calibration over several lengths)."""
         model = self.model if seq_len is None else self.model.replace(seq_len=seq_len)
         return TrialRequest(model, step.batch_size, self.device, json.dumps(self.options, sort_keys=True),
-                            self.trials, steady=step.purpose == STEADY, world=self.world,
+                            self.trials, steady=step.purpose == STEADY, verifies=step.verifies, world=self.world,
                             rank_devices=self.rank_devices)
 
 
@@ -115,14 +117,17 @@ def run_trials(plan: CalibrationPlan, runner: Runner, on_trial: Callable[[Trial]
     search, started, trials = plan.search(), time.perf_counter(), []
     while (chosen := _next(trials, search, plan.seq_lens)) is not None:
         seq_len, step = chosen
-        trial = journal.replay(len(trials), step.batch_size, step.purpose, seq_len) if journal else None
-        if trial is None:
-            trial = _recorded(plan, runner.run(plan.request(step, seq_len), purpose=step.purpose), seq_len)
-        trials.append(trial)
+        purposes = ("verify-conservative", step.purpose) if step.verifies else (step.purpose,)
+        found = journal.replay(len(trials), step.batch_size, purposes, seq_len) if journal else None
+        if found is None:
+            found = [_recorded(plan, trial, seq_len)
+                     for trial in runner.run(plan.request(step, seq_len), purpose=step.purpose)]
+        trials.extend(found)
         if journal:
-            _record(journal, trials)
+            _record(journal, trials, len(found))
         if on_trial:
-            on_trial(trials[-1])
+            for trial in found:
+                on_trial(trial)
     first = trials[0]
     if not first.fits(search.usable_bytes):
         if journal:
@@ -142,13 +147,15 @@ def _recorded(plan: CalibrationPlan, trial: Trial, seq_len: int | None) -> Trial
     return trial
 
 
-def _record(journal: Journal, trials: list[Trial]) -> None:
-    """Raises: CalibrationError: the journal cannot be written (a full disk): stop rather than run trials
+def _record(journal: Journal, trials: list[Trial], new: int = 1) -> None:
+    """Write the journal after the last ``new`` trials (one process's records).
+
+    Raises: CalibrationError: the journal cannot be written (a full disk): stop rather than run trials
     whose results could not be kept."""
     try:
         journal.record(trials)
     except OSError as error:
-        kept = len(trials) - 1
+        kept = len(trials) - new
         raise JournalError(f"cannot write the trial journal {journal.path} ({error.strerror or error}): the "
                                f"calibration stopped after {len(trials)} trial(s), {kept} of them kept there; free "
                                f"space and run the same command again to continue from them") from None

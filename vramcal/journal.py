@@ -83,14 +83,19 @@ class Journal:
                                                      f"calibration are in {path}: they are reused while the "
                                                      f"search asks for them")
 
-    def replay(self, index: int, batch_size: int, purpose: str, seq_len: int | None) -> Trial | None:
-        """The kept trial ``index`` when it is the one asked for (same batch size, purpose and length), else
-        None, and none of the later ones either (the search has gone another way)."""
-        if index < len(self.kept):
-            trial = self.kept[index]
-            if (trial.batch_size, trial.purpose, trial.seq_len) == (batch_size, purpose, seq_len):
-                return trial
-            del self.kept[index:]
+    def replay(self, index: int, batch_size: int, purposes: tuple[str, ...], seq_len: int | None) -> list[Trial] | None:
+        """The kept trials from ``index`` that the trial asked for recorded — one per purpose in ``purposes``
+        (a steady trial that verifies records two), or its last purpose's alone when that trial failed — when
+        they are the ones asked for (same batch size, purposes and length); else None, and none of the later
+        ones either (the search has gone another way)."""
+        kept = self.kept[index:index + len(purposes)]
+        asked = [(batch_size, purpose, seq_len) for purpose in purposes]
+        found = [(t.batch_size, t.purpose, t.seq_len) for t in kept]
+        if found == asked:
+            return kept
+        if kept and found[0] == asked[-1] and not kept[0].ok:
+            return kept[:1]
+        del self.kept[index:]
         return None
 
     def record(self, trials: list[Trial]) -> None:

@@ -33,8 +33,11 @@ with recorded and synthetic trials. Its rules:
    (``retry``), and a size that failed so twice is never a limit — no proposal reaches it, and limits that
    would need a trial there stay unverified (the profile says why). A first trial that measured nothing ends
    the calibration: the step itself failed, or is too slow for the time limit.
-6. **Measure the step creep** once the limits are verified: one *steady trial* at the conservative size,
+6. **Measure the step creep** once the safe size is verified: one *steady trial* at the conservative size,
    the one a run takes by default, of at most ``steady_steps`` measured steps (:mod:`vramcal.calibration.creep`).
+   Its first steps are the conservative size's verification when no trial has verified that size yet
+   (``steady_verifies``: one process measures both, recorded as a ``verify-conservative`` trial and the
+   ``steady`` one: a trial fewer, at the most expensive size but one).
    (At the safe size it missed the conservative size's creep where the two sit on either side of glibc's
    4 MiB mmap threshold for the activations: default spec at 2.5 GiB, steady at 72 saw +4 MiB, a run at 60
    rose 5 % over 42 steps. Read per sample, the conservative size's creep then over-predicts the safe size's:
@@ -80,6 +83,8 @@ class SearchSettings:
             0 switches the boundary trial off.
         repeat_safe: verify the safe size twice (rule 4).
         steady_steps: measured steps of the steady trial (rule 6); 0 runs none (no creep term).
+        steady_verifies: a steady trial due at a conservative size not yet verified is its verification too
+            (rule 6); False runs the verification on its own first.
     """
 
     total_bytes: int
@@ -94,6 +99,7 @@ class SearchSettings:
     max_trials: int = TrialSettings.max_trials
     max_batch_size: int = 2**20
     steady_steps: int = TrialSettings.steady_steps
+    steady_verifies: bool = True
 
     @property
     def usable_bytes(self) -> int:
@@ -103,10 +109,13 @@ class SearchSettings:
 @dataclass(frozen=True)
 class Step:
     """The next trial to run and why: ``grow``, ``fill``, ``boundary``, ``verify-safe``,
-    ``verify-safe-repeat``, ``verify-conservative`` or ``steady`` (``steady_steps`` measured steps)."""
+    ``verify-safe-repeat``, ``verify-conservative`` or ``steady`` (``steady_steps`` measured steps).
+    ``verifies``: a steady trial at a conservative size not yet verified, whose first steps are its
+    verification (rule 6): it records a ``verify-conservative`` trial and then the ``steady`` one."""
 
     batch_size: int
     purpose: str
+    verifies: bool = False
 
 
 @dataclass(frozen=True)
@@ -307,7 +316,7 @@ def next_batch_size(trials: Sequence[Trial], settings: SearchSettings) -> Step |
     if not any(t.fits(settings.usable_bytes) for t in trials):
         return None  # the smallest batch already failed (or could not be measured): nothing fits
     tried, ceiling = {t.batch_size for t in trials}, unmeasured_ceiling(trials)
-    steps = (_grow(trials, settings), _fill(trials, settings), _boundary(raw, settings), _verify(trials, settings),
+    steps = (_grow(trials, settings), _fill(trials, settings), _boundary(raw, settings), _verify(trials, settings, raw),
              _steady(raw, settings))
     for step in steps:
         if step is None or (ceiling is not None and step.batch_size >= ceiling):
@@ -410,8 +419,9 @@ def _boundary(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
     return Step(target, "boundary")
 
 
-def _verify(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
-    """The verification trials (rule 4): safe twice, then conservative."""
+def _verify(trials: Sequence[Trial], settings: SearchSettings, raw: Sequence[Trial]) -> Step | None:
+    """The verification trials (rule 4): safe twice, then conservative (by the steady trial's first steps
+    when one is due there, rule 6). ``trials`` steady-equivalent, ``raw`` as recorded."""
     state = settle(trials, settings)
     if state.limits is None or state.limits.safe_batch_size < 1:
         return None
@@ -430,22 +440,28 @@ def _verify(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
         return None
     conservative = state.limits.conservative_batch_size  # floor(fraction x the settled safe size)
     if state.conservative_trial is None and conservative >= 1 and conservative not in tried:
+        if settings.steady_verifies and len(raw) + 2 <= settings.max_trials and _steady_due(raw, conservative,
+                                                                                            settings):
+            return Step(conservative, STEADY, verifies=True)
         return Step(conservative, "verify-conservative")
     return None
 
 
 def _steady(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
     """The steady trial at the verified conservative size, the one a run takes by default (rule 6), or None:
-    the limits not yet verified, the creep measured at that size (or within ``snap_tolerance`` of it) or
-    switched off, or two steady trials run already."""
-    steady = [t for t in trials if t.purpose == STEADY]
-    if settings.steady_steps <= 0 or len(steady) >= 2:
-        return None
+    the limits not yet verified or the creep not due there (:func:`_steady_due`)."""
     state = settle(trials, settings)
     if state.safe_trial is None or state.conservative_trial is None:
         return None
     target = state.conservative_trial.batch_size
+    return Step(target, STEADY) if _steady_due(trials, target, settings) else None
+
+
+def _steady_due(trials: Sequence[Trial], target: int, settings: SearchSettings) -> bool:
+    """Whether a steady trial at ``target`` is due: switched on, fewer than two run, and the creep not yet
+    measured at ``target`` or within ``snap_tolerance`` of it (``trials`` as recorded)."""
+    steady = [t for t in trials if t.purpose == STEADY]
+    if settings.steady_steps <= 0 or len(steady) >= 2:
+        return False
     measured = [t for t in steady if t.ok]
-    if measured and abs(measured[-1].batch_size - target) <= max(1, settings.snap_tolerance * target):
-        return None
-    return Step(target, STEADY)
+    return not (measured and abs(measured[-1].batch_size - target) <= max(1, settings.snap_tolerance * target))

@@ -13,6 +13,12 @@ The trial runs what training runs (:mod:`vramcal.workload`), in the kind of proc
    trainer validates;
 5. read the peaks: the trial's ``peak_bytes`` covers training steps and validation alike.
 
+A steady trial that verifies its size (``request.verifies``: the conservative size's verification, search
+rule 4) runs that sequence first: after ``measured_steps`` steps it runs the validation passes and reads the
+meter (``short`` in its result: the figures a short trial at that size records), then goes on stepping as
+a steady trial does, and validates again at its end. One process then gives both records
+(:meth:`TrialRunner.run`), and the calibration spends no trial of its own on the verification.
+
 In a DDP world (``request.world``) each rank is a worker of its own running the same sequence with the
 model wrapped in DDP (:mod:`vramcal.measure.distributed`); the trial's peak is its largest rank's, with
 every rank's kept, and a rank's failure fails the trial for all (the others are stopped, never left
@@ -53,6 +59,8 @@ class TrialRequest:
         settings: the steps of the trial (module docstring) and its time limit.
         steady: the steady trial: at most ``settings.steady_steps`` measured steps, fewer once its peak has
             levelled off (:mod:`vramcal.calibration.creep`).
+        verifies: a steady trial whose first ``settings.measured_steps`` steps and validation passes are a
+            short trial at its size too (module docstring).
         world: a DDP world of ranks (``batch_size`` is then per rank), or None for one process.
         rank_devices: each rank's device (GPUs: one each); () = every rank on ``device`` (the host).
     """
@@ -63,6 +71,7 @@ class TrialRequest:
     options_json: str = "{}"
     settings: TrialSettings = TrialSettings()
     steady: bool = False
+    verifies: bool = False
     world: World | None = None
     rank_devices: tuple[Device, ...] = ()
 
@@ -105,15 +114,24 @@ class TrialRunner:
         if kind == "step" and self.on_step is not None:
             self.on_step(payload)
 
-    def run(self, request: TrialRequest, purpose: str = "") -> Trial:
+    def run(self, request: TrialRequest, purpose: str = "") -> tuple[Trial, ...]:
         """Run one trial (killed after ``request.settings.timeout_s``); never raises for what happens inside the
-        trial processes."""
+        trial processes.
+
+        Returns:
+            Its record; a steady trial that verifies its size (``request.verifies``) and finished gives two:
+            its first steps as the short trial ``verify-conservative`` (``wall_s`` those steps' share), then
+            the steady trial under ``purpose``.
+        """
         if request.world is not None:
             return self.run_world(request, purpose)
         outcome = self.workers.run(measure, request, timeout_s=request.settings.timeout_s, handler=self._handle)
-        return self.record(request, outcome, purpose)
+        if outcome.status != "ok":
+            return (self.failed(request, outcome, purpose),)
+        figures = dict(outcome.result)
+        return self.records([figures], [outcome], request, purpose)
 
-    def run_world(self, request: TrialRequest, purpose: str) -> Trial:
+    def run_world(self, request: TrialRequest, purpose: str) -> tuple[Trial, ...]:
         """The ranks of a DDP trial, each in a worker, meeting through a file in a fresh folder."""
         import shutil
         import tempfile
@@ -126,39 +144,55 @@ class TrialRunner:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         if all(o.status == "ok" for o in outcomes):
-            return self.record_world(request, outcomes, purpose)
+            figures = [dict(o.result) for o in outcomes]
+            for each in figures:
+                each.pop("rank")
+            return self.records(figures, outcomes, request, purpose)
         rank, root = first_failure(outcomes)
         status = "oom" if any(o.status == "oom" for o in outcomes) else root.status
-        return self.record(request, dataclasses.replace(root, status=status, message=f"rank {rank}: {root.message}"),
-                           purpose)
+        return (self.failed(request, dataclasses.replace(root, status=status, message=f"rank {rank}: {root.message}"),
+                            purpose),)
 
-    def record_world(self, request: TrialRequest, outcomes: list[Outcome], purpose: str) -> Trial:
-        """The trial of a world whose ranks all finished: the largest rank's figures, every rank's peak, and the
-        world's step times (its slowest rank's, step by step: DDP's collectives make every rank wait for it)."""
-        figures = [dict(o.result) for o in outcomes]
+    def records(self, figures: list[dict[str, Any]], outcomes: list[Outcome], request: TrialRequest,
+                purpose: str) -> tuple[Trial, ...]:
+        """The records of a trial whose processes (one, or a world's ranks) all finished: the steady trial's
+        first steps first when it verified its size, each from :meth:`record`."""
+        shorts = [each.pop("short", None) for each in figures]
+        steady = self.record(figures, outcomes, request, purpose)
+        if any(short is None for short in shorts):
+            return (steady,)
+        short = self.record(shorts, outcomes, request, "verify-conservative")
+        wall_s = (short.startup_s or 0.0) + (short.build_s or 0.0) + sum(short.warmup_times_s or ()) + sum(
+            short.step_times_s or ()) + sum(short.val_times_s or ())
+        return dataclasses.replace(short, wall_s=wall_s), steady
+
+    def record(self, figures: list[dict[str, Any]], outcomes: list[Outcome], request: TrialRequest,
+               purpose: str) -> Trial:
+        """The trial of one finished process, or of a world whose ranks all finished: the largest rank's
+        figures, every rank's peak, and the world's step times (its slowest rank's, step by step: DDP's
+        collectives make every rank wait for it)."""
+        figures = [dict(each) for each in figures]
         self.context = figures[0].pop("context")
         for each in figures:
             each.pop("context", None)
-            each.pop("rank")
+        if len(figures) == 1:
+            return Trial(batch_size=request.batch_size, status="ok", purpose=purpose, startup_s=outcomes[0].startup_s,
+                         wall_s=outcomes[0].wall_s, **figures[0])
+        startup_s, wall_s = max(o.startup_s or 0 for o in outcomes), max(o.wall_s or 0 for o in outcomes)
         top = max(range(len(figures)), key=lambda rank: figures[rank]["peak_bytes"])
         step_s = max(f["step_s"] for f in figures)
         slowest = {key: tuple(map(max, zip(*(f[key] for f in figures))))
                    for key in ("step_times_s", "warmup_times_s", "val_times_s")}
         trial = {**figures[top], **slowest, "step_s": step_s, "samples_per_s": request.batch_size / step_s}
-        return Trial(batch_size=request.batch_size, status="ok", purpose=purpose,
-                     startup_s=max(o.startup_s or 0 for o in outcomes), wall_s=max(o.wall_s or 0 for o in outcomes),
+        return Trial(batch_size=request.batch_size, status="ok", purpose=purpose, startup_s=startup_s, wall_s=wall_s,
                      rank_peak_bytes=tuple(f["peak_bytes"] for f in figures), **trial)
 
-    def record(self, request: TrialRequest, outcome: Outcome, purpose: str) -> Trial:
-        if outcome.status != "ok":
-            header = f"{outcome.error_type}: {outcome.message}" if outcome.error_type else outcome.message
-            error = "\n".join(text for text in (header, outcome.error) if text)  # first line: what failed
-            return Trial(batch_size=request.batch_size, status=outcome.status, purpose=purpose,
-                         startup_s=outcome.startup_s, wall_s=outcome.wall_s, error=error)
-        figures = dict(outcome.result)
-        self.context = figures.pop("context")
-        return Trial(batch_size=request.batch_size, status="ok", purpose=purpose, startup_s=outcome.startup_s,
-                     wall_s=outcome.wall_s, **figures)
+    def failed(self, request: TrialRequest, outcome: Outcome, purpose: str) -> Trial:
+        """The record of a trial that did not finish: its status and the error's first line, then the traceback."""
+        header = f"{outcome.error_type}: {outcome.message}" if outcome.error_type else outcome.message
+        error = "\n".join(text for text in (header, outcome.error) if text)  # first line: what failed
+        return Trial(batch_size=request.batch_size, status=outcome.status, purpose=purpose,
+                     startup_s=outcome.startup_s, wall_s=outcome.wall_s, error=error)
 
 
 def first_failure(outcomes: list[Outcome]) -> tuple[int, Outcome]:
@@ -238,26 +272,44 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
     for ``settings.plateau_steps`` steps (:func:`vramcal.calibration.creep.plateau_step`); under DDP when
     every rank's has not (``all_ranks``: the ranks' agreement, so they stop at the same step). It sends each
     step through ``channel`` as it ends (a ``step`` message: ``step``, ``of`` (the most), ``peak_bytes``,
-    ``step_s``), so the caller's progress moves through its minutes.
+    ``step_s``), so the caller's progress moves through its minutes. One that verifies its size
+    (``request.verifies``) also returns ``short``: its figures after its first ``settings.measured_steps``
+    steps and the validation passes, as a short trial's (module docstring).
     """
     from vramcal.calibration.creep import plateau_step
-    from vramcal.workload import detect_kernel_path, train_step, validation_step
+    from vramcal.workload import train_step, validation_step
 
     device, batch_size, settings = request.device, request.batch_size, request.settings
+
+    def validate() -> list[float]:
+        return [_timed(lambda: validation_step(step, batch_size, model), device.kind)
+                for _ in range(settings.val_steps)]
+
     warmup = [_timed(lambda: train_step(step, step.batch(batch_size), model), device.kind)
               for _ in range(settings.warmup_steps)]
     meter.reset()
-    times, curve = [], []
+    times, curve, short = [], [], None
     for _ in range(request.measured_steps):
         times.append(_timed(lambda: train_step(step, step.batch(batch_size), model), device.kind))
         if request.steady:
             curve.append(int(meter.read()["peak_bytes"]))
+            if request.verifies and len(curve) == settings.measured_steps:
+                short = _figures(step, meter, device.kind, batch_size, build_s, warmup, times, validate())
             if channel is not None:
                 channel.send("step", {"step": len(curve), "of": request.measured_steps, "peak_bytes": curve[-1],
                                       "step_s": times[-1]})
             if all_ranks(plateau_step(curve, settings.plateau_steps) is not None):
                 break
-    val = [_timed(lambda: validation_step(step, batch_size, model), device.kind) for _ in range(settings.val_steps)]
+    figures = _figures(step, meter, device.kind, batch_size, build_s, warmup, times, validate())
+    return {**figures, **({"step_peaks": tuple(curve)} if request.steady else {}),
+            **({"short": short} if short is not None else {})}
+
+
+def _figures(step: Any, meter: Any, device_kind: str, batch_size: int, build_s: float, warmup: list[float],
+             times: list[float], val: list[float]) -> dict[str, Any]:
+    """A trial's record from its step times and the meter's reading now (its peaks so far)."""
+    from vramcal.workload import detect_kernel_path
+
     figures = meter.read()
     context = {"kernel_path": step.kernel_path or detect_kernel_path(step.model),
                "environment": meter.environment(), "info": step.info, "gradient_bytes": gradient_bytes(step.model),
@@ -265,8 +317,8 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
     step_s = statistics.median(times)
     return {"step_s": step_s, "samples_per_s": batch_size / step_s, "build_s": build_s,
             "step_times_s": tuple(times), "warmup_times_s": tuple(warmup), "val_times_s": tuple(val),
-            "data_bytes": step.pool_data_bytes(device.kind), "context": context, **figures,
-            **({"step_peaks": tuple(curve)} if request.steady else {})}
+            "data_bytes": step.pool_data_bytes(device_kind),
+            "context": context, **figures}
 
 
 def gradient_bytes(model: Any) -> int:
