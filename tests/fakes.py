@@ -65,15 +65,13 @@ class FakeTrialRunner:
         self.runs += 1
         b, length = request.batch_size, request.model.params.get("seq_len") or 1
         wobble = ((self.runs * 7919) % 13 - 6) * self.noise // 6
-        short = peak = int(self.memory(b, length) + wobble)
+        short = peak = int(self.memory(b, length) + wobble)  # a steady trial's first steps read as a short trial
         curve = None
         if request.steady:
             curve = []
             while len(curve) < request.measured_steps:
                 curve.append(int(peak + self.creep * b * length * self.curve(len(curve) + 1)))
                 curve[-1] = max(curve[-1], curve[-2] if len(curve) > 1 else 0)  # the peak so far
-                if len(curve) == request.settings.measured_steps:
-                    short = curve[-1]
                 if plateau_step(curve, request.settings.plateau_steps) is not None:
                     break
             peak, curve = curve[-1], tuple(curve)

@@ -304,6 +304,24 @@ def test_the_steady_trials_first_steps_verify_the_conservative_size():
         204, "verify-conservative")
 
 
+def test_a_second_steady_trial_that_measures_less_per_sample_does_not_raise_the_limits():
+    """Issue 19 (the small spec at 1.5 GiB, bench/results/fold): steady at 135 said 150 no longer fits; the limits
+    came down, a second steady trial at 118 (the other side of glibc's mmap threshold) measured less per sample,
+    and read last it took the safe size back to 150. The larger creep counts; profiles made before read the last."""
+    from vramcal.calibration.creep import measure_creep, steady_equivalent
+
+    mib = 2**20
+    trials = [Trial(118, "ok", 760 * mib, purpose="grow"), Trial(135, "ok", 800 * mib, purpose="verify-conservative"),
+              Trial(135, "ok", 840 * mib, purpose="steady"), Trial(118, "ok", 770 * mib, purpose="steady")]
+    largest, last = measure_creep(trials), measure_creep(trials, rule="last")
+    assert (largest.batch_size, last.batch_size) == (135, 118)
+    assert largest.per_sample_bytes == 40 * mib / 135 > last.per_sample_bytes == 10 * mib / 118
+    assert [t.peak_bytes for t in steady_equivalent(trials)] == [760 * mib + round(40 * mib / 135 * 118),
+                                                                  800 * mib + 40 * mib]
+    assert [t.peak_bytes for t in steady_equivalent(trials, "last")] == [770 * mib,
+                                                                          800 * mib + round(10 * mib / 118 * 135)]
+
+
 def test_a_steady_trial_that_runs_out_of_memory_is_a_failure_and_gets_one_more_try():
     settings = SearchSettings(total_bytes=24 * GIB)
     memory = linear(0.529 * GIB, 0.088 * GIB)

@@ -203,7 +203,7 @@ def assemble(plan: CalibrationPlan, trials: list[Trial], context: dict[str, Any]
     A calibration over several lengths adds the surface to the reference length's one-length fields.
     """
     settings = {k: v for k, v in plan.trials.to_dict().items() if k != "boundary"}
-    run = {"wall_s": wall_s, **settings, "boundary_trials": plan.trials.boundary,
+    run = {"wall_s": wall_s, **settings, "boundary_trials": plan.trials.boundary, "creep_rule": "largest",
            "host_memory_limit": "RLIMIT_DATA = total_bytes" if plan.device.kind == "host" else None}
     if len(plan.seq_lens) > 1:
         return _assemble_surface(plan, trials, context, {**run, "seq_lens": list(plan.seq_lens)})

@@ -18,6 +18,9 @@ peak is read as the peak a long run at its size would reach:
                         + the steady trial's late allowance) / batch_size
     steady-equivalent peak(b) = peak(b) + creep_per_sample × b × (seq_len / steady trial's seq_len)
 
+Where two steady trials ran, the larger ``creep_per_sample`` counts (:func:`measure_creep`): the limits never
+rise on a second measurement that found less.
+
 The creep is taken as proportional to the activations (batch_size, and tokens over several lengths):
 a batch of zero samples has none. The fit, the limits and the verifications are computed from these
 steady-equivalent peaks (so the profile's predictions are the long run's), while the trials keep their
@@ -32,10 +35,12 @@ import dataclasses
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from vramcal.records import Trial, TrialSettings
 
 STEADY = "steady"  # the purpose of a steady trial
+CreepRule = Literal["largest", "last"]  # which steady trial's creep counts where two ran (measure_creep)
 PLATEAU_TOLERANCE = 0.001  # a step's peak must pass the level by more than 0.1 % to count as a rise
 # The host's creep after a steady trial, as a share of its peak: at the four benchmark specs' safe sizes the
 # 1,000-step peak was 0.2-2.8 % above a 10-40-step steady trial's (the creep study, DESIGN.md); 1.5 % centres
@@ -104,25 +109,39 @@ class Creep:
         return dataclasses.asdict(self)
 
 
-def measure_creep(trials: Sequence[Trial], plateau_steps: int = TrialSettings.plateau_steps) -> Creep | None:
-    """The creep from the last finished steady trial and the short trials at its size; None without one.
-    ``plateau_steps``: the steps without a rise that count as levelled off (the trials' setting)."""
-    steady = [t for t in trials if t.purpose == STEADY and t.ok]
-    if not steady:
+def measure_creep(trials: Sequence[Trial], plateau_steps: int = TrialSettings.plateau_steps,
+                  rule: CreepRule = "largest") -> Creep | None:
+    """The creep of the finished steady trials, each against the short trials at its size; None without one.
+
+    Args:
+        plateau_steps: the steps without a rise that count as levelled off (the trials' setting).
+        rule: which steady trial's creep counts where two ran: ``largest``, the largest per sample (the
+            calibration's: on the host the creep differs across glibc's mmap threshold, and a second steady
+            trial on the other side of it may measure less per sample than the first did at a size the
+            limits still cover: small spec at 1.5 GiB, steady at 135 then 118, the second's creep raised the
+            safe size back to 150, where the first's said it did not fit); ``last``, profiles made before.
+    """
+    creeps = [creep for trial in trials if trial.purpose == STEADY and trial.ok
+              if (creep := _creep_of(trial, trials, plateau_steps)) is not None]
+    if not creeps:
         return None
-    last = steady[-1]
-    short = [t.peak_bytes for t in trials if t.purpose != STEADY and t.ok and t.batch_size == last.batch_size
-             and t.seq_len == last.seq_len]
+    return creeps[-1] if rule == "last" else max(reversed(creeps), key=lambda creep: creep.per_sample_bytes)
+
+
+def _creep_of(steady: Trial, trials: Sequence[Trial], plateau_steps: int) -> Creep | None:
+    """The creep ``steady`` measured against the mean peak of the short trials at its size (None: there is none)."""
+    short = [t.peak_bytes for t in trials if t.purpose != STEADY and t.ok and t.batch_size == steady.batch_size
+             and t.seq_len == steady.seq_len]
     if not short:
         return None
     mean = round(statistics.fmean(short))  # type: ignore[arg-type]
-    curve = last.step_peaks or ()
+    curve = steady.step_peaks or ()
     levelled = plateau_step(curve, plateau_steps) if curve else None
     window = curve[-plateau_steps - 1:] if curve and plateau_steps else ()
     late = 0 if levelled is not None or len(window) < 2 else window[-1] - window[0]
-    allowance = last.late_creep_bytes or 0
-    return Creep(last.batch_size, last.seq_len, last.peak_bytes, mean,  # type: ignore[arg-type]
-                 (max(0, last.peak_bytes - mean) + allowance) / last.batch_size,  # type: ignore[operator]
+    allowance = steady.late_creep_bytes or 0
+    return Creep(steady.batch_size, steady.seq_len, steady.peak_bytes, mean,  # type: ignore[arg-type]
+                 (max(0, steady.peak_bytes - mean) + allowance) / steady.batch_size,  # type: ignore[operator]
                  len(curve) or None, levelled, late, allowance)
 
 
@@ -133,11 +152,11 @@ def read_peak(trial: Trial, creep: Creep | None) -> int | None:
     return trial.peak_bytes + creep.bytes_at(trial.batch_size, trial.seq_len)  # type: ignore[operator]
 
 
-def steady_equivalent(trials: Sequence[Trial]) -> list[Trial]:
+def steady_equivalent(trials: Sequence[Trial], rule: CreepRule = "largest") -> list[Trial]:
     """The trials as the search and the fit read them: finished short trials with the creep added to
-    their peaks, failed ones as they are, finished steady trials left out (their figure is the creep),
-    failed steady trials kept (a failure at that size). Idempotent."""
-    creep = measure_creep(trials)
+    their peaks (``rule``: :func:`measure_creep`'s), failed ones as they are, finished steady trials left
+    out (their figure is the creep), failed steady trials kept (a failure at that size). Idempotent."""
+    creep = measure_creep(trials, rule=rule)
     out = []
     for trial in trials:
         if trial.purpose == STEADY:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vramcal.calibration.creep import Creep, measure_creep
+from vramcal.calibration.creep import Creep, CreepRule, measure_creep
 from vramcal.calibration.fit import Fit
 from vramcal.calibration.limits import Limits, LimitSettings
 from vramcal.calibration.surface import Surface
@@ -214,7 +214,13 @@ class Profile:
         """The step creep its steady trial measured (:mod:`vramcal.calibration.creep`; None: not measured).
         The fit, limits and verification peaks include it; the trials keep their raw peaks."""
         plateau = self.run.get("plateau_steps")
-        return measure_creep(self.trials, *([plateau] if isinstance(plateau, int) else []))
+        return measure_creep(self.trials, *([plateau] if isinstance(plateau, int) else []), rule=self.creep_rule)
+
+    @property
+    def creep_rule(self) -> CreepRule:
+        """Which steady trial's creep counts where two ran (:func:`~vramcal.calibration.creep.measure_creep`):
+        the calibration's ``run.creep_rule``; ``last`` in profiles made before it was recorded."""
+        return "largest" if self.run.get("creep_rule") == "largest" else "last"
 
     @property
     def held_bytes(self) -> int | None:

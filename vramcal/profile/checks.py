@@ -54,7 +54,7 @@ def check_profile(profile: Profile) -> None:
                            f"(reserve {profile.settings.reserve_bytes}, margin {profile.settings.margin})")
     if profile.surface is not None:
         check_surface_shape(profile)
-    trials = steady_equivalent(profile.reference_trials)  # what the fit, the limits and the verifications read
+    trials = steady_equivalent(profile.reference_trials, profile.creep_rule)  # what the fit, limits, verifications read
     if profile.fit is not None:
         check_fit(profile.fit, trials)
     if profile.limits is not None:
@@ -202,7 +202,7 @@ def check_surface(profile: Profile) -> None:
     """
     surface = profile.surface
     assert surface is not None and profile.limits is not None
-    trials = steady_equivalent(profile.trials)
+    trials = steady_equivalent(profile.trials, profile.creep_rule)
     check_fit_2d(surface.fit, trials)
     reference = surface.at(surface.reference_seq_len)
     limits = profile.limits

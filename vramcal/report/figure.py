@@ -87,7 +87,7 @@ def render_png(profiles: Sequence[Profile]) -> bytes:
 def _draw_memory(ax: Any, profile: Profile, color: str) -> None:
     usable = usable_bytes(profile)
     trials = reference_trials(profile)
-    states = [(trial, trial_state(trial, usable)) for trial in steady_equivalent(trials)]
+    states = [(trial, trial_state(trial, usable)) for trial in steady_equivalent(trials, profile.creep_rule)]
     steady = [(t.batch_size, t.peak_bytes / GIB) for t in trials if t.purpose == STEADY and t.ok]
     if steady:
         ax.scatter(*zip(*steady), marker="D", facecolors="none", edgecolors=color, s=60, linewidths=1.4, zorder=5)

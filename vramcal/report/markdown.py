@@ -105,7 +105,8 @@ def failure_words(profile: Profile, batch_size: int) -> str:
     """How the trials at ``batch_size`` failed, in words: ran out of memory or over usable memory, timed out, or
     failed with an error (the trials table gives its reason)."""
     usable = usable_bytes(profile)
-    states = {trial_state(t, usable) for t in steady_equivalent(profile.reference_trials) if t.batch_size == batch_size}
+    states = {trial_state(t, usable) for t in steady_equivalent(profile.reference_trials, profile.creep_rule)
+              if t.batch_size == batch_size}
     if states & {"oom", "over-budget"} or not states:
         return "ran out of memory or over usable memory"
     return "timed out" if "timeout" in states else "failed with an error (its reason is in the trials table)"
