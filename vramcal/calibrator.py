@@ -147,7 +147,7 @@ def _recorded(plan: CalibrationPlan, trial: Trial, seq_len: int | None) -> Trial
     return trial
 
 
-def _record(journal: Journal, trials: list[Trial], new: int = 1) -> None:
+def _record(journal: Journal, trials: list[Trial], new: int) -> None:
     """Write the journal after the last ``new`` trials (one process's records).
 
     Raises: CalibrationError: the journal cannot be written (a full disk): stop rather than run trials
