@@ -80,10 +80,7 @@ class SearchSettings:
     Attributes:
         local_span: fit points below ``largest measured batch / local_span`` are left out (rule 2).
         boundary_fraction: the boundary trial aims at this fraction of the predicted boundary (rule 3);
-            0 switches the boundary trial off. 0.93: the prediction before the first boundary trial comes
-            from the growth trials, where peaks still bend upward, and at 0.97 it ran out of memory in half
-            the benchmark's small-spec rounds and on ``make run``'s spec (two trials more, the largest);
-            at 0.93 the small spec's boundary came within +0.1 to +0.3 % with two boundary trials, not three.
+            0 switches the boundary trial off.
         repeat_safe: verify the safe size twice (rule 4).
         steady_steps: measured steps of the steady trial (rule 6); 0 runs none (no creep term).
         steady_verifies: a steady trial due at a conservative size not yet verified is its verification too
@@ -97,7 +94,7 @@ class SearchSettings:
     far_fraction: float = 0.4
     snap_tolerance: float = 0.05
     local_span: int = 16
-    boundary_fraction: float = 0.93
+    boundary_fraction: float = 0.97
     repeat_safe: bool = True
     max_trials: int = TrialSettings.max_trials
     max_batch_size: int = 2**20
