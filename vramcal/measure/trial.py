@@ -14,7 +14,7 @@ The trial runs what training runs (:mod:`vramcal.workload`), in the kind of proc
 5. read the peaks: the trial's ``peak_bytes`` covers training steps and validation alike.
 
 A steady trial that verifies its size (``request.verifies``: the conservative size's verification, search
-rule 4) runs that sequence first: after ``measured_steps`` steps it runs the validation passes and reads the
+rules 4 and 6) runs that sequence first: after ``measured_steps`` steps it runs the validation passes and reads the
 meter (``short`` in its result: the figures a short trial at that size records), then goes on stepping as
 a steady trial does, and validates again at its end. One process then gives both records
 (:meth:`TrialRunner.run`), and the calibration spends no trial of its own on the verification.
