@@ -128,8 +128,7 @@ class TrialRunner:
         outcome = self.workers.run(measure, request, timeout_s=request.settings.timeout_s, handler=self._handle)
         if outcome.status != "ok":
             return (self.failed(request, outcome, purpose),)
-        figures = dict(outcome.result)
-        return self.records([figures], [outcome], request, purpose)
+        return self.records([outcome.result], [outcome], request, purpose)
 
     def run_world(self, request: TrialRequest, purpose: str) -> tuple[Trial, ...]:
         """The ranks of a DDP trial, each in a worker, meeting through a file in a fresh folder."""
@@ -144,10 +143,7 @@ class TrialRunner:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         if all(o.status == "ok" for o in outcomes):
-            figures = [dict(o.result) for o in outcomes]
-            for each in figures:
-                each.pop("rank")
-            return self.records(figures, outcomes, request, purpose)
+            return self.records([o.result for o in outcomes], outcomes, request, purpose)
         rank, root = first_failure(outcomes)
         status = "oom" if any(o.status == "oom" for o in outcomes) else root.status
         return (self.failed(request, dataclasses.replace(root, status=status, message=f"rank {rank}: {root.message}"),
@@ -157,24 +153,21 @@ class TrialRunner:
                 purpose: str) -> tuple[Trial, ...]:
         """The records of a trial whose processes (one, or a world's ranks) all finished: the steady trial's
         first steps first when it verified its size, each from :meth:`record`."""
-        shorts = [each.pop("short", None) for each in figures]
         steady = self.record(figures, outcomes, request, purpose)
-        if any(short is None for short in shorts):
+        if any("short" not in each for each in figures):
             return (steady,)
-        short = self.record(shorts, outcomes, request, "verify-conservative")
-        wall_s = (short.startup_s or 0.0) + (short.build_s or 0.0) + sum(short.warmup_times_s or ()) + sum(
-            short.step_times_s or ()) + sum(short.val_times_s or ())
+        short = self.record([each["short"] for each in figures], outcomes, request, "verify-conservative")
+        wall_s = (short.startup_s or 0.0) + short.build_s + sum(  # type: ignore[operator]
+            (*short.warmup_times_s, *short.step_times_s, *short.val_times_s))  # type: ignore[misc]
         return dataclasses.replace(short, wall_s=wall_s), steady
 
     def record(self, figures: list[dict[str, Any]], outcomes: list[Outcome], request: TrialRequest,
                purpose: str) -> Trial:
         """The trial of one finished process, or of a world whose ranks all finished: the largest rank's
         figures, every rank's peak, and the world's step times (its slowest rank's, step by step: DDP's
-        collectives make every rank wait for it)."""
-        figures = [dict(each) for each in figures]
-        self.context = figures[0].pop("context")
-        for each in figures:
-            each.pop("context", None)
+        collectives make every rank wait for it). ``figures`` are each process's result, as it sent them."""
+        self.context = figures[0]["context"]
+        figures = [{k: v for k, v in each.items() if k not in ("context", "rank", "short")} for each in figures]
         if len(figures) == 1:
             return Trial(batch_size=request.batch_size, status="ok", purpose=purpose, startup_s=outcomes[0].startup_s,
                          wall_s=outcomes[0].wall_s, **figures[0])
