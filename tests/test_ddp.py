@@ -55,6 +55,18 @@ def test_a_world_trial_keeps_every_rank_and_agrees_on_a_failure():
     assert len(short.step_times_s) == 2 and long.step_times_s[:2] == short.step_times_s
 
 
+def test_a_world_trial_killed_at_its_time_limit_says_where_each_rank_was():
+    """A world whose step never finishes building: the trial is a timeout, and its line names each rank's part."""
+    from vramcal.workload import ModelRef
+
+    request = TrialRequest(ModelRef("corpus_models:hangs"), 4, host_device(), settings=TrialSettings(timeout_s=3),
+                           world=World(2))
+    (trial,) = TrialRunner(worker_pool()).run(request)
+    assert trial.status == "timeout", trial.error
+    assert trial.error.splitlines()[0] == ("rank 0: killed after the 3 s time limit, in building the step; "
+                                           "rank 1: killed after the 3 s time limit, in building the step")
+
+
 def ddp_profile(tmp: Path, capacity_mib: int, slope_mib: int):
     """A DDP (2 ranks) profile of the tiny spec for the host at a budget of its own."""
     profile = make_profile(host_device(), slope_mib=slope_mib)

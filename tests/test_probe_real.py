@@ -43,6 +43,9 @@ def test_a_trial_over_its_time_limit_is_killed_and_recorded():
     (trial,) = TrialRunner(worker_pool()).run(slow)
     assert trial.status == "timeout" and "time limit" in trial.error
     assert trial.wall_s < 30
+    # where it was when killed: the part of the trial it had said it started last
+    assert re.search(r"time limit, in (building the step|the warm-up step|measured step \d+ of 50)$",
+                     trial.error.splitlines()[0]), trial.error
 
 
 def test_a_worker_forks_from_a_server_that_never_started_cuda(runner):

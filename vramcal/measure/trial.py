@@ -146,8 +146,10 @@ class TrialRunner:
             return self.records([o.result for o in outcomes], outcomes, request, purpose)
         rank, root = first_failure(outcomes)
         status = "oom" if any(o.status == "oom" for o in outcomes) else root.status
-        return (self.failed(request, dataclasses.replace(root, status=status, message=f"rank {rank}: {root.message}"),
-                            purpose),)
+        message = f"rank {rank}: {root.message}"
+        if status == "timeout":  # every rank was stopped at once: where each one was says which hung
+            message = "; ".join(f"rank {r}: {o.message}" for r, o in enumerate(outcomes))
+        return (self.failed(request, dataclasses.replace(root, status=status, message=message), purpose),)
 
     def records(self, figures: list[dict[str, Any]], outcomes: list[Outcome], request: TrialRequest,
                 purpose: str) -> tuple[Trial, ...]:
@@ -214,15 +216,16 @@ def measure(request: TrialRequest, channel: Any = None) -> dict[str, Any]:
     from vramcal.measure.meters import open_meter
     from vramcal.workload import build
 
-    device = request.device
+    device, phase = request.device, phase_of(channel)
     meter = open_meter(device, request.host_memory_limit_bytes)
     try:
         start = time.perf_counter()
+        phase("building the step")
         step = build(request.model, torch_device(device), json.loads(request.options_json))
         meter.check_pinned()
         held = meter.held_bytes()  # what the process holds as training starts: the process term's baseline
-        return {**steps(request, step, step.model, meter, time.perf_counter() - start, channel=channel),
-                "held_bytes": held}
+        return {**steps(request, step, step.model, meter, time.perf_counter() - start, channel=channel,
+                        phase=phase), "held_bytes": held}
     finally:
         meter.close()
 
@@ -238,27 +241,35 @@ def measure_rank(request: TrialRequest, rank: int, init_method: str, channel: An
     from vramcal.measure.meters import open_meter
     from vramcal.workload import build
 
-    device = request.rank_device(rank)
+    device, phase = request.rank_device(rank), phase_of(channel)
     meter = open_meter(device, request.host_memory_limit_bytes)
     group = None
     try:
+        phase("joining the world (torch.distributed.init_process_group)")
         group = join(request.world, rank, init_method, request.settings.timeout_s, torch_device(device))
         start = time.perf_counter()
+        phase("building the step")
         step = build_agreed(group, lambda: build(request.model, torch_device(device),
                                                  json.loads(request.options_json)))
         meter.check_pinned()
         model = wrap(step.model, request.world, torch_device(device))
         held = meter.held_bytes()
         return {**steps(request, step, model, meter, time.perf_counter() - start, group.all_of,
-                        channel if rank == 0 else None), "rank": rank, "held_bytes": held}
+                        channel if rank == 0 else None, phase), "rank": rank, "held_bytes": held}
     finally:
         if group is not None:
             group.close()
         meter.close()
 
 
+def phase_of(channel: Any) -> Callable[[str], None]:
+    """``channel.phase`` (:meth:`vramcal.measure.worker.Channel.phase`), or a no-op without a channel."""
+    return channel.phase if channel is not None else lambda text: None
+
+
 def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: float,
-          all_ranks: Callable[[bool], bool] = bool, channel: Any = None) -> dict[str, Any]:
+          all_ranks: Callable[[bool], bool] = bool, channel: Any = None,
+          phase: Callable[[str], None] = phase_of(None)) -> dict[str, Any]:
     """Warm-up, the measured steps and the validation passes through ``model``, and the meter's figures.
 
     A steady trial reads its peak after every measured step (``step_peaks``) and ends once it has not risen
@@ -267,7 +278,8 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
     step through ``channel`` as it ends (a ``step`` message: ``step``, ``of`` (the most), ``peak_bytes``,
     ``step_s``), so the caller's progress moves through its minutes. One that verifies its size
     (``request.verifies``) also returns ``short``: its figures after its first ``settings.measured_steps``
-    steps and the validation passes, as a short trial's (module docstring).
+    steps and the validation passes, as a short trial's (module docstring). ``phase`` is told each part as it
+    starts (a trial killed at its time limit names where it was).
     """
     from vramcal.calibration.creep import plateau_step
     from vramcal.workload import train_step, validation_step
@@ -275,14 +287,17 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
     device, batch_size, settings = request.device, request.batch_size, request.settings
 
     def validate() -> list[float]:
+        phase("the validation pass")
         return [_timed(lambda: validation_step(step, batch_size, model), device.kind)
                 for _ in range(settings.val_steps)]
 
+    phase("the warm-up step")
     warmup = [_timed(lambda: train_step(step, step.batch(batch_size), model), device.kind)
               for _ in range(settings.warmup_steps)]
     meter.reset()
     times, curve, short = [], [], None
-    for _ in range(request.measured_steps):
+    for number in range(1, request.measured_steps + 1):
+        phase(f"measured step {number} of {'at most ' * request.steady}{request.measured_steps}")
         times.append(_timed(lambda: train_step(step, step.batch(batch_size), model), device.kind))
         if request.steady:
             curve.append(int(meter.read()["peak_bytes"]))

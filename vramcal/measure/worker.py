@@ -77,6 +77,11 @@ class Channel:
         self._connection.send(("ask", kind, payload))
         return self._connection.recv()
 
+    def phase(self, text: str) -> None:
+        """Say what the worker does now (``building the step``, ``measured step 3 of 40``): kept by the caller,
+        and named when the worker is killed at its time limit (where it hung)."""
+        self._connection.send(("phase", text))
+
 
 class Workers:
     """Runs functions in fresh worker processes (module docstring).
@@ -101,6 +106,16 @@ class Workers:
             os.environ.setdefault(name, value)
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(list(preload))
+
+    def warm_up(self) -> None:
+        """Start the fork server now and return at once: it imports its preload in its own process (seconds of
+        torch and transformers) while the caller goes on with its own work (its imports, reading the data,
+        finding the profile), so the first worker need not wait for all of it. The server takes the
+        environment as it is now: a caller sets what its workers must see (``--strict-profile``) first."""
+        from multiprocessing import forkserver
+
+        with _main_left_alone():
+            forkserver.ensure_running()
 
     def run(self, function: Callable[..., Any] | str, *args: Any, timeout_s: float | None = None,
             handler: Handler | None = None) -> Outcome:
@@ -143,9 +158,8 @@ class Workers:
             KeyboardInterrupt: the caller was interrupted; every worker is killed first.
         """
         jobs = [self.start(function, *args, handler=handler) for function, args in calls]
-        deadline = None if timeout_s is None else time.time() + timeout_s
         try:
-            _serve(jobs, deadline, grace_s)
+            _serve(jobs, timeout_s, grace_s)
         finally:
             for job in jobs:
                 job.close()
@@ -161,6 +175,7 @@ class Job:
         self.process, self.connection, self.started, self.handler = process, connection, started, handler
         self.final: dict[str, Any] | None = None
         self.outcome: Outcome | None = None
+        self.phase: str | None = None  # what the worker last said it does (Channel.phase)
 
     def receive(self) -> None:
         """Serve one message from the worker (its final result ends the job)."""
@@ -171,6 +186,9 @@ class Job:
             return
         if kind == "done":
             self.end(rest[0])
+            return
+        if kind == "phase":
+            self.phase = rest[0]
             return
         reply = self.handler(rest[0], rest[1]) if self.handler is not None else None
         if kind == "ask":
@@ -196,11 +214,12 @@ class Job:
         self.connection.close()
 
 
-def _serve(jobs: list[Job], deadline: float | None, grace_s: float) -> None:
-    """Serve every job's messages until all have ended (module docstring of :meth:`Workers.run_all`)."""
+def _serve(jobs: list[Job], timeout_s: float | None, grace_s: float) -> None:
+    """Serve every job's messages until all have ended (module docstring of :meth:`Workers.run_all`); the time
+    limit counts from now, when every job has started."""
     from multiprocessing.connection import wait
 
-    stop_at = deadline
+    stop_at = None if timeout_s is None else time.time() + timeout_s
     while running := [job for job in jobs if job.outcome is None]:
         left = None if stop_at is None else max(0.0, stop_at - time.time())
         ready = wait([job.connection for job in running], timeout=left)
@@ -211,18 +230,18 @@ def _serve(jobs: list[Job], deadline: float | None, grace_s: float) -> None:
         if failed and (stop_at is None or stop_at > time.time() + grace_s):
             stop_at = time.time() + grace_s  # the others may agree on the failure; then they are stopped
         if not ready and stop_at is not None and time.time() >= stop_at:
-            _stop(running, failed, deadline)
+            _stop(running, failed, timeout_s)
             return
 
 
-def _stop(running: list[Job], failed: list[int], deadline: float | None) -> None:
+def _stop(running: list[Job], failed: list[int], timeout_s: float | None) -> None:
     """End the jobs still running: at the time limit (``timeout``), or after another worker failed."""
     for job in running:
         if failed:
             what = f"stopped after worker {failed[0]} of the world failed"
             job.end({"status": "error", "error": what, "message": what}, kill=True)
         else:
-            limit = f"killed after the {deadline - job.started:.0f} s time limit"
+            limit = f"killed after the {timeout_s:.0f} s time limit" + (f", in {job.phase}" if job.phase else "")
             job.end({"status": "timeout", "error": limit, "message": limit}, kill=True)
 
 
