@@ -108,6 +108,7 @@ def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, co
     with one_line("interrupted: no profile written, existing profiles are unchanged; the trials so far are kept "
                   "beside the profile (*.journal): run the same command again to continue from them"), \
             stdout_to_stderr(as_json):
+        api.worker_pool().warm_up()  # the trials' server imports torch while the options and data are checked
         settings = api.LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
         plans = plan_probes(explicit(ctx), options, gpu=gpu, capacity=capacity, implementation=implementation,
                             settings=settings, profiles_dir=profiles_dir, out=out, err=as_json)

@@ -101,6 +101,7 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
     After the first epoch and at the end it prints its measured peak beside the profile's prediction,
     and records the run in the profile (`vramcal show` lists them).
     """
+    from vramcal.api import worker_pool
     from vramcal.train import plan as planning
     from vramcal.train.runner import train
 
@@ -112,6 +113,7 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
                     {k: v for k, v in torchrun.items() if v is not None})
         return
     capacity = single_capacity(capacity, options)
+    worker_pool().warm_up()  # the training worker's server imports torch while the run is planned
     with one_line():
         if resume:
             plan = resume_plan(run_dir, options, given)
