@@ -124,7 +124,10 @@ def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
     assert profile.fit.slope_bytes_per_sample > 0
     limits = profile.limits
     assert 0 < limits.conservative_batch_size < limits.safe_batch_size
-    assert [t for t in profile.trials if t.purpose == "boundary"]  # measured near the boundary, past usable memory
+    boundary = [t for t in profile.trials if t.purpose == "boundary"]  # measured near the boundary, past usable memory
+    assert boundary and all(len(t.step_times_s) == 1 and t.val_times_s == () for t in boundary if t.ok)  # peaks only
+    assert all(len(t.step_times_s) == 2 and len(t.val_times_s) == 1 for t in profile.trials
+               if t.ok and t.purpose not in ("boundary", "steady"))
     for name in ("safe", "conservative"):
         check = profile.verification[name]
         assert check.passed and check.peak_bytes <= limits.usable_bytes

@@ -97,7 +97,7 @@ class CalibrationPlan:
         model = self.model if seq_len is None else self.model.replace(seq_len=seq_len)
         return TrialRequest(model, step.batch_size, self.device, json.dumps(self.options, sort_keys=True),
                             self.trials, steady=step.purpose == STEADY, verifies=step.verifies, world=self.world,
-                            rank_devices=self.rank_devices)
+                            rank_devices=self.rank_devices, peak_only=step.purpose == "boundary")
 
 
 def run_trials(plan: CalibrationPlan, runner: Runner, on_trial: Callable[[Trial], None] | None = None,

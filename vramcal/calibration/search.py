@@ -18,7 +18,8 @@ with recorded and synthetic trials. Its rules:
    line is fitted across the range it is used on and the predicted out-of-memory boundary is a short
    interpolation, not a long extrapolation (a second one when the first runs out of memory or lands far
    below, and a third when of those two one fitted and one failed, and the largest that fitted is still
-   far below the boundary).
+   far below the boundary). A boundary trial measures its peak only: one step after the warm-up, no
+   validation pass (``TrialRequest.peak_only``): its steps are the calibration's most expensive.
 4. **Verify** the safe size with two real trials at the same batch size — the limit is where noise
    matters, and the pair's spread enters the fit's residuals, so the prediction interval covers how
    much one batch size varies between runs — then the conservative size with one. A failure is a

@@ -13,6 +13,11 @@ The trial runs what training runs (:mod:`vramcal.workload`), in the kind of proc
    trainer validates;
 5. read the peaks: the trial's ``peak_bytes`` covers training steps and validation alike.
 
+A trial that measures a peak only (``request.peak_only``: a boundary trial, search rule 3, which the search
+reads for its peak alone) takes one measured step and no validation pass: past the largest size a run may take,
+its steps are the calibration's most expensive, and neither a second step nor a validation pass changes a peak
+the warm-up has already set up (the optimizer's state, the allocator's settled pools).
+
 A steady trial that verifies its size (``request.verifies``: the conservative size's verification, search
 rules 4 and 6) runs that sequence first: after ``measured_steps`` steps it runs the validation passes and reads the
 meter (``short`` in its result: the figures a short trial at that size records), then goes on stepping as
@@ -63,6 +68,7 @@ class TrialRequest:
             short trial at its size too (module docstring).
         world: a DDP world of ranks (``batch_size`` is then per rank), or None for one process.
         rank_devices: each rank's device (GPUs: one each); () = every rank on ``device`` (the host).
+        peak_only: one measured step and no validation pass (module docstring): a boundary trial.
     """
 
     model: ModelRef
@@ -74,6 +80,7 @@ class TrialRequest:
     verifies: bool = False
     world: World | None = None
     rank_devices: tuple[Device, ...] = ()
+    peak_only: bool = False
 
     def rank_device(self, rank: int) -> Device:
         return self.rank_devices[rank] if self.rank_devices else self.device
@@ -83,7 +90,11 @@ class TrialRequest:
 
     @property
     def measured_steps(self) -> int:
-        return self.settings.steady_steps if self.steady else self.settings.measured_steps
+        return 1 if self.peak_only else self.settings.steady_steps if self.steady else self.settings.measured_steps
+
+    @property
+    def val_steps(self) -> int:
+        return 0 if self.peak_only else self.settings.val_steps
 
     @property
     def host_memory_limit_bytes(self) -> int | None:
@@ -287,9 +298,10 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
     device, batch_size, settings = request.device, request.batch_size, request.settings
 
     def validate() -> list[float]:
-        phase("the validation pass")
+        if request.val_steps:
+            phase("the validation pass")
         return [_timed(lambda: validation_step(step, batch_size, model), device.kind)
-                for _ in range(settings.val_steps)]
+                for _ in range(request.val_steps)]
 
     phase("the warm-up step")
     warmup = [_timed(lambda: train_step(step, step.batch(batch_size), model), device.kind)
