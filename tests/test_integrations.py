@@ -184,5 +184,5 @@ def test_a_framework_process_gets_the_trials_malloc_on_the_host():
 
     assert int(run("default")[1]) >= 4 * MIB
     said, kept = run("set")
-    assert said == "mmap_threshold 4194304, trim_threshold 4194304, arena_max 1" and int(kept) < MIB
+    assert said == "mmap_threshold 262144, trim_threshold 262144, arena_max 1" and int(kept) < MIB
     assert run("set", GLIBC_TUNABLES=HOST_MALLOC)[0] == "None"  # started with them: nothing to set or say

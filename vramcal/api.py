@@ -296,7 +296,7 @@ def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None
         settings: reserve (bytes), margin and conservative fraction.
         seq_lens, trials: see :func:`plan_calibration`.
         on_trial: called with each finished trial; without it, and with ``progress``, each trial is printed to
-            stderr as one line, and the steady trial's steps every 10 (:class:`ProgressPrinter`).
+            stderr as one line, and the steady trial's steps every 5 (:class:`ProgressPrinter`).
 
     Returns:
         The profile: ``limits.safe_batch_size`` and ``limits.conservative_batch_size`` (samples), the fit
@@ -320,7 +320,7 @@ class ProgressPrinter:
     """Progress for people on stderr: one line per finished trial, and every ``every`` steps of the steady
     trial, so a calibration is never silent for minutes (:func:`calibrate`'s default)."""
 
-    def __init__(self, usable_bytes: int, every: int = 10, file: Any = None) -> None:
+    def __init__(self, usable_bytes: int, every: int = 5, file: Any = None) -> None:
         self.usable_bytes, self.every, self.file = usable_bytes, every, file
 
     def __call__(self, trial: Trial) -> None:

@@ -12,12 +12,17 @@ import importlib.metadata
 import os
 import platform
 
-# glibc malloc in workers: blocks of 4 MiB and more are mapped and unmapped on their own (a fixed threshold:
+# glibc malloc in workers: blocks of 256 KiB and more are mapped and unmapped on their own (a fixed threshold:
 # glibc's default threshold drifts up to 32 MiB as blocks are freed, and the heap then fragments by chance),
-# one arena, and transparent huge pages for those mappings. Measured on the tiny spec (2-core host): three
-# trials at one batch size varied by 1 % instead of 4-8 %, and peaked 10-15 % lower; the default spec's
-# step took about 30 % more CPU time (page faults of the fresh mappings, fewer with huge pages).
-HOST_MALLOC = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304:glibc.malloc.trim_threshold=4194304:"
+# one arena, and transparent huge pages for those mappings. With glibc's defaults three trials of the tiny spec at
+# one batch size varied by 4-8 %. With a fixed 4 MiB threshold they agreed within 1 %, but the activations
+# between 256 KiB and 4 MiB stayed on the heap, which fragmented step after step: a long run crept 5-8 % above
+# a trial on three of the four benchmark specs (bench/results/creep/STUDY.md). At 256 KiB (2-core host, steady
+# trials at small 135, long 13, wide 21, default 72): the creep over 40-100 steps 0.04 / 0.2 / 0.4 / 0.05 % instead
+# of 4.7 / 0.6 / 5.6 / 0.4 %, the first step's peak 4.3 / 14 / 3.8 / 0.3 % lower (the last's 8.6 / 14 / 8.5 /
+# 0.7 %), a step 47 / 49 / 71 / 0 % slower (page faults of the fresh mappings; none on the default spec, whose
+# activations were mapped already). bench/results/creep-256k/STUDY.md.
+HOST_MALLOC = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=262144:glibc.malloc.trim_threshold=262144:"
                "glibc.malloc.arena_max=1")
 # What a worker's fork server starts with unless the caller set it (read once, when a process starts).
 WORKER_DEFAULTS = {"ARROW_DEFAULT_MEMORY_POOL": "system", "GLIBC_TUNABLES": HOST_MALLOC,

@@ -172,7 +172,7 @@ class TrialSettings:
     measured_steps: int = 2
     val_steps: int = 1
     steady_steps: int = 40
-    plateau_steps: int = 10
+    plateau_steps: int = 5
     max_trials: int = 16
     timeout_s: float = 900.0
     boundary: bool = True

@@ -54,7 +54,7 @@ trial_options = group(
     click.option("--val-steps", type=click.IntRange(0), default=_TRIALS.val_steps, show_default=True,
                  help="validation passes per trial, at the trial's batch size, as the trainer validates"),
     click.option("--steady-steps", type=click.IntRange(0), default=_TRIALS.steady_steps, show_default=True,
-                 help="the most measured steps of one steady trial at the verified safe size: how much more a long "
+                 help="the most measured steps of the steady trial at the conservative size: how much more a long "
                       "run peaks than a short trial (the step creep), added to the predictions; 0 skips it"),
     click.option("--plateau-steps", type=click.IntRange(0), default=_TRIALS.plateau_steps, show_default=True,
                  help="the steady trial ends once its peak has not risen for this many steps (0: it runs all "
