@@ -9,6 +9,10 @@ most ``TrialSettings().steady_steps``, then the host's allowance
 length, its prediction at that batch size and the error against the peak after 1,000 steps.
 
     .venv/bin/python -m bench.creep_policy [--plateau-steps N] [--steady-steps N] [--allowance F]
+                                           [--curves FILE --run-steps N]
+
+``--curves`` replays other curves (:mod:`bench.creep_curves` records them: ``bench/results/creep-256k/`` holds those
+of the workers' 256 KiB mmap threshold), against the peak after ``--run-steps`` steps.
 
 The curves have no validation passes (a trial's does one; the trainer's are full passes, and the study found
 they never raised the peak), and one process per curve: repeats of one size differ by 0.4-0.8 %.
@@ -43,23 +47,28 @@ def main() -> None:
     parser.add_argument("--plateau-steps", type=int, default=defaults.plateau_steps)
     parser.add_argument("--steady-steps", type=int, default=defaults.steady_steps)
     parser.add_argument("--allowance", type=float, default=HOST_LATE_CREEP)
+    parser.add_argument("--curves", type=Path, default=CURVES)
+    parser.add_argument("--run-steps", type=int, default=RUN_STEPS)
     args = parser.parse_args()
-    runs = [r for r in json.loads(gzip.open(CURVES, "rt").read())["runs"] if len(r["step_peak_bytes"]) >= RUN_STEPS]
+    run_steps = args.run_steps
+    runs = [r for r in json.loads(gzip.open(args.curves, "rt").read())["runs"]
+            if len(r["step_peak_bytes"]) >= run_steps]
     print(f"plateau_steps {args.plateau_steps}, steady_steps {args.steady_steps}, allowance {args.allowance:.1%}; "
-          f"{len(runs)} curves of {RUN_STEPS} steps")
-    print(f"{'spec':8} {'batch':>5} {'steps':>5} {'steady MiB':>10} {'predicted':>9} {'1,000 steps':>11} {'error':>7}")
+          f"{len(runs)} curves of {run_steps} steps")
+    print(f"{'spec':8} {'batch':>5} {'steps':>5} {'steady MiB':>10} {'predicted':>9} {f'{run_steps:,} steps':>11} "
+          f"{'error':>7}")
     errors, lengths = [], []
     for run in sorted(runs, key=lambda r: (r["spec"], r["batch_size"], r["run_id"])):
         curve = run["step_peak_bytes"]
         n = replay(curve, args.plateau_steps, args.steady_steps)
         predicted = max(curve[:n]) * (1 + args.allowance)
-        end = max(curve[:RUN_STEPS])
+        end = max(curve[:run_steps])
         errors.append((end - predicted) / predicted)
         lengths.append(n)
         print(f"{run['spec']:8} {run['batch_size']:5} {n:5} {max(curve[:n]) / 2**20:10.1f} {predicted / 2**20:9.1f} "
               f"{end / 2**20:11.1f} {errors[-1]:+7.2%}")
-    print(f"error (1,000-step peak against the prediction): {min(errors):+.2%} to {max(errors):+.2%}; steady trial "
-          f"{min(lengths)}-{max(lengths)} steps (median {statistics.median(lengths):g})")
+    print(f"error ({run_steps:,}-step peak against the prediction): {min(errors):+.2%} to {max(errors):+.2%}; "
+          f"steady trial {min(lengths)}-{max(lengths)} steps (median {statistics.median(lengths):g})")
 
 
 if __name__ == "__main__":

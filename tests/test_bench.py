@@ -284,3 +284,28 @@ def test_memory_verdict():
     assert [memory_verdict(status, peak, 100) for status, peak in
             [("ok", 100), ("ok", 101), ("oom", None), ("error", None), ("timeout", None), ("ok", None)]] == [
         "fits", "over", "over", "unknown", "unknown", "unknown"]
+
+
+def test_the_creep_policy_replays_other_curves_against_their_own_run_length(tmp_path, capsys, monkeypatch):
+    """``bench.creep_policy --curves FILE --run-steps N``: a curve flat after its third step, then one late rise of
+    1 %, is stopped by the plateau at step 3 + plateau_steps and predicted with the allowance; a curve shorter
+    than the run is left out."""
+    import gzip
+    import json
+    import sys
+
+    from bench import creep_policy
+
+    flat_then_late = [800 * MIB, 805 * MIB, 810 * MIB] + [810 * MIB] * 96 + [818.1 * MIB]  # 100 steps
+    curves = tmp_path / "curves.json.gz"
+    with gzip.open(curves, "wt") as out:
+        json.dump({"source": "synthetic", "runs": [
+            {"run_id": "a", "spec": "small", "batch_size": 160, "step_peak_bytes": [round(p) for p in flat_then_late]},
+            {"run_id": "b", "spec": "long", "batch_size": 16, "step_peak_bytes": [800 * MIB] * 50}]}, out)
+    monkeypatch.setattr(sys, "argv", ["creep_policy", "--curves", str(curves), "--run-steps", "100",
+                                      "--plateau-steps", "5", "--allowance", "0.005"])
+    creep_policy.main()
+    printed = capsys.readouterr().out
+    assert "1 curves of 100 steps" in printed
+    row = next(line for line in printed.splitlines() if line.startswith("small"))
+    assert row.split() == ["small", "160", "8", "810.0", "814.0", "818.1", "+0.50%"]  # (818.1 - 814.05) / 814.05
