@@ -20,17 +20,24 @@ PROBE_ARGS ?= --gpu auto
 endif
 TRAIN_ARGS ?= --epochs 1
 
-.PHONY: setup run test lint clean gpu-wheels gpu-rehearsal gpu-fused-wheels
+.PHONY: setup setup-dev run test lint clean gpu-wheels gpu-rehearsal gpu-fused-wheels
 
+# setup: what vramcal runs with (make run); setup-dev adds what its tests need (Lightning, Accelerate, pytest,
+# ruff, the PostgreSQL driver: make test).
 setup: $(VENV)/.installed
+setup-dev: $(VENV)/.installed-dev
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch; \
 	else $(PY) -m pip install --quiet $(TORCH_CPU); fi
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e .
 	$(PY) -m pip install --quiet --no-deps mlfinpy==0.1.2
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
 $(DATA): | setup
@@ -40,10 +47,10 @@ run: setup $(DATA)
 	$(PY) -m vramcal probe $(PROBE_ARGS)
 	$(PY) -m vramcal train --data $(DATA) $(TRAIN_ARGS)
 
-test: setup
+test: setup-dev
 	$(PY) -m pytest -q
 
-lint: setup
+lint: setup-dev
 	$(PY) -m ruff check vramcal tests
 
 clean:
