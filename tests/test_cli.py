@@ -218,3 +218,38 @@ def test_an_unwritable_reports_folder_fails_before_any_trial(tmp_path):
     result = invoke("probe", "--gpu", "none", "--out", str(tmp_path / "p.json"), "--reports-dir", str(blocker / "r"))
     assert result.exit_code == 1 and "cannot write reports" in one_line_error(result)
     assert "batch_size" not in result.output  # no trial ran
+
+
+def processes_tagged(tag: str) -> set[int]:
+    """The pids of processes alive now whose environment holds ``VRAMCAL_TEST_TAG=tag`` (what a command started
+    with the tag left running: its children inherit the environment)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"VRAMCAL_TEST_TAG={tag}".encode() in f.read().split(b"\0"):
+                    found.add(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_a_command_that_stops_early_leaves_no_worker_server_behind(tmp_path):
+    """probe and train start their workers' fork server first (its imports overlap the command's own checks); a
+    command that stops on a bad input ends it as it exits, rather than leave it importing torch for seconds."""
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    for command in ("train", "probe"):
+        tag, log = uuid.uuid4().hex, tmp_path / f"{command}.log"
+        with open(log, "w") as output:  # a file, not a pipe: a pipe's reader would wait for the server too
+            done = subprocess.run([sys.executable, "-m", "vramcal", command, "--gpu", "none", "--data",
+                                   str(tmp_path / "missing.parquet")], stdout=output, stderr=subprocess.STDOUT,
+                                  timeout=120, env={**os.environ, "VRAMCAL_TEST_TAG": tag})
+        assert done.returncode != 0 and "Traceback" not in log.read_text(), log.read_text()
+        deadline = time.monotonic() + 2  # the signal's delivery; left alone, its imports go on for seconds
+        while processes_tagged(tag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert processes_tagged(tag) == set(), command

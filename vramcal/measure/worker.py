@@ -37,6 +37,7 @@ from typing import Any, Literal
 from vramcal.environment import WORKER_DEFAULTS
 
 OutcomeStatus = Literal["ok", "oom", "timeout", "error"]
+_ENDED_AT_EXIT: set[int] = set()  # the fork servers this process ends as it exits (Workers.warm_up)
 Handler = Callable[[str, Any], Any]
 
 
@@ -111,11 +112,20 @@ class Workers:
         """Start the fork server now and return at once: it imports its preload in its own process (seconds of
         torch and transformers) while the caller goes on with its own work (its imports, reading the data,
         finding the profile), so the first worker need not wait for all of it. The server takes the
-        environment as it is now: a caller sets what its workers must see (``--strict-profile``) first."""
+        environment as it is now: a caller sets what its workers must see (``--strict-profile``) first.
+
+        A server ends once its caller has gone, but not before its imports are done: the caller ends it as it
+        exits, so a command that stops early (a bad option, a missing file) leaves nothing busy behind it (and
+        whoever reads the command's output through a pipe does not wait seconds for the server to let it go)."""
+        import atexit
         from multiprocessing import forkserver
 
         with _main_left_alone():
             forkserver.ensure_running()
+        pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+        if pid is not None and pid not in _ENDED_AT_EXIT:
+            _ENDED_AT_EXIT.add(pid)
+            atexit.register(_end_server, pid)
 
     def run(self, function: Callable[..., Any] | str, *args: Any, timeout_s: float | None = None,
             handler: Handler | None = None) -> Outcome:
@@ -264,6 +274,14 @@ def _main_left_alone():
         yield
     finally:
         main.__file__ = path
+
+
+def _end_server(pid: int) -> None:
+    """End the fork server ``pid`` (at the caller's exit; its workers have ended, or end with their caller)."""
+    import signal
+
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
 
 
 def _exit_status(exitcode: int | None) -> dict[str, Any]:
