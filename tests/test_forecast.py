@@ -224,3 +224,23 @@ def test_a_run_observes_its_complete_epochs_against_the_forecast_for_the_same_ep
     assert "forecast 2.8 s (+7.1%)" in line
     far = first_epoch_lines(forecast, {**rows[0], "epoch_s": 4.0}, fresh=True)
     assert len(far) == 2 and far[1].startswith("warning: the epoch took +43%")
+
+
+def test_an_epoch_of_few_noisy_steps_is_judged_against_their_own_noise():
+    """A forecast resting on 8 step times spread 25 % (a busy 2-core host): an epoch of 3 steps 30 % slower is within
+    what its steps may vary by (2 x 0.25 x sqrt(1/3 + 1/8) = 34 %), and says so without a warning; an epoch of 100
+    steps 30 % slower is far (the band is 25 % again); steps that repeat within 1 % keep the 25 % band."""
+    from vramcal.forecast import Forecast, time_band
+    from vramcal.train.timing import first_epoch_lines
+
+    forecast = Forecast("card", True, 1, Dataset(30, 0, "t"), 10, "conservative", samples_per_s=10.0, train_s=3.0,
+                        val_s=0.0, epoch_s=3.0, first_s=0.0, run_s=3.0, step_spread=0.25, n_steps=8)
+    assert time_band(forecast, 3) == pytest.approx(2 * 0.25 * (1 / 3 + 1 / 8) ** 0.5)
+    assert time_band(forecast, 100) == 0.25 and time_band(dataclasses.replace(forecast, step_spread=0.01), 3) == 0.25
+    row = {"epoch": 1, "complete": True, "epoch_s": 3.9, "train_s": 3.9, "val_s": 0.0, "samples": 30,
+           "samples_per_s": 30 / 3.9, "batch_size": 10}
+    (line,) = first_epoch_lines(forecast, row, fresh=True)
+    assert line.endswith("forecast 3 s (+30.0%; its 3 steps may vary by ±34%)"), line
+    long = {**row, "samples": 1000, "epoch_s": 390.0, "train_s": 390.0}
+    far = first_epoch_lines(dataclasses.replace(forecast, epoch_s=300.0, train_s=300.0), long, fresh=True)
+    assert len(far) == 2 and far[1].startswith("warning: the epoch took +30%")

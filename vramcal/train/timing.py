@@ -3,9 +3,9 @@
 As the memory loop does (:mod:`vramcal.train.runner`), the run prints its forecast before the first step
 (:func:`vramcal.forecast.forecast_batch` at the run's own batch size, data and epochs), its measured epoch time
 beside the forecast after the first epoch, and records both in its profile's observation
-(:class:`vramcal.profile.Observation`: ``samples_per_s``, ``epoch_s`` and their forecasts). A run whose epoch
-time is more than :data:`vramcal.forecast.FAR_FRACTION` off its forecast says so
-(:func:`vramcal.forecast.time_verdict`).
+(:class:`vramcal.profile.Observation`: ``samples_per_s``, ``epoch_s`` and their forecasts). A run whose first
+epoch is more than :data:`vramcal.forecast.FAR_FRACTION` off its forecast, and more than its steps' own noise
+may take it (:func:`vramcal.forecast.time_band`), says so (:func:`vramcal.forecast.time_verdict`).
 
 Measured figures are the trainer's epoch rows (:mod:`vramcal.train.loop`): ``epoch_s`` = the epoch's step
 times plus its validation pass, ``samples_per_s`` = training samples over step time; only complete epochs
@@ -20,7 +20,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from vramcal.forecast import FAR, Dataset, Forecast, forecast_batch, time_verdict
+from vramcal.forecast import FAR, FAR_FRACTION, Dataset, Forecast, forecast_batch, time_band, time_verdict
 from vramcal.profile import ProfileError, load_profile
 from vramcal.train.plan import Plan
 from vramcal.units import format_duration
@@ -82,15 +82,19 @@ def forecast_line(forecast: Forecast, plan: Plan | None = None) -> str:
 
 
 def first_epoch_lines(forecast: Forecast, row: dict[str, Any], fresh: bool) -> list[str]:
-    """The first epoch's measured time beside its forecast, and a warning when it is far from it."""
+    """The first epoch's measured time beside its forecast, and a warning when it is far from it: farther than its
+    steps' own noise may take it (:func:`vramcal.forecast.time_band`), and at least 25 %."""
     if not row.get("epoch_s") or not row.get("complete", True):
         return []
     expected = forecast.epoch_s + (forecast.first_s or 0.0) * fresh
     error = (row["epoch_s"] - expected) / expected
+    steps = math.ceil(row["samples"] / row["batch_size"]) if row.get("batch_size") else 0
+    band = time_band(forecast, steps)
+    noise = f"; its {steps} steps may vary by ±{band:.0%}" if band > FAR_FRACTION else ""
     lines = [f"after the first epoch: {format_duration(row['epoch_s'])} (training {format_duration(row['train_s'])}"
              f", {row['samples_per_s']:.3g} samples/s; validation {format_duration(row['val_s'])}): forecast "
-             f"{format_duration(expected)} ({error:+.1%})"]
-    if time_verdict(row["epoch_s"], expected) == FAR:
+             f"{format_duration(expected)} ({error:+.1%}{noise})"]
+    if time_verdict(row["epoch_s"], expected, band) == FAR:
         short = ("; its rate rested on a short trial's few timed steps" if forecast.steady is False else "")
         lines.append(f"warning: the epoch took {error:+.0%} against the forecast: the profile's throughput does not "
                      f"describe this run (a busier machine, other software, another card?{short}); re-run "
