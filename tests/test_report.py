@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from vramcal.cli.report import limits_command, report_command
+from vramcal.cli import main
 from vramcal.profile import load_profile, save_profile
 from vramcal.records import Trial
 from vramcal.report import write_report
@@ -105,7 +105,7 @@ def test_parse_gpu_list():
 ])
 def test_limits_refuses_tiny_sizes_and_duplicate_names_with_exit_2(tmp_path, gpus, phrase):
     path = save_profile(gpu_profile(), tmp_path / "gpu.json")
-    result = CliRunner().invoke(limits_command, [str(path), "--gpus", gpus])
+    result = CliRunner().invoke(main, ["limits", str(path), "--gpus", gpus])
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert phrase in result.output
     assert parse_gpu_list("A=1MiB")[0].total_bytes == 2**20  # the minimum itself is a card
@@ -203,17 +203,17 @@ def test_importing_the_report_modules_loads_no_matplotlib_or_torch():
 def test_report_command_writes_both_files(tmp_path):
     path = save_profile(gpu_profile(), tmp_path / "profiles" / "gpu.json")
     out = tmp_path / "reports"
-    result = CliRunner().invoke(report_command, [str(path), "--out", str(out), "--gpus", "RTX 4080=16GiB"])
+    result = CliRunner().invoke(main, ["report", str(path), "--out", str(out), "--gpus", "RTX 4080=16GiB"])
     assert result.exit_code == 0, result.output
     assert sorted(p.suffix for p in out.iterdir()) == [".md", ".png"]
     assert "| RTX 4080 " in next(out.glob("*.md")).read_text()
-    folder = CliRunner().invoke(report_command, [str(tmp_path / "profiles"), "--out", str(out), "--name", "all"])
+    folder = CliRunner().invoke(main, ["report", str(tmp_path / "profiles"), "--out", str(out), "--name", "all"])
     assert folder.exit_code == 0 and (out / "all.png").exists()
 
 
 def test_limits_command_prints_the_table(tmp_path):
     path = save_profile(gpu_profile(), tmp_path / "gpu.json")
-    result = CliRunner().invoke(limits_command, [str(path), "--gpus", "L4=22.5GiB"])
+    result = CliRunner().invoke(main, ["limits", str(path), "--gpus", "L4=22.5GiB"])
     assert result.exit_code == 0, result.output
     assert "| L4 " in result.output and "measured (verified)" in result.output and "**" not in result.output
     assert "extrapolations" in result.output
@@ -222,14 +222,14 @@ def test_limits_command_prints_the_table(tmp_path):
 def test_commands_turn_bad_input_into_one_line_errors(tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
-    for command in (report_command, limits_command):
-        result = CliRunner().invoke(command, [str(broken)])
+    for command in ("report", "limits"):
+        result = CliRunner().invoke(main, [command, str(broken)])
         assert result.exit_code == 1 and "is not valid JSON" in result.output
         assert "Traceback" not in result.output
     sparse = save_profile(sparse_profile(), tmp_path / "sparse.json")
-    result = CliRunner().invoke(limits_command, [str(sparse)])
+    result = CliRunner().invoke(main, ["limits", str(sparse)])
     assert result.exit_code == 1 and "no fitted memory model" in result.output
-    result = CliRunner().invoke(limits_command, [str(sparse), "--gpus", "L4"])
+    result = CliRunner().invoke(main, ["limits", str(sparse), "--gpus", "L4"])
     assert result.exit_code == 2 and "NAME=SIZE" in result.output
     assert json.loads(sparse.read_text())["fit"] is None
 
@@ -248,14 +248,13 @@ def timed_cards(tmp_path: Path) -> list[Path]:
 
 
 def test_a_cost_table_of_several_cards_renders_in_markdown_json_and_png(tmp_path):
-    from vramcal.cli.cost import cost_command
     from vramcal.report.cost_figure import DPI as COST_DPI
     from vramcal.report.cost_figure import FIGSIZE_IN as COST_FIGSIZE
 
     paths = timed_cards(tmp_path)
     args = [*map(str, paths), "--samples", "50000", "--val-samples", "5000", "--epochs", "50", "--out",
             str(tmp_path / "out"), "--name", "cards", "--price", "RTX 4090=0.59,RTX A4000=0.25,H100=2.49"]
-    shown = CliRunner().invoke(cost_command, args)
+    shown = CliRunner().invoke(main, ["cost", *args])
     assert shown.exit_code == 0, shown.output
     lines = {line.split("|")[1].strip(): line for line in shown.output.splitlines() if line.startswith("| ")}
     assert "fastest, cheapest" in lines["NVIDIA GeForce RTX 4090"] and "0.59" in lines["NVIDIA GeForce RTX 4090"]
@@ -265,7 +264,7 @@ def test_a_cost_table_of_several_cards_renders_in_markdown_json_and_png(tmp_path
     assert "| H100 " in markdown and "**fastest, cheapest**" in markdown and "![Run time against cost" in markdown
     width, height = png_dimensions((tmp_path / "out" / "cards.png").read_bytes())
     assert (width, height) == (COST_FIGSIZE[0] * COST_DPI, COST_FIGSIZE[1] * COST_DPI)
-    data = json.loads(CliRunner().invoke(cost_command, [*args, "--json", "--size-for", "throughput"]).output)
+    data = json.loads(CliRunner().invoke(main, ["cost", *args, "--json", "--size-for", "throughput"]).output)
     rows = {r["card"]: r for r in data["forecasts"]}
     assert rows["H100"]["measured"] is False and rows["H100"]["samples_per_s"] is None and rows["H100"]["cost"] is None
     rtx = rows["NVIDIA GeForce RTX 4090"]
@@ -276,25 +275,23 @@ def test_a_cost_table_of_several_cards_renders_in_markdown_json_and_png(tmp_path
 def test_the_cost_command_cuts_windows_from_bars_or_data_and_refuses_two_datasets(tmp_path):
     from test_train_data import synthetic_bars
 
-    from vramcal.cli.cost import cost_command
-
     paths = [str(p) for p in timed_cards(tmp_path)[:1]]
     synthetic_bars(3000).to_parquet(tmp_path / "bars.parquet")
     out = ["--out", str(tmp_path / "out")]
-    by_bars = CliRunner().invoke(cost_command, [*paths, *out, "--bars", "3000", "--stride", "64", "--val-fraction",
+    by_bars = CliRunner().invoke(main, ["cost", *paths, *out, "--bars", "3000", "--stride", "64", "--val-fraction",
                                                 "0.2", "--json"])
-    by_data = CliRunner().invoke(cost_command, [*paths, *out, "--data", str(tmp_path / "bars.parquet"), "--stride",
+    by_data = CliRunner().invoke(main, ["cost", *paths, *out, "--data", str(tmp_path / "bars.parquet"), "--stride",
                                                 "64", "--json"])
     counted = json.loads(by_bars.output)["forecasts"][0]["dataset"]
     cut = json.loads(by_data.output)["forecasts"][0]["dataset"]
     assert (counted["train_samples"], counted["val_samples"]) == (cut["train_samples"], cut["val_samples"]) == (36, 8)
-    both = CliRunner().invoke(cost_command, [*paths, *out, "--bars", "3000", "--samples", "10"])
+    both = CliRunner().invoke(main, ["cost", *paths, *out, "--bars", "3000", "--samples", "10"])
     assert both.exit_code == 2 and "give one of --data, --bars and --samples" in both.output
-    alone = CliRunner().invoke(cost_command, [*paths, *out, "--val-samples", "10"])
+    alone = CliRunner().invoke(main, ["cost", *paths, *out, "--val-samples", "10"])
     assert alone.exit_code == 2 and "--val-samples goes with --samples" in alone.output
-    bad = CliRunner().invoke(cost_command, [*paths, *out, "--price", "RTX 4090=free"])
+    bad = CliRunner().invoke(main, ["cost", *paths, *out, "--price", "RTX 4090=free"])
     assert bad.exit_code == 2 and "is not a price per hour" in bad.output and "Traceback" not in bad.output
-    multi = CliRunner().invoke(cost_command, [*paths, *out, "--seq-len", "256", "--bars", "3000", "--json"])
+    multi = CliRunner().invoke(main, ["cost", *paths, *out, "--seq-len", "256", "--bars", "3000", "--json"])
     assert json.loads(multi.output)["forecasts"][0]["dataset"]["train_samples"] == 17  # 256 bars, stride 128
 
 
@@ -330,7 +327,7 @@ def test_the_report_lists_runs_far_from_their_forecast(tmp_path):
 
 def test_the_report_command_takes_the_forecast_options(tmp_path):
     path = timed_cards(tmp_path)[0]
-    result = CliRunner().invoke(report_command, [str(path), "--out", str(tmp_path / "r"), "--name", "f", "--epochs",
+    result = CliRunner().invoke(main, ["report", str(path), "--out", str(tmp_path / "r"), "--name", "f", "--epochs",
                                                  "3", "--samples", "1000", "--price", "RTX 4090=0.59,H100=2.49"])
     assert result.exit_code == 0, result.output
     text = (tmp_path / "r" / "f.md").read_text()
@@ -342,6 +339,6 @@ def test_the_report_command_takes_the_forecast_options(tmp_path):
                             "--seq-len", "128"], "Each epoch: 34 training samples and 10 validation samples"),
                           (["--bars", "3000", "--stride", "64"], "Each epoch: 36 training samples and 8 validation"),
                           (["--samples", "500", "--val-samples", "50"], "500 training samples and 50 validation")):
-        result = CliRunner().invoke(report_command, [str(path), "--out", str(tmp_path / "r"), "--name", "g", *extra])
+        result = CliRunner().invoke(main, ["report", str(path), "--out", str(tmp_path / "r"), "--name", "g", *extra])
         assert result.exit_code == 0, result.output
         assert phrase in (tmp_path / "r" / "g.md").read_text()
