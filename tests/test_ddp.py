@@ -28,18 +28,29 @@ from vramcal.calibration.limits import compute_limits
 from vramcal.measure.device import host_device
 from vramcal.measure.trial import TrialRequest, TrialRunner
 from vramcal.profile import load_profile, profile_path, save_profile
-from vramcal.records import TrialSettings, World
+from vramcal.records import Trial, TrialSettings, World
 from vramcal.train import checkpoint
 
 pytestmark = pytest.mark.slow
 MIB = 2**20
 
 
+def run_as_the_search_does(runner: TrialRunner, request: TrialRequest) -> Trial:
+    """One trial, run once more when it timed out, as the search's rule 7 runs an unmeasured trial again (a world
+    trial timed out once in 120 s in CI, where it takes seconds; its line now says where each rank was)."""
+    (trial,) = runner.run(request)
+    if trial.status == "timeout":
+        print(f"a world trial timed out, run once more as the search would: {trial.error.splitlines()[0]}")
+        (trial,) = runner.run(request)
+    return trial
+
+
 def test_a_world_trial_keeps_every_rank_and_agrees_on_a_failure():
     runner = TrialRunner(worker_pool())
     device = host_device(host_budget.budget(1024 * MIB))
-    settings = TrialSettings(timeout_s=120)
-    (fits,) = runner.run(TrialRequest(SPEC.ref("transformers"), 16, device, settings=settings, world=World(2)))
+    settings = TrialSettings(timeout_s=60)
+    fits = run_as_the_search_does(runner, TrialRequest(SPEC.ref("transformers"), 16, device, settings=settings,
+                                                       world=World(2)))
     assert fits.ok and len(fits.rank_peak_bytes) == 2 and fits.peak_bytes == max(fits.rank_peak_bytes)
     started = time.time()
     (fails,) = runner.run(TrialRequest(SPEC.ref("transformers"), 400_000, device, settings=settings,
