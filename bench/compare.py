@@ -296,7 +296,8 @@ def survival_runs(results: dict[str, Any], spec: dict[str, Any], budget: int, da
             continue
         pool = loaded[label].pool_data_bytes + run["data_delta_bytes"]
         run.update(sources=sources, profile_label=label,
-                   predictions={key: {"predicted_peak_bytes": s.predicted_peak_bytes, "upper_bytes": s.upper_bytes}
+                   predictions={key: {"predicted_peak_bytes": s.predicted_peak_bytes, "upper_bytes": s.upper_bytes,
+                                      "usable_bytes": s.usable_bytes}
                                 for key, profile in loaded.items()
                                 for s in [sizing_at(profile, batch_size, pool)]})
         print(f"  {batch_size}: {run['status']} after {run['steps_done']} steps, peak "

@@ -22,6 +22,10 @@ from vramcal.sizing import size
 from profiles_for_tests import host_profile
 
 MIB = 2**20
+SAFE_PEAK = ("vramcal: trainer's peak at the safe size within ±3 % of the prediction, at or below the upper bound "
+             "and within usable memory")
+CONSERVATIVE_PEAK = SAFE_PEAK.replace("safe", "conservative")
+WALL = "vramcal: median wall time at most 0.33× Lightning binsearch's"
 OK_TRIAL = {"batch_size": 1, "status": "ok"}
 
 
@@ -39,8 +43,9 @@ def _anchor_run(round_number: int, wall_s: float, answer: int | None, trials: in
 
 
 def _survival(batch_size: int, status: str, peak_mib: float, predicted_mib: float, upper_mib: float,
-              steps_done: int = 200) -> dict:
-    prediction = {"predicted_peak_bytes": int(predicted_mib * MIB), "upper_bytes": int(upper_mib * MIB)}
+              steps_done: int = 200, usable_mib: float = 1100) -> dict:
+    prediction = {"predicted_peak_bytes": int(predicted_mib * MIB), "upper_bytes": int(upper_mib * MIB),
+                  "usable_bytes": int(usable_mib * MIB)}
     return {"batch_size": batch_size, "status": status, "steps": 200, "steps_done": steps_done,
             "peak_bytes": int(peak_mib * MIB), **prediction, "sources": ["x"], "profile_label": "vramcal/r1",
             "wall_s": 100.0, "predictions": {f"vramcal/r{r}": prediction for r in (1, 2, 3)}}
@@ -59,8 +64,8 @@ def _results() -> dict:
                                                                                          "status": "ok"}] * 10,
                          "wall_s": 90.0, "key": {"vramcal_commit": "abc1234"}},
         "runs": {
-            "vramcal": [_vramcal_run(1, 30.0, 120, 134, 204.0), _vramcal_run(2, 50.0, 120, 134, 205.0),
-                        _vramcal_run(3, 40.0, 121, 135, 205.5)],
+            "vramcal": [_vramcal_run(1, 20.0, 120, 134, 200.5), _vramcal_run(2, 30.0, 120, 134, 201.0),
+                        _vramcal_run(3, 25.0, 121, 135, 201.5)],
             "lightning-binsearch": [_anchor_run(1, 120.0, 190), _anchor_run(2, 80.0, 190), _anchor_run(3, 100.0, 190)],
             "accelerate": [_anchor_run(1, 60.0, 190, 3), _anchor_run(2, 70.0, None, 3), _anchor_run(3, 65.0, 190, 3)],
         },
@@ -81,12 +86,12 @@ def test_a_tool_summary_gives_the_median_and_range_of_its_rounds_and_whether_ans
 def test_rows_show_medians_spreads_differing_answers_and_survival():
     by_tool = {row["tool"]: row for row in rows(_results())}
     conservative = by_tool["vramcal conservative"]
-    assert conservative["wall_s_median"] == "40.0" and conservative["wall_s_range"] == "30.0-50.0"
+    assert conservative["wall_s_median"] == "25.0" and conservative["wall_s_range"] == "20.0-30.0"
     assert conservative["batch_size"] == "120 / 120 / 121 (differ)"
     assert conservative["error_pct"] == "-40.0"  # median 120 against 200
     assert conservative["survived"] == "yes"  # 120 and 121 both finished
-    assert by_tool["vramcal predicted boundary"]["batch_size"] == "204.0 / 205.0 / 205.5 (differ)"
-    assert by_tool["vramcal predicted boundary"]["error_pct"] == "+2.5"
+    assert by_tool["vramcal predicted boundary"]["batch_size"] == "200.5 / 201.0 / 201.5 (differ)"
+    assert by_tool["vramcal predicted boundary"]["error_pct"] == "+0.5"
     assert by_tool["lightning-binsearch"]["batch_size"] == "190"
     assert by_tool["lightning-binsearch"]["survived"] == "no (oom-fallback at step 40)"
     assert by_tool["accelerate (failed in round 2)"]["batch_size"] == "190 / - / 190 (differ)"
@@ -94,29 +99,34 @@ def test_rows_show_medians_spreads_differing_answers_and_survival():
 
 def test_ratios_divide_medians():
     assert ratios(_results()) == [
-        {"tool": "vramcal", "anchor": "lightning-binsearch", "wall_ratio": "0.40", "trials_ratio": "0.50"},
-        {"tool": "vramcal", "anchor": "accelerate", "wall_ratio": "0.62", "trials_ratio": "2.00"}]
+        {"tool": "vramcal", "anchor": "lightning-binsearch", "wall_ratio": "0.25", "trials_ratio": "0.50"},
+        {"tool": "vramcal", "anchor": "accelerate", "wall_ratio": "0.38", "trials_ratio": "2.00"}]
 
 
 def test_targets_hold_in_every_round_or_not_at_all():
     by_target = {t["target"]: t for t in targets(_results())}
-    boundary = by_target["vramcal: predicted boundary within 3 % of the ground truth"]
-    assert boundary["met"] == "yes" and "205.5 (+2.8 %)" in boundary["measured"]
+    boundary = by_target["vramcal: predicted boundary within 1 % of the ground truth"]
+    assert boundary["met"] == "yes" and "201.5 (+0.8 %)" in boundary["measured"]
     assert by_target["vramcal: safe batch size never above the ground truth"]["met"] == "yes"
-    assert by_target["vramcal: median wall time at most half of Lightning binsearch's"]["met"] == "yes"
+    assert by_target["vramcal: median wall time at most 0.33× Lightning binsearch's"]["met"] == "yes"
     assert by_target["vramcal: 200 training steps at the safe size finish with no out-of-memory error"]["met"] == "yes"
-    safe = by_target["vramcal: trainer's peak at the safe size within 5 % of the prediction and at or below the "
-                     "upper bound"]
-    assert safe["met"] == "yes" and "b=135" in safe["measured"]
+    safe = by_target[SAFE_PEAK]
+    assert safe["met"] == "yes" and "b=135" in safe["measured"] and "usable 1.07 GiB" in safe["measured"]
 
     results = _results()
-    results["runs"]["vramcal"][2]["limits"]["boundary_batch_size"] = 207.0  # +3.5 % in one round of three
-    results["survival"][3] = _survival(121, "ok", 1000, 920, 960)  # above the upper bound and +8.7 %
+    results["runs"]["vramcal"][2]["limits"]["boundary_batch_size"] = 203.0  # +1.5 % in one round of three
+    results["survival"][3] = _survival(121, "ok", 950, 920, 960)  # +3.3 %, though below the upper bound
+    results["survival"][1] = _survival(135, "ok", 1000, 980, 1030, usable_mib=990)  # +2.0 %, above usable memory
     by_target = {t["target"]: t for t in targets(results)}
-    assert by_target["vramcal: predicted boundary within 3 % of the ground truth"]["met"] == "**no**"
-    conservative = by_target["vramcal: trainer's peak at the conservative size within 5 % of the prediction and at "
-                             "or below the upper bound"]
-    assert conservative["met"] == "**no**" and "+8.7 %" in conservative["measured"]
+    assert by_target["vramcal: predicted boundary within 1 % of the ground truth"]["met"] == "**no**"
+    conservative = by_target[CONSERVATIVE_PEAK]
+    assert conservative["met"] == "**no**" and "+3.3 %" in conservative["measured"]
+    assert by_target[SAFE_PEAK]["met"] == "**no**"
+
+    results = _results()
+    results["runs"]["vramcal"][1]["process_wall_s"] = 40.0
+    results["runs"]["vramcal"][2]["process_wall_s"] = 35.0  # 20 / 40 / 35 s: median 35 s, 0.35x binsearch's 100 s
+    assert {t["target"]: t for t in targets(results)}[WALL]["met"] == "**no**"
 
 
 def test_a_safe_size_above_the_truth_or_a_missing_survival_run_is_reported():
@@ -126,8 +136,7 @@ def test_a_safe_size_above_the_truth_or_a_missing_survival_run_is_reported():
     by_target = {t["target"]: t for t in targets(results)}
     assert by_target["vramcal: safe batch size never above the ground truth"]["met"] == "**no**"
     assert by_target["vramcal: 200 training steps at the safe size finish with no out-of-memory error"]["met"] == "-"
-    conservative = by_target["vramcal: trainer's peak at the conservative size within 5 % of the prediction and at "
-                             "or below the upper bound"]
+    conservative = by_target[CONSERVATIVE_PEAK]
     assert conservative["met"] == "-" and "not run" in conservative["measured"]
 
 
@@ -141,7 +150,7 @@ def test_every_answer_of_every_round_and_each_safe_size_needs_a_survival_run():
 
 def test_the_page_renders_rounds_and_survival_and_refuses_old_results():
     page = markdown(_results())
-    assert "| vramcal safe | 3 | 40.0 | 30.0-50.0 | 6 | 134 / 134 / 135 (differ) | -33.0 | yes |" in page
+    assert "| vramcal safe | 3 | 25.0 | 20.0-30.0 | 6 | 134 / 134 / 135 (differ) | -33.0 | yes |" in page
     assert "| 190 | x | oom-fallback | 40/200 |" in page
     with pytest.raises(ResultsError, match="rerun"):
         markdown({k: v for k, v in _results().items() if k != "bench_schema"})
