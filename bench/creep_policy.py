@@ -1,4 +1,4 @@
-"""The steady trial's policy against recorded 1,000-step curves: how far its prediction is from the 1,000th step.
+"""The steady trial's policy against recorded step curves: how far its prediction is from a long run's peak.
 
 ``bench/results/creep/curves.json.gz`` holds the creep study's curves (``STUDY.md`` beside it: what ran): the
 peak after each measured training step of a worker made as vramcal's trials are, on the host, at five specs and
@@ -24,6 +24,7 @@ import argparse
 import gzip
 import json
 import statistics
+import sys
 from pathlib import Path
 
 from vramcal.calibration.creep import HOST_LATE_CREEP, plateau_step
@@ -41,7 +42,7 @@ def replay(curve: list[int], plateau_steps: int, steady_steps: int) -> int:
     return steady_steps
 
 
-def main() -> None:
+def main() -> int:
     defaults = TrialSettings()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plateau-steps", type=int, default=defaults.plateau_steps)
@@ -51,8 +52,13 @@ def main() -> None:
     parser.add_argument("--run-steps", type=int, default=RUN_STEPS)
     args = parser.parse_args()
     run_steps = args.run_steps
-    runs = [r for r in json.loads(gzip.open(args.curves, "rt").read())["runs"]
-            if len(r["step_peak_bytes"]) >= run_steps]
+    recorded = json.loads(gzip.open(args.curves, "rt").read())["runs"]
+    runs = [r for r in recorded if len(r["step_peak_bytes"]) >= run_steps]
+    if not runs:
+        longest = max((len(r["step_peak_bytes"]) for r in recorded), default=0)
+        print(f"creep_policy: no curve in {args.curves} has {run_steps} steps (the longest has {longest}): give a "
+              f"smaller --run-steps", file=sys.stderr)
+        return 2
     print(f"plateau_steps {args.plateau_steps}, steady_steps {args.steady_steps}, allowance {args.allowance:.1%}; "
           f"{len(runs)} curves of {run_steps} steps")
     print(f"{'spec':8} {'batch':>5} {'steps':>5} {'steady MiB':>10} {'predicted':>9} {f'{run_steps:,} steps':>11} "
@@ -69,7 +75,8 @@ def main() -> None:
               f"{end / 2**20:11.1f} {errors[-1]:+7.2%}")
     print(f"error ({run_steps:,}-step peak against the prediction): {min(errors):+.2%} to {max(errors):+.2%}; "
           f"steady trial {min(lengths)}-{max(lengths)} steps (median {statistics.median(lengths):g})")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -313,8 +313,11 @@ def test_the_creep_policy_replays_other_curves_against_their_own_run_length(tmp_
             {"run_id": "b", "spec": "long", "batch_size": 16, "step_peak_bytes": [800 * MIB] * 50}]}, out)
     monkeypatch.setattr(sys, "argv", ["creep_policy", "--curves", str(curves), "--run-steps", "100",
                                       "--plateau-steps", "5", "--allowance", "0.005"])
-    creep_policy.main()
+    assert creep_policy.main() == 0
     printed = capsys.readouterr().out
     assert "1 curves of 100 steps" in printed
     row = next(line for line in printed.splitlines() if line.startswith("small"))
     assert row.split() == ["small", "160", "8", "810.0", "814.0", "818.1", "+0.50%"]  # (818.1 - 814.05) / 814.05
+    monkeypatch.setattr(sys, "argv", ["creep_policy", "--curves", str(curves), "--run-steps", "1000"])
+    assert creep_policy.main() == 2
+    assert "has 1000 steps (the longest has 100): give a smaller --run-steps" in capsys.readouterr().err

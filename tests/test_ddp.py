@@ -70,12 +70,13 @@ def test_a_world_trial_killed_at_its_time_limit_says_where_each_rank_was():
     """A world whose step never finishes building: the trial is a timeout, and its line names each rank's part."""
     from vramcal.workload import ModelRef
 
-    request = TrialRequest(ModelRef("corpus_models:hangs"), 4, host_device(), settings=TrialSettings(timeout_s=3),
+    request = TrialRequest(ModelRef("corpus_models:hangs"), 4, host_device(), settings=TrialSettings(timeout_s=8),
                            world=World(2))
     (trial,) = TrialRunner(worker_pool()).run(request)
     assert trial.status == "timeout", trial.error
-    assert trial.error.splitlines()[0] == ("rank 0: killed after the 3 s time limit, in building the step; "
-                                           "rank 1: killed after the 3 s time limit, in building the step")
+    # each rank hangs in building the step, or, on a busy host, has not joined the world within the limit yet
+    part = r"killed after the 8 s time limit, in (building the step|joining the world \(torch\.distributed\.\w+\))"
+    assert re.fullmatch(f"rank 0: {part}; rank 1: {part}", trial.error.splitlines()[0]), trial.error
 
 
 def ddp_profile(tmp: Path, capacity_mib: int, slope_mib: int):

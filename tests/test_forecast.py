@@ -231,7 +231,7 @@ def test_an_epoch_of_few_noisy_steps_is_judged_against_their_own_noise():
     what its steps may vary by (2 x 0.25 x sqrt(1/3 + 1/8) = 34 %), and says so without a warning; an epoch of 100
     steps 30 % slower is far (the band is 25 % again); steps that repeat within 1 % keep the 25 % band."""
     from vramcal.forecast import Forecast, time_band
-    from vramcal.train.timing import first_epoch_lines
+    from vramcal.train.timing import first_epoch_lines, observed
 
     forecast = Forecast("card", True, 1, Dataset(30, 0, "t"), 10, "conservative", samples_per_s=10.0, train_s=3.0,
                         val_s=0.0, epoch_s=3.0, first_s=0.0, run_s=3.0, step_spread=0.25, n_steps=8)
@@ -244,3 +244,5 @@ def test_an_epoch_of_few_noisy_steps_is_judged_against_their_own_noise():
     long = {**row, "samples": 1000, "epoch_s": 390.0, "train_s": 390.0}
     far = first_epoch_lines(dataclasses.replace(forecast, epoch_s=300.0, train_s=300.0), long, fresh=True)
     assert len(far) == 2 and far[1].startswith("warning: the epoch took +30%")
+    assert observed(forecast, [row], fresh=True)["time_band"] == pytest.approx(0.34, abs=0.005)  # kept for show
+    assert observed(forecast, [row] * 10, fresh=True)["time_band"] == 0.25  # 30 steps: 20 %, so 25 %

@@ -310,6 +310,7 @@ def test_the_report_forecasts_its_profile_at_the_conservative_size_and_the_knee(
 
 
 def test_the_report_lists_runs_far_from_their_forecast(tmp_path):
+    from vramcal.cli.console import time_line
     from vramcal.profile import Observation
 
     from profiles_for_tests import timed_profile
@@ -319,10 +320,13 @@ def test_the_report_lists_runs_far_from_their_forecast(tmp_path):
     observation = Observation("2026-01-01T00:00:00Z", "0.2.0", 225, 0, 10**10, 10**10, 10**10, usable, 10, "r",
                               samples_per_s=300.0, epoch_s=2.0, forecast_samples_per_s=600.0, forecast_epoch_s=1.0)
     close = dataclasses.replace(observation, epoch_s=1.1)
-    text = render_markdown([dataclasses.replace(profile, observations=(observation, close))], "x.png")
-    assert "| +100.0% | **far**" in text and "+10.0% | close" in text
-    path = save_profile(dataclasses.replace(profile, observations=(observation,)), tmp_path / "p.json")
+    noisy = dataclasses.replace(observation, epoch_s=1.3, time_band=0.34)  # +30 %: within its steps' noise
+    text = render_markdown([dataclasses.replace(profile, observations=(observation, close, noisy))], "x.png")
+    assert "| +100.0% | **far**" in text and "+10.0% | close" in text and "+30.0% | close" in text
+    path = save_profile(dataclasses.replace(profile, observations=(observation, noisy)), tmp_path / "p.json")
     assert load_profile(path).observations[0].time_error == pytest.approx(1.0)
+    assert load_profile(path).observations[1].time_band == 0.34
+    assert "+30.0%, within 34 %" in time_line(noisy) and "+100.0%, FAR FROM" in time_line(observation)
 
 
 def test_the_report_command_takes_the_forecast_options(tmp_path):

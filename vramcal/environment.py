@@ -12,16 +12,16 @@ import importlib.metadata
 import os
 import platform
 
-# glibc malloc in workers: blocks of 256 KiB and more are mapped and unmapped on their own (a fixed threshold:
-# glibc's default threshold drifts up to 32 MiB as blocks are freed, and the heap then fragments by chance),
-# one arena, and transparent huge pages for those mappings. With glibc's defaults three trials of the tiny spec at
-# one batch size varied by 4-8 %. With a fixed 4 MiB threshold they agreed within 1 %, but the activations
-# between 256 KiB and 4 MiB stayed on the heap, which fragmented step after step: a long run crept 5-8 % above
-# a trial on three of the four benchmark specs (bench/results/creep/STUDY.md). At 256 KiB (2-core host, steady
-# trials at small 135, long 13, wide 21, default 72): the creep over 40-100 steps 0.04 / 0.2 / 0.4 / 0.05 % instead
-# of 4.7 / 0.6 / 5.6 / 0.4 %, the first step's peak 4.3 / 14 / 3.8 / 0.3 % lower (the last's 8.6 / 14 / 8.5 /
-# 0.7 %), a step 47 / 49 / 71 / 0 % slower (page faults of the fresh mappings; none on the default spec, whose
-# activations were mapped already). bench/results/creep-256k/STUDY.md.
+# glibc malloc in workers: blocks of 256 KiB and more are mapped and unmapped on their own (a fixed threshold: glibc's
+# default threshold drifts up to 32 MiB as blocks are freed, and the heap then fragments by chance), one arena, and
+# transparent huge pages for those mappings. With glibc's defaults three trials of the tiny spec at one batch size
+# varied by 4-8 %. With a fixed 4 MiB threshold they agreed within 1 %, but the activations between 256 KiB and 4 MiB
+# stayed on the heap, which fragmented step after step: 1,000-step runs at the four benchmark specs' safe sizes crept
+# 1.3-6.9 % above a trial (bench/results/creep/STUDY.md). At 256 KiB (2-core host, steady trials at small 135, long
+# 13, wide 21, default 72): the creep over 30-100 steps 0.04 / 0.2 / 0.4 / 0.05 % instead of 4.7 / 0.6 / 5.6 / 0.4 %,
+# the first step's peak 4.3 / 14 / 3.8 / 0.3 % lower (the last's 8.6 / 14 / 8.5 / 0.7 %), a step 44 / 49 / 71 / 0 %
+# slower (page faults of the fresh mappings; none on the default spec, whose activations were mapped already).
+# bench/results/creep-256k/STUDY.md.
 HOST_MALLOC = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=262144:glibc.malloc.trim_threshold=262144:"
                "glibc.malloc.arena_max=1")
 # What a worker's fork server starts with unless the caller set it (read once, when a process starts).
@@ -46,7 +46,7 @@ def set_host_malloc() -> str | None:
     blocks only a process started with ``GLIBC_TUNABLES`` gets). A framework's process sized by a host
     profile needs them for its steps to hold what the trials' did: measured on the host, a plain loop of the
     tiny language model at batch 136 peaked 863 MiB with glibc's defaults, 745 MiB after this call and 747 MiB
-    started with the tunables (the trial: 801 MiB).
+    started with the tunables (the trial: 801 MiB; measured with the earlier 4 MiB thresholds).
 
     Returns:
         What was set, for a notice (None: not glibc, or this process already started with them).

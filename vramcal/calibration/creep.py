@@ -119,9 +119,9 @@ def measure_creep(trials: Sequence[Trial], plateau_steps: int = TrialSettings.pl
     Args:
         plateau_steps: the steps without a rise that count as levelled off (the trials' setting).
         rule: which steady trial's creep counts where two ran: ``largest``, the largest per sample (the
-            calibration's: on the host the creep differs across glibc's mmap threshold, and a second steady
-            trial on the other side of it may measure less per sample than the first did at a size the
-            limits still cover: small spec at 1.5 GiB, steady at 135 then 118, the second's creep raised the
+            calibration's: with the workers' earlier 4 MiB mmap threshold the creep differed across it, and a
+            second steady trial on the other side of it could measure less per sample than the first did at a
+            size the limits still cover: small spec at 1.5 GiB, steady at 135 then 118, the second's creep raised the
             safe size back to 150, where the first's said it did not fit); ``last``, profiles made before.
     """
     creeps = [creep for trial in trials if trial.purpose == STEADY and trial.ok

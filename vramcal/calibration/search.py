@@ -39,14 +39,14 @@ with recorded and synthetic trials. Its rules:
    Its first steps are the conservative size's verification when no trial has verified that size yet
    (``steady_verifies``: one process measures both, recorded as a ``verify-conservative`` trial and the
    ``steady`` one: a trial fewer, at the most expensive size but one).
-   (At the safe size it missed the conservative size's creep where the two sit on either side of glibc's
-   4 MiB mmap threshold for the activations: default spec at 2.5 GiB, steady at 72 saw +4 MiB, a run at 60
+   (At the safe size it missed the conservative size's creep where the two sat on either side of the workers'
+   earlier 4 MiB mmap threshold for the activations: default spec at 2.5 GiB, steady at 72 saw +4 MiB, a run at 60
    rose 5 % over 42 steps. Read per sample, the conservative size's creep then over-predicts the safe size's:
    the error is on the side of memory, at the safe size only.) From then on every rule reads the trials'
    steady-equivalent peaks (the peak a long run reaches at that size): when the creep pushes the safe size's
    peak past usable memory, the limits come down and are verified again, and when that moves the conservative
    size by more than ``snap_tolerance``, a second steady trial measures the creep and the throughput there
-   (on the host a few samples can cross the mmap threshold: the small spec at 1.5 GiB, steady at 130, came
+   (with the 4 MiB threshold a few samples could cross it: the small spec at 1.5 GiB, steady at 130, came
    down to 117, where a step ran 1.6 times faster and its verification peaked 4 % above the line).
 
 A limit is *settled* on trials that fitted at, or at most ``snap_tolerance`` below, the computed size, so

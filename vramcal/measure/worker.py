@@ -37,7 +37,7 @@ from typing import Any, Literal
 from vramcal.environment import WORKER_DEFAULTS
 
 OutcomeStatus = Literal["ok", "oom", "timeout", "error"]
-_ENDED_AT_EXIT: set[int] = set()  # the fork servers this process ends as it exits (Workers.warm_up)
+_END_AT_EXIT: list[bool] = []  # one entry once Workers.warm_up has registered _end_server with atexit
 Handler = Callable[[str, Any], Any]
 
 
@@ -79,7 +79,7 @@ class Channel:
         return self._connection.recv()
 
     def phase(self, text: str) -> None:
-        """Say what the worker does now (``building the step``, ``measured step 3 of 40``): kept by the caller,
+        """Say what the worker does now (``building the step``, ``measured step 3 of at most 40``): kept by the caller,
         and named when the worker is killed at its time limit (where it hung)."""
         self._connection.send(("phase", text))
 
@@ -122,10 +122,9 @@ class Workers:
 
         with _main_left_alone():
             forkserver.ensure_running()
-        pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
-        if pid is not None and pid not in _ENDED_AT_EXIT:
-            _ENDED_AT_EXIT.add(pid)
-            atexit.register(_end_server, pid)
+        if not _END_AT_EXIT:
+            _END_AT_EXIT.append(True)
+            atexit.register(_end_server)
 
     def run(self, function: Callable[..., Any] | str, *args: Any, timeout_s: float | None = None,
             handler: Handler | None = None) -> Outcome:
@@ -276,12 +275,18 @@ def _main_left_alone():
         main.__file__ = path
 
 
-def _end_server(pid: int) -> None:
-    """End the fork server ``pid`` (at the caller's exit; its workers have ended, or end with their caller)."""
+def _end_server() -> None:
+    """End this process's fork server at its exit (its workers have ended, or end with their caller): the one
+    running then, so a server that died and was started again is the one ended, and a pid already reaped is
+    never signalled. Reads multiprocessing's private ``_forkserver._forkserver_pid`` (CPython 3.8 to 3.13):
+    where that is gone, the server ends as it would without this, once its imports are done."""
     import signal
+    from multiprocessing import forkserver
 
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
 
 
 def _exit_status(exitcode: int | None) -> dict[str, Any]:

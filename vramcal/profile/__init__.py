@@ -97,6 +97,8 @@ class Observation:
             the validation pass) over its complete epochs; None: not measured (older runs, no complete epoch).
         forecast_samples_per_s, forecast_epoch_s: the run forecast's for the same epochs
             (:mod:`vramcal.train.timing`); None: no forecast.
+        time_band: how far (a fraction) the epoch time may land from the forecast by the step times' own noise,
+            at least 25 % (:func:`vramcal.forecast.time_band`); None: not recorded (older runs: 25 %).
     """
 
     recorded_utc: str
@@ -117,6 +119,7 @@ class Observation:
     epoch_s: float | None = None
     forecast_samples_per_s: float | None = None
     forecast_epoch_s: float | None = None
+    time_band: float | None = None
 
     @property
     def error(self) -> float:

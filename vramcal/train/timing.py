@@ -81,6 +81,13 @@ def forecast_line(forecast: Forecast, plan: Plan | None = None) -> str:
             f"{run} {format_duration(forecast.run_s)}")
 
 
+def epoch_steps(row: dict[str, Any]) -> int:
+    """The optimizer steps of an epoch row (0 without its batch size). :func:`vramcal.forecast.time_band` counts
+    these: with gradient accumulation, k micro-batches a step, the steps' noise is the micro-steps' averaged
+    over k, and the band this count gives is up to √k wider than it need be (a looser check, never a false one)."""
+    return math.ceil(row["samples"] / row["batch_size"]) if row.get("batch_size") else 0
+
+
 def first_epoch_lines(forecast: Forecast, row: dict[str, Any], fresh: bool) -> list[str]:
     """The first epoch's measured time beside its forecast, and a warning when it is far from it: farther than its
     steps' own noise may take it (:func:`vramcal.forecast.time_band`), and at least 25 %."""
@@ -88,7 +95,7 @@ def first_epoch_lines(forecast: Forecast, row: dict[str, Any], fresh: bool) -> l
         return []
     expected = forecast.epoch_s + (forecast.first_s or 0.0) * fresh
     error = (row["epoch_s"] - expected) / expected
-    steps = math.ceil(row["samples"] / row["batch_size"]) if row.get("batch_size") else 0
+    steps = epoch_steps(row)
     band = time_band(forecast, steps)
     noise = f"; its {steps} steps may vary by ±{band:.0%}" if band > FAR_FRACTION else ""
     lines = [f"after the first epoch: {format_duration(row['epoch_s'])} (training {format_duration(row['train_s'])}"
@@ -104,7 +111,9 @@ def first_epoch_lines(forecast: Forecast, row: dict[str, Any], fresh: bool) -> l
 
 def observed(forecast: Forecast | None, rows: Sequence[dict[str, Any]], fresh: bool) -> dict[str, float | None]:
     """The observation's time fields (:class:`vramcal.profile.Observation`) from the run's epoch rows: the
-    measured mean epoch time and samples/s over its complete epochs, and the forecast's for the same epochs."""
+    measured mean epoch time and samples/s over its complete epochs, the forecast's for the same epochs, and the
+    band its mean epoch may land in by its steps' noise (:func:`vramcal.forecast.time_band`, over all their
+    steps)."""
     done = [r for r in rows if r.get("complete", True) and r.get("epoch_s")]
     if not done:
         return {}
@@ -114,5 +123,6 @@ def observed(forecast: Forecast | None, rows: Sequence[dict[str, Any]], fresh: b
     if forecast is not None and forecast.epoch_s is not None:
         first = (forecast.first_s or 0.0) if fresh and done[0].get("epoch") == 1 else 0.0
         fields.update(forecast_epoch_s=forecast.epoch_s + first / len(done),
-                      forecast_samples_per_s=forecast.samples_per_s)
+                      forecast_samples_per_s=forecast.samples_per_s,
+                      time_band=time_band(forecast, sum(epoch_steps(r) for r in done)))
     return fields
