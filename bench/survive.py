@@ -32,12 +32,13 @@ from vramcal.sizing import Sizing, length_model, size
 
 def sizing_at(profile: Profile, batch_size: int, pool_data_bytes: int | None = None) -> Sizing:
     """A :class:`~vramcal.sizing.Sizing` at ``batch_size`` whatever the profile's limits (no clamping):
-    the profile's prediction and upper bound there, plus the data term. Pure."""
+    the profile's prediction and upper bound there, plus the data term; ``batch_size`` samples an optimizer step,
+    in one micro-batch. Pure."""
     base = size(profile, None, limit="safe", pool_data_bytes=pool_data_bytes)
     model = length_model(profile)
     delta = base.data_delta_bytes
-    return dataclasses.replace(base, batch_size=batch_size, source="bench",
-                               predicted_peak_bytes=int(model.predict(batch_size) + delta),
+    return dataclasses.replace(base, batch_size=batch_size, source="bench", effective_batch_size=batch_size,
+                               accumulation_steps=1, predicted_peak_bytes=int(model.predict(batch_size) + delta),
                                upper_bytes=int(model.upper(batch_size) + delta))
 
 

@@ -193,6 +193,10 @@ def test_sizing_at_any_size_gives_the_profiles_prediction_there_without_clamping
     assert above.predicted_peak_bytes == int(profile.fit.predict(safe + 50))
     assert above.upper_bytes == int(profile.fit.upper(safe + 50))
     within = sizing_at(profile, safe - 1)
+    # every size trains whole steps of itself, one micro-batch each (the safe size's sizing it starts from had the
+    # safe size as its step: below it a run then accumulated micro-batches, above it trained the safe size)
+    assert (within.effective_batch_size, within.accumulation_steps) == (safe - 1, 1)
+    assert (above.effective_batch_size, above.accumulation_steps) == (safe + 50, 1)
     reference = size(profile, safe - 1)
     assert (within.predicted_peak_bytes, within.upper_bytes) == (reference.predicted_peak_bytes,
                                                                  reference.upper_bytes)
