@@ -84,7 +84,7 @@ def forecast_line(forecast: Forecast, plan: Plan | None = None) -> str:
 def epoch_steps(row: dict[str, Any]) -> int:
     """The optimizer steps of an epoch row (0 without its batch size). :func:`vramcal.forecast.time_band` counts
     these: with gradient accumulation, k micro-batches a step, the steps' noise is the micro-steps' averaged
-    over k, and the band this count gives is up to √k wider than it need be (a looser check, never a false one)."""
+    over k, and the band this count gives is up to √k wider than it need be (a looser check, never a stricter one)."""
     return math.ceil(row["samples"] / row["batch_size"]) if row.get("batch_size") else 0
 
 
