@@ -195,9 +195,16 @@ def targets(results: dict[str, Any]) -> list[dict[str, str]]:
             continue
         boundaries = _limit(runs, "boundary_batch_size")
         offs = [(b - truth) / truth for b in boundaries]
-        out.append({"target": f"{label}: predicted boundary within {_pct(BOUNDARY_TOLERANCE)} of the ground truth",
-                    "measured": ", ".join(f"{b:.1f} ({100 * o:+.1f} %)" for b, o in zip(boundaries, offs))
-                    + f" vs {truth}", "met": _yes(all(abs(o) <= BOUNDARY_TOLERANCE for o in offs))})
+        # The bisection brackets the edge: ``truth`` fits and ``first_failing`` does not, so a predicted edge
+        # between them is as close as the truth can tell (one sample is 1.7 % of a truth of 57).
+        failing = results["ground_truth"].get("first_failing_batch_size") or truth + 1
+        inside = [truth <= b < failing for b in boundaries]
+        out.append({"target": f"{label}: predicted boundary within {_pct(BOUNDARY_TOLERANCE)} of the ground truth "
+                              "(or between it and the first failing size)",
+                    "measured": ", ".join(f"{b:.1f} ({100 * o:+.1f} %{', inside' * i})"
+                                          for b, o, i in zip(boundaries, offs, inside))
+                    + f" vs {truth} (first failing {failing})",
+                    "met": _yes(all(abs(o) <= BOUNDARY_TOLERANCE or i for o, i in zip(offs, inside)))})
         for which in ("safe", "conservative"):
             sizes = _limit(runs, f"{which}_batch_size")
             out.append({"target": f"{label}: {which} batch size never above the ground truth",
