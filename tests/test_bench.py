@@ -335,3 +335,31 @@ def test_the_creep_policy_replays_other_curves_against_their_own_run_length(tmp_
     monkeypatch.setattr(sys, "argv", ["creep_policy", "--curves", str(curves), "--run-steps", "1000"])
     assert creep_policy.main() == 2
     assert "has 1000 steps (the longest has 100): give a smaller --run-steps" in capsys.readouterr().err
+
+
+def test_creep_curves_records_a_real_steady_trials_peak_after_every_step(tmp_path, monkeypatch, capsys):
+    """``bench.creep_curves --out FILE --data BARS SPEC:BATCH:STEPS``: one real steady trial of a tiny spec with the
+    plateau stop off, every asked step's peak written where ``bench.creep_policy --curves`` reads it."""
+    import gzip
+    import json
+    import sys
+
+    from host_budget import budget
+    from test_train_data import synthetic_bars
+
+    from bench import creep_curves
+    from bench.specs import BenchSpec
+    from vramcal.models.regressor.spec import RegressorSpec
+
+    bars = tmp_path / "bars.parquet"
+    synthetic_bars(1200).to_parquet(bars)
+    tiny = RegressorSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16)
+    monkeypatch.setitem(creep_curves.SPECS, "tiny", BenchSpec("tiny", tiny, str(budget(1536 * MIB))))
+    out = tmp_path / "curves.json.gz"
+    monkeypatch.setattr(sys, "argv", ["creep_curves", "--out", str(out), "--data", str(bars), "tiny:4:7"])
+    creep_curves.main()
+    assert "tiny at 4: 7 steps" in capsys.readouterr().out
+    (run,) = json.loads(gzip.open(out, "rt").read())["runs"]
+    peaks = run["step_peak_bytes"]
+    assert (run["spec"], run["batch_size"], len(peaks), len(run["step_times_s"])) == ("tiny", 4, 7, 7)
+    assert peaks == sorted(peaks) and peaks[0] > 100 * MIB  # a peak so far after each step: never falls
