@@ -346,3 +346,31 @@ def test_the_report_command_takes_the_forecast_options(tmp_path):
         result = CliRunner().invoke(main, ["report", str(path), "--out", str(tmp_path / "r"), "--name", "g", *extra])
         assert result.exit_code == 0, result.output
         assert phrase in (tmp_path / "r" / "g.md").read_text()
+
+
+def test_cost_rows_of_one_card_name_what_tells_their_models_apart_and_the_picture_makes_room(tmp_path):
+    """Three profiles of one card: each row says only what differs (memory, family, settings), never a setting its
+    family lacks nor one every profile shares; a config by its shape. The picture grows with its rows' names."""
+    import io
+
+    from PIL import Image
+
+    from vramcal.cli.cost import _labels
+    from vramcal.forecast import cost_table
+    from vramcal.report.cost_figure import FIGSIZE_IN, render_cost_png
+    from vramcal.workload import ModelRef
+
+    from profiles_for_tests import timed_profile
+
+    small, large = timed_profile(), timed_profile(total_bytes=48 * 2**30)
+    large = dataclasses.replace(large, model=ModelRef.make(large.model.factory, {**large.model.params, "d_model": 256}))
+    lm = dataclasses.replace(small, model=ModelRef.make("vramcal.models.lm:training_step", {
+        "config": {"hidden_size": 128, "num_hidden_layers": 4, "vocab_size": 8192, "state_size": 32}, "seq_len": 64}))
+    labels = _labels([small, large, lm])
+    assert labels[0].startswith("NVIDIA GeForce RTX 4090 · 23.99 GiB · regressor · d_model=")
+    assert "48.00 GiB · regressor · d_model=256" in labels[1] and "d_state" not in labels[1]  # shared: left out
+    assert labels[2].endswith("· lm · seq_len=64") and "d_model" not in labels[2]  # the lm has no d_model
+    rows = cost_table([small, large, lm] * 3, [None] * 9, 10, labels=labels * 3)  # 9 rows of 4-5 lines each
+    height = Image.open(io.BytesIO(render_cost_png(rows, "t"))).size[1]
+    one = Image.open(io.BytesIO(render_cost_png(cost_table([small], [None], 10), "t"))).size[1]
+    assert one == FIGSIZE_IN[1] * 100 < height

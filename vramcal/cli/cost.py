@@ -152,16 +152,21 @@ def cost_command(profiles: tuple[Path, ...], size_for: str, out_dir: Path, name:
 
 
 def _labels(profiles: list) -> list[str]:
-    """Each row's card: the device's name, with its memory and the model settings that differ when two profiles
-    share a device name."""
+    """Each row's card: the device's name and, when two profiles share it, what tells them apart: the memory, the
+    model family where the families differ, and the settings whose values differ (each profile's own; a setting
+    another family lacks does not count; a config by its shape: ``config=(hidden 128, layers 4, ...)``)."""
+    from vramcal.models.registry import family_of, short_value
     from vramcal.units import format_bytes
 
     names = [p.device.name for p in profiles]
     if len(set(names)) == len(names):
         return names
     keys = sorted({k for p in profiles for k in p.model.params})
-    differ = [k for k in keys if len({str(p.model.params.get(k)) for p in profiles}) > 1]
+    differ = [k for k in keys if len({str(v) for p in profiles if (v := p.model.params.get(k)) is not None}) > 1]
     totals = len({p.device.total_bytes for p in profiles}) > 1
-    return [" · ".join(x for x in (name, format_bytes(p.device.total_bytes) if totals else "",
-                                   " ".join(f"{k}={p.model.params.get(k)}" for k in differ)) if x)
-            for name, p in zip(names, profiles)]
+    families = [family_of(p.model).title(p.model) for p in profiles]
+    mixed = len(set(families)) > 1
+    return [" · ".join(x for x in (name, format_bytes(p.device.total_bytes) if totals else "", family if mixed else "",
+                                   " ".join(f"{k}={short_value(p.model.params[k])}" for k in differ
+                                            if p.model.params.get(k) is not None)) if x)
+            for name, p, family in zip(names, profiles, families)]

@@ -214,7 +214,7 @@ def describe(ref: ModelRef) -> str:
     chosen = family_of(ref)
     params = {k: v for k, v in _without_implementation(ref).items() if k not in chosen.quiet}
     order = sorted(params, key=lambda k: (_ORDER.index(k) if k in _ORDER else len(_ORDER), k))
-    args = [str(params[k]) if k == "dtype" else f"{k}={_short_value(params[k])}" for k in order]
+    args = [str(params[k]) if k == "dtype" else f"{k}={short_value(params[k])}" for k in order]
     implementation = ref.params.get("implementation")
     tail = [f"[{implementation}]"] if implementation else []
     return " ".join([chosen.title(ref), *args, *tail])
@@ -224,7 +224,7 @@ def _without_implementation(ref: ModelRef) -> dict[str, Any]:
     return {k: v for k, v in ref.params.items() if k != "implementation"}
 
 
-def _short_value(value: Any) -> str:
+def short_value(value: Any) -> str:
     """A value for :func:`describe`: a config dict by its shape (``(hidden 64, layers 2, vocab 512, state 16,
     +7 more)``), other dicts by their size."""
     if isinstance(value, dict):

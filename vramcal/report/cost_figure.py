@@ -18,19 +18,22 @@ from vramcal.units import format_duration
 if TYPE_CHECKING:
     from vramcal.forecast import Forecast
 
-FIGSIZE_IN = (13.0, 5.6)
+FIGSIZE_IN = (13.0, 5.6)  # the least: taller where the cards' names take more lines (row_label)
+LINE_IN = 0.19  # inches a label line takes in the rows' axis (8.5 pt text and its spacing), and a row's margin
 DPI = 100
+LABEL_WIDTH = 34  # characters a card's name wraps at beside its bar
 
 
 def render_cost_png(forecasts: Sequence[Forecast], title: str) -> bytes:
     """Run time per card (left; unknown cards named, without a bar) and run time against cost (right), with the
-    intervals as whiskers; deterministic bytes (fixed size, no metadata)."""
+    intervals as whiskers; deterministic bytes (a size set by the rows' names, no metadata)."""
     import io
 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=FIGSIZE_IN, dpi=DPI, layout="constrained")
+    lines = sum(row_label(f).count("\n") + 2 for f in forecasts)
+    figure = Figure(figsize=(FIGSIZE_IN[0], max(FIGSIZE_IN[1], 1.6 + LINE_IN * lines)), dpi=DPI, layout="constrained")
     FigureCanvasAgg(figure)
     time_ax, cost_ax = figure.subplots(1, 2, width_ratios=[1, 1.2])
     unit = time_unit([f.run_s for f in forecasts if f.run_s is not None])
@@ -40,6 +43,12 @@ def render_cost_png(forecasts: Sequence[Forecast], title: str) -> bytes:
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=DPI, metadata={"Software": None})
     return buffer.getvalue()
+
+
+def row_label(f: Forecast) -> str:
+    """A bar's name: the card wrapped at :data:`LABEL_WIDTH` characters, then its batch size."""
+    batch = f"batch {f.batch_size or MISSING}" if f.measured else "no profile"
+    return f"{textwrap.fill(f.card, LABEL_WIDTH)}\n{batch}"
 
 
 def time_unit(seconds: Sequence[float]) -> tuple[str, float]:
@@ -71,9 +80,7 @@ def _draw_times(ax: Any, forecasts: Sequence[Forecast], unit: tuple[str, float])
         color = COLORS[forecasts.index(f) % len(COLORS)]
         ax.barh(y, run, height=0.6, color=color, alpha=0.8, xerr=[[whisker[0]], [whisker[1]]], capsize=3)
         ax.text(run + whisker[1], y, f"  {format_duration(f.run_s)}", va="center", fontsize=8.5)
-    names = [textwrap.fill(f.card, 34) + "\n" + (f"batch {f.batch_size or MISSING}" if f.measured else "no profile")
-             for f in rows]
-    ax.set_yticks(range(len(rows)), names, fontsize=8.5)
+    ax.set_yticks(range(len(rows)), [row_label(f) for f in rows], fontsize=8.5)
     ax.set_ylim(-0.6, len(rows) - 0.4)
     epochs = f"{forecasts[0].epochs} epochs, " if forecasts else ""
     ax.set_xlabel(f"run time, {epochs}{unit[0]}")
