@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from vramcal.calibration.throughput import NEAR_FRACTION, Rate, measured_rates, rate_at, rate_for_run
-from vramcal.profile import Profile
+from vramcal.profile import Observation, Profile
 from vramcal.sizing import SizeFor, SizingError, length_trials, size
 
 HOUR_S = 3600.0
@@ -167,6 +167,12 @@ def time_verdict(measured_s: float, forecast_s: float, band: float = FAR_FRACTIO
     """``within 25 %`` of the forecast, or :data:`FAR`: more than ``band`` (a fraction; default
     :data:`FAR_FRACTION`) off, either way."""
     return FAR if abs(measured_s - forecast_s) > band * forecast_s else f"within {band * 100:.0f} %"
+
+
+def observation_verdict(o: Observation) -> str:
+    """:func:`time_verdict` of a recorded run's mean epoch against its forecast, by the band it recorded (older
+    runs, which recorded none: :data:`FAR_FRACTION`). The observation has both times."""
+    return time_verdict(o.epoch_s, o.forecast_epoch_s, o.time_band or FAR_FRACTION)
 
 
 def time_band(forecast: Forecast, steps: int) -> float:

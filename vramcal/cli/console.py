@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from vramcal.forecast import FAR, FAR_FRACTION, time_verdict
+from vramcal.forecast import FAR, observation_verdict
 from vramcal.report.markdown import trial_reason
 from vramcal.sizing import fitted_from, verdict
 from vramcal.units import format_bytes, format_duration
@@ -140,7 +140,7 @@ def time_line(o) -> str:
     if o.time_error is None:
         return f"epoch {format_duration(o.epoch_s)}{rate} (no forecast)"
     forecast_rate = f", {o.forecast_samples_per_s:.3g} samples/s" if o.forecast_samples_per_s else ""
-    found = time_verdict(o.epoch_s, o.forecast_epoch_s, o.time_band or FAR_FRACTION)
+    found = observation_verdict(o)
     return (f"epoch {format_duration(o.epoch_s)}{rate}: forecast {format_duration(o.forecast_epoch_s)}{forecast_rate} "
             f"({o.time_error:+.1%}, {found.upper() if found == FAR else found})")
 

@@ -161,12 +161,12 @@ def _labels(profiles: list) -> list[str]:
     names = [p.device.name for p in profiles]
     if len(set(names)) == len(names):
         return names
-    keys = sorted({k for p in profiles for k in p.model.params})
-    differ = [k for k in keys if len({str(v) for p in profiles if (v := p.model.params.get(k)) is not None}) > 1]
+    params = [{k: v for k, v in p.model.params.items() if v is not None} for p in profiles]
+    differ = sorted(k for k in {k for each in params for k in each}
+                    if len({str(each[k]) for each in params if k in each}) > 1)
     totals = len({p.device.total_bytes for p in profiles}) > 1
     families = [family_of(p.model).title(p.model) for p in profiles]
     mixed = len(set(families)) > 1
     return [" · ".join(x for x in (name, format_bytes(p.device.total_bytes) if totals else "", family if mixed else "",
-                                   " ".join(f"{k}={short_value(p.model.params[k])}" for k in differ
-                                            if p.model.params.get(k) is not None)) if x)
-            for name, p, family in zip(names, profiles, families)]
+                                   " ".join(f"{k}={short_value(own[k])}" for k in differ if k in own)) if x)
+            for name, p, family, own in zip(names, profiles, families, params)]

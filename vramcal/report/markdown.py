@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from vramcal.calibration.creep import STEADY, read_peak, steady_equivalent
 from vramcal.calibration.throughput import Knee, Rate, find_knee, measured_rates
-from vramcal.forecast import FAR, FAR_FRACTION, ForecastSettings, profile_forecasts, time_verdict
+from vramcal.forecast import FAR, FAR_FRACTION, ForecastSettings, observation_verdict, profile_forecasts
 from vramcal.models.registry import describe
 from vramcal.profile import profile_name
 from vramcal.report.catalogue import GpuLimitRow, GpuModel, other_gpu_limits
@@ -416,8 +416,7 @@ def time_observations_table(profile: Profile) -> str | None:
         if o.epoch_s is None:
             continue
         error = o.time_error
-        verdict_text = MISSING if error is None else (
-            "**far**" if time_verdict(o.epoch_s, o.forecast_epoch_s, o.time_band or FAR_FRACTION) == FAR else "close")
+        verdict_text = MISSING if error is None else ("**far**" if observation_verdict(o) == FAR else "close")
         rows.append([o.recorded_utc, str(o.batch_size), format_rate(o.samples_per_s) if o.samples_per_s else MISSING,
                      format_rate(o.forecast_samples_per_s) if o.forecast_samples_per_s else MISSING,
                      format_duration(o.epoch_s), format_duration(o.forecast_epoch_s) if o.forecast_epoch_s else MISSING,
