@@ -3,7 +3,7 @@
 ``bench/results/creep/curves.json.gz`` holds the creep study's curves (``STUDY.md`` beside it: what ran): the
 peak after each measured training step of a worker made as vramcal's trials are, on the host, at five specs and
 three batch sizes each, most of them 1,000 steps long. For every curve that reached 1,000 steps this replays
-the shipped policy (:func:`vramcal.calibration.creep.plateau_step` with ``TrialSettings().plateau_steps``, at
+the shipped policy (:func:`vramcal.calibration.creep.steady_done` with ``TrialSettings().plateau_steps``, at
 most ``TrialSettings().steady_steps``, then the host's allowance
 :data:`vramcal.calibration.creep.HOST_LATE_CREEP`) on the curve's first steps, and prints the steady trial's
 length, its prediction at that batch size and the error against the peak after 1,000 steps.
@@ -15,7 +15,9 @@ length, its prediction at that batch size and the error against the peak after 1
 of the workers' 256 KiB mmap threshold), against the peak after ``--run-steps`` steps.
 
 The curves have no validation passes (a trial's does one; the trainer's are full passes, and the study found
-they never raised the peak), and one process per curve: repeats of one size differ by 0.4-0.8 %.
+they never raised the peak) and no epoch's end (the steady trial's step at a partial batch after its second step:
+the replay measures the stop rule on full steps; what an epoch's end adds is in ``bench/results/epoch-end/``), and
+one process per curve: repeats of one size differ by 0.4-0.8 %.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from vramcal.calibration.creep import HOST_LATE_CREEP, plateau_step
+from vramcal.calibration.creep import HOST_LATE_CREEP, epoch_end_due, steady_done
 from vramcal.records import TrialSettings
 
 CURVES = Path(__file__).parent / "results" / "creep" / "curves.json.gz"
@@ -35,9 +37,11 @@ RUN_STEPS = 1000
 
 
 def replay(curve: list[int], plateau_steps: int, steady_steps: int) -> int:
-    """The steps a steady trial measures on ``curve``: until the plateau, at most ``steady_steps``."""
+    """The steps a steady trial measures on ``curve``: until the plateau after its epoch's end
+    (:func:`vramcal.calibration.creep.steady_done`), at most ``steady_steps``."""
+    settings = TrialSettings(steady_steps=steady_steps, plateau_steps=plateau_steps)
     for n in range(1, steady_steps + 1):
-        if plateau_step(curve[:n], plateau_steps) is not None:
+        if steady_done(curve[:n], settings, settings.measured_steps if epoch_end_due(curve[:n], settings) else None):
             return n
     return steady_steps
 

@@ -48,38 +48,43 @@ class FakeTrialRunner:
     to ``noise`` bytes; a peak above ``total_bytes`` is recorded as ``oom``. The steady trial creeps: after its
     n-th measured step its peak is ``creep * curve(n)`` bytes per token (per sample when the model has no
     seq_len) higher (``curve``: the share of the creep reached by step n; default all of it from the first
-    step), and it ends as the real trial does (:func:`vramcal.measure.trial.steps`): once the curve has
-    levelled off (:func:`vramcal.calibration.creep.plateau_step`), at most ``steady_steps`` steps. Everything
-    above the runner is the real code."""
+    step), and ``epoch_rise`` bytes per token more after its epoch's end; it runs its epoch's end and stops as the
+    real trial does (:func:`vramcal.measure.trial.steps`: :func:`vramcal.calibration.creep.epoch_end_due`, then
+    :func:`~vramcal.calibration.creep.steady_done`), at most ``steady_steps`` steps. Everything above the runner
+    is the real code."""
 
     context: dict = {}
 
     def __init__(self, memory: Callable[[int, int], float], total_bytes: int, creep: float = 0.0, noise: int = 0,
-                 curve: Callable[[int], float] = lambda n: 1.0):
+                 curve: Callable[[int], float] = lambda n: 1.0, epoch_rise: float = 0.0):
         self.memory, self.total_bytes, self.creep, self.noise, self.curve = memory, total_bytes, creep, noise, curve
+        self.epoch_rise = epoch_rise
         self.runs = 0
 
     def run(self, request, purpose: str = "") -> tuple[Trial, ...]:
-        from vramcal.calibration.creep import plateau_step
+        from vramcal.calibration.creep import epoch_end_due, steady_done
 
         self.runs += 1
         b, length = request.batch_size, request.model.params.get("seq_len") or 1
         wobble = ((self.runs * 7919) % 13 - 6) * self.noise // 6
         short = peak = int(self.memory(b, length) + wobble)  # a steady trial's first steps read as a short trial
-        curve = None
+        curve, end = None, None
         if request.steady:
             curve = []
             while len(curve) < request.measured_steps:
-                curve.append(int(peak + self.creep * b * length * self.curve(len(curve) + 1)))
+                rise = self.epoch_rise if end is not None else 0.0
+                curve.append(int(peak + (self.creep * self.curve(len(curve) + 1) + rise) * b * length))
                 curve[-1] = max(curve[-1], curve[-2] if len(curve) > 1 else 0)  # the peak so far
-                if plateau_step(curve, request.settings.plateau_steps) is not None:
+                if end is None:
+                    end = len(curve) if epoch_end_due(curve, request.settings) else None
+                elif steady_done(curve, request.settings, end):
                     break
             peak, curve = curve[-1], tuple(curve)
         if peak > self.total_bytes:
             return (Trial(b, "oom", purpose=purpose, error="CUDA out of memory. Tried to allocate 2.00 GiB",
                           wall_s=0.0),)
         trial = Trial(b, "ok", peak, rss_peak_bytes=peak, step_s=0.001 * b, samples_per_s=1000.0, purpose=purpose,
-                      wall_s=0.0, step_peaks=curve)
+                      wall_s=0.0, step_peaks=curve, epoch_end_step=end)
         if not request.verifies:
             return (trial,)
         first = Trial(b, "ok", short, rss_peak_bytes=short, step_s=0.001 * b, samples_per_s=1000.0,
@@ -89,7 +94,7 @@ class FakeTrialRunner:
 
 def fake_calibration(memory: Callable[[int, int], float], total_bytes: int, *, max_trials: int = 16,
                      seq_lens: tuple[int, ...] = (), creep: float = 0.0, noise: int = 0, kind: str = "host",
-                     spec=None, curve: Callable[[int], float] = lambda n: 1.0):
+                     spec=None, curve: Callable[[int], float] = lambda n: 1.0, epoch_rise: float = 0.0):
     """The profile :func:`vramcal.calibrator.run_trials` writes for ``memory`` (bytes at (batch_size, seq_len)) on
     a device of ``total_bytes``, cut short at ``max_trials`` (the real search, fit, limits and assembly)."""
     from pathlib import Path
@@ -105,7 +110,7 @@ def fake_calibration(memory: Callable[[int, int], float], total_bytes: int, *, m
     spec = spec or RegressorSpec(chunk_size=64, seq_len=128)
     plan = CalibrationPlan(device, spec.ref("transformers"), LimitSettings(), {}, Path("profile.json"),
                            seq_lens=seq_lens, trials=TrialSettings(max_trials=max_trials))
-    return run_trials(plan, FakeTrialRunner(memory, total_bytes, creep, noise, curve))
+    return run_trials(plan, FakeTrialRunner(memory, total_bytes, creep, noise, curve, epoch_rise))
 
 
 # ------------------------------------------------------------------------------ the NVIDIA driver

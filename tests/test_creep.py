@@ -68,12 +68,31 @@ def test_a_creep_that_rises_and_levels_off_ends_the_steady_trial_early_and_enter
     trial, creep = steady(profile), profile.creep
     assert PLATEAU < len(trial.step_peaks) < CAP  # ended early, after its plateau
     assert creep.levelled and creep.levelled_at == len(trial.step_peaks) - PLATEAU
+    assert trial.epoch_end_step == creep.epoch_end_step == TrialSettings.measured_steps  # where a short trial ends
     assert trial.peak_bytes == trial.step_peaks[-1] == max(trial.step_peaks)
     assert creep.bytes_at_steady > 0 and not any("levelled off" in w for w in profile.warnings)
     flat = fake_calibration(memory, 4 * GIB)  # the same device and line without a creep
     assert profile.fit.slope_bytes_per_sample > flat.fit.slope_bytes_per_sample  # the line is a long run's
     assert profile.limits.point_safe_batch_size < flat.limits.point_safe_batch_size  # the creep took room
     assert f"levelled off at step {creep.levelled_at}" in summary(profile)
+
+
+def test_an_epochs_end_that_raises_the_peak_enters_the_limits():
+    """The rise after an epoch's end (a partial batch, validation: +0.2-0.3 % on the host's small spec, which 1,000
+    training steps met and the steady trial's full steps did not) is in the creep, and the run's limits make room."""
+    flat = calibrate(lambda n: 1.0)
+    profile = fake_calibration(memory, 4 * GIB, creep=0.2 * MIB / 128, curve=lambda n: 1.0, epoch_rise=0.1 * MIB / 128)
+    trial, creep = steady(profile), profile.creep
+    end = trial.epoch_end_step
+    assert end == TrialSettings.measured_steps  # after the steps a short trial measures
+    assert len(trial.step_peaks) == end + 1 + PLATEAU and creep.levelled  # the rise, then PLATEAU flat steps
+    assert creep.epoch_end_rise_bytes == trial.step_peaks[-1] - trial.step_peaks[end - 1] > 0
+    assert creep.levelled_at == end + 1
+    assert creep.per_sample_bytes > flat.creep.per_sample_bytes
+    assert profile.limits.point_safe_batch_size < flat.limits.point_safe_batch_size
+    assert (f"(after an epoch's end at step {end} it rose {format_bytes(creep.epoch_end_rise_bytes)})"
+            in summary(profile))
+    assert f"at step {steady(flat).epoch_end_step} it did not rise" in summary(flat)
 
 
 def test_a_creep_still_rising_at_the_cap_is_reported():
@@ -96,6 +115,7 @@ def test_the_host_steady_trial_gets_an_allowance_for_later_steps_and_a_gpu_none(
     gpu = fake_calibration(memory, 4 * GIB, kind="cuda")
     assert steady(gpu).late_creep_bytes == 0 and gpu.creep.late_bytes == 0
     assert host.creep.bytes_at_steady == host.creep.late_bytes  # no rise measured: the allowance is all of it
-    assert "steps, flat over them: all of it the allowance for later steps" in summary(host)
+    assert (f"steps, flat over them (after an epoch's end at step {trial.epoch_end_step} it did not rise): all of it "
+            f"the allowance for later steps") in summary(host)
     rising = calibrate(lambda n: 1 - math.exp(-n / 3))
     assert f"{format_bytes(rising.creep.late_bytes)} of it allowed for later steps" in summary(rising)

@@ -87,8 +87,15 @@ def test_a_steady_trial_that_verifies_records_its_first_steps_as_a_short_trial(r
     assert len(short.val_times_s) == len(long.val_times_s) == settings.val_steps  # each validated as it ends
     assert long.step_peaks[settings.measured_steps - 1] <= short.peak_bytes <= long.peak_bytes
     assert short.step_peaks is None and short.wall_s < long.wall_s
+    # its epoch's end (a step at a partial batch, validation passes) after the short trial's figures, then at
+    # least 3 measured steps (the plateau rule)
+    assert long.epoch_end_step == settings.measured_steps and short.epoch_end_step is None
+    assert len(long.step_peaks) >= settings.measured_steps + settings.plateau_steps
     (plain,) = runner.run(dataclasses.replace(steady, verifies=False), purpose="steady")  # one record without it
-    assert plain.purpose == "steady" and plain.step_peaks
+    assert plain.purpose == "steady" and plain.step_peaks and plain.epoch_end_step
+    (bare,) = runner.run(dataclasses.replace(steady, verifies=False,
+                                             settings=dataclasses.replace(settings, plateau_steps=0)))
+    assert len(bare.step_peaks) == settings.steady_steps and bare.epoch_end_step is None  # a bare curve
 
 
 def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):

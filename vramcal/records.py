@@ -158,8 +158,9 @@ class TrialSettings:
         val_steps: validation passes at the trial's batch size, as the trainer validates.
         steady_steps: the most measured steps of the one steady trial that measures the step creep
             (:mod:`vramcal.calibration.creep`); 0 runs none.
-        plateau_steps: the steady trial ends sooner, once its peak has not risen for this many steps (0: it
-            runs all ``steady_steps``).
+        plateau_steps: the steady trial ends sooner, once its peak has not risen for this many steps after its
+            epoch's end (0: no epoch's end, it runs all ``steady_steps``;
+            :func:`vramcal.calibration.creep.steady_done`).
         max_trials: the most trials of a calibration (>= 1; several lengths add 4 per extra length).
         timeout_s: seconds before a trial's process is killed (the trial then counts as ``timeout``).
         boundary: measure near the out-of-memory boundary (:mod:`vramcal.calibration.search`, rule 3).
@@ -232,6 +233,9 @@ class Trial:
         step_peaks: a steady trial's peak so far after each of its measured steps (its curve: where the creep
             levelled off, :func:`vramcal.calibration.creep.plateau_step`); None for other trials and older
             profiles.
+        epoch_end_step: the measured step of a steady trial after which it ran its epoch's end (a step at a partial
+            batch and validation passes, :func:`vramcal.calibration.creep.epoch_end_due`); None for other trials, a
+            steady trial without one (no plateau rule) and older profiles.
         late_creep_bytes: a steady trial's allowance for the creep after its last step
             (:data:`vramcal.calibration.creep.HOST_LATE_CREEP` of its peak on the host; 0 on a GPU, where it
             has not been measured); None for other trials and older profiles.
@@ -259,6 +263,7 @@ class Trial:
     rank_peak_bytes: tuple[int, ...] | None = None
     held_bytes: int | None = None
     step_peaks: tuple[int, ...] | None = None
+    epoch_end_step: int | None = None
     late_creep_bytes: int | None = None
     step_times_s: tuple[float, ...] | None = None
     warmup_times_s: tuple[float, ...] | None = None
@@ -288,7 +293,7 @@ DEVICE_RANGES = {"total_bytes": POSITIVE, "nvml_index": NON_NEGATIVE, "cuda_inde
                  "nvml_total_bytes": NON_NEGATIVE, "nvml_reserved_bytes": NON_NEGATIVE}
 WORLD_RANGES = {"nproc": Range(2), "bucket_cap_mb": POSITIVE, "threads_per_rank": AT_LEAST_ONE}
 TRIAL_RANGES = {"batch_size": AT_LEAST_ONE, "peak_bytes": POSITIVE, "seq_len": AT_LEAST_ONE, "step_peaks": POSITIVE,
-                "late_creep_bytes": NON_NEGATIVE,
+                "epoch_end_step": AT_LEAST_ONE, "late_creep_bytes": NON_NEGATIVE,
                 **dict.fromkeys(("nvml_peak_bytes", "torch_max_reserved_bytes", "torch_max_allocated_bytes",
                                  "rss_peak_bytes", "data_peak_bytes", "data_bytes", "step_s", "samples_per_s",
                                  "startup_s", "build_s", "wall_s", "step_times_s", "warmup_times_s",

@@ -8,12 +8,18 @@ step's (``bench/results/creep/STUDY.md``). The workers now map every block of 25
 (:data:`vramcal.environment.HOST_MALLOC`), and the creep is 0.04-0.25 % over 300-500 steps, all of it in the first
 few steps but for single rises of at most 0.08 % (``bench/results/creep-256k/STUDY.md``). Whatever remains is
 measured: once the limits are verified, the search runs one **steady trial** at the conservative size, the one a
-run takes by default (search rule 6). It measures until its peak has not risen for ``plateau_steps`` steps
-(:func:`plateau_step`), at most ``steady_steps``, keeping its curve (``Trial.step_peaks``); a curve that had not
-levelled off by then is reported (:attr:`Creep.levelled`), and the trainer says so while it runs if its peak
-passes the prediction. For the late single rises, on the host the steady trial's peak gets an allowance of
-:data:`HOST_LATE_CREEP` (``Trial.late_creep_bytes``). Every other trial's peak is read as the peak a long run at
-its size would reach:
+run takes by default (search rule 6). After its first ``measured_steps`` steps it runs an **epoch's end**
+(:func:`epoch_end_due`): one step at a partial batch and validation passes at the full and the partial size, as a
+run's epoch ends; then it measures until its peak has not risen for ``plateau_steps`` steps (:func:`plateau_step`,
+:func:`steady_done`), at most ``steady_steps`` steps in all, keeping its curve (``Trial.step_peaks``,
+``Trial.epoch_end_step``). The epoch's end is there because the first full step after one peaks higher than any
+step before it: on the host's small spec +1.5 to +2.4 MiB in a trial's process and +2.3 MiB in the trainer's
+(0.2-0.3 %, ``bench/results/epoch-end/STUDY.md``; the shapes of a partial batch are new to the allocator's pools),
+which 1,000 training steps met (+0.5 % above the prediction, above its upper bound) and a steady trial of full
+steps never did. A curve that had not levelled off by the end is reported (:attr:`Creep.levelled`), and the
+trainer says so while it runs if its peak passes the prediction. For the late single rises, on the host the
+steady trial's peak gets an allowance of :data:`HOST_LATE_CREEP` (``Trial.late_creep_bytes``). Every other trial's
+peak is read as the peak a long run at its size would reach:
 
     creep_per_sample = (max(0, steady peak − mean peak of the short trials at that batch size)
                         + the steady trial's late allowance) / batch_size
@@ -65,6 +71,29 @@ def plateau_step(peaks: Sequence[int], plateau_steps: int, tolerance: float = PL
     return last if len(peaks) - last >= plateau_steps else None
 
 
+def partial_batch_size(batch_size: int) -> int:
+    """The batch size of the steady trial's epoch's end (:func:`epoch_end_due`): half the batch, rounded up, standing
+    for an epoch's last, partial batch (and the validation set's last chunk) of any size below the full one."""
+    return (batch_size + 1) // 2
+
+
+def epoch_end_due(peaks: Sequence[int], settings: TrialSettings) -> bool:
+    """Whether the steady trial runs its epoch's end after the last of ``peaks`` (its curve so far): after its first
+    ``measured_steps`` steps, where a short trial ends (a steady trial that verifies its size has read the short
+    trial's figures there), so that the plateau rule after it sees the early creep and what the epoch's end did
+    together. (Run after the curve had levelled off instead, it measured the same rise or less and cost 4-6 more
+    steps: ``bench/results/epoch-end/STUDY.md``.) Never without a plateau rule (``plateau_steps`` 0: the trial
+    runs every step, a bare curve)."""
+    return settings.plateau_steps > 0 and len(peaks) >= settings.measured_steps
+
+
+def steady_done(peaks: Sequence[int], settings: TrialSettings, epoch_end_step: int | None) -> bool:
+    """Whether the steady trial may stop after the last of ``peaks``: its epoch's end has run (after measured step
+    ``epoch_end_step``), at least ``plateau_steps`` steps followed it, and the curve has levelled off again."""
+    return (epoch_end_step is not None and len(peaks) - epoch_end_step >= settings.plateau_steps
+            and plateau_step(peaks, settings.plateau_steps) is not None)
+
+
 @dataclass(frozen=True)
 class Creep:
     """The measured step creep (module docstring). Bytes are integers.
@@ -80,6 +109,8 @@ class Creep:
             None: still rising when the trial ended (or no curve recorded).
         late_rise_bytes: how much the peak rose over the curve's last ``plateau_steps`` steps (the rise still
             going on; 0 when it levelled off).
+        epoch_end_step: the measured step after which the trial ran its epoch's end (None: it ran none).
+        epoch_end_rise_bytes: how much the peak rose from that step to the trial's end (0 without one).
         late_bytes: the allowance for the creep after the steady trial (``Trial.late_creep_bytes``), in
             ``per_sample_bytes``.
     """
@@ -93,6 +124,8 @@ class Creep:
     levelled_at: int | None = None
     late_rise_bytes: int = 0
     late_bytes: int = 0
+    epoch_end_step: int | None = None
+    epoch_end_rise_bytes: int = 0
 
     @property
     def levelled(self) -> bool:
@@ -142,10 +175,11 @@ def _creep_of(steady: Trial, trials: Sequence[Trial], plateau_steps: int) -> Cre
     levelled = plateau_step(curve, plateau_steps) if curve else None
     window = curve[-plateau_steps - 1:] if curve and plateau_steps else ()
     late = 0 if levelled is not None or len(window) < 2 else window[-1] - window[0]
-    allowance = steady.late_creep_bytes or 0
+    allowance, end = steady.late_creep_bytes or 0, steady.epoch_end_step
+    end_rise = curve[-1] - curve[end - 1] if end and len(curve) >= end else 0
     return Creep(steady.batch_size, steady.seq_len, steady.peak_bytes, mean,  # type: ignore[arg-type]
                  (max(0, steady.peak_bytes - mean) + allowance) / steady.batch_size,  # type: ignore[operator]
-                 len(curve) or None, levelled, late, allowance)
+                 len(curve) or None, levelled, late, allowance, end, end_rise)
 
 
 def read_peak(trial: Trial, creep: Creep | None) -> int | None:

@@ -9,7 +9,7 @@ import sys
 import click
 
 from vramcal.forecast import FAR, observation_verdict
-from vramcal.report.markdown import trial_reason
+from vramcal.report.markdown import creep_shape, trial_reason
 from vramcal.sizing import fitted_from, verdict
 from vramcal.units import format_bytes, format_duration
 
@@ -51,20 +51,6 @@ class TrialPrinter:
 
     def close(self) -> None:
         self._bar.close()
-
-
-def creep_shape(creep) -> str:
-    """``, levelled off at step 7`` or ``, still rising (+4.0 MiB over its last steps)``, and the allowance
-    for later steps (``, flat over them: ...`` when the allowance is all of it; nothing for a profile made
-    before the steady trial's curve was recorded)."""
-    if creep.steps is None:
-        return ""
-    later = f"; {format_bytes(creep.late_bytes)} of it allowed for later steps" if creep.late_bytes else ""
-    if creep.late_bytes and creep.bytes_at_steady <= creep.late_bytes and creep.levelled_at is not None:
-        return ", flat over them: all of it the allowance for later steps"
-    if creep.levelled_at is not None:
-        return f", levelled off at step {creep.levelled_at}{later}"
-    return f", still rising (+{format_bytes(creep.late_rise_bytes)} over its last steps){later}"
 
 
 def trial_line(trial, usable_bytes: int, middle: str) -> str:

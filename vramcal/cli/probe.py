@@ -57,7 +57,8 @@ trial_options = group(
                  help="the most measured steps of the steady trial at the conservative size: how much more a long "
                       "run peaks than a short trial (the step creep), added to the predictions; 0 skips it"),
     click.option("--plateau-steps", type=click.IntRange(0), default=_TRIALS.plateau_steps, show_default=True,
-                 help="the steady trial ends once its peak has not risen for this many steps (0: it runs all "
+                 help="the steady trial ends once its peak has not risen for this many steps after its epoch's "
+                      "end (a partial batch and validation after its first steps; 0: no epoch's end, it runs all "
                       "--steady-steps); a peak still rising at the end is reported"),
     click.option("--max-trials", type=click.IntRange(3), default=_TRIALS.max_trials, show_default=True),
     click.option("--timeout", "timeout_s", type=FiniteFloat(1, 86400), default=_TRIALS.timeout_s, show_default=True,

@@ -20,6 +20,9 @@ A second step adds little to a peak the warm-up has set up (the optimizer's stat
 host at most 0.1 % at step 2 or 3 (``bench/results/creep-256k/STUDY.md``: 0.7 MiB of 823 MiB on the small spec),
 against the 1 % the boundary is held to (the benchmark's boundary errors: +0.1 to +0.7 %).
 
+A steady trial (``request.steady``) reads its peak after every measured step and runs an epoch's end after its
+first ``measured_steps`` (:func:`steps`; :mod:`vramcal.calibration.creep`).
+
 A steady trial that verifies its size (``request.verifies``: the conservative size's verification, search
 rules 4 and 6) runs that sequence first: after ``measured_steps`` steps it runs the validation passes and reads the
 meter (``short`` in its result: the figures a short trial at that size records), then goes on stepping as
@@ -285,16 +288,17 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
           phase: Callable[[str], None] = phase_of(None)) -> dict[str, Any]:
     """Warm-up, the measured steps and the validation passes through ``model``, and the meter's figures.
 
-    A steady trial reads its peak after every measured step (``step_peaks``) and ends once it has not risen
-    for ``settings.plateau_steps`` steps (:func:`vramcal.calibration.creep.plateau_step`); under DDP when
-    every rank's has not (``all_ranks``: the ranks' agreement, so they stop at the same step). It sends each
-    step through ``channel`` as it ends (a ``step`` message: ``step``, ``of`` (the most), ``peak_bytes``,
-    ``step_s``), so the caller's progress moves through its minutes. One that verifies its size
+    A steady trial reads its peak after every measured step (``step_peaks``), runs :func:`end_epoch` after its
+    first ``settings.measured_steps`` (``epoch_end_step``) and ends once its peak has not risen for
+    ``settings.plateau_steps`` steps after that (:mod:`vramcal.calibration.creep`); under DDP each decision is every
+    rank's (``all_ranks``: the ranks' agreement, so they act at the same step). It sends each step through
+    ``channel`` as it ends (a ``step`` message: ``step``, ``of`` (the most), ``peak_bytes``, ``step_s``), so the
+    caller's progress moves through its minutes. One that verifies its size
     (``request.verifies``) also returns ``short``: its figures after its first ``settings.measured_steps``
     steps and the validation passes, as a short trial's (module docstring). ``phase`` is told each part as it
     starts (a trial killed at its time limit names where it was).
     """
-    from vramcal.calibration.creep import plateau_step
+    from vramcal.calibration.creep import epoch_end_due, steady_done
     from vramcal.workload import train_step, validation_step
 
     device, batch_size, settings = request.device, request.batch_size, request.settings
@@ -309,7 +313,7 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
     warmup = [_timed(lambda: train_step(step, step.batch(batch_size), model), device.kind)
               for _ in range(settings.warmup_steps)]
     meter.reset()
-    times, curve, short = [], [], None
+    times, curve, short, epoch_end = [], [], None, None
     for number in range(1, request.measured_steps + 1):
         phase(f"measured step {number} of {'at most ' * request.steady}{request.measured_steps}")
         times.append(_timed(lambda: train_step(step, step.batch(batch_size), model), device.kind))
@@ -320,11 +324,31 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
             if channel is not None:
                 channel.send("step", {"step": len(curve), "of": request.measured_steps, "peak_bytes": curve[-1],
                                       "step_s": times[-1]})
-            if all_ranks(plateau_step(curve, settings.plateau_steps) is not None):
+            if epoch_end is None:
+                if all_ranks(epoch_end_due(curve, settings)):
+                    end_epoch(step, model, batch_size, device.kind, phase)
+                    epoch_end = len(curve)
+            elif all_ranks(steady_done(curve, settings, epoch_end)):
                 break
     figures = _figures(step, meter, device.kind, batch_size, build_s, warmup, times, validate())
-    return {**figures, **({"step_peaks": tuple(curve)} if request.steady else {}),
+    return {**figures, **({"step_peaks": tuple(curve), "epoch_end_step": epoch_end} if request.steady else {}),
             **({"short": short} if short is not None else {})}
+
+
+def end_epoch(step: Any, model: Any, batch_size: int, device_kind: str, phase: Callable[[str], None]) -> None:
+    """A steady trial's epoch's end, as a training run's epoch ends: one training step at a partial batch
+    (:func:`vramcal.calibration.creep.partial_batch_size` of ``batch_size``), then validation passes at the batch
+    size and at the partial one."""
+    from vramcal.calibration.creep import partial_batch_size
+    from vramcal.measure.meters import synchronize
+    from vramcal.workload import train_step, validation_step
+
+    partial = partial_batch_size(batch_size)
+    phase(f"the epoch's end (a step at batch_size {partial} and validation passes)")
+    train_step(step, step.batch(partial), model)
+    validation_step(step, batch_size, model)
+    validation_step(step, partial, model)
+    synchronize(device_kind)
 
 
 def _figures(step: Any, meter: Any, device_kind: str, batch_size: int, build_s: float, warmup: list[float],

@@ -350,15 +350,35 @@ def observations_table(profile: Profile) -> str:
                            "verdict", "steps", "vramcal"], rows, right=[1, 2, 3, 4, 5, 6, 8])
 
 
+def creep_shape(creep) -> str:
+    """``, levelled off at step 7`` or ``, still rising (+4.0 MiB over its last steps)``, what its epoch's end did
+    (``(after an epoch's end at step 6 it rose 1.50 MiB)``), and the allowance
+    for later steps (``, flat over them: ...`` when the allowance is all of it; nothing for a profile made
+    before the steady trial's curve was recorded)."""
+    if creep.steps is None:
+        return ""
+    epoch = ""
+    if creep.epoch_end_step is not None:
+        rise = f"rose {format_bytes(creep.epoch_end_rise_bytes)}" if creep.epoch_end_rise_bytes else "did not rise"
+        epoch = f" (after an epoch's end at step {creep.epoch_end_step} it {rise})"
+    later = f"; {format_bytes(creep.late_bytes)} of it allowed for later steps" if creep.late_bytes else ""
+    if creep.late_bytes and creep.bytes_at_steady <= creep.late_bytes and creep.levelled_at is not None:
+        return f", flat over them{epoch}: all of it the allowance for later steps"
+    if creep.levelled_at is not None:
+        return f", levelled off at step {creep.levelled_at}{epoch}{later}"
+    return f", still rising (+{format_bytes(creep.late_rise_bytes)} over its last steps){epoch}{later}"
+
+
 def _creep_text(profile: Profile) -> str:
     creep, steps = profile.creep, profile.run.get("steady_steps")
     if creep is None:
         return ("not measured (`--steady-steps 0`, or no steady trial finished): predictions are a trial's "
                 "few steps, and a long run may peak a few percent higher" if steps is not None else MISSING)
     return (f"+{format_bytes(creep.per_sample_bytes)} per sample, in the model and the limits: a steady trial of "
-            f"{steps} steps at batch {creep.batch_size} peaked {format_bytes(creep.steady_peak_bytes)} against "
-            f"{format_bytes(creep.short_peak_bytes)} for the short trials there "
-            f"(+{creep.bytes_at_steady / creep.short_peak_bytes:.1%}); the trials table shows raw peaks")
+            f"{creep.steps or steps} steps at batch {creep.batch_size}{creep_shape(creep)} peaked "
+            f"{format_bytes(creep.steady_peak_bytes)} against {format_bytes(creep.short_peak_bytes)} for the short "
+            f"trials there (+{creep.bytes_at_steady / creep.short_peak_bytes:.1%}"
+            f"{' with the allowance' if creep.late_bytes else ''}); the trials table shows raw peaks")
 
 
 def _verification_text(profile: Profile, usable: int) -> str:
