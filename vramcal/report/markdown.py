@@ -375,10 +375,10 @@ def _creep_text(profile: Profile) -> str:
         return ("not measured (`--steady-steps 0`, or no steady trial finished): predictions are a trial's "
                 "few steps, and a long run may peak a few percent higher" if steps is not None else MISSING)
     return (f"+{format_bytes(creep.per_sample_bytes)} per sample, in the model and the limits: a steady trial of "
-            f"{creep.steps or steps} steps at batch {creep.batch_size}{creep_shape(creep)} peaked "
-            f"{format_bytes(creep.steady_peak_bytes)} against {format_bytes(creep.short_peak_bytes)} for the short "
-            f"trials there (+{creep.bytes_at_steady / creep.short_peak_bytes:.1%}"
-            f"{' with the allowance' if creep.late_bytes else ''}); the trials table shows raw peaks")
+            f"{creep.steps or steps} steps at batch {creep.batch_size} peaked {format_bytes(creep.steady_peak_bytes)} "
+            f"against {format_bytes(creep.short_peak_bytes)} for the short trials there "
+            f"(+{creep.bytes_at_steady / creep.short_peak_bytes:.1%}){creep_shape(creep)}; the trials table shows "
+            f"raw peaks")
 
 
 def _verification_text(profile: Profile, usable: int) -> str:
