@@ -24,16 +24,17 @@ from vramcal.measure.device import host_device
 from vramcal.units import format_bytes, parse_bytes
 
 
-def run(spec_name: str, batch_size: int, steps: int, partial: int, val_chunks: int, order: str, data: str,
+def run(ref, budget_bytes: int, batch_size: int, steps: int, partial: int, val_chunks: int, order: str, data: str,
         channel=None) -> list[tuple[str, int]]:
+    """In the worker: the model ``ref`` under ``budget_bytes``, ``steps`` steps, then each event of ``order``; the
+    peak after each, bytes."""
     import torch
 
     from vramcal.measure.meters import open_meter
     from vramcal.workload import build, train_step, validation_step
 
-    bench = SPECS[spec_name]
-    meter = open_meter(host_device(parse_bytes(bench.budget)), parse_bytes(bench.budget))
-    step = build(bench.spec.ref("transformers"), torch.device("cpu"), {"data": data, "stride": 1})
+    meter = open_meter(host_device(budget_bytes), budget_bytes)
+    step = build(ref, torch.device("cpu"), {"data": data, "stride": 1})
     train_step(step, step.batch(batch_size))
     meter.reset()
     peaks = []
@@ -73,8 +74,9 @@ def main() -> None:
     parser.add_argument("--order", default="partial,steps:5,validate,steps:5,save,steps:5")
     parser.add_argument("--data", default="data/es_1s.parquet")
     args = parser.parse_args()
-    outcome = worker_pool().run(run, args.spec, args.batch_size, args.steps, args.partial, args.val_chunks,
-                                args.order, args.data)
+    bench = SPECS[args.spec]
+    outcome = worker_pool().run(run, bench.spec.ref("transformers"), parse_bytes(bench.budget), args.batch_size,
+                                args.steps, args.partial, args.val_chunks, args.order, args.data)
     if outcome.status != "ok":
         raise SystemExit(f"{outcome.status}: {outcome.message}\n{outcome.error}")
     first = outcome.result[0][1]

@@ -363,3 +363,31 @@ def test_creep_curves_records_a_real_steady_trials_peak_after_every_step(tmp_pat
     peaks = run["step_peak_bytes"]
     assert (run["spec"], run["batch_size"], len(peaks), len(run["step_times_s"])) == ("tiny", 4, 7, 7)
     assert peaks == sorted(peaks) and peaks[0] > 100 * MIB  # a peak so far after each step: never falls
+
+
+def test_epoch_end_reads_the_peak_after_each_part_of_an_epochs_end(tmp_path, monkeypatch, capsys):
+    """``bench.epoch_end SPEC BATCH --steps N --partial P --val-chunks K --order ...``: a real worker of a tiny spec,
+    the peak after its steps and after each part (a partial batch, validation, a checkpoint, more steps)."""
+    import json
+    import sys
+
+    from host_budget import budget
+    from test_train_data import synthetic_bars
+
+    from bench import epoch_end
+    from bench.specs import BenchSpec
+    from vramcal.models.regressor.spec import RegressorSpec
+
+    bars = tmp_path / "bars.parquet"
+    synthetic_bars(1200).to_parquet(bars)
+    tiny = RegressorSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16)
+    monkeypatch.setitem(epoch_end.SPECS, "tiny", BenchSpec("tiny", tiny, str(budget(1536 * MIB))))
+    monkeypatch.setattr(sys, "argv", ["epoch_end", "tiny", "8", "--steps", "2", "--partial", "3", "--val-chunks", "2",
+                                      "--order", "partial,validate,save,steps:2", "--data", str(bars)])
+    epoch_end.main()
+    out = capsys.readouterr().out
+    peaks = json.loads(out.splitlines()[-1])
+    assert [label for label, _ in peaks] == ["2 steps", "partial", "validate", "save", "steps:2"]
+    values = [peak for _, peak in peaks]
+    assert values == sorted(values) and values[0] > 100 * MIB  # the peak so far: never falls
+    assert "+0 B (+0.00 %)" in out.splitlines()[0]  # each line against the first reading
