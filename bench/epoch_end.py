@@ -34,34 +34,45 @@ def run(ref, budget_bytes: int, batch_size: int, steps: int, partial: int, val_c
     from vramcal.workload import build, train_step, validation_step
 
     meter = open_meter(host_device(budget_bytes), budget_bytes)
-    step = build(ref, torch.device("cpu"), {"data": data, "stride": 1})
-    train_step(step, step.batch(batch_size))
-    meter.reset()
-    peaks = []
+    try:
+        step = build(ref, torch.device("cpu"), {"data": data, "stride": 1})
+        train_step(step, step.batch(batch_size))
+        meter.reset()
+        peaks = []
 
-    def full(n: int, label: str) -> None:
-        for _ in range(n):
-            train_step(step, step.batch(batch_size))
-        peaks.append((label, int(meter.read()["peak_bytes"])))
+        def full(n: int, label: str) -> None:
+            for _ in range(n):
+                train_step(step, step.batch(batch_size))
+            peaks.append((label, int(meter.read()["peak_bytes"])))
 
-    full(steps, f"{steps} steps")
+        full(steps, f"{steps} steps")
+        for event in order.split(","):
+            if event.startswith("steps:"):
+                full(int(event.split(":")[1]), event)
+                continue
+            if event == "partial":
+                train_step(step, step.batch(partial))
+            elif event == "validate":
+                for _ in range(val_chunks):
+                    validation_step(step, batch_size)
+                validation_step(step, partial)
+            elif event == "save":
+                with tempfile.TemporaryDirectory() as folder:
+                    torch.save({"model": step.model.state_dict(), "optimizer": step.optimizer.state_dict()},
+                               os.path.join(folder, "last.pt"))
+            peaks.append((event, int(meter.read()["peak_bytes"])))
+        return peaks
+    finally:
+        meter.close()
+
+
+def bad_event(order: str) -> str | None:
+    """The first event of ``order`` that :func:`run` does not know (None: all known)."""
     for event in order.split(","):
-        if event.startswith("steps:"):
-            full(int(event.split(":")[1]), event)
-            continue
-        if event == "partial":
-            train_step(step, step.batch(partial))
-        elif event == "validate":
-            for _ in range(val_chunks):
-                validation_step(step, batch_size)
-            validation_step(step, partial)
-        elif event == "save":
-            with tempfile.TemporaryDirectory() as folder:
-                torch.save({"model": step.model.state_dict(), "optimizer": step.optimizer.state_dict()},
-                           os.path.join(folder, "last.pt"))
-        peaks.append((event, int(meter.read()["peak_bytes"])))
-    meter.close()
-    return peaks
+        steps = event.split(":")[1] if event.startswith("steps:") else None
+        if event not in ("partial", "validate", "save") and not (steps and steps.isdigit() and int(steps) > 0):
+            return event
+    return None
 
 
 def main() -> None:
@@ -74,6 +85,8 @@ def main() -> None:
     parser.add_argument("--order", default="partial,steps:5,validate,steps:5,save,steps:5")
     parser.add_argument("--data", default="data/es_1s.parquet")
     args = parser.parse_args()
+    if (event := bad_event(args.order)) is not None:
+        parser.error(f"--order: unknown event {event!r}: use partial, validate, save or steps:N (N > 0)")
     bench = SPECS[args.spec]
     outcome = worker_pool().run(run, bench.spec.ref("transformers"), parse_bytes(bench.budget), args.batch_size,
                                 args.steps, args.partial, args.val_chunks, args.order, args.data)

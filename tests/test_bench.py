@@ -391,3 +391,7 @@ def test_epoch_end_reads_the_peak_after_each_part_of_an_epochs_end(tmp_path, mon
     values = [peak for _, peak in peaks]
     assert values == sorted(values) and values[0] > 100 * MIB  # the peak so far: never falls
     assert "+0 B (+0.00 %)" in out.splitlines()[0]  # each line against the first reading
+    monkeypatch.setattr(sys, "argv", ["epoch_end", "tiny", "8", "--order", "partial,stpes:2"])
+    with pytest.raises(SystemExit) as exit_info:  # a typo is refused before any worker starts
+        epoch_end.main()
+    assert exit_info.value.code == 2 and "unknown event 'stpes:2'" in capsys.readouterr().err

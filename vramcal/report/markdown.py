@@ -352,7 +352,7 @@ def observations_table(profile: Profile) -> str:
 
 def creep_shape(creep) -> str:
     """``, levelled off at step 7`` or ``, still rising (+4.0 MiB over its last steps)``, what its epoch's end did
-    (``(after an epoch's end at step 6 it rose 1.50 MiB)``), and the allowance
+    (``(after an epoch's end at step 2 it rose 1.50 MiB)``), and the allowance
     for later steps (``, flat over them: ...`` when the allowance is all of it; nothing for a profile made
     before the steady trial's curve was recorded)."""
     if creep.steps is None:
