@@ -9,10 +9,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_CPU ?= torch==2.13.0
 DATA ?= data/es_1s.parquet
-# With a GPU: calibrate it whole. Without one: calibrate a 4 GiB budget of host RAM, so the whole job
+# With a GPU: calibrate it whole. Without one: calibrate a 2.5 GiB budget of host RAM, so the whole job
 # (install, data, probe, one epoch) takes about 3.5 minutes on 2 cores with a warm pip cache; set
 # HOST_CAPACITY= to use all of the host's memory (its largest trials then take minutes each on a small CPU).
-HOST_CAPACITY ?= 4GiB
+HOST_CAPACITY ?= 2.5GiB
 ifeq ($(shell command -v nvidia-smi 2>/dev/null),)
 PROBE_ARGS ?= --gpu none $(if $(HOST_CAPACITY),--capacity $(HOST_CAPACITY))
 else
