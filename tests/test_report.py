@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from vramcal.cli import main
-from vramcal.profile import load_profile, save_profile
-from vramcal.records import Trial
+from vramcal.profile import load_profile, profile_path, save_profile
+from vramcal.records import Trial, World
 from vramcal.report import write_report
 from vramcal.report.catalogue import CATALOGUE, GpuModel, other_gpu_limits, parse_gpu_list
 from vramcal.report.figure import DPI, FIGSIZE_IN
@@ -175,6 +175,23 @@ def test_several_profiles_share_one_figure_and_a_comparison_table(tmp_path):
     assert "## Comparison" in text and text.count("### Trials") == 2
     assert "## NVIDIA GeForce RTX 3060 (12.00 GiB)" in text and "## host RAM: AMD EPYC 7763" in text
     assert render_markdown(profiles, png.name) == text
+
+
+def test_reports_of_two_host_budgets_and_of_ddp_do_not_overwrite_each_other(tmp_path):
+    """The report's name follows the profile file's (budget and DDP world included): two ``--capacity``
+    calibrations of one host, and a DDP one, each keep their report."""
+    base = host_profile()
+    budgets = [dataclasses.replace(base, device=dataclasses.replace(base.device, total_bytes=total,
+                                                                   total_source="--capacity"))
+               for total in (5 * GIB // 2, 4 * GIB)]
+    ddp = dataclasses.replace(budgets[0], world=World(2))
+    names = [report_name([p]) for p in (*budgets, ddp)]
+    assert names[0].endswith("-2.5gib") and names[1].endswith("-4gib") and "-ddp2" in names[2]
+    for profile, name in zip((*budgets, ddp), names):
+        assert name == f"{profile.device.slug()}-" + profile_path(tmp_path, profile.device, profile.model,
+                                                                   profile.implementation, world=profile.world).stem
+    written = [write_report([p], tmp_path)[1] for p in (*budgets, ddp)]
+    assert len({path.name for path in written}) == 3 and all(path.exists() for path in written)
 
 
 def test_a_bad_report_name_is_refused(tmp_path):

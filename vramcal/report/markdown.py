@@ -16,7 +16,7 @@ from vramcal.calibration.creep import STEADY, read_peak, steady_equivalent
 from vramcal.calibration.throughput import Knee, Rate, find_knee, measured_rates
 from vramcal.forecast import FAR, FAR_FRACTION, ForecastSettings, observation_verdict, profile_forecasts
 from vramcal.models.registry import describe
-from vramcal.profile import profile_name
+from vramcal.profile import profile_path
 from vramcal.report.catalogue import GpuLimitRow, GpuModel, other_gpu_limits
 from vramcal.report.cost import forecast_notes, forecast_table
 from vramcal.report.table import MISSING, markdown_table
@@ -32,9 +32,12 @@ if TYPE_CHECKING:
 # ---------------------------------------------------------------------------------------------- naming
 
 def report_name(profiles: Sequence[Profile]) -> str:
-    """File stem: ``<device slug>-<model name>-<implementation>-<model key>``; for several profiles
+    """File stem: ``<device slug>-<profile file's stem>`` (:func:`~vramcal.profile.profile_path`: the model
+    name, implementation and key, plus a DDP world and a host budget given as ``--capacity``, so the reports
+    of two budgets or of one process and DDP do not overwrite each other); for several profiles
     ``compare-<hash>``."""
-    names = [f"{p.device.slug()}-{profile_name(p.model, p.implementation)}" for p in profiles]
+    names = [f"{p.device.slug()}-{profile_path('', p.device, p.model, p.implementation, world=p.world).stem}"
+             for p in profiles]
     if len(profiles) == 1:
         return names[0]
     return f"compare-{hashlib.sha256(chr(10).join(sorted(names)).encode()).hexdigest()[:8]}"
