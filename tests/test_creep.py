@@ -95,6 +95,17 @@ def test_an_epochs_end_that_raises_the_peak_enters_the_limits():
     assert f"at step {steady(flat).epoch_end_step} it did not rise" in summary(flat)
 
 
+def test_an_epochs_end_rise_under_the_plateau_tolerance_says_why_the_curve_counts_as_level():
+    """A rise after the epoch's end smaller than the plateau rule's 0.1 % leaves the curve level from before it
+    (``levelled off at step 1``); the summary says the rise was under the rule, not only that it happened."""
+    profile = fake_calibration(memory, 4 * GIB, creep=0.2 * MIB / 128, curve=lambda n: 1.0, epoch_rise=1024 / 128)
+    trial, creep = steady(profile), profile.creep
+    assert 0 < creep.epoch_end_rise_bytes < 0.001 * trial.step_peaks[-1]
+    assert creep.levelled_at is not None and creep.levelled_at < trial.epoch_end_step
+    assert (f"(after an epoch's end at step {trial.epoch_end_step} it rose {format_bytes(creep.epoch_end_rise_bytes)}"
+            ", under the plateau rule's 0.1%)") in summary(profile)
+
+
 def test_a_creep_still_rising_at_the_cap_is_reported():
     profile = calibrate(lambda n: n / CAP)  # grows every step, to the last
     trial, creep = steady(profile), profile.creep

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from vramcal.calibration.creep import STEADY, read_peak, steady_equivalent
+from vramcal.calibration.creep import PLATEAU_TOLERANCE, STEADY, read_peak, steady_equivalent
 from vramcal.calibration.throughput import Knee, Rate, find_knee, measured_rates
 from vramcal.forecast import FAR, FAR_FRACTION, ForecastSettings, observation_verdict, profile_forecasts
 from vramcal.models.registry import describe
@@ -355,7 +355,8 @@ def observations_table(profile: Profile) -> str:
 
 def creep_shape(creep) -> str:
     """``, levelled off at step 7`` or ``, still rising (+4.0 MiB over its last steps)``, what its epoch's end did
-    (``(after an epoch's end at step 2 it rose 1.50 MiB)``), and the allowance
+    (``(after an epoch's end at step 2 it rose 1.50 MiB)``; ``, under the plateau rule's 0.1%`` when the curve
+    counts as level before it), and the allowance
     for later steps (``, flat over them: ...`` when the allowance is all of it; nothing for a profile made
     before the steady trial's curve was recorded)."""
     if creep.steps is None:
@@ -363,6 +364,8 @@ def creep_shape(creep) -> str:
     epoch = ""
     if creep.epoch_end_step is not None:
         rise = f"rose {format_bytes(creep.epoch_end_rise_bytes)}" if creep.epoch_end_rise_bytes else "did not rise"
+        if creep.epoch_end_rise_bytes and creep.levelled_at is not None and creep.levelled_at < creep.epoch_end_step:
+            rise += f", under the plateau rule's {PLATEAU_TOLERANCE:.1%}"  # level before the epoch's end: say why
         epoch = f" (after an epoch's end at step {creep.epoch_end_step} it {rise})"
     later = f"; {format_bytes(creep.late_bytes)} of it allowed for later steps" if creep.late_bytes else ""
     if creep.late_bytes and creep.bytes_at_steady <= creep.late_bytes and creep.levelled_at is not None:
