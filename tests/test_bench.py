@@ -5,6 +5,7 @@ and the Python-versions comparison. No trial, no Lightning, no Accelerate."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -395,3 +396,41 @@ def test_epoch_end_reads_the_peak_after_each_part_of_an_epochs_end(tmp_path, mon
     with pytest.raises(SystemExit) as exit_info:  # a typo is refused before any worker starts
         epoch_end.main()
     assert exit_info.value.code == 2 and "unknown event 'stpes:2'" in capsys.readouterr().err
+
+
+def _timed_round(wall_s: float, boundary_s: tuple[float, ...], safe_s: tuple[float, ...], conservative_s: float,
+                 steady_s: float) -> dict:
+    """A vramcal round whose trials took these seconds: batch 1 ends at 6 s, a grow trial, the boundary trials,
+    verifications at the safe size 90 (and one at 86, an earlier safe size), the steady trial at 81."""
+    def trial(b: int, purpose: str, s: float, end: float = 0.0) -> dict:
+        return {"batch_size": b, "purpose": purpose, "wall_s": s, "end_s": end, "status": "ok"}
+
+    trials = [trial(1, "grow", 6.0, 6.0), trial(40, "grow", 3.0), *(trial(150, "boundary", s) for s in boundary_s),
+              trial(86, "verify-safe", 1.0), *(trial(90, "verify-safe", s) for s in safe_s),
+              trial(81, "verify-conservative", conservative_s), trial(81, "steady", steady_s)]
+    return {"trials": trials, "process_wall_s": wall_s, "answer_s": wall_s - 2.0,
+            "limits": {"safe_batch_size": 90, "conservative_batch_size": 81}}
+
+
+def test_the_wall_time_floor_prices_one_trial_of_each_kind_from_the_recorded_rounds(tmp_path, capsys):
+    from bench.wall_floor import floors, main, parts
+
+    one = parts(_timed_round(60.0, (12.0, 9.0), (8.0, 7.0), 5.0, 20.0))
+    assert one == {"start": 8.0, "boundary": 9.0, "safe": 7.0, "conservative": 5.0, "steady": 15.0}
+    results = {"spec_name": "default", "runs": {
+        "vramcal": [_timed_round(60.0, (12.0, 9.0), (8.0, 7.0), 5.0, 20.0),
+                    _timed_round(70.0, (11.0,), (9.0,), 6.0, 22.0),
+                    _timed_round(65.0, (10.0,), (7.5,), 7.0, 21.0)],
+        "lightning-binsearch": [{"process_wall_s": s} for s in (100.0, 90.0, 120.0)]}}
+    (row,) = floors(results)
+    assert row["floor"] == pytest.approx(8.0 + 10.0 + 7.5 + 7.0)  # the median of the rounds' sums 29, 34, 32.5
+    assert row["with_creep"] == pytest.approx(32.5 + 14.0)  # 44, 50, 46.5
+    assert row["measured"] == 65.0 and row["target"] == pytest.approx(0.33 * 100.0)
+    path = tmp_path / "default.json"
+    path.write_text(json.dumps(results))
+    assert main([str(path)]) == 0 and "| default | vramcal | 3 |" in capsys.readouterr().out
+    del results["runs"]["lightning-binsearch"]
+    path.write_text(json.dumps(results))
+    assert main([str(path)]) == 2 and "no lightning-binsearch rounds" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no verification at the safe size 90"):
+        parts({**_timed_round(60.0, (9.0,), (), 5.0, 20.0)})
