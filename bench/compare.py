@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.specs import QUICK_BUDGET, SPECS
-from bench.table import SCHEMA, TOOLS, needs_survival, write_tables
+from bench.table import SCHEMA, SURVIVE, TOOLS, survival_sizes, write_tables
 from bench.truth import TruthError, cached, ground_truth, truth_key, vramcal_commit
 from vramcal.units import format_bytes, parse_bytes
 
@@ -150,6 +150,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--stride", type=int, default=1, help="bars between windows (1: ~27k E-mini windows)")
     parser.add_argument("--refresh-truth", action="store_true", help="recompute the cached ground truth")
     parser.add_argument("--no-survival", action="store_true", help="skip the survival runs")
+    parser.add_argument("--survive", choices=SURVIVE, default="all",
+                        help="train every answer and safe size (all), or only vramcal's safe or conservative sizes")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before a tool's process is killed")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default bench/results)")
     parser.add_argument("--no-mkldnn", action="store_true",
@@ -212,6 +214,7 @@ def run_spec(args: argparse.Namespace, name: str) -> dict[str, Any]:
     print(f"== {name} at {format_bytes(budget)} ({env['vramcal_commit']})", flush=True)
     results: dict[str, Any] = {
         "bench_schema": SCHEMA, "spec_name": name, "spec": spec, "environment": env, "steps": args.steps,
+        "survive": args.survive,
         "rounds": args.rounds, "seed": args.seed, "accelerate_start": args.accelerate_start, "quick": args.quick,
         "data": {"path": args.data, "stride": args.stride,
                  "train_windows": train_windows(data, bench_spec.spec.seq_len, args.stride)},
@@ -259,6 +262,7 @@ def run_spec(args: argparse.Namespace, name: str) -> dict[str, Any]:
                 _write(json_path, results)  # progress survives a crash
         if not args.no_survival:
             results["survival"] = survival_runs(results, spec, budget, data, args.stride, args.steps, workers,
+                                                survive=args.survive,
                                                 save=lambda: _write(json_path, results))
     results["environment"]["load_average_end"] = os.getloadavg()
     _write(json_path, results)
@@ -268,9 +272,10 @@ def run_spec(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
 
 def survival_runs(results: dict[str, Any], spec: dict[str, Any], budget: int, data: str, stride: int, steps: int,
-                  workers: Any, save: Any = None) -> list[dict[str, Any]]:
-    """Train every answer (largest first) with vramcal's runner; each run's peak beside every vramcal
-    profile's prediction at that size (``predictions``, keyed ``<tool>/r<round>``)."""
+                  workers: Any, save: Any = None, survive: str = "all") -> list[dict[str, Any]]:
+    """Train every answer (largest first; ``survive``: :func:`bench.table.survival_sizes`) with vramcal's
+    runner; each run's peak beside every vramcal profile's prediction at that size (``predictions``, keyed
+    ``<tool>/r<round>``)."""
     from bench.survive import sizing_at, survive
     from vramcal.profile import load_profile
 
@@ -282,7 +287,7 @@ def survival_runs(results: dict[str, Any], spec: dict[str, Any], budget: int, da
         return []
     loaded = {label: load_profile(path) for label, path in profiles.items()}
     out = []
-    for batch_size, sources in sorted(needs_survival(results).items(), reverse=True):
+    for batch_size, sources in sorted(survival_sizes(results, survive).items(), reverse=True):
         label = next((s.split()[0] + "/" + s.split()[-1] for s in sources if s.startswith("vramcal")),
                      "vramcal/r1" if "vramcal/r1" in profiles else next(iter(profiles)))
         print(f"survival at {batch_size} ({', '.join(sources)}; planned with {label}) ...", flush=True)

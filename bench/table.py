@@ -249,7 +249,31 @@ def needs_survival(results: dict[str, Any]) -> dict[int, list[str]]:
     return sizes
 
 
+SURVIVE = ("all", "safe", "conservative")
+
+
+def survival_sizes(results: dict[str, Any], survive: str = "all") -> dict[int, list[str]]:
+    """:func:`needs_survival`, or with ``survive`` ``safe`` / ``conservative`` only the vramcal tools' sizes of
+    that kind (``bench.compare --survive``: one long run at a time on a small machine). Pure.
+
+    Raises:
+        ValueError: ``survive`` is none of ``SURVIVE``.
+    """
+    if survive not in SURVIVE:
+        raise ValueError(f"--survive {survive!r}: use one of {', '.join(SURVIVE)}")
+    sizes = needs_survival(results)
+    if survive == "all":
+        return sizes
+    return {size: sources for size, sources in sizes.items()
+            if any(f" {survive} r" in source for source in sources)}
+
+
 # ------------------------------------------------------------------------------------------- markdown
+
+def _survival_sizes_phrase(results: dict[str, Any]) -> str:
+    survive = results.get("survive", "all")
+    return "each answer" if survive == "all" else f"vramcal's {survive} sizes only (--survive {survive})"
+
 
 def survival_table(results: dict[str, Any]) -> list[str]:
     lines = ["| batch | from | status | steps | peak | predicted (profile) | peak vs predicted | upper | <= upper | "
@@ -288,8 +312,8 @@ def markdown(results: dict[str, Any]) -> str:
              f"- vramcal commit of this run: {env.get('vramcal_commit') or 'unknown'}",
              f"- rounds: {results['rounds']} (seed {results['seed']}), orders: "
              + "; ".join(", ".join(order) for order in results.get("orders", [])),
-             f"- survival: {results['steps']} optimizer steps of `vramcal train`'s runner at each answer, under the "
-             f"budget (RLIMIT_DATA)",
+             f"- survival: {results['steps']} optimizer steps of `vramcal train`'s runner at {_survival_sizes_phrase(results)}, "
+             f"under the budget (RLIMIT_DATA)",
              f"- Accelerate starting_batch_size: {results['accelerate_start']}",
              f"- load average at start/end: {_load(env.get('load_average_start'))} / "
              f"{_load(env.get('load_average_end'))} (the machine is shared: wall times are noisy)",

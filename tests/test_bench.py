@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from bench.compare import round_orders
+from bench.compare import parse_args, round_orders
 from bench.data_term import gpu_path, tile_bars
 from bench.python_versions import Calibration, agreement
 from bench.survive import outcome, sizing_at
-from bench.table import ResultsError, markdown, needs_survival, ratios, rows, summary, targets
+from bench.table import ResultsError, markdown, needs_survival, ratios, rows, summary, survival_sizes, targets
 from bench.truth import bisect_largest, cached
 from vramcal.calibration.fit import fit_linear
 from vramcal.models.regressor.bars import synthetic_bars
@@ -157,6 +157,19 @@ def test_every_answer_of_every_round_and_each_safe_size_needs_a_survival_run():
     assert sizes[120] == ["vramcal conservative r1", "vramcal conservative r2"]
     assert sizes[190] == ["lightning-binsearch r1", "lightning-binsearch r2", "lightning-binsearch r3",
                           "accelerate r1", "accelerate r3"]
+
+
+def test_survive_picks_only_vramcals_safe_or_conservative_sizes_and_the_page_says_so():
+    results = _results()
+    assert survival_sizes(results) == needs_survival(results)
+    assert sorted(survival_sizes(results, "safe")) == [134, 135]
+    assert sorted(survival_sizes(results, "conservative")) == [120, 121]
+    with pytest.raises(ValueError, match="--survive 'answers': use one of all, safe, conservative"):
+        survival_sizes(results, "answers")
+    assert "1000 optimizer steps" not in markdown(results) and "at each answer" in markdown(results)
+    assert "at vramcal's safe sizes only (--survive safe)" in markdown({**results, "survive": "safe"})
+    with pytest.raises(SystemExit):  # argparse refuses another value with one line, exit 2
+        parse_args(["--survive", "answers"])
 
 
 def test_the_page_renders_rounds_and_survival_and_refuses_old_results():
