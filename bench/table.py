@@ -312,8 +312,8 @@ def markdown(results: dict[str, Any]) -> str:
              f"- vramcal commit of this run: {env.get('vramcal_commit') or 'unknown'}",
              f"- rounds: {results['rounds']} (seed {results['seed']}), orders: "
              + "; ".join(", ".join(order) for order in results.get("orders", [])),
-             f"- survival: {results['steps']} optimizer steps of `vramcal train`'s runner at {_survival_sizes_phrase(results)}, "
-             f"under the budget (RLIMIT_DATA)",
+             f"- survival: {results['steps']} optimizer steps of `vramcal train`'s runner at "
+             f"{_survival_sizes_phrase(results)}, under the budget (RLIMIT_DATA)",
              f"- Accelerate starting_batch_size: {results['accelerate_start']}",
              f"- load average at start/end: {_load(env.get('load_average_start'))} / "
              f"{_load(env.get('load_average_end'))} (the machine is shared: wall times are noisy)",
