@@ -262,7 +262,7 @@ def run_spec(args: argparse.Namespace, name: str) -> dict[str, Any]:
                 _write(json_path, results)  # progress survives a crash
         if not args.no_survival:
             results["survival"] = survival_runs(results, spec, budget, data, args.stride, args.steps, workers,
-                                                survive=args.survive,
+                                                kinds=args.survive,
                                                 save=lambda: _write(json_path, results))
     results["environment"]["load_average_end"] = os.getloadavg()
     _write(json_path, results)
@@ -272,8 +272,8 @@ def run_spec(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
 
 def survival_runs(results: dict[str, Any], spec: dict[str, Any], budget: int, data: str, stride: int, steps: int,
-                  workers: Any, save: Any = None, survive: str = "all") -> list[dict[str, Any]]:
-    """Train every answer (largest first; ``survive``: :func:`bench.table.survival_sizes`) with vramcal's
+                  workers: Any, save: Any = None, kinds: str = "all") -> list[dict[str, Any]]:
+    """Train every answer (largest first; ``kinds``: ``--survive``, :func:`bench.table.survival_sizes`) with vramcal's
     runner; each run's peak beside every vramcal profile's prediction at that size (``predictions``, keyed
     ``<tool>/r<round>``)."""
     from bench.survive import sizing_at, survive
@@ -287,7 +287,7 @@ def survival_runs(results: dict[str, Any], spec: dict[str, Any], budget: int, da
         return []
     loaded = {label: load_profile(path) for label, path in profiles.items()}
     out = []
-    for batch_size, sources in sorted(survival_sizes(results, survive).items(), reverse=True):
+    for batch_size, sources in sorted(survival_sizes(results, kinds).items(), reverse=True):
         label = next((s.split()[0] + "/" + s.split()[-1] for s in sources if s.startswith("vramcal")),
                      "vramcal/r1" if "vramcal/r1" in profiles else next(iter(profiles)))
         print(f"survival at {batch_size} ({', '.join(sources)}; planned with {label}) ...", flush=True)

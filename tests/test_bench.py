@@ -1,6 +1,7 @@
 """The benchmark's pure parts on synthetic results: rounds and their medians and spreads, targets, the answers
 that need survival runs, the truth's bisection and cache, the closed-loop sizing, the data term's GPU path,
-and the Python-versions comparison. No trial, no Lightning, no Accelerate."""
+and the Python-versions comparison; one real two-step survival run on the tiny spec. No Lightning, no
+Accelerate."""
 
 from __future__ import annotations
 
@@ -447,3 +448,22 @@ def test_the_wall_time_floor_prices_one_trial_of_each_kind_from_the_recorded_rou
     assert main([str(path)]) == 2 and "no lightning-binsearch rounds" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no verification at the safe size 90"):
         parts({**_timed_round(60.0, (9.0,), (), 5.0, 20.0)})
+
+
+def test_survival_runs_train_only_the_kind_asked_for_for_real(tmp_path):
+    """``bench.compare --survive conservative``'s path: the tiny spec's conservative size trains for real (two
+    steps) beside the profile's prediction; the safe size does not train. (The profile is synthetic: its
+    prediction is not the tiny model's, only where it comes from is checked.)"""
+    from bench.compare import survival_runs
+    from test_train import SPEC, training_folder
+
+    path = training_folder(tmp_path)
+    results = {"runs": {"vramcal": [{**_vramcal_run(1, 10.0, conservative=3, safe=4, boundary=20.0),
+                                     "profile_path": str(path)}]}}
+    saved = []
+    (run,) = survival_runs(results, SPEC.to_dict(), 2**31, str(tmp_path / "bars.parquet"), stride=1, steps=2,
+                           workers=None, save=lambda: saved.append(True), kinds="conservative")
+    assert (run["batch_size"], run["status"], run["steps_done"]) == (3, "ok", 2)
+    assert run["sources"] == ["vramcal conservative r1"] and saved == [True]
+    assert run["peak_bytes"] > 0 and run["epoch_peak_bytes"]  # measured by the runner's meter
+    assert run["predictions"]["vramcal/r1"]["predicted_peak_bytes"] == run["predicted_peak_bytes"]
