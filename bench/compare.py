@@ -273,9 +273,9 @@ def run_spec(args: argparse.Namespace, name: str) -> dict[str, Any]:
 
 def survival_runs(results: dict[str, Any], spec: dict[str, Any], budget: int, data: str, stride: int, steps: int,
                   workers: Any, save: Any = None, kinds: str = "all") -> list[dict[str, Any]]:
-    """Train every answer (largest first; ``kinds``: ``--survive``, :func:`bench.table.survival_sizes`) with vramcal's
-    runner; each run's peak beside every vramcal profile's prediction at that size (``predictions``, keyed
-    ``<tool>/r<round>``)."""
+    """Train every answer (largest first; ``kinds``: ``--survive``, :func:`bench.table.survival_sizes`) with
+    vramcal's runner; each run's peak beside every vramcal profile's prediction at that size (``predictions``,
+    keyed ``<tool>/r<round>``)."""
     from bench.survive import sizing_at, survive
     from vramcal.profile import load_profile
 

@@ -9,8 +9,9 @@ import dataclasses
 import json
 
 import pytest
+from test_train import SPEC, training_folder
 
-from bench.compare import parse_args, round_orders
+from bench.compare import parse_args, round_orders, survival_runs
 from bench.data_term import gpu_path, tile_bars
 from bench.python_versions import Calibration, agreement
 from bench.survive import outcome, sizing_at
@@ -454,9 +455,6 @@ def test_survival_runs_train_only_the_kind_asked_for_for_real(tmp_path):
     """``bench.compare --survive conservative``'s path: the tiny spec's conservative size trains for real (two
     steps) beside the profile's prediction; the safe size does not train. (The profile is synthetic: its
     prediction is not the tiny model's, only where it comes from is checked.)"""
-    from bench.compare import survival_runs
-    from test_train import SPEC, training_folder
-
     path = training_folder(tmp_path)
     results = {"runs": {"vramcal": [{**_vramcal_run(1, 10.0, conservative=3, safe=4, boundary=20.0),
                                      "profile_path": str(path)}]}}
