@@ -18,8 +18,8 @@ PROBE_ARGS ?= --gpu none $(if $(HOST_CAPACITY),--capacity $(HOST_CAPACITY))
 else
 PROBE_ARGS ?= --gpu auto
 endif
-# One epoch of windows 16 bars apart: 11 steps at the host's conservative size, enough to compare the epoch's
-# time with the forecast (the default stride, seq_len // 2, leaves 3 steps, whose time is mostly noise).
+# One epoch of windows 16 bars apart: 23 steps at the 2.5 GiB budget's conservative size (76), enough to compare
+# the epoch's time with the forecast (the default stride, seq_len // 2, leaves 6 steps, whose time is mostly noise).
 TRAIN_ARGS ?= --epochs 1 --stride 16
 
 .PHONY: setup setup-dev run test lint clean gpu-wheels gpu-rehearsal gpu-fused-wheels
