@@ -59,7 +59,12 @@ def test_a_world_trial_keeps_every_rank_and_agrees_on_a_failure():
     assert time.time() - started < 60  # agreed (or the other rank stopped), not left waiting in a collective
     steady = TrialRequest(SPEC.ref("transformers"), 16, device, settings=TrialSettings(
         timeout_s=120, steady_steps=6, plateau_steps=2), steady=True, verifies=True, world=World(2))
-    short, long = runner.run(steady, purpose="steady")  # its first steps verify the size, on every rank
+    trials = runner.run(steady, purpose="steady")  # its first steps verify the size, on every rank
+    if len(trials) == 1 and trials[0].status in ("error", "timeout"):  # rule 7, as run_as_the_search_does
+        print(f"a steady world trial measured nothing, run once more as the search would: {trials[0].error}")
+        trials = runner.run(steady, purpose="steady")
+    assert len(trials) == 2, [(t.purpose, t.status, t.error) for t in trials]
+    short, long = trials
     assert (short.purpose, long.purpose) == ("verify-conservative", "steady")
     assert len(short.rank_peak_bytes) == len(long.rank_peak_bytes) == 2
     assert all(a <= b for a, b in zip(short.rank_peak_bytes, long.rank_peak_bytes))
