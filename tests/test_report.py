@@ -391,3 +391,33 @@ def test_cost_rows_of_one_card_name_what_tells_their_models_apart_and_the_pictur
     height = Image.open(io.BytesIO(render_cost_png(rows, "t"))).size[1]
     one = Image.open(io.BytesIO(render_cost_png(cost_table([small], [None], 10), "t"))).size[1]
     assert one == FIGSIZE_IN[1] * 100 < height
+
+
+def test_cost_points_are_named_in_a_legend_that_marks_the_best_not_beside_each_other():
+    """Cards of near cost and run time (two memories of one card) are named in the legend below the axes, the
+    fastest and the cheapest marked there; no name is printed beside a point, where near ones would overlap."""
+    from matplotlib.figure import Figure
+
+    from vramcal.forecast import Price, calibration_dataset, cost_table
+    from vramcal.report.cost_figure import _draw_costs
+
+    from profiles_for_tests import timed_profile
+
+    small, large = timed_profile(), timed_profile(total_bytes=48 * 2**30)
+    datasets = [calibration_dataset(small), calibration_dataset(large)]
+    rows = cost_table([small, large], datasets, 10, [Price("RTX 4090", 0.59)], labels=["4090 · 24", "4090 · 48"])
+    ax = Figure().subplots()
+    _draw_costs(ax, rows, ("minutes", 60.0))
+    named = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert sorted(n.split(" (")[0] for n in named) == ["4090 · 24", "4090 · 48"]
+    marked = [f"{f.card} ({', '.join(w for w, on in (('fastest', f.fastest), ('cheapest', f.cheapest)) if on)})"
+              for f in rows if f.fastest or f.cheapest]
+    assert marked and set(marked) <= set(named)
+    assert not any("4090" in t.get_text() for t in ax.texts)
+    many = [timed_profile(total_bytes=(16 + 8 * i) * 2**30) for i in range(8)]  # more cards than colours
+    rows = cost_table(many, [calibration_dataset(p) for p in many], 10, [Price("RTX 4090", 0.59)],
+                      labels=[f"4090 · {16 + 8 * i}" for i in range(8)])
+    ax = Figure().subplots()
+    _draw_costs(ax, rows, ("minutes", 60.0))
+    points = [container.lines[0] for container in ax.containers]
+    assert len({(line.get_color(), line.get_marker()) for line in points}) == len(points) == 8

@@ -1,4 +1,5 @@
-"""The run forecast's figure: run time per card, and run time against cost, with the intervals as whiskers.
+"""The run forecast's figure: run time per card, and run time against cost (each card named in the legend below,
+not beside its point: near cards would print over each other), with the intervals as whiskers.
 
 A pure function of :class:`vramcal.forecast.Forecast` rows; matplotlib is imported inside
 :func:`render_cost_png` (Agg canvas, no pyplot state); deterministic bytes (fixed size and dpi, no metadata).
@@ -22,6 +23,7 @@ FIGSIZE_IN = (13.0, 5.6)  # the least: taller where the cards' names take more l
 LINE_IN = 0.19  # inches a label line takes in the rows' axis (8.5 pt text and its spacing), and a row's margin
 DPI = 100
 LABEL_WIDTH = 34  # characters a card's name wraps at beside its bar
+MARKERS = ("o", "s", "^", "D", "v", "P")  # a point's marker, one per round of the colours
 
 
 def render_cost_png(forecasts: Sequence[Forecast], title: str) -> bytes:
@@ -95,12 +97,13 @@ def _draw_costs(ax: Any, forecasts: Sequence[Forecast], unit: tuple[str, float])
         run, whisker = _run(f, unit)
         cost_whisker = ([[0.0], [0.0]] if f.cost_high is None else
                         [[f.cost - (f.cost_low or 0.0)], [f.cost_high - f.cost]])
-        color = COLORS[forecasts.index(f) % len(COLORS)]
-        ax.errorbar([f.cost], [run], xerr=cost_whisker, yerr=[[whisker[0]], [whisker[1]]], fmt="o", ms=8,
-                    color=color, capsize=3)
+        row = forecasts.index(f)  # its bar's colour; past the colours, another marker tells it apart in the legend
+        marker = MARKERS[row // len(COLORS) % len(MARKERS)]
         best = ", ".join(w for w, on in (("fastest", f.fastest), ("cheapest", f.cheapest)) if on)
-        ax.annotate(textwrap.fill(f.card, 40) + (f" ({best})" if best else ""), (f.cost, run), fontsize=8.5,
-                    textcoords="offset points", xytext=(8, 6))
+        # named in the legend, not beside the point: cards of near cost and time would print over each other
+        ax.errorbar([f.cost], [run], xerr=cost_whisker, yerr=[[whisker[0]], [whisker[1]]], fmt=marker, ms=8,
+                    color=COLORS[row % len(COLORS)], capsize=3,
+                    label=textwrap.fill(f.card, 70) + (f" ({best})" if best else ""))
     missing = [f"{textwrap.shorten(f.card, 40)}: " + ("no measured profile" if not f.measured else "no price (--price)"
                                                       if f.price_per_hour is None else "no forecast")
                for f in forecasts if f.cost is None]
@@ -109,6 +112,8 @@ def _draw_costs(ax: Any, forecasts: Sequence[Forecast], unit: tuple[str, float])
         # lower right: dear and quick, where a card rarely lies
         ax.text(0.98, 0.02, f"not placed ({reason}):\n" + "\n".join(missing), transform=ax.transAxes, fontsize=8.5,
                 color="#666666", va="bottom", ha="right", bbox={"facecolor": "white", "edgecolor": "#dddddd"})
+    if priced:  # below the axes, as the probe report's legends
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), fontsize=8.5, frameon=False)
     costs = [f.cost_high if f.cost_high is not None else f.cost for f in priced]
     runs = [(f.run_high_s if f.run_high_s is not None else f.run_s) / unit[1] for f in priced]
     ax.set_xlim(0, max(costs, default=1.0) * 1.35 or 1.0)
