@@ -215,13 +215,15 @@ def test_probe_records_the_world_and_its_ddp_settings(tmp_path, monkeypatch):
     from vramcal.cli import main
 
     fake_measurement(monkeypatch)
-    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1536MiB", *SPEC_ARGS, "--nproc", "2",
+    total = host_budget.budget(1536 * 2**20)  # 1.5 GiB on the reference torch build (tests/host_budget.py)
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", str(total), *SPEC_ARGS, "--nproc", "2",
                                        *DDP_SETTINGS, "--profiles-dir", str(tmp_path), "--no-report"])
     assert result.exit_code == 0, result.output
     (path,) = tmp_path.rglob("*.json")
     profile = load_profile(path)
     assert profile.world == World(2, "gloo", 50.0, True, True, True)
-    assert re.search(r"-ddp2-[0-9a-f]{6}-1\.5gib\.json$", path.name), path.name
+    size = re.escape(f"{total / 2**30:.4g}")  # 1.5 on the reference build
+    assert re.search(rf"-ddp2-[0-9a-f]{{6}}-{size}gib\.json$", path.name), path.name
     assert "DDP 2 ranks (gloo, buckets 50 MiB, gradient_as_bucket_view, find_unused_parameters, static_graph)" \
         in result.output
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from host_budget import capacity
 from test_train import SPEC, SPEC_ARGS, make_profile, training_folder
 from test_train_data import synthetic_bars
 
@@ -277,7 +278,7 @@ def probe_args(setup: Path, disk: Path, *extra: str) -> list[str]:
 
     # the disk is under test, not the search: the shortest calibration that still verifies (no boundary trials, no
     # steady trial)
-    return ["probe", "--gpu", "none", "--capacity", "1GiB", "--reserve", "0", *TINY, "--data",
+    return ["probe", "--gpu", "none", "--capacity", capacity(2**30), "--reserve", "0", *TINY, "--data",
             str(setup / "bars.parquet"), "--profiles-dir", str(disk / "profiles"), "--no-report", "--no-boundary",
             "--steady-steps", "0", *extra]
 
