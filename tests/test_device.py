@@ -1,9 +1,12 @@
 """Device selection against a fake NVIDIA driver under the real pynvml and nvitop (tests/fakes.py)."""
 
 import os
+import re
 
 import pytest
+from click.testing import CliRunner
 
+from vramcal.cli import main
 from vramcal.measure.device import DeviceError, host_device, select
 from vramcal.measure.nvml import NvmlError, list_gpus, load_nvml, nvml_handle, nvml_query
 from vramcal.models.mamba2 import check_dtype
@@ -51,9 +54,27 @@ def test_nvml_failing_sends_auto_to_the_host_with_a_notice_and_explicit_choices_
     assert devices[0].kind == "host"
     assert notice.startswith("no usable NVIDIA GPU (NVML could not start (Driver Not Loaded)")
     assert notice.endswith("using the host's memory instead")
-    with pytest.raises(NvmlError, match="use --gpu none to calibrate the host"):
+    with pytest.raises(NvmlError, match="use --gpu none for the host's memory"):
         choose("0")
     assert choose("none")[0][0].kind == "host"
+
+
+HOST_IS_NONE = "the host's memory is --gpu none"
+
+
+@pytest.mark.parametrize(("value", "says"), [("nonee", "not a device choice; give auto, none (the host), all"),
+                                             ("cuda:0", "not a device choice"), ("cpu", HOST_IS_NONE),
+                                             ("host", HOST_IS_NONE)])
+def test_a_misspelt_choice_is_named_as_such_not_as_a_missing_driver(value, says):
+    """Checked before NVML is asked: on a machine without a driver a typo read as NVML failing to start (exit 1,
+    "the NVIDIA driver is not installed"); it is a bad option value (exit 2) that says what the choices are."""
+    lib = install_fake_nvml([H200], init_error=DRIVER_NOT_LOADED)
+    with pytest.raises(DeviceError, match=re.escape(f"--gpu {value}: {says}")):
+        choose(value)
+    assert not lib.calls  # NVML was not asked
+    result = CliRunner().invoke(main, ["train", "--gpu", value])
+    assert result.exit_code == 2 and f"Invalid value for '--gpu': {value}: {says}" in result.output, result.output
+    assert "Traceback" not in result.output and "NVML" not in result.output
 
 
 def test_a_failing_query_after_start_also_falls_back_instead_of_a_traceback():

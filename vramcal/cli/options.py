@@ -134,10 +134,25 @@ def explicit(ctx: click.Context) -> set[str]:
             if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
 
 
+class GpuChoice(click.ParamType):
+    """A ``--gpu`` value in form (:func:`vramcal.measure.device.check_choice`); whether it names a visible device
+    is for the device selection to say."""
+
+    name = "gpu"
+
+    def convert(self, value, param, ctx):
+        from vramcal.measure.device import DeviceError, check_choice
+
+        try:
+            return check_choice(str(value))
+        except DeviceError as error:
+            self.fail(str(error).removeprefix("--gpu "), param, ctx)
+
+
 GPU_HELP = "auto | none (the host) | all | a CUDA index among the visible GPUs | a GPU/MIG UUID"
 
 device_options = group(
-    click.option("--gpu", default="auto", show_default=True, help=GPU_HELP),
+    click.option("--gpu", type=GpuChoice(), default="auto", show_default=True, help=GPU_HELP),
     click.option("--impl", "implementation", type=click.Choice(IMPLEMENTATIONS), default="auto", show_default=True,
                  help="the Mamba-2 implementation: mamba_ssm's fused kernels on GPUs where they import"),
 )

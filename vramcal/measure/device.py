@@ -92,6 +92,23 @@ def _cpu_name(proc: str) -> str:
 
 # ---------------------------------------------------------------------------------------------- select
 
+GPU_CHOICES = "auto, none (the host), all, a CUDA index such as 0, or a GPU-/MIG- UUID"
+
+
+def check_choice(gpu: str) -> str:
+    """``gpu`` stripped, if it is a ``--gpu`` choice in form (:func:`select`'s ``gpu``), checked before NVML is
+    asked anything, so that a misspelt choice on a machine without a driver is named as such.
+
+    Raises:
+        DeviceError: any other value; ``cpu`` and ``host`` are told to use ``none``."""
+    choice = gpu.strip()
+    if choice in ("auto", "none", "all") or choice.isdigit() or choice.startswith(("GPU-", "MIG-")):
+        return choice
+    if choice.lower() in ("cpu", "host", "ram"):
+        raise DeviceError(f"--gpu {choice}: the host's memory is --gpu none")
+    raise DeviceError(f"--gpu {choice}: not a device choice; give {GPU_CHOICES}")
+
+
 def select(gpu: str, capacity_bytes: int | None = None,
            nvml_loader: Callable[[], types.ModuleType] | None = None,
            environ: Mapping[str, str] | None = None) -> tuple[list[Device], str | None]:
@@ -109,10 +126,11 @@ def select(gpu: str, capacity_bytes: int | None = None,
         The devices, and a one-line notice for the user (e.g. why the host was chosen) or None.
 
     Raises:
-        DeviceError: the choice names no visible device; the message lists the ones that are.
+        DeviceError: the choice is not in form (:func:`check_choice`) or names no visible device; the message
+            lists the ones that are.
         NvmlError: a GPU was asked for explicitly and NVML is unusable.
     """
-    choice, environ = gpu.strip(), os.environ if environ is None else environ
+    choice, environ = check_choice(gpu), os.environ if environ is None else environ
     if choice == "none":
         return [host_device(capacity_bytes)], None
     try:
@@ -129,7 +147,7 @@ def select(gpu: str, capacity_bytes: int | None = None,
         chosen = gpus[:1]
     elif choice == "all":
         if not gpus:
-            raise DeviceError(f"--gpu all: no GPU is visible here{hidden}; use --gpu none to calibrate the host")
+            raise DeviceError(f"--gpu all: no GPU is visible here{hidden}; use --gpu none for the host's memory")
         chosen = gpus
     elif choice.isdigit():
         if int(choice) >= len(gpus):

@@ -52,12 +52,12 @@ def load_nvml() -> types.ModuleType:
         from nvitop.api import libnvml
     except ImportError as error:
         raise NvmlError(f"{error.name or 'nvidia-ml-py'} is not installed: pip install nvidia-ml-py nvitop, "
-                        f"or use --gpu none to calibrate the host") from error
+                        f"or use --gpu none for the host's memory") from error
     try:
         pynvml.nvmlInit()
     except Exception as error:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
         raise NvmlError(f"NVML could not start ({error}): the NVIDIA driver is not installed or not "
-                        f"visible here; use --gpu none to calibrate the host") from error
+                        f"visible here; use --gpu none for the host's memory") from error
     return libnvml
 
 
