@@ -1,13 +1,14 @@
 """The CLI through click's test runner: bad input gets one line, a non-zero exit, no traceback."""
 
 import os
+import re
 
 import pytest
 from click.testing import CliRunner
 from host_budget import MIB, capacity, worker_data_bytes
 
 from vramcal.cli import main
-from vramcal.units import format_bytes
+from vramcal.units import format_bytes, parse_bytes
 
 from fakes import L4, fake_nvml
 
@@ -37,6 +38,7 @@ def test_help_lists_the_commands():
     (["--seq-len", "100"], "seq_len 100 is not a multiple of chunk_size 64: use seq_len 64 or 128"),
     (["--chunk-size", "48", "--seq-len", "96"], "chunk_size 48 is not a power of two: use 32 or 64"),
     (["--capacity", "lots"], "cannot read 'lots' as a size"),
+    (["--capacity", "1.5"], "1.5 is below the minimum of 1.00 MiB; a number without a unit is bytes: write a unit"),
     (["--margin", "1.5"], "--margin"),
     (["--dtype", "fp8"], "--dtype"),
     (["--d-model", "0"], "--d-model"),
@@ -77,7 +79,13 @@ def test_a_capacity_smaller_than_one_sample(tmp_path):
     result = invoke("probe", "--gpu", "none", "--capacity", capacity(700 * MIB, margin=0.5), "--reserve", "0",
                     "--margin", "0.5", "--out", str(tmp_path / "p.json"))
     assert result.exit_code == 1
-    assert "batch_size 1 does not fit in the usable" in one_line_error(result)
+    line = one_line_error(result)
+    assert "batch_size 1 does not fit in the usable" in line
+    # how large a budget batch_size 1 alone needs: its peak over the usable half (--margin 0.5, no reserve)
+    peak, need = re.search(r"its peak was ([\d.]+ [KMG]iB)\); give a larger --capacity \(batch_size 1 alone needs "
+                           r"([\d.]+ [KMG]iB) with this reserve and margin", line).groups()
+    peak, need = parse_bytes(peak.replace(" ", "")), parse_bytes(need.replace(" ", ""))
+    assert abs(need - 2 * peak) <= 0.01 * need  # as printed: 3 significant figures
     assert not (tmp_path / "p.json").exists()
 
 

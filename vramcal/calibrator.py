@@ -189,9 +189,13 @@ def first_trial_failure(first: Trial, plan: CalibrationPlan) -> str:
         return (f"the first trial of {title} (batch_size {size}) finished without a peak figure (the meter read "
                 f"nothing): run it again, and report it if it repeats")
     why = f"its peak was {format_bytes(first.peak_bytes)}" if first.ok else f"it ran out of memory: {header[0]}"
+    larger = f"a larger {word('capacity')}"
+    if first.ok and plan.device.kind == "host":  # the host's budget is the user's to choose: say how much
+        larger += (f" (batch_size {size} alone needs {format_bytes(plan.settings.total_for(first.peak_bytes))} "
+                   f"with this reserve and margin; a calibration wants room for many more samples)")
     return (f"batch_size {size} does not fit in the usable {format_bytes(plan.usable_bytes)} of "
-            f"{plan.device.name} ({why}); give a larger {word('capacity')}, a smaller {word('reserve')} or "
-            f"{word('margin')}, or a smaller model")
+            f"{plan.device.name} ({why}); give {larger}, a smaller {word('reserve')} or {word('margin')}, "
+            f"or a smaller model")
 
 
 # -------------------------------------------------------------------------------------- the profile

@@ -52,6 +52,11 @@ class LimitSettings:
         """``total_bytes - reserve_bytes - margin * total_bytes`` (may be <= 0 for tiny devices)."""
         return int(total_bytes - self.reserve_bytes - self.margin * total_bytes)
 
+    def total_for(self, usable_bytes: int) -> int:
+        """The least ``total_bytes`` whose :meth:`usable_bytes` is at least ``usable_bytes`` (its inverse, rounded
+        up to a whole MiB)."""
+        return math.ceil((usable_bytes + self.reserve_bytes) / (1 - self.margin) / 2**20) * 2**20
+
     def check(self, total_bytes: int) -> None:
         """Raises: ValueError when the reserve and the margin leave no usable memory of ``total_bytes``."""
         if self.usable_bytes(total_bytes) <= 0:

@@ -43,7 +43,9 @@ class ByteSize(click.ParamType):
         except ValueError as error:
             self.fail(str(error), param, ctx)
         if n_bytes < self.min_bytes:
-            self.fail(f"{value} is below the minimum of {format_bytes(self.min_bytes)}", param, ctx)
+            bare = isinstance(value, str) and value.strip().replace(".", "", 1).isdigit()  # bytes, without a unit
+            self.fail(f"{value} is below the minimum of {format_bytes(self.min_bytes)}"
+                      + ("; a number without a unit is bytes: write a unit, e.g. 24GiB" if bare else ""), param, ctx)
         return n_bytes
 
 
