@@ -761,7 +761,9 @@ def test_es_sample_failures_are_one_line(setup):
     base = ["data", "es-sample", "--ticks", str(ticks)]
     line = one_line_failure(CliRunner().invoke(main, [*base, "--out", str(setup["tmp"] / "afile" / "x.parquet")]))
     assert "cannot write" in line and "choose another --out" in line
-    line = one_line_failure(CliRunner().invoke(main, [*base, "--bar", "0s", "--out", str(setup["tmp"] / "y.parquet")]))
-    assert "--bar '0s' is not a positive length of time" in line
+    for bar, why in (("0s", "is not a positive length of time"), ("5x", "is not a pandas time offset")):
+        # a bad option value (exit 2), said before the ticks are read
+        result = CliRunner().invoke(main, [*base, "--bar", bar, "--out", str(setup["tmp"] / "y.parquet")])
+        assert result.exit_code == 2 and f"Invalid value for '--bar': '{bar}' {why}" in one_line_failure(result)
     result = CliRunner().invoke(main, [*base, "--bar", "1D", "--out", str(setup["tmp"] / "z.parquet")])
     assert result.exit_code == 0 and "warning: only 1 1D bar, fewer than one window" in result.output

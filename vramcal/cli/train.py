@@ -51,8 +51,20 @@ def data_group() -> None:
     """Build OHLCV bar files for the trainer."""
 
 
+def _bar_length(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """``--bar`` checked as it is parsed (a bad option value, exit 2), by the check the bars' builder makes."""
+    from vramcal.models.regressor.bars import DataError, bar_offset
+
+    try:
+        bar_offset(value)
+    except DataError as error:
+        raise click.BadParameter(str(error).removeprefix("--bar "), ctx, param) from None
+    return value
+
+
 @data_group.command("es-sample")
-@click.option("--bar", default="1s", show_default=True, help="bar length, a pandas offset: 1s, 5s, 1min, ...")
+@click.option("--bar", default="1s", show_default=True, callback=_bar_length,
+              help="bar length, a pandas offset: 1s, 5s, 1min, ...")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("data/es_1s.parquet"),
               show_default=True)
 @click.option("--ticks", type=click.Path(dir_okay=False, path_type=Path), default=None,

@@ -311,6 +311,22 @@ def check_ticks(ticks: pd.DataFrame, path: Path | str = "ticks") -> pd.DataFrame
     return frame.sort_values("timestamp", kind="stable").reset_index(drop=True)
 
 
+
+def bar_offset(bar: str) -> pd.DateOffset:
+    """``bar`` (``1s``, ``5s``, ``1min``) as a pandas offset (``pandas.tseries.frequencies.to_offset``).
+
+    Raises:
+        DataError: a string pandas cannot read, or a length that is not positive."""
+    import pandas as pd
+
+    try:
+        offset = pd.tseries.frequencies.to_offset(bar)
+    except ValueError:
+        raise DataError(f"--bar {bar!r} is not a pandas time offset: use e.g. 1s, 5s, 1min") from None
+    if offset.n <= 0:
+        raise DataError(f"--bar {bar!r} is not a positive length of time: use e.g. 1s, 5s, 1min")
+    return offset
+
 def ticks_to_bars(ticks: pd.DataFrame, bar: str, path: Path | str = "ticks") -> pd.DataFrame:
     """Time bars from trades.
 
@@ -328,14 +344,7 @@ def ticks_to_bars(ticks: pd.DataFrame, bar: str, path: Path | str = "ticks") -> 
     Raises:
         DataError: bad ticks (:func:`check_ticks`) or a bar string pandas cannot read.
     """
-    import pandas as pd
-
-    try:
-        offset = pd.tseries.frequencies.to_offset(bar)
-    except ValueError:
-        raise DataError(f"--bar {bar!r} is not a pandas time offset: use e.g. 1s, 5s, 1min") from None
-    if offset.n <= 0:
-        raise DataError(f"--bar {bar!r} is not a positive length of time: use e.g. 1s, 5s, 1min")
+    offset = bar_offset(bar)
     series = check_ticks(ticks, path).set_index("timestamp")
     resampled = series.resample(offset)
     bars = resampled["price"].ohlc()
