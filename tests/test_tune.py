@@ -256,3 +256,30 @@ def test_best_config_holds_absolute_paths(tuned, monkeypatch, tmp_path):
 def test_non_finite_ranges_exit_2(paths, extra):
     result = tune(paths, *extra, run="inf")
     assert result.exit_code == 2 and "bounds must be finite numbers" in result.output
+
+
+@pytest.mark.parametrize("batches", [(3, 7, 40, 300, 1000), (30, 36, 45, 60), (10, 12)], ids=["wide", "narrow", "tune"])
+def test_the_plots_tick_labels_do_not_print_over_each_other(batches):
+    """The batch-size axis (log) labels a few plain numbers at any width (each minor tick labelled, a wide axis
+    read "304056789100"); the history's axis labels whole trial numbers only."""
+    from optuna.distributions import IntDistribution
+
+    from vramcal.tune.report import study_figure
+
+    study = optuna.create_study()
+    for i, batch in enumerate(batches):
+        study.add_trial(optuna.trial.create_trial(params={"batch_size": batch}, value=1.0 / (i + 1),
+                                                  distributions={"batch_size": IntDistribution(1, 2048)},
+                                                  user_attrs={"val_loss": 1.0 / (i + 1), "batch_size_used": batch}))
+    figure = study_figure(study, None)
+    renderer = figure.canvas.get_renderer()
+    figure.draw(renderer)
+    history, by_batch = figure.axes[:2]
+    shown = [t for t in by_batch.get_xticklabels(minor=False) + by_batch.get_xticklabels(minor=True)
+             if t.get_text() and t.get_visible() and by_batch.get_xlim()[0] <= t.get_position()[0]
+             <= by_batch.get_xlim()[1]]
+    assert len(shown) >= 2, [t.get_text() for t in shown]
+    boxes = sorted((t.get_window_extent(renderer) for t in shown), key=lambda box: box.x0)
+    assert all(left.x1 <= right.x0 for left, right in zip(boxes, boxes[1:])), [t.get_text() for t in shown]
+    assert all(float(t.get_text().replace("\N{MINUS SIGN}", "-")).is_integer() for t in history.get_xticklabels()
+               if t.get_text())

@@ -127,21 +127,29 @@ def _draw_best_so_far(axes, points) -> None:
 
 
 def plot_study(study, bounds, path: Path) -> Path:
-    """Write the two-panel figure to ``path`` (atomically) and return it.
+    """Write :func:`study_figure` to ``path`` as a PNG (atomically) and return it."""
+    import io
+
+    buffer = io.BytesIO()
+    study_figure(study, bounds).savefig(buffer, format="png", dpi=110)
+    atomic_write_bytes(Path(path), buffer.getvalue())
+    return Path(path)
+
+
+def study_figure(study, bounds):
+    """The two-panel figure of a study (a matplotlib ``Figure`` on an Agg canvas).
 
     Left: validation loss per trial (pruned trials at their last reported loss) and the best so far.
     Right: validation loss against the batch size used (log scale), with the search bounds and the
     profile's conservative and safe batch sizes as vertical lines.
     """
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import LogFormatter, MaxNLocator
 
     points = _points(study)
     figure = Figure(figsize=(11, 4.2), layout="constrained")
+    FigureCanvasAgg(figure)
     history, by_batch = figure.subplots(1, 2)
     for state, (marker, color) in _STYLE.items():
         chosen = [p for p in points if p[1] == state]
@@ -150,11 +158,13 @@ def plot_study(study, bounds, path: Path) -> Path:
             by_batch.scatter([p[3] for p in chosen], [p[2] for p in chosen], marker=marker, color=color, label=state)
     _draw_best_so_far(history, points)
     history.set(xlabel="trial", ylabel="validation loss (MSE)", title="optimisation history")
+    history.xaxis.set_major_locator(MaxNLocator(integer=True))  # trial numbers, never 0.2
     by_batch.set_xscale("log")
-    from matplotlib.ticker import FuncFormatter
-
-    for axis_formatter in (by_batch.xaxis.set_major_formatter, by_batch.xaxis.set_minor_formatter):
-        axis_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    # plain numbers; the minor ticks (2, 3, 5, ...) labelled only on a narrow axis, a few of them up to 2.5 decades,
+    # none beyond: each one labelled printed over its neighbours
+    labels = LogFormatter(labelOnlyBase=False, minor_thresholds=(2.5, 0.6))
+    by_batch.xaxis.set_major_formatter(labels)
+    by_batch.xaxis.set_minor_formatter(labels)
     lines = () if bounds is None else ((bounds.low, ":", "search bounds"), (bounds.high, ":", None),
                                        (bounds.conservative, "--", "conservative"), (bounds.safe, "-", "safe"))
     for x, style, label in lines:  # with several look-back windows each has its own bounds: none drawn
@@ -166,7 +176,4 @@ def plot_study(study, bounds, path: Path) -> Path:
         if axes.get_legend_handles_labels()[0]:
             axes.legend(fontsize="small")
     figure.suptitle(f"vramcal tune: {study.study_name}, {len(shown_trials(study.trials))} trials")
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=110)
-    atomic_write_bytes(Path(path), buffer.getvalue())
-    return Path(path)
+    return figure
