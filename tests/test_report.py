@@ -18,7 +18,7 @@ from vramcal.records import Trial, World
 from vramcal.report import write_report
 from vramcal.report.catalogue import CATALOGUE, GpuModel, other_gpu_limits, parse_gpu_list
 from vramcal.report.figure import DPI, FIGSIZE_IN
-from vramcal.report.markdown import render_markdown, report_name
+from vramcal.report.markdown import render_markdown, report_name, series_labels
 from vramcal.units import format_bytes
 
 from profiles_for_tests import GIB, build_profile, gpu_device, gpu_profile, gpu_trial, host_profile, sparse_profile
@@ -175,6 +175,25 @@ def test_several_profiles_share_one_figure_and_a_comparison_table(tmp_path):
     assert "## Comparison" in text and text.count("### Trials") == 2
     assert "## NVIDIA GeForce RTX 3060 (12.00 GiB)" in text and "## host RAM: AMD EPYC 7763" in text
     assert render_markdown(profiles, png.name) == text
+
+
+def test_profiles_of_two_families_are_told_apart_by_family_and_shape_not_by_settings_the_other_lacks(tmp_path):
+    """The comparison's labels name what differs: the family where families differ, a config by its shape, and
+    never a setting one family lacks as ``d_model=None`` nor a config's whole dict (the table was unreadable)."""
+    from vramcal.workload import ModelRef
+
+    regressor = host_profile()
+    lm = dataclasses.replace(regressor, model=ModelRef.make("vramcal.models.lm:training_step", {
+        "config": {"hidden_size": 128, "num_hidden_layers": 4, "vocab_size": 8192, "state_size": 32}, "seq_len": 64}))
+    wider = dataclasses.replace(regressor, model=ModelRef.make(regressor.model.factory, {
+        **regressor.model.params, "d_model": 2 * regressor.model.params["d_model"]}))
+    labels, title = series_labels([regressor, lm, wider])
+    d_model, seq_len = regressor.model.params["d_model"], regressor.model.params["seq_len"]  # the device: shared
+    assert labels == [f"regressor · d_model={d_model} seq_len={seq_len}", "lm · seq_len=64",
+                      f"regressor · d_model={2 * d_model} seq_len={seq_len}"]
+    assert title[1] == "models differ (see legend)"
+    labels, _ = series_labels([regressor, wider])  # one family: not named; only d_model differs
+    assert labels == [f"d_model={d_model}", f"d_model={2 * d_model}"]
 
 
 def test_reports_of_two_host_budgets_and_of_ddp_do_not_overwrite_each_other(tmp_path):

@@ -152,21 +152,14 @@ def cost_command(profiles: tuple[Path, ...], size_for: str, out_dir: Path, name:
 
 
 def _labels(profiles: list) -> list[str]:
-    """Each row's card: the device's name and, when two profiles share it, what tells them apart: the memory, the
-    model family where the families differ, and the settings whose values differ (each profile's own; a setting
-    another family lacks does not count; a config by its shape: ``config=(hidden 128, layers 4, ...)``)."""
-    from vramcal.models.registry import family_of, short_value
+    """Each row's card: the device's name and, when two profiles share it, what tells them apart: the memory, and
+    the model's differences (:func:`vramcal.models.registry.differences`)."""
+    from vramcal.models.registry import differences
     from vramcal.units import format_bytes
 
     names = [p.device.name for p in profiles]
     if len(set(names)) == len(names):
         return names
-    params = [{k: v for k, v in p.model.params.items() if v is not None} for p in profiles]
-    differ = sorted(k for k in {k for each in params for k in each}
-                    if len({str(each[k]) for each in params if k in each}) > 1)
     totals = len({p.device.total_bytes for p in profiles}) > 1
-    families = [family_of(p.model).title(p.model) for p in profiles]
-    mixed = len(set(families)) > 1
-    return [" · ".join(x for x in (name, format_bytes(p.device.total_bytes) if totals else "", family if mixed else "",
-                                   " ".join(f"{k}={short_value(own[k])}" for k in differ if k in own)) if x)
-            for name, p, family, own in zip(names, profiles, families, params)]
+    return [" · ".join(x for x in (name, format_bytes(p.device.total_bytes) if totals else "", *model) if x)
+            for name, p, model in zip(names, profiles, differences([p.model for p in profiles]))]

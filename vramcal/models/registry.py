@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -232,6 +233,19 @@ def short_value(value: Any) -> str:
         rest = len(value) - len(shape)
         return f"({', '.join(shape)}{f', +{rest} more' if rest else ''})" if shape else f"{{{len(value)} settings}}"
     return str(value)
+
+
+def differences(refs: Sequence[ModelRef]) -> list[tuple[str, str]]:
+    """What tells each of ``refs`` apart from the others: (the family where the families differ, else ""; the
+    settings whose values differ, ``d_model=256 seq_len=64``, else ""). A setting its family lacks (None) is left
+    out, never ``d_model=None``; a config is given by its shape (:func:`short_value`)."""
+    titles = [family_of(ref).title(ref) for ref in refs]
+    params = [{k: v for k, v in ref.params.items() if v is not None} for ref in refs]
+    differ = sorted(k for k in {k for each in params for k in each}
+                    if len({str(each[k]) for each in params if k in each}) > 1)
+    mixed = len(set(titles)) > 1
+    return [(title if mixed else "", " ".join(f"{k}={short_value(own[k])}" for k in differ if k in own))
+            for title, own in zip(titles, params)]
 
 
 def _arg_text(value: Any) -> str:

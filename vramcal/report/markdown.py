@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from vramcal.calibration.creep import PLATEAU_TOLERANCE, STEADY, read_peak, steady_equivalent
 from vramcal.calibration.throughput import Knee, Rate, find_knee, measured_rates
 from vramcal.forecast import FAR, FAR_FRACTION, ForecastSettings, observation_verdict, profile_forecasts
-from vramcal.models.registry import describe
+from vramcal.models.registry import describe, differences
 from vramcal.profile import profile_path
 from vramcal.report.catalogue import GpuLimitRow, GpuModel, other_gpu_limits
 from vramcal.report.cost import forecast_notes, forecast_table
@@ -56,20 +56,17 @@ def series_labels(profiles: Sequence[Profile]) -> tuple[list[str], list[str]]:
     The title's first line names the shared device, implementation and vramcal version, the second the
     shared model spec (or says that the specs differ).
     """
-    parts = [{"device": device_label(p), "impl": p.implementation, "spec": p.model.params,
+    parts = [{"device": device_label(p), "impl": p.implementation,
               "version": f"vramcal {p.vramcal_version or '?'}"} for p in profiles]
     shared = [part for part in ("device", "impl", "version") if len({str(x[part]) for x in parts}) == 1]
-    keys = dict.fromkeys(k for x in parts for k in x["spec"])
-    spec_keys = [k for k in keys if len({str(x["spec"].get(k)) for x in parts}) > 1]
-    labels = []
-    for x in parts:
-        bits = [x[part] for part in ("device", "impl", "version") if part not in shared]
-        bits += [" ".join(f"{k}={x['spec'].get(k)}" for k in spec_keys)] if spec_keys else []
-        labels.append(" · ".join(bits) or "profile")
+    models = differences([p.model for p in profiles])  # the family where they differ, the settings that do
+    labels = [" · ".join(bit for bit in (*(x[part] for part in ("device", "impl", "version") if part not in shared),
+                                         *model) if bit) or "profile"
+              for x, model in zip(parts, models)]
     first = [parts[0][part] for part in ("device", "impl", "version") if part in shared]
     if len(profiles) > 1:
         first.insert(0, f"{len(profiles)} profiles")
-    spec = describe(profiles[0].model) if not spec_keys else "models differ (see legend)"
+    spec = describe(profiles[0].model) if not any(any(model) for model in models) else "models differ (see legend)"
     return labels, [" · ".join(first), spec]
 
 
