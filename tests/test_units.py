@@ -23,3 +23,11 @@ def test_format_bytes_uses_the_largest_unit_and_round_trips():
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(-2**20) == "-1.00 MiB"
     assert parse_bytes(format_bytes(3 * 2**30).replace(" ", "")) == 3 * 2**30
+
+
+def test_format_rate_reads_as_a_plain_number_at_every_size():
+    """``forecast: 1.91e+03 samples/s`` read badly: from 100 samples/s up, whole numbers with separators."""
+    from vramcal.units import format_rate
+
+    assert [format_rate(x) for x in (8.714, 95.66, 957.2, 2090.4, 1234567.0)] == ["8.71", "95.7", "957", "2,090",
+                                                                                  "1,234,567"]

@@ -57,7 +57,7 @@ from vramcal.calibration.limits import Limits, safe_batch_size
 from vramcal.calibration.throughput import find_knee, measured_rates, rate_at
 from vramcal.profile import Profile
 from vramcal.records import Trial
-from vramcal.units import format_bytes
+from vramcal.units import format_bytes, format_rate
 from vramcal.words import given, word
 
 Limit = Literal["conservative", "safe"]  # which of the profile's limits a run takes
@@ -399,12 +399,12 @@ def throughput_choice(profile: Profile, seq_len: int | None, limit_batch: int, l
     high = safe if safe is not None else profile.limits.safe_batch_size if profile.limits else limit_batch
     knee = find_knee(rates, batch_size_min, max(high, limit_batch))
     at_limit = rate_at(rates, limit_batch)
-    there = f" ({at_limit.samples_per_s:.3g} samples/s)" if at_limit else ""
+    there = f" ({format_rate(at_limit.samples_per_s)} samples/s)" if at_limit else ""
     if knee is None:
         return limit_batch, limit_name, (f"sizing for throughput: no measured throughput up to batch_size "
                                          f"{limit_batch}: using the {limit_name} batch size {limit_batch}")
     reach = (f"the throughput knee, the smallest measured batch size reaching {knee.fraction * 100:g} % of the best "
-             f"{knee.best.samples_per_s:.3g} samples/s (at batch_size {knee.best.batch_size})")
+             f"{format_rate(knee.best.samples_per_s)} samples/s (at batch_size {knee.best.batch_size})")
     if knee.batch_size < limit_batch:
         gain = knee.best.samples_per_s / knee.rate.samples_per_s - 1
         beyond = (f"no measured size gains more than {gain:.1%} over it" if knee.best is not knee.rate
@@ -413,7 +413,7 @@ def throughput_choice(profile: Profile, seq_len: int | None, limit_batch: int, l
             beyond += (f" (its rate rests on {knee.rate.n_steps} timed step{'s' * (knee.rate.n_steps != 1)} of short "
                        f"trials: the first epoch's time against the forecast will tell)")
         return knee.batch_size, "knee", (f"sizing for throughput: batch_size {knee.batch_size} "
-                                         f"({knee.rate.samples_per_s:.3g} samples/s) is {reach}, below the "
+                                         f"({format_rate(knee.rate.samples_per_s)} samples/s) is {reach}, below the "
                                          f"{limit_name} batch size {limit_batch}{there}; {beyond}")
     return limit_batch, limit_name, (f"sizing for throughput: {reach}, batch_size {knee.batch_size}, is not below "
                                      f"the {limit_name} batch size {limit_batch}: using {limit_batch}")

@@ -53,6 +53,12 @@ def size_argument(n_bytes: int) -> str:
     return text if parse_bytes(text) == n_bytes else str(int(n_bytes))
 
 
+def format_rate(samples_per_s: float) -> str:
+    """Samples per second for people: three significant digits below 100 (``8.71``, ``95.7``), whole numbers with
+    thousands separators from 100 (``957``, ``2,090``), never ``2.09e+03``."""
+    return f"{samples_per_s:,.0f}" if samples_per_s >= 100 else f"{samples_per_s:.3g}"
+
+
 def format_duration(seconds: float) -> str:
     """Render a duration for people with three significant digits: ``0.84 s``, ``130 s``, ``11.8 min``,
     ``9.88 h``; seconds up to 10 minutes, minutes up to 3 hours, then hours."""

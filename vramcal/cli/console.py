@@ -11,7 +11,7 @@ import click
 from vramcal.forecast import FAR, observation_verdict
 from vramcal.report.markdown import creep_shape, trial_reason
 from vramcal.sizing import fitted_from, verdict
-from vramcal.units import format_bytes, format_duration
+from vramcal.units import format_bytes, format_duration, format_rate
 
 # How much the commands say as they go (vramcal -q / -v): -1 quiet, 0 normal, 1 verbose.
 VERBOSITY: contextvars.ContextVar[int] = contextvars.ContextVar("vramcal_verbosity", default=0)
@@ -122,10 +122,10 @@ def observations_lines(profile) -> list[str]:
 
 def time_line(o) -> str:
     """An observation's measured epoch time and samples/s beside the forecast's, and how far apart they are."""
-    rate = f", {o.samples_per_s:.3g} samples/s" if o.samples_per_s else ""
+    rate = f", {format_rate(o.samples_per_s)} samples/s" if o.samples_per_s else ""
     if o.time_error is None:
         return f"epoch {format_duration(o.epoch_s)}{rate} (no forecast)"
-    forecast_rate = f", {o.forecast_samples_per_s:.3g} samples/s" if o.forecast_samples_per_s else ""
+    forecast_rate = f", {format_rate(o.forecast_samples_per_s)} samples/s" if o.forecast_samples_per_s else ""
     found = observation_verdict(o)
     return (f"epoch {format_duration(o.epoch_s)}{rate}: forecast {format_duration(o.forecast_epoch_s)}{forecast_rate} "
             f"({o.time_error:+.1%}, {found.upper() if found == FAR else found})")

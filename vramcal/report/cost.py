@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from vramcal.report.table import MISSING, markdown_table
-from vramcal.units import format_duration
+from vramcal.units import format_duration, format_rate
 
 if TYPE_CHECKING:
     from vramcal.forecast import Forecast
@@ -23,14 +23,11 @@ UNKNOWN = "unknown"
 def _rate_text(f: Forecast) -> str:
     if f.samples_per_s is None:
         return UNKNOWN if not f.measured else MISSING
-    text = _rate(f.samples_per_s)
+    text = format_rate(f.samples_per_s)
     if f.low_samples_per_s is not None:
-        text += f" ({_rate(f.low_samples_per_s)}–{_rate(f.high_samples_per_s) if f.high_samples_per_s else '∞'})"
+        high = format_rate(f.high_samples_per_s) if f.high_samples_per_s else "∞"
+        text += f" ({format_rate(f.low_samples_per_s)}–{high})"
     return text
-
-
-def _rate(samples_per_s: float) -> str:
-    return f"{samples_per_s:,.0f}" if samples_per_s >= 100 else f"{samples_per_s:.3g}"
 
 
 def _interval(value: float | None, low: float | None, high: float | None, render) -> str:

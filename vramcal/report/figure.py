@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 from vramcal.calibration.creep import STEADY, steady_equivalent
 from vramcal.report.markdown import (
-    format_rate,
     profile_knee,
     profile_rates,
     reference_trials,
@@ -30,7 +29,7 @@ from vramcal.report.markdown import (
     trial_state,
     usable_bytes,
 )
-from vramcal.units import format_bytes
+from vramcal.units import format_bytes, format_rate
 
 if TYPE_CHECKING:
     from vramcal.profile import Profile

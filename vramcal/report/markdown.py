@@ -21,7 +21,7 @@ from vramcal.report.catalogue import GpuLimitRow, GpuModel, other_gpu_limits
 from vramcal.report.cost import forecast_notes, forecast_table
 from vramcal.report.table import MISSING, markdown_table
 from vramcal.sizing import fitted_from, verdict
-from vramcal.units import format_bytes, format_duration
+from vramcal.units import format_bytes, format_duration, format_rate
 
 if TYPE_CHECKING:
     from vramcal.profile import Profile
@@ -189,11 +189,6 @@ def trials_table(profile: Profile) -> str:
 
 def _seconds(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
-
-
-def format_rate(samples_per_s: float) -> str:
-    """Samples per second with three significant digits below 1000 (``8.71``, ``957``, ``1,072``)."""
-    return f"{samples_per_s:,.0f}" if samples_per_s >= 100 else f"{samples_per_s:.3g}"
 
 
 def _batch(n: int) -> str:

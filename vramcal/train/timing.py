@@ -23,7 +23,7 @@ from typing import Any
 from vramcal.forecast import FAR, FAR_FRACTION, Dataset, Forecast, forecast_batch, time_band, time_verdict
 from vramcal.profile import ProfileError, load_profile
 from vramcal.train.plan import Plan
-from vramcal.units import format_duration
+from vramcal.units import format_duration, format_rate
 
 
 def plan_forecast(plan: Plan) -> Forecast | None:
@@ -76,7 +76,7 @@ def forecast_line(forecast: Forecast, plan: Plan | None = None) -> str:
     if plan is not None and forecast.dataset is not None:
         steps = cut_steps(plan, forecast.dataset)[1]
         run = run if steps is None else f"{steps} step{'s' * (steps != 1)} (max_steps, in epoch {forecast.epochs})"
-    return (f"forecast: {forecast.samples_per_s:.3g} samples/s at batch_size {forecast.batch_size}, epoch "
+    return (f"forecast: {format_rate(forecast.samples_per_s)} samples/s at batch_size {forecast.batch_size}, epoch "
             f"{format_duration(forecast.epoch_s)} (training {format_duration(forecast.train_s)} + {val}), "
             f"{run} {format_duration(forecast.run_s)}")
 
@@ -99,7 +99,7 @@ def first_epoch_lines(forecast: Forecast, row: dict[str, Any], fresh: bool) -> l
     band = time_band(forecast, steps)
     noise = f"; its {steps} steps may vary by ±{band:.0%}" if band > FAR_FRACTION else ""
     lines = [f"after the first epoch: {format_duration(row['epoch_s'])} (training {format_duration(row['train_s'])}"
-             f", {row['samples_per_s']:.3g} samples/s; validation {format_duration(row['val_s'])}): forecast "
+             f", {format_rate(row['samples_per_s'])} samples/s; validation {format_duration(row['val_s'])}): forecast "
              f"{format_duration(expected)} ({error:+.1%}{noise})"]
     if time_verdict(row["epoch_s"], expected, band) == FAR:
         short = ("; its rate rested on a short trial's few timed steps" if forecast.steady is False else "")
