@@ -246,3 +246,30 @@ def test_an_epoch_of_few_noisy_steps_is_judged_against_their_own_noise():
     assert len(far) == 2 and far[1].startswith("warning: the epoch took +30%")
     assert observed(forecast, [row], fresh=True)["time_band"] == pytest.approx(0.34, abs=0.005)  # kept for show
     assert observed(forecast, [row] * 10, fresh=True)["time_band"] == 0.25  # 30 steps: 20 %, so 25 %
+
+
+def test_the_best_cards_are_marked_among_each_models_rows_and_the_labels_name_the_models():
+    """Profiles of two models (here on two cards) are two runs: each model's fastest and cheapest card is marked,
+    not the small model's card over the large one's; the rows name what differs between the models, and the
+    notes say how the marks read."""
+    from vramcal.cli.cost import _labels
+    from vramcal.report.cost import forecast_notes
+    from vramcal.workload import ModelRef
+
+    small = timed_profile()
+    large = timed_profile("NVIDIA H100 80GB HBM3", total_bytes=80 * 2**30, per_sample_s=0.002)
+    large = dataclasses.replace(large, model=ModelRef.make(large.model.factory, {**large.model.params, "d_model": 512}))
+    other = timed_profile("NVIDIA L4", per_sample_s=0.004)  # the small model on a slower card
+    profiles = [small, large, other]
+    labels = _labels(profiles)
+    assert labels == [f"NVIDIA GeForce RTX 4090 · d_model={small.model.params['d_model']}",
+                      "NVIDIA H100 80GB HBM3 · d_model=512", f"NVIDIA L4 · d_model={small.model.params['d_model']}"]
+    rows = cost_table(profiles, [calibration_dataset(p) for p in profiles], 10,
+                      [Price("RTX 4090", 0.59), Price("H100", 2.49), Price("L4", 0.8)], labels=labels)
+    marks = {f.card.split(" · ")[0]: (f.fastest, f.cheapest) for f in rows}
+    assert marks == {"NVIDIA GeForce RTX 4090": (True, True), "NVIDIA H100 80GB HBM3": (True, True),
+                     "NVIDIA L4": (False, False)}
+    assert any("2 models: the fastest and the cheapest are marked among each model's cards" in line
+               for line in forecast_notes(rows))
+    same = cost_table([small, other], [calibration_dataset(p) for p in (small, other)], 10)  # one model: one mark
+    assert sum(f.fastest for f in same) == 1 and _labels([small, other]) == ["NVIDIA GeForce RTX 4090", "NVIDIA L4"]

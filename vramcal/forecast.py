@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from vramcal.calibration.throughput import NEAR_FRACTION, Rate, measured_rates, rate_at, rate_for_run
+from vramcal.models.registry import describe
 from vramcal.profile import Observation, Profile
 from vramcal.sizing import SizeFor, SizingError, length_trials, size
 
@@ -85,8 +86,9 @@ class Forecast:
         run_low_s, run_high_s: ``run_s`` at the ends of the rate's interval (``run_low_s`` None: open).
         price_per_hour, cost, cost_low, cost_high: the price and the run's cost with its interval.
         epochs, dataset: what was forecast.
-        fastest, cheapest: the shortest run, the lowest cost among the rows that have one.
+        fastest, cheapest: the shortest run, the lowest cost among the rows of its model that have one.
         notes: what people should know about the row (one sentence each).
+        model: the profile's model (:func:`vramcal.models.registry.describe`); None for a card without a profile.
     """
 
     card: str
@@ -115,6 +117,7 @@ class Forecast:
     fastest: bool = False
     cheapest: bool = False
     notes: tuple[str, ...] = ()
+    model: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -263,11 +266,13 @@ def unknown_card(price: Price, epochs: int, dataset: Dataset | None) -> Forecast
 
 def mark_best(forecasts: Sequence[Forecast]) -> list[Forecast]:
     """The rows sorted by run time (rows without one last, in their order), the fastest and the cheapest marked
-    (ties: every row at the minimum)."""
-    runs = [f.run_s for f in forecasts if f.run_s is not None]
-    costs = [f.cost for f in forecasts if f.cost is not None]
-    marked = [replace(f, fastest=bool(runs) and f.run_s == min(runs), cheapest=bool(costs) and f.cost == min(costs))
-              for f in forecasts]
+    among the rows of each model (ties: every row at the minimum): another model is another run, not a card's
+    speed or price."""
+    def best(f: Forecast, field: str) -> bool:
+        values = [getattr(g, field) for g in forecasts if g.model == f.model and getattr(g, field) is not None]
+        return bool(values) and getattr(f, field) == min(values)
+
+    marked = [replace(f, fastest=best(f, "run_s"), cheapest=best(f, "cost")) for f in forecasts]
     return sorted(marked, key=lambda f: (f.run_s is None, f.run_s or 0.0))
 
 
@@ -331,8 +336,9 @@ def cost_table(profiles: Sequence[Profile], datasets: Sequence[Dataset | None], 
         if not found:
             rows.append(unknown_card(price, epochs, datasets[0] if datasets else None))
     labels = labels or [p.device.name for p in profiles]
-    rows = [forecast_profile(p, d, epochs, price_per_hour=price_of.get(i), size_for=size_for, seq_len=seq_len,
-                             card=label) for i, (p, d, label) in enumerate(zip(profiles, datasets, labels))] + rows
+    rows = [replace(forecast_profile(p, d, epochs, price_per_hour=price_of.get(i), size_for=size_for, seq_len=seq_len,
+                                     card=label), model=describe(p.model))
+            for i, (p, d, label) in enumerate(zip(profiles, datasets, labels))] + rows
     return mark_best(rows)
 
 

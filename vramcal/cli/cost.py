@@ -152,14 +152,12 @@ def cost_command(profiles: tuple[Path, ...], size_for: str, out_dir: Path, name:
 
 
 def _labels(profiles: list) -> list[str]:
-    """Each row's card: the device's name and, when two profiles share it, what tells them apart: the memory, and
-    the model's differences (:func:`vramcal.models.registry.differences`)."""
+    """Each row's card: the device's name, its memory when two profiles share the name and not the memory, and the
+    model's differences where the models differ (:func:`vramcal.models.registry.differences`)."""
     from vramcal.models.registry import differences
     from vramcal.units import format_bytes
 
     names = [p.device.name for p in profiles]
-    if len(set(names)) == len(names):
-        return names
-    totals = len({p.device.total_bytes for p in profiles}) > 1
+    totals = len(set(names)) < len(names) and len({p.device.total_bytes for p in profiles}) > 1
     return [" · ".join(x for x in (name, format_bytes(p.device.total_bytes) if totals else "", *model) if x)
             for name, p, model in zip(names, profiles, differences([p.model for p in profiles]))]

@@ -85,6 +85,10 @@ def forecast_notes(forecasts: Sequence[Forecast]) -> list[str]:
                  "cover a busier machine or another software stack.")
     lines.append("Throughput is measured per card: a card without a profile has none (`unknown`), and is never "
                  "estimated from another card's memory or speed.")
+    models = {f.model for f in forecasts if f.model is not None}
+    if len(models) > 1:
+        lines.append(f"The profiles are of {len(models)} models: the fastest and the cheapest are marked among each "
+                     f"model's cards (another model is another run, not a card's speed or price).")
     shared = {f.card for f in forecasts if [g.card for g in forecasts].count(f.card) > 1}
     for f in forecasts:
         who = f"{f.card}, batch size {f.batch_size}" if f.card in shared else f.card
