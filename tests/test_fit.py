@@ -15,7 +15,9 @@ def test_exact_line_recovers_the_coefficients():
     assert fit.overhead_bytes == pytest.approx(0.529 * GIB, rel=1e-6)
     assert fit.slope_bytes_per_sample == pytest.approx(0.088 * GIB, rel=1e-6)
     assert fit.r_squared == pytest.approx(1.0)
-    assert fit.formula() == "peak = 0.529 GiB + 0.088 GiB × batch_size"
+    assert fit.formula() == "peak = 0.529 GiB + 90.11 MiB × batch_size"
+    small = fit_linear(batches, [int(0.49 * GIB + 263_000 * b) for b in batches])  # a tiny model's slope
+    assert small.formula() == "peak = 0.49 GiB + 256.84 KiB × batch_size"  # not 0.000245 GiB
     assert fit.nonlinearity is None
 
 

@@ -108,7 +108,7 @@ def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
                                        "--plateau-steps", "3", "--boundary", "--out", str(profile_file),
                                        "--reports-dir", str(tmp_path / "reports")])
     assert result.exit_code == 0, result.output  # 0: verified (an unverified calibration exits 3)
-    assert "peak = " in result.output and "GiB × batch_size" in result.output
+    assert "peak = " in result.output and re.search(r"GiB \+ [\d.]+ [KMG]iB × batch_size", result.output)
     assert "    steady trial step 1/40, peak " in result.output  # -v: the steady trial step by step
     shape = re.search(r"step creep +\+[\d.]+ [KMG]?i?B at batch_size \d+ over (\d+) steps, (levelled off at step "
                       r"(\d+)|still rising|flat over them)", result.output)

@@ -223,13 +223,14 @@ def forecast_batch(profile: Profile, batch_size: int, batch_source: str, dataset
                    card: str | None = None) -> Forecast:
     """The forecast for a run of ``epochs`` over ``dataset`` at ``batch_size`` on the profile's card; a batch
     size without a measured rate at or around it gives a row without times."""
-    card = card or profile.device.name
+    card, model = card or profile.device.name, describe(profile.model)
     rate = rate_for_run(measured_rates(length_trials(profile, seq_len)), batch_size)
     if rate is None:
         return Forecast(card, True, epochs, dataset, batch_size, batch_source, price_per_hour=price_per_hour,
-                        notes=(f"no throughput measured at or around batch_size {batch_size}: no forecast",))
+                        notes=(f"no throughput measured at or around batch_size {batch_size}: no forecast",),
+                        model=model)
     return Forecast(card, True, epochs, dataset, batch_size, batch_source, notes=tuple(rate_notes(rate, dataset)),
-                    **forecast_rate(rate, dataset, epochs, price_per_hour))
+                    model=model, **forecast_rate(rate, dataset, epochs, price_per_hour))
 
 
 def forecast_profile(profile: Profile, dataset: Dataset | None, epochs: int, *, price_per_hour: float | None = None,
@@ -237,18 +238,18 @@ def forecast_profile(profile: Profile, dataset: Dataset | None, epochs: int, *, 
     """The forecast at the batch size a run would take on the profile's card (:func:`vramcal.sizing.size`: the
     conservative one, or sizing for throughput the knee), no more than the training samples, as the trainer
     takes it; without a dataset the rate alone."""
-    card = card or profile.device.name
+    card, model = card or profile.device.name, describe(profile.model)
     try:
         sizing = size(profile, size_for=size_for, seq_len=seq_len)
     except SizingError as error:
-        return Forecast(card, True, epochs, dataset, price_per_hour=price_per_hour, notes=(str(error),))
+        return Forecast(card, True, epochs, dataset, price_per_hour=price_per_hour, notes=(str(error),), model=model)
     batch, source = sizing.batch_size, sizing.source
     if dataset is None:
         rate = rate_at(measured_rates(length_trials(profile, seq_len)), batch)
         return Forecast(card, True, epochs, None, batch, source, price_per_hour=price_per_hour,
                         samples_per_s=rate and rate.samples_per_s, low_samples_per_s=rate and rate.low_samples_per_s,
                         high_samples_per_s=rate and rate.high_samples_per_s, steady=rate and rate.steady,
-                        notes=("no dataset: give one (--data, --bars or --samples) for the times",))
+                        notes=("no dataset: give one (--data, --bars or --samples) for the times",), model=model)
     if batch > dataset.train_samples:
         batch, source = dataset.train_samples, f"{source}+data"
     return forecast_batch(profile, batch, source, dataset, epochs, price_per_hour=price_per_hour, seq_len=seq_len,
@@ -336,9 +337,8 @@ def cost_table(profiles: Sequence[Profile], datasets: Sequence[Dataset | None], 
         if not found:
             rows.append(unknown_card(price, epochs, datasets[0] if datasets else None))
     labels = labels or [p.device.name for p in profiles]
-    rows = [replace(forecast_profile(p, d, epochs, price_per_hour=price_of.get(i), size_for=size_for, seq_len=seq_len,
-                                     card=label), model=describe(p.model))
-            for i, (p, d, label) in enumerate(zip(profiles, datasets, labels))] + rows
+    rows = [forecast_profile(p, d, epochs, price_per_hour=price_of.get(i), size_for=size_for, seq_len=seq_len,
+                             card=label) for i, (p, d, label) in enumerate(zip(profiles, datasets, labels))] + rows
     return mark_best(rows)
 
 

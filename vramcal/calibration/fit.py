@@ -70,10 +70,11 @@ class Fit:
         return self.predict(batch_size) - self.half_width(batch_size)
 
     def formula(self) -> str:
-        """The line as people say it: ``peak = 0.53 GiB + 0.088 GiB × batch_size``."""
-        gib = 2**30
-        overhead, slope = self.overhead_bytes / gib, self.slope_bytes_per_sample / gib
-        return f"peak = {overhead:.3g} GiB + {slope:.3g} GiB × batch_size"
+        """The line as people say it, the slope in its own unit (a tiny model's read ``0.000251 GiB``):
+        ``peak = 0.529 GiB + 90.11 MiB × batch_size``, as :meth:`vramcal.calibration.fit2d.Fit2D.formula`."""
+        slope = self.slope_bytes_per_sample
+        return (f"peak = {self.overhead_bytes / 2**30:.3g} GiB {'-' if slope < 0 else '+'} "
+                f"{format_bytes(abs(slope))} × batch_size")
 
     def describe(self) -> str:
         return (f"{self.formula()}  (r² = {self.r_squared:.4f}, n = {self.n_points}, "
