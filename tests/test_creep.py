@@ -129,4 +129,6 @@ def test_the_host_steady_trial_gets_an_allowance_for_later_steps_and_a_gpu_none(
     assert (f"steps, flat over them (after an epoch's end at step {trial.epoch_end_step} it did not rise): all of it "
             f"the allowance for later steps") in summary(host)
     rising = calibrate(lambda n: 1 - math.exp(-n / 3))
-    assert f"{format_bytes(rising.creep.late_bytes)} of it allowed for later steps" in summary(rising)
+    measured = rising.creep.bytes_at_steady - rising.creep.late_bytes
+    assert (f"; of it {format_bytes(measured)} measured, {format_bytes(rising.creep.late_bytes)} allowed for later "
+            f"steps") in summary(rising) and measured > 0

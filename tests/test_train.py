@@ -146,6 +146,7 @@ def test_the_run_compares_its_peak_with_the_profile_and_records_it(setup):
     assert observation.predicted_peak_bytes == sizing["predicted_peak_bytes"]
     shown = CliRunner().invoke(main, ["show", str(setup["profile_path"])])
     assert "training runs (1)" in shown.output and "ABOVE USABLE" in shown.output
+    assert "[6 steps, vramcal" in shown.output
 
 
 def test_a_peak_above_the_line_below_the_fitted_range_is_said_as_such():

@@ -114,7 +114,7 @@ def observations_lines(profile) -> list[str]:
         mark = mark.upper() if mark == "above usable" else mark
         lines.append(f"  {o.recorded_utc}  batch_size {o.batch_size:>6}  peak {format_bytes(o.peak_bytes):>10}  "
                      f"predicted {format_bytes(o.predicted_peak_bytes):>10} ({o.error:+.1%})  {mark}  "
-                     f"[{o.steps} steps, vramcal {o.vramcal_version}]")
+                     f"[{o.steps} step{'s' * (o.steps != 1)}, vramcal {o.vramcal_version}]")
         if o.epoch_s is not None:
             lines.append(f"  {'':20}  {time_line(o)}")
     return lines

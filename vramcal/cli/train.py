@@ -288,7 +288,7 @@ def announce(plan) -> None:
     click.echo(f"batch_size {sizing.batch_size}{accumulated} ({sizing.source}; profile {plan.profile_path}, "
                f"predicted peak {format_bytes(sizing.predicted_peak_bytes)}, upper bound "
                f"{format_bytes(sizing.upper_bytes)}), "
-               f"lr {plan.lr:.3g} ({config.lr_scaling} scaling from {config.lr:g} at batch "
+               f"lr {plan.lr:.3g} ({config.lr_scaling} scaling from {config.lr:.3g} at batch "
                f"{config.reference_batch_size})", err=True)
     click.echo(f"data: {stats['rows']} rows, {stats['train_windows']} training and {stats['val_windows']} validation "
                f"windows of {stats['seq_len']} bars (stride {stats['stride']}), validation from "

@@ -348,9 +348,9 @@ def observations_table(profile: Profile) -> str:
 def creep_shape(creep) -> str:
     """``, levelled off at step 7`` or ``, still rising (+4.0 MiB over its last steps)``, what its epoch's end did
     (``(after an epoch's end at step 2 it rose 1.50 MiB)``; ``, under the plateau rule's 0.1%`` when the curve
-    counts as level before it), and the allowance
-    for later steps (``, flat over them: ...`` when the allowance is all of it; nothing for a profile made
-    before the steady trial's curve was recorded)."""
+    counts as level before it), and how much of the creep was measured and how much is the allowance for later
+    steps (``, flat over them: ...`` when the allowance is all of it; nothing for a profile made before the steady
+    trial's curve was recorded)."""
     if creep.steps is None:
         return ""
     epoch = ""
@@ -359,7 +359,8 @@ def creep_shape(creep) -> str:
         if creep.epoch_end_rise_bytes and creep.levelled_at is not None and creep.levelled_at < creep.epoch_end_step:
             rise += f", under the plateau rule's {PLATEAU_TOLERANCE:.1%}"  # level before the epoch's end: say why
         epoch = f" (after an epoch's end at step {creep.epoch_end_step} it {rise})"
-    later = f"; {format_bytes(creep.late_bytes)} of it allowed for later steps" if creep.late_bytes else ""
+    later = (f"; of it {format_bytes(creep.bytes_at_steady - creep.late_bytes)} measured, "
+             f"{format_bytes(creep.late_bytes)} allowed for later steps" if creep.late_bytes else "")
     if creep.late_bytes and creep.bytes_at_steady <= creep.late_bytes and creep.levelled_at is not None:
         return f", flat over them{epoch}: all of it the allowance for later steps"
     if creep.levelled_at is not None:
