@@ -343,6 +343,12 @@ def test_the_report_forecasts_its_profile_at_the_conservative_size_and_the_knee(
     assert "| yes " in section  # the safe size's rate is steady (the steady trial)
     summary = text[:text.index("## Throughput and run forecast")]
     assert "| **Throughput** " in summary and "knee" in summary
+    assert "at the conservative batch size and at the throughput knee (`--size-for throughput`):" in section
+    flat = timed_profile(fixed_s=1.0, per_sample_s=0.0001)  # faster per sample up to the largest size: no knee below
+    section = render_markdown([flat], "x.png").split("## Throughput and run forecast")[1].split("## Trials")[0]
+    assert "(knee)" not in section  # one row, and the text says why
+    assert ("at the conservative batch size (the throughput knee is not below it: `--size-for throughput` trains at "
+            "the same size):") in section
 
 
 def test_the_report_lists_runs_far_from_their_forecast(tmp_path):

@@ -459,8 +459,11 @@ def forecast_section(profile: Profile, settings: ForecastSettings, level: str = 
     if knee is not None:
         lines += [f"Throughput: {knee_text(knee)}.", ""]
     forecasts = profile_forecasts(profile, settings)
-    lines += [f"A `vramcal train` run of {settings.epochs} epochs, at the conservative batch size and at the "
-              f"throughput knee (`--size-for throughput`):", "", forecast_table(forecasts), ""]
+    sizes = ("at the conservative batch size and at the throughput knee (`--size-for throughput`)"
+             if any((f.batch_source or "").startswith("knee") for f in forecasts) else
+             "at the conservative batch size (the throughput knee is not below it: `--size-for throughput` trains "
+             "at the same size)")
+    lines += [f"A `vramcal train` run of {settings.epochs} epochs, {sizes}:", "", forecast_table(forecasts), ""]
     lines += [f"- {note}" for note in forecast_notes(forecasts)] + [""]
     observed = time_observations_table(profile)
     if observed is not None:
