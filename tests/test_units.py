@@ -31,3 +31,13 @@ def test_format_rate_reads_as_a_plain_number_at_every_size():
 
     assert [format_rate(x) for x in (8.714, 95.66, 957.2, 2090.4, 1234567.0)] == ["8.71", "95.7", "957", "2,090",
                                                                                   "1,234,567"]
+
+
+def test_format_duration_takes_an_intervals_unit_from_its_value():
+    """A run forecast of 10.4 min read ``10.4 min (571 s–11.4 min)``: its ends now take the value's unit."""
+    from vramcal.units import format_duration
+
+    assert [format_duration(s) for s in (0.84, 130, 571, 710, 35_000)] == ["0.84 s", "130 s", "571 s", "11.8 min",
+                                                                          "9.72 h"]
+    assert format_duration(571, like=624) == "9.52 min" and format_duration(684, like=624) == "11.4 min"
+    assert format_duration(650, like=120) == "650 s"

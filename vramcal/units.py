@@ -59,11 +59,13 @@ def format_rate(samples_per_s: float) -> str:
     return f"{samples_per_s:,.0f}" if samples_per_s >= 100 else f"{samples_per_s:.3g}"
 
 
-def format_duration(seconds: float) -> str:
+def format_duration(seconds: float, like: float | None = None) -> str:
     """Render a duration for people with three significant digits: ``0.84 s``, ``130 s``, ``11.8 min``,
-    ``9.88 h``; seconds up to 10 minutes, minutes up to 3 hours, then hours."""
-    if seconds < 600:
+    ``9.88 h``; seconds up to 10 minutes, minutes up to 3 hours, then hours. ``like``: take the unit ``like``
+    seconds would take (an interval's ends in its value's unit: ``10.4 min (9.52–11.4 min)``, not ``571 s``)."""
+    unit = seconds if like is None else like
+    if unit < 600:
         return f"{seconds:.3g} s" if seconds < 100 else f"{seconds:.0f} s"
-    if seconds < 3 * 3600:
+    if unit < 3 * 3600:
         return f"{seconds / 60:.3g} min"
     return f"{seconds / 3600:.3g} h" if seconds < 100 * 3600 else f"{seconds / 3600:,.0f} h"

@@ -8,6 +8,7 @@ profiles, dataset, epochs and prices give the same bytes. ``vramcal cost`` write
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -56,7 +57,8 @@ def forecast_rows(forecasts: Sequence[Forecast], bold: bool = True) -> tuple[lis
         rows.append([
             f"{mark}{f.card}{mark}" if best else f.card, batch, _rate_text(f),
             format_duration(f.epoch_s) if f.epoch_s is not None else unknown_time,
-            _interval(f.run_s, f.run_low_s, f.run_high_s, format_duration) if f.run_s is not None else unknown_time,
+            _interval(f.run_s, f.run_low_s, f.run_high_s, functools.partial(format_duration, like=f.run_s))
+            if f.run_s is not None else unknown_time,
             MISSING if f.price_per_hour is None else _money(f.price_per_hour),
             _interval(f.cost, f.cost_low, f.cost_high, _money) if f.cost is not None
             else (UNKNOWN if f.price_per_hour is not None else MISSING),
