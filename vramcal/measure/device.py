@@ -126,8 +126,7 @@ def select(gpu: str, capacity_bytes: int | None = None,
         The devices, and a one-line notice for the user (e.g. why the host was chosen) or None.
 
     Raises:
-        DeviceError: the choice is not in form (:func:`check_choice`) or names no visible device; the message
-            lists the ones that are.
+        DeviceError: a choice not in form (:func:`check_choice`), or naming no visible device (it lists those).
         NvmlError: a GPU was asked for explicitly and NVML is unusable.
     """
     choice, environ = check_choice(gpu), os.environ if environ is None else environ
