@@ -242,6 +242,50 @@ def test_a_run_folder_takes_one_run_at_a_time_and_a_killed_one_leaves_it_to_the_
     assert f"done: {done + 2} steps" in result.output
 
 
+@pytest.mark.slow  # a `vramcal train` process of its own, stopped after its first checkpoint: ~15 s
+def test_sigterm_to_a_run_stops_it_in_one_line_and_leaves_no_worker_training_on(setup):
+    """``kill PID`` (and ``timeout``, a scheduler's cancel) sends SIGTERM to the command alone. Its default ended
+    the command at once, without a line, and left its worker (whose parent is the fork server) training to the
+    end; now it takes Ctrl-C's way out: the worker killed, one line saying how to resume, exit 143."""
+    from test_cli import processes_tagged
+
+    args = ["--epochs", "1000", "--stride", "2", "--batch-size", "4", "--checkpoint-steps", "2"]
+    run, log, tag = setup / "terminated", setup / "terminated.log", f"sigterm-{os.getpid()}"
+    with open(log, "w") as output:
+        process = subprocess.Popen([sys.executable, "-m", "vramcal", *train_args(setup, "terminated", *args)],
+                                   cwd=setup, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**os.environ, "VRAMCAL_TEST_TAG": tag})
+    try:
+        assert wait_for(lambda: (run / checkpoint.LAST).is_file(), 120, process), log.read_text()[-2000:]
+        process.send_signal(signal.SIGTERM)  # the command's process only, as kill does
+        assert process.wait(timeout=60) == 143, log.read_text()[-2000:]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert "Traceback" not in text and [line for line in text.splitlines() if line.startswith("Error")] == [
+        f"Error: stopped by SIGTERM: the checkpoints in {run} are kept; continue with `vramcal train --resume "
+        f"--run-dir {run}`"]
+    assert wait_for(lambda: not processes_tagged(tag), 5), processes_tagged(tag)  # no worker, no fork server
+    assert checkpoint.load_resumable(run)[0]["progress"]["step"] >= 2
+
+
+def test_a_worker_counts_a_dead_unreaped_caller_as_gone():
+    """A caller killed under a parent that does not reap it (a container's first process may not) stays a zombie,
+    which ``kill(pid, 0)`` still finds: the worker's watch reads its state and ends all the same."""
+    from vramcal.measure.worker import _alive
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        assert wait_for(lambda: not _alive(pid), 5)  # dead, not yet reaped
+        os.kill(pid, 0)  # ... which kill(pid, 0) alone took for alive
+        assert _alive(os.getpid())
+    finally:
+        os.waitpid(pid, 0)
+
+
 # ------------------------------------------------------------------ a full disk during a probe (item 7a)
 
 @pytest.fixture

@@ -22,6 +22,7 @@ import click  # noqa: E402 - after the pool is chosen
 from vramcal import __version__
 from vramcal.cli.console import VERBOSITY
 from vramcal.cli.cost import cost_command
+from vramcal.cli.options import stop_on_sigterm
 from vramcal.cli.probe import probe, show
 from vramcal.cli.report import limits_command, report_command
 from vramcal.cli.train import data_group, train_command
@@ -39,6 +40,7 @@ def main(ctx: click.Context, quiet: bool, verbose: bool) -> None:
     if quiet and verbose:
         raise click.UsageError("-q and -v contradict each other: give one")
     ctx.with_resource(speaking(FLAGS))  # messages name the command line's flags (vramcal.words)
+    ctx.with_resource(stop_on_sigterm())  # kill, timeout, a scheduler's cancel: Ctrl-C's way out, exit 143
     ctx.with_resource(_set(VERBOSITY, -1 if quiet else 1 if verbose else 0))
 
 

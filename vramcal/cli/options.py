@@ -3,7 +3,8 @@ where errors become one line and an exit status.
 
 Exit statuses (README "Exit codes"): 0 done; 1 a failure the message explains (bad data, no profile,
 no device, a trial that could not start, a failed run); 2 a bad option value; 3 a calibration that wrote
-a profile whose limits are not verified by real trials (or has none); 130 interrupted.
+a profile whose limits are not verified by real trials (or has none); 130 interrupted (Ctrl-C); 143 stopped by
+SIGTERM (``kill``, ``timeout``, a scheduler's cancel).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from vramcal.units import format_bytes, parse_bytes
 
 EXIT_UNVERIFIED = 3
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
 _DEFAULTS = RegressorSpec()
 SPEC_NAMES = ("d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len", "dtype")
 
@@ -292,6 +294,10 @@ def one_line(interrupted: str = "interrupted") -> Iterator[None]:
         yield
     except click.ClickException:
         raise
+    except Terminated:
+        stopped = Interrupted(f"stopped by SIGTERM{interrupted.removeprefix('interrupted')}")
+        stopped.exit_code = EXIT_TERMINATED
+        raise stopped from None
     except KeyboardInterrupt:
         raise Interrupted(interrupted) from None
     except (ValueError, CalibrationError, NvmlError, TrainError) as error:
@@ -309,6 +315,33 @@ def single_line(text: str) -> str:
 
 class Interrupted(click.ClickException):
     exit_code = EXIT_INTERRUPTED
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread by :func:`stop_on_sigterm`'s handler: a KeyboardInterrupt, so that it
+    takes Ctrl-C's way out (workers killed first, checkpoints and journals kept, one line), with its own status."""
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """While the command runs, SIGTERM raises :class:`Terminated` (its default ends the process at once: no line,
+    and its workers, whose parent is the fork server, left to notice alone); the previous handler after. Only in
+    the main thread, where Python runs signal handlers."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def profile_paths(paths: tuple[Path, ...]) -> list[Path]:

@@ -354,11 +354,28 @@ def failure(error: BaseException) -> dict[str, Any]:
 
 
 def _exit_with_caller(caller_pid: int, interval_s: float = 0.5) -> None:
-    """End this worker when the process that asked for it is gone (a killed probe must not leave a
-    trial holding gigabytes: the fork server, not the caller, is the worker's parent)."""
-    while True:
-        try:
-            os.kill(caller_pid, 0)
-        except ProcessLookupError:
-            os._exit(1)
+    """End this worker when the process that asked for it is gone (a killed probe or train must not leave a
+    trial holding gigabytes, or a run training on: the fork server, not the caller, is the worker's parent).
+
+    Gone: no such process; a zombie (dead, not yet reaped: a caller whose parent does not reap it, as a
+    container's first process may not, stays one); or the fork server ended, which it does once its caller's end of
+    its pipe closes, whoever holds the PID now."""
+    server = os.getppid()
+    while _alive(caller_pid) and os.getppid() == server:
         time.sleep(interval_s)
+    os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (``/proc/PID/stat``'s state ``Z``)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
