@@ -62,7 +62,7 @@ def format_rate(samples_per_s: float) -> str:
 def format_duration(seconds: float, like: float | None = None) -> str:
     """Render a duration for people with three significant digits: ``0.84 s``, ``130 s``, ``11.8 min``,
     ``9.88 h``; seconds up to 10 minutes, minutes up to 3 hours, then hours. ``like``: take the unit ``like``
-    seconds would take (an interval's ends in its value's unit: ``10.4 min (9.52–11.4 min)``, not ``571 s``)."""
+    seconds would take (an interval's ends in its value's unit: ``10.4 min (9.52 min–11.4 min)``, not ``571 s``)."""
     unit = seconds if like is None else like
     if unit < 600:
         return f"{seconds:.3g} s" if seconds < 100 else f"{seconds:.0f} s"

@@ -295,9 +295,7 @@ def one_line(interrupted: str = "interrupted") -> Iterator[None]:
     except click.ClickException:
         raise
     except Terminated:
-        stopped = Interrupted(f"stopped by SIGTERM{interrupted.removeprefix('interrupted')}")
-        stopped.exit_code = EXIT_TERMINATED
-        raise stopped from None
+        raise Stopped(f"stopped by SIGTERM{interrupted.removeprefix('interrupted')}") from None
     except KeyboardInterrupt:
         raise Interrupted(interrupted) from None
     except (ValueError, CalibrationError, NvmlError, TrainError) as error:
@@ -315,6 +313,10 @@ def single_line(text: str) -> str:
 
 class Interrupted(click.ClickException):
     exit_code = EXIT_INTERRUPTED
+
+
+class Stopped(click.ClickException):
+    exit_code = EXIT_TERMINATED
 
 
 class Terminated(KeyboardInterrupt):

@@ -311,7 +311,6 @@ def check_ticks(ticks: pd.DataFrame, path: Path | str = "ticks") -> pd.DataFrame
     return frame.sort_values("timestamp", kind="stable").reset_index(drop=True)
 
 
-
 def bar_offset(bar: str) -> pd.DateOffset:
     """``bar`` (``1s``, ``5s``, ``1min``) as a pandas offset (``pandas.tseries.frequencies.to_offset``).
 
@@ -326,6 +325,7 @@ def bar_offset(bar: str) -> pd.DateOffset:
     if offset.n <= 0:
         raise DataError(f"--bar {bar!r} is not a positive length of time: use e.g. 1s, 5s, 1min")
     return offset
+
 
 def ticks_to_bars(ticks: pd.DataFrame, bar: str, path: Path | str = "ticks") -> pd.DataFrame:
     """Time bars from trades.
