@@ -1,13 +1,18 @@
 # vramcal: two commands on a fresh machine.
 #   make run   - create .venv, build the E-mini S&P 500 bars, calibrate this machine, train with the result
 #   make test  - create .venv and run the test suite
-# On a machine without an NVIDIA GPU the CPU build of torch is installed (pip takes torch==2.13.0
-# from the local wheel cache where there is one); with a GPU, the torch you already have is kept.
+# On a machine without an NVIDIA GPU the CPU build of torch 2.13.0 is installed: a wheel on this machine, else
+# PyTorch's CPU wheel index, else (one line says so) PyPI's CUDA build (scripts/install_torch.sh); with a GPU,
+# PyPI's torch.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-TORCH_CPU ?= torch==2.13.0
+TORCH_VERSION ?= 2.13.0
+# Earlier transformers releases the kernel-binding tests also run under (tests/transformers_versions.py): the
+# lowest pyproject.toml allows and the last that calls mamba_ssm's kernels for CPU tensors; installed beside the
+# venv's own (the newest), without dependencies.
+TRANSFORMERS_ALSO ?= 5.23.0 5.24.0
 DATA ?= data/es_1s.parquet
 # With a GPU: calibrate it whole. Without one: calibrate a 2.5 GiB budget of host RAM, so the whole job
 # (install, data, probe, one epoch) takes about 3.5 minutes on 2 cores with a warm pip cache; set
@@ -25,21 +30,23 @@ TRAIN_ARGS ?= --epochs 1 --stride 16
 .PHONY: setup setup-dev run test lint clean gpu-wheels gpu-rehearsal gpu-fused-wheels
 
 # setup: what vramcal runs with (make run); setup-dev adds what its tests need (Lightning, Accelerate, pytest,
-# ruff, the PostgreSQL driver: make test).
+# ruff, the PostgreSQL driver, and the earlier transformers releases in TRANSFORMERS_ALSO: make test).
 setup: $(VENV)/.installed
 setup-dev: $(VENV)/.installed-dev
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install --quiet torch; \
-	else $(PY) -m pip install --quiet $(TORCH_CPU); fi
+	scripts/install_torch.sh $(PY) $(TORCH_VERSION)
 	$(PY) -m pip install --quiet -e .
 	$(PY) -m pip install --quiet --no-deps mlfinpy==0.1.2
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[dev]'
+	rm -rf $(VENV)/transformers-also
+	for version in $(TRANSFORMERS_ALSO); do $(PY) -m pip install --quiet --disable-pip-version-check --no-deps \
+		--target $(VENV)/transformers-also/$$version transformers==$$version || exit 1; done
 	touch $@
 
 $(DATA): | setup

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import transformers_versions
 from click.testing import CliRunner
 from host_budget import MIB, capacity
 
@@ -68,32 +70,70 @@ import sys, torch
 sys.path.insert(0, {fake!r})
 from vramcal.models.mamba2 import import_transformers_mamba2
 from vramcal.models.lm import read_config, training_step
-from vramcal.workload import detect_kernel_path, train_step
+from vramcal.workload import KernelWitness, detect_kernel_path, train_step
 import_transformers_mamba2()  # what the worker fork server preloads
 step = training_step(torch.device("cpu"), config=read_config({tiny!r}), seq_len=32, implementation={impl!r})
 print(detect_kernel_path(step.model), flush=True)
-train_step(step, step.batch(2))
-print("trained on the PyTorch path")
+try:
+    with KernelWitness() as witness:
+        train_step(step, step.batch(2))
+    print("trained")
+finally:
+    print(detect_kernel_path(step.model, witness.called), flush=True)
 """
 
 
+@pytest.mark.parametrize("folder", transformers_versions.params())
 @pytest.mark.parametrize("implementation", ["transformers", "mamba_ssm"])
-def test_the_mamba_ssm_implementation_binds_the_kernels_after_the_torch_preload(tmp_path, implementation):
-    """With a fake mamba_ssm whose kernels refuse CPU tensors: ``mamba_ssm`` must reach them (its calibration
-    would otherwise measure the PyTorch path under the kernels' name), ``transformers`` must not."""
+def test_the_kernel_path_recorded_is_the_one_that_ran(tmp_path, implementation, folder):
+    """With a fake mamba_ssm whose kernels refuse CPU tensors: ``transformers`` never reaches them; ``mamba_ssm``
+    (transformers' Mamba2 reloaded with the kernels bound, after the worker's torch-only preload) reaches them
+    where transformers calls them for CPU tensors (up to 5.24), and takes the PyTorch path where it does not
+    (5.25 on). Either way the kernel path recorded after the step is the one that ran."""
     from test_model import FAKE_MAMBA_SSM
 
     for name, text in FAKE_MAMBA_SSM.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     code = KERNELS.format(fake=str(tmp_path), tiny=str(TINY), impl=implementation)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env=transformers_versions.environment(folder))
+    before, after = result.stdout.splitlines()[0], result.stdout.splitlines()[-1]
     if implementation == "transformers":
         assert result.returncode == 0, result.stderr[-2000:]
-        assert "torch_forward" in result.stdout and "trained on the PyTorch path" in result.stdout
-    else:
-        assert "with mamba_ssm kernels bound" in result.stdout
+        assert before == after and "mamba_ssm kernels not bound" in after
+    elif transformers_versions.kernels_reach_cpu(folder):
+        assert "kernels bound (no step witnessed" in before
         assert result.returncode != 0 and "Triton kernel called on CPU tensors" in result.stderr
+        assert "kernels bound and run (mamba_split_conv1d_scan_combined)" in after
+    else:
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "torch_forward" in after and "bound, not run" in after
+
+
+@pytest.mark.skipif(transformers_versions.kernels_reach_cpu(None), reason="transformers <= 5.24 calls the fake "
+                    "kernels for CPU tensors (test_the_kernel_path_recorded_is_the_one_that_ran covers it)")
+def test_show_names_the_kernel_path_a_host_probe_ran_with_mamba_ssm_importable(tmp_path):
+    """A host probe of a model with mamba_ssm's (fake) kernels bound, under a transformers that sends CPU tensors
+    to the PyTorch path: the profile, and ``vramcal show``, name the PyTorch path, not the kernels."""
+    from test_model import FAKE_MAMBA_SSM
+
+    for name, text in FAKE_MAMBA_SSM.items():
+        (tmp_path / "fake" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fake" / name).write_text(text)
+    env = transformers_versions.environment(None)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "fake"), str(REPO / "tests"), env.get("PYTHONPATH", "")])
+    out = tmp_path / "p.json"
+    vramcal = [sys.executable, "-m", "vramcal"]
+    probed = subprocess.run([*vramcal, "probe", "--gpu", "none", "--capacity", capacity(800 * MIB), "--model",
+                             "user_models:lm_with_kernels", "--model-arg", f"config={TINY}", "--model-arg",
+                             "seq_len=32", "--reserve", "0", "--no-boundary", "--out", str(out), "--no-report"],
+                            capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert probed.returncode == 0, probed.stdout[-2000:] + probed.stderr[-2000:]
+    assert "bound, not run" in load_profile(out).kernel_path
+    shown = subprocess.run([*vramcal, "show", str(out)], capture_output=True, text=True, timeout=120, env=env)
+    assert shown.returncode == 0 and "torch_forward (pure PyTorch chunked scan; mamba_ssm kernels bound, not run" \
+        in shown.stdout, shown.stdout + shown.stderr
 
 
 def probe(*args: str, capacity: str = "1GiB"):

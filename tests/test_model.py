@@ -3,8 +3,11 @@
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+import transformers_versions
+from packaging.version import Version
 
 from vramcal.models.mamba2 import kernel_path, resolve_implementation
 from vramcal.models.regressor.spec import RegressorSpec
@@ -58,9 +61,9 @@ FAKE_MAMBA_SSM = {
     "mamba_ssm/ops/__init__.py": "",
     "mamba_ssm/ops/triton/__init__.py": "",
     "mamba_ssm/ops/triton/ssd_combined.py": textwrap.dedent("""
-        def _crash(*args, **kwargs):
+        def mamba_split_conv1d_scan_combined(*args, **kwargs):
             raise RuntimeError("Triton kernel called on CPU tensors")
-        mamba_chunk_scan_combined = mamba_split_conv1d_scan_combined = _crash
+        mamba_chunk_scan_combined = mamba_split_conv1d_scan_combined
     """),
     "mamba_ssm/ops/triton/selective_state_update.py":
         "def selective_state_update(*args, **kwargs):\n    raise RuntimeError('Triton kernel')\n",
@@ -85,19 +88,34 @@ print("trained on the PyTorch path")
 """
 
 
+@pytest.mark.parametrize("folder", transformers_versions.params())
 @pytest.mark.parametrize("guarded", [False, True])
-def test_an_installed_mamba_ssm_does_not_hijack_the_cpu_path(tmp_path, guarded):
-    """transformers binds importable mamba_ssm kernels at import, even for CPU tensors; vramcal must not."""
+def test_an_installed_mamba_ssm_does_not_hijack_the_cpu_path(tmp_path, guarded, folder):
+    """transformers binds importable mamba_ssm kernels at import, and up to 5.24 calls them even for CPU tensors;
+    vramcal's own import never binds them, under every transformers the project allows."""
     for name, text in FAKE_MAMBA_SSM.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     result = subprocess.run([sys.executable, "-c", RUN.format(path=str(tmp_path), guarded=guarded)],
-                            capture_output=True, text=True, timeout=300)
-    if guarded:
+                            capture_output=True, text=True, timeout=300, env=transformers_versions.environment(folder))
+    if guarded or not transformers_versions.kernels_reach_cpu(folder):  # 5.25 on: CPU tensors take the PyTorch path
         assert result.returncode == 0, result.stderr[-2000:]
         assert "trained on the PyTorch path" in result.stdout
     else:  # the failure vramcal guards against, reproduced with the fake package
         assert result.returncode != 0 and "Triton kernel called on CPU tensors" in result.stderr
+
+
+def test_the_lowest_allowed_transformers_is_exercised():
+    """The kernel-binding tests run under the lowest transformers pyproject.toml allows (``make test`` installs
+    it beside the newest), so a release the project admits is not one it never ran."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    lowest = next(re.fullmatch(r"transformers>=([\d.]+)", d).group(1) for d in project["dependencies"]
+                  if d.startswith("transformers"))
+    tested = {transformers_versions.installed(), *transformers_versions.also()}
+    assert Version(lowest) in tested, f"transformers {lowest} is not installed beside this one: run make test"
 
 
 def _dtypes(blocks, run, entering: bool = False) -> list:

@@ -86,3 +86,11 @@ def process_state(channel=None) -> dict:
 
     return {"torch_imported": "torch" in sys.modules, "cuda_started": cuda_started(),
             "nvml_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")}
+
+
+def lm_with_kernels(device: torch.device, *, config: str, seq_len: int) -> vramcal.TrainingStep:
+    """A user's Mamba-2 language model with mamba_ssm's kernels bound, however the device treats them:
+    transformers' ``modeling_mamba2`` imported with mamba_ssm visible (test_lm: the kernel path recorded)."""
+    from vramcal.models.lm import read_config, training_step
+
+    return training_step(device, config=read_config(config), seq_len=seq_len, implementation="mamba_ssm")

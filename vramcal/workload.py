@@ -43,6 +43,7 @@ import importlib
 import inspect
 import json
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -204,26 +205,74 @@ def build(ref: ModelRef, device: torch.device, options: dict[str, Any] | None = 
     return step
 
 
-def detect_kernel_path(model: torch.nn.Module) -> str:
-    """Which Mamba-2 kernels a model runs, read from its modules (for the profile).
+KERNEL_PACKAGES = ("mamba_ssm", "causal_conv1d")
+TORCH_PATH = "transformers Mamba2 torch_forward (pure PyTorch chunked scan; mamba_ssm kernels not bound)"
 
-    ``mamba_ssm`` ``Mamba2`` modules run the fused Triton/CUDA kernels. transformers' ``Mamba2Mixer``
-    runs mamba_ssm's kernels when transformers found mamba_ssm at import (it binds them function by
-    function), and its pure-PyTorch chunked scan when vramcal imported it with mamba_ssm hidden
-    (:func:`vramcal.models.mamba2.import_transformers_mamba2`) or mamba_ssm is not installed.
+
+class KernelWitness:
+    """Which Python functions of ``mamba_ssm`` and ``causal_conv1d`` the code in a ``with`` block called, on this
+    thread (``sys.setprofile``): the kernels a step ran, as opposed to the kernels its model has bound.
+
+    transformers binds mamba_ssm's kernels into ``modeling_mamba2`` when it can import them; up to 5.24 it then
+    calls them for tensors on every device, from 5.25 on only for CUDA tensors (CPU tensors take the PyTorch path,
+    ``transformers/integrations/hub_kernels.py``). A model's modules therefore cannot say what ran; the step
+    itself can. The forward pass, where the fused functions are entered, runs on the calling thread.
+
+    ``called``: the functions' names, such as ``mamba_split_conv1d_scan_combined``; empty when none ran.
     """
-    import sys
 
+    def __init__(self) -> None:
+        self.called: set[str] = set()
+        self._previous: Any = None
+
+    def _see(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_globals.get("__name__", "").partition(".")[0] in KERNEL_PACKAGES:
+            self.called.add(frame.f_code.co_name)
+
+    def __enter__(self) -> KernelWitness:
+        self._previous = sys.getprofile()
+        sys.setprofile(self._see)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(self._previous)
+
+
+def kernels_bound(model: torch.nn.Module) -> bool:
+    """True when ``model``'s Mamba-2 mixers come from a transformers ``modeling_mamba2`` that bound mamba_ssm's
+    kernels (imported with mamba_ssm importable, not through
+    :func:`vramcal.models.mamba2.import_transformers_mamba2`): only a step run under :class:`KernelWitness` can
+    then say which path ran."""
+    mixers = {type(m).__module__ for m in model.modules() if type(m).__name__ == "Mamba2Mixer"
+              and type(m).__module__.endswith("modeling_mamba2")}
+    return any(not getattr(sys.modules.get(name), "_vramcal_torch_only", False) for name in mixers) \
+        and "mamba_ssm" in sys.modules
+
+
+def detect_kernel_path(model: torch.nn.Module, ran: set[str] | None = None) -> str:
+    """Which Mamba-2 kernels a model runs, for the profile: read from its modules and, where transformers bound
+    mamba_ssm's kernels (:func:`kernels_bound`), from what a step of it called (``ran``:
+    :attr:`KernelWitness.called`).
+
+    ``mamba_ssm`` ``Mamba2`` modules run the fused Triton/CUDA kernels. transformers' ``Mamba2Mixer`` runs its
+    pure-PyTorch chunked scan when vramcal imported it with mamba_ssm hidden
+    (:func:`vramcal.models.mamba2.import_transformers_mamba2`) or mamba_ssm is not installed; with the kernels
+    bound, it runs them when a step called them, and the PyTorch path when it did not (transformers >= 5.25 on
+    CPU tensors). Bound kernels with no witnessed step (``ran`` None) are recorded as bound, not run.
+    """
     kinds = {f"{type(m).__module__}.{type(m).__name__}" for m in model.modules()}
     if any(k.startswith("mamba_ssm.") and k.endswith(".Mamba2") for k in kinds):
         return "mamba_ssm.Mamba2 fused kernels (Triton + causal_conv1d CUDA)"
-    mixers = {k.rpartition(".")[0] for k in kinds if k.endswith("modeling_mamba2.Mamba2Mixer")}
-    if mixers:
-        modeling = sys.modules.get(next(iter(mixers)))
-        if getattr(modeling, "_vramcal_torch_only", False) or "mamba_ssm" not in sys.modules:
-            return "transformers Mamba2 torch_forward (pure PyTorch chunked scan; mamba_ssm kernels not bound)"
-        return "transformers Mamba2 with mamba_ssm kernels bound (mamba_split_conv1d_scan_combined)"
-    return "no Mamba-2 module found (a user model): kernels not identified"
+    if not any(k.endswith("modeling_mamba2.Mamba2Mixer") for k in kinds):
+        return "no Mamba-2 module found (a user model): kernels not identified"
+    if not kernels_bound(model):
+        return TORCH_PATH
+    if ran is None:
+        return "transformers Mamba2 with mamba_ssm kernels bound (no step witnessed: which path ran is not known)"
+    if ran:
+        return f"transformers Mamba2 with mamba_ssm kernels bound and run ({', '.join(sorted(ran))})"
+    return ("transformers Mamba2 torch_forward (pure PyTorch chunked scan; mamba_ssm kernels bound, not run: "
+            "transformers sends tensors on this device to the PyTorch path)")
 
 
 def _first_line(error: BaseException) -> str:

@@ -43,6 +43,7 @@ Out-of-memory errors are recognised by :func:`vramcal.oom.is_out_of_memory` only
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -299,7 +300,7 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
     starts (a trial killed at its time limit names where it was).
     """
     from vramcal.calibration.creep import epoch_end_due, steady_done
-    from vramcal.workload import train_step, validation_step
+    from vramcal.workload import validation_step
 
     device, batch_size, settings = request.device, request.batch_size, request.settings
 
@@ -310,17 +311,17 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
                 for _ in range(request.val_steps)]
 
     phase(f"the warm-up step{'s' * (settings.warmup_steps != 1)}")
-    warmup = [_timed(lambda: train_step(step, step.batch(batch_size), model), device.kind)
-              for _ in range(settings.warmup_steps)]
+    train, witness = _trainer(step, model, batch_size)
+    warmup = [_timed(train, device.kind) for _ in range(settings.warmup_steps)]
     meter.reset()
     times, curve, short, epoch_end = [], [], None, None
     for number in range(1, request.measured_steps + 1):
         phase(f"measured step {number} of {'at most ' * request.steady}{request.measured_steps}")
-        times.append(_timed(lambda: train_step(step, step.batch(batch_size), model), device.kind))
+        times.append(_timed(train, device.kind))
         if request.steady:
             curve.append(int(meter.read()["peak_bytes"]))
             if request.verifies and len(curve) == settings.measured_steps:
-                short = _figures(step, meter, device.kind, batch_size, build_s, warmup, times, validate())
+                short = _figures(step, meter, device.kind, batch_size, build_s, warmup, times, validate(), witness)
             if channel is not None:
                 channel.send("step", {"step": len(curve), "of": request.measured_steps, "peak_bytes": curve[-1],
                                       "step_s": times[-1]})
@@ -330,9 +331,24 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
                     epoch_end = len(curve)
             elif all_ranks(steady_done(curve, settings, epoch_end)):
                 break
-    figures = _figures(step, meter, device.kind, batch_size, build_s, warmup, times, validate())
+    figures = _figures(step, meter, device.kind, batch_size, build_s, warmup, times, validate(), witness)
     return {**figures, **({"step_peaks": tuple(curve), "epoch_end_step": epoch_end} if request.steady else {}),
             **({"short": short} if short is not None else {})}
+
+
+def _trainer(step: Any, model: Any, batch_size: int) -> tuple[Callable[[], None], Any]:
+    """One training step at ``batch_size`` as a call, and the :class:`vramcal.workload.KernelWitness` its first call
+    runs under where the model's kernels are bound (:func:`vramcal.workload.kernels_bound`; else None)."""
+    from vramcal.workload import KernelWitness, kernels_bound, train_step
+
+    witness = KernelWitness() if step.kernel_path is None and kernels_bound(step.model) else None
+    unwitnessed = [witness] if witness else []
+
+    def train() -> None:
+        with unwitnessed.pop() if unwitnessed else contextlib.nullcontext():
+            train_step(step, step.batch(batch_size), model)
+
+    return train, witness
 
 
 def end_epoch(step: Any, model: Any, batch_size: int, device_kind: str, phase: Callable[[str], None]) -> None:
@@ -352,12 +368,13 @@ def end_epoch(step: Any, model: Any, batch_size: int, device_kind: str, phase: C
 
 
 def _figures(step: Any, meter: Any, device_kind: str, batch_size: int, build_s: float, warmup: list[float],
-             times: list[float], val: list[float]) -> dict[str, Any]:
-    """A trial's record from its step times and the meter's reading now (its peaks so far)."""
+             times: list[float], val: list[float], witness: Any = None) -> dict[str, Any]:
+    """A trial's record from its step times and the meter's reading now (its peaks so far); ``witness``: the
+    :class:`vramcal.workload.KernelWitness` of its first step, where the model's kernels are bound."""
     from vramcal.workload import detect_kernel_path
 
     figures = meter.read()
-    context = {"kernel_path": step.kernel_path or detect_kernel_path(step.model),
+    context = {"kernel_path": step.kernel_path or detect_kernel_path(step.model, witness and witness.called),
                "environment": meter.environment(), "info": step.info, "gradient_bytes": gradient_bytes(step.model),
                "data": {"data_bytes": step.data_bytes, "on_device": step.data_on_device}}
     step_s = statistics.median(times)

@@ -3,10 +3,10 @@
 Only this module imports Mamba-2 implementations. Two are supported, both from well-kept libraries:
 
 * ``transformers``: ``transformers.Mamba2Model`` on its pure-PyTorch chunked-scan path (``torch_forward``),
-  which runs on CPUs and GPUs. Where ``mamba_ssm`` is installed, transformers >= 5.2x binds the Triton
-  kernels of ``mamba_ssm`` into the model at import time, even for CPU tensors, and crashes on them;
-  vramcal imports the transformers module with ``mamba_ssm`` and ``causal_conv1d`` hidden, so this path
-  is always the PyTorch one it claims to be.
+  which runs on CPUs and GPUs. Where ``mamba_ssm`` is installed, transformers binds the Triton kernels of
+  ``mamba_ssm`` into the model at import time and calls them for CUDA tensors (up to 5.24 for CPU tensors
+  too, which crash); vramcal imports the transformers module with ``mamba_ssm`` and ``causal_conv1d``
+  hidden, so this path is always the PyTorch one it claims to be.
 * ``mamba_ssm``: ``mamba_ssm.modules.mamba2.Mamba2``, the authors' fused Triton/CUDA kernels
   (``mamba_split_conv1d_scan_combined``, ``use_mem_eff_path=True``). GPU only; it needs the compiled
   ``causal_conv1d`` package, because mamba_ssm 2.3.2's training path without it does not run.
@@ -23,6 +23,7 @@ import types
 from typing import TYPE_CHECKING, Literal
 
 from vramcal.words import given
+from vramcal.workload import TORCH_PATH
 
 if TYPE_CHECKING:  # pragma: no cover
     from vramcal.records import Device
@@ -90,7 +91,7 @@ def kernel_path(implementation: str) -> str:
     """The kernel path a concrete implementation runs in training, as recorded in profiles."""
     if implementation == "mamba_ssm":
         return "mamba_ssm.Mamba2 fused mamba_split_conv1d_scan_combined (Triton + causal_conv1d CUDA)"
-    return "transformers Mamba2 torch_forward (pure PyTorch chunked scan; mamba_ssm kernels not bound)"
+    return TORCH_PATH
 
 
 def import_transformers_mamba2() -> types.ModuleType:
