@@ -418,3 +418,34 @@ def test_a_failed_verification_is_reported_as_failed_wherever_it_is_shown(tmp_pa
     assert f"conservative  batch_size {conservative:<6} (verified: peak" in shown
     facts = json.loads(CliRunner().invoke(main, ["report", str(path), "--out", str(tmp_path / "r"), "--json"]).output)
     assert facts["profiles"][0]["verified"] is False
+
+
+# ------------------------------------------------------------------------- a worker killed from outside
+
+def test_a_worker_killed_from_outside_is_not_an_out_of_memory():
+    """A real worker killed by SIGKILL while the kernel counts no out-of-memory kill: an ``error`` of type Killed
+    naming the signal and the pid (it measured nothing), not ``oom``; the same kill while the counter rises (the
+    kernel's own counter, faked: the hardware boundary) is ``oom``."""
+    from vramcal.measure import worker
+
+    killed = worker.Workers(("user_models",)).run("user_models:kill_myself", timeout_s=60)
+    assert killed.status == "error" and killed.error_type == worker.KILLED, killed
+    assert re.match(r"killed by SIGKILL \(pid \d+\), and the kernel counted no out-of-memory kill", killed.message)
+    assert worker._exit_status(-9, 123, oom_kills_before=-1)["status"] == "oom"  # the counter rose past it
+    assert worker._exit_status(-9, 123, oom_kills_before=None)["status"] == "error"  # no counter: no evidence
+
+
+def test_a_probe_whose_trial_is_killed_twice_stops_without_a_profile(tmp_path):
+    """A real probe whose worker is SIGKILLed at batch sizes of 200 and more (a kill -9, a preemption): the size
+    is run again once, killed again, and the probe stops with one line naming the signal, instead of bisecting
+    below it and verifying a size far too small. The measured trials stay in the journal."""
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", capacity(3 * 2**29), "--model",
+                                       "user_models:killed_from_outside", "--model-arg", "kill_at=200",
+                                       "--out", str(out), "--no-report", "--no-boundary"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert re.search(r"at batch_size \d+ was killed from outside twice \(killed by SIGKILL \(pid \d+\); killed by "
+                     r"SIGKILL \(pid \d+\)\)", line), line
+    assert "safe" not in result.output and not out.exists()
+    assert (tmp_path / "p.json.journal").is_file()  # the measured trials, for the same command to continue from

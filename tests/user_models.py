@@ -94,3 +94,29 @@ def lm_with_kernels(device: torch.device, *, config: str, seq_len: int) -> vramc
     from vramcal.models.lm import read_config, training_step
 
     return training_step(device, config=read_config(config), seq_len=seq_len, implementation="mamba_ssm")
+
+
+def killed_from_outside(device: torch.device, *, kill_at: int, **params) -> vramcal.TrainingStep:
+    """:func:`mlp`, whose worker is killed by SIGKILL (as ``kill -9`` or a scheduler's preemption kills it) when
+    a batch of ``kill_at`` samples or more is made: no out-of-memory kill for the kernel to count."""
+    import os
+    import signal
+
+    step = mlp(device, **params)
+    make = step.batch
+
+    def batch(batch_size: int):
+        if batch_size >= kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return make(batch_size)
+
+    step.batch = batch
+    return step
+
+
+def kill_myself(channel=None) -> None:
+    """A worker function that SIGKILLs its own process, as ``kill -9 <pid>`` from outside does."""
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)

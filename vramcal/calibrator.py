@@ -27,6 +27,7 @@ from vramcal.calibration.search import SearchSettings, Step, next_batch_size, se
 from vramcal.environment import software_versions
 from vramcal.journal import Journal
 from vramcal.measure.trial import TrialRequest
+from vramcal.measure.worker import KILLED
 from vramcal.models.registry import family_of
 from vramcal.profile import Profile, Verification, utc_now
 from vramcal.records import Device, Trial, TrialSettings, World
@@ -128,12 +129,33 @@ def run_trials(plan: CalibrationPlan, runner: Runner, on_trial: Callable[[Trial]
         if on_trial:
             for trial in found:
                 on_trial(trial)
+        _stop_if_killed_twice(trials)
     first = trials[0]
     if not first.fits(search.usable_bytes):
         if journal:
             journal.discard()
         raise CalibrationError(first_trial_failure(first, plan))
     return assemble(plan, trials, runner.context, time.perf_counter() - started)
+
+
+def _stop_if_killed_twice(trials: list[Trial]) -> None:
+    """Stop the calibration where the last trial's size was killed from outside twice (a kill with no
+    out-of-memory kill counted by the kernel: :func:`vramcal.measure.worker.oom_kills`). Such a kill measured
+    nothing, so it is run again once; a second one is no memory limit either, and a profile whose search went
+    on below it would be verified at a size 16 times too small.
+
+    Raises:
+        CalibrationError: one line naming the signal, the pids and the size; the journal keeps the measured
+            trials, so the same command continues from them.
+    """
+    size = trials[-1].batch_size
+    killed = [t for t in trials if t.batch_size == size and (t.error or "").startswith(f"{KILLED}: ")]
+    if len(killed) >= 2:
+        how = "; ".join(t.error.splitlines()[0].removeprefix(f"{KILLED}: ").split(", and")[0] for t in killed)
+        raise CalibrationError(f"the trial at batch_size {size} was killed from outside twice ({how}), with no "
+                               f"out-of-memory kill counted by the kernel: that measures nothing about memory, so "
+                               f"the calibration stopped without a profile; its measured trials are kept, and the "
+                               f"same command continues from them once nothing kills its workers")
 
 
 def _recorded(plan: CalibrationPlan, trial: Trial, seq_len: int | None) -> Trial:
@@ -175,6 +197,9 @@ def first_trial_failure(first: Trial, plan: CalibrationPlan) -> str:
     budget or the model). Only the last is about memory."""
     title, size = family_of(plan.model).title(plan.model), first.batch_size
     header = (first.error or "").strip().splitlines()[:1] or ["no error text recorded"]
+    if first.status == "error" and header[0].startswith(f"{KILLED}: "):
+        return (f"the first trial of {title} (batch_size {size}) was {header[0].removeprefix(f'{KILLED}: ')}: run "
+                f"the same command again once nothing kills its workers")
     if first.status == "error":
         kind, _, message = header[0].partition(": ")
         what = message if kind == "WorkloadError" else header[0]  # vramcal's own message names the factory

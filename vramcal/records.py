@@ -197,8 +197,9 @@ class Trial:
 
     Attributes:
         batch_size: samples per step.
-        status: ``ok``, ``oom`` (an allocator out-of-memory error, or the process killed by SIGKILL as
-            the kernel's OOM killer does), ``timeout`` (killed after the time limit) or ``error``.
+        status: ``ok``, ``oom`` (an allocator out-of-memory error, or the process killed while the kernel
+            counted an out-of-memory kill), ``timeout`` (killed after the time limit) or ``error`` (a process
+            killed from outside among them: its ``error`` starts ``Killed:``).
         peak_bytes: the figure the fit uses (DESIGN.md): GPU ``max(nvml_peak_bytes, nvml_overhead_bytes +
             torch_max_reserved_bytes)``; host ``max(rss_peak_bytes, data_peak_bytes)``: the resident
             peak, or the data-segment peak that the host budget (``RLIMIT_DATA``) limits when larger.

@@ -32,11 +32,13 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from vramcal.environment import WORKER_DEFAULTS
 
 OutcomeStatus = Literal["ok", "oom", "timeout", "error"]
+KILLED = "Killed"  # the error_type of a worker killed by a signal without an out-of-memory kill counted
 _END_AT_EXIT: list[bool] = []  # one entry once Workers.warm_up has registered _end_server with atexit
 Handler = Callable[[str, Any], Any]
 
@@ -46,8 +48,8 @@ class Outcome:
     """How a worker ended.
 
     Attributes:
-        status: ``ok``; ``oom`` (an out-of-memory error, or killed by SIGKILL as the kernel's OOM killer
-            does); ``timeout`` (killed after the time limit); ``error`` (anything else).
+        status: ``ok``; ``oom`` (an out-of-memory error, or killed while the kernel counted an out-of-memory
+            kill: :func:`oom_kills`); ``timeout`` (killed after the time limit); ``error`` (anything else).
         result: what the worker's function returned (``ok`` only).
         error: the traceback's last lines, or why the process ended without a result.
         error_type: the exception's class name (None when the process died without one).
@@ -184,6 +186,7 @@ class Job:
         self.process, self.connection, self.started, self.handler = process, connection, started, handler
         self.final: dict[str, Any] | None = None
         self.outcome: Outcome | None = None
+        self.oom_kills_before = oom_kills()  # the kernel's out-of-memory kills so far (_exit_status)
         self.phase: str | None = None  # what the worker last said it does (Channel.phase)
 
     def receive(self) -> None:
@@ -212,7 +215,7 @@ class Job:
         if kill or final is None:
             self.process.kill()
         self.process.join()
-        final = final or _exit_status(self.process.exitcode)
+        final = final or _exit_status(self.process.exitcode, self.process.pid, self.oom_kills_before)
         self.outcome = Outcome(wall_s=time.time() - self.started, **final)
 
     def close(self) -> None:
@@ -289,12 +292,61 @@ def _end_server() -> None:
             os.kill(pid, signal.SIGTERM)
 
 
-def _exit_status(exitcode: int | None) -> dict[str, Any]:
-    if exitcode == -9:
-        return {"status": "oom", "error": "the process was killed by SIGKILL (the kernel's OOM killer?)",
-                "message": "killed by SIGKILL (the kernel's out-of-memory killer?)"}
+def oom_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has killed: the machine's count (``oom_kill`` in
+    ``/proc/vmstat``, Linux 4.13+) plus this process's memory cgroup's (``oom_kill`` in cgroup v2's
+    ``memory.events`` or v1's ``memory.oom_control``), where the cgroup's is readable; None where neither is.
+    A rise over a worker's life is the evidence that a kill was an out-of-memory one (DESIGN.md)."""
+    counts = []
+    with contextlib.suppress(OSError):
+        counts.append(_counter(Path("/proc/vmstat").read_text()))
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            root, name = (("/sys/fs/cgroup", "memory.events") if controllers == "" else
+                          ("/sys/fs/cgroup/memory", "memory.oom_control") if "memory" in controllers.split(",") else
+                          (None, None))
+            for folder in (Path(root + path), Path(root)) if root else ():
+                if (folder / name).is_file():
+                    with contextlib.suppress(OSError):
+                        counts.append(_counter((folder / name).read_text()))
+                    break
+    counts = [c for c in counts if c is not None]
+    return sum(counts) if counts else None
+
+
+def _counter(text: str) -> int | None:
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill" and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def _exit_status(exitcode: int | None, pid: int | None = None, oom_kills_before: int | None = None) -> dict[str, Any]:
+    """How a worker that sent no result ended: killed by a signal (``exitcode`` -N) is ``oom`` only where the
+    kernel counted an out-of-memory kill during its life (:func:`oom_kills` rose from ``oom_kills_before``);
+    any other kill is an ``error`` of type ``Killed``, which measured nothing (the search runs it again)."""
+    if exitcode is not None and exitcode < 0:
+        name = _signal_name(-exitcode)
+        after = oom_kills()
+        if oom_kills_before is not None and after is not None and after > oom_kills_before:
+            what = f"killed by {name} (pid {pid}) by the kernel's out-of-memory killer (oom_kill counted it)"
+            return {"status": "oom", "error": f"the process was {what}", "message": what}
+        what = (f"killed by {name} (pid {pid}), and the kernel counted no out-of-memory kill: something outside "
+                f"vramcal ended it (a kill, a scheduler's preemption)")
+        return {"status": "error", "error_type": KILLED, "error": f"the process was {what}", "message": what}
     return {"status": "error", "error": f"the process exited with code {exitcode} without a result",
             "message": f"the process exited with code {exitcode} without a result"}
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _worker_main(connection: Any, function: Callable[..., Any], args: tuple, started: float,
