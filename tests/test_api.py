@@ -6,6 +6,7 @@ processes, forked from a server that starts with the caller's ``sys.path``, impo
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -170,3 +171,27 @@ def test_the_probe_command_for_a_missing_profile_reads_back_as_the_same_argument
     assert words[:5] == ["vramcal", "probe", "--gpu", "none", "--model"] and words[5] == "user_models:mlp"
     given = [words[i + 1] for i, word in enumerate(words) if word == "--model-arg"]
     assert dict(KeyValue().convert(text, None, None) for text in given) == params
+
+
+def test_the_api_takes_a_capacity_as_the_command_line_does_and_refuses_nonsense_in_its_own_words():
+    from vramcal.api import capacity_argument, select_devices
+
+    assert capacity_argument("1.5GiB") == 3 * 2**29 == capacity_argument(3 * 2**29)
+    (device,), _ = select_devices("none", "1.5GiB")
+    assert device.total_bytes == 3 * 2**29
+    for bad, error, words in [(1.5e9, TypeError, "not float"), (True, TypeError, "not bool"),
+                              ("lots", ValueError, "cannot read 'lots' as a size"), (0, ValueError, "no budget")]:
+        with pytest.raises(error, match=words):
+            capacity_argument(bad)
+
+
+def test_calibrate_says_where_it_saved_the_profile_and_that_auto_chose_the_host(tmp_path, capsys):
+    """gpu="auto" on a machine without a GPU calibrates the host: one line says so, as the CLI does, and one
+    names the file written."""
+    profile = vramcal.calibrate("user_models:mlp", PARAMS, profiles_dir=tmp_path,
+                                **{**host(), "gpu": "auto", "capacity_bytes": f"{budget(CAPACITY)}B"})
+    err = capsys.readouterr().err
+    (saved,) = tmp_path.rglob("*.json")
+    assert f"vramcal: profile saved to {saved}" in err
+    assert re.search(r"vramcal: no usable NVIDIA GPU .*: using the host's memory instead", err), err
+    assert profile.device.kind == "host"

@@ -62,18 +62,42 @@ __all__ = ["Answer", "CalibrationError", "CalibrationPlan", "LimitSettings", "Lo
 WORKER_PRELOAD = ("vramcal.preload",)
 
 
-def select_devices(gpu: str = "auto", capacity_bytes: int | None = None) -> tuple[list[Device], str | None]:
-    """Resolve a ``--gpu`` choice (``auto``, ``none``, ``all``, a CUDA index or a UUID) to devices.
+def select_devices(gpu: str = "auto", capacity_bytes: int | str | None = None) -> tuple[list[Device], str | None]:
+    """Resolve a ``gpu`` choice (``auto``, ``none``, ``all``, a CUDA index or a UUID) to devices.
+
+    Args:
+        capacity_bytes: a budget below the device's memory: bytes, or a size as the command line takes it
+            (``"1.5GiB"``, ``"512MiB"``: :func:`vramcal.units.parse_bytes`).
 
     Returns:
         The devices, and a one-line notice (e.g. why the host was chosen) or None.
 
     Raises:
         DeviceError: no such device here. NvmlError: a GPU asked for explicitly, NVML unusable.
+        TypeError, ValueError: ``capacity_bytes`` is not a whole number of bytes or a size.
     """
     from vramcal.measure.device import select
 
-    return select(gpu, capacity_bytes)
+    return select(gpu, capacity_argument(capacity_bytes))
+
+
+def capacity_argument(capacity: int | str | None) -> int | None:
+    """``capacity_bytes=`` as bytes: an int as it is, a size string parsed (``"1.5GiB"``), None as None.
+
+    Raises:
+        TypeError: neither (a float, a bool). ValueError: a string that is no size, or a size below one byte.
+    """
+    from vramcal.units import parse_bytes
+
+    if capacity is None:
+        return None
+    if isinstance(capacity, bool) or not isinstance(capacity, int | str):
+        raise TypeError(f"capacity_bytes= takes a whole number of bytes or a size such as '1.5GiB', not "
+                        f"{type(capacity).__name__} {capacity!r}")
+    value = parse_bytes(capacity) if isinstance(capacity, str) else capacity
+    if value < 1:
+        raise ValueError(f"capacity_bytes={capacity!r} is no budget: give a positive size such as '1.5GiB'")
+    return value
 
 
 def worker_pool(extra_preload: tuple[str, ...] = ()):
@@ -281,7 +305,7 @@ def ddp_term(profile: Profile, profiles_dir: Path | str) -> dict[str, Any] | Non
 
 
 def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *, gpu: str = "auto",
-              capacity_bytes: int | None = None, implementation: str = "auto",
+              capacity_bytes: int | str | None = None, implementation: str = "auto",
               settings: LimitSettings = LimitSettings(), options: dict[str, Any] | None = None,
               profiles_dir: Path | str = DEFAULT_PROFILES_DIR, save: bool = True,
               on_trial: Callable[[Trial], None] | None = None, seq_lens: str | Sequence[int] = (),
@@ -291,8 +315,9 @@ def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None
     Args:
         model, params: see :func:`model_ref`.
         gpu: ``auto`` (the first visible GPU, else the host), ``none`` (the host), a CUDA index or a UUID.
-        capacity_bytes: a budget below the device's memory (bytes); on the host, trials run under
-            ``RLIMIT_DATA`` = the budget.
+        capacity_bytes: a budget below the device's memory: bytes, or a size string (``"1.5GiB"``); on the
+            host, trials run under ``RLIMIT_DATA`` = the budget. ``gpu="auto"`` on a machine without a GPU
+            calibrates the host (a line on stderr says so, with ``progress``).
         settings: reserve (bytes), margin and conservative fraction.
         seq_lens, trials: see :func:`plan_calibration`.
         on_trial: called with each finished trial; without it, and with ``progress``, each trial is printed to
@@ -306,14 +331,20 @@ def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None
         DeviceError, NvmlError: no such device. ValueError, WorkloadError: bad model arguments.
         CalibrationError: not even one sample fits. OSError: the profile cannot be written.
     """
-    devices, _ = select_devices(gpu, capacity_bytes)
+    devices, notice = select_devices(gpu, capacity_bytes)
     if len(devices) != 1:
         raise ValueError(f"gpu={gpu!r} names {len(devices)} devices: calibrate them one at a time")
     plan = plan_calibration(model, params, device=devices[0], implementation=implementation, settings=settings,
                             options=options, profiles_dir=profiles_dir, seq_lens=seq_lens, trials=trials)
     printer = ProgressPrinter(plan.usable_bytes) if progress and on_trial is None else None
-    return run_calibration(plan, save=save, on_trial=on_trial or printer,
-                           on_step=printer.step if printer is not None else None)
+    if printer is not None and notice:  # the host chosen for gpu="auto": said, as the command says it
+        printer.note(f"{notice}; give capacity_bytes= (such as '4GiB') for a budget below all of it"
+                     if devices[0].kind == "host" and capacity_bytes is None else notice)
+    profile = run_calibration(plan, save=save, on_trial=on_trial or printer,
+                              on_step=printer.step if printer is not None else None)
+    if printer is not None and save:
+        printer.note(f"profile saved to {plan.path}")
+    return profile
 
 
 class ProgressPrinter:
@@ -333,6 +364,10 @@ class ProgressPrinter:
         if payload["step"] % self.every == 0:
             self._print(f"vramcal: steady trial step {payload['step']} (at most {payload['of']}), peak "
                         f"{format_bytes(payload['peak_bytes'])}")
+
+    def note(self, text: str) -> None:
+        """A line about the calibration as a whole (the device chosen, where the profile went)."""
+        self._print(f"vramcal: {text}")
 
     def _print(self, line: str) -> None:
         print(line, file=self.file or sys.stderr, flush=True)
@@ -408,7 +443,7 @@ def locate_profile(model: str | ModelRef = "regressor", params: dict[str, Any] |
 
 
 def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *, gpu: str = "auto",
-                 capacity_bytes: int | None = None, implementation: str = "auto",
+                 capacity_bytes: int | str | None = None, implementation: str = "auto",
                  profiles_dir: Path | str = DEFAULT_PROFILES_DIR, path: Path | str | None = None) -> Profile:
     """The profile for a model on the device ``gpu`` names (as :func:`calibrate` takes it): the newest matching
     one under ``profiles_dir``, or ``path``. Matching files that failed their checks are passed over with a
@@ -417,7 +452,10 @@ def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | N
     Raises:
         SizingError, WorkloadError, ValueError: see :func:`locate_profile`. DeviceError, NvmlError: no such device.
     """
-    located = locate_profile(model, params, device=select_devices(gpu, capacity_bytes)[0][0],
+    (device, *_), notice = select_devices(gpu, capacity_bytes)
+    if notice:
+        warnings.warn(f"vramcal: {notice}", stacklevel=2)
+    located = locate_profile(model, params, device=device,
                              implementation=implementation, profiles_dir=profiles_dir, path=path)
     for notice in located.notices:
         warnings.warn(f"vramcal: {notice}", stacklevel=2)
