@@ -449,3 +449,11 @@ def test_a_probe_whose_trial_is_killed_twice_stops_without_a_profile(tmp_path):
                      r"SIGKILL \(pid \d+\)\)", line), line
     assert "safe" not in result.output and not out.exists()
     assert (tmp_path / "p.json.journal").is_file()  # the measured trials, for the same command to continue from
+
+
+def test_an_effective_batch_below_the_minimum_is_refused_before_training(tmp_path):
+    """``train --effective-batch-size 16 --batch-size-min 32`` trained at 16, ignoring the minimum."""
+    setup = {"data": tmp_path / "none.parquet", "profiles": tmp_path / "profiles", "tmp": tmp_path}
+    line = one_line_failure(test_train.train(setup, "run", "--effective-batch-size", "16", "--batch-size-min", "32"))
+    assert "--effective-batch-size 16 is below --batch-size-min 32" in line, line
+    assert not (tmp_path / "run").exists()

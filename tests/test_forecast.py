@@ -122,7 +122,8 @@ def test_prices_are_matched_to_devices_by_name():
 
 @pytest.mark.parametrize(("text", "phrase"), [
     ("RTX 4090", "is not NAME=PRICE"), ("=0.5", "is not NAME=PRICE"), ("A=cheap", "is not a price per hour"),
-    ("A=-1", "is not a price per hour"), ("A=nan", "is not a price per hour"), ("A=1,a=2", "given twice")])
+    ("A=-1", "is not a price per hour"), ("A=nan", "is not a price per hour"), ("A=1,a=2", "given twice"),
+    ("host=1=2", "one = each"), ("RTX 4090=0.59;host=0.05", "holds a ';': entries are separated by commas")])
 def test_bad_prices_are_refused_naming_the_entry(text, phrase):
     with pytest.raises(ValueError, match=phrase):
         parse_prices(text)

@@ -302,16 +302,21 @@ def parse_prices(text: str) -> list[Price]:
     """Parse ``--price "RTX 4090=0.59,RTX A4000=0.25"``: a card's name and its price per hour (any currency).
 
     Raises:
-        ValueError: an entry without ``=``, an empty name, a price that is not a finite number >= 0, or a name
+        ValueError: an entry without exactly one ``=``, or with a ``;`` (entries are separated by commas), an
+            empty name, a price that is not a finite number >= 0, or a name
             given twice (any case); the message names the entry.
     """
     prices: list[Price] = []
     for entry in (part.strip() for part in text.split(",")):
         if not entry:
             continue
-        name, sep, value = entry.rpartition("=")
-        if not sep or not name.strip():
-            raise ValueError(f"--price entry {entry!r} is not NAME=PRICE: write e.g. \"RTX 4090=0.59,RTX A4000=0.25\"")
+        if ";" in entry:
+            raise ValueError(f"--price entry {entry!r} holds a ';': entries are separated by commas, e.g. "
+                             f"\"RTX 4090=0.59,host=0.05\"")
+        name, sep, value = entry.partition("=")
+        if not sep or not name.strip() or "=" in value:
+            raise ValueError(f"--price entry {entry!r} is not NAME=PRICE (one = each; entries are separated by "
+                             f"commas): write e.g. \"RTX 4090=0.59,RTX A4000=0.25\"")
         try:
             number = float(value.strip().lstrip("$"))
         except ValueError:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from vramcal.models.mamba2 import IMPLEMENTATIONS
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.schema import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, SchemaError, read_value
+from vramcal.words import word
 
 LrScaling = Literal["none", "linear", "sqrt"]
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
@@ -104,6 +105,11 @@ class TrainConfig:
             (self.batch_size is None or self.batch_size >= 1, "batch_size must be >= 1"),
             (self.batch_size_min >= 1, "batch_size_min must be >= 1"),
             (self.effective_batch_size is None or self.effective_batch_size >= 1, "effective_batch_size must be >= 1"),
+            (self.effective_batch_size is None or self.effective_batch_size < 1
+             or self.effective_batch_size >= self.batch_size_min,
+             f"{word('effective_batch_size')} {self.effective_batch_size} is below {word('batch_size_min')} "
+             f"{self.batch_size_min}: no micro-batch of at least {self.batch_size_min} samples makes "
+             f"{self.effective_batch_size} per optimizer step; raise the one or lower the other"),
             (math.isfinite(self.lr) and self.lr > 0, f"lr must be a finite number > 0, got {self.lr}"),
             (self.lr_scaling in LR_SCALINGS, f"lr_scaling must be one of {', '.join(LR_SCALINGS)}"),
             (self.size_for in SIZE_FORS, f"size_for must be one of {', '.join(SIZE_FORS)}"),
