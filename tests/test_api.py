@@ -195,3 +195,34 @@ def test_calibrate_says_where_it_saved_the_profile_and_that_auto_chose_the_host(
     assert f"vramcal: profile saved to {saved}" in err
     assert re.search(r"vramcal: no usable NVIDIA GPU .*: using the host's memory instead", err), err
     assert profile.device.kind == "host"
+
+
+@pytest.mark.parametrize(("arguments", "error", "words"), [
+    ({"request": "8"}, TypeError, "request= takes a whole number, not str '8'"),
+    ({"request": 8.5}, TypeError, "request= takes a whole number, not float 8.5"),
+    ({"request": True}, TypeError, "not bool True"),
+    ({"request": 0}, vramcal.SizingError, "request= 0 is below 1"),
+    ({"request": -5}, vramcal.SizingError, "request= -5 is below 1"),
+    ({"batch_size_min": 0}, vramcal.SizingError, "batch_size_min= 0 is below 1"),
+    ({"pool_data_bytes": -1}, vramcal.SizingError, "pool_data_bytes= -1 is below 0"),
+    ({"seq_len": 0}, vramcal.SizingError, "seq_len= 0 is below 1"),
+    ({"limit": "foo"}, vramcal.SizingError, "limit='foo' is not a limit: use one of 'conservative', 'safe'"),
+])
+def test_batch_size_refuses_nonsense_at_its_door_in_python_words(arguments, error, words):
+    """issue 43: ``batch_size(profile, 'foo')`` returned the safe size, ``request=8.5`` gave 8.5, ``request=0``
+    gave 1: each is refused by the Python parameter's name, never a CLI flag."""
+    from profiles_for_tests import host_profile
+
+    limit = arguments.pop("limit", "conservative")
+    with pytest.raises(error, match=re.escape(words)):
+        vramcal.batch_size(host_profile(), limit, **arguments)
+
+
+def test_batch_size_reads_a_path_and_refuses_what_is_no_profile(calibrated, tmp_path):
+    profile, profiles, _ = calibrated
+    (path,) = profiles.rglob("*.json")
+    assert vramcal.batch_size(path) == vramcal.batch_size(str(path)) == vramcal.batch_size(profile)
+    with pytest.raises(TypeError, match=r"profile= takes a vramcal.Profile, not NoneType None: read a file with"):
+        vramcal.batch_size(None)
+    with pytest.raises(vramcal.ProfileError, match="does not exist"):
+        vramcal.batch_size(tmp_path / "missing.json")

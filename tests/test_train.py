@@ -513,7 +513,8 @@ def test_sizing_bounds_and_the_data_term():
     assert more.upper_bytes == int(fit.upper(4) + 100 * MIB)
     assert more.safe_batch_size < safe and fit.upper(more.safe_batch_size) + 100 * MIB <= more.usable_bytes
     assert "the data hold 100.00 MiB more than the calibration's" in more.notices[0]
-    less = sizing.size(profile, pool_data_bytes=-50 * MIB)  # less data never raises the verified limits
+    held = dataclasses.replace(profile, data={**profile.data, "pool_bytes": 80 * MIB})  # trials that held 80 MiB
+    less = sizing.size(held, pool_data_bytes=30 * MIB)  # less data never raises the verified limits
     assert (less.safe_batch_size, less.predicted_peak_bytes) == (safe, int(fit.predict(less.batch_size) - 50 * MIB))
     with pytest.raises(sizing.SizingError, match="leaves no room for one sample"):
         sizing.size(profile, pool_data_bytes=2**30)

@@ -462,19 +462,23 @@ def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | N
     return located.profile
 
 
-def batch_size(profile: Profile, limit: Limit = "conservative", *, request: int | None = None,
+def batch_size(profile: Profile | Path | str, limit: Limit = "conservative", *, request: int | None = None,
                batch_size_min: int = 1, pool_data_bytes: int | None = None, seq_len: int | None = None) -> int:
     """The batch size to train with (samples): the profile's conservative (or safe) size, or ``request``
     clamped to ``[batch_size_min, safe]`` (:func:`vramcal.sizing.size`, which also gives the predicted peak).
 
     Args:
+        profile: a :class:`Profile`, or the path of a profile file (read with :func:`load_profile`).
         pool_data_bytes: the run's data bytes in the measured memory (None: as much as the calibration held).
         seq_len: the run's sequence length; required for a profile calibrated over several lengths.
 
     Raises:
         SizingError: the profile has no limits, the bounds are empty, or ``seq_len`` is missing for, or
-            outside, what the profile calibrated.
+            outside, what the profile calibrated; an argument out of range. TypeError: an argument of the
+            wrong type (:func:`vramcal.sizing.check_arguments`). ProfileError: a path that holds no profile.
     """
+    if isinstance(profile, str | Path):
+        profile = load_profile(profile)
     return size(profile, request, limit=limit, batch_size_min=batch_size_min,
                 pool_data_bytes=pool_data_bytes, seq_len=seq_len).batch_size
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -61,6 +62,7 @@ from vramcal.units import format_bytes, format_rate
 from vramcal.words import given, word
 
 Limit = Literal["conservative", "safe"]  # which of the profile's limits a run takes
+LIMITS: tuple[str, ...] = ("conservative", "safe")
 SizeFor = Literal["memory", "throughput"]  # what a run without a requested batch size is sized for
 
 
@@ -263,8 +265,11 @@ def size(profile: Profile, request: int | None = None, *, limit: Limit = "conser
 
     Raises:
         SizingError: no limits, min above the safe batch size, the ``limit`` below min, or a ``seq_len`` the
-            profile does not cover.
+            profile does not cover; a value no run can have (:func:`check_arguments`). TypeError: an argument of
+            the wrong type.
     """
+    check_arguments(profile, limit=limit, request=request, batch_size_min=batch_size_min, seq_len=seq_len,
+                    effective_batch_size=effective_batch_size, pool_data_bytes=pool_data_bytes)
     model = length_model(profile, seq_len)
     asked = {"request": request, "limit": limit, "batch_size_min": batch_size_min, "seq_len": seq_len,
              "effective_batch_size": effective_batch_size, "exact": exact, "size_for": size_for}
@@ -275,6 +280,31 @@ def size(profile: Profile, request: int | None = None, *, limit: Limit = "conser
                f"beside the gradients accumulated so far")
         sizing = _size(profile, model, extra, process_bytes, why, **asked)
     return sizing
+
+
+def check_arguments(profile: object, *, limit: object, **counts: object) -> None:
+    """What a caller of :func:`size` passed, checked at its door in the caller's words (``request=`` or
+    ``--batch-size``: :func:`vramcal.words.word`): ``profile`` a :class:`Profile`, ``limit`` one of
+    :data:`LIMITS`, and each of ``counts`` None or a whole number (``pool_data_bytes`` >= 0, the others >= 1).
+
+    Raises:
+        TypeError: a profile that is no Profile (a path: load it with ``vramcal.load_profile``), or a count that
+            is no whole number (a float, a bool, a string). SizingError: a limit or a count out of range.
+    """
+    if not isinstance(profile, Profile):
+        raise TypeError(f"profile= takes a vramcal.Profile, not {type(profile).__name__} {profile!r:.80}: read a "
+                        f"file with vramcal.load_profile(path)")
+    if limit not in LIMITS:
+        raise SizingError(f"limit={limit!r} is not a limit: use one of {', '.join(map(repr, LIMITS))}")
+    for name, value in counts.items():
+        if value is None:
+            continue
+        spoken = "pool_data_bytes=" if name == "pool_data_bytes" else word("batch_size" if name == "request" else name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{spoken} takes a whole number, not {type(value).__name__} {value!r:.40}")
+        low = 0 if name == "pool_data_bytes" else 1
+        if value < low:
+            raise SizingError(f"{spoken} {value} is below {low}: give a whole number >= {low}")
 
 
 def _size(profile: Profile, model: LengthModel, extra: tuple[int, int, str], process_bytes: int | None,
