@@ -186,3 +186,18 @@ def test_a_framework_process_gets_the_trials_malloc_on_the_host():
     said, kept = run("set")
     assert said == "mmap_threshold 262144, trim_threshold 262144, arena_max 1" and int(kept) < MIB
     assert run("set", GLIBC_TUNABLES=HOST_MALLOC)[0] == "None"  # started with them: nothing to set or say
+
+
+def test_the_profile_lookups_notices_go_to_the_runs_warn_not_to_every_rank(tmp_path):
+    """The lookup's notices (here: the profile was made under other software) went through a module-level warning
+    while the run's own went to ``warn``, so under Lightning every rank printed them; now both go to ``warn``."""
+    from vramcal.integrations.run import FrameworkRun
+    from vramcal.profile import profile_path
+
+    profile = profile_here()
+    save_profile(profile, profile_path(tmp_path / "profiles", profile.device, profile.model, "transformers"))
+    seen: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing reaches Python's warnings
+        FrameworkRun(model="regressor", params={}, profiles_dir=tmp_path / "profiles", device="cpu", warn=seen.append)
+    assert any("was made with other software or settings that can move memory" in line for line in seen), seen

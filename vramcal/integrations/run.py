@@ -87,7 +87,7 @@ class FrameworkRun:
             raise ValueError(f"limit must be conservative or safe, got {limit!r}")
         self.device, self.world, self.framework, self.warn = vramcal_device(device), world, framework, warn
         self.host_malloc = host_malloc
-        self.profile, self.source, self.path = _find(profile, model, params, self.device, profiles_dir, world)
+        self.profile, self.source, self.path = _find(profile, model, params, self.device, profiles_dir, world, warn)
         self._asked = {"limit": limit, "batch_size_min": batch_size_min, "request": request,
                        "effective_batch_size": effective_batch_size, "exact": exact,
                        "seq_len": (params or {}).get("seq_len"), "gradients_in_forward": gradients_in_forward}
@@ -202,16 +202,17 @@ def vramcal_device(device: torch.device | str) -> Device:
 
 
 def _find(profile: Profile | str | Path | None, model: str | None, params: dict[str, Any] | None, device: Device,
-          profiles_dir: str | Path, world: World | None) -> tuple[Profile, str, Path | None]:
+          profiles_dir: str | Path, world: World | None, warn: Warn) -> tuple[Profile, str, Path | None]:
     """The profile, where it came from and its file (None: given as an object), checked against this run's
-    device, model and world."""
+    device, model and world; its notices (files passed over, staleness) go to ``warn``, the run's (under
+    Lightning rank 0's), as every other notice of the run does."""
     from vramcal.api import locate_profile, model_ref
     from vramcal.profile import check_profile_matches
 
     if model is not None and not isinstance(profile, Profile):
         located = locate_profile(model, params, device=device, profiles_dir=profiles_dir, path=profile, world=world)
         for notice in located.notices:
-            _warn(f"vramcal: {notice}")
+            warn(f"vramcal: {notice}")
         return located.profile, str(located.path), located.path
     if isinstance(profile, Profile):
         found, source, path = profile, "the given profile", None
@@ -232,7 +233,7 @@ def _find(profile: Profile | str | Path | None, model: str | None, params: dict[
 
     stale = staleness.check(found, source, device, command=probe_command(found.device, found.model, found.world))
     if stale:
-        _warn(f"vramcal: {stale}")
+        warn(f"vramcal: {stale}")
     return found, source, path
 
 
