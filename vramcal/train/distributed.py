@@ -92,8 +92,10 @@ def main(argv: list[str] | None = None) -> None:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     run_dir = spec_path.parent
     try:
-        plan = rank_plan(spec, run_dir, rank, local_rank, int(os.environ["WORLD_SIZE"]))
-        train(plan, echo=_printer(rank))
+        plan, echo = rank_plan(spec, run_dir, rank, local_rank, int(os.environ["WORLD_SIZE"])), _printer(rank)
+        for notice in plan.notices:  # what sized rank 0's batch and where, as one process says it
+            echo(notice)
+        train(plan, echo=echo)
     except (TrainError, ValueError, OSError, RuntimeError) as error:
         line = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
         try:
@@ -130,7 +132,7 @@ def rank_plan(spec: dict[str, Any], run_dir: Path, rank: int, local_rank: int, w
     gpu = str(local_rank) if config.gpu != "none" else "none"
     setting = resolve(config.replace(gpu=gpu), capacity, world=world,
                       budget_matches=len(set(capacities)) > 1)
-    plan = plan_run(config, run_dir, setting, prepare=False)
+    plan = plan_run(config, run_dir, setting, prepare=False, ranks=world_size)
     return dataclasses.replace(plan, world=world, rank=rank, resume=spec["resume"])
 
 

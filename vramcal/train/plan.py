@@ -211,11 +211,13 @@ def _device(config: TrainConfig, capacity_bytes: int | None) -> tuple[Device, li
     return devices[0], notices
 
 
-def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool = True) -> Plan:
+def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool = True, ranks: int = 1) -> Plan:
     """Decide a new run of ``config`` in ``run_dir`` against ``setting`` (from :func:`resolve`).
 
     Args:
         prepare: check and create the run folder (a DDP rank's launcher did it already: False).
+        ranks: the DDP world's size: each rank's batch is clamped to its share of the training windows (a DDP
+            step needs a full batch on every rank), with the notice one process gives.
 
     Raises:
         SizingError: no batch size within the bounds. RunDirError: the folder holds a run or is unwritable.
@@ -230,13 +232,15 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
     if config.effective_batch_size is not None and config.effective_batch_size > setting.train_windows:
         raise SizingError(f"--effective-batch-size {config.effective_batch_size} is more than the "
                           f"{setting.train_windows} training windows: lower it, or use more data or a smaller --stride")
-    if config.effective_batch_size is None and sizing.batch_size > setting.train_windows:
-        n_train = setting.train_windows
+    n_train = setting.train_windows // ranks  # a rank's share
+    share = f" ({setting.train_windows} over {ranks} ranks)" if ranks > 1 else ""
+    if config.effective_batch_size is None and sizing.batch_size > n_train:
         if n_train < config.batch_size_min:
             raise SizingError(f"--batch-size-min {config.batch_size_min} is more than the {n_train} training "
-                              f"windows: lower it, or use more data or a smaller --stride")
-        notices.append(f"batch size {sizing.batch_size} is more than the {n_train} training windows: one step per "
-                       f"epoch of {n_train} samples (a smaller --stride gives more windows)")
+                              f"windows{share}: lower it, or use more data or a smaller --stride")
+        notices.append(f"batch size {sizing.batch_size} is more than the {n_train} training windows{share}: one "
+                       f"step per epoch of {n_train} samples{' per rank' * (ranks > 1)} (a smaller --stride gives "
+                       f"more windows)")
         sizing = replace(size(setting.profile, n_train, batch_size_min=config.batch_size_min,
                               pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len),
                          source=sizing.source + "+data")
