@@ -422,7 +422,7 @@ def test_a_failed_verification_is_reported_as_failed_wherever_it_is_shown(tmp_pa
 
 # ------------------------------------------------------------------------- a worker killed from outside
 
-def test_a_worker_killed_from_outside_is_not_an_out_of_memory():
+def test_a_worker_killed_from_outside_is_not_an_out_of_memory(monkeypatch):
     """A real worker killed by SIGKILL while the kernel counts no out-of-memory kill: an ``error`` of type Killed
     naming the signal and the pid (it measured nothing), not ``oom``; the same kill while the counter rises (the
     kernel's own counter, faked: the hardware boundary) is ``oom``."""
@@ -431,7 +431,9 @@ def test_a_worker_killed_from_outside_is_not_an_out_of_memory():
     killed = worker.Workers(("user_models",)).run("user_models:kill_myself", timeout_s=60)
     assert killed.status == "error" and killed.error_type == worker.KILLED, killed
     assert re.match(r"killed by SIGKILL \(pid \d+\), and the kernel counted no out-of-memory kill", killed.message)
-    assert worker._exit_status(-9, 123, oom_kills_before=-1)["status"] == "oom"  # the counter rose past it
+    monkeypatch.setattr(worker, "oom_kills", lambda: 5)  # the kernel's counter, now at 5
+    assert worker._exit_status(-9, 123, oom_kills_before=4)["status"] == "oom"  # it rose during the worker's life
+    assert worker._exit_status(-9, 123, oom_kills_before=5)["status"] == "error"  # it did not
     assert worker._exit_status(-9, 123, oom_kills_before=None)["status"] == "error"  # no counter: no evidence
 
 

@@ -243,10 +243,14 @@ def kernels_bound(model: torch.nn.Module) -> bool:
     kernels (imported with mamba_ssm importable, not through
     :func:`vramcal.models.mamba2.import_transformers_mamba2`): only a step run under :class:`KernelWitness` can
     then say which path ran."""
-    mixers = {type(m).__module__ for m in model.modules() if type(m).__name__ == "Mamba2Mixer"
-              and type(m).__module__.endswith("modeling_mamba2")}
-    return any(not getattr(sys.modules.get(name), "_vramcal_torch_only", False) for name in mixers) \
-        and "mamba_ssm" in sys.modules
+    return "mamba_ssm" in sys.modules and any(not getattr(sys.modules.get(name), "_vramcal_torch_only", False)
+                                              for name in _mixer_modules(model))
+
+
+def _mixer_modules(model: torch.nn.Module) -> set[str]:
+    """The modules (transformers' ``modeling_mamba2``, by name) that ``model``'s ``Mamba2Mixer`` layers come from."""
+    return {type(m).__module__ for m in model.modules()
+            if type(m).__name__ == "Mamba2Mixer" and type(m).__module__.endswith("modeling_mamba2")}
 
 
 def detect_kernel_path(model: torch.nn.Module, ran: set[str] | None = None) -> str:
@@ -263,7 +267,7 @@ def detect_kernel_path(model: torch.nn.Module, ran: set[str] | None = None) -> s
     kinds = {f"{type(m).__module__}.{type(m).__name__}" for m in model.modules()}
     if any(k.startswith("mamba_ssm.") and k.endswith(".Mamba2") for k in kinds):
         return "mamba_ssm.Mamba2 fused kernels (Triton + causal_conv1d CUDA)"
-    if not any(k.endswith("modeling_mamba2.Mamba2Mixer") for k in kinds):
+    if not _mixer_modules(model):
         return "no Mamba-2 module found (a user model): kernels not identified"
     if not kernels_bound(model):
         return TORCH_PATH

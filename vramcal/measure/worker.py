@@ -297,20 +297,22 @@ def oom_kills() -> int | None:
     ``/proc/vmstat``, Linux 4.13+) plus this process's memory cgroup's (``oom_kill`` in cgroup v2's
     ``memory.events`` or v1's ``memory.oom_control``), where the cgroup's is readable; None where neither is.
     A rise over a worker's life is the evidence that a kill was an out-of-memory one (DESIGN.md)."""
-    counts = []
-    with contextlib.suppress(OSError):
-        counts.append(_counter(Path("/proc/vmstat").read_text()))
+    files = [Path("/proc/vmstat")]
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/cgroup").read_text().splitlines():
             _, controllers, path = line.split(":", 2)
-            root, name = (("/sys/fs/cgroup", "memory.events") if controllers == "" else
-                          ("/sys/fs/cgroup/memory", "memory.oom_control") if "memory" in controllers.split(",") else
-                          (None, None))
-            for folder in (Path(root + path), Path(root)) if root else ():
-                if (folder / name).is_file():
-                    with contextlib.suppress(OSError):
-                        counts.append(_counter((folder / name).read_text()))
-                    break
+            if controllers == "":  # cgroup v2
+                root, name = Path("/sys/fs/cgroup"), "memory.events"
+            elif "memory" in controllers.split(","):  # cgroup v1's memory controller
+                root, name = Path("/sys/fs/cgroup/memory"), "memory.oom_control"
+            else:
+                continue
+            # the process's own cgroup, or the mount's root where a container shows only its own as the root
+            files += [folder / name for folder in (root / path.lstrip("/"), root) if (folder / name).is_file()][:1]
+    counts = []
+    for file in files:
+        with contextlib.suppress(OSError):
+            counts.append(_counter(file.read_text()))
     counts = [c for c in counts if c is not None]
     return sum(counts) if counts else None
 
