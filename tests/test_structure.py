@@ -61,11 +61,12 @@ def import_graph() -> dict[str, set[str]]:
             targets = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                targets = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            elif isinstance(node, ast.ImportFrom) and node.module:  # a submodule named, else the package's names
+                targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                           for alias in node.names]
             for target in targets:
                 found = resolve(target) if target.startswith("vramcal") else None
-                if found and found != name and not name.startswith(found + "."):  # a package's own __init__
+                if found and found != name:  # a submodule's import of its own package's __init__ counts too
                     graph[name].add(found)
     return graph
 

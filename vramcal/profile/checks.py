@@ -29,17 +29,30 @@ from typing import TYPE_CHECKING, Any
 from vramcal.calibration.creep import steady_equivalent
 from vramcal.calibration.limits import point_safe_batch_size, safe_ceiling
 from vramcal.calibration.search import largest_fitting
-from vramcal.profile import ProfileError
+from vramcal.profile.record import DERIVED, Profile, ProfileError
 from vramcal.schema import shown
 from vramcal.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from vramcal.calibration.fit import Fit
     from vramcal.calibration.fit2d import Fit2D
-    from vramcal.profile import Profile
     from vramcal.records import Trial
 
 REL_TOLERANCE = 1e-6  # a fit's figures against the same fit recomputed: float rounding, not a measurement
+
+
+def read_profile(data: object) -> Profile:
+    """The profile a file's JSON object holds: every field typed and ranged (:meth:`Profile.from_dict`), then
+    related to the others (:func:`check_profile`) and the derived keys checked (:func:`check_derived`).
+
+    Raises:
+        ProfileError: not a vramcal profile, another schema version, or the first bad field and why (one line
+            naming the field; :func:`vramcal.profile.load_profile` adds the file and the fix).
+    """
+    profile = Profile.from_dict(data)
+    check_profile(profile)
+    check_derived(profile, {k: data[k] for k in DERIVED if k in data})
+    return profile
 
 
 def check_profile(profile: Profile) -> None:
