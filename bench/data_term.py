@@ -69,8 +69,8 @@ def gpu_path(profile, pool_small: dict[str, int], pool_large: dict[str, int]) ->
     cuda = dataclasses.replace(profile, device=device, data={**profile.data, "pool_bytes": 0})
     out = {}
     for where in ("host", "device"):
-        small = size(cuda, None, pool_data_bytes=pool_small[where])
-        large = size(cuda, None, pool_data_bytes=pool_large[where])
+        small = size(cuda, pool_data_bytes=pool_small[where])
+        large = size(cuda, pool_data_bytes=pool_large[where])
         out[where] = {"pool_bytes_1x": pool_small[where], "pool_bytes_large": pool_large[where],
                       "batch_size_1x": small.batch_size, "batch_size_large": large.batch_size,
                       "predicted_1x": small.predicted_peak_bytes, "predicted_large": large.predicted_peak_bytes,

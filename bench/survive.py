@@ -27,14 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from vramcal.profile import Profile
-from vramcal.sizing import Sizing, length_model, size
+from vramcal.sizing import SizeRequest, Sizing, length_model, size
 
 
 def sizing_at(profile: Profile, batch_size: int, pool_data_bytes: int | None = None) -> Sizing:
     """A :class:`~vramcal.sizing.Sizing` at ``batch_size`` whatever the profile's limits (no clamping):
     the profile's prediction and upper bound there, plus the data term; ``batch_size`` samples an optimizer step,
     in one micro-batch. Pure."""
-    base = size(profile, None, limit="safe", pool_data_bytes=pool_data_bytes)
+    base = size(profile, SizeRequest(limit="safe"), pool_data_bytes=pool_data_bytes)
     model = length_model(profile)
     delta = base.data_delta_bytes
     return dataclasses.replace(base, batch_size=batch_size, source="bench", effective_batch_size=batch_size,

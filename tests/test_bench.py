@@ -20,7 +20,7 @@ from bench.truth import bisect_largest, cached
 from vramcal.calibration.fit import fit_linear
 from vramcal.models.regressor.bars import synthetic_bars
 from vramcal.models.regressor.windows import make_windows
-from vramcal.sizing import size
+from vramcal.sizing import SizeRequest, size
 
 from profiles_for_tests import host_profile
 
@@ -223,7 +223,7 @@ def test_sizing_at_any_size_gives_the_profiles_prediction_there_without_clamping
     # safe size as its step: below it a run then accumulated micro-batches, above it trained the safe size)
     assert (within.effective_batch_size, within.accumulation_steps) == (safe - 1, 1)
     assert (above.effective_batch_size, above.accumulation_steps) == (safe + 50, 1)
-    reference = size(profile, safe - 1)
+    reference = size(profile, SizeRequest(request=safe - 1))
     assert (within.predicted_peak_bytes, within.upper_bytes) == (reference.predicted_peak_bytes,
                                                                  reference.upper_bytes)
     more_data = sizing_at(profile, safe - 1, pool_data_bytes=profile.pool_data_bytes + 10 * MIB)

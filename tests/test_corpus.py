@@ -331,7 +331,7 @@ def read_back(profile, tmp: Path) -> None:
     when there are no limits), the report's Markdown, the API, and sizing (with a warning when unverified)."""
     from vramcal import api
     from vramcal.report.markdown import render_markdown
-    from vramcal.sizing import size
+    from vramcal.sizing import SizeRequest, size
 
     path = save_profile(profile, tmp / "written.json")
     assert load_profile(path) == profile
@@ -344,8 +344,8 @@ def read_back(profile, tmp: Path) -> None:
     assert "measured" in accepted(invoke("limits", path))
     seq_len = profile.surface.reference_seq_len if profile.surface else None
     model = profile.model.replace(seq_len=seq_len) if seq_len else profile.model
-    located = api.locate_profile(model, device=profile.device, path=path)
-    sized = size(located.profile, seq_len=seq_len)
+    located = api.locate_profile(model, device=profile.device, profile=path)
+    sized = size(located.profile, SizeRequest(seq_len=seq_len))
     assert sized.batch_size == profile.limits.conservative_batch_size or profile.surface
     assert profile.verified or any("not verified" in notice for notice in sized.notices)
 

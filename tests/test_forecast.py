@@ -23,7 +23,7 @@ from vramcal.forecast import (
     parse_prices,
     time_verdict,
 )
-from vramcal.sizing import size
+from vramcal.sizing import SizeRequest, size
 
 from profiles_for_tests import build_profile, gpu_device, gpu_profile, gpu_trial, seed_peak, timed, timed_profile
 
@@ -137,16 +137,16 @@ def test_sizing_for_throughput_takes_the_knee_below_the_memory_limit():
     # steps of 0.01 s + 0.01 s per sample: 1 -> 50, 8 -> 89, 32 -> 97, 64 -> 98.5 samples/s: the knee is 32
     profile = timed_profile(fixed_s=0.01, per_sample_s=0.01, sizes=(1, 8, 32, 64, 128))
     memory = size(profile)
-    throughput = size(profile, size_for="throughput")
+    throughput = size(profile, SizeRequest(size_for="throughput"))
     assert memory.source == "conservative" and throughput.source == "knee"
     assert throughput.batch_size == 32 < memory.batch_size
     assert any("throughput knee" in n and "batch_size 32" in n for n in throughput.notices)
-    assert size(profile, 16, size_for="throughput").batch_size == 16  # a requested size stays the request
+    assert size(profile, SizeRequest(request=16, size_for="throughput")).batch_size == 16  # a request stays
 
 
 def test_sizing_for_throughput_keeps_the_limit_when_the_knee_is_not_below_it():
     profile = timed_profile(fixed_s=1.0, per_sample_s=0.0001)  # the rate keeps growing with the batch
-    sizing = size(profile, size_for="throughput")
+    sizing = size(profile, SizeRequest(size_for="throughput"))
     assert sizing.source == "conservative" and sizing.batch_size == profile.limits.conservative_batch_size
     assert any("is not below the conservative batch size" in n for n in sizing.notices)
 
@@ -156,7 +156,7 @@ def test_sizing_for_throughput_without_measured_rates_says_so():
               for i, b in enumerate((1, 2, 4, 8, 16))]
     profile = build_profile(gpu_device(), trials)
     profile = dataclasses.replace(profile, trials=tuple(dataclasses.replace(t, step_s=None) for t in profile.trials))
-    sizing = size(profile, size_for="throughput")
+    sizing = size(profile, SizeRequest(size_for="throughput"))
     assert sizing.source == "conservative" and any("no measured throughput" in n for n in sizing.notices)
 
 

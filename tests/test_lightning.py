@@ -139,7 +139,7 @@ def test_automatic_optimization_adds_the_gradients_to_the_prediction(tmp_path):
     import dataclasses
 
     from vramcal.integrations.lightning import VramcalBatchSize
-    from vramcal.sizing import size
+    from vramcal.sizing import SizeRequest, size
 
     profile = profile_here()
     profile = dataclasses.replace(profile, model_info={**profile.model_info, "gradient_bytes": 150 * MIB})
@@ -147,7 +147,7 @@ def test_automatic_optimization_adds_the_gradients_to_the_prediction(tmp_path):
     with pytest.warns(UserWarning, match=r"held through the forward pass \(Lightning's automatic optimization .*\): "
                                          r"a gradient term of \+150.00 MiB"):
         fit(Regressor(), callback, tmp_path)
-    s, plain = callback.sizing, size(profile, limit="safe", process_bytes=callback.run.held_bytes)
+    s, plain = callback.sizing, size(profile, SizeRequest(limit="safe"), process_bytes=callback.run.held_bytes)
     assert s.gradient_delta_bytes == 150 * MIB and s.safe_batch_size < plain.safe_batch_size
     assert s.predicted_peak_bytes == int(profile.fit.predict(s.batch_size) + s.process_delta_bytes + 150 * MIB)
     assert "gradient term +150.0 MiB" in callback.report

@@ -28,10 +28,12 @@ LAYERS = (
     ("vramcal", "vramcal.units", "vramcal.files", "vramcal.records", "vramcal.oom", "vramcal.environment",
      "vramcal.schema", "vramcal.words"),  # records and their checked reading
     ("vramcal.workload", "vramcal.calibration"),  # what a trial runs; the pure calibration core
-    ("vramcal.models", "vramcal.measure"),  # the families; processes and hardware
+    ("vramcal.models", "vramcal.measure", "vramcal.estimate"),  # the families; processes and hardware; fake tensors
     ("vramcal.profile",),  # the profile file
-    # profile -> batch size, run time; trials -> profile (and their journal); a profile against the running software
-    ("vramcal.sizing", "vramcal.forecast", "vramcal.calibrator", "vramcal.journal", "vramcal.staleness"),
+    # profile -> batch size, run time; trials -> profile (and their journal); a profile against the running software;
+    # which profile a run uses
+    ("vramcal.sizing", "vramcal.forecast", "vramcal.calibrator", "vramcal.journal", "vramcal.staleness",
+     "vramcal.lookup"),
     ("vramcal.api", "vramcal.report"),  # the front door; reports from profiles
     ("vramcal.train",),  # the bundled trainer
     ("vramcal.tune", "vramcal.integrations", "vramcal.preload"),  # studies, frameworks, the worker server's imports

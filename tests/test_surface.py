@@ -128,7 +128,7 @@ def test_a_profile_over_lengths_covers_its_range_and_sizes_at_a_length(tmp_path)
     """A profile as the calibration over 128, 512 and 2048 writes it (trials faked at the hardware boundary)."""
     from vramcal.models.regressor.spec import RegressorSpec
     from vramcal.profile import load_profile, save_profile
-    from vramcal.sizing import SizingError, size
+    from vramcal.sizing import SizeRequest, SizingError, size
 
     from fakes import fake_calibration
     from profiles_for_tests import gpu_profile
@@ -141,13 +141,13 @@ def test_a_profile_over_lengths_covers_its_range_and_sizes_at_a_length(tmp_path)
     assert not profile.covers(RegressorSpec(seq_len=4096).ref("transformers"))
     assert not profile.covers(RegressorSpec(d_model=64, seq_len=256).ref("transformers"))
     assert load_profile(save_profile(profile, tmp_path / "p.json")) == profile
-    at_128, entry = size(profile, limit="safe", seq_len=128), profile.surface.at(128)
+    at_128, entry = size(profile, SizeRequest(limit="safe", seq_len=128)), profile.surface.at(128)
     assert at_128.safe_batch_size == entry.safe_batch_size > profile.surface.at(2048).safe_batch_size
     assert at_128.predicted_peak_bytes == int(profile.surface.fit.predict(entry.safe_batch_size, 128))
-    between = size(profile, seq_len=1024)
+    between = size(profile, SizeRequest(seq_len=1024))
     assert between.notices[-1] == "the profile's limits at this seq_len are interpolated (not verified at this length)"
     with pytest.raises(SizingError, match="outside the calibrated range"):
-        size(profile, seq_len=8192)
+        size(profile, SizeRequest(seq_len=8192))
     # a run's length is needed: without it, the reference length's limits would size a longer run too large
     with pytest.raises(SizingError, match="the profile covers seq_len 128-2048: give the run's seq_len"):
         size(profile)
@@ -156,8 +156,8 @@ def test_a_profile_over_lengths_covers_its_range_and_sizes_at_a_length(tmp_path)
     assert vramcal.batch_size(profile, "safe", seq_len=128) == entry.safe_batch_size
     assert vramcal.batch_size(profile, "safe", seq_len=2048) < entry.safe_batch_size
     with pytest.raises(SizingError, match="calibrated at seq_len 128, not 256"):  # one length is one length
-        size(base, seq_len=256)
-    assert size(base, seq_len=128) == size(base)
+        size(base, SizeRequest(seq_len=256))
+    assert size(base, SizeRequest(seq_len=128)) == size(base)
 
 
 def test_the_report_draws_safe_batch_against_seq_len_and_tables_each_length(tmp_path):

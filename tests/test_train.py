@@ -153,8 +153,7 @@ def test_a_peak_above_the_line_below_the_fitted_range_is_said_as_such():
     """The line is fitted near the limit (calibration/search.py, rule 2); on the host, peaks at batch sizes
     far below it sit above the line (seen: +4 to +15 % at 16-56 against a fit from 64 to 240, real trials and
     tune runs alike). Such a run is not the profile failing; one above the bound inside the range is."""
-    from vramcal.sizing import Sizing, verdict
-    from vramcal.train.runner import compare
+    from vramcal.sizing import Sizing, compare, verdict
 
     assert verdict(1100, 1000, 3000, 16, 64) == "below the fitted range"
     assert verdict(1100, 1000, 3000, 64, 64) == "above the bound"
@@ -487,7 +486,8 @@ def test_messages_name_settings_as_the_caller_gave_them():
         api.batch_size(profile, batch_size_min=safe + 1)
     assert f"batch_size_min={safe + 1} is above the profile's safe batch size {safe}: lower batch_size_min=" \
         in str(raised.value) and "--" not in str(raised.value)
-    assert sizing.size(profile, safe + 5).notices[0].startswith(f"request={safe + 5} is outside [1, {safe}]")
+    clamped = sizing.size(profile, sizing.SizeRequest(request=safe + 5))
+    assert clamped.notices[0].startswith(f"request={safe + 5} is outside [1, {safe}]")
     result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--model", "lm", "--seq-len", "64", "--no-report"])
     assert "--model lm needs --model-arg config=<Mamba2Config JSON file> and --seq-len" in result.output
     with pytest.raises(ValueError, match=r"^model=lm needs params=config=<Mamba2Config JSON file> and seq_len="):
@@ -500,15 +500,16 @@ def test_sizing_bounds_and_the_data_term():
     profile = make_profile(host_device())
     safe, fit = profile.limits.safe_batch_size, profile.fit
     assert sizing.size(profile).batch_size == profile.limits.conservative_batch_size
-    assert sizing.size(profile, limit="safe").batch_size == safe
-    assert sizing.size(profile, 3, batch_size_min=5).batch_size == 5
-    assert sizing.size(profile, 3, batch_size_min=5).source == "clamped"
-    assert sizing.size(profile, safe).notices == ("the profile's limits were not verified by real trials: they are "
-                                                  "extrapolations; re-run `vramcal probe` to verify them",)
+    assert sizing.size(profile, sizing.SizeRequest(limit="safe")).batch_size == safe
+    assert sizing.size(profile, sizing.SizeRequest(request=3, batch_size_min=5)).batch_size == 5
+    assert sizing.size(profile, sizing.SizeRequest(request=3, batch_size_min=5)).source == "clamped"
+    assert sizing.size(profile, sizing.SizeRequest(request=safe)).notices == (
+        "the profile's limits were not verified by real trials: they are extrapolations; re-run `vramcal probe` to "
+        "verify them",)
     with pytest.raises(sizing.SizingError, match="above the profile's safe batch size"):
-        sizing.size(profile, None, batch_size_min=safe + 1)
+        sizing.size(profile, sizing.SizeRequest(batch_size_min=safe + 1))
     # 100 MiB more data than the calibration held: predictions rise by it, the limits fall to fit it
-    more = sizing.size(profile, 4, pool_data_bytes=100 * MIB)
+    more = sizing.size(profile, sizing.SizeRequest(request=4), pool_data_bytes=100 * MIB)
     assert more.predicted_peak_bytes == int(fit.predict(4) + 100 * MIB) and more.data_delta_bytes == 100 * MIB
     assert more.upper_bytes == int(fit.upper(4) + 100 * MIB)
     assert more.safe_batch_size < safe and fit.upper(more.safe_batch_size) + 100 * MIB <= more.usable_bytes
@@ -523,7 +524,7 @@ def test_sizing_bounds_and_the_data_term():
 
     verified = gpu_profile()
     room = verified.limits.usable_bytes - verified.verification["safe"].peak_bytes
-    kept = sizing.size(verified, limit="safe", pool_data_bytes=room // 2)
+    kept = sizing.size(verified, sizing.SizeRequest(limit="safe"), pool_data_bytes=room // 2)
     assert kept.safe_batch_size == verified.limits.safe_batch_size and kept.data_delta_bytes == room // 2
     # 1 MiB over: the safe size moves down the fit from its verified peak by the samples that hold 1 MiB; the
     # fit's upper bound alone (the rule before) takes it lower
@@ -531,7 +532,8 @@ def test_sizing_bounds_and_the_data_term():
 
     host = host_profile()
     room = host.limits.usable_bytes - sizing.length_model(host).safe_peak_bytes
-    over, top = sizing.size(host, limit="safe", pool_data_bytes=room + 2**20), host.limits.safe_batch_size
+    over = sizing.size(host, sizing.SizeRequest(limit="safe"), pool_data_bytes=room + 2**20)
+    top = host.limits.safe_batch_size
     assert over.safe_batch_size < top
     assert host.fit.predict(top) - host.fit.predict(over.safe_batch_size) >= 2**20 > \
         host.fit.predict(top) - host.fit.predict(over.safe_batch_size + 1)
@@ -543,20 +545,23 @@ def test_sizing_bounds_and_the_data_term():
         cons, peak_bytes=above)})
     assert sizing.size(evidence).batch_size == cons.batch_size and sizing.size(evidence).predicted_peak_bytes == above
     assert sizing.size(host).predicted_peak_bytes == int(host.fit.predict(cons.batch_size))  # below the line: the line
-    assert sizing.size(evidence, cons.batch_size - 1).predicted_peak_bytes == int(host.fit.predict(cons.batch_size - 1))
+    below = sizing.size(evidence, sizing.SizeRequest(request=cons.batch_size - 1))
+    assert below.predicted_peak_bytes == int(host.fit.predict(cons.batch_size - 1))
     # the gradient term: a run whose forward passes run beside the gradients (accumulation does by itself)
     grads = room + 2 * MIB  # more than the verified safe size leaves room for
     counted = dataclasses.replace(host, model_info={**host.model_info, "gradient_bytes": grads})
-    held = sizing.size(counted, 4, gradients_in_forward="a test's reason")
+    held = sizing.size(counted, sizing.SizeRequest(request=4, gradients=sizing.GradientsHeld.LOOP))
     assert held.gradient_delta_bytes == grads and held.predicted_peak_bytes == int(host.fit.predict(4) + grads)
-    assert held.notices[0] == (f"the gradients are held through the forward pass (a test's reason): a gradient term "
+    assert held.notices[0] == (f"the gradients are held through the forward pass (this loop zeroes them after the next "
+                               f"forward pass): a gradient term "
                                f"of +{format_bytes(grads)} in the prediction and the limits")
-    accumulated = sizing.size(counted, effective_batch_size=10 * top)
+    accumulated = sizing.size(counted, sizing.SizeRequest(effective_batch_size=10 * top))
     assert accumulated.accumulation_steps > 1 and accumulated.gradient_delta_bytes == grads
     assert accumulated.safe_batch_size < top and "accumulation: the micro-batches after the first" in \
         accumulated.notices[0]
-    assert sizing.size(counted, effective_batch_size=top // 2).gradient_delta_bytes == 0  # one micro-batch
-    unrecorded = sizing.size(host, 4, gradients_in_forward="a test's reason")
+    one_micro_batch = sizing.size(counted, sizing.SizeRequest(effective_batch_size=top // 2))
+    assert one_micro_batch.gradient_delta_bytes == 0
+    unrecorded = sizing.size(host, sizing.SizeRequest(request=4, gradients=sizing.GradientsHeld.LOOP))
     assert unrecorded.gradient_delta_bytes == 0 and "does not record their bytes" in unrecorded.notices[0]
     assert scaled_lr(1e-4, 384, 96, "sqrt") == pytest.approx(2e-4)
     assert scaled_lr(1e-4, 384, 96, "none") == 1e-4
@@ -769,3 +774,30 @@ def test_es_sample_failures_are_one_line(setup):
         assert result.exit_code == 2 and f"Invalid value for '--bar': '{bar}' {why}" in one_line_failure(result)
     result = CliRunner().invoke(main, [*base, "--bar", "1D", "--out", str(setup["tmp"] / "z.parquet")])
     assert result.exit_code == 0 and "warning: only 1 1D bar, fewer than one window" in result.output
+
+
+def test_one_train_command_checks_each_spec_and_each_size_request_once(setup, monkeypatch):
+    """Records are checked where they are made (issue 39): in the command's own process, every distinct
+    RegressorSpec and SizeRequest a ``vramcal train`` makes is validated once (the worker, a process of its own,
+    makes its own from the run record)."""
+    from collections import Counter
+
+    from vramcal import sizing
+
+    specs, asks = Counter(), Counter()
+    spec_check, ask_check = RegressorSpec.validate, sizing.SizeRequest.__post_init__
+
+    def count_spec(self):
+        specs[self] += 1
+        spec_check(self)
+
+    def count_ask(self):
+        asks[self] += 1
+        ask_check(self)
+
+    monkeypatch.setattr(RegressorSpec, "validate", count_spec)
+    monkeypatch.setattr(sizing.SizeRequest, "__post_init__", count_ask)
+    result = train(setup, "counted", "--epochs", "1")
+    assert result.exit_code == 0, result.output
+    assert SPEC in specs and asks  # the run's own spec was made, and sized
+    assert [spec for spec, n in specs.items() if n > 1] == [] and [a for a, n in asks.items() if n > 1] == []

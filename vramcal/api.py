@@ -32,25 +32,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vramcal import staleness
 from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibrator import CalibrationError, CalibrationPlan, run_trials
 from vramcal.journal import Journal, journal_path, plan_key
-from vramcal.models.registry import describe, family_of, model_ref
+from vramcal.lookup import Located, locate_profile, probe_command
+from vramcal.models.registry import family_of, model_ref
 from vramcal.profile import (
     DEFAULT_PROFILES_DIR,
     Profile,
     ProfileError,
-    check_profile_matches,
     load_profile,
     newest_profile,
     profile_path,
     save_profile,
 )
 from vramcal.records import Device, Trial, TrialSettings, World
-from vramcal.sizing import Limit, Sizing, SizingError, size
-from vramcal.units import format_bytes, size_argument
+from vramcal.sizing import Limit, SizeRequest, Sizing, SizingError, size
+from vramcal.units import format_bytes
 from vramcal.workload import ModelRef, WorkloadError
 
 __all__ = ["Answer", "CalibrationError", "CalibrationPlan", "LimitSettings", "Located", "Profile", "ProfileError",
@@ -295,7 +294,7 @@ def ddp_term(profile: Profile, profiles_dir: Path | str) -> dict[str, Any] | Non
         return None
     try:
         single = load_profile(found)
-        predicted = size(single, check.batch_size, batch_size_min=1, seq_len=profile.model.params.get("seq_len"))
+        predicted = size(single, SizeRequest(request=check.batch_size, seq_len=profile.model.params.get("seq_len")))
     except (ProfileError, SizingError):
         return None
     at = int(single.fit.predict(check.batch_size))  # the line at the DDP size, clamped or not
@@ -373,75 +372,6 @@ class ProgressPrinter:
         print(line, file=self.file or sys.stderr, flush=True)
 
 
-def probe_command(device: Device, ref: ModelRef, world: World | None = None) -> str:
-    """The ``vramcal probe`` command line that makes a missing profile (non-default options only)."""
-    gpu = "none" if device.kind == "host" else "auto"
-    implementation = ref.params.get("implementation")
-    ranks = _world_args(world) if world else []
-    budget = [f"--capacity {size_argument(device.total_bytes)}"] if device.total_source == "--capacity" else []
-    impl = [f"--impl {implementation}"] if implementation else []
-    return " ".join(["vramcal probe", f"--gpu {gpu}", *budget, *impl, *ranks, *family_of(ref).probe_args(ref)])
-
-
-def _world_args(world: World) -> list[str]:
-    """``--nproc N`` and the DDP settings that differ from DDP's defaults, as ``vramcal probe`` takes them."""
-    default = World(world.nproc, backend=world.backend, threads_per_rank=world.threads_per_rank)
-    args = [f"--nproc {world.nproc}"]
-    if world.bucket_cap_mb != default.bucket_cap_mb:
-        args.append(f"--bucket-cap-mb {world.bucket_cap_mb:g}")
-    return args + ["--" + name.replace("_", "-") for name in ("gradient_as_bucket_view", "find_unused_parameters",
-                                                               "static_graph") if getattr(world, name)]
-
-
-@dataclass(frozen=True)
-class Located:
-    """A profile found for a model on a device: the checked profile, its file, and notices for people
-    (matching files that failed their checks and were passed over)."""
-
-    profile: Profile
-    path: Path
-    notices: tuple[str, ...] = ()
-
-
-def locate_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *,
-                   device: Device, implementation: str = "auto", profiles_dir: Path | str = DEFAULT_PROFILES_DIR,
-                   path: Path | str | None = None, world: World | None = None,
-                   total_bytes: int | None = None, strict: bool | None = None) -> Located:
-    """The profile for a model on ``device`` (in a DDP ``world``; None: one process): the newest matching one
-    under ``profiles_dir`` (calibrated at ``total_bytes``, when given: a host rank's own budget), or ``path``;
-    a profile made under other software or settings that can move memory adds a notice naming them
-    (:mod:`vramcal.staleness`; ``strict``: refuse it).
-
-    Raises:
-        StaleProfileError: ``strict`` (or ``VRAMCAL_STRICT_PROFILE=1``) and the profile is stale.
-        SizingError: none matches (the message gives the ``vramcal probe`` command that makes one), or
-            ``path`` is for another device or model (names the difference), or has no limits.
-        WorkloadError, ValueError: ``model`` or ``params`` are not a model vramcal can build (:func:`model_ref`).
-    """
-    ref = model_ref(model, params, device=device, implementation=implementation)
-    notices: list[str] = []
-    if path is None:
-        found, skipped = newest_profile(profiles_dir, device, ref, world, total_bytes)
-        notices = [f"skipped {line}" for line in skipped]
-        if found is None:
-            bad = f" ({len(skipped)} matching file(s) failed their checks: {skipped[0]})" if skipped else ""
-            where = f" for {world.describe()}" if world else ""
-            budget = f" at {format_bytes(total_bytes)}" if total_bytes else ""
-            raise SizingError(f"no profile for {device.name}{budget} and {describe(ref)}{where} in {profiles_dir}/"
-                              f"{bad}: run `{probe_command(device, ref, world)}` first")
-        path = found
-    try:
-        profile = load_profile(path)
-        check_profile_matches(profile, device, ref, world)
-    except ProfileError as error:
-        raise SizingError(str(error) if str(error).startswith("profile ") else f"{path}: {error}") from None
-    if profile.limits is None or profile.fit is None or profile.limits.safe_batch_size < 1:
-        raise SizingError(f"{path}: the profile has no usable limits (nothing fitted or nothing fits): re-run "
-                          f"`{probe_command(device, ref)}`")
-    stale = staleness.check(profile, str(path), device, strict=strict, command=probe_command(device, ref, world))
-    return Located(profile, Path(path), tuple(notices + ([stale] if stale else [])))
-
-
 def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *, gpu: str = "auto",
                  capacity_bytes: int | str | None = None, implementation: str = "auto",
                  profiles_dir: Path | str = DEFAULT_PROFILES_DIR, path: Path | str | None = None) -> Profile:
@@ -455,8 +385,8 @@ def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | N
     (device, *_), notice = select_devices(gpu, capacity_bytes)
     if notice:
         warnings.warn(f"vramcal: {notice}", stacklevel=2)
-    located = locate_profile(model, params, device=device,
-                             implementation=implementation, profiles_dir=profiles_dir, path=path)
+    located = locate_profile(model, params, device=device, profile=path, implementation=implementation,
+                             profiles_dir=profiles_dir)
     for notice in located.notices:
         warnings.warn(f"vramcal: {notice}", stacklevel=2)
     return located.profile
@@ -475,12 +405,12 @@ def batch_size(profile: Profile | Path | str, limit: Limit = "conservative", *, 
     Raises:
         SizingError: the profile has no limits, the bounds are empty, or ``seq_len`` is missing for, or
             outside, what the profile calibrated; an argument out of range. TypeError: an argument of the
-            wrong type (:func:`vramcal.sizing.check_arguments`). ProfileError: a path that holds no profile.
+            wrong type (:class:`vramcal.sizing.SizeRequest`). ProfileError: a path that holds no profile.
     """
     if isinstance(profile, str | Path):
         profile = load_profile(profile)
-    return size(profile, request, limit=limit, batch_size_min=batch_size_min,
-                pool_data_bytes=pool_data_bytes, seq_len=seq_len).batch_size
+    ask = SizeRequest(limit=limit, batch_size_min=batch_size_min, request=request, seq_len=seq_len)
+    return size(profile, ask, pool_data_bytes=pool_data_bytes).batch_size
 
 
 @dataclass(frozen=True)
@@ -530,7 +460,7 @@ def answer(profile: Profile, *, seq_len: int | None = None, batch_size: int | No
             raise SizingError(f"no seq_len in {min(surface.seq_lens)}-{max(surface.seq_lens)} fits batch_size "
                               f"{batch_size} within usable memory")
     model = length_model(profile, seq_len)
-    sizing = size(profile, batch_size, limit="safe", seq_len=seq_len) if batch_size is None else None
+    sizing = size(profile, SizeRequest(limit="safe", seq_len=seq_len)) if batch_size is None else None
     batch = batch_size if batch_size is not None else sizing.batch_size
     basis = "verified" if model.verified else (model.basis or "not verified")
     return Answer(seq_len, batch, model.limits.safe_batch_size, model.limits.conservative_batch_size, basis,

@@ -31,7 +31,7 @@ from typing import Any
 from vramcal.calibration.throughput import NEAR_FRACTION, Rate, measured_rates, rate_at, rate_for_run
 from vramcal.models.registry import describe
 from vramcal.profile import Observation, Profile
-from vramcal.sizing import SizeFor, SizingError, length_trials, size
+from vramcal.sizing import SizeFor, SizeRequest, SizingError, length_trials, size
 
 HOUR_S = 3600.0
 DEFAULT_EPOCHS = 10  # as `vramcal train`'s --epochs (a test keeps them equal)
@@ -240,10 +240,10 @@ def forecast_profile(profile: Profile, dataset: Dataset | None, epochs: int, *, 
     takes it; without a dataset the rate alone."""
     card, model = card or profile.device.name, describe(profile.model)
     try:
-        sizing = size(profile, size_for=size_for, seq_len=seq_len)
+        sizing = size(profile, SizeRequest(size_for=size_for, seq_len=seq_len))
     except SizingError as error:
         return Forecast(card, True, epochs, dataset, price_per_hour=price_per_hour, notes=(str(error),), model=model)
-    batch, source = sizing.batch_size, sizing.source
+    batch, source = sizing.batch_size, sizing.label
     if dataset is None:
         rate = rate_at(measured_rates(length_trials(profile, seq_len)), batch)
         return Forecast(card, True, epochs, None, batch, source, price_per_hour=price_per_hour,
@@ -251,7 +251,7 @@ def forecast_profile(profile: Profile, dataset: Dataset | None, epochs: int, *, 
                         high_samples_per_s=rate and rate.high_samples_per_s, steady=rate and rate.steady,
                         notes=("no dataset: give one (--data, --bars or --samples) for the times",), model=model)
     if batch > dataset.train_samples:
-        batch, source = dataset.train_samples, f"{source}+data"
+        batch, source = dataset.train_samples, replace(sizing, capped_by_data=True).label
     return forecast_batch(profile, batch, source, dataset, epochs, price_per_hour=price_per_hour, seq_len=seq_len,
                           card=card)
 

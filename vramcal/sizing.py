@@ -48,11 +48,13 @@ default.
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import enum
 import math
 import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from vramcal.calibration.limits import Limits, safe_batch_size
 from vramcal.calibration.throughput import find_knee, measured_rates, rate_at
@@ -64,10 +66,106 @@ from vramcal.words import given, word
 Limit = Literal["conservative", "safe"]  # which of the profile's limits a run takes
 LIMITS: tuple[str, ...] = ("conservative", "safe")
 SizeFor = Literal["memory", "throughput"]  # what a run without a requested batch size is sized for
+SIZE_FOR: tuple[str, ...] = ("memory", "throughput")
+# where a batch size comes from: a limit of the profile, the throughput knee, the caller's request within the
+# bounds, or the caller's request moved into them
+Source = Literal["conservative", "safe", "knee", "requested", "clamped"]
 
 
 class SizingError(ValueError):
     """No usable profile or batch size; the one-line message says which command or option fixes it."""
+
+
+def check_counts(**counts: object) -> None:
+    """Each of ``counts`` None or a whole number (byte counts, ``*_bytes``, >= 0; the others >= 1), named in the
+    caller's words (``request=`` or ``--batch-size``: :func:`vramcal.words.word`).
+
+    Raises:
+        TypeError: a count that is no whole number (a float, a bool, a string). SizingError: one out of range.
+    """
+    for name, value in counts.items():
+        if value is None:
+            continue
+        in_bytes = name.endswith("_bytes")
+        spoken = f"{name}=" if in_bytes else word("batch_size" if name == "request" else name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{spoken} takes a whole number, not {type(value).__name__} {value!r:.40}")
+        low = 0 if in_bytes else 1
+        if value < low:
+            raise SizingError(f"{spoken} {value} is below {low}: give a whole number >= {low}")
+
+
+class GradientsHeld(enum.Enum):
+    """Why a run's forward passes run beside the previous step's gradients: the gradient term (module docstring).
+
+    ``ACCUMULATION``: every micro-batch after the first of an optimizer step (:func:`size` adds it by itself);
+    ``AUTOMATIC_OPTIMIZATION``: Lightning's, which zeroes the gradients inside its closure, after the next
+    forward pass; ``LOOP``: a loop of the caller's own that zeroes them after the forward pass.
+    """
+
+    ACCUMULATION = "accumulation"
+    AUTOMATIC_OPTIMIZATION = "automatic_optimization"
+    LOOP = "loop"
+
+    def says(self, accumulation_steps: int = 1) -> str:
+        """The reason, for people (the gradient term's notice)."""
+        if self is GradientsHeld.ACCUMULATION:
+            return (f"accumulation: the micro-batches after the first of each of its {accumulation_steps} run beside "
+                    f"the gradients accumulated so far")
+        if self is GradientsHeld.AUTOMATIC_OPTIMIZATION:
+            return "Lightning's automatic optimization zeroes them after the next forward pass"
+        return "this loop zeroes them after the next forward pass"
+
+
+@dataclass(frozen=True)
+class SizeRequest:
+    """What a run asks of a profile: the one record :func:`size` takes, built once by each caller (the trainer,
+    the integrations, the API) and checked when it is made, in the caller's words (``request=`` or
+    ``--batch-size``: :func:`vramcal.words.word`). A resize is a :meth:`replace`.
+
+    Attributes:
+        limit: which of the profile's limits a run takes when nothing is requested (:data:`LIMITS`).
+        batch_size_min: the smallest batch size acceptable (samples, >= 1).
+        request: the caller's batch size (samples, >= 1), clamped to ``[batch_size_min, safe]``; None: ``limit``.
+        effective_batch_size: samples per optimizer step to keep (>= 1; module docstring): the batch size found
+            is then the micro-batch. ``exact``: a micro-batch that divides it.
+        size_for: ``memory`` takes ``limit``; ``throughput`` the throughput knee when it lies below the limit
+            (:func:`throughput_choice`).
+        seq_len: the run's sequence length (tokens, >= 1), for a profile calibrated over several.
+        gradients: why the run's forward passes run beside the previous step's gradients (None: they do not;
+            accumulation adds the term by itself).
+
+    Raises:
+        TypeError: a count that is no whole number (a float, a bool, a string), ``gradients`` no
+            :class:`GradientsHeld`. SizingError: a limit, a count or ``size_for`` out of range.
+    """
+
+    limit: Limit = "conservative"
+    batch_size_min: int = 1
+    request: int | None = None
+    effective_batch_size: int | None = None
+    exact: bool = False
+    size_for: SizeFor = "memory"
+    seq_len: int | None = None
+    gradients: GradientsHeld | None = None
+
+    def __post_init__(self) -> None:
+        if self.limit not in LIMITS:
+            raise SizingError(f"limit={self.limit!r} is not a limit: use one of {', '.join(map(repr, LIMITS))}")
+        if self.size_for not in SIZE_FOR:
+            raise SizingError(f"size_for={self.size_for!r} is not a choice: use one of "
+                              f"{', '.join(map(repr, SIZE_FOR))}")
+        check_counts(batch_size_min=self.batch_size_min, request=self.request, seq_len=self.seq_len,
+                     effective_batch_size=self.effective_batch_size)
+        if not isinstance(self.exact, bool):
+            raise TypeError(f"exact= takes True or False, not {type(self.exact).__name__} {self.exact!r:.40}")
+        if self.gradients is not None and not isinstance(self.gradients, GradientsHeld):
+            raise TypeError(f"gradients= takes a vramcal.sizing.GradientsHeld or None, not "
+                            f"{type(self.gradients).__name__} {self.gradients!r:.40}")
+
+    def replace(self, **changes: Any) -> SizeRequest:
+        """This request with ``changes`` (checked again, as any new request)."""
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True)
@@ -75,10 +173,12 @@ class Sizing:
     """The batch size a run uses, why, and what the profile predicts for it. Bytes are integers.
 
     Attributes:
-        batch_size: samples per optimizer step.
+        batch_size: samples per micro-batch (per optimizer step when ``accumulation_steps`` is 1).
         source: ``conservative`` or ``safe`` (the profile's), ``knee`` (the throughput knee, sizing for
             throughput: :func:`throughput_choice`), ``requested`` (the caller's, within bounds) or ``clamped``
-            (the caller's, moved into [batch_size_min, safe]).
+            (the caller's, moved into [batch_size_min, safe]) (:data:`Source`).
+        capped_by_data: the batch was lowered to the training samples there are (the trainer: a step needs a
+            full batch); ``source`` is where it came from before. :attr:`label` says both, and accumulation.
         safe_batch_size, conservative_batch_size: the limits in force (after the data term).
         predicted_peak_bytes, upper_bytes: point prediction and upper 95 % bound of the run's peak (at a size a
             verification trial measured, never below its peak, step creep included: the evidence).
@@ -98,7 +198,7 @@ class Sizing:
     """
 
     batch_size: int
-    source: str
+    source: Source
     safe_batch_size: int
     conservative_batch_size: int
     predicted_peak_bytes: int
@@ -113,6 +213,21 @@ class Sizing:
     accumulation_steps: int = 1
     effective_batch_size: int | None = None
     gradient_delta_bytes: int = 0
+    capped_by_data: bool = False
+
+    @property
+    def label(self) -> str:
+        """Where the batch size comes from, for people and records: ``source``, ``+accumulated`` when micro-batches
+        accumulate, ``+data`` when capped by the training samples (``conservative+accumulated``)."""
+        return self.source + "+accumulated" * (self.accumulation_steps > 1) + "+data" * self.capped_by_data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Sizing:
+        """The sizing a run record holds (``dataclasses.asdict``); a record written before ``capped_by_data``
+        holds the label in ``source`` (``conservative+data``)."""
+        source, *marks = data["source"].split("+")
+        return cls(**{**data, "source": source, "notices": tuple(data["notices"]),
+                      "capped_by_data": data.get("capped_by_data", "data" in marks)})
 
 
 @dataclass(frozen=True)
@@ -238,81 +353,49 @@ def extra_bytes(profile: Profile, pool_data_bytes: int | None, process_bytes: in
     return (0 if pool_data_bytes is None else pool_data_bytes - profile.pool_data_bytes), 0, "the data hold"
 
 
-def size(profile: Profile, request: int | None = None, *, limit: Limit = "conservative",
-         batch_size_min: int = 1, pool_data_bytes: int | None = None, seq_len: int | None = None,
-         process_bytes: int | None = None, effective_batch_size: int | None = None, exact: bool = False,
-         size_for: SizeFor = "memory", gradients_in_forward: str | None = None) -> Sizing:
+def size(profile: Profile, ask: SizeRequest = SizeRequest(), *, pool_data_bytes: int | None = None,
+         process_bytes: int | None = None) -> Sizing:
     """The batch size for a run and the profile's prediction for it.
 
     Args:
         profile: a checked profile (:func:`vramcal.profile.load_profile`).
-        request: the caller's batch size, clamped to ``[batch_size_min, safe]``; None = ``limit``.
-        limit: which limit to use when nothing is requested.
-        batch_size_min: the smallest batch size acceptable.
+        ask: what the run asks (:class:`SizeRequest`: the limit, a requested batch size clamped to
+            ``[batch_size_min, safe]``, an effective batch, sizing for throughput, the run's seq_len, why its
+            gradients stay alive).
         pool_data_bytes: the run's data bytes in the measured memory (None: as in the calibration).
-        seq_len: the run's sequence length, for a profile calibrated over several (:func:`length_model`).
         process_bytes: what the run's process holds at the start of training (the process term; module
             docstring); it replaces ``pool_data_bytes``.
-        effective_batch_size: samples per optimizer step to keep (module docstring); the batch size found is the
-            micro-batch. ``exact``: a micro-batch that divides it.
-        size_for: ``memory`` takes ``limit``; ``throughput`` takes the throughput knee when it lies below
-            ``limit`` (:func:`throughput_choice`), the limit otherwise.
-        gradients_in_forward: why this run's forward passes run beside the previous step's gradients (the
-            gradient term; module docstring), None: they do not. Accumulation adds the term by itself.
 
     The seed documents clamp the user's batch size to [min, max] before any allocation; here max is the
     profile's safe batch size (the largest whose upper prediction bound fits in usable memory).
 
     Raises:
         SizingError: no limits, min above the safe batch size, the ``limit`` below min, or a ``seq_len`` the
-            profile does not cover; a value no run can have (:func:`check_arguments`). TypeError: an argument of
-            the wrong type.
-    """
-    check_arguments(profile, limit=limit, request=request, batch_size_min=batch_size_min, seq_len=seq_len,
-                    effective_batch_size=effective_batch_size, pool_data_bytes=pool_data_bytes)
-    model = length_model(profile, seq_len)
-    asked = {"request": request, "limit": limit, "batch_size_min": batch_size_min, "seq_len": seq_len,
-             "effective_batch_size": effective_batch_size, "exact": exact, "size_for": size_for}
-    extra = extra_bytes(profile, pool_data_bytes, process_bytes)
-    sizing = _size(profile, model, extra, process_bytes, gradients_in_forward, **asked)
-    if gradients_in_forward is None and sizing.accumulation_steps > 1:
-        why = (f"accumulation: the micro-batches after the first of each of its {sizing.accumulation_steps} run "
-               f"beside the gradients accumulated so far")
-        sizing = _size(profile, model, extra, process_bytes, why, **asked)
-    return sizing
-
-
-def check_arguments(profile: object, *, limit: object, **counts: object) -> None:
-    """What a caller of :func:`size` passed, checked at its door in the caller's words (``request=`` or
-    ``--batch-size``: :func:`vramcal.words.word`): ``profile`` a :class:`Profile`, ``limit`` one of
-    :data:`LIMITS`, and each of ``counts`` None or a whole number (``pool_data_bytes`` >= 0, the others >= 1).
-
-    Raises:
-        TypeError: a profile that is no Profile (a path: load it with ``vramcal.load_profile``), or a count that
-            is no whole number (a float, a bool, a string). SizingError: a limit or a count out of range.
+            profile does not cover; a byte count below 0. TypeError: a profile that is no Profile, an ``ask``
+            that is no SizeRequest, a byte count that is no whole number.
     """
     if not isinstance(profile, Profile):
         raise TypeError(f"profile= takes a vramcal.Profile, not {type(profile).__name__} {profile!r:.80}: read a "
                         f"file with vramcal.load_profile(path)")
-    if limit not in LIMITS:
-        raise SizingError(f"limit={limit!r} is not a limit: use one of {', '.join(map(repr, LIMITS))}")
-    for name, value in counts.items():
-        if value is None:
-            continue
-        spoken = "pool_data_bytes=" if name == "pool_data_bytes" else word("batch_size" if name == "request" else name)
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{spoken} takes a whole number, not {type(value).__name__} {value!r:.40}")
-        low = 0 if name == "pool_data_bytes" else 1
-        if value < low:
-            raise SizingError(f"{spoken} {value} is below {low}: give a whole number >= {low}")
+    if not isinstance(ask, SizeRequest):
+        raise TypeError(f"size() takes what the run asks as a vramcal.SizeRequest, not {type(ask).__name__} "
+                        f"{ask!r:.40}: size(profile, SizeRequest(request={ask!r:.20})) for a batch size")
+    check_counts(pool_data_bytes=pool_data_bytes, process_bytes=process_bytes)
+    model = length_model(profile, ask.seq_len)
+    extra = extra_bytes(profile, pool_data_bytes, process_bytes)
+    sizing = _size(profile, model, extra, process_bytes, ask)
+    if ask.gradients is None and sizing.accumulation_steps > 1:
+        sizing = _size(profile, model, extra, process_bytes, ask.replace(gradients=GradientsHeld.ACCUMULATION),
+                       sizing.accumulation_steps)
+    return sizing
 
 
 def _size(profile: Profile, model: LengthModel, extra: tuple[int, int, str], process_bytes: int | None,
-          gradients_in_forward: str | None, *, request: int | None, limit: Limit, batch_size_min: int,
-          seq_len: int | None, effective_batch_size: int | None, exact: bool, size_for: SizeFor) -> Sizing:
-    """:func:`size` with the deltas found (a second time with the gradient term, when accumulation needs it)."""
+          ask: SizeRequest, accumulation_steps: int = 1) -> Sizing:
+    """:func:`size` with the deltas found (a second time with the gradient term, when accumulation needs it:
+    ``accumulation_steps``, for its notice)."""
     data_delta, process_delta, cause = extra
-    gradient_delta, gradient_notice = gradient_term(profile, gradients_in_forward)
+    gradient_delta, gradient_notice = gradient_term(profile, ask.gradients, accumulation_steps)
     if gradient_delta:
         cause = "with the gradients held through the forward pass, this run holds"
     safe, conservative, notices = limits_for_data(model, profile, data_delta + process_delta + gradient_delta, cause)
@@ -320,14 +403,13 @@ def _size(profile: Profile, model: LengthModel, extra: tuple[int, int, str], pro
         notices.insert(0, gradient_notice)
     if process_bytes is not None:
         notices.insert(0, process_notice(profile, process_bytes, process_delta))
-    batch, source = _chosen(request, limit, safe, conservative, batch_size_min, notices)
-    if request is None and size_for == "throughput":
-        batch, source, why = throughput_choice(profile, seq_len, batch, source, batch_size_min, safe)
+    batch, source = _chosen(ask.request, ask.limit, safe, conservative, ask.batch_size_min, notices)
+    if ask.request is None and ask.size_for == "throughput":
+        batch, source, why = throughput_choice(profile, ask.seq_len, batch, source, ask.batch_size_min, safe)
         notices.append(why)
     steps = 1
-    if effective_batch_size is not None:
-        batch, steps = accumulation(effective_batch_size, batch, exact)
-        source += "+accumulated" if steps > 1 else ""
+    if ask.effective_batch_size is not None:
+        batch, steps = accumulation(ask.effective_batch_size, batch, ask.exact)
     if model.fitted_from is not None and batch < model.fitted_from:
         notices.append(f"batch_size {batch} is below the fitted range (from batch_size {model.fitted_from}): its "
                        f"predicted peak extrapolates a line fitted near the limit, and small batches can peak above it")
@@ -339,15 +421,16 @@ def _size(profile: Profile, model: LengthModel, extra: tuple[int, int, str], pro
                   usable_bytes=model.limits.usable_bytes, total_bytes=model.limits.total_bytes,
                   data_delta_bytes=data_delta, verified=model.verified, notices=tuple(notices),
                   fitted_from=model.fitted_from, process_delta_bytes=process_delta, accumulation_steps=steps,
-                  effective_batch_size=batch * steps if effective_batch_size is None else effective_batch_size,
+                  effective_batch_size=batch * steps if ask.effective_batch_size is None else ask.effective_batch_size,
                   gradient_delta_bytes=gradient_delta)
 
 
-def gradient_term(profile: Profile, why: str | None) -> tuple[int, str | None]:
+def gradient_term(profile: Profile, held: GradientsHeld | None, accumulation_steps: int = 1) -> tuple[int, str | None]:
     """(bytes, notice) of the gradient term (module docstring) for a run whose forward passes run beside the
-    gradients for the reason ``why`` (None: they do not: (0, None))."""
-    if why is None:
+    gradients for the reason ``held`` (None: they do not: (0, None)); ``accumulation_steps`` for its notice."""
+    if held is None:
         return 0, None
+    why = held.says(accumulation_steps)
     counted = profile.model_info.get("gradient_bytes")
     if not isinstance(counted, int) or counted <= 0:
         return 0, (f"the gradients are held through the forward pass ({why}), but the profile does not record "
@@ -357,7 +440,7 @@ def gradient_term(profile: Profile, why: str | None) -> tuple[int, str | None]:
 
 
 def _chosen(request: int | None, limit: Limit, safe: int, conservative: int, batch_size_min: int,
-            notices: list[str]) -> tuple[int, str]:
+            notices: list[str]) -> tuple[int, Source]:
     """The batch size and its source: the ``limit``, or ``request`` within ``[batch_size_min, safe]``.
 
     Raises:
@@ -467,6 +550,41 @@ def verdict(peak_bytes: int, upper_bytes: int, usable_bytes: int, batch_size: in
     if peak_bytes <= upper_bytes:
         return "within the bound"
     return "below the fitted range" if fitted_from is not None and batch_size < fitted_from else "above the bound"
+
+
+def compare(sizing: Sizing, peak_bytes: int, process: bool = False) -> tuple[str, list[str]]:
+    """The measured peak against the profile's prediction, as one line, and warnings.
+
+    Args:
+        process: the prediction carries a measured process term (a framework's process, :mod:`vramcal.sizing`):
+            the advice for a peak above it is then about the process's steps, not the calibration.
+
+    Returns:
+        ``peak 2.70 GiB: predicted 2.60 GiB (+3.8 %), upper bound 2.75 GiB, usable 3.10 GiB`` and a warning
+        for a peak above the upper bound or above usable memory.
+    """
+    predicted = sizing.predicted_peak_bytes  # not positive: a line fitted near the limit, far below its range
+    error = f"{(peak_bytes - predicted) / predicted:+.1%}" if predicted > 0 else "no relative error"
+    term = (f", process term {sizing.process_delta_bytes / 2**20:+.1f} MiB" if process else "") + (
+        f", gradient term +{sizing.gradient_delta_bytes / 2**20:.1f} MiB" if sizing.gradient_delta_bytes else "")
+    line = (f"peak {format_bytes(peak_bytes)} at batch_size {sizing.batch_size}: predicted "
+            f"{format_bytes(predicted)} ({error}{term}), upper bound "
+            f"{format_bytes(sizing.upper_bytes)}, usable {format_bytes(sizing.usable_bytes)}")
+    found = verdict(peak_bytes, sizing.upper_bytes, sizing.usable_bytes, sizing.batch_size, sizing.fitted_from)
+    cause = ("beyond what this process held when training started: its steps hold more than the trials' (its "
+             "allocator, tensors it keeps); train at a smaller batch size, and report it" if process else
+             "the profile does not hold for this run; re-run `vramcal probe` (with this run's data) and report it")
+    warnings = {
+        "above usable": [f"the measured peak {format_bytes(peak_bytes)} is above usable memory "
+                         f"{format_bytes(sizing.usable_bytes)}: {cause}"],
+        "above the bound": [f"the measured peak is above the profile's upper 95 % bound "
+                            f"{format_bytes(sizing.upper_bytes)}: the profile under-predicts this run"],
+        "below the fitted range": [f"the measured peak is above the line's upper bound "
+                                   f"{format_bytes(sizing.upper_bytes)} at batch_size {sizing.batch_size}, below the "
+                                   f"fitted range (from batch_size {sizing.fitted_from}), where the line is an "
+                                   f"extrapolation; the profile's limits are not affected"],
+    }.get(found, [])
+    return line, warnings
 
 
 def scaled_lr(lr: float, batch_size: int, reference_batch_size: int, scaling: str) -> float:

@@ -173,7 +173,7 @@ def model_params(options: dict[str, Any], given: set[str]) -> tuple[str, dict[st
             raise click.BadParameter(f"--model {model} takes the spec options (--d-model, ...), not --model-arg",
                                      param_hint="--model-arg")
         try:
-            RegressorSpec(**spec).validate()
+            RegressorSpec(**spec)
         except ValueError as error:
             raise click.BadParameter(str(error), param_hint="model spec") from None
         return model, spec

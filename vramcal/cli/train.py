@@ -235,9 +235,7 @@ def make_config(config_file: str | None, options: dict[str, Any], given: set[str
                   else base.replace(**{k: v for k, v in options.items() if k in given}))
     except ConfigError as error:
         raise click.BadParameter(str(error)) from None
-    try:
-        config.spec.validate()
-    except ValueError as error:
+    except ValueError as error:  # the spec, made again by replace (RegressorSpec checks itself when made)
         raise click.BadParameter(str(error), param_hint="model spec") from None
     return config
 
@@ -285,7 +283,7 @@ def announce(plan) -> None:
         last = sizing.effective_batch_size - sizing.batch_size * (sizing.accumulation_steps - 1)
         accumulated = (f" x {sizing.accumulation_steps} accumulated = {sizing.effective_batch_size} per optimizer step"
                        + (f" (the last micro-batch {last})" if last != sizing.batch_size else ""))
-    click.echo(f"batch_size {sizing.batch_size}{accumulated} ({sizing.source}; profile {plan.profile_path}, "
+    click.echo(f"batch_size {sizing.batch_size}{accumulated} ({sizing.label}; profile {plan.profile_path}, "
                f"predicted peak {format_bytes(sizing.predicted_peak_bytes)}, upper bound "
                f"{format_bytes(sizing.upper_bytes)}), "
                f"lr {plan.lr:.3g} ({config.lr_scaling} scaling from {config.lr:.3g} at batch "

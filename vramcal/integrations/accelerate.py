@@ -33,24 +33,25 @@ from typing import Any
 
 from vramcal.integrations.run import FrameworkRun
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
-from vramcal.sizing import Limit
+from vramcal.sizing import SizeRequest
 
 
 def sized(accelerator: Any, profile: Profile | str | Path | None = None, *, model: str | None = None,
           params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
-          limit: Limit = "conservative", batch_size_min: int = 1, request: int | None = None,
-          effective_batch_size: int | None = None) -> FrameworkRun:
+          **asked: Any) -> FrameworkRun:
     """The run of this ``accelerate.Accelerator``'s process, sized with its process term (module docstring);
     call it after ``accelerator.prepare(model, optimizer)`` and before building the DataLoader.
 
     Args:
-        effective_batch_size: samples per optimizer step of this process to keep (the batch size is then the
-            micro-batch, and ``accelerator.gradient_accumulation_steps`` reaches it).
-        profile, model, params, profiles_dir, limit, batch_size_min, request: as
-            :class:`~vramcal.integrations.run.FrameworkRun`.
+        profile, model, params, profiles_dir: as :class:`~vramcal.integrations.run.FrameworkRun`.
+        asked: what the run asks of the profile, the fields of :class:`~vramcal.sizing.SizeRequest` (``limit``,
+            ``batch_size_min``, ``request``, ``effective_batch_size``: samples per optimizer step of this process
+            to keep, the batch size then the micro-batch and ``accelerator.gradient_accumulation_steps`` what
+            reaches it, ...).
 
     Raises:
-        SizingError, ValueError: as :class:`~vramcal.integrations.run.FrameworkRun`.
+        SizingError, TypeError, ValueError: as :class:`~vramcal.integrations.run.FrameworkRun` and
+            :class:`~vramcal.sizing.SizeRequest`.
     """
     world = None
     if accelerator.num_processes > 1:
@@ -58,8 +59,7 @@ def sized(accelerator: Any, profile: Profile | str | Path | None = None, *, mode
 
         world = World(accelerator.num_processes, "nccl" if accelerator.device.type == "cuda" else "gloo")
     run = FrameworkRun(profile, model=model, params=params, profiles_dir=profiles_dir, device=accelerator.device,
-                       limit=limit, batch_size_min=batch_size_min, request=request,
-                       effective_batch_size=effective_batch_size, world=world, framework="accelerate")
+                       ask=SizeRequest(**asked), world=world, framework="accelerate")
     sizing = run.start()
     if sizing.accumulation_steps > 1:
         accelerator.gradient_accumulation_steps = sizing.accumulation_steps

@@ -33,25 +33,30 @@ from transformers import TrainerCallback
 
 from vramcal.integrations.run import FrameworkRun
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
-from vramcal.sizing import Limit, SizingError
+from vramcal.sizing import SizeRequest, SizingError
 
 
 class VramcalCallback(TrainerCallback):
     """Size a ``transformers.Trainer`` run from a vramcal profile and check its peak (module docstring).
 
     Args:
-        profile, model, params, profiles_dir, limit, batch_size_min, request: as
-            :class:`vramcal.integrations.run.FrameworkRun` (``request``: a per-device batch size to use instead).
+        profile, model, params, profiles_dir: as :class:`vramcal.integrations.run.FrameworkRun`.
+        asked: what the run asks of the profile, the fields of :class:`~vramcal.sizing.SizeRequest` (``limit``,
+            ``batch_size_min``, ``request``: a per-device batch size to use instead, ...); the effective batch
+            is :meth:`sized`'s.
 
     Attributes: ``run`` (the :class:`~vramcal.integrations.run.FrameworkRun`, after :meth:`sized`), ``report``
     (the line printed at the end).
+
+    Raises:
+        SizingError, TypeError: an asked value out of range or of the wrong type, or an unknown one.
     """
 
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
                  params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
-                 limit: Limit = "conservative", batch_size_min: int = 1, request: int | None = None) -> None:
-        self._find = {"profile": profile, "model": model, "params": params, "profiles_dir": profiles_dir,
-                      "limit": limit, "batch_size_min": batch_size_min, "request": request}
+                 **asked: Any) -> None:
+        self.ask = SizeRequest(**asked)
+        self._find = {"profile": profile, "model": model, "params": params, "profiles_dir": profiles_dir}
         self.run: FrameworkRun | None = None
         self.report: str | None = None
 
@@ -64,15 +69,15 @@ class VramcalCallback(TrainerCallback):
                 share equally.
         """
         world = _world(args)
-        per_rank = None
+        ask = self.ask.replace(exact=True)
         if effective_batch_size is not None:
             ranks = world.nproc if world else 1
             if effective_batch_size % ranks:
                 raise SizingError(f"effective_batch_size {effective_batch_size} is not a multiple of the "
                                   f"{ranks} ranks: give a multiple")
-            per_rank = effective_batch_size // ranks
-        self.run = FrameworkRun(**self._find, device=args.device, world=world, effective_batch_size=per_rank,
-                                exact=True, framework="transformers.Trainer")
+            ask = ask.replace(effective_batch_size=effective_batch_size // ranks)
+        self.run = FrameworkRun(**self._find, device=args.device, ask=ask, world=world,
+                                framework="transformers.Trainer")
         s = self.run.sizing
         return dataclasses.replace(args, per_device_train_batch_size=s.batch_size,
                                    gradient_accumulation_steps=s.accumulation_steps)

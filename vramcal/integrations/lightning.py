@@ -43,7 +43,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from vramcal.integrations.run import FrameworkRun
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
-from vramcal.sizing import Limit, Sizing
+from vramcal.sizing import GradientsHeld, SizeRequest, Sizing, SizingError
 from vramcal.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -55,40 +55,37 @@ class VramcalBatchSize(Callback):
 
     Args:
         profile: a :class:`~vramcal.profile.Profile`, a profile file, or None to find the newest matching
-            one for ``model`` on this run's device under ``profiles_dir`` (:func:`vramcal.api.locate_profile`).
+            one for ``model`` on this run's device under ``profiles_dir`` (:func:`vramcal.lookup.locate_profile`).
         model, params: what was calibrated (``regressor``, ``lm`` or ``module:function`` and its
             arguments), to find the profile or check the given file against; ``params["seq_len"]`` is the
             run's length, which a profile calibrated over several lengths needs.
         profiles_dir: where to look when ``profile`` is None.
-        limit: ``conservative`` (default) or ``safe``: which limit to use when nothing is requested.
-        batch_size_min: the smallest batch size acceptable (samples).
-        request: a batch size to use instead, clamped to ``[batch_size_min, safe]`` (with a warning).
-        effective_batch_size: samples per optimizer step (per rank) to keep: the batch size is the largest that
-            fits, ``trainer.accumulate_grad_batches`` the micro-batches that reach it.
         attr: the attribute the dataloaders read (``batch_size``).
+        asked: what the run asks of the profile, the fields of :class:`~vramcal.sizing.SizeRequest`:
+            ``limit`` (``conservative``, the default, or ``safe``), ``batch_size_min``, ``request`` (a batch
+            size to use instead, clamped to ``[batch_size_min, safe]`` with a warning), ``effective_batch_size``
+            (samples per optimizer step per rank to keep: ``trainer.accumulate_grad_batches`` micro-batches reach
+            it), ``size_for``, ``seq_len``. Under automatic optimization the callback adds the gradient term.
 
     Attributes (after ``fit``): ``sizing`` (:class:`~vramcal.sizing.Sizing`), ``profile_source`` (where the
     profile came from), ``peak_bytes`` (the measured peak), ``rank_peak_bytes`` (every rank's, under DDP)
     and ``report`` (the line printed).
 
     Raises:
-        ValueError: neither ``profile`` nor ``model`` given (at construction); the module has no ``attr``;
-            the run's device is neither a CUDA GPU nor the CPU. SizingError: no matching profile, a profile
-            from another device, model or world, or no batch size within the bounds (each one line).
+        SizingError: an asked value out of range (at construction); neither ``profile`` nor ``model``, no
+            matching profile, a profile from another device, model or world, or no batch size within the
+            bounds (each one line). TypeError: an asked value of the wrong type, or an unknown one. ValueError:
+            the module has no ``attr``; the run's device is neither a CUDA GPU nor the CPU.
     """
 
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
                  params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
-                 limit: Limit = "conservative", batch_size_min: int = 1, request: int | None = None,
-                 effective_batch_size: int | None = None, attr: str = "batch_size") -> None:
+                 attr: str = "batch_size", **asked: Any) -> None:
         if profile is None and model is None:
-            raise ValueError("VramcalBatchSize needs profile=<a profile file or Profile>, or model=<what was "
-                             "calibrated> to find one under profiles_dir")
-        if limit not in ("conservative", "safe"):
-            raise ValueError(f"limit must be conservative or safe, got {limit!r}")
-        self._find = {"profile": profile, "model": model, "params": params, "profiles_dir": profiles_dir,
-                      "limit": limit, "batch_size_min": batch_size_min, "request": request,
-                      "effective_batch_size": effective_batch_size}
+            raise SizingError("VramcalBatchSize needs profile=<a profile file or Profile>, or model=<what was "
+                              "calibrated> to find one under profiles_dir")
+        self.ask = SizeRequest(**asked)
+        self._find = {"profile": profile, "model": model, "params": params, "profiles_dir": profiles_dir}
         self.attr = attr
         self.run: FrameworkRun | None = None
         self.sizing: Sizing | None = None
@@ -103,9 +100,9 @@ class VramcalBatchSize(Callback):
         if not lightning_hasattr(pl_module, self.attr):
             raise ValueError(f"neither the LightningModule nor its DataModule has {self.attr!r} (an attribute or "
                              f"in hparams): add it, or pass attr=<the name your dataloaders read>")
-        self.run = FrameworkRun(**self._find, device=trainer.strategy.root_device, world=_world(trainer),
-                                framework="lightning", gradients_in_forward=_gradients_in_forward(pl_module),
-                                warn=lambda line: rank_zero_warn(line))
+        ask = self.ask.replace(gradients=_gradients_held(pl_module)) if self.ask.gradients is None else self.ask
+        self.run = FrameworkRun(**self._find, device=trainer.strategy.root_device, ask=ask, world=_world(trainer),
+                                framework="lightning", warn=lambda line: rank_zero_warn(line))
         self.profile_source = self.run.source
         self._apply(trainer, pl_module, self.run.sizing)
 
@@ -123,7 +120,7 @@ class VramcalBatchSize(Callback):
             trainer.accumulate_grad_batches = sizing.accumulation_steps
         self.sizing = sizing
         s, agreed = sizing, "" if batch == own else f", the smallest of the ranks' sizes; this rank's was {own}"
-        rank_zero_info(f"vramcal: {self.attr} = {batch} ({s.source}{agreed}; safe {s.safe_batch_size}, conservative "
+        rank_zero_info(f"vramcal: {self.attr} = {batch} ({s.label}{agreed}; safe {s.safe_batch_size}, conservative "
                        f"{s.conservative_batch_size}) from {self.profile_source}: predicted peak "
                        f"{format_bytes(s.predicted_peak_bytes)}, upper bound {format_bytes(s.upper_bytes)}, usable "
                        f"{format_bytes(s.usable_bytes)}")
@@ -146,14 +143,12 @@ class VramcalBatchSize(Callback):
             self.run.close()
 
 
-def _gradients_in_forward(pl_module: pl.LightningModule) -> str | None:
+def _gradients_held(pl_module: pl.LightningModule) -> GradientsHeld | None:
     """Why the module's forward passes run beside the previous step's gradients: Lightning's automatic
     optimization zeroes them inside its closure, after the forward pass (``Closure.closure``: step, zero_grad,
     backward), where a trial frees them after the optimizer step. None under manual optimization (the
     module's own order)."""
-    if not pl_module.automatic_optimization:
-        return None
-    return "Lightning's automatic optimization zeroes them after the next forward pass"
+    return GradientsHeld.AUTOMATIC_OPTIMIZATION if pl_module.automatic_optimization else None
 
 
 def _world(trainer: pl.Trainer):

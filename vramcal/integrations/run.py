@@ -13,7 +13,7 @@ allocator) holds a different amount when training starts. :meth:`FrameworkRun.st
 at the same point, carries the difference into the prediction and the limits (:mod:`vramcal.sizing`: the
 process term), and clamps the batch size when it no longer fits. :meth:`FrameworkRun.finish` reads the
 process's peak since then, compares it with the prediction and its upper 95 % bound
-(:func:`vramcal.train.runner.compare`), and appends the observation, process term included, to the profile
+(:func:`vramcal.sizing.compare`), and appends the observation, process term included, to the profile
 file. Messages speak in the caller's words: the arguments of the integration it came through.
 """
 
@@ -25,8 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vramcal.profile import DEFAULT_PROFILES_DIR, Observation, Profile, ProfileError, load_profile
-from vramcal.sizing import Limit, Sizing, SizingError, size
+from vramcal.lookup import locate_profile
+from vramcal.profile import DEFAULT_PROFILES_DIR, Observation, Profile, ProfileError
+from vramcal.sizing import SizeRequest, Sizing, compare, size
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -45,59 +46,49 @@ class FrameworkRun:
 
     Args:
         profile: a :class:`~vramcal.profile.Profile`, a profile file, or None to find the newest matching one
-            for ``model`` on this run's device under ``profiles_dir`` (:func:`vramcal.api.locate_profile`).
+            for ``model`` on this run's device under ``profiles_dir`` (:func:`vramcal.lookup.locate_profile`).
         model, params: what was calibrated (``regressor``, ``lm`` or ``module:function`` and its arguments), to
-            find the profile or check the given one; ``params["seq_len"]`` is the run's length.
+            find the profile or check the given one; ``params["seq_len"]`` is the run's length unless ``ask``
+            gives one.
         device: the torch device this process trains on (``cuda:N`` or ``cpu``).
-        limit: ``conservative`` (default) or ``safe``, when nothing is requested.
-        batch_size_min: the smallest batch size acceptable (samples).
-        request: a batch size to use instead, clamped to ``[batch_size_min, safe]`` (with a warning).
-        effective_batch_size: samples per optimizer step to keep; the batch size is then the micro-batch, and
-            ``sizing.accumulation_steps`` reach it (``exact``: a micro-batch that divides it).
+        ask: what the run asks of the profile (:class:`~vramcal.sizing.SizeRequest`: the limit, a requested
+            batch size clamped to ``[batch_size_min, safe]`` with a warning, an effective batch reached by
+            ``sizing.accumulation_steps``, why the gradients stay alive through the forward pass).
         world: the DDP world this process is a rank of (its profile must be calibrated for it).
         framework: who trains (``lightning``, ``transformers.Trainer``, ``accelerate``, ``plain``), recorded.
-        gradients_in_forward: why this run's forward passes run beside the previous step's gradients (None: the
-            loop frees them after the optimizer step, as the trials do): their bytes join the prediction and the
-            limits (:mod:`vramcal.sizing`, the gradient term; accumulation adds it by itself).
         host_malloc: on the host, :meth:`start` gives this process the trials' glibc malloc settings
             (:func:`vramcal.environment.set_host_malloc`: with glibc's defaults the same step can hold a third
             more), and says so; False keeps glibc's defaults.
-        warn: how notices reach people (default :func:`warnings.warn`).
+        warn: how notices reach people (default :func:`warnings.warn`): the lookup's and the sizing's.
 
     Attributes:
         sizing: the batch size and its prediction (after :meth:`start`, with the process term).
         profile, source: the profile and where it came from. held_bytes: what the process held at start.
 
     Raises:
-        ValueError: neither ``profile`` nor ``model``; a device that is neither a CUDA GPU nor the CPU.
-        SizingError: no matching profile, a profile from another device, model or world, or no batch size
-            within the bounds (each one line).
+        ValueError: a device that is neither a CUDA GPU nor the CPU.
+        SizingError: neither ``profile`` nor ``model``, no matching profile, a profile from another device,
+            model or world, or no batch size within the bounds (each one line).
     """
 
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
                  params: dict[str, Any] | None = None, device: torch.device | str = "cpu",
-                 profiles_dir: str | Path = DEFAULT_PROFILES_DIR, limit: Limit = "conservative",
-                 batch_size_min: int = 1, request: int | None = None, effective_batch_size: int | None = None,
-                 exact: bool = False, world: World | None = None, framework: str = "plain",
-                 gradients_in_forward: str | None = None, host_malloc: bool = True, warn: Warn = _warn) -> None:
-        if profile is None and model is None:
-            raise ValueError("needs profile=<a profile file or Profile>, or model=<what was calibrated> to find one "
-                             "under profiles_dir")
-        if limit not in ("conservative", "safe"):
-            raise ValueError(f"limit must be conservative or safe, got {limit!r}")
+                 profiles_dir: str | Path = DEFAULT_PROFILES_DIR, ask: SizeRequest = SizeRequest(),
+                 world: World | None = None, framework: str = "plain", host_malloc: bool = True,
+                 warn: Warn = _warn) -> None:
         self.device, self.world, self.framework, self.warn = vramcal_device(device), world, framework, warn
         self.host_malloc = host_malloc
-        self.profile, self.source, self.path = _find(profile, model, params, self.device, profiles_dir, world, warn)
-        self._asked = {"limit": limit, "batch_size_min": batch_size_min, "request": request,
-                       "effective_batch_size": effective_batch_size, "exact": exact,
-                       "seq_len": (params or {}).get("seq_len"), "gradients_in_forward": gradients_in_forward}
-        self.sizing: Sizing = size(self.profile, request, **self._options())
+        located = locate_profile(model, params, device=self.device, profile=profile, profiles_dir=profiles_dir,
+                                 world=world)
+        for notice in located.notices:
+            warn(f"vramcal: {notice}")
+        self.profile, self.source, self.path = located.profile, located.source, located.path
+        seq_len = (params or {}).get("seq_len")
+        self.ask = ask if ask.seq_len is not None or seq_len is None else ask.replace(seq_len=seq_len)
+        self.sizing: Sizing = size(self.profile, self.ask)
         self.held_bytes: int | None = None
         self.peak_bytes: int | None = None
         self._meter: Any = None
-
-    def _options(self) -> dict[str, Any]:
-        return {k: v for k, v in self._asked.items() if k != "request"}
 
     def start(self) -> Sizing:
         """Training starts (the model and the optimizer are on the device, the data loaded): on the host give
@@ -115,7 +106,7 @@ class FrameworkRun:
         self._meter = attach_meter(self.device, warn=self.warn)
         self.held_bytes = self._meter.held_bytes()
         before = self.sizing.batch_size
-        self.sizing = size(self.profile, self._asked["request"], process_bytes=self.held_bytes, **self._options())
+        self.sizing = size(self.profile, self.ask, process_bytes=self.held_bytes)
         for notice in self.sizing.notices:
             self.warn(f"vramcal: {notice}")
         if self.sizing.batch_size < before:
@@ -127,7 +118,7 @@ class FrameworkRun:
     def resize(self, batch_size: int) -> Sizing:
         """The sizing at ``batch_size`` (clamped to the bounds), the process term kept: the batch a framework
         settles on (the smallest over DDP ranks)."""
-        self.sizing = size(self.profile, batch_size, process_bytes=self.held_bytes, **self._options())
+        self.sizing = size(self.profile, self.ask.replace(request=batch_size), process_bytes=self.held_bytes)
         return self.sizing
 
     def finish(self, steps: int = 0, run_dir: str = "") -> tuple[str, list[str]]:
@@ -137,8 +128,6 @@ class FrameworkRun:
         Raises:
             RuntimeError: :meth:`start` was not called.
         """
-        from vramcal.train.runner import compare
-
         if self._meter is None:
             raise RuntimeError("FrameworkRun.finish() before start(): call start() when training starts")
         self.peak_bytes = self._meter.read()
@@ -199,50 +188,3 @@ def vramcal_device(device: torch.device | str) -> Device:
     if device.type == "cpu":
         return select_devices("none")[0][0]
     raise ValueError(f"vramcal's profiles are for NVIDIA GPUs and the host CPU; this run trains on {device.type}")
-
-
-def _find(profile: Profile | str | Path | None, model: str | None, params: dict[str, Any] | None, device: Device,
-          profiles_dir: str | Path, world: World | None, warn: Warn) -> tuple[Profile, str, Path | None]:
-    """The profile, where it came from and its file (None: given as an object), checked against this run's
-    device, model and world; its notices (files passed over, staleness) go to ``warn``, the run's (under
-    Lightning rank 0's), as every other notice of the run does."""
-    from vramcal.api import locate_profile, model_ref
-    from vramcal.profile import check_profile_matches
-
-    if model is not None and not isinstance(profile, Profile):
-        located = locate_profile(model, params, device=device, profiles_dir=profiles_dir, path=profile, world=world)
-        for notice in located.notices:
-            warn(f"vramcal: {notice}")
-        return located.profile, str(located.path), located.path
-    if isinstance(profile, Profile):
-        found, source, path = profile, "the given profile", None
-    else:
-        try:
-            found, source, path = load_profile(profile), str(profile), Path(profile)
-        except ProfileError as error:
-            raise SizingError(str(error)) from None
-    try:
-        if model is not None:
-            check_profile_matches(found, device, model_ref(model, params, device=device), world)
-        else:
-            _check_device(found, device, world)
-    except ProfileError as error:
-        raise SizingError(f"{source}: {error}") from None
-    from vramcal import staleness
-    from vramcal.api import probe_command
-
-    stale = staleness.check(found, source, device, command=probe_command(found.device, found.model, found.world))
-    if stale:
-        warn(f"vramcal: {stale}")
-    return found, source, path
-
-
-def _check_device(profile: Profile, device: Device, world: World | None) -> None:
-    from vramcal.profile import world_difference
-
-    difference = device.hardware_difference(profile.device)
-    if difference:
-        raise ProfileError(f"made on another device ({difference}): its batch sizes do not hold on this run's "
-                           f"{device.name}; calibrate on it")
-    if profile.world != world:
-        raise ProfileError(world_difference(profile.world, world))

@@ -16,6 +16,7 @@ No other module tells the families apart by name: they ask :func:`family` or :fu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shlex
@@ -106,6 +107,10 @@ class Family:
         return "the factory's"
 
 
+# the regressor's defaults, read from the record's fields (no spec is made to read them)
+SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RegressorSpec)}
+
+
 @dataclass(frozen=True)
 class Regressor(Family):
     """vramcal's regressor (:mod:`vramcal.models.regressor`)."""
@@ -117,8 +122,14 @@ class Regressor(Family):
 
     def check(self, params: dict[str, Any], device: Device, implementation: str) -> ModelRef:
         """Raises: ValueError: an impossible spec, or a dtype or implementation the device cannot run."""
-        spec = RegressorSpec.from_dict(params)
-        spec.validate()
+        return self.ref(RegressorSpec.from_dict(params), device, implementation)
+
+    def ref(self, spec: RegressorSpec, device: Device, implementation: str) -> ModelRef:
+        """The key of a spec already made (and so checked) on ``device``: the trainer's.
+
+        Raises:
+            ValueError: a dtype or implementation the device cannot run.
+        """
         check_dtype(device, spec.dtype)
         return spec.ref(resolve_implementation(implementation, device.kind))
 
@@ -126,7 +137,7 @@ class Regressor(Family):
         return True
 
     def probe_args(self, ref: ModelRef) -> list[str]:
-        params, defaults = ref.params, RegressorSpec().to_dict()
+        params, defaults = ref.params, SPEC_DEFAULTS
         return [f"--{k.replace('_', '-')} {params[k]}" for k in defaults
                 if k not in self.quiet and k in params and defaults[k] != params[k]]
 
@@ -170,7 +181,8 @@ class LanguageModel(Family):
         return ["--model lm", "--model-arg config=<its config file>", f"--seq-len {ref.params['seq_len']}"]
 
 
-FAMILIES: dict[str, Family] = {"regressor": Regressor(), "lm": LanguageModel()}
+REGRESSOR = Regressor()
+FAMILIES: dict[str, Family] = {"regressor": REGRESSOR, "lm": LanguageModel()}
 _BY_FACTORY = {each.factory: each for each in FAMILIES.values()}
 
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from vramcal.models.mamba2 import IMPLEMENTATIONS
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.schema import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, SchemaError, read_value
+from vramcal.sizing import SizeRequest
 from vramcal.words import word
 
 LrScaling = Literal["none", "linear", "sqrt"]
@@ -163,12 +164,18 @@ class TrainConfig:
             raise ConfigError(f"unknown setting(s) {', '.join(unknown)}; known: {known}")
         try:
             spec = RegressorSpec(**_typed(RegressorSpec, spec_values))
-            spec.validate()
             return cls(spec=spec, **_typed(cls, data))
         except SchemaError as error:
             raise ConfigError(str(error)) from None
         except ValueError as error:  # RegressorSpec.validate: names the setting
             raise ConfigError(str(error)) from None
+
+    def size_request(self) -> SizeRequest:
+        """What this run asks of its profile (:class:`vramcal.sizing.SizeRequest`): the conservative limit or
+        the batch size given, its minimum, the effective batch, what to size for, the spec's seq_len."""
+        return SizeRequest(batch_size_min=self.batch_size_min, request=self.batch_size,
+                           effective_batch_size=self.effective_batch_size, size_for=self.size_for,
+                           seq_len=self.spec.seq_len)
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with ``changes``; spec fields (``d_model=...``) go into the spec."""

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vramcal.models.registry import REGRESSOR
 from vramcal.models.regressor.windows import Windows
 from vramcal.profile import Profile
 from vramcal.records import Device, World
@@ -127,7 +128,7 @@ class Plan:
         """The plan a run folder's ``run.json`` describes (for ``--resume``)."""
         return cls(config=TrainConfig.from_dict(record["config"]), run_dir=Path(run_dir),
                    device=Device.from_dict(record["device"]), model=ModelRef.from_dict(record["model"]),
-                   sizing=Sizing(**{**record["sizing"], "notices": tuple(record["sizing"]["notices"])}),
+                   sizing=Sizing.from_dict(record["sizing"]),
                    profile_path=record["profile"], lr=record["lr"], data_stats=record["data"],
                    host_memory_limit_bytes=record["host_memory_limit_bytes"], resume=True)
 
@@ -159,9 +160,9 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
 
     windows = load_windows(config)
     device, notices = _device(config, capacity_bytes)
-    model = api.model_ref("regressor", config.spec.to_dict(), device=device, implementation=config.implementation)
-    located = api.locate_profile(model, device=device, profiles_dir=config.profiles_dir,
-                                 path=None if config.profile == "auto" else config.profile, world=world,
+    model = REGRESSOR.ref(config.spec, device, config.implementation)  # the spec was checked when the config was made
+    located = api.locate_profile(model, device=device, profile=None if config.profile == "auto" else config.profile,
+                                 profiles_dir=config.profiles_dir, world=world,
                                  total_bytes=capacity_bytes if budget_matches or device.kind == "host" else None)
     notices += list(located.notices)
     limit = None
@@ -224,10 +225,8 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
     """
     if prepare:
         checkpoint.check_run_dir(run_dir, resume=False)
-    seq_len = config.spec.seq_len
-    sizing = size(setting.profile, config.batch_size, batch_size_min=config.batch_size_min,
-                  pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len, size_for=config.size_for,
-                  effective_batch_size=config.effective_batch_size)
+    ask = config.size_request()
+    sizing = size(setting.profile, ask, pool_data_bytes=setting.pool_data_bytes)
     notices = list(setting.notices) + list(sizing.notices)
     if config.effective_batch_size is not None and config.effective_batch_size > setting.train_windows:
         raise SizingError(f"--effective-batch-size {config.effective_batch_size} is more than the "
@@ -241,9 +240,8 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
         notices.append(f"batch size {sizing.batch_size} is more than the {n_train} training windows{share}: one "
                        f"step per epoch of {n_train} samples{' per rank' * (ranks > 1)} (a smaller --stride gives "
                        f"more windows)")
-        sizing = replace(size(setting.profile, n_train, batch_size_min=config.batch_size_min,
-                              pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len),
-                         source=sizing.source + "+data")
+        capped = size(setting.profile, ask.replace(request=n_train), pool_data_bytes=setting.pool_data_bytes)
+        sizing = replace(capped, source=sizing.source, capped_by_data=True)
     lr = scaled_lr(config.lr, sizing.effective_batch_size or sizing.batch_size, config.reference_batch_size,
                    config.lr_scaling)
     if prepare:

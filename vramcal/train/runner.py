@@ -21,7 +21,7 @@ from typing import Any
 
 from vramcal import __version__
 from vramcal.profile import Observation, ProfileError, append_observation, utc_now
-from vramcal.sizing import Sizing, verdict
+from vramcal.sizing import compare
 from vramcal.train import checkpoint, timing
 from vramcal.train.errors import DivergedError, NonFiniteError, Stopped, TrainError
 from vramcal.train.plan import Plan
@@ -43,41 +43,6 @@ class RunResult:
     peak_bytes: int | None
     observation: Observation | None
     stopped: bool = False
-
-
-def compare(sizing: Sizing, peak_bytes: int, process: bool = False) -> tuple[str, list[str]]:
-    """The measured peak against the profile's prediction, as one line, and warnings.
-
-    Args:
-        process: the prediction carries a measured process term (a framework's process, :mod:`vramcal.sizing`):
-            the advice for a peak above it is then about the process's steps, not the calibration.
-
-    Returns:
-        ``peak 2.70 GiB: predicted 2.60 GiB (+3.8 %), upper bound 2.75 GiB, usable 3.10 GiB`` and a warning
-        for a peak above the upper bound or above usable memory.
-    """
-    predicted = sizing.predicted_peak_bytes  # not positive: a line fitted near the limit, far below its range
-    error = f"{(peak_bytes - predicted) / predicted:+.1%}" if predicted > 0 else "no relative error"
-    term = (f", process term {sizing.process_delta_bytes / 2**20:+.1f} MiB" if process else "") + (
-        f", gradient term +{sizing.gradient_delta_bytes / 2**20:.1f} MiB" if sizing.gradient_delta_bytes else "")
-    line = (f"peak {format_bytes(peak_bytes)} at batch_size {sizing.batch_size}: predicted "
-            f"{format_bytes(predicted)} ({error}{term}), upper bound "
-            f"{format_bytes(sizing.upper_bytes)}, usable {format_bytes(sizing.usable_bytes)}")
-    found = verdict(peak_bytes, sizing.upper_bytes, sizing.usable_bytes, sizing.batch_size, sizing.fitted_from)
-    cause = ("beyond what this process held when training started: its steps hold more than the trials' (its "
-             "allocator, tensors it keeps); train at a smaller batch size, and report it" if process else
-             "the profile does not hold for this run; re-run `vramcal probe` (with this run's data) and report it")
-    warnings = {
-        "above usable": [f"the measured peak {format_bytes(peak_bytes)} is above usable memory "
-                         f"{format_bytes(sizing.usable_bytes)}: {cause}"],
-        "above the bound": [f"the measured peak is above the profile's upper 95 % bound "
-                            f"{format_bytes(sizing.upper_bytes)}: the profile under-predicts this run"],
-        "below the fitted range": [f"the measured peak is above the line's upper bound "
-                                   f"{format_bytes(sizing.upper_bytes)} at batch_size {sizing.batch_size}, below the "
-                                   f"fitted range (from batch_size {sizing.fitted_from}), where the line is an "
-                                   f"extrapolation; the profile's limits are not affected"],
-    }.get(found, [])
-    return line, warnings
 
 
 def train(plan: Plan, echo: Echo = print, on_epoch: Callable[[dict[str, Any]], Any] | None = None,
@@ -190,4 +155,4 @@ def _failure_line(plan: Plan, outcome: Any) -> str:
     return f"the training process failed ({outcome.error_type or outcome.status}: {outcome.message}); {kept}"
 
 
-__all__ = ["RunResult", "Stopped", "TrainError", "compare", "train"]
+__all__ = ["RunResult", "Stopped", "TrainError", "train"]

@@ -42,7 +42,7 @@ def plan_forecast(plan: Plan) -> Forecast | None:
                       "this run's data" if ranks == 1 else "this rank's share of this run's data")
     per_epoch, steps = cut_steps(plan, dataset)
     epochs = plan.config.epochs if steps is None else math.ceil(steps / per_epoch)
-    found = forecast_batch(profile, plan.batch_size, plan.sizing.source, dataset, epochs,
+    found = forecast_batch(profile, plan.batch_size, plan.sizing.label, dataset, epochs,
                            seq_len=plan.config.spec.seq_len)
     if found.epoch_s is None:
         return None

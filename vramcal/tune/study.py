@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vramcal.sizing import size, throughput_choice
+from vramcal.sizing import SizeRequest, size, throughput_choice
 from vramcal.train.config import TrainConfig
 from vramcal.train.plan import Setting
 from vramcal.tune.storage import StorageError, redact
@@ -103,7 +103,7 @@ class TuneSettings:
             raise TuneError(f"--n-initial must be >= 0, got {self.n_initial}")
         for length in self.seq_lens:
             try:
-                dataclasses.replace(self.base.spec, seq_len=length).validate()
+                dataclasses.replace(self.base.spec, seq_len=length)
             except ValueError as error:
                 raise TuneError(f"--seq-lens: {error}") from None
 
@@ -164,7 +164,7 @@ def batch_bounds(settings: TuneSettings, setting: Setting) -> BatchBounds:
         SizingError: the profile has no usable limits.
     """
     seq_len = setting.config.spec.seq_len
-    sizing = size(setting.profile, limit="conservative", pool_data_bytes=setting.pool_data_bytes, seq_len=seq_len)
+    sizing = size(setting.profile, SizeRequest(seq_len=seq_len), pool_data_bytes=setting.pool_data_bytes)
     conservative, low, n_train = sizing.conservative_batch_size, settings.base.batch_size_min, setting.train_windows
     notices = list(setting.notices) + list(sizing.notices)
     if low > conservative:
@@ -444,13 +444,13 @@ class Objective:
         sizing = plan.sizing
         trial.set_user_attr("batch_size_used", sizing.batch_size)
         trial.set_user_attr("clamped", sizing.source != "requested")
-        trial.set_user_attr("batch_source", sizing.source)
+        trial.set_user_attr("batch_source", sizing.label)
         trial.set_user_attr("run_dir", str(plan.run_dir))
         echo = lambda line: self.echo(f"trial {trial.number}: {line}")  # noqa: E731
         if sizing.source == "clamped":
             echo(f"warning: {sizing.notices[0]}")
         length = f"seq_len {config.spec.seq_len}, " if self.space.searched else ""
-        echo(f"{length}lr {config.lr:.3g}, batch_size {sizing.batch_size} ({sizing.source}), weight_decay "
+        echo(f"{length}lr {config.lr:.3g}, batch_size {sizing.batch_size} ({sizing.label}), weight_decay "
              f"{config.weight_decay:.3g}, max_grad_norm {config.max_grad_norm:.3g}")
         rows: list[dict[str, Any]] = []
 

@@ -21,7 +21,7 @@ N_FEATURES = 5
 
 @dataclass(frozen=True)
 class RegressorSpec:
-    """A Mamba-2 regression model over windows of bars: the key of a profile.
+    """A Mamba-2 regression model over windows of bars: the key of a profile, checked when made (:meth:`validate`).
 
     The model maps ``x: (batch_size, seq_len, n_features)`` float32 to ``(batch_size, seq_len)``
     float32 predictions (one next-bar return per position): a linear input projection to ``d_model``,
@@ -53,6 +53,9 @@ class RegressorSpec:
     n_groups: int = 1
     dtype: DtypePolicy = "fp32"
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     @property
     def d_inner(self) -> int:
         return self.expand * self.d_model
@@ -62,7 +65,8 @@ class RegressorSpec:
         return self.d_inner // self.headdim
 
     def validate(self) -> None:
-        """Refuse a spec no Mamba-2 implementation can build or train.
+        """Refuse a spec no Mamba-2 implementation can build or train: run once, when the spec is made (a
+        :func:`dataclasses.replace` makes a new one), so every ``RegressorSpec`` that exists is valid.
 
         Raises:
             ValueError: one line naming the bad value and values that would work.

@@ -46,7 +46,6 @@ def build_model(spec: RegressorSpec, implementation: str) -> torch.nn.Module:
     """
     from vramcal.models.regressor import net
 
-    spec.validate()
     if implementation == "transformers":
         backbone = net.TransformersBackbone(import_transformers_mamba2(), spec)
     elif implementation == "mamba_ssm":
@@ -193,7 +192,6 @@ def training_step(device: torch.device, *, implementation: str = "transformers",
     from vramcal.models.mamba2 import kernel_path
 
     spec = RegressorSpec.from_dict(spec_fields)
-    spec.validate()
     windows = load_windows(data, spec.seq_len, stride, val_fraction)
     torch.manual_seed(seed)
     model = build_model(spec, implementation).to(device)

@@ -1,0 +1,138 @@
+"""Which profile sizes a run: the one lookup that the trainer, the tuner, the integrations and the API share.
+
+:func:`locate_profile` takes what the caller has (a :class:`~vramcal.profile.Profile`, a profile file, or
+nothing) and the model and device of the run; it returns the checked profile with the notices people should
+see (matching files that failed their checks and were passed over, a profile made under other software:
+:mod:`vramcal.staleness`). It never warns itself: each caller says the notices its own way (a command on
+stderr, the API with :func:`warnings.warn`, Lightning on rank 0 only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vramcal import staleness
+from vramcal.models.registry import describe, family_of, model_ref
+from vramcal.profile import (
+    DEFAULT_PROFILES_DIR,
+    Profile,
+    ProfileError,
+    check_profile_matches,
+    load_profile,
+    newest_profile,
+    world_difference,
+)
+from vramcal.records import Device, World
+from vramcal.sizing import SizingError
+from vramcal.units import format_bytes, size_argument
+from vramcal.workload import ModelRef
+
+
+@dataclass(frozen=True)
+class Located:
+    """A profile found for a run: the checked profile, its file (None: given as an object), and notices for
+    people (matching files that failed their checks and were passed over, staleness)."""
+
+    profile: Profile
+    path: Path | None
+    notices: tuple[str, ...] = ()
+
+    @property
+    def source(self) -> str:
+        """Where the profile came from, for people: its file, or ``the given profile``."""
+        return "the given profile" if self.path is None else str(self.path)
+
+
+def locate_profile(model: str | ModelRef | None = "regressor", params: dict[str, Any] | None = None, *,
+                   device: Device, profile: Profile | Path | str | None = None, implementation: str = "auto",
+                   profiles_dir: Path | str = DEFAULT_PROFILES_DIR, world: World | None = None,
+                   total_bytes: int | None = None, strict: bool | None = None) -> Located:
+    """The profile for a run of ``model`` on ``device`` (in a DDP ``world``; None: one process): ``profile``
+    when given (an object or a file), else the newest matching file under ``profiles_dir`` (calibrated at
+    ``total_bytes``, when given: a host rank's own budget). A given profile is checked against the run's device
+    and world, and against ``model`` unless it is None (then the profile's own model is the run's). A profile
+    made under other software or settings that can move memory adds a notice naming them
+    (:mod:`vramcal.staleness`; ``strict``: refuse it).
+
+    Raises:
+        StaleProfileError: ``strict`` (or ``VRAMCAL_STRICT_PROFILE=1``) and the profile is stale.
+        SizingError: none matches (the message gives the ``vramcal probe`` command that makes one), a file that
+            is no profile, a profile for another device, model or world (names the difference), or one with no
+            limits; neither ``model`` nor ``profile`` given.
+        WorkloadError, ValueError: ``model`` or ``params`` are not a model vramcal can build
+            (:func:`vramcal.models.registry.model_ref`).
+    """
+    if model is None and profile is None:
+        raise SizingError("needs profile=<a profile file or Profile>, or model=<what was calibrated> to find one "
+                          "under profiles_dir")
+    ref = None if model is None else model_ref(model, params, device=device, implementation=implementation)
+    notices: list[str] = []
+    if profile is None:
+        found, skipped = newest_profile(profiles_dir, device, ref, world, total_bytes)
+        notices = [f"skipped {line}" for line in skipped]
+        if found is None:
+            bad = f" ({len(skipped)} matching file(s) failed their checks: {skipped[0]})" if skipped else ""
+            where = f" for {world.describe()}" if world else ""
+            budget = f" at {format_bytes(total_bytes)}" if total_bytes else ""
+            raise SizingError(f"no profile for {device.name}{budget} and {describe(ref)}{where} in {profiles_dir}/"
+                              f"{bad}: run `{probe_command(device, ref, world)}` first")
+        profile = found
+    path = None if isinstance(profile, Profile) else Path(profile)
+    located = Located(_checked(profile, path, device, ref, world), path)
+    command = probe_command(device, ref or located.profile.model, world)
+    stale = staleness.check(located.profile, located.source, device, strict=strict, command=command)
+    return Located(located.profile, path, tuple(notices + ([stale] if stale else [])))
+
+
+def _checked(profile: Profile | Path | str, path: Path | None, device: Device, ref: ModelRef | None,
+             world: World | None) -> Profile:
+    """The profile read (a file) and checked against the run (module docstring).
+
+    Raises:
+        SizingError: as :func:`locate_profile`.
+    """
+    source = "the given profile" if path is None else str(path)
+    try:
+        found = profile if path is None else load_profile(path)
+        if ref is not None:
+            check_profile_matches(found, device, ref, world)
+        else:
+            _check_device(found, device, world)
+    except ProfileError as error:
+        raise SizingError(str(error) if str(error).startswith("profile ") else f"{source}: {error}") from None
+    if found.limits is None or found.fit is None or found.limits.safe_batch_size < 1:
+        raise SizingError(f"{source}: the profile has no usable limits (nothing fitted or nothing fits): re-run "
+                          f"`{probe_command(device, ref or found.model)}`")
+    return found
+
+
+def _check_device(profile: Profile, device: Device, world: World | None) -> None:
+    """Raises: ProfileError: the profile was made on other hardware, or for another DDP world."""
+    difference = device.hardware_difference(profile.device)
+    if difference:
+        raise ProfileError(f"made on another device ({difference}): its batch sizes do not hold on this run's "
+                           f"{device.name}; calibrate on it")
+    if profile.world != world:
+        raise ProfileError(world_difference(profile.world, world))
+
+
+def probe_command(device: Device, ref: ModelRef, world: World | None = None) -> str:
+    """The ``vramcal probe`` command line that makes a missing profile (non-default options only)."""
+    gpu = "none" if device.kind == "host" else "auto"
+    implementation = ref.params.get("implementation")
+    ranks = _world_args(world) if world else []
+    budget = [f"--capacity {size_argument(device.total_bytes)}"] if device.total_source == "--capacity" else []
+    impl = [f"--impl {implementation}"] if implementation else []
+    return " ".join(["vramcal probe", f"--gpu {gpu}", *budget, *impl, *ranks, *family_of(ref).probe_args(ref)])
+
+
+def _world_args(world: World) -> list[str]:
+    """``--nproc N`` and the DDP settings that differ from DDP's defaults, as ``vramcal probe`` takes them."""
+    default = World(world.nproc, backend=world.backend, threads_per_rank=world.threads_per_rank)
+    args = [f"--nproc {world.nproc}"]
+    if world.bucket_cap_mb != default.bucket_cap_mb:
+        args.append(f"--bucket-cap-mb {world.bucket_cap_mb:g}")
+    return args + ["--" + name.replace("_", "-") for name in ("gradient_as_bucket_view", "find_unused_parameters",
+                                                               "static_graph") if getattr(world, name)]
