@@ -142,7 +142,7 @@ DDP_SETTINGS = ["--ddp-backend", "gloo", "--bucket-cap-mb", "50", "--gradient-as
 def test_the_ddp_term_is_read_against_the_single_process_profile_of_the_same_budget(tmp_path):
     """A newer single-process profile at another budget is passed over for the one calibrated at the DDP
     profile's budget; without one, the newest at any budget."""
-    from vramcal.api import ddp_term
+    from vramcal.lookup import ddp_term
     from vramcal.profile import Verification
 
     _, ddp = ddp_profile(tmp_path, 1024, slope_mib=24)

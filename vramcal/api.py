@@ -28,7 +28,6 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,19 +35,18 @@ from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibrator import CalibrationError, CalibrationPlan, run_trials
 from vramcal.journal import Journal, journal_path, plan_key
-from vramcal.lookup import Located, locate_profile, probe_command
+from vramcal.lookup import Located, ddp_term, locate_profile, probe_command
 from vramcal.models.registry import family_of, model_ref
 from vramcal.profile import (
     DEFAULT_PROFILES_DIR,
     Profile,
     ProfileError,
     load_profile,
-    newest_profile,
     profile_path,
     save_profile,
 )
 from vramcal.records import Device, Trial, TrialSettings, World
-from vramcal.sizing import Limit, SizeRequest, Sizing, SizingError, size
+from vramcal.sizing import Answer, Limit, SizeRequest, Sizing, SizingError, answer, size
 from vramcal.units import format_bytes
 from vramcal.workload import ModelRef, WorkloadError
 
@@ -281,28 +279,6 @@ def check_writable(folder: Path, size: int = WRITE_CHECK_BYTES) -> None:
             Path(probe.name).unlink(missing_ok=True)
 
 
-def ddp_term(profile: Profile, profiles_dir: Path | str) -> dict[str, Any] | None:
-    """The DDP term of a DDP profile: its safe size's per-rank peak (its verification, step creep included)
-    against the prediction there of the newest single-process profile of the same model and device under
-    ``profiles_dir``, calibrated at the same budget where there is one (bytes; None when there is none, or the
-    DDP profile has no verified safe size)."""
-    check = profile.verification.get("safe")
-    found, _ = newest_profile(profiles_dir, profile.device, profile.model, total_bytes=profile.device.total_bytes)
-    if found is None:
-        found, _ = newest_profile(profiles_dir, profile.device, profile.model)
-    if found is None or check is None or check.peak_bytes is None:
-        return None
-    try:
-        single = load_profile(found)
-        predicted = size(single, SizeRequest(request=check.batch_size, seq_len=profile.model.params.get("seq_len")))
-    except (ProfileError, SizingError):
-        return None
-    at = int(single.fit.predict(check.batch_size))  # the line at the DDP size, clamped or not
-    return {"profile": str(found), "batch_size": check.batch_size, "predicted_peak_bytes": at,
-            "single_safe_batch_size": predicted.safe_batch_size, "ddp_peak_bytes": check.peak_bytes,
-            "term_bytes": check.peak_bytes - at}
-
-
 def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *, gpu: str = "auto",
               capacity_bytes: int | str | None = None, implementation: str = "auto",
               settings: LimitSettings = LimitSettings(), options: dict[str, Any] | None = None,
@@ -411,60 +387,6 @@ def batch_size(profile: Profile | Path | str, limit: Limit = "conservative", *, 
         profile = load_profile(profile)
     ask = SizeRequest(limit=limit, batch_size_min=batch_size_min, request=request, seq_len=seq_len)
     return size(profile, ask, pool_data_bytes=pool_data_bytes).batch_size
-
-
-@dataclass(frozen=True)
-class Answer:
-    """A profile's answer at a sequence length or a batch size (``vramcal limits --seq-len/--batch-size``).
-
-    Attributes:
-        seq_len: the length answered at (for ``--batch-size``: the longest that fits).
-        batch_size: the batch size answered at (for ``--seq-len``: the safe one).
-        safe_batch_size, conservative_batch_size: the limits at ``seq_len``.
-        basis: ``verified`` (a calibrated length), ``not verified``, or an interpolation note.
-        predicted_peak_bytes, upper_bytes, usable_bytes: the model's figures at (batch_size, seq_len).
-    """
-
-    seq_len: int
-    batch_size: int
-    safe_batch_size: int
-    conservative_batch_size: int
-    basis: str
-    predicted_peak_bytes: int
-    upper_bytes: int
-    usable_bytes: int
-
-
-def answer(profile: Profile, *, seq_len: int | None = None, batch_size: int | None = None) -> Answer:
-    """The safe and conservative batch sizes at ``seq_len``, or the longest seq_len at ``batch_size``
-    (a multiple of chunk_size inside the calibrated range whose upper 95 % bound fits in usable memory).
-
-    Raises:
-        SizingError: both or neither given; the profile covers one length only and ``seq_len`` is another
-            (or ``batch_size`` is asked); a length outside the calibrated range or not a multiple of
-            chunk_size; no length fits ``batch_size``.
-    """
-    from vramcal.calibration.surface import longest_at
-    from vramcal.sizing import length_model
-
-    if (seq_len is None) == (batch_size is None):
-        raise SizingError("give --seq-len or --batch-size (one of them)")
-    surface, usable = profile.surface, profile.settings.usable_bytes(profile.device.total_bytes)
-    own = profile.model.params.get("seq_len")
-    if surface is None and (batch_size is not None or seq_len != own):
-        raise SizingError(f"the profile was calibrated at seq_len {own} only: calibrate several lengths "
-                          f"(vramcal probe --seq-len {own},{seq_len or 2 * own}) to answer at others")
-    if batch_size is not None:
-        seq_len = longest_at(surface, batch_size, usable)
-        if seq_len < 1:
-            raise SizingError(f"no seq_len in {min(surface.seq_lens)}-{max(surface.seq_lens)} fits batch_size "
-                              f"{batch_size} within usable memory")
-    model = length_model(profile, seq_len)
-    sizing = size(profile, SizeRequest(limit="safe", seq_len=seq_len)) if batch_size is None else None
-    batch = batch_size if batch_size is not None else sizing.batch_size
-    basis = "verified" if model.verified else (model.basis or "not verified")
-    return Answer(seq_len, batch, model.limits.safe_batch_size, model.limits.conservative_batch_size, basis,
-                  int(model.predict(batch)), int(model.upper(batch)), model.limits.usable_bytes)
 
 
 def verify(profile: Profile, batch_size: int, seq_len: int | None = None, *,

@@ -25,7 +25,7 @@ from vramcal.profile import (
     world_difference,
 )
 from vramcal.records import Device, World
-from vramcal.sizing import SizingError
+from vramcal.sizing import SizeRequest, SizingError, size
 from vramcal.units import format_bytes, size_argument
 from vramcal.workload import ModelRef
 
@@ -136,3 +136,25 @@ def _world_args(world: World) -> list[str]:
         args.append(f"--bucket-cap-mb {world.bucket_cap_mb:g}")
     return args + ["--" + name.replace("_", "-") for name in ("gradient_as_bucket_view", "find_unused_parameters",
                                                                "static_graph") if getattr(world, name)]
+
+
+def ddp_term(profile: Profile, profiles_dir: Path | str) -> dict[str, Any] | None:
+    """The DDP term of a DDP profile: its safe size's per-rank peak (its verification, step creep included)
+    against the prediction there of the newest single-process profile of the same model and device under
+    ``profiles_dir``, calibrated at the same budget where there is one (bytes; None when there is none, or the
+    DDP profile has no verified safe size)."""
+    check = profile.verification.get("safe")
+    found, _ = newest_profile(profiles_dir, profile.device, profile.model, total_bytes=profile.device.total_bytes)
+    if found is None:
+        found, _ = newest_profile(profiles_dir, profile.device, profile.model)
+    if found is None or check is None or check.peak_bytes is None:
+        return None
+    try:
+        single = load_profile(found)
+        predicted = size(single, SizeRequest(request=check.batch_size, seq_len=profile.model.params.get("seq_len")))
+    except (ProfileError, SizingError):
+        return None
+    at = int(single.fit.predict(check.batch_size))  # the line at the DDP size, clamped or not
+    return {"profile": str(found), "batch_size": check.batch_size, "predicted_peak_bytes": at,
+            "single_safe_batch_size": predicted.safe_batch_size, "ddp_peak_bytes": check.peak_bytes,
+            "term_bytes": check.peak_bytes - at}

@@ -301,6 +301,59 @@ def length_model(profile: Profile, seq_len: int | None = None) -> LengthModel:
                        None if entry else basis)
 
 
+@dataclass(frozen=True)
+class Answer:
+    """A profile's answer at a sequence length or a batch size (``vramcal limits --seq-len/--batch-size``).
+
+    Attributes:
+        seq_len: the length answered at (for ``--batch-size``: the longest that fits).
+        batch_size: the batch size answered at (for ``--seq-len``: the safe one).
+        safe_batch_size, conservative_batch_size: the limits at ``seq_len``.
+        basis: ``verified`` (a calibrated length), ``not verified``, or an interpolation note.
+        predicted_peak_bytes, upper_bytes, usable_bytes: the model's figures at (batch_size, seq_len).
+    """
+
+    seq_len: int
+    batch_size: int
+    safe_batch_size: int
+    conservative_batch_size: int
+    basis: str
+    predicted_peak_bytes: int
+    upper_bytes: int
+    usable_bytes: int
+
+
+def answer(profile: Profile, *, seq_len: int | None = None, batch_size: int | None = None) -> Answer:
+    """The safe and conservative batch sizes at ``seq_len``, or the longest seq_len at ``batch_size``
+    (a multiple of chunk_size inside the calibrated range whose upper 95 % bound fits in usable memory).
+
+    Raises:
+        SizingError: both or neither given; the profile covers one length only and ``seq_len`` is another
+            (or ``batch_size`` is asked); a length outside the calibrated range or not a multiple of
+            chunk_size; no length fits ``batch_size``.
+    """
+    from vramcal.calibration.surface import longest_at
+
+    if (seq_len is None) == (batch_size is None):
+        raise SizingError("give --seq-len or --batch-size (one of them)")
+    surface, usable = profile.surface, profile.settings.usable_bytes(profile.device.total_bytes)
+    own = profile.model.params.get("seq_len")
+    if surface is None and (batch_size is not None or seq_len != own):
+        raise SizingError(f"the profile was calibrated at seq_len {own} only: calibrate several lengths "
+                          f"(vramcal probe --seq-len {own},{seq_len or 2 * own}) to answer at others")
+    if batch_size is not None:
+        seq_len = longest_at(surface, batch_size, usable)
+        if seq_len < 1:
+            raise SizingError(f"no seq_len in {min(surface.seq_lens)}-{max(surface.seq_lens)} fits batch_size "
+                              f"{batch_size} within usable memory")
+    model = length_model(profile, seq_len)
+    sizing = size(profile, SizeRequest(limit="safe", seq_len=seq_len)) if batch_size is None else None
+    batch = batch_size if batch_size is not None else sizing.batch_size
+    basis = "verified" if model.verified else (model.basis or "not verified")
+    return Answer(seq_len, batch, model.limits.safe_batch_size, model.limits.conservative_batch_size, basis,
+                  int(model.predict(batch)), int(model.upper(batch)), model.limits.usable_bytes)
+
+
 def limits_for_data(model: LengthModel, profile: Profile, delta: int,
                     cause: str = "the data hold") -> tuple[int, int, list[str]]:
     """(safe, conservative, notices) with ``delta`` bytes more (or less) in the measured memory than the

@@ -101,9 +101,10 @@ def limits_command(ctx: click.Context, profile: Path, gpus: list[GpuModel], seq_
         _gpu_table(profile, loaded, gpus, as_json)
         return
     from vramcal import api
+    from vramcal.sizing import answer
 
     with one_line():
-        found = api.answer(loaded, seq_len=seq_len, batch_size=batch_size)
+        found = answer(loaded, seq_len=seq_len, batch_size=batch_size)
         trial = api.verify(loaded, found.batch_size, found.seq_len) if verify else None
     _print_answer(found, trial, as_json)
     if trial is not None and not trial.fits(found.usable_bytes):
