@@ -1,0 +1,201 @@
+"""One training step's memory without a GPU and without real tensors: the step a trial runs, traced on fake tensors.
+
+For each batch size, as a trial does (:mod:`vramcal.measure.trial`) and in one fresh ``FakeTensorMode`` each:
+
+1. the factory builds the step (:func:`vramcal.workload.build`: model, optimizer, data pipeline) inside
+   ``FakeTensorMode(allow_non_fake_inputs=True)``: every tensor made by a torch op is fake (shapes, dtypes and
+   devices, no memory), including the model's parameters and their initialisation; arrays the factory turns into
+   tensors without an op (the regressor's windows: ``torch.from_numpy``) stay real host tensors, which the fake
+   mode converts when an op reads them (a batch gathered from them is fake). They are the factory's dataset,
+   reported as ``data_bytes``, not traced;
+2. ``warmup_steps`` steps (:func:`vramcal.workload.train_step`: the factory's loss under its own dtype and autocast,
+   backward, clipping when set, the optimizer step, ``zero_grad``); AdamW allocates its state here;
+3. the peaks reset; ``measured_steps`` steps and ``val_steps`` validation passes
+   (:func:`vramcal.workload.validation_step`) at the same batch size;
+
+all under a :class:`vramcal.estimate.trace.StorageTrace`, vramcal's own dispatch mode that follows live storage bytes
+op by op (its module says why not torch's ``MemTracker``: the allocator's model needs the ordered allocations and
+frees, and a trial runs several iterations). The peak of
+the measured part is the estimate on the host; on a CUDA device the same allocations and frees run through the
+caching allocator's model (:func:`vramcal.estimate.allocator.replay`) and the reserved peak is the estimate.
+
+The factory is a real build, only faked: a model built on the meta device instead would skip the factory's own
+code (its data pipeline, its dtype policy, the optimizer it picks), and converting a real build to fake tensors
+would need the real memory first. ``Module.to()`` of fake parameters fails in torch 2.13 (``swap_tensors`` refuses
+tensors the fake mode's memo holds weak references to; pytorch PRs #178584 and #184976); while the factory runs,
+:func:`_swappable_fakes` drops those memo entries before a swap, as the first of those PRs does.
+
+On a CUDA device (``device_kind="cuda"``, a CUDA build of torch; fake tensors take no GPU memory) AdamW groups that
+leave ``foreach`` unset are set to foreach, the choice torch makes for CUDA parameters of plain tensor types
+(``torch.optim.optimizer._default_to_fused_or_foreach``), which a fake parameter's type hides. The CUDA context and
+the cuBLAS/cuDNN workspaces are not traced: they come from a measured profile of the card.
+
+Limits: a step that reads tensor values (``.item()``, a branch on a tensor), an op with a data-dependent output
+shape, or a custom kernel with no fake implementation cannot be traced (:class:`EstimateError`); the host's process
+baseline, its allocator's arenas and fragmentation are not in the trace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from vramcal.estimate.result import EstimateError, PointEstimate, StepEstimate, failure_message, line
+from vramcal.records import DeviceKind, TrialSettings
+from vramcal.workload import ModelRef
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from vramcal.estimate.trace import StorageTrace
+    from vramcal.workload import TrainingStep
+
+
+def estimate_step(ref: ModelRef, batch_sizes: Sequence[int], *, options: dict[str, Any] | None = None,
+                  device_kind: DeviceKind = "host", settings: TrialSettings | None = None) -> StepEstimate:
+    """Trace the training step of ``ref`` at each of ``batch_sizes`` (module docstring) and fit a line to the peaks.
+
+    Args:
+        ref: the factory and its arguments, as a trial builds them.
+        batch_sizes: two or more distinct batch sizes (>= 1); the fake step costs the same at any size.
+        options: more factory arguments that do not change the model (the regressor's data file, ...).
+        device_kind: ``host`` (traced on CPU tensors; peaks in live bytes) or ``cuda`` (traced on CUDA tensors;
+            peaks in the caching allocator's reserved bytes).
+        settings: the trial's steps (``warmup_steps``, ``measured_steps``, ``val_steps``); default
+            :class:`vramcal.records.TrialSettings`.
+
+    Returns:
+        The points and their line (bytes, no process baseline).
+
+    Raises:
+        ValueError: fewer than two distinct batch sizes, or one below 1, or an unknown ``device_kind``.
+        EstimateError: the step cannot be traced on fake tensors, or a CUDA trace with a torch built without CUDA
+            (one line; measure with trials instead).
+    """
+    sizes = _checked_sizes(batch_sizes)
+    if device_kind not in ("host", "cuda"):
+        raise ValueError(f"device_kind must be host or cuda, got {device_kind!r}")
+    start = time.perf_counter()
+    _check_torch(device_kind)
+    traced = [trace_point(ref, size, device_kind, options, settings or TrialSettings()) for size in sizes]
+    points = tuple(point for point, _ in traced)
+    overhead, slope = line([p.batch_size for p in points], [p.peak_bytes for p in points])
+    data_bytes, kernel_path = traced[-1][1]
+    return StepEstimate(model=ref, device_kind=device_kind, points=points, overhead_bytes=overhead,
+                        slope_bytes_per_sample=slope, data_bytes=data_bytes, kernel_path=kernel_path,
+                        wall_s=time.perf_counter() - start)
+
+
+def trace_point(ref: ModelRef, batch_size: int, device_kind: DeviceKind, options: dict[str, Any] | None,
+                settings: TrialSettings) -> tuple[PointEstimate, tuple[int, str]]:
+    """Build and trace one trial's steps at ``batch_size`` in a fresh fake mode (module docstring).
+
+    Returns:
+        The point, and ``(data_bytes, kernel_path)`` of the built step.
+
+    Raises:
+        EstimateError: anything raised while building or tracing (:func:`vramcal.estimate.result.failure_message`).
+    """
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vramcal.estimate.trace import StorageTrace
+    from vramcal.workload import build, detect_kernel_path
+
+    start = time.perf_counter()
+    fake, trace = FakeTensorMode(allow_non_fake_inputs=True), StorageTrace()
+    try:
+        with torch.random.fork_rng(devices=[]), fake, _swappable_fakes(fake), trace:
+            step = build(ref, torch.device("cuda" if device_kind == "cuda" else "cpu"), options)
+            _as_on_device(step, device_kind)
+            trace.label(step.model.parameters(), "parameters")
+            trace.label_live("persistent")
+            reset_at = _run_steps(step, batch_size, settings, trace)
+    except Exception as error:  # noqa: BLE001 - every failure to trace is the one error a caller falls back on
+        raise EstimateError(failure_message(error)) from error
+    facts = (step.pool_data_bytes("host") if device_kind == "host" else 0,
+             step.kernel_path or detect_kernel_path(step.model))
+    return _point(trace, batch_size, device_kind, reset_at, time.perf_counter() - start), facts
+
+
+def _run_steps(step: TrainingStep, batch_size: int, settings: TrialSettings, trace: StorageTrace) -> int:
+    """The trial's steps (module docstring, 2 and 3) under ``trace``; returns the index of the first event after
+    the peaks' reset."""
+    from vramcal.workload import train_step, validation_step
+
+    for _ in range(settings.warmup_steps):
+        train_step(step, step.batch(batch_size))
+    reset_at = len(trace.events)
+    for _ in range(settings.measured_steps):
+        train_step(step, step.batch(batch_size))
+    for _ in range(settings.val_steps):
+        validation_step(step, batch_size)
+    return reset_at
+
+
+def _point(trace: StorageTrace, batch_size: int, device_kind: DeviceKind, reset_at: int,
+           trace_s: float) -> PointEstimate:
+    """The point of a finished trace: live peak and breakdown, and the caching allocator's peaks on the device's
+    events (the reset mapped onto them)."""
+    from vramcal.estimate.allocator import replay
+    from vramcal.estimate.trace import live_peak
+
+    device_type = "cuda" if device_kind == "cuda" else "cpu"
+    live, held = live_peak(trace, device_type, reset_at)
+    on_device = [(index, e) for index, e in enumerate(trace.events) if trace.devices[e.key] == device_type]
+    cuda = replay([e for _, e in on_device], reset_at=sum(1 for index, _ in on_device if index < reset_at))
+    return PointEstimate(
+        batch_size=batch_size, peak_bytes=cuda.peak_reserved_bytes if device_kind == "cuda" else live,
+        live_peak_bytes=live, allocated_peak_bytes=cuda.peak_allocated_bytes,
+        reserved_peak_bytes=cuda.peak_reserved_bytes, parameter_bytes=held["parameters"],
+        gradient_bytes=held["gradients"], optimizer_state_bytes=held["optimizer_states"],
+        persistent_bytes=held["persistent"], activation_bytes=held["activations"], trace_s=trace_s)
+
+
+def _checked_sizes(batch_sizes: Sequence[int]) -> list[int]:
+    sizes = list(batch_sizes)
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes) or len(set(sizes)) < 2:
+        raise ValueError(f"batch_sizes must be two or more distinct whole numbers >= 1, got {sizes!r}")
+    return sizes
+
+
+def _check_torch(device_kind: DeviceKind) -> None:
+    """Raises: EstimateError: a CUDA trace asked of a torch built without CUDA (fake CUDA tensors need its
+    device support, not a GPU)."""
+    import torch
+
+    if device_kind == "cuda" and not torch.backends.cuda.is_built():
+        raise EstimateError(f"cannot trace the step on CUDA tensors: this torch ({torch.__version__}) is built without "
+                            f"CUDA; estimate with a CUDA build of torch, or estimate the host (device_kind='host')")
+
+
+def _as_on_device(step: TrainingStep, device_kind: DeviceKind) -> None:
+    """On CUDA, the optimizer's foreach choice that real CUDA parameters get (module docstring)."""
+    if device_kind != "cuda":
+        return
+    for group in step.optimizer.param_groups:
+        if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+            group["foreach"] = True
+
+
+@contextlib.contextmanager
+def _swappable_fakes(fake: Any) -> Iterator[None]:
+    """``torch.utils.swap_tensors`` that first drops the two tensors from ``fake``'s memo (module docstring), so
+    ``Module.to()`` works on fake parameters; restored on exit."""
+    import torch
+
+    original, memo = torch.utils.swap_tensors, fake.fake_tensor_converter.tensor_memo
+
+    def swap(first: torch.Tensor, second: torch.Tensor) -> None:
+        for key, value in list(memo.items()):
+            if value is first or value is second:
+                del memo[key]
+        original(first, second)
+
+    torch.utils.swap_tensors = swap
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
