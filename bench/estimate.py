@@ -31,6 +31,7 @@ from pathlib import Path
 
 from bench.specs import SPECS
 from vramcal.estimate import EstimateError, StepEstimate, estimate_step
+from vramcal.estimated import Calibrated, held_against, learned_baseline, learned_bound
 from vramcal.models import lm
 from vramcal.workload import ModelRef
 
@@ -143,13 +144,64 @@ def _pct(value: float, reference: float) -> str:
     return f"{100 * (value - reference) / reference:+.1f} %"
 
 
+def calibrations(names: list[str]) -> list[Calibrated]:
+    """Every committed calibration that can teach the estimate (:func:`vramcal.estimated.held_against`): the profiles
+    under ``examples/measured/profiles/``, and the vramcal rounds of ``bench/results/`` (each a calibration on the
+    E-mini bars of ``data/es_1s.parquet`` at the file's stride; the data bytes its trials held are the trace's, of
+    the same file: ``make data`` or ``vramcal data es-sample`` builds it)."""
+    from vramcal.profile import load_profile
+
+    cache: dict[str, StepEstimate] = {}
+    found, notices = held_against(((p.relative_to(REPO), load_profile(p)) for p in sorted(PROFILES.glob("*/*.json"))),
+                                  cache=cache)
+    for notice in notices:
+        print(f"  {notice}", file=sys.stderr)
+    bars = REPO / "data" / "es_1s.parquet"
+    for name in names:
+        if name not in SPECS:
+            continue
+        for path in sorted(RESULTS.glob(f"{name}-*.json")):
+            results = json.loads(path.read_text())
+            if results.get("spec") != SPECS[name].spec.to_dict() or not bars.is_file():
+                continue
+            options = {"data": str(bars), "stride": results.get("data", {}).get("stride")}
+            estimate = estimate_step(SPECS[name].spec.ref("transformers"), TRACED, options=options)
+            for run in results["runs"].get("vramcal", []):
+                safe = run.get("verification", {}).get("safe", {})
+                if run.get("fit") and safe.get("peak_bytes") and safe.get("passed", True):
+                    found.append(Calibrated(f"{path.relative_to(REPO)} vramcal r{run['round']}", "host",
+                                            run["fit"]["overhead_bytes"], estimate.data_bytes, safe["batch_size"],
+                                            safe["peak_bytes"], estimate.overhead_bytes,
+                                            estimate.slope_bytes_per_sample))
+    return found
+
+
+def print_bound(names: list[str]) -> None:
+    """Each calibration's baseline and its leave-one-out error (the estimate with the others' median baseline),
+    and the bound and baseline they give: :data:`vramcal.estimated.BENCH_BOUND` and ``HOST_BASELINE``."""
+    found = calibrations(names)
+    print("| calibration | baseline MiB | safe size | measured peak MiB | leave-one-out error |\n|---|---|---|---|---|")
+    for c in found:
+        error = c.error(learned_baseline(found, "host", leave_out=c.path).bytes)
+        print(f"| {c.path} | {c.baseline_bytes / MIB:.1f} | {c.safe_batch_size} | {c.safe_peak_bytes / MIB:.1f} | "
+              f"{error:+.1%} |")
+    bound, baseline = learned_bound(found, "host"), learned_baseline(found, "host")
+    print(f"\nbaseline (median): {baseline.bytes / MIB:.0f} MiB over {len(found)}; bound: {bound.low:+.1%} to "
+          f"{bound.high:+.1%} over {bound.n}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.estimate", description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", choices=[*SPECS, *LM_CONFIGS], help="default: all")
     parser.add_argument("--trials", action="store_true", help="measure models with no committed measurement")
     parser.add_argument("--trial-sizes", type=int, nargs=2, default=(16, 128), metavar=("SMALL", "LARGE"))
+    parser.add_argument("--bound", action="store_true", help="the leave-one-out bound and the host baseline over "
+                        "every committed calibration (vramcal.estimated's BENCH_BOUND, HOST_BASELINE)")
     args = parser.parse_args(argv)
     refs = models()
+    if args.bound:
+        print_bound(args.model or list(refs))
+        return 0
     print(HEADER)
     errors: list[float] = []
     for name in args.model or list(refs):

@@ -137,7 +137,8 @@ def test_show_report_and_limits(home):
                                 "--gpus", "L4=22.5GiB", "--json").output)
     assert Path(written["markdown"]).name == "doc.md" and Path(written["png"]).is_file()
     assert "report: " in invoke("report", profile, "--out", tmp / "r2").output
-    assert "| L4" in invoke("limits", profile, "--gpus", "L4=22.5GiB").output
+    gpus = invoke("limits", profile, "--gpus", "L4=22.5GiB", "--profiles-dir", home["profiles"]).output
+    assert "\nL4 " in gpus and "estimated, not measured" in gpus  # a host profile: its GPUs estimated
     table = json.loads(invoke("limits", profile, "--json").output)
     assert table["verified"] is True and table["gpus"]
 

@@ -161,11 +161,13 @@ def test_an_unverified_profile_is_not_presented_as_limits(tmp_path):
     assert "(**not verified**: extrapolation only)" in text and "measured** (NOT verified)" in text
 
 
-def test_a_host_profile_drops_absent_sources_and_warns_about_gpu_rows(tmp_path):
+def test_a_host_profile_drops_absent_sources_and_is_not_carried_to_gpus(tmp_path):
     text = write_report([host_profile()], tmp_path)[1].read_text()
     assert "host RAM: AMD EPYC 7763 (2 cores) (8.00 GiB)" in text
     assert "RSS peak" in text and "NVML peak" not in text
-    assert "orders of magnitude" in text
+    gpus = text.partition("Limits on other GPUs (not carried)")[2]
+    assert "H200" not in gpus.partition("- A host profile")[0] and "extrapolated;" not in gpus
+    assert "A host profile is not carried to GPUs" in gpus and "`vramcal estimate " in gpus
 
 
 def test_several_profiles_share_one_figure_and_a_comparison_table(tmp_path):

@@ -33,7 +33,7 @@ LAYERS = (
     # profile -> batch size, run time; trials -> profile (and their journal); a profile against the running software;
     # which profile a run uses
     ("vramcal.sizing", "vramcal.forecast", "vramcal.calibrator", "vramcal.journal", "vramcal.staleness",
-     "vramcal.lookup"),
+     "vramcal.lookup", "vramcal.estimated"),
     ("vramcal.api", "vramcal.report"),  # the front door; reports from profiles
     ("vramcal.train",),  # the bundled trainer
     ("vramcal.tune", "vramcal.integrations", "vramcal.preload"),  # studies, frameworks, the worker server's imports
@@ -279,7 +279,7 @@ def test_every_command_is_registered_in_one_place_and_is_short():
     from vramcal.cli import main
 
     registered = {name for name, command in main.commands.items()}
-    assert registered == {"probe", "show", "report", "limits", "cost", "train", "data", "tune"}
+    assert registered == {"probe", "show", "report", "limits", "estimate", "cost", "train", "data", "tune"}
     sources = "\n".join(p.read_text() for p in (PACKAGE / "cli").glob("*.py") if p.name != "__init__.py")
     assert "add_command" not in sources and "main.command" not in sources  # no self-registration
 

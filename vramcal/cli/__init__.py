@@ -22,6 +22,7 @@ import click  # noqa: E402 - after the pool is chosen
 from vramcal import __version__
 from vramcal.cli.console import VERBOSITY
 from vramcal.cli.cost import cost_command
+from vramcal.cli.estimate import estimate_command
 from vramcal.cli.options import stop_on_sigterm
 from vramcal.cli.probe import probe, show
 from vramcal.cli.report import limits_command, report_command
@@ -53,5 +54,6 @@ def _set(variable: contextvars.ContextVar, value: object) -> Iterator[None]:
         variable.reset(token)
 
 
-for command in (probe, show, report_command, limits_command, cost_command, train_command, data_group, tune_command):
+for command in (probe, show, report_command, limits_command, estimate_command, cost_command, train_command, data_group,
+                tune_command):
     main.add_command(command)

@@ -134,3 +134,18 @@ def time_line(o) -> str:
 def echo_lines(text: str | list[str], err: bool = False) -> None:
     for line in [text] if isinstance(text, str) else text:
         click.echo(line, err=err)
+
+
+def estimate_lines(found) -> list[str]:
+    """The estimate for people: what was traced, the formula and the bound per kind of device, the table, the
+    notices."""
+    out = [f"estimated, not measured: {found.describe()} (traced on fake tensors in {found.estimate.wall_s:.1f} s)"]
+    out += found.formulas
+    out.append(f"{'card':<24} {'total':>10} {'usable':>10} {'safe':>8} {'conservative':>13} {'est. peak':>10} "
+               f"{'up to':>10}")
+    for row in found.rows:
+        out.append(f"{row.card:<24} {format_bytes(row.total_bytes):>10} {format_bytes(row.usable_bytes):>10} "
+                   f"{row.safe_batch_size:>8} {row.conservative_batch_size:>13} {format_bytes(row.peak_bytes):>10} "
+                   f"{format_bytes(row.worst_bytes):>10}")
+    out += found.notices
+    return out

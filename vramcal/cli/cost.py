@@ -6,6 +6,7 @@ It reads profile files only: each card's throughput is what its own trials measu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -131,6 +132,7 @@ def cost_command(profiles: tuple[Path, ...], size_for: str, out_dir: Path, name:
     paths, loaded = load_profiles(profiles)
     forecasts = cost_table(loaded, datasets_for(loaded, options), options["epochs"], options["prices"],
                            size_for=size_for, seq_len=options["seq_len"], labels=_labels(loaded))
+    forecasts = _estimated(forecasts, loaded)
     title = f"{options['epochs']} epochs, {'throughput knee' if size_for == 'throughput' else 'conservative'} batch"
     stem = name or "cost-" + hashlib.sha256(json.dumps([sorted(map(str, paths)), size_for, options], sort_keys=True,
                                                        default=str).encode()).hexdigest()[:8]
@@ -149,6 +151,35 @@ def cost_command(profiles: tuple[Path, ...], size_for: str, out_dir: Path, name:
     for note in forecast_notes(forecasts):
         click.echo(click.wrap_text(note, width=110, initial_indent="- ", subsequent_indent="  "))
     click.echo(f"forecast: {markdown} and {png}")
+
+
+def _estimated(forecasts: list, profiles: list) -> list:
+    """The priced cards without a profile, with the estimated conservative batch size of the profiles' model when
+    they share one and the card is catalogued (:mod:`vramcal.estimated`); the rows stay unknown otherwise, and on
+    a failed trace."""
+    import dataclasses
+
+    from vramcal.estimate import EstimateError
+    from vramcal.estimated import estimate_cards, traced_options
+    from vramcal.forecast import estimated_card
+    from vramcal.report.catalogue import catalogued
+
+    cards = {}
+    for f in forecasts:
+        with contextlib.suppress(ValueError):
+            cards[f.card] = None if f.measured else catalogued(f.card)
+    cards = {name: card for name, card in cards.items() if card is not None}
+    models = {p.model for p in profiles}
+    if not cards or len(models) != 1 or profiles[0].world is not None or profiles[0].surface is not None:
+        return forecasts
+    try:
+        found = estimate_cards(profiles[0].model, traced_options(profiles[0]), cards=list(cards.values()))
+    except (EstimateError, ValueError) as error:
+        return [dataclasses.replace(f, notes=(*f.notes, f"not estimated: {error}")) if f.card in cards else f
+                for f in forecasts]
+    rows = dict(zip(cards, found.rows))
+    return [estimated_card(f, rows[f.card].conservative_batch_size, rows[f.card].bound.says()) if f.card in rows
+            else f for f in forecasts]
 
 
 def _labels(profiles: list) -> list[str]:

@@ -138,6 +138,23 @@ def explicit(ctx: click.Context) -> set[str]:
             if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
 
 
+class GpuList(click.ParamType):
+    """``--gpus "H200,RTX 4090,My card=24GiB"``: catalogued cards by name, others as NAME=SIZE
+    (:func:`vramcal.report.catalogue.parse_gpu_list`)."""
+
+    name = "CARD[,CARD...]"
+
+    def convert(self, value, param, ctx) -> list:
+        if isinstance(value, list):
+            return value
+        try:
+            from vramcal.report.catalogue import parse_gpu_list
+
+            return parse_gpu_list(value)
+        except ValueError as error:
+            self.fail(str(error), param, ctx)
+
+
 class GpuChoice(click.ParamType):
     """A ``--gpu`` value in form (:func:`vramcal.measure.device.check_choice`); whether it names a visible device
     is for the device selection to say."""
@@ -287,6 +304,7 @@ def one_line(interrupted: str = "interrupted") -> Iterator[None]:
     lines (a library's) is joined into one.
     """
     from vramcal.calibrator import CalibrationError
+    from vramcal.estimate import EstimateError
     from vramcal.measure.nvml import NvmlError
     from vramcal.train.errors import TrainError
 
@@ -298,7 +316,7 @@ def one_line(interrupted: str = "interrupted") -> Iterator[None]:
         raise Stopped(f"stopped by SIGTERM{interrupted.removeprefix('interrupted')}") from None
     except KeyboardInterrupt:
         raise Interrupted(interrupted) from None
-    except (ValueError, CalibrationError, NvmlError, TrainError) as error:
+    except (ValueError, CalibrationError, EstimateError, NvmlError, TrainError) as error:
         raise click.ClickException(single_line(str(error)) or type(error).__name__) from None
     except OSError as error:
         raise click.ClickException(f"cannot read or write {error.filename or 'a file'} "

@@ -12,27 +12,12 @@ from pathlib import Path
 import click
 
 from vramcal.cli.cost import forecast_options, forecast_settings
-from vramcal.cli.options import EXIT_UNVERIFIED, load_profiles, one_line, strict_option
+from vramcal.cli.options import EXIT_UNVERIFIED, GpuList, load_profiles, one_line, strict_option
 from vramcal.models.registry import describe
-from vramcal.report.catalogue import GpuModel, parse_gpu_list
-
-
-class GpuList(click.ParamType):
-    """``--gpus "NAME=SIZE,..."``, parsed by :func:`vramcal.report.catalogue.parse_gpu_list`."""
-
-    name = "NAME=SIZE,..."
-
-    def convert(self, value, param, ctx) -> list[GpuModel]:
-        if isinstance(value, list):
-            return value
-        try:
-            return parse_gpu_list(value)
-        except ValueError as error:
-            self.fail(str(error), param, ctx)
-
+from vramcal.report.catalogue import GpuModel
 
 GPUS_HELP = ('more cards for the other-GPU table, e.g. "RTX 4080=16GiB,L4=22.5GiB" '
-             "(GiB binary, GB decimal)")
+             "(GiB binary, GB decimal; a catalogued card by its name, e.g. H200)")
 
 
 @click.command("report")
@@ -78,17 +63,21 @@ def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, 
 @click.option("--batch-size", type=click.IntRange(1), default=None,
               help="the longest seq_len at this batch size (a profile calibrated over several lengths)")
 @click.option("--verify", is_flag=True, help="run one real trial at the answer (on the profile's device, here)")
+@click.option("--profiles-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("profiles"),
+              show_default=True, help="a host profile's GPU estimates learn their baseline and bound from these")
 @click.option("--json", "as_json", is_flag=True, help="print the answer or the table as JSON for programs")
 @strict_option
 @click.pass_context
 def limits_command(ctx: click.Context, profile: Path, gpus: list[GpuModel], seq_len: int | None,
-                   batch_size: int | None, verify: bool, as_json: bool, strict_profile: bool) -> None:
-    """Print PROFILE's limits: on common GPUs (extrapolated from its fit), or at a sequence length or batch size.
+                   batch_size: int | None, verify: bool, profiles_dir: Path, as_json: bool,
+                   strict_profile: bool) -> None:
+    """Print PROFILE's limits: on common GPUs, or at a sequence length or batch size.
 
-    The GPU table is the report's "Limits on other GPUs": safe and conservative batch sizes per card,
-    assuming the fit's overhead and slope carry over (they do only roughly). With --seq-len or --batch-size,
-    the answer of a profile calibrated over several lengths; --verify checks it with a real trial (exit 3
-    when that trial does not fit).
+    The GPU table is the report's "Limits on other GPUs": for a GPU profile, its fit carried to each card
+    (roughly: the context and kernels differ by card); a host profile is never carried to a GPU, whose rows are
+    estimated instead (`vramcal estimate`, with the bound learned from --profiles-dir). With --seq-len or
+    --batch-size, the answer of a profile calibrated over several lengths; --verify checks it with a real trial
+    (exit 3 when that trial does not fit).
     """
     from vramcal.cli.probe import warn_if_stale
 
@@ -98,7 +87,7 @@ def limits_command(ctx: click.Context, profile: Path, gpus: list[GpuModel], seq_
     if seq_len is None and batch_size is None:
         if verify:
             raise click.BadParameter("--verify checks an answer: give --seq-len or --batch-size", param_hint="--verify")
-        _gpu_table(profile, loaded, gpus, as_json)
+        _gpu_table(profile, loaded, gpus, as_json, profiles_dir)
         return
     from vramcal import api
     from vramcal.sizing import answer
@@ -129,7 +118,7 @@ def _print_answer(found, trial, as_json: bool) -> None:
         click.echo(f"real trial at batch_size {found.batch_size}, seq_len {found.seq_len}: {verdict}")
 
 
-def _gpu_table(path: Path, loaded, gpus: list[GpuModel], as_json: bool) -> None:
+def _gpu_table(path: Path, loaded, gpus: list[GpuModel], as_json: bool, profiles_dir: Path) -> None:
     from vramcal.report.catalogue import other_gpu_limits
     from vramcal.report.markdown import device_label, limits_notes, limits_table, missing_notes
 
@@ -138,11 +127,14 @@ def _gpu_table(path: Path, loaded, gpus: list[GpuModel], as_json: bool) -> None:
     except ValueError as error:
         raise click.ClickException(f"{path}: {error}") from None
     world = loaded.world
+    estimated, why = _estimated(loaded, gpus, profiles_dir) if loaded.device.kind == "host" else (None, None)
     if as_json:
         click.echo(json.dumps({"profile": str(path), "verified": loaded.verified, "formula": loaded.fit.formula(),
                                "world": world.to_dict() if world else None,
                                "gpus": [{"gpu": r.gpu.label, "measured": r.measured, **r.limits.to_dict()}
-                                        for r in rows]}, indent=2, sort_keys=True))
+                                        for r in rows],
+                               "estimated": estimated.to_dict() if estimated else None, "not_estimated": why},
+                              indent=2, sort_keys=True))
         return
     click.echo(f"{loaded.fit.formula()}  (r² = {loaded.fit.r_squared:.4f}, n = {loaded.fit.n_points})")
     click.echo(f"measured on {device_label(loaded)}, {loaded.implementation}, {describe(loaded.model)}")
@@ -157,3 +149,25 @@ def _gpu_table(path: Path, loaded, gpus: list[GpuModel], as_json: bool) -> None:
     click.echo("")
     for note in limits_notes(loaded):
         click.echo(click.wrap_text(note, width=110, initial_indent="- ", subsequent_indent="  "))
+    if estimated is not None or why:
+        from vramcal.cli.console import estimate_lines
+
+        click.echo("")
+        for line in estimate_lines(estimated) if estimated is not None else [f"GPUs not estimated: {why}"]:
+            click.echo(line)
+
+
+def _estimated(loaded, gpus: list[GpuModel], profiles_dir: Path):
+    """(the estimate of a host profile's model on the catalogue and ``gpus``, None) or (None, why not)."""
+    from vramcal.estimate import EstimateError
+    from vramcal.estimated import estimate_cards, traced_options
+    from vramcal.report.catalogue import CATALOGUE
+    from vramcal.workload import WorkloadError
+
+    if loaded.world is not None or loaded.surface is not None:
+        return None, "a DDP world or several lengths: estimate one process at one length with `vramcal estimate`"
+    try:
+        return estimate_cards(loaded.model, traced_options(loaded), cards=[*CATALOGUE, *gpus], settings=loaded.settings,
+                              profiles_dir=profiles_dir), None
+    except (EstimateError, WorkloadError, ValueError) as error:
+        return None, str(error)

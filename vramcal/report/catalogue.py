@@ -72,20 +72,28 @@ class GpuLimitRow:
 
 
 def parse_gpu_list(text: str) -> list[GpuModel]:
-    """Parse ``--gpus "NAME=SIZE,NAME=SIZE"``, e.g. ``"RTX 4080=16GiB,L4=24GB"``.
+    """Parse ``--gpus "NAME=SIZE,NAME=SIZE"``, e.g. ``"RTX 4080=16GiB,L4=24GB"``; an entry without a size names a
+    card of the :data:`CATALOGUE` (``H200``, ``RTX 4090``: the start of its label, any case).
 
     Sizes go through :func:`vramcal.units.parse_bytes` (GiB binary, GB decimal).
 
     Raises:
-        ValueError: an entry without ``=``, an empty name, a size that cannot be read or is below 1 MiB
-            (as ``--capacity``), or a name given twice (any case); the message names the entry.
+        ValueError: an entry that is neither NAME=SIZE nor one catalogued card, an empty name, a size that cannot
+            be read or is below 1 MiB (as ``--capacity``), or a name given twice (any case); the message names the
+            entry.
     """
     gpus: list[GpuModel] = []
     for entry in (part.strip() for part in text.split(",")):
         if not entry:
             continue
         name, sep, size = entry.rpartition("=")
-        if not sep or not name.strip():
+        if not sep:
+            card = catalogued(entry)
+            if card in gpus:
+                raise ValueError(f"--gpus entry {entry!r}: {card.label!r} is given twice; name each card once")
+            gpus.append(card)
+            continue
+        if not name.strip():
             raise ValueError(f"--gpus entry {entry!r} is not NAME=SIZE: write e.g. \"RTX 4080=16GiB,L4=24GB\"")
         try:
             total_bytes = parse_bytes(size)
@@ -100,11 +108,29 @@ def parse_gpu_list(text: str) -> list[GpuModel]:
     return gpus
 
 
+def catalogued(name: str) -> GpuModel:
+    """The one card of :data:`CATALOGUE` whose label starts with ``name`` (any case).
+
+    Raises:
+        ValueError: none, or several (the message lists them).
+    """
+    found = [gpu for gpu in CATALOGUE if gpu.label.casefold().startswith(name.casefold())]
+    if len(found) != 1:
+        known = ", ".join(gpu.label for gpu in (found or CATALOGUE))
+        what = "names several catalogued cards" if found else "is no catalogued card"
+        raise ValueError(f"--gpus entry {name!r} {what} ({known}): name one, or give its memory as NAME=SIZE, e.g. "
+                         f"\"{name}=24GiB\"")
+    return found[0]
+
+
 def other_gpu_limits(profile: Profile, extra_gpus: Iterable[GpuModel] = (),
                      catalogue: Sequence[GpuModel] = CATALOGUE) -> list[GpuLimitRow]:
     """The limits this profile's fit implies on each catalogued card, plus the measured device.
 
-    Every card gets ``compute_limits(profile.fit, card.total_bytes, profile.settings)``. A batch size
+    Every card gets ``compute_limits(profile.fit, card.total_bytes, profile.settings)`` when the profile was made on a
+    GPU. A host profile is never carried to a GPU (host RAM in fp32 and a card's caching allocator, CUDA context and
+    kernels differ): its rows are its own alone, and a card without a profile is estimated instead
+    (:mod:`vramcal.estimated`, ``vramcal estimate``). A batch size
     that failed on the measured device (out of memory or over budget) also caps cards with no more
     memory than it, and caps nothing on bigger cards. The measured device's row carries the profile's
     own limits and replaces a catalogue card of the same NVML name.
@@ -127,8 +153,8 @@ def other_gpu_limits(profile: Profile, extra_gpus: Iterable[GpuModel] = (),
     measured_label = f"{device.name} (this profile)" if device.kind == "cuda" else f"host: {device.name}"
     rows = [GpuLimitRow(GpuModel(measured_label, device.total_bytes, device.total_source,
                                  device.name if device.kind == "cuda" else None), profile.limits, True)]
-    for gpu in [*catalogue, *extra_gpus]:
-        if device.kind == "cuda" and gpu.nvml_name == device.name:
+    for gpu in [*catalogue, *extra_gpus] if device.kind == "cuda" else []:
+        if gpu.nvml_name == device.name:
             continue
         cap = failed if failed is not None and gpu.total_bytes <= device.total_bytes else None
         rows.append(GpuLimitRow(gpu, compute_limits(profile.fit, gpu.total_bytes, profile.settings, cap), False))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from vramcal.calibration.creep import PLATEAU_TOLERANCE, STEADY, read_peak, steady_equivalent
 from vramcal.calibration.throughput import Knee, Rate, find_knee, measured_rates
 from vramcal.forecast import FAR, FAR_FRACTION, ForecastSettings, observation_verdict, profile_forecasts
-from vramcal.models.registry import describe, differences
+from vramcal.models.registry import describe, differences, family_of
 from vramcal.profile import profile_path
 from vramcal.report.catalogue import GpuLimitRow, GpuModel, other_gpu_limits
 from vramcal.report.cost import forecast_notes, forecast_table
@@ -220,10 +220,18 @@ def limits_notes(profile: Profile) -> list[str]:
     fit = profile.fit
     overhead = _bytes(fit.overhead_bytes) if fit else MISSING
     slope = _bytes(fit.slope_bytes_per_sample) if fit else MISSING
+    usable = (f"Usable = total − {format_bytes(settings.reserve_bytes)} reserve − {settings.margin * 100:g} % "
+              f"margin; safe max is the largest batch whose upper 95 % prediction bound fits in usable; conservative = "
+              f"floor({settings.conservative_fraction:g} × safe max).")
+    if profile.device.kind == "host":
+        command = " ".join(["vramcal estimate", *family_of(profile.model).probe_args(profile.model),
+                            '--gpus "H200,RTX 4090"'])
+        return [usable, (f"A host profile is not carried to GPUs: host RAM in fp32 and a card's caching allocator, "
+                         f"CUDA context and kernels hold different amounts. `{command}` estimates cards without a GPU, "
+                         f"with the error bound learned from your profiles (`vramcal limits` on this profile prints "
+                         f"it for the catalogue); `vramcal probe` on the card measures it.")]
     notes = [
-        (f"Usable = total − {format_bytes(settings.reserve_bytes)} reserve − {settings.margin * 100:g} % "
-         f"margin; safe max is the largest batch whose upper 95 % prediction bound fits in usable; conservative = "
-         f"floor({settings.conservative_fraction:g} × safe max)."),
+        usable,
         (f"Rows other than the measured one are extrapolations: they assume this fit's overhead ({overhead}) "
          f"and slope ({slope} per sample) hold on that card. That is not exact: the CUDA context, cuBLAS "
          f"workspaces and the kernels chosen differ by card, driver and architecture. Probe the card itself "
@@ -493,7 +501,9 @@ def profile_section(profile: Profile, extra_gpus: Sequence[GpuModel], level: str
     lines += [f"{level} Trials", "", ("Peaks in binary units (1 GiB = 2³⁰ bytes); the raw bytes are in the "
               "profile. `over-budget`: finished, but its peak exceeded usable memory; `in fit`: a point of the "
               "fitted line."), "",
-              trials_table(profile), "", f"{level} Limits on other GPUs (extrapolated)", ""]
+              trials_table(profile), "",
+              f"{level} Limits on other GPUs ({'extrapolated' if profile.device.kind == 'cuda' else 'not carried'})",
+              ""]
     if profile.fit is None or profile.limits is None:
         lines += ["Not available: there is no fit to extrapolate from.", ""]
         return lines

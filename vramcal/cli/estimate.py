@@ -1,0 +1,69 @@
+"""``vramcal estimate``: a model's batch sizes on cards you do not have, estimated without a GPU
+(:mod:`vramcal.estimated`), with the error bound learned from the profiles you have."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from vramcal.cli.console import estimate_lines
+from vramcal.cli.options import (
+    ByteSize,
+    GpuList,
+    data_options,
+    explicit,
+    limit_options,
+    one_line,
+    probe_spec_options,
+)
+from vramcal.cli.probe import factory_options, model_options, model_params
+from vramcal.models import registry
+from vramcal.report.catalogue import CATALOGUE
+
+
+@click.command("estimate")
+@model_options
+@probe_spec_options
+@click.option("--data", type=click.Path(dir_okay=False), default=None,
+              help="regressor: the OHLCV parquet a run would hold [default: data/es_1s.parquet if it exists, else "
+                   "synthetic bars of its size]")
+@data_options
+@click.option("--gpus", type=GpuList(), default=None,
+              help='cards: catalogued names ("H200,RTX 4090") or NAME=SIZE [default: the whole catalogue]')
+@click.option("--capacity", type=ByteSize(min_bytes=2**20), default=None,
+              help="also this host at this memory budget, e.g. 2.5GiB")
+@limit_options
+@click.option("--profiles-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("profiles"),
+              show_default=True, help="the calibrations the baseline and the error bound are learned from")
+@click.option("--json", "as_json", is_flag=True, help="print the estimate as JSON for programs")
+@click.pass_context
+def estimate_command(ctx: click.Context, gpus, capacity, reserve, margin, conservative_fraction, profiles_dir,
+                     as_json, **options) -> None:
+    """Estimate safe and conservative batch sizes on cards you do not have: the training step traced on fake
+    tensors (no GPU, seconds), plus a baseline and an error bound learned from your profiles. Never verified:
+    `vramcal probe` on the card measures."""
+    from vramcal import api
+    from vramcal.estimated import estimate_cards
+
+    seq_lens = options["seq_len"].lengths
+    if len(seq_lens) > 1:
+        raise click.BadParameter("an estimate is of one length: give one --seq-len", param_hint="--seq-len")
+    if options["dtype"] != "fp32":
+        raise click.BadParameter(f"--dtype {options['dtype']} runs CUDA's autocast, which a trace on this torch's CPU "
+                                 f"tensors does not: estimate fp32, or probe on the card", param_hint="--dtype")
+    model, params = model_params(options, explicit(ctx))
+    settings = api.LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
+    with one_line():
+        host, _ = api.select_devices("none", capacity)
+        ref = api.model_ref(model, params, device=host[0], implementation="transformers")
+        data = registry.family_of(ref).data_options(factory_options(options))  # those that apply to the model
+        found = estimate_cards(ref, data, cards=CATALOGUE if gpus is None else gpus,
+                               host=host[0] if capacity is not None else None, settings=settings,
+                               profiles_dir=profiles_dir)
+    if as_json:
+        click.echo(json.dumps(found.to_dict(), indent=2, sort_keys=True))
+        return
+    for line in estimate_lines(found):
+        click.echo(line)

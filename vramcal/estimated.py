@@ -1,0 +1,351 @@
+"""Limits estimated, not measured: a model's batch sizes on a card you do not have, with an error bound learned from
+the calibrations you do have.
+
+The step is traced on fake tensors (:func:`vramcal.estimate.estimate_step`: no GPU, no real tensors), which gives
+the step's own bytes as a line, ``trace_overhead + trace_slope × batch_size`` (model states; activations and
+temporaries per sample). What fake tensors cannot see is the process's own baseline (libraries, allocator arenas,
+on a GPU the CUDA context and workspaces) and the dataset a process holds in the measured memory, so::
+
+    estimated_peak(b) = baseline + data_bytes + trace_overhead + trace_slope × b
+
+On a CUDA card the trace's bytes are what the caching allocator would reserve for the same allocations
+(:func:`vramcal.estimate.allocator.replay`); on the host, live bytes.
+
+**The baseline** is learned from the profiles at hand: for each verified profile of the same kind of device,
+``fit.overhead − pool_data_bytes − trace_overhead`` of its own model; the estimate takes their median. With none,
+a stated default (:data:`HOST_BASELINE`, :data:`CUDA_BASELINE`).
+
+**The bound.** Each such profile is held against the estimate of its own model with the baseline learned from the
+*other* profiles (leave-one-out): ``error = estimated_peak(safe) / measured_peak(safe) − 1`` at its verified safe
+size. The spread of those errors is the bound an estimate carries ("on the 4 calibrations here this estimate was
+−3.1 % to +2.2 % of the measured peak at the safe size"); with fewer than two profiles to learn from it is the
+project's benchmark's (:data:`BENCH_BOUND`), said as such.
+
+**Estimated limits** (:func:`estimated_limits`) hold the worst error against the estimate: the measured peak may
+be as much as ``estimated / (1 + low)`` where ``low`` is the bound's lowest error (the estimate's largest
+under-prediction; an estimate that only ever over-predicted is not lowered), so::
+
+    safe = floor((usable × (1 + min(low, 0)) − baseline − data_bytes − trace_overhead) / trace_slope)
+    conservative = floor(conservative_fraction × safe)
+
+with ``usable`` as a calibration's (:meth:`vramcal.calibration.limits.LimitSettings.usable_bytes`). An estimate is
+never verified: every line that shows one says it is an estimate and gives its bound.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vramcal.calibration.limits import LimitSettings
+from vramcal.estimate import EstimateError, StepEstimate, estimate_step
+from vramcal.estimate.result import line
+from vramcal.profile import Profile
+from vramcal.records import DeviceKind
+from vramcal.units import format_bytes
+from vramcal.workload import ModelRef, WorkloadError
+
+MIB = 2**20
+TRACE_SIZES = (8, 64)  # the batch sizes every estimate traces: a fake step costs the same at any size
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """What a process of a kind of device holds that a fake trace cannot see (bytes), and where the figure comes
+    from, for people."""
+
+    bytes: int
+    source: str
+
+
+# The host: the median over the project's own host calibrations (the profiles of examples/measured/profiles/ and the
+# vramcal rounds of bench/results/; `python -m bench.estimate --bound`): 497-632 MiB, torch 2.13's CPU build.
+HOST_BASELINE = Baseline(569 * MIB, "the project's host calibrations (no host profile here to learn from)")
+# A CUDA card: no GPU calibration has been made by this project; a CUDA 12/13 context with cuBLAS's workspace holds
+# a few hundred MiB per process. A stated default, replaced by the median of the user's GPU profiles once there are.
+CUDA_BASELINE = Baseline(512 * MIB, "a stated default for the CUDA context and workspaces (no GPU profile here to "
+                                    "learn from: unmeasured)")
+
+
+@dataclass(frozen=True)
+class ErrorBound:
+    """How wrong the estimate was where it could be held against measurements: ``low`` and ``high`` are the
+    smallest and largest ``estimated / measured − 1`` of the peak at the safe size, over ``n`` calibrations;
+    ``source`` says which."""
+
+    low: float
+    high: float
+    n: int
+    source: str
+
+    def says(self) -> str:
+        """The bound for people: ``estimated, not measured: on ... this estimate was −3.1 % to +2.2 % ...``."""
+        return (f"estimated, not measured: on {self.source} this estimate was {self.low:+.1%} to {self.high:+.1%} "
+                f"of the measured peak at the safe size")
+
+    def worst(self, estimated_bytes: float) -> float:
+        """The largest measured peak the bound allows for an estimate (bytes): ``estimated / (1 + min(low, 0))``."""
+        return estimated_bytes / (1 + min(self.low, 0.0))
+
+
+# With fewer than two calibrations to learn from: the leave-one-out errors over the project's own host calibrations
+# (the same 9 as HOST_BASELINE, of 5 models: `python -m bench.estimate --bound`).
+BENCH_BOUND = ErrorBound(-0.038, 0.043, 9, "the project's benchmark (9 host calibrations of 5 models; "
+                                           "`python -m bench.estimate --bound`)")
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """One verified profile held against the estimate of its own model (bytes; batch sizes in samples).
+
+    Attributes:
+        path: the profile's file. kind: its device kind.
+        overhead_bytes: its fit's overhead. data_bytes: the data its trials held in the measured memory.
+        safe_batch_size, safe_peak_bytes: its verified safe size and that verification's measured peak.
+        trace_overhead_bytes, trace_slope_bytes_per_sample: the traced line of its model (on its kind of device).
+    """
+
+    path: str
+    kind: DeviceKind
+    overhead_bytes: float
+    data_bytes: int
+    safe_batch_size: int
+    safe_peak_bytes: int
+    trace_overhead_bytes: float
+    trace_slope_bytes_per_sample: float
+
+    @property
+    def baseline_bytes(self) -> float:
+        """What its process held beyond the trace and the data: ``overhead − data − trace_overhead``."""
+        return self.overhead_bytes - self.data_bytes - self.trace_overhead_bytes
+
+    def error(self, baseline_bytes: float) -> float:
+        """``estimated_peak(safe) / measured_peak(safe) − 1`` with ``baseline_bytes`` (module docstring)."""
+        estimated = (baseline_bytes + self.data_bytes + self.trace_overhead_bytes
+                     + self.trace_slope_bytes_per_sample * self.safe_batch_size)
+        return estimated / self.safe_peak_bytes - 1
+
+
+def learned_baseline(calibrated: Sequence[Calibrated], kind: DeviceKind, leave_out: str | None = None) -> Baseline:
+    """The median baseline of ``calibrated`` on ``kind`` (without the one at ``leave_out``), else the stated
+    default of that kind (:data:`HOST_BASELINE`, :data:`CUDA_BASELINE`)."""
+    values = [c.baseline_bytes for c in calibrated if c.kind == kind and c.path != leave_out]
+    if not values:
+        return HOST_BASELINE if kind == "host" else CUDA_BASELINE
+    return Baseline(int(statistics.median(values)), f"the median of {_count(len(values), 'calibration')} here")
+
+
+def learned_bound(calibrated: Sequence[Calibrated], kind: DeviceKind) -> ErrorBound:
+    """The leave-one-out errors (module docstring) of the profiles of ``kind``: each held against the estimate
+    with the baseline of the others; with fewer than two, :data:`BENCH_BOUND`."""
+    mine = [c for c in calibrated if c.kind == kind]
+    if len(mine) < 2:
+        return BENCH_BOUND
+    errors = [c.error(learned_baseline(mine, kind, leave_out=c.path).bytes) for c in mine]
+    return ErrorBound(min(errors), max(errors), len(errors), f"the {len(errors)} calibrations here")
+
+
+@dataclass(frozen=True)
+class EstimatedLimits:
+    """A card's estimated limits (module docstring): bytes; batch sizes in samples.
+
+    Attributes:
+        card, total_bytes, usable_bytes: the card and its memory.
+        safe_batch_size, conservative_batch_size: the estimated limits (0: not one sample fits).
+        peak_bytes: the estimated peak at the safe size; worst_bytes: the largest the bound allows there.
+        fixed_bytes: ``baseline + data_bytes + trace_overhead``; slope_bytes_per_sample: the trace's slope.
+        baseline, bound: what the estimate rests on.
+    """
+
+    card: str
+    total_bytes: int
+    usable_bytes: int
+    safe_batch_size: int
+    conservative_batch_size: int
+    peak_bytes: int
+    worst_bytes: int
+    fixed_bytes: int
+    slope_bytes_per_sample: float
+    baseline: Baseline
+    bound: ErrorBound
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"card": self.card, "total_bytes": self.total_bytes, "usable_bytes": self.usable_bytes,
+                "safe_batch_size": self.safe_batch_size, "conservative_batch_size": self.conservative_batch_size,
+                "peak_bytes": self.peak_bytes, "worst_bytes": self.worst_bytes, "fixed_bytes": self.fixed_bytes,
+                "slope_bytes_per_sample": self.slope_bytes_per_sample, "measured": False, "verified": False,
+                "baseline": {"bytes": self.baseline.bytes, "source": self.baseline.source},
+                "bound": {"low": self.bound.low, "high": self.bound.high, "n": self.bound.n,
+                          "source": self.bound.source, "says": self.bound.says()}}
+
+
+def estimated_limits(card: str, total_bytes: int, trace: tuple[float, float], data_bytes: int,
+                     settings: LimitSettings, baseline: Baseline, bound: ErrorBound) -> EstimatedLimits:
+    """The estimated limits on a card of ``total_bytes`` (module docstring) for a traced line ``trace``
+    (``(overhead_bytes, slope_bytes_per_sample)``) and ``data_bytes`` held in the card's measured memory.
+
+    Raises:
+        ValueError: a line that does not rise (no limit follows from it).
+    """
+    overhead, slope = trace
+    if slope <= 0:
+        raise ValueError(f"the traced step's memory does not rise with the batch size ({slope:.0f} bytes per sample): "
+                         f"no limit follows from it")
+    usable = settings.usable_bytes(total_bytes)
+    fixed = baseline.bytes + data_bytes + overhead
+    budget = usable * (1 + min(bound.low, 0.0))
+    safe = max(0, math.floor((budget - fixed) / slope))
+    peak = fixed + slope * safe
+    return EstimatedLimits(card, total_bytes, usable, safe, math.floor(settings.conservative_fraction * safe),
+                           int(peak), int(bound.worst(peak)), int(fixed), slope, baseline, bound)
+
+
+def trace_line(estimate: StepEstimate, kind: DeviceKind) -> tuple[float, float]:
+    """``(overhead_bytes, slope_bytes_per_sample)`` of a trace for ``kind``: its peaks on the host (live bytes), the
+    caching allocator's reserved bytes on a CUDA card (a host trace replays its allocations through the
+    allocator's model too: :attr:`vramcal.estimate.PointEstimate.reserved_peak_bytes`)."""
+    if kind == "host":
+        return estimate.overhead_bytes, estimate.slope_bytes_per_sample
+    points = estimate.points
+    return line([p.batch_size for p in points], [p.reserved_peak_bytes for p in points])
+
+
+Trace = Callable[[ModelRef, dict[str, Any]], StepEstimate]
+
+
+def _trace(ref: ModelRef, options: dict[str, Any]) -> StepEstimate:
+    return estimate_step(ref, TRACE_SIZES, options=options)
+
+
+def held_against(profiles: Iterable[tuple[Path | str, Profile]], trace: Trace = _trace,
+                 cache: dict[str, StepEstimate] | None = None) -> tuple[list[Calibrated], list[str]]:
+    """The profiles that can teach the estimate (verified, a fitted line, the torch path in fp32, a model that
+    traces), each held against the trace of its model (one trace per model, kept in ``cache``), and a notice for
+    each one passed over.
+
+    The regressor's data file is replaced by synthetic bars of the same shape in the trace (the data do not change
+    the step's bytes, and the profile says what its trials held); a profile made on a GPU is traced on the host and
+    replayed through the caching allocator's model.
+    """
+    cache = {} if cache is None else cache
+    found, notices = [], []
+    for path, profile in profiles:
+        why = _unusable(profile)
+        if why:
+            notices.append(f"{path}: not learned from ({why})")
+            continue
+        key = profile.model.key()
+        try:
+            if key not in cache:
+                cache[key] = trace(profile.model, traced_options(profile))
+        except (EstimateError, WorkloadError, ValueError) as error:
+            notices.append(f"{path}: not learned from ({error})")
+            continue
+        overhead, slope = trace_line(cache[key], profile.device.kind)
+        check = profile.verification["safe"]
+        found.append(Calibrated(str(path), profile.device.kind, profile.fit.overhead_bytes, profile.pool_data_bytes,
+                                check.batch_size, check.peak_bytes, overhead, slope))
+    return found, notices
+
+
+def _unusable(profile: Profile) -> str | None:
+    """Why a profile cannot teach the estimate, or None."""
+    check = profile.verification.get("safe")
+    if profile.fit is None or profile.limits is None or check is None or not check.passed or not check.peak_bytes:
+        return "no verified safe size"
+    if profile.world is not None or profile.surface is not None:
+        return "a DDP world or several lengths: the estimate is of one process at one length"
+    if profile.implementation != "transformers" or profile.model.params.get("dtype", "fp32") != "fp32":
+        dtype = profile.model.params.get("dtype")
+        return f"{profile.implementation}, {dtype}: the estimate traces the torch path in fp32"
+    return None
+
+
+def traced_options(profile: Profile) -> dict[str, Any]:
+    """The factory options a trace of ``profile``'s model takes: its trials' own, synthetic bars for the data."""
+    options = dict(profile.data.get("options", {}))
+    if "data" in options:
+        options["data"] = None  # synthetic bars: the trace needs the shapes, not the file (module docstring)
+    return options
+
+
+def describe_estimate(estimate: StepEstimate, kind: DeviceKind, baseline: Baseline, data_bytes: int) -> str:
+    """``peak ≈ 0.53 GiB + 14.37 MiB × batch_size (baseline 512 MiB: ..., data ..., the step's own ...)``."""
+    overhead, slope = trace_line(estimate, kind)
+    return (f"peak ≈ {format_bytes(baseline.bytes + data_bytes + overhead)} + {format_bytes(slope)} × batch_size "
+            f"(baseline {format_bytes(baseline.bytes)}: {baseline.source}; data {format_bytes(data_bytes)}; the step's "
+            f"own {format_bytes(overhead)})")
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
+@dataclass(frozen=True)
+class CardEstimate:
+    """A model's estimate on several cards (:func:`estimate_cards`).
+
+    Attributes:
+        estimate: the trace (host, fp32, the torch path). rows: one per card, the host last when asked.
+        formulas: the estimated peak per kind of device and its bound, for people. notices: profiles not learned
+            from, and what
+            a bound learned on the host leaves out on a GPU.
+    """
+
+    estimate: StepEstimate
+    rows: tuple[EstimatedLimits, ...]
+    formulas: tuple[str, ...]
+    notices: tuple[str, ...]
+
+    def describe(self) -> str:
+        from vramcal.models.registry import describe
+
+        return f"{describe(self.estimate.model)}: {self.estimate.kernel_path}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"estimated": True, "verified": False, "model": self.estimate.model.to_dict(),
+                "kernel_path": self.estimate.kernel_path, "trace": self.estimate.to_dict(),
+                "cards": [row.to_dict() for row in self.rows], "notices": list(self.notices)}
+
+
+def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[Any], host: Any = None,
+                   settings: LimitSettings = LimitSettings(), profiles_dir: Path | str = Path("profiles"),
+                   trace: Trace = _trace) -> CardEstimate:
+    """The estimated limits of ``ref`` on each of ``cards`` (:class:`vramcal.report.catalogue.GpuModel`: a label and
+    ``total_bytes``) and on ``host`` (a host :class:`~vramcal.records.Device` at its budget, or None), learned from
+    the profiles under ``profiles_dir`` (module docstring).
+
+    Raises:
+        EstimateError: the step cannot be traced (one line; probe it instead). ValueError: a step whose traced
+            memory does not rise with the batch size.
+    """
+    from vramcal.profile import ProfileError, load_profile
+
+    loaded, notices = [], []
+    for path in sorted(Path(profiles_dir).glob("**/*.json")):
+        try:
+            loaded.append((path, load_profile(path)))
+        except ProfileError as error:
+            notices.append(f"not learned from: {error}")
+    cache: dict[str, StepEstimate] = {}
+    calibrated, passed_over = held_against(loaded, trace, cache)
+    estimate = cache.get(ref.key()) or trace(ref, options)
+    rows, formulas = [], []
+    for kind, targets in (("cuda", [(card.label, card.total_bytes) for card in cards]),
+                          ("host", [(f"host: {host.name}", host.total_bytes)] if host is not None else [])):
+        if not targets:
+            continue
+        baseline, bound = learned_baseline(calibrated, kind), learned_bound(calibrated, kind)
+        data = estimate.data_bytes if kind == "host" else 0
+        rows += [estimated_limits(label, total, trace_line(estimate, kind), data, settings, baseline, bound)
+                 for label, total in targets]
+        where = "a GPU" if kind == "cuda" else "the host"
+        formulas += [f"{where}: {describe_estimate(estimate, kind, baseline, data)}", f"  {bound.says()}"]
+        if kind == "cuda" and not any(c.kind == "cuda" for c in calibrated):
+            notices.append("no GPU calibration to learn from: the GPU rows' bound was learned on the host, and the "
+                           "CUDA context, the kernels a card picks and fragmentation are outside it")
+    return CardEstimate(estimate, tuple(rows), tuple(formulas), tuple(notices + passed_over))
