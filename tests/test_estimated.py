@@ -107,7 +107,7 @@ def test_estimate_prints_cards_from_the_catalogue_and_by_size_and_the_host_again
     assert result.exit_code == 0, result.output
     assert result.output.startswith("estimated, not measured: regressor d_model=32")
     assert "on the 3 calibrations here" in result.output and "no GPU calibration to learn from" in result.output
-    printed = json.loads(CliRunner().invoke(main, [*args, "--json"]).stdout)
+    printed = json.loads(CliRunner().invoke(main, [*args, "--json"]).stdout)  # the same traces, kept by the process
     cards = {row["card"]: row for row in printed["cards"]}
     assert list(cards)[:2] == ["H200 141 GB", "Mine"] and cards["Mine"]["total_bytes"] == 12 * GIB
     assert all(row["verified"] is False and row["bound"]["n"] for row in cards.values())

@@ -34,6 +34,7 @@ never verified: every line that shows one says it is an estimate and gives its b
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
@@ -217,8 +218,14 @@ def trace_line(estimate: StepEstimate, kind: DeviceKind) -> tuple[float, float]:
 Trace = Callable[[ModelRef, dict[str, Any]], StepEstimate]
 
 
+_TRACED: dict[str, StepEstimate] = {}  # this process's traces, by model and options: a trace is the same every time
+
+
 def _trace(ref: ModelRef, options: dict[str, Any]) -> StepEstimate:
-    return estimate_step(ref, TRACE_SIZES, options=options)
+    key = json.dumps([ref.to_dict(), options], sort_keys=True, default=str)
+    if key not in _TRACED:
+        _TRACED[key] = estimate_step(ref, TRACE_SIZES, options=options)
+    return _TRACED[key]
 
 
 def held_against(profiles: Iterable[tuple[Path | str, Profile]], trace: Trace = _trace,
