@@ -174,3 +174,38 @@ def test_cost_gives_a_priced_card_without_a_profile_its_estimated_batch_size(tmp
     assert rows["H200"]["batch_source"] == "estimated" and rows["H200"]["batch_size"] > 1000
     assert rows["H200"]["run_s"] is None and "project's benchmark" in rows["H200"]["notes"][0]
     assert rows["Foo"]["batch_size"] is None and rows["Foo"]["batch_source"] is None  # not catalogued: unknown
+
+
+def test_probe_aims_with_the_estimate_and_verifies_its_limits(tmp_path):
+    """``--aim``: the step is traced first and the second trial lands near half the limit instead of at 8; the
+    profile records the aim and is verified, as without it (``--no-aim``, the default, climbs)."""
+    profile = tmp_path / "aimed.json"
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1.5GiB", *TINY, "--no-report",
+                                       "--max-trials", "12", "--steady-steps", "4", "--out", str(profile), "--aim",
+                                       "--profiles-dir", str(tmp_path / "none")])
+    assert result.exit_code == 0, result.output
+    assert "aimed with " in result.output and "per sample (the fake-tensor trace" in result.output
+    aimed = json.loads(profile.read_text())
+    assert aimed["verified"] and aimed["run"]["aim"]["slope_bytes_per_sample"] > 0
+    assert aimed["trials"][1]["batch_size"] > 300  # climbing: 8
+    assert not any("estimate's" in w for w in aimed["warnings"])  # the measured slope is the estimate's
+    plain = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1.5GiB", *TINY, "--no-report",
+                                      "--max-trials", "3", "--out", str(tmp_path / "plain.json"), "--no-aim"])
+    climbed = json.loads((tmp_path / "plain.json").read_text())["trials"]
+    assert "aimed with" not in plain.output and [t["batch_size"] for t in climbed][:2] == [1, 8]
+
+
+def test_a_measured_slope_far_from_the_estimate_is_reported():
+    from vramcal.calibration.search import Aim
+    from vramcal.calibrator import _off_aim
+
+    from profiles_for_tests import host_profile
+
+    profile = host_profile()
+    slope = profile.fit.slope_bytes_per_sample
+    assert _off_aim(profile, Aim(slope * 1.05, -0.04, 0.04, "a test")) == []  # within twice the bound
+    above = _off_aim(profile, Aim(slope / 1.5, -0.04, 0.04, "a test"))
+    assert len(above) == 1 and "50% above the estimate's" in above[0] and "a leak" in above[0]
+    below = _off_aim(profile, Aim(slope * 1.5, -0.04, 0.04, "a test"))
+    assert len(below) == 1 and "33% below" in below[0]
+    assert _off_aim(profile, None) == []

@@ -474,3 +474,24 @@ def test_a_size_unmeasured_twice_is_never_reached_again_nor_a_limit():
     state = settle(trials, settings)
     assert state.failed_batch_size is None and state.limits.failed_batch_size is None
     assert state.safe_trial is not None and state.safe_trial.batch_size < ceiling
+
+
+def test_an_aimed_search_jumps_to_half_the_estimated_limit_and_verifies_the_same_limits():
+    """Issue 38: with an estimate's slope (vramcal.estimated.aim_for) the search leaves batch size 1 for half the
+    limit that slope gives (its worst under-prediction added) instead of climbing x8; the limits it verifies are
+    the climbing search's, on a host-like curve (a flat start of arenas, then a line)."""
+    from vramcal.calibration.search import Aim
+
+    mib = 2**20
+    memory = lambda b: 480 * mib + max(0, b - 8) * 0.25 * mib  # noqa: E731 - flat to 8 samples, then 256 KiB each
+    climbing = SearchSettings(total_bytes=int(1.5 * GIB))
+    aimed = SearchSettings(total_bytes=int(1.5 * GIB), aim=Aim(0.25 * mib, -0.04, 0.04, "a test"))
+    first = [Trial(1, "ok", int(memory(1)))]
+    assert next_batch_size(first, climbing) == Step(8, "grow")
+    limit = 1 + (aimed.usable_bytes - memory(1)) / (0.25 * mib / 0.96)  # the aim's line from the trial at 1
+    assert next_batch_size(first, aimed) == Step(int(limit // 2), "grow")  # no x64 cap on an aimed jump
+    slow, fast = run_policy(memory, climbing), run_policy(memory, aimed)
+    assert len(fast) < len(slow)
+    truth = 8 + (aimed.usable_bytes - 480 * mib) / (0.25 * mib)  # where the line reaches usable memory
+    safe, climbed = settle(fast, aimed).limits.safe_batch_size, settle(slow, climbing).limits.safe_batch_size
+    assert 0.95 * truth <= safe <= truth and safe >= 0.99 * climbed

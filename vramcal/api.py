@@ -110,7 +110,8 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
                      options: dict[str, Any] | None = None, profiles_dir: Path | str = DEFAULT_PROFILES_DIR,
                      out: Path | str | None = None, unique_device: bool = False,
                      seq_lens: str | Sequence[int] | SeqLens = (), trials: TrialSettings = TrialSettings(),
-                     world: World | None = None, rank_devices: Sequence[Device] = ()) -> CalibrationPlan:
+                     world: World | None = None, rank_devices: Sequence[Device] = (),
+                     aim: bool = False) -> CalibrationPlan:
     """Check everything knowable before the first trial (:func:`model_ref`, the lengths, the budget) and
     place the file.
 
@@ -127,6 +128,9 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
         world: calibrate a DDP world of ranks (:class:`~vramcal.records.World`); the limits are per rank.
         rank_devices: the ranks' GPUs (``world.nproc`` of one model; ``device`` is rank 0's); () on the host,
             where every rank runs on the host under the budget.
+        aim: trace the step on fake tensors first (seconds; :func:`vramcal.estimated.aim_for`, its bound learned
+            from ``profiles_dir``) and aim the search's growth with its slope; one process at one length only.
+            A step that cannot be traced is calibrated without (``plan.notices`` says why).
 
     Raises:
         ValueError, WorkloadError: see :func:`model_ref`; lengths that are not multiples of chunk_size or a
@@ -145,8 +149,21 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
     key = ref.without("seq_len") if several else ref
     path = Path(out) if out is not None else profile_path(profiles_dir, device, key, family.implementation(ref),
                                                           unique_device, world)
-    return CalibrationPlan(device, ref, settings, family.data_options(dict(options or {})), path, several, trials,
-                           world, tuple(rank_devices))
+    data = family.data_options(dict(options or {}))
+    found, notices = _aim(ref, data, device, profiles_dir, one=not several and world is None) if aim else (None, ())
+    return CalibrationPlan(device, ref, settings, data, path, several, trials, world, tuple(rank_devices), found,
+                           notices)
+
+
+def _aim(ref: ModelRef, data: dict[str, Any], device: Device, profiles_dir: Path | str, one: bool):
+    """(the :class:`~vramcal.calibration.search.Aim` of a calibration, or None; notices): only for one process at
+    one length (:func:`vramcal.estimated.aim_for`)."""
+    if not one:
+        return None, ("not aimed: the estimate is of one process at one length",)
+    from vramcal.estimated import aim_for
+
+    found, why = aim_for(ref, data, device.kind, profiles_dir)
+    return found, (why,) if why else ()
 
 
 def _check_world(world: World | None, device: Device, rank_devices: tuple[Device, ...]) -> None:

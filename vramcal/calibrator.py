@@ -23,7 +23,7 @@ from vramcal import __version__
 from vramcal.calibration import surface
 from vramcal.calibration.creep import HOST_LATE_CREEP, STEADY
 from vramcal.calibration.limits import LimitSettings
-from vramcal.calibration.search import SearchSettings, Step, next_batch_size, settle, unmeasured_ceiling
+from vramcal.calibration.search import Aim, SearchSettings, Step, next_batch_size, settle, unmeasured_ceiling
 from vramcal.environment import software_versions
 from vramcal.journal import Journal
 from vramcal.measure.trial import TrialRequest
@@ -67,6 +67,9 @@ class CalibrationPlan:
         trials: how each trial runs and how many (:class:`~vramcal.records.TrialSettings`).
         world: a DDP world each trial runs in (limits per rank), or None for one process.
         rank_devices: the ranks' devices (one GPU each); () = every rank on ``device`` (the host).
+        aim: an estimate's slope the search aims its growth with (:class:`~vramcal.calibration.search.Aim`:
+            :mod:`vramcal.estimated`); None climbs from batch size 1. The limits are verified the same way.
+        notices: lines for people about the plan (why it is not aimed).
     """
 
     device: Device
@@ -78,6 +81,8 @@ class CalibrationPlan:
     trials: TrialSettings = TrialSettings()
     world: World | None = None
     rank_devices: tuple[Device, ...] = ()
+    aim: Aim | None = None
+    notices: tuple[str, ...] = ()
 
     @property
     def usable_bytes(self) -> int:
@@ -91,7 +96,7 @@ class CalibrationPlan:
                               max_trials=trials.max_trials + 4 * max(0, len(self.seq_lens) - 1),
                               boundary_fraction=SearchSettings.boundary_fraction if trials.boundary else 0.0,
                               steady_steps=trials.steady_steps,
-                              steady_verifies=trials.steady_steps > trials.measured_steps)
+                              steady_verifies=trials.steady_steps > trials.measured_steps, aim=self.aim)
 
     def request(self, step: Step, seq_len: int | None = None) -> TrialRequest:
         """The trial of ``step`` (at ``seq_len`` in a calibration over several lengths)."""
@@ -233,7 +238,8 @@ def assemble(plan: CalibrationPlan, trials: list[Trial], context: dict[str, Any]
     """
     settings = {k: v for k, v in plan.trials.to_dict().items() if k != "boundary"}
     run = {"wall_s": wall_s, **settings, "boundary_trials": plan.trials.boundary, "creep_rule": "largest",
-           "host_memory_limit": "RLIMIT_DATA = total_bytes" if plan.device.kind == "host" else None}
+           "host_memory_limit": "RLIMIT_DATA = total_bytes" if plan.device.kind == "host" else None,
+           **({"aim": dataclasses.asdict(plan.aim)} if plan.aim else {})}
     if len(plan.seq_lens) > 1:
         return _assemble_surface(plan, trials, context, {**run, "seq_lens": list(plan.seq_lens)})
     return _assemble_one(plan, plan.model, trials, context, run)
@@ -256,7 +262,25 @@ def _assemble_one(plan: CalibrationPlan, model: ModelRef, trials: list[Trial], c
         trials=tuple(trials), fit=state.fit, limits=state.limits, verification=verification, data=data,
         model_info=model_info(context), environment=context.get("environment", {}), world=plan.world,
         software=software_versions(), run=run, created_utc=utc_now(), vramcal_version=__version__)
-    return dataclasses.replace(profile, warnings=tuple(_warnings(profile, len(trials))))
+    return dataclasses.replace(profile, warnings=tuple(_warnings(profile, len(trials)) + _off_aim(profile, plan.aim)))
+
+
+def _off_aim(profile: Profile, aim: Aim | None) -> list[str]:
+    """A warning when the measured slope is far from the estimate the search aimed with: outside twice the
+    estimate's bound (at least ±10 %), it points at fragmentation, a leak, or a step that holds more than the
+    model (the estimate traces the step's own tensors)."""
+    fit = profile.fit
+    if aim is None or fit is None or fit.slope_bytes_per_sample <= 0:
+        return []
+    error = aim.slope_bytes_per_sample / fit.slope_bytes_per_sample - 1
+    if 2 * min(aim.low, -0.05) <= error <= 2 * max(aim.high, 0.05):
+        return []
+    measured = fit.slope_bytes_per_sample / aim.slope_bytes_per_sample - 1
+    why = ("fragmentation, a leak, or a step that holds more than the model" if measured > 0 else
+           "memory the step reuses or frees early that the trace kept, or batches smaller than asked")
+    return [f"the measured slope {format_bytes(fit.slope_bytes_per_sample)} per sample is {abs(measured):.0%} "
+            f"{'above' if measured > 0 else 'below'} the estimate's {format_bytes(aim.slope_bytes_per_sample)} "
+            f"({aim.source}): {why}"]
 
 
 def model_info(context: dict[str, Any]) -> dict[str, Any]:

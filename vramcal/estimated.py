@@ -34,6 +34,7 @@ never verified: every line that shows one says it is an estimate and gives its b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from vramcal.calibration.limits import LimitSettings
+from vramcal.calibration.search import Aim
 from vramcal.estimate import EstimateError, StepEstimate, estimate_step
 from vramcal.estimate.result import line
 from vramcal.profile import Profile
@@ -356,3 +358,29 @@ def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[An
             notices.append("no GPU calibration to learn from: the GPU rows' bound was learned on the host, and the "
                            "CUDA context, the kernels a card picks and fragmentation are outside it")
     return CardEstimate(estimate, tuple(rows), tuple(formulas), tuple(notices + passed_over))
+
+
+def aim_for(ref: ModelRef, options: dict[str, Any], kind: DeviceKind, profiles_dir: Path | str,
+            trace: Trace = _trace) -> tuple[Aim | None, str | None]:
+    """What a calibration of ``ref`` on a device of ``kind`` may aim its growth with (:class:`Aim`: the traced
+    slope and the bound learned from the profiles under ``profiles_dir``), or ``(None, why not)`` when the step
+    cannot be traced: the search then climbs from batch size 1, as without an aim.
+
+    A CUDA device's slope is the trace's reserved bytes (a CPU trace replayed through the caching allocator's
+    model: the torch path in fp32, which holds more per sample than bf16 or the fused kernels, so the aim lands
+    low, never high)."""
+    from vramcal.profile import ProfileError, load_profile
+
+    try:
+        estimate = trace(ref, options)
+    except (EstimateError, WorkloadError, ValueError) as error:
+        return None, f"not aimed (the search climbs from batch size 1): {error}"
+    loaded = []
+    for path in sorted(Path(profiles_dir).glob("**/*.json")):
+        with contextlib.suppress(ProfileError):
+            loaded.append((path, load_profile(path)))
+    bound = learned_bound(held_against(loaded, trace)[0], kind)
+    slope = trace_line(estimate, kind)[1]
+    if slope <= 0:
+        return None, "not aimed: the traced step's memory does not rise with the batch size"
+    return Aim(slope, bound.low, bound.high, f"the fake-tensor trace; its bound learned on {bound.source}"), None

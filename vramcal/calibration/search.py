@@ -6,7 +6,10 @@ with recorded and synthetic trials. Its rules:
 1. **Grow** from ``start_batch_size`` while far from the limit: x8 while the peaks do not rise measurably
    (a *flat start*: on CPUs the first samples fit in memory the process already holds), then aim at half
    of the batch size where the line through the rising points reaches usable memory, at most
-   ``max_growth`` times the largest fitting batch and never at or above a batch size that failed.
+   ``max_growth`` times the largest fitting batch and never at or above a batch size that failed. With an
+   :class:`Aim` (an estimate's slope, :mod:`vramcal.estimated`), the line before any two trials rise is the
+   largest fitting trial's peak plus that slope, raised by the estimate's worst under-prediction: the first
+   jump lands at half the estimated limit instead of climbing x8 at a time.
 2. **Fit locally** (:func:`fit_points`): the line is fitted through the trials that measure the slope
    near the limit — the flat start is left out (it would pull the slope down), and so are points below
    ``1/local_span`` of the largest measured batch (peaks bend: what matters is the slope where the limit
@@ -75,6 +78,23 @@ FLAT_START_SPAN = 2
 
 
 @dataclass(frozen=True)
+class Aim:
+    """An estimate of the step's bytes per sample the search may aim with before it has measured a slope
+    (rule 1): ``slope_bytes_per_sample`` (bytes), ``low`` and ``high`` the estimate's errors (``estimated /
+    measured − 1`` at a safe size, :class:`vramcal.estimated.ErrorBound`), and where it comes from, for people."""
+
+    slope_bytes_per_sample: float
+    low: float
+    high: float
+    source: str
+
+    @property
+    def worst_slope(self) -> float:
+        """The slope the search aims with: ``slope / (1 + min(low, 0))``, the estimate's worst under-prediction."""
+        return self.slope_bytes_per_sample / (1 + min(self.low, 0.0))
+
+
+@dataclass(frozen=True)
 class SearchSettings:
     """Knobs of the policy. ``total_bytes`` is the device's memory; limits derive usable from it.
 
@@ -86,6 +106,7 @@ class SearchSettings:
         steady_steps: measured steps of the steady trial (rule 6); 0 runs none (no creep term).
         steady_verifies: a steady trial due at a conservative size not yet verified is its verification too
             (rule 6); False runs the verification on its own first.
+        aim: an estimate's slope to aim the growth with before any two trials rise (rule 1); None climbs.
     """
 
     total_bytes: int
@@ -101,6 +122,7 @@ class SearchSettings:
     max_batch_size: int = 2**20
     steady_steps: int = TrialSettings.steady_steps
     steady_verifies: bool = True
+    aim: Aim | None = None
 
     @property
     def usable_bytes(self) -> int:
@@ -333,14 +355,15 @@ def _grow(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
     fitting = sorted((t for t in trials if t.fits(usable)), key=lambda t: t.batch_size)
     largest = fitting[-1].batch_size
     failed = proposal_ceiling(trials, usable)
-    estimate = _estimated_limit(trials, fitting, settings)
+    estimate, aimed = _estimated_limit(trials, fitting, settings)
     if estimate is None:
         target = largest * 8  # one point, or peaks that do not rise yet: no estimate to aim at
     elif largest >= settings.far_fraction * estimate:
         return None  # close enough: fill in points, fit and verify
     else:
         target = max(2 * largest, math.floor(estimate / 2))
-    target = min(target, settings.max_growth * largest, settings.max_batch_size)
+    growth = math.inf if aimed else settings.max_growth * largest  # an aim's slope is the step's own, not a guess
+    target = min(target, growth, settings.max_batch_size)
     if failed is not None and target >= failed:
         if estimate is None and len(fitting) >= 2:
             return None  # the failure came before any slope: fill points below it instead
@@ -350,23 +373,29 @@ def _grow(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
     return Step(target, "grow")
 
 
-def _estimated_limit(trials: Sequence[Trial], fitting: Sequence[Trial], settings: SearchSettings) -> float | None:
-    """Batch size where the line through the rising trials reaches usable memory; None if unknown.
+def _estimated_limit(trials: Sequence[Trial], fitting: Sequence[Trial],
+                     settings: SearchSettings) -> tuple[float | None, bool]:
+    """(batch size where the line through the rising trials reaches usable memory, None if unknown; whether the
+    line is the aim's).
 
     The fit's point estimate when it has three rising points and a slope clear of its error; else the
-    line through the two largest fitting trials when their peaks differ measurably; else unknown (a flat
-    start would extrapolate to an absurd limit).
+    line through the two largest fitting trials when their peaks differ measurably; else, with an
+    :class:`Aim`, the largest fitting trial's peak plus the aim's worst slope; else unknown (a flat start
+    would extrapolate to an absurd limit).
     """
-    fit = fit_trials(trials, settings)
+    fit, aimed = fit_trials(trials, settings), False
     if fit is not None and fit.slope_bytes_per_sample > 3 * fit.slope_stderr_bytes_per_sample:
         slope, overhead = fit.slope_bytes_per_sample, fit.overhead_bytes
     elif len(fitting) >= 2 and rises(fitting[-2], fitting[-1]):
         low, high = fitting[-2], fitting[-1]
         slope = (high.peak_bytes - low.peak_bytes) / (high.batch_size - low.batch_size)
         overhead = high.peak_bytes - slope * high.batch_size
+    elif settings.aim is not None and fitting:
+        slope, aimed = settings.aim.worst_slope, True
+        overhead = fitting[-1].peak_bytes - slope * fitting[-1].batch_size
     else:
-        return None
-    return (settings.usable_bytes - overhead) / slope if slope > 0 else None
+        return None, False
+    return ((settings.usable_bytes - overhead) / slope if slope > 0 else None), aimed
 
 
 def _fill(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
@@ -378,12 +407,15 @@ def _fill(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
     largest = largest_fitting(trials, usable) or 0
     failed = proposal_ceiling(trials, usable)
     ceiling = (failed - 1) if failed is not None else settings.max_batch_size
-    estimate = _estimated_limit(trials, sorted((t for t in trials if t.fits(usable)), key=lambda t: t.batch_size),
-                                settings)
+    estimate, _ = _estimated_limit(trials, sorted((t for t in trials if t.fits(usable)), key=lambda t: t.batch_size),
+                                   settings)
     tried = {t.batch_size for t in trials}
     candidates = []
     if estimate is not None:
-        candidates.append(math.floor(min(estimate, ceiling) * (1 - settings.snap_tolerance)))
+        # below the limit; an aimed search, whose first jump lands near it, keeps this point out of the window a
+        # limit settles on (snap_tolerance), so that the limit is verified where the fit puts it
+        below = settings.snap_tolerance * (2 if settings.aim is not None else 1)
+        candidates.append(math.floor(min(estimate, ceiling) * (1 - below)))
     if failed is not None:
         candidates.append((largest + ceiling + 1) // 2)  # between what fitted and what failed
     lowest_rising = min((t.batch_size for t in points), default=largest)

@@ -96,10 +96,13 @@ world_options = group(
 @click.option("--reports-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
               show_default=True)
 @click.option("--no-report", is_flag=True, help="do not write the PNG/Markdown report")
+@click.option("--aim/--no-aim", default=False, show_default=True,
+              help="trace the step on fake tensors first (seconds) and aim the first trials with its slope instead "
+                   "of climbing from batch_size 1; the limits are verified the same way")
 @click.option("--json", "as_json", is_flag=True, help="print the profile(s) as JSON on stdout (the rest on stderr)")
 @click.pass_context
 def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, conservative_fraction, profiles_dir,
-          out, reports_dir, no_report, as_json, **options) -> None:
+          out, reports_dir, no_report, aim, as_json, **options) -> None:
     """Calibrate: real training steps at growing batch sizes, a fit, verified safe/conservative limits.
 
     Exits 0 when every profile written is verified, 3 when one is not (its limits are estimates).
@@ -112,7 +115,7 @@ def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, co
         api.worker_pool().warm_up()  # the trials' server imports torch while the options and data are checked
         settings = api.LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
         plans = plan_probes(explicit(ctx), options, gpu=gpu, capacity=capacity, implementation=implementation,
-                            settings=settings, profiles_dir=profiles_dir, out=out, err=as_json)
+                            settings=settings, profiles_dir=profiles_dir, out=out, err=as_json, aim=aim)
         for plan in plans:
             check_writable(plan.path.parent, "profiles", "--out or --profiles-dir")
             if not no_report:
@@ -126,7 +129,7 @@ def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, co
 
 
 def plan_probes(given: set[str], options: dict[str, Any], *, gpu: str, capacity: int | None, implementation: str,
-                settings, profiles_dir: Path, out: Path | None, err: bool) -> list:
+                settings, profiles_dir: Path, out: Path | None, err: bool, aim: bool = False) -> list:
     """One :class:`~vramcal.api.CalibrationPlan` per device ``--gpu`` names (one for a DDP world), every check
     done before any trial; prints the device notices.
 
@@ -149,7 +152,7 @@ def plan_probes(given: set[str], options: dict[str, Any], *, gpu: str, capacity:
     echo_lines(([notice] if notice else []) + host_hint(devices[0], capacity), err=err)
     data = factory_options(options)
     common = dict(implementation=implementation, settings=settings, options=data, profiles_dir=profiles_dir,
-                  out=out, seq_lens=seq_lens or (), trials=trials, world=world)
+                  out=out, seq_lens=seq_lens or (), trials=trials, world=world, aim=aim)
     if world is not None:
         ranks = tuple(devices[:world.nproc]) if devices[0].kind == "cuda" else ()
         return [api.plan_calibration(model, params, device=devices[0], rank_devices=ranks, **common)]
@@ -242,6 +245,10 @@ def calibrate_one(plan, err: bool = False, reports_dir: Path | None = None):
             if plan.seq_lens else describe(plan.model))
     echo_lines(f"calibrating {what} on {plan.device.name}, {format_bytes(plan.device.total_bytes)} "
                f"({plan.device.total_source}), usable {format_bytes(plan.usable_bytes)}", err=err)
+    if plan.aim is not None:
+        echo_lines(f"aimed with {format_bytes(plan.aim.slope_bytes_per_sample)} per sample ({plan.aim.source})",
+                   err=err)
+    echo_lines(list(plan.notices), err=err)
     printer = TrialPrinter(plan.search().max_trials, plan.usable_bytes, err=err)
     try:
         profile = api.run_calibration(plan, on_trial=printer, on_notice=lambda line: echo_lines(line, err=err),
