@@ -209,3 +209,27 @@ def test_a_measured_slope_far_from_the_estimate_is_reported():
     below = _off_aim(profile, Aim(slope * 1.5, -0.04, 0.04, "a test"))
     assert len(below) == 1 and "33% below" in below[0]
     assert _off_aim(profile, None) == []
+
+
+def test_size_answers_from_the_matching_profile_and_calibrates_when_none_holds(tmp_path):
+    """``vramcal size``: the first call calibrates and prints the batch size alone; the second, with nothing changed,
+    prints the same from the profile with no trial; a profile whose recorded torch is another is calibrated again,
+    and the line says why."""
+    args = ["size", "--gpu", "none", "--capacity", "1.5GiB", *TINY, "--profiles-dir", str(tmp_path), "--no-boundary",
+            "--steady-steps", "0", "--limit", "conservative"]
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    assert first.stdout.strip().isdigit() and "calibrating: no profile of this model" in first.stderr
+    (path,) = tmp_path.glob("*/*.json")
+    trials = json.loads(path.read_text())["trials"]
+    again = CliRunner().invoke(main, [*args, "--json"])
+    answered = json.loads(again.stdout)
+    assert again.exit_code == 0 and answered["calibrated"] is False and answered["profile"] == str(path)
+    assert answered["batch_size"] == int(first.stdout) and json.loads(path.read_text())["trials"] == trials
+    assert "from the matching profile" in again.stderr
+    record = json.loads(path.read_text())
+    record["software"]["torch"] = "2.0.0"
+    path.write_text(json.dumps(record))
+    third = CliRunner().invoke(main, args)
+    assert third.exit_code == 0 and "calibrating again:" in third.stderr and "torch 2.0.0 ->" in third.stderr
+    assert json.loads(path.read_text())["software"]["torch"] != "2.0.0"  # the new calibration replaced it

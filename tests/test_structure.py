@@ -279,7 +279,7 @@ def test_every_command_is_registered_in_one_place_and_is_short():
     from vramcal.cli import main
 
     registered = {name for name, command in main.commands.items()}
-    assert registered == {"probe", "show", "report", "limits", "estimate", "cost", "train", "data", "tune"}
+    assert registered == {"probe", "size", "show", "report", "limits", "estimate", "cost", "train", "data", "tune"}
     sources = "\n".join(p.read_text() for p in (PACKAGE / "cli").glob("*.py") if p.name != "__init__.py")
     assert "add_command" not in sources and "main.command" not in sources  # no self-registration
 

@@ -42,6 +42,7 @@ from vramcal.profile import (
     Profile,
     ProfileError,
     load_profile,
+    newest_profile,
     profile_path,
     save_profile,
 )
@@ -50,10 +51,10 @@ from vramcal.sizing import Answer, Limit, SizeRequest, Sizing, SizingError, answ
 from vramcal.units import format_bytes
 from vramcal.workload import ModelRef, WorkloadError
 
-__all__ = ["Answer", "CalibrationError", "CalibrationPlan", "LimitSettings", "Located", "Profile", "ProfileError",
-           "Sizing", "SizingError", "TrialSettings", "WorkloadError", "answer", "batch_size", "calibrate",
-           "find_profile", "load_profile", "locate_profile", "model_ref", "plan_calibration", "probe_command",
-           "run_calibration", "select_devices", "size", "verify", "worker_pool"]
+__all__ = ["Answer", "Answered", "CalibrationError", "CalibrationPlan", "LimitSettings", "Located", "Profile",
+           "ProfileError", "Sizing", "SizingError", "TrialSettings", "WorkloadError", "answer", "batch_size",
+           "calibrate", "find_profile", "load_profile", "locate_profile", "model_ref", "plan_calibration",
+           "probe_command", "run_calibration", "select_devices", "size", "size_for", "verify", "worker_pool"]
 
 # What the worker fork server imports (the families, the trainer): trials and training runs share it.
 WORKER_PRELOAD = ("vramcal.preload",)
@@ -383,6 +384,59 @@ def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | N
     for notice in located.notices:
         warnings.warn(f"vramcal: {notice}", stacklevel=2)
     return located.profile
+
+
+@dataclasses.dataclass(frozen=True)
+class Answered:
+    """What :func:`size_for` answered: the batch size (samples) and its :class:`~vramcal.sizing.Sizing`, the
+    profile and its file, whether this call calibrated (``calibrated``), and why, for people (``reason``)."""
+
+    batch_size: int
+    sizing: Sizing
+    profile: Profile
+    path: Path
+    calibrated: bool
+    reason: str
+
+
+def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *, gpu: str = "auto",
+             capacity_bytes: int | str | None = None, implementation: str = "auto",
+             options: dict[str, Any] | None = None, profiles_dir: Path | str = DEFAULT_PROFILES_DIR,
+             settings: LimitSettings = LimitSettings(), trials: TrialSettings = TrialSettings(),
+             limit: Limit = "conservative", seq_len: int | None = None, progress: bool = True) -> Answered:
+    """The batch size for a model on a device in one call: the matching profile under ``profiles_dir`` when one
+    holds (the same model, implementation, device and budget, made under the software and settings running
+    now: :mod:`vramcal.staleness`, strictly), else a calibration (:func:`calibrate`, saved there), saying why
+    (none, or made under other software). A second call with nothing changed runs no trial.
+
+    Args:
+        model, params, gpu, capacity_bytes, implementation, options, settings, trials, progress: as
+            :func:`calibrate`. limit, seq_len: as :class:`~vramcal.sizing.SizeRequest`.
+
+    Raises:
+        as :func:`calibrate` and :func:`vramcal.sizing.size`.
+    """
+    from vramcal.staleness import StaleProfileError
+
+    (device, *_), _ = select_devices(gpu, capacity_bytes)
+    ask, budget = SizeRequest(limit=limit, seq_len=seq_len), device.total_bytes if device.kind == "host" else None
+    ref = model_ref(model, params, device=device, implementation=implementation)
+    found, skipped = newest_profile(profiles_dir, device, ref, None, budget)
+    why = (f"calibrating: no profile of this model on this device{' at this budget' * (budget is not None)} under "
+           f"{profiles_dir}/" + (f" ({len(skipped)} matching file(s) failed their checks)" if skipped else ""))
+    if found is not None:
+        try:
+            located = locate_profile(ref, device=device, profile=found, strict=True)
+            sizing = size(located.profile, ask)
+            return Answered(sizing.batch_size, sizing, located.profile, found, False,
+                            f"from the matching profile {found}")
+        except (StaleProfileError, SizingError) as error:
+            why = f"calibrating again: {error}"
+    profile = calibrate(ref, gpu=gpu, capacity_bytes=capacity_bytes, settings=settings, options=options,
+                        profiles_dir=profiles_dir, trials=trials, progress=progress)
+    path = profile_path(profiles_dir, device, profile.model, profile.implementation)
+    sizing = size(profile, ask)
+    return Answered(sizing.batch_size, sizing, profile, path, True, why)
 
 
 def batch_size(profile: Profile | Path | str, limit: Limit = "conservative", *, request: int | None = None,

@@ -26,6 +26,7 @@ from vramcal.cli.estimate import estimate_command
 from vramcal.cli.options import stop_on_sigterm
 from vramcal.cli.probe import probe, show
 from vramcal.cli.report import limits_command, report_command
+from vramcal.cli.size import size_command
 from vramcal.cli.train import data_group, train_command
 from vramcal.cli.tune import tune_command
 from vramcal.words import FLAGS, speaking
@@ -54,6 +55,6 @@ def _set(variable: contextvars.ContextVar, value: object) -> Iterator[None]:
         variable.reset(token)
 
 
-for command in (probe, show, report_command, limits_command, estimate_command, cost_command, train_command, data_group,
-                tune_command):
+for command in (probe, size_command, show, report_command, limits_command, estimate_command, cost_command,
+                train_command, data_group, tune_command):
     main.add_command(command)

@@ -1,0 +1,79 @@
+"""``vramcal size``: the batch size for a model on a device in one command (:func:`vramcal.api.size_for`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import click
+
+from vramcal.cli.options import (
+    EXIT_UNVERIFIED,
+    ByteSize,
+    data_options,
+    device_options,
+    explicit,
+    limit_options,
+    one_line,
+    probe_spec_options,
+)
+from vramcal.cli.probe import (
+    TRIAL_OPTIONS,
+    factory_options,
+    importable_from_cwd,
+    model_options,
+    model_params,
+    stdout_to_stderr,
+    trial_options,
+)
+from vramcal.records import TrialSettings
+from vramcal.sizing import LIMITS
+
+
+@click.command("size")
+@device_options
+@click.option("--capacity", type=ByteSize(min_bytes=2**20), default=None,
+              help="memory budget, e.g. 12GiB (default: the whole device; host: cgroup limit or MemAvailable)")
+@model_options
+@probe_spec_options
+@click.option("--data", type=click.Path(dir_okay=False), default=None,
+              help="regressor: the OHLCV parquet the trials hold [default: data/es_1s.parquet if it exists, else "
+                   "synthetic bars of its size]")
+@data_options
+@limit_options
+@trial_options
+@click.option("--limit", type=click.Choice(LIMITS), default="conservative", show_default=True,
+              help="which of the profile's limits to print")
+@click.option("--profiles-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("profiles"),
+              show_default=True, help="where the matching profile is looked for, and a calibration saved")
+@click.option("--json", "as_json", is_flag=True, help="print the answer, its sizing and the profile's file as JSON")
+@click.pass_context
+def size_command(ctx: click.Context, gpu, capacity, implementation, reserve, margin, conservative_fraction, limit,
+                 profiles_dir, as_json, **options) -> None:
+    """Print the batch size for a model on this device, alone on stdout: from the matching profile when one holds
+    (same model, device, budget and software), else calibrating first and saying why. A second call with nothing
+    changed runs no trial. Exits 3 when the profile's limits are not verified."""
+    from vramcal import api
+
+    if len(options["seq_len"].lengths) > 1:
+        raise click.BadParameter("a batch size is for one length: give one --seq-len", param_hint="--seq-len")
+    trials = TrialSettings(**{name: options.pop(name) for name in TRIAL_OPTIONS})
+    model, params = model_params(options, explicit(ctx))
+    importable_from_cwd(model)
+    settings = api.LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
+    with one_line("interrupted: no profile written, existing profiles are unchanged"), stdout_to_stderr(True):
+        answered = api.size_for(model, params, gpu=gpu, capacity_bytes=capacity, implementation=implementation,
+                                options=factory_options(options), profiles_dir=profiles_dir, settings=settings,
+                                trials=trials, limit=limit)
+    s = answered.sizing
+    click.echo(f"vramcal: batch_size {s.batch_size} ({s.label}; safe {s.safe_batch_size}, conservative "
+               f"{s.conservative_batch_size}) {answered.reason}", err=True)
+    if as_json:
+        click.echo(json.dumps({"batch_size": s.batch_size, "calibrated": answered.calibrated, "reason": answered.reason,
+                               "profile": str(answered.path), "verified": answered.profile.verified,
+                               "sizing": dataclasses.asdict(s)}, indent=2, sort_keys=True))
+    else:
+        click.echo(s.batch_size)
+    if not answered.profile.verified:
+        ctx.exit(EXIT_UNVERIFIED)
