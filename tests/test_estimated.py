@@ -181,7 +181,8 @@ def test_probe_aims_with_the_estimate_and_verifies_its_limits(tmp_path):
     profile records the aim and is verified, as without it (``--no-aim``, the default, climbs)."""
     profile = tmp_path / "aimed.json"
     result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1.5GiB", *TINY, "--no-report",
-                                       "--max-trials", "12", "--steady-steps", "4", "--out", str(profile), "--aim",
+                                       "--max-trials", "12", "--steady-steps", "0", "--no-boundary", "--out",
+                                       str(profile), "--aim",
                                        "--profiles-dir", str(tmp_path / "none")])
     assert result.exit_code == 0, result.output
     assert "aimed with " in result.output and "per sample (the fake-tensor trace" in result.output
