@@ -255,3 +255,18 @@ def test_a_world_whose_batch_is_more_than_the_windows_clamps_each_rank_as_one_pr
     assert found and int(found[1]) == int(found[2]) // 2, ddp.stderr
     assert ddp.stderr.count("training windows (") == 1  # rank 0 says it
     assert f"(global batch {2 * int(found[1])})" in ddp.stderr, ddp.stderr
+
+
+@pytest.mark.parametrize("args", [["probe", "--gpu", "none", "--capacity", "1.5GiB", "--no-report", "--nproc", "999"],
+                                  ["train", "--gpu", "none", "--nproc-per-node", "999"]], ids=["probe", "train"])
+def test_a_world_larger_than_the_hosts_cores_is_refused_before_any_rank_starts(args, tmp_path, monkeypatch):
+    """Issue 43: 999 ranks forked until something stopped them; now the refusal names the option and the cores."""
+    from click.testing import CliRunner
+
+    from vramcal.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, args)
+    cores = len(os.sched_getaffinity(0))
+    assert result.exit_code == 2 and f"999 ranks is more than the {cores} cores" in result.output, result.output
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "profiles").exists()

@@ -208,3 +208,25 @@ def test_host_total_prefers_cgroup_limit_then_memavailable(tmp_path):
     assert host_device(2 * GIB, proc=str(proc), cgroup=str(cgroup)).total_bytes == 2 * GIB
     with pytest.raises(DeviceError, match="more than this host"):
         host_device(64 * GIB, proc=str(proc), cgroup=str(cgroup))
+
+
+# ------------------------------------------------------------------------------------ free memory: the gate
+
+def test_free_memory_is_memavailable_or_the_cgroups_room_or_nvmls_free(tmp_path):
+    """The gate's figure (issue 44): the host's MemAvailable, lowered to a cgroup's limit minus its use; a GPU's
+    NVML free memory. Read from fake /proc and cgroup files and a fake NVML: the hardware boundary."""
+    from vramcal.measure.device import free_bytes
+
+    proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
+    proc.mkdir()
+    cgroup.mkdir()
+    (proc / "meminfo").write_text("MemTotal: 16777216 kB\nMemAvailable: 8388608 kB\n")
+    host = Device(kind="host", name="test", total_bytes=4 * GIB, total_source="--capacity")
+    assert free_bytes(host, str(proc), str(cgroup)) == (8 * GIB, "MemAvailable")
+    (cgroup / "memory.max").write_text(str(6 * GIB))
+    (cgroup / "memory.current").write_text(str(3 * GIB))
+    assert free_bytes(host, str(proc), str(cgroup)) == (3 * GIB, "the cgroup's limit minus its use")
+    assert free_bytes(host, str(tmp_path / "none"), str(cgroup))[0] is None
+    install_fake_nvml([H200])
+    (gpu,), _ = choose("auto")
+    assert free_bytes(gpu) == (H200["total"] - H200["reserved"] - H200["used"], "NVML free memory")

@@ -274,3 +274,23 @@ def test_the_best_cards_are_marked_among_each_models_rows_and_the_labels_name_th
                for line in forecast_notes(rows))
     same = cost_table([small, other], [calibration_dataset(p) for p in (small, other)], 10)  # one model: one mark
     assert sum(f.fastest for f in same) == 1 and _labels([small, other]) == ["NVIDIA GeForce RTX 4090", "NVIDIA L4"]
+
+
+def test_cost_marks_an_unverified_profile_and_refuses_a_length_it_does_not_cover(tmp_path):
+    """Issue 43: an unverified profile's row says its batch size is an extrapolation; ``--seq-len`` outside a
+    profile's lengths is one line naming the probe that covers it, not a row of dashes."""
+    import json
+
+    from click.testing import CliRunner
+
+    from vramcal.cli import main
+    from vramcal.profile import save_profile
+
+    path = save_profile(gpu_profile(verify=False), tmp_path / "unverified.json")
+    result = CliRunner().invoke(main, ["cost", str(path), "--samples", "1000", "--out", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.stdout)["forecasts"]
+    assert row["notes"][0].startswith("the profile's limits were not verified by real trials")
+    other = CliRunner().invoke(main, ["cost", str(path), "--seq-len", "64", "--out", str(tmp_path)])
+    assert other.exit_code == 1 and "Traceback" not in other.output
+    assert "calibrated at seq_len" in other.output and "vramcal probe --seq-len 64" in other.output

@@ -801,3 +801,45 @@ def test_one_train_command_checks_each_spec_and_each_size_request_once(setup, mo
     assert result.exit_code == 0, result.output
     assert SPEC in specs and asks  # the run's own spec was made, and sized
     assert [spec for spec, n in specs.items() if n > 1] == [] and [a for a, n in asks.items() if n > 1] == []
+
+
+def test_the_gate_lowers_the_limits_by_what_other_processes_took_since_the_calibration(setup, monkeypatch):
+    """Issue 44: what the device has free now against the profile's budget. Sizing alone: free memory at the budget
+    minus its reserve changes nothing; less lowers the limits along the fit, says how much is missing, and keeps the
+    prediction the run's own; too little for one sample refuses. Then ``vramcal train`` with the device's free
+    memory faked low (the hardware boundary): it says so and trains at the lower size."""
+    from vramcal import sizing
+    from vramcal.train import plan as planning
+
+    profile = setup["profile"]
+    limits, reserve = profile.limits, profile.settings.reserve_bytes
+    room = limits.total_bytes - reserve
+    assert sizing.size(profile, free_bytes=room) == sizing.size(profile)
+    short = sizing.size(profile, sizing.SizeRequest(limit="safe"), free_bytes=room - 100 * MIB, free_source="a test")
+    assert short.missing_bytes == 100 * MIB and short.safe_batch_size < limits.safe_batch_size
+    assert short.notices[0].startswith("the device has ") and "(a test): 100.00 MiB less than" in short.notices[0]
+    assert short.predicted_peak_bytes == int(profile.fit.predict(short.batch_size))  # the run's own memory
+    with pytest.raises(sizing.SizingError, match="no room for one sample"):
+        sizing.size(profile, free_bytes=0)
+    monkeypatch.setattr(planning, "free_bytes", lambda device: (room - 100 * MIB, "MemAvailable (faked)"))
+    result = train(setup, "gated", "--epochs", "1")
+    assert result.exit_code == 0, result.output
+    assert "100.00 MiB less than the profile's" in result.output
+    run = json.loads((setup["tmp"] / "gated" / "run.json").read_text())
+    assert run["sizing"]["missing_bytes"] == 100 * MIB
+    assert run["sizing"]["batch_size"] < limits.conservative_batch_size
+
+
+def test_a_data_file_swapped_after_the_plan_is_refused_before_any_step(setup):
+    """Issue 43: the plan's data facts (rows, split, windows, normalisation) against the file the worker reads; a
+    different file in its place is one DataError line and no step is trained on it."""
+    from vramcal.train.runner import train as run_plan
+
+    config = TrainConfig(data=str(setup["data"]), spec=SPEC, gpu="none", profiles_dir=str(setup["profiles"]),
+                         batch_size=8, epochs=1, max_steps=2)
+    plan = plan_run(config, setup["tmp"] / "swapped", resolve(config))
+    synthetic_bars(300, seed=7).to_parquet(setup["data"])  # another file where the planned one was
+    with pytest.raises(loop.TrainError, match=r"changed after the run was planned \(rows: \d+ planned, \d+ now\): nothing "
+                                         r"was trained on it"):
+        run_plan(plan, echo=lambda line: None)
+    assert not (setup["tmp"] / "swapped" / checkpoint.LAST).exists()

@@ -246,14 +246,19 @@ def forecast_profile(profile: Profile, dataset: Dataset | None, epochs: int, *, 
     batch, source = sizing.batch_size, sizing.label
     if dataset is None:
         rate = rate_at(measured_rates(length_trials(profile, seq_len)), batch)
-        return Forecast(card, True, epochs, None, batch, source, price_per_hour=price_per_hour,
-                        samples_per_s=rate and rate.samples_per_s, low_samples_per_s=rate and rate.low_samples_per_s,
-                        high_samples_per_s=rate and rate.high_samples_per_s, steady=rate and rate.steady,
-                        notes=("no dataset: give one (--data, --bars or --samples) for the times",), model=model)
-    if batch > dataset.train_samples:
-        batch, source = dataset.train_samples, replace(sizing, capped_by_data=True).label
-    return forecast_batch(profile, batch, source, dataset, epochs, price_per_hour=price_per_hour, seq_len=seq_len,
-                          card=card)
+        found = Forecast(card, True, epochs, None, batch, source, price_per_hour=price_per_hour,
+                         samples_per_s=rate and rate.samples_per_s, low_samples_per_s=rate and rate.low_samples_per_s,
+                         high_samples_per_s=rate and rate.high_samples_per_s, steady=rate and rate.steady,
+                         notes=("no dataset: give one (--data, --bars or --samples) for the times",), model=model)
+    else:
+        if batch > dataset.train_samples:
+            batch, source = dataset.train_samples, replace(sizing, capped_by_data=True).label
+        found = forecast_batch(profile, batch, source, dataset, epochs, price_per_hour=price_per_hour,
+                               seq_len=seq_len, card=card)
+    return found if profile.verified else replace(found, notes=(UNVERIFIED, *found.notes))
+
+
+UNVERIFIED = "the profile's limits were not verified by real trials: its batch size is an extrapolation"
 
 
 def unknown_card(price: Price, epochs: int, dataset: Dataset | None) -> Forecast:

@@ -179,6 +179,8 @@ class Sizing:
             (the caller's, moved into [batch_size_min, safe]) (:data:`Source`).
         capped_by_data: the batch was lowered to the training samples there are (the trainer: a step needs a
             full batch); ``source`` is where it came from before. :attr:`label` says both, and accumulation.
+        missing_bytes: what the device was missing against the profile's budget when the run was sized (the
+            gate, :func:`size`'s ``free_bytes``); the limits are lowered by it, the prediction is not.
         safe_batch_size, conservative_batch_size: the limits in force (after the data term).
         predicted_peak_bytes, upper_bytes: point prediction and upper 95 % bound of the run's peak (at a size a
             verification trial measured, never below its peak, step creep included: the evidence).
@@ -214,6 +216,7 @@ class Sizing:
     effective_batch_size: int | None = None
     gradient_delta_bytes: int = 0
     capped_by_data: bool = False
+    missing_bytes: int = 0
 
     @property
     def label(self) -> str:
@@ -407,7 +410,7 @@ def extra_bytes(profile: Profile, pool_data_bytes: int | None, process_bytes: in
 
 
 def size(profile: Profile, ask: SizeRequest = SizeRequest(), *, pool_data_bytes: int | None = None,
-         process_bytes: int | None = None) -> Sizing:
+         process_bytes: int | None = None, free_bytes: int | None = None, free_source: str = "free now") -> Sizing:
     """The batch size for a run and the profile's prediction for it.
 
     Args:
@@ -418,6 +421,11 @@ def size(profile: Profile, ask: SizeRequest = SizeRequest(), *, pool_data_bytes:
         pool_data_bytes: the run's data bytes in the measured memory (None: as in the calibration).
         process_bytes: what the run's process holds at the start of training (the process term; module
             docstring); it replaces ``pool_data_bytes``.
+        free_bytes: what the device has free before the run starts (the gate; ``free_source`` says whose
+            figure): when other processes took memory since the calibration, the run has that much less, so
+            ``missing = total − reserve − free_bytes`` (the reserve covers what a driver and the system
+            normally hold), when positive, lowers the limits as the data term does (the prediction, of this
+            run's own memory, stays).
 
     The seed documents clamp the user's batch size to [min, max] before any allocation; here max is the
     profile's safe batch size (the largest whose upper prediction bound fits in usable memory).
@@ -433,25 +441,44 @@ def size(profile: Profile, ask: SizeRequest = SizeRequest(), *, pool_data_bytes:
     if not isinstance(ask, SizeRequest):
         raise TypeError(f"size() takes what the run asks as a vramcal.SizeRequest, not {type(ask).__name__} "
                         f"{ask!r:.40}: size(profile, SizeRequest(request={ask!r:.20})) for a batch size")
-    check_counts(pool_data_bytes=pool_data_bytes, process_bytes=process_bytes)
+    check_counts(pool_data_bytes=pool_data_bytes, process_bytes=process_bytes, free_bytes=free_bytes)
     model = length_model(profile, ask.seq_len)
     extra = extra_bytes(profile, pool_data_bytes, process_bytes)
-    sizing = _size(profile, model, extra, process_bytes, ask)
+    gone = missing(model.limits, profile.settings, free_bytes, free_source)
+    sizing = _size(profile, model, extra, process_bytes, ask, gone=gone)
     if ask.gradients is None and sizing.accumulation_steps > 1:
         sizing = _size(profile, model, extra, process_bytes, ask.replace(gradients=GradientsHeld.ACCUMULATION),
-                       sizing.accumulation_steps)
+                       sizing.accumulation_steps, gone)
     return sizing
 
 
+def missing(limits: Limits, settings: Any, free_bytes: int | None, source: str) -> tuple[int, str | None]:
+    """(bytes the device is missing against the profile's budget now, notice): ``total − reserve − free`` when
+    positive (:func:`size`, ``free_bytes``), else (0, None)."""
+    if free_bytes is None:
+        return 0, None
+    gone = limits.total_bytes - settings.reserve_bytes - free_bytes
+    if gone <= 0:
+        return 0, None
+    return gone, (f"the device has {format_bytes(free_bytes)} free now ({source}): {format_bytes(gone)} less than "
+                  f"the profile's {format_bytes(limits.total_bytes)} budget leaves beyond its reserve (other processes "
+                  f"took it since the calibration)")
+
+
 def _size(profile: Profile, model: LengthModel, extra: tuple[int, int, str], process_bytes: int | None,
-          ask: SizeRequest, accumulation_steps: int = 1) -> Sizing:
+          ask: SizeRequest, accumulation_steps: int = 1, gone: tuple[int, str | None] = (0, None)) -> Sizing:
     """:func:`size` with the deltas found (a second time with the gradient term, when accumulation needs it:
-    ``accumulation_steps``, for its notice)."""
+    ``accumulation_steps``, for its notice); ``gone``: the memory the device is missing now (:func:`missing`)."""
     data_delta, process_delta, cause = extra
     gradient_delta, gradient_notice = gradient_term(profile, ask.gradients, accumulation_steps)
     if gradient_delta:
         cause = "with the gradients held through the forward pass, this run holds"
-    safe, conservative, notices = limits_for_data(model, profile, data_delta + process_delta + gradient_delta, cause)
+    if gone[0]:
+        cause = "with the memory missing now, this run needs"
+    safe, conservative, notices = limits_for_data(model, profile, data_delta + process_delta + gradient_delta + gone[0],
+                                                  cause)
+    if gone[1]:
+        notices.insert(0, gone[1])
     if gradient_notice:
         notices.insert(0, gradient_notice)
     if process_bytes is not None:
@@ -475,7 +502,7 @@ def _size(profile: Profile, model: LengthModel, extra: tuple[int, int, str], pro
                   data_delta_bytes=data_delta, verified=model.verified, notices=tuple(notices),
                   fitted_from=model.fitted_from, process_delta_bytes=process_delta, accumulation_steps=steps,
                   effective_batch_size=batch * steps if ask.effective_batch_size is None else ask.effective_batch_size,
-                  gradient_delta_bytes=gradient_delta)
+                  gradient_delta_bytes=gradient_delta, missing_bytes=gone[0])
 
 
 def gradient_term(profile: Profile, held: GradientsHeld | None, accumulation_steps: int = 1) -> tuple[int, str | None]:

@@ -130,6 +130,7 @@ def cost_command(profiles: tuple[Path, ...], size_for: str, out_dir: Path, name:
     from vramcal.report.cost import forecast_notes, forecast_table
 
     paths, loaded = load_profiles(profiles)
+    _check_lengths(paths, loaded, options["seq_len"])
     forecasts = cost_table(loaded, datasets_for(loaded, options), options["epochs"], options["prices"],
                            size_for=size_for, seq_len=options["seq_len"], labels=_labels(loaded))
     forecasts = _estimated(forecasts, loaded)
@@ -151,6 +152,21 @@ def cost_command(profiles: tuple[Path, ...], size_for: str, out_dir: Path, name:
     for note in forecast_notes(forecasts):
         click.echo(click.wrap_text(note, width=110, initial_indent="- ", subsequent_indent="  "))
     click.echo(f"forecast: {markdown} and {png}")
+
+
+def _check_lengths(paths: list[Path], profiles: list, seq_len: int | None) -> None:
+    """``--seq-len`` must be a length each profile covers: a row of dashes would answer nothing.
+
+    Raises:
+        click.ClickException: one line naming the profile and the probe that covers the length (exit 1).
+    """
+    from vramcal.sizing import SizingError, length_model
+
+    for path, profile in zip(paths, profiles):
+        try:
+            length_model(profile, seq_len)
+        except SizingError as error:
+            raise click.ClickException(f"{path}: {error}") from None
 
 
 def _estimated(forecasts: list, profiles: list) -> list:

@@ -267,6 +267,20 @@ ddp_options = group(
 )
 
 
+def check_local_ranks(nproc: int, flag: str, on_gpu: bool) -> None:
+    """A world of ``nproc`` ranks on this machine must fit what it has, checked before any rank is forked: on the
+    host (gloo) at most one rank per core this process may run on (a rank's step, timed and measured, needs its
+    core); GPUs are checked against the visible ones where the devices are chosen.
+
+    Raises:
+        click.BadParameter: more ranks than cores, naming ``flag``.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not on_gpu and nproc > cores:
+        raise click.BadParameter(f"{nproc} ranks is more than the {cores} cores this process may run on: a host "
+                                 f"rank needs a core of its own; give {flag} {cores} or fewer", param_hint=flag)
+
+
 def world_of(nproc: int, options: dict, on_gpu: bool):
     """The :class:`~vramcal.records.World` the DDP options ask for (popped from ``options``), or None for one
     process; the backend defaults to nccl on GPUs and gloo on the host.

@@ -20,6 +20,7 @@ from vramcal.cli.options import (
     ByteSize,
     FiniteFloat,
     KeyValue,
+    check_local_ranks,
     data_options,
     ddp_options,
     device_options,
@@ -144,6 +145,7 @@ def plan_probes(given: set[str], options: dict[str, Any], *, gpu: str, capacity:
     model, params = model_params(options, given)
     importable_from_cwd(model)
     devices, notice = api.select_devices("all" if nproc > 1 and gpu == "auto" else gpu, capacity)
+    check_local_ranks(nproc, "--nproc", devices[0].kind == "cuda")
     world = world_of(nproc, options, devices[0].kind == "cuda")
     if devices[0].kind == "host" and world is not None:
         devices = devices[:1]

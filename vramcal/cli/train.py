@@ -16,6 +16,7 @@ from vramcal.cli.options import (
     DDP_OPTIONS,
     BatchSize,
     FiniteFloat,
+    check_local_ranks,
     ddp_options,
     explicit,
     group,
@@ -167,6 +168,7 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
     from vramcal.train.plan import load_windows
 
     ddp = {name: options.pop(name) for name in ("ddp_backend", *DDP_OPTIONS)}
+    check_local_ranks(nproc_per_node, "--nproc-per-node", options.get("gpu") != "none" and gpu_here())
     with one_line():
         if probe:
             raise click.BadParameter("--probe calibrates one process: calibrate the world first with "

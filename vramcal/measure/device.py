@@ -55,6 +55,40 @@ def host_device(capacity_bytes: int | None = None, proc: str = "/proc", cgroup: 
     return Device(kind="host", name=_cpu_name(proc), total_bytes=total, total_source=source)
 
 
+def free_bytes(device: Device, proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> tuple[int | None, str]:
+    """What ``device`` has free now for a run (bytes) and where the figure comes from: on the host MemAvailable
+    (``/proc/meminfo``), lowered to the cgroup's room (its limit minus its current use) where one is set; on a GPU
+    NVML's free memory of the card (other processes' memory is not free). ``(None, why)`` when it cannot be read.
+    """
+    if device.kind == "host":
+        try:
+            available, source = _meminfo(proc)["MemAvailable"], "MemAvailable"
+        except (OSError, KeyError, ValueError):
+            return None, "MemAvailable unreadable"
+        room = _cgroup_room(cgroup)
+        return (room, "the cgroup's limit minus its use") if room is not None and room < available else (available,
+                                                                                                          source)
+    from vramcal.measure.nvml import NvmlError, load_nvml, memory_figures, nvml_handle
+
+    try:
+        nvml = load_nvml()
+        return memory_figures(nvml, nvml_handle(nvml, device)).free_bytes, "NVML free memory"
+    except NvmlError as error:
+        return None, str(error)
+
+
+def _cgroup_room(cgroup: str) -> int | None:
+    limit = _cgroup_limit(cgroup)
+    for name in ("memory.current", "memory/memory.usage_in_bytes"):
+        try:
+            with open(os.path.join(cgroup, name)) as handle:
+                used = int(handle.read().strip())
+        except (OSError, ValueError):
+            continue
+        return None if limit is None else max(0, limit - used)
+    return None
+
+
 def _meminfo(proc: str) -> dict[str, int]:
     values = {}
     with open(os.path.join(proc, "meminfo")) as handle:

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vramcal.measure.device import free_bytes
 from vramcal.models.registry import REGRESSOR
 from vramcal.models.regressor.windows import Windows
 from vramcal.profile import Profile
@@ -215,6 +216,9 @@ def _device(config: TrainConfig, capacity_bytes: int | None) -> tuple[Device, li
 def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool = True, ranks: int = 1) -> Plan:
     """Decide a new run of ``config`` in ``run_dir`` against ``setting`` (from :func:`resolve`).
 
+    The gate: one process is sized with what its device has free now (:func:`vramcal.measure.device.free_bytes`):
+    memory other processes took since the calibration lowers the limits, and the notice says how much.
+
     Args:
         prepare: check and create the run folder (a DDP rank's launcher did it already: False).
         ranks: the DDP world's size: each rank's batch is clamped to its share of the training windows (a DDP
@@ -226,7 +230,8 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
     if prepare:
         checkpoint.check_run_dir(run_dir, resume=False)
     ask = config.size_request()
-    sizing = size(setting.profile, ask, pool_data_bytes=setting.pool_data_bytes)
+    free, source = free_bytes(setting.device) if ranks == 1 else (None, "")  # the gate: memory taken since
+    sizing = size(setting.profile, ask, pool_data_bytes=setting.pool_data_bytes, free_bytes=free, free_source=source)
     notices = list(setting.notices) + list(sizing.notices)
     if config.effective_batch_size is not None and config.effective_batch_size > setting.train_windows:
         raise SizingError(f"--effective-batch-size {config.effective_batch_size} is more than the "
@@ -240,7 +245,8 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
         notices.append(f"batch size {sizing.batch_size} is more than the {n_train} training windows{share}: one "
                        f"step per epoch of {n_train} samples{' per rank' * (ranks > 1)} (a smaller --stride gives "
                        f"more windows)")
-        capped = size(setting.profile, ask.replace(request=n_train), pool_data_bytes=setting.pool_data_bytes)
+        capped = size(setting.profile, ask.replace(request=n_train), pool_data_bytes=setting.pool_data_bytes,
+                      free_bytes=free, free_source=source)
         sizing = replace(capped, source=sizing.source, capped_by_data=True)
     lr = scaled_lr(config.lr, sizing.effective_batch_size or sizing.batch_size, config.reference_batch_size,
                    config.lr_scaling)

@@ -8,6 +8,7 @@ its own (:mod:`vramcal.train.distributed`).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from vramcal.sizing import SizingError, scaled_lr
@@ -43,7 +44,7 @@ def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
         group, share, plan = _join(plan)
         step, model = _build(plan, group)
         meter.check_pinned()
-        state = _resume_state(plan, step, echo) if plan.resume else None
+        state = _resume_state(plan, step, echo) if plan.resume else _check_planned_data(plan, step)
         trainer = Trainer(plan, step, meter, echo=echo, state=state, on_epoch=on_epoch, model=model, share=share)
         last = trainer.run()
     finally:
@@ -116,6 +117,35 @@ def _resume_state(plan: Plan, step: Any, echo: Any) -> dict[str, Any]:
     within = f", batch {done['batch_in_epoch']} of epoch {done['epoch'] + 1}" if done["batch_in_epoch"] else ""
     echo(f"continuing from {path}: {done['epoch']} epoch(s) and {done['step']} step(s) done{within}")
     return state
+
+
+# what a plan's data facts must still say of the file the worker reads (its rows, split, windows, normalisation)
+PLANNED = ("rows", "split_row", "stride", "train_windows", "val_windows", "feature_mean", "feature_std",
+           "target_scale")
+
+
+def _check_planned_data(plan: Plan, step: Any) -> None:
+    """A new run trains on the data it was planned on: the file the worker read has the planned facts (a file
+    swapped or rewritten between the plan and the worker is refused before any step; nothing is trained on it).
+
+    Raises:
+        DataError: one line naming the file and what differs.
+    """
+    from vramcal.models.regressor.bars import DataError
+
+    now = step.pipeline.windows.stats()
+    same = lambda key: json.dumps(now.get(key)) == json.dumps(plan.data_stats.get(key))  # noqa: E731 - NaN == NaN
+    changed = [key for key in PLANNED if not same(key)]
+    if changed:
+        key = changed[0]
+        then, found = _short(plan.data_stats.get(key)), _short(now.get(key))
+        raise DataError(f"{plan.config.data} changed after the run was planned ({key}: {then} planned, {found} now): "
+                        f"nothing was trained on it; start the run again")
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _check_same_data(state: dict[str, Any], step: Any, plan: Plan) -> None:
