@@ -250,6 +250,7 @@ def test_a_run_forecast_over_lengths_reads_the_trials_at_the_runs_length():
     at_128, at_2048 = (forecast_profile(profile, dataset, 1, seq_len=n) for n in (128, 2048))
     assert (at_128.batch_size, at_128.samples_per_s, at_128.epoch_s) == (810, 810.0, 10.0)
     # no trial timed a step at 2048: no rate there, none borrowed from another length
-    assert at_2048.batch_size == 90 and at_2048.samples_per_s is None and "no throughput measured" in at_2048.notes[0]
+    assert at_2048.batch_size == 90 and at_2048.samples_per_s is None
+    assert any("no throughput measured" in note for note in at_2048.notes)
     unsized = forecast_profile(profile, dataset, 1)
     assert unsized.run_s is None and "give the run's seq_len" in unsized.notes[0]

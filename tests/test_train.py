@@ -839,7 +839,7 @@ def test_a_data_file_swapped_after_the_plan_is_refused_before_any_step(setup):
                          batch_size=8, epochs=1, max_steps=2)
     plan = plan_run(config, setup["tmp"] / "swapped", resolve(config))
     synthetic_bars(300, seed=7).to_parquet(setup["data"])  # another file where the planned one was
-    with pytest.raises(loop.TrainError, match=r"changed after the run was planned \(rows: \d+ planned, \d+ now\): nothing "
-                                         r"was trained on it"):
+    refusal = r"changed after the run was planned \(rows: \d+ planned, \d+ now\): nothing was trained on it"
+    with pytest.raises(loop.TrainError, match=refusal):
         run_plan(plan, echo=lambda line: None)
     assert not (setup["tmp"] / "swapped" / checkpoint.LAST).exists()

@@ -40,6 +40,11 @@ micro-batch is the largest the profile allows (the ``limit``, or a request, with
 accumulation steps reach the effective batch (``ceil(effective / micro)``, the last micro-batch smaller;
 ``exact``: a micro-batch that divides it, as ``gradient_accumulation_steps`` frameworks need).
 
+The gate. A profile describes its budget as it was; other processes may have taken memory since. Given what the
+device has free before the run (``free_bytes``), ``missing = total − reserve − free``, when positive, is added to
+the limits' delta (not to the prediction, which is of the run's own memory), so the limits come down along the
+fit and a notice says how much is missing (the reserve covers what a driver and the system normally hold).
+
 Sizing for throughput (``size_for="throughput"``): a run without a requested batch size takes the throughput
 knee (:func:`throughput_choice`) when it lies below the limit, the limit otherwise; the memory limit stays the
 default.
@@ -56,7 +61,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from vramcal.calibration.limits import Limits, safe_batch_size
+from vramcal.calibration.limits import Limits, LimitSettings, safe_batch_size
 from vramcal.calibration.throughput import find_knee, measured_rates, rate_at
 from vramcal.profile import Profile
 from vramcal.records import Trial
@@ -452,7 +457,7 @@ def size(profile: Profile, ask: SizeRequest = SizeRequest(), *, pool_data_bytes:
     return sizing
 
 
-def missing(limits: Limits, settings: Any, free_bytes: int | None, source: str) -> tuple[int, str | None]:
+def missing(limits: Limits, settings: LimitSettings, free_bytes: int | None, source: str) -> tuple[int, str | None]:
     """(bytes the device is missing against the profile's budget now, notice): ``total − reserve − free`` when
     positive (:func:`size`, ``free_bytes``), else (0, None)."""
     if free_bytes is None:
