@@ -34,7 +34,6 @@ never verified: every line that shows one says it is an estimate and gives its b
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import statistics
@@ -47,7 +46,8 @@ from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import Aim
 from vramcal.estimate import EstimateError, StepEstimate, estimate_step
 from vramcal.estimate.result import line
-from vramcal.profile import Profile
+from vramcal.models.registry import describe
+from vramcal.profile import Profile, ProfileError, load_profile
 from vramcal.records import DeviceKind
 from vramcal.units import format_bytes
 from vramcal.workload import ModelRef, WorkloadError
@@ -300,9 +300,8 @@ class CardEstimate:
 
     Attributes:
         estimate: the trace (host, fp32, the torch path). rows: one per card, the host last when asked.
-        formulas: the estimated peak per kind of device and its bound, for people. notices: profiles not learned
-            from, and what
-            a bound learned on the host leaves out on a GPU.
+        formulas: the estimated peak per kind of device and its bound, for people.
+        notices: profiles not learned from, and what a bound learned on the host leaves out on a GPU.
     """
 
     estimate: StepEstimate
@@ -311,14 +310,24 @@ class CardEstimate:
     notices: tuple[str, ...]
 
     def describe(self) -> str:
-        from vramcal.models.registry import describe
-
+        """The traced model and its kernel path, for people."""
         return f"{describe(self.estimate.model)}: {self.estimate.kernel_path}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"estimated": True, "verified": False, "model": self.estimate.model.to_dict(),
                 "kernel_path": self.estimate.kernel_path, "trace": self.estimate.to_dict(),
                 "cards": [row.to_dict() for row in self.rows], "notices": list(self.notices)}
+
+
+def profiles_in(profiles_dir: Path | str) -> tuple[list[tuple[Path, Profile]], list[str]]:
+    """The readable profiles under ``profiles_dir`` (any depth), and a notice for each file that is not one."""
+    loaded, notices = [], []
+    for path in sorted(Path(profiles_dir).glob("**/*.json")):
+        try:
+            loaded.append((path, load_profile(path)))
+        except ProfileError as error:
+            notices.append(f"not learned from: {error}")
+    return loaded, notices
 
 
 def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[Any], host: Any = None,
@@ -332,14 +341,7 @@ def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[An
         EstimateError: the step cannot be traced (one line; probe it instead). ValueError: a step whose traced
             memory does not rise with the batch size.
     """
-    from vramcal.profile import ProfileError, load_profile
-
-    loaded, notices = [], []
-    for path in sorted(Path(profiles_dir).glob("**/*.json")):
-        try:
-            loaded.append((path, load_profile(path)))
-        except ProfileError as error:
-            notices.append(f"not learned from: {error}")
+    loaded, notices = profiles_in(profiles_dir)
     cache: dict[str, StepEstimate] = {}
     calibrated, passed_over = held_against(loaded, trace, cache)
     estimate = cache.get(ref.key()) or trace(ref, options)
@@ -369,17 +371,11 @@ def aim_for(ref: ModelRef, options: dict[str, Any], kind: DeviceKind, profiles_d
     A CUDA device's slope is the trace's reserved bytes (a CPU trace replayed through the caching allocator's
     model: the torch path in fp32, which holds more per sample than bf16 or the fused kernels, so the aim lands
     low, never high)."""
-    from vramcal.profile import ProfileError, load_profile
-
     try:
         estimate = trace(ref, options)
     except (EstimateError, WorkloadError, ValueError) as error:
         return None, f"not aimed (the search climbs from batch size 1): {error}"
-    loaded = []
-    for path in sorted(Path(profiles_dir).glob("**/*.json")):
-        with contextlib.suppress(ProfileError):
-            loaded.append((path, load_profile(path)))
-    bound = learned_bound(held_against(loaded, trace)[0], kind)
+    bound = learned_bound(held_against(profiles_in(profiles_dir)[0], trace)[0], kind)
     slope = trace_line(estimate, kind)[1]
     if slope <= 0:
         return None, "not aimed: the traced step's memory does not rise with the batch size"
