@@ -843,3 +843,24 @@ def test_a_data_file_swapped_after_the_plan_is_refused_before_any_step(setup):
     with pytest.raises(loop.TrainError, match=refusal):
         run_plan(plan, echo=lambda line: None)
     assert not (setup["tmp"] / "swapped" / checkpoint.LAST).exists()
+
+
+def test_one_probe_checks_each_spec_once(tmp_path, monkeypatch):
+    """Issue 39, the probe's half: over two lengths, the spec at each length is checked once in the command's
+    process (the CLI makes the first, the API the other; the trials' workers make their own)."""
+    from collections import Counter
+
+    specs = Counter()
+    check = RegressorSpec.validate
+
+    def counted(self):
+        specs[self] += 1
+        check(self)
+
+    monkeypatch.setattr(RegressorSpec, "validate", counted)
+    args = ["probe", "--gpu", "none", "--capacity", "1.5GiB", "--d-model", "32", "--n-layers", "1", "--d-state", "16",
+            "--headdim", "16", "--chunk-size", "16", "--seq-len", "32,64", "--no-report", "--max-trials", "3",
+            "--profiles-dir", str(tmp_path)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 3, result.output  # 3 trials: unverified, and every spec made before them
+    assert sorted(spec.seq_len for spec in specs) == [32, 64] and set(specs.values()) == {1}

@@ -53,7 +53,7 @@ def estimate_command(ctx: click.Context, gpus, capacity, reserve, margin, conser
     if options["dtype"] != "fp32":
         raise click.BadParameter(f"--dtype {options['dtype']} runs CUDA's autocast, which a trace on this torch's CPU "
                                  f"tensors does not: estimate fp32, or probe on the card", param_hint="--dtype")
-    model, params = model_params(options, explicit(ctx))
+    model, params, _ = model_params(options, explicit(ctx))
     settings = api.LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
     with one_line():
         host, _ = api.select_devices("none", capacity)

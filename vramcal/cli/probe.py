@@ -142,7 +142,7 @@ def plan_probes(given: set[str], options: dict[str, Any], *, gpu: str, capacity:
     trials = TrialSettings(**{name: options.pop(name) for name in TRIAL_OPTIONS})
     nproc = options.pop("nproc")
     seq_lens = options["seq_len"] if "seq_len" in given else None  # else the spec's default or --model-arg's
-    model, params = model_params(options, given)
+    model, params, spec = model_params(options, given)
     importable_from_cwd(model)
     devices, notice = api.select_devices("all" if nproc > 1 and gpu == "auto" else gpu, capacity)
     check_local_ranks(nproc, "--nproc", devices[0].kind == "cuda")
@@ -155,16 +155,20 @@ def plan_probes(given: set[str], options: dict[str, Any], *, gpu: str, capacity:
     data = factory_options(options)
     common = dict(implementation=implementation, settings=settings, options=data, profiles_dir=profiles_dir,
                   out=out, seq_lens=seq_lens or (), trials=trials, world=world, aim=aim)
+    def key(device):  # the regressor's spec, made once: its key on each device (dtype, implementation)
+        return registry.REGRESSOR.ref(spec, device, implementation) if spec is not None else model
+
     if world is not None:
         ranks = tuple(devices[:world.nproc]) if devices[0].kind == "cuda" else ()
-        return [api.plan_calibration(model, params, device=devices[0], rank_devices=ranks, **common)]
-    return [api.plan_calibration(model, params, device=device, unique_device=len(devices) > 1, **common)
+        return [api.plan_calibration(key(devices[0]), params, device=devices[0], rank_devices=ranks, **common)]
+    return [api.plan_calibration(key(device), params, device=device, unique_device=len(devices) > 1, **common)
             for device in devices]
 
 
-def model_params(options: dict[str, Any], given: set[str]) -> tuple[str, dict[str, Any]]:
+def model_params(options: dict[str, Any], given: set[str]) -> tuple[str, dict[str, Any], RegressorSpec | None]:
     """The model choice and its arguments from the options (the spec options for a family that takes them;
-    ``--model-arg``, and ``--seq-len``/``--dtype`` where the family uses them, for the others).
+    ``--model-arg``, and ``--seq-len``/``--dtype`` where the family uses them, for the others), and the
+    regressor's :class:`RegressorSpec` made from them (checked when made; None for the other families).
 
     Raises:
         click.BadParameter: options that do not apply to the chosen model, or that contradict each other.
@@ -178,10 +182,9 @@ def model_params(options: dict[str, Any], given: set[str]) -> tuple[str, dict[st
             raise click.BadParameter(f"--model {model} takes the spec options (--d-model, ...), not --model-arg",
                                      param_hint="--model-arg")
         try:
-            RegressorSpec(**spec)
+            return model, spec, RegressorSpec(**spec)
         except ValueError as error:
             raise click.BadParameter(str(error), param_hint="model spec") from None
-        return model, spec
     stray = sorted(n for n in SPEC_NAMES if n in given and n not in ("seq_len", "dtype"))
     if stray:
         raise click.BadParameter(f"{', '.join('--' + s.replace('_', '-') for s in stray)} apply to --model regressor; "
@@ -193,7 +196,7 @@ def model_params(options: dict[str, Any], given: set[str]) -> tuple[str, dict[st
                                      f"of them", param_hint=flag)
         if name in given or (name in family.option_args and name not in args):
             args.setdefault(name, spec[name])
-    return model, args
+    return model, args, None
 
 
 def importable_from_cwd(model: str) -> None:

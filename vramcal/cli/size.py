@@ -59,7 +59,7 @@ def size_command(ctx: click.Context, gpu, capacity, implementation, reserve, mar
     if len(options["seq_len"].lengths) > 1:
         raise click.BadParameter("a batch size is for one length: give one --seq-len", param_hint="--seq-len")
     trials = TrialSettings(**{name: options.pop(name) for name in TRIAL_OPTIONS})
-    model, params = model_params(options, explicit(ctx))
+    model, params, _ = model_params(options, explicit(ctx))
     importable_from_cwd(model)
     settings = api.LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
     with one_line("interrupted: no profile written, existing profiles are unchanged"), stdout_to_stderr(True):
