@@ -182,7 +182,7 @@ def print_bound(names: list[str]) -> None:
     found = calibrations(names)
     print("| calibration | baseline MiB | safe size | measured peak MiB | leave-one-out error |\n|---|---|---|---|---|")
     for c in found:
-        error = c.error(learned_baseline(found, "host", leave_out=c.path).bytes)
+        error = c.error(learned_baseline(found, "host", leave_out=c.path, device=c.device).bytes)
         print(f"| {c.path} | {c.baseline_bytes / MIB:.1f} | {c.safe_batch_size} | {c.safe_peak_bytes / MIB:.1f} | "
               f"{error:+.1%} |")
     bound, baseline = learned_bound(found, "host"), learned_baseline(found, "host")

@@ -234,3 +234,16 @@ def test_size_answers_from_the_matching_profile_and_calibrates_when_none_holds(t
     third = CliRunner().invoke(main, args)
     assert third.exit_code == 0 and "calibrating again:" in third.stderr and "torch 2.0.0 ->" in third.stderr
     assert json.loads(path.read_text())["software"]["torch"] != "2.0.0"  # the new calibration replaced it
+
+
+def test_the_baseline_is_this_devices_where_it_has_calibrations():
+    """Another machine's libraries hold another amount: the AMD host's profiles taught 86 where this Xeon measured 83
+    (the default spec at 2.5 GiB); a calibration of the same device comes first, the kind of device after."""
+    import dataclasses
+
+    others = [dataclasses.replace(calibrated(name, 500, 610), device="AMD") for name in ("a", "b")]
+    mine = dataclasses.replace(calibrated("c", 560, 670), device="Xeon")
+    assert learned_baseline([*others, mine], "host", device="Xeon").bytes == 560 * MIB
+    assert "of this device" in learned_baseline([*others, mine], "host", device="Xeon").source
+    assert learned_baseline([*others, mine], "host", device="EPYC").bytes == 500 * MIB  # none there: the kind's
+    assert learned_baseline(others, "host", leave_out="a", device="AMD").bytes == 500 * MIB

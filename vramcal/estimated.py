@@ -11,9 +11,10 @@ on a GPU the CUDA context and workspaces) and the dataset a process holds in the
 On a CUDA card the trace's bytes are what the caching allocator would reserve for the same allocations
 (:func:`vramcal.estimate.allocator.replay`); on the host, live bytes.
 
-**The baseline** is learned from the profiles at hand: for each verified profile of the same kind of device,
-``fit.overhead − pool_data_bytes − trace_overhead`` of its own model; the estimate takes their median. With none,
-a stated default (:data:`HOST_BASELINE`, :data:`CUDA_BASELINE`).
+**The baseline** is learned from the profiles at hand: for each verified profile,
+``fit.overhead − pool_data_bytes − trace_overhead`` of its own model; the estimate takes their median over the same
+device where some were made there (another machine's libraries and allocator hold another amount), else over the
+same kind of device. With none, a stated default (:data:`HOST_BASELINE`, :data:`CUDA_BASELINE`).
 
 **The bound.** Each such profile is held against the estimate of its own model with the baseline learned from the
 *other* profiles (leave-one-out): ``error = estimated_peak(safe) / measured_peak(safe) − 1`` at its verified safe
@@ -110,6 +111,7 @@ class Calibrated:
         overhead_bytes: its fit's overhead. data_bytes: the data its trials held in the measured memory.
         safe_batch_size, safe_peak_bytes: its verified safe size and that verification's measured peak.
         trace_overhead_bytes, trace_slope_bytes_per_sample: the traced line of its model (on its kind of device).
+        device: the device's name ("" when unknown): a baseline is learned from the same device where it can be.
     """
 
     path: str
@@ -120,6 +122,7 @@ class Calibrated:
     safe_peak_bytes: int
     trace_overhead_bytes: float
     trace_slope_bytes_per_sample: float
+    device: str = ""
 
     @property
     def baseline_bytes(self) -> float:
@@ -133,13 +136,18 @@ class Calibrated:
         return estimated / self.safe_peak_bytes - 1
 
 
-def learned_baseline(calibrated: Sequence[Calibrated], kind: DeviceKind, leave_out: str | None = None) -> Baseline:
-    """The median baseline of ``calibrated`` on ``kind`` (without the one at ``leave_out``), else the stated
-    default of that kind (:data:`HOST_BASELINE`, :data:`CUDA_BASELINE`)."""
-    values = [c.baseline_bytes for c in calibrated if c.kind == kind and c.path != leave_out]
-    if not values:
+def learned_baseline(calibrated: Sequence[Calibrated], kind: DeviceKind, leave_out: str | None = None,
+                     device: str | None = None) -> Baseline:
+    """The median baseline of ``calibrated`` on ``device`` when some were made there, else on ``kind`` (without
+    the one at ``leave_out``), else the stated default of that kind (:data:`HOST_BASELINE`, :data:`CUDA_BASELINE`):
+    another machine's libraries and allocator hold another amount."""
+    pool = [c for c in calibrated if c.kind == kind and c.path != leave_out]
+    same = [c for c in pool if device and c.device == device]
+    if not pool:
         return HOST_BASELINE if kind == "host" else CUDA_BASELINE
-    return Baseline(int(statistics.median(values)), f"the median of {_count(len(values), 'calibration')} here")
+    where = "of this device" if same else "of this kind of device"
+    values = [c.baseline_bytes for c in same or pool]
+    return Baseline(int(statistics.median(values)), f"the median of {_count(len(values), 'calibration')} {where} here")
 
 
 def learned_bound(calibrated: Sequence[Calibrated], kind: DeviceKind) -> ErrorBound:
@@ -148,7 +156,7 @@ def learned_bound(calibrated: Sequence[Calibrated], kind: DeviceKind) -> ErrorBo
     mine = [c for c in calibrated if c.kind == kind]
     if len(mine) < 2:
         return BENCH_BOUND
-    errors = [c.error(learned_baseline(mine, kind, leave_out=c.path).bytes) for c in mine]
+    errors = [c.error(learned_baseline(mine, kind, leave_out=c.path, device=c.device).bytes) for c in mine]
     return ErrorBound(min(errors), max(errors), len(errors), f"the {len(errors)} calibrations here")
 
 
@@ -257,7 +265,7 @@ def held_against(profiles: Iterable[tuple[Path | str, Profile]], trace: Trace = 
         overhead, slope = trace_line(cache[key], profile.device.kind)
         check = profile.verification["safe"]
         found.append(Calibrated(str(path), profile.device.kind, profile.fit.overhead_bytes, profile.pool_data_bytes,
-                                check.batch_size, check.peak_bytes, overhead, slope))
+                                check.batch_size, check.peak_bytes, overhead, slope, profile.device.name))
     return found, notices
 
 
@@ -350,7 +358,8 @@ def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[An
                           ("host", [(f"host: {host.name}", host.total_bytes)] if host is not None else [])):
         if not targets:
             continue
-        baseline, bound = learned_baseline(calibrated, kind), learned_bound(calibrated, kind)
+        device = host.name if kind == "host" else None  # the host's own profiles first; cards by kind
+        baseline, bound = learned_baseline(calibrated, kind, device=device), learned_bound(calibrated, kind)
         data = estimate.data_bytes if kind == "host" else 0
         rows += [estimated_limits(label, total, trace_line(estimate, kind), data, settings, baseline, bound)
                  for label, total in targets]
