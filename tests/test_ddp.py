@@ -270,3 +270,19 @@ def test_a_world_larger_than_the_hosts_cores_is_refused_before_any_rank_starts(a
     cores = len(os.sched_getaffinity(0))
     assert result.exit_code == 2 and f"999 ranks is more than the {cores} cores" in result.output, result.output
     assert not (tmp_path / "runs").exists() and not (tmp_path / "profiles").exists()
+
+
+@pytest.mark.parametrize(("args", "named"), [(["--node-rank", "1"], "Invalid value for --node-rank: is torchrun's"),
+                                             (["--nproc-per-node", "2", "--nnodes", "abc"],
+                                              "'abc' is not a number of nodes: give N or MIN:MAX")],
+                         ids=["torchrun-option-alone", "nnodes-not-a-number"])
+def test_torchruns_options_without_a_world_or_with_a_bad_count_are_one_line(args, named, tmp_path, monkeypatch):
+    """Issue 43: ``--node-rank 1`` alone was an AttributeError traceback, ``--nnodes abc`` int()'s own words."""
+    from click.testing import CliRunner
+
+    from vramcal.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(main, ["train", "--gpu", "none", *args])
+    assert result.exit_code == 2 and named in result.output and "Traceback" not in result.output, result.output
+    assert not (tmp_path / "runs").exists()

@@ -168,6 +168,11 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
     from vramcal.train.plan import load_windows
 
     ddp = {name: options.pop(name) for name in ("ddp_backend", *DDP_OPTIONS)}
+    nodes = node_count(torchrun.get("nnodes", 1))
+    if nproc_per_node * nodes < 2:
+        flag = "--" + next(iter(torchrun)).replace("_", "-")
+        raise click.BadParameter("is torchrun's, for a DDP run of 2 or more ranks: add --nproc-per-node N (and "
+                                 "--nnodes for several machines), or leave it out for one process", param_hint=flag)
     check_local_ranks(nproc_per_node, "--nproc-per-node", options.get("gpu") != "none" and gpu_here())
     with one_line():
         if probe:
@@ -186,7 +191,6 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
             config = make_config(config_file, options, given)
             load_windows(config)  # the data checked before any rank starts
             run_dir = checkpoint.prepare_run_dir(run_dir or new_run_dir(), resume=False)
-        nodes = int(str(torchrun.get("nnodes", 1)).split(":")[-1])
         world = world_of(nproc_per_node * nodes, ddp, config.gpu != "none" and gpu_here())
         click.echo(f"training {world.describe()} in {run_dir}", err=True)
     overrides = {k: options[k] for k in RESUME_OVERRIDES if resume and k in given}
@@ -197,6 +201,20 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
         finally:
             checkpoint.release_run_dir(run_dir)
     echo_done(run_dir)
+
+
+def node_count(nnodes: object) -> int:
+    """The most nodes ``--nnodes`` allows (``N`` or torchrun's ``MIN:MAX``).
+
+    Raises:
+        click.BadParameter: anything else, naming the option.
+    """
+    text = str(nnodes).strip()
+    parts = text.split(":")
+    if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise click.BadParameter(f"{text!r} is not a number of nodes: give N or MIN:MAX (whole numbers >= 1)",
+                                 param_hint="--nnodes")
+    return int(parts[-1])
 
 
 def gpu_here() -> bool:
