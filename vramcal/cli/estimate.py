@@ -12,13 +12,12 @@ from vramcal.cli.console import estimate_lines
 from vramcal.cli.options import (
     ByteSize,
     GpuList,
-    data_options,
     explicit,
     limit_options,
     one_line,
     probe_spec_options,
 )
-from vramcal.cli.probe import factory_options, model_options, model_params
+from vramcal.cli.probe import data_file_options, factory_options, model_options, model_params
 from vramcal.models import registry
 from vramcal.report.catalogue import CATALOGUE
 
@@ -26,10 +25,7 @@ from vramcal.report.catalogue import CATALOGUE
 @click.command("estimate")
 @model_options
 @probe_spec_options
-@click.option("--data", type=click.Path(dir_okay=False), default=None,
-              help="regressor: the OHLCV parquet a run would hold [default: data/es_1s.parquet if it exists, else "
-                   "synthetic bars of its size]")
-@data_options
+@data_file_options
 @click.option("--gpus", type=GpuList(), default=None,
               help='cards: catalogued names ("H200,RTX 4090") or NAME=SIZE [default: the whole catalogue]')
 @click.option("--capacity", type=ByteSize(min_bytes=2**20), default=None,

@@ -48,6 +48,17 @@ model_options = group(
                  help="KEY=VALUE for --model lm or your factory (repeat); lm needs config=<Mamba2Config JSON>"),
 )
 
+capacity_option = click.option(
+    "--capacity", type=ByteSize(min_bytes=2**20), default=None,
+    help="memory budget, e.g. 12GiB (default: the whole device; host: cgroup limit or MemAvailable)")
+# what factory_options reads: the regressor's data file and how it is cut into windows
+data_file_options = group(
+    click.option("--data", type=click.Path(dir_okay=False), default=None,
+                 help="regressor: the OHLCV parquet the trials hold [default: data/es_1s.parquet if it exists, "
+                      "else synthetic bars of its size]"),
+    data_options,
+)
+
 _TRIALS = TrialSettings()  # the defaults of the trial options, from the one record that holds them
 trial_options = group(
     click.option("--warmup-steps", type=click.IntRange(1), default=_TRIALS.warmup_steps, show_default=True),
@@ -79,14 +90,10 @@ world_options = group(
 
 @click.command()
 @device_options
-@click.option("--capacity", type=ByteSize(min_bytes=2**20), default=None,
-              help="memory budget, e.g. 12GiB (default: the whole device; host: cgroup limit or MemAvailable)")
+@capacity_option
 @model_options
 @probe_spec_options
-@click.option("--data", type=click.Path(dir_okay=False), default=None,
-              help="regressor: the OHLCV parquet the trials hold [default: data/es_1s.parquet if it exists, "
-                   "else synthetic bars of its size]")
-@data_options
+@data_file_options
 @limit_options
 @trial_options
 @world_options

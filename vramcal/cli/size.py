@@ -10,8 +10,6 @@ import click
 
 from vramcal.cli.options import (
     EXIT_UNVERIFIED,
-    ByteSize,
-    data_options,
     device_options,
     explicit,
     limit_options,
@@ -20,6 +18,8 @@ from vramcal.cli.options import (
 )
 from vramcal.cli.probe import (
     TRIAL_OPTIONS,
+    capacity_option,
+    data_file_options,
     factory_options,
     importable_from_cwd,
     model_options,
@@ -33,14 +33,10 @@ from vramcal.sizing import LIMITS
 
 @click.command("size")
 @device_options
-@click.option("--capacity", type=ByteSize(min_bytes=2**20), default=None,
-              help="memory budget, e.g. 12GiB (default: the whole device; host: cgroup limit or MemAvailable)")
+@capacity_option
 @model_options
 @probe_spec_options
-@click.option("--data", type=click.Path(dir_okay=False), default=None,
-              help="regressor: the OHLCV parquet the trials hold [default: data/es_1s.parquet if it exists, else "
-                   "synthetic bars of its size]")
-@data_options
+@data_file_options
 @limit_options
 @trial_options
 @click.option("--limit", type=click.Choice(LIMITS), default="conservative", show_default=True,
