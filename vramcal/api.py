@@ -325,15 +325,32 @@ def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None
         DeviceError, NvmlError: no such device. ValueError, WorkloadError: bad model arguments.
         CalibrationError: not even one sample fits. OSError: the profile cannot be written.
     """
+    device, notice = _one_device(gpu, capacity_bytes)
+    plan = plan_calibration(model, params, device=device, implementation=implementation, settings=settings,
+                            options=options, profiles_dir=profiles_dir, seq_lens=seq_lens, trials=trials)
+    return _run_said(plan, notice, capacity_bytes is None, save=save, on_trial=on_trial, progress=progress)
+
+
+def _one_device(gpu: str, capacity_bytes: int | str | None) -> tuple[Device, str | None]:
+    """The one device ``gpu`` names (:func:`select_devices`) and its notice.
+
+    Raises:
+        ValueError: ``gpu`` names several (``all``): calibrate them one at a time.
+    """
     devices, notice = select_devices(gpu, capacity_bytes)
     if len(devices) != 1:
         raise ValueError(f"gpu={gpu!r} names {len(devices)} devices: calibrate them one at a time")
-    plan = plan_calibration(model, params, device=devices[0], implementation=implementation, settings=settings,
-                            options=options, profiles_dir=profiles_dir, seq_lens=seq_lens, trials=trials)
+    return devices[0], notice
+
+
+def _run_said(plan: CalibrationPlan, notice: str | None, whole_host: bool, *, save: bool = True,
+              on_trial: Callable[[Trial], None] | None = None, progress: bool = True) -> Profile:
+    """:func:`run_calibration` with :func:`calibrate`'s progress on stderr: the device notice (``whole_host``: no
+    budget was given, so the host's whole memory is calibrated), each trial, where the profile went."""
     printer = ProgressPrinter(plan.usable_bytes) if progress and on_trial is None else None
     if printer is not None and notice:  # the host chosen for gpu="auto": said, as the command says it
         printer.note(f"{notice}; give capacity_bytes= (such as '4GiB') for a budget below all of it"
-                     if devices[0].kind == "host" and capacity_bytes is None else notice)
+                     if plan.device.kind == "host" and whole_host else notice)
     profile = run_calibration(plan, save=save, on_trial=on_trial or printer,
                               on_step=printer.step if printer is not None else None)
     if printer is not None and save:
@@ -419,7 +436,7 @@ def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None 
     """
     from vramcal.staleness import StaleProfileError
 
-    (device, *_), _ = select_devices(gpu, capacity_bytes)
+    device, notice = _one_device(gpu, capacity_bytes)
     ask, budget = SizeRequest(limit=limit, seq_len=seq_len), device.total_bytes if device.kind == "host" else None
     ref = model_ref(model, params, device=device, implementation=implementation)
     found, skipped = newest_profile(profiles_dir, device, ref, None, budget)
@@ -433,11 +450,11 @@ def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None 
                             f"from the matching profile {found}")
         except (StaleProfileError, SizingError) as error:
             why = f"calibrating again: {error}"
-    profile = calibrate(ref, gpu=gpu, capacity_bytes=capacity_bytes, settings=settings, options=options,
-                        profiles_dir=profiles_dir, trials=trials, progress=progress)
-    path = profile_path(profiles_dir, device, profile.model, profile.implementation)
+    plan = plan_calibration(ref, device=device, settings=settings, options=options, profiles_dir=profiles_dir,
+                            trials=trials)
+    profile = _run_said(plan, notice, capacity_bytes is None, progress=progress)
     sizing = size(profile, ask)
-    return Answered(sizing.batch_size, sizing, profile, path, True, why)
+    return Answered(sizing.batch_size, sizing, profile, plan.path, True, why)
 
 
 def batch_size(profile: Profile | Path | str, limit: Limit = "conservative", *, request: int | None = None,
