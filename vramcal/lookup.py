@@ -22,7 +22,6 @@ from vramcal.profile import (
     check_profile_matches,
     load_profile,
     newest_profile,
-    world_difference,
 )
 from vramcal.records import Device, World
 from vramcal.sizing import SizeRequest, SizingError, size
@@ -96,26 +95,13 @@ def _checked(profile: Profile | Path | str, path: Path | None, device: Device, r
     source = "the given profile" if path is None else str(path)
     try:
         found = profile if path is None else load_profile(path)
-        if ref is not None:
-            check_profile_matches(found, device, ref, world)
-        else:
-            _check_device(found, device, world)
+        check_profile_matches(found, device, ref, world)
     except ProfileError as error:
         raise SizingError(str(error) if str(error).startswith("profile ") else f"{source}: {error}") from None
     if found.limits is None or found.fit is None or found.limits.safe_batch_size < 1:
         raise SizingError(f"{source}: the profile has no usable limits (nothing fitted or nothing fits): re-run "
                           f"`{probe_command(device, ref or found.model)}`")
     return found
-
-
-def _check_device(profile: Profile, device: Device, world: World | None) -> None:
-    """Raises: ProfileError: the profile was made on other hardware, or for another DDP world."""
-    difference = device.hardware_difference(profile.device)
-    if difference:
-        raise ProfileError(f"made on another device ({difference}): its batch sizes do not hold on this run's "
-                           f"{device.name}; calibrate on it")
-    if profile.world != world:
-        raise ProfileError(world_difference(profile.world, world))
 
 
 def probe_command(device: Device, ref: ModelRef, world: World | None = None) -> str:

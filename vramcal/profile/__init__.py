@@ -154,14 +154,15 @@ def newest_profile(profiles_dir: Path | str, device: Device, model: ModelRef, wo
     return (Path(max(candidates)[1]) if candidates else None), skipped
 
 
-def check_profile_matches(profile: Profile, device: Device, model: ModelRef, world: World | None = None) -> None:
-    """Raises: ProfileError naming the first difference in device, DDP world or model."""
+def check_profile_matches(profile: Profile, device: Device, model: ModelRef | None, world: World | None = None) -> None:
+    """Raises: ProfileError naming the first difference in device, DDP world or model (None: the profile's own
+    model is the run's)."""
     difference = device.hardware_difference(profile.device)
     if difference:
         raise ProfileError(f"the profile was made on another device ({difference}): run `vramcal probe` here")
     if profile.world != world:
         raise ProfileError(world_difference(profile.world, world))
-    if not profile.covers(model):
+    if model is not None and not profile.covers(model):
         if profile.surface is not None and model.without("seq_len") == profile.model:
             raise ProfileError(f"seq_len {model.params.get('seq_len')} is outside the profile's calibrated lengths "
                                f"{min(profile.surface.seq_lens)}-{max(profile.surface.seq_lens)}: calibrate it "
