@@ -53,10 +53,11 @@ def test_a_user_factory_calibrates_to_a_verified_profile_that_names_it(calibrate
     n_params = 16384 * 8 + 8 + 8 * 8 + 8 + 8 + 1
     assert profile.model_info == {"n_params": n_params, "gradient_bytes": 4 * n_params}  # fp32, all trained
     assert len(profile.trials) >= 5 and len(seen) >= len(profile.trials)  # calibrate()'s default progress
-    trial_lines = [line for line in seen if line.startswith("vramcal: trial batch_size ")]
-    assert [int(line.split()[3]) for line in trial_lines] == [t.batch_size for t in profile.trials]
-    assert any("[steady]: ok" in line for line in trial_lines)
-    assert any(line.startswith("vramcal: steady trial step 5 (at most 40), peak ") for line in seen), seen
+    trial_lines = [line for line in seen if line.startswith("vramcal:  batch_size ")]  # the probe command's lines
+    assert [int(line.split()[2]) for line in trial_lines] == [t.batch_size for t in profile.trials]
+    assert any(line.split()[3] == "ok" and "[steady, " in line for line in trial_lines)
+    assert any(line.startswith("vramcal:    steady trial step 5/40, peak ") for line in seen), seen
+    assert not any("steady trial step 4/" in line for line in seen)  # every 5th step
     limits = profile.limits
     assert 0 < limits.conservative_batch_size < limits.safe_batch_size
     # the input's 64 KiB per sample dominates (activations of width 8 are 32 B per layer)
@@ -120,7 +121,7 @@ def test_a_factory_that_cannot_be_called_fails_before_any_trial_in_one_line(fact
 def test_a_step_that_fails_in_the_first_trial_says_why_in_one_line(factory, message, tmp_path, capsys):
     with pytest.raises(vramcal.CalibrationError):
         vramcal.calibrate(factory, profiles_dir=tmp_path, **host())
-    assert capsys.readouterr().err.startswith("vramcal: trial batch_size 1 [grow]: error")  # the default progress
+    assert capsys.readouterr().err.startswith("vramcal:  batch_size      1  error")  # the default progress
     seen = []
     with pytest.raises(vramcal.CalibrationError) as error:
         vramcal.calibrate(factory, profiles_dir=tmp_path, on_trial=seen.append, progress=False, **host())

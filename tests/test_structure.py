@@ -34,7 +34,7 @@ LAYERS = (
     # which profile a run uses
     ("vramcal.sizing", "vramcal.forecast", "vramcal.calibrator", "vramcal.journal", "vramcal.staleness",
      "vramcal.lookup", "vramcal.estimated"),
-    ("vramcal.api", "vramcal.report"),  # the front door; reports from profiles
+    ("vramcal.api", "vramcal.report", "vramcal.progress"),  # the front door; reports from profiles; progress for people
     ("vramcal.train",),  # the bundled trainer
     ("vramcal.tune", "vramcal.integrations", "vramcal.preload"),  # studies, frameworks, the worker server's imports
     ("vramcal.cli", "vramcal.__main__"),  # the commands

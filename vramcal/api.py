@@ -23,9 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import sys
-import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,6 +31,7 @@ from typing import Any
 from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibrator import CalibrationError, CalibrationPlan, run_trials
+from vramcal.files import check_writable
 from vramcal.journal import Journal, journal_path, plan_key
 from vramcal.lookup import Located, ddp_term, locate_profile, probe_command
 from vramcal.models.registry import family_of, model_ref
@@ -46,9 +44,9 @@ from vramcal.profile import (
     profile_path,
     save_profile,
 )
+from vramcal.progress import TrialPrinter
 from vramcal.records import Device, Trial, TrialSettings, World
 from vramcal.sizing import Answer, Limit, SizeRequest, Sizing, SizingError, answer, size
-from vramcal.units import format_bytes
 from vramcal.workload import ModelRef, WorkloadError
 
 __all__ = ["Answer", "Answered", "CalibrationError", "CalibrationPlan", "LimitSettings", "Located", "Profile",
@@ -219,7 +217,7 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
     ``DEVICE = "cuda" if torch.cuda.is_available() else "cpu"`` does, would otherwise start CUDA before
     the pin.
 
-    With ``save``, the profile's folder must take :data:`WRITE_CHECK_BYTES` before the first trial, and each
+    With ``save``, the profile's folder must take :data:`vramcal.files.WRITE_CHECK_BYTES` before the first trial, and each
     trial is kept in the trial journal beside the profile as it finishes (:mod:`vramcal.journal`): a crash, a
     kill or a full disk loses no trial, and the same calibration run again reuses them. The profile's save
     removes the journal.
@@ -260,7 +258,7 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
 
 
 def _open_journal(plan: CalibrationPlan, on_notice: Callable[[str], None] | None) -> Journal:
-    """The calibration's journal (:mod:`vramcal.journal`), once its folder took :data:`WRITE_CHECK_BYTES`.
+    """The calibration's journal (:mod:`vramcal.journal`), once its folder took :data:`vramcal.files.WRITE_CHECK_BYTES`.
 
     Raises:
         OSError: the folder cannot take files.
@@ -272,30 +270,6 @@ def _open_journal(plan: CalibrationPlan, on_notice: Callable[[str], None] | None
     if journal.notice and on_notice:
         on_notice(journal.notice)
     return journal
-
-
-WRITE_CHECK_BYTES = 1 << 20  # 100 times a profile: room for it, its journal and their temporary copies
-
-
-def check_writable(folder: Path, size: int = WRITE_CHECK_BYTES) -> None:
-    """Write and remove ``size`` bytes in ``folder`` (created if missing), synced to disk: a full disk fails
-    here, before a calibration that can take an hour, not after it.
-
-    Raises:
-        OSError: the folder cannot be created, or ``size`` bytes cannot be written there (naming the folder).
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    probe = None
-    try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".vramcal-write-check.", delete=False) as probe:
-            probe.write(b"\0" * size)
-            probe.flush()
-            os.fsync(probe.fileno())
-    except OSError as error:
-        raise OSError(error.errno, error.strerror or str(error), str(folder)) from None
-    finally:
-        if probe is not None:
-            Path(probe.name).unlink(missing_ok=True)
 
 
 def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *, gpu: str = "auto",
@@ -315,7 +289,7 @@ def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None
         settings: reserve (bytes), margin and conservative fraction.
         seq_lens, trials: see :func:`plan_calibration`.
         on_trial: called with each finished trial; without it, and with ``progress``, each trial is printed to
-            stderr as one line, and the steady trial's steps every 5 (:class:`ProgressPrinter`).
+            stderr as one line, and the steady trial's steps every 5 (:class:`vramcal.progress.TrialPrinter`).
 
     Returns:
         The profile: ``limits.safe_batch_size`` and ``limits.conservative_batch_size`` (samples), the fit
@@ -347,41 +321,20 @@ def _run_said(plan: CalibrationPlan, notice: str | None, whole_host: bool, *, sa
               on_trial: Callable[[Trial], None] | None = None, progress: bool = True) -> Profile:
     """:func:`run_calibration` with :func:`calibrate`'s progress on stderr: the device notice (``whole_host``: no
     budget was given, so the host's whole memory is calibrated), each trial, where the profile went."""
-    printer = ProgressPrinter(plan.usable_bytes) if progress and on_trial is None else None
+    printer = (TrialPrinter(plan.search().max_trials, plan.usable_bytes, bar=False, prefix="vramcal:")
+               if progress and on_trial is None else None)
     if printer is not None and notice:  # the host chosen for gpu="auto": said, as the command says it
         printer.note(f"{notice}; give capacity_bytes= (such as '4GiB') for a budget below all of it"
                      if plan.device.kind == "host" and whole_host else notice)
-    profile = run_calibration(plan, save=save, on_trial=on_trial or printer,
-                              on_step=printer.step if printer is not None else None)
+    try:
+        profile = run_calibration(plan, save=save, on_trial=on_trial or printer,
+                                  on_step=printer.step if printer is not None else None)
+    finally:
+        if printer is not None:
+            printer.close()
     if printer is not None and save:
         printer.note(f"profile saved to {plan.path}")
     return profile
-
-
-class ProgressPrinter:
-    """Progress for people on stderr: one line per finished trial, and every ``every`` steps of the steady
-    trial, so a calibration is never silent for minutes (:func:`calibrate`'s default)."""
-
-    def __init__(self, usable_bytes: int, every: int = 5, file: Any = None) -> None:
-        self.usable_bytes, self.every, self.file = usable_bytes, every, file
-
-    def __call__(self, trial: Trial) -> None:
-        peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
-        over = " (over usable memory)" if trial.ok and not trial.fits(self.usable_bytes) else ""
-        self._print(f"vramcal: trial batch_size {trial.batch_size} [{trial.purpose}]: {trial.status}{over}, peak "
-                    f"{peak}, {trial.wall_s or 0:.1f} s")
-
-    def step(self, payload: dict[str, Any]) -> None:
-        if payload["step"] % self.every == 0:
-            self._print(f"vramcal: steady trial step {payload['step']} (at most {payload['of']}), peak "
-                        f"{format_bytes(payload['peak_bytes'])}")
-
-    def note(self, text: str) -> None:
-        """A line about the calibration as a whole (the device chosen, where the profile went)."""
-        self._print(f"vramcal: {text}")
-
-    def _print(self, line: str) -> None:
-        print(line, file=self.file or sys.stderr, flush=True)
 
 
 def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *, gpu: str = "auto",

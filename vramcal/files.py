@@ -88,3 +88,27 @@ def _umask() -> int:
 def atomic_write_json(path: Path, data: Any) -> None:
     """``data`` as indented JSON with sorted keys, written atomically (:func:`atomic_write_text`)."""
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+WRITE_CHECK_BYTES = 1 << 20  # 100 times a profile: room for it, its journal and their temporary copies
+
+
+def check_writable(folder: Path, size: int = WRITE_CHECK_BYTES) -> None:
+    """Write and remove ``size`` bytes in ``folder`` (created if missing), synced to disk: a full disk fails
+    here, before a calibration that can take an hour, not after it.
+
+    Raises:
+        OSError: the folder cannot be created, or ``size`` bytes cannot be written there (naming the folder).
+    """
+    probe = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".vramcal-write-check.", delete=False) as probe:
+            probe.write(b"\0" * size)
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as error:
+        raise OSError(error.errno, error.strerror or str(error), str(folder)) from None
+    finally:
+        if probe is not None:
+            Path(probe.name).unlink(missing_ok=True)

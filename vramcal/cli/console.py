@@ -4,68 +4,16 @@ peaks against the prediction, their epoch times against the forecast)."""
 from __future__ import annotations
 
 import contextvars
-import sys
 
 import click
 
 from vramcal.forecast import FAR, observation_verdict
-from vramcal.report.markdown import creep_shape, trial_reason
+from vramcal.report.markdown import creep_shape
 from vramcal.sizing import fitted_from, verdict
 from vramcal.units import format_bytes, format_duration, format_rate
 
 # How much the commands say as they go (vramcal -q / -v): -1 quiet, 0 normal, 1 verbose.
 VERBOSITY: contextvars.ContextVar[int] = contextvars.ContextVar("vramcal_verbosity", default=0)
-
-
-class TrialPrinter:
-    """One line per finished trial above a tqdm progress bar (trials run / at most max_trials), whose postfix
-    follows the steady trial step by step (:meth:`step`); ``vramcal -v`` prints each such step as a line too,
-    ``-q`` prints neither the trials nor the bar (the summary stays).
-
-    Args:
-        err: print to stderr (``--json`` keeps stdout for the JSON).
-    """
-
-    def __init__(self, max_trials: int, usable_bytes: int, err: bool = False) -> None:
-        from tqdm import tqdm
-
-        self._usable_bytes, self._file, self._level = usable_bytes, sys.stderr if err else sys.stdout, VERBOSITY.get()
-        self._bar = tqdm(total=max_trials, desc="trials", unit="trial", leave=False, file=sys.stderr,
-                         disable=True if self._level < 0 else None)
-
-    def __call__(self, trial) -> None:
-        if self._level >= 0:
-            step = f"{trial.step_s:.3f} s/step, {trial.samples_per_s:.1f} samples/s  " if trial.step_s else ""
-            self._bar.write(trial_line(trial, self._usable_bytes, f"{step}[{trial.purpose}, {trial.wall_s:.1f} s]"),
-                            file=self._file)
-        self._bar.set_postfix_str("")
-        self._bar.update(1)
-
-    def step(self, payload: dict) -> None:
-        """A steady trial's step as it ends (:class:`vramcal.measure.trial.TrialRunner`'s ``on_step``)."""
-        text = (f"steady trial step {payload['step']}/{payload['of']}, peak {format_bytes(payload['peak_bytes'])}, "
-                f"{payload['step_s']:.2f} s/step")
-        self._bar.set_postfix_str(text)
-        if self._level > 0:
-            self._bar.write(f"    {text}", file=self._file)
-
-    def close(self) -> None:
-        self._bar.close()
-
-
-def trial_line(trial, usable_bytes: int, middle: str) -> str:
-    """One trial for people: length, batch size, status, peak, ``middle``, and why a trial that did not finish
-    ended (an error's reason, a timeout's limit)."""
-    peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
-    length = f"seq_len {trial.seq_len:>5}  " if trial.seq_len is not None else ""
-    reason = trial_reason(trial)
-    return (f"  {length}batch_size {trial.batch_size:>6}  {trial_status(trial, usable_bytes):<7}  peak {peak:>10}  "
-            f"{middle}" + (f"  {reason}" if reason else ""))
-
-
-def trial_status(trial, usable_bytes: int) -> str:
-    """A trial's status for people: ``over`` for one that finished above usable memory, else its status."""
-    return "over" if trial.ok and not trial.fits(usable_bytes) else trial.status
 
 
 def summary(profile) -> str:

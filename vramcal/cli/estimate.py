@@ -5,26 +5,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
 from vramcal.cli.console import estimate_lines
-from vramcal.cli.options import (
-    ByteSize,
-    GpuList,
-    explicit,
-    limit_options,
-    one_line,
-    probe_spec_options,
-)
-from vramcal.cli.probe import data_file_options, factory_options, model_options, model_params
+from vramcal.cli.options import ByteSize, GpuList, limit_options, one_line
+from vramcal.cli.probe import ModelOptions, data_file_options, model_options, model_params
 from vramcal.models import registry
 from vramcal.report.catalogue import CATALOGUE
 
 
 @click.command("estimate")
 @model_options
-@probe_spec_options
 @data_file_options
 @click.option("--gpus", type=GpuList(), default=None,
               help='cards: catalogued names ("H200,RTX 4090") or NAME=SIZE [default: the whole catalogue]')
@@ -34,27 +27,25 @@ from vramcal.report.catalogue import CATALOGUE
 @click.option("--profiles-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("profiles"),
               show_default=True, help="the calibrations the baseline and the error bound are learned from")
 @click.option("--json", "as_json", is_flag=True, help="print the estimate as JSON for programs")
-@click.pass_context
-def estimate_command(ctx: click.Context, gpus, capacity, reserve, margin, conservative_fraction, profiles_dir,
-                     as_json, **options) -> None:
+def estimate_command(model: ModelOptions, data: dict[str, Any], gpus, capacity, settings,
+                     profiles_dir, as_json) -> None:
     """Estimate safe and conservative batch sizes on cards you do not have: the training step traced on fake
     tensors (no GPU, seconds), plus a baseline and an error bound learned from your profiles. Never verified:
     `vramcal probe` on the card measures."""
     from vramcal import api
     from vramcal.estimated import estimate_cards
 
-    seq_lens = options["seq_len"].lengths
-    if len(seq_lens) > 1:
+    if len(model.seq_lens) > 1:
         raise click.BadParameter("an estimate is of one length: give one --seq-len", param_hint="--seq-len")
-    if options["dtype"] != "fp32":
-        raise click.BadParameter(f"--dtype {options['dtype']} runs CUDA's autocast, which a trace on this torch's CPU "
-                                 f"tensors does not: estimate fp32, or probe on the card", param_hint="--dtype")
-    model, params, _ = model_params(options, explicit(ctx))
-    settings = api.LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
+    dtype = model.spec["dtype"]
+    if dtype != "fp32":
+        raise click.BadParameter(f"--dtype {dtype} runs CUDA's autocast, which a trace on this torch's CPU tensors "
+                                 f"does not: estimate fp32, or probe on the card", param_hint="--dtype")
     with one_line():
+        name, params, _ = model_params(model)
         host, _ = api.select_devices("none", capacity)
-        ref = api.model_ref(model, params, device=host[0], implementation="transformers")
-        data = registry.family_of(ref).data_options(factory_options(options))  # those that apply to the model
+        ref = api.model_ref(name, params, device=host[0], implementation="transformers")
+        data = registry.family_of(ref).data_options(data)  # those that apply to the model
         found = estimate_cards(ref, data, cards=CATALOGUE if gpus is None else gpus,
                                host=host[0] if capacity is not None else None, settings=settings,
                                profiles_dir=profiles_dir)

@@ -10,18 +10,21 @@ SIGTERM (``kill``, ``timeout``, a scheduler's cancel).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import click
 from click.core import ParameterSource
 
 from vramcal.models.mamba2 import DTYPE_POLICIES, IMPLEMENTATIONS
 from vramcal.models.regressor.spec import RegressorSpec
+from vramcal.records import World
 from vramcal.units import format_bytes, parse_bytes
 
 EXIT_UNVERIFIED = 3
@@ -130,6 +133,26 @@ class KeyValue(click.ParamType):
 def group(*decorators: Callable) -> Callable:
     """Several click decorators as one, applied in the order written (so ``--help`` lists them so)."""
     return lambda command: functools.reduce(lambda cmd, option: option(cmd), reversed(decorators), command)
+
+
+def collected(name: str, build: Callable[..., Any], *decorators: Callable) -> Callable:
+    """Click options gathered into one typed value: the command receives ``name=build(**their values)`` in their
+    stead, so an option can be followed from where it is declared to the record that carries it.
+
+    ``build`` must not raise anything but :class:`click.BadParameter` (it runs before the command's own error
+    handling).
+    """
+    names = [param.name for param in group(*decorators)(lambda: None).__click_params__]
+
+    def apply(command: Callable) -> Callable:
+        @functools.wraps(command)
+        def gathered(*args: Any, **kwargs: Any) -> Any:
+            kwargs[name] = build(**{key: kwargs.pop(key) for key in names})
+            return command(*args, **kwargs)
+
+        return group(*decorators)(gathered)
+
+    return apply
 
 
 def explicit(ctx: click.Context) -> set[str]:
@@ -255,12 +278,47 @@ training_options = group(
                  help="also save a checkpoint every M minutes within an epoch"),
 )
 
-DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "static_graph")
-ddp_options = group(
+@dataclasses.dataclass(frozen=True)
+class DdpOptions:
+    """The DDP options of a command (``ddp``): None for the backend means nccl on GPUs, gloo on the host."""
+
+    backend: str | None = None
+    bucket_cap_mb: float = World.bucket_cap_mb  # World's defaults, written once there
+    gradient_as_bucket_view: bool = World.gradient_as_bucket_view
+    find_unused_parameters: bool = World.find_unused_parameters
+    static_graph: bool = World.static_graph
+
+    @classmethod
+    def build(cls, ddp_backend: str | None, **settings: Any) -> DdpOptions:
+        return cls(ddp_backend, **settings)
+
+    def world(self, nproc: int, on_gpu: bool, nproc_flag: str = "--nproc"):
+        """The :class:`~vramcal.records.World` of ``nproc`` ranks these options ask for, or None for one process.
+
+        Raises:
+            click.BadParameter: a world that cannot be (the message names the option); DDP options given for
+                one process.
+        """
+        if nproc == 1:
+            changed = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+            if changed:
+                flag = "--" + ("ddp_backend" if changed[0] == "backend" else changed[0]).replace("_", "-")
+                raise click.BadParameter(f"is for a DDP world of 2 or more ranks, and this is one process: add "
+                                         f"{nproc_flag} N, or leave it out", param_hint=flag)
+            return None
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "backend"}
+        try:
+            return World(nproc, self.backend or ("nccl" if on_gpu else "gloo"), **settings)
+        except ValueError as error:
+            raise click.BadParameter(str(error)) from None
+
+
+ddp_options = collected(
+    "ddp", DdpOptions.build,
     click.option("--ddp-backend", type=click.Choice(("gloo", "nccl")), default=None,
                  help="[default: gloo on the host, nccl on GPUs]"),
-    click.option("--bucket-cap-mb", type=FiniteFloat(0, min_open=True), default=25.0, show_default=True,
-                 help="DDP's gradient bucket size, MiB"),
+    click.option("--bucket-cap-mb", type=FiniteFloat(0, min_open=True), default=DdpOptions.bucket_cap_mb,
+                 show_default=True, help="DDP's gradient bucket size, MiB"),
     click.option("--gradient-as-bucket-view", is_flag=True, help="DDP's gradients as views of its buckets"),
     click.option("--find-unused-parameters", is_flag=True, help="DDP's search for parameters without gradients"),
     click.option("--static-graph", is_flag=True, help="DDP's static-graph mode"),
@@ -281,25 +339,15 @@ def check_local_ranks(nproc: int, flag: str, on_gpu: bool) -> None:
                                  f"rank needs a core of its own; give {flag} {cores} or fewer", param_hint=flag)
 
 
-def world_of(nproc: int, options: dict, on_gpu: bool):
-    """The :class:`~vramcal.records.World` the DDP options ask for (popped from ``options``), or None for one
-    process; the backend defaults to nccl on GPUs and gloo on the host.
+def limit_settings(reserve: int, margin: float, conservative_fraction: float):
+    """The :class:`~vramcal.calibration.limits.LimitSettings` the limit options give."""
+    from vramcal.calibration.limits import LimitSettings
 
-    Raises:
-        click.BadParameter: a world that cannot be (the message names the option).
-    """
-    from vramcal.records import World
-
-    backend, ddp = options.pop("ddp_backend"), {name: options.pop(name) for name in DDP_OPTIONS}
-    if nproc == 1:
-        return None
-    try:
-        return World(nproc, backend or ("nccl" if on_gpu else "gloo"), **ddp)
-    except ValueError as error:
-        raise click.BadParameter(str(error)) from None
+    return LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
 
 
-limit_options = group(
+limit_options = collected(
+    "settings", limit_settings,
     click.option("--reserve", type=ByteSize(), default="512MiB", show_default=True, help="memory kept free"),
     click.option("--margin", type=FiniteFloat(0, 1, max_open=True), default=0.10, show_default=True,
                  help="fraction of total memory kept free"),

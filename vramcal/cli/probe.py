@@ -13,14 +13,17 @@ from typing import Any
 
 import click
 
-from vramcal.cli.console import TrialPrinter, echo_lines, observations_lines, summary, trial_line
+from vramcal import files
+from vramcal.cli.console import VERBOSITY, echo_lines, observations_lines, summary
 from vramcal.cli.options import (
     EXIT_UNVERIFIED,
     SPEC_NAMES,
     ByteSize,
+    DdpOptions,
     FiniteFloat,
     KeyValue,
     check_local_ranks,
+    collected,
     data_options,
     ddp_options,
     device_options,
@@ -30,29 +33,66 @@ from vramcal.cli.options import (
     one_line,
     probe_spec_options,
     strict_option,
-    world_of,
 )
 from vramcal.models import registry
 from vramcal.models.registry import describe
 from vramcal.models.regressor.spec import RegressorSpec
+from vramcal.progress import TrialPrinter, trial_line
 from vramcal.records import TrialSettings
 from vramcal.units import format_bytes
 
 DEFAULT_DATA = Path("data/es_1s.parquet")
 
-model_options = group(
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """What ``--model``, ``--model-arg`` and the spec options (``--d-model`` ... ``--dtype``) say, before they are
+    checked against each other (:func:`model_params`).
+
+    Attributes:
+        spec: the spec options' values by name (``seq_len`` a :class:`~vramcal.calibration.fit2d.SeqLens`).
+        given: those of ``spec`` the command line gave (not defaults).
+    """
+
+    model: str
+    args: dict[str, Any]
+    spec: dict[str, Any]
+    given: frozenset[str]
+
+    @classmethod
+    def build(cls, model: str, model_args: tuple[tuple[str, Any], ...], **spec: Any) -> ModelOptions:
+        return cls(model, dict(model_args), spec, frozenset(explicit(click.get_current_context())) & spec.keys())
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return self.spec["seq_len"].lengths
+
+
+model_options = collected(
+    "model", ModelOptions.build,
     click.option("--model", default="regressor", show_default=True,
                  help="regressor (vramcal's trainer) | lm (a Mamba-2 language model from a transformers config) | "
                       "module:function (your factory returning a vramcal.TrainingStep)"),
     click.option("--model-arg", "model_args", type=KeyValue(), multiple=True,
                  help="KEY=VALUE for --model lm or your factory (repeat); lm needs config=<Mamba2Config JSON>"),
+    probe_spec_options,
 )
 
 capacity_option = click.option(
     "--capacity", type=ByteSize(min_bytes=2**20), default=None,
     help="memory budget, e.g. 12GiB (default: the whole device; host: cgroup limit or MemAvailable)")
-# what factory_options reads: the regressor's data file and how it is cut into windows
-data_file_options = group(
+
+
+def factory_options(data: str | None, **windows: Any) -> dict[str, Any]:
+    """The data options the trials take (the regressor's: the file they hold, data/es_1s.parquet by default when
+    it exists, and how it is cut into windows; :meth:`vramcal.models.registry.Family.data_options` keeps those
+    that apply to the model)."""
+    if data is None and DEFAULT_DATA.is_file():
+        data = str(DEFAULT_DATA)
+    return {"data": data, **windows}
+
+
+data_file_options = collected(
+    "data", factory_options,
     click.option("--data", type=click.Path(dir_okay=False), default=None,
                  help="regressor: the OHLCV parquet the trials hold [default: data/es_1s.parquet if it exists, "
                       "else synthetic bars of its size]"),
@@ -60,7 +100,8 @@ data_file_options = group(
 )
 
 _TRIALS = TrialSettings()  # the defaults of the trial options, from the one record that holds them
-trial_options = group(
+trial_options = collected(
+    "trials", TrialSettings,
     click.option("--warmup-steps", type=click.IntRange(1), default=_TRIALS.warmup_steps, show_default=True),
     click.option("--measured-steps", type=click.IntRange(2), default=_TRIALS.measured_steps, show_default=True),
     click.option("--val-steps", type=click.IntRange(0), default=_TRIALS.val_steps, show_default=True,
@@ -79,7 +120,6 @@ trial_options = group(
                  help="measure near the out-of-memory boundary (its largest trials); without: faster, and the "
                       "predicted boundary is an extrapolation"),
 )
-TRIAL_OPTIONS = tuple(f.name for f in dataclasses.fields(TrialSettings))
 world_options = group(
     click.option("--nproc", type=click.IntRange(1), default=1, show_default=True,
                  help="ranks of a DDP world per trial (torch.distributed; the host: gloo, every rank under the "
@@ -92,7 +132,6 @@ world_options = group(
 @device_options
 @capacity_option
 @model_options
-@probe_spec_options
 @data_file_options
 @limit_options
 @trial_options
@@ -109,8 +148,9 @@ world_options = group(
                    "of climbing from batch_size 1; the limits are verified the same way")
 @click.option("--json", "as_json", is_flag=True, help="print the profile(s) as JSON on stdout (the rest on stderr)")
 @click.pass_context
-def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, conservative_fraction, profiles_dir,
-          out, reports_dir, no_report, aim, as_json, **options) -> None:
+def probe(ctx: click.Context, gpu, capacity, implementation, model: ModelOptions, data: dict[str, Any],
+          settings, trials: TrialSettings, nproc: int, ddp: DdpOptions, profiles_dir, out, reports_dir, no_report,
+          aim, as_json) -> None:
     """Calibrate: real training steps at growing batch sizes, a fit, verified safe/conservative limits.
 
     Exits 0 when every profile written is verified, 3 when one is not (its limits are estimates).
@@ -121,13 +161,11 @@ def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, co
                   "beside the profile (*.journal): run the same command again to continue from them"), \
             stdout_to_stderr(as_json):
         api.worker_pool().warm_up()  # the trials' server imports torch while the options and data are checked
-        settings = api.LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
-        plans = plan_probes(explicit(ctx), options, gpu=gpu, capacity=capacity, implementation=implementation,
-                            settings=settings, profiles_dir=profiles_dir, out=out, err=as_json, aim=aim)
-        for plan in plans:
-            check_writable(plan.path.parent, "profiles", "--out or --profiles-dir")
-            if not no_report:
-                check_writable(reports_dir, "reports", "--reports-dir, or --no-report")
+        common = dict(implementation=implementation, settings=settings, options=data, profiles_dir=profiles_dir,
+                      out=out, trials=trials, aim=aim)
+        plans = plan_probes(model, gpu, capacity, nproc, ddp, common, err=as_json)
+        if not no_report:
+            check_writable(reports_dir, "reports", "--reports-dir, or --no-report")
         profiles = [calibrate_one(plan, as_json, None if no_report else reports_dir) for plan in plans]
     if as_json:
         click.echo(json.dumps([p.to_dict() for p in profiles] if len(profiles) > 1 else profiles[0].to_dict(),
@@ -136,34 +174,32 @@ def probe(ctx: click.Context, gpu, capacity, implementation, reserve, margin, co
         ctx.exit(EXIT_UNVERIFIED)
 
 
-def plan_probes(given: set[str], options: dict[str, Any], *, gpu: str, capacity: int | None, implementation: str,
-                settings, profiles_dir: Path, out: Path | None, err: bool, aim: bool = False) -> list:
+def plan_probes(model: ModelOptions, gpu: str, capacity: int | None, nproc: int, ddp: DdpOptions,
+                common: dict[str, Any], err: bool) -> list:
     """One :class:`~vramcal.api.CalibrationPlan` per device ``--gpu`` names (one for a DDP world), every check
-    done before any trial; prints the device notices.
+    done before any trial; prints the device notices. ``common``: :func:`vramcal.api.plan_calibration`'s
+    keywords that every plan shares.
 
     Raises:
         click.BadParameter: options that do not fit together.
     """
     from vramcal import api
 
-    trials = TrialSettings(**{name: options.pop(name) for name in TRIAL_OPTIONS})
-    nproc = options.pop("nproc")
-    seq_lens = options["seq_len"] if "seq_len" in given else None  # else the spec's default or --model-arg's
-    model, params, spec = model_params(options, given)
-    importable_from_cwd(model)
+    name, params, spec = model_params(model)
+    importable_from_cwd(name)
     devices, notice = api.select_devices("all" if nproc > 1 and gpu == "auto" else gpu, capacity)
     check_local_ranks(nproc, "--nproc", devices[0].kind == "cuda")
-    world = world_of(nproc, options, devices[0].kind == "cuda")
+    world = ddp.world(nproc, devices[0].kind == "cuda")
     if devices[0].kind == "host" and world is not None:
         devices = devices[:1]
-    if out is not None and len(devices) > 1 and world is None:
+    if common["out"] is not None and len(devices) > 1 and world is None:
         raise click.BadParameter("--out names one file; with --gpu all, use --profiles-dir", param_hint="--out")
     echo_lines(([notice] if notice else []) + host_hint(devices[0], capacity), err=err)
-    data = factory_options(options)
-    common = dict(implementation=implementation, settings=settings, options=data, profiles_dir=profiles_dir,
-                  out=out, seq_lens=seq_lens or (), trials=trials, world=world, aim=aim)
+    # several lengths when the command line gave --seq-len, else the spec's default or --model-arg's
+    common = dict(common, world=world, seq_lens=model.spec["seq_len"] if "seq_len" in model.given else ())
+
     def key(device):  # the regressor's spec, made once: its key on each device (dtype, implementation)
-        return registry.REGRESSOR.ref(spec, device, implementation) if spec is not None else model
+        return registry.REGRESSOR.ref(spec, device, common["implementation"]) if spec is not None else name
 
     if world is not None:
         ranks = tuple(devices[:world.nproc]) if devices[0].kind == "cuda" else ()
@@ -172,38 +208,38 @@ def plan_probes(given: set[str], options: dict[str, Any], *, gpu: str, capacity:
             for device in devices]
 
 
-def model_params(options: dict[str, Any], given: set[str]) -> tuple[str, dict[str, Any], RegressorSpec | None]:
-    """The model choice and its arguments from the options (the spec options for a family that takes them;
-    ``--model-arg``, and ``--seq-len``/``--dtype`` where the family uses them, for the others), and the
-    regressor's :class:`RegressorSpec` made from them (checked when made; None for the other families).
+def model_params(model: ModelOptions) -> tuple[str, dict[str, Any], RegressorSpec | None]:
+    """The model choice and its arguments (the spec options for a family that takes them; ``--model-arg``, and
+    ``--seq-len``/``--dtype`` where the family uses them, for the others), and the regressor's
+    :class:`RegressorSpec` made from them (checked when made; None for the other families).
 
     Raises:
         click.BadParameter: options that do not apply to the chosen model, or that contradict each other.
+        WorkloadError: a malformed model name.
     """
-    model, args = options.pop("model"), dict(options.pop("model_args"))
-    spec = {name: options.pop(name) for name in SPEC_NAMES}
-    spec["seq_len"] = spec["seq_len"].lengths[0]  # the first of several (the API takes them all)
-    family = registry.family(model)  # a malformed name: WorkloadError, one line, exit 1
+    args = dict(model.args)
+    spec = {**model.spec, "seq_len": model.seq_lens[0]}  # the first of several (the API takes them all)
+    family = registry.family(model.model)  # a malformed name: WorkloadError, one line, exit 1
     if family.spec_options:
         if args:
-            raise click.BadParameter(f"--model {model} takes the spec options (--d-model, ...), not --model-arg",
-                                     param_hint="--model-arg")
+            raise click.BadParameter(f"--model {model.model} takes the spec options (--d-model, ...), not "
+                                     f"--model-arg", param_hint="--model-arg")
         try:
-            return model, spec, RegressorSpec(**spec)
+            return model.model, spec, RegressorSpec(**spec)
         except ValueError as error:
             raise click.BadParameter(str(error), param_hint="model spec") from None
-    stray = sorted(n for n in SPEC_NAMES if n in given and n not in ("seq_len", "dtype"))
+    stray = sorted(n for n in SPEC_NAMES if n in model.given and n not in ("seq_len", "dtype"))
     if stray:
         raise click.BadParameter(f"{', '.join('--' + s.replace('_', '-') for s in stray)} apply to --model regressor; "
-                                 f"pass arguments of --model {model} with --model-arg", param_hint="--model")
+                                 f"pass arguments of --model {model.model} with --model-arg", param_hint="--model")
     for name in ("seq_len", "dtype"):
         flag = f"--{name.replace('_', '-')}"
-        if name in given and name in args and args[name] != spec[name]:
+        if name in model.given and name in args and args[name] != spec[name]:
             raise click.BadParameter(f"--model-arg {name}={args[name]} and {flag} {spec[name]} disagree: give one "
                                      f"of them", param_hint=flag)
-        if name in given or (name in family.option_args and name not in args):
+        if name in model.given or (name in family.option_args and name not in args):
             args.setdefault(name, spec[name])
-    return model, args, None
+    return model.model, args, None
 
 
 def importable_from_cwd(model: str) -> None:
@@ -232,15 +268,6 @@ def stdout_to_stderr(active: bool) -> Iterator[None]:
         os.close(saved)
 
 
-def factory_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The data options (the regressor's: the file the trials hold, data/es_1s.parquet by default when it
-    exists; :meth:`vramcal.models.registry.Family.data_options` keeps those that apply to the model)."""
-    data = options.pop("data")
-    if data is None and DEFAULT_DATA.is_file():
-        data = str(DEFAULT_DATA)
-    return {"data": data, **{k: options.pop(k) for k in ("stride", "val_fraction", "data_on_device")}}
-
-
 def host_hint(device, capacity: int | None) -> list[str]:
     if device.kind == "host" and capacity is None:
         return [f"calibrating all of the host's {device.total_source} ({format_bytes(device.total_bytes)}); "
@@ -261,10 +288,17 @@ def calibrate_one(plan, err: bool = False, reports_dir: Path | None = None):
         echo_lines(f"aimed with {format_bytes(plan.aim.slope_bytes_per_sample)} per sample ({plan.aim.source})",
                    err=err)
     echo_lines(list(plan.notices), err=err)
-    printer = TrialPrinter(plan.search().max_trials, plan.usable_bytes, err=err)
+    printer = TrialPrinter(plan.search().max_trials, plan.usable_bytes, file=sys.stderr if err else sys.stdout,
+                           level=VERBOSITY.get())
     try:
         profile = api.run_calibration(plan, on_trial=printer, on_notice=lambda line: echo_lines(line, err=err),
                                       on_step=printer.step)
+    except OSError as error:
+        if not str(error.filename or "").startswith(str(plan.path.parent)):
+            raise
+        # the profile's folder (or its journal) cannot take files: said before any trial
+        raise click.ClickException(f"cannot write profiles to {plan.path.parent} ({error.strerror}): free space "
+                                   f"there, or choose another --out or --profiles-dir") from None
     finally:
         printer.close()
     echo_lines([summary(profile), f"profile: {plan.path}"], err=err)
@@ -293,11 +327,13 @@ def warn_if_stale(profile, path: Path, strict: bool) -> None:
 
 def check_writable(folder: Path, what: str, options: str) -> None:
     """Fail before any trial when ``folder`` cannot take files, a full disk included
-    (:func:`vramcal.api.check_writable`: a calibration can take an hour)."""
-    from vramcal import api
+    (:func:`vramcal.files.check_writable`: a calibration can take an hour).
 
+    Raises:
+        click.ClickException: the folder cannot take files, naming ``options`` to choose another.
+    """
     try:
-        api.check_writable(folder)
+        files.check_writable(folder)
     except OSError as error:
         raise click.ClickException(f"cannot write {what} to {folder} ({error.strerror}): free space there, or "
                                    f"choose another {options}") from None

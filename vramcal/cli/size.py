@@ -5,22 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
-from vramcal.cli.options import (
-    EXIT_UNVERIFIED,
-    device_options,
-    explicit,
-    limit_options,
-    one_line,
-    probe_spec_options,
-)
+from vramcal.cli.options import EXIT_UNVERIFIED, device_options, limit_options, one_line
 from vramcal.cli.probe import (
-    TRIAL_OPTIONS,
+    ModelOptions,
     capacity_option,
     data_file_options,
-    factory_options,
     importable_from_cwd,
     model_options,
     model_params,
@@ -35,7 +28,6 @@ from vramcal.sizing import LIMITS
 @device_options
 @capacity_option
 @model_options
-@probe_spec_options
 @data_file_options
 @limit_options
 @trial_options
@@ -45,23 +37,20 @@ from vramcal.sizing import LIMITS
               show_default=True, help="where the matching profile is looked for, and a calibration saved")
 @click.option("--json", "as_json", is_flag=True, help="print the answer, its sizing and the profile's file as JSON")
 @click.pass_context
-def size_command(ctx: click.Context, gpu, capacity, implementation, reserve, margin, conservative_fraction, limit,
-                 profiles_dir, as_json, **options) -> None:
+def size_command(ctx: click.Context, gpu, capacity, implementation, model: ModelOptions, data: dict[str, Any],
+                 settings, trials: TrialSettings, limit, profiles_dir, as_json) -> None:
     """Print the batch size for a model on this device, alone on stdout: from the matching profile when one holds
     (same model, device, budget and software), else calibrating first and saying why. A second call with nothing
     changed runs no trial. Exits 3 when the profile's limits are not verified."""
     from vramcal import api
 
-    if len(options["seq_len"].lengths) > 1:
+    if len(model.seq_lens) > 1:
         raise click.BadParameter("a batch size is for one length: give one --seq-len", param_hint="--seq-len")
-    trials = TrialSettings(**{name: options.pop(name) for name in TRIAL_OPTIONS})
-    model, params, _ = model_params(options, explicit(ctx))
-    importable_from_cwd(model)
-    settings = api.LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
     with one_line("interrupted: no profile written, existing profiles are unchanged"), stdout_to_stderr(True):
-        answered = api.size_for(model, params, gpu=gpu, capacity_bytes=capacity, implementation=implementation,
-                                options=factory_options(options), profiles_dir=profiles_dir, settings=settings,
-                                trials=trials, limit=limit)
+        name, params, _ = model_params(model)
+        importable_from_cwd(name)
+        answered = api.size_for(name, params, gpu=gpu, capacity_bytes=capacity, implementation=implementation,
+                                options=data, profiles_dir=profiles_dir, settings=settings, trials=trials, limit=limit)
     s = answered.sizing
     click.echo(f"vramcal: batch_size {s.batch_size} ({s.label}; safe {s.safe_batch_size}, conservative "
                f"{s.conservative_batch_size}) {answered.reason}", err=True)

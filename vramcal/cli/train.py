@@ -13,8 +13,8 @@ from typing import Any
 import click
 
 from vramcal.cli.options import (
-    DDP_OPTIONS,
     BatchSize,
+    DdpOptions,
     FiniteFloat,
     check_local_ranks,
     ddp_options,
@@ -23,7 +23,6 @@ from vramcal.cli.options import (
     one_line,
     strict_profiles,
     training_options,
-    world_of,
 )
 from vramcal.cli.probe import calibrate_one
 from vramcal.models.regressor.spec import RegressorSpec
@@ -108,7 +107,7 @@ def es_sample_command(bar: str, out: Path, ticks: Path | None) -> None:
 @ddp_options
 @click.pass_context
 def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | None, resume: bool, probe: bool,
-                  capacity: tuple[int, ...] | None, nproc_per_node: int, **options: Any) -> None:
+                  capacity: tuple[int, ...] | None, nproc_per_node: int, ddp: DdpOptions, **options: Any) -> None:
     """Train the calibrated Mamba-2 model on OHLCV bars with the profile's batch size.
 
     After the first epoch and at the end it prints its measured peak beside the profile's prediction,
@@ -123,9 +122,9 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
     torchrun = {name: options.pop(name) for name in TORCHRUN_OPTIONS}
     if nproc_per_node > 1 or any(torchrun.values()):
         train_world(ctx, config_file, options, given, run_dir, resume, probe, capacity or (), nproc_per_node,
-                    {k: v for k, v in torchrun.items() if v is not None})
+                    {k: v for k, v in torchrun.items() if v is not None}, ddp)
         return
-    capacity = single_capacity(capacity, options)
+    capacity = single_capacity(capacity, ddp)
     worker_pool().warm_up()  # the training worker's server imports torch while the run is planned
     with one_line():
         if resume:
@@ -148,26 +147,25 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
                    f"checkpoint {plan.run_dir / 'checkpoint-last.pt'}")
 
 
-def single_capacity(capacity: tuple[int, ...] | None, options: dict[str, Any]) -> int | None:
-    """The one ``--capacity`` of a single-process run (the DDP options dropped).
+def single_capacity(capacity: tuple[int, ...] | None, ddp: DdpOptions) -> int | None:
+    """The one ``--capacity`` of a single-process run.
 
     Raises:
         click.BadParameter: several budgets, or DDP options, without ``--nproc-per-node``.
     """
-    world_of(1, options, False)  # drops the DDP options: one process has no DDP settings
+    ddp.world(1, False, "--nproc-per-node")  # refuses DDP options: one process has no DDP settings
     if capacity and len(capacity) > 1:
         raise click.BadParameter("several budgets are for the ranks of a DDP run: add --nproc-per-node N",
                                  param_hint="--capacity")
     return capacity[0] if capacity else None
 
 
-def train_world(ctx, config_file, options, given, run_dir, resume, probe, capacities, nproc_per_node, torchrun):
+def train_world(ctx, config_file, options, given, run_dir, resume, probe, capacities, nproc_per_node, torchrun, ddp):
     """``--nproc-per-node``: the run's ranks through torchrun's agent (:mod:`vramcal.train.distributed`)."""
     from vramcal.train import checkpoint, distributed
     from vramcal.train.config import load_config
     from vramcal.train.plan import load_windows
 
-    ddp = {name: options.pop(name) for name in ("ddp_backend", *DDP_OPTIONS)}
     nodes = node_count(torchrun.get("nnodes", 1))
     if nproc_per_node * nodes < 2:
         flag = "--" + next(iter(torchrun)).replace("_", "-")
@@ -191,7 +189,7 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
             config = make_config(config_file, options, given)
             load_windows(config)  # the data checked before any rank starts
             run_dir = checkpoint.prepare_run_dir(run_dir or new_run_dir(), resume=False)
-        world = world_of(nproc_per_node * nodes, ddp, config.gpu != "none" and gpu_here())
+        world = ddp.world(nproc_per_node * nodes, config.gpu != "none" and gpu_here())
         click.echo(f"training {world.describe()} in {run_dir}", err=True)
     overrides = {k: options[k] for k in RESUME_OVERRIDES if resume and k in given}
     with one_line(f"interrupted: the checkpoints in {run_dir} are kept; continue with `vramcal train --resume "

@@ -1,0 +1,79 @@
+"""Progress for people while a calibration runs: one line per finished trial, and the steady trial's steps as
+they end. The probe command prints it above a progress bar; :func:`vramcal.calibrate` prints it on stderr as
+plain lines, prefixed ``vramcal:``, for a script's log."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+from vramcal.records import Trial
+from vramcal.report.markdown import trial_reason
+from vramcal.units import format_bytes
+
+
+class TrialPrinter:
+    """One line per finished trial (:func:`trial_line`, with its speed, purpose and wall time), and the steady
+    trial's steps (:meth:`step`).
+
+    Args:
+        max_trials: the most trials the search runs (the bar's total).
+        usable_bytes: the budget a finished trial is judged against (``over`` above it).
+        file: where the lines go (the bar, if any, goes to stderr).
+        level: -1 prints no trial line and no bar, 0 the trial lines, 1 each step as a line too (``vramcal -q``
+            / ``-v``).
+        bar: a tqdm bar (trials run / ``max_trials``) whose postfix follows the steady trial; without it, every
+            ``every``-th step is a line.
+        prefix: put before every line (``"vramcal:"`` for a library's output).
+    """
+
+    def __init__(self, max_trials: int, usable_bytes: int, *, file: TextIO | None = None, level: int = 0,
+                 bar: bool = True, prefix: str = "", every: int = 5) -> None:
+        self._usable_bytes, self._file, self._level = usable_bytes, file or sys.stderr, level
+        self._prefix, self._every = prefix, every
+        self._bar = tqdm(total=max_trials, desc="trials", unit="trial", leave=False, file=sys.stderr,
+                         disable=True if level < 0 or not bar else None)
+
+    def __call__(self, trial: Trial) -> None:
+        if self._level >= 0:
+            speed = f"{trial.step_s:.3f} s/step, {trial.samples_per_s:.1f} samples/s  " if trial.step_s else ""
+            self._write(trial_line(trial, self._usable_bytes, f"{speed}[{trial.purpose}, {trial.wall_s or 0:.1f} s]"))
+        self._bar.set_postfix_str("")
+        self._bar.update(1)
+
+    def step(self, payload: dict[str, Any]) -> None:
+        """A steady trial's step as it ends (:class:`vramcal.measure.trial.TrialRunner`'s ``on_step``: ``step``,
+        ``of``, ``peak_bytes``, ``step_s``)."""
+        text = (f"steady trial step {payload['step']}/{payload['of']}, peak {format_bytes(payload['peak_bytes'])}, "
+                f"{payload['step_s']:.2f} s/step")
+        self._bar.set_postfix_str(text)
+        if self._level > 0 or (self._level == 0 and self._bar.disable and payload["step"] % self._every == 0):
+            self._write(f"    {text}")
+
+    def note(self, text: str) -> None:
+        """A line about the calibration as a whole (the device chosen, where the profile went)."""
+        self._write(f" {text}" if self._prefix else text)
+
+    def close(self) -> None:
+        self._bar.close()
+
+    def _write(self, line: str) -> None:
+        self._bar.write(f"{self._prefix}{line}", file=self._file)
+        self._file.flush()
+
+
+def trial_line(trial: Trial, usable_bytes: int, middle: str) -> str:
+    """One trial for people: length, batch size, status, peak, ``middle``, and why a trial that did not finish
+    ended (an error's reason, a timeout's limit)."""
+    peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
+    length = f"seq_len {trial.seq_len:>5}  " if trial.seq_len is not None else ""
+    reason = trial_reason(trial)
+    return (f"  {length}batch_size {trial.batch_size:>6}  {trial_status(trial, usable_bytes):<7}  peak {peak:>10}  "
+            f"{middle}" + (f"  {reason}" if reason else ""))
+
+
+def trial_status(trial: Trial, usable_bytes: int) -> str:
+    """A trial's status for people: ``over`` for one that finished above usable memory, else its status."""
+    return "over" if trial.ok and not trial.fits(usable_bytes) else trial.status
