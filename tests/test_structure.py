@@ -304,3 +304,53 @@ def test_importing_vramcal_loads_no_torch():
             "print(sorted(m for m in ('torch', 'triton', 'mamba_ssm', 'pynvml', 'matplotlib') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert result.stdout.strip() == "[]"
+
+
+HEAVY = ("torch", "numpy", "pandas", "matplotlib", "transformers", "optuna", "lightning")
+
+
+def function_imports() -> list[tuple[str, int, str, str]]:
+    """(file, line, the module imported, the line's text) of each import of a vramcal module made inside a
+    function (not an ``if TYPE_CHECKING:`` block)."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        lines = path.read_text().splitlines()
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("vramcal"):
+                    module = next((f"{node.module}.{a.name}" for a in node.names
+                                   if _is_module(f"{node.module}.{a.name}")), node.module)
+                elif isinstance(node, ast.Import) and node.names[0].name.startswith("vramcal"):
+                    module = node.names[0].name
+                else:
+                    continue
+                text = "\n".join(lines[node.lineno - 1:node.end_lineno])
+                found.append((str(path.relative_to(ROOT)), node.lineno, module, text))
+    return found
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def test_imports_inside_functions_defer_something_heavy_and_say_what():
+    """An import is made inside a function only where it defers a heavy library (the commands start without
+    numpy or torch), and says so; importing a light module there saves nothing and hides the dependency."""
+    found = function_imports()
+    assert len(found) > 10  # the imports were really read
+    unsaid = [f"{file}:{line}" for file, line, _, text in found if "# loads " not in text]
+    assert unsaid == []
+    code = ("import importlib, sys; importlib.import_module(sys.argv[1]); "
+            f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))")
+    light = {}
+    for module in sorted({module for _, _, module, _ in found}):
+        loaded = subprocess.run([sys.executable, "-c", code, module], capture_output=True, text=True, check=True,
+                                cwd=ROOT).stdout.strip()
+        if not loaded:
+            light[module] = [f"{file}:{line}" for file, line, m, _ in found if m == module]
+    assert light == {}, "these load nothing heavy: import them at the top of the module"

@@ -28,12 +28,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from vramcal.calibration.creep import read_peak
 from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibrator import CalibrationError, CalibrationPlan, run_trials
+from vramcal.estimated import aim_for
 from vramcal.files import check_writable
 from vramcal.journal import Journal, journal_path, plan_key
 from vramcal.lookup import Located, ddp_term, locate_profile, probe_command
+from vramcal.measure.device import select
+from vramcal.measure.trial import TrialRequest, TrialRunner
+from vramcal.measure.worker import Workers
 from vramcal.models.registry import family_of, model_ref
 from vramcal.profile import (
     DEFAULT_PROFILES_DIR,
@@ -47,6 +52,8 @@ from vramcal.profile import (
 from vramcal.progress import TrialPrinter
 from vramcal.records import Device, Trial, TrialSettings, World
 from vramcal.sizing import Answer, Limit, SizeRequest, Sizing, SizingError, answer, size
+from vramcal.staleness import StaleProfileError
+from vramcal.units import parse_bytes
 from vramcal.workload import ModelRef, WorkloadError
 
 __all__ = ["Answer", "Answered", "CalibrationError", "CalibrationPlan", "LimitSettings", "Located", "Profile",
@@ -72,7 +79,6 @@ def select_devices(gpu: str = "auto", capacity_bytes: int | str | None = None) -
         DeviceError: no such device here. NvmlError: a GPU asked for explicitly, NVML unusable.
         TypeError, ValueError: ``capacity_bytes`` is not a whole number of bytes or a size.
     """
-    from vramcal.measure.device import select
 
     return select(gpu, capacity_argument(capacity_bytes))
 
@@ -83,7 +89,6 @@ def capacity_argument(capacity: int | str | None) -> int | None:
     Raises:
         TypeError: neither (a float, a bool). ValueError: a string that is no size, or a size below one byte.
     """
-    from vramcal.units import parse_bytes
 
     if capacity is None:
         return None
@@ -99,7 +104,6 @@ def capacity_argument(capacity: int | str | None) -> int | None:
 def worker_pool(extra_preload: tuple[str, ...] = ()):
     """The workers trials and training runs run in (:class:`vramcal.measure.worker.Workers`), forked from one
     server that has imported :mod:`vramcal.preload` (and ``extra_preload``): the same process make-up for both."""
-    from vramcal.measure.worker import Workers
 
     return Workers((*WORKER_PRELOAD, *extra_preload))
 
@@ -159,7 +163,6 @@ def _aim(ref: ModelRef, data: dict[str, Any], device: Device, profiles_dir: Path
     one length (:func:`vramcal.estimated.aim_for`)."""
     if not one:
         return None, ("not aimed: the estimate is of one process at one length",)
-    from vramcal.estimated import aim_for
 
     found, why = aim_for(ref, data, device.kind, profiles_dir)
     return found, (why,) if why else ()
@@ -217,9 +220,9 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
     ``DEVICE = "cuda" if torch.cuda.is_available() else "cpu"`` does, would otherwise start CUDA before
     the pin.
 
-    With ``save``, the profile's folder must take :data:`vramcal.files.WRITE_CHECK_BYTES` before the first trial, and each
-    trial is kept in the trial journal beside the profile as it finishes (:mod:`vramcal.journal`): a crash, a
-    kill or a full disk loses no trial, and the same calibration run again reuses them. The profile's save
+    With ``save``, the profile's folder must take :data:`vramcal.files.WRITE_CHECK_BYTES` before the first trial,
+    and each trial is kept in the trial journal beside the profile as it finishes (:mod:`vramcal.journal`): a
+    crash, a kill or a full disk loses no trial, and the same calibration run again reuses them. The profile's save
     removes the journal.
 
     Args:
@@ -239,7 +242,6 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
             profile could not be written (the previous profile is untouched, the trials are in the journal).
         OSError: the profile's folder cannot take files (before any trial).
     """
-    from vramcal.measure.trial import TrialRunner
 
     journal = _open_journal(plan, on_notice) if save else None
     profile = run_trials(plan, TrialRunner(worker_pool(), on_step), on_trial, journal)
@@ -258,7 +260,8 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
 
 
 def _open_journal(plan: CalibrationPlan, on_notice: Callable[[str], None] | None) -> Journal:
-    """The calibration's journal (:mod:`vramcal.journal`), once its folder took :data:`vramcal.files.WRITE_CHECK_BYTES`.
+    """The calibration's journal (:mod:`vramcal.journal`), once its folder took
+    :data:`vramcal.files.WRITE_CHECK_BYTES`.
 
     Raises:
         OSError: the folder cannot take files.
@@ -387,7 +390,6 @@ def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None 
     Raises:
         as :func:`calibrate` and :func:`vramcal.sizing.size`.
     """
-    from vramcal.staleness import StaleProfileError
 
     device, notice = _one_device(gpu, capacity_bytes)
     ask, budget = SizeRequest(limit=limit, seq_len=seq_len), device.total_bytes if device.kind == "host" else None
@@ -444,8 +446,6 @@ def verify(profile: Profile, batch_size: int, seq_len: int | None = None, *,
     Raises:
         SizingError: the profile's device is not here.
     """
-    from vramcal.calibration.creep import read_peak
-    from vramcal.measure.trial import TrialRequest, TrialRunner
 
     gpu = "none" if profile.device.kind == "host" else (profile.device.uuid or "auto")
     device = select_devices(gpu, profile.device.total_bytes if profile.device.kind == "host" else None)[0][0]

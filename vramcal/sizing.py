@@ -61,7 +61,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from vramcal.calibration.fit2d import safe_batch_size_2d
 from vramcal.calibration.limits import Limits, LimitSettings, safe_batch_size
+from vramcal.calibration.surface import answer_at, limits_at, longest_at
 from vramcal.calibration.throughput import find_knee, measured_rates, rate_at
 from vramcal.profile import Profile
 from vramcal.records import Trial
@@ -294,8 +296,6 @@ def length_model(profile: Profile, seq_len: int | None = None) -> LengthModel:
         return LengthModel(fit.predict, fit.upper, lambda usable: safe_batch_size(fit, usable), limits,
                            check.peak_bytes if check is not None and check.passed else None, profile.verified,
                            fitted_from=fitted_from(profile), verified_peaks=peaks)
-    from vramcal.calibration.fit2d import safe_batch_size_2d
-    from vramcal.calibration.surface import answer_at, limits_at
 
     try:
         at = limits_at(surface, seq_len, limits.total_bytes, profile.settings)
@@ -340,7 +340,6 @@ def answer(profile: Profile, *, seq_len: int | None = None, batch_size: int | No
             (or ``batch_size`` is asked); a length outside the calibrated range or not a multiple of
             chunk_size; no length fits ``batch_size``.
     """
-    from vramcal.calibration.surface import longest_at
 
     if (seq_len is None) == (batch_size is None):
         raise SizingError("give --seq-len or --batch-size (one of them)")

@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vramcal.oom import is_out_of_memory
 from vramcal.words import given
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -190,7 +191,6 @@ def build(ref: ModelRef, device: torch.device, options: dict[str, Any] | None = 
             :class:`TrainingStep`.
         torch.OutOfMemoryError, MemoryError: passed through (the caller records them as out-of-memory).
     """
-    from vramcal.oom import is_out_of_memory
 
     factory = load_factory(ref)
     try:

@@ -8,7 +8,7 @@ import contextvars
 import click
 
 from vramcal.forecast import FAR, observation_verdict
-from vramcal.report.markdown import creep_shape
+from vramcal.report.markdown import creep_shape, world_text
 from vramcal.sizing import fitted_from, verdict
 from vramcal.units import format_bytes, format_duration, format_rate
 
@@ -30,8 +30,6 @@ def summary(profile) -> str:
                      f"{creep.steps or profile.run.get('steady_steps', '?')} steps{creep_shape(creep)} (in the line, "
                      f"the limits and the verified peaks)")
     if profile.world is not None:
-        from vramcal.report.markdown import world_text
-
         lines.append(f"world         {world_text(profile).replace('`', '')}")
     lines.append(f"usable        {format_bytes(limits.usable_bytes)}")
     for name, value in (("safe", limits.safe_batch_size), ("conservative", limits.conservative_batch_size)):

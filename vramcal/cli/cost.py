@@ -15,7 +15,25 @@ from typing import Any
 import click
 
 from vramcal.cli.options import FiniteFloat, group, load_profiles, one_line
-from vramcal.forecast import DEFAULT_EPOCHS, Dataset, Price, parse_prices
+from vramcal.estimate import EstimateError
+from vramcal.estimated import estimate_cards, traced_options
+from vramcal.forecast import (
+    DEFAULT_EPOCHS,
+    Dataset,
+    ForecastSettings,
+    Price,
+    calibration_dataset,
+    cost_table,
+    estimated_card,
+    parse_prices,
+)
+from vramcal.models.registry import differences
+from vramcal.models.regressor.step import load_windows
+from vramcal.report import write_cost_report
+from vramcal.report.catalogue import catalogued
+from vramcal.report.cost import forecast_notes, forecast_table
+from vramcal.sizing import SizingError, length_model
+from vramcal.units import format_bytes
 
 
 class PriceList(click.ParamType):
@@ -61,7 +79,6 @@ def datasets_for(profiles: list, options: dict[str, Any]) -> list[Dataset | None
         click.BadParameter: more than one of --data, --bars and --samples, or --val-samples without --samples.
         click.ClickException: a profile without a seq_len asked to cut windows; unreadable data.
     """
-    from vramcal.forecast import calibration_dataset
 
     given = [name for name in ("data", "bars", "samples") if options[name] is not None]
     if len(given) > 1:
@@ -77,7 +94,7 @@ def datasets_for(profiles: list, options: dict[str, Any]) -> list[Dataset | None
 
 
 def _windows(profile, options: dict[str, Any]) -> Dataset:
-    from vramcal.models.regressor.windows import window_counts
+    from vramcal.models.regressor.windows import window_counts  # loads numpy: only when called
 
     seq_len = options["seq_len"] or profile.model.params.get("seq_len")
     if not isinstance(seq_len, int):
@@ -91,7 +108,6 @@ def _windows(profile, options: dict[str, Any]) -> Dataset:
             raise click.BadParameter(f"{options['bars']} bars give no training window of {seq_len} bars",
                                      param_hint="--bars")
         return Dataset(train, val, f"{options['bars']:,} bars without gaps: {where}")
-    from vramcal.models.regressor.step import load_windows
 
     with one_line():
         windows = load_windows(options["data"], seq_len, stride, fraction)
@@ -101,7 +117,6 @@ def _windows(profile, options: dict[str, Any]) -> Dataset:
 def forecast_settings(profiles: list, options: dict[str, Any]):
     """The report's :class:`vramcal.forecast.ForecastSettings` from the forecast options (the first profile's
     dataset: a report of several profiles forecasts each over its own calibration data unless one is given)."""
-    from vramcal.forecast import ForecastSettings
 
     datasets = datasets_for(profiles, options)
     given = any(options[name] is not None for name in ("data", "bars", "samples"))
@@ -125,9 +140,6 @@ def cost_command(profiles: tuple[Path, ...], size_for: str, out_dir: Path, name:
     Each card's batch size, samples/s, epoch time, run time and (with --price) cost; the fastest and the cheapest
     marked. Throughput is each card's own measurement: a priced card without a profile is shown as unknown.
     """
-    from vramcal.forecast import cost_table
-    from vramcal.report import write_cost_report
-    from vramcal.report.cost import forecast_notes, forecast_table
 
     paths, loaded = load_profiles(profiles)
     _check_lengths(paths, loaded, options["seq_len"])
@@ -160,7 +172,6 @@ def _check_lengths(paths: list[Path], profiles: list, seq_len: int | None) -> No
     Raises:
         click.ClickException: one line naming the profile and the probe that covers the length (exit 1).
     """
-    from vramcal.sizing import SizingError, length_model
 
     for path, profile in zip(paths, profiles):
         try:
@@ -175,10 +186,6 @@ def _estimated(forecasts: list, profiles: list) -> list:
     a failed trace."""
     import dataclasses
 
-    from vramcal.estimate import EstimateError
-    from vramcal.estimated import estimate_cards, traced_options
-    from vramcal.forecast import estimated_card
-    from vramcal.report.catalogue import catalogued
 
     cards = {}
     for f in forecasts:
@@ -201,8 +208,6 @@ def _estimated(forecasts: list, profiles: list) -> list:
 def _labels(profiles: list) -> list[str]:
     """Each row's card: the device's name, its memory when two profiles share the name and not the memory, and the
     model's differences where the models differ (:func:`vramcal.models.registry.differences`)."""
-    from vramcal.models.registry import differences
-    from vramcal.units import format_bytes
 
     names = [p.device.name for p in profiles]
     totals = len(set(names)) < len(names) and len({p.device.total_bytes for p in profiles}) > 1

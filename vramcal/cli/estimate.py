@@ -9,9 +9,11 @@ from typing import Any
 
 import click
 
+from vramcal import api
 from vramcal.cli.console import estimate_lines
 from vramcal.cli.options import ByteSize, GpuList, limit_options, one_line
 from vramcal.cli.probe import ModelOptions, data_file_options, model_options, model_params
+from vramcal.estimated import estimate_cards
 from vramcal.models import registry
 from vramcal.report.catalogue import CATALOGUE
 
@@ -32,8 +34,6 @@ def estimate_command(model: ModelOptions, data: dict[str, Any], gpus, capacity, 
     """Estimate safe and conservative batch sizes on cards you do not have: the training step traced on fake
     tensors (no GPU, seconds), plus a baseline and an error bound learned from your profiles. Never verified:
     `vramcal probe` on the card measures."""
-    from vramcal import api
-    from vramcal.estimated import estimate_cards
 
     if len(model.seq_lens) > 1:
         raise click.BadParameter("an estimate is of one length: give one --seq-len", param_hint="--seq-len")

@@ -22,9 +22,19 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
+from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
+from vramcal.calibration.limits import LimitSettings
+from vramcal.calibrator import CalibrationError
+from vramcal.estimate import EstimateError
+from vramcal.measure.device import DeviceError, check_choice
+from vramcal.measure.nvml import NvmlError
 from vramcal.models.mamba2 import DTYPE_POLICIES, IMPLEMENTATIONS
 from vramcal.models.regressor.spec import RegressorSpec
+from vramcal.profile import load_profile
 from vramcal.records import World
+from vramcal.report.catalogue import parse_gpu_list
+from vramcal.staleness import STRICT_ENV
+from vramcal.train.errors import TrainError
 from vramcal.units import format_bytes, parse_bytes
 
 EXIT_UNVERIFIED = 3
@@ -100,8 +110,6 @@ class SeqLenList(click.ParamType):
     name = "N|N,N,...|LOW:HIGH"
 
     def convert(self, value, param, ctx):
-        from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
-
         if isinstance(value, SeqLens):
             return value
         try:
@@ -171,8 +179,6 @@ class GpuList(click.ParamType):
         if isinstance(value, list):
             return value
         try:
-            from vramcal.report.catalogue import parse_gpu_list
-
             return parse_gpu_list(value)
         except ValueError as error:
             self.fail(str(error), param, ctx)
@@ -185,8 +191,6 @@ class GpuChoice(click.ParamType):
     name = "gpu"
 
     def convert(self, value, param, ctx):
-        from vramcal.measure.device import DeviceError, check_choice
-
         try:
             return check_choice(str(value))
         except DeviceError as error:
@@ -234,7 +238,6 @@ data_options = group(
 def strict_profiles(strict: bool) -> None:
     """``--strict-profile``: refuse stale profiles for the rest of this command (:mod:`vramcal.staleness`), its
     workers included (they inherit the environment)."""
-    from vramcal.staleness import STRICT_ENV
 
     if strict:
         os.environ[STRICT_ENV] = "1"
@@ -341,7 +344,6 @@ def check_local_ranks(nproc: int, flag: str, on_gpu: bool) -> None:
 
 def limit_settings(reserve: int, margin: float, conservative_fraction: float):
     """The :class:`~vramcal.calibration.limits.LimitSettings` the limit options give."""
-    from vramcal.calibration.limits import LimitSettings
 
     return LimitSettings(reserve_bytes=reserve, margin=margin, conservative_fraction=conservative_fraction)
 
@@ -365,10 +367,6 @@ def one_line(interrupted: str = "interrupted") -> Iterator[None]:
     failed calibration or run, NVML); OSError covers files that cannot be read or written. A message of several
     lines (a library's) is joined into one.
     """
-    from vramcal.calibrator import CalibrationError
-    from vramcal.estimate import EstimateError
-    from vramcal.measure.nvml import NvmlError
-    from vramcal.train.errors import TrainError
 
     try:
         yield
@@ -443,7 +441,6 @@ def profile_paths(paths: tuple[Path, ...]) -> list[Path]:
 def load_profiles(paths: tuple[Path, ...]) -> tuple[list[Path], list]:
     """The profile files PATHS name (folders expanded: :func:`profile_paths`), and the profiles, checked; a bad one
     ends the command with one line."""
-    from vramcal.profile import load_profile
 
     expanded = profile_paths(paths)
     with one_line():

@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from vramcal import files
+from vramcal import api, files
 from vramcal.cli.console import VERBOSITY, echo_lines, observations_lines, summary
 from vramcal.cli.options import (
     EXIT_UNVERIFIED,
@@ -37,8 +37,11 @@ from vramcal.cli.options import (
 from vramcal.models import registry
 from vramcal.models.registry import describe
 from vramcal.models.regressor.spec import RegressorSpec
+from vramcal.profile import load_profile
 from vramcal.progress import TrialPrinter, trial_line
 from vramcal.records import TrialSettings
+from vramcal.report import write_report
+from vramcal.staleness import check
 from vramcal.units import format_bytes
 
 DEFAULT_DATA = Path("data/es_1s.parquet")
@@ -155,7 +158,6 @@ def probe(ctx: click.Context, gpu, capacity, implementation, model: ModelOptions
 
     Exits 0 when every profile written is verified, 3 when one is not (its limits are estimates).
     """
-    from vramcal import api
 
     with one_line("interrupted: no profile written, existing profiles are unchanged; the trials so far are kept "
                   "beside the profile (*.journal): run the same command again to continue from them"), \
@@ -183,7 +185,6 @@ def plan_probes(model: ModelOptions, gpu: str, capacity: int | None, nproc: int,
     Raises:
         click.BadParameter: options that do not fit together.
     """
-    from vramcal import api
 
     name, params, spec = model_params(model)
     importable_from_cwd(name)
@@ -278,7 +279,6 @@ def host_hint(device, capacity: int | None) -> list[str]:
 def calibrate_one(plan, err: bool = False, reports_dir: Path | None = None):
     """Run one device's calibration, print its trials and summary (to stderr when ``err``), write its report;
     returns the profile."""
-    from vramcal import api
 
     what = (f"{describe(plan.model.without('seq_len'))} at seq_len {', '.join(map(str, plan.seq_lens))}"
             if plan.seq_lens else describe(plan.model))
@@ -303,8 +303,6 @@ def calibrate_one(plan, err: bool = False, reports_dir: Path | None = None):
         printer.close()
     echo_lines([summary(profile), f"profile: {plan.path}"], err=err)
     if reports_dir is not None:
-        from vramcal.report import write_report
-
         png, markdown = write_report([profile], reports_dir)
         echo_lines(f"report: {markdown} and {png}", err=err)
     if not profile.verified:
@@ -316,8 +314,6 @@ def calibrate_one(plan, err: bool = False, reports_dir: Path | None = None):
 def warn_if_stale(profile, path: Path, strict: bool) -> None:
     """A warning on stderr for a profile made under other software or settings (:mod:`vramcal.staleness`);
     ``strict``: refuse it (StaleProfileError, one line)."""
-    from vramcal import api
-    from vramcal.staleness import check
 
     notice = check(profile, str(path), strict=strict or None,
                    command=api.probe_command(profile.device, profile.model, profile.world))
@@ -345,7 +341,6 @@ def check_writable(folder: Path, what: str, options: str) -> None:
 @strict_option
 def show(profile_path: Path, as_json: bool, strict_profile: bool) -> None:
     """Print a profile for people (or --json for programs), with the training runs that used it."""
-    from vramcal.profile import load_profile
 
     with one_line():
         profile = load_profile(profile_path)

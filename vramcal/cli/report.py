@@ -11,10 +11,20 @@ from pathlib import Path
 
 import click
 
+from vramcal import api
+from vramcal.cli.console import estimate_lines
 from vramcal.cli.cost import forecast_options, forecast_settings
 from vramcal.cli.options import EXIT_UNVERIFIED, GpuList, load_profiles, one_line, strict_option
+from vramcal.cli.probe import warn_if_stale
+from vramcal.estimate import EstimateError
+from vramcal.estimated import estimate_cards, traced_options
 from vramcal.models.registry import describe
-from vramcal.report.catalogue import GpuModel
+from vramcal.report import write_report
+from vramcal.report.catalogue import CATALOGUE, GpuModel, other_gpu_limits
+from vramcal.report.markdown import device_label, limits_notes, limits_table, missing_notes
+from vramcal.sizing import answer
+from vramcal.units import format_bytes
+from vramcal.workload import WorkloadError
 
 GPUS_HELP = ('more cards for the other-GPU table, e.g. "RTX 4080=16GiB,L4=22.5GiB" '
              "(GiB binary, GB decimal; a catalogued card by its name, e.g. H200)")
@@ -36,7 +46,6 @@ def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, 
     PROFILES are profile files, or folders (every profile below them). Several profiles are drawn on
     one figure as comparable series. The report's run forecast (as `vramcal cost`) takes the forecast options.
     """
-    from vramcal.report import write_report
 
     paths, loaded = load_profiles(profiles)
     try:
@@ -79,7 +88,6 @@ def limits_command(ctx: click.Context, profile: Path, gpus: list[GpuModel], seq_
     --batch-size, the answer of a profile calibrated over several lengths; --verify checks it with a real trial
     (exit 3 when that trial does not fit).
     """
-    from vramcal.cli.probe import warn_if_stale
 
     loaded = load_profiles((profile,))[1][0]
     with one_line():
@@ -89,8 +97,6 @@ def limits_command(ctx: click.Context, profile: Path, gpus: list[GpuModel], seq_
             raise click.BadParameter("--verify checks an answer: give --seq-len or --batch-size", param_hint="--verify")
         _gpu_table(profile, loaded, gpus, as_json, profiles_dir)
         return
-    from vramcal import api
-    from vramcal.sizing import answer
 
     with one_line():
         found = answer(loaded, seq_len=seq_len, batch_size=batch_size)
@@ -101,8 +107,6 @@ def limits_command(ctx: click.Context, profile: Path, gpus: list[GpuModel], seq_
 
 
 def _print_answer(found, trial, as_json: bool) -> None:
-    from vramcal.units import format_bytes
-
     if as_json:
         check = None if trial is None else {"status": trial.status, "peak_bytes": trial.peak_bytes,
                                             "fits": trial.fits(found.usable_bytes)}
@@ -119,8 +123,6 @@ def _print_answer(found, trial, as_json: bool) -> None:
 
 
 def _gpu_table(path: Path, loaded, gpus: list[GpuModel], as_json: bool, profiles_dir: Path) -> None:
-    from vramcal.report.catalogue import other_gpu_limits
-    from vramcal.report.markdown import device_label, limits_notes, limits_table, missing_notes
 
     try:
         rows = other_gpu_limits(loaded, gpus)
@@ -150,8 +152,6 @@ def _gpu_table(path: Path, loaded, gpus: list[GpuModel], as_json: bool, profiles
     for note in limits_notes(loaded):
         click.echo(click.wrap_text(note, width=110, initial_indent="- ", subsequent_indent="  "))
     if estimated is not None or why:
-        from vramcal.cli.console import estimate_lines
-
         click.echo("")
         for line in estimate_lines(estimated) if estimated is not None else [f"GPUs not estimated: {why}"]:
             click.echo(line)
@@ -159,10 +159,6 @@ def _gpu_table(path: Path, loaded, gpus: list[GpuModel], as_json: bool, profiles
 
 def _estimated(loaded, gpus: list[GpuModel], profiles_dir: Path):
     """(the estimate of a host profile's model on the catalogue and ``gpus``, None) or (None, why not)."""
-    from vramcal.estimate import EstimateError
-    from vramcal.estimated import estimate_cards, traced_options
-    from vramcal.report.catalogue import CATALOGUE
-    from vramcal.workload import WorkloadError
 
     if loaded.world is not None or loaded.surface is not None:
         return None, "a DDP world or several lengths: estimate one process at one length with `vramcal estimate`"

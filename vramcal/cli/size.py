@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from vramcal import api
 from vramcal.cli.options import EXIT_UNVERIFIED, device_options, limit_options, one_line
 from vramcal.cli.probe import (
     ModelOptions,
@@ -42,7 +43,6 @@ def size_command(ctx: click.Context, gpu, capacity, implementation, model: Model
     """Print the batch size for a model on this device, alone on stdout: from the matching profile when one holds
     (same model, device, budget and software), else calibrating first and saying why. A second call with nothing
     changed runs no trial. Exits 3 when the profile's limits are not verified."""
-    from vramcal import api
 
     if len(model.seq_lens) > 1:
         raise click.BadParameter("a batch size is for one length: give one --seq-len", param_hint="--seq-len")

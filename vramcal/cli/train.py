@@ -12,6 +12,8 @@ from typing import Any
 
 import click
 
+from vramcal import api
+from vramcal.api import worker_pool
 from vramcal.cli.options import (
     BatchSize,
     DdpOptions,
@@ -26,7 +28,8 @@ from vramcal.cli.options import (
 )
 from vramcal.cli.probe import calibrate_one
 from vramcal.models.regressor.spec import RegressorSpec
-from vramcal.train.config import RESUME_OVERRIDES
+from vramcal.train import checkpoint, distributed
+from vramcal.train.config import RESUME_OVERRIDES, ConfigError, TrainConfig, load_config
 from vramcal.units import format_bytes
 
 TORCHRUN_OPTIONS = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "master_addr",
@@ -53,7 +56,7 @@ def data_group() -> None:
 
 def _bar_length(ctx: click.Context, param: click.Parameter, value: str) -> str:
     """``--bar`` checked as it is parsed (a bad option value, exit 2), by the check the bars' builder makes."""
-    from vramcal.models.regressor.bars import DataError, bar_offset
+    from vramcal.models.regressor.bars import DataError, bar_offset  # loads numpy: only when called
 
     try:
         bar_offset(value)
@@ -71,7 +74,7 @@ def _bar_length(ctx: click.Context, param: click.Parameter, value: str) -> str:
               help="a tick CSV (DateTime, Price, Volume); default: the E-mini S&P 500 sample inside mlfinpy")
 def es_sample_command(bar: str, out: Path, ticks: Path | None) -> None:
     """OHLCV bars from real E-mini S&P 500 futures ticks (September 2013, ~500,000 trades)."""
-    from vramcal.models.regressor.bars import es_sample, few_bars_notice
+    from vramcal.models.regressor.bars import es_sample, few_bars_notice  # loads numpy: only when called
 
     with one_line():
         bars = es_sample(bar, out, ticks)
@@ -113,9 +116,8 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
     After the first epoch and at the end it prints its measured peak beside the profile's prediction,
     and records the run in the profile (`vramcal show` lists them).
     """
-    from vramcal.api import worker_pool
-    from vramcal.train import plan as planning
-    from vramcal.train.runner import train
+    from vramcal.train import plan as planning  # loads numpy: only when called
+    from vramcal.train.runner import train  # loads numpy: only when called
 
     given = explicit(ctx)
     strict_profiles(options.pop("strict_profile"))
@@ -162,9 +164,7 @@ def single_capacity(capacity: tuple[int, ...] | None, ddp: DdpOptions) -> int | 
 
 def train_world(ctx, config_file, options, given, run_dir, resume, probe, capacities, nproc_per_node, torchrun, ddp):
     """``--nproc-per-node``: the run's ranks through torchrun's agent (:mod:`vramcal.train.distributed`)."""
-    from vramcal.train import checkpoint, distributed
-    from vramcal.train.config import load_config
-    from vramcal.train.plan import load_windows
+    from vramcal.train.plan import load_windows  # loads numpy: only when called
 
     nodes = node_count(torchrun.get("nnodes", 1))
     if nproc_per_node * nodes < 2:
@@ -217,7 +217,6 @@ def node_count(nnodes: object) -> int:
 
 def gpu_here() -> bool:
     """Whether an NVIDIA GPU is visible (the default backend follows it)."""
-    from vramcal import api
 
     return api.select_devices("auto")[0][0].kind == "cuda"
 
@@ -245,7 +244,6 @@ def make_config(config_file: str | None, options: dict[str, Any], given: set[str
         ConfigError: the config file is unusable (exit 1). click.BadParameter: an option value the
             config refuses (exit 2).
     """
-    from vramcal.train.config import ConfigError, TrainConfig, load_config
 
     base = None if config_file is None else load_config(config_file)
     try:
@@ -266,7 +264,7 @@ def resume_dir(run_dir: Path | None) -> Path:
 
 
 def resume_plan(run_dir: Path | None, options: dict[str, Any], given: set[str]):
-    from vramcal.train.plan import plan_resume
+    from vramcal.train.plan import plan_resume  # loads numpy: only when called
 
     run_dir = resume_dir(run_dir)
     ignored = sorted(given - {*RESUME_OVERRIDES, "run_dir", "resume"})
@@ -279,7 +277,7 @@ def resume_plan(run_dir: Path | None, options: dict[str, Any], given: set[str]):
 def probe_first(config, capacity: int | None):
     """``--probe``: calibrate this run's model on its device over its data, as ``vramcal probe`` does
     (printing to stderr), and size the run from the profile it wrote."""
-    from vramcal.train.plan import calibration_plan
+    from vramcal.train.plan import calibration_plan  # loads numpy: only when called
 
     plan = calibration_plan(config, capacity)
     calibrate_one(plan, err=True)
@@ -289,7 +287,7 @@ def probe_first(config, capacity: int | None):
 def announce(plan) -> None:
     """What the run is about to do, on stderr: notices, model, batch size and its prediction, data (its gaps, its
     features without spread)."""
-    from vramcal.models.regressor.windows import data_notices
+    from vramcal.models.regressor.windows import data_notices  # loads numpy: only when called
 
     sizing, config, stats = plan.sizing, plan.config, plan.data_stats
     for notice in plan.notices:

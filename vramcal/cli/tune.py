@@ -13,7 +13,12 @@ from typing import Any
 
 import click
 
+from vramcal.calibration.fit2d import parse_seq_lens
 from vramcal.cli.options import explicit, one_line, strict_profiles, training_options
+from vramcal.cli.train import make_config
+from vramcal.train.config import TrainConfig
+from vramcal.tune import storage as storages
+from vramcal.tune.storage import STUDY_DB
 
 # Settings of the base config that a tune searches (the config's own values are replaced per trial).
 _SEARCHED = ("lr", "batch_size", "weight_decay", "max_grad_norm")
@@ -58,9 +63,8 @@ def tune_command(ctx: click.Context, config_file: str | None, run_dir: Path | No
                  storage: str | None, study_name: str, trials: int, capacity: tuple[int, ...] | None,
                  **options: Any) -> None:
     """Search learning rate, batch size (within the profile's bounds), weight decay and clip norm with optuna."""
-    from vramcal.tune import report
-    from vramcal.tune import storage as storages
-    from vramcal.tune import study as tune
+    from vramcal.tune import report  # loads numpy: only when called
+    from vramcal.tune import study as tune  # loads numpy: only when called
 
     given = explicit(ctx)
     strict_profiles(options.pop("strict_profile"))
@@ -91,7 +95,6 @@ def tune_command(ctx: click.Context, config_file: str | None, run_dir: Path | No
 def storage_url(storage: str | None, run_dir: Path):
     """``--storage`` read (:func:`vramcal.tune.storage.parse_storage`), or the tune folder's SQLite; a value of
     no known form exits 2."""
-    from vramcal.tune import storage as storages
 
     try:
         return storages.parse_storage(storages.default_storage(run_dir) if storage is None else storage)
@@ -112,9 +115,8 @@ def open_tune(settings, run_dir: Path, resume: bool, url, in_run_dir: bool, stud
     Returns:
         (study, the settings it searches, the :class:`~vramcal.tune.study.SearchSpace`).
     """
-    from vramcal.models.regressor.windows import data_notices
-    from vramcal.tune import storage as storages
-    from vramcal.tune import study as tune
+    from vramcal.models.regressor.windows import data_notices  # loads numpy: only when called
+    from vramcal.tune import study as tune  # loads numpy: only when called
 
     if in_run_dir:
         check_default_storage(run_dir, resume)
@@ -145,7 +147,7 @@ def ignored_options(asked, saved, given: dict[str, str]) -> list[str]:
     Args:
         given: ``{parameter name: option}`` of the options given on the command line.
     """
-    from vramcal.tune.study import setting_differences
+    from vramcal.tune.study import setting_differences  # loads numpy: only when called
 
     differences = setting_differences(asked, saved)
     named = [f"{given[name]} {_shown(ours)} (the study's: {_shown(theirs)})"
@@ -167,9 +169,7 @@ def _shown(value) -> str:
 def tune_settings(config_file: str | None, options: dict[str, Any], given: set[str]):
     """Defaults < config file < options given here, as ``vramcal train`` reads them (an unusable config file
     exits 1; an impossible spec or a bad range exits 2)."""
-    from vramcal.cli.train import make_config
-    from vramcal.train.config import TrainConfig
-    from vramcal.tune import study as tune
+    from vramcal.tune import study as tune  # loads numpy: only when called
 
     ranges = {k: options.pop(k) for k in ("lr_range", "weight_decay_range", "max_grad_norm_range")}
     batch_size_max, n_initial = options.pop("batch_size_max"), options.pop("n_initial")
@@ -187,7 +187,6 @@ def tune_settings(config_file: str | None, options: dict[str, Any], given: set[s
 def seq_len_choices(text: str, chunk_size: int) -> tuple[int, ...]:
     """``--seq-lens`` read as ``vramcal probe --seq-len`` reads it (a list, or a range's ends and middle);
     bad ones exit 2."""
-    from vramcal.calibration.fit2d import parse_seq_lens
 
     try:
         return parse_seq_lens(text).design(chunk_size)
@@ -196,8 +195,6 @@ def seq_len_choices(text: str, chunk_size: int) -> tuple[int, ...]:
 
 
 def check_default_storage(run_dir: Path, resume: bool) -> None:
-    from vramcal.tune.storage import STUDY_DB
-
     database = run_dir / STUDY_DB
     if resume and not database.is_file():
         raise click.ClickException(f"nothing to resume in {run_dir}: it has no {STUDY_DB} "
@@ -208,7 +205,7 @@ def check_default_storage(run_dir: Path, resume: bool) -> None:
 
 
 def print_results(study, written: dict[str, Path]) -> None:
-    from vramcal.tune.report import best_trial, failure_lines, format_table
+    from vramcal.tune.report import best_trial, failure_lines, format_table  # loads numpy: only when called
 
     click.echo(format_table(study))
     for line in failure_lines(study):

@@ -42,9 +42,10 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from vramcal.estimate.allocator import replay
 from vramcal.estimate.result import EstimateError, PointEstimate, StepEstimate, failure_message, line
 from vramcal.records import DeviceKind, TrialSettings
-from vramcal.workload import ModelRef
+from vramcal.workload import ModelRef, build, detect_kernel_path, train_step, validation_step
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -101,8 +102,7 @@ def trace_point(ref: ModelRef, batch_size: int, device_kind: DeviceKind, options
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from vramcal.estimate.trace import StorageTrace
-    from vramcal.workload import build, detect_kernel_path
+    from vramcal.estimate.trace import StorageTrace  # loads torch: only when called
 
     start = time.perf_counter()
     fake, trace = FakeTensorMode(allow_non_fake_inputs=True), StorageTrace()
@@ -123,7 +123,6 @@ def trace_point(ref: ModelRef, batch_size: int, device_kind: DeviceKind, options
 def _run_steps(step: TrainingStep, batch_size: int, settings: TrialSettings, trace: StorageTrace) -> int:
     """The trial's steps (module docstring, 2 and 3) under ``trace``; returns the index of the first event after
     the peaks' reset."""
-    from vramcal.workload import train_step, validation_step
 
     for _ in range(settings.warmup_steps):
         train_step(step, step.batch(batch_size))
@@ -139,8 +138,7 @@ def _point(trace: StorageTrace, batch_size: int, device_kind: DeviceKind, reset_
            trace_s: float) -> PointEstimate:
     """The point of a finished trace: live peak and breakdown, and the caching allocator's peaks on the device's
     events (the reset mapped onto them)."""
-    from vramcal.estimate.allocator import replay
-    from vramcal.estimate.trace import live_peak
+    from vramcal.estimate.trace import live_peak  # loads torch: only when called
 
     device_type = "cuda" if device_kind == "cuda" else "cpu"
     live, held = live_peak(trace, device_type, reset_at)

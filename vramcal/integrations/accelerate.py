@@ -33,6 +33,7 @@ from typing import Any
 
 from vramcal.integrations.run import FrameworkRun
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
+from vramcal.records import World
 from vramcal.sizing import SizeRequest
 
 
@@ -55,8 +56,6 @@ def sized(accelerator: Any, profile: Profile | str | Path | None = None, *, mode
     """
     world = None
     if accelerator.num_processes > 1:
-        from vramcal.records import World
-
         world = World(accelerator.num_processes, "nccl" if accelerator.device.type == "cuda" else "gloo")
     run = FrameworkRun(profile, model=model, params=params, profiles_dir=profiles_dir, device=accelerator.device,
                        ask=SizeRequest(**asked), world=world, framework="accelerate")

@@ -33,6 +33,7 @@ from transformers import TrainerCallback
 
 from vramcal.integrations.run import FrameworkRun
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
+from vramcal.records import World
 from vramcal.sizing import SizeRequest, SizingError
 
 
@@ -106,6 +107,5 @@ def _world(args: Any):
     """The DDP world of a Trainer run by several processes (its profile must be calibrated for it)."""
     if getattr(args, "world_size", 1) < 2:
         return None
-    from vramcal.records import World
 
     return World(args.world_size, "nccl" if args.device.type == "cuda" else "gloo")

@@ -43,6 +43,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from vramcal.integrations.run import FrameworkRun
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
+from vramcal.records import World
 from vramcal.sizing import GradientsHeld, SizeRequest, Sizing, SizingError
 from vramcal.units import format_bytes
 
@@ -156,8 +157,6 @@ def _world(trainer: pl.Trainer):
     if trainer.world_size < 2:
         return None
     import torch.distributed as dist
-
-    from vramcal.records import World
 
     return World(trainer.world_size, "nccl" if trainer.strategy.root_device.type == "cuda" else "gloo",
                  threads_per_rank=1) if dist.is_initialized() else None

@@ -25,8 +25,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vramcal import __version__
+from vramcal.api import select_devices
+from vramcal.environment import HOST_MALLOC, set_host_malloc
 from vramcal.lookup import locate_profile
-from vramcal.profile import DEFAULT_PROFILES_DIR, Observation, Profile, ProfileError
+from vramcal.measure.meters import attach_meter
+from vramcal.profile import DEFAULT_PROFILES_DIR, Observation, Profile, ProfileError, append_observation, utc_now
 from vramcal.sizing import SizeRequest, Sizing, compare, size
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -95,8 +99,6 @@ class FrameworkRun:
         the process the trials' malloc settings (``host_malloc``), measure what it holds, size again with the
         process term (clamping the batch size when it no longer fits), and start measuring the peak. Returns
         the new sizing (its notices given to ``warn``)."""
-        from vramcal.environment import HOST_MALLOC, set_host_malloc
-        from vramcal.measure.meters import attach_meter
 
         done = set_host_malloc() if self.device.kind == "host" and self.host_malloc else None
         if done:
@@ -155,9 +157,6 @@ class FrameworkRun:
             self._meter = None
 
     def _observe(self, steps: int, run_dir: str) -> None:
-        from vramcal import __version__
-        from vramcal.profile import append_observation, utc_now
-
         if self.path is None:
             return
         s = self.sizing
@@ -179,8 +178,6 @@ def vramcal_device(device: torch.device | str) -> Device:
         ValueError: another kind of device (MPS, TPU, ...).
     """
     import torch
-
-    from vramcal.api import select_devices
 
     device = torch.device(device)
     if device.type == "cuda":

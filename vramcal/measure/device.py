@@ -19,7 +19,7 @@ import re
 import types
 from collections.abc import Callable, Mapping
 
-from vramcal.measure.nvml import NvmlError, load_nvml, nvml_query, visible_gpus
+from vramcal.measure.nvml import NvmlError, gpu_record, load_nvml, memory_figures, nvml_handle, nvml_query, visible_gpus
 from vramcal.records import Device
 from vramcal.units import format_bytes
 from vramcal.words import given, word
@@ -68,8 +68,6 @@ def free_bytes(device: Device, proc: str = "/proc", cgroup: str = "/sys/fs/cgrou
         room = _cgroup_room(cgroup)
         return (room, "the cgroup's limit minus its use") if room is not None and room < available else (available,
                                                                                                           source)
-    from vramcal.measure.nvml import NvmlError, load_nvml, memory_figures, nvml_handle
-
     try:
         nvml = load_nvml()
         return memory_figures(nvml, nvml_handle(nvml, device)).free_bytes, "NVML free memory"
@@ -209,8 +207,6 @@ def _by_uuid(nvml: types.ModuleType, choice: str, gpus: list[Device], environ: M
 
     found = [g for g in gpus if matches(g.uuid)]
     if not found and choice.startswith("MIG-") and "CUDA_VISIBLE_DEVICES" not in environ:
-        from vramcal.measure.nvml import gpu_record
-
         try:
             return gpu_record(nvml, nvml_query(nvml, "nvmlDeviceGetHandleByUUID", choice))
         except NvmlError:

@@ -52,9 +52,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vramcal.calibration.creep import epoch_end_due, partial_batch_size, steady_done
+from vramcal.measure.distributed import build_agreed, join, wrap
+from vramcal.measure.meters import open_meter, synchronize
 from vramcal.measure.worker import Outcome, Workers
 from vramcal.records import Device, Trial, TrialSettings, World
-from vramcal.workload import ModelRef
+from vramcal.workload import (
+    KernelWitness,
+    ModelRef,
+    build,
+    detect_kernel_path,
+    kernels_bound,
+    train_step,
+    validation_step,
+)
 
 
 @dataclass(frozen=True)
@@ -230,8 +241,6 @@ def measure(request: TrialRequest, channel: Any = None) -> dict[str, Any]:
     Raises:
         Whatever the step raises (out-of-memory errors included); the worker records it.
     """
-    from vramcal.measure.meters import open_meter
-    from vramcal.workload import build
 
     device, phase = request.device, phase_of(channel)
     meter = open_meter(device, request.host_memory_limit_bytes)
@@ -254,9 +263,6 @@ def measure_rank(request: TrialRequest, rank: int, init_method: str, channel: An
     Raises:
         Whatever the step raises; :class:`vramcal.measure.distributed.PeerFailed` when another rank failed.
     """
-    from vramcal.measure.distributed import build_agreed, join, wrap
-    from vramcal.measure.meters import open_meter
-    from vramcal.workload import build
 
     device, phase = request.rank_device(rank), phase_of(channel)
     meter = open_meter(device, request.host_memory_limit_bytes)
@@ -299,8 +305,6 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
     steps and the validation passes, as a short trial's (module docstring). ``phase`` is told each part as it
     starts (a trial killed at its time limit names where it was).
     """
-    from vramcal.calibration.creep import epoch_end_due, steady_done
-    from vramcal.workload import validation_step
 
     device, batch_size, settings = request.device, request.batch_size, request.settings
 
@@ -339,7 +343,6 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
 def _trainer(step: Any, model: Any, batch_size: int) -> tuple[Callable[[], None], Any]:
     """One training step at ``batch_size`` as a call, and the :class:`vramcal.workload.KernelWitness` its first call
     runs under where the model's kernels are bound (:func:`vramcal.workload.kernels_bound`; else None)."""
-    from vramcal.workload import KernelWitness, kernels_bound, train_step
 
     witness = KernelWitness() if step.kernel_path is None and kernels_bound(step.model) else None
     unwitnessed = [witness] if witness else []
@@ -355,9 +358,6 @@ def end_epoch(step: Any, model: Any, batch_size: int, device_kind: str, phase: C
     """A steady trial's epoch's end, as a training run's epoch ends: one training step at a partial batch
     (:func:`vramcal.calibration.creep.partial_batch_size` of ``batch_size``), then validation passes at the batch
     size and at the partial one."""
-    from vramcal.calibration.creep import partial_batch_size
-    from vramcal.measure.meters import synchronize
-    from vramcal.workload import train_step, validation_step
 
     partial = partial_batch_size(batch_size)
     phase(f"the epoch's end (a step at batch_size {partial} and validation passes)")
@@ -371,7 +371,6 @@ def _figures(step: Any, meter: Any, device_kind: str, batch_size: int, build_s: 
              times: list[float], val: list[float], witness: Any = None) -> dict[str, Any]:
     """A trial's record from its step times and the meter's reading now (its peaks so far); ``witness``: the
     :class:`vramcal.workload.KernelWitness` of its first step, where the model's kernels are bound."""
-    from vramcal.workload import detect_kernel_path
 
     figures = meter.read()
     context = {"kernel_path": step.kernel_path or detect_kernel_path(step.model, witness and witness.called),
@@ -392,7 +391,6 @@ def gradient_bytes(model: Any) -> int:
 
 def _timed(run: Callable[[], Any], device_kind: str) -> float:
     """Seconds ``run()`` took, read after a synchronize (the device's queue drained), as the trainer times a step."""
-    from vramcal.measure.meters import synchronize
 
     start = time.perf_counter()
     run()

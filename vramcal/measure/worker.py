@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vramcal.environment import WORKER_DEFAULTS
+from vramcal.oom import is_out_of_memory
 
 OutcomeStatus = Literal["ok", "oom", "timeout", "error"]
 KILLED = "Killed"  # the error_type of a worker killed by a signal without an out-of-memory kill counted
@@ -394,7 +395,6 @@ def failure(error: BaseException) -> dict[str, Any]:
     The traceback's frames still hold the step's tensors; they are cleared first, so that reporting an
     out-of-memory error does not itself run out of memory.
     """
-    from vramcal.oom import is_out_of_memory
 
     status = "oom" if is_out_of_memory(error) else "error"
     message = (str(error).strip().splitlines() or [type(error).__name__])[0][:500]

@@ -26,7 +26,7 @@ import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vramcal.models.mamba2 import DTYPE_POLICIES
+from vramcal.models.mamba2 import DTYPE_POLICIES, import_mamba_ssm_mamba2, import_transformers_mamba2
 from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, SchemaError, read_value
 from vramcal.words import given
 from vramcal.workload import TrainingStep
@@ -268,7 +268,6 @@ def _modeling_with_kernels() -> types.ModuleType:
     mamba_ssm hidden (:func:`vramcal.models.mamba2.import_transformers_mamba2`), so here, in the trial
     process only, it is reloaded with mamba_ssm visible.
     """
-    from vramcal.models.mamba2 import import_mamba_ssm_mamba2
 
     try:
         import_mamba_ssm_mamba2()  # the package importable even without Mamba-1's compiled extension
@@ -303,8 +302,6 @@ def training_step(device: torch.device, *, config: dict[str, Any], seq_len: int,
         ValueError: a bad config, seq_len or dtype (:func:`check_params`).
     """
     import torch
-
-    from vramcal.models.mamba2 import import_transformers_mamba2
 
     settings = check_params(config, seq_len, dtype)
     modeling = import_transformers_mamba2() if implementation == "transformers" else _modeling_with_kernels()

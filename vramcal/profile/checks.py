@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vramcal.calibration.creep import steady_equivalent
+from vramcal.calibration.fit import fit_linear
+from vramcal.calibration.fit2d import fit_2d
 from vramcal.calibration.limits import point_safe_batch_size, safe_ceiling
 from vramcal.calibration.search import largest_fitting
 from vramcal.profile.record import DERIVED, Profile, ProfileError
@@ -98,7 +100,6 @@ def check_fit(fit: Fit, trials: Sequence[Trial]) -> None:
     Raises:
         ProfileError: the first figure that does not follow from the points, or a point that is no trial's.
     """
-    from vramcal.calibration.fit import fit_linear
 
     if not fit.n_points == len(fit.batch_sizes) == len(fit.peak_bytes):
         raise ProfileError(f"fit.n_points = {fit.n_points} does not match its {len(fit.batch_sizes)} batch sizes "
@@ -281,7 +282,6 @@ def check_fit_2d(fit: Fit2D, trials: Sequence[Trial]) -> None:
     Raises:
         ProfileError: the first figure that does not follow from the points, or a point that is no trial's.
     """
-    from vramcal.calibration.fit2d import fit_2d
 
     if not fit.n_points == len(fit.batch_sizes) == len(fit.seq_lens) == len(fit.peak_bytes):
         raise ProfileError(f"surface.fit.n_points = {fit.n_points} does not match its points")

@@ -19,6 +19,8 @@ from vramcal.files import atomic_write_bytes, atomic_write_text
 from vramcal.forecast import ForecastSettings
 from vramcal.report.catalogue import GpuModel
 from vramcal.report.cost import render_cost_markdown
+from vramcal.report.cost_figure import render_cost_png
+from vramcal.report.figure import render_png
 from vramcal.report.markdown import render_markdown, report_name
 
 if TYPE_CHECKING:
@@ -45,8 +47,6 @@ def write_report(profiles: Sequence[Profile], out_dir: Path, name: str | None = 
     if not profiles:
         raise ValueError("a report needs at least one profile")
     png_path, md_path = _paths(out_dir, name or report_name(profiles))
-    from vramcal.report.figure import render_png  # matplotlib: only when a figure is drawn
-
     atomic_write_bytes(png_path, render_png(profiles))
     atomic_write_text(md_path, render_markdown(profiles, png_path.name, extra_gpus, forecast))
     return png_path, md_path
@@ -60,8 +60,6 @@ def write_cost_report(forecasts: Sequence[Forecast], out_dir: Path, name: str, t
         ValueError: a name that is not a plain file stem. OSError: the folder cannot be written.
     """
     png_path, md_path = _paths(out_dir, name)
-    from vramcal.report.cost_figure import render_cost_png  # matplotlib: only when a figure is drawn
-
     atomic_write_bytes(png_path, render_cost_png(forecasts, title))
     atomic_write_text(md_path, render_cost_markdown(forecasts, png_path.name, title))
     return png_path, md_path

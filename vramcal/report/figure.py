@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vramcal.calibration.creep import STEADY, steady_equivalent
+from vramcal.calibration.surface import answer_at
 from vramcal.report.markdown import (
     profile_knee,
     profile_rates,
@@ -152,7 +153,6 @@ def _draw_speed(ax: Any, profile: Profile, color: str) -> None:
 def _draw_lengths(ax: Any, profile: Profile, color: str) -> None:
     """Safe batch size against seq_len: the model's answer at every multiple of chunk_size inside the
     calibrated range (a line), the calibrated lengths' verified limits (filled: safe, open: conservative)."""
-    from vramcal.calibration.surface import answer_at
 
     surface = profile.surface
     if surface is None:

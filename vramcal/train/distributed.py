@@ -85,7 +85,7 @@ def failure_line(run_dir: Path, error: Any) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """A rank process (module docstring): plan this rank, train it in a worker, record its observation."""
-    from vramcal.train.runner import train
+    from vramcal.train.runner import train  # loads numpy: only when called
 
     spec_path = Path((argv or sys.argv[1:])[0])
     spec = json.loads(spec_path.read_text())
@@ -121,7 +121,7 @@ def rank_plan(spec: dict[str, Any], run_dir: Path, rank: int, local_rank: int, w
     Raises:
         SizingError, DeviceError, DataError, ValueError: one line, naming what this rank could not find.
     """
-    from vramcal.train.plan import plan_run, resolve
+    from vramcal.train.plan import plan_run, resolve  # loads numpy: only when called
 
     world = World(**{**spec["world"], "nproc": world_size})
     capacities = tuple(spec["capacities"])

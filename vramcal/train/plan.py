@@ -20,8 +20,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vramcal import api
 from vramcal.measure.device import free_bytes
 from vramcal.models.registry import REGRESSOR
+from vramcal.models.regressor.step import load_windows as windows_of
 from vramcal.models.regressor.windows import Windows
 from vramcal.profile import Profile
 from vramcal.records import Device, World
@@ -137,7 +139,6 @@ class Plan:
 def load_windows(config: TrainConfig) -> Windows:
     """Bars from ``config.data`` cut into windows (:func:`vramcal.models.regressor.step.load_windows`).
     Raises: DataError."""
-    from vramcal.models.regressor.step import load_windows as windows_of
 
     return windows_of(config.data, config.spec.seq_len, config.stride, config.val_fraction)
 
@@ -157,7 +158,6 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
         ValueError: an impossible spec; DataError, DeviceError, NvmlError, SizingError: one-line messages for
             the user.
     """
-    from vramcal import api
 
     windows = load_windows(config)
     device, notices = _device(config, capacity_bytes)
@@ -191,7 +191,6 @@ def calibration_plan(config: TrainConfig, capacity_bytes: int | None = None):
         ConfigError: a profile file named (``--probe`` writes a new one). DataError, DeviceError, NvmlError,
             ValueError: as :func:`resolve`.
     """
-    from vramcal import api
 
     if config.profile != "auto":
         raise ConfigError("--probe writes a new profile: leave --profile at auto")
@@ -204,7 +203,6 @@ def calibration_plan(config: TrainConfig, capacity_bytes: int | None = None):
 
 def _device(config: TrainConfig, capacity_bytes: int | None) -> tuple[Device, list[str]]:
     """The one device a run trains on, and notices (why the host, which of several GPUs)."""
-    from vramcal import api
 
     devices, notice = api.select_devices(config.gpu, capacity_bytes)
     notices = [notice] if notice else []
@@ -267,7 +265,6 @@ def plan_resume(run_dir: Path, overrides: dict[str, Any]) -> Plan:
         RunDirError: nothing to resume. DataError: the data file is gone or unreadable.
         DeviceError, NvmlError: the device is not here.
     """
-    from vramcal import api
 
     run_dir = checkpoint.prepare_run_dir(run_dir, resume=True)
     try:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramcal import __version__
+from vramcal.api import worker_pool
 from vramcal.profile import Observation, ProfileError, append_observation, utc_now
 from vramcal.sizing import compare
 from vramcal.train import checkpoint, timing
@@ -64,8 +65,6 @@ def train(plan: Plan, echo: Echo = print, on_epoch: Callable[[dict[str, Any]], A
 
 
 def _run(plan: Plan, echo: Echo, on_epoch: Callable[[dict[str, Any]], Any] | None, workers: Any) -> RunResult:
-    from vramcal.api import worker_pool
-
     if not plan.resume and plan.rank == 0:  # absolute paths: --resume works from any directory
         checkpoint.write_json(plan.run_dir / checkpoint.CONFIG, plan.config.with_absolute_paths().to_dict())
         checkpoint.write_json(plan.run_dir / checkpoint.RUN, plan.record())

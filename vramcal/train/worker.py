@@ -11,10 +11,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from vramcal.measure.distributed import build_agreed, join, wrap
+from vramcal.measure.meters import open_meter
+from vramcal.measure.trial import torch_device
 from vramcal.sizing import SizingError, scaled_lr
 from vramcal.train import checkpoint
 from vramcal.train.loop import Share, Trainer
 from vramcal.train.plan import Plan
+from vramcal.workload import build
 
 
 def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
@@ -28,7 +32,6 @@ def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
         "epochs", "data_bytes"}``; under DDP also ``rank_peak_bytes`` (each rank's largest epoch peak) and
         ``batch_sizes`` (each rank's).
     """
-    from vramcal.measure.meters import open_meter
 
     def echo(line: str) -> None:
         if channel is None:
@@ -71,9 +74,6 @@ def _join(plan: Plan) -> tuple[Any, Share, Plan]:
     (plan.run_dir / "ranks").mkdir(exist_ok=True)
     (plan.run_dir / "ranks" / f"{plan.rank}.pid").write_text(f"{os.getpid()}\n")
 
-    from vramcal.measure.distributed import join
-    from vramcal.measure.trial import torch_device
-
     group = join(plan.world, plan.rank, "env://", plan.collective_timeout_s, torch_device(plan.device))
     share = Share(tuple(group.gather(plan.batch_size)), plan.rank, group)
     n_train = int(plan.data_stats["train_windows"])
@@ -89,8 +89,6 @@ def _join(plan: Plan) -> tuple[Any, Share, Plan]:
 
 def _build(plan: Plan, group: Any) -> tuple[Any, Any]:
     """The step (built on every rank, agreed) and the module its forward pass goes through (DDP's wrapper)."""
-    from vramcal.measure.trial import torch_device
-    from vramcal.workload import build
 
     def make():
         return build(plan.model, torch_device(plan.device), plan.factory_options())
@@ -98,7 +96,6 @@ def _build(plan: Plan, group: Any) -> tuple[Any, Any]:
     if group is None:
         step = make()
         return step, step.model
-    from vramcal.measure.distributed import build_agreed, wrap
 
     step = build_agreed(group, make)
     return step, wrap(step.model, plan.world, torch_device(plan.device))
@@ -131,7 +128,7 @@ def _check_planned_data(plan: Plan, step: Any) -> None:
     Raises:
         DataError: one line naming the file and what differs.
     """
-    from vramcal.models.regressor.bars import DataError
+    from vramcal.models.regressor.bars import DataError  # loads numpy: only when called
 
     now = step.pipeline.windows.stats()
     same = lambda key: json.dumps(now.get(key)) == json.dumps(plan.data_stats.get(key))  # noqa: E731 - NaN == NaN
@@ -149,7 +146,7 @@ def _short(value: Any) -> str:
 
 
 def _check_same_data(state: dict[str, Any], step: Any, plan: Plan) -> None:
-    from vramcal.models.regressor.bars import DataError
+    from vramcal.models.regressor.bars import DataError  # loads numpy: only when called
 
     saved, windows = state["data_stats"], step.pipeline.windows
     if (saved["rows"], saved["split_row"], saved["stride"]) != (len(windows.targets), windows.split_row,

@@ -51,6 +51,7 @@ from typing import Any
 
 from vramcal.sizing import SizeRequest, size, throughput_choice
 from vramcal.train.config import TrainConfig
+from vramcal.train.errors import DivergedError, NonFiniteError, TrainError
 from vramcal.train.plan import Setting
 from vramcal.tune.storage import StorageError, redact
 from vramcal.tune.workers import SURPLUS, fail_dead_trials, finished, is_surplus, worker_id
@@ -226,7 +227,7 @@ def search_space(settings: TuneSettings, capacity_bytes: int | None = None) -> S
         TuneError, SizingError, DataError, DeviceError: as :func:`batch_bounds` and
             :func:`vramcal.train.plan.resolve`, for the first length that cannot be searched.
     """
-    from vramcal.train.plan import resolve
+    from vramcal.train.plan import resolve  # loads numpy: only when called
 
     lengths = settings.seq_lens or (settings.base.spec.seq_len,)
     entries = []
@@ -435,9 +436,8 @@ class Objective:
     def _train(self, trial) -> float:
         import optuna
 
-        from vramcal.train.errors import DivergedError, NonFiniteError, TrainError
-        from vramcal.train.plan import plan_run
-        from vramcal.train.runner import train
+        from vramcal.train.plan import plan_run  # loads numpy: only when called
+        from vramcal.train.runner import train  # loads numpy: only when called
 
         config, setting = self.config(trial)
         plan = plan_run(config, self.run_dir / "trials" / f"{trial.number:04d}", setting)
@@ -488,7 +488,6 @@ def failure_reason(error: BaseException, secrets: tuple[str, ...] = ()) -> str:
     """One line for a failed trial: the message of vramcal's own errors (written for people, naming the
     trial's last good checkpoint), else ``Type: first line``; passwords and ``secrets`` hidden
     (:func:`vramcal.tune.storage.redact`)."""
-    from vramcal.train.errors import TrainError
 
     lines = str(error).strip().splitlines()
     first = lines[0] if lines else ""

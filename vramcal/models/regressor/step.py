@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vramcal.models.mamba2 import DtypePolicy, import_mamba_ssm_mamba2, import_transformers_mamba2
+from vramcal.models.mamba2 import DtypePolicy, import_mamba_ssm_mamba2, import_transformers_mamba2, kernel_path
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.workload import TrainingStep
 
@@ -44,7 +44,7 @@ def build_model(spec: RegressorSpec, implementation: str) -> torch.nn.Module:
     Raises:
         ValueError: an invalid spec or implementation.
     """
-    from vramcal.models.regressor import net
+    from vramcal.models.regressor import net  # loads torch: only when called
 
     if implementation == "transformers":
         backbone = net.TransformersBackbone(import_transformers_mamba2(), spec)
@@ -157,8 +157,8 @@ def load_windows(data: str | None, seq_len: int, stride: int | None = None, val_
     Raises:
         DataError: unusable bars, or too few for a window of each split.
     """
-    from vramcal.models.regressor.bars import load_bars, synthetic_bars
-    from vramcal.models.regressor.windows import make_windows
+    from vramcal.models.regressor.bars import load_bars, synthetic_bars  # loads numpy: only when called
+    from vramcal.models.regressor.windows import make_windows  # loads numpy: only when called
 
     bars = load_bars(data) if data is not None else synthetic_bars()
     return make_windows(bars, seq_len, stride, val_fraction, source=data or "synthetic bars")
@@ -188,8 +188,6 @@ def training_step(device: torch.device, *, implementation: str = "transformers",
         ValueError: an invalid spec; DataError: unusable data.
     """
     import torch
-
-    from vramcal.models.mamba2 import kernel_path
 
     spec = RegressorSpec.from_dict(spec_fields)
     windows = load_windows(data, spec.seq_len, stride, val_fraction)
