@@ -51,7 +51,11 @@ def test_a_user_factory_calibrates_to_a_verified_profile_that_names_it(calibrate
     assert family_of(profile.model).name == "factory" and profile.implementation == "factory"
     assert profile.kernel_path.startswith("no Mamba-2 module found (a user model)")
     n_params = 16384 * 8 + 8 + 8 * 8 + 8 + 8 + 1
-    assert profile.model_info == {"n_params": n_params, "gradient_bytes": 4 * n_params}  # fp32, all trained
+    # fp32, all trained: parameters, gradients and AdamW's two states (and its step count, a 4-byte tensor for each
+    # of the 6 parameters), held whole by one process
+    states = 16 * n_params + 6 * 4
+    assert profile.model_info == {"n_params": n_params, "gradient_bytes": 4 * n_params, "model_state_bytes": states,
+                                  "rank_model_state_bytes": states}
     assert len(profile.trials) >= 5 and len(seen) >= len(profile.trials)  # calibrate()'s default progress
     trial_lines = [line for line in seen if line.startswith("vramcal:  batch_size ")]  # the probe command's lines
     assert [int(line.split()[2]) for line in trial_lines] == [t.batch_size for t in profile.trials]

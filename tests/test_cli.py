@@ -267,9 +267,10 @@ def test_a_command_that_stops_early_leaves_no_worker_server_behind(tmp_path):
     (("probe", "--gpu", "none", "--ddp-backend", "gloo"), "--ddp-backend", "--nproc"),
     (("train", "--gpu", "none", "--bucket-cap-mb", "50"), "--bucket-cap-mb", "--nproc-per-node"),
     (("train", "--gpu", "none", "--static-graph"), "--static-graph", "--nproc-per-node"),
+    (("probe", "--gpu", "none", "--strategy", "fsdp"), "--strategy", "--nproc"),
 ])
 def test_ddp_options_for_one_process_are_refused_not_dropped(command, flag, fix):
     """They used to be dropped without a word: the user believed the run used them."""
     result = invoke(*command)
-    assert result.exit_code == 2 and f"Invalid value for {flag}: is for a DDP world of 2 or more ranks, and this is " \
+    assert result.exit_code == 2 and f"Invalid value for {flag}: is for a world of 2 or more ranks, and this is " \
         f"one process: add {fix} N, or leave it out" in result.output, result.output

@@ -190,8 +190,10 @@ def test_probe_of_a_tiny_lm_writes_a_verified_profile_of_the_torch_path(tmp_path
     assert profile.model.params == {"config": json.loads(TINY.read_text()), "seq_len": 32, "dtype": "fp32",
                                     "implementation": "transformers"}
     assert profile.kernel_path.startswith("transformers Mamba2 torch_forward (pure PyTorch chunked scan")
+    states = 16 * 89_136 + 20 * 4  # parameters, gradients, AdamW's two states; its step count per parameter tensor
     assert profile.model_info == {"n_params": 89_136, "vocab_size": 512, "tie_word_embeddings": True,
-                                  "gradient_bytes": 4 * 89_136}
+                                  "gradient_bytes": 4 * 89_136, "model_state_bytes": states,
+                                  "rank_model_state_bytes": states}
     ok = sorted((t.batch_size, t.peak_bytes) for t in profile.trials if t.ok)
     assert ok[-1][1] > ok[0][1] and profile.fit.slope_bytes_per_sample > 0
     assert 0 < profile.limits.conservative_batch_size < profile.limits.safe_batch_size

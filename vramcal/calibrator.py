@@ -283,11 +283,16 @@ def _off_aim(profile: Profile, aim: Aim | None) -> list[str]:
             f"({aim.source}): {why}"]
 
 
+COUNTED = ("gradient_bytes", "model_state_bytes", "rank_model_state_bytes")
+
+
 def model_info(context: dict[str, Any]) -> dict[str, Any]:
-    """What the factory reported about its model, and the bytes of its gradients that vramcal counted in the trial
-    (``gradient_bytes``: the sizing's gradient term, :mod:`vramcal.sizing`)."""
-    counted = {"gradient_bytes": context["gradient_bytes"]} if "gradient_bytes" in context else {}
-    return {**context.get("info", {}), **counted}
+    """What the factory reported about its model, and the bytes vramcal counted in the trial
+    (:func:`vramcal.measure.trial.model_state`): ``gradient_bytes`` (a rank's; the sizing's gradient term,
+    :mod:`vramcal.sizing`), ``model_state_bytes`` (one whole copy of the parameters, gradients and optimizer
+    state) and ``rank_model_state_bytes`` (what a rank holds of it: all under DDP, its shard under FSDP;
+    :mod:`vramcal.sharding`)."""
+    return {**context.get("info", {}), **{name: context[name] for name in COUNTED if name in context}}
 
 
 def _assemble_surface(plan: CalibrationPlan, trials: list[Trial], context: dict[str, Any],

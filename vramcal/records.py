@@ -93,25 +93,36 @@ class Device:
 
 TrialStatus = Literal["ok", "oom", "timeout", "error"]
 Backend = Literal["gloo", "nccl"]
+Strategy = Literal["ddp", "fsdp"]
+DDP_SETTINGS = ("bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters", "static_graph")
+FSDP_SETTINGS = ("reshard_after_forward",)
 
 
 @dataclass(frozen=True)
 class World:
-    """A DistributedDataParallel world: ``nproc`` ranks started through torch.distributed, each training the
-    same step wrapped in DDP on its own device and measured by its own meter (on the host every rank runs on
-    the host, each under the budget). What the profile of a DDP calibration records, and what a DDP run must
-    match to be sized by it: the limits are per rank.
+    """A data-parallel world: ``nproc`` ranks started through torch.distributed, each training the same step on
+    its own device and measured by its own meter (on the host every rank runs on the host, each under the
+    budget), the model either replicated on every rank (DDP) or sharded across them (FSDP2's ``fully_shard``).
+    What the profile of a world's calibration records, and what a run must match to be sized by it: the limits
+    are per rank.
 
     Attributes:
         nproc: ranks (>= 2).
         backend: ``gloo`` (the host; CPU tensors) or ``nccl`` (NVIDIA GPUs).
+        strategy: ``ddp`` (``torch.nn.parallel.DistributedDataParallel``: every rank holds the whole model, its
+            gradients and optimizer state) or ``fsdp`` (``torch.distributed.fsdp.fully_shard`` on each Mamba-2
+            block and on the root: every rank holds ``1/nproc`` of them, plus the blocks being all-gathered).
         bucket_cap_mb, gradient_as_bucket_view, find_unused_parameters, static_graph: the settings of
-            ``torch.nn.parallel.DistributedDataParallel`` that change a rank's memory (its gradient buckets are
-            about the gradients' size again unless ``gradient_as_bucket_view``; PyTorch's DDP notes).
+            DistributedDataParallel that change a rank's memory (its gradient buckets are about the gradients'
+            size again unless ``gradient_as_bucket_view``; PyTorch's DDP notes). DDP only.
+        reshard_after_forward: FSDP only: free each block's gathered parameters after its forward (gathered
+            again for its backward); False keeps them until the backward, more memory for less communication
+            (``fully_shard(reshard_after_forward=...)``).
         threads_per_rank: ``torch.set_num_threads`` of each rank (torchrun's default ``OMP_NUM_THREADS=1``).
 
     Raises (on construction):
-        ValueError: fewer than 2 ranks, an unknown backend, a bucket size that is not positive.
+        ValueError: fewer than 2 ranks, an unknown backend or strategy, a bucket size that is not positive, a
+            setting of the other strategy.
     """
 
     nproc: int
@@ -121,6 +132,8 @@ class World:
     find_unused_parameters: bool = False
     static_graph: bool = False
     threads_per_rank: int = 1
+    strategy: Strategy = "ddp"
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 2:
@@ -131,13 +144,29 @@ class World:
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {self.bucket_cap_mb!r}")
         if self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank!r}")
+        if self.strategy not in ("ddp", "fsdp"):
+            raise ValueError(f"strategy must be ddp or fsdp, got {self.strategy!r}")
+        other = [name for name in (FSDP_SETTINGS if self.strategy == "ddp" else DDP_SETTINGS)
+                 if getattr(self, name) != getattr(World, name)]
+        if other:
+            raise ValueError(f"{other[0]} is a setting of {'FSDP' if self.strategy == 'ddp' else 'DDP'}, not of "
+                             f"{self.strategy.upper()}: leave it out, or choose the other strategy")
 
     def describe(self) -> str:
-        """``DDP 2 ranks (gloo, buckets 25 MiB)`` and the settings that differ from DDP's defaults."""
+        """``DDP 2 ranks (gloo, buckets 25 MiB)`` or ``FSDP 2 ranks (gloo, fully_shard per block, reshard after
+        forward)``, and the settings that differ from the defaults."""
+        if self.strategy == "fsdp":
+            reshard = "reshard after forward" if self.reshard_after_forward else "no reshard after forward"
+            return f"FSDP {self.nproc} ranks ({self.backend}, fully_shard per block, {reshard})"
         extras = [name for name in ("gradient_as_bucket_view", "find_unused_parameters", "static_graph")
                   if getattr(self, name)]
         return (f"DDP {self.nproc} ranks ({self.backend}, buckets {self.bucket_cap_mb:g} MiB"
                 + "".join(f", {name}" for name in extras) + ")")
+
+    def settings(self) -> dict[str, Any]:
+        """The settings of this world's strategy that change a rank's memory (its name's key), by name."""
+        names = (*(DDP_SETTINGS if self.strategy == "ddp" else FSDP_SETTINGS), "threads_per_rank")
+        return {name: getattr(self, name) for name in names}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

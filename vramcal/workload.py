@@ -44,7 +44,7 @@ import inspect
 import json
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +80,8 @@ class TrainingStep:
         kernel_path: which kernels the model runs, for the profile (e.g. the Mamba-2 implementation);
             None lets vramcal detect it from the model's modules.
         info: anything else worth recording in the profile (plain JSON values).
+        shard_units: under FSDP, the submodules ``fully_shard`` wraps before the root, each gathered whole while
+            it runs; None: every Mamba-2 block of ``model`` (:func:`vramcal.measure.distributed.shard_units`).
     """
 
     model: torch.nn.Module
@@ -92,6 +94,7 @@ class TrainingStep:
     data_on_device: bool = False
     kernel_path: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    shard_units: Sequence[torch.nn.Module] | None = None
 
     def pool_data_bytes(self, device_kind: str) -> int:
         """Bytes of data in the measured memory pool: all of it on the host, on a GPU only device-resident data."""

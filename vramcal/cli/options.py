@@ -282,49 +282,64 @@ training_options = group(
 )
 
 @dataclasses.dataclass(frozen=True)
-class DdpOptions:
-    """The DDP options of a command (``ddp``): None for the backend means nccl on GPUs, gloo on the host."""
+class WorldOptions:
+    """A command's options for a data-parallel world (``parallel``): the strategy and the settings that change a
+    rank's memory; None for the backend means nccl on GPUs, gloo on the host."""
 
     backend: str | None = None
-    bucket_cap_mb: float = World.bucket_cap_mb  # World's defaults, written once there
+    strategy: str = World.strategy  # World's defaults, written once there
+    bucket_cap_mb: float = World.bucket_cap_mb
     gradient_as_bucket_view: bool = World.gradient_as_bucket_view
     find_unused_parameters: bool = World.find_unused_parameters
     static_graph: bool = World.static_graph
+    reshard_after_forward: bool = World.reshard_after_forward
 
     @classmethod
-    def build(cls, ddp_backend: str | None, **settings: Any) -> DdpOptions:
+    def build(cls, ddp_backend: str | None, **settings: Any) -> WorldOptions:
         return cls(ddp_backend, **settings)
 
-    def world(self, nproc: int, on_gpu: bool, nproc_flag: str = "--nproc"):
+    def world(self, nproc: int, on_gpu: bool, nproc_flag: str = "--nproc") -> World | None:
         """The :class:`~vramcal.records.World` of ``nproc`` ranks these options ask for, or None for one process.
 
         Raises:
-            click.BadParameter: a world that cannot be (the message names the option); DDP options given for
+            click.BadParameter: a world that cannot be (the message names the option); world options given for
                 one process.
         """
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "backend"}
         if nproc == 1:
             changed = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
             if changed:
-                flag = "--" + ("ddp_backend" if changed[0] == "backend" else changed[0]).replace("_", "-")
-                raise click.BadParameter(f"is for a DDP world of 2 or more ranks, and this is one process: add "
-                                         f"{nproc_flag} N, or leave it out", param_hint=flag)
+                raise click.BadParameter(f"is for a world of 2 or more ranks, and this is one process: add "
+                                         f"{nproc_flag} N, or leave it out", param_hint=_flag(changed[0]))
             return None
-        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "backend"}
         try:
             return World(nproc, self.backend or ("nccl" if on_gpu else "gloo"), **settings)
         except ValueError as error:
-            raise click.BadParameter(str(error)) from None
+            name = next((n for n in settings if str(error).startswith(n)), None)
+            raise click.BadParameter(str(error), param_hint=_flag(name) if name else None) from None
 
 
-ddp_options = collected(
-    "ddp", DdpOptions.build,
+def _flag(name: str) -> str:
+    return {"backend": "--ddp-backend", "reshard_after_forward": "--reshard-after-forward/--no-reshard-after-forward"
+            }.get(name, "--" + name.replace("_", "-"))
+
+
+world_options = collected(
+    "parallel", WorldOptions.build,
+    click.option("--strategy", type=click.Choice(("ddp", "fsdp")), default=World.strategy, show_default=True,
+                 help="ddp: every rank holds the whole model (DistributedDataParallel); fsdp: FSDP2's fully_shard on "
+                      "each Mamba-2 block and the root, every rank holding 1/N of the parameters, gradients and "
+                      "optimizer state"),
     click.option("--ddp-backend", type=click.Choice(("gloo", "nccl")), default=None,
                  help="[default: gloo on the host, nccl on GPUs]"),
-    click.option("--bucket-cap-mb", type=FiniteFloat(0, min_open=True), default=DdpOptions.bucket_cap_mb,
+    click.option("--bucket-cap-mb", type=FiniteFloat(0, min_open=True), default=World.bucket_cap_mb,
                  show_default=True, help="DDP's gradient bucket size, MiB"),
     click.option("--gradient-as-bucket-view", is_flag=True, help="DDP's gradients as views of its buckets"),
     click.option("--find-unused-parameters", is_flag=True, help="DDP's search for parameters without gradients"),
     click.option("--static-graph", is_flag=True, help="DDP's static-graph mode"),
+    click.option("--reshard-after-forward/--no-reshard-after-forward", default=World.reshard_after_forward,
+                 show_default=True, help="FSDP: free each block's gathered parameters after its forward (gathered "
+                                         "again for the backward); --no-: keep them, more memory, less traffic"),
 )
 
 

@@ -19,13 +19,12 @@ from vramcal.cli.options import (
     EXIT_UNVERIFIED,
     SPEC_NAMES,
     ByteSize,
-    DdpOptions,
     FiniteFloat,
     KeyValue,
+    WorldOptions,
     check_local_ranks,
     collected,
     data_options,
-    ddp_options,
     device_options,
     explicit,
     group,
@@ -33,6 +32,7 @@ from vramcal.cli.options import (
     one_line,
     probe_spec_options,
     strict_option,
+    world_options,
 )
 from vramcal.models import registry
 from vramcal.models.registry import describe
@@ -123,11 +123,11 @@ trial_options = collected(
                  help="measure near the out-of-memory boundary (its largest trials); without: faster, and the "
                       "predicted boundary is an extrapolation"),
 )
-world_options = group(
+rank_options = group(
     click.option("--nproc", type=click.IntRange(1), default=1, show_default=True,
                  help="ranks of a DDP world per trial (torch.distributed; the host: gloo, every rank under the "
                       "budget; GPUs: nccl, one visible GPU each): per-rank limits"),
-    ddp_options,
+    world_options,
 )
 
 
@@ -138,7 +138,7 @@ world_options = group(
 @data_file_options
 @limit_options
 @trial_options
-@world_options
+@rank_options
 @click.option("--profiles-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("profiles"),
               show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -152,8 +152,8 @@ world_options = group(
 @click.option("--json", "as_json", is_flag=True, help="print the profile(s) as JSON on stdout (the rest on stderr)")
 @click.pass_context
 def probe(ctx: click.Context, gpu, capacity, implementation, model: ModelOptions, data: dict[str, Any],
-          settings, trials: TrialSettings, nproc: int, ddp: DdpOptions, profiles_dir, out, reports_dir, no_report,
-          aim, as_json) -> None:
+          settings, trials: TrialSettings, nproc: int, parallel: WorldOptions, profiles_dir, out, reports_dir,
+          no_report, aim, as_json) -> None:
     """Calibrate: real training steps at growing batch sizes, a fit, verified safe/conservative limits.
 
     Exits 0 when every profile written is verified, 3 when one is not (its limits are estimates).
@@ -165,7 +165,7 @@ def probe(ctx: click.Context, gpu, capacity, implementation, model: ModelOptions
         api.worker_pool().warm_up()  # the trials' server imports torch while the options and data are checked
         common = dict(implementation=implementation, settings=settings, options=data, profiles_dir=profiles_dir,
                       out=out, trials=trials, aim=aim)
-        plans = plan_probes(model, gpu, capacity, nproc, ddp, common, err=as_json)
+        plans = plan_probes(model, gpu, capacity, nproc, parallel, common, err=as_json)
         if not no_report:
             check_writable(reports_dir, "reports", "--reports-dir, or --no-report")
         profiles = [calibrate_one(plan, as_json, None if no_report else reports_dir) for plan in plans]
@@ -176,7 +176,7 @@ def probe(ctx: click.Context, gpu, capacity, implementation, model: ModelOptions
         ctx.exit(EXIT_UNVERIFIED)
 
 
-def plan_probes(model: ModelOptions, gpu: str, capacity: int | None, nproc: int, ddp: DdpOptions,
+def plan_probes(model: ModelOptions, gpu: str, capacity: int | None, nproc: int, parallel: WorldOptions,
                 common: dict[str, Any], err: bool) -> list:
     """One :class:`~vramcal.api.CalibrationPlan` per device ``--gpu`` names (one for a DDP world), every check
     done before any trial; prints the device notices. ``common``: :func:`vramcal.api.plan_calibration`'s
@@ -190,7 +190,7 @@ def plan_probes(model: ModelOptions, gpu: str, capacity: int | None, nproc: int,
     importable_from_cwd(name)
     devices, notice = api.select_devices("all" if nproc > 1 and gpu == "auto" else gpu, capacity)
     check_local_ranks(nproc, "--nproc", devices[0].kind == "cuda")
-    world = ddp.world(nproc, devices[0].kind == "cuda")
+    world = parallel.world(nproc, devices[0].kind == "cuda")
     if devices[0].kind == "host" and world is not None:
         devices = devices[:1]
     if common["out"] is not None and len(devices) > 1 and world is None:

@@ -22,6 +22,7 @@ from vramcal.models.registry import describe
 from vramcal.report import write_report
 from vramcal.report.catalogue import CATALOGUE, GpuModel, other_gpu_limits
 from vramcal.report.markdown import device_label, limits_notes, limits_table, missing_notes
+from vramcal.report.world import world_heading, world_rows, world_table
 from vramcal.sizing import answer
 from vramcal.units import format_bytes
 from vramcal.workload import WorkloadError
@@ -72,26 +73,41 @@ def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, 
 @click.option("--batch-size", type=click.IntRange(1), default=None,
               help="the longest seq_len at this batch size (a profile calibrated over several lengths)")
 @click.option("--verify", is_flag=True, help="run one real trial at the answer (on the profile's device, here)")
+@click.option("--world-size", type=click.IntRange(2), default=None,
+              help="a world's profile: its per-rank and global limits at this many ranks on each card, computed by "
+                   "the sharding model")
+@click.option("--global-batch", type=click.IntRange(1), default=None,
+              help="a world's profile: the fewest ranks whose conservative size carries this many samples per "
+                   "optimizer step, on each card")
 @click.option("--profiles-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("profiles"),
               show_default=True, help="a host profile's GPU estimates learn their baseline and bound from these")
 @click.option("--json", "as_json", is_flag=True, help="print the answer or the table as JSON for programs")
 @strict_option
 @click.pass_context
 def limits_command(ctx: click.Context, profile: Path, gpus: list[GpuModel], seq_len: int | None,
-                   batch_size: int | None, verify: bool, profiles_dir: Path, as_json: bool,
-                   strict_profile: bool) -> None:
+                   batch_size: int | None, verify: bool, world_size: int | None, global_batch: int | None,
+                   profiles_dir: Path, as_json: bool, strict_profile: bool) -> None:
     """Print PROFILE's limits: on common GPUs, or at a sequence length or batch size.
 
     The GPU table is the report's "Limits on other GPUs": for a GPU profile, its fit carried to each card
     (roughly: the context and kernels differ by card); a host profile is never carried to a GPU, whose rows are
     estimated instead (`vramcal estimate`, with the bound learned from --profiles-dir). With --seq-len or
     --batch-size, the answer of a profile calibrated over several lengths; --verify checks it with a real trial
-    (exit 3 when that trial does not fit).
+    (exit 3 when that trial does not fit). With --world-size or --global-batch, a world's profile (`vramcal probe
+    --nproc N`) at other world sizes: under FSDP the model states divide by the ranks, the rest of the measured fit
+    does not.
     """
 
     loaded = load_profiles((profile,))[1][0]
     with one_line():
         warn_if_stale(loaded, profile, strict_profile)
+    if world_size is not None or global_batch is not None:
+        asked = [flag for flag, given in (("--seq-len", seq_len), ("--batch-size", batch_size), ("--verify", verify),
+                                          ("--world-size", world_size), ("--global-batch", global_batch)) if given]
+        if len(asked) > 1:
+            raise click.UsageError(f"{asked[0]} and {asked[1]} ask different questions: give one of them")
+        _world_table(profile, loaded, gpus, world_size, global_batch, as_json)
+        return
     if seq_len is None and batch_size is None:
         if verify:
             raise click.BadParameter("--verify checks an answer: give --seq-len or --batch-size", param_hint="--verify")
@@ -155,6 +171,26 @@ def _gpu_table(path: Path, loaded, gpus: list[GpuModel], as_json: bool, profiles
         click.echo("")
         for line in estimate_lines(estimated) if estimated is not None else [f"GPUs not estimated: {why}"]:
             click.echo(line)
+
+
+def _world_table(path: Path, loaded, gpus: list[GpuModel], world_size: int | None, global_batch: int | None,
+                 as_json: bool) -> None:
+
+    try:
+        rows = world_rows(loaded, gpus, nproc=world_size, global_batch=global_batch)
+        heading = world_heading(loaded)
+    except ValueError as error:  # SizingError too
+        raise click.ClickException(f"{path}: {error}") from None
+    if as_json:
+        click.echo(json.dumps({"profile": str(path), "world": loaded.world.to_dict(), "computed_by": "vramcal.sharding",
+                               "world_size": world_size, "global_batch": global_batch,
+                               "gpus": [row.to_dict() for row in rows]}, indent=2, sort_keys=True))
+        return
+    click.echo(click.wrap_text(heading, width=110))
+    click.echo("")
+    if global_batch is not None:
+        click.echo(f"fewest ranks for a global batch of {global_batch:,} samples at the conservative size per rank:")
+    click.echo(world_table(rows, global_batch))
 
 
 def _estimated(loaded, gpus: list[GpuModel], profiles_dir: Path):

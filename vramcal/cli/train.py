@@ -16,15 +16,15 @@ from vramcal import api
 from vramcal.api import worker_pool
 from vramcal.cli.options import (
     BatchSize,
-    DdpOptions,
     FiniteFloat,
+    WorldOptions,
     check_local_ranks,
-    ddp_options,
     explicit,
     group,
     one_line,
     strict_profiles,
     training_options,
+    world_options,
 )
 from vramcal.cli.probe import calibrate_one
 from vramcal.models.regressor.spec import RegressorSpec
@@ -107,10 +107,11 @@ def es_sample_command(bar: str, out: Path, ticks: Path | None) -> None:
               help="DDP ranks on this machine, started by torch.distributed's launcher (torchrun's agent); each "
                    "rank sized by its own device's profile for the world (vramcal probe --nproc)")
 @torchrun_options
-@ddp_options
+@world_options
 @click.pass_context
 def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | None, resume: bool, probe: bool,
-                  capacity: tuple[int, ...] | None, nproc_per_node: int, ddp: DdpOptions, **options: Any) -> None:
+                  capacity: tuple[int, ...] | None, nproc_per_node: int, parallel: WorldOptions,
+                  **options: Any) -> None:
     """Train the calibrated Mamba-2 model on OHLCV bars with the profile's batch size.
 
     After the first epoch and at the end it prints its measured peak beside the profile's prediction,
@@ -124,9 +125,9 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
     torchrun = {name: options.pop(name) for name in TORCHRUN_OPTIONS}
     if nproc_per_node > 1 or any(torchrun.values()):
         train_world(ctx, config_file, options, given, run_dir, resume, probe, capacity or (), nproc_per_node,
-                    {k: v for k, v in torchrun.items() if v is not None}, ddp)
+                    {k: v for k, v in torchrun.items() if v is not None}, parallel)
         return
-    capacity = single_capacity(capacity, ddp)
+    capacity = single_capacity(capacity, parallel)
     worker_pool().warm_up()  # the training worker's server imports torch while the run is planned
     with one_line():
         if resume:
@@ -149,20 +150,21 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
                    f"checkpoint {plan.run_dir / 'checkpoint-last.pt'}")
 
 
-def single_capacity(capacity: tuple[int, ...] | None, ddp: DdpOptions) -> int | None:
+def single_capacity(capacity: tuple[int, ...] | None, parallel: WorldOptions) -> int | None:
     """The one ``--capacity`` of a single-process run.
 
     Raises:
         click.BadParameter: several budgets, or DDP options, without ``--nproc-per-node``.
     """
-    ddp.world(1, False, "--nproc-per-node")  # refuses DDP options: one process has no DDP settings
+    parallel.world(1, False, "--nproc-per-node")  # refuses world options: one process has no world settings
     if capacity and len(capacity) > 1:
         raise click.BadParameter("several budgets are for the ranks of a DDP run: add --nproc-per-node N",
                                  param_hint="--capacity")
     return capacity[0] if capacity else None
 
 
-def train_world(ctx, config_file, options, given, run_dir, resume, probe, capacities, nproc_per_node, torchrun, ddp):
+def train_world(ctx, config_file, options, given, run_dir, resume, probe, capacities, nproc_per_node, torchrun,
+                parallel):
     """``--nproc-per-node``: the run's ranks through torchrun's agent (:mod:`vramcal.train.distributed`)."""
     from vramcal.train.plan import load_windows  # loads numpy: only when called
 
@@ -172,6 +174,10 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
         raise click.BadParameter("is torchrun's, for a DDP run of 2 or more ranks: add --nproc-per-node N (and "
                                  "--nnodes for several machines), or leave it out for one process", param_hint=flag)
     check_local_ranks(nproc_per_node, "--nproc-per-node", options.get("gpu") != "none" and gpu_here())
+    if parallel.strategy == "fsdp":  # its checkpoints would hold each rank's shards: not built yet
+        raise click.BadParameter("the trainer runs DDP only, for now: calibrate an FSDP world with `vramcal probe "
+                                 "--nproc N --strategy fsdp` and size your own loop by it (vramcal.batch_size)",
+                                 param_hint="--strategy")
     with one_line():
         if probe:
             raise click.BadParameter("--probe calibrates one process: calibrate the world first with "
@@ -189,7 +195,7 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
             config = make_config(config_file, options, given)
             load_windows(config)  # the data checked before any rank starts
             run_dir = checkpoint.prepare_run_dir(run_dir or new_run_dir(), resume=False)
-        world = ddp.world(nproc_per_node * nodes, config.gpu != "none" and gpu_here())
+        world = parallel.world(nproc_per_node * nodes, config.gpu != "none" and gpu_here())
         click.echo(f"training {world.describe()} in {run_dir}", err=True)
     overrides = {k: options[k] for k in RESUME_OVERRIDES if resume and k in given}
     with one_line(f"interrupted: the checkpoints in {run_dir} are kept; continue with `vramcal train --resume "

@@ -1,12 +1,13 @@
-"""A rank of a DDP world in a worker process: joining the world, the model wrapped, failures agreed.
+"""A rank of a data-parallel world (DDP or FSDP2) in a worker process: joining the world, the model wrapped or
+sharded, failures agreed.
 
-A DDP trial (:func:`vramcal.measure.trial.measure_rank`) and a training rank (:mod:`vramcal.train.worker`) run
+A world's trial (:func:`vramcal.measure.trial.measure_rank`) and a training rank (:mod:`vramcal.train.worker`) run
 the same sequence in a worker forked from vramcal's server, after the meter has pinned the rank's device::
 
     group = join(world, rank, init_method, timeout_s)   # torch.distributed.init_process_group
     step = build(...)
     group.agree(True)                                   # every rank built its step, or all stop
-    model = wrap(step.model, world, device)             # torch.nn.parallel.DistributedDataParallel
+    model = wrap(step, world, device)                   # DistributedDataParallel, or FSDP2's fully_shard
     ... steps through ``model`` ...
     group.close()
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from vramcal.records import World
+    from vramcal.workload import TrainingStep
 
 
 class PeerFailed(RuntimeError):
@@ -100,15 +102,77 @@ def join(world: World, rank: int, init_method: str, timeout_s: float, device: to
     return Group(rank, world.nproc, device)
 
 
-def wrap(model: torch.nn.Module, world: World, device: torch.device) -> torch.nn.Module:
-    """``model`` in ``torch.nn.parallel.DistributedDataParallel`` with the world's memory-relevant settings."""
-    from torch.nn.parallel import DistributedDataParallel
+def wrap(step: TrainingStep, world: World, device: torch.device) -> torch.nn.Module:
+    """The module a rank's steps go through: ``step.model`` in ``torch.nn.parallel.DistributedDataParallel`` with
+    the world's memory-relevant settings, or sharded in place by FSDP2 (:func:`shard`).
 
-    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+    Raises:
+        ValueError: FSDP over a model with no parameter to shard.
+    """
+    if world.strategy == "fsdp":
+        return shard(step, world)
+    from torch.nn.parallel import DistributedDataParallel  # loads torch: only when called
+
+    return DistributedDataParallel(step.model, device_ids=[device] if device.type == "cuda" else None,
                                    bucket_cap_mb=world.bucket_cap_mb,
                                    gradient_as_bucket_view=world.gradient_as_bucket_view,
                                    find_unused_parameters=world.find_unused_parameters,
                                    static_graph=world.static_graph)
+
+
+# the units fully_shard wraps by default: transformers' Mamba-2 block (mixer and norm), else mamba_ssm's mixer
+BLOCK_CLASSES = ("Mamba2Block", "Mamba2")
+
+
+def shard_units(step: TrainingStep) -> tuple[torch.nn.Module, ...]:
+    """The submodules ``fully_shard`` wraps before the root: the factory's ``step.shard_units``, else every
+    Mamba-2 block of ``step.model`` (:data:`BLOCK_CLASSES`, the first class that occurs), else none (the root
+    alone is one unit)."""
+    if step.shard_units is not None:
+        return tuple(step.shard_units)
+    for name in BLOCK_CLASSES:
+        units = tuple(m for m in step.model.modules() if type(m).__name__ == name)
+        if units:
+            return units
+    return ()
+
+
+def shard(step: TrainingStep, world: World) -> torch.nn.Module:
+    """Shard ``step.model`` across the world in place with FSDP2, as torchtitan does: ``fully_shard`` on each
+    unit (:func:`shard_units`) and then on the root, with ``world.reshard_after_forward``; the optimizer's
+    parameter groups are pointed at the sharded parameters (``fully_shard`` replaces each parameter by a
+    DTensor of its shard, PyTorch's FSDP2 notes), so the factory builds its optimizer as it would for one
+    process. Returns the model, now an ``FSDPModule``.
+
+    Raises:
+        ValueError: the optimizer already holds state (a step ran before sharding), or a parameter it holds is
+            not the model's.
+    """
+    from torch.distributed.fsdp import fully_shard  # loads torch: only when called
+
+    model, optimizer = step.model, step.optimizer
+    if optimizer.state:
+        raise ValueError("the factory's optimizer already holds state: under FSDP the model is sharded before the "
+                         "first step, so return the optimizer before any step")
+    names = {id(p): name for name, p in model.named_parameters()}
+    for unit in shard_units(step):
+        fully_shard(unit, reshard_after_forward=world.reshard_after_forward)
+    fully_shard(model, reshard_after_forward=world.reshard_after_forward)
+    sharded = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        missing = [p for p in group["params"] if id(p) not in names]
+        if missing:
+            raise ValueError(f"the optimizer holds a parameter of shape {tuple(missing[0].shape)} that is not the "
+                             f"model's: under FSDP it must optimize the model's own parameters")
+        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+    return model
+
+
+def local_bytes(tensors: Any) -> int:
+    """Bytes this rank holds of ``tensors`` (elements times element size): a DTensor's local shard, any other
+    tensor whole."""
+    return sum(local.numel() * local.element_size()
+               for local in (t.to_local() if hasattr(t, "to_local") else t for t in tensors))
 
 
 def build_agreed(group: Group, build: Any) -> Any:

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramcal.calibration.creep import epoch_end_due, partial_batch_size, steady_done
-from vramcal.measure.distributed import build_agreed, join, wrap
+from vramcal.measure.distributed import build_agreed, join, local_bytes, wrap
 from vramcal.measure.meters import open_meter, synchronize
 from vramcal.measure.worker import Outcome, Workers
 from vramcal.records import Device, Trial, TrialSettings, World
@@ -275,7 +275,7 @@ def measure_rank(request: TrialRequest, rank: int, init_method: str, channel: An
         step = build_agreed(group, lambda: build(request.model, torch_device(device),
                                                  json.loads(request.options_json)))
         meter.check_pinned()
-        model = wrap(step.model, request.world, torch_device(device))
+        model = wrap(step, request.world, torch_device(device))
         held = meter.held_bytes()
         return {**steps(request, step, model, meter, time.perf_counter() - start, group.all_of,
                         channel if rank == 0 else None, phase), "rank": rank, "held_bytes": held}
@@ -375,6 +375,7 @@ def _figures(step: Any, meter: Any, device_kind: str, batch_size: int, build_s: 
     figures = meter.read()
     context = {"kernel_path": step.kernel_path or detect_kernel_path(step.model, witness and witness.called),
                "environment": meter.environment(), "info": step.info, "gradient_bytes": gradient_bytes(step.model),
+               **model_state(step),
                "data": {"data_bytes": step.data_bytes, "on_device": step.data_on_device}}
     step_s = statistics.median(times)
     return {"step_s": step_s, "samples_per_s": batch_size / step_s, "build_s": build_s,
@@ -384,9 +385,26 @@ def _figures(step: Any, meter: Any, device_kind: str, batch_size: int, build_s: 
 
 
 def gradient_bytes(model: Any) -> int:
-    """Bytes of the gradients a step of ``model`` holds: every parameter that requires one, at its own element size
-    (what ``loss.backward()`` allocates into ``param.grad``)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    """Bytes of the gradients a step of ``model`` holds on this rank: every parameter that requires one, at its
+    own element size (what ``loss.backward()`` allocates into ``param.grad``; under FSDP the rank's shard)."""
+    return local_bytes(p for p in model.parameters() if p.requires_grad)
+
+
+def model_state(step: Any) -> dict[str, int]:
+    """The model states of ``step`` after its steps, in bytes: the parameters, their gradients (as
+    :func:`gradient_bytes`) and the optimizer's state tensors (AdamW: two per parameter), held whole by one process
+    or a DDP rank, and by an FSDP rank only in its shard.
+
+    Returns:
+        ``model_state_bytes``: one whole copy (a DTensor counted at its global size); ``rank_model_state_bytes``:
+        what this process holds of it.
+    """
+    params = [p for p in step.model.parameters()]
+    states = [v for state in step.optimizer.state.values() for v in state.values() if hasattr(v, "numel")]
+    whole = sum(t.numel() * t.element_size() for t in [*params, *states])
+    grads = [p for p in params if p.requires_grad]
+    return {"model_state_bytes": whole + sum(p.numel() * p.element_size() for p in grads),
+            "rank_model_state_bytes": local_bytes([*params, *states]) + local_bytes(grads)}
 
 
 def _timed(run: Callable[[], Any], device_kind: str) -> float:

@@ -48,15 +48,15 @@ __all__ = ["DEFAULT_PROFILES_DIR", "SCHEMA_VERSION", "Observation", "Profile", "
 
 def profile_name(model: ModelRef, implementation: str, world: World | None = None) -> str:
     """``<model name>-<implementation>-<model key>``: the family (or the user factory's function name), the
-    implementation, and 8 hex digits of the model's key; a DDP world adds ``-ddp<ranks>`` (and 6 hex digits
-    of its settings when they are not DDP's defaults)."""
+    implementation, and 8 hex digits of the model's key; a world adds ``-ddp<ranks>`` or ``-fsdp<ranks>`` (and 6
+    hex digits of its strategy's settings when they are not the defaults)."""
     name = f"{family_of(model).label(model)}-{implementation}-{model.key()}"
     if world is None:
         return name
-    settings = {k: v for k, v in world.to_dict().items() if k not in ("nproc", "backend")}
-    default = settings == {k: v for k, v in World(2).to_dict().items() if k not in ("nproc", "backend")}
+    settings = world.settings()
+    default = settings == World(2, strategy=world.strategy).settings()
     tail = "" if default else "-" + hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:6]
-    return f"{name}-ddp{world.nproc}{tail}"
+    return f"{name}-{world.strategy}{world.nproc}{tail}"
 
 
 def profile_path(profiles_dir: Path | str, device: Device, model: ModelRef, implementation: str,

@@ -273,7 +273,7 @@ def summary_table(profile: Profile) -> str:
         rows.append(("Memory model", "**none** (fewer than 3 successful trials)"))
     rows.append(("Step creep", _creep_text(profile)))
     if profile.world is not None:
-        rows.append(("DDP world", world_text(profile)))
+        rows.append((f"{profile.world.strategy.upper()} world", world_text(profile)))
     rows.append(("Usable memory", (f"{format_bytes(usable)} = total − {format_bytes(settings.reserve_bytes)} "
                                    f"− "
                                   f"{settings.margin * 100:g} % of total")))
@@ -302,10 +302,15 @@ def world_text(profile: Profile) -> str:
     world = profile.world
     line = (f"{world.describe()}: limits per rank (global batch = {world.nproc} × per rank); every rank's peak in "
             f"the trials, the largest fitted")
+    states = profile.model_info.get("model_state_bytes"), profile.model_info.get("rank_model_state_bytes")
+    if world.strategy == "fsdp" and all(isinstance(n, int) for n in states):
+        line += (f"; model states (parameters, gradients, optimizer state) {format_bytes(states[0])} whole, "
+                 f"{format_bytes(states[1])} on each rank (counted): `vramcal limits --world-size N` carries the "
+                 f"limits to other world sizes")
     term = profile.single_process
     if term is None:
-        return line + "; DDP term: no single-process profile of this model and device to compare with"
-    return (line + f"; DDP term {term['term_bytes'] / 2**20:+.1f} MiB per rank at batch {term['batch_size']} "
+        return line + "; world term: no single-process profile of this model and device to compare with"
+    return (line + f"; world term {term['term_bytes'] / 2**20:+.1f} MiB per rank at batch {term['batch_size']} "
                    f"against the single-process profile `{Path(term['profile']).name}` (predicted "
                    f"{format_bytes(term['predicted_peak_bytes'])} there; its safe size "
                    f"{term['single_safe_batch_size']})")

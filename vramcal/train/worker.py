@@ -98,7 +98,7 @@ def _build(plan: Plan, group: Any) -> tuple[Any, Any]:
         return step, step.model
 
     step = build_agreed(group, make)
-    return step, wrap(step.model, plan.world, torch_device(plan.device))
+    return step, wrap(step, plan.world, torch_device(plan.device))
 
 
 def _resume_state(plan: Plan, step: Any, echo: Any) -> dict[str, Any]:

@@ -7,9 +7,14 @@ projection, a library backbone and a regression head around them.
 from __future__ import annotations
 
 import types
+import warnings
 
 import torch
 from torch import nn
+
+# FSDP2 warns that the root returns a view (the head's squeeze), in case the caller changes it in place: the
+# regressor's loss reads it out of place, so the warning says nothing here (it would print once per rank)
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMamba2Regressor\) returned a view tensor")
 
 
 class Mamba2Regressor(nn.Module):

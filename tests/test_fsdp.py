@@ -1,0 +1,182 @@
+"""FSDP2 on the host: 2-rank gloo worlds of the tiny model sharded with ``fully_shard``, for real, and the sharding
+model that carries their profile to other world sizes and cards (vramcal.sharding), on synthetic profiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import host_budget
+import pytest
+import torch
+from click.testing import CliRunner
+from test_ddp import run_as_the_search_does
+from test_train import SPEC, SPEC_ARGS, make_profile
+
+from vramcal.api import worker_pool
+from vramcal.cli import main
+from vramcal.measure.device import host_device
+from vramcal.measure.distributed import shard
+from vramcal.measure.trial import TrialRequest, TrialRunner
+from vramcal.profile import load_profile, save_profile
+from vramcal.records import TrialSettings, World
+from vramcal.sharding import at_world_size, fewest_ranks, state_shift
+from vramcal.sizing import SizingError
+from vramcal.workload import TrainingStep
+
+MIB = 2**20
+
+
+def fsdp_profile(whole_mib: float = 400, nproc: int = 2):
+    """:func:`test_train.make_profile` (100 MiB + 24 MiB x batch in a 1 GiB budget) as a world of ``nproc`` FSDP
+    ranks whose model states are ``whole_mib`` whole, each rank holding its share."""
+    profile = make_profile(host_device())
+    whole = int(whole_mib * MIB)
+    return dataclasses.replace(profile, world=World(nproc, strategy="fsdp"),
+                               model_info={"model_state_bytes": whole, "rank_model_state_bytes": whole // nproc})
+
+
+def test_a_rank_sheds_its_share_of_the_model_states_at_more_ranks_and_gains_it_at_fewer():
+    profile = fsdp_profile(whole_mib=400)
+    assert state_shift(profile, 2) == 0
+    assert state_shift(profile, 4) == pytest.approx(-100 * MIB, abs=1)  # 400/4 - 400/2
+    at_4, at_2 = at_world_size(profile, 4), at_world_size(profile, 2)
+    assert at_2.measured and at_2.limits == profile.limits
+    assert not at_4.measured and at_4.overhead_bytes == pytest.approx(profile.fit.overhead_bytes - 100 * MIB, abs=1)
+    # 100 MiB more room at 24 MiB per sample: about 4 samples more per rank
+    assert at_4.limits.safe_batch_size - profile.limits.safe_batch_size in (3, 4, 5)
+    assert at_4.global_conservative == 4 * at_4.limits.conservative_batch_size
+
+
+def test_a_ddp_rank_holds_the_whole_model_at_any_world_size():
+    profile = dataclasses.replace(make_profile(host_device()), world=World(2))
+    assert state_shift(profile, 8) == 0
+    assert at_world_size(profile, 8).limits.safe_batch_size == profile.limits.safe_batch_size
+
+
+def test_the_fewest_ranks_for_a_global_batch_counts_the_shards_a_rank_sheds():
+    profile = fsdp_profile(whole_mib=400)
+    per_rank = profile.limits.conservative_batch_size
+    found = fewest_ranks(profile, 2 * per_rank)
+    assert found.nproc == 2 and found.measured
+    found = fewest_ranks(profile, 5 * per_rank)  # each rank of a bigger world fits more, so fewer than 5 are needed
+    assert found.nproc < 5 and found.limits.conservative_batch_size * found.nproc >= 5 * per_rank
+    assert fewest_ranks(profile, 10**6) is None  # the activations alone outgrow a rank
+    ddp = dataclasses.replace(profile, world=World(2), model_info={})
+    assert fewest_ranks(ddp, 5 * per_rank).nproc == 5
+
+
+@pytest.mark.parametrize(("profile", "message"), [
+    (make_profile(host_device()), "a single-process profile has no world to carry"),
+    (dataclasses.replace(make_profile(host_device()), world=World(2, strategy="fsdp")),
+     "does not record its model states"),
+])
+def test_a_profile_the_sharding_model_cannot_carry_says_how_to_make_one(profile, message):
+    with pytest.raises(SizingError, match=message):
+        at_world_size(profile, 4)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"strategy": "zero3"}, "strategy must be ddp or fsdp"),
+    ({"reshard_after_forward": False}, "reshard_after_forward is a setting of FSDP, not of DDP"),
+    ({"strategy": "fsdp", "static_graph": True}, "static_graph is a setting of DDP, not of FSDP"),
+])
+def test_a_world_with_the_other_strategys_settings_is_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        World(2, **settings)
+
+
+def test_sharding_refuses_an_optimizer_that_already_stepped():
+    """fully_shard replaces the parameters: state made for the old ones would be orphaned (or silently kept)."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    step = TrainingStep(model, optimizer, batch=lambda n: None, loss=lambda m, b: None)
+    with pytest.raises(ValueError, match="already holds state"):
+        shard(step, World(2, strategy="fsdp"))
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_limits_at_a_world_size_and_for_a_global_batch_on_the_hosts_budget(tmp_path):
+    path = save_profile(fsdp_profile(), tmp_path / "fsdp.json")
+    result = invoke("limits", str(path), "--world-size", "4")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "computed from that fit by the sharding model" in text and "400.00 MiB of parameters" in text
+    assert re.search(r"\|\s*4\s*\|", result.output) and "computed (model states -100.00 MiB per rank)" in result.output
+    result = invoke("limits", str(path), "--global-batch", "40", "--json")
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.output)["gpus"]
+    assert row["fits"] and row["limits"]["conservative_batch_size"] * row["nproc"] >= 40
+    result = invoke("limits", str(path), "--world-size", "4", "--seq-len", "32")
+    assert result.exit_code == 2 and "--seq-len and --world-size ask different questions" in result.output
+
+
+def test_limits_at_a_world_size_of_a_single_process_profile_is_one_line(tmp_path):
+    path = save_profile(make_profile(host_device()), tmp_path / "one.json")
+    result = invoke("limits", str(path), "--world-size", "4")
+    assert result.exit_code == 1 and "a single-process profile has no world to carry" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_probe_records_the_fsdp_world_and_its_settings(tmp_path, monkeypatch):
+    """The measurement is faked (the real world is below): the world, the file's name and the settings' hash."""
+    from test_documented import fake_measurement
+
+    fake_measurement(monkeypatch)
+    total = host_budget.budget(1536 * MIB)
+    result = invoke("probe", "--gpu", "none", "--capacity", str(total), *SPEC_ARGS, "--nproc", "2", "--strategy",
+                    "fsdp", "--no-reshard-after-forward", "--profiles-dir", str(tmp_path), "--no-report")
+    assert result.exit_code == 0, result.output
+    (path,) = tmp_path.rglob("*.json")
+    assert load_profile(path).world == World(2, "gloo", strategy="fsdp", reshard_after_forward=False)
+    assert re.search(r"-fsdp2-[0-9a-f]{6}-", path.name), path.name
+    assert "FSDP 2 ranks (gloo, fully_shard per block, no reshard after forward)" in result.output
+    result = invoke("probe", "--gpu", "none", *SPEC_ARGS, "--nproc", "2", "--bucket-cap-mb", "50", "--strategy", "fsdp")
+    assert result.exit_code == 2 and "bucket_cap_mb is a setting of DDP, not of FSDP" in result.output
+
+
+def test_the_trainer_refuses_an_fsdp_world_before_it_makes_a_run_folder(tmp_path):
+    run_dir = tmp_path / "run"
+    result = invoke("train", "--gpu", "none", "--nproc-per-node", "2", "--strategy", "fsdp",
+                    "--reshard-after-forward", "--run-dir", str(run_dir))
+    assert result.exit_code == 2 and "the trainer runs DDP only, for now" in result.output, result.output
+    assert not run_dir.exists()
+
+
+@pytest.mark.slow
+def test_an_fsdp_world_trial_holds_half_the_model_states_on_each_rank():
+    runner = TrialRunner(worker_pool())
+    request = TrialRequest(SPEC.ref("transformers"), 16, host_device(host_budget.budget(1024 * MIB)),
+                           settings=TrialSettings(timeout_s=60), world=World(2, strategy="fsdp"))
+    (trial,) = run_as_the_search_does(runner, request)
+    assert trial.ok and len(trial.rank_peak_bytes) == 2, trial.error
+    whole, held = runner.context["model_state_bytes"], runner.context["rank_model_state_bytes"]
+    assert whole / 2 <= held < 0.55 * whole  # dim-0 shards: rank 0 holds the larger half of an odd dimension
+    ddp = TrialRunner(worker_pool())
+    (replicated,) = run_as_the_search_does(ddp, dataclasses.replace(request, world=World(2)))
+    assert replicated.ok and ddp.context["rank_model_state_bytes"] == ddp.context["model_state_bytes"] == whole
+
+
+@pytest.mark.slow
+def test_a_two_rank_fsdp_probe_is_verified_and_carried_to_three_ranks(tmp_path):
+    total = host_budget.budget(1536 * MIB)
+    result = invoke("probe", "--gpu", "none", "--capacity", str(total), *SPEC_ARGS, "--nproc", "2", "--strategy",
+                    "fsdp", "--profiles-dir", str(tmp_path), "--no-report")
+    assert result.exit_code == 0, result.output
+    (path,) = tmp_path.rglob("*.json")
+    profile = load_profile(path)
+    assert profile.verified and profile.world.strategy == "fsdp", result.output
+    info = profile.model_info
+    assert info["model_state_bytes"] / 2 <= info["rank_model_state_bytes"] < 0.55 * info["model_state_bytes"]
+    result = invoke("limits", str(path), "--world-size", "3", "--json")
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.output)["gpus"]
+    assert row["nproc"] == 3 and row["shift_bytes"] < 0 and not row["measured"]
+    assert row["limits"]["safe_batch_size"] >= profile.limits.safe_batch_size

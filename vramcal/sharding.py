@@ -1,0 +1,119 @@
+"""A world's per-rank memory at other world sizes, and the fewest ranks a global batch needs.
+
+Under FSDP2 (``fully_shard``) every rank holds ``1/N`` of the model states: the parameters, their gradients and
+the optimizer state, ``S`` bytes for one whole copy (counted in the trial, ``model_info["model_state_bytes"]``:
+:func:`vramcal.measure.trial.model_state`). Nothing else a rank holds depends on ``N``: the activations of its
+batch (the fit's slope), the blocks being all-gathered, the process and its allocator (the rest of the
+overhead). So from a profile measured at ``N0`` ranks, at ``N`` ranks::
+
+    overhead(N) = overhead(N0) - S_rank(N0) + S / N        (FSDP; S_rank(N0): what a rank held, counted)
+    overhead(N) = overhead(N0)                             (DDP: every rank holds S whole)
+    peak(N, batch_size) = overhead(N) + slope × batch_size
+
+and the limits follow from the moved fit as from a measured one (:func:`vramcal.calibration.limits.compute_limits`:
+the same prediction interval, margin and reserve). What is measured: the fit at ``N0``, its step creep and
+``S``; what is computed: the move. A batch size that failed at ``N0`` still caps fewer ranks (each then holds
+more), and caps nothing at more. Sources: PyTorch's FSDP2 notes (each rank keeps its shard of every parameter,
+all-gathering a unit only while it runs) and ZeRO's model-state memory, stage 3: ``(2 + 2 + K)Ψ / N_d``
+(Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020, §5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from vramcal.calibration.limits import Limits, compute_limits
+from vramcal.profile import Profile
+from vramcal.sizing import SizingError
+
+
+@dataclass(frozen=True)
+class AtWorldSize:
+    """A world's per-rank limits at ``nproc`` ranks on a card of ``limits.total_bytes``.
+
+    Attributes:
+        nproc: the ranks.
+        limits: per rank: safe and conservative batch sizes (samples), usable bytes.
+        overhead_bytes: the moved fit's overhead (bytes at batch_size 0).
+        shift_bytes: ``overhead(nproc) - overhead(N0)``: the model states a rank holds more (+) or less (-).
+        measured: ``nproc`` is the profile's own world (its limits are the calibration's, not computed).
+    """
+
+    nproc: int
+    limits: Limits
+    overhead_bytes: float
+    shift_bytes: float
+    measured: bool
+
+    @property
+    def global_safe(self) -> int:
+        """Samples per optimizer step of the whole world at the safe size."""
+        return self.nproc * self.limits.safe_batch_size
+
+    @property
+    def global_conservative(self) -> int:
+        return self.nproc * self.limits.conservative_batch_size
+
+
+def state_shift(profile: Profile, nproc: int) -> float:
+    """Bytes a rank holds more (+) or fewer (-) at ``nproc`` ranks than in the profile's world (module docstring).
+
+    Raises:
+        SizingError: a profile of one process (it has no world to carry), or an FSDP profile made before vramcal
+            counted the model states (recalibrate it).
+    """
+    world = profile.world
+    if world is None:
+        raise SizingError("a single-process profile has no world to carry to other world sizes: calibrate one "
+                          "with `vramcal probe --nproc N` (and --strategy fsdp for a sharded one)")
+    if world.strategy == "ddp":
+        return 0.0
+    whole, held = (profile.model_info.get(k) for k in ("model_state_bytes", "rank_model_state_bytes"))
+    if not isinstance(whole, int) or not isinstance(held, int):
+        raise SizingError("this FSDP profile does not record its model states (made before vramcal counted them): "
+                          "calibrate it again with `vramcal probe --nproc N --strategy fsdp`")
+    return whole / nproc - held
+
+
+def at_world_size(profile: Profile, nproc: int, total_bytes: int | None = None) -> AtWorldSize:
+    """The profile's per-rank limits at ``nproc`` ranks, on a card of ``total_bytes`` (default: the profile's
+    device).
+
+    Raises:
+        SizingError: fewer than 2 ranks; see :func:`state_shift`; a profile without fitted limits.
+    """
+    if nproc < 2:
+        raise SizingError(f"a world has at least 2 ranks, not {nproc}: a single process is calibrated without "
+                          f"--nproc")
+    if profile.fit is None or profile.limits is None:
+        raise SizingError("the profile has no fitted limits to carry: re-run `vramcal probe` with a larger budget")
+    world, total = profile.world, total_bytes or profile.device.total_bytes
+    shift = state_shift(profile, nproc)
+    fit = dataclasses.replace(profile.fit, overhead_bytes=profile.fit.overhead_bytes + shift)
+    measured = nproc == world.nproc and total == profile.device.total_bytes
+    failed = profile.limits.failed_batch_size if nproc <= world.nproc and total <= profile.device.total_bytes \
+        else None
+    limits = profile.limits if measured else compute_limits(fit, total, profile.settings, failed)
+    return AtWorldSize(nproc, limits, fit.overhead_bytes, shift, measured)
+
+
+def fewest_ranks(profile: Profile, global_batch: int, total_bytes: int | None = None,
+                 limit: str = "conservative", most: int = 4096) -> AtWorldSize | None:
+    """The smallest world (2 ranks or more) whose ranks each fit ``ceil(global_batch / N)`` samples at the
+    ``limit`` size, on a card of ``total_bytes``; None when even ``most`` ranks do not.
+
+    Raises:
+        SizingError: see :func:`at_world_size`; a global batch below 1.
+    """
+    if global_batch < 1:
+        raise SizingError(f"a global batch is at least 1 sample, not {global_batch}")
+    for nproc in range(2, most + 1):
+        found = at_world_size(profile, nproc, total_bytes)
+        per_rank = found.limits.conservative_batch_size if limit == "conservative" else found.limits.safe_batch_size
+        if per_rank >= math.ceil(global_batch / nproc):
+            return found
+        if profile.world.strategy == "ddp" and per_rank == 0:
+            return None  # a DDP rank's room does not grow with the world
+    return None
