@@ -20,6 +20,7 @@ from vramcal.cli import main
 from vramcal.measure.device import host_device
 from vramcal.measure.distributed import shard
 from vramcal.measure.trial import TrialRequest, TrialRunner
+from vramcal.models.registry import REGRESSOR
 from vramcal.profile import load_profile, save_profile
 from vramcal.records import TrialSettings, World
 from vramcal.sharding import at_world_size, fewest_ranks, state_shift
@@ -140,6 +141,32 @@ def test_probe_records_the_fsdp_world_and_its_settings(tmp_path, monkeypatch):
     assert "FSDP 2 ranks (gloo, fully_shard per block, no reshard after forward)" in result.output
     result = invoke("probe", "--gpu", "none", *SPEC_ARGS, "--nproc", "2", "--bucket-cap-mb", "50", "--strategy", "fsdp")
     assert result.exit_code == 2 and "bucket_cap_mb is a setting of DDP, not of FSDP" in result.output
+
+
+@pytest.mark.parametrize("world", [
+    World(2, "gloo", strategy="fsdp", reshard_after_forward=False),
+    World(2, "gloo", bucket_cap_mb=50, gradient_as_bucket_view=True, static_graph=True),
+])
+def test_the_probe_a_world_suggests_calibrates_that_world(world, tmp_path, monkeypatch):
+    """The command a refusal names (the lookup's probe command, the world-difference hint) is read back by the
+    probe itself: it must record the same world, strategy and settings included."""
+    import shlex
+
+    from test_documented import fake_measurement
+
+    from vramcal.lookup import probe_command
+    from vramcal.profile import world_difference
+
+    fake_measurement(monkeypatch)
+    total = host_budget.budget(1536 * MIB)
+    device = host_device(total)
+    command = probe_command(device, REGRESSOR.ref(SPEC, device, "auto"), world=world)
+    assert " ".join(world.probe_args()) in command
+    assert f"`vramcal probe {' '.join(world.probe_args())}`" in world_difference(None, world)
+    result = invoke(*shlex.split(command)[1:], "--profiles-dir", str(tmp_path), "--no-report")
+    assert result.exit_code == 0, result.output
+    (path,) = tmp_path.rglob("*.json")
+    assert load_profile(path).world == world
 
 
 def test_the_trainer_refuses_an_fsdp_world_before_it_makes_a_run_folder(tmp_path):

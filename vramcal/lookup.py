@@ -108,20 +108,10 @@ def probe_command(device: Device, ref: ModelRef, world: World | None = None) -> 
     """The ``vramcal probe`` command line that makes a missing profile (non-default options only)."""
     gpu = "none" if device.kind == "host" else "auto"
     implementation = ref.params.get("implementation")
-    ranks = _world_args(world) if world else []
+    ranks = world.probe_args() if world else []
     budget = [f"--capacity {size_argument(device.total_bytes)}"] if device.total_source == "--capacity" else []
     impl = [f"--impl {implementation}"] if implementation else []
     return " ".join(["vramcal probe", f"--gpu {gpu}", *budget, *impl, *ranks, *family_of(ref).probe_args(ref)])
-
-
-def _world_args(world: World) -> list[str]:
-    """``--nproc N`` and the DDP settings that differ from DDP's defaults, as ``vramcal probe`` takes them."""
-    default = World(world.nproc, backend=world.backend, threads_per_rank=world.threads_per_rank)
-    args = [f"--nproc {world.nproc}"]
-    if world.bucket_cap_mb != default.bucket_cap_mb:
-        args.append(f"--bucket-cap-mb {world.bucket_cap_mb:g}")
-    return args + ["--" + name.replace("_", "-") for name in ("gradient_as_bucket_view", "find_unused_parameters",
-                                                               "static_graph") if getattr(world, name)]
 
 
 def ddp_term(profile: Profile, profiles_dir: Path | str) -> dict[str, Any] | None:

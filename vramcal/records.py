@@ -158,10 +158,24 @@ class World:
         if self.strategy == "fsdp":
             reshard = "reshard after forward" if self.reshard_after_forward else "no reshard after forward"
             return f"FSDP {self.nproc} ranks ({self.backend}, fully_shard per block, {reshard})"
-        extras = [name for name in ("gradient_as_bucket_view", "find_unused_parameters", "static_graph")
-                  if getattr(self, name)]
+        extras = [name for name in DDP_SETTINGS if getattr(self, name) is True]
         return (f"DDP {self.nproc} ranks ({self.backend}, buckets {self.bucket_cap_mb:g} MiB"
                 + "".join(f", {name}" for name in extras) + ")")
+
+    def probe_args(self) -> list[str]:
+        """The options of ``vramcal probe`` that calibrate this world: ``--nproc N``, ``--strategy fsdp`` for
+        FSDP, and each setting of its strategy that differs from the default, as the command spells it."""
+        args = [f"--nproc {self.nproc}"] + (["--strategy fsdp"] if self.strategy == "fsdp" else [])
+        for name in DDP_SETTINGS if self.strategy == "ddp" else FSDP_SETTINGS:
+            value, default = getattr(self, name), getattr(World, name)
+            flag = "--" + name.replace("_", "-")
+            if value == default:
+                continue
+            if isinstance(value, bool):
+                args.append(flag if value else "--no-" + flag[2:])
+            else:
+                args.append(f"{flag} {value:g}")
+        return args
 
     def settings(self) -> dict[str, Any]:
         """The settings of this world's strategy that change a rank's memory (its name's key), by name."""

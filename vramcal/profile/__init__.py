@@ -176,16 +176,16 @@ def check_profile_matches(profile: Profile, device: Device, model: ModelRef | No
 
 
 def world_difference(calibrated: World | None, run: World | None) -> str:
-    """Why a profile of ``calibrated`` cannot size a run of ``run`` (DDP worlds; None: one process), with the
-    command that calibrates the run's: a DDP rank holds gradient buckets and communication buffers a single
-    process does not, and they differ with the world's settings."""
+    """Why a profile of ``calibrated`` cannot size a run of ``run`` (None: one process), with the options of the
+    probe that calibrates the run's world: a rank holds gradient buckets, communication buffers or gathered
+    shards a single process does not, and they differ with the world's strategy and settings."""
     what = calibrated.describe() if calibrated else "one process"
     if run is None:
         return (f"the profile was calibrated for {what}, this run is one process: calibrate it without --nproc, or "
                 f"train with the profile's world")
     return (f"the profile was calibrated for {what}, this run is {run.describe()}: a rank's memory depends on the "
-            f"world (gradient buckets, communication buffers); calibrate it with `vramcal probe --nproc "
-            f"{run.nproc}` and the same DDP settings")
+            f"world (gradient buckets, communication buffers, gathered shards); calibrate it with "
+            f"`vramcal probe {' '.join(run.probe_args())}`")
 
 
 def append_observation(path: Path | str, observation: Observation) -> Profile:
