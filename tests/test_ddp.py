@@ -185,6 +185,19 @@ def test_a_single_process_profile_cannot_size_a_ddp_run(world, tmp_path):
     assert result.stderr.strip().splitlines()[-1] == errors[0], result.stderr  # nothing after it, no agent log
 
 
+def test_a_ddp_run_that_names_its_batch_size_trains_unchecked_without_a_world_profile(world):
+    """As one process does (tests/test_train.py): each rank finds no profile for the world, trains at the named
+    size, and rank 0 says once that it is unchecked and prints the ranks' measured peaks."""
+    tmp = world["tmp"]
+    result = vramcal(tmp, *train_args(tmp, "unchecked", "--nproc-per-node", "2", "--batch-size", "4", "--max-steps",
+                                      "1", "--profiles-dir", str(tmp / "no-profiles")))
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stderr.split())
+    assert text.count("--batch-size 4 is unchecked against memory") == 1 and "--nproc 2" in text
+    assert "halves the micro-batch" not in text  # a DDP rank does not halve alone
+    assert re.search(r"ranks: 0: batch 4, peak [\d.]+ MiB; 1: batch 4, peak [\d.]+ MiB \(global batch 8\)", text)
+
+
 def free_port() -> int:
     import socket
 

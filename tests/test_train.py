@@ -601,6 +601,37 @@ def test_no_profile_says_which_probe_to_run(setup):
     assert "vramcal probe --gpu none --impl transformers --d-model 32 --n-layers 1" in line
 
 
+def test_a_named_batch_size_trains_without_a_profile_and_says_it_is_unchecked(setup):
+    """No profile and ``--batch-size N``: the run trains at N, says once that N is unchecked (with the probe that
+    checks it), measures its peak, records nothing in a profile, and resumes from its own record."""
+    empty = setup["tmp"] / "empty"
+    result = train(setup, "free", "--profiles-dir", str(empty), "--batch-size", "8", "--max-steps", "2")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert text.count("--batch-size 8 is unchecked against memory") == 1
+    assert "(`vramcal probe --gpu none --impl transformers --d-model 32" in text
+    assert "batch_size 8 (unchecked: no profile)" in text and "unchecked: no profile predicted" in text
+    rows = [json.loads(line) for line in (setup["tmp"] / "free" / "metrics.jsonl").read_text().splitlines()]
+    epochs = [row for row in rows if row["kind"] == "epoch"]
+    assert epochs[-1]["step"] == 2 and epochs[-1]["peak_bytes"] > 0
+    assert not list(empty.rglob("*.json"))
+    result = CliRunner().invoke(main, ["train", "--resume", "--run-dir", str(setup["tmp"] / "free"), "--max-steps",
+                                       "3"])
+    assert result.exit_code == 0, result.output
+    assert "batch_size 8 (unchecked: no profile)" in " ".join(result.output.split())
+
+
+def test_an_unchecked_run_keeps_its_effective_batch_and_refuses_one_below_its_batch_size(setup):
+    empty = str(setup["tmp"] / "empty")
+    result = train(setup, "acc", "--profiles-dir", empty, "--batch-size", "4", "--effective-batch-size", "8",
+                   "--max-steps", "1")
+    assert result.exit_code == 0, result.output
+    assert "batch_size 4 accumulated to 8 per optimizer step (unchecked: no profile)" in " ".join(result.output.split())
+    line = one_line_failure(train(setup, "low", "--profiles-dir", empty, "--batch-size", "8",
+                                  "--effective-batch-size", "4"))
+    assert "--effective-batch-size 4 is below --batch-size 8" in line
+
+
 def test_profiles_of_another_spec_or_device_are_refused(setup):
     other_spec = make_profile(host_device(), spec=RegressorSpec(d_model=64, n_layers=1, d_state=16, headdim=16,
                                                             seq_len=32, chunk_size=16))

@@ -29,6 +29,14 @@ from vramcal.units import format_bytes, size_argument
 from vramcal.workload import ModelRef
 
 
+class NoProfileError(SizingError):
+    """No profile under the folder matches the run; ``command`` is the ``vramcal probe`` that makes one."""
+
+    def __init__(self, message: str, command: str) -> None:
+        super().__init__(message)
+        self.command = command
+
+
 @dataclass(frozen=True)
 class Located:
     """A profile found for a run: the checked profile, its file (None: given as an object), and notices for
@@ -57,7 +65,8 @@ def locate_profile(model: str | ModelRef | None = "regressor", params: dict[str,
 
     Raises:
         StaleProfileError: ``strict`` (or ``VRAMCAL_STRICT_PROFILE=1``) and the profile is stale.
-        SizingError: none matches (the message gives the ``vramcal probe`` command that makes one), a file that
+        NoProfileError: none matches (a SizingError whose message gives the ``vramcal probe`` command that makes
+            one, also its ``command``). SizingError: a file that
             is no profile, a profile for another device, model or world (names the difference), or one with no
             limits; neither ``model`` nor ``profile`` given.
         WorkloadError, ValueError: ``model`` or ``params`` are not a model vramcal can build
@@ -75,8 +84,9 @@ def locate_profile(model: str | ModelRef | None = "regressor", params: dict[str,
             bad = f" ({len(skipped)} matching file(s) failed their checks: {skipped[0]})" if skipped else ""
             where = f" for {world.describe()}" if world else ""
             budget = f" at {format_bytes(total_bytes)}" if total_bytes else ""
-            raise SizingError(f"no profile for {device.name}{budget} and {describe(ref)}{where} in {profiles_dir}/"
-                              f"{bad}: run `{probe_command(device, ref, world)}` first")
+            command = probe_command(device, ref, world)
+            raise NoProfileError(f"no profile for {device.name}{budget} and {describe(ref)}{where} in {profiles_dir}/"
+                                 f"{bad}: run `{command}` first", command)
         profile = found
     path = None if isinstance(profile, Profile) else Path(profile)
     located = Located(_checked(profile, path, device, ref, world), path)

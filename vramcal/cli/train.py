@@ -97,7 +97,8 @@ def es_sample_command(bar: str, out: Path, ticks: Path | None) -> None:
               help="samples per optimizer step to keep: the largest micro-batch the profile allows (--batch-size, "
                    "or its limit) and the gradient accumulation steps that reach it; the LR scales with it")
 @click.option("--batch-size", type=BatchSize(), default="auto", show_default=True,
-              help="auto = the profile's conservative batch size; N is clamped to [--batch-size-min, safe]")
+              help="auto = the profile's conservative batch size; N is clamped to [--batch-size-min, safe] (with no "
+                   "profile: N as it is, unchecked against memory)")
 @click.option("--lr", type=FiniteFloat(0, min_open=True), default=5e-5, show_default=True,
               help="peak learning rate at --reference-batch-size")
 @click.option("--weight-decay", type=FiniteFloat(0), default=0.01, show_default=True)
@@ -136,7 +137,7 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
             config = make_config(config_file, options, given)
             if probe:
                 config = probe_first(config, capacity)
-            setting = planning.resolve(config, capacity)
+            setting = planning.resolve(config, capacity, unchecked=True)
             run_dir = run_dir or new_run_dir()
             plan = planning.plan_run(config, run_dir, setting)
         announce(plan)
@@ -295,23 +296,31 @@ def announce(plan) -> None:
     features without spread)."""
     from vramcal.models.regressor.windows import data_notices  # loads numpy: only when called
 
-    sizing, config, stats = plan.sizing, plan.config, plan.data_stats
+    config, stats = plan.config, plan.data_stats
     for notice in plan.notices:
         click.echo(f"warning: {notice}" if notice.startswith(("--batch-size", "the ")) else notice, err=True)
     verb = "resuming" if plan.resume else "training"
     click.echo(f"{verb}: {config.spec.short()} [{plan.implementation}] on {plan.device.name}", err=True)
-    accumulated = ""
-    if sizing.accumulation_steps > 1:  # the fewest micro-batches within the limit, evened out (sizing.accumulation)
-        last = sizing.effective_batch_size - sizing.batch_size * (sizing.accumulation_steps - 1)
-        accumulated = (f" x {sizing.accumulation_steps} accumulated = {sizing.effective_batch_size} per optimizer step"
-                       + (f" (the last micro-batch {last})" if last != sizing.batch_size else ""))
-    click.echo(f"batch_size {sizing.batch_size}{accumulated} ({sizing.label}; profile {plan.profile_path}, "
-               f"predicted peak {format_bytes(sizing.predicted_peak_bytes)}, upper bound "
-               f"{format_bytes(sizing.upper_bytes)}), "
-               f"lr {plan.lr:.3g} ({config.lr_scaling} scaling from {config.lr:.3g} at batch "
-               f"{config.reference_batch_size})", err=True)
+    click.echo(f"batch_size {plan.batch_size}{batch_origin(plan)}, lr {plan.lr:.3g} ({config.lr_scaling} scaling "
+               f"from {config.lr:.3g} at batch {config.reference_batch_size})", err=True)
     click.echo(f"data: {stats['rows']} rows, {stats['train_windows']} training and {stats['val_windows']} validation "
                f"windows of {stats['seq_len']} bars (stride {stats['stride']}), validation from "
                f"{stats['first_val_timestamp']}; run folder {plan.run_dir}", err=True)
     for line in data_notices(stats):
         click.echo(line, err=True)
+
+
+def batch_origin(plan) -> str:
+    """What follows the batch size in :func:`announce`: its accumulation, where it came from and its prediction
+    (`` (conservative; profile P, predicted peak 1.20 GiB, upper bound 1.25 GiB)``), or that it is unchecked."""
+    sizing = plan.sizing
+    if sizing is None:
+        steps = f" accumulated to {plan.step_batch_size} per optimizer step" * (plan.step_batch_size > plan.batch_size)
+        return f"{steps} (unchecked: no profile)"
+    accumulated = ""
+    if sizing.accumulation_steps > 1:  # the fewest micro-batches within the limit, evened out (sizing.accumulation)
+        last = sizing.effective_batch_size - sizing.batch_size * (sizing.accumulation_steps - 1)
+        accumulated = (f" x {sizing.accumulation_steps} accumulated = {sizing.effective_batch_size} per optimizer step"
+                       + (f" (the last micro-batch {last})" if last != sizing.batch_size else ""))
+    return (f"{accumulated} ({sizing.label}; profile {plan.profile_path}, predicted peak "
+            f"{format_bytes(sizing.predicted_peak_bytes)}, upper bound {format_bytes(sizing.upper_bytes)})")

@@ -131,7 +131,7 @@ def rank_plan(spec: dict[str, Any], run_dir: Path, rank: int, local_rank: int, w
         config = load_config(run_dir / checkpoint.CONFIG).replace(**spec["overrides"])
     gpu = str(local_rank) if config.gpu != "none" else "none"
     setting = resolve(config.replace(gpu=gpu), capacity, world=world,
-                      budget_matches=len(set(capacities)) > 1)
+                      budget_matches=len(set(capacities)) > 1, unchecked=True)
     plan = plan_run(config, run_dir, setting, prepare=False, ranks=world_size)
     return dataclasses.replace(plan, world=world, rank=rank, resume=spec["resume"])
 

@@ -406,7 +406,7 @@ class Trainer:
         """Say, while the run goes on, when this process's peak passes the profile's upper bound, then usable
         memory (once each; an ``outgrown`` event in the metrics): a run that outgrows its prediction (a creep
         the steady trial did not see) is told before it ends, or before an out-of-memory error."""
-        if self.meter is None or not self._measuring:
+        if self.meter is None or not self._measuring or self.plan.sizing is None:  # unchecked: nothing predicted
             return
         peak, sizing = int(self.meter.read()["peak_bytes"]), self.plan.sizing
         for name, bound in (("the profile's upper bound", sizing.upper_bytes), ("usable memory", sizing.usable_bytes)):

@@ -7,6 +7,10 @@ Decided in two parts, so ``vramcal tune`` decides the first once for a whole stu
   budget the run's process gets (``RLIMIT_DATA`` = the profile's budget, or ``--capacity``).
 * :func:`plan_run` — one run: its batch size (:func:`vramcal.sizing.size`), LR and folder.
 
+A run that names its batch size (``--batch-size N``) trains without a profile when none matches: the size is
+then *unchecked* (``Plan.sizing`` is None), said in one line with the probe that would check it; the run's peak
+is measured as always, and the out-of-memory fallback still halves the micro-batch with the batch kept.
+
 Checks run cheapest first (spec, data, run folder) so a bad input fails in a second with one line,
 before a device is touched or a calibration started. The run folder is created only after every check.
 The :class:`Plan` is plain data: it travels to the worker process that trains.
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from vramcal import api
+from vramcal.lookup import NoProfileError
 from vramcal.measure.device import free_bytes
 from vramcal.models.registry import REGRESSOR
 from vramcal.models.regressor.step import load_windows as windows_of
@@ -44,7 +49,7 @@ class Setting:
         config: the settings the setting was resolved from (the data and model part).
         device: where to train.
         model: the regressor's key (spec + concrete implementation).
-        profile, profile_path: the profile that sizes the runs.
+        profile, profile_path: the profile that sizes the runs (None: an unchecked run, module docstring).
         data_stats: the windows' facts (rows, split, stride, window counts).
         pool_data_bytes: bytes of data the run holds in the measured memory (the data term).
         host_memory_limit_bytes: ``RLIMIT_DATA`` of the training process on the host, else None.
@@ -54,8 +59,8 @@ class Setting:
     config: TrainConfig
     device: Device
     model: ModelRef
-    profile: Profile
-    profile_path: str
+    profile: Profile | None
+    profile_path: str | None
     data_stats: dict[str, Any]
     pool_data_bytes: int
     host_memory_limit_bytes: int | None
@@ -72,7 +77,7 @@ class Plan:
 
     Attributes:
         sizing: the batch size and the profile's prediction for it (data term included); under DDP this
-            rank's.
+            rank's. None: an unchecked run (module docstring): the config's batch size, nothing predicted.
         lr: the peak learning rate after ``lr_scaling`` (under DDP set in the worker, from the global batch).
         resume: continue from the run folder's last checkpoint.
         world, rank: the DDP world this rank's process trains in (:mod:`vramcal.train.distributed`), or None
@@ -83,7 +88,7 @@ class Plan:
     run_dir: Path
     device: Device
     model: ModelRef
-    sizing: Sizing
+    sizing: Sizing | None
     profile_path: str | None
     lr: float
     data_stats: dict[str, Any]
@@ -96,12 +101,13 @@ class Plan:
     @property
     def batch_size(self) -> int:
         """Samples per forward/backward: what the profile sized (the micro-batch with an effective batch)."""
-        return self.sizing.batch_size
+        return self.config.batch_size if self.sizing is None else self.sizing.batch_size
 
     @property
     def step_batch_size(self) -> int:
         """Samples per optimizer step: the batch size, or the effective batch its micro-batches accumulate to."""
-        return self.sizing.effective_batch_size or self.sizing.batch_size
+        effective = self.config.effective_batch_size if self.sizing is None else self.sizing.effective_batch_size
+        return effective or self.batch_size
 
     @property
     def collective_timeout_s(self) -> float:
@@ -121,7 +127,8 @@ class Plan:
     def record(self) -> dict[str, Any]:
         """The content of ``run.json``."""
         return {"config": self.config.to_dict(), "device": self.device.to_dict(), "model": self.model.to_dict(),
-                "implementation": self.implementation, "sizing": asdict(self.sizing), "profile": self.profile_path,
+                "implementation": self.implementation, "sizing": self.sizing and asdict(self.sizing),
+                "profile": self.profile_path,
                 "lr": self.lr, "data": self.data_stats, "host_memory_limit_bytes": self.host_memory_limit_bytes,
                 "notices": list(self.notices),
                 "written_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
@@ -131,7 +138,7 @@ class Plan:
         """The plan a run folder's ``run.json`` describes (for ``--resume``)."""
         return cls(config=TrainConfig.from_dict(record["config"]), run_dir=Path(run_dir),
                    device=Device.from_dict(record["device"]), model=ModelRef.from_dict(record["model"]),
-                   sizing=Sizing.from_dict(record["sizing"]),
+                   sizing=record["sizing"] and Sizing.from_dict(record["sizing"]),
                    profile_path=record["profile"], lr=record["lr"], data_stats=record["data"],
                    host_memory_limit_bytes=record["host_memory_limit_bytes"], resume=True)
 
@@ -144,7 +151,7 @@ def load_windows(config: TrainConfig) -> Windows:
 
 
 def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: World | None = None,
-            budget_matches: bool = False) -> Setting:
+            budget_matches: bool = False, unchecked: bool = False) -> Setting:
     """Decide what runs of ``config`` are sized against (module docstring).
 
     Args:
@@ -153,6 +160,8 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
         budget_matches: take the host profile calibrated at ``capacity_bytes``, not the newest at any budget
             (always so on the host when ``capacity_bytes`` is given and the profile is looked up: a profile of
             another budget does not describe a run under this one).
+        unchecked: with no matching profile and ``config.batch_size`` given, an unchecked setting (no profile;
+            module docstring) instead of the refusal: the trainer's; a study needs a profile's bounds.
 
     Raises:
         ValueError: an impossible spec; DataError, DeviceError, NvmlError, SizingError: one-line messages for
@@ -162,15 +171,25 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
     windows = load_windows(config)
     device, notices = _device(config, capacity_bytes)
     model = REGRESSOR.ref(config.spec, device, config.implementation)  # the spec was checked when the config was made
-    located = api.locate_profile(model, device=device, profile=None if config.profile == "auto" else config.profile,
-                                 profiles_dir=config.profiles_dir, world=world,
-                                 total_bytes=capacity_bytes if budget_matches or device.kind == "host" else None)
-    notices += list(located.notices)
+    try:
+        located = api.locate_profile(model, device=device,
+                                     profile=None if config.profile == "auto" else config.profile,
+                                     profiles_dir=config.profiles_dir, world=world,
+                                     total_bytes=capacity_bytes if budget_matches or device.kind == "host" else None)
+    except NoProfileError as error:
+        if not unchecked or config.batch_size is None:
+            raise
+        located = None
+        notices.append(f"--batch-size {config.batch_size} is unchecked against memory: no profile matches this run "
+                       f"in {config.profiles_dir}/ (`{error.command}` measures what fits); the run's peak is "
+                       f"measured" + (", and an out-of-memory step halves the micro-batch" if world is None else ""))
+    else:
+        notices += list(located.notices)
     limit = None
     if device.kind == "host":
-        limit = capacity_bytes or located.profile.device.total_bytes
-        calibrated = located.profile.device.total_bytes
-        if limit != calibrated:
+        calibrated = located.profile.device.total_bytes if located else device.total_bytes
+        limit = capacity_bytes or calibrated
+        if located and limit != calibrated:
             notices.append(f"the profile was calibrated at a budget of {format_bytes(calibrated)}, this run's is "
                            f"{format_bytes(limit)}: its limits describe the calibration's budget "
                            f"(`vramcal probe --capacity {size_argument(limit)}` calibrates this one)")
@@ -179,8 +198,8 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
                        f"{'' if capacity_bytes else '; --capacity to change it'}); this command's own process and "
                        f"the worker fork server are outside it (together a few hundred MiB resident)")
     pool = windows.pipeline_bytes if device.kind == "host" or config.data_on_device else 0
-    return Setting(config, device, model, located.profile, str(located.path), windows.stats(), pool, limit,
-                   tuple(notices))
+    return Setting(config, device, model, located and located.profile, located and str(located.path),
+                   windows.stats(), pool, limit, tuple(notices))
 
 
 def calibration_plan(config: TrainConfig, capacity_bytes: int | None = None):
@@ -227,6 +246,8 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
     """
     if prepare:
         checkpoint.check_run_dir(run_dir, resume=False)
+    if setting.profile is None:
+        return _unchecked_plan(config, run_dir, setting, prepare, ranks)
     ask = config.size_request()
     free, source = free_bytes(setting.device) if ranks == 1 else (None, "")  # the gate: memory taken since
     sizing = size(setting.profile, ask, pool_data_bytes=setting.pool_data_bytes, free_bytes=free, free_source=source)
@@ -252,6 +273,33 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
         checkpoint.prepare_run_dir(run_dir, resume=False)
     return Plan(config=config, run_dir=Path(run_dir), device=setting.device, model=setting.model, sizing=sizing,
                 profile_path=setting.profile_path, lr=lr, data_stats=setting.data_stats,
+                host_memory_limit_bytes=setting.host_memory_limit_bytes, notices=tuple(notices))
+
+
+def _unchecked_plan(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool, ranks: int) -> Plan:
+    """:func:`plan_run` without a profile (module docstring): the config's batch size as it is, its micro-batches
+    accumulating to ``--effective-batch-size`` when one is given, capped by the training windows.
+
+    Raises:
+        SizingError: an effective batch below the batch size, or more than the training windows.
+    """
+    notices, n_train = list(setting.notices), setting.train_windows // ranks
+    effective = config.effective_batch_size
+    if effective is not None and effective < config.batch_size:
+        raise SizingError(f"--effective-batch-size {effective} is below --batch-size {config.batch_size}: the batch "
+                          f"size is the micro-batch that accumulates to it; raise the one or lower the other")
+    if (effective or config.batch_size) > n_train:
+        if effective is not None:
+            raise SizingError(f"--effective-batch-size {effective} is more than the {n_train} training windows: "
+                              f"lower it, or use more data or a smaller --stride")
+        notices.append(f"batch size {config.batch_size} is more than the {n_train} training windows: one step per "
+                       f"epoch of {n_train} samples (a smaller --stride gives more windows)")
+        config = config.replace(batch_size=n_train)
+    lr = scaled_lr(config.lr, effective or config.batch_size, config.reference_batch_size, config.lr_scaling)
+    if prepare:
+        checkpoint.prepare_run_dir(run_dir, resume=False)
+    return Plan(config=config, run_dir=Path(run_dir), device=setting.device, model=setting.model, sizing=None,
+                profile_path=None, lr=lr, data_stats=setting.data_stats,
                 host_memory_limit_bytes=setting.host_memory_limit_bytes, notices=tuple(notices))
 
 

@@ -120,6 +120,10 @@ def describe_ranks(batch_sizes: list[int], peaks: list[int]) -> str:
 
 
 def _report(plan: Plan, peak_bytes: int, echo: Echo, when: str) -> None:
+    if plan.sizing is None:
+        echo(f"{when}: peak {format_bytes(peak_bytes)} at batch_size {plan.batch_size} (unchecked: no profile "
+             f"predicted it)")
+        return
     line, warnings = compare(plan.sizing, peak_bytes)
     echo(f"{when}: {line}")
     for warning in warnings:
@@ -128,7 +132,9 @@ def _report(plan: Plan, peak_bytes: int, echo: Echo, when: str) -> None:
 
 def _observe(plan: Plan, result: dict[str, Any], echo: Echo, times: dict[str, Any]) -> Observation | None:
     """Append the run's observation (its measured times and their forecast: ``times``) to its profile (a failure to
-    write it is a warning, not the run's end)."""
+    write it is a warning, not the run's end). None for an unchecked run: no profile to hold it."""
+    if plan.sizing is None:
+        return None
     observation = Observation(
         recorded_utc=utc_now(), vramcal_version=__version__, batch_size=plan.batch_size,
         data_bytes=int(result["data_bytes"]), peak_bytes=int(result["peak_bytes"]),
