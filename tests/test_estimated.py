@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from vramcal import api
 from vramcal.calibration.limits import LimitSettings
 from vramcal.cli import main
 from vramcal.estimated import (
@@ -228,6 +229,13 @@ def test_size_answers_from_the_matching_profile_and_calibrates_when_none_holds(t
     assert again.exit_code == 0 and answered["calibrated"] is False and answered["profile"] == str(path)
     assert answered["batch_size"] == int(first.stdout) and json.loads(path.read_text())["trials"] == trials
     assert "from the matching profile" in again.stderr
+    profile = load_profile(path)  # the gate: another process took memory since (the device's reading faked)
+    room = profile.device.total_bytes - profile.settings.reserve_bytes
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(api, "free_bytes", lambda device: (room * 4 // 5, "MemAvailable (faked)"))
+        gated = CliRunner().invoke(main, [*args, "--json"])
+    assert gated.exit_code == 0 and json.loads(gated.stdout)["batch_size"] < answered["batch_size"]
+    assert "free now (MemAvailable (faked))" in gated.stderr and "less than the profile's" in gated.stderr
     record = json.loads(path.read_text())
     record["software"]["torch"] = "2.0.0"
     path.write_text(json.dumps(record))

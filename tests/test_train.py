@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 
 import host_budget
@@ -859,6 +860,46 @@ def test_the_gate_lowers_the_limits_by_what_other_processes_took_since_the_calib
     run = json.loads((setup["tmp"] / "gated" / "run.json").read_text())
     assert run["sizing"]["missing_bytes"] == 100 * MIB
     assert run["sizing"]["batch_size"] < limits.conservative_batch_size
+
+
+def test_the_gate_sees_a_real_second_process_that_took_memory_since_the_calibration(tmp_path):
+    """Issue 44, for real: a profile whose budget is what the host has free now (steep: 1 GiB a sample), then a
+    second process that takes and touches 3 GiB; ``vramcal train`` reads MemAvailable, says how much is missing
+    (about those 3 GiB less the profile's reserve) and trains at a smaller size than the profile's."""
+    import subprocess
+    import sys
+
+    from vramcal.measure.device import free_bytes
+
+    synthetic_bars(3000).to_parquet(tmp_path / "bars.parquet")
+    device = host_device()
+    free_now, _ = free_bytes(device)
+    sizes = (1, 2, 4, 8)
+    peaks = [100 * MIB + 1024 * MIB * b for b in sizes]
+    fit, settings = fit_linear(sizes, peaks), LimitSettings()
+    device = Device(**{**device.to_dict(), "total_bytes": free_now})
+    profile = Profile(device=device, model=SPEC.ref("transformers"), implementation="transformers",
+                      kernel_path="test", settings=settings, trials=tuple(Trial(b, "ok", p) for b, p in
+                                                                            zip(sizes, peaks)),
+                      fit=fit, limits=compute_limits(fit, free_now, settings), created_utc="2025-01-01T00:00:00Z")
+    save_profile(profile, profile_path(tmp_path / "profiles", device, profile.model, "transformers"))
+    hog = subprocess.Popen([sys.executable, "-c", "import sys; b = bytearray(3 << 30); b[::4096] = b'x' * "
+                            "len(range(0, len(b), 4096)); print('ready', flush=True); sys.stdin.read()"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert hog.stdout.readline().strip() == "ready"
+        result = CliRunner().invoke(main, ["train", "--data", str(tmp_path / "bars.parquet"), "--profiles-dir",
+                                           str(tmp_path / "profiles"), "--gpu", "none", "--run-dir",
+                                           str(tmp_path / "run"), *SPEC_ARGS, "--max-steps", "1"])
+    finally:
+        hog.kill()
+        hog.wait()
+    assert result.exit_code == 0, result.output
+    assert re.search(r"the device has [\d.]+ GiB free now \(MemAvailable\): [\d.]+ GiB less than", result.output)
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    missing = run["sizing"]["missing_bytes"]
+    assert 3 * 2**30 - settings.reserve_bytes - 2**30 < missing < 3 * 2**30 + 2**30, format_bytes(missing)
+    assert run["sizing"]["batch_size"] < profile.limits.conservative_batch_size
 
 
 def test_a_data_file_swapped_after_the_plan_is_refused_before_any_step(setup):

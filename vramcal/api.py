@@ -36,7 +36,7 @@ from vramcal.estimated import aim_for
 from vramcal.files import check_writable
 from vramcal.journal import Journal, journal_path, plan_key
 from vramcal.lookup import Located, ddp_term, locate_profile, probe_command
-from vramcal.measure.device import select
+from vramcal.measure.device import free_bytes, select
 from vramcal.measure.trial import TrialRequest, TrialRunner
 from vramcal.measure.worker import Workers
 from vramcal.models.registry import family_of, model_ref
@@ -381,7 +381,9 @@ def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None 
     """The batch size for a model on a device in one call: the matching profile under ``profiles_dir`` when one
     holds (the same model, implementation, device and budget, made under the software and settings running
     now: :mod:`vramcal.staleness`, strictly), else a calibration (:func:`calibrate`, saved there), saying why
-    (none, or made under other software). A second call with nothing changed runs no trial.
+    (none, or made under other software). A second call with nothing changed runs no trial. The size is gated
+    by what the device has free now (:func:`vramcal.measure.device.free_bytes`: memory other processes took
+    since the calibration lowers the limits, said in a notice).
 
     Args:
         model, params, gpu, capacity_bytes, implementation, options, settings, trials, progress: as
@@ -400,7 +402,7 @@ def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None 
     if found is not None:
         try:
             located = locate_profile(ref, device=device, profile=found, strict=True)
-            sizing = size(located.profile, ask)
+            sizing = size(located.profile, ask, **_gate(device))
             return Answered(sizing.batch_size, sizing, located.profile, found, False,
                             f"from the matching profile {found}")
         except (StaleProfileError, SizingError) as error:
@@ -408,8 +410,14 @@ def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None 
     plan = plan_calibration(ref, device=device, settings=settings, options=options, profiles_dir=profiles_dir,
                             trials=trials)
     profile = _run_said(plan, notice, capacity_bytes is None, progress=progress)
-    sizing = size(profile, ask)
+    sizing = size(profile, ask, **_gate(device))
     return Answered(sizing.batch_size, sizing, profile, plan.path, True, why)
+
+
+def _gate(device: Device) -> dict[str, Any]:
+    """:func:`vramcal.sizing.size`'s ``free_bytes`` and ``free_source``: what ``device`` has free now."""
+    free, source = free_bytes(device)
+    return {"free_bytes": free, "free_source": source}
 
 
 def batch_size(profile: Profile | Path | str, limit: Limit = "conservative", *, request: int | None = None,

@@ -29,6 +29,7 @@ from vramcal import __version__
 from vramcal.api import select_devices
 from vramcal.environment import HOST_MALLOC, set_host_malloc
 from vramcal.lookup import locate_profile
+from vramcal.measure.device import free_bytes
 from vramcal.measure.meters import attach_meter
 from vramcal.profile import DEFAULT_PROFILES_DIR, Observation, Profile, ProfileError, append_observation, utc_now
 from vramcal.sizing import SizeRequest, Sizing, compare, size
@@ -93,12 +94,15 @@ class FrameworkRun:
         self.held_bytes: int | None = None
         self.peak_bytes: int | None = None
         self._meter: Any = None
+        self._free: dict[str, Any] = {}  # the gate's reading at start()
 
     def start(self) -> Sizing:
         """Training starts (the model and the optimizer are on the device, the data loaded): on the host give
         the process the trials' malloc settings (``host_malloc``), measure what it holds, size again with the
-        process term (clamping the batch size when it no longer fits), and start measuring the peak. Returns
-        the new sizing (its notices given to ``warn``)."""
+        process term and the gate (what the device has free now, :func:`vramcal.measure.device.free_bytes`,
+        plus what this process holds: memory other processes took since the calibration lowers the limits),
+        clamping the batch size when it no longer fits, and start measuring the peak. Returns the new sizing
+        (its notices given to ``warn``)."""
 
         done = set_host_malloc() if self.device.kind == "host" and self.host_malloc else None
         if done:
@@ -107,20 +111,26 @@ class FrameworkRun:
                       f"have it from the first allocation")
         self._meter = attach_meter(self.device, warn=self.warn)
         self.held_bytes = self._meter.held_bytes()
+        free, source = free_bytes(self.device)
+        if free is not None:  # this process's own memory is not the others'
+            free, source = free + (self.held_bytes or 0), f"{source} plus what this process holds"
+        self._free = {"free_bytes": free, "free_source": source}
         before = self.sizing.batch_size
-        self.sizing = size(self.profile, self.ask, process_bytes=self.held_bytes)
+        self.sizing = size(self.profile, self.ask, process_bytes=self.held_bytes, **self._free)
         for notice in self.sizing.notices:
             self.warn(f"vramcal: {notice}")
         if self.sizing.batch_size < before:
-            self.warn(f"vramcal: batch_size {before} -> {self.sizing.batch_size}: with what this process holds it "
-                      f"no longer fits the profile's limits")
+            self.warn(f"vramcal: batch_size {before} -> {self.sizing.batch_size}: with what this process holds and "
+                      f"what the device has free now it no longer fits the profile's limits")
         self._meter.reset()
         return self.sizing
 
     def resize(self, batch_size: int) -> Sizing:
-        """The sizing at ``batch_size`` (clamped to the bounds), the process term kept: the batch a framework
+        """The sizing at ``batch_size`` (clamped to the bounds), the process term and the gate kept: the batch a
+        framework
         settles on (the smallest over DDP ranks)."""
-        self.sizing = size(self.profile, self.ask.replace(request=batch_size), process_bytes=self.held_bytes)
+        self.sizing = size(self.profile, self.ask.replace(request=batch_size), process_bytes=self.held_bytes,
+                           **self._free)
         return self.sizing
 
     def finish(self, steps: int = 0, run_dir: str = "") -> tuple[str, list[str]]:

@@ -233,8 +233,9 @@ def _device(config: TrainConfig, capacity_bytes: int | None) -> tuple[Device, li
 def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool = True, ranks: int = 1) -> Plan:
     """Decide a new run of ``config`` in ``run_dir`` against ``setting`` (from :func:`resolve`).
 
-    The gate: one process is sized with what its device has free now (:func:`vramcal.measure.device.free_bytes`):
-    memory other processes took since the calibration lowers the limits, and the notice says how much.
+    The gate: a run is sized with what its device has free now (:func:`vramcal.measure.device.free_bytes`):
+    memory other processes took since the calibration lowers the limits, and the notice says how much. A DDP rank
+    on a GPU reads its own card; host ranks share the host's memory, so each takes ``1/ranks`` of it.
 
     Args:
         prepare: check and create the run folder (a DDP rank's launcher did it already: False).
@@ -249,7 +250,9 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
     if setting.profile is None:
         return _unchecked_plan(config, run_dir, setting, prepare, ranks)
     ask = config.size_request()
-    free, source = free_bytes(setting.device) if ranks == 1 else (None, "")  # the gate: memory taken since
+    free, source = free_bytes(setting.device)  # the gate: memory taken since the calibration
+    if free is not None and ranks > 1 and setting.device.kind == "host":
+        free, source = free // ranks, f"{source}, 1/{ranks} of it for each host rank"
     sizing = size(setting.profile, ask, pool_data_bytes=setting.pool_data_bytes, free_bytes=free, free_source=source)
     notices = list(setting.notices) + list(sizing.notices)
     if config.effective_batch_size is not None and config.effective_batch_size > setting.train_windows:

@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vramcal.measure.device import free_bytes
 from vramcal.sizing import SizeRequest, size, throughput_choice
 from vramcal.train.config import TrainConfig
 from vramcal.train.errors import DivergedError, NonFiniteError, TrainError
@@ -155,7 +156,8 @@ class BatchBounds:
 def batch_bounds(settings: TuneSettings, setting: Setting) -> BatchBounds:
     """The batch-size search range from the setting's profile, sized as ``vramcal train`` sizes a run.
 
-    Upper end: the conservative batch size (:func:`vramcal.sizing.size`, with the data term), sizing for
+    Upper end: the conservative batch size (:func:`vramcal.sizing.size`, with the data term and the gate: what
+    the device has free now, :func:`vramcal.measure.device.free_bytes`, each trial gated again), sizing for
     throughput the throughput knee when below it (:func:`vramcal.sizing.throughput_choice`), or
     ``batch_size_max`` when lower (a higher one is narrowed with a notice); never more than the training
     windows (a larger batch is one whole epoch).
@@ -165,7 +167,9 @@ def batch_bounds(settings: TuneSettings, setting: Setting) -> BatchBounds:
         SizingError: the profile has no usable limits.
     """
     seq_len = setting.config.spec.seq_len
-    sizing = size(setting.profile, SizeRequest(seq_len=seq_len), pool_data_bytes=setting.pool_data_bytes)
+    free, source = free_bytes(setting.device)
+    sizing = size(setting.profile, SizeRequest(seq_len=seq_len), pool_data_bytes=setting.pool_data_bytes,
+                  free_bytes=free, free_source=source)
     conservative, low, n_train = sizing.conservative_batch_size, settings.base.batch_size_min, setting.train_windows
     notices = list(setting.notices) + list(sizing.notices)
     if low > conservative:
