@@ -1,4 +1,5 @@
-"""Shared fixtures: every test leaves NVML as it found it (the fake driver of tests/fakes.py removed)."""
+"""Shared fixtures: every test leaves NVML as it found it (the fake driver of tests/fakes.py removed), and reads
+no defaults file of the developer's."""
 
 import pytest
 
@@ -9,3 +10,13 @@ from fakes import restore_nvml
 def _restore_nvml():
     yield
     restore_nvml()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_user_defaults(tmp_path_factory):
+    """No test reads the developer's own defaults file (vramcal.cli.defaults): an empty XDG config folder and no
+    VRAMCAL_CONFIG, for the whole session (module-scoped fixtures run commands before function-scoped ones)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg-config")))
+        patch.delenv("VRAMCAL_CONFIG", raising=False)
+        yield

@@ -2,7 +2,8 @@
 
 Each command module is a thin click layer over :mod:`vramcal.api` and the library: it parses, calls,
 prints. User-fixable failures are ``click.ClickException`` (exit 1, one line), bad values
-``click.BadParameter`` (exit 2).
+``click.BadParameter`` (exit 2). The options' defaults may come from TOML files (:mod:`vramcal.cli.defaults`), read
+here, by the root group, before the subcommand parses.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import click  # noqa: E402 - after the pool is chosen
 from vramcal import __version__
 from vramcal.cli.console import VERBOSITY
 from vramcal.cli.cost import cost_command
+from vramcal.cli.defaults import apply_defaults
 from vramcal.cli.estimate import estimate_command
 from vramcal.cli.options import stop_on_sigterm
 from vramcal.cli.probe import probe, show
@@ -41,6 +43,7 @@ def main(ctx: click.Context, quiet: bool, verbose: bool) -> None:
     """Measure the memory of real Mamba-2 training steps and calibrate safe batch sizes."""
     if quiet and verbose:
         raise click.UsageError("-q and -v contradict each other: give one")
+    apply_defaults(ctx)  # vramcal.toml and the user's config.toml, as click's default_map: flags still win
     ctx.with_resource(speaking(FLAGS))  # messages name the command line's flags (vramcal.words)
     ctx.with_resource(stop_on_sigterm())  # kill, timeout, a scheduler's cancel: Ctrl-C's way out, exit 143
     ctx.with_resource(_set(VERBOSITY, -1 if quiet else 1 if verbose else 0))

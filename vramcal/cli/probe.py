@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from vramcal import api, files
+from vramcal.cli import defaults
 from vramcal.cli.console import VERBOSITY, echo_lines, observations_lines, summary
 from vramcal.cli.options import (
     EXIT_UNVERIFIED,
@@ -336,12 +337,22 @@ def check_writable(folder: Path, what: str, options: str) -> None:
 
 
 @click.command()
-@click.argument("profile_path", type=click.Path(path_type=Path))
+@click.argument("profile_path", type=click.Path(path_type=Path), required=False)
 @click.option("--json", "as_json", is_flag=True, help="print the profile as JSON for programs")
+@click.option("--config", "show_config", is_flag=True,
+              help="print, instead of a profile, the defaults the files (vramcal.toml, the user's config.toml, "
+                   "VRAMCAL_CONFIG) set, per command, and where each came from")
 @strict_option
-def show(profile_path: Path, as_json: bool, strict_profile: bool) -> None:
-    """Print a profile for people (or --json for programs), with the training runs that used it."""
+@click.pass_context
+def show(ctx: click.Context, profile_path: Path | None, as_json: bool, show_config: bool, strict_profile: bool) -> None:
+    """Print a profile for people (or --json for programs), with the training runs that used it; or, with
+    --config, the options' defaults the files set."""
 
+    if show_config != (profile_path is None):
+        raise click.UsageError("give a PROFILE_PATH to show, or --config for the defaults in force: one of them")
+    if show_config:
+        _show_defaults(ctx.find_root(), as_json)
+        return
     with one_line():
         profile = load_profile(profile_path)
         warn_if_stale(profile, profile_path, strict_profile)
@@ -354,3 +365,25 @@ def show(profile_path: Path, as_json: bool, strict_profile: bool) -> None:
     for trial in profile.trials:
         click.echo(trial_line(trial, usable, trial.purpose))
     echo_lines([summary(profile), *observations_lines(profile)])
+
+
+def _show_defaults(root: click.Context, as_json: bool) -> None:
+    """``show --config``: each option a file sets, for every command that has it: the value and its source."""
+
+    found = root.meta[defaults.META]
+    rows = defaults.in_force(root.command, found)
+    if as_json:
+        click.echo(json.dumps({"files": [str(path) for path in found.files],
+                               "options": [{"command": " ".join(row.command), "key": row.name, "value": row.value,
+                                            "source": row.source} for row in rows]},
+                              indent=2, sort_keys=True, default=str))
+        return
+    if not found.files:
+        click.echo(f"no defaults file: none at {defaults.user_file(os.environ)}, no {defaults.PROJECT_FILE} here or "
+                   f"above (up to a folder holding .git), {defaults.ENV} unset")
+        return
+    click.echo(f"defaults from {', '.join(map(str, found.files))} (a later file wins; a flag wins over all)"
+               + ("" if rows else ": they set nothing"))
+    width = max((len(" ".join(row.command)) + len(row.name) for row in rows), default=0) + 1
+    for row in rows:
+        click.echo(f"{' '.join(row.command) + ' ' + row.name:<{width}} = {defaults.shown(row.value):<24} {row.source}")
