@@ -379,12 +379,13 @@ def test_a_run_that_outgrows_its_prediction_says_so_while_it_runs(setup):
     from vramcal.measure.meters import open_meter
 
     plan, step = in_process(setup, "outgrown", epochs=4, max_steps=None)  # 12 steps
-    plan = dataclasses.replace(plan, sizing=dataclasses.replace(plan.sizing, upper_bytes=MIB, usable_bytes=2 * MIB))
+    plan = dataclasses.replace(plan, sizing=dataclasses.replace(plan.sizing, upper_bytes=MIB, warn_bytes=MIB,
+                                                                usable_bytes=2 * MIB))
     messages = []
     loop.Trainer(plan, step, meter=open_meter(host_device()), echo=messages.append).run()  # the trainer's meter
     warnings = [m for m in messages if m.startswith("warning: ")]
     assert len(warnings) == 2 and all(f"step {loop.WATCH_STEPS}: this process's peak" in w for w in warnings)
-    assert "above the profile's upper bound 1.00 MiB" in warnings[0] and "above usable memory 2.00 MiB" in warnings[1]
+    assert "above the warning line 1.00 MiB" in warnings[0] and "above usable memory 2.00 MiB" in warnings[1]
     assert "the run outgrows its prediction" in warnings[0]
     events = rows(plan.run_dir, "outgrown")
     assert [(e["step"], e["bound_bytes"]) for e in events] == [(loop.WATCH_STEPS, MIB), (loop.WATCH_STEPS, 2 * MIB)]

@@ -56,7 +56,7 @@ def observations_lines(profile) -> list[str]:
     lines = [f"training runs ({len(profile.observations)}): measured peak against the prediction"]
     start = fitted_from(profile)
     for o in profile.observations:
-        mark = verdict(o.peak_bytes, o.upper_bytes, o.usable_bytes, o.batch_size, start)
+        mark = verdict(o.peak_bytes, o.line_bytes, o.usable_bytes, o.batch_size, start)
         mark = mark.upper() if mark == "above usable" else mark
         lines.append(f"  {o.recorded_utc}  batch_size {o.batch_size:>6}  peak {format_bytes(o.peak_bytes):>10}  "
                      f"predicted {format_bytes(o.predicted_peak_bytes):>10} ({o.error:+.1%})  {mark}  "

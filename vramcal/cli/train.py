@@ -323,4 +323,4 @@ def batch_origin(plan) -> str:
         accumulated = (f" x {sizing.accumulation_steps} accumulated = {sizing.effective_batch_size} per optimizer step"
                        + (f" (the last micro-batch {last})" if last != sizing.batch_size else ""))
     return (f"{accumulated} ({sizing.label}; profile {plan.profile_path}, predicted peak "
-            f"{format_bytes(sizing.predicted_peak_bytes)}, upper bound {format_bytes(sizing.upper_bytes)})")
+            f"{format_bytes(sizing.predicted_peak_bytes)}, warned above {format_bytes(sizing.line_bytes)})")

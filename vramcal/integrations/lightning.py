@@ -123,7 +123,7 @@ class VramcalBatchSize(Callback):
         s, agreed = sizing, "" if batch == own else f", the smallest of the ranks' sizes; this rank's was {own}"
         rank_zero_info(f"vramcal: {self.attr} = {batch} ({s.label}{agreed}; safe {s.safe_batch_size}, conservative "
                        f"{s.conservative_batch_size}) from {self.profile_source}: predicted peak "
-                       f"{format_bytes(s.predicted_peak_bytes)}, upper bound {format_bytes(s.upper_bytes)}, usable "
+                       f"{format_bytes(s.predicted_peak_bytes)}, warned above {format_bytes(s.line_bytes)}, usable "
                        f"{format_bytes(s.usable_bytes)}")
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

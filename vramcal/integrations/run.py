@@ -173,6 +173,7 @@ class FrameworkRun:
         observation = Observation(
             recorded_utc=utc_now(), vramcal_version=__version__, batch_size=s.batch_size, data_bytes=0,
             peak_bytes=int(self.peak_bytes), predicted_peak_bytes=s.predicted_peak_bytes, upper_bytes=s.upper_bytes,
+            warn_bytes=s.line_bytes,
             usable_bytes=s.usable_bytes, steps=steps, run_dir=run_dir, framework=self.framework,
             process_delta_bytes=s.process_delta_bytes)
         try:

@@ -86,6 +86,8 @@ class Observation:
             (:mod:`vramcal.train.timing`); None: no forecast.
         time_band: how far (a fraction) the epoch time may land from the forecast by the step times' own noise,
             at least 25 % (:func:`vramcal.forecast.time_band`); None: not recorded (older runs: 25 %).
+        warn_bytes: the warning line the run was held against (:attr:`vramcal.sizing.Sizing.line_bytes`); None
+            in older runs, held against ``upper_bytes`` (:attr:`line_bytes`).
     """
 
     recorded_utc: str
@@ -107,6 +109,12 @@ class Observation:
     forecast_samples_per_s: float | None = None
     forecast_epoch_s: float | None = None
     time_band: float | None = None
+    warn_bytes: int | None = None
+
+    @property
+    def line_bytes(self) -> int:
+        """The warning line the run was held against: ``warn_bytes``, or ``upper_bytes`` in an older record."""
+        return self.warn_bytes or self.upper_bytes
 
     @property
     def error(self) -> float:
@@ -132,7 +140,7 @@ class Observation:
         return read_record(cls, data, where, {"batch_size": AT_LEAST_ONE, "data_bytes": NON_NEGATIVE,
                                               "peak_bytes": POSITIVE, "usable_bytes": POSITIVE,
                                               "steps": NON_NEGATIVE, "rank": NON_NEGATIVE,
-                                              "world_size": AT_LEAST_ONE})
+                                              "world_size": AT_LEAST_ONE, "warn_bytes": POSITIVE})
 
 
 @dataclass(frozen=True)

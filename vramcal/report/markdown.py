@@ -346,15 +346,16 @@ def _data_text(profile: Profile) -> str:
 
 
 def observations_table(profile: Profile) -> str:
-    """The training runs that used the profile: measured peak against the prediction and the bound."""
+    """The training runs that used the profile: measured peak against the prediction and the warning line it was
+    held against (:attr:`vramcal.profile.Observation.line_bytes`)."""
     rows, start = [], fitted_from(profile)
     for o in profile.observations:
-        found = verdict(o.peak_bytes, o.upper_bytes, o.usable_bytes, o.batch_size, start)
+        found = verdict(o.peak_bytes, o.line_bytes, o.usable_bytes, o.batch_size, start)
         found = found if found in ("within the bound", "below the fitted range") else f"**{found}**"
         rows.append([o.recorded_utc, str(o.batch_size), format_bytes(o.data_bytes), format_bytes(o.peak_bytes),
-                     format_bytes(o.predicted_peak_bytes), f"{o.error:+.1%}", format_bytes(o.upper_bytes), found,
+                     format_bytes(o.predicted_peak_bytes), f"{o.error:+.1%}", format_bytes(o.line_bytes), found,
                      str(o.steps), o.vramcal_version])
-    return markdown_table(["recorded (UTC)", "batch", "data", "measured peak", "predicted", "error", "upper bound",
+    return markdown_table(["recorded (UTC)", "batch", "data", "measured peak", "predicted", "error", "warned above",
                            "verdict", "steps", "vramcal"], rows, right=[1, 2, 3, 4, 5, 6, 8])
 
 

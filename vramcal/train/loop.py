@@ -403,13 +403,13 @@ class Trainer:
             raise Stopped(f"stopped after epoch {row['epoch']} by the caller")
 
     def _watch(self) -> None:
-        """Say, while the run goes on, when this process's peak passes the profile's upper bound, then usable
+        """Say, while the run goes on, when this process's peak passes the warning line, then usable
         memory (once each; an ``outgrown`` event in the metrics): a run that outgrows its prediction (a creep
         the steady trial did not see) is told before it ends, or before an out-of-memory error."""
         if self.meter is None or not self._measuring or self.plan.sizing is None:  # unchecked: nothing predicted
             return
         peak, sizing = int(self.meter.read()["peak_bytes"]), self.plan.sizing
-        for name, bound in (("the profile's upper bound", sizing.upper_bytes), ("usable memory", sizing.usable_bytes)):
+        for name, bound in (("the warning line", sizing.line_bytes), ("usable memory", sizing.usable_bytes)):
             if peak <= bound or name in self._outgrown:
                 continue
             self._outgrown.add(name)

@@ -139,6 +139,7 @@ def _observe(plan: Plan, result: dict[str, Any], echo: Echo, times: dict[str, An
         recorded_utc=utc_now(), vramcal_version=__version__, batch_size=plan.batch_size,
         data_bytes=int(result["data_bytes"]), peak_bytes=int(result["peak_bytes"]),
         predicted_peak_bytes=plan.sizing.predicted_peak_bytes, upper_bytes=plan.sizing.upper_bytes,
+        warn_bytes=plan.sizing.line_bytes,
         usable_bytes=plan.sizing.usable_bytes, steps=int(result["step"]), run_dir=str(plan.run_dir.resolve()),
         rank=plan.rank if plan.world else None, world_size=plan.world.nproc if plan.world else None, **times)
     if plan.profile_path is None:
