@@ -79,6 +79,9 @@ def test_find_profile_and_batch_size_read_it_back(calibrated):
     assert found == profile and located.notices == () and path.name.startswith("mlp-factory-")
     assert vramcal.find_profile("user_models:mlp", PARAMS, gpu="none", capacity_bytes=budget(CAPACITY),
                                 profiles_dir=profiles) == profile
+    with pytest.raises(TypeError, match=r"returns the Profile itself since vramcal 0.2 .* vramcal.locate_profile"):
+        found, path, notices = vramcal.find_profile("user_models:mlp", PARAMS, gpu="none",  # 0.1's tuple
+                                                    capacity_bytes=budget(CAPACITY), profiles_dir=profiles)
     limits = profile.limits
     assert vramcal.batch_size(found) == limits.conservative_batch_size
     assert vramcal.batch_size(found, "safe") == limits.safe_batch_size

@@ -220,6 +220,17 @@ class Profile:
         the calibration's ``run.creep_rule``; ``last`` in profiles made before it was recorded."""
         return "largest" if self.run.get("creep_rule") == "largest" else "last"
 
+    def __iter__(self):
+        """Code written for vramcal 0.1, whose ``find_profile`` returned ``(profile, path, notices)``, unpacks the
+        answer: it gets this line instead of "cannot unpack non-iterable Profile object".
+
+        Raises:
+            TypeError: always; a profile is one record, not a tuple.
+        """
+        raise TypeError("vramcal.find_profile() returns the Profile itself since vramcal 0.2 (0.1 returned "
+                        "(profile, path, notices)): write `profile = vramcal.find_profile(...)`, or take the path "
+                        "and notices from vramcal.locate_profile(...).path and .notices")
+
     @property
     def held_bytes(self) -> int | None:
         """What the trials' processes held when their step was built, before the first step (the median over the
