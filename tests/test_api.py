@@ -16,9 +16,9 @@ from host_budget import budget, capacity
 
 import vramcal
 from vramcal.cli import main
-from vramcal.measure.device import host_device
+from vramcal.measure.device import DeviceError, host_device
 from vramcal.models.registry import family_of
-from vramcal.profile import load_profile
+from vramcal.profile import load_profile, save_profile
 
 PARAMS = {"n_features": 16384, "width": 8}
 # 640 MiB of host memory, no reserve: about 100 MiB above a worker's own footprint, 1,500 samples of 64 KiB,
@@ -234,3 +234,37 @@ def test_batch_size_reads_a_path_and_refuses_what_is_no_profile(calibrated, tmp_
         vramcal.batch_size(None)
     with pytest.raises(vramcal.ProfileError, match="does not exist"):
         vramcal.batch_size(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize(("call", "error", "words"), [
+    (lambda: vramcal.find_profile(gpu="bogus"), DeviceError, r"^gpu=bogus: not a device choice"),
+    (lambda: vramcal.find_profile(gpu="cpu"), DeviceError, r"the host's memory is gpu=none$"),
+    (lambda: vramcal.find_profile("regressor", "d_model=32", gpu="none"), TypeError,
+     r"params= takes the model's arguments as a dict"),
+    (lambda: vramcal.load_profile(None), TypeError, r"load_profile\(\) takes a profile file's path, not NoneType"),
+    (lambda: vramcal.plan_calibration(options={"foo": 1}, device=host_device()), ValueError,
+     r"options= has no 'foo': it takes data, stride, val_fraction, data_on_device"),
+])
+def test_the_api_refuses_in_pythons_words(call, error, words):
+    """Issue 43 items 7-8: a wrong type is a TypeError, a wrong value a ValueError (or vramcal's own, derived from
+    it), each naming the Python parameter (``gpu=``, never ``--gpu``) in one line."""
+    with pytest.raises(error, match=words) as raised:
+        call()
+    assert "--" not in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_answer_names_its_own_arguments_and_refuses_lengths_below_one(tmp_path):
+    from test_train import make_profile
+
+    from vramcal.sizing import answer
+
+    profile = make_profile(host_device())
+    for kwargs, words in [({}, r"give seq_len= or batch_size= \(one of them\)"),
+                          ({"seq_len": -1}, r"seq_len=-1 is below 1"), ({"batch_size": 0}, r"batch_size=0 is below 1")]:
+        with pytest.raises(vramcal.SizingError, match=words):
+            answer(profile, **kwargs)
+    with pytest.raises(TypeError, match="seq_len= takes a whole number, not str"):
+        answer(profile, seq_len="32")
+    result = CliRunner().invoke(main, ["limits", str(save_profile(profile, tmp_path / "p.json")),
+                                       "--seq-len", "0"])
+    assert result.exit_code != 0 and "--seq-len" in result.output and "seq_len=" not in result.output

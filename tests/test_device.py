@@ -54,12 +54,12 @@ def test_nvml_failing_sends_auto_to_the_host_with_a_notice_and_explicit_choices_
     assert devices[0].kind == "host"
     assert notice.startswith("no usable NVIDIA GPU (NVML could not start (Driver Not Loaded)")
     assert notice.endswith("using the host's memory instead")
-    with pytest.raises(NvmlError, match="use --gpu none for the host's memory"):
+    with pytest.raises(NvmlError, match="use gpu=none for the host's memory"):  # the API's words: gpu=
         choose("0")
     assert choose("none")[0][0].kind == "host"
 
 
-HOST_IS_NONE = "the host's memory is --gpu none"
+HOST_IS_NONE = "the host's memory is {}none"
 
 
 @pytest.mark.parametrize(("value", "says"), [("nonee", "not a device choice; give auto, none (the host), all"),
@@ -69,11 +69,12 @@ def test_a_misspelt_choice_is_named_as_such_not_as_a_missing_driver(value, says)
     """Checked before NVML is asked: on a machine without a driver a typo read as NVML failing to start (exit 1,
     "the NVIDIA driver is not installed"); it is a bad option value (exit 2) that says what the choices are."""
     lib = install_fake_nvml([H200], init_error=DRIVER_NOT_LOADED)
-    with pytest.raises(DeviceError, match=re.escape(f"--gpu {value}: {says}")):
+    with pytest.raises(DeviceError, match=re.escape(f"gpu={value}: {says.format('gpu=')}")):  # the API's words
         choose(value)
     assert not lib.calls  # NVML was not asked
     result = CliRunner().invoke(main, ["train", "--gpu", value])
-    assert result.exit_code == 2 and f"Invalid value for '--gpu': {value}: {says}" in result.output, result.output
+    said = f"Invalid value for '--gpu': {value}: {says.format('--gpu ')}"  # the command line's
+    assert result.exit_code == 2 and said in result.output, result.output
     assert "Traceback" not in result.output and "NVML" not in result.output
 
 
@@ -96,7 +97,7 @@ def test_inherited_cuda_visible_devices_is_honoured(monkeypatch):
     assert (gpu.name, gpu.cuda_index, gpu.nvml_index) == ("NVIDIA L4", 0, 1)
     assert [g.uuid for g in choose("all", env="1")[0]] == [L4["uuid"]]
     assert choose("0", env=L4["uuid"])[0][0].uuid == L4["uuid"]
-    with pytest.raises(DeviceError, match=r"--gpu 1: this machine has 1 GPU\(s\) \(indices: 0\) visible "
+    with pytest.raises(DeviceError, match=r"gpu=1: this machine has 1 GPU\(s\) \(indices: 0\) visible "
                                           r"\(CUDA_VISIBLE_DEVICES='1'\)"):
         choose("1", env="1")
     with pytest.raises(DeviceError, match="no GPU with that index or UUID is visible here.*GPU-77aa"):
@@ -164,7 +165,7 @@ def test_identical_cards_get_distinct_unique_slugs():
 
 def test_select_refuses_a_missing_index_or_uuid_naming_what_exists():
     install_fake_nvml([L4])
-    with pytest.raises(DeviceError, match=r"--gpu 7: this machine has 1 GPU\(s\) \(indices: 0\)"):
+    with pytest.raises(DeviceError, match=r"gpu=7: this machine has 1 GPU\(s\) \(indices: 0\)"):
         choose("7")
     with pytest.raises(DeviceError, match="no GPU with that index or UUID.*GPU-77aa"):
         choose("GPU-deadbeef-0000")

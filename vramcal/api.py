@@ -39,7 +39,7 @@ from vramcal.lookup import Located, ddp_term, locate_profile, probe_command
 from vramcal.measure.device import free_bytes, select
 from vramcal.measure.trial import TrialRequest, TrialRunner
 from vramcal.measure.worker import Workers
-from vramcal.models.registry import family_of, model_ref
+from vramcal.models.registry import DATA_OPTIONS, arguments, family_of, model_ref
 from vramcal.profile import (
     DEFAULT_PROFILES_DIR,
     Profile,
@@ -120,7 +120,8 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
 
     Args:
         options: the family's data options (the regressor's ``data``, ``stride``, ``val_fraction``,
-            ``data_on_device``); others are dropped (:meth:`vramcal.models.registry.Family.data_options`).
+            ``data_on_device``); a family that takes none drops them
+            (:meth:`vramcal.models.registry.Family.data_options`); a key no family takes is refused.
         seq_lens: calibrate several sequence lengths at once (one profile holding the model in
             batch_size × seq_len, :mod:`vramcal.calibration.surface`): a list, a text as ``--seq-len``
             takes it (``"128,512,2048"``, or a range ``"128:2048"``: its ends and their geometric middle) or
@@ -137,11 +138,12 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
 
     Raises:
         ValueError, WorkloadError: see :func:`model_ref`; lengths that are not multiples of chunk_size or a
-            factory without ``seq_len``; a budget with no usable memory; a world whose devices do not fit it.
+            factory without ``seq_len``; a budget with no usable memory; a world whose devices do not fit it;
+            an ``options`` key no family takes (the known ones listed). TypeError: ``params`` that is no dict.
     """
     lengths = _read_lengths(seq_lens)
-    ref = model_ref(model, {**(params or {}), **({"seq_len": lengths.lengths[0]} if lengths else {})}, device=device,
-                    implementation=implementation)
+    ref = model_ref(model, {**arguments(params), **({"seq_len": lengths.lengths[0]} if lengths else {})},
+                    device=device, implementation=implementation)
     designed = _check_lengths(ref, lengths, device, implementation) if lengths else ()
     if len(designed) == 1:
         ref = ref.replace(seq_len=designed[0])
@@ -152,6 +154,10 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
     key = ref.without("seq_len") if several else ref
     path = Path(out) if out is not None else profile_path(profiles_dir, device, key, family.implementation(ref),
                                                           unique_device, world)
+    unknown = sorted(set(options or {}) - set(DATA_OPTIONS))
+    if unknown:
+        raise ValueError(f"options= has no {', '.join(map(repr, unknown))}: it takes {', '.join(DATA_OPTIONS)} (the "
+                         f"regressor's data; other families ignore them)")
     data = family.data_options(dict(options or {}))
     found, notices = _aim(ref, data, device, profiles_dir, one=not several and world is None) if aim else (None, ())
     return CalibrationPlan(device, ref, settings, data, path, several, trials, world, tuple(rank_devices), found,

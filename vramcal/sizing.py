@@ -357,13 +357,19 @@ def answer(profile: Profile, *, seq_len: int | None = None, batch_size: int | No
     (a multiple of chunk_size inside the calibrated range whose upper 95 % bound fits in usable memory).
 
     Raises:
-        SizingError: both or neither given; the profile covers one length only and ``seq_len`` is another
-            (or ``batch_size`` is asked); a length outside the calibrated range or not a multiple of
-            chunk_size; no length fits ``batch_size``.
+        SizingError: both or neither given, or one below 1 (each named in the caller's words); the profile covers
+            one length only and ``seq_len`` is another (or ``batch_size`` is asked); a length outside the
+            calibrated range or not a multiple of chunk_size; no length fits ``batch_size``. TypeError: a value
+            that is no whole number.
     """
 
     if (seq_len is None) == (batch_size is None):
-        raise SizingError("give --seq-len or --batch-size (one of them)")
+        raise SizingError(f"give {word('seq_len')} or {word('answer_batch_size')} (one of them)")
+    for setting, value in (("seq_len", seq_len), ("answer_batch_size", batch_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise TypeError(f"{word(setting)} takes a whole number, not {type(value).__name__} {value!r:.40}")
+        if value is not None and value < 1:
+            raise SizingError(f"{given(setting, value)} is below 1: give a whole number >= 1")
     surface, usable = profile.surface, profile.settings.usable_bytes(profile.device.total_bytes)
     own = profile.model.params.get("seq_len")
     if surface is None and (batch_size is not None or seq_len != own):

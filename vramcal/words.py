@@ -19,13 +19,13 @@ from collections.abc import Iterator, Mapping
 FLAGS = {"batch_size": "--batch-size", "batch_size_min": "--batch-size-min", "model": "--model",
          "params": "--model-arg", "implementation": "--impl", "seq_len": "--seq-len", "capacity": "--capacity",
          "gpu": "--gpu", "reserve": "--reserve", "margin": "--margin", "timeout": "--timeout",
-         "effective_batch_size": "--effective-batch-size"}
+         "effective_batch_size": "--effective-batch-size", "answer_batch_size": "--batch-size"}
 # setting -> the API's argument (vramcal.api, the integrations: the same names throughout)
 ARGUMENTS = {"batch_size": "request=", "batch_size_min": "batch_size_min=", "model": "model=",
              "params": "params=", "implementation": "implementation=", "seq_len": "seq_len=",
              "capacity": "capacity_bytes=", "gpu": "gpu=", "reserve": "LimitSettings(reserve_bytes=)",
              "margin": "LimitSettings(margin=)", "timeout": "TrialSettings(timeout_s=)",
-             "effective_batch_size": "effective_batch_size="}
+             "effective_batch_size": "effective_batch_size=", "answer_batch_size": "batch_size="}
 
 _SPOKEN: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("vramcal_words", default=ARGUMENTS)
 

@@ -137,8 +137,8 @@ def check_choice(gpu: str) -> str:
     if choice in ("auto", "none", "all") or choice.isdigit() or choice.startswith(("GPU-", "MIG-")):
         return choice
     if choice.lower() in ("cpu", "host", "ram"):
-        raise DeviceError(f"--gpu {choice}: the host's memory is --gpu none")
-    raise DeviceError(f"--gpu {choice}: not a device choice; give {GPU_CHOICES}")
+        raise DeviceError(f"{given('gpu', choice)}: the host's memory is {given('gpu', 'none')}")
+    raise DeviceError(f"{given('gpu', choice)}: not a device choice; give {GPU_CHOICES}")
 
 
 def select(gpu: str, capacity_bytes: int | None = None,
@@ -178,13 +178,14 @@ def select(gpu: str, capacity_bytes: int | None = None,
         chosen = gpus[:1]
     elif choice == "all":
         if not gpus:
-            raise DeviceError(f"--gpu all: no GPU is visible here{hidden}; use --gpu none for the host's memory")
+            raise DeviceError(f"{given('gpu', 'all')}: no GPU is visible here{hidden}; use {given('gpu', 'none')} "
+                              f"for the host's memory")
         chosen = gpus
     elif choice.isdigit():
         if int(choice) >= len(gpus):
-            raise DeviceError(f"--gpu {choice}: this machine has {len(gpus)} GPU(s) (indices: "
+            raise DeviceError(f"{given('gpu', choice)}: this machine has {len(gpus)} GPU(s) (indices: "
                               f"{', '.join(str(g.cuda_index) for g in gpus) or 'none'}) visible{hidden}; "
-                              f"use one of those CUDA indices, --gpu auto, or --gpu none")
+                              f"use one of those CUDA indices, {given('gpu', 'auto')}, or {given('gpu', 'none')}")
         chosen = [gpus[int(choice)]]
     else:
         chosen = [_by_uuid(nvml, choice, gpus, environ)]
@@ -215,8 +216,8 @@ def _by_uuid(nvml: types.ModuleType, choice: str, gpus: list[Device], environ: M
         return found[0]
     listing = "; ".join(f"{g.cuda_index}: {g.uuid}" for g in gpus) or "none"
     if found:
-        raise DeviceError(f"--gpu {choice}: matches {len(found)} GPUs ({listing}); give more of the UUID")
-    raise DeviceError(f"--gpu {choice}: no GPU with that index or UUID is visible here{_visibility(environ)} "
+        raise DeviceError(f"{given('gpu', choice)}: matches {len(found)} GPUs ({listing}); give more of the UUID")
+    raise DeviceError(f"{given('gpu', choice)}: no GPU with that index or UUID is visible here{_visibility(environ)} "
                       f"(visible: {listing}); use auto, none, all, a CUDA index or a visible UUID")
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramcal.records import Device
+from vramcal.words import given
 
 # NVML_VALUE_NOT_AVAILABLE for 64-bit figures (nvml.h): a per-process figure NVML could not measure.
 NOT_AVAILABLE = 2**64 - 1
@@ -52,12 +53,12 @@ def load_nvml() -> types.ModuleType:
         from nvitop.api import libnvml
     except ImportError as error:
         raise NvmlError(f"{error.name or 'nvidia-ml-py'} is not installed: pip install nvidia-ml-py nvitop, "
-                        f"or use --gpu none for the host's memory") from error
+                        f"or use {given('gpu', 'none')} for the host's memory") from error
     try:
         pynvml.nvmlInit()
     except Exception as error:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
         raise NvmlError(f"NVML could not start ({error}): the NVIDIA driver is not installed or not "
-                        f"visible here; use --gpu none for the host's memory") from error
+                        f"visible here; use {given('gpu', 'none')} for the host's memory") from error
     return libnvml
 
 

@@ -20,7 +20,7 @@ import dataclasses
 import json
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -214,11 +214,24 @@ def model_ref(model: str | ModelRef, params: dict[str, Any] | None = None, *, de
 
     Raises:
         ValueError: an impossible spec or config, a dtype the device cannot run, an implementation that
-            cannot run here. WorkloadError: a user factory that cannot be imported.
+            cannot run here. WorkloadError: a user factory that cannot be imported. TypeError: ``params`` that is
+            no mapping of argument names.
     """
     if isinstance(model, ModelRef):
         return model
-    return family(model).check(dict(params or {}), device, implementation)
+    return family(model).check(arguments(params), device, implementation)
+
+
+def arguments(params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``params=`` as a dict of the model's arguments (None: none).
+
+    Raises:
+        TypeError: anything that is no mapping (``"d_model=32"``).
+    """
+    if params is not None and not isinstance(params, Mapping):
+        raise TypeError(f"params= takes the model's arguments as a dict ({{'d_model': 32}}), not "
+                        f"{type(params).__name__} {params!r:.40}")
+    return dict(params or {})
 
 
 def describe(ref: ModelRef) -> str:

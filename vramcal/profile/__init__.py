@@ -25,6 +25,7 @@ import datetime as dt
 import fcntl
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from vramcal.files import atomic_write_text
@@ -90,8 +91,10 @@ def load_profile(path: Path | str) -> Profile:
     Raises:
         ProfileError: missing, a folder or no regular file, unreadable, empty, not JSON, nested too deeply,
             not a vramcal profile, another schema version, a missing field or a bad value; one line naming
-            the file (and the field) and how to get a good one.
+            the file (and the field) and how to get a good one. TypeError: ``path`` is no path.
     """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"load_profile() takes a profile file's path, not {type(path).__name__} {path!r:.40}")
     path = Path(path)
     replace = "re-run `vramcal probe` to replace it"
     try:
