@@ -371,3 +371,22 @@ def test_a_probe_on_a_full_disk_stops_before_its_first_trial_and_during_one_keep
     profile = load_profile(journal.with_name(journal.name.removesuffix(SUFFIX)))
     assert [t.to_dict() for t in profile.trials[:len(kept)]] == kept
     assert not journal.exists() and previous.read_text() == '{"kept": true}\n'
+
+
+def test_a_folder_that_cannot_be_written_gets_the_advice_its_error_calls_for(tmp_path):
+    """Issue 43 item 10: the advice follows the errno: a full disk asks for space (above), a file where the profiles
+    folder must be says so, and neither asks the other's remedy."""
+    from vramcal.files import write_advice
+
+    (tmp_path / "afile").write_text("")
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", *SPEC_ARGS, "--profiles-dir",
+                                       str(tmp_path / "afile" / "sub"), "--no-report"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "(Not a directory): a file stands where a folder must be: choose another --out or --profiles-dir" in (
+        result.output)
+    assert "free space" not in result.output
+    import errno
+
+    assert write_advice(OSError(errno.EROFS, "Read-only file system"), "--out") == (
+        "the file system is read-only: choose another --out")
+    assert write_advice(OSError(errno.ENOENT, "No such file"), "--out") == "choose another --out"

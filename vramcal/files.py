@@ -7,6 +7,7 @@ so a reader sees either the previous content or the new one, never a mix.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -88,6 +89,17 @@ def _umask() -> int:
 def atomic_write_json(path: Path, data: Any) -> None:
     """``data`` as indented JSON with sorted keys, written atomically (:func:`atomic_write_text`)."""
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def write_advice(error: OSError, choose: str) -> str:
+    """What to do about a failed write, by its errno, ending in ``choose another <choose>``: free space for a
+    full disk or quota, permissions for a refusal, a read-only file system or a file in a folder's place named
+    as such."""
+    fix = {errno.ENOSPC: "free space there, or ", errno.EDQUOT: "free space within the quota, or ",
+           errno.EROFS: "the file system is read-only: ", errno.EACCES: "no permission to write there: fix that, or ",
+           errno.EPERM: "no permission to write there: fix that, or ",
+           errno.ENOTDIR: "a file stands where a folder must be: ", errno.EEXIST: "a file stands in the way: "}
+    return f"{fix.get(error.errno, '')}choose another {choose}"
 
 
 WRITE_CHECK_BYTES = 1 << 20  # 100 times a profile: room for it, its journal and their temporary copies

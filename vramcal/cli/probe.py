@@ -298,8 +298,8 @@ def calibrate_one(plan, err: bool = False, reports_dir: Path | None = None):
         if not str(error.filename or "").startswith(str(plan.path.parent)):
             raise
         # the profile's folder (or its journal) cannot take files: said before any trial
-        raise click.ClickException(f"cannot write profiles to {plan.path.parent} ({error.strerror}): free space "
-                                   f"there, or choose another --out or --profiles-dir") from None
+        raise click.ClickException(f"cannot write profiles to {plan.path.parent} ({error.strerror}): "
+                                   f"{files.write_advice(error, '--out or --profiles-dir')}") from None
     finally:
         printer.close()
     echo_lines([summary(profile), f"profile: {plan.path}"], err=err)
@@ -332,8 +332,8 @@ def check_writable(folder: Path, what: str, options: str) -> None:
     try:
         files.check_writable(folder)
     except OSError as error:
-        raise click.ClickException(f"cannot write {what} to {folder} ({error.strerror}): free space there, or "
-                                   f"choose another {options}") from None
+        raise click.ClickException(f"cannot write {what} to {folder} ({error.strerror}): "
+                                   f"{files.write_advice(error, options)}") from None
 
 
 @click.command()
