@@ -113,3 +113,17 @@ def test_the_api_and_the_callbacks_say_it_and_refuse_when_strict(stale, monkeypa
     monkeypatch.setenv(STRICT_ENV, "1")
     with pytest.raises(StaleProfileError):
         FrameworkRun(stale["path"], device="cpu")
+
+
+def test_a_world_profile_is_not_stale_for_the_threads_torchrun_sets(monkeypatch):
+    """A DDP probe's ranks set their threads from the world (threads_per_rank); torchrun starts the trainer's ranks
+    with OMP_NUM_THREADS=1. Seen: a profile made by `probe --nproc 2` was called stale by `train --nproc-per-node 2`
+    on the same machine (OMP_NUM_THREADS unset -> '1'). One process still compares it."""
+    from vramcal.records import World
+
+    profile = make_profile(host_device())
+    profile = dataclasses.replace(profile, software=software_versions(),
+                                  environment={**profile.environment, "OMP_NUM_THREADS": None})
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert changes(dataclasses.replace(profile, world=World(2))) == []
+    assert changes(profile) == ["OMP_NUM_THREADS unset -> '1'"]

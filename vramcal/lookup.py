@@ -90,7 +90,7 @@ def locate_profile(model: str | ModelRef | None = "regressor", params: dict[str,
         profile = found
     path = None if isinstance(profile, Profile) else Path(profile)
     located = Located(_checked(profile, path, device, ref, world), path)
-    command = probe_command(device, ref or located.profile.model, world)
+    command = probe_command(located.profile.device, ref or located.profile.model, world)  # at the profile's budget
     stale = staleness.check(located.profile, located.source, device, strict=strict, command=command)
     return Located(located.profile, path, tuple(notices + ([stale] if stale else [])))
 

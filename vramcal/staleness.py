@@ -43,6 +43,8 @@ def changes(profile: Profile, device: Device | None = None) -> list[str]:
         if torch is not None and cuda and torch.version.cuda != cuda:
             found.append(f"torch's CUDA {cuda} -> {torch.version.cuda}")
     for name in HOST_MALLOC_ENV if host else ALLOCATOR_ENV:
+        if name == "OMP_NUM_THREADS" and profile.world is not None:
+            continue  # a rank's threads are its world's threads_per_rank (compared with the world); torchrun sets 1
         if name in profile.environment and profile.environment[name] != worker_setting(name):
             found.append(f"{name} {_shown(profile.environment[name])} -> {_shown(worker_setting(name))}")
     return found
