@@ -390,3 +390,27 @@ def test_a_folder_that_cannot_be_written_gets_the_advice_its_error_calls_for(tmp
     assert write_advice(OSError(errno.EROFS, "Read-only file system"), "--out") == (
         "the file system is read-only: choose another --out")
     assert write_advice(OSError(errno.ENOENT, "No such file"), "--out") == "choose another --out"
+
+
+def test_a_data_limit_set_outside_vramcal_is_named_as_such(tmp_path):
+    """Issue 43 item 11: under ``prlimit --data=600MiB`` a probe at 1.5 GiB said "not allowed to raise maximum
+    limit" and blamed the step; the host's budget is now never more than that limit, and a --capacity above it,
+    or a trainer's budget above it, is one line naming the limit."""
+    limit = 600 * 2**20
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+
+    def run(*args):
+        return subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True,
+                              preexec_fn=limited, timeout=120)
+
+    probe = run("-m", "vramcal", "probe", "--gpu", "none", "--capacity", "1.5GiB", *SPEC_ARGS, "--no-report")
+    assert probe.returncode != 0 and "Traceback" not in probe.stderr, probe.stderr
+    assert "its RLIMIT_DATA is 600.00 MiB, set outside vramcal" in probe.stderr
+    shown = run("-c", "from vramcal.measure.device import host_device; d = host_device(); "
+                      "print(d.total_bytes, d.total_source)")
+    assert shown.stdout.split(maxsplit=1) == [str(limit), "RLIMIT_DATA set outside vramcal\n"], shown.stderr
+    metered = run("-c", "from vramcal.measure.meters import HostMeter\n"
+                        "try:\n    HostMeter(2**31)\nexcept Exception as e: print(type(e).__name__, e)")
+    assert metered.stdout.startswith("MeterError this process's RLIMIT_DATA is 600.00 MiB"), metered.stdout

@@ -43,7 +43,7 @@ from vramcal.progress import TrialPrinter, trial_line
 from vramcal.records import TrialSettings
 from vramcal.report import write_report
 from vramcal.staleness import check
-from vramcal.units import format_bytes
+from vramcal.units import format_bytes, size_argument
 
 DEFAULT_DATA = Path("data/es_1s.parquet")
 
@@ -272,8 +272,9 @@ def stdout_to_stderr(active: bool) -> Iterator[None]:
 
 def host_hint(device, capacity: int | None) -> list[str]:
     if device.kind == "host" and capacity is None:
+        example = size_argument(min(4 * 2**30, device.total_bytes // 2 // 2**28 * 2**28 or 2**28))
         return [f"calibrating all of the host's {device.total_source} ({format_bytes(device.total_bytes)}); "
-                f"pass --capacity, e.g. 4GiB, to budget less"]
+                f"pass --capacity, e.g. {example}, to budget less"]
     return []
 
 

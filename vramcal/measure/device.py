@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import platform
 import re
+import resource
 import types
 from collections.abc import Callable, Mapping
 
@@ -35,10 +36,11 @@ def host_device(capacity_bytes: int | None = None, proc: str = "/proc", cgroup: 
     """The host's RAM as a device.
 
     ``total_bytes`` is ``capacity_bytes`` if given, else the cgroup v2 ``memory.max`` (or v1
-    ``memory.limit_in_bytes``) when it is set and below MemTotal, else MemAvailable from /proc/meminfo.
+    ``memory.limit_in_bytes``) when it is set and below MemTotal, else MemAvailable from /proc/meminfo; never
+    more than a hard ``RLIMIT_DATA`` set outside vramcal (the budget is applied as one: ulimit -d, prlimit).
 
     Raises:
-        DeviceError: ``capacity_bytes`` is larger than the host's memory.
+        DeviceError: ``capacity_bytes`` is larger than the host's memory, or than that ``RLIMIT_DATA``.
     """
     meminfo = _meminfo(proc)
     available = meminfo["MemAvailable"]
@@ -47,10 +49,18 @@ def host_device(capacity_bytes: int | None = None, proc: str = "/proc", cgroup: 
         total, source = limit, "cgroup memory limit"
     else:
         total, source = available, "MemAvailable"
+    _, outer = resource.getrlimit(resource.RLIMIT_DATA)
+    outer = None if outer == resource.RLIM_INFINITY else outer
+    if outer is not None and outer < total:
+        total, source = outer, "RLIMIT_DATA set outside vramcal"
     if capacity_bytes is not None:
         if capacity_bytes > meminfo["MemTotal"]:
             raise DeviceError(f"{given('capacity', format_bytes(capacity_bytes))} is more than this host's "
                               f"{format_bytes(meminfo['MemTotal'])} of RAM: give a smaller {word('capacity')}")
+        if outer is not None and capacity_bytes > outer:
+            raise DeviceError(f"{given('capacity', format_bytes(capacity_bytes))} is more than this process may "
+                              f"hold: its RLIMIT_DATA is {format_bytes(outer)}, set outside vramcal (ulimit -d, "
+                              f"prlimit --data); give a {word('capacity')} of at most that, or raise the limit")
         total, source = capacity_bytes, "--capacity"
     return Device(kind="host", name=_cpu_name(proc), total_bytes=total, total_source=source)
 

@@ -182,6 +182,11 @@ class HostMeter:
                 raise MemoryError(f"the host budget {format_bytes(host_limit_bytes)} is below the "
                                   f"{format_bytes(held)} this process held before its step (the interpreter, torch "
                                   f"and the libraries it imported)")
+            _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+            if hard != resource.RLIM_INFINITY and hard < host_limit_bytes:
+                raise MeterError(f"this process's RLIMIT_DATA is {format_bytes(hard)}, set outside vramcal (ulimit -d, "
+                                 f"prlimit --data), below the host budget of {format_bytes(host_limit_bytes)}: raise "
+                                 f"the limit, or give --capacity {format_bytes(hard)} or less")
             resource.setrlimit(resource.RLIMIT_DATA, (host_limit_bytes, host_limit_bytes))
 
     def check_pinned(self) -> None:

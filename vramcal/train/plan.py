@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from vramcal import api
+from vramcal.calibration.limits import LimitSettings
 from vramcal.lookup import NoProfileError
 from vramcal.measure.device import free_bytes
 from vramcal.models.registry import REGRESSOR
@@ -177,6 +178,11 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
                                      profiles_dir=config.profiles_dir, world=world,
                                      total_bytes=capacity_bytes if budget_matches or device.kind == "host" else None)
     except NoProfileError as error:
+        if capacity_bytes is not None and device.kind == "host":
+            try:  # the probe the refusal names could not calibrate this budget either: say why instead
+                LimitSettings().check(capacity_bytes)
+            except ValueError as small:
+                raise SizingError(f"no profile at this budget, and none can be made: {small}") from None
         if not unchecked or config.batch_size is None:
             raise
         located = None
