@@ -13,6 +13,7 @@ from vramcal.forecast import (
     DEFAULT_EPOCHS,
     FAR,
     Dataset,
+    Forecast,
     Price,
     calibration_dataset,
     cost_table,
@@ -134,8 +135,9 @@ def test_prices_read_a_dollar_sign_and_skip_empty_entries():
 
 
 def test_sizing_for_throughput_takes_the_knee_below_the_memory_limit():
-    # steps of 0.01 s + 0.01 s per sample: 1 -> 50, 8 -> 89, 32 -> 97, 64 -> 98.5 samples/s: the knee is 32
-    profile = timed_profile(fixed_s=0.01, per_sample_s=0.01, sizes=(1, 8, 32, 64, 128))
+    # steps of 0.01 s + 0.01 s per sample: 1 -> 50, 8 -> 89, 32 -> 97, 64 -> 98.5 samples/s: the knee is 32, its
+    # rate measurably below the conservative size's (10 timed steps a trial: intervals of about ±1 %)
+    profile = timed_profile(fixed_s=0.01, per_sample_s=0.01, sizes=(1, 8, 32, 64, 128), steps=10)
     memory = size(profile)
     throughput = size(profile, SizeRequest(size_for="throughput"))
     assert memory.source == "conservative" and throughput.source == "knee"
@@ -229,8 +231,8 @@ def test_a_run_observes_its_complete_epochs_against_the_forecast_for_the_same_ep
 
 def test_an_epoch_of_few_noisy_steps_is_judged_against_their_own_noise():
     """A forecast resting on 8 step times spread 25 % (a busy 2-core host): an epoch of 3 steps 30 % slower is within
-    what its steps may vary by (2 x 0.25 x sqrt(1/3 + 1/8) = 34 %), and says so without a warning; an epoch of 100
-    steps 30 % slower is far (the band is 25 % again); steps that repeat within 1 % keep the 25 % band."""
+    what its steps may vary by (2 x 0.25 x sqrt(1/3 + 1/8) = 34 %), and says so without a warning or a probe; an epoch
+    of 100 steps 30 % slower is far (the band is 25 % again); steps that repeat within 1 % keep the 25 % band."""
     from vramcal.forecast import Forecast, time_band
     from vramcal.train.timing import first_epoch_lines, observed
 
@@ -240,8 +242,10 @@ def test_an_epoch_of_few_noisy_steps_is_judged_against_their_own_noise():
     assert time_band(forecast, 100) == 0.25 and time_band(dataclasses.replace(forecast, step_spread=0.01), 3) == 0.25
     row = {"epoch": 1, "complete": True, "epoch_s": 3.9, "train_s": 3.9, "val_s": 0.0, "samples": 30,
            "samples_per_s": 30 / 3.9, "batch_size": 10}
-    (line,) = first_epoch_lines(forecast, row, fresh=True)
+    line, inside = first_epoch_lines(forecast, row, fresh=True)
     assert line.endswith("forecast 3 s (+30.0%; its 3 steps may vary by ±34%)"), line
+    assert inside.startswith("the epoch took +30% against the forecast, inside the spread the calibration measured")
+    assert "no measurable difference" in inside and "probe" not in inside
     long = {**row, "samples": 1000, "epoch_s": 390.0, "train_s": 390.0}
     far = first_epoch_lines(dataclasses.replace(forecast, epoch_s=300.0, train_s=300.0), long, fresh=True)
     assert len(far) == 2 and far[1].startswith("warning: the epoch took +30%")
@@ -294,3 +298,117 @@ def test_cost_marks_an_unverified_profile_and_refuses_a_length_it_does_not_cover
     other = CliRunner().invoke(main, ["cost", str(path), "--seq-len", "64", "--out", str(tmp_path)])
     assert other.exit_code == 1 and "Traceback" not in other.output
     assert "calibrated at seq_len" in other.output and "vramcal probe --seq-len 64" in other.output
+
+
+# ------------------------------------------------------------------------------------------ advice from noise
+
+def test_sizing_for_throughput_names_no_knee_whose_interval_overlaps_the_limits():
+    """Two timed steps a size (intervals of about ±15 %): the knee's 96.5 samples/s and the conservative size's
+    100 are no measurable difference, so the run keeps the conservative size and says so; two step times 30 %
+    apart leave an interval open above, and no knee is called at all."""
+    from vramcal.calibration.throughput import NO_DIFFERENCE
+
+    profile = timed_profile(fixed_s=0.01, per_sample_s=0.01, sizes=(1, 8, 32, 64, 128))
+    sizing = size(profile, SizeRequest(size_for="throughput"))
+    assert (sizing.source, sizing.batch_size) == ("conservative", profile.limits.conservative_batch_size)
+    (why,) = [n for n in sizing.notices if n.startswith("sizing for throughput")]
+    assert f"{NO_DIFFERENCE} in samples/s between batch_size 32 at 96.5 (85.7–110)" in why
+    assert "their 95 % intervals overlap; using the conservative batch size" in why
+    noisy = dataclasses.replace(profile, trials=tuple(
+        dataclasses.replace(t, step_times_s=(t.step_times_s[0], 1.3 * t.step_times_s[0])) if t.batch_size == 8 else t
+        for t in profile.trials))
+    refused = size(noisy, SizeRequest(size_for="throughput"))
+    assert refused.source == "conservative" and any(
+        "no throughput knee: the samples/s at batch size 8 (2 timed steps) has no finite 95 % interval" in n
+        for n in refused.notices)
+
+
+def row(card: str, run_s: float, low: float | None, high: float | None, batch: int = 8, **more) -> Forecast:
+    return Forecast(card, True, 10, Dataset(100, 0, "t"), batch, "conservative", run_s=run_s, run_low_s=low,
+                    run_high_s=high, model="m", **more)
+
+
+def test_no_card_is_marked_fastest_where_the_run_times_intervals_overlap():
+    """The issue's report: 13 min (9.9–16) against 13.9 min (8.9–18.9) named the first "fastest"."""
+    from vramcal.forecast import mark_best
+
+    minute = 60.0
+    rows = mark_best([row("B", 13.9 * minute, 8.9 * minute, 18.9 * minute, 76),
+                      row("A", 13 * minute, 9.9 * minute, 16 * minute, 45)])
+    assert [r.card for r in rows] == ["A", "B"] and not any(r.fastest for r in rows)
+    assert rows[0].notes == ("no measurable difference in run time from B at batch size 76: the 95 % intervals "
+                             "overlap, so none is marked fastest",)
+    apart = mark_best([row("A", 13 * minute, 12 * minute, 14 * minute), row("B", 20 * minute, 19 * minute, None)])
+    assert [r.fastest for r in apart] == [True, False] and apart[0].notes == ()
+    unknown = mark_best([row("A", 13 * minute, 12 * minute, 14 * minute), row("B", 20 * minute, None, None)])
+    assert not unknown[0].fastest and "B at batch size 8 (it has no interval)" in unknown[0].notes[0]
+    priced = mark_best([row("A", 10.0, 9.0, 11.0, cost=1.0, cost_low=0.9, cost_high=1.1),
+                        row("B", 20.0, 19.0, 21.0, cost=1.05, cost_low=1.0, cost_high=1.1)])
+    assert priced[0].fastest and not any(r.cheapest for r in priced)
+    assert "no measurable difference in cost from B" in priced[0].notes[0]
+
+
+def test_a_forecast_miss_inside_the_forecasts_interval_says_so_and_asks_for_no_probe():
+    """The issue's misses: a forecast resting on a rate whose interval is open above (two step times, "(15.6–∞)")
+    may be −43 % or −56 % off with nothing wrong: inside its interval; +477 % is outside it, and only that warns
+    and suggests recalibrating."""
+    from vramcal.train.timing import first_epoch_lines, observed
+
+    forecast = Forecast("card", True, 1, Dataset(300, 0, "t"), 10, "knee", samples_per_s=30.0,
+                        low_samples_per_s=15.6, high_samples_per_s=None, steady=False, step_spread=0.3, n_steps=2,
+                        train_s=10.0, val_s=0.0, epoch_s=10.0, first_s=0.0, run_s=10.0)
+    for error in (-0.43, -0.56):
+        lines = first_epoch_lines(forecast, {"epoch_s": 10.0 * (1 + error), "train_s": 10.0 * (1 + error),
+                                             "val_s": 0.0, "samples": 300, "samples_per_s": 30.0, "batch_size": 10},
+                                  fresh=False)
+        assert len(lines) == 2 and not any("probe" in line or line.startswith("warning") for line in lines), lines
+        assert ("inside the spread the calibration measured (the forecast's 95 % interval reaches −100% (its "
+                "rate's is open above))") in lines[1]
+    slow = {"epoch_s": 57.7, "train_s": 57.7, "val_s": 0.0, "samples": 300, "samples_per_s": 5.2, "batch_size": 10}
+    lines = first_epoch_lines(forecast, slow, fresh=False)  # +477 %: past the interval's 30 / 15.6 − 1 = +92 %
+    assert lines[1].startswith("warning: the epoch took +477% against the forecast, outside the spread")
+    assert "re-run `vramcal probe`" in lines[1] and "the forecast's 95 % interval reaches +92%" in lines[0]
+    assert observed(forecast, [{**slow, "epoch": 1}], fresh=False)["time_band"] == pytest.approx(30 / 15.6 - 1)
+
+
+def test_the_report_forecasts_at_the_windows_of_the_run_recorded_not_the_calibrations(tmp_path):
+    """A run at --stride 16 records the windows its forecast counted; the report and ``vramcal cost`` then forecast
+    that epoch, not the calibration's (stride seq_len // 2), and say whose it is."""
+    from click.testing import CliRunner
+
+    from vramcal.cli import main
+    from vramcal.forecast import default_dataset, profile_forecasts
+    from vramcal.profile import Observation, append_observation, load_profile, save_profile
+
+    profile = timed_profile()
+    assert default_dataset(profile).train_samples == 424  # no run yet: the calibration's data
+    path = save_profile(profile, tmp_path / "p.json")
+    source = "es_1s.parquet, windows of 128 bars, stride 16"
+    usable = profile.limits.usable_bytes
+    append_observation(path, Observation("2026-12-02T21:24:15Z", "0.2.0", 76, 0, 2**30, 2**30, 2**30, usable, 23,
+                                         "run", train_samples=1748, val_samples=430, data_source=source))
+    profile = load_profile(path)
+    dataset = default_dataset(profile)
+    assert (dataset.train_samples, dataset.val_samples) == (1748, 430) and "stride 16" in dataset.source
+    assert all(r.dataset == dataset for r in profile_forecasts(profile) if r.measured)
+    shown = CliRunner().invoke(main, ["cost", str(path), "--out", str(tmp_path)])
+    assert shown.exit_code == 0 and "1,748 training samples" in shown.output, shown.output
+
+
+def test_vramcal_cost_says_no_measurable_difference_between_two_cards_of_one_speed(tmp_path):
+    from click.testing import CliRunner
+
+    from vramcal.cli import main
+    from vramcal.profile import save_profile
+
+    # two cards 0.1 % apart per sample, each rate's interval about ±0.4 %: neither is measurably faster
+    paths = [save_profile(timed_profile(name, per_sample_s=per_sample_s), tmp_path / f"{i}.json")
+             for i, (name, per_sample_s) in enumerate((("NVIDIA GeForce RTX 4090", 0.0004),
+                                                       ("NVIDIA RTX A5000", 0.0004004)))]
+    shown = CliRunner().invoke(main, ["cost", *map(str, paths), "--samples", "10000", "--out", str(tmp_path)])
+    assert shown.exit_code == 0, shown.output
+    text = " ".join(shown.output.split())
+    assert "fastest" not in text.replace("none is marked fastest", "")
+    assert "no measurable difference in run time from NVIDIA RTX A5000 at batch size" in text
+    knee = CliRunner().invoke(main, ["cost", str(paths[0]), "--size-for", "throughput", "--out", str(tmp_path)])
+    assert "sizing for throughput: no measurable difference in samples/s" in " ".join(knee.output.split())

@@ -296,11 +296,16 @@ def test_a_cost_table_of_several_cards_renders_in_markdown_json_and_png(tmp_path
     shown = CliRunner().invoke(main, ["cost", *args])
     assert shown.exit_code == 0, shown.output
     lines = {line.split("|")[1].strip(): line for line in shown.output.splitlines() if line.startswith("| ")}
-    assert "fastest, cheapest" in lines["NVIDIA GeForce RTX 4090"] and "0.59" in lines["NVIDIA GeForce RTX 4090"]
+    # the RTX 3060's old profile (its trials' medians) has no interval: nothing is measurably faster than it
+    assert "| cheapest |" in lines["NVIDIA GeForce RTX 4090"] and "0.59" in lines["NVIDIA GeForce RTX 4090"]
     assert lines["H100"].count("unknown") == 4  # samples/s, epoch, run and cost: never guessed
-    assert "predates per-step" in shown.output  # the RTX 3060's old profile: its trials' medians
+    assert "predates per-step" in shown.output
+    assert "no measurable difference in run time from NVIDIA GeForce RTX 3060 at batch size" in " ".join(
+        shown.output.split())
     markdown = (tmp_path / "out" / "cards.md").read_text()
-    assert "| H100 " in markdown and "**fastest, cheapest**" in markdown and "![Run time against cost" in markdown
+    assert "| H100 " in markdown and "**cheapest**" in markdown and "![Run time against cost" in markdown
+    timed = CliRunner().invoke(main, ["cost", *args[:2], *args[3:]])  # the two timed cards: measurably apart
+    assert "fastest, cheapest" in timed.output and "no measurable difference" not in timed.output
     width, height = png_dimensions((tmp_path / "out" / "cards.png").read_bytes())
     assert (width, height) == (COST_FIGSIZE[0] * COST_DPI, COST_FIGSIZE[1] * COST_DPI)
     data = json.loads(CliRunner().invoke(main, ["cost", *args, "--json", "--size-for", "throughput"]).output)
@@ -343,7 +348,7 @@ def test_the_cost_command_cuts_windows_from_bars_or_data_and_refuses_two_dataset
 def test_the_report_forecasts_its_profile_at_the_conservative_size_and_the_knee(tmp_path):
     from profiles_for_tests import timed_profile
 
-    profile = timed_profile(fixed_s=0.01, per_sample_s=0.01, sizes=(1, 8, 32, 64, 128))
+    profile = timed_profile(fixed_s=0.01, per_sample_s=0.01, sizes=(1, 8, 32, 64, 128), steps=10)
     text = render_markdown([profile], "x.png")
     section = text[text.index("## Throughput and run forecast"):text.index("## Trials")]
     assert "throughput knee (the smallest measured batch reaching 95 % of it) at batch 32" in section
@@ -356,8 +361,12 @@ def test_the_report_forecasts_its_profile_at_the_conservative_size_and_the_knee(
     flat = timed_profile(fixed_s=1.0, per_sample_s=0.0001)  # faster per sample up to the largest size: no knee below
     section = render_markdown([flat], "x.png").split("## Throughput and run forecast")[1].split("## Trials")[0]
     assert "(knee)" not in section  # one row, and the text says why
-    assert ("at the conservative batch size (the throughput knee is not below it: `--size-for throughput` trains at "
-            "the same size):") in section
+    assert ("at the conservative batch size (`--size-for throughput` trains at the same size: the notes say "
+            "why):") in section and "is not below the conservative batch size" in section
+    # two timed steps a size (intervals of about ±15 %): the knee's rate and the conservative size's overlap
+    short = timed_profile(fixed_s=0.01, per_sample_s=0.01, sizes=(1, 8, 32, 64, 128))
+    section = render_markdown([short], "x.png").split("## Throughput and run forecast")[1].split("## Trials")[0]
+    assert "(knee)" not in section and "sizing for throughput: no measurable difference in samples/s" in section
 
 
 def test_the_report_lists_runs_far_from_their_forecast(tmp_path):

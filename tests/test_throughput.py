@@ -13,6 +13,7 @@ from vramcal.calibration.throughput import (
     STEADY_MIN_STEPS,
     find_knee,
     measured_rates,
+    overlap,
     rate_at,
     rate_for_run,
 )
@@ -71,15 +72,38 @@ def test_the_first_step_and_the_validation_pass_are_averaged_over_the_trials():
 
 
 def test_the_knee_is_the_smallest_batch_reaching_95_percent_of_the_best():
-    # samples/s: 1 -> 10, 8 -> 47, 16 -> 48, 64 -> 50 (the best), 128 -> 49
-    rates = measured_rates([trial(b, (b / r,)) for b, r in ((1, 10), (8, 47), (16, 48), (64, 50), (128, 49))])
+    # samples/s: 1 -> 10, 8 -> 47, 16 -> 48, 64 -> 50 (the best), 128 -> 49; two equal step times: a finite interval
+    rates = measured_rates([trial(b, (b / r,) * 2) for b, r in ((1, 10), (8, 47), (16, 48), (64, 50), (128, 49))])
     knee = find_knee(rates)
-    assert KNEE_FRACTION == 0.95
+    assert KNEE_FRACTION == 0.95 and knee.refused is None
     assert (knee.batch_size, knee.best.batch_size, knee.below) == (16, 64, 8)  # 47 < 47.5 <= 48
     assert knee.rate.samples_per_s == pytest.approx(48)
     assert find_knee(rates, high=32).batch_size == 8  # the best there is 48 (at 16): 47 >= 45.6
     assert find_knee(rates, low=100).batch_size == 128
     assert find_knee(rates, high=0) is None and find_knee([]) is None
+
+
+def test_a_knee_is_not_called_from_a_rate_whose_interval_is_open_and_says_which_sizes_need_more_steps():
+    """Two step times 30 % apart (a busy host's short trial, as the issue's "(15.6–∞)"): t(0.975, 1) = 12.7 leaves
+    the rate's interval open above, so that size may be the best one; ten steps at each size close it."""
+    noisy = [trial(8, (0.10, 0.13)), trial(45, (0.5, 0.65)), trial(76, (0.8, 0.81)), trial(85, (0.9, 0.91))]
+    rates = measured_rates(noisy)
+    assert rates[0].high_samples_per_s is None and rates[1].high_samples_per_s is None and rates[2].bounded
+    knee = find_knee(rates)
+    assert knee.refused is not None and "batch sizes 8, 45 (2 timed steps each) have no finite 95 % interval" in \
+        knee.refused and f"{STEADY_MIN_STEPS} steps" in knee.refused
+    assert find_knee(rates, low=76).refused is None  # among the sizes with finite intervals a knee is called
+    steady = measured_rates([trial(b, (t, t * 1.3) * 5) for b, t in ((8, 0.1), (45, 0.5), (76, 0.8))])
+    assert all(r.bounded for r in steady) and find_knee(steady).refused is None
+    old = measured_rates([trial(8, None, step_s=0.2), trial(16, None, step_s=0.3)])  # medians only: no interval
+    assert "predates per-step times" in find_knee(old).refused
+
+
+def test_two_intervals_differ_measurably_only_when_apart_and_an_open_end_reaches_everything():
+    assert overlap((1.0, 2.0), (2.0, 3.0)) and overlap((2.0, 3.0), (1.0, 2.5))
+    assert not overlap((1.0, 2.0), (2.1, 3.0)) and not overlap((5.0, 6.0), (1.0, 4.0))
+    assert overlap((15.6, None), (26.9, 40.0)) and not overlap((15.6, 20.0), (26.9, 40.0))  # open above
+    assert overlap((None, None), (1.0, 2.0)) and overlap((None, 3.0), (0.1, 0.2))  # no interval: no difference
 
 
 def test_rates_are_interpolated_between_measured_sizes_and_never_extrapolated():
@@ -90,6 +114,11 @@ def test_rates_are_interpolated_between_measured_sizes_and_never_extrapolated():
     assert middle.val_s == pytest.approx(20 * (0.02 + 0.06) / 2)
     assert rate_at(rates, 10) is rates[0]
     assert rate_at(rates, 5) is None and rate_at(rates, 31) is None
+    timed = measured_rates([trial(10, (1.0, 1.02)), trial(30, (6.0, 6.1))])
+    between = rate_at(timed, 20)  # the interval's ends mixed per sample as the rate is: 1 / (0.5/a + 0.5/b)
+    assert between.low_samples_per_s == pytest.approx(1 / (0.5 / timed[0].low_samples_per_s
+                                                           + 0.5 / timed[1].low_samples_per_s))
+    assert between.low_samples_per_s < between.samples_per_s < between.high_samples_per_s
 
 
 def test_step_times_survive_the_profile_file_and_an_old_file_still_loads(tmp_path):

@@ -32,7 +32,7 @@ from vramcal.sizing import scaled_lr
 from vramcal.train import checkpoint, loop
 from vramcal.train.config import TrainConfig, load_config
 from vramcal.train.plan import plan_run, resolve
-from vramcal.units import format_bytes, format_duration
+from vramcal.units import format_bytes, format_duration, format_rate
 
 MIB = 2**20
 SPEC = RegressorSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16)
@@ -421,7 +421,8 @@ def test_an_effective_batch_is_kept_with_accumulated_micro_batches(setup):
 
 def test_a_ddp_rank_is_forecast_on_its_share_of_the_windows(setup):
     """Under DDP each rank steps through its share of the epoch's windows at its own batch size: a 2-rank run's
-    epoch takes about half a single process's at the same per-rank batch (vramcal.train.timing)."""
+    epoch takes about half a single process's at the same per-rank batch, and its samples/s is the world's, as the
+    trainer's epoch rows count them, labelled (vramcal.train.timing)."""
     from vramcal.records import World
     from vramcal.train import timing
 
@@ -431,7 +432,19 @@ def test_a_ddp_rank_is_forecast_on_its_share_of_the_windows(setup):
     timed = save_profile(timed_profile(), setup["tmp"] / "timed.json")
     one = timing.plan_forecast(dataclasses.replace(plan, profile_path=str(timed)))
     two = timing.plan_forecast(dataclasses.replace(plan, profile_path=str(timed), world=World(2, "gloo")))
-    assert one.epoch_s == pytest.approx(2 * two.epoch_s, rel=0.1) and one.samples_per_s == two.samples_per_s
+    assert one.epoch_s == pytest.approx(2 * two.epoch_s, rel=0.1) and two.samples_per_s == 2 * one.samples_per_s
+    assert (one.ranks, two.ranks, two.low_samples_per_s) == (1, 2, 2 * one.low_samples_per_s)
+    per_rank = format_rate(one.samples_per_s)
+    assert (f"{format_rate(two.samples_per_s)} samples/s for the world's 2 ranks ({per_rank} each) at batch_size "
+            f"{plan.batch_size} per rank") in timing.forecast_line(two)
+    # the world trains both shares in the rank's time: the run's measured samples/s, as the trainer counts it (the
+    # global batch's samples over the step time), lands on the forecast's
+    samples = 2 * two.dataset.train_samples
+    row = {"epoch": 1, "complete": True, "epoch_s": two.epoch_s, "train_s": two.train_s, "val_s": two.val_s,
+           "samples": samples, "samples_per_s": samples / two.train_s, "batch_size": 2 * plan.batch_size}
+    seen = timing.observed(two, [row], fresh=False)
+    assert seen["samples_per_s"] == pytest.approx(seen["forecast_samples_per_s"])
+    assert "samples/s for the world; validation" in timing.first_epoch_lines(two, row, fresh=False)[0]
     # an effective batch: --max-steps counts optimizer steps, each of the effective batch's samples
     plan, _ = in_process(setup, "forecast-effective", effective_batch_size=16, epochs=10)
     per_epoch = math.ceil(plan.data_stats["train_windows"] / 16)

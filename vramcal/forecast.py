@@ -28,10 +28,18 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from vramcal.calibration.throughput import NEAR_FRACTION, Rate, measured_rates, rate_at, rate_for_run
+from vramcal.calibration.throughput import (
+    NEAR_FRACTION,
+    NO_DIFFERENCE,
+    Rate,
+    measured_rates,
+    overlap,
+    rate_at,
+    rate_for_run,
+)
 from vramcal.models.registry import describe
 from vramcal.profile import Observation, Profile
-from vramcal.sizing import SizeFor, SizeRequest, SizingError, length_trials, size
+from vramcal.sizing import THROUGHPUT, SizeFor, SizeRequest, SizingError, length_trials, size
 
 HOUR_S = 3600.0
 DEFAULT_EPOCHS = 10  # as `vramcal train`'s --epochs (a test keeps them equal)
@@ -89,6 +97,8 @@ class Forecast:
         fastest, cheapest: the shortest run, the lowest cost among the rows of its model that have one.
         notes: what people should know about the row (one sentence each).
         model: the profile's model (:func:`vramcal.models.registry.describe`); None for a card without a profile.
+        ranks: the DDP ranks whose samples/s the rates are (:mod:`vramcal.train.timing`: the world's, ranks ×
+            one rank's; the batch size and the dataset are then one rank's); 1: one process.
     """
 
     card: str
@@ -118,6 +128,7 @@ class Forecast:
     cheapest: bool = False
     notes: tuple[str, ...] = ()
     model: str | None = None
+    ranks: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -168,8 +179,10 @@ def forecast_rate(rate: Rate, dataset: Dataset, epochs: int, price_per_hour: flo
 
 def time_verdict(measured_s: float, forecast_s: float, band: float = FAR_FRACTION) -> str:
     """``within 25 %`` of the forecast, or :data:`FAR`: more than ``band`` (a fraction; default
-    :data:`FAR_FRACTION`) off, either way."""
-    return FAR if abs(measured_s - forecast_s) > band * forecast_s else f"within {band * 100:.0f} %"
+    :data:`FAR_FRACTION`) off, either way: the measured time outside the forecast's band
+    (:func:`vramcal.calibration.throughput.overlap`, the point against the band)."""
+    inside = overlap((measured_s, measured_s), (forecast_s * (1 - band), forecast_s * (1 + band)))
+    return f"within {band * 100:.0f} %" if inside else FAR
 
 
 def observation_verdict(o: Observation) -> str:
@@ -178,21 +191,40 @@ def observation_verdict(o: Observation) -> str:
     return time_verdict(o.epoch_s, o.forecast_epoch_s, o.time_band or FAR_FRACTION)
 
 
-def time_band(forecast: Forecast, steps: int) -> float:
-    """How far an epoch of ``steps`` steps may land from ``forecast`` by the step times' own noise, as a fraction,
-    never less than :data:`FAR_FRACTION`:
+def time_band(forecast: Forecast, steps: int, slower: bool = True) -> float:
+    """How far an epoch of ``steps`` steps may land from ``forecast`` by the spread the calibration measured, as a
+    fraction, on the side it landed (``slower``: above the forecast): the wider of :func:`noise_band` and
+    :func:`interval_band`, never less than :data:`FAR_FRACTION`. A miss inside it is no sign that the profile is
+    wrong (:mod:`vramcal.train.timing`)."""
+    return max(FAR_FRACTION, noise_band(forecast, steps), interval_band(forecast, slower))
 
-        band = max(FAR_FRACTION, BAND_Z × spread × √(1/steps + 1/n_steps))
+
+def noise_band(forecast: Forecast, steps: int) -> float:
+    """How far an epoch of ``steps`` steps may land from ``forecast`` by the step times' own noise, as a fraction:
+
+        band = BAND_Z × spread × √(1/steps + 1/n_steps)
 
     ``spread`` is the coefficient of variation of the step times the forecast rests on and ``n_steps`` their
     number: the mean of ``steps`` new step times against the mean of those ``n_steps``, two independent means,
     whose difference has the variance σ²(1/steps + 1/n_steps) (Montgomery & Runger, *Applied Statistics and
     Probability for Engineers*, 6th ed., eq. 10-1); ``BAND_Z`` = 2, about 95 %. On a GPU whose steps repeat
-    within 1 % the band stays 25 %; on a busy 2-core host (step times spread 20-30 %) an epoch of 3 steps may
-    land 30 % off its forecast with nothing wrong."""
+    within 1 % it is far below 25 %; on a busy 2-core host (step times spread 20-30 %) an epoch of 3 steps may
+    land 30 % off its forecast with nothing wrong. 0 without a spread."""
     if not forecast.step_spread or not forecast.n_steps or steps < 1:
-        return FAR_FRACTION
-    return max(FAR_FRACTION, BAND_Z * forecast.step_spread * (1 / steps + 1 / forecast.n_steps) ** 0.5)
+        return 0.0
+    return BAND_Z * forecast.step_spread * (1 / steps + 1 / forecast.n_steps) ** 0.5
+
+
+def interval_band(forecast: Forecast, slower: bool) -> float:
+    """The forecast epoch's own 95 % interval on one side, as a fraction of it: its training time at the rate's
+    low end (``slower``) or high end (all of it where that end is open: two step times spread 11 % or more), the
+    validation pass as forecast. Where t(0.975, n − 1) is large (12.7 for two step times) this is wider than
+    :func:`noise_band`. 0 without an interval."""
+    rate, low, high = forecast.samples_per_s, forecast.low_samples_per_s, forecast.high_samples_per_s
+    if not forecast.epoch_s or not forecast.train_s or not rate or low is None:
+        return 0.0
+    share = forecast.train_s / forecast.epoch_s
+    return share * (rate / low - 1) if slower else share * (1 - (rate / high if high else 0.0))
 
 
 def rate_notes(rate: Rate, dataset: Dataset) -> list[str]:
@@ -236,14 +268,15 @@ def forecast_batch(profile: Profile, batch_size: int, batch_source: str, dataset
 def forecast_profile(profile: Profile, dataset: Dataset | None, epochs: int, *, price_per_hour: float | None = None,
                      size_for: SizeFor = "memory", seq_len: int | None = None, card: str | None = None) -> Forecast:
     """The forecast at the batch size a run would take on the profile's card (:func:`vramcal.sizing.size`: the
-    conservative one, or sizing for throughput the knee), no more than the training samples, as the trainer
-    takes it; without a dataset the rate alone."""
+    conservative one, or sizing for throughput the knee, with the sizing's reason in the notes), no more than the
+    training samples, as the trainer takes it; without a dataset the rate alone."""
     card, model = card or profile.device.name, describe(profile.model)
     try:
         sizing = size(profile, SizeRequest(size_for=size_for, seq_len=seq_len))
     except SizingError as error:
         return Forecast(card, True, epochs, dataset, price_per_hour=price_per_hour, notes=(str(error),), model=model)
     batch, source = sizing.batch_size, sizing.label
+    said = tuple(n for n in sizing.notices if n.startswith(THROUGHPUT))  # why the knee, or why not
     if dataset is None:
         rate = rate_at(measured_rates(length_trials(profile, seq_len)), batch)
         found = Forecast(card, True, epochs, None, batch, source, price_per_hour=price_per_hour,
@@ -255,6 +288,7 @@ def forecast_profile(profile: Profile, dataset: Dataset | None, epochs: int, *, 
             batch, source = dataset.train_samples, replace(sizing, capped_by_data=True).label
         found = forecast_batch(profile, batch, source, dataset, epochs, price_per_hour=price_per_hour,
                                seq_len=seq_len, card=card)
+    found = replace(found, notes=(*found.notes, *said))
     return found if profile.verified else replace(found, notes=(UNVERIFIED, *found.notes))
 
 
@@ -280,13 +314,39 @@ def estimated_card(forecast: Forecast, batch_size: int, bound: str) -> Forecast:
 def mark_best(forecasts: Sequence[Forecast]) -> list[Forecast]:
     """The rows sorted by run time (rows without one last, in their order), the fastest and the cheapest marked
     among the rows of each model (ties: every row at the minimum): another model is another run, not a card's
-    speed or price."""
-    def best(f: Forecast, field: str) -> bool:
-        values = [getattr(g, field) for g in forecasts if g.model == f.model and getattr(g, field) is not None]
-        return bool(values) and getattr(f, field) == min(values)
-
-    marked = [replace(f, fastest=best(f, "run_s"), cheapest=best(f, "cost")) for f in forecasts]
+    speed or price. A row is marked only where its 95 % interval is apart from every other row's of its model
+    (:func:`vramcal.calibration.throughput.overlap`); else none is, and the row with the least says
+    :data:`~vramcal.calibration.throughput.NO_DIFFERENCE` from the rows it overlaps."""
+    marked = list(forecasts)
+    for flag, field, what in (("fastest", "run_s", "run time"), ("cheapest", "cost", "cost")):
+        for model in dict.fromkeys(f.model for f in marked):
+            rows = [i for i, f in enumerate(marked) if f.model == model and getattr(f, field) is not None]
+            if not rows:
+                continue
+            least = min(getattr(marked[i], field) for i in rows)
+            best = [i for i in rows if getattr(marked[i], field) == least]
+            rivals = [j for j in rows if j not in best
+                      and any(overlap(spread_of(marked[i], field), spread_of(marked[j], field)) for i in best)]
+            if not rivals:
+                marked = [replace(f, **{flag: True}) if i in best else f for i, f in enumerate(marked)]
+                continue
+            others = " and ".join(row_name(marked[j]) + (" (it has no interval)" if spread_of(marked[j], field)[1]
+                                                         is None else "") for j in rivals)
+            note = f"{NO_DIFFERENCE} in {what} from {others}: the 95 % intervals overlap, so none is marked {flag}"
+            marked[best[0]] = replace(marked[best[0]], notes=(*marked[best[0]].notes, note))
     return sorted(marked, key=lambda f: (f.run_s is None, f.run_s or 0.0))
+
+
+def spread_of(forecast: Forecast, field: str) -> tuple[float | None, float | None]:
+    """The 95 % interval of a row's ``run_s`` or ``cost`` (an end None: open; both: no interval)."""
+    if field == "run_s":
+        return forecast.run_low_s, forecast.run_high_s
+    return forecast.cost_low, forecast.cost_high
+
+
+def row_name(forecast: Forecast) -> str:
+    """A row's card and batch size, for the notes."""
+    return f"{forecast.card} at batch size {forecast.batch_size}"
 
 
 def card_key(name: str) -> str:
@@ -371,10 +431,32 @@ def calibration_dataset(profile: Profile) -> Dataset | None:
                    f"the calibration's data: {info.get('data', profile.data.get('source', 'unknown'))}")
 
 
+def run_dataset(profile: Profile) -> Dataset | None:
+    """The epoch of the latest training run recorded in the profile with the windows it counted (its own data and
+    stride: :class:`vramcal.profile.Observation`), or None: none recorded them, or a profile over several lengths
+    (a run's windows are of one)."""
+    if profile.surface is not None:
+        return None
+    recorded = [o for o in profile.observations if o.train_samples]
+    if not recorded:
+        return None
+    o = max(recorded, key=lambda o: o.recorded_utc)
+    return Dataset(o.train_samples, o.val_samples,
+                   f"the windows of the run recorded {o.recorded_utc}: {o.data_source or 'its data'}")
+
+
+def default_dataset(profile: Profile) -> Dataset | None:
+    """What a forecast of a run counts when no dataset is given: the latest recorded run's windows
+    (:func:`run_dataset`: the run's stride, not the calibration's), else the calibration's own data
+    (:func:`calibration_dataset`)."""
+    return run_dataset(profile) or calibration_dataset(profile)
+
+
 @dataclass(frozen=True)
 class ForecastSettings:
-    """What a report forecasts for its profile: ``epochs`` over ``dataset`` (None: the calibration's own data,
-    :func:`calibration_dataset`) at ``seq_len`` (a profile over several lengths), with ``prices``."""
+    """What a report forecasts for its profile: ``epochs`` over ``dataset`` (None: the latest recorded run's
+    windows, else the calibration's own data: :func:`default_dataset`) at ``seq_len`` (a profile over several
+    lengths), with ``prices``."""
 
     epochs: int = DEFAULT_EPOCHS
     prices: tuple[Price, ...] = ()
@@ -383,13 +465,17 @@ class ForecastSettings:
 
 
 def profile_forecasts(profile: Profile, settings: ForecastSettings = ForecastSettings()) -> list[Forecast]:
-    """The report's forecast for one profile: at the conservative batch size and, when it differs, at the
-    throughput knee; with a row for every priced card that is not the profile's (unknown throughput)."""
-    dataset = settings.dataset or calibration_dataset(profile)
+    """The report's forecast for one profile: at the conservative batch size and, when sizing for throughput takes
+    another, at the throughput knee (else the conservative row says why not); with a row for every priced card
+    that is not the profile's (unknown throughput)."""
+    dataset = settings.dataset or default_dataset(profile)
     rows = cost_table([profile], [dataset], settings.epochs, settings.prices, seq_len=settings.seq_len)
     own = next(r for r in rows if r.measured)
     knee = forecast_profile(profile, dataset, settings.epochs, price_per_hour=own.price_per_hour, size_for="throughput",
                             seq_len=settings.seq_len)
     if knee.batch_size is not None and knee.batch_size != own.batch_size:
         rows.append(knee)
+    else:  # no knee row: the reason sizing for throughput keeps the size (refused, no measurable difference)
+        said = tuple(n for n in knee.notes if n.startswith(THROUGHPUT) and n not in own.notes)
+        rows = [replace(r, notes=(*r.notes, *said)) if r is own else r for r in rows]
     return mark_best(rows)

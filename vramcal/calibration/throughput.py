@@ -20,11 +20,20 @@ value per trial, and no interval from fewer than two.
 The **knee** (the shared DESIGN.md's "throughput knee"): the smallest batch size whose samples/s reaches
 :data:`KNEE_FRACTION` (95 %) of the best measured samples/s, among the measured sizes a run may use. The
 measured sizes are sparse, so the knee lies somewhere above the largest measured size below it
-(:attr:`Knee.below`): that is the interval of the knee itself; its rate and the best's carry theirs.
+(:attr:`Knee.below`): that is the interval of the knee itself; its rate and the best's carry theirs. A knee is
+called only where every rate it compares has a finite interval: two step times spread 11 % or more (sd /
+mean: a busy host's short trial) give a t interval whose upper end is open (t(0.975, 1) = 12.7), and a rate
+open above may be the best one; the knee is then :attr:`Knee.refused`, saying which sizes need more timed steps.
+
+**No measurable difference** (:func:`overlap`, the one rule for every piece of advice between two measured
+figures: the knee over the memory limit, the fastest or cheapest card, a forecast missed): two figures differ
+measurably only when their 95 % intervals do not overlap; an interval with an open or unknown end overlaps
+everything on that side. Where they overlap, no option is named: the text says :data:`NO_DIFFERENCE`.
 
 Throughput depends on the card, not only on its memory: there is no rate for a batch size nor for a device
 that was not measured, and nothing here extrapolates one. Between two measured sizes :func:`rate_at`
-interpolates the time per sample linearly, and says so.
+interpolates the time per sample linearly, and says so; the ends of its interval are interpolated the same
+way (a mix of the two intervals' ends, wider than the mix's own interval: the cautious side).
 
 A run is forecast at a steady rate where there is one (:func:`rate_for_run`): its own size's, else the steady
 rate of a size within :data:`NEAR_FRACTION` (25 %) of it, read per sample, else the short trials' rate at or
@@ -43,11 +52,24 @@ from dataclasses import dataclass
 
 from vramcal.calibration.creep import STEADY
 from vramcal.records import Trial
+from vramcal.units import format_rate
 
 KNEE_FRACTION = 0.95  # the knee: the smallest batch size reaching this fraction of the best samples/s
 STEADY_MIN_STEPS = 10  # timed steps at one batch size that make its rate steady without a steady trial
 CONFIDENCE = 0.95
 NEAR_FRACTION = 0.25  # a steady rate stands in, per sample, for a size this close to its own (rate_for_run)
+NO_DIFFERENCE = "no measurable difference"  # what advice says instead where the intervals overlap (overlap)
+
+Interval = tuple[float | None, float | None]  # (low, high) of a 95 % interval; None: open (or unknown) there
+
+
+def overlap(a: Interval, b: Interval) -> bool:
+    """Whether two 95 % intervals overlap (module docstring): then the figures show :data:`NO_DIFFERENCE` and no
+    advice names either. A low end None reaches −∞, a high end None +∞: a figure without an interval differs
+    measurably from nothing."""
+    (a_low, a_high), (b_low, b_high) = a, b
+    return ((a_low is None or b_high is None or a_low <= b_high)
+            and (b_low is None or a_high is None or b_low <= a_high))
 
 
 @dataclass(frozen=True)
@@ -89,6 +111,16 @@ class Rate:
     per_sample_from: int | None = None
 
     @property
+    def interval(self) -> Interval:
+        """The 95 % interval of ``samples_per_s`` as (low, high), for :func:`overlap`."""
+        return self.low_samples_per_s, self.high_samples_per_s
+
+    @property
+    def bounded(self) -> bool:
+        """The rate has a finite 95 % interval (two step times or more, and an upper end that is not open)."""
+        return self.low_samples_per_s is not None and self.high_samples_per_s is not None
+
+    @property
     def spread(self) -> float | None:
         """The coefficient of variation of the step times (sd / mean), None with one."""
         return None if self.step_sd_s is None else self.step_sd_s / self.step_s
@@ -107,6 +139,8 @@ class Knee:
         fraction: :data:`KNEE_FRACTION`.
         below: the largest measured batch size under the knee (None: the knee is the smallest measured): the
             knee lies in ``(below, batch_size]``.
+        refused: why no knee is called from these rates (None: it is): the sizes whose rate has no finite
+            interval; ``batch_size`` is then only where the point estimates would put it, for no advice.
     """
 
     batch_size: int
@@ -114,9 +148,18 @@ class Knee:
     best: Rate
     fraction: float
     below: int | None
+    refused: str | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def rate_text(rate: Rate) -> str:
+    """``30.1 (27.2–33.5)``: samples/s with its 95 % interval (``∞`` for an open end) when there is one."""
+    if rate.low_samples_per_s is None:
+        return format_rate(rate.samples_per_s)
+    high = "∞" if rate.high_samples_per_s is None else format_rate(rate.high_samples_per_s)
+    return f"{format_rate(rate.samples_per_s)} ({format_rate(rate.low_samples_per_s)}–{high})"
 
 
 def step_times(trial: Trial) -> tuple[float, ...]:
@@ -158,21 +201,37 @@ def _rate(batch_size: int, trials: Sequence[Trial]) -> Rate:
 
 def find_knee(rates: Sequence[Rate], low: int = 1, high: int | None = None,
               fraction: float = KNEE_FRACTION) -> Knee | None:
-    """The knee among the measured rates at batch sizes in ``[low, high]`` (``high`` None: no bound); None
-    without a rate there."""
+    """The knee among the measured rates at batch sizes in ``[low, high]`` (``high`` None: no bound), refused
+    (:attr:`Knee.refused`) where a rate it compares has no finite interval; None without a rate there."""
     usable = [r for r in rates if r.batch_size >= low and (high is None or r.batch_size <= high)]
     if not usable:
         return None
     best = max(usable, key=lambda r: (r.samples_per_s, -r.batch_size))
     knee = min((r for r in usable if r.samples_per_s >= fraction * best.samples_per_s), key=lambda r: r.batch_size)
     below = [r.batch_size for r in usable if r.batch_size < knee.batch_size]
-    return Knee(knee.batch_size, knee, best, fraction, max(below) if below else None)
+    return Knee(knee.batch_size, knee, best, fraction, max(below) if below else None, knee_refusal(usable))
+
+
+def knee_refusal(rates: Sequence[Rate]) -> str | None:
+    """Why no knee is called from ``rates`` (module docstring), or None: each of them has a finite interval."""
+    open_ = [r for r in rates if not r.bounded]
+    if not open_:
+        return None
+    if not any(r.per_step for r in open_):
+        return "the profile predates per-step times, so its rates have no interval; a knee needs a new calibration"
+    steps, many = sorted({r.n_steps for r in open_}), len(open_) > 1
+    counts = (f"{steps[0]} timed step{'s' * (steps[0] != 1)}{' each' * many}" if len(steps) == 1 else
+              f"{', '.join(map(str, steps[:-1]))} or {steps[-1]} timed steps")
+    sizes = ", ".join(str(r.batch_size) for r in open_)
+    return (f"the samples/s at batch size{'s' * many} {sizes} ({counts}) {'have' if many else 'has'} no finite 95 % "
+            f"interval, so any of them may be the best; a knee needs more timed steps there (a steady trial, or "
+            f"{STEADY_MIN_STEPS} steps)")
 
 
 def rate_at(rates: Sequence[Rate], batch_size: int) -> Rate | None:
     """The rate at ``batch_size``: measured there, or interpolated between the nearest measured sizes on each
-    side (time per sample linear in the batch size; steady only when both are); None outside the measured
-    range: a rate is never extrapolated."""
+    side (time per sample linear in the batch size, the interval's ends likewise; steady only when both are);
+    None outside the measured range: a rate is never extrapolated."""
     for rate in rates:
         if rate.batch_size == batch_size:
             return rate
@@ -186,10 +245,14 @@ def rate_at(rates: Sequence[Rate], batch_size: int) -> Rate | None:
     def per_sample(x: float | None, y: float | None, size_x: int, size_y: int) -> float | None:
         return None if x is None or y is None else (1 - w) * x / size_x + w * y / size_y
 
+    def end(x: float | None, y: float | None) -> float | None:  # a rate's end: seconds per sample mixed
+        return None if x is None or y is None else 1 / ((1 - w) / x + w / y)
+
     step = batch_size * per_sample(a.step_s, b.step_s, a.batch_size, b.batch_size)
     first = per_sample(a.first_step_s, b.first_step_s, a.batch_size, b.batch_size)
     val = per_sample(a.val_s, b.val_s, a.batch_size, b.batch_size)
-    return Rate(batch_size, batch_size / step, None, None, step, None, 0, 0, a.steady and b.steady,
+    return Rate(batch_size, batch_size / step, end(a.low_samples_per_s, b.low_samples_per_s),
+                end(a.high_samples_per_s, b.high_samples_per_s), step, None, 0, 0, a.steady and b.steady,
                 a.per_step and b.per_step, None if first is None else first * batch_size,
                 None if val is None else val * batch_size, (a.batch_size, b.batch_size))
 

@@ -22,8 +22,8 @@ from vramcal.forecast import (
     Dataset,
     ForecastSettings,
     Price,
-    calibration_dataset,
     cost_table,
+    default_dataset,
     estimated_card,
     parse_prices,
 )
@@ -55,7 +55,8 @@ forecast_options = group(
                  help="epochs of the run forecast"),
     click.option("--data", type=click.Path(dir_okay=False), default=None,
                  help="OHLCV parquet whose windows (at each profile's seq_len, --stride, --val-fraction) make an epoch "
-                      "[default: the calibration's own data]"),
+                      "[default: the windows of the latest run recorded in the profile, else the calibration's own "
+                      "data]"),
     click.option("--bars", type=click.IntRange(1), default=None,
                  help="or a number of bars without gaps, cut into windows the same way"),
     click.option("--samples", type=click.IntRange(1), default=None, help="or the training samples of an epoch"),
@@ -73,7 +74,8 @@ forecast_options = group(
 
 
 def datasets_for(profiles: list, options: dict[str, Any]) -> list[Dataset | None]:
-    """Each profile's dataset from the forecast options (module docstring of :mod:`vramcal.forecast`).
+    """Each profile's dataset from the forecast options (module docstring of :mod:`vramcal.forecast`); without one,
+    :func:`vramcal.forecast.default_dataset` (the latest recorded run's windows, else the calibration's data).
 
     Raises:
         click.BadParameter: more than one of --data, --bars and --samples, or --val-samples without --samples.
@@ -89,7 +91,7 @@ def datasets_for(profiles: list, options: dict[str, Any]) -> list[Dataset | None
     if options["samples"] is not None:
         return [Dataset(options["samples"], options["val_samples"], "--samples")] * len(profiles)
     if not given:
-        return [calibration_dataset(p) for p in profiles]
+        return [default_dataset(p) for p in profiles]
     return [_windows(p, options) for p in profiles]
 
 

@@ -88,6 +88,9 @@ class Observation:
             at least 25 % (:func:`vramcal.forecast.time_band`); None: not recorded (older runs: 25 %).
         warn_bytes: the warning line the run was held against (:attr:`vramcal.sizing.Sizing.line_bytes`); None
             in older runs, held against ``upper_bytes`` (:attr:`line_bytes`).
+        train_samples, val_samples, data_source: the epoch the run's forecast counted (its own windows: its data
+            and stride; under DDP this rank's share) and where they came from, which the report's forecast counts
+            (:func:`vramcal.forecast.default_dataset`); None: not recorded (older runs, no forecast).
     """
 
     recorded_utc: str
@@ -110,6 +113,9 @@ class Observation:
     forecast_epoch_s: float | None = None
     time_band: float | None = None
     warn_bytes: int | None = None
+    train_samples: int | None = None
+    val_samples: int | None = None
+    data_source: str | None = None
 
     @property
     def line_bytes(self) -> int:
@@ -140,7 +146,8 @@ class Observation:
         return read_record(cls, data, where, {"batch_size": AT_LEAST_ONE, "data_bytes": NON_NEGATIVE,
                                               "peak_bytes": POSITIVE, "usable_bytes": POSITIVE,
                                               "steps": NON_NEGATIVE, "rank": NON_NEGATIVE,
-                                              "world_size": AT_LEAST_ONE, "warn_bytes": POSITIVE})
+                                              "world_size": AT_LEAST_ONE, "warn_bytes": POSITIVE,
+                                              "train_samples": AT_LEAST_ONE, "val_samples": NON_NEGATIVE})
 
 
 @dataclass(frozen=True)

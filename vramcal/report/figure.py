@@ -141,7 +141,7 @@ def _draw_speed(ax: Any, profile: Profile, color: str) -> None:
         ax.scatter([r.batch_size for r in steady], [r.samples_per_s for r in steady], marker="D", facecolors="none",
                    edgecolors=color, s=60, linewidths=1.2, zorder=4)
     knee = profile_knee(profile)
-    if knee is not None and len(rates) > 1:
+    if knee is not None and not knee.refused and len(rates) > 1:
         ax.scatter([knee.batch_size], [knee.rate.samples_per_s], marker="*", s=170, color=color, edgecolors="black",
                    linewidths=0.6, zorder=5)
     limits = profile.limits
@@ -234,6 +234,8 @@ def _speed_text(profile: Profile, short: bool = False) -> str:
     if knee is None:
         return "no successful trial: no throughput"
     best, reach = knee.best, knee.rate
+    if knee.refused:  # open intervals (vramcal.calibration.throughput): no knee is called
+        return f"best {format_rate(best.samples_per_s)} samples/s at {best.batch_size}; no knee (open intervals)"
     if short:
         return (f"best {format_rate(best.samples_per_s)} samples/s at {best.batch_size}, knee "
                 f"({knee.fraction * 100:g} %) at {knee.batch_size}")

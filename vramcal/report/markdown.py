@@ -319,6 +319,9 @@ def world_text(profile: Profile) -> str:
 def knee_text(knee: Knee) -> str:
     """``best 49.8 samples/s at batch 8; throughput knee (95 % of it) at batch 8 (above 1)``, with the intervals."""
     where = f", somewhere in ({knee.below}, {knee.batch_size}]" if knee.below is not None else ""
+    if knee.refused:
+        return (f"best {rate_text(knee.best)} samples/s at batch {knee.best.batch_size}; no throughput knee: "
+                f"{knee.refused}")
     return (f"best {rate_text(knee.best)} samples/s at batch {knee.best.batch_size}; throughput knee (the smallest "
             f"measured batch reaching {knee.fraction * 100:g} % of it) at batch {knee.batch_size}: "
             f"{rate_text(knee.rate)} samples/s{where}")
@@ -475,8 +478,7 @@ def forecast_section(profile: Profile, settings: ForecastSettings, level: str = 
     forecasts = profile_forecasts(profile, settings)
     sizes = ("at the conservative batch size and at the throughput knee (`--size-for throughput`)"
              if any((f.batch_source or "").startswith("knee") for f in forecasts) else
-             "at the conservative batch size (the throughput knee is not below it: `--size-for throughput` trains "
-             "at the same size)")
+             "at the conservative batch size (`--size-for throughput` trains at the same size: the notes say why)")
     lines += [f"A `vramcal train` run of {settings.epochs} epochs, {sizes}:", "", forecast_table(forecasts), ""]
     lines += [f"- {note}" for note in forecast_notes(forecasts)] + [""]
     observed = time_observations_table(profile)

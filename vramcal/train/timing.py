@@ -3,9 +3,15 @@
 As the memory loop does (:mod:`vramcal.train.runner`), the run prints its forecast before the first step
 (:func:`vramcal.forecast.forecast_batch` at the run's own batch size, data and epochs), its measured epoch time
 beside the forecast after the first epoch, and records both in its profile's observation
-(:class:`vramcal.profile.Observation`: ``samples_per_s``, ``epoch_s`` and their forecasts). A run whose first
-epoch is more than :data:`vramcal.forecast.FAR_FRACTION` off its forecast, and more than its steps' own noise
-may take it (:func:`vramcal.forecast.time_band`), says so (:func:`vramcal.forecast.time_verdict`).
+(:class:`vramcal.profile.Observation`: ``samples_per_s``, ``epoch_s`` and their forecasts). A first epoch more
+than :data:`vramcal.forecast.FAR_FRACTION` off its forecast but inside the spread the calibration measured (its
+steps' noise, the forecast's own 95 % interval: :func:`vramcal.forecast.time_band`) says so and asks for nothing;
+only one outside it warns and suggests recalibrating (:func:`vramcal.forecast.time_verdict`).
+
+Under DDP a rank is forecast on its share of the windows at its own batch size, and its rates are given as the
+world's (:func:`world_rates`: the ranks step together, so the world trains ranks × this rank's samples per step),
+as the trainer's epoch rows count them (the global batch's samples over the step time): one unit on both sides,
+labelled.
 
 Measured figures are the trainer's epoch rows (:mod:`vramcal.train.loop`): ``epoch_s`` = the epoch's step
 times plus its validation pass, ``samples_per_s`` = training samples over step time; only complete epochs
@@ -18,9 +24,11 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from vramcal.forecast import FAR, FAR_FRACTION, Dataset, Forecast, forecast_batch, time_band, time_verdict
+from vramcal.calibration.throughput import NO_DIFFERENCE
+from vramcal.forecast import FAR, FAR_FRACTION, Dataset, Forecast, forecast_batch, noise_band, time_band, time_verdict
 from vramcal.profile import ProfileError, load_profile
 from vramcal.train.plan import Plan
 from vramcal.units import format_duration, format_rate
@@ -38,14 +46,17 @@ def plan_forecast(plan: Plan) -> Forecast | None:
         return None
     stats = plan.data_stats
     ranks = plan.world.nproc if plan.world is not None else 1
+    share = "" if ranks == 1 else f", this rank's share of {ranks}"
     dataset = Dataset(math.ceil(int(stats["train_windows"]) / ranks), math.ceil(int(stats["val_windows"]) / ranks),
-                      "this run's data" if ranks == 1 else "this rank's share of this run's data")
+                      f"{Path(plan.config.data or 'synthetic bars').name}, windows of {stats.get('seq_len')} bars, "
+                      f"stride {stats.get('stride')}{share}")
     per_epoch, steps = cut_steps(plan, dataset)
     epochs = plan.config.epochs if steps is None else math.ceil(steps / per_epoch)
     found = forecast_batch(profile, plan.batch_size, plan.sizing.label, dataset, epochs,
                            seq_len=plan.config.spec.seq_len)
     if found.epoch_s is None:
         return None
+    found = world_rates(found, ranks)
     if steps is None:
         return found
     # the last epoch stops at max_steps (and still validates): its training time not run comes off, at each rate
@@ -59,6 +70,27 @@ def plan_forecast(plan: Plan) -> Forecast | None:
                                run_high_s=less(found.run_high_s, found.low_samples_per_s))
 
 
+def world_rates(forecast: Forecast, ranks: int) -> Forecast:
+    """A rank's forecast with the world's samples/s (module docstring): its rate and interval × ``ranks`` (ranks
+    sized alike, as a rank's share of the windows assumes); its times, batch size and dataset stay this rank's."""
+    if ranks == 1:
+        return forecast
+
+    def world(rate: float | None) -> float | None:
+        return None if rate is None else rate * ranks
+
+    return dataclasses.replace(forecast, ranks=ranks, samples_per_s=world(forecast.samples_per_s),
+                               low_samples_per_s=world(forecast.low_samples_per_s),
+                               high_samples_per_s=world(forecast.high_samples_per_s))
+
+
+def world_text(forecast: Forecast) -> str:
+    """`` for the world's 2 ranks (30.1 each)`` beside a DDP forecast's samples/s; empty for one process."""
+    if forecast.ranks == 1:
+        return ""
+    return f" for the world's {forecast.ranks} ranks ({format_rate(forecast.samples_per_s / forecast.ranks)} each)"
+
+
 def cut_steps(plan: Plan, dataset: Dataset) -> tuple[int, int | None]:
     """(optimizer steps per epoch of ``dataset``, the steps of ``plan``'s run when its max_steps stops it before
     its epochs end: None for whole epochs)."""
@@ -70,13 +102,16 @@ def cut_steps(plan: Plan, dataset: Dataset) -> tuple[int, int | None]:
 
 def forecast_line(forecast: Forecast, plan: Plan | None = None) -> str:
     """``forecast: 30.1 samples/s at batch_size 161, epoch 16.1 s (training 14.1 s + validation 2.0 s), 10 epochs
-    2.7 min`` (``..., 40 steps (max_steps, in epoch 2) 9.5 s`` when ``plan``'s max_steps stops it sooner)."""
+    2.7 min`` (``..., 40 steps (max_steps, in epoch 2) 9.5 s`` when ``plan``'s max_steps stops it sooner; under DDP
+    ``60.2 samples/s for the world's 2 ranks (30.1 each) at batch_size 161 per rank``)."""
     val = "validation not counted" if forecast.val_s is None else f"validation {format_duration(forecast.val_s)}"
     run = f"{forecast.epochs} epoch{'s' * (forecast.epochs != 1)}"
     if plan is not None and forecast.dataset is not None:
         steps = cut_steps(plan, forecast.dataset)[1]
         run = run if steps is None else f"{steps} step{'s' * (steps != 1)} (max_steps, in epoch {forecast.epochs})"
-    return (f"forecast: {format_rate(forecast.samples_per_s)} samples/s at batch_size {forecast.batch_size}, epoch "
+    per_rank = " per rank" if forecast.ranks > 1 else ""
+    return (f"forecast: {format_rate(forecast.samples_per_s)} samples/s{world_text(forecast)} at batch_size "
+            f"{forecast.batch_size}{per_rank}, epoch "
             f"{format_duration(forecast.epoch_s)} (training {format_duration(forecast.train_s)} + {val}), "
             f"{run} {format_duration(forecast.run_s)}")
 
@@ -89,31 +124,41 @@ def epoch_steps(row: dict[str, Any]) -> int:
 
 
 def first_epoch_lines(forecast: Forecast, row: dict[str, Any], fresh: bool) -> list[str]:
-    """The first epoch's measured time beside its forecast, and a warning when it is far from it: farther than its
-    steps' own noise may take it (:func:`vramcal.forecast.time_band`), and at least 25 %."""
+    """The first epoch's measured time beside its forecast; a line saying so when it is more than 25 % off but
+    inside the spread the calibration measured (:func:`vramcal.forecast.time_band`: its steps' noise, the
+    forecast's own 95 % interval), a warning suggesting recalibrating only when it is outside."""
     if not row.get("epoch_s") or not row.get("complete", True):
         return []
     expected = forecast.epoch_s + (forecast.first_s or 0.0) * fresh
     error = (row["epoch_s"] - expected) / expected
-    steps = epoch_steps(row)
-    band = time_band(forecast, steps)
-    noise = f"; its {steps} steps may vary by ±{band:.0%}" if band > FAR_FRACTION else ""
+    steps, slower = epoch_steps(row), row["epoch_s"] > expected
+    band = time_band(forecast, steps, slower)
+    open_ = " (its rate's is open above)" if not slower and forecast.high_samples_per_s is None else ""
+    spread = (f"its {steps} steps may vary by ±{band:.0%}" if band == noise_band(forecast, steps) else
+              f"the forecast's 95 % interval reaches {'+' if slower else '−'}{band:.0%}{open_}")
+    noise = f"; {spread}" if band > FAR_FRACTION else ""
     lines = [f"after the first epoch: {format_duration(row['epoch_s'])} (training {format_duration(row['train_s'])}"
-             f", {format_rate(row['samples_per_s'])} samples/s; validation {format_duration(row['val_s'])}): forecast "
-             f"{format_duration(expected)} ({error:+.1%}{noise})"]
+             f", {format_rate(row['samples_per_s'])} samples/s{' for the world' * (forecast.ranks > 1)}"
+             f"; validation {format_duration(row['val_s'])}): forecast {format_duration(expected)} "
+             f"({error:+.1%}{noise})"]
     if time_verdict(row["epoch_s"], expected, band) == FAR:
         short = ("; its rate rested on a short trial's few timed steps" if forecast.steady is False else "")
-        lines.append(f"warning: the epoch took {error:+.0%} against the forecast: the profile's throughput does not "
-                     f"describe this run (a busier machine, other software, another card?{short}); re-run "
-                     f"`vramcal probe` here to measure it again")
+        lines.append(f"warning: the epoch took {error:+.0%} against the forecast, outside the spread the calibration "
+                     f"measured: the profile's throughput does not describe this run (a busier machine, other "
+                     f"software, another card?{short}); re-run `vramcal probe` here to measure it again")
+    elif abs(error) > FAR_FRACTION:
+        lines.append(f"the epoch took {error:+.0%} against the forecast, inside the spread the calibration measured "
+                     f"({spread}): {NO_DIFFERENCE} from the forecast, nothing to recalibrate (more timed steps in "
+                     f"the profile would narrow the forecast)")
     return lines
 
 
-def observed(forecast: Forecast | None, rows: Sequence[dict[str, Any]], fresh: bool) -> dict[str, float | None]:
+def observed(forecast: Forecast | None, rows: Sequence[dict[str, Any]], fresh: bool) -> dict[str, Any]:
     """The observation's time fields (:class:`vramcal.profile.Observation`) from the run's epoch rows: the
-    measured mean epoch time and samples/s over its complete epochs, the forecast's for the same epochs, and the
-    band its mean epoch may land in by its steps' noise (:func:`vramcal.forecast.time_band`, over all their
-    steps)."""
+    measured mean epoch time and samples/s over its complete epochs (under DDP the world's, as the forecast's:
+    :func:`world_rates`), the forecast's for the same epochs, the band its mean epoch may land in by the spread
+    the calibration measured, on the side it landed (:func:`vramcal.forecast.time_band`, over all their steps),
+    and the epoch the forecast counted (its windows, for the report's forecast)."""
     done = [r for r in rows if r.get("complete", True) and r.get("epoch_s")]
     if not done:
         return {}
@@ -122,7 +167,10 @@ def observed(forecast: Forecast | None, rows: Sequence[dict[str, Any]], fresh: b
               "samples_per_s": sum(r["samples"] for r in done) / train_s if train_s > 0 else None}
     if forecast is not None and forecast.epoch_s is not None:
         first = (forecast.first_s or 0.0) if fresh and done[0].get("epoch") == 1 else 0.0
-        fields.update(forecast_epoch_s=forecast.epoch_s + first / len(done),
-                      forecast_samples_per_s=forecast.samples_per_s,
-                      time_band=time_band(forecast, sum(epoch_steps(r) for r in done)))
+        expected = forecast.epoch_s + first / len(done)
+        fields.update(forecast_epoch_s=expected, forecast_samples_per_s=forecast.samples_per_s,
+                      time_band=time_band(forecast, sum(epoch_steps(r) for r in done), fields["epoch_s"] > expected))
+    if forecast is not None and forecast.dataset is not None:
+        fields.update(train_samples=forecast.dataset.train_samples, val_samples=forecast.dataset.val_samples,
+                      data_source=forecast.dataset.source)
     return fields
