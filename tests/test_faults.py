@@ -414,3 +414,22 @@ def test_a_data_limit_set_outside_vramcal_is_named_as_such(tmp_path):
     metered = run("-c", "from vramcal.measure.meters import HostMeter\n"
                         "try:\n    HostMeter(2**31)\nexcept Exception as e: print(type(e).__name__, e)")
     assert metered.stdout.startswith("MeterError this process's RLIMIT_DATA is 600.00 MiB"), metered.stdout
+
+
+def test_an_address_space_limit_too_small_for_torch_is_one_line(tmp_path):
+    """Issue 43 item 9: under ``prlimit --as=1GiB`` the worker's imports failed with a traceback and "Aborted!";
+    the commands that run steps now say what the limit is and what to do, and the others still work."""
+    def limited():
+        resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30))
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "vramcal", *args], cwd=tmp_path, capture_output=True, text=True,
+                              preexec_fn=limited, timeout=120)
+
+    trained = run("train", "--gpu", "none", "--batch-size", "8")
+    assert trained.returncode == 1 and "Traceback" not in trained.stderr, trained.stderr
+    assert trained.stderr.strip().splitlines() == [
+        "Error: this process may map at most 1.00 GiB of address space (RLIMIT_AS, set outside vramcal: ulimit -v, "
+        "prlimit --as): torch and its libraries map more than that before a step; lift it to 2 GiB or more, and bound "
+        "the run with --capacity instead"]
+    assert run("show", "--config").returncode == 0

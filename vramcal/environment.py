@@ -73,6 +73,25 @@ def set_host_malloc() -> str | None:
 _STARTED_WITH_TUNABLES = os.environ.get("GLIBC_TUNABLES")
 
 
+# The least address space (RLIMIT_AS) a process that runs steps can work in: importing torch maps 0.66 GiB on the
+# host (VmSize), and torch, transformers and one step of the tiny model 1.07 GiB (VmPeak); under
+# `prlimit --as=1GiB` the imports themselves fail, in whatever allocates first. A larger model maps more.
+ADDRESS_SPACE_FLOOR = 2 * 2**30
+
+
+def address_space_refusal() -> str | None:
+    """The one line for an RLIMIT_AS set outside vramcal below :data:`ADDRESS_SPACE_FLOOR` (None: none, or enough).
+    vramcal bounds a run's memory itself (``--capacity``, through RLIMIT_DATA), which counts what a run holds."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY or soft >= ADDRESS_SPACE_FLOOR:
+        return None
+    return (f"this process may map at most {soft / 2**30:.2f} GiB of address space (RLIMIT_AS, set outside vramcal: "
+            f"ulimit -v, prlimit --as): torch and its libraries map more than that before a step; lift it to "
+            f"{ADDRESS_SPACE_FLOOR // 2**30} GiB or more, and bound the run with --capacity instead")
+
+
 def software_versions() -> dict[str, str | None]:
     """Versions of Python and the packages of :data:`RECORDED_PACKAGES` (None: not installed)."""
     versions: dict[str, str | None] = {"python": platform.python_version()}

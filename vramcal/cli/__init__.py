@@ -31,7 +31,10 @@ from vramcal.cli.report import limits_command, report_command
 from vramcal.cli.size import size_command
 from vramcal.cli.train import data_group, train_command
 from vramcal.cli.tune import tune_command
+from vramcal.environment import address_space_refusal
 from vramcal.words import FLAGS, speaking
+
+STEPPING = {"probe", "size", "estimate", "train", "tune"}  # the commands that import torch and run steps
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -44,6 +47,9 @@ def main(ctx: click.Context, quiet: bool, verbose: bool) -> None:
     if quiet and verbose:
         raise click.UsageError("-q and -v contradict each other: give one")
     apply_defaults(ctx)  # vramcal.toml and the user's config.toml, as click's default_map: flags still win
+    refusal = address_space_refusal() if ctx.invoked_subcommand in STEPPING else None
+    if refusal:
+        raise click.ClickException(refusal)
     ctx.with_resource(speaking(FLAGS))  # messages name the command line's flags (vramcal.words)
     ctx.with_resource(stop_on_sigterm())  # kill, timeout, a scheduler's cancel: Ctrl-C's way out, exit 143
     ctx.with_resource(_set(VERBOSITY, -1 if quiet else 1 if verbose else 0))
