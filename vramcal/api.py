@@ -154,14 +154,19 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
     key = ref.without("seq_len") if several else ref
     path = Path(out) if out is not None else profile_path(profiles_dir, device, key, family.implementation(ref),
                                                           unique_device, world)
+    data = family.data_options(_known_options(options))
+    found, notices = _aim(ref, data, device, profiles_dir, one=not several and world is None) if aim else (None, ())
+    return CalibrationPlan(device, ref, settings, data, path, several, trials, world, tuple(rank_devices), found,
+                           notices)
+
+
+def _known_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """Raises: ValueError: a key no family takes, with the known ones."""
     unknown = sorted(set(options or {}) - set(DATA_OPTIONS))
     if unknown:
         raise ValueError(f"options= has no {', '.join(map(repr, unknown))}: it takes {', '.join(DATA_OPTIONS)} (the "
                          f"regressor's data; other families ignore them)")
-    data = family.data_options(dict(options or {}))
-    found, notices = _aim(ref, data, device, profiles_dir, one=not several and world is None) if aim else (None, ())
-    return CalibrationPlan(device, ref, settings, data, path, several, trials, world, tuple(rank_devices), found,
-                           notices)
+    return dict(options or {})
 
 
 def _aim(ref: ModelRef, data: dict[str, Any], device: Device, profiles_dir: Path | str, one: bool):

@@ -192,16 +192,20 @@ def select(gpu: str, capacity_bytes: int | None = None,
                               f"for the host's memory")
         chosen = gpus
     elif choice.isdigit():
-        if int(choice) >= len(gpus):
-            raise DeviceError(f"{given('gpu', choice)}: this machine has {len(gpus)} GPU(s) (indices: "
-                              f"{', '.join(str(g.cuda_index) for g in gpus) or 'none'}) visible{hidden}; "
-                              f"use one of those CUDA indices, {given('gpu', 'auto')}, or {given('gpu', 'none')}")
-        chosen = [gpus[int(choice)]]
+        chosen = [_by_index(choice, gpus, hidden)]
     else:
         chosen = [_by_uuid(nvml, choice, gpus, environ)]
     if capacity_bytes is not None:
         chosen = [_narrow(g, capacity_bytes) for g in chosen]
     return chosen, None
+
+
+def _by_index(choice: str, gpus: list[Device], hidden: str) -> Device:
+    if int(choice) >= len(gpus):
+        raise DeviceError(f"{given('gpu', choice)}: this machine has {len(gpus)} GPU(s) (indices: "
+                          f"{', '.join(str(g.cuda_index) for g in gpus) or 'none'}) visible{hidden}; "
+                          f"use one of those CUDA indices, {given('gpu', 'auto')}, or {given('gpu', 'none')}")
+    return gpus[int(choice)]
 
 
 def _visibility(environ: Mapping[str, str]) -> str:

@@ -172,25 +172,7 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
     windows = load_windows(config)
     device, notices = _device(config, capacity_bytes)
     model = REGRESSOR.ref(config.spec, device, config.implementation)  # the spec was checked when the config was made
-    try:
-        located = api.locate_profile(model, device=device,
-                                     profile=None if config.profile == "auto" else config.profile,
-                                     profiles_dir=config.profiles_dir, world=world,
-                                     total_bytes=capacity_bytes if budget_matches or device.kind == "host" else None)
-    except NoProfileError as error:
-        if capacity_bytes is not None and device.kind == "host":
-            try:  # the probe the refusal names could not calibrate this budget either: say why instead
-                LimitSettings().check(capacity_bytes)
-            except ValueError as small:
-                raise SizingError(f"no profile at this budget, and none can be made: {small}") from None
-        if not unchecked or config.batch_size is None:
-            raise
-        located = None
-        notices.append(f"--batch-size {config.batch_size} is unchecked against memory: no profile matches this run "
-                       f"in {config.profiles_dir}/ (`{error.command}` measures what fits); the run's peak is "
-                       f"measured" + (", and an out-of-memory step halves the micro-batch" if world is None else ""))
-    else:
-        notices += list(located.notices)
+    located = _located(config, device, model, capacity_bytes, world, budget_matches, unchecked, notices)
     limit = None
     if device.kind == "host":
         calibrated = located.profile.device.total_bytes if located else device.total_bytes
@@ -206,6 +188,34 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
     pool = windows.pipeline_bytes if device.kind == "host" or config.data_on_device else 0
     return Setting(config, device, model, located and located.profile, located and str(located.path),
                    windows.stats(), pool, limit, tuple(notices))
+
+
+def _located(config: TrainConfig, device: Device, model: ModelRef, capacity_bytes: int | None, world: World | None,
+             budget_matches: bool, unchecked: bool, notices: list[str]):
+    """:func:`resolve`'s profile (None: an unchecked run), its notices added to ``notices``.
+
+    Raises:
+        SizingError: as :func:`resolve`.
+    """
+    try:
+        located = api.locate_profile(model, device=device,
+                                     profile=None if config.profile == "auto" else config.profile,
+                                     profiles_dir=config.profiles_dir, world=world,
+                                     total_bytes=capacity_bytes if budget_matches or device.kind == "host" else None)
+    except NoProfileError as error:
+        if capacity_bytes is not None and device.kind == "host":
+            try:  # the probe the refusal names could not calibrate this budget either: say why instead
+                LimitSettings().check(capacity_bytes)
+            except ValueError as small:
+                raise SizingError(f"no profile at this budget, and none can be made: {small}") from None
+        if not unchecked or config.batch_size is None:
+            raise
+        notices.append(f"--batch-size {config.batch_size} is unchecked against memory: no profile matches this run "
+                       f"in {config.profiles_dir}/ (`{error.command}` measures what fits); the run's peak is "
+                       f"measured" + (", and an out-of-memory step halves the micro-batch" if world is None else ""))
+        return None
+    notices += list(located.notices)
+    return located
 
 
 def calibration_plan(config: TrainConfig, capacity_bytes: int | None = None):
