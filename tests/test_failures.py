@@ -431,6 +431,7 @@ def test_a_worker_killed_from_outside_is_not_an_out_of_memory(monkeypatch):
     killed = worker.Workers(("user_models",)).run("user_models:kill_myself", timeout_s=60)
     assert killed.status == "error" and killed.error_type == worker.KILLED, killed
     assert re.match(r"killed by SIGKILL \(pid \d+\), and the kernel counted no out-of-memory kill", killed.message)
+    assert killed.error is None  # no traceback: the record says the kill once ("Killed: killed by ...")
     monkeypatch.setattr(worker, "oom_kills", lambda: 5)  # the kernel's counter, now at 5
     assert worker._exit_status(-9, 123, oom_kills_before=4)["status"] == "oom"  # it rose during the worker's life
     assert worker._exit_status(-9, 123, oom_kills_before=5)["status"] == "error"  # it did not
@@ -459,3 +460,4 @@ def test_an_effective_batch_below_the_minimum_is_refused_before_training(tmp_pat
     line = one_line_failure(test_train.train(setup, "run", "--effective-batch-size", "16", "--batch-size-min", "32"))
     assert "--effective-batch-size 16 is below --batch-size-min 32" in line, line
     assert not (tmp_path / "run").exists()
+

@@ -52,7 +52,7 @@ class Outcome:
         status: ``ok``; ``oom`` (an out-of-memory error, or killed while the kernel counted an out-of-memory
             kill: :func:`oom_kills`); ``timeout`` (killed after the time limit); ``error`` (anything else).
         result: what the worker's function returned (``ok`` only).
-        error: the traceback's last lines, or why the process ended without a result.
+        error: the traceback's last lines (None when the process ended without one: ``message`` says why).
         error_type: the exception's class name (None when the process died without one).
         message: the exception's first line, for one-line reports to people.
         startup_s: seconds from asking for the process to the worker's function running.
@@ -335,12 +335,11 @@ def _exit_status(exitcode: int | None, pid: int | None = None, oom_kills_before:
         after = oom_kills()
         if oom_kills_before is not None and after is not None and after > oom_kills_before:
             what = f"killed by {name} (pid {pid}) by the kernel's out-of-memory killer (oom_kill counted it)"
-            return {"status": "oom", "error": f"the process was {what}", "message": what}
+            return {"status": "oom", "message": what}
         what = (f"killed by {name} (pid {pid}), and the kernel counted no out-of-memory kill: something outside "
                 f"vramcal ended it (a kill, a scheduler's preemption)")
-        return {"status": "error", "error_type": KILLED, "error": f"the process was {what}", "message": what}
-    return {"status": "error", "error": f"the process exited with code {exitcode} without a result",
-            "message": f"the process exited with code {exitcode} without a result"}
+        return {"status": "error", "error_type": KILLED, "message": what}
+    return {"status": "error", "message": f"the process exited with code {exitcode} without a result"}
 
 
 def _signal_name(number: int) -> str:
