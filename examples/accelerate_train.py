@@ -1,7 +1,7 @@
 """Accelerate: vramcal's helpers size a plain accelerate loop's batch from a profile, hold it to this process,
 and print the run's measured peak against the prediction at the end.
 
-    python examples/accelerate_train.py [--steps 5] [--profiles-dir profiles] [--capacity 1.2GiB]
+    python examples/accelerate_train.py [--steps 5] [--profiles-dir profiles] [--capacity 1.6GiB]
 """
 
 from __future__ import annotations

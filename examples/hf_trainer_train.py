@@ -1,7 +1,7 @@
 """Hugging Face Trainer: vramcal's TrainerCallback fills per_device_train_batch_size from a profile, holds it to
 the Trainer's process, and prints the run's measured peak against the prediction at the end.
 
-    python examples/hf_trainer_train.py [--steps 5] [--profiles-dir profiles] [--capacity 1.2GiB]
+    python examples/hf_trainer_train.py [--steps 5] [--profiles-dir profiles] [--capacity 1.6GiB]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Lightning: vramcal's callback sets a LightningModule's batch size from a profile, holds it to this process,
 and prints the run's measured peak against the prediction at the end.
 
-    python examples/lightning_train.py [--steps 5] [--profiles-dir profiles] [--capacity 1.2GiB]
+    python examples/lightning_train.py [--steps 5] [--profiles-dir profiles] [--capacity 1.6GiB]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Plain PyTorch: vramcal's FrameworkRun sizes a hand-written loop's batch from a profile, holds it to this
 process, and gives the run's measured peak against the prediction at the end.
 
-    python examples/plain_pytorch_train.py [--steps 5] [--profiles-dir profiles] [--capacity 1.2GiB]
+    python examples/plain_pytorch_train.py [--steps 5] [--profiles-dir profiles] [--capacity 1.6GiB]
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def run(script: str, profiles_dir: Path, *args: str) -> str:
     # As a user's shell starts it: without the GLIBC_TUNABLES a worker pool of this test process may have set.
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     command = [sys.executable, f"examples/{script}", "--profiles-dir", str(profiles_dir),
-               "--capacity", capacity(int(1.2 * GIB)), *args]
+               "--capacity", capacity(int(1.6 * GIB)), *args]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done.stdout + done.stderr
