@@ -7,6 +7,7 @@ exit 2, Ctrl-C exits 130 with the checkpoints on disk kept.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from vramcal.cli.options import (
     training_options,
     world_options,
 )
-from vramcal.cli.probe import calibrate_one
+from vramcal.cli.probe import calibrate_one, stdout_to_stderr
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.train import checkpoint, distributed
 from vramcal.train.config import RESUME_OVERRIDES, ConfigError, TrainConfig, load_config
@@ -109,14 +110,17 @@ def es_sample_command(bar: str, out: Path, ticks: Path | None) -> None:
                    "rank sized by its own device's profile for the world (vramcal probe --nproc)")
 @torchrun_options
 @world_options
+@click.option("--json", "as_json", is_flag=True, help="at the end, print the run folder, batch size and its sizing, "
+              "steps, last val_loss, measured and predicted peak and the files as JSON on stdout (the rest on stderr)")
 @click.pass_context
 def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | None, resume: bool, probe: bool,
-                  capacity: tuple[int, ...] | None, nproc_per_node: int, parallel: WorldOptions,
+                  capacity: tuple[int, ...] | None, nproc_per_node: int, parallel: WorldOptions, as_json: bool,
                   **options: Any) -> None:
     """Train the calibrated Mamba-2 model on OHLCV bars with the profile's batch size.
 
     After the first epoch and at the end it prints its measured peak beside the profile's prediction,
-    and records the run in the profile (`vramcal show` lists them).
+    and records the run in the profile (`vramcal show` lists them). Its epochs go to metrics.jsonl and to
+    TensorBoard (`tensorboard --logdir <run folder>`).
     """
     from vramcal.train import plan as planning  # loads numpy: only when called
     from vramcal.train.runner import train  # loads numpy: only when called
@@ -125,12 +129,14 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
     strict_profiles(options.pop("strict_profile"))
     torchrun = {name: options.pop(name) for name in TORCHRUN_OPTIONS}
     if nproc_per_node > 1 or any(torchrun.values()):
-        train_world(ctx, config_file, options, given, run_dir, resume, probe, capacity or (), nproc_per_node,
-                    {k: v for k, v in torchrun.items() if v is not None}, parallel)
+        with stdout_to_stderr(as_json):
+            run_dir = train_world(ctx, config_file, options, given, run_dir, resume, probe, capacity or (),
+                                  nproc_per_node, {k: v for k, v in torchrun.items() if v is not None}, parallel)
+        echo_done(run_dir, as_json)
         return
     capacity = single_capacity(capacity, parallel)
-    worker_pool().warm_up()  # the training worker's server imports torch while the run is planned
-    with one_line():
+    with one_line(), stdout_to_stderr(as_json):  # --json: what the worker server's processes print goes to stderr
+        worker_pool().warm_up()  # the training worker's server imports torch while the run is planned
         if resume:
             plan = resume_plan(run_dir, options, given)
         else:
@@ -142,13 +148,9 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
             plan = planning.plan_run(config, run_dir, setting)
         announce(plan)
     with one_line(f"interrupted: the checkpoints in {plan.run_dir} are kept; continue with "
-                  f"`vramcal train --resume --run-dir {plan.run_dir}`"):
-        result = train(plan, echo=lambda line: click.echo(line, err=True))
-    last = result.last
-    if last:
-        click.echo(f"done: {last['step']} step{'' if last['step'] == 1 else 's'}, val_loss {last['val_loss']:.4f} "
-                   f"(zero-return {last['val_zero_loss']:.4f}), metrics {plan.run_dir / 'metrics.jsonl'}, "
-                   f"checkpoint {plan.run_dir / 'checkpoint-last.pt'}")
+                  f"`vramcal train --resume --run-dir {plan.run_dir}`"), stdout_to_stderr(as_json):
+        train(plan, echo=lambda line: click.echo(line, err=True))
+    echo_done(plan.run_dir, as_json)
 
 
 def single_capacity(capacity: tuple[int, ...] | None, parallel: WorldOptions) -> int | None:
@@ -166,7 +168,8 @@ def single_capacity(capacity: tuple[int, ...] | None, parallel: WorldOptions) ->
 
 def train_world(ctx, config_file, options, given, run_dir, resume, probe, capacities, nproc_per_node, torchrun,
                 parallel):
-    """``--nproc-per-node``: the run's ranks through torchrun's agent (:mod:`vramcal.train.distributed`)."""
+    """``--nproc-per-node``: the run's ranks through torchrun's agent (:mod:`vramcal.train.distributed`); returns
+    the run folder."""
     from vramcal.train.plan import load_windows  # loads numpy: only when called
 
     nodes = node_count(torchrun.get("nnodes", 1))
@@ -205,7 +208,7 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
             distributed.launch(config, run_dir, world, nproc_per_node, torchrun, capacities, resume, overrides)
         finally:
             checkpoint.release_run_dir(run_dir)
-    echo_done(run_dir)
+    return run_dir
 
 
 def node_count(nnodes: object) -> int:
@@ -232,16 +235,20 @@ def new_run_dir() -> Path:
     return Path("runs") / dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
 
 
-def echo_done(run_dir: Path) -> None:
-    """The closing line of a DDP run, from the metrics rank 0 wrote."""
-    import json
+def echo_done(run_dir: Path, as_json: bool = False) -> None:
+    """The closing line, from what the run (a DDP run's rank 0) wrote in its folder; with ``--json`` it goes to
+    stderr and :func:`vramcal.train.runner.run_summary` to stdout."""
+    from vramcal.train.runner import run_summary  # loads numpy: only when called
 
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    last = next((r for r in reversed(rows) if r["kind"] == "epoch"), None)
-    if last:
-        click.echo(f"done: {last['step']} steps, val_loss {last['val_loss']:.4f} (zero-return "
-                   f"{last['val_zero_loss']:.4f}), metrics {run_dir / 'metrics.jsonl'}, checkpoint "
-                   f"{run_dir / 'checkpoint-last.pt'}")
+    with one_line():
+        done = run_summary(run_dir)
+    if done["val_loss"] is not None:
+        steps = done["steps"]
+        click.echo(f"done: {steps} step{'' if steps == 1 else 's'}, val_loss {done['val_loss']:.4f} (zero-return "
+                   f"{done['val_zero_loss']:.4f}), metrics {done['metrics']}, checkpoint {done['checkpoint']}, "
+                   f"TensorBoard {done['tensorboard']}", err=as_json)
+    if as_json:
+        click.echo(json.dumps(done, indent=2, sort_keys=True))
 
 
 def make_config(config_file: str | None, options: dict[str, Any], given: set[str]):

@@ -8,6 +8,7 @@ exit 1; bad values exit 2; Ctrl-C exits 130 with the study kept.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import click
 
 from vramcal.calibration.fit2d import parse_seq_lens
 from vramcal.cli.options import explicit, one_line, strict_profiles, training_options
+from vramcal.cli.probe import stdout_to_stderr
 from vramcal.cli.train import make_config
 from vramcal.train.config import TrainConfig
 from vramcal.tune import storage as storages
@@ -33,7 +35,8 @@ def _range(name: str, default: tuple[float, float], help_text: str):
 @click.command("tune")
 @training_options
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="tune folder: study.db, trials/<nnnn>/ (trials/0000/, ...), trials.md, best-config.json, tune.png "
+              help="tune folder: study.db, trials/<nnnn>/ (trials/0000/, ...; each a training run with its "
+                   "TensorBoard files: `tensorboard --logdir` this folder), trials.md, best-config.json, tune.png "
                    "[default: runs/tune-<UTC time>]")
 @click.option("--resume", is_flag=True, help="continue the study in --run-dir (or --storage/--study-name)")
 @click.option("--storage", default=None, envvar="VRAMCAL_TUNE_STORAGE",
@@ -58,11 +61,17 @@ def _range(name: str, default: tuple[float, float], help_text: str):
 @_range("--max-grad-norm-range", (0.25, 4.0), "gradient clipping norm, log scale")
 @click.option("--epochs", type=click.IntRange(1), default=3, show_default=True,
               help="epochs per trial; validation loss after each feeds the pruner")
+@click.option("--json", "as_json", is_flag=True, help="at the end, print the study, its storage, the best trial's "
+              "value and params and the trials by state as JSON on stdout (the table and the rest on stderr)")
 @click.pass_context
 def tune_command(ctx: click.Context, config_file: str | None, run_dir: Path | None, resume: bool,
-                 storage: str | None, study_name: str, trials: int, capacity: tuple[int, ...] | None,
+                 storage: str | None, study_name: str, trials: int, capacity: tuple[int, ...] | None, as_json: bool,
                  **options: Any) -> None:
-    """Search learning rate, batch size (within the profile's bounds), weight decay and clip norm with optuna."""
+    """Search learning rate, batch size (within the profile's bounds), weight decay and clip norm with optuna.
+
+    Every trial is a training run in the tune folder (trials/<nnnn>/) with its epochs, hyperparameters and
+    objective in TensorBoard there: `tensorboard --logdir <tune folder>` compares them (HParams).
+    """
     from vramcal.tune import report  # loads numpy: only when called
     from vramcal.tune import study as tune  # loads numpy: only when called
 
@@ -82,14 +91,15 @@ def tune_command(ctx: click.Context, config_file: str | None, run_dir: Path | No
     resume_hint = f"`vramcal tune --run-dir {run_dir} --resume`" + (" with the same --storage and --study-name"
                                                                      if storage else "")
     options_given = {p.name: p.opts[0] for p in ctx.command.params if p.name in given - set(_PER_CALL)}
-    with one_line(f"interrupted: the study is kept; continue it with {resume_hint}"), storages.storage_errors(url):
+    with one_line(f"interrupted: the study is kept; continue it with {resume_hint}"), storages.storage_errors(url), \
+            stdout_to_stderr(as_json):
         study, settings, space = open_tune(settings, run_dir, resume, url, storage is None, study_name, capacity,
                                            options_given, echo)
         echo(f"study {study_name!r} in {url.shown}: {trials} trials, TPE after {settings.n_initial} random, "
              f"median pruning; {space.describe()}")
         tune.run_study(study, settings, space, run_dir, trials, echo=echo, secrets=url.secrets)
         written = report.write_results(study, settings, space, run_dir)
-    print_results(study, written)
+    print_results(study, written, as_json, url.shown, run_dir)
 
 
 def storage_url(storage: str | None, run_dir: Path):
@@ -204,17 +214,28 @@ def check_default_storage(run_dir: Path, resume: bool) -> None:
                                    f"or choose another --run-dir")
 
 
-def print_results(study, written: dict[str, Path]) -> None:
-    from vramcal.tune.report import best_trial, failure_lines, format_table  # loads numpy: only when called
+def print_results(study, written: dict[str, Path], as_json: bool = False, storage: str = "", run_dir: Path = Path()):
+    """The trials table, the failures, the best trial and the files; with ``as_json`` all that on stderr and
+    :func:`vramcal.tune.report.study_summary` on stdout, with the ``storage`` (as shown: no password) and the tune
+    folder.
 
-    click.echo(format_table(study))
+    Raises:
+        click.ClickException: no trial completed (after the JSON, whose ``best`` is then null).
+    """
+    from vramcal.tune.report import best_trial, failure_lines, format_table, study_summary  # loads numpy: when called
+
+    err = as_json
+    click.echo(format_table(study), err=err)
     for line in failure_lines(study):
-        click.echo(line)
+        click.echo(line, err=err)
     best = best_trial(study)
     if best is not None:
-        click.echo(f"best: trial {best.number}, val_loss {best.value:.5f} -> {written['best']}")
-        click.echo(f"train it: vramcal train --config {written['best']}")
-    click.echo(f"table: {written['table']}  plot: {written['plot']}")
+        click.echo(f"best: trial {best.number}, val_loss {best.value:.5f} -> {written['best']}", err=err)
+        click.echo(f"train it: vramcal train --config {written['best']}", err=err)
+    click.echo(f"table: {written['table']}  plot: {written['plot']}", err=err)
+    if err:
+        click.echo(json.dumps({**study_summary(study, written), "storage": storage, "run_dir": str(run_dir)},
+                              indent=2, sort_keys=True))
     if best is None:
         failed = len(failure_lines(study))
         raise click.ClickException("no trial completed, no best configuration"

@@ -6,7 +6,9 @@ the trials that sized the run — prints what it says, and closes the loop. Afte
 the end it prints the measured peak beside the profile's prediction and upper 95 % bound, warns when the
 peak is above the bound or above usable memory, and appends the run's observation to the profile. Time is
 closed the same way (:mod:`vramcal.train.timing`): the run's forecast first, its first epoch's time beside it,
-and both in the observation.
+and both in the observation. After each epoch but the last it prints the time left (:func:`time_left_line`).
+Rank 0 writes the epoch rows to TensorBoard too (:mod:`vramcal.train.tracking`), and :func:`run_summary` reads
+what a run left in its folder, for programs.
 
 Whatever happens in the worker ends here as one line (:class:`~vramcal.train.loop.TrainError`): an
 out-of-memory error that could not be recovered, a crash, a full disk, a ``kill -9`` — each naming the
@@ -15,18 +17,21 @@ last good checkpoint.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from vramcal import __version__
 from vramcal.api import worker_pool
 from vramcal.profile import Observation, ProfileError, append_observation, utc_now
 from vramcal.sizing import compare
-from vramcal.train import checkpoint, timing
+from vramcal.train import checkpoint, timing, tracking
 from vramcal.train.errors import DivergedError, NonFiniteError, Stopped, TrainError
 from vramcal.train.plan import Plan
-from vramcal.units import format_bytes
+from vramcal.units import format_bytes, format_duration
 
 Echo = Callable[[str], None]
 TRAIN_WORKER = "vramcal.train.worker:train_in_worker"  # by name: the caller does not import torch
@@ -72,22 +77,32 @@ def _run(plan: Plan, echo: Echo, on_epoch: Callable[[dict[str, Any]], Any] | Non
     forecast = timing.plan_forecast(plan)
     if forecast is not None:
         echo(timing.forecast_line(forecast, plan))
+    tracker = tracking.RunTracker(plan.run_dir / tracking.TENSORBOARD, tracking.purge_step(plan.run_dir, plan.resume),
+                                  echo) if plan.rank == 0 else None
 
     def handle(kind: str, payload: Any) -> Any:
         if kind == "line":
             echo(payload)
         elif kind == "epoch":
             rows.append(payload)
+            if tracker is not None:
+                tracker.epoch(payload)
             if not first and own_peak(plan, payload):
                 first.append(payload)
                 _report(plan, own_peak(plan, payload), echo, "after the first epoch")
             if len(rows) == 1 and forecast is not None:
                 for line in timing.first_epoch_lines(forecast, payload, fresh=not plan.resume):
                     echo(line)
+            if (left := time_left_line(plan, payload)) is not None:
+                echo(left)
             return on_epoch(payload) if on_epoch is not None else None
         return None
 
-    outcome = (workers or worker_pool()).run(TRAIN_WORKER, plan, handler=handle)
+    try:
+        outcome = (workers or worker_pool()).run(TRAIN_WORKER, plan, handler=handle)
+    finally:
+        if tracker is not None:
+            tracker.close()
     if outcome.status != "ok":
         if outcome.error_type == "Stopped":
             return RunResult({}, 0, None, None, stopped=True)
@@ -103,6 +118,62 @@ def _run(plan: Plan, echo: Echo, on_epoch: Callable[[dict[str, Any]], Any] | Non
         observation = _observe(plan, {**result, "peak_bytes": peak}, echo,
                                timing.observed(forecast, rows, fresh=not plan.resume))
     return RunResult(result["last"], result["step"], peak, observation)
+
+
+def time_left_line(plan: Plan, row: dict[str, Any]) -> str | None:
+    """``about 1.20 min left: 30 steps and 2 validations at 2.10 s/step (median), 1.50 s each`` after an epoch
+    row, from its step time and validation time; None after the last epoch.
+
+    The steps still to go are the trainer's own count (:class:`vramcal.train.loop.Trainer`: the epochs' steps at
+    the row's global batch, a DDP epoch leaving out its incomplete last batch, up to ``max_steps``).
+    """
+    config, batch, n_train = plan.config, int(row["batch_size"]), int(plan.data_stats["train_windows"])
+    per_epoch = max(1, n_train // batch if plan.world is not None else math.ceil(n_train / batch))
+    total = min(config.max_steps or math.inf, config.epochs * per_epoch)
+    steps = int(total - row["step"])
+    step_s = row.get("step_s_median")
+    if steps <= 0 or not step_s:
+        return None
+    validations = max(1, math.ceil(total / per_epoch) - row["epoch"])
+    seconds = steps * step_s + validations * row["val_s"]
+    return (f"about {format_duration(seconds)} left: {steps} step{'s' * (steps > 1)} and {validations} "
+            f"validation{'s' * (validations > 1)} at {step_s:.3g} s/step (median), {row['val_s']:.3g} s each")
+
+
+def run_summary(run_dir: Path) -> dict[str, Any]:
+    """What a finished run left in its folder, for programs (``vramcal train --json``): read from the files rank 0
+    wrote (``run.json``, ``metrics.jsonl``), so one process and a DDP world say it alike.
+
+    Returns:
+        ``run_dir``; ``batch_size`` (samples per forward/backward, rank 0's under DDP) and ``step_batch_size``
+        (per optimizer step, all ranks); ``sizing`` (``run.json``'s: the profile's prediction for the batch size;
+        None for an unchecked run) and ``profile``; ``predicted_peak_bytes`` and ``upper_bytes`` (from
+        ``sizing``); ``peak_bytes`` (the largest epoch peak of the process the prediction is for: rank 0 under
+        DDP) and ``rank_peak_bytes`` (each rank's, DDP only, else None); ``steps``, ``epochs``, ``train_loss``,
+        ``val_loss``, ``val_zero_loss`` (the last epoch row's; None before one); the paths of ``metrics``,
+        ``checkpoint``, ``best_checkpoint`` and ``tensorboard``.
+
+    Raises:
+        OSError, ValueError: the run folder has no readable ``run.json`` or ``metrics.jsonl``.
+    """
+    run_dir = Path(run_dir)
+    record = json.loads((run_dir / checkpoint.RUN).read_text())
+    rows = [json.loads(line) for line in (run_dir / checkpoint.METRICS).read_text().splitlines() if line.strip()]
+    epochs = [r for r in rows if r["kind"] == "epoch"]
+    last, sizing = epochs[-1] if epochs else {}, record["sizing"]
+    measured = [r for r in epochs if r.get("peak_bytes") is not None]
+    ranks = [max(r["rank_peak_bytes"][i] for r in measured) for i in range(len(measured[-1]["rank_peak_bytes"]))] \
+        if measured and measured[-1].get("rank_peak_bytes") else None
+    return {"run_dir": str(run_dir), "batch_size": sizing["batch_size"] if sizing else record["config"]["batch_size"],
+            "step_batch_size": last.get("batch_size"), "sizing": sizing, "profile": record["profile"],
+            "predicted_peak_bytes": sizing and sizing["predicted_peak_bytes"],
+            "upper_bytes": sizing and sizing["upper_bytes"],
+            "peak_bytes": ranks[0] if ranks else max((r["peak_bytes"] for r in measured), default=None),
+            "rank_peak_bytes": ranks, "steps": last.get("step", 0), "epochs": last.get("epoch", 0),
+            "train_loss": last.get("train_loss"), "val_loss": last.get("val_loss"),
+            "val_zero_loss": last.get("val_zero_loss"),
+            "metrics": str(run_dir / checkpoint.METRICS), "checkpoint": str(run_dir / checkpoint.LAST),
+            "best_checkpoint": str(run_dir / checkpoint.BEST), "tensorboard": str(run_dir / tracking.TENSORBOARD)}
 
 
 def own_peak(plan: Plan, figures: dict[str, Any]) -> int | None:
@@ -161,4 +232,4 @@ def _failure_line(plan: Plan, outcome: Any) -> str:
     return f"the training process failed ({outcome.error_type or outcome.status}: {outcome.message}); {kept}"
 
 
-__all__ = ["RunResult", "Stopped", "TrainError", "train"]
+__all__ = ["RunResult", "Stopped", "TrainError", "run_summary", "train"]

@@ -8,6 +8,7 @@ study. Surplus trials (started past the count by a worker racing another, never 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 
 from vramcal.files import atomic_write_bytes, atomic_write_text
@@ -66,6 +67,24 @@ def best_trial(study):
     complete = [t for t in study.trials if t.state == TrialState.COMPLETE and t.value is not None
                 and math.isfinite(t.value)]
     return min(complete, key=lambda t: t.value) if complete else None
+
+
+def study_summary(study, written: dict[str, Path]) -> dict:
+    """What a study holds, for programs (``vramcal tune --json``): ``study_name``; ``best`` (the best trial's
+    ``number``, ``value``, ``params``, ``batch_size_used`` and ``run_dir``; None when no trial completed);
+    ``trials`` (counted by optuna's states, each named in lower case, 0 included: ``complete``, ``pruned``,
+    ``fail``, ``running``, ``waiting``; surplus trials, which never ran, left out); ``files`` (``written``'s
+    paths: ``table``, ``plot``, ``best``)."""
+    from optuna.trial import TrialState
+
+    best = best_trial(study)
+    counts = Counter(t.state.name.lower() for t in shown_trials(study.trials))
+    return {"study_name": study.study_name,
+            "best": None if best is None else {"number": best.number, "value": best.value, "params": best.params,
+                                               "batch_size_used": best.user_attrs.get("batch_size_used"),
+                                               "run_dir": best.user_attrs.get("run_dir")},
+            "trials": {state.name.lower(): counts[state.name.lower()] for state in TrialState},
+            "files": {name: str(path) for name, path in sorted(written.items())}}
 
 
 def best_config(study, settings: TuneSettings) -> TrainConfig | None:

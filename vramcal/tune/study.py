@@ -34,7 +34,10 @@ saves the search settings in the study; the others use those, with batch bounds 
 They stop at exactly ``--trials`` finished trials between them, and fail the trials of workers that died
 (:mod:`vramcal.tune.workers`, :func:`run_study`).
 
-The trials table, the best configuration and the PNG are made by :mod:`vramcal.tune.report`.
+The trials table, the best configuration and the PNG are made by :mod:`vramcal.tune.report`. Each trial's run
+writes its epochs to TensorBoard in its folder, and its hyperparameters and objective beside them once it ends
+(:mod:`vramcal.train.tracking`): ``tensorboard --logdir <run_dir>`` compares the trials. Each trial's line ends
+with the study's progress and the time left.
 """
 
 from __future__ import annotations
@@ -54,8 +57,9 @@ from vramcal.sizing import SizeRequest, size, throughput_choice
 from vramcal.train.config import TrainConfig
 from vramcal.train.errors import DivergedError, NonFiniteError, TrainError
 from vramcal.train.plan import Setting
+from vramcal.train.tracking import log_trial
 from vramcal.tune.storage import StorageError, redact
-from vramcal.tune.workers import SURPLUS, fail_dead_trials, finished, is_surplus, worker_id
+from vramcal.tune.workers import SURPLUS, fail_dead_trials, finished, is_surplus, time_left, worker_id
 
 Echo = Callable[[str], None]
 BEST_CONFIG = "best-config.json"
@@ -366,7 +370,8 @@ def run_study(study, settings: TuneSettings, space: SearchSpace, run_dir: Path, 
             continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            study.optimize(objective, n_trials=1, gc_after_trial=True, catch=(Exception,), callbacks=[_announce(echo)])
+            study.optimize(objective, n_trials=1, gc_after_trial=True, catch=(Exception,),
+                           callbacks=[_announce(echo, n_trials), lambda _, trial: log_trial(trial, echo)])
 
 
 class Surplus(Exception):
@@ -500,7 +505,9 @@ def failure_reason(error: BaseException, secrets: tuple[str, ...] = ()) -> str:
     return redact(first if own and first else f"{type(error).__name__}: {first}".rstrip(": "), secrets)[:500]
 
 
-def _announce(echo: Echo):
+def _announce(echo: Echo, n_trials: int):
+    """The line of a trial that ended: its state, its lowest validation loss, why it failed, and the study's
+    progress with the time left (:func:`~vramcal.tune.workers.time_left`)."""
     def callback(study, trial) -> None:
         if trial.user_attrs.get(SURPLUS):
             echo(f"trial {trial.number}: {trial.user_attrs['error']}")
@@ -508,6 +515,7 @@ def _announce(echo: Echo):
         value = trial.user_attrs.get("val_loss")
         shown = f"val_loss {value:.4f}" if value is not None else "no validation"
         reason = trial.user_attrs.get("error")
-        echo(f"trial {trial.number}: {trial.state.name.lower()}, {shown}" + (f" ({reason})" if reason else ""))
+        echo(f"trial {trial.number}: {trial.state.name.lower()}, {shown}" + (f" ({reason})" if reason else "")
+             + f"; {time_left(study.get_trials(deepcopy=False), n_trials)}")
 
     return callback

@@ -16,10 +16,13 @@ every worker agrees which ones are past the count.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from collections.abc import Iterable
 from pathlib import Path
+
+from vramcal.units import format_duration
 
 SURPLUS = "surplus"  # the user attribute of a trial that started past the requested count and did not run
 
@@ -95,6 +98,25 @@ def is_surplus(trials: Iterable, number: int, n_trials: int) -> bool:
 
     counted = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
     return sum(t.number < number and t.state in counted for t in trials) >= n_trials
+
+
+def time_left(trials: Iterable, n_trials: int) -> str:
+    """``4 of 20 finished, about 9.6 min left`` from the mean wall time of the finished trials (complete or
+    pruned) and how many workers are running one (this one, which has just finished one, and every other worker
+    of a RUNNING trial): the trials still to run, shared between them. ``4 of 20 finished`` alone before any
+    trial has a time."""
+    from optuna.trial import TrialState
+
+    trials = list(trials)
+    done = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    durations = [t.duration.total_seconds() for t in done if t.duration is not None]
+    left, shown = n_trials - len(done), f"{len(done)} of {n_trials} finished"
+    if left <= 0 or not durations:
+        return shown
+    others = {t.user_attrs.get("worker") for t in trials if t.state == TrialState.RUNNING} - {worker_id()}
+    seconds = sum(durations) / len(durations) * math.ceil(left / (1 + len(others)))
+    workers = f" between {1 + len(others)} workers" if others else ""
+    return f"{shown}, about {format_duration(seconds)} left{workers}"
 
 
 def shown_trials(trials: Iterable) -> list:
