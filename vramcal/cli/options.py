@@ -28,7 +28,7 @@ from vramcal.calibrator import CalibrationError
 from vramcal.estimate import EstimateError
 from vramcal.measure.device import DeviceError, check_choice
 from vramcal.measure.nvml import NvmlError
-from vramcal.models.mamba2 import DTYPE_POLICIES, IMPLEMENTATIONS
+from vramcal.models.mamba2 import CHECKPOINTING_FORMS, DTYPE_POLICIES, IMPLEMENTATIONS, checkpoint_every
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.profile import load_profile
 from vramcal.records import World
@@ -41,7 +41,7 @@ EXIT_UNVERIFIED = 3
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
 _DEFAULTS = RegressorSpec()
-SPEC_NAMES = ("d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len", "dtype")
+SPEC_NAMES = ("d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len", "dtype", "checkpointing")
 
 
 class ByteSize(click.ParamType):
@@ -116,6 +116,20 @@ class SeqLenList(click.ParamType):
             return parse_seq_lens(str(value))
         except ValueError as error:
             self.fail(str(error), param, ctx)
+
+
+class Checkpointing(click.ParamType):
+    """``--checkpointing off|block|every:K`` in form (:func:`vramcal.models.mamba2.checkpoint_every`); whether K fits
+    the model's blocks is the spec's to say (it knows ``n_layers``)."""
+
+    name = "off|block|every:K"
+
+    def convert(self, value, param, ctx):
+        try:
+            checkpoint_every(value)
+        except ValueError as error:
+            self.fail(str(error).removeprefix("checkpointing "), param, ctx)
+        return value
 
 
 class KeyValue(click.ParamType):
@@ -216,6 +230,10 @@ def _spec_group(seq_len_option: Callable) -> Callable:
         seq_len_option,
         click.option("--dtype", type=click.Choice(DTYPE_POLICIES), default=_DEFAULTS.dtype, show_default=True,
                      help="fp32, or fp32 weights with bf16 autocast (CUDA, compute capability 8.0+)"),
+        click.option("--checkpointing", type=Checkpointing(), default=_DEFAULTS.checkpointing, show_default=True,
+                     help=f"activation checkpointing, {CHECKPOINTING_FORMS}: every Mamba-2 block, or every K-th, "
+                          f"recomputed in the backward pass (less memory per sample, more compute); each its own "
+                          f"profile"),
     )
 
 

@@ -26,7 +26,14 @@ import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vramcal.models.mamba2 import DTYPE_POLICIES, import_mamba_ssm_mamba2, import_transformers_mamba2
+from vramcal.models.mamba2 import (
+    CHECKPOINTING_OFF,
+    DTYPE_POLICIES,
+    checkpoint_blocks,
+    checkpoint_every,
+    import_mamba_ssm_mamba2,
+    import_transformers_mamba2,
+)
 from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, SchemaError, read_value
 from vramcal.words import given
 from vramcal.workload import TrainingStep
@@ -238,7 +245,8 @@ def _refusal(error: Exception) -> str:
     return (rest if sep and kind.isidentifier() and kind.endswith(("Error", "Exception")) else telling[0])[:300]
 
 
-def check_params(config: dict[str, Any], seq_len: Any, dtype: str = "fp32") -> Mamba2Config:
+def check_params(config: dict[str, Any], seq_len: Any, dtype: str = "fp32",
+                 checkpointing: str = CHECKPOINTING_OFF) -> Mamba2Config:
     """Check the family's arguments before any trial (and again in the trial process).
 
     Returns:
@@ -246,11 +254,16 @@ def check_params(config: dict[str, Any], seq_len: Any, dtype: str = "fp32") -> M
 
     Raises:
         ValueError: a bad config (:func:`mamba2_config`), a ``seq_len`` that is not a positive multiple of
-            the config's ``chunk_size``, or an unknown ``dtype``.
+            the config's ``chunk_size``, an unknown ``dtype``, or a ``checkpointing`` that is not off, block or
+            every:K with K at most the config's layers (:func:`vramcal.models.mamba2.checkpoint_every`).
     """
     if dtype not in DTYPE_POLICIES:
         raise ValueError(f"{_lm()}: dtype must be one of {', '.join(DTYPE_POLICIES)}, got {dtype!r}")
     settings = mamba2_config(config)
+    try:
+        checkpoint_every(checkpointing, settings.num_hidden_layers, "num_hidden_layers")
+    except ValueError as error:
+        raise ValueError(f"{_lm()}: {error}") from None
     chunk = settings.chunk_size
     whole = isinstance(seq_len, int) and not isinstance(seq_len, bool)
     if not whole or seq_len < 1 or seq_len % chunk:
@@ -284,8 +297,8 @@ def _modeling_with_kernels() -> types.ModuleType:
 
 
 def training_step(device: torch.device, *, config: dict[str, Any], seq_len: int, dtype: str = "fp32",
-                  implementation: str = "transformers", lr: float = 1e-4, weight_decay: float = 0.01,
-                  max_grad_norm: float = 1.0, seed: int = 0) -> TrainingStep:
+                  checkpointing: str = CHECKPOINTING_OFF, implementation: str = "transformers", lr: float = 1e-4,
+                  weight_decay: float = 0.01, max_grad_norm: float = 1.0, seed: int = 0) -> TrainingStep:
     """The language model's training step (module docstring).
 
     Args:
@@ -293,20 +306,23 @@ def training_step(device: torch.device, *, config: dict[str, Any], seq_len: int,
         config: ``Mamba2Config`` settings (:func:`read_config`).
         seq_len: tokens per sample; a multiple of the config's ``chunk_size``.
         dtype: ``fp32``, or ``bf16-autocast`` (fp32 weights, bf16 autocast on CUDA).
+        checkpointing: activation checkpointing, ``off``, ``block`` or ``every:K`` (transformers' own:
+            :func:`vramcal.models.mamba2.checkpoint_blocks`).
         implementation: ``transformers`` (its PyTorch chunked scan, mamba_ssm kernels hidden) or
             ``mamba_ssm`` (transformers' Mamba2 with mamba_ssm's fused kernels bound; CUDA only).
 
     Batches: ``input_ids`` (batch_size, seq_len) int64 on the device.
 
     Raises:
-        ValueError: a bad config, seq_len or dtype (:func:`check_params`).
+        ValueError: a bad config, seq_len, dtype or checkpointing (:func:`check_params`).
     """
     import torch
 
-    settings = check_params(config, seq_len, dtype)
+    settings = check_params(config, seq_len, dtype, checkpointing)
     modeling = import_transformers_mamba2() if implementation == "transformers" else _modeling_with_kernels()
     torch.manual_seed(seed)
     model = modeling.Mamba2ForCausalLM(settings).to(device)
+    checkpoint_blocks(model, checkpoint_every(checkpointing, settings.num_hidden_layers))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     generator = torch.Generator(device=device).manual_seed(seed)
     autocast = dtype == "bf16-autocast" and device.type == "cuda"

@@ -12,12 +12,19 @@ Only this module imports Mamba-2 implementations. Two are supported, both from w
   ``causal_conv1d`` package, because mamba_ssm 2.3.2's training path without it does not run.
 
 The profile records which one ran (:func:`kernel_path`): their memory differs by several times.
+
+Activation checkpointing (:func:`checkpoint_every`, the spec's ``checkpointing``) trades compute for memory: a
+checkpointed block keeps only its input in the forward pass and recomputes its activations in the backward pass
+(``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``; Chen et al. 2016, "Training Deep Nets with
+Sublinear Memory Cost"). transformers' blocks are checkpointed by transformers itself (:func:`checkpoint_blocks`),
+mamba_ssm's by the regressor's backbone (:class:`vramcal.models.regressor.net.MambaSsmBackbone`).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import sys
 import types
 from typing import TYPE_CHECKING, Literal
@@ -26,6 +33,8 @@ from vramcal.words import given
 from vramcal.workload import TORCH_PATH
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from vramcal.records import Device
 
 Implementation = Literal["auto", "transformers", "mamba_ssm"]
@@ -33,6 +42,60 @@ DtypePolicy = Literal["fp32", "bf16-autocast"]
 IMPLEMENTATIONS: tuple[str, ...] = ("auto", "transformers", "mamba_ssm")
 DTYPE_POLICIES: tuple[str, ...] = ("fp32", "bf16-autocast")
 BF16_MIN_COMPUTE_CAPABILITY = (8, 0)  # bf16 tensor cores and autocast speed: Ampere (sm_80) and later
+CHECKPOINTING_FORMS = "off, block or every:K"  # what the spec's checkpointing takes (checkpoint_every)
+CHECKPOINTING_OFF = "off"
+
+
+def checkpoint_every(checkpointing: object, n_layers: int | None = None, layers_name: str = "n_layers") -> int:
+    """How many blocks apart the blocks recomputed in the backward pass are: 0 for ``off`` (none), 1 for ``block``
+    (every Mamba-2 block), K for ``every:K`` (blocks 0, K, 2K, ...; transformers' ``every_n_layers`` counts so).
+    One spelling per variant (``every:1`` is ``block``), so each variant has one profile key.
+
+    Args:
+        checkpointing: the spec's setting.
+        n_layers: the model's blocks, when known: K may not exceed it.
+        layers_name: the setting that gives ``n_layers``, as messages name it.
+
+    Raises:
+        ValueError: one line naming the setting and what it takes.
+    """
+    if checkpointing == CHECKPOINTING_OFF:
+        return 0
+    if checkpointing == "block":
+        return 1
+    found = re.fullmatch(r"every:([1-9][0-9]*)", checkpointing) if isinstance(checkpointing, str) else None
+    if found is None:
+        raise ValueError(f"checkpointing must be {CHECKPOINTING_FORMS} (every K-th block, K a whole number), got "
+                         f"{checkpointing!r}")
+    every = int(found.group(1))
+    if every == 1:
+        raise ValueError("checkpointing every:1 is every block: write block")
+    if n_layers is not None and every > n_layers:
+        fits = {1: "block", 2: "every:2 or block"}.get(n_layers, f"every:2 to every:{n_layers}, or block")
+        raise ValueError(f"checkpointing every:{every} is more than {layers_name} {n_layers}: use {fits}")
+    return every
+
+
+def checkpoint_blocks(model: torch.nn.Module, every: int) -> None:
+    """Recompute every ``every``-th Mamba-2 block of a transformers model (``Mamba2Model``, ``Mamba2ForCausalLM``)
+    in the backward pass, by transformers' own activation checkpointing: ``activation_checkpointing_enable``
+    (``gradient_checkpointing_enable`` before transformers named it so) with ``use_reentrant=False``, then each
+    block's own flag (its ``GradientCheckpointingLayer.gradient_checkpointing``) for blocks 0, K, 2K, ..., as
+    transformers' ``every_n_layers`` sets them where it has one. ``every`` 0: nothing (:func:`checkpoint_every`).
+    """
+    if not every:
+        return
+    from transformers.modeling_layers import GradientCheckpointingLayer  # loads torch: only when called
+
+    settings = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=settings)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=settings)
+    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for index, block in enumerate(blocks):
+        block.gradient_checkpointing = index % every == 0
 
 
 def mamba_ssm_available() -> bool:

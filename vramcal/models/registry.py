@@ -161,12 +161,15 @@ class LanguageModel(Family):
 
     def check(self, params: dict[str, Any], device: Device, implementation: str) -> ModelRef:
         """Raises: ValueError: no config or seq_len, a config transformers refuses, a seq_len that is not a
-        multiple of its chunk_size, or a dtype the device cannot run."""
+        multiple of its chunk_size, a dtype the device cannot run, or a checkpointing that is not off, block or
+        every:K with K at most the config's layers."""
         if "config" not in params or "seq_len" not in params:
             raise ValueError(f"{given('model', 'lm')} needs {given('params', 'config=<Mamba2Config JSON file>')} and "
                              f"{word('seq_len')}")
         params = {"dtype": "fp32", **params, "config": lm.read_config(params["config"])}
-        lm.check_params(params["config"], params["seq_len"], params["dtype"])
+        lm.check_params(params["config"], params["seq_len"], params["dtype"], params.get("checkpointing", "off"))
+        if params.get("checkpointing") == "off":
+            del params["checkpointing"]  # the key of a profile made before the setting existed (RegressorSpec.ref)
         check_dtype(device, params["dtype"])
         return ModelRef.make(self.factory, {**params, "implementation": resolve_implementation(implementation,
                                                                                              device.kind)})
@@ -178,7 +181,9 @@ class LanguageModel(Family):
         return True
 
     def probe_args(self, ref: ModelRef) -> list[str]:
-        return ["--model lm", "--model-arg config=<its config file>", f"--seq-len {ref.params['seq_len']}"]
+        checkpointing = ref.params.get("checkpointing")
+        return ["--model lm", "--model-arg config=<its config file>", f"--seq-len {ref.params['seq_len']}",
+                *([f"--model-arg checkpointing={checkpointing}"] if checkpointing else [])]
 
 
 REGRESSOR = Regressor()

@@ -11,6 +11,9 @@ import warnings
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from vramcal.models.mamba2 import checkpoint_blocks
 
 # FSDP2 warns that the root returns a view (the head's squeeze), in case the caller changes it in place: the
 # regressor's loss reads it out of place, so the warning says nothing here (it would print once per rank)
@@ -39,8 +42,9 @@ class TransformersBackbone(nn.Module):
     """``transformers.Mamba2Model`` fed through ``inputs_embeds``: (B, L, d_model) -> (B, L, d_model).
 
     Its one-row token embedding is unused, and frozen (no gradient, no optimizer state, and DDP finds no
-    parameter without a gradient); blocks, initialisation, the final RMSNorm and the fp32 residual stream
-    (``residual_in_fp32``) are the library's.
+    parameter without a gradient); blocks, initialisation, the final RMSNorm, the fp32 residual stream
+    (``residual_in_fp32``) and the spec's activation checkpointing
+    (:func:`vramcal.models.mamba2.checkpoint_blocks`) are the library's.
     """
 
     def __init__(self, modeling: types.ModuleType, spec) -> None:
@@ -54,6 +58,7 @@ class TransformersBackbone(nn.Module):
             bos_token_id=0, eos_token_id=0, use_cache=False, residual_in_fp32=True)
         self.model = modeling.Mamba2Model(config)
         self.model.get_input_embeddings().weight.requires_grad_(False)
+        checkpoint_blocks(self.model, spec.checkpoint_stride)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model(inputs_embeds=hidden, use_cache=False).last_hidden_state
@@ -66,7 +71,9 @@ class MambaSsmBackbone(nn.Module):
     ``h = h + Mamba2(RMSNorm(h))``, then a final RMSNorm. The residual stream ``h`` is fp32 whatever the
     autocast (the input projection's bf16 output is cast up at the entry, and each block's bf16 output is
     added to fp32), as transformers' ``Mamba2Model`` keeps it with ``residual_in_fp32=True``: both
-    implementations calibrate the same model.
+    implementations calibrate the same model. The blocks the spec checkpoints (every ``checkpoint_stride``-th from
+    the first, as transformers counts them) run under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
+    in training: only their input is kept, the rest recomputed in the backward pass.
     """
 
     def __init__(self, mamba2: types.ModuleType, spec) -> None:
@@ -80,9 +87,19 @@ class MambaSsmBackbone(nn.Module):
                           chunk_size=spec.chunk_size, use_mem_eff_path=True, layer_idx=i)
             for i in range(spec.n_layers))
         self.norm_f = RMSNorm(spec.d_model)
+        self.checkpoint_stride = spec.checkpoint_stride
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.float()  # (B, L, d_model) fp32: the residual stream
-        for norm, mixer in zip(self.norms, self.mixers):
-            hidden = hidden + mixer(norm(hidden))  # (B, L, d_model), fp32 + (bf16 under autocast) -> fp32
+        recompute = self.checkpoint_stride and self.training and torch.is_grad_enabled()
+        for index, (norm, mixer) in enumerate(zip(self.norms, self.mixers)):
+            if recompute and index % self.checkpoint_stride == 0:
+                hidden = checkpoint(_block, norm, mixer, hidden, use_reentrant=False)
+            else:
+                hidden = _block(norm, mixer, hidden)
         return self.norm_f(hidden)
+
+
+def _block(norm: nn.Module, mixer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """One pre-norm residual block: (B, L, d_model) fp32 -> (B, L, d_model) fp32 (+ bf16 under autocast -> fp32)."""
+    return hidden + mixer(norm(hidden))

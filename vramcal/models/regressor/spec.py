@@ -10,7 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from vramcal.models.mamba2 import DTYPE_POLICIES, DtypePolicy
+from vramcal.models.mamba2 import CHECKPOINTING_OFF, DTYPE_POLICIES, DtypePolicy, checkpoint_every
 from vramcal.workload import ModelRef
 
 # The factory a profile of this family names (kept in every profile: it must not move).
@@ -39,6 +39,11 @@ class RegressorSpec:
         d_conv: width of the causal depthwise convolution.
         n_groups: groups sharing B and C (1 = multi-value attention analogue).
         dtype: ``fp32``, or ``bf16-autocast`` (fp32 weights, bf16 autocast; CUDA only).
+        checkpointing: activation checkpointing, ``off``, ``block`` (every Mamba-2 block recomputed in the
+            backward pass) or ``every:K`` (blocks 0, K, 2K, ...; K at most ``n_layers``): less memory per sample
+            for more compute (:func:`vramcal.models.mamba2.checkpoint_every`). A variant of the same model with a
+            profile of its own: :meth:`ref` keys it, leaving ``off`` out so that profiles made before the setting
+            existed keep their key.
     """
 
     d_model: int = 128
@@ -52,6 +57,7 @@ class RegressorSpec:
     d_conv: int = 4
     n_groups: int = 1
     dtype: DtypePolicy = "fp32"
+    checkpointing: str = CHECKPOINTING_OFF
 
     def __post_init__(self) -> None:
         self.validate()
@@ -94,6 +100,13 @@ class RegressorSpec:
                 f"use seq_len {' or '.join(map(str, options))}, or a chunk_size that divides {self.seq_len}")
         if self.dtype not in DTYPE_POLICIES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_POLICIES)}, got {self.dtype!r}")
+        checkpoint_every(self.checkpointing, self.n_layers)
+
+    @property
+    def checkpoint_stride(self) -> int:
+        """How many blocks apart the checkpointed blocks are; 0: none
+        (:func:`~vramcal.models.mamba2.checkpoint_every`)."""
+        return checkpoint_every(self.checkpointing, self.n_layers)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -108,8 +121,10 @@ class RegressorSpec:
         return cls(**data)
 
     def ref(self, implementation: str) -> ModelRef:
-        """The profile key of this spec trained with a concrete ``implementation``."""
-        return ModelRef.make(FACTORY, {**self.to_dict(), "implementation": implementation})
+        """The profile key of this spec trained with a concrete ``implementation`` (``checkpointing`` only when it is
+        not ``off``: a profile without it was made without checkpointing)."""
+        fields = {k: v for k, v in self.to_dict().items() if k != "checkpointing" or v != CHECKPOINTING_OFF}
+        return ModelRef.make(FACTORY, {**fields, "implementation": implementation})
 
     @classmethod
     def from_ref(cls, ref: ModelRef) -> tuple[RegressorSpec, str]:
@@ -125,10 +140,12 @@ class RegressorSpec:
         return cls.from_dict(params), implementation
 
     def short(self) -> str:
-        """One line for titles: ``d_model=256 n_layers=4 d_state=64 headdim=64 expand=2 ...``."""
+        """One line for titles: ``d_model=256 n_layers=4 d_state=64 headdim=64 expand=2 ...`` (and
+        ``checkpointing=block`` where it is on)."""
+        checkpointing = f" checkpointing={self.checkpointing}" if self.checkpoint_stride else ""
         return (f"d_model={self.d_model} n_layers={self.n_layers} d_state={self.d_state} "
                 f"headdim={self.headdim} expand={self.expand} chunk_size={self.chunk_size} "
-                f"seq_len={self.seq_len} {self.dtype}")
+                f"seq_len={self.seq_len} {self.dtype}{checkpointing}")
 
     def n_params(self) -> int:
         """Trainable parameters, counted from the layer shapes (no torch needed).

@@ -1,0 +1,107 @@
+"""Activation checkpointing as a variant of one spec: real trials of the tiny model with and without it on the host,
+its place in the profile's key, and its refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from click.testing import CliRunner
+from host_budget import budget
+
+from vramcal.api import worker_pool
+from vramcal.calibration.fit import fit_linear
+from vramcal.cli import main
+from vramcal.lookup import NoProfileError, locate_profile
+from vramcal.measure.device import host_device
+from vramcal.measure.trial import TrialRequest, TrialRunner
+from vramcal.models.registry import model_ref
+from vramcal.models.regressor.spec import RegressorSpec
+from vramcal.profile import profile_path, save_profile
+from vramcal.records import TrialSettings
+from vramcal.sizing import SizingError
+
+from profiles_for_tests import build_profile
+
+TINY = RegressorSpec(d_model=32, n_layers=2, d_state=16, headdim=16, seq_len=32, chunk_size=16)
+BLOCK = dataclasses.replace(TINY, checkpointing="block")
+SIZES = (64, 512, 1024)  # ~0.1-0.2 MiB a sample: the largest trial holds ~150 MiB of activations without it
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """Real trials of both variants at three batch sizes each (about 15 s): the host, 4 GiB, no fakes."""
+    runner, device = TrialRunner(worker_pool()), host_device(budget(4 * 2**30))
+    settings = TrialSettings(timeout_s=120)
+    trials = {spec.checkpointing: [runner.run(TrialRequest(spec.ref("transformers"), size, device,
+                                                           settings=settings))[0] for size in SIZES]
+              for spec in (TINY, BLOCK)}
+    return device, trials
+
+
+def test_a_checkpointed_step_holds_less_per_sample(measured):
+    _, trials = measured
+    assert all(t.ok for each in trials.values() for t in each), trials
+    off, block = (fit_linear(SIZES, [t.peak_bytes for t in trials[name]]).slope_bytes_per_sample
+                  for name in ("off", "block"))
+    # each of the 2 blocks keeps only its input in the forward pass, one block's activations live at a time in the
+    # backward pass: measured 0.5-0.6 of the slope without
+    assert block < 0.8 * off, (block, off)
+    # the same weights and optimizer: what a checkpointed step saves is activations, not the overhead
+    assert abs(trials["block"][0].peak_bytes - trials["off"][0].peak_bytes) < 0.1 * trials["off"][0].peak_bytes
+
+
+def test_the_variant_is_in_the_profile_key_and_the_lookup_never_sizes_one_by_the_other(measured, tmp_path):
+    device, trials = measured
+    profile = build_profile(device, trials["block"], spec=BLOCK)
+    off_ref = TINY.ref("transformers")
+    assert profile.model.params["checkpointing"] == "block" and profile.model.key() != off_ref.key()
+    assert "checkpointing" not in off_ref.params  # off: the key profiles made before the setting have
+    assert RegressorSpec.from_ref(profile.model) == (BLOCK, "transformers")
+    with pytest.raises(SizingError, match=r"another model: checkpointing=None \(profile block\)"):
+        locate_profile("regressor", TINY.to_dict(), device=device, profile=profile, implementation="transformers")
+
+    save_profile(profile, profile_path(tmp_path, device, profile.model, "transformers"))
+    found = locate_profile("regressor", BLOCK.to_dict(), device=device, profiles_dir=tmp_path,
+                           implementation="transformers")
+    assert found.profile.model == profile.model
+    with pytest.raises(NoProfileError) as missing:
+        locate_profile("regressor", TINY.to_dict(), device=device, profiles_dir=tmp_path, implementation="transformers")
+    assert "--checkpointing" not in missing.value.command
+    with pytest.raises(NoProfileError) as other:
+        locate_profile("regressor", {**TINY.to_dict(), "checkpointing": "every:2"}, device=device,
+                       profiles_dir=tmp_path, implementation="transformers")
+    assert "--checkpointing every:2" in other.value.command and "--n-layers 2" in other.value.command
+
+
+def error_lines(*args: str) -> list[str]:
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    return [line for line in result.output.splitlines() if line.startswith("Error")]
+
+
+@pytest.mark.parametrize("command", ["probe", "train"])
+def test_a_bad_checkpointing_value_is_one_line_exit_2(command):
+    assert error_lines(command, "--gpu", "none", "--checkpointing", "blocks") == [
+        "Error: Invalid value for '--checkpointing': must be off, block or every:K (every K-th block, K a whole "
+        "number), got 'blocks'"]
+    assert error_lines(command, "--gpu", "none", "--checkpointing", "every:1") == [
+        "Error: Invalid value for '--checkpointing': every:1 is every block: write block"]
+
+
+def test_every_k_past_the_layers_is_refused_in_one_line():
+    (line,) = error_lines("probe", "--gpu", "none", "--n-layers", "2", "--checkpointing", "every:3")
+    assert line.endswith("checkpointing every:3 is more than n_layers 2: use every:2 or block"), line
+    with pytest.raises(ValueError, match="^checkpointing every:5 is more than n_layers 4: use every:2 to every:4, "
+                                         "or block$"):
+        RegressorSpec(checkpointing="every:5")
+    assert RegressorSpec(checkpointing="every:4").checkpoint_stride == 4
+
+
+def test_the_language_model_takes_it_as_a_model_arg():
+    device, config = host_device(), "configs/mamba2-lm-tiny.json"
+    plain = model_ref("lm", {"config": config, "seq_len": 32, "checkpointing": "off"}, device=device)
+    block = model_ref("lm", {"config": config, "seq_len": 32, "checkpointing": "block"}, device=device)
+    assert "checkpointing" not in plain.params and block.params["checkpointing"] == "block"
+    with pytest.raises(ValueError, match="checkpointing every:3 is more than num_hidden_layers 2"):
+        model_ref("lm", {"config": config, "seq_len": 32, "checkpointing": "every:3"}, device=device)
