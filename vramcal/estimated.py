@@ -49,7 +49,7 @@ from vramcal.estimate import EstimateError, StepEstimate, estimate_step
 from vramcal.estimate.result import line
 from vramcal.models.registry import describe
 from vramcal.profile import Profile, ProfileError, load_profile
-from vramcal.records import DeviceKind
+from vramcal.records import Device, DeviceKind
 from vramcal.units import format_bytes
 from vramcal.workload import ModelRef, WorkloadError
 
@@ -231,6 +231,12 @@ Trace = Callable[[ModelRef, dict[str, Any]], StepEstimate]
 _TRACED: dict[str, StepEstimate] = {}  # this process's traces, by model and options: a trace is the same every time
 
 
+# The device a GPU-only model (bf16 autocast) is checked against for an estimate: a CUDA GPU of unknown compute
+# capability (every catalogued card has 8.0 or more, where bf16 runs), with no memory of its own (each card gives
+# its total)
+ANY_GPU = Device(kind="cuda", name="a GPU (estimated)", total_bytes=0, total_source="none: an estimate's stand-in")
+
+
 def _trace(ref: ModelRef, options: dict[str, Any]) -> StepEstimate:
     key = json.dumps([ref.to_dict(), options], sort_keys=True, default=str)
     if key not in _TRACED:
@@ -353,6 +359,11 @@ def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[An
     cache: dict[str, StepEstimate] = {}
     calibrated, passed_over = held_against(loaded, trace, cache)
     estimate = cache.get(ref.key()) or trace(ref, options)
+    if estimate.stand_in:
+        if host is not None:
+            raise ValueError(f"{describe(ref)} is a GPU's step ({estimate.stand_in}): the host trains in fp32, "
+                             f"estimate it apart")
+        notices.append(f"{estimate.stand_in}; the bound was learned from fp32 calibrations")
     rows, formulas = [], []
     for kind, targets in (("cuda", [(card.label, card.total_bytes) for card in cards]),
                           ("host", [(f"host: {host.name}", host.total_bytes)] if host is not None else [])):

@@ -13,7 +13,7 @@ from vramcal import api
 from vramcal.cli.console import estimate_lines
 from vramcal.cli.options import ByteSize, GpuList, limit_options, one_line
 from vramcal.cli.probe import ModelOptions, data_file_options, model_options, model_params
-from vramcal.estimated import estimate_cards
+from vramcal.estimated import ANY_GPU, estimate_cards
 from vramcal.models import registry
 from vramcal.report.catalogue import CATALOGUE
 
@@ -37,14 +37,14 @@ def estimate_command(model: ModelOptions, data: dict[str, Any], gpus, capacity, 
 
     if len(model.seq_lens) > 1:
         raise click.BadParameter("an estimate is of one length: give one --seq-len", param_hint="--seq-len")
-    dtype = model.spec["dtype"]
-    if dtype != "fp32":
-        raise click.BadParameter(f"--dtype {dtype} runs CUDA's autocast, which a trace on this torch's CPU tensors "
-                                 f"does not: estimate fp32, or probe on the card", param_hint="--dtype")
+    on_gpus = model.spec["dtype"] != "fp32"  # bf16 autocast: a GPU's step, traced with the CPU's autocast
+    if on_gpus and capacity is not None:
+        raise click.BadParameter(f"the host trains in fp32, not {model.spec['dtype']}: estimate the host apart with "
+                                 f"--dtype fp32", param_hint="--capacity")
     with one_line():
         name, params, _ = model_params(model)
         host, _ = api.select_devices("none", capacity)
-        ref = api.model_ref(name, params, device=host[0], implementation="transformers")
+        ref = api.model_ref(name, params, device=ANY_GPU if on_gpus else host[0], implementation="transformers")
         data = registry.family_of(ref).data_options(data)  # those that apply to the model
         found = estimate_cards(ref, data, cards=CATALOGUE if gpus is None else gpus,
                                host=host[0] if capacity is not None else None, settings=settings,

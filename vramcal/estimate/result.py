@@ -72,6 +72,9 @@ class StepEstimate:
             so not in the trace, and in a host trial's measured pool.
         kernel_path: the Mamba-2 kernels the traced model runs (:func:`vramcal.workload.detect_kernel_path`).
         wall_s: seconds the whole estimate took (imports included).
+        stand_in: what stood in for the device's own behaviour in the trace, for people (a ``bf16-autocast`` step
+            traced on CPU tensors: the CPU's bf16 autocast for CUDA's, :func:`vramcal.models.mamba2.autocast_as_cuda`);
+            None when nothing did.
     """
 
     model: ModelRef
@@ -82,6 +85,7 @@ class StepEstimate:
     data_bytes: int
     kernel_path: str
     wall_s: float
+    stand_in: str | None = None
 
     def predict(self, batch_size: float) -> float:
         """The line's peak at ``batch_size`` (bytes, without a process baseline)."""

@@ -44,8 +44,13 @@ from typing import TYPE_CHECKING, Any
 
 from vramcal.estimate.allocator import replay
 from vramcal.estimate.result import EstimateError, PointEstimate, StepEstimate, failure_message, line
+from vramcal.models.mamba2 import autocast_as_cuda
 from vramcal.records import DeviceKind, TrialSettings
 from vramcal.workload import ModelRef, build, detect_kernel_path, train_step, validation_step
+
+# What stands in for CUDA's autocast when a bf16-autocast step is traced on CPU tensors (StepEstimate.stand_in)
+BF16_STAND_IN = ("bf16 autocast traced on CPU tensors: the CPU's autocast stood in for CUDA's (the same bf16 matrix "
+                 "products; their op lists differ at the edges)")
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -63,7 +68,9 @@ def estimate_step(ref: ModelRef, batch_sizes: Sequence[int], *, options: dict[st
         batch_sizes: two or more distinct batch sizes (>= 1); the fake step costs the same at any size.
         options: more factory arguments that do not change the model (the regressor's data file, ...).
         device_kind: ``host`` (traced on CPU tensors; peaks in live bytes) or ``cuda`` (traced on CUDA tensors;
-            peaks in the caching allocator's reserved bytes).
+            peaks in the caching allocator's reserved bytes). A ``bf16-autocast`` step traced on the host runs the
+            CPU's bf16 autocast where CUDA's would run (:func:`vramcal.models.mamba2.autocast_as_cuda`, said in
+            ``stand_in``): its reserved bytes are a GPU's estimate, its live bytes no host's (the host runs fp32).
         settings: the trial's steps (``warmup_steps``, ``measured_steps``, ``val_steps``); default
             :class:`vramcal.records.TrialSettings`.
 
@@ -80,13 +87,15 @@ def estimate_step(ref: ModelRef, batch_sizes: Sequence[int], *, options: dict[st
         raise ValueError(f"device_kind must be host or cuda, got {device_kind!r}")
     start = time.perf_counter()
     _check_torch(device_kind)
-    traced = [trace_point(ref, size, device_kind, options, settings or TrialSettings()) for size in sizes]
+    stand_in = device_kind == "host" and ref.params.get("dtype") == "bf16-autocast"
+    with autocast_as_cuda() if stand_in else contextlib.nullcontext():
+        traced = [trace_point(ref, size, device_kind, options, settings or TrialSettings()) for size in sizes]
     points = tuple(point for point, _ in traced)
     overhead, slope = line([p.batch_size for p in points], [p.peak_bytes for p in points])
     data_bytes, kernel_path = traced[-1][1]
     return StepEstimate(model=ref, device_kind=device_kind, points=points, overhead_bytes=overhead,
                         slope_bytes_per_sample=slope, data_bytes=data_bytes, kernel_path=kernel_path,
-                        wall_s=time.perf_counter() - start)
+                        wall_s=time.perf_counter() - start, stand_in=BF16_STAND_IN if stand_in else None)
 
 
 def trace_point(ref: ModelRef, batch_size: int, device_kind: DeviceKind, options: dict[str, Any] | None,

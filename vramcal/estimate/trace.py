@@ -44,6 +44,12 @@ Category = Literal["parameters", "gradients", "optimizer_states", "persistent", 
 CATEGORIES: tuple[Category, ...] = ("parameters", "gradients", "optimizer_states", "persistent", "activations")
 
 
+# Ops that the fake mode does not implement and whose result the trace can take from another op: a pinned copy of
+# a host tensor (a data pipeline's, before a non-blocking copy to the GPU) is a host copy, outside the device's
+# bytes either way (FakeTensorMode raises "NYI: aten._pin_memory.default").
+_HOST_COPIES = {torch.ops.aten._pin_memory.default: torch.ops.aten.clone.default}
+
+
 class StorageTrace(TorchDispatchMode):
     """Follows live tensor storages (module docstring); use as a context manager, inside a ``FakeTensorMode``.
 
@@ -82,6 +88,7 @@ class StorageTrace(TorchDispatchMode):
             handle.remove()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        func = _HOST_COPIES.get(func, func)
         out = func(*args, **(kwargs or {}))
         for tensor, aliases in _outputs(func, out):
             self._see(tensor, counted=not aliases)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from vramcal.models.mamba2 import (
     CHECKPOINTING_OFF,
     DTYPE_POLICIES,
+    autocast,
     checkpoint_blocks,
     checkpoint_every,
     import_mamba_ssm_mamba2,
@@ -325,14 +326,13 @@ def training_step(device: torch.device, *, config: dict[str, Any], seq_len: int,
     checkpoint_blocks(model, checkpoint_every(checkpointing, settings.num_hidden_layers))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     generator = torch.Generator(device=device).manual_seed(seed)
-    autocast = dtype == "bf16-autocast" and device.type == "cuda"
 
     def batch(batch_size: int) -> torch.Tensor:
         return torch.randint(0, settings.vocab_size, (batch_size, seq_len), device=device, generator=generator)
 
     def loss(module: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         # (B, seq_len) int64 -> scalar; logits (B, seq_len, vocab)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        with autocast(device.type, dtype):
             return module(input_ids=input_ids, labels=input_ids, use_cache=False).loss
 
     return TrainingStep(model=model, optimizer=optimizer, batch=batch, loss=loss, max_grad_norm=max_grad_norm,

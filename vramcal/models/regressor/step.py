@@ -17,7 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vramcal.models.mamba2 import DtypePolicy, import_mamba_ssm_mamba2, import_transformers_mamba2, kernel_path
+from vramcal.models.mamba2 import (
+    DtypePolicy,
+    autocast,
+    import_mamba_ssm_mamba2,
+    import_transformers_mamba2,
+    kernel_path,
+)
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.workload import TrainingStep
 
@@ -60,10 +66,7 @@ def forward(model: torch.nn.Module, x: torch.Tensor, dtype: DtypePolicy) -> torc
 
     ``bf16-autocast`` runs under bf16 autocast on CUDA (fp32 weights); elsewhere everything is fp32.
     """
-    import torch
-
-    device_type = x.device.type
-    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=dtype == "bf16-autocast" and device_type == "cuda"):
+    with autocast(x.device.type, dtype):
         return model(x)
 
 
