@@ -82,6 +82,48 @@ def test_train_says_the_time_left_after_each_epoch_but_the_last(home):
     assert "done: 9 steps" in result.stdout  # no --json: the closing line stays on stdout
 
 
+def test_mlflow_gets_the_run_through_its_own_client_and_a_resume_logs_into_the_same_run(home, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{home / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "vramcal-test")
+    first = invoke(home, "train", "mlflow", "--epochs", "1", "--batch-size", "8", "--report-to", "mlflow,tensorboard")
+    assert first.exit_code == 0, first.output
+    run_dir = home / "mlflow"
+    run_id = (run_dir / tracking.MLFLOW_RUN_ID).read_text().strip()
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "mlflow"
+    assert client.get_experiment(run.info.experiment_id).name == "vramcal-test"
+    assert run.data.params["batch_size_used"] == "8" and run.data.params["spec.d_model"] == "32"
+    assert run.data.params["report_to"] == "mlflow,tensorboard" and float(run.data.params["lr_used"]) > 0
+
+    resumed = invoke(home, "train", "mlflow", "--resume", "--epochs", "2")
+    assert resumed.exit_code == 0, resumed.output
+    epochs = rows(run_dir)
+    history = client.get_metric_history(run_id, "train/train_loss")
+    assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r["train_loss"])) for r in epochs]
+    assert client.get_run(run_id).info.status == "FINISHED" and (run_dir / tracking.TENSORBOARD).is_dir()
+    assert len(client.search_runs([run.info.experiment_id])) == 1  # the resume went on in the same MLflow run
+
+
+def test_report_to_none_writes_metrics_jsonl_alone_and_a_bad_or_missing_reporter_is_refused(home, monkeypatch):
+    result = invoke(home, "train", "plain", "--epochs", "1", "--batch-size", "8", "--report-to", "none")
+    assert result.exit_code == 0, result.output
+    assert rows(home / "plain") and not (home / "plain" / tracking.TENSORBOARD).exists()
+    bad = invoke(home, "train", "bad", "--report-to", "wandb")
+    assert bad.exit_code == 2 and "name each of tensorboard, mlflow at most once" in bad.output
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else found(name, *a))
+    missing = invoke(home, "train", "missing", "--batch-size", "8", "--report-to", "mlflow")
+    assert missing.exit_code != 0 and "Traceback" not in missing.output
+    assert "the mlflow package is not installed: pip install mlflow" in missing.output
+    assert not (home / "missing").exists()  # refused before the run folder was made
+
+
 def test_a_failing_writer_is_one_warning_and_the_run_goes_on(home, monkeypatch):
     import torch.utils.tensorboard
 

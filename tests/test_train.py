@@ -685,10 +685,11 @@ def test_seq_len_that_breaks_the_chunking_rules(setup):
 
 def test_run_folder_problems_lose_nothing(setup):
     assert train(setup, "kept", "--max-steps", "1").exit_code == 0
-    before = {p.name: p.read_bytes() for p in (setup["tmp"] / "kept").iterdir()}
+    before = {str(p): p.read_bytes() for p in (setup["tmp"] / "kept").rglob("*") if p.is_file()}
+    assert any("tensorboard" in name for name in before)  # the event files are kept too
     line = one_line_failure(train(setup, "kept", "--max-steps", "1"))
     assert "already holds a run: pass --resume" in line
-    assert {p.name: p.read_bytes() for p in (setup["tmp"] / "kept").iterdir()} == before
+    assert {str(p): p.read_bytes() for p in (setup["tmp"] / "kept").rglob("*") if p.is_file()} == before
     (setup["tmp"] / "a-file").write_text("")
     line = one_line_failure(train(setup, "a-file/run"))
     assert "cannot write to the run folder" in line

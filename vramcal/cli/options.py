@@ -34,6 +34,7 @@ from vramcal.profile import load_profile
 from vramcal.records import World
 from vramcal.report.catalogue import parse_gpu_list
 from vramcal.staleness import STRICT_ENV
+from vramcal.train.config import REPORT_TO
 from vramcal.train.errors import TrainError
 from vramcal.units import format_bytes, parse_bytes
 
@@ -130,6 +131,23 @@ class Checkpointing(click.ParamType):
         except ValueError as error:
             self.fail(str(error).removeprefix("checkpointing "), param, ctx)
         return value
+
+
+class Reporters(click.ParamType):
+    """``--report-to tensorboard,mlflow`` (or ``none``): the names of :data:`vramcal.train.config.REPORT_TO`, each
+    once, as a tuple."""
+
+    name = ",".join(REPORT_TO) + "|none"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        names = () if str(value).strip() == "none" else tuple(n.strip() for n in str(value).split(","))
+        unknown = [n for n in names if n not in REPORT_TO]
+        if unknown or len(set(names)) != len(names):
+            self.fail(f"{value!r}: name each of {', '.join(REPORT_TO)} at most once, separated by commas, or none",
+                      param, ctx)
+        return names
 
 
 class KeyValue(click.ParamType):
@@ -297,6 +315,9 @@ training_options = group(
                  help="also save a checkpoint every N steps within an epoch"),
     click.option("--checkpoint-minutes", type=FiniteFloat(0, min_open=True), default=None,
                  help="also save a checkpoint every M minutes within an epoch"),
+    click.option("--report-to", type=Reporters(), default="tensorboard", show_default=True,
+                 help=f"where the epochs' figures go beside metrics.jsonl: {', '.join(REPORT_TO)} (MLflow when "
+                      f"installed: its own tracking URI and experiment), comma-separated, or none"),
 )
 
 @dataclasses.dataclass(frozen=True)

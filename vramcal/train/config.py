@@ -25,6 +25,8 @@ LrScaling = Literal["none", "linear", "sqrt"]
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
 SIZE_FORS: tuple[str, ...] = ("memory", "throughput")
 SEED_BATCH_SIZE = 96  # the seed documents' training batch size, the default LR reference
+Reporter = Literal["tensorboard", "mlflow"]
+REPORT_TO: tuple[str, ...] = ("tensorboard", "mlflow")  # where a run's figures go beside metrics.jsonl
 
 
 class ConfigError(ValueError):
@@ -65,6 +67,8 @@ class TrainConfig:
         checkpoint_steps, checkpoint_minutes: also save a checkpoint every this many steps or minutes
             within an epoch (None: at the end of each epoch only), so a kill loses less than an epoch.
         min_lr_fraction: the cosine decay ends at this fraction of the peak LR.
+        report_to: where the epochs' figures go beside ``metrics.jsonl`` (:mod:`vramcal.train.tracking`):
+            ``tensorboard`` (the default), ``mlflow`` (when installed); empty for neither.
 
     Paths (``data``, ``profiles_dir``, a ``profile`` file) are used as given, so relative ones are relative
     to the current directory. Files written for later use (a run's ``config.json``, the
@@ -100,6 +104,7 @@ class TrainConfig:
     data_on_device: bool = False
     checkpoint_steps: int | None = None
     checkpoint_minutes: float | None = None
+    report_to: tuple[Reporter, ...] = ("tensorboard",)
 
     def __post_init__(self) -> None:
         checks = [
@@ -130,6 +135,8 @@ class TrainConfig:
             (self.checkpoint_minutes is None
              or (math.isfinite(self.checkpoint_minutes) and self.checkpoint_minutes > 0),
              f"checkpoint_minutes must be a finite number > 0, got {self.checkpoint_minutes}"),
+            (set(self.report_to) <= set(REPORT_TO) and len(set(self.report_to)) == len(self.report_to),
+             f"report_to must name each of {', '.join(REPORT_TO)} at most once, got {list(self.report_to)}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -34,7 +34,7 @@ from vramcal.models.regressor.windows import Windows
 from vramcal.profile import Profile
 from vramcal.records import Device, World
 from vramcal.sizing import Sizing, SizingError, scaled_lr, size
-from vramcal.train import checkpoint
+from vramcal.train import checkpoint, tracking
 from vramcal.train.config import ConfigError, TrainConfig, load_config
 from vramcal.units import format_bytes, size_argument
 from vramcal.workload import ModelRef
@@ -166,9 +166,10 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
 
     Raises:
         ValueError: an impossible spec; DataError, DeviceError, NvmlError, SizingError: one-line messages for
-            the user.
+            the user. ConfigError: a ``report_to`` whose package is not installed.
     """
 
+    tracking.check_reporters(config.report_to)
     windows = load_windows(config)
     device, notices = _device(config, capacity_bytes)
     model = REGRESSOR.ref(config.spec, device, config.implementation)  # the spec was checked when the config was made

@@ -7,7 +7,7 @@ the end it prints the measured peak beside the profile's prediction and upper 95
 peak is above the bound or above usable memory, and appends the run's observation to the profile. Time is
 closed the same way (:mod:`vramcal.train.timing`): the run's forecast first, its first epoch's time beside it,
 and both in the observation. After each epoch but the last it prints the time left (:func:`time_left_line`).
-Rank 0 writes the epoch rows to TensorBoard too (:mod:`vramcal.train.tracking`), and :func:`run_summary` reads
+Rank 0 writes the epoch rows to TensorBoard (and MLflow) too (:mod:`vramcal.train.tracking`), and :func:`run_summary` reads
 what a run left in its folder, for programs.
 
 Whatever happens in the worker ends here as one line (:class:`~vramcal.train.loop.TrainError`): an
@@ -77,15 +77,14 @@ def _run(plan: Plan, echo: Echo, on_epoch: Callable[[dict[str, Any]], Any] | Non
     forecast = timing.plan_forecast(plan)
     if forecast is not None:
         echo(timing.forecast_line(forecast, plan))
-    tracker = tracking.RunTracker(plan.run_dir / tracking.TENSORBOARD, tracking.purge_step(plan.run_dir, plan.resume),
-                                  echo) if plan.rank == 0 else None
+    trackers = tracking.run_trackers(plan, echo)
 
     def handle(kind: str, payload: Any) -> Any:
         if kind == "line":
             echo(payload)
         elif kind == "epoch":
             rows.append(payload)
-            if tracker is not None:
+            for tracker in trackers:
                 tracker.epoch(payload)
             if not first and own_peak(plan, payload):
                 first.append(payload)
@@ -98,11 +97,13 @@ def _run(plan: Plan, echo: Echo, on_epoch: Callable[[dict[str, Any]], Any] | Non
             return on_epoch(payload) if on_epoch is not None else None
         return None
 
+    status = "KILLED"  # until the worker says otherwise: an interrupt ends the run here
     try:
         outcome = (workers or worker_pool()).run(TRAIN_WORKER, plan, handler=handle)
+        status = "FINISHED" if outcome.status == "ok" else "KILLED" if outcome.error_type == "Stopped" else "FAILED"
     finally:
-        if tracker is not None:
-            tracker.close()
+        for tracker in trackers:
+            tracker.close(status)
     if outcome.status != "ok":
         if outcome.error_type == "Stopped":
             return RunResult({}, 0, None, None, stopped=True)

@@ -1,4 +1,5 @@
-"""TensorBoard event files beside ``metrics.jsonl``: a run's epoch figures, a tune trial's hyperparameters.
+"""Where a run's figures go beside ``metrics.jsonl`` (the config's ``report_to``, as the HF Trainer's ``report_to``):
+TensorBoard event files (the default), and MLflow through its own client when it is installed and asked for.
 
 ::
 
@@ -20,19 +21,33 @@ fails the run: one warning line, and nothing more goes to TensorBoard; metrics.j
 
 The event format stores scalars as 32-bit floats: byte counts are exact there up to 16 MiB and within 1 in 10^7
 above (metrics.jsonl keeps them exact).
+
+MLflow (``report_to`` holding ``mlflow``; :class:`MlflowTracker`): one MLflow run per training run (a tune trial's
+too), in MLflow's own tracking store (``MLFLOW_TRACKING_URI``, else MLflow's default, ``sqlite:///mlflow.db`` in the
+current folder) and experiment (``MLFLOW_EXPERIMENT_NAME``, else ``vramcal``): the config and the run's batch size
+and learning rate as parameters when it starts, each epoch row's figures as metrics under TensorBoard's tags at the
+row's step, and the run's end as its status. The MLflow run's id is kept in the run folder (``mlflow_run_id``), so
+a resumed run logs into the same MLflow run. W&B reads the TensorBoard files with its own tool (``wandb sync
+--sync-tensorboard <run_dir>/tensorboard``). Like TensorBoard's, a failing MLflow client is one warning, never the
+run's end.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from vramcal.files import atomic_write_text
 from vramcal.train import checkpoint
+from vramcal.train.config import ConfigError
 
 Echo = Callable[[str], None]
 TENSORBOARD = "tensorboard"  # the event files' folder inside a run folder
+MLFLOW_RUN_ID = "mlflow_run_id"  # the run folder's file naming its MLflow run
+MLFLOW_EXPERIMENT = "vramcal"  # the experiment when MLFLOW_EXPERIMENT_NAME is not set
 OBJECTIVE = "tune/objective"  # a tune trial's value: its lowest validation loss
 _NOT_FIGURES = ("kind", "step", "complete")  # what an epoch row holds that is no figure over the steps
 
@@ -84,7 +99,8 @@ class RunTracker:
         """Write an epoch row's figures (:func:`epoch_scalars`) at its step and flush them to the file."""
         self._guarded(lambda: self._write(row))
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
+        """Flush and close the event file (``status``, how the run ended, is for trackers that record it)."""
         if self._writer is not None:
             self._guarded(self._writer.close)
 
@@ -107,6 +123,108 @@ class RunTracker:
             self._failed = True
             self.echo(f"warning: TensorBoard logging to {self.log_dir} stopped ({_first_line(error)}); the run goes "
                       f"on and {checkpoint.METRICS} keeps every figure")
+
+
+def check_reporters(report_to: Iterable[str]) -> None:
+    """Raises: ConfigError: a reporter (:data:`vramcal.train.config.REPORT_TO`: each the name of the package it needs)
+    whose package is not installed (one line: what to install)."""
+    for name in report_to:
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError(f"--report-to {name}: the {name} package is not installed: pip install {name}"
+                              f"{' (or mlflow-skinny)' if name == 'mlflow' else ''}, or leave {name} out")
+
+
+def run_trackers(plan: Any, echo: Echo) -> list[Any]:
+    """The trackers of a run's ``config.report_to`` (none for a DDP rank but rank 0, which alone writes)."""
+    if plan.rank != 0:
+        return []
+    found: list[Any] = []
+    if "tensorboard" in plan.config.report_to:
+        found.append(RunTracker(plan.run_dir / TENSORBOARD, purge_step(plan.run_dir, plan.resume), echo))
+    if "mlflow" in plan.config.report_to:
+        found.append(MlflowTracker(plan, echo))
+    return found
+
+
+class MlflowTracker:
+    """A run's MLflow run (module docstring), through ``mlflow.tracking.MlflowClient``: created, or for a resumed
+    run found again by its id, at the first epoch row; stopped with one warning at its first failure.
+
+    Args:
+        plan: the run (:class:`vramcal.train.plan.Plan`): its folder, config, batch size and learning rate.
+        echo: where the warning goes.
+    """
+
+    def __init__(self, plan: Any, echo: Echo) -> None:
+        self.plan, self.echo = plan, echo
+        self.run_id: str | None = None
+        self._client: Any = None
+        self._failed = False
+
+    def epoch(self, row: dict[str, Any]) -> None:
+        """Log an epoch row's figures (:func:`epoch_scalars`) at its step."""
+        self._guarded(lambda: self._log(row))
+
+    def close(self, status: str = "FINISHED") -> None:
+        """End the MLflow run with ``status`` (``FINISHED``, ``FAILED`` or ``KILLED``), if one was started."""
+        if self.run_id is not None:
+            self._guarded(lambda: self._client.set_terminated(self.run_id, status))
+
+    def _open(self) -> None:
+        import os
+
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+
+        self._client = client = MlflowClient()
+        kept = self.plan.run_dir / MLFLOW_RUN_ID
+        if self.plan.resume and kept.is_file():
+            self.run_id = kept.read_text().strip()
+            client.update_run(self.run_id, status="RUNNING")
+            return
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME", MLFLOW_EXPERIMENT)
+        found = client.get_experiment_by_name(name)
+        experiment = found.experiment_id if found is not None else client.create_experiment(name)
+        run = client.create_run(experiment, run_name=self.plan.run_dir.name,
+                                tags={"vramcal.run_dir": str(self.plan.run_dir)})
+        self.run_id = run.info.run_id
+        atomic_write_text(kept, self.run_id + "\n")
+        params = {**_flat(self.plan.config.to_dict()), "batch_size_used": self.plan.batch_size,
+                  "step_batch_size": self.plan.step_batch_size, "lr_used": self.plan.lr}
+        client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
+
+    def _log(self, row: dict[str, Any]) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        if self._client is None:
+            self._open()
+        now, step = int(time.time() * 1000), int(row["step"])
+        metrics = [Metric(tag, value, now, step) for tag, value in epoch_scalars(row).items()]
+        self._client.log_batch(self.run_id, metrics=metrics)
+
+    def _guarded(self, action: Callable[[], Any]) -> None:
+        """Run ``action``; its first failure, whatever it is, is a warning and ends the logging, never the run."""
+        if self._failed:
+            return
+        try:
+            action()
+        except Exception as error:  # whatever it is: a tracker must not end a training run (module docstring)
+            self._failed = True
+            self.echo(f"warning: MLflow logging of {self.plan.run_dir} stopped ({_first_line(error)}); the run goes "
+                      f"on and {checkpoint.METRICS} keeps every figure")
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config's settings as MLflow parameters: nested tables as ``spec.d_model``, unset ones left out."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        elif value is not None:
+            flat[f"{prefix}{key}"] = ",".join(value) if isinstance(value, (list, tuple)) else value
+    return flat
 
 
 def log_trial(trial, echo: Echo) -> None:
