@@ -4,11 +4,13 @@ its place in the profile's key, and its refusals."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from click.testing import CliRunner
 from host_budget import budget
 
+from vramcal import variants
 from vramcal.api import worker_pool
 from vramcal.calibration.fit import fit_linear
 from vramcal.cli import main
@@ -16,10 +18,11 @@ from vramcal.lookup import NoProfileError, locate_profile
 from vramcal.measure.device import host_device
 from vramcal.measure.trial import TrialRequest, TrialRunner
 from vramcal.models.registry import model_ref
+from vramcal.models.regressor.bars import synthetic_bars
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.profile import profile_path, save_profile
 from vramcal.records import TrialSettings
-from vramcal.sizing import SizingError
+from vramcal.sizing import SizeRequest, SizingError
 
 from profiles_for_tests import build_profile
 
@@ -105,3 +108,80 @@ def test_the_language_model_takes_it_as_a_model_arg():
     assert "checkpointing" not in plain.params and block.params["checkpointing"] == "block"
     with pytest.raises(ValueError, match="checkpointing every:3 is more than num_hidden_layers 2"):
         model_ref("lm", {"config": config, "seq_len": 32, "checkpointing": "every:3"}, device=device)
+
+
+# ------------------------------------------------------------------------------------------- the choice (variants)
+
+@pytest.fixture(scope="module")
+def variant_folder(measured, tmp_path_factory):
+    """Both variants' profiles (real trials, verified as build_profile verifies) in one profiles folder."""
+    device, trials = measured
+    folder = tmp_path_factory.mktemp("variants")
+    profiles = {}
+    for spec in (TINY, BLOCK):
+        profile = build_profile(device, trials[spec.checkpointing], spec=spec)
+        save_profile(profile, profile_path(folder / "profiles", device, profile.model, "transformers"))
+        profiles[spec.checkpointing] = profile
+    return device, folder, profiles
+
+
+def test_the_variants_are_found_together_and_tabulated(variant_folder):
+    device, folder, profiles = variant_folder
+    found = variants.variants_of(TINY.ref("transformers"), device, folder / "profiles",
+                                 total_bytes=device.total_bytes)
+    rows = {row.label: row for row in variants.variant_rows(found)}
+    assert set(rows) == {"checkpointing off, chunk_size 16", "checkpointing block, chunk_size 16"}
+    off, block = rows["checkpointing off, chunk_size 16"], rows["checkpointing block, chunk_size 16"]
+    assert block.profile.limits.safe_batch_size > off.profile.limits.safe_batch_size
+    assert off.rate_conservative is not None and off.samples_per_s_per_gib > 0  # measured near the limit
+    assert variants.variants_of(TINY.ref("transformers"), device, folder / "profiles", total_bytes=2**30) == []
+    shown = CliRunner().invoke(main, ["show", str(off.path)])
+    assert shown.exit_code == 0 and "variants of this model (2, each its own profile" in shown.output, shown.output
+    table = shown.output.split("variants of this model")[1]
+    assert "checkpointing block, chunk_size 16" in table and "checkpointing off, chunk_size 16" in table
+
+
+def test_the_choice_takes_a_variant_that_admits_the_request_and_is_never_from_noise(variant_folder):
+    device, folder, profiles = variant_folder
+    found = variants.variants_of(TINY.ref("transformers"), device, folder / "profiles")
+    off_safe = profiles["off"].limits.safe_batch_size
+    named = TINY.ref("transformers")
+
+    above = variants.choose(found, SizeRequest(request=off_safe + 1), named)  # only checkpointing fits it
+    assert above.chosen.profile.model.params["checkpointing"] == "block"
+    assert above.chosen.sizing.batch_size == off_safe + 1 and len(above.candidates) == 1
+    assert above.passed_over == (f"checkpointing off, chunk_size 16: batch_size {off_safe + 1} is above its safe "
+                                 f"batch size {off_safe}",)
+
+    effective = variants.choose(found, SizeRequest(effective_batch_size=3 * off_safe), named)
+    sized = {c.profile.model.params.get("checkpointing", "off"): c.sizing for c in effective.candidates}
+    assert sized["off"].accumulation_steps >= 3 > sized["block"].accumulation_steps  # accumulation against memory
+    for choice in (effective, variants.choose(found, SizeRequest(), named)):
+        own = next(c for c in choice.candidates if c.profile.model == named)
+        if choice.chosen is not own:  # another variant only when measurably faster
+            assert choice.chosen.rate.low_samples_per_s > own.rate.high_samples_per_s, choice.reason
+        else:
+            assert choice.reason.startswith("the variant named")
+
+    unverified = [(path, dataclasses.replace(profile, verification={})) for path, profile in found]
+    with pytest.raises(SizingError, match="no calibrated variant can train this run: .*not verified"):
+        variants.choose(unverified, SizeRequest(), named)
+
+
+def test_train_variant_auto_trains_the_variant_chosen(variant_folder):
+    device, folder, profiles = variant_folder
+    synthetic_bars(400).to_parquet(folder / "bars.parquet")
+    batch = profiles["off"].limits.safe_batch_size + 1
+    args = ["train", "--data", str(folder / "bars.parquet"), "--profiles-dir", str(folder / "profiles"), "--gpu",
+            "none", "--capacity", str(device.total_bytes), "--d-model", "32", "--n-layers", "2", "--d-state", "16",
+            "--headdim", "16", "--seq-len", "32", "--chunk-size", "16", "--max-steps", "1", "--batch-size",
+            str(batch), "--variant", "auto", "--report-to", "none"]
+    result = CliRunner().invoke(main, [*args, "--run-dir", str(folder / "run")])
+    assert result.exit_code == 0, result.output
+    assert "--variant auto, of 2 calibrated: the fastest measured: checkpointing block" in result.stderr
+    assert "training: d_model=32 n_layers=2" in result.stderr and "checkpointing=block" in result.stderr
+    saved = json.loads((folder / "run" / "config.json").read_text())
+    assert saved["spec"]["checkpointing"] == "block" and saved["variant"] == "auto"
+    assert json.loads((folder / "run" / "run.json").read_text())["model"]["params"]["checkpointing"] == "block"
+    spec_run = CliRunner().invoke(main, [*args[:-4], "--run-dir", str(folder / "spec")])  # the spec as given
+    assert spec_run.exit_code == 0 and "checkpointing=block" not in spec_run.stderr, spec_run.output

@@ -157,8 +157,8 @@ def test_estimate_refuses_what_it_cannot_trace_in_one_line(tmp_path, monkeypatch
 def test_a_bf16_step_is_estimated_for_gpus_with_the_cpus_autocast_standing_in(tmp_path):
     """bf16 autocast runs on CUDA only; the estimate traces the GPU's step on CPU tensors under the CPU's bf16
     autocast: the matrix products' outputs, most of a Mamba-2 step's activations, are half the bytes, so the traced
-    slope falls below fp32's (0.81x on the tiny spec, 0.68x on the default spec when written; 1.0 without autocast); the stand-in is said, and nothing of it is
-    shown as a host's figure."""
+    slope falls below fp32's (0.81x on the tiny spec, 0.68x on the default spec when written; 1.0 without
+    autocast); the stand-in is said, and nothing of it is shown as a host's figure."""
     from vramcal.estimate import estimate_step
     from vramcal.models.regressor.spec import RegressorSpec
 

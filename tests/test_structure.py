@@ -33,7 +33,7 @@ LAYERS = (
     # profile -> batch size, run time; trials -> profile (and their journal); a profile against the running software;
     # which profile a run uses
     ("vramcal.sizing", "vramcal.forecast", "vramcal.calibrator", "vramcal.journal", "vramcal.staleness",
-     "vramcal.lookup", "vramcal.estimated", "vramcal.sharding"),
+     "vramcal.lookup", "vramcal.estimated", "vramcal.sharding", "vramcal.variants"),
     ("vramcal.api", "vramcal.report", "vramcal.progress"),  # the front door; reports from profiles; progress for people
     ("vramcal.train",),  # the bundled trainer
     ("vramcal.tune", "vramcal.integrations", "vramcal.preload"),  # studies, frameworks, the worker server's imports

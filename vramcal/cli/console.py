@@ -7,6 +7,7 @@ import contextvars
 
 import click
 
+from vramcal.calibration.throughput import rate_text
 from vramcal.forecast import FAR, observation_verdict
 from vramcal.report.markdown import creep_shape, world_text
 from vramcal.sizing import fitted_from, verdict
@@ -94,4 +95,23 @@ def estimate_lines(found) -> list[str]:
                    f"{row.safe_batch_size:>8} {row.conservative_batch_size:>13} {format_bytes(row.peak_bytes):>10} "
                    f"{format_bytes(row.worst_bytes):>10}")
     out += found.notices
+    return out
+
+
+def variant_lines(rows) -> list[str]:
+    """The variants of one model (:func:`vramcal.variants.variant_rows`) for people: limits, bytes per sample,
+    samples/s at the conservative size and at the knee, samples/s per GiB of predicted peak there."""
+    out = [f"variants of this model ({len(rows)}, each its own profile; `vramcal train --variant auto` takes the "
+           f"fastest for its batch):",
+           f"  {'variant':<36} {'verified':>8} {'safe':>7} {'conserv.':>8} {'per sample':>10} "
+           f"{'samples/s at conserv.':>22} {'knee':>14} {'samples/s/GiB':>13}"]
+    for row in rows:
+        limits, fit = row.profile.limits, row.profile.fit
+        safe, conservative = (limits.safe_batch_size, limits.conservative_batch_size) if limits else ("—", "—")
+        knee = f"{row.knee_batch_size} ({rate_text(row.knee_rate)})" if row.knee_batch_size else "—"
+        rate = rate_text(row.rate_conservative) if row.rate_conservative else "—"
+        per_gib = f"{row.samples_per_s_per_gib:.3g}" if row.samples_per_s_per_gib else "—"
+        out.append(f"  {row.label:<36} {'yes' if row.profile.verified else 'no':>8} {safe:>7} {conservative:>8} "
+                   f"{format_bytes(fit.slope_bytes_per_sample) if fit else '—':>10} {rate:>22} {knee:>14} "
+                   f"{per_gib:>13}")
     return out

@@ -34,7 +34,7 @@ from vramcal.profile import load_profile
 from vramcal.records import World
 from vramcal.report.catalogue import parse_gpu_list
 from vramcal.staleness import STRICT_ENV
-from vramcal.train.config import REPORT_TO
+from vramcal.train.config import REPORT_TO, VARIANT_CHOICES
 from vramcal.train.errors import TrainError
 from vramcal.units import format_bytes, parse_bytes
 
@@ -315,6 +315,9 @@ training_options = group(
                  help="also save a checkpoint every N steps within an epoch"),
     click.option("--checkpoint-minutes", type=FiniteFloat(0, min_open=True), default=None,
                  help="also save a checkpoint every M minutes within an epoch"),
+    click.option("--variant", type=click.Choice(VARIANT_CHOICES), default="spec", show_default=True,
+                 help="spec: train the model as its options give it; auto: the calibrated variant of it (its "
+                      "--checkpointing and --chunk-size) with the most measured samples/s for this run's batch"),
     click.option("--report-to", type=Reporters(), default="tensorboard", show_default=True,
                  help=f"where the epochs' figures go beside metrics.jsonl: {', '.join(REPORT_TO)} (MLflow when "
                       f"installed: its own tracking URI and experiment), comma-separated, or none"),

@@ -15,7 +15,7 @@ import click
 
 from vramcal import api, files
 from vramcal.cli import defaults
-from vramcal.cli.console import VERBOSITY, echo_lines, observations_lines, summary
+from vramcal.cli.console import VERBOSITY, echo_lines, observations_lines, summary, variant_lines
 from vramcal.cli.options import (
     EXIT_UNVERIFIED,
     SPEC_NAMES,
@@ -44,6 +44,7 @@ from vramcal.records import TrialSettings
 from vramcal.report import write_report
 from vramcal.staleness import check
 from vramcal.units import format_bytes, size_argument
+from vramcal.variants import variant_rows, variants_of
 
 DEFAULT_DATA = Path("data/es_1s.parquet")
 
@@ -366,6 +367,10 @@ def show(ctx: click.Context, profile_path: Path | None, as_json: bool, show_conf
     for trial in profile.trials:
         click.echo(trial_line(trial, usable, trial.purpose))
     echo_lines([summary(profile), *observations_lines(profile)])
+    found = variants_of(profile.model, profile.device, profile_path.parent, world=profile.world,
+                        total_bytes=profile.device.total_bytes)
+    if len(found) > 1:  # the same model in other variants beside it (vramcal.variants)
+        echo_lines(variant_lines(variant_rows(found)))
 
 
 def _show_defaults(root: click.Context, as_json: bool) -> None:

@@ -25,6 +25,7 @@ LrScaling = Literal["none", "linear", "sqrt"]
 LR_SCALINGS: tuple[str, ...] = ("none", "linear", "sqrt")
 SIZE_FORS: tuple[str, ...] = ("memory", "throughput")
 SEED_BATCH_SIZE = 96  # the seed documents' training batch size, the default LR reference
+VARIANT_CHOICES: tuple[str, ...] = ("spec", "auto")  # train the spec as given, or the fastest calibrated variant
 Reporter = Literal["tensorboard", "mlflow"]
 REPORT_TO: tuple[str, ...] = ("tensorboard", "mlflow")  # where a run's figures go beside metrics.jsonl
 
@@ -67,6 +68,10 @@ class TrainConfig:
         checkpoint_steps, checkpoint_minutes: also save a checkpoint every this many steps or minutes
             within an epoch (None: at the end of each epoch only), so a kill loses less than an epoch.
         min_lr_fraction: the cosine decay ends at this fraction of the peak LR.
+        variant: ``spec`` (train the spec as given) or ``auto``: among the calibrated variants of the spec (its
+            activation checkpointing and chunk_size: :mod:`vramcal.variants`) under ``profiles_dir``, the one with
+            the most measured samples/s at the batch each would train at; the run's saved config holds the spec
+            chosen.
         report_to: where the epochs' figures go beside ``metrics.jsonl`` (:mod:`vramcal.train.tracking`):
             ``tensorboard`` (the default), ``mlflow`` (when installed); empty for neither.
 
@@ -104,6 +109,7 @@ class TrainConfig:
     data_on_device: bool = False
     checkpoint_steps: int | None = None
     checkpoint_minutes: float | None = None
+    variant: Literal["spec", "auto"] = "spec"
     report_to: tuple[Reporter, ...] = ("tensorboard",)
 
     def __post_init__(self) -> None:

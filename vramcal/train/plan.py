@@ -24,11 +24,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from vramcal import api
+from vramcal import api, variants
 from vramcal.calibration.limits import LimitSettings
 from vramcal.lookup import NoProfileError
 from vramcal.measure.device import free_bytes
 from vramcal.models.registry import REGRESSOR
+from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.models.regressor.step import load_windows as windows_of
 from vramcal.models.regressor.windows import Windows
 from vramcal.profile import Profile
@@ -172,6 +173,8 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
     tracking.check_reporters(config.report_to)
     windows = load_windows(config)
     device, notices = _device(config, capacity_bytes)
+    if config.variant == "auto":
+        config = _chosen_variant(config, device, capacity_bytes, world, notices)
     model = REGRESSOR.ref(config.spec, device, config.implementation)  # the spec was checked when the config was made
     located = _located(config, device, model, capacity_bytes, world, budget_matches, unchecked, notices)
     limit = None
@@ -189,6 +192,29 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
     pool = windows.pipeline_bytes if device.kind == "host" or config.data_on_device else 0
     return Setting(config, device, model, located and located.profile, located and str(located.path),
                    windows.stats(), pool, limit, tuple(notices))
+
+
+def _chosen_variant(config: TrainConfig, device: Device, capacity_bytes: int | None, world: World | None,
+                    notices: list[str]) -> TrainConfig:
+    """``variant auto``: ``config`` with the spec of its fastest calibrated variant for this run
+    (:func:`vramcal.variants.choose`), the choice said in ``notices``; unchanged, and said, where its folder holds
+    no variant (the lookup then names the probe).
+
+    Raises:
+        SizingError: variants were found and none can train this run.
+    """
+    named = REGRESSOR.ref(config.spec, device, config.implementation)
+    total = capacity_bytes if device.kind == "host" else None
+    found = variants.variants_of(named, device, config.profiles_dir, world=world, total_bytes=total)
+    if not found:
+        notices.append(f"--variant auto: no calibrated variant of this model in {config.profiles_dir}/: training "
+                       f"the spec as given")
+        return config
+    choice = variants.choose(found, config.size_request(), named)
+    notices.append(f"--variant auto, of {len(found)} calibrated: {choice.reason}")
+    notices += [f"--variant auto passed over {line}" for line in choice.passed_over]
+    spec, _ = RegressorSpec.from_ref(choice.chosen.profile.model)
+    return config.replace(spec=spec)
 
 
 def _located(config: TrainConfig, device: Device, model: ModelRef, capacity_bytes: int | None, world: World | None,
@@ -262,6 +288,7 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
     Raises:
         SizingError: no batch size within the bounds. RunDirError: the folder holds a run or is unwritable.
     """
+    config = config.replace(spec=setting.config.spec)  # the model the setting sized: as given, or a chosen variant
     if prepare:
         checkpoint.check_run_dir(run_dir, resume=False)
     if setting.profile is None:

@@ -7,8 +7,8 @@ the end it prints the measured peak beside the profile's prediction and upper 95
 peak is above the bound or above usable memory, and appends the run's observation to the profile. Time is
 closed the same way (:mod:`vramcal.train.timing`): the run's forecast first, its first epoch's time beside it,
 and both in the observation. After each epoch but the last it prints the time left (:func:`time_left_line`).
-Rank 0 writes the epoch rows to TensorBoard (and MLflow) too (:mod:`vramcal.train.tracking`), and :func:`run_summary` reads
-what a run left in its folder, for programs.
+Rank 0 writes the epoch rows to TensorBoard (and MLflow) too (:mod:`vramcal.train.tracking`), and
+:func:`run_summary` reads what a run left in its folder, for programs.
 
 Whatever happens in the worker ends here as one line (:class:`~vramcal.train.loop.TrainError`): an
 out-of-memory error that could not be recovered, a crash, a full disk, a ``kill -9`` — each naming the

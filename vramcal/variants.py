@@ -1,0 +1,202 @@
+"""Variants of one model, and the choice among them by measured speed (DESIGN.md, "variant").
+
+A variant is a memory-saving setting a profile was made with: activation checkpointing (``checkpointing``: off,
+every block, or every K-th) and the SSD ``chunk_size``. A variant changes how a step holds memory and how fast it
+runs, never what it computes: a checkpointed block recomputes its activations in the backward pass (Chen et al.
+2016, "Training Deep Nets with Sublinear Memory Cost"), and the chunked SSD scan is exact for any chunk length (Dao
+and Gu 2024, "Transformers are SSMs", section 6: the chunk size only splits the same sequence of matrix products).
+So the profiles of one model that differ only in these settings are alternatives for one run, each verified on its
+own; sizing never mixes them (each has its own key, :meth:`vramcal.models.regressor.spec.RegressorSpec.ref`).
+
+* :func:`variants_of` finds them: the profiles under a folder of the same model but for its variant settings, on
+  the same hardware, budget and world.
+* :func:`variant_rows` tabulates them: limits, samples/s at the conservative size and at the throughput knee, and
+  samples/s per GiB of predicted peak at the conservative size.
+* :func:`choose` picks, for what a run asks (:class:`vramcal.sizing.SizeRequest`: a batch, an effective batch
+  reached by accumulation, or the throughput knee), the variant, batch and accumulation with the highest measured
+  samples/s at the batch each would train at, among the verified variants whose limits admit the request (a batch
+  asked for within their safe size; an effective batch any variant reaches, by accumulation where it must). The
+  variant the run named (the spec as given) is kept where the intervals do not tell it from the fastest
+  (:func:`vramcal.calibration.throughput.overlap`): a choice from noise is no advice.
+
+The samples/s of a variant at a micro-batch is its trials' measured rate there
+(:func:`vramcal.calibration.throughput.rate_for_run`); under accumulation the optimizer's step, once per
+``accumulation_steps`` micro-batches, is not in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from vramcal.calibration.throughput import (
+    NO_DIFFERENCE,
+    Rate,
+    find_knee,
+    measured_rates,
+    overlap,
+    rate_for_run,
+    rate_text,
+)
+from vramcal.profile import Profile, ProfileError, load_profile
+from vramcal.records import Device, World
+from vramcal.sizing import SizeRequest, Sizing, SizingError, length_trials, size
+from vramcal.workload import ModelRef
+
+VARIANT_FIELDS = ("checkpointing", "chunk_size")  # the model's settings that make a variant (module docstring)
+GIB = 2**30
+
+
+def same_model(a: ModelRef, b: ModelRef) -> bool:
+    """Whether two model keys differ at most in their variant settings (checkpointing absent is ``off``)."""
+    return a.factory == b.factory and a.without(*VARIANT_FIELDS) == b.without(*VARIANT_FIELDS)
+
+
+def variant_label(ref: ModelRef) -> str:
+    """``checkpointing block, chunk_size 64``: a model's variant settings, for people (a family whose chunk size is
+    inside its config, the ``lm``'s, shows checkpointing alone)."""
+    chunk = ref.params.get("chunk_size")
+    return f"checkpointing {ref.params.get('checkpointing', 'off')}" + (f", chunk_size {chunk}" if chunk else "")
+
+
+def variants_of(model: ModelRef, device: Device, profiles_dir: Path | str, *, world: World | None = None,
+                total_bytes: int | None = None) -> list[tuple[Path, Profile]]:
+    """The readable profiles under ``profiles_dir`` of ``model`` in any variant, on ``device``'s hardware, in
+    ``world`` (None: one process) and, when given, at the budget ``total_bytes``; the newest of each variant, in
+    the order of their paths. Unreadable files are passed over (the lookup reports them)."""
+    newest: dict[str, tuple[str, Path, Profile]] = {}
+    for path in sorted(Path(profiles_dir).glob("**/*.json")):
+        try:
+            profile = load_profile(path)
+        except ProfileError:
+            continue
+        if (same_model(profile.model, model) and device.hardware_difference(profile.device) is None
+                and profile.world == world and total_bytes in (None, profile.device.total_bytes)):
+            key = profile.model.key()
+            if key not in newest or profile.created_utc > newest[key][0]:
+                newest[key] = (profile.created_utc, path, profile)
+    return sorted(((path, profile) for _, path, profile in newest.values()), key=lambda found: str(found[0]))
+
+
+@dataclass(frozen=True)
+class VariantRow:
+    """One variant's figures (:func:`variant_rows`).
+
+    Attributes:
+        path, profile: the variant's profile. label: :func:`variant_label`.
+        rate_conservative: the measured samples/s at the conservative batch size (None: no trial near it).
+        knee_batch_size, knee_rate: the throughput knee and its rate (None: no knee: too few timed steps, or none).
+        samples_per_s_per_gib: ``rate_conservative`` per GiB of the predicted peak at the conservative size.
+    """
+
+    path: Path
+    profile: Profile
+    label: str
+    rate_conservative: Rate | None
+    knee_batch_size: int | None
+    knee_rate: Rate | None
+    samples_per_s_per_gib: float | None
+
+    def to_dict(self) -> dict:
+        limits, fit = self.profile.limits, self.profile.fit
+        return {"path": str(self.path), "variant": self.label, "model": self.profile.model.to_dict(),
+                "verified": self.profile.verified, "safe_batch_size": limits and limits.safe_batch_size,
+                "conservative_batch_size": limits and limits.conservative_batch_size,
+                "slope_bytes_per_sample": fit and fit.slope_bytes_per_sample,
+                "samples_per_s_conservative": self.rate_conservative and self.rate_conservative.samples_per_s,
+                "knee_batch_size": self.knee_batch_size,
+                "samples_per_s_knee": self.knee_rate and self.knee_rate.samples_per_s,
+                "samples_per_s_per_gib": self.samples_per_s_per_gib}
+
+
+def variant_rows(found: Sequence[tuple[Path, Profile]], seq_len: int | None = None) -> list[VariantRow]:
+    """Each variant's row (:class:`VariantRow`), at ``seq_len`` for a profile over several lengths."""
+    rows = []
+    for path, profile in found:
+        rates = measured_rates(length_trials(profile, seq_len))
+        limits = profile.limits
+        rate = knee = per_gib = None
+        if limits is not None:
+            rate = rate_for_run(rates, limits.conservative_batch_size)
+            knee = find_knee(rates, 1, limits.safe_batch_size)
+            if rate is not None and profile.fit is not None:
+                per_gib = rate.samples_per_s / (profile.fit.predict(limits.conservative_batch_size) / GIB)
+        usable = knee is not None and not knee.refused
+        rows.append(VariantRow(path, profile, variant_label(profile.model), rate, usable and knee.batch_size or None,
+                               usable and knee.rate or None, per_gib))
+    return rows
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A variant sized for a run: its profile, the sizing (batch, accumulation) and the rate there."""
+
+    path: Path
+    profile: Profile
+    sizing: Sizing
+    rate: Rate | None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The variant a run trains with (:func:`choose`).
+
+    Attributes:
+        chosen: the variant, sized. candidates: every variant that admits the request, fastest first.
+        passed_over: one line for each variant that was not a candidate, and why.
+        reason: why the chosen one, for people.
+    """
+
+    chosen: Candidate
+    candidates: tuple[Candidate, ...]
+    passed_over: tuple[str, ...]
+    reason: str
+
+
+def choose(found: Sequence[tuple[Path, Profile]], ask: SizeRequest, named: ModelRef) -> Choice:
+    """The fastest variant for ``ask`` among ``found`` (module docstring); ``named`` is the variant the run
+    named, kept unless another is measurably faster.
+
+    Raises:
+        SizingError: no verified variant admits the request (one line: each variant and why).
+    """
+    candidates, passed_over = [], []
+    for path, profile in found:
+        label = variant_label(profile.model)
+        if not profile.verified:
+            passed_over.append(f"{label}: its limits are not verified")
+            continue
+        try:
+            sizing = size(profile, ask)
+        except SizingError as error:
+            passed_over.append(f"{label}: {error}")
+            continue
+        if sizing.source == "clamped" and ask.request is not None and sizing.batch_size < ask.request:
+            passed_over.append(f"{label}: batch_size {ask.request} is above its safe batch size "
+                               f"{sizing.safe_batch_size}")
+            continue
+        rate = rate_for_run(measured_rates(length_trials(profile, ask.seq_len)), sizing.batch_size)
+        candidates.append(Candidate(path, profile, sizing, rate))
+    if not candidates:
+        raise SizingError("no calibrated variant can train this run: " + ("; ".join(passed_over) or
+                                                                          "none was found"))
+    candidates.sort(key=lambda c: -(c.rate.samples_per_s if c.rate else 0.0))
+    fastest = candidates[0]
+    own = next((c for c in candidates if c.profile.model == named), None)
+    if own is None or own is fastest:
+        why = "the variant named" if own is fastest else "the fastest measured"
+        return Choice(fastest, tuple(candidates), tuple(passed_over), f"{why}: {_said(fastest)}")
+    if fastest.rate is None or own.rate is None or overlap(fastest.rate.interval, own.rate.interval):
+        return Choice(own, tuple(candidates), tuple(passed_over),
+                      f"the variant named: {_said(own)}; {NO_DIFFERENCE} from the fastest measured, {_said(fastest)}")
+    gain = fastest.rate.samples_per_s / own.rate.samples_per_s - 1
+    return Choice(fastest, tuple(candidates), tuple(passed_over),
+                  f"{_said(fastest)}: {gain:.0%} more samples/s than the variant named, {_said(own)}")
+
+
+def _said(candidate: Candidate) -> str:
+    s = candidate.sizing
+    accumulated = f" x {s.accumulation_steps} accumulated" if s.accumulation_steps > 1 else ""
+    rate = f" at {rate_text(candidate.rate)} samples/s" if candidate.rate else " (no measured rate there)"
+    return f"{variant_label(candidate.profile.model)}, batch_size {s.batch_size}{accumulated}{rate}"
