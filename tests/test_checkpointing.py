@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -185,3 +186,12 @@ def test_train_variant_auto_trains_the_variant_chosen(variant_folder):
     assert json.loads((folder / "run" / "run.json").read_text())["model"]["params"]["checkpointing"] == "block"
     spec_run = CliRunner().invoke(main, [*args[:-4], "--run-dir", str(folder / "spec")])  # the spec as given
     assert spec_run.exit_code == 0 and "checkpointing=block" not in spec_run.stderr, spec_run.output
+
+
+def test_a_variant_asked_of_a_factory_that_cannot_take_it_is_one_line_before_any_trial(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1.5GiB", "--model",
+                                       "user_models:mlp", "--model-arg", "checkpointing=block"])
+    assert result.exit_code == 1 and "Traceback" not in result.output and "batch_size" not in result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert "the factory user_models:mlp takes no 'checkpointing' (activation checkpointing is the factory's" in line

@@ -65,10 +65,17 @@ class Family:
         """The checked reference of the factory with ``params`` on ``device`` (a user's factory: importable).
 
         Raises:
-            WorkloadError: the module cannot be imported or has no such function.
+            WorkloadError: the module cannot be imported or has no such function, or the function takes no
+                argument of that name (a variant, ``checkpointing``, asked of a factory that cannot take it).
         """
         ref = ModelRef.make(self.factory, params)
-        load_factory(ref)  # a missing module or function fails here, in one line, before any trial
+        factory = load_factory(ref)  # a missing module or function fails here, in one line, before any trial
+        unknown = [name for name in params if not accepts(factory, name)]
+        if unknown:
+            variant = (" (activation checkpointing is the factory's to apply: give it a checkpointing parameter "
+                       "that does so)" if "checkpointing" in unknown else "")
+            raise WorkloadError(f"the factory {self.factory} takes no {', '.join(map(repr, unknown))}{variant}: "
+                                f"leave {given('params', f'{unknown[0]}=...')} out, or add the parameter to it")
         return ref
 
     def chunk_size(self, ref: ModelRef) -> int:
