@@ -270,6 +270,29 @@ def test_sigterm_to_a_run_stops_it_in_one_line_and_leaves_no_worker_training_on(
     assert checkpoint.load_resumable(run)[0]["progress"]["step"] >= 2
 
 
+@pytest.mark.slow  # a `vramcal train` process of its own, stopped as its worker starts: ~10 s
+def test_sigterm_before_the_first_checkpoint_says_nothing_was_saved(setup):
+    """SIGTERM as the run starts, before any checkpoint: the line promised ``--resume``, which then found nothing;
+    it says what is on disk now, and the same folder takes the run again."""
+    run, log = setup / "early", setup / "early.log"
+    with open(log, "w") as output:
+        process = subprocess.Popen([sys.executable, "-m", "vramcal", *train_args(setup, "early", "--epochs", "1000")],
+                                   cwd=setup, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert wait_for(lambda: (run / checkpoint.RUN).is_file(), 120, process), log.read_text()[-2000:]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 143, log.read_text()[-2000:]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert not checkpoint.has_checkpoint(run), "the run saved a checkpoint before the signal: the case is not tested"
+    assert "Traceback" not in text and [line for line in text.splitlines() if line.startswith("Error")] == [
+        f"Error: stopped by SIGTERM before the first checkpoint: nothing was saved; run the command again (the same "
+        f"--run-dir {run} can be used)"]
+    assert checkpoint.check_run_dir(run, resume=False) == run  # ... as it says
+
+
 def test_a_worker_counts_a_dead_unreaped_caller_as_gone():
     """A caller killed under a parent that does not reap it (a container's first process may not) stays a zombie,
     which ``kill(pid, 0)`` still finds: the worker's watch reads its state and ends all the same."""

@@ -392,8 +392,10 @@ limit_options = collected(
 
 
 @contextlib.contextmanager
-def one_line(interrupted: str = "interrupted") -> Iterator[None]:
-    """Turn vramcal's user-facing errors into one line and exit 1 (Ctrl-C: ``interrupted`` and exit 130).
+def one_line(interrupted: str | Callable[[], str] = "interrupted") -> Iterator[None]:
+    """Turn vramcal's user-facing errors into one line and exit 1 (Ctrl-C: ``interrupted`` and exit 130; SIGTERM:
+    the same with ``stopped by SIGTERM`` in place of its first word, exit 143). ``interrupted`` may be a function,
+    called when the interrupt comes, for a line that says what is on disk then (a run's checkpoints, or none).
 
     Every error class vramcal raises for people is a ValueError (bad data, a bad profile, config or LM config,
     no profile, no device, a bad factory) or a RuntimeError subclass whose message is written for people (a
@@ -406,9 +408,10 @@ def one_line(interrupted: str = "interrupted") -> Iterator[None]:
     except click.ClickException:
         raise
     except Terminated:
-        raise Stopped(f"stopped by SIGTERM{interrupted.removeprefix('interrupted')}") from None
+        line = interrupted() if callable(interrupted) else interrupted
+        raise Stopped(f"stopped by SIGTERM{line.removeprefix('interrupted')}") from None
     except KeyboardInterrupt:
-        raise Interrupted(interrupted) from None
+        raise Interrupted(interrupted() if callable(interrupted) else interrupted) from None
     except (ValueError, CalibrationError, EstimateError, NvmlError, TrainError) as error:
         raise click.ClickException(single_line(str(error)) or type(error).__name__) from None
     except OSError as error:
