@@ -293,6 +293,35 @@ def test_sigterm_before_the_first_checkpoint_says_nothing_was_saved(setup):
     assert checkpoint.check_run_dir(run, resume=False) == run  # ... as it says
 
 
+def test_a_training_worker_killed_while_its_epoch_is_handled_is_named_as_killed(setup):
+    """``kill -9`` of the one-process training worker at an epoch's end, while the caller handles the epoch's row
+    (the worker waits for the answer): answering it met a closed pipe, and the run ended in "cannot read or write
+    a file (Broken pipe)". It is a kill like any other: the signal, the pid, the checkpoint to resume from."""
+    import multiprocessing
+    import re
+
+    from vramcal.train.config import TrainConfig
+    from vramcal.train.loop import TrainError
+    from vramcal.train.plan import plan_run, resolve
+    from vramcal.train.runner import train
+
+    def kill_the_worker(row: dict) -> None:
+        (worker,) = multiprocessing.active_children()  # the training worker (its fork server is no Process of ours)
+        os.kill(worker.pid, signal.SIGKILL)
+        assert wait_for(lambda: not worker.is_alive(), 10)
+
+    config = TrainConfig(data=str(setup / "bars.parquet"), spec=SPEC, gpu="none", profiles_dir=str(setup / "profiles"),
+                         batch_size=8, epochs=2)
+    run = setup / "epoch-end"
+    with pytest.raises(TrainError) as failed:
+        train(plan_run(config, run, resolve(config)), echo=lambda line: None, on_epoch=kill_the_worker)
+    assert re.fullmatch(rf"the training process failed \(Killed: killed by SIGKILL \(pid \d+\), and the kernel counted "
+                        rf"no out-of-memory kill: something outside vramcal ended it \(a kill, a scheduler's "
+                        rf"preemption\)\); the last good checkpoint is {run / checkpoint.LAST}; continue with "
+                        rf"`vramcal train --resume --run-dir {run}`", str(failed.value)), str(failed.value)
+    assert saved_progress(run / checkpoint.LAST)["epoch"] == 1
+
+
 def test_a_worker_counts_a_dead_unreaped_caller_as_gone():
     """A caller killed under a parent that does not reap it (a container's first process may not) stays a zombie,
     which ``kill(pid, 0)`` still finds: the worker's watch reads its state and ends all the same."""

@@ -205,7 +205,10 @@ class Job:
             return
         reply = self.handler(rest[0], rest[1]) if self.handler is not None else None
         if kind == "ask":
-            self.connection.send(reply)
+            try:
+                self.connection.send(reply)
+            except OSError:  # it died while its question was answered (BrokenPipeError): its exit status says how
+                self.end(None)
 
     def end(self, final: dict[str, Any] | None, kill: bool = False) -> None:
         """Record how the worker ended (None: it died without a result; its exit status says how); ``kill``
