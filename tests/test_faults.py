@@ -262,12 +262,62 @@ def test_sigterm_to_a_run_stops_it_in_one_line_and_leaves_no_worker_training_on(
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    text = log.read_text()
-    assert "Traceback" not in text and [line for line in text.splitlines() if line.startswith("Error")] == [
+    assert wait_for(lambda: not processes_tagged(tag), 5), processes_tagged(tag)  # no worker, no fork server
+    text = log.read_text()  # ... and multiprocessing's resource tracker has said all it had to
+    assert "Traceback" not in text and "leaked semaphore" not in text and [
+        line for line in text.splitlines() if line.startswith("Error")] == [
         f"Error: stopped by SIGTERM: the checkpoints in {run} are kept; continue with `vramcal train --resume "
         f"--run-dir {run}`"]
-    assert wait_for(lambda: not processes_tagged(tag), 5), processes_tagged(tag)  # no worker, no fork server
     assert checkpoint.load_resumable(run)[0]["progress"]["step"] >= 2
+
+
+def children(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes (``/proc/*/stat``'s parent field)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                if int(stat.read().rpartition(")")[2].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+@pytest.mark.slow  # a `vramcal train` process of its own for each fault, stopped after its first checkpoint: ~15 s each
+@pytest.mark.parametrize("fault", ["kill -9 of the worker", "Ctrl-C"])
+def test_a_killed_or_interrupted_run_leaves_no_leaked_semaphore(setup, fault):
+    """The training worker's progress bar held tqdm's default lock, a multiprocessing semaphore that a worker killed
+    (from outside, or by its caller on Ctrl-C) never unlinks: multiprocessing's resource tracker warned "There
+    appear to be 1 leaked semaphore objects" as the command ended. Ctrl-C here is SIGINT to the process group, as a
+    terminal sends it."""
+    from test_cli import processes_tagged
+
+    args = ["--epochs", "1000", "--stride", "2", "--batch-size", "4", "--checkpoint-steps", "2"]
+    name = fault.split()[0].lower().replace("-", "")
+    run, log, tag = setup / name, setup / f"{name}.log", f"{name}-{os.getpid()}"
+    with open(log, "w") as output:
+        process = subprocess.Popen([sys.executable, "-m", "vramcal", *train_args(setup, name, *args)], cwd=setup,
+                                   stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**os.environ, "VRAMCAL_TEST_TAG": tag})
+    try:
+        assert wait_for(lambda: (run / checkpoint.LAST).is_file(), 120, process), log.read_text()[-2000:]
+        if fault == "Ctrl-C":
+            os.killpg(process.pid, signal.SIGINT)
+        else:
+            (worker,) = [pid for server in children(process.pid) for pid in children(server)]
+            os.kill(worker, signal.SIGKILL)
+        assert process.wait(timeout=60) == (130 if fault == "Ctrl-C" else 1), log.read_text()[-2000:]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert wait_for(lambda: not processes_tagged(tag), 5), processes_tagged(tag)
+    text = log.read_text()
+    assert "Traceback" not in text and "leaked semaphore" not in text, text[-2000:]
+    (line,) = [line for line in text.splitlines() if line.startswith("Error")]
+    assert line.endswith(f"continue with `vramcal train --resume --run-dir {run}`"), line
+    if fault != "Ctrl-C":
+        assert f"Killed: killed by SIGKILL (pid {worker})" in line, line
 
 
 @pytest.mark.slow  # a `vramcal train` process of its own, stopped as its worker starts: ~10 s
