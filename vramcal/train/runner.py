@@ -99,7 +99,8 @@ def _run(plan: Plan, echo: Echo, on_epoch: Callable[[dict[str, Any]], Any] | Non
         return None
 
     try:
-        outcome = (workers or worker_pool()).run(TRAIN_WORKER, plan, handler=handle)
+        outcome = (workers or worker_pool()).run(TRAIN_WORKER, plan, handler=handle,
+                                                 usable_bytes=plan.sizing.usable_bytes if plan.sizing else None)
     finally:
         if tracker is not None:
             tracker.close()

@@ -43,6 +43,8 @@ def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
         return channel.ask("epoch", row) if channel is not None else None
 
     meter, group = open_meter(plan.device, plan.host_memory_limit_bytes), None
+    if channel is not None:
+        meter = Reported(meter, channel)
     try:
         group, share, plan = _join(plan)
         step, model = _build(plan, group)
@@ -60,6 +62,22 @@ def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
             "peak_bytes": max((r["peak_bytes"] for r in rows), default=None),
             "data_bytes": step.pool_data_bytes(plan.device.kind), "rank_peak_bytes": ranks,
             "batch_sizes": list(share.batch_sizes)}
+
+
+class Reported:
+    """The meter, each reading of its peak also sent to the caller (:meth:`vramcal.measure.worker.Channel.reading`:
+    the last one is the evidence a kill may need); the trainer reads it every few steps and at each epoch's end."""
+
+    def __init__(self, meter: Any, channel: Any) -> None:
+        self._meter, self._channel = meter, channel
+
+    def read(self) -> dict[str, Any]:
+        figures = self._meter.read()
+        self._channel.reading(figures["peak_bytes"])
+        return figures
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._meter, name)
 
 
 def _join(plan: Plan) -> tuple[Any, Share, Plan]:
