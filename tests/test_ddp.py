@@ -314,6 +314,29 @@ def test_a_world_larger_than_the_hosts_cores_is_refused_before_any_rank_starts(a
     assert not (tmp_path / "runs").exists() and not (tmp_path / "profiles").exists()
 
 
+@pytest.mark.parametrize("command", ["probe", "train"])
+def test_oversubscribe_lets_more_host_ranks_than_cores_start(command, tmp_path, monkeypatch):
+    """Issue 43: ``--oversubscribe`` is the explicit way past the one-core-a-rank bound on the host (gloo): the world
+    of cores + 1 ranks passes the check and the command goes on to its next one (here a missing data file or an
+    unwritable reports folder, so no rank starts), where without it the refusal names the option."""
+    from click.testing import CliRunner
+
+    from vramcal.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    ranks = str(len(os.sched_getaffinity(0)) + 1)
+    (tmp_path / "a-file").write_text("")
+    args = {"probe": ["probe", "--gpu", "none", "--capacity", "1.5GiB", "--nproc", ranks, "--reports-dir",
+                      str(tmp_path / "a-file" / "reports")],
+            "train": ["train", "--gpu", "none", "--nproc-per-node", ranks, "--data", str(tmp_path / "none.parquet")]}
+    refused = CliRunner().invoke(main, args[command])
+    assert refused.exit_code == 2 and "or --oversubscribe to share cores (slower steps)" in refused.output
+    result = CliRunner().invoke(main, [*args[command], "--oversubscribe"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert ("cannot write reports" if command == "probe" else "none.parquet") in result.output, result.output
+    assert "cores" not in result.output and not (tmp_path / "runs").exists()
+
+
 @pytest.mark.parametrize(("args", "named"), [(["--node-rank", "1"], "Invalid value for --node-rank: is torchrun's"),
                                              (["--nproc-per-node", "2", "--nnodes", "abc"],
                                               "'abc' is not a number of nodes: give N or MIN:MAX")],

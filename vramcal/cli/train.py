@@ -176,7 +176,8 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
         flag = "--" + next(iter(torchrun)).replace("_", "-")
         raise click.BadParameter("is torchrun's, for a DDP run of 2 or more ranks: add --nproc-per-node N (and "
                                  "--nnodes for several machines), or leave it out for one process", param_hint=flag)
-    check_local_ranks(nproc_per_node, "--nproc-per-node", options.get("gpu") != "none" and gpu_here())
+    check_local_ranks(nproc_per_node, "--nproc-per-node", options.get("gpu") != "none" and gpu_here(),
+                      parallel.oversubscribe)
     if parallel.strategy == "fsdp":  # its checkpoints would hold each rank's shards: not built yet
         raise click.BadParameter("the trainer runs DDP only, for now: calibrate an FSDP world with `vramcal probe "
                                  "--nproc N --strategy fsdp` and size your own loop by it (vramcal.batch_size)",
