@@ -959,10 +959,14 @@ def test_a_failed_writes_advice_follows_its_errno(number, said, unsaid):
     tally("clean refusal")  # the advice of a refusal, checked as the refusal's line is
 
 
-@pytest.mark.slow  # a training worker, started once (its server imports torch): ~10 s
-def test_a_data_file_swapped_between_the_plan_and_the_worker_is_refused(tmp_path):
-    """Issue 43 item 2: the worker trained on whatever file was there; another file in the planned one's place is
-    refused before any step, and the run folder keeps no checkpoint of it."""
+@pytest.mark.slow  # a training worker each (its server imports torch once): ~10 s
+@pytest.mark.parametrize("swapped", ["another file", "the same bytes, rewritten"])
+def test_a_data_file_swapped_between_the_plan_and_the_worker_is_refused(tmp_path, swapped):
+    """Issue 43 item 2: the worker trained on whatever file was there; another file in the planned one's place, or
+    the same shape rewritten (only its identity tells), is refused before any step, and the run folder keeps no
+    checkpoint of it."""
+    import os
+
     from test_train import SPEC
 
     from vramcal.train import checkpoint
@@ -976,7 +980,12 @@ def test_a_data_file_swapped_between_the_plan_and_the_worker_is_refused(tmp_path
     config = TrainConfig(data=str(path), spec=SPEC, gpu="none", profiles_dir=str(tmp_path / "none"), batch_size=8,
                          epochs=1, max_steps=2)
     plan = plan_run(config, tmp_path / "run", resolve(config, unchecked=True))
-    synthetic_bars(300, seed=7).to_parquet(path)  # another file where the planned one was
+    if swapped == "another file":
+        synthetic_bars(300, seed=7).to_parquet(path)
+    else:
+        mtime = path.stat().st_mtime
+        synthetic_bars(400).to_parquet(path)
+        os.utime(path, (mtime + 1, mtime + 1))
     raised(lambda: train(plan, echo=lambda line: None), TrainError, str(path), "changed after the run was planned",
            "nothing was trained on it")
     assert kept(not checkpoint.has_checkpoint(tmp_path / "run"))
