@@ -1,9 +1,19 @@
 """Shared fixtures: every test leaves NVML as it found it (the fake driver of tests/fakes.py removed), and reads
-no defaults file of the developer's."""
+no defaults file of the developer's; the bad-input corpus prints its tally at the end of a run that holds it."""
+
+import sys
 
 import pytest
 
 from fakes import restore_nvml
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The bad-input corpus's tally by kind, where it ran (tests/test_corpus.py's docstring)."""
+    corpus = sys.modules.get("test_corpus")
+    if corpus is not None and corpus.TALLY:
+        for line in corpus.summary_lines():
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(autouse=True)

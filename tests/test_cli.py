@@ -268,6 +268,8 @@ def test_a_command_that_stops_early_leaves_no_worker_server_behind(tmp_path):
     (("train", "--gpu", "none", "--bucket-cap-mb", "50"), "--bucket-cap-mb", "--nproc-per-node"),
     (("train", "--gpu", "none", "--static-graph"), "--static-graph", "--nproc-per-node"),
     (("probe", "--gpu", "none", "--strategy", "fsdp"), "--strategy", "--nproc"),
+    (("probe", "--gpu", "none", "--oversubscribe"), "--oversubscribe", "--nproc"),
+    (("train", "--gpu", "none", "--oversubscribe"), "--oversubscribe", "--nproc-per-node"),
 ])
 def test_ddp_options_for_one_process_are_refused_not_dropped(command, flag, fix):
     """They used to be dropped without a word: the user believed the run used them."""

@@ -9,7 +9,15 @@ trials faked at the hardware boundary) reads back through ``show``, ``limits``, 
 committed profiles re-render their committed reports byte for byte.
 
 The kinds: 1 profiles (values checked for sense, and what vramcal writes it reads); 2 config files; 3 errors
-reported as memory (a timeout, a factory that raises); 4 bars and tick files; 5 LM configs.
+reported as memory (a timeout, a factory that raises); 4 bars and tick files; 5 LM configs; 6 issue 43's options
+and faults (cost's --price and --seq-len, world sizes, torchrun's options, --effective-batch-size against
+--batch-size-min, a failed write's advice by its errno, a data file swapped between the plan and the worker).
+
+Every case that goes through :func:`refusal`, :func:`accepted` or :func:`raised` is tallied by kind as it is judged
+(before its assertions, so a failing case is counted for what it did): a clean refusal or accept, a wrong accept
+(a refusal expected, exit 0), a wrong refusal, a traceback, an unclear refusal (not one line naming what it
+should), and a data loss (:func:`kept`: something the user had, gone or changed). ``pytest tests/test_corpus.py``
+prints the tally at its end (tests/conftest.py, :func:`summary_lines`).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import copy
 import json
 import math
 import re
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,9 +53,80 @@ def invoke(*args: Any):
     return CliRunner().invoke(main, [str(a) for a in args])
 
 
+# ------------------------------------------------------------------------------ the tally (module docstring)
+
+SECTIONS = [(number + 1, line.split("=== ", 1)[1])  # (line, title) of each section header below
+            for number, line in enumerate(Path(__file__).read_text().splitlines())
+            if line.startswith("# =====") and "=== " in line]
+OUTCOMES = ("clean refusal", "clean accept", "wrong accept", "wrong refusal", "traceback", "unclear", "data loss")
+PLURALS = {"unclear": "unclear", "data loss": "data losses"}
+TALLY: dict[str, Counter] = defaultdict(Counter)
+_kind: list[str] = ["?"]
+
+
+@pytest.fixture(autouse=True)
+def _the_kind(request):
+    """The kind of the case running: the section of this file its test is in."""
+    line = request.function.__code__.co_firstlineno
+    _kind[0] = max((s for s in SECTIONS if s[0] <= line), default=(0, "?"))[1].split(":")[0]
+    yield
+
+
+def tally(outcome: str) -> None:
+    TALLY[_kind[0]][outcome] += 1
+
+
+def summary_lines() -> list[str]:
+    """The tally by kind, then the total: what ``pytest tests/test_corpus.py`` prints at its end."""
+    total = sum(TALLY.values(), Counter())
+    rows = [*sorted(TALLY.items()), ("all", total)]
+    return ["the bad-input corpus (tests/test_corpus.py), cases by kind:", *(
+        f"  {kind:<32} {(n := sum(c[o] for o in OUTCOMES if o != 'data loss')):>4} case{'s' * (n != 1)}: "
+        + ", ".join(f"{c[o]} {PLURALS.get(o, o + 's') if c[o] != 1 else o}" for o in OUTCOMES) for kind, c in rows)]
+
+
+def judged(result, refused: bool, code: int, named: tuple[Any, ...] = ()) -> None:
+    """Tally a command's result: a refusal expected (``refused``) or an accept."""
+    error = result.exception is not None and not isinstance(result.exception, SystemExit)
+    errors = [line for line in result.output.splitlines() if line.startswith("Error")]
+    if error or "Traceback" in result.output:
+        tally("traceback")
+    elif refused and result.exit_code == 0:
+        tally("wrong accept")
+    elif not refused:
+        tally("clean accept" if result.exit_code == code else "wrong refusal")
+    else:
+        clear = result.exit_code == code and len(errors) == 1 and all(str(n) in errors[0] for n in named)
+        tally("clean refusal" if clear else "unclear")
+
+
+def kept(intact: bool) -> bool:
+    """Tally whether what the user had is intact after a case (False: a data loss); returns ``intact``."""
+    if not intact:
+        tally("data loss")
+    return intact
+
+
+def raised(call: Callable[[], Any], error: type[BaseException], *named: str) -> str:
+    """The one line ``call()`` (the library, not a command) refuses with: an ``error`` naming each of ``named``."""
+    try:
+        value = call()
+    except error as caught:
+        line = str(caught)
+        tally("clean refusal" if "\n" not in line and all(n in line for n in named) else "unclear")
+        assert "\n" not in line and all(n in line for n in named), line
+        return line
+    except Exception:
+        tally("traceback")
+        raise
+    tally("wrong accept")
+    raise AssertionError(f"accepted: {value!r}")
+
+
 def refusal(result, *named: Any, code: int = 1) -> str:
     """The refusal's one line, once it is one (module docstring) naming each of ``named``; ``code`` 2 for a value
     click refuses as an option's (its usage line, then the reason)."""
+    judged(result, True, code, named)
     assert result.exception is None or isinstance(result.exception, SystemExit), (
         f"{type(result.exception).__name__}: {result.exception}")
     assert "Traceback" not in result.output, result.output
@@ -61,6 +141,7 @@ def refusal(result, *named: Any, code: int = 1) -> str:
 
 
 def accepted(result, code: int = 0) -> str:
+    judged(result, False, code)
     assert result.exception is None or isinstance(result.exception, SystemExit), (
         f"{type(result.exception).__name__}: {result.exception}")
     assert result.exit_code == code and "Traceback" not in result.output, result.output
@@ -767,3 +848,144 @@ def test_an_lm_config_with_a_whole_number_for_a_float_is_read():
 
     settings = lm.read_config({**TINY, "layer_norm_epsilon": 1, "time_step_limit": [0, 10]})
     assert settings["layer_norm_epsilon"] == 1.0 and lm.check_params(settings, 32).time_step_limit == (0.0, 10.0)
+
+
+# ============================================================================== 6. issue 43: options and faults
+
+@pytest.fixture(scope="module")
+def priced(tmp_path_factory, bases) -> dict[str, Path]:
+    """The committed (verified) profile and one cut short (unverified), as files ``cost`` reads."""
+    folder = tmp_path_factory.mktemp("priced")
+    for name in ("committed", "cut"):
+        (folder / f"{name}.json").write_text(json.dumps(bases[name]))
+    return {"committed": folder / "committed.json", "cut": folder / "cut.json", "tmp": folder}
+
+
+BAD_PRICES = [  # (id, --price, what the line must name besides --price)
+    ("two-equals", "host=1=2", "'host=1=2' is not NAME=PRICE"),
+    ("semicolons", "RTX 4090=0.59;host=0.05", "holds a ';'"),
+    ("no-price", "host=", "is not a price per hour"),
+    ("no-name", "=0.5", "is not NAME=PRICE"),
+    ("text", "host=abc", "'abc' is not a price per hour"),
+    ("negative", "host=-1", "'-1' is not a price per hour"),
+    ("nan", "host=nan", "'nan' is not a price per hour"),
+    ("infinite", "host=inf", "'inf' is not a price per hour"),
+]
+
+
+@pytest.mark.parametrize(("price", "named"), [c[1:] for c in BAD_PRICES], ids=[c[0] for c in BAD_PRICES])
+def test_cost_refuses_a_price_that_is_not_name_equals_number(priced, price, named):
+    """Issue 43 item 4: ``host=1=2`` was a card named ``host=1`` priced 2.00."""
+    before = priced["committed"].read_bytes()
+    refusal(invoke("cost", priced["committed"], "--samples", "1000", "--price", price, "--out", priced["tmp"] / "r"),
+            "--price", named, code=2)
+    assert kept(priced["committed"].read_bytes() == before) and not (priced["tmp"] / "r").exists()
+
+
+@pytest.mark.parametrize("price", ["host=0.05", "RTX 4090=0.59,host=0.05", "a card not calibrated=1"])
+def test_cost_takes_prices_people_write(priced, price, tmp_path):
+    accepted(invoke("cost", priced["committed"], "--samples", "1000", "--price", price, "--out", tmp_path))
+
+
+def test_cost_refuses_a_length_the_profile_lacks_and_marks_unverified_limits(priced, tmp_path):
+    """Issue 43 item 4: ``cost --seq-len 64`` on a profile of one other length exited 0 with a row of dashes; an
+    unverified profile's limits were never said to be unverified."""
+    seq_len = load_profile(priced["committed"]).model.params["seq_len"]
+    refusal(invoke("cost", priced["committed"], "--samples", "1000", "--seq-len", seq_len + 1, "--out", tmp_path),
+            f"not {seq_len + 1}", f"vramcal probe --seq-len {seq_len + 1}")
+    assert "not verified" in accepted(invoke("cost", priced["cut"], "--samples", "1000", "--out", tmp_path))
+
+
+def cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+WORLDS = [  # (id, the command line, what the line must name; each a bad option value, exit 2)
+    ("probe-999-ranks", ["probe", "--gpu", "none", "--capacity", "1GiB", "--nproc", "999"], "999 ranks is more than"),
+    ("train-999-ranks", ["train", "--gpu", "none", "--nproc-per-node", "999"], "999 ranks is more than"),
+    ("oversubscribe-one-process", ["probe", "--gpu", "none", "--oversubscribe"], "--oversubscribe"),
+    ("node-rank-alone", ["train", "--gpu", "none", "--node-rank", "1"], "--node-rank"),
+    ("nnodes-text", ["train", "--gpu", "none", "--nproc-per-node", "2", "--nnodes", "abc"], "'abc' is not a number"),
+    ("nnodes-zero", ["train", "--gpu", "none", "--nproc-per-node", "2", "--nnodes", "0"], "'0' is not a number"),
+    ("nnodes-range-text", ["train", "--gpu", "none", "--nproc-per-node", "2", "--nnodes", "1:x"], "is not a number"),
+    ("effective-below-minimum", ["train", "--gpu", "none", "--effective-batch-size", "16", "--batch-size-min", "32"],
+     "--effective-batch-size 16 is below --batch-size-min 32"),
+]
+
+
+@pytest.mark.parametrize(("args", "named"), [c[1:] for c in WORLDS], ids=[c[0] for c in WORLDS])
+def test_world_sizes_and_batch_options_that_cannot_be_are_refused_before_anything_starts(args, named, bars_file,
+                                                                                          tmp_path, monkeypatch):
+    """Issue 43 items 3, 5 and 9: 999 ranks forked until something stopped them; ``--node-rank 1`` alone was an
+    AttributeError traceback, ``--nnodes abc`` int()'s own words; ``--effective-batch-size`` below the minimum
+    trained at 16."""
+    monkeypatch.chdir(tmp_path)
+    data = ["--data", bars_file, "--run-dir", tmp_path / "run"] if args[0] == "train" else ["--no-report"]
+    refusal(invoke(*args, *data), named, code=2)
+    assert kept(not (tmp_path / "run").exists() and not (tmp_path / "profiles").exists())
+
+
+@pytest.mark.parametrize(("where", "named"), [
+    ("--profiles-dir", "a file stands where a folder must be"),
+    ("--out", "a file stands in the way"),  # its folder made where a file is: EEXIST
+    ("--reports-dir", "a file stands where a folder must be"),
+], ids=["profiles-dir", "out", "reports-dir"])
+def test_a_probe_that_cannot_write_says_why_by_its_errno_before_any_trial(where, named, tmp_path):
+    """Issue 43 item 10: every write failure advised "free space there"."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("kept")
+    target = blocker / ("p.json" if where == "--out" else "sub")
+    line = refusal(invoke("probe", "--gpu", "none", "--capacity", "1GiB", where, target,
+                          *(["--no-report"] if where != "--reports-dir" else [])), named)
+    assert "free space" not in line and "batch_size" not in line
+    assert kept(blocker.read_text() == "kept")
+
+
+@pytest.mark.parametrize(("number", "said", "unsaid"), [
+    ("ENOSPC", "free space there", None), ("EDQUOT", "free space within the quota", None),
+    ("EROFS", "read-only", "free space"), ("EACCES", "no permission", "free space"),
+    ("EPERM", "no permission", "free space"), ("ENOTDIR", "a file stands where a folder must be", "free space"),
+    ("EEXIST", "a file stands in the way", "free space"), ("ENOENT", "choose another", "free space"),
+])
+def test_a_failed_writes_advice_follows_its_errno(number, said, unsaid):
+    import errno
+
+    from vramcal.files import write_advice
+
+    advice = write_advice(OSError(getattr(errno, number), "x", "/somewhere"), "--out")
+    assert said in advice and (unsaid is None or unsaid not in advice) and advice.endswith("choose another --out")
+    tally("clean refusal")  # the advice of a refusal, checked as the refusal's line is
+
+
+@pytest.mark.slow  # a training worker each (its server imports torch once): ~10 s
+@pytest.mark.parametrize("swapped", ["another file", "the same bytes, rewritten"])
+def test_a_data_file_swapped_between_the_plan_and_the_worker_is_refused(tmp_path, swapped):
+    """Issue 43 item 2: the worker trained on whatever file was there; another file in the planned one's place, or
+    the same shape rewritten (only its identity tells), is refused before any step, and the run folder keeps no
+    checkpoint of it."""
+    import os
+
+    from test_train import SPEC
+
+    from vramcal.train import checkpoint
+    from vramcal.train.config import TrainConfig
+    from vramcal.train.loop import TrainError
+    from vramcal.train.plan import plan_run, resolve
+    from vramcal.train.runner import train
+
+    path = tmp_path / "bars.parquet"
+    synthetic_bars(400).to_parquet(path)
+    config = TrainConfig(data=str(path), spec=SPEC, gpu="none", profiles_dir=str(tmp_path / "none"), batch_size=8,
+                         epochs=1, max_steps=2)
+    plan = plan_run(config, tmp_path / "run", resolve(config, unchecked=True))
+    if swapped == "another file":
+        synthetic_bars(300, seed=7).to_parquet(path)
+    else:
+        mtime = path.stat().st_mtime
+        synthetic_bars(400).to_parquet(path)
+        os.utime(path, (mtime + 1, mtime + 1))
+    raised(lambda: train(plan, echo=lambda line: None), TrainError, str(path), "changed after the run was planned",
+           "nothing was trained on it")
+    assert kept(not checkpoint.has_checkpoint(tmp_path / "run"))

@@ -254,6 +254,35 @@ def test_a_killed_rank_ends_the_run_in_one_line_and_it_resumes(world):
     assert checkpoint.load_checkpoint(run_dir / checkpoint.LAST)["progress"]["step"] == kept + 4
 
 
+def test_sigterm_while_torchruns_agent_runs_takes_the_one_line_way_out(world):
+    """Issue 43: SIGTERM to ``vramcal train --nproc-per-node 2`` once the agent had started the ranks ended in torch's
+    ``SignalException`` traceback, exit 1 (the agent takes the signal over while it runs); now the agent stops the
+    ranks and the command says what is on disk, exit 143, leaving no process behind."""
+    from test_cli import processes_tagged
+
+    tmp, tag = world["tmp"], f"ddp-sigterm-{os.getpid()}"
+    args = train_args(tmp, "terminated", "--nproc-per-node", "2", "--batch-size", "4", "--epochs", "50",
+                      "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                      "--rdzv-id", "terminated")
+    run = subprocess.Popen([sys.executable, "-m", "vramcal", *args], cwd=tmp, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env={**os.environ, "VRAMCAL_TEST_TAG": tag})
+    run_dir, deadline = tmp / "terminated", time.time() + 240
+    while time.time() < deadline and run.poll() is None and not (run_dir / "ranks" / "0.pid").exists():
+        time.sleep(0.1)  # rank 0's training process has started: the agent holds the signals
+    run.send_signal(signal.SIGTERM)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 143 and "Traceback" not in err and "SignalException" not in err, err
+    kept = (f"the checkpoints in {run_dir} are kept; continue with `vramcal train --resume --run-dir {run_dir} "
+            f"--nproc-per-node 2`" if checkpoint.has_checkpoint(run_dir) else
+            f"nothing was saved; run the command again (the same --run-dir {run_dir} can be used)")
+    errors = [line for line in err.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and errors[0].startswith("Error: stopped by SIGTERM") and errors[0].endswith(kept), err
+    deadline = time.time() + 10
+    while processes_tagged(tag) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not processes_tagged(tag)  # no rank, no worker, no agent left training
+
+
 def test_a_world_whose_batch_is_more_than_the_windows_clamps_each_rank_as_one_process_does(world):
     """issue 43: one process clamps a batch above the training windows with a notice; two ranks started both and
     then failed from rank 1 ("the global batch ... is more than the ... training windows"). Each rank's batch is
@@ -283,6 +312,29 @@ def test_a_world_larger_than_the_hosts_cores_is_refused_before_any_rank_starts(a
     cores = len(os.sched_getaffinity(0))
     assert result.exit_code == 2 and f"999 ranks is more than the {cores} cores" in result.output, result.output
     assert not (tmp_path / "runs").exists() and not (tmp_path / "profiles").exists()
+
+
+@pytest.mark.parametrize("command", ["probe", "train"])
+def test_oversubscribe_lets_more_host_ranks_than_cores_start(command, tmp_path, monkeypatch):
+    """Issue 43: ``--oversubscribe`` is the explicit way past the one-core-a-rank bound on the host (gloo): the world
+    of cores + 1 ranks passes the check and the command goes on to its next one (here a missing data file or an
+    unwritable reports folder, so no rank starts), where without it the refusal names the option."""
+    from click.testing import CliRunner
+
+    from vramcal.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    ranks = str(len(os.sched_getaffinity(0)) + 1)
+    (tmp_path / "a-file").write_text("")
+    args = {"probe": ["probe", "--gpu", "none", "--capacity", "1.5GiB", "--nproc", ranks, "--reports-dir",
+                      str(tmp_path / "a-file" / "reports")],
+            "train": ["train", "--gpu", "none", "--nproc-per-node", ranks, "--data", str(tmp_path / "none.parquet")]}
+    refused = CliRunner().invoke(main, args[command])
+    assert refused.exit_code == 2 and "or --oversubscribe to share cores (slower steps)" in refused.output
+    result = CliRunner().invoke(main, [*args[command], "--oversubscribe"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert ("cannot write reports" if command == "probe" else "none.parquet") in result.output, result.output
+    assert "cores" not in result.output and not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize(("args", "named"), [(["--node-rank", "1"], "Invalid value for --node-rank: is torchrun's"),

@@ -426,16 +426,80 @@ def test_a_worker_killed_from_outside_is_not_an_out_of_memory(monkeypatch):
     """A real worker killed by SIGKILL while the kernel counts no out-of-memory kill: an ``error`` of type Killed
     naming the signal and the pid (it measured nothing), not ``oom``; the same kill while the counter rises (the
     kernel's own counter, faked: the hardware boundary) is ``oom``."""
-    from vramcal.measure import worker
+    from vramcal.measure import evidence, worker
 
     killed = worker.Workers(("user_models",)).run("user_models:kill_myself", timeout_s=60)
-    assert killed.status == "error" and killed.error_type == worker.KILLED, killed
+    assert killed.status == "error" and killed.error_type == evidence.KILLED, killed
     assert re.match(r"killed by SIGKILL \(pid \d+\), and the kernel counted no out-of-memory kill", killed.message)
     assert killed.error is None  # no traceback: the record says the kill once ("Killed: killed by ...")
-    monkeypatch.setattr(worker, "oom_kills", lambda: 5)  # the kernel's counter, now at 5
-    assert worker._exit_status(-9, 123, oom_kills_before=4)["status"] == "oom"  # it rose during the worker's life
-    assert worker._exit_status(-9, 123, oom_kills_before=5)["status"] == "error"  # it did not
-    assert worker._exit_status(-9, 123, oom_kills_before=None)["status"] == "error"  # no counter: no evidence
+    counter = "/sys/fs/cgroup/memory/job/memory.oom_control"
+    monkeypatch.setattr(evidence, "oom_kill_counter", lambda: (counter, 5))  # the kernel's counter, now at 5
+    rose = evidence.exit_status(-9, 123, (counter, 4))
+    assert rose == {"status": "oom", "message": f"killed by SIGKILL (pid 123) by the kernel's out-of-memory killer "
+                                                f"({counter}'s oom_kill counted it)"}
+    assert evidence.exit_status(-9, 123, (counter, 5))["status"] == "error"  # it did not rise
+    assert evidence.exit_status(-9, 123, None)["status"] == "error"  # no counter: no evidence
+
+
+def test_a_worker_killed_after_its_meter_read_usable_memory_is_out_of_memory():
+    """DESIGN's third kind of evidence: a real worker sends its meter's reading, then is killed by SIGKILL with no
+    out-of-memory kill counted. At or above the usable memory its caller named, that is out-of-memory; below it
+    (or with no usable memory named) it is a kill from outside."""
+    from vramcal.measure import evidence, worker
+
+    workers, gib = worker.Workers(("user_models",)), 2**30
+    near = workers.run("user_models:kill_myself", gib, timeout_s=60, usable_bytes=gib - 2**20)
+    assert near.status == "oom", near
+    assert re.fullmatch(r"killed by SIGKILL \(pid \d+\) with 1(\.00)? GiB held, at or above usable memory 1023(\.00)? "
+                        r"MiB \(the meter's last reading\)", near.message), near
+    for usable in (gib + 1, None):
+        far = workers.run("user_models:kill_myself", gib, timeout_s=60, usable_bytes=usable)
+        assert far.status == "error" and far.error_type == evidence.KILLED, far
+
+
+@pytest.mark.parametrize(("before", "after", "reading", "usable", "oom"), [
+    (("cg", 3), ("cg", 4), None, None, True),  # the cgroup's counter rose during the worker's life
+    (("cg", 4), ("cg", 4), None, None, False),
+    (("/proc/vmstat", 4), ("cg", 9), None, None, False),  # two counters: no comparison
+    (None, ("cg", 4), None, None, False),
+    (None, None, 1000, 1000, True),  # the last reading at usable memory
+    (None, None, 999, 1000, False),
+    (None, None, 1000, None, False),  # no usable memory named
+    (None, None, None, 1000, False),  # no reading sent (killed before its step was built)
+])
+def test_out_of_memory_evidence_is_the_counter_rising_or_a_reading_at_usable_memory(before, after, reading, usable,
+                                                                                   oom):
+    from vramcal.measure.evidence import oom_evidence
+
+    assert (oom_evidence(before, after, reading, usable) is not None) == oom
+
+
+def cgroup_tree(tmp_path, cgroups: str, files: dict[str, str]):
+    """A /proc/self/cgroup of ``cgroups`` and cgroup files under ``tmp_path/cgroup``; returns both paths."""
+    (tmp_path / "self-cgroup").write_text(cgroups)
+    for name, text in files.items():
+        (tmp_path / "cgroup" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cgroup" / name).write_text(text)
+    (tmp_path / "vmstat").write_text("pgfault 100\noom_kill 7\n")
+    return {"cgroups": tmp_path / "self-cgroup", "root": tmp_path / "cgroup", "vmstat": tmp_path / "vmstat"}
+
+
+@pytest.mark.parametrize(("cgroups", "files", "counter"), [
+    ("4:memory:/job/a\n0::/\n", {"memory/job/a/memory.oom_control": "oom_kill_disable 0\noom_kill 2\n"},
+     "memory/job/a/memory.oom_control"),  # cgroup v1: the process's own memory cgroup
+    ("0::/job/b\n", {"job/b/memory.events": "low 0\noom 1\noom_kill 1\n"}, "job/b/memory.events"),  # v2
+    ("0::/job/c\n", {"memory.events": "oom_kill 3\n"}, "memory.events"),  # a container's own cgroup as the root
+    ("0::/\n", {}, None),  # no cgroup counter readable: the machine's, /proc/vmstat
+])
+def test_the_processs_own_cgroup_counter_speaks_before_the_machines(tmp_path, cgroups, files, counter):
+    """The machine-wide counter also counts a neighbour's out-of-memory kill, which would have made a kill from
+    outside an out-of-memory one: it counts only where the process's cgroup has no counter."""
+    from vramcal.measure.evidence import oom_kill_counter
+
+    paths = cgroup_tree(tmp_path, cgroups, files)
+    found = oom_kill_counter(**paths)
+    assert found == ((str(paths["root"] / counter), int(files[counter].split("oom_kill ")[1].split()[0]))
+                     if counter else (str(paths["vmstat"]), 7))
 
 
 def test_a_probe_whose_trial_is_killed_twice_stops_without_a_profile(tmp_path):

@@ -262,12 +262,142 @@ def test_sigterm_to_a_run_stops_it_in_one_line_and_leaves_no_worker_training_on(
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    text = log.read_text()
-    assert "Traceback" not in text and [line for line in text.splitlines() if line.startswith("Error")] == [
+    assert wait_for(lambda: not processes_tagged(tag), 5), processes_tagged(tag)  # no worker, no fork server
+    text = log.read_text()  # ... and multiprocessing's resource tracker has said all it had to
+    assert "Traceback" not in text and "leaked semaphore" not in text and [
+        line for line in text.splitlines() if line.startswith("Error")] == [
         f"Error: stopped by SIGTERM: the checkpoints in {run} are kept; continue with `vramcal train --resume "
         f"--run-dir {run}`"]
-    assert wait_for(lambda: not processes_tagged(tag), 5), processes_tagged(tag)  # no worker, no fork server
     assert checkpoint.load_resumable(run)[0]["progress"]["step"] >= 2
+
+
+def children(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes (``/proc/*/stat``'s parent field)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                if int(stat.read().rpartition(")")[2].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+@pytest.mark.slow  # a `vramcal train` process of its own for each fault, stopped after its first checkpoint: ~15 s each
+@pytest.mark.parametrize("fault", ["kill -9 of the worker", "Ctrl-C"])
+def test_a_killed_or_interrupted_run_leaves_no_leaked_semaphore(setup, fault):
+    """The training worker's progress bar held tqdm's default lock, a multiprocessing semaphore that a worker killed
+    (from outside, or by its caller on Ctrl-C) never unlinks: multiprocessing's resource tracker warned "There
+    appear to be 1 leaked semaphore objects" as the command ended. Ctrl-C here is SIGINT to the process group, as a
+    terminal sends it."""
+    from test_cli import processes_tagged
+
+    args = ["--epochs", "1000", "--stride", "2", "--batch-size", "4", "--checkpoint-steps", "2"]
+    name = fault.split()[0].lower().replace("-", "")
+    run, log, tag = setup / name, setup / f"{name}.log", f"{name}-{os.getpid()}"
+    unchecked = ["--profiles-dir", str(setup / "none")]  # no usable memory: the kill is no out-of-memory one
+    with open(log, "w") as output:
+        process = subprocess.Popen([sys.executable, "-m", "vramcal", *train_args(setup, name, *args), *unchecked],
+                                   cwd=setup, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**os.environ, "VRAMCAL_TEST_TAG": tag})
+    try:
+        assert wait_for(lambda: (run / checkpoint.LAST).is_file(), 120, process), log.read_text()[-2000:]
+        if fault == "Ctrl-C":
+            os.killpg(process.pid, signal.SIGINT)
+        else:
+            (worker,) = [pid for server in children(process.pid) for pid in children(server)]
+            os.kill(worker, signal.SIGKILL)
+        assert process.wait(timeout=60) == (130 if fault == "Ctrl-C" else 1), log.read_text()[-2000:]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert wait_for(lambda: not processes_tagged(tag), 5), processes_tagged(tag)
+    text = log.read_text()
+    assert "Traceback" not in text and "leaked semaphore" not in text, text[-2000:]
+    (line,) = [line for line in text.splitlines() if line.startswith("Error")]
+    assert line.endswith(f"continue with `vramcal train --resume --run-dir {run}`"), line
+    if fault != "Ctrl-C":
+        assert f"Killed: killed by SIGKILL (pid {worker})" in line, line
+
+
+@pytest.mark.slow  # a `vramcal train` process of its own, stopped as its worker starts: ~10 s
+def test_sigterm_before_the_first_checkpoint_says_nothing_was_saved(setup):
+    """SIGTERM as the run starts, before any checkpoint: the line promised ``--resume``, which then found nothing;
+    it says what is on disk now, and the same folder takes the run again."""
+    run, log = setup / "early", setup / "early.log"
+    with open(log, "w") as output:
+        process = subprocess.Popen([sys.executable, "-m", "vramcal", *train_args(setup, "early", "--epochs", "1000")],
+                                   cwd=setup, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        assert wait_for(lambda: (run / checkpoint.RUN).is_file(), 120, process), log.read_text()[-2000:]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 143, log.read_text()[-2000:]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert not checkpoint.has_checkpoint(run), "the run saved a checkpoint before the signal: the case is not tested"
+    assert "Traceback" not in text and [line for line in text.splitlines() if line.startswith("Error")] == [
+        f"Error: stopped by SIGTERM before the first checkpoint: nothing was saved; run the command again (the same "
+        f"--run-dir {run} can be used)"]
+    assert checkpoint.check_run_dir(run, resume=False) == run  # ... as it says
+
+
+def kill_the_worker(row: dict) -> None:
+    """``on_epoch`` of a one-process run: SIGKILL its training worker while the caller handles the epoch's row."""
+    import multiprocessing
+
+    (worker,) = multiprocessing.active_children()  # the training worker (its fork server is no Process of ours)
+    os.kill(worker.pid, signal.SIGKILL)
+    assert wait_for(lambda: not worker.is_alive(), 10)
+
+
+def killed_at_an_epochs_end(setup, run: Path, profiles: str, usable_bytes: int | None = None) -> str:
+    """The one line of a 2-epoch run whose worker :func:`kill_the_worker` kills at its first epoch's end (its plan's
+    usable memory set to ``usable_bytes`` when given)."""
+    import dataclasses
+
+    from vramcal.train.config import TrainConfig
+    from vramcal.train.loop import TrainError
+    from vramcal.train.plan import plan_run, resolve
+    from vramcal.train.runner import train
+
+    config = TrainConfig(data=str(setup / "bars.parquet"), spec=SPEC, gpu="none", profiles_dir=str(setup / profiles),
+                         batch_size=8, epochs=2)
+    plan = plan_run(config, run, resolve(config, unchecked=True))
+    if usable_bytes is not None:
+        plan = dataclasses.replace(plan, sizing=dataclasses.replace(plan.sizing, usable_bytes=usable_bytes))
+    with pytest.raises(TrainError) as failed:
+        train(plan, echo=lambda line: None, on_epoch=kill_the_worker)
+    assert saved_progress(run / checkpoint.LAST)["epoch"] == 1
+    return str(failed.value)
+
+
+def test_a_training_worker_killed_while_its_epoch_is_handled_is_named_as_killed(setup):
+    """``kill -9`` of the one-process training worker at an epoch's end, while the caller handles the epoch's row
+    (the worker waits for the answer): answering it met a closed pipe, and the run ended in "cannot read or write
+    a file (Broken pipe)". It is a kill like any other: the signal, the pid, the checkpoint to resume from. (No
+    profile: no usable memory whose reading would make the kill an out-of-memory one.)"""
+    import re
+
+    run = setup / "epoch-end"
+    line = killed_at_an_epochs_end(setup, run, "none")
+    assert re.fullmatch(rf"the training process failed \(Killed: killed by SIGKILL \(pid \d+\), and the kernel counted "
+                        rf"no out-of-memory kill: something outside vramcal ended it \(a kill, a scheduler's "
+                        rf"preemption\)\); the last good checkpoint is {run / checkpoint.LAST}; continue with "
+                        rf"`vramcal train --resume --run-dir {run}`", line), line
+
+
+def test_a_training_worker_killed_after_its_meter_read_usable_memory_ran_out_of_memory(setup):
+    """The training worker sends its meter's readings as it goes (every few steps and at each epoch's end): killed
+    after one at or above its plan's usable memory (1 byte here, below anything), the run ran out of memory."""
+    import re
+
+    line = killed_at_an_epochs_end(setup, setup / "epoch-end-usable", "profiles", usable_bytes=1)
+    assert re.match(r"the training process ran out of memory \(killed by SIGKILL \(pid \d+\) with [\d.]+ MiB held, at "
+                    r"or above usable memory 1 B \(the meter's last reading\)\) and could not recover; the last good "
+                    r"checkpoint is ", line), line
 
 
 def test_a_worker_counts_a_dead_unreaped_caller_as_gone():

@@ -917,19 +917,65 @@ def test_the_gate_sees_a_real_second_process_that_took_memory_since_the_calibrat
     assert run["sizing"]["batch_size"] < profile.limits.conservative_batch_size
 
 
-def test_a_data_file_swapped_after_the_plan_is_refused_before_any_step(setup):
-    """Issue 43: the plan's data facts (rows, split, windows, normalisation) against the file the worker reads; a
-    different file in its place is one DataError line and no step is trained on it."""
+def swap_in(path: Path, content: bytes, later_s: float = 0.0) -> None:
+    """Put ``content`` where ``path`` was, as a file moved into place (``mv``, ``os.replace``), its modification time
+    ``later_s`` after the old one's."""
+    import os
+
+    mtime = path.stat().st_mtime
+    path.with_suffix(".new").write_bytes(content)
+    os.utime(path.with_suffix(".new"), (mtime + later_s, mtime + later_s))
+    os.replace(path.with_suffix(".new"), path)
+
+
+def other_bars(rows: int, seed: int) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    synthetic_bars(rows, seed=seed).to_parquet(buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(("swapped", "differs"), [
+    ("another file", r"size: \d+ bytes planned, \d+ bytes now"),
+    ("the same rows, other prices", r"(size: \d+ bytes|first MiB's SHA-256: [0-9a-f]{12}\.\.\.) planned, .* now"),
+    ("the same bytes, rewritten", r"modification time: [\d-]+ [\d:.]+ planned, [\d-]+ [\d:.]+ now"),
+])
+def test_a_data_file_swapped_after_the_plan_is_refused_before_any_step(setup, swapped, differs):
+    """Issue 43: the plan's data facts against the file the worker reads: its identity (size, modification time, the
+    SHA-256 of its first MiB) and its windows' facts (rows, split, windows, normalisation). A different file in its
+    place is one DataError line and no step is trained on it; a file of the same shape was trained on before the
+    identity was checked (the windows' facts alone cannot tell a rewrite)."""
     from vramcal.train.runner import train as run_plan
 
     config = TrainConfig(data=str(setup["data"]), spec=SPEC, gpu="none", profiles_dir=str(setup["profiles"]),
                          batch_size=8, epochs=1, max_steps=2)
     plan = plan_run(config, setup["tmp"] / "swapped", resolve(config))
-    synthetic_bars(300, seed=7).to_parquet(setup["data"])  # another file where the planned one was
-    refusal = r"changed after the run was planned \(rows: \d+ planned, \d+ now\): nothing was trained on it"
-    with pytest.raises(loop.TrainError, match=refusal):
+    content = {"another file": lambda: other_bars(300, 7), "the same rows, other prices": lambda: other_bars(400, 7),
+               "the same bytes, rewritten": setup["data"].read_bytes}[swapped]()
+    swap_in(setup["data"], content, later_s=1.0)
+    with pytest.raises(loop.TrainError, match=rf"changed after the run was planned \({differs}\): nothing was "
+                                              rf"trained on it; start the run again"):
         run_plan(plan, echo=lambda line: None)
     assert not (setup["tmp"] / "swapped" / checkpoint.LAST).exists()
+
+
+def test_a_resumed_run_takes_its_own_data_copied_and_refuses_other_data(setup):
+    """Resume compares the file's content with the run's start (its size and first MiB; a copy, with a new
+    modification time, is the same data) and the windows' facts with the checkpoint's; only the rows, split and
+    stride were compared, so a file of the same rows and other prices was resumed on."""
+    assert train(setup, "resumed", "--batch-size", "8", "--max-steps", "1").exit_code == 0
+    resume = ["train", "--resume", "--run-dir", str(setup["tmp"] / "resumed")]
+    original = setup["data"].read_bytes()
+    swap_in(setup["data"], other_bars(400, 7))
+    result = CliRunner().invoke(main, [*resume, "--max-steps", "2"])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert re.search(rf"Error: {re.escape(str(setup['data']))} is not the data this run started on \((size|first "
+                     rf"MiB's SHA-256): .* then, .* now\): resume with the same file, or start a new run",
+                     result.output), result.output
+    swap_in(setup["data"], original, later_s=60.0)  # the run's own bytes, copied back later
+    result = CliRunner().invoke(main, [*resume, "--max-steps", "2"])
+    assert result.exit_code == 0 and "done: 2 steps" in result.output, result.output
 
 
 def test_one_probe_checks_each_spec_once(tmp_path, monkeypatch):

@@ -114,9 +114,12 @@ def killed_from_outside(device: torch.device, *, kill_at: int, **params) -> vram
     return step
 
 
-def kill_myself(channel=None) -> None:
-    """A worker function that SIGKILLs its own process, as ``kill -9 <pid>`` from outside does."""
+def kill_myself(reading_bytes: int | None = None, channel=None) -> None:
+    """A worker function that SIGKILLs its own process, as ``kill -9 <pid>`` from outside does; first it sends
+    ``reading_bytes`` as its meter's reading, when given."""
     import os
     import signal
 
+    if reading_bytes is not None:
+        channel.reading(reading_bytes)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -26,8 +26,8 @@ from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import Aim, SearchSettings, Step, next_batch_size, settle, unmeasured_ceiling
 from vramcal.environment import software_versions
 from vramcal.journal import Journal
+from vramcal.measure.evidence import KILLED
 from vramcal.measure.trial import TrialRequest
-from vramcal.measure.worker import KILLED
 from vramcal.models.registry import family_of
 from vramcal.profile import Profile, Verification, utc_now
 from vramcal.records import Device, Trial, TrialSettings, World
@@ -103,7 +103,8 @@ class CalibrationPlan:
         model = self.model if seq_len is None else self.model.replace(seq_len=seq_len)
         return TrialRequest(model, step.batch_size, self.device, json.dumps(self.options, sort_keys=True),
                             self.trials, steady=step.purpose == STEADY, verifies=step.verifies, world=self.world,
-                            rank_devices=self.rank_devices, peak_only=step.purpose == "boundary")
+                            rank_devices=self.rank_devices, peak_only=step.purpose == "boundary",
+                            usable_bytes=self.usable_bytes)
 
 
 def run_trials(plan: CalibrationPlan, runner: Runner, on_trial: Callable[[Trial], None] | None = None,
@@ -145,7 +146,7 @@ def run_trials(plan: CalibrationPlan, runner: Runner, on_trial: Callable[[Trial]
 
 def _stop_if_killed_twice(trials: list[Trial]) -> None:
     """Stop the calibration where the last trial's size was killed from outside twice (a kill with no
-    out-of-memory kill counted by the kernel: :func:`vramcal.measure.worker.oom_kills`). Such a kill measured
+    out-of-memory kill counted by the kernel: :mod:`vramcal.measure.evidence`). Such a kill measured
     nothing, so it is run again once; a second one is no memory limit either, and a profile whose search went
     on below it would be verified at a size 16 times too small.
 

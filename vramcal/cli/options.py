@@ -335,6 +335,7 @@ class WorldOptions:
     find_unused_parameters: bool = World.find_unused_parameters
     static_graph: bool = World.static_graph
     reshard_after_forward: bool = World.reshard_after_forward
+    oversubscribe: bool = False  # more host ranks than cores (check_local_ranks); no setting of the world's
 
     @classmethod
     def build(cls, ddp_backend: str | None, **settings: Any) -> WorldOptions:
@@ -347,7 +348,8 @@ class WorldOptions:
             click.BadParameter: a world that cannot be (the message names the option); world options given for
                 one process.
         """
-        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "backend"}
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                    if f.name not in ("backend", "oversubscribe")}
         if nproc == 1:
             changed = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
             if changed:
@@ -382,21 +384,26 @@ world_options = collected(
     click.option("--reshard-after-forward/--no-reshard-after-forward", default=World.reshard_after_forward,
                  show_default=True, help="FSDP: free each block's gathered parameters after its forward (gathered "
                                          "again for the backward); --no-: keep them, more memory, less traffic"),
+    click.option("--oversubscribe", is_flag=True,
+                 help="allow more host (gloo) ranks than the cores this process may run on: ranks then share cores, "
+                      "so step times and throughput are slower than with a core each (memory per rank is the same)"),
 )
 
 
-def check_local_ranks(nproc: int, flag: str, on_gpu: bool) -> None:
+def check_local_ranks(nproc: int, flag: str, on_gpu: bool, oversubscribe: bool = False) -> None:
     """A world of ``nproc`` ranks on this machine must fit what it has, checked before any rank is forked: on the
     host (gloo) at most one rank per core this process may run on (a rank's step, timed and measured, needs its
-    core); GPUs are checked against the visible ones where the devices are chosen.
+    core), unless ``oversubscribe`` (``--oversubscribe``: the user takes ranks sharing cores, slower); GPUs are
+    checked against the visible ones where the devices are chosen.
 
     Raises:
-        click.BadParameter: more ranks than cores, naming ``flag``.
+        click.BadParameter: more ranks than cores without ``oversubscribe``, naming ``flag``.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if not on_gpu and nproc > cores:
+    if not on_gpu and nproc > cores and not oversubscribe:
         raise click.BadParameter(f"{nproc} ranks is more than the {cores} cores this process may run on: a host "
-                                 f"rank needs a core of its own; give {flag} {cores} or fewer", param_hint=flag)
+                                 f"rank needs a core of its own; give {flag} {cores} or fewer, or --oversubscribe "
+                                 f"to share cores (slower steps)", param_hint=flag)
 
 
 def limit_settings(reserve: int, margin: float, conservative_fraction: float):
@@ -416,8 +423,10 @@ limit_options = collected(
 
 
 @contextlib.contextmanager
-def one_line(interrupted: str = "interrupted") -> Iterator[None]:
-    """Turn vramcal's user-facing errors into one line and exit 1 (Ctrl-C: ``interrupted`` and exit 130).
+def one_line(interrupted: str | Callable[[], str] = "interrupted") -> Iterator[None]:
+    """Turn vramcal's user-facing errors into one line and exit 1 (Ctrl-C: ``interrupted`` and exit 130; SIGTERM:
+    the same with ``stopped by SIGTERM`` in place of its first word, exit 143). ``interrupted`` may be a function,
+    called when the interrupt comes, for a line that says what is on disk then (a run's checkpoints, or none).
 
     Every error class vramcal raises for people is a ValueError (bad data, a bad profile, config or LM config,
     no profile, no device, a bad factory) or a RuntimeError subclass whose message is written for people (a
@@ -430,9 +439,10 @@ def one_line(interrupted: str = "interrupted") -> Iterator[None]:
     except click.ClickException:
         raise
     except Terminated:
-        raise Stopped(f"stopped by SIGTERM{interrupted.removeprefix('interrupted')}") from None
+        line = interrupted() if callable(interrupted) else interrupted
+        raise Stopped(f"stopped by SIGTERM{line.removeprefix('interrupted')}") from None
     except KeyboardInterrupt:
-        raise Interrupted(interrupted) from None
+        raise Interrupted(interrupted() if callable(interrupted) else interrupted) from None
     except (ValueError, CalibrationError, EstimateError, NvmlError, TrainError) as error:
         raise click.ClickException(single_line(str(error)) or type(error).__name__) from None
     except OSError as error:

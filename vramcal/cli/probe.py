@@ -191,7 +191,7 @@ def plan_probes(model: ModelOptions, gpu: str, capacity: int | None, nproc: int,
     name, params, spec = model_params(model)
     importable_from_cwd(name)
     devices, notice = api.select_devices("all" if nproc > 1 and gpu == "auto" else gpu, capacity)
-    check_local_ranks(nproc, "--nproc", devices[0].kind == "cuda")
+    check_local_ranks(nproc, "--nproc", devices[0].kind == "cuda", parallel.oversubscribe)
     world = parallel.world(nproc, devices[0].kind == "cuda")
     if devices[0].kind == "host" and world is not None:
         devices = devices[:1]

@@ -147,8 +147,7 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
             run_dir = run_dir or new_run_dir()
             plan = planning.plan_run(config, run_dir, setting)
         announce(plan)
-    with one_line(f"interrupted: the checkpoints in {plan.run_dir} are kept; continue with "
-                  f"`vramcal train --resume --run-dir {plan.run_dir}`"), stdout_to_stderr(as_json):
+    with one_line(lambda: interrupted_line(plan.run_dir)), stdout_to_stderr(as_json):
         train(plan, echo=lambda line: click.echo(line, err=True))
     echo_done(plan.run_dir, as_json)
 
@@ -177,7 +176,8 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
         flag = "--" + next(iter(torchrun)).replace("_", "-")
         raise click.BadParameter("is torchrun's, for a DDP run of 2 or more ranks: add --nproc-per-node N (and "
                                  "--nnodes for several machines), or leave it out for one process", param_hint=flag)
-    check_local_ranks(nproc_per_node, "--nproc-per-node", options.get("gpu") != "none" and gpu_here())
+    check_local_ranks(nproc_per_node, "--nproc-per-node", options.get("gpu") != "none" and gpu_here(),
+                      parallel.oversubscribe)
     if parallel.strategy == "fsdp":  # its checkpoints would hold each rank's shards: not built yet
         raise click.BadParameter("the trainer runs DDP only, for now: calibrate an FSDP world with `vramcal probe "
                                  "--nproc N --strategy fsdp` and size your own loop by it (vramcal.batch_size)",
@@ -202,13 +202,23 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
         world = parallel.world(nproc_per_node * nodes, config.gpu != "none" and gpu_here())
         click.echo(f"training {world.describe()} in {run_dir}", err=True)
     overrides = {k: options[k] for k in RESUME_OVERRIDES if resume and k in given}
-    with one_line(f"interrupted: the checkpoints in {run_dir} are kept; continue with `vramcal train --resume "
-                  f"--run-dir {run_dir} --nproc-per-node {nproc_per_node}`"):
+    with one_line(lambda: interrupted_line(run_dir, f" --nproc-per-node {nproc_per_node}")):
         try:
             distributed.launch(config, run_dir, world, nproc_per_node, torchrun, capacities, resume, overrides)
         finally:
             checkpoint.release_run_dir(run_dir)
     return run_dir
+
+
+def interrupted_line(run_dir: Path, flags: str = "") -> str:
+    """What an interrupted run left, read from its folder when the interrupt comes: its checkpoints and the command
+    that continues from them (``flags``: a DDP run's), or that nothing was saved (stopped before its first
+    checkpoint, ``--resume`` would find nothing)."""
+    if checkpoint.has_checkpoint(run_dir):
+        return (f"interrupted: the checkpoints in {run_dir} are kept; continue with `vramcal train --resume --run-dir "
+                f"{run_dir}{flags}`")
+    return (f"interrupted before the first checkpoint: nothing was saved; run the command again (the same --run-dir "
+            f"{run_dir} can be used)")
 
 
 def node_count(nnodes: object) -> int:

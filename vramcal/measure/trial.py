@@ -86,6 +86,8 @@ class TrialRequest:
         world: a DDP world of ranks (``batch_size`` is then per rank), or None for one process.
         rank_devices: each rank's device (GPUs: one each); () = every rank on ``device`` (the host).
         peak_only: one measured step and no validation pass (module docstring): a boundary trial.
+        usable_bytes: the calibration's usable memory (bytes): a trial killed by a signal after its meter read at
+            or above it is out-of-memory (:mod:`vramcal.measure.evidence`); None: only the kernel's counter says so.
     """
 
     model: ModelRef
@@ -98,6 +100,7 @@ class TrialRequest:
     world: World | None = None
     rank_devices: tuple[Device, ...] = ()
     peak_only: bool = False
+    usable_bytes: int | None = None
 
     def rank_device(self, rank: int) -> Device:
         return self.rank_devices[rank] if self.rank_devices else self.device
@@ -153,7 +156,8 @@ class TrialRunner:
         """
         if request.world is not None:
             return self.run_world(request, purpose)
-        outcome = self.workers.run(measure, request, timeout_s=request.settings.timeout_s, handler=self._handle)
+        outcome = self.workers.run(measure, request, timeout_s=request.settings.timeout_s, handler=self._handle,
+                                   usable_bytes=request.usable_bytes)
         if outcome.status != "ok":
             return (self.failed(request, outcome, purpose),)
         return self.records([outcome.result], [outcome], request, purpose)
@@ -167,7 +171,8 @@ class TrialRunner:
         try:
             init = f"file://{folder}/rendezvous"
             calls = [(measure_rank, (request, rank, init)) for rank in range(request.world.nproc)]
-            outcomes = self.workers.run_all(calls, timeout_s=request.settings.timeout_s, handler=self._handle)
+            outcomes = self.workers.run_all(calls, timeout_s=request.settings.timeout_s, handler=self._handle,
+                                            usable_bytes=request.usable_bytes)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         if all(o.status == "ok" for o in outcomes):
@@ -251,7 +256,7 @@ def measure(request: TrialRequest, channel: Any = None) -> dict[str, Any]:
         meter.check_pinned()
         held = meter.held_bytes()  # what the process holds as training starts: the process term's baseline
         return {**steps(request, step, step.model, meter, time.perf_counter() - start, channel=channel,
-                        phase=phase), "held_bytes": held}
+                        phase=phase_of(channel, meter)), "held_bytes": held}
     finally:
         meter.close()
 
@@ -278,16 +283,28 @@ def measure_rank(request: TrialRequest, rank: int, init_method: str, channel: An
         model = wrap(step, request.world, torch_device(device))
         held = meter.held_bytes()
         return {**steps(request, step, model, meter, time.perf_counter() - start, group.all_of,
-                        channel if rank == 0 else None, phase), "rank": rank, "held_bytes": held}
+                        channel if rank == 0 else None, phase_of(channel, meter)), "rank": rank, "held_bytes": held}
     finally:
         if group is not None:
             group.close()
         meter.close()
 
 
-def phase_of(channel: Any) -> Callable[[str], None]:
-    """``channel.phase`` (:meth:`vramcal.measure.worker.Channel.phase`), or a no-op without a channel."""
-    return channel.phase if channel is not None else lambda text: None
+def phase_of(channel: Any, meter: Any = None) -> Callable[[str], None]:
+    """``channel.phase`` (:meth:`vramcal.measure.worker.Channel.phase`), then with a ``meter`` its peak so far
+    (:meth:`~vramcal.measure.worker.Channel.reading`: the last one is the evidence a kill may need); a no-op
+    without a channel. A meter is given once the step is built (on a GPU its reading synchronizes: CUDA has
+    started by then)."""
+    if channel is None:
+        return lambda text: None
+    if meter is None:
+        return channel.phase
+
+    def phase(text: str) -> None:
+        channel.phase(text)
+        channel.reading(meter.read()["peak_bytes"])
+
+    return phase
 
 
 def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: float,

@@ -32,14 +32,13 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from vramcal.environment import WORKER_DEFAULTS
+from vramcal.measure.evidence import exit_status, oom_kill_counter
 from vramcal.oom import is_out_of_memory
 
 OutcomeStatus = Literal["ok", "oom", "timeout", "error"]
-KILLED = "Killed"  # the error_type of a worker killed by a signal without an out-of-memory kill counted
 _END_AT_EXIT: list[bool] = []  # one entry once Workers.warm_up has registered _end_server with atexit
 Handler = Callable[[str, Any], Any]
 
@@ -49,8 +48,9 @@ class Outcome:
     """How a worker ended.
 
     Attributes:
-        status: ``ok``; ``oom`` (an out-of-memory error, or killed while the kernel counted an out-of-memory
-            kill: :func:`oom_kills`); ``timeout`` (killed after the time limit); ``error`` (anything else).
+        status: ``ok``; ``oom`` (an out-of-memory error, or killed with out-of-memory evidence:
+            :mod:`vramcal.measure.evidence`); ``timeout`` (killed after the time limit); ``error`` (anything else,
+            a kill without that evidence included: ``error_type`` :data:`vramcal.measure.evidence.KILLED`).
         result: what the worker's function returned (``ok`` only).
         error: the traceback's last lines (None when the process ended without one: ``message`` says why).
         error_type: the exception's class name (None when the process died without one).
@@ -80,6 +80,11 @@ class Channel:
     def ask(self, kind: str, payload: Any = None) -> Any:
         self._connection.send(("ask", kind, payload))
         return self._connection.recv()
+
+    def reading(self, peak_bytes: int) -> None:
+        """Send the meter's reading now (the peak so far, bytes): the last one is the evidence
+        (:mod:`vramcal.measure.evidence`) that a kill with no other was an out-of-memory one."""
+        self._connection.send(("reading", int(peak_bytes)))
 
     def phase(self, text: str) -> None:
         """Say what the worker does now (``building the step``, ``measured step 3 of at most 40``): kept by the caller,
@@ -130,7 +135,7 @@ class Workers:
             atexit.register(_end_server)
 
     def run(self, function: Callable[..., Any] | str, *args: Any, timeout_s: float | None = None,
-            handler: Handler | None = None) -> Outcome:
+            handler: Handler | None = None, usable_bytes: int | None = None) -> Outcome:
         """Run ``function(*args, channel=Channel)`` in a worker and wait for it.
 
         Args:
@@ -138,13 +143,16 @@ class Workers:
                 ``module:function`` (imported in the worker only, so the caller need not import it).
             timeout_s: kill the worker after this many seconds (None: no limit).
             handler: ``handler(kind, payload)`` for the worker's messages; its return value answers an ask.
+            usable_bytes: the usable memory of the worker's device: a kill after it read at or above that is
+                out-of-memory (:mod:`vramcal.measure.evidence`); None: only the kernel's counter says so.
 
         Raises:
             KeyboardInterrupt: the caller was interrupted; the worker is killed first.
         """
-        return self.run_all([(function, args)], timeout_s=timeout_s, handler=handler)[0]
+        return self.run_all([(function, args)], timeout_s=timeout_s, handler=handler, usable_bytes=usable_bytes)[0]
 
-    def start(self, function: Callable[..., Any] | str, *args: Any, handler: Handler | None = None) -> Job:
+    def start(self, function: Callable[..., Any] | str, *args: Any, handler: Handler | None = None,
+              usable_bytes: int | None = None) -> Job:
         """Start ``function(*args, channel=Channel)`` in a worker and return at once (:class:`Job`)."""
         ours, theirs = self._context.Pipe(duplex=True)
         started = time.time()
@@ -152,10 +160,11 @@ class Workers:
         with _main_left_alone():
             process.start()
         theirs.close()
-        return Job(process, ours, started, handler)
+        return Job(process, ours, started, handler, usable_bytes)
 
     def run_all(self, calls: list[tuple[Callable[..., Any] | str, tuple]], *, timeout_s: float | None = None,
-                handler: Handler | None = None, grace_s: float = 10.0) -> list[Outcome]:
+                handler: Handler | None = None, grace_s: float = 10.0,
+                usable_bytes: int | None = None) -> list[Outcome]:
         """Run several workers at once (the ranks of a world) and wait for all of them.
 
         When one ends without a result ``ok``, the others get ``grace_s`` seconds to end by themselves (they
@@ -169,7 +178,7 @@ class Workers:
         Raises:
             KeyboardInterrupt: the caller was interrupted; every worker is killed first.
         """
-        jobs = [self.start(function, *args, handler=handler) for function, args in calls]
+        jobs = [self.start(function, *args, handler=handler, usable_bytes=usable_bytes) for function, args in calls]
         try:
             _serve(jobs, timeout_s, grace_s)
         finally:
@@ -183,12 +192,15 @@ class Job:
 
     outcome: Outcome | None
 
-    def __init__(self, process: Any, connection: Any, started: float, handler: Handler | None) -> None:
+    def __init__(self, process: Any, connection: Any, started: float, handler: Handler | None,
+                 usable_bytes: int | None = None) -> None:
         self.process, self.connection, self.started, self.handler = process, connection, started, handler
         self.final: dict[str, Any] | None = None
         self.outcome: Outcome | None = None
-        self.oom_kills_before = oom_kills()  # the kernel's out-of-memory kills so far (_exit_status)
+        self.counter_before = oom_kill_counter()  # the kernel's out-of-memory kills so far (evidence.exit_status)
         self.phase: str | None = None  # what the worker last said it does (Channel.phase)
+        self.reading_bytes: int | None = None  # the meter's last reading it sent (Channel.reading)
+        self.usable_bytes = usable_bytes
 
     def receive(self) -> None:
         """Serve one message from the worker (its final result ends the job)."""
@@ -203,9 +215,15 @@ class Job:
         if kind == "phase":
             self.phase = rest[0]
             return
+        if kind == "reading":
+            self.reading_bytes = rest[0]
+            return
         reply = self.handler(rest[0], rest[1]) if self.handler is not None else None
         if kind == "ask":
-            self.connection.send(reply)
+            try:
+                self.connection.send(reply)
+            except OSError:  # it died while its question was answered (BrokenPipeError): its exit status says how
+                self.end(None)
 
     def end(self, final: dict[str, Any] | None, kill: bool = False) -> None:
         """Record how the worker ended (None: it died without a result; its exit status says how); ``kill``
@@ -216,7 +234,8 @@ class Job:
         if kill or final is None:
             self.process.kill()
         self.process.join()
-        final = final or _exit_status(self.process.exitcode, self.process.pid, self.oom_kills_before)
+        final = final or exit_status(self.process.exitcode, self.process.pid, self.counter_before, self.reading_bytes,
+                                     self.usable_bytes)
         self.outcome = Outcome(wall_s=time.time() - self.started, **final)
 
     def close(self) -> None:
@@ -291,64 +310,6 @@ def _end_server() -> None:
     if pid is not None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
-
-
-def oom_kills() -> int | None:
-    """How many processes the kernel's out-of-memory killer has killed: the machine's count (``oom_kill`` in
-    ``/proc/vmstat``, Linux 4.13+) plus this process's memory cgroup's (``oom_kill`` in cgroup v2's
-    ``memory.events`` or v1's ``memory.oom_control``), where the cgroup's is readable; None where neither is.
-    A rise over a worker's life is the evidence that a kill was an out-of-memory one (DESIGN.md)."""
-    files = [Path("/proc/vmstat")]
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/cgroup").read_text().splitlines():
-            _, controllers, path = line.split(":", 2)
-            if controllers == "":  # cgroup v2
-                root, name = Path("/sys/fs/cgroup"), "memory.events"
-            elif "memory" in controllers.split(","):  # cgroup v1's memory controller
-                root, name = Path("/sys/fs/cgroup/memory"), "memory.oom_control"
-            else:
-                continue
-            # the process's own cgroup, or the mount's root where a container shows only its own as the root
-            files += [folder / name for folder in (root / path.lstrip("/"), root) if (folder / name).is_file()][:1]
-    counts = []
-    for file in files:
-        with contextlib.suppress(OSError):
-            counts.append(_counter(file.read_text()))
-    counts = [c for c in counts if c is not None]
-    return sum(counts) if counts else None
-
-
-def _counter(text: str) -> int | None:
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "oom_kill" and value.strip().isdigit():
-            return int(value)
-    return None
-
-
-def _exit_status(exitcode: int | None, pid: int | None = None, oom_kills_before: int | None = None) -> dict[str, Any]:
-    """How a worker that sent no result ended: killed by a signal (``exitcode`` -N) is ``oom`` only where the
-    kernel counted an out-of-memory kill during its life (:func:`oom_kills` rose from ``oom_kills_before``);
-    any other kill is an ``error`` of type ``Killed``, which measured nothing (the search runs it again)."""
-    if exitcode is not None and exitcode < 0:
-        name = _signal_name(-exitcode)
-        after = oom_kills()
-        if oom_kills_before is not None and after is not None and after > oom_kills_before:
-            what = f"killed by {name} (pid {pid}) by the kernel's out-of-memory killer (oom_kill counted it)"
-            return {"status": "oom", "message": what}
-        what = (f"killed by {name} (pid {pid}), and the kernel counted no out-of-memory kill: something outside "
-                f"vramcal ended it (a kill, a scheduler's preemption)")
-        return {"status": "error", "error_type": KILLED, "message": what}
-    return {"status": "error", "message": f"the process exited with code {exitcode} without a result"}
-
-
-def _signal_name(number: int) -> str:
-    import signal
-
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 def _worker_main(connection: Any, function: Callable[..., Any], args: tuple, started: float,

@@ -23,10 +23,12 @@ rank. The run folder is left resumable: ``vramcal train --resume --run-dir ... -
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,12 +65,52 @@ def launch(config: TrainConfig, run_dir: Path, world: World, nproc_per_node: int
                                          "overrides": overrides or {}})
     args = [f"--nproc-per-node={nproc_per_node}", *(f"--{k.replace('_', '-')}={v}" for k, v in torchrun.items()),
             "-m", "vramcal.train.distributed", str(run_dir / LAUNCH)]
-    for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)  # the agent's own log lines: our one line says it
+    for name in list(logging.root.manager.loggerDict):  # each module's logger has its own level (elastic's get_logger)
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)  # the agent's own log lines: our one line says it
     try:
-        run(get_args_parser().parse_args(args))
+        with signals_as_before():
+            run(get_args_parser().parse_args(args))
     except ChildFailedError as error:
         raise TrainError(failure_line(run_dir, error)) from None
+
+
+@contextlib.contextmanager
+def signals_as_before() -> Iterator[None]:
+    """Run torchrun's agent with the process's own ways out of SIGTERM and Ctrl-C.
+
+    The agent takes over SIGTERM, SIGINT, SIGHUP and SIGQUIT while it runs (its process context's handler raises
+    ``SignalException`` after it has stopped the ranks, and is never put back), so a ``kill`` during a run
+    ended in torch's traceback. Here the handlers in place before are put back, and a ``SignalException`` is
+    handed to the one its signal had: vramcal's command turns SIGTERM into its one line (exit 143), Python's
+    SIGINT handler raises KeyboardInterrupt (exit 130); a signal whose handler was not Python's is a
+    KeyboardInterrupt.
+
+    Raises:
+        KeyboardInterrupt: (or what the signal's own handler raises) the agent was stopped by a signal.
+    """
+    import signal
+    import threading
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # loads torch: only when called
+
+    if threading.current_thread() is not threading.main_thread():  # the agent takes no signals there either
+        yield
+        return
+    numbers = [getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, name)]
+    before = {number: signal.getsignal(number) for number in numbers}
+    try:
+        yield
+    except SignalException as error:
+        for number, handler in before.items():
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+        handler = before.get(error.sigval)
+        if callable(handler):
+            handler(error.sigval, None)
+        raise KeyboardInterrupt from None
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
 
 
 def failure_line(run_dir: Path, error: Any) -> str:
@@ -96,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         for notice in plan.notices:  # what sized rank 0's batch and where, as one process says it
             echo(notice)
         train(plan, echo=echo)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank of the terminal's process group: the launcher says it
+        sys.exit(130)
     except (TrainError, ValueError, OSError, RuntimeError) as error:
         line = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
         try:

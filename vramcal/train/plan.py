@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from vramcal.units import format_bytes, size_argument
 from vramcal.workload import ModelRef
 
 COLLECTIVE_TIMEOUT_S = 300.0
+HEAD_BYTES = 1 << 20  # the data file's first MiB, hashed into its identity (data_identity)
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,8 @@ class Setting:
         device: where to train.
         model: the regressor's key (spec + concrete implementation).
         profile, profile_path: the profile that sizes the runs (None: an unchecked run, module docstring).
-        data_stats: the windows' facts (rows, split, stride, window counts).
+        data_stats: the windows' facts (rows, split, stride, window counts, normalisation) and ``file``, the data
+            file's identity (:func:`data_identity`).
         pool_data_bytes: bytes of data the run holds in the measured memory (the data term).
         host_memory_limit_bytes: ``RLIMIT_DATA`` of the training process on the host, else None.
         notices: lines for people (device choice, unreadable profiles skipped, the budget applied).
@@ -145,6 +148,23 @@ class Plan:
                    host_memory_limit_bytes=record["host_memory_limit_bytes"], resume=True)
 
 
+def data_identity(path: str | Path) -> dict[str, Any]:
+    """The data file's identity, which the training worker checks against its plan before any step
+    (:mod:`vramcal.train.worker`): ``size_bytes``, ``mtime_ns`` (the modification time, ns) and ``head_sha256`` (the
+    SHA-256 of its first :data:`HEAD_BYTES`: hashing the whole of a file of gigabytes would cost every run seconds).
+    A file swapped or rewritten differs in one of them; the windows' statistics, checked too, cover the rest.
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    import hashlib
+
+    with open(path, "rb") as file:
+        stat = os.fstat(file.fileno())
+        head = hashlib.sha256(file.read(HEAD_BYTES)).hexdigest()
+    return {"size_bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "head_sha256": head}
+
+
 def load_windows(config: TrainConfig) -> Windows:
     """Bars from ``config.data`` cut into windows (:func:`vramcal.models.regressor.step.load_windows`).
     Raises: DataError."""
@@ -191,7 +211,7 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
                        f"the worker fork server are outside it (together a few hundred MiB resident)")
     pool = windows.pipeline_bytes if device.kind == "host" or config.data_on_device else 0
     return Setting(config, device, model, located and located.profile, located and str(located.path),
-                   windows.stats(), pool, limit, tuple(notices))
+                   {**windows.stats(), "file": data_identity(config.data)}, pool, limit, tuple(notices))
 
 
 def _chosen_variant(config: TrainConfig, device: Device, capacity_bytes: int | None, world: World | None,
@@ -379,5 +399,6 @@ def plan_resume(run_dir: Path, overrides: dict[str, Any]) -> Plan:
                        f"stays {plan.batch_size}")
     # the device found now (a GPU is pinned by its UUID, which another card of the same model does not share),
     # with the run's own budget
+    # the data file's identity as the run started (None for a run recorded without one): the worker checks it
     return replace(plan, config=config, device=replace(device, total_bytes=plan.device.total_bytes),
-                   data_stats=windows.stats(), notices=tuple(notices))
+                   data_stats={**windows.stats(), "file": plan.data_stats.get("file")}, notices=tuple(notices))

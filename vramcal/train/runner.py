@@ -99,7 +99,8 @@ def _run(plan: Plan, echo: Echo, on_epoch: Callable[[dict[str, Any]], Any] | Non
 
     status = "KILLED"  # until the worker says otherwise: an interrupt ends the run here
     try:
-        outcome = (workers or worker_pool()).run(TRAIN_WORKER, plan, handler=handle)
+        outcome = (workers or worker_pool()).run(TRAIN_WORKER, plan, handler=handle,
+                                                 usable_bytes=plan.sizing.usable_bytes if plan.sizing else None)
         status = "FINISHED" if outcome.status == "ok" else "KILLED" if outcome.error_type == "Stopped" else "FAILED"
     finally:
         for tracker in trackers:

@@ -17,7 +17,7 @@ from vramcal.measure.trial import torch_device
 from vramcal.sizing import SizingError, scaled_lr
 from vramcal.train import checkpoint
 from vramcal.train.loop import Share, Trainer
-from vramcal.train.plan import Plan
+from vramcal.train.plan import Plan, data_identity
 from vramcal.workload import build
 
 
@@ -43,6 +43,8 @@ def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
         return channel.ask("epoch", row) if channel is not None else None
 
     meter, group = open_meter(plan.device, plan.host_memory_limit_bytes), None
+    if channel is not None:
+        meter = Reported(meter, channel)
     try:
         group, share, plan = _join(plan)
         step, model = _build(plan, group)
@@ -60,6 +62,22 @@ def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
             "peak_bytes": max((r["peak_bytes"] for r in rows), default=None),
             "data_bytes": step.pool_data_bytes(plan.device.kind), "rank_peak_bytes": ranks,
             "batch_sizes": list(share.batch_sizes)}
+
+
+class Reported:
+    """The meter, each reading of its peak also sent to the caller (:meth:`vramcal.measure.worker.Channel.reading`:
+    the last one is the evidence a kill may need); the trainer reads it every few steps and at each epoch's end."""
+
+    def __init__(self, meter: Any, channel: Any) -> None:
+        self._meter, self._channel = meter, channel
+
+    def read(self) -> dict[str, Any]:
+        figures = self._meter.read()
+        self._channel.reading(figures["peak_bytes"])
+        return figures
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._meter, name)
 
 
 def _join(plan: Plan) -> tuple[Any, Share, Plan]:
@@ -119,37 +137,72 @@ def _resume_state(plan: Plan, step: Any, echo: Any) -> dict[str, Any]:
 # what a plan's data facts must still say of the file the worker reads (its rows, split, windows, normalisation)
 PLANNED = ("rows", "split_row", "stride", "train_windows", "val_windows", "feature_mean", "feature_std",
            "target_scale")
+# the data file's identity (plan.data_identity): all of it between the plan and the worker; on resume its content
+# only (a file copied to the machine the run resumes on keeps its content, not its modification time)
+IDENTITY = {"size_bytes": "size", "mtime_ns": "modification time", "head_sha256": "first MiB's SHA-256"}
+CONTENT = ("size_bytes", "head_sha256")
 
 
 def _check_planned_data(plan: Plan, step: Any) -> None:
-    """A new run trains on the data it was planned on: the file the worker read has the planned facts (a file
-    swapped or rewritten between the plan and the worker is refused before any step; nothing is trained on it).
+    """A new run trains on the data it was planned on: the file the worker read is the planned one (its identity)
+    and has the planned facts (a file swapped or rewritten between the plan and the worker is refused before any
+    step; nothing is trained on it).
 
     Raises:
         DataError: one line naming the file and what differs.
     """
     from vramcal.models.regressor.bars import DataError  # loads numpy: only when called
 
-    now = step.pipeline.windows.stats()
-    same = lambda key: json.dumps(now.get(key)) == json.dumps(plan.data_stats.get(key))  # noqa: E731 - NaN == NaN
-    changed = [key for key in PLANNED if not same(key)]
+    changed = _changed(plan, tuple(IDENTITY), plan.data_stats, step, "planned")
     if changed:
-        key = changed[0]
-        then, found = _short(plan.data_stats.get(key)), _short(now.get(key))
-        raise DataError(f"{plan.config.data} changed after the run was planned ({key}: {then} planned, {found} now): "
-                        f"nothing was trained on it; start the run again")
+        raise DataError(f"{plan.config.data} changed after the run was planned ({changed} now): nothing was trained "
+                        f"on it; start the run again")
+
+
+def _check_same_data(state: dict[str, Any], step: Any, plan: Plan) -> None:
+    """A resumed run trains on the data it started on: the file's content (size and first MiB, against the run's
+    record) and its windows' facts (against the checkpoint's).
+
+    Raises:
+        DataError: one line naming the file and what differs.
+    """
+    from vramcal.models.regressor.bars import DataError  # loads numpy: only when called
+
+    changed = _changed(plan, CONTENT, state["data_stats"], step, "then")
+    if changed:
+        raise DataError(f"{plan.config.data} is not the data this run started on ({changed} now): resume with the "
+                        f"same file, or start a new run")
+
+
+def _changed(plan: Plan, identity: tuple[str, ...], expected: dict[str, Any], step: Any, then: str) -> str | None:
+    """What differs first between the data file now and what was recorded of it (``plan.data_stats["file"]``'s
+    ``identity`` keys, when recorded; then ``expected``'s :data:`PLANNED` facts), as ``what: X <then>, Y`` (the
+    caller adds `` now``); None when nothing does."""
+    recorded = plan.data_stats.get("file")
+    if recorded:
+        found = data_identity(plan.config.data)
+        for key in identity:
+            if found[key] != recorded[key]:
+                return f"{IDENTITY[key]}: {_said(key, recorded[key])} {then}, {_said(key, found[key])}"
+    now = step.pipeline.windows.stats()
+    same = lambda key: json.dumps(now.get(key)) == json.dumps(expected.get(key))  # noqa: E731 - NaN == NaN
+    for key in PLANNED:
+        if not same(key):
+            return f"{key}: {_short(expected.get(key))} {then}, {_short(now.get(key))}"
+    return None
+
+
+def _said(key: str, value: Any) -> str:
+    """An identity's value for people: bytes, a UTC time, a hash's first 12 digits."""
+    import datetime as dt
+
+    if key == "size_bytes":
+        return f"{value} bytes"
+    if key == "mtime_ns":
+        return dt.datetime.fromtimestamp(value / 1e9, dt.UTC).isoformat(sep=" ", timespec="microseconds")[:26]
+    return f"{value[:12]}..."
 
 
 def _short(value: Any) -> str:
     text = str(value)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _check_same_data(state: dict[str, Any], step: Any, plan: Plan) -> None:
-    from vramcal.models.regressor.bars import DataError  # loads numpy: only when called
-
-    saved, windows = state["data_stats"], step.pipeline.windows
-    if (saved["rows"], saved["split_row"], saved["stride"]) != (len(windows.targets), windows.split_row,
-                                                                windows.stride):
-        raise DataError(f"{plan.config.data} is not the data this run started on ({saved['rows']} rows then, "
-                        f"{len(windows.targets)} now): resume with the same file, or start a new run")
