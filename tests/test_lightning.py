@@ -117,18 +117,22 @@ def test_sets_the_conservative_size_and_reports_the_measured_peak(tmp_path, capl
     assert "host peak" in callback.report
     assert callback.report in caplog.text
     assert f"batch_size = {conservative} (conservative" in caplog.text
+    assert caplog.text.count("vramcal: batch_size = ") == 1  # said at setup; fit start kept it (issue 42 item 7)
 
 
-def test_a_process_holding_more_than_the_trials_gets_a_smaller_batch(tmp_path):
+def test_a_process_holding_more_than_the_trials_gets_a_smaller_batch(tmp_path, caplog):
     """The trials held 10 MiB at the start of training (a fiction of this test): this process holds hundreds
     more, which leave less room for samples, so the limits come down and the batch is set again at fit
-    start, before the dataloaders are built."""
+    start, before the dataloaders are built, and said again."""
     profile = profile_here(held_bytes=10 * MIB)
     from vramcal.integrations.lightning import VramcalBatchSize
 
     callback, module = VramcalBatchSize(profile, limit="safe"), Regressor()
-    with pytest.warns(UserWarning, match=r"this process holds .* a process term of \+\d"):
+    with pytest.warns(UserWarning, match=r"this process holds .* a process term of \+\d"), \
+            caplog.at_level(logging.INFO):
         fit(module, callback, tmp_path)
+    said = [line for line in caplog.text.splitlines() if "vramcal: batch_size = " in line]
+    assert len(said) == 2 and f"batch_size = {callback.sizing.batch_size} (safe" in said[1], said
     assert callback.sizing.safe_batch_size < profile.limits.safe_batch_size
     assert module.seen == {callback.sizing.batch_size} and module.batch_size == callback.sizing.safe_batch_size
 

@@ -104,7 +104,7 @@ class VramcalBatchSize(Callback):
         ask = self.ask.replace(gradients=_gradients_held(pl_module)) if self.ask.gradients is None else self.ask
         self.run = FrameworkRun(**self._find, device=trainer.strategy.root_device, ask=ask, world=_world(trainer),
                                 framework="lightning", warn=lambda line: rank_zero_warn(line))
-        self.profile_source = self.run.source
+        self.profile_source, self.sizing = self.run.source, None  # a new fit says its size again
         self._apply(trainer, pl_module, self.run.sizing)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -112,14 +112,17 @@ class VramcalBatchSize(Callback):
             self._apply(trainer, pl_module, self.run.start())
 
     def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, sizing: Sizing) -> None:
-        """Set the (agreed, under DDP) batch size and the accumulation, and say so on rank 0."""
+        """Set the (agreed, under DDP) batch size and the accumulation, and say so on rank 0: once when it is first
+        decided (``setup``) and again only when fit start changed it."""
         own, batch = sizing.batch_size, _agreed(trainer, sizing.batch_size)
         if batch != own:
             sizing = self.run.resize(batch)
         lightning_setattr(pl_module, self.attr, batch)
         if sizing.accumulation_steps > 1:
             trainer.accumulate_grad_batches = sizing.accumulation_steps
-        self.sizing = sizing
+        said, self.sizing = self.sizing, sizing
+        if said is not None and (said.batch_size, said.accumulation_steps) == (batch, sizing.accumulation_steps):
+            return  # said at setup: fit start kept the size (the prediction's process term is in the report)
         s, agreed = sizing, "" if batch == own else f", the smallest of the ranks' sizes; this rank's was {own}"
         rank_zero_info(f"vramcal: {self.attr} = {batch} ({s.label}{agreed}; safe {s.safe_batch_size}, conservative "
                        f"{s.conservative_batch_size}) from {self.profile_source}: predicted peak "
