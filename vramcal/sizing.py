@@ -340,6 +340,8 @@ class Answer:
         safe_batch_size, conservative_batch_size: the limits at ``seq_len``.
         basis: ``verified`` (a calibrated length), ``not verified``, or an interpolation note.
         predicted_peak_bytes, upper_bytes, usable_bytes: the model's figures at (batch_size, seq_len).
+        sentence: the answer in words, for people: what was asked, the answer, and what it rests on (a calibrated
+            length or one between two, verified or interpolated).
     """
 
     seq_len: int
@@ -350,6 +352,7 @@ class Answer:
     predicted_peak_bytes: int
     upper_bytes: int
     usable_bytes: int
+    sentence: str = ""
 
 
 def answer(profile: Profile, *, seq_len: int | None = None, batch_size: int | None = None) -> Answer:
@@ -384,8 +387,36 @@ def answer(profile: Profile, *, seq_len: int | None = None, batch_size: int | No
     sizing = size(profile, SizeRequest(limit="safe", seq_len=seq_len)) if batch_size is None else None
     batch = batch_size if batch_size is not None else sizing.batch_size
     basis = "verified" if model.verified else (model.basis or "not verified")
-    return Answer(seq_len, batch, model.limits.safe_batch_size, model.limits.conservative_batch_size, basis,
-                  int(model.predict(batch)), int(model.upper(batch)), model.limits.usable_bytes)
+    found = Answer(seq_len, batch, model.limits.safe_batch_size, model.limits.conservative_batch_size, basis,
+                   int(model.predict(batch)), int(model.upper(batch)), model.limits.usable_bytes)
+    return dataclasses.replace(found, sentence=_in_words(found, surface, by_batch=batch_size is not None))
+
+
+def _in_words(found: Answer, surface, by_batch: bool) -> str:
+    """:attr:`Answer.sentence`: the answer, where its length sits among the calibrated ones, and what its limits
+    rest on (``surface``: the profile's :class:`~vramcal.calibration.surface.Surface`, None for one length)."""
+    length, lengths = found.seq_len, surface.seq_lens if surface is not None else (found.seq_len,)
+    if length in lengths:
+        where = "the profile's one calibrated length" if surface is None else "a calibrated length"
+        rests = "its limits verified by real trials" if found.basis == "verified" else "its limits not verified"
+    else:
+        where = (f"between the calibrated lengths {max(n for n in lengths if n < length)} and "
+                 f"{min(n for n in lengths if n > length)}")
+        rests = "interpolated by the 2-D fit, not verified at this length"
+    if not by_batch:
+        return (f"at seq_len {length} ({where}; {rests}) the safe batch_size is {found.safe_batch_size} and the "
+                f"conservative {found.conservative_batch_size}")
+    said = f"the longest seq_len at batch_size {found.batch_size} is {length}"
+    if length == max(lengths):  # the range ends before memory does
+        said += (f", the longest calibrated length ({rests}): its upper 95 % bound fits usable memory there, and "
+                 f"longer lengths are outside the calibrated range (calibrate them to ask about them)")
+    else:
+        said += (f" ({where}; {rests}): the longest multiple of chunk_size {surface.chunk_size} whose upper 95 % "
+                 f"bound at that batch size fits usable memory")
+    if found.safe_batch_size < found.batch_size:
+        said += (f"; but the safe batch_size at {length} is {found.safe_batch_size}, below {found.batch_size}: train "
+                 f"at most {found.safe_batch_size} there")
+    return said
 
 
 def limits_for_data(model: LengthModel, profile: Profile, delta: int,
