@@ -204,6 +204,25 @@ def test_limits_states_its_answer_in_one_sentence_in_text_and_json(tmp_path):
             f"batch_size is {gpu_profile().limits.safe_batch_size} and") in text, text
 
 
+def test_a_negative_fitted_term_is_explained_where_the_probe_and_the_report_show_it():
+    """issue 42 item 7: the probe's summary and the report's lengths section say what a negative term means."""
+    from vramcal.cli.console import summary
+    from vramcal.report.markdown import lengths_section
+
+    from fakes import fake_calibration
+
+    profile = fake_calibration(lambda b, n: GIB + 20_000 * b * n - 1200 * b, 12 * GIB, max_trials=40,
+                               seq_lens=(128, 512, 2048), kind="cuda")
+    fit = profile.surface.fit
+    assert fit.bytes_per_sample < 0 and fit.formula().endswith(" × batch_size") and " - " in fit.formula()
+    note = fit.negative_terms()
+    assert note.startswith("the negative per-sample term gives no memory back") and "outside 128-2048" in note
+    lines = summary(profile).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("over seq_len: "))
+    assert lines[at + 1] == f"  ({note})"
+    assert f"Signs: {note}." in "\n".join(lengths_section(profile, "##"))
+
+
 def test_the_report_draws_safe_batch_against_seq_len_and_tables_each_length(tmp_path):
     import struct
 
