@@ -222,3 +222,18 @@ def test_the_malloc_settings_follow_the_environment_the_process_started_with():
     started = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                              env={**env, "GLIBC_TUNABLES": HOST_MALLOC})
     assert started.stdout.strip() == "None"
+
+
+def test_a_runs_information_and_its_warnings_go_their_own_ways():
+    """issue 42 item 7: the process term reached people as a UserWarning; information now goes to ``inform`` (a
+    line on stderr by default, Lightning's info log), warnings (limits not verified) to ``warn``."""
+    from vramcal.integrations.run import FrameworkRun
+
+    told, warned = [], []
+    run = FrameworkRun(profile_here(verify=False), device="cpu", warn=warned.append, inform=told.append)
+    run.start()
+    run.close()
+    assert any("a process term of " in line for line in told), told
+    assert not any("process term" in line for line in warned), warned
+    assert any("not verified by real trials" in line for line in warned), warned
+    assert not any("not verified" in line for line in told), told

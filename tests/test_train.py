@@ -33,6 +33,7 @@ from vramcal.train import checkpoint, loop
 from vramcal.train.config import TrainConfig, load_config
 from vramcal.train.plan import plan_run, resolve
 from vramcal.units import format_bytes, format_duration, format_rate
+from vramcal.words import labelled
 
 MIB = 2**20
 SPEC = RegressorSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16)
@@ -529,6 +530,8 @@ def test_sizing_bounds_and_the_data_term():
     assert more.upper_bytes == int(fit.upper(4) + 100 * MIB)
     assert more.safe_batch_size < safe and fit.upper(more.safe_batch_size) + 100 * MIB <= more.usable_bytes
     assert "the data hold 100.00 MiB more than the calibration's" in more.notices[0]
+    # the limits moved for the data are information, the unverified limits a warning: marked where they are made
+    assert [labelled(n)[:20] for n in more.notices] == ["the data hold 100.00", "warning: the profile"]
     held = dataclasses.replace(profile, data={**profile.data, "pool_bytes": 80 * MIB})  # trials that held 80 MiB
     less = sizing.size(held, pool_data_bytes=30 * MIB)  # less data never raises the verified limits
     assert (less.safe_batch_size, less.predicted_peak_bytes) == (safe, int(fit.predict(less.batch_size) - 50 * MIB))

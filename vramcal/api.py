@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -54,6 +55,7 @@ from vramcal.records import Device, Trial, TrialSettings, World
 from vramcal.sizing import Answer, Limit, SizeRequest, Sizing, SizingError, answer, size
 from vramcal.staleness import StaleProfileError
 from vramcal.units import parse_bytes
+from vramcal.words import is_info
 from vramcal.workload import ModelRef, WorkloadError
 
 __all__ = ["Answer", "Answered", "CalibrationError", "CalibrationPlan", "LimitSettings", "Located", "Profile",
@@ -356,19 +358,27 @@ def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | N
                  profiles_dir: Path | str = DEFAULT_PROFILES_DIR, path: Path | str | None = None) -> Profile:
     """The profile for a model on the device ``gpu`` names (as :func:`calibrate` takes it): the newest matching
     one under ``profiles_dir``, or ``path``. Matching files that failed their checks are passed over with a
-    :class:`UserWarning` each, and so is a stale profile (:mod:`vramcal.staleness`).
+    :class:`UserWarning` each, and so is a stale profile (:mod:`vramcal.staleness`); the device's notice (the host
+    chosen for ``gpu="auto"``) is a line on stderr.
 
     Raises:
         SizingError, WorkloadError, ValueError: see :func:`locate_profile`. DeviceError, NvmlError: no such device.
     """
     (device, *_), notice = select_devices(gpu, capacity_bytes)
-    if notice:
-        warnings.warn(f"vramcal: {notice}", stacklevel=2)
     located = locate_profile(model, params, device=device, profile=path, implementation=implementation,
                              profiles_dir=profiles_dir)
-    for notice in located.notices:
-        warnings.warn(f"vramcal: {notice}", stacklevel=2)
+    for line in ([notice] if notice else []) + list(located.notices):
+        tell(line)
     return located.profile
+
+
+def tell(notice: str) -> None:
+    """A notice of the API to people: information (:class:`~vramcal.words.Info`) as a line on stderr, a warning
+    through :func:`warnings.warn` (attributed to the caller of the public function)."""
+    if is_info(notice):
+        print(f"vramcal: {notice}", file=sys.stderr, flush=True)
+    else:
+        warnings.warn(f"vramcal: {notice}", stacklevel=3)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,7 +76,7 @@ from vramcal.calibration.throughput import NO_DIFFERENCE, find_knee, measured_ra
 from vramcal.profile import Profile
 from vramcal.records import Trial
 from vramcal.units import format_bytes, format_rate
-from vramcal.words import given, word
+from vramcal.words import Info, given, word
 
 Limit = Literal["conservative", "safe"]  # which of the profile's limits a run takes
 LIMITS: tuple[str, ...] = ("conservative", "safe")
@@ -210,7 +210,8 @@ class Sizing:
         process_delta_bytes: what the run's process held at the start of training minus what the trials'
             processes held (the process term); 0 when not measured.
         verified: the profile's limits were verified by real trials.
-        notices: one line each, for people: clamping, the data term, an unverified profile.
+        notices: one line each, for people: clamping, the data term, an unverified profile; information marked
+            :class:`~vramcal.words.Info`, the rest warnings.
         fitted_from: the smallest batch size of the fitted points (None: a 2-D model); below it the
             prediction is an extrapolation (:func:`verdict`).
         accumulation_steps: micro-batches per optimizer step (``batch_size`` is the micro-batch).
@@ -438,9 +439,9 @@ def limits_for_data(model: LengthModel, profile: Profile, delta: int,
                               f"it, or hold less")
         conservative = min(conservative, math.floor(profile.settings.conservative_fraction * safe))
         if safe < limits.safe_batch_size:
-            notices.append(f"{cause} {format_bytes(delta)} more than the calibration's: safe batch size "
-                           f"{limits.safe_batch_size} -> {safe}, conservative {limits.conservative_batch_size} -> "
-                           f"{conservative}")
+            notices.append(Info(f"{cause} {format_bytes(delta)} more than the calibration's: safe batch size "
+                                f"{limits.safe_batch_size} -> {safe}, conservative {limits.conservative_batch_size} "
+                                f"-> {conservative}"))
     if model.basis:
         notices.append(f"the profile's limits at this seq_len are {model.basis}")
     elif not model.verified:
@@ -560,7 +561,7 @@ def _size(profile: Profile, model: LengthModel, extra: tuple[int, int, str], pro
     batch, source = _chosen(ask.request, ask.limit, safe, conservative, ask.batch_size_min, notices)
     if ask.request is None and ask.size_for == "throughput":
         batch, source, why = throughput_choice(profile, ask.seq_len, batch, source, ask.batch_size_min, safe)
-        notices.append(why)
+        notices.append(Info(why))
     steps = 1
     if ask.effective_batch_size is not None:
         batch, steps = accumulation(ask.effective_batch_size, batch, ask.exact)
@@ -610,8 +611,8 @@ def gradient_term(profile: Profile, held: GradientsHeld | None, accumulation_ste
     if not isinstance(counted, int) or counted <= 0:
         return 0, (f"the gradients are held through the forward pass ({why}), but the profile does not record "
                    f"their bytes: re-run `vramcal probe` to count them; the prediction leaves them out")
-    return counted, (f"the gradients are held through the forward pass ({why}): a gradient term of "
-                     f"+{format_bytes(counted)} in the prediction and the limits")
+    return counted, Info(f"the gradients are held through the forward pass ({why}): a gradient term of "
+                         f"+{format_bytes(counted)} in the prediction and the limits")
 
 
 def _chosen(request: int | None, limit: Limit, safe: int, conservative: int, batch_size_min: int,
@@ -664,9 +665,9 @@ def process_notice(profile: Profile, process_bytes: int, delta: int) -> str:
                 f"what its trials held (it predates the process term): recalibrate to size this process")
     capped = (f" (it holds {(profile.held_bytes - process_bytes) / 2**20:.1f} MiB less; no more is credited than the "
               f"trials' own held bytes spread by)" if delta > process_bytes - profile.held_bytes else "")
-    return (f"this process holds {format_bytes(process_bytes)} as training starts, the profile's trials held "
-            f"{format_bytes(profile.held_bytes)}: a process term of {delta / 2**20:+.1f} MiB in the prediction and the "
-            f"limits{capped}")
+    return Info(f"this process holds {format_bytes(process_bytes)} as training starts, the profile's trials held "
+                f"{format_bytes(profile.held_bytes)}: a process term of {delta / 2**20:+.1f} MiB in the prediction and "
+                f"the limits{capped}")
 
 
 def length_trials(profile: Profile, seq_len: int | None = None) -> list[Trial]:

@@ -103,7 +103,8 @@ class VramcalBatchSize(Callback):
                              f"in hparams): add it, or pass attr=<the name your dataloaders read>")
         ask = self.ask.replace(gradients=_gradients_held(pl_module)) if self.ask.gradients is None else self.ask
         self.run = FrameworkRun(**self._find, device=trainer.strategy.root_device, ask=ask, world=_world(trainer),
-                                framework="lightning", warn=lambda line: rank_zero_warn(line))
+                                framework="lightning", warn=lambda line: rank_zero_warn(line),
+                                inform=lambda line: rank_zero_info(line))
         self.profile_source, self.sizing = self.run.source, None  # a new fit says its size again
         self._apply(trainer, pl_module, self.run.sizing)
 

@@ -33,6 +33,7 @@ from vramcal.measure.device import free_bytes
 from vramcal.measure.meters import attach_meter
 from vramcal.profile import DEFAULT_PROFILES_DIR, Observation, Profile, ProfileError, append_observation, utc_now
 from vramcal.sizing import SizeRequest, Sizing, compare, size
+from vramcal.words import is_info
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -44,6 +45,10 @@ Warn = Callable[[str], None]
 
 def _warn(line: str) -> None:
     warnings.warn(line, stacklevel=3)
+
+
+def _inform(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 class FrameworkRun:
@@ -64,7 +69,9 @@ class FrameworkRun:
         host_malloc: on the host, :meth:`start` gives this process the trials' glibc malloc settings
             (:func:`vramcal.environment.set_host_malloc`: with glibc's defaults the same step can hold a third
             more), and says so; False keeps glibc's defaults.
-        warn: how notices reach people (default :func:`warnings.warn`): the lookup's and the sizing's.
+        warn: how warnings reach people (default :func:`warnings.warn`): the lookup's and the sizing's.
+        inform: how information reaches people (default: a line on stderr): the sizing's notices marked
+            :class:`~vramcal.words.Info` (the process term, the gradient term), the malloc settings given.
 
     Attributes:
         sizing: the batch size and its prediction (after :meth:`start`, with the process term).
@@ -80,8 +87,9 @@ class FrameworkRun:
                  params: dict[str, Any] | None = None, device: torch.device | str = "cpu",
                  profiles_dir: str | Path = DEFAULT_PROFILES_DIR, ask: SizeRequest = SizeRequest(),
                  world: World | None = None, framework: str = "plain", host_malloc: bool = True,
-                 warn: Warn = _warn) -> None:
+                 warn: Warn = _warn, inform: Warn = _inform) -> None:
         self.device, self.world, self.framework, self.warn = vramcal_device(device), world, framework, warn
+        self.inform = inform
         self.host_malloc = host_malloc
         located = locate_profile(model, params, device=self.device, profile=profile, profiles_dir=profiles_dir,
                                  world=world)
@@ -102,11 +110,11 @@ class FrameworkRun:
         process term and the gate (what the device has free now, :func:`vramcal.measure.device.free_bytes`,
         plus what this process holds: memory other processes took since the calibration lowers the limits),
         clamping the batch size when it no longer fits, and start measuring the peak. Returns the new sizing
-        (its notices given to ``warn``)."""
+        (its information given to ``inform``, its warnings to ``warn``)."""
 
         done = set_host_malloc() if self.device.kind == "host" and self.host_malloc else None
         if done:
-            self.warn(f"vramcal: this process's glibc malloc now runs as the trials' did ({done}: mallopt), for "
+            self.inform(f"vramcal: this process's glibc malloc now runs as the trials' did ({done}: mallopt), for "
                       f"their host figures to hold here; export GLIBC_TUNABLES={HOST_MALLOC} before Python starts to "
                       f"have it from the first allocation")
         self._meter = attach_meter(self.device, warn=self.warn)
@@ -118,7 +126,7 @@ class FrameworkRun:
         before = self.sizing.batch_size
         self.sizing = size(self.profile, self.ask, process_bytes=self.held_bytes, **self._free)
         for notice in self.sizing.notices:
-            self.warn(f"vramcal: {notice}")
+            (self.inform if is_info(notice) else self.warn)(f"vramcal: {notice}")
         if self.sizing.batch_size < before:
             self.warn(f"vramcal: batch_size {before} -> {self.sizing.batch_size}: with what this process holds and "
                       f"what the device has free now it no longer fits the profile's limits")

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from vramcal.measure.nvml import NvmlError, gpu_record, load_nvml, memory_figures, nvml_handle, nvml_query, visible_gpus
 from vramcal.records import Device
 from vramcal.units import format_bytes
-from vramcal.words import given, word
+from vramcal.words import Info, given, word
 
 
 class DeviceError(ValueError):
@@ -236,7 +236,7 @@ def _by_uuid(nvml: types.ModuleType, choice: str, gpus: list[Device], environ: M
 
 
 def _host_notice(reason: str, capacity_bytes: int | None) -> str:
-    return f"{reason}: using the host's memory instead"
+    return Info(f"{reason}: using the host's memory instead")
 
 
 def _narrow(device: Device, capacity_bytes: int) -> Device:
