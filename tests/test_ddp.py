@@ -180,8 +180,8 @@ def test_a_single_process_profile_cannot_size_a_ddp_run(world, tmp_path):
     assert len(errors) == 1 and re.search(r"^Error: rank [01] failed: no profile for .* for DDP 2 ranks \(gloo, "
                                           r"buckets 50 MiB, gradient_as_bucket_view, find_unused_parameters, "
                                           r"static_graph\)", errors[0]), errors
-    assert ("`vramcal probe --gpu none --impl transformers --nproc 2 --bucket-cap-mb 50 --gradient-as-bucket-view "
-            "--find-unused-parameters --static-graph ") in errors[0]
+    assert re.search(r"`vramcal probe --gpu none --capacity \S+ --impl transformers --nproc 2 --bucket-cap-mb 50 "
+                     r"--gradient-as-bucket-view --find-unused-parameters --static-graph ", errors[0]), errors[0]
     assert result.stderr.strip().splitlines()[-1] == errors[0], result.stderr  # nothing after it, no agent log
 
 

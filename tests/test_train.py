@@ -616,7 +616,13 @@ def test_config_file_with_command_line_overrides(setup):
 def test_no_profile_says_which_probe_to_run(setup):
     line = one_line_failure(train(setup, "x", "--profiles-dir", str(setup["tmp"] / "empty")))
     assert "no profile for" in line
-    assert "vramcal probe --gpu none --impl transformers --d-model 32 --n-layers 1" in line
+    # a budget that fits the host (issue 42 item 4: the hint was a whole-host probe), as the probe's hint gives it
+    found = re.search(r"vramcal probe --gpu none --capacity (\S+) --impl transformers --d-model 32 --n-layers 1", line)
+    assert found, line
+    from vramcal.lookup import suggested_capacity
+    from vramcal.units import parse_bytes
+
+    assert parse_bytes(found.group(1)) == suggested_capacity(host_device().total_bytes) <= host_device().total_bytes / 2
 
 
 def test_a_named_batch_size_trains_without_a_profile_and_says_it_is_unchecked(setup):
@@ -627,7 +633,7 @@ def test_a_named_batch_size_trains_without_a_profile_and_says_it_is_unchecked(se
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert text.count("--batch-size 8 is unchecked against memory") == 1
-    assert "(`vramcal probe --gpu none --impl transformers --d-model 32" in text
+    assert re.search(r"\(`vramcal probe --gpu none --capacity \S+ --impl transformers --d-model 32", text), text
     assert "batch_size 8 (unchecked: no profile)" in text and "unchecked: no profile predicted" in text
     rows = [json.loads(line) for line in (setup["tmp"] / "free" / "metrics.jsonl").read_text().splitlines()]
     epochs = [row for row in rows if row["kind"] == "epoch"]

@@ -36,7 +36,7 @@ from vramcal.calibrator import CalibrationError, CalibrationPlan, run_trials
 from vramcal.estimated import aim_for
 from vramcal.files import check_writable
 from vramcal.journal import Journal, journal_path, plan_key
-from vramcal.lookup import Located, ddp_term, locate_profile, probe_command
+from vramcal.lookup import Located, ddp_term, locate_profile, probe_command, suggested_capacity
 from vramcal.measure.device import free_bytes, select
 from vramcal.measure.trial import TrialRequest, TrialRunner
 from vramcal.measure.worker import Workers
@@ -54,7 +54,7 @@ from vramcal.progress import TrialPrinter
 from vramcal.records import Device, Trial, TrialSettings, World
 from vramcal.sizing import Answer, Limit, SizeRequest, Sizing, SizingError, answer, size
 from vramcal.staleness import StaleProfileError
-from vramcal.units import parse_bytes
+from vramcal.units import parse_bytes, size_argument
 from vramcal.words import is_info
 from vramcal.workload import ModelRef, WorkloadError
 
@@ -340,7 +340,8 @@ def _run_said(plan: CalibrationPlan, notice: str | None, whole_host: bool, *, sa
     printer = (TrialPrinter(plan.search().max_trials, plan.usable_bytes, bar=False, prefix="vramcal:")
                if progress and on_trial is None else None)
     if printer is not None and notice:  # the host chosen for gpu="auto": said, as the command says it
-        printer.note(f"{notice}; give capacity_bytes= (such as '4GiB') for a budget below all of it"
+        printer.note(f"{notice}; give capacity_bytes= (such as "
+                     f"{size_argument(suggested_capacity(plan.device.total_bytes))!r}) for a budget below all of it"
                      if plan.device.kind == "host" and whole_host else notice)
     try:
         profile = run_calibration(plan, save=save, on_trial=on_trial or printer,

@@ -84,7 +84,7 @@ def locate_profile(model: str | ModelRef | None = "regressor", params: dict[str,
             bad = f" ({len(skipped)} matching file(s) failed their checks: {skipped[0]})" if skipped else ""
             where = f" for {world.describe()}" if world else ""
             budget = f" at {format_bytes(total_bytes)}" if total_bytes else ""
-            command = probe_command(device, ref, world)
+            command = probe_command(device, ref, world, suggest_budget=True)
             raise NoProfileError(f"no profile for {device.name}{budget} and {describe(ref)}{where} in {profiles_dir}/"
                                  f"{bad}: run `{command}` first", command)
         profile = found
@@ -114,14 +114,26 @@ def _checked(profile: Profile | Path | str, path: Path | None, device: Device, r
     return found
 
 
-def probe_command(device: Device, ref: ModelRef, world: World | None = None) -> str:
-    """The ``vramcal probe`` command line that makes a missing profile (non-default options only)."""
+def probe_command(device: Device, ref: ModelRef, world: World | None = None, suggest_budget: bool = False) -> str:
+    """The ``vramcal probe`` command line that makes a missing profile (non-default options only): the device's
+    budget when it was given (``--capacity``); with ``suggest_budget``, a host without one gets
+    :func:`suggested_capacity` of its memory (each rank's share in a ``world``), not the whole host."""
     gpu = "none" if device.kind == "host" else "auto"
     implementation = ref.params.get("implementation")
     ranks = world.probe_args() if world else []
     budget = [f"--capacity {size_argument(device.total_bytes)}"] if device.total_source == "--capacity" else []
+    if device.kind == "host" and not budget and suggest_budget:
+        share = device.total_bytes // (world.nproc if world else 1)
+        budget = [f"--capacity {size_argument(suggested_capacity(share))}"]
     impl = [f"--impl {implementation}"] if implementation else []
     return " ".join(["vramcal probe", f"--gpu {gpu}", *budget, *impl, *ranks, *family_of(ref).probe_args(ref)])
+
+
+def suggested_capacity(total_bytes: int) -> int:
+    """A host budget to suggest where none was given (bytes): half of ``total_bytes`` in whole 256 MiB, at least
+    256 MiB and at most 4 GiB: the rest of the host keeps room, and the calibration takes minutes, not the hour a
+    whole host's largest trials can (the probe's own hint, ``vramcal.cli.probe.host_hint``, gives the same)."""
+    return min(4 * 2**30, total_bytes // 2 // 2**28 * 2**28 or 2**28)
 
 
 def ddp_term(profile: Profile, profiles_dir: Path | str) -> dict[str, Any] | None:
