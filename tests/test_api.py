@@ -67,7 +67,7 @@ def test_a_user_factory_calibrates_to_a_verified_profile_that_names_it(calibrate
     # the input's 64 KiB per sample dominates (activations of width 8 are 32 B per layer)
     assert 0.95 * 64 * 2**10 <= profile.fit.slope_bytes_per_sample < 1.5 * 64 * 2**10
     saved = list(profiles.glob("**/mlp-factory-*.json"))
-    assert len(saved) == 1 and load_profile(saved[0]) == profile
+    assert len(saved) == 1 and load_profile(saved[0]) == profile and profile.path == saved[0]
     assert saved[0].parent.name == host_device().slug()
 
 
@@ -201,6 +201,7 @@ def test_calibrate_says_where_it_saved_the_profile_and_that_auto_chose_the_host(
     err = capsys.readouterr().err
     (saved,) = tmp_path.rglob("*.json")
     assert f"vramcal: profile saved to {saved}" in err
+    assert profile.path == saved and vramcal.load_profile(saved).path == saved  # issue 42 item 10: returned too
     assert re.search(r"vramcal: no usable NVIDIA GPU .*: using the host's memory instead", err), err
     assert profile.device.kind == "host"
 

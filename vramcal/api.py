@@ -246,7 +246,8 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
             ``peak_bytes``, ``step_s``), the calibration's longest trial (:class:`vramcal.measure.trial.TrialRunner`).
 
     Returns:
-        The profile; ``profile.verified`` says whether real trials verified both limits.
+        The profile; ``profile.verified`` says whether real trials verified both limits, ``profile.path`` is the
+        file written (None without ``save``).
 
     Raises:
         CalibrationError: the first trial failed: one sample does not fit, or the training step itself
@@ -269,6 +270,7 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
                                    f"{journal.path}; free space and run the same command again (it reuses them)") \
                 from None
         journal.remove()
+        profile = dataclasses.replace(profile, path=plan.path)
     return profile
 
 
@@ -309,7 +311,8 @@ def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None
 
     Returns:
         The profile: ``limits.safe_batch_size`` and ``limits.conservative_batch_size`` (samples), the fit
-        ``peak_bytes = overhead_bytes + slope_bytes_per_sample × batch_size``, and ``verified``.
+        ``peak_bytes = overhead_bytes + slope_bytes_per_sample × batch_size``, ``verified``, and ``path``: the
+        file it wrote (None with ``save=False``), which the last line of its progress names too.
 
     Raises:
         DeviceError, NvmlError: no such device. ValueError, WorkloadError: bad model arguments.

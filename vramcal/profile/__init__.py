@@ -76,7 +76,8 @@ def profile_path(profiles_dir: Path | str, device: Device, model: ModelRef, impl
 
 
 def save_profile(profile: Profile, path: Path | str) -> Path:
-    """Write ``profile`` as JSON (sorted keys, 2-space indent) atomically; returns the path.
+    """Write ``profile`` as JSON (sorted keys, 2-space indent) atomically; returns the path (``profile.path`` is
+    left as it was: the written profile is ``dataclasses.replace(profile, path=...)``).
 
     Raises:
         OSError: the folder cannot be written; the previous file is then untouched.
@@ -86,7 +87,7 @@ def save_profile(profile: Profile, path: Path | str) -> Path:
 
 
 def load_profile(path: Path | str) -> Profile:
-    """Read and check a profile file (:func:`vramcal.profile.checks.read_profile`).
+    """Read and check a profile file (:func:`vramcal.profile.checks.read_profile`); the profile's ``path`` is it.
 
     Raises:
         ProfileError: missing, a folder or no regular file, unreadable, empty, not JSON, nested too deeply,
@@ -101,7 +102,7 @@ def load_profile(path: Path | str) -> Profile:
         text = _read_text(path)
         if not text.strip():
             raise ProfileError(f"profile {path} is empty: it is no profile (a write was cut short?); {replace}")
-        return read_profile(json.loads(text))
+        return dataclasses.replace(read_profile(json.loads(text)), path=path)
     except json.JSONDecodeError as error:
         raise ProfileError(f"profile {path} is not valid JSON (line {error.lineno}): it is corrupt or "
                            f"truncated; {replace}") from None
