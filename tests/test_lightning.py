@@ -27,7 +27,7 @@ MIB = 2**20
 N_FEATURES = 16
 
 
-def profile_here(verify: bool = True, held_bytes: int | None = None):
+def profile_here(verify: bool = True, held_bytes: int | None = None, total_bytes: int = 8 * 2**30):
     """A profile of this host: 600 MiB + 100 MiB per sample, so safe is about 60 and conservative about 54;
     its trials held ``held_bytes`` when their step was built (the process term's baseline; default: what this
     process holds now, so the process term is what a fit adds to it, whatever earlier tests left here)."""
@@ -36,7 +36,7 @@ def profile_here(verify: bool = True, held_bytes: int | None = None):
     held_bytes = host_held_bytes() if held_bytes is None else held_bytes
     trials = [host_trial(b, 600 * MIB + 100 * MIB * b + (i % 2) * MIB, held_bytes=held_bytes)
               for i, b in enumerate((1, 2, 4, 8, 16))]
-    return build_profile(host_device(8 * 2**30), trials, verify=verify)
+    return build_profile(host_device(total_bytes), trials, verify=verify)
 
 
 def dataset(n: int = 256) -> TensorDataset:

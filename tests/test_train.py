@@ -32,7 +32,7 @@ from vramcal.sizing import scaled_lr
 from vramcal.train import checkpoint, loop
 from vramcal.train.config import TrainConfig, load_config
 from vramcal.train.plan import plan_run, resolve
-from vramcal.units import format_bytes, format_duration, format_rate
+from vramcal.units import format_bytes, format_duration, format_rate, size_argument
 from vramcal.words import labelled
 
 MIB = 2**20
@@ -479,6 +479,19 @@ def test_a_host_budget_takes_the_profile_calibrated_at_it(setup):
     assert named.exit_code == 0, named.output
     assert "warning: the profile was calibrated at a budget of " in named.output
     assert "its limits describe the calibration's budget (`vramcal probe --capacity " in named.output
+
+
+def test_without_a_budget_several_budgets_are_refused_with_the_list(setup):
+    """As the API and the integrations: with profiles of this run at two budgets and no --capacity, the run is
+    refused with each file and its budget (it took the newest in silence); --capacity chooses (the test above)."""
+    other = dataclasses.replace(make_profile(host_device()), created_utc="2024-01-01T00:00:00Z")
+    budget = 2 * host_budget.budget(1024 * MIB)
+    other = dataclasses.replace(other, device=dataclasses.replace(other.device, total_bytes=budget))
+    other = dataclasses.replace(other, limits=compute_limits(other.fit, budget, other.settings))
+    path = save_profile(other, setup["profiles"] / "elsewhere" / "other.json")
+    line = one_line_failure(train(setup, "two", "--max-steps", "1"))
+    assert "calibrated at 2 budgets" in line and str(path) in line and str(setup["profile_path"]) in line, line
+    assert f"give --capacity (one of {size_argument(setup['profile'].device.total_bytes)}, " in line, line
 
 
 def test_auto_uses_the_conservative_batch_size_and_scales_the_lr(setup):

@@ -361,16 +361,20 @@ def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | N
                  capacity_bytes: int | str | None = None, implementation: str = "auto",
                  profiles_dir: Path | str = DEFAULT_PROFILES_DIR, path: Path | str | None = None) -> Profile:
     """The profile for a model on the device ``gpu`` names (as :func:`calibrate` takes it): the newest matching
-    one under ``profiles_dir``, or ``path``. Matching files that failed their checks are passed over with a
+    one under ``profiles_dir`` calibrated at ``capacity_bytes`` (bytes or ``"1.5GiB"``; None: whatever budget the
+    matching files share), or ``path``. Matching files that failed their checks are passed over with a
     :class:`UserWarning` each, and so is a stale profile (:mod:`vramcal.staleness`); the device's notice (the host
     chosen for ``gpu="auto"``) is a line on stderr.
 
     Raises:
-        SizingError, WorkloadError, ValueError: see :func:`locate_profile`. DeviceError, NvmlError: no such device.
+        SizingError, WorkloadError, ValueError: see :func:`locate_profile` (SeveralBudgetsError: no
+            ``capacity_bytes`` and the matching files were calibrated at several budgets, each listed).
+            DeviceError, NvmlError: no such device.
     """
     (device, *_), notice = select_devices(gpu, capacity_bytes)
     located = locate_profile(model, params, device=device, profile=path, implementation=implementation,
-                             profiles_dir=profiles_dir)
+                             profiles_dir=profiles_dir,
+                             total_bytes=device.total_bytes if capacity_bytes is not None else None)
     for line in ([notice] if notice else []) + list(located.notices):
         tell(line)
     return located.profile

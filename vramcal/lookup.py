@@ -21,12 +21,18 @@ from vramcal.profile import (
     ProfileError,
     check_profile_matches,
     load_profile,
+    matching_profiles,
     newest_profile,
 )
 from vramcal.records import Device, World
 from vramcal.sizing import SizeRequest, SizingError, size
 from vramcal.units import format_bytes, size_argument
+from vramcal.words import word
 from vramcal.workload import ModelRef
+
+
+class SeveralBudgetsError(SizingError):
+    """Several profiles match the run at different budgets and none was asked for: the message lists them."""
 
 
 class NoProfileError(SizingError):
@@ -58,15 +64,18 @@ def locate_profile(model: str | ModelRef | None = "regressor", params: dict[str,
                    total_bytes: int | None = None, strict: bool | None = None) -> Located:
     """The profile for a run of ``model`` on ``device`` (in a DDP ``world``; None: one process): ``profile``
     when given (an object or a file), else the newest matching file under ``profiles_dir`` (calibrated at
-    ``total_bytes``, when given: a host rank's own budget). A given profile is checked against the run's device
-    and world, and against ``model`` unless it is None (then the profile's own model is the run's). A profile
+    ``total_bytes``, when given: the run's budget; without it the matches must share one budget). A given profile
+    is checked against the run's device and world, and against ``model`` unless it is None (then the profile's
+    own model is the run's). A profile
     made under other software or settings that can move memory adds a notice naming them
     (:mod:`vramcal.staleness`; ``strict``: refuse it).
 
     Raises:
         StaleProfileError: ``strict`` (or ``VRAMCAL_STRICT_PROFILE=1``) and the profile is stale.
         NoProfileError: none matches (a SizingError whose message gives the ``vramcal probe`` command that makes
-            one, also its ``command``). SizingError: a file that
+            one, also its ``command``). SeveralBudgetsError: no ``total_bytes``, and the matching files were
+            calibrated at several budgets (the message lists each file and its budget; issue 42: the newest was
+            taken in silence). SizingError: a file that
             is no profile, a profile for another device, model or world (names the difference), or one with no
             limits; neither ``model`` nor ``profile`` given.
         WorkloadError, ValueError: ``model`` or ``params`` are not a model vramcal can build
@@ -78,8 +87,11 @@ def locate_profile(model: str | ModelRef | None = "regressor", params: dict[str,
     ref = None if model is None else model_ref(model, params, device=device, implementation=implementation)
     notices: list[str] = []
     if profile is None:
-        found, skipped = newest_profile(profiles_dir, device, ref, world, total_bytes)
+        matches, skipped = matching_profiles(profiles_dir, device, ref, world, total_bytes)
         notices = [f"skipped {line}" for line in skipped]
+        if total_bytes is None:
+            _one_budget(matches, device, ref)
+        found = matches[-1].path if matches else None
         if found is None:
             bad = f" ({len(skipped)} matching file(s) failed their checks: {skipped[0]})" if skipped else ""
             where = f" for {world.describe()}" if world else ""
@@ -93,6 +105,16 @@ def locate_profile(model: str | ModelRef | None = "regressor", params: dict[str,
     command = probe_command(located.profile.device, ref or located.profile.model, world)  # at the profile's budget
     stale = staleness.check(located.profile, located.source, device, strict=strict, command=command)
     return Located(located.profile, path, tuple(notices + ([stale] if stale else [])))
+
+
+def _one_budget(matches: list[Profile], device: Device, ref: ModelRef) -> None:
+    """Raises: SeveralBudgetsError: ``matches`` (no budget asked for) were calibrated at more than one budget."""
+    budgets = sorted({p.device.total_bytes for p in matches})
+    if len(budgets) > 1:
+        listed = ", ".join(f"{p.path} ({format_bytes(p.device.total_bytes)})" for p in matches)
+        raise SeveralBudgetsError(f"{len(matches)} profiles of {describe(ref)} on {device.name} were calibrated at "
+                                  f"{len(budgets)} budgets: {listed}; give {word('capacity')} (one of "
+                                  f"{', '.join(size_argument(b) for b in budgets)}) to choose, or name the file")
 
 
 def _checked(profile: Profile | Path | str, path: Path | None, device: Device, ref: ModelRef | None,

@@ -39,12 +39,12 @@ from vramcal.sizing import SizeRequest
 
 def sized(accelerator: Any, profile: Profile | str | Path | None = None, *, model: str | None = None,
           params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
-          **asked: Any) -> FrameworkRun:
+          capacity_bytes: int | str | None = None, **asked: Any) -> FrameworkRun:
     """The run of this ``accelerate.Accelerator``'s process, sized with its process term (module docstring);
     call it after ``accelerator.prepare(model, optimizer)`` and before building the DataLoader.
 
     Args:
-        profile, model, params, profiles_dir: as :class:`~vramcal.integrations.run.FrameworkRun`.
+        profile, model, params, profiles_dir, capacity_bytes: as :class:`~vramcal.integrations.run.FrameworkRun`.
         asked: what the run asks of the profile, the fields of :class:`~vramcal.sizing.SizeRequest` (``limit``,
             ``batch_size_min``, ``request``, ``effective_batch_size``: samples per optimizer step of this process
             to keep, the batch size then the micro-batch and ``accelerator.gradient_accumulation_steps`` what
@@ -57,7 +57,8 @@ def sized(accelerator: Any, profile: Profile | str | Path | None = None, *, mode
     world = None
     if accelerator.num_processes > 1:
         world = World(accelerator.num_processes, "nccl" if accelerator.device.type == "cuda" else "gloo")
-    run = FrameworkRun(profile, model=model, params=params, profiles_dir=profiles_dir, device=accelerator.device,
+    run = FrameworkRun(profile, model=model, params=params, profiles_dir=profiles_dir,
+                       capacity_bytes=capacity_bytes, device=accelerator.device,
                        ask=SizeRequest(**asked), world=world, framework="accelerate")
     sizing = run.start()
     if sizing.accumulation_steps > 1:

@@ -41,7 +41,7 @@ class VramcalCallback(TrainerCallback):
     """Size a ``transformers.Trainer`` run from a vramcal profile and check its peak (module docstring).
 
     Args:
-        profile, model, params, profiles_dir: as :class:`vramcal.integrations.run.FrameworkRun`.
+        profile, model, params, profiles_dir, capacity_bytes: as :class:`vramcal.integrations.run.FrameworkRun`.
         asked: what the run asks of the profile, the fields of :class:`~vramcal.sizing.SizeRequest` (``limit``,
             ``batch_size_min``, ``request``: a per-device batch size to use instead, ...); the effective batch
             is :meth:`sized`'s.
@@ -55,9 +55,10 @@ class VramcalCallback(TrainerCallback):
 
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
                  params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
-                 **asked: Any) -> None:
+                 capacity_bytes: int | str | None = None, **asked: Any) -> None:
         self.ask = SizeRequest(**asked)
-        self._find = {"profile": profile, "model": model, "params": params, "profiles_dir": profiles_dir}
+        self._find = {"profile": profile, "model": model, "params": params, "profiles_dir": profiles_dir,
+                      "capacity_bytes": capacity_bytes}
         self.run: FrameworkRun | None = None
         self.report: str | None = None
 

@@ -61,6 +61,8 @@ class VramcalBatchSize(Callback):
             arguments), to find the profile or check the given file against; ``params["seq_len"]`` is the
             run's length, which a profile calibrated over several lengths needs.
         profiles_dir: where to look when ``profile`` is None.
+        capacity_bytes: the budget the profile to find was calibrated at (as
+            :class:`~vramcal.integrations.run.FrameworkRun`).
         attr: the attribute the dataloaders read (``batch_size``).
         asked: what the run asks of the profile, the fields of :class:`~vramcal.sizing.SizeRequest`:
             ``limit`` (``conservative``, the default, or ``safe``), ``batch_size_min``, ``request`` (a batch
@@ -81,12 +83,13 @@ class VramcalBatchSize(Callback):
 
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
                  params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
-                 attr: str = "batch_size", **asked: Any) -> None:
+                 capacity_bytes: int | str | None = None, attr: str = "batch_size", **asked: Any) -> None:
         if profile is None and model is None:
             raise SizingError("VramcalBatchSize needs profile=<a profile file or Profile>, or model=<what was "
                               "calibrated> to find one under profiles_dir")
         self.ask = SizeRequest(**asked)
-        self._find = {"profile": profile, "model": model, "params": params, "profiles_dir": profiles_dir}
+        self._find = {"profile": profile, "model": model, "params": params, "profiles_dir": profiles_dir,
+                      "capacity_bytes": capacity_bytes}
         self.attr = attr
         self.run: FrameworkRun | None = None
         self.sizing: Sizing | None = None

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vramcal import __version__
-from vramcal.api import select_devices
+from vramcal.api import capacity_argument, select_devices
 from vramcal.environment import HOST_MALLOC, set_host_malloc
 from vramcal.lookup import locate_profile
 from vramcal.measure.device import free_bytes
@@ -57,6 +57,9 @@ class FrameworkRun:
     Args:
         profile: a :class:`~vramcal.profile.Profile`, a profile file, or None to find the newest matching one
             for ``model`` on this run's device under ``profiles_dir`` (:func:`vramcal.lookup.locate_profile`).
+        capacity_bytes: the budget the profile to find was calibrated at (bytes, or ``"1.5GiB"`` as
+            :func:`vramcal.calibrate` takes it); None: the matching files must share one budget, else the run
+            is refused with each file and its budget listed.
         model, params: what was calibrated (``regressor``, ``lm`` or ``module:function`` and its arguments), to
             find the profile or check the given one; ``params["seq_len"]`` is the run's length unless ``ask``
             gives one.
@@ -79,20 +82,22 @@ class FrameworkRun:
 
     Raises:
         ValueError: a device that is neither a CUDA GPU nor the CPU.
-        SizingError: neither ``profile`` nor ``model``, no matching profile, a profile from another device,
-            model or world, or no batch size within the bounds (each one line).
+        SizingError: neither ``profile`` nor ``model``, no matching profile (or several at different budgets
+            and no ``capacity_bytes``), a profile from another device, model or world, or no batch size within the
+            bounds (each one line).
     """
 
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
                  params: dict[str, Any] | None = None, device: torch.device | str = "cpu",
-                 profiles_dir: str | Path = DEFAULT_PROFILES_DIR, ask: SizeRequest = SizeRequest(),
+                 profiles_dir: str | Path = DEFAULT_PROFILES_DIR, capacity_bytes: int | str | None = None,
+                 ask: SizeRequest = SizeRequest(),
                  world: World | None = None, framework: str = "plain", host_malloc: bool = True,
                  warn: Warn = _warn, inform: Warn = _inform) -> None:
         self.device, self.world, self.framework, self.warn = vramcal_device(device), world, framework, warn
         self.inform = inform
         self.host_malloc = host_malloc
         located = locate_profile(model, params, device=self.device, profile=profile, profiles_dir=profiles_dir,
-                                 world=world)
+                                 world=world, total_bytes=capacity_argument(capacity_bytes))
         for notice in located.notices:
             warn(f"vramcal: {notice}")
         self.profile, self.source, self.path = located.profile, located.source, located.path
