@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from vramcal.arguments import callback, flag, mapping, of_type, path_like
 from vramcal.calibration.creep import read_peak
 from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
 from vramcal.calibration.limits import LimitSettings
@@ -52,7 +53,7 @@ from vramcal.profile import (
 )
 from vramcal.progress import TrialPrinter
 from vramcal.records import Device, Trial, TrialSettings, World
-from vramcal.sizing import Answer, Limit, SizeRequest, Sizing, SizingError, answer, size
+from vramcal.sizing import Answer, Limit, SizeRequest, Sizing, SizingError, answer, check_counts, size
 from vramcal.staleness import StaleProfileError
 from vramcal.units import parse_bytes, size_argument
 from vramcal.words import is_info
@@ -65,6 +66,35 @@ __all__ = ["Answer", "Answered", "CalibrationError", "CalibrationPlan", "LimitSe
 
 # What the worker fork server imports (the families, the trainer): trials and training runs share it.
 WORKER_PRELOAD = ("vramcal.preload",)
+
+# How the API's functions check the arguments they share, by name, at their door (vramcal.arguments; DESIGN.md,
+# "Failure"): a wrong type is one TypeError naming the argument, before any work.
+_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "settings": lambda n, v: of_type(n, v, LimitSettings, "a vramcal.LimitSettings (LimitSettings(reserve_bytes=0))"),
+    "trials": lambda n, v: of_type(n, v, TrialSettings, "a vramcal.TrialSettings (TrialSettings(max_trials=8))"),
+    "options": lambda n, v: mapping(n, v, "the data options as a dict ({'stride': 4})"),
+    "profiles_dir": path_like, "out": lambda n, v: path_like(n, v, "a profile file's path", none=True),
+    "path": lambda n, v: path_like(n, v, "a profile file's path", none=True),
+    "save": flag, "progress": flag, "unique_device": flag, "aim": flag,
+    "on_trial": callback, "on_notice": callback, "on_step": callback,
+    "device": lambda n, v: of_type(n, v, Device, "a vramcal.records.Device (select_devices(gpu)[0][0])"),
+    "world": lambda n, v: of_type(n, v, World, "a vramcal.records.World, or None", none=True),
+    "implementation": lambda n, v: of_type(n, v, str, "'auto', 'transformers' or 'mamba_ssm'"),
+    "seq_lens": lambda n, v: of_type(n, v, (str, Sequence, SeqLens), "lengths: [128, 512], '128,512' or '128:2048'"),
+    "plan": lambda n, v: of_type(n, v, CalibrationPlan, "a vramcal.CalibrationPlan (from plan_calibration)"),
+    "profile": lambda n, v: of_type(n, v, Profile, "a vramcal.Profile (vramcal.load_profile(path))"),
+    "rank_devices": lambda n, v: of_type(n, v, (list, tuple), "the ranks' Devices as a list"),
+}
+
+
+def _door(**given: Any) -> None:
+    """The front door's checks of the ``given`` arguments, each by its name (:data:`_CHECKS`).
+
+    Raises:
+        TypeError: one of the wrong type, named (``trials= takes a vramcal.TrialSettings ..., not dict {}``).
+    """
+    for name, value in given.items():
+        _CHECKS[name](name, value)
 
 
 def select_devices(gpu: str = "auto", capacity_bytes: int | str | None = None) -> tuple[list[Device], str | None]:
@@ -97,7 +127,10 @@ def capacity_argument(capacity: int | str | None) -> int | None:
     if isinstance(capacity, bool) or not isinstance(capacity, int | str):
         raise TypeError(f"capacity_bytes= takes a whole number of bytes or a size such as '1.5GiB', not "
                         f"{type(capacity).__name__} {capacity!r}")
-    value = parse_bytes(capacity) if isinstance(capacity, str) else capacity
+    try:
+        value = parse_bytes(capacity) if isinstance(capacity, str) else capacity
+    except ValueError as error:
+        raise ValueError(f"capacity_bytes={capacity!r}: {error}") from None
     if value < 1:
         raise ValueError(f"capacity_bytes={capacity!r} is no budget: give a positive size such as '1.5GiB'")
     return value
@@ -126,23 +159,24 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
             (:meth:`vramcal.models.registry.Family.data_options`); a key no family takes is refused.
         seq_lens: calibrate several sequence lengths at once (one profile holding the model in
             batch_size × seq_len, :mod:`vramcal.calibration.surface`): a list, a text as ``--seq-len``
-            takes it (``"128,512,2048"``, or a range ``"128:2048"``: its ends and their geometric middle) or
-            its :class:`~vramcal.calibration.fit2d.SeqLens`;
-            each a multiple of the model's chunk_size; the factory must take ``seq_len``. A single length
-            is a one-length calibration at it.
-        trials: how each trial runs and how many (:class:`~vramcal.records.TrialSettings`).
-        world: calibrate a DDP world of ranks (:class:`~vramcal.records.World`); the limits are per rank.
+            takes it (``"128,512,2048"``, or a range ``"128:2048"``: its ends and their geometric middle) or its
+            :class:`~vramcal.calibration.fit2d.SeqLens`; each a multiple of the model's chunk_size; the factory
+            must take ``seq_len``. A single length is a one-length calibration at it.
+        trials: how each trial runs and how many. world: calibrate a DDP world of ranks; the limits are per rank.
         rank_devices: the ranks' GPUs (``world.nproc`` of one model; ``device`` is rank 0's); () on the host,
             where every rank runs on the host under the budget.
-        aim: trace the step on fake tensors first (seconds; :func:`vramcal.estimated.aim_for`, its bound learned
-            from ``profiles_dir``) and aim the search's growth with its slope; one process at one length only.
-            A step that cannot be traced is calibrated without (``plan.notices`` says why).
+        aim: trace the step on fake tensors first (:func:`vramcal.estimated.aim_for`, its bound learned from
+            ``profiles_dir``) and aim the search's growth with its slope; one process at one length only (else, or
+            untraceable, ``plan.notices`` says why).
 
     Raises:
         ValueError, WorkloadError: see :func:`model_ref`; lengths that are not multiples of chunk_size or a
             factory without ``seq_len``; a budget with no usable memory; a world whose devices do not fit it;
-            an ``options`` key no family takes (the known ones listed). TypeError: ``params`` that is no dict.
+            an ``options`` key no family takes (the known ones listed). TypeError: an argument of the wrong type.
     """
+    _door(device=device, implementation=implementation, settings=settings, options=options, profiles_dir=profiles_dir,
+          out=out, unique_device=unique_device, seq_lens=seq_lens, trials=trials, world=world, aim=aim,
+          rank_devices=rank_devices)
     lengths = _read_lengths(seq_lens)
     ref = model_ref(model, {**arguments(params), **({"seq_len": lengths.lengths[0]} if lengths else {})},
                     device=device, implementation=implementation)
@@ -152,8 +186,7 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
     several = designed if len(designed) > 1 else ()
     settings.check(device.total_bytes)
     _check_world(world, device, tuple(rank_devices))
-    family = family_of(ref)
-    key = ref.without("seq_len") if several else ref
+    family, key = family_of(ref), ref.without("seq_len") if several else ref
     path = Path(out) if out is not None else profile_path(profiles_dir, device, key, family.implementation(ref),
                                                           unique_device, world)
     data = family.data_options(_known_options(options))
@@ -256,7 +289,7 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
             profile could not be written (the previous profile is untouched, the trials are in the journal).
         OSError: the profile's folder cannot take files (before any trial).
     """
-
+    _door(plan=plan, save=save, on_trial=on_trial, on_notice=on_notice, on_step=on_step)
     journal = _open_journal(plan, on_notice) if save else None
     profile = run_trials(plan, TrialRunner(worker_pool(), on_step), on_trial, journal)
     if plan.world is not None:
@@ -318,6 +351,7 @@ def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None
         DeviceError, NvmlError: no such device. ValueError, WorkloadError: bad model arguments.
         CalibrationError: not even one sample fits. OSError: the profile cannot be written.
     """
+    _door(save=save, on_trial=on_trial, progress=progress)
     device, notice = _one_device(gpu, capacity_bytes)
     plan = plan_calibration(model, params, device=device, implementation=implementation, settings=settings,
                             options=options, profiles_dir=profiles_dir, seq_lens=seq_lens, trials=trials)
@@ -371,6 +405,7 @@ def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | N
             ``capacity_bytes`` and the matching files were calibrated at several budgets, each listed).
             DeviceError, NvmlError: no such device.
     """
+    _door(implementation=implementation, profiles_dir=profiles_dir, path=path)
     (device, *_), notice = select_devices(gpu, capacity_bytes)
     located = locate_profile(model, params, device=device, profile=path, implementation=implementation,
                              profiles_dir=profiles_dir,
@@ -421,9 +456,11 @@ def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None 
     Raises:
         as :func:`calibrate` and :func:`vramcal.sizing.size`.
     """
-
+    _door(implementation=implementation, options=options, profiles_dir=profiles_dir, settings=settings, trials=trials,
+          progress=progress)
+    ask = SizeRequest(limit=limit, seq_len=seq_len)
     device, notice = _one_device(gpu, capacity_bytes)
-    ask, budget = SizeRequest(limit=limit, seq_len=seq_len), device.total_bytes if device.kind == "host" else None
+    budget = device.total_bytes if device.kind == "host" else None
     ref = model_ref(model, params, device=device, implementation=implementation)
     found, skipped = newest_profile(profiles_dir, device, ref, None, budget)
     why = (f"calibrating: no profile of this model on this device{' at this budget' * (budget is not None)} under "
@@ -481,9 +518,11 @@ def verify(profile: Profile, batch_size: int, seq_len: int | None = None, *,
         trials: the trial's steps and time limit.
 
     Raises:
-        SizingError: the profile's device is not here.
+        SizingError: the profile's device is not here; ``batch_size`` or ``seq_len`` below 1. TypeError: an
+            argument of the wrong type.
     """
-
+    _door(profile=profile, trials=trials)
+    check_counts(answer_batch_size=batch_size, seq_len=seq_len)
     gpu = "none" if profile.device.kind == "host" else (profile.device.uuid or "auto")
     device = select_devices(gpu, profile.device.total_bytes if profile.device.kind == "host" else None)[0][0]
     if device.hardware_difference(profile.device):

@@ -9,11 +9,13 @@ stderr, the API with :func:`warnings.warn`, Lightning on rank 0 only).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vramcal import staleness
+from vramcal.arguments import of_type, path_like
 from vramcal.models.registry import describe, family_of, model_ref
 from vramcal.profile import (
     DEFAULT_PROFILES_DIR,
@@ -25,7 +27,7 @@ from vramcal.profile import (
     newest_profile,
 )
 from vramcal.records import Device, World
-from vramcal.sizing import SizeRequest, SizingError, size
+from vramcal.sizing import SizeRequest, SizingError, check_counts, size
 from vramcal.units import format_bytes, size_argument
 from vramcal.words import word
 from vramcal.workload import ModelRef
@@ -81,6 +83,7 @@ def locate_profile(model: str | ModelRef | None = "regressor", params: dict[str,
         WorkloadError, ValueError: ``model`` or ``params`` are not a model vramcal can build
             (:func:`vramcal.models.registry.model_ref`).
     """
+    _check(device, profile, profiles_dir, world, total_bytes, strict)
     if model is None and profile is None:
         raise SizingError("needs profile=<a profile file or Profile>, or model=<what was calibrated> to find one "
                           "under profiles_dir")
@@ -105,6 +108,21 @@ def locate_profile(model: str | ModelRef | None = "regressor", params: dict[str,
     command = probe_command(located.profile.device, ref or located.profile.model, world)  # at the profile's budget
     stale = staleness.check(located.profile, located.source, device, strict=strict, command=command)
     return Located(located.profile, path, tuple(notices + ([stale] if stale else [])))
+
+
+def _check(device: Any, profile: Any, profiles_dir: Any, world: Any, total_bytes: Any, strict: Any) -> None:
+    """:func:`locate_profile`'s door (:mod:`vramcal.arguments`).
+
+    Raises:
+        TypeError: an argument of the wrong type, named. SizingError: ``total_bytes`` below 0.
+    """
+    of_type("device", device, Device, "a vramcal.records.Device (vramcal.select_devices(gpu)[0][0])")
+    of_type("profile", profile, (Profile, str, os.PathLike), "a vramcal.Profile, a profile file's path or None",
+            none=True)
+    path_like("profiles_dir", profiles_dir)
+    of_type("world", world, World, "a vramcal.records.World, or None", none=True)
+    check_counts(total_bytes=total_bytes)
+    of_type("strict", strict, bool, "True, False or None", none=True)
 
 
 def _one_budget(matches: list[Profile], device: Device, ref: ModelRef) -> None:
@@ -139,7 +157,15 @@ def _checked(profile: Profile | Path | str, path: Path | None, device: Device, r
 def probe_command(device: Device, ref: ModelRef, world: World | None = None, suggest_budget: bool = False) -> str:
     """The ``vramcal probe`` command line that makes a missing profile (non-default options only): the device's
     budget when it was given (``--capacity``); with ``suggest_budget``, a host without one gets
-    :func:`suggested_capacity` of its memory (each rank's share in a ``world``), not the whole host."""
+    :func:`suggested_capacity` of its memory (each rank's share in a ``world``), not the whole host.
+
+    Raises:
+        TypeError: an argument of the wrong type, named.
+    """
+    of_type("device", device, Device, "a vramcal.records.Device (vramcal.select_devices(gpu)[0][0])")
+    of_type("ref", ref, ModelRef, "a vramcal.ModelRef (vramcal.model_ref(...))")
+    of_type("world", world, World, "a vramcal.records.World, or None", none=True)
+    of_type("suggest_budget", suggest_budget, bool, "True or False")
     gpu = "none" if device.kind == "host" else "auto"
     implementation = ref.params.get("implementation")
     ranks = world.probe_args() if world else []

@@ -367,13 +367,16 @@ def answer(profile: Profile, *, seq_len: int | None = None, batch_size: int | No
             that is no whole number.
     """
 
-    if (seq_len is None) == (batch_size is None):
-        raise SizingError(f"give {word('seq_len')} or {word('answer_batch_size')} (one of them)")
+    if not isinstance(profile, Profile):
+        raise TypeError(f"profile= takes a vramcal.Profile, not {type(profile).__name__} {profile!r:.40}: read a file "
+                        f"with vramcal.load_profile(path)")
     for setting, value in (("seq_len", seq_len), ("answer_batch_size", batch_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
             raise TypeError(f"{word(setting)} takes a whole number, not {type(value).__name__} {value!r:.40}")
         if value is not None and value < 1:
             raise SizingError(f"{given(setting, value)} is below 1: give a whole number >= 1")
+    if (seq_len is None) == (batch_size is None):
+        raise SizingError(f"give {word('seq_len')} or {word('answer_batch_size')} (one of them)")
     surface, usable = profile.surface, profile.settings.usable_bytes(profile.device.total_bytes)
     own = profile.model.params.get("seq_len")
     if surface is None and (batch_size is not None or seq_len != own):
@@ -510,9 +513,12 @@ def size(profile: Profile, ask: SizeRequest = SizeRequest(), *, pool_data_bytes:
         raise TypeError(f"profile= takes a vramcal.Profile, not {type(profile).__name__} {profile!r:.80}: read a "
                         f"file with vramcal.load_profile(path)")
     if not isinstance(ask, SizeRequest):
-        raise TypeError(f"size() takes what the run asks as a vramcal.SizeRequest, not {type(ask).__name__} "
-                        f"{ask!r:.40}: size(profile, SizeRequest(request={ask!r:.20})) for a batch size")
+        raise TypeError(f"ask= takes what the run asks as a vramcal.SizeRequest, not {type(ask).__name__} "
+                        f"{ask!r:.40}: size(profile, SizeRequest(request=64)) for a batch size")
     check_counts(pool_data_bytes=pool_data_bytes, process_bytes=process_bytes, free_bytes=free_bytes)
+    if not isinstance(free_source, str):
+        raise TypeError(f"free_source= takes where free_bytes came from, as a str, not {type(free_source).__name__} "
+                        f"{free_source!r:.40}")
     model = length_model(profile, ask.seq_len)
     extra = extra_bytes(profile, pool_data_bytes, process_bytes)
     gone = missing(model.limits, profile.settings, free_bytes, free_source)

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vramcal.integrations.run import FrameworkRun
+from vramcal.arguments import of_type, shown
+from vramcal.integrations.run import FrameworkRun, asked_request, check_find
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
 from vramcal.records import World
-from vramcal.sizing import SizeRequest
 
 
 def sized(accelerator: Any, profile: Profile | str | Path | None = None, *, model: str | None = None,
@@ -51,19 +51,30 @@ def sized(accelerator: Any, profile: Profile | str | Path | None = None, *, mode
             reaches it, ...).
 
     Raises:
-        SizingError, TypeError, ValueError: as :class:`~vramcal.integrations.run.FrameworkRun` and
-            :class:`~vramcal.sizing.SizeRequest`.
+        TypeError: ``accelerator`` no Accelerator. SizingError, TypeError, ValueError: as
+            :class:`~vramcal.integrations.run.FrameworkRun` and :class:`~vramcal.sizing.SizeRequest` (an unknown
+            asked value refused with the known ones listed).
     """
+    _accelerator(accelerator)
+    find = check_find("sized", profile, model, params, profiles_dir, capacity_bytes)
+    ask = asked_request("sized", asked)
     world = None
     if accelerator.num_processes > 1:
         world = World(accelerator.num_processes, "nccl" if accelerator.device.type == "cuda" else "gloo")
-    run = FrameworkRun(profile, model=model, params=params, profiles_dir=profiles_dir,
-                       capacity_bytes=capacity_bytes, device=accelerator.device,
-                       ask=SizeRequest(**asked), world=world, framework="accelerate")
+    run = FrameworkRun(**find, device=accelerator.device, ask=ask, world=world, framework="accelerate")
     sizing = run.start()
     if sizing.accumulation_steps > 1:
         accelerator.gradient_accumulation_steps = sizing.accumulation_steps
     return run
+
+
+def _accelerator(accelerator: Any) -> None:
+    """Raises: TypeError: ``accelerator`` is no ``accelerate.Accelerator`` (what this module reads of one)."""
+    if not all(hasattr(accelerator, name) for name in ("num_processes", "device", "is_main_process")):
+        reset = (" (one whose state was reset, as building TrainingArguments after it does: create the Accelerator "
+                 "again)" if type(accelerator).__name__ == "Accelerator" else "")
+        raise TypeError(f"accelerator= takes the accelerate.Accelerator this process prepared, not "
+                        f"{shown(accelerator)}{reset}")
 
 
 @dataclass
@@ -74,10 +85,22 @@ class Steps:
     report: str | None = None
 
 
-@contextlib.contextmanager
-def measured(run: FrameworkRun, accelerator: Any, run_dir: str = "") -> Iterator[Steps]:
+def measured(run: FrameworkRun, accelerator: Any, run_dir: str = "") -> contextlib.AbstractContextManager[Steps]:
     """Measure the training loop inside: at the end, this process's peak against the prediction (printed by
-    the main process, one line, and warnings) and the observation appended to the profile."""
+    the main process, one line, and warnings) and the observation appended to the profile.
+
+    Raises:
+        TypeError: ``run`` no FrameworkRun (from :func:`sized`), ``accelerator`` no Accelerator, ``run_dir`` no
+            str; when called, before the loop.
+    """
+    of_type("run", run, FrameworkRun, "the FrameworkRun that sized() returned")
+    _accelerator(accelerator)
+    of_type("run_dir", run_dir, str, "the run's folder as a str")
+    return _measured(run, accelerator, run_dir)
+
+
+@contextlib.contextmanager
+def _measured(run: FrameworkRun, accelerator: Any, run_dir: str) -> Iterator[Steps]:
     steps = Steps()
     try:
         yield steps

@@ -41,10 +41,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from vramcal.integrations.run import FrameworkRun
+from vramcal.arguments import name_text
+from vramcal.integrations.run import FrameworkRun, asked_request, check_find
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
 from vramcal.records import World
-from vramcal.sizing import GradientsHeld, SizeRequest, Sizing, SizingError
+from vramcal.sizing import GradientsHeld, Sizing
 from vramcal.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -75,22 +76,20 @@ class VramcalBatchSize(Callback):
     and ``report`` (the line printed).
 
     Raises:
-        SizingError: an asked value out of range (at construction); neither ``profile`` nor ``model``, no
-            matching profile, a profile from another device, model or world, or no batch size within the
-            bounds (each one line). TypeError: an asked value of the wrong type, or an unknown one. ValueError:
-            the module has no ``attr``; the run's device is neither a CUDA GPU nor the CPU.
+        At construction: TypeError, ValueError, SizingError: an argument of the wrong type or value
+            (:func:`~vramcal.integrations.run.check_find`, :class:`~vramcal.sizing.SizeRequest`, ``attr`` no
+            attribute name), an unknown asked value, neither ``profile`` nor ``model``. At ``setup``: SizingError:
+            no matching profile, a profile from another device, model or world, or no batch size within the
+            bounds; ValueError: the module has no ``attr``; the run's device is neither a CUDA GPU nor the CPU.
+            Each one line.
     """
 
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
                  params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
                  capacity_bytes: int | str | None = None, attr: str = "batch_size", **asked: Any) -> None:
-        if profile is None and model is None:
-            raise SizingError("VramcalBatchSize needs profile=<a profile file or Profile>, or model=<what was "
-                              "calibrated> to find one under profiles_dir")
-        self.ask = SizeRequest(**asked)
-        self._find = {"profile": profile, "model": model, "params": params, "profiles_dir": profiles_dir,
-                      "capacity_bytes": capacity_bytes}
-        self.attr = attr
+        self._find = check_find("VramcalBatchSize", profile, model, params, profiles_dir, capacity_bytes)
+        self.ask = asked_request("VramcalBatchSize", asked)
+        self.attr = name_text("attr", attr, "the name of the attribute the dataloaders read, such as 'batch_size'")
         self.run: FrameworkRun | None = None
         self.sizing: Sizing | None = None
         self.profile_source: str | None = None
