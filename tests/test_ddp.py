@@ -229,8 +229,9 @@ def test_probe_records_the_world_and_its_ddp_settings(tmp_path, monkeypatch):
 
 
 def test_a_killed_rank_ends_the_run_in_one_line_and_it_resumes(world):
-    tmp = world["tmp"]
-    args = train_args(tmp, "killed", "--nproc-per-node", "2", "--max-steps", "400", "--epochs", "50",
+    tmp = world["tmp"]  # (a budget: the world's profiles were calibrated at two, which a run without one refuses)
+    args = train_args(tmp, "killed", "--nproc-per-node", "2", "--capacity", str(host_budget.budget(1024 * MIB)),
+                      "--max-steps", "400", "--epochs", "50",
                       "--checkpoint-steps", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                       f"127.0.0.1:{free_port()}", "--rdzv-id", "killed", "--rdzv-conf", "join_timeout=120")
     run = subprocess.Popen([sys.executable, "-m", "vramcal", *args], cwd=tmp, stdout=subprocess.PIPE,
@@ -248,7 +249,7 @@ def test_a_killed_rank_ends_the_run_in_one_line_and_it_resumes(world):
     assert len(errors) == 1 and "rank 1 failed" in errors[0] and "--resume" in errors[0], err
     kept = checkpoint.load_checkpoint(run_dir / checkpoint.LAST)["progress"]["step"]
     resumed = vramcal(tmp, "train", "--resume", "--run-dir", str(run_dir), "--nproc-per-node", "2",
-                      "--max-steps", str(kept + 4))
+                      "--capacity", str(host_budget.budget(1024 * MIB)), "--max-steps", str(kept + 4))
     assert resumed.returncode == 0, resumed.stderr
     assert "continuing from" in resumed.stderr
     assert checkpoint.load_checkpoint(run_dir / checkpoint.LAST)["progress"]["step"] == kept + 4
