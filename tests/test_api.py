@@ -67,7 +67,7 @@ def test_a_user_factory_calibrates_to_a_verified_profile_that_names_it(calibrate
     # the input's 64 KiB per sample dominates (activations of width 8 are 32 B per layer)
     assert 0.95 * 64 * 2**10 <= profile.fit.slope_bytes_per_sample < 1.5 * 64 * 2**10
     saved = list(profiles.glob("**/mlp-factory-*.json"))
-    assert len(saved) == 1 and load_profile(saved[0]) == profile
+    assert len(saved) == 1 and load_profile(saved[0]) == profile and profile.path == saved[0]
     assert saved[0].parent.name == host_device().slug()
 
 
@@ -201,6 +201,7 @@ def test_calibrate_says_where_it_saved_the_profile_and_that_auto_chose_the_host(
     err = capsys.readouterr().err
     (saved,) = tmp_path.rglob("*.json")
     assert f"vramcal: profile saved to {saved}" in err
+    assert profile.path == saved and vramcal.load_profile(saved).path == saved  # issue 42 item 10: returned too
     assert re.search(r"vramcal: no usable NVIDIA GPU .*: using the host's memory instead", err), err
     assert profile.device.kind == "host"
 
@@ -268,3 +269,174 @@ def test_answer_names_its_own_arguments_and_refuses_lengths_below_one(tmp_path):
     result = CliRunner().invoke(main, ["limits", str(save_profile(profile, tmp_path / "p.json")),
                                        "--seq-len", "0"])
     assert result.exit_code != 0 and "--seq-len" in result.output and "seq_len=" not in result.output
+
+
+# ------------------------------------------------------------------------------ the front door, walked
+#
+# issue 43: every public function and class of the API and the integrations, each parameter given each bad value
+# of the round that fits it; a wrong type must raise TypeError, a wrong value ValueError (vramcal's own errors
+# derive from it), in one line naming the parameter, never a flag, before any work (a trial or a lookup).
+
+BAD: dict[str, list[tuple[object, type]]] = {
+    "gpu": [(0.5, TypeError), ("bogus", ValueError), ("cpu", ValueError)],
+    "capacity_bytes": [(1.5, TypeError), ("lots", ValueError), (0, ValueError)],
+    "model": [(3, TypeError)],
+    "params": [("d_model=32", TypeError)],
+    "implementation": [(3, TypeError)],
+    "profiles_dir": [(3, TypeError)],
+    "profile": [(42, TypeError)],
+    "device": [(3.5, TypeError)],
+    "ask": [("64", TypeError)],
+    "world": [(2, TypeError)],
+    "attr": [("", ValueError), (3, TypeError), ("2x", ValueError)],
+    "request": [("8", TypeError), (8.5, TypeError), (True, TypeError), (0, ValueError), (-5, ValueError)],
+    "batch_size_min": [(0, ValueError), ("1", TypeError)],
+    "effective_batch_size": [(-1, ValueError), ("x", TypeError)],
+    "limit": [("foo", ValueError)],
+    "size_for": [("speed", ValueError)],
+    "gradients": [("yes", TypeError)],
+    "exact": [("no", TypeError)],
+    "seq_len": [(0, ValueError), ("32", TypeError)],
+    "batch_size": [(0, ValueError), ("8", TypeError)],
+    "pool_data_bytes": [(-1, ValueError), (1.5, TypeError)],
+    "process_bytes": [(-1, ValueError)], "free_bytes": [(-1, ValueError)], "total_bytes": [(-1, ValueError)],
+    "free_source": [(3, TypeError)],
+    "options": [({"foo": 1}, ValueError), ("stride=4", TypeError)],
+    "settings": [({}, TypeError)], "trials": [({"max_trials": 2}, TypeError)],
+    "seq_lens": [(3, TypeError)], "rank_devices": [(3, TypeError)],
+    "plan": [(None, TypeError)], "ref": [("regressor", TypeError)],
+    "path": [(3, TypeError)], "out": [(3, TypeError)], "run_dir": [(3, TypeError)],
+    "on_trial": [(3, TypeError)], "on_notice": [(3, TypeError)], "on_step": [(3, TypeError)],
+    "warn": [(3, TypeError)], "inform": [(3, TypeError)],
+    "save": [("no", TypeError)], "progress": [("no", TypeError)], "unique_device": [("no", TypeError)],
+    "aim": [("no", TypeError)], "strict": [("no", TypeError)], "suggest_budget": [("no", TypeError)],
+    "host_malloc": [("no", TypeError)], "main_process": [("no", TypeError)], "boundary": [("no", TypeError)],
+    "framework": [(3, TypeError)], "factory": [(3, TypeError), ("nope", ValueError)],
+    "reserve_bytes": [("x", TypeError), (-1, ValueError)], "margin": [("x", TypeError), (1.5, ValueError)],
+    "conservative_fraction": [(0, ValueError)],
+    **{name: [("x", TypeError), (-1, ValueError)] for name in ("warmup_steps", "measured_steps", "val_steps",
+                                                               "steady_steps", "plateau_steps", "max_trials")},
+    "timeout_s": [(0, ValueError), ("x", TypeError)],
+    "accelerator": [(None, TypeError)], "args": [("x", TypeError)], "run": [(None, TypeError)],
+    "steps": [(-1, ValueError), ("x", TypeError)],
+}
+# what each walk gives beyond BAD, where the parameter takes more there (a torch device, a profile's path)
+MORE = {("FrameworkRun", "device"): [("bogus", ValueError), ("cuda:0", ValueError)],
+        ("vramcal.batch_size", "profile"): [(None, TypeError)], ("vramcal.load_profile", "path"): [(None, TypeError)],
+        ("vramcal.find_profile", "params"): [({"d_model": "x"}, TypeError)],
+        ("vramcal.plan_calibration", "implementation"): [("bogus", ValueError)]}
+NOT_WALKED = {"asked": "**asked: SizeRequest's fields, walked as SizeRequest's (and a name it has not refused: "
+                       "test_an_unknown_asked_name_lists_the_known_ones)",
+              "extra_preload": "worker_pool's preload, module names the worker server imports"}
+
+
+class Reached(BaseException):
+    """The walk reached work (a trial, a calibration): the door let the value through."""
+
+
+@pytest.fixture(scope="module")
+def doors(tmp_path_factory):
+    """(name, callable, the valid arguments around the bad one) for each public door."""
+    import warnings
+
+    from accelerate import Accelerator
+    from test_lightning import profile_here
+    from transformers import TrainingArguments
+
+    from vramcal.integrations import accelerate, hf, lightning
+    from vramcal.integrations.run import FrameworkRun
+    from vramcal.sizing import answer
+
+    tmp, profile, device = tmp_path_factory.mktemp("door"), profile_here(), host_device()
+    path = save_profile(profile, tmp / "p.json")
+    plan = vramcal.plan_calibration("user_models:mlp", PARAMS, device=host_device(budget(CAPACITY)),
+                                    profiles_dir=tmp)
+    arguments = TrainingArguments(output_dir=str(tmp / "out"), use_cpu=True, report_to=[])  # (resets accelerate)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (profile_here's software is another's)
+        run, started = FrameworkRun(profile), FrameworkRun(profile, inform=lambda line: None)
+        started.start()
+        accelerator = Accelerator(cpu=True)
+    return [
+        ("vramcal.select_devices", vramcal.select_devices, {"gpu": "none"}),
+        ("vramcal.calibrate", vramcal.calibrate, {"gpu": "none", "capacity_bytes": "1GiB", "profiles_dir": tmp,
+                                                  "progress": False}),
+        ("vramcal.plan_calibration", vramcal.plan_calibration, {"device": device, "profiles_dir": tmp}),
+        ("vramcal.run_calibration", vramcal.run_calibration, {"plan": plan, "save": False}),
+        ("vramcal.find_profile", vramcal.find_profile, {"gpu": "none", "path": path}),
+        ("vramcal.size_for", vramcal.size_for, {"gpu": "none", "capacity_bytes": "1GiB", "profiles_dir": tmp,
+                                                "progress": False}),
+        ("vramcal.locate_profile", vramcal.locate_profile, {"device": device, "profile": profile}),
+        ("vramcal.model_ref", vramcal.model_ref, {"model": "regressor", "device": device}),
+        ("vramcal.probe_command", vramcal.probe_command, {"device": device, "ref": profile.model}),
+        ("vramcal.batch_size", vramcal.batch_size, {"profile": profile}),
+        ("vramcal.size", vramcal.size, {"profile": profile}),
+        ("vramcal.api.answer", answer, {"profile": profile, "seq_len": profile.model.params["seq_len"]}),
+        ("vramcal.api.verify", vramcal.api.verify, {"profile": profile, "batch_size": 1}),
+        ("vramcal.SizeRequest", vramcal.SizeRequest, {}),
+        ("vramcal.load_profile", vramcal.load_profile, {"path": path}),
+        ("vramcal.LimitSettings", vramcal.LimitSettings, {}),
+        ("vramcal.TrialSettings", vramcal.TrialSettings, {}),
+        ("vramcal.ModelRef.make", vramcal.ModelRef.make, {"factory": "user_models:mlp"}),
+        ("FrameworkRun", FrameworkRun, {"profile": profile}),
+        ("FrameworkRun.resize", run.resize, {"batch_size": 1}),
+        ("FrameworkRun.finish", started.finish, {}),
+        ("FrameworkRun.conclude", started.conclude, {}),
+        ("VramcalBatchSize", lightning.VramcalBatchSize, {"profile": profile}),
+        ("VramcalCallback", hf.VramcalCallback, {"profile": profile}),
+        ("VramcalCallback.sized", hf.VramcalCallback(profile).sized, {"args": arguments}),
+        ("accelerate.sized", accelerate.sized, {"accelerator": accelerator, "profile": profile}),
+        ("accelerate.measured", accelerate.measured, {"run": run, "accelerator": accelerator}),
+    ]
+
+
+def test_every_public_door_refuses_each_bad_value_in_one_line_naming_its_parameter(doors, monkeypatch):
+    import inspect
+    import warnings
+
+    import vramcal.api
+
+    def reached(*args, **kwargs):
+        raise Reached()
+
+    monkeypatch.setattr(vramcal.api, "run_trials", reached)  # a value let through would start the trials
+    monkeypatch.setattr(vramcal.api, "TrialRunner", reached)
+    walked, let_through, unnamed = 0, [], []
+    for name, door, valid in doors:
+        for parameter in inspect.signature(door).parameters.values():
+            if parameter.name in NOT_WALKED or parameter.kind is parameter.VAR_KEYWORD:
+                continue
+            assert parameter.name in BAD, f"{name}: no bad values for {parameter.name}= (add them, or say why not)"
+            for bad, error in BAD[parameter.name] + MORE.get((name, parameter.name), []):
+                walked += 1
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        door(**{**valid, parameter.name: bad})
+                except Reached:
+                    let_through.append(f"{name}({parameter.name}={bad!r}): reached the trials")
+                    continue
+                except Exception as raised:  # noqa: BLE001 - the walk sorts what each door raised
+                    text = str(raised)
+                    if not isinstance(raised, error):
+                        let_through.append(f"{name}({parameter.name}={bad!r}): {type(raised).__name__}: {text}")
+                    elif "\n" in text or re.search(r"(^|\s|`)--[a-z]", text) or not re.search(
+                            rf"\b{parameter.name}\b|\bd_model\b", text):
+                        unnamed.append(f"{name}({parameter.name}={bad!r}): {text}")
+                    continue
+                let_through.append(f"{name}({parameter.name}={bad!r}): accepted")
+    assert walked > 150
+    assert let_through == [], "\n".join(let_through)
+    assert unnamed == [], "\n".join(unnamed)
+
+
+def test_an_unknown_asked_name_lists_the_known_ones():
+    from test_lightning import profile_here
+
+    from vramcal.integrations.hf import VramcalCallback
+    from vramcal.integrations.lightning import VramcalBatchSize
+
+    for door in (VramcalCallback, VramcalBatchSize):
+        with pytest.raises(TypeError, match=rf"^{door.__name__}\(\) has no argument batchsize=: .* it takes what a "
+                                            r"run asks: limit, batch_size_min, request"):
+            door(profile_here(), batchsize=64)

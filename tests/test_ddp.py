@@ -180,8 +180,8 @@ def test_a_single_process_profile_cannot_size_a_ddp_run(world, tmp_path):
     assert len(errors) == 1 and re.search(r"^Error: rank [01] failed: no profile for .* for DDP 2 ranks \(gloo, "
                                           r"buckets 50 MiB, gradient_as_bucket_view, find_unused_parameters, "
                                           r"static_graph\)", errors[0]), errors
-    assert ("`vramcal probe --gpu none --impl transformers --nproc 2 --bucket-cap-mb 50 --gradient-as-bucket-view "
-            "--find-unused-parameters --static-graph ") in errors[0]
+    assert re.search(r"`vramcal probe --gpu none --capacity \S+ --impl transformers --nproc 2 --bucket-cap-mb 50 "
+                     r"--gradient-as-bucket-view --find-unused-parameters --static-graph ", errors[0]), errors[0]
     assert result.stderr.strip().splitlines()[-1] == errors[0], result.stderr  # nothing after it, no agent log
 
 
@@ -229,8 +229,9 @@ def test_probe_records_the_world_and_its_ddp_settings(tmp_path, monkeypatch):
 
 
 def test_a_killed_rank_ends_the_run_in_one_line_and_it_resumes(world):
-    tmp = world["tmp"]
-    args = train_args(tmp, "killed", "--nproc-per-node", "2", "--max-steps", "400", "--epochs", "50",
+    tmp = world["tmp"]  # (a budget: the world's profiles were calibrated at two, which a run without one refuses)
+    args = train_args(tmp, "killed", "--nproc-per-node", "2", "--capacity", str(host_budget.budget(1024 * MIB)),
+                      "--max-steps", "400", "--epochs", "50",
                       "--checkpoint-steps", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                       f"127.0.0.1:{free_port()}", "--rdzv-id", "killed", "--rdzv-conf", "join_timeout=120")
     run = subprocess.Popen([sys.executable, "-m", "vramcal", *args], cwd=tmp, stdout=subprocess.PIPE,
@@ -248,7 +249,7 @@ def test_a_killed_rank_ends_the_run_in_one_line_and_it_resumes(world):
     assert len(errors) == 1 and "rank 1 failed" in errors[0] and "--resume" in errors[0], err
     kept = checkpoint.load_checkpoint(run_dir / checkpoint.LAST)["progress"]["step"]
     resumed = vramcal(tmp, "train", "--resume", "--run-dir", str(run_dir), "--nproc-per-node", "2",
-                      "--max-steps", str(kept + 4))
+                      "--capacity", str(host_budget.budget(1024 * MIB)), "--max-steps", str(kept + 4))
     assert resumed.returncode == 0, resumed.stderr
     assert "continuing from" in resumed.stderr
     assert checkpoint.load_checkpoint(run_dir / checkpoint.LAST)["progress"]["step"] == kept + 4

@@ -199,3 +199,24 @@ def test_round_trip_through_dict_and_json():
     assert Fit2D.from_dict(fit.to_dict()) == fit
     assert Fit2D.from_dict(json.loads(json.dumps(fit.to_dict()))) == fit
     assert hash(fit) == hash(Fit2D.from_dict(fit.to_dict()))
+
+
+def test_a_negative_term_is_explained_and_a_positive_plane_needs_no_word():
+    """issue 42 item 7: ``- 1.18 KiB × batch_size`` was shown with no word on what it means: what each sample
+    adds within the calibrated lengths, and whether the points can tell the term from none."""
+    assert fit_2d(*points(GRID, [truth(b, L) for b, L in GRID])).negative_terms() is None
+    per_sample = -1.18 * 2**10
+
+    def peaks(noise: float, seed: int = 0) -> list[float]:
+        rng = np.random.default_rng(seed)
+        return [OVERHEAD + PER_TOKEN * b * L + per_sample * b + rng.normal(0, noise) for b, L in GRID]
+
+    exact = fit_2d(*points(GRID, peaks(0.0)))
+    assert exact.formula().endswith(" - 1.18 KiB × batch_size")
+    assert exact.negative_terms() == (
+        "the negative per-sample term gives no memory back: it corrects the per-token term, which alone would "
+        "over-cover what each sample adds within the calibrated lengths; a sample adds 1.54 MiB at seq_len 128 and "
+        "24.60 MiB at 2048 (the model is not used outside 128-2048)")
+    noisy = fit_2d(*points(GRID, peaks(5e6, seed=3)))
+    assert noisy.bytes_per_sample < 0 and abs(noisy.bytes_per_sample) <= 2 * noisy.stderr_bytes_per_sample
+    assert noisy.negative_terms().endswith(": the points cannot tell it from none")

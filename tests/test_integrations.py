@@ -222,3 +222,78 @@ def test_the_malloc_settings_follow_the_environment_the_process_started_with():
     started = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                              env={**env, "GLIBC_TUNABLES": HOST_MALLOC})
     assert started.stdout.strip() == "None"
+
+
+def test_a_runs_information_and_its_warnings_go_their_own_ways():
+    """issue 42 item 7: the process term reached people as a UserWarning; information now goes to ``inform`` (a
+    line on stderr by default, Lightning's info log), warnings (limits not verified) to ``warn``."""
+    from vramcal.integrations.run import FrameworkRun
+
+    told, warned = [], []
+    run = FrameworkRun(profile_here(verify=False), device="cpu", warn=warned.append, inform=told.append)
+    run.start()
+    run.close()
+    assert any("a process term of " in line for line in told), told
+    assert not any("process term" in line for line in warned), warned
+    assert any("not verified by real trials" in line for line in warned), warned
+    assert not any("not verified" in line for line in told), told
+
+
+@pytest.fixture
+def two_budgets(tmp_path):
+    """The regressor's profile of this host at 8 GiB and at 6 GiB, in one profiles folder (issue 42 item 10: the
+    integrations took the newest in silence)."""
+    import dataclasses
+
+    from vramcal.profile import profile_path
+
+    folder, paths = tmp_path / "profiles", {}
+    for gib, created in ((8, "2025-01-02T03:04:05Z"), (6, "2025-01-01T03:04:05Z")):  # the 8 GiB one is the newest
+        profile = dataclasses.replace(profile_here(total_bytes=gib * 2**30), created_utc=created)
+        paths[gib] = save_profile(profile, profile_path(folder, profile.device, profile.model, "transformers"))
+    assert paths[8] != paths[6]
+    return folder, paths
+
+
+def test_several_budgets_are_chosen_by_capacity_or_refused_with_the_list(two_budgets):
+    import vramcal
+    from vramcal.integrations.run import FrameworkRun
+    from vramcal.lookup import SeveralBudgetsError
+
+    folder, paths = two_budgets
+    find = {"model": "regressor", "params": {}, "profiles_dir": folder}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the profiles were made under other software)
+        with pytest.raises(SeveralBudgetsError) as refused:
+            FrameworkRun(**find, device="cpu")
+        line = str(refused.value)
+        assert "\n" not in line and "calibrated at 2 budgets" in line and "give capacity_bytes= (one of 6.00GiB, " \
+               "8.00GiB) to choose" in line and "--" not in line, line
+        assert f"{paths[8]} (8.00 GiB)" in line and f"{paths[6]} (6.00 GiB)" in line
+        with pytest.raises(SeveralBudgetsError, match="give capacity_bytes="):
+            vramcal.find_profile("regressor", {}, gpu="none", profiles_dir=folder)
+        assert FrameworkRun(**find, device="cpu", capacity_bytes="6GiB").path == paths[6]
+        assert FrameworkRun(**find, device="cpu", capacity_bytes=8 * 2**30).path == paths[8]
+        assert vramcal.find_profile("regressor", {}, gpu="none", capacity_bytes="6GiB",
+                                    profiles_dir=folder).path == paths[6]
+        with pytest.raises(SizingError, match=r"no profile for .* at 7.00 GiB"):
+            FrameworkRun(**find, device="cpu", capacity_bytes="7GiB")
+
+
+def test_each_integration_takes_the_budget_to_choose_by(two_budgets, tmp_path):
+    from accelerate import Accelerator
+    from transformers import TrainingArguments
+
+    from vramcal.integrations.accelerate import sized
+    from vramcal.integrations.hf import VramcalCallback
+
+    folder, paths = two_budgets
+    find = {"model": "regressor", "params": {}, "profiles_dir": folder}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        callback = VramcalCallback(**find, capacity_bytes="6GiB")
+        callback.sized(TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[]))
+        assert callback.run.path == paths[6]
+        run = sized(Accelerator(cpu=True), **find, capacity_bytes="6GiB")
+        run.close()
+        assert run.path == paths[6]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 import warnings
@@ -26,7 +27,7 @@ MIB = 2**20
 N_FEATURES = 16
 
 
-def profile_here(verify: bool = True, held_bytes: int | None = None):
+def profile_here(verify: bool = True, held_bytes: int | None = None, total_bytes: int = 8 * 2**30):
     """A profile of this host: 600 MiB + 100 MiB per sample, so safe is about 60 and conservative about 54;
     its trials held ``held_bytes`` when their step was built (the process term's baseline; default: what this
     process holds now, so the process term is what a fit adds to it, whatever earlier tests left here)."""
@@ -35,7 +36,7 @@ def profile_here(verify: bool = True, held_bytes: int | None = None):
     held_bytes = host_held_bytes() if held_bytes is None else held_bytes
     trials = [host_trial(b, 600 * MIB + 100 * MIB * b + (i % 2) * MIB, held_bytes=held_bytes)
               for i, b in enumerate((1, 2, 4, 8, 16))]
-    return build_profile(host_device(8 * 2**30), trials, verify=verify)
+    return build_profile(host_device(total_bytes), trials, verify=verify)
 
 
 def dataset(n: int = 256) -> TensorDataset:
@@ -117,23 +118,30 @@ def test_sets_the_conservative_size_and_reports_the_measured_peak(tmp_path, capl
     assert "host peak" in callback.report
     assert callback.report in caplog.text
     assert f"batch_size = {conservative} (conservative" in caplog.text
+    assert caplog.text.count("vramcal: batch_size = ") == 1  # said at setup; fit start kept it (issue 42 item 7)
 
 
-def test_a_process_holding_more_than_the_trials_gets_a_smaller_batch(tmp_path):
+def test_a_process_holding_more_than_the_trials_gets_a_smaller_batch(tmp_path, caplog):
     """The trials held 10 MiB at the start of training (a fiction of this test): this process holds hundreds
     more, which leave less room for samples, so the limits come down and the batch is set again at fit
-    start, before the dataloaders are built."""
+    start, before the dataloaders are built, and said again."""
     profile = profile_here(held_bytes=10 * MIB)
     from vramcal.integrations.lightning import VramcalBatchSize
 
     callback, module = VramcalBatchSize(profile, limit="safe"), Regressor()
-    with pytest.warns(UserWarning, match=r"this process holds .* a process term of \+\d"):
+    with pytest.warns(UserWarning, match=r"batch_size \d+ -> \d+: with what this process holds") as warned, \
+            caplog.at_level(logging.INFO):
         fit(module, callback, tmp_path)
+    said = [line for line in caplog.text.splitlines() if "vramcal: batch_size = " in line]
+    assert len(said) == 2 and f"batch_size = {callback.sizing.batch_size} (safe" in said[1], said
+    # the process term and the limits it moved are information (logged), the size cut under the user a warning
+    assert re.search(r"this process holds .* a process term of \+\d", caplog.text), caplog.text
+    assert not any("process term" in str(w.message) for w in warned)
     assert callback.sizing.safe_batch_size < profile.limits.safe_batch_size
     assert module.seen == {callback.sizing.batch_size} and module.batch_size == callback.sizing.safe_batch_size
 
 
-def test_automatic_optimization_adds_the_gradients_to_the_prediction(tmp_path):
+def test_automatic_optimization_adds_the_gradients_to_the_prediction(tmp_path, caplog):
     """Lightning zeroes the gradients after the next forward pass: the profile's gradient bytes join the
     prediction and the limits; under manual optimization (the module's own order) they do not."""
     import dataclasses
@@ -144,9 +152,10 @@ def test_automatic_optimization_adds_the_gradients_to_the_prediction(tmp_path):
     profile = profile_here()
     profile = dataclasses.replace(profile, model_info={**profile.model_info, "gradient_bytes": 150 * MIB})
     callback = VramcalBatchSize(profile, limit="safe")
-    with pytest.warns(UserWarning, match=r"held through the forward pass \(Lightning's automatic optimization .*\): "
-                                         r"a gradient term of \+150.00 MiB"):
+    with caplog.at_level(logging.INFO):  # information: logged, not warned
         fit(Regressor(), callback, tmp_path)
+    assert re.search(r"held through the forward pass \(Lightning's automatic optimization .*\): a gradient term of "
+                     r"\+150.00 MiB", caplog.text), caplog.text
     s, plain = callback.sizing, size(profile, SizeRequest(limit="safe"), process_bytes=callback.run.held_bytes)
     assert s.gradient_delta_bytes == 150 * MIB and s.safe_batch_size < plain.safe_batch_size
     assert s.predicted_peak_bytes == int(profile.fit.predict(s.batch_size) + s.process_delta_bytes + 150 * MIB)

@@ -83,7 +83,7 @@ def test_train_warns_trains_and_refuses_when_strict(stale, monkeypatch):
     runner = CliRunner()
     result = runner.invoke(main, train_args(stale, "run"))
     assert result.exit_code == 0, result.output
-    notice_in(result.output, stale["path"])
+    assert notice_in(result.output, stale["path"]).startswith("warning: ")  # was printed as information
     refused(runner.invoke(main, train_args(stale, "strict", "--strict-profile")), stale["path"])
     assert not (stale["tmp"] / "strict").exists()
     monkeypatch.setenv(STRICT_ENV, "1")

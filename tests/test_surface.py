@@ -160,6 +160,69 @@ def test_a_profile_over_lengths_covers_its_range_and_sizes_at_a_length(tmp_path)
     assert size(base, SizeRequest(seq_len=128)) == size(base)
 
 
+def test_limits_states_its_answer_in_one_sentence_in_text_and_json(tmp_path):
+    """issue 42 item 7: ``limits --batch-size N`` printed figures but never the answer in words; the sentence says
+    where the length sits among the calibrated ones and what it rests on (the faked calibration of the test
+    above: 128, 512 and 2048, chunk_size 64)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from vramcal.cli import main
+    from vramcal.profile import save_profile
+
+    from fakes import fake_calibration
+    from profiles_for_tests import gpu_profile
+
+    path = save_profile(fake_calibration(lambda b, n: GIB + 20_000 * b * n + 3 * MIB * b, 12 * GIB, max_trials=40,
+                                         seq_lens=(128, 512, 2048), kind="cuda"), tmp_path / "p.json")
+
+    def said(*options: str) -> tuple[str, dict]:
+        text = CliRunner().invoke(main, ["limits", str(path), *options])
+        as_json = CliRunner().invoke(main, ["limits", str(path), *options, "--json"])
+        assert text.exit_code == as_json.exit_code == 0, text.output + as_json.output
+        found = json.loads(as_json.output)
+        assert text.output.splitlines()[0] == found["sentence"]  # the answer first, then its figures
+        return found["sentence"], found
+
+    sentence, found = said("--batch-size", "1000")
+    assert sentence.startswith(f"the longest seq_len at batch_size 1000 is {found['seq_len']} (between the "
+                               f"calibrated lengths 128 and 512; interpolated by the 2-D fit, not verified at this "
+                               f"length): the longest multiple of chunk_size 64 whose upper 95 % bound"), sentence
+    assert 128 < found["seq_len"] < 512 and found["seq_len"] % 64 == 0
+    sentence, found = said("--batch-size", "50")  # the range ends before memory does
+    assert sentence.startswith("the longest seq_len at batch_size 50 is 2048, the longest calibrated length (its "
+                               "limits verified by real trials)") and "outside the calibrated range" in sentence
+    safe = found["safe_batch_size"]
+    sentence, _ = said("--seq-len", "2048")
+    assert sentence == (f"at seq_len 2048 (a calibrated length; its limits verified by real trials) the safe "
+                        f"batch_size is {safe} and the conservative {found['conservative_batch_size']}")
+    one = save_profile(gpu_profile(), tmp_path / "one.json")
+    own = gpu_profile().model.params["seq_len"]
+    text = CliRunner().invoke(main, ["limits", str(one), "--seq-len", str(own)]).output  # (after a staleness line)
+    assert (f"\nat seq_len {own} (the profile's one calibrated length; its limits verified by real trials) the safe "
+            f"batch_size is {gpu_profile().limits.safe_batch_size} and") in text, text
+
+
+def test_a_negative_fitted_term_is_explained_where_the_probe_and_the_report_show_it():
+    """issue 42 item 7: the probe's summary and the report's lengths section say what a negative term means."""
+    from vramcal.cli.console import summary
+    from vramcal.report.markdown import lengths_section
+
+    from fakes import fake_calibration
+
+    profile = fake_calibration(lambda b, n: GIB + 20_000 * b * n - 1200 * b, 12 * GIB, max_trials=40,
+                               seq_lens=(128, 512, 2048), kind="cuda")
+    fit = profile.surface.fit
+    assert fit.bytes_per_sample < 0 and fit.formula().endswith(" × batch_size") and " - " in fit.formula()
+    note = fit.negative_terms()
+    assert note.startswith("the negative per-sample term gives no memory back") and "outside 128-2048" in note
+    lines = summary(profile).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("over seq_len: "))
+    assert lines[at + 1] == f"  ({note})"
+    assert f"Signs: {note}." in "\n".join(lengths_section(profile, "##"))
+
+
 def test_the_report_draws_safe_batch_against_seq_len_and_tables_each_length(tmp_path):
     import struct
 

@@ -32,7 +32,8 @@ from vramcal.sizing import scaled_lr
 from vramcal.train import checkpoint, loop
 from vramcal.train.config import TrainConfig, load_config
 from vramcal.train.plan import plan_run, resolve
-from vramcal.units import format_bytes, format_duration, format_rate
+from vramcal.units import format_bytes, format_duration, format_rate, size_argument
+from vramcal.words import labelled
 
 MIB = 2**20
 SPEC = RegressorSpec(d_model=32, n_layers=1, d_state=16, headdim=16, seq_len=32, chunk_size=16)
@@ -480,6 +481,19 @@ def test_a_host_budget_takes_the_profile_calibrated_at_it(setup):
     assert "its limits describe the calibration's budget (`vramcal probe --capacity " in named.output
 
 
+def test_without_a_budget_several_budgets_are_refused_with_the_list(setup):
+    """As the API and the integrations: with profiles of this run at two budgets and no --capacity, the run is
+    refused with each file and its budget (it took the newest in silence); --capacity chooses (the test above)."""
+    other = dataclasses.replace(make_profile(host_device()), created_utc="2024-01-01T00:00:00Z")
+    budget = 2 * host_budget.budget(1024 * MIB)
+    other = dataclasses.replace(other, device=dataclasses.replace(other.device, total_bytes=budget))
+    other = dataclasses.replace(other, limits=compute_limits(other.fit, budget, other.settings))
+    path = save_profile(other, setup["profiles"] / "elsewhere" / "other.json")
+    line = one_line_failure(train(setup, "two", "--max-steps", "1"))
+    assert "calibrated at 2 budgets" in line and str(path) in line and str(setup["profile_path"]) in line, line
+    assert f"give --capacity (one of {size_argument(setup['profile'].device.total_bytes)}, " in line, line
+
+
 def test_auto_uses_the_conservative_batch_size_and_scales_the_lr(setup):
     limits = setup["profile"].limits
     result = train(setup, "auto", "--max-steps", "1", "--lr-scaling", "linear", "--reference-batch-size", "4")
@@ -529,6 +543,8 @@ def test_sizing_bounds_and_the_data_term():
     assert more.upper_bytes == int(fit.upper(4) + 100 * MIB)
     assert more.safe_batch_size < safe and fit.upper(more.safe_batch_size) + 100 * MIB <= more.usable_bytes
     assert "the data hold 100.00 MiB more than the calibration's" in more.notices[0]
+    # the limits moved for the data are information, the unverified limits a warning: marked where they are made
+    assert [labelled(n)[:20] for n in more.notices] == ["the data hold 100.00", "warning: the profile"]
     held = dataclasses.replace(profile, data={**profile.data, "pool_bytes": 80 * MIB})  # trials that held 80 MiB
     less = sizing.size(held, pool_data_bytes=30 * MIB)  # less data never raises the verified limits
     assert (less.safe_batch_size, less.predicted_peak_bytes) == (safe, int(fit.predict(less.batch_size) - 50 * MIB))
@@ -613,7 +629,13 @@ def test_config_file_with_command_line_overrides(setup):
 def test_no_profile_says_which_probe_to_run(setup):
     line = one_line_failure(train(setup, "x", "--profiles-dir", str(setup["tmp"] / "empty")))
     assert "no profile for" in line
-    assert "vramcal probe --gpu none --impl transformers --d-model 32 --n-layers 1" in line
+    # a budget that fits the host (issue 42 item 4: the hint was a whole-host probe), as the probe's hint gives it
+    found = re.search(r"vramcal probe --gpu none --capacity (\S+) --impl transformers --d-model 32 --n-layers 1", line)
+    assert found, line
+    from vramcal.lookup import suggested_capacity
+    from vramcal.units import parse_bytes
+
+    assert parse_bytes(found.group(1)) == suggested_capacity(host_device().total_bytes) <= host_device().total_bytes / 2
 
 
 def test_a_named_batch_size_trains_without_a_profile_and_says_it_is_unchecked(setup):
@@ -624,7 +646,7 @@ def test_a_named_batch_size_trains_without_a_profile_and_says_it_is_unchecked(se
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     assert text.count("--batch-size 8 is unchecked against memory") == 1
-    assert "(`vramcal probe --gpu none --impl transformers --d-model 32" in text
+    assert re.search(r"\(`vramcal probe --gpu none --capacity \S+ --impl transformers --d-model 32", text), text
     assert "batch_size 8 (unchecked: no profile)" in text and "unchecked: no profile predicted" in text
     rows = [json.loads(line) for line in (setup["tmp"] / "free" / "metrics.jsonl").read_text().splitlines()]
     epochs = [row for row in rows if row["kind"] == "epoch"]

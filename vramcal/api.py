@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from vramcal.arguments import callback, flag, mapping, of_type, path_like
 from vramcal.calibration.creep import read_peak
 from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
 from vramcal.calibration.limits import LimitSettings
@@ -35,7 +37,7 @@ from vramcal.calibrator import CalibrationError, CalibrationPlan, run_trials
 from vramcal.estimated import aim_for
 from vramcal.files import check_writable
 from vramcal.journal import Journal, journal_path, plan_key
-from vramcal.lookup import Located, ddp_term, locate_profile, probe_command
+from vramcal.lookup import Located, ddp_term, locate_profile, probe_command, suggested_capacity
 from vramcal.measure.device import free_bytes, select
 from vramcal.measure.trial import TrialRequest, TrialRunner
 from vramcal.measure.worker import Workers
@@ -51,9 +53,10 @@ from vramcal.profile import (
 )
 from vramcal.progress import TrialPrinter
 from vramcal.records import Device, Trial, TrialSettings, World
-from vramcal.sizing import Answer, Limit, SizeRequest, Sizing, SizingError, answer, size
+from vramcal.sizing import Answer, Limit, SizeRequest, Sizing, SizingError, answer, check_counts, size
 from vramcal.staleness import StaleProfileError
-from vramcal.units import parse_bytes
+from vramcal.units import parse_bytes, size_argument
+from vramcal.words import is_info
 from vramcal.workload import ModelRef, WorkloadError
 
 __all__ = ["Answer", "Answered", "CalibrationError", "CalibrationPlan", "LimitSettings", "Located", "Profile",
@@ -63,6 +66,35 @@ __all__ = ["Answer", "Answered", "CalibrationError", "CalibrationPlan", "LimitSe
 
 # What the worker fork server imports (the families, the trainer): trials and training runs share it.
 WORKER_PRELOAD = ("vramcal.preload",)
+
+# How the API's functions check the arguments they share, by name, at their door (vramcal.arguments; DESIGN.md,
+# "Failure"): a wrong type is one TypeError naming the argument, before any work.
+_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "settings": lambda n, v: of_type(n, v, LimitSettings, "a vramcal.LimitSettings (LimitSettings(reserve_bytes=0))"),
+    "trials": lambda n, v: of_type(n, v, TrialSettings, "a vramcal.TrialSettings (TrialSettings(max_trials=8))"),
+    "options": lambda n, v: mapping(n, v, "the data options as a dict ({'stride': 4})"),
+    "profiles_dir": path_like, "out": lambda n, v: path_like(n, v, "a profile file's path", none=True),
+    "path": lambda n, v: path_like(n, v, "a profile file's path", none=True),
+    "save": flag, "progress": flag, "unique_device": flag, "aim": flag,
+    "on_trial": callback, "on_notice": callback, "on_step": callback,
+    "device": lambda n, v: of_type(n, v, Device, "a vramcal.records.Device (select_devices(gpu)[0][0])"),
+    "world": lambda n, v: of_type(n, v, World, "a vramcal.records.World, or None", none=True),
+    "implementation": lambda n, v: of_type(n, v, str, "'auto', 'transformers' or 'mamba_ssm'"),
+    "seq_lens": lambda n, v: of_type(n, v, (str, Sequence, SeqLens), "lengths: [128, 512], '128,512' or '128:2048'"),
+    "plan": lambda n, v: of_type(n, v, CalibrationPlan, "a vramcal.CalibrationPlan (from plan_calibration)"),
+    "profile": lambda n, v: of_type(n, v, Profile, "a vramcal.Profile (vramcal.load_profile(path))"),
+    "rank_devices": lambda n, v: of_type(n, v, (list, tuple), "the ranks' Devices as a list"),
+}
+
+
+def _door(**given: Any) -> None:
+    """The front door's checks of the ``given`` arguments, each by its name (:data:`_CHECKS`).
+
+    Raises:
+        TypeError: one of the wrong type, named (``trials= takes a vramcal.TrialSettings ..., not dict {}``).
+    """
+    for name, value in given.items():
+        _CHECKS[name](name, value)
 
 
 def select_devices(gpu: str = "auto", capacity_bytes: int | str | None = None) -> tuple[list[Device], str | None]:
@@ -95,7 +127,10 @@ def capacity_argument(capacity: int | str | None) -> int | None:
     if isinstance(capacity, bool) or not isinstance(capacity, int | str):
         raise TypeError(f"capacity_bytes= takes a whole number of bytes or a size such as '1.5GiB', not "
                         f"{type(capacity).__name__} {capacity!r}")
-    value = parse_bytes(capacity) if isinstance(capacity, str) else capacity
+    try:
+        value = parse_bytes(capacity) if isinstance(capacity, str) else capacity
+    except ValueError as error:
+        raise ValueError(f"capacity_bytes={capacity!r}: {error}") from None
     if value < 1:
         raise ValueError(f"capacity_bytes={capacity!r} is no budget: give a positive size such as '1.5GiB'")
     return value
@@ -124,23 +159,24 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
             (:meth:`vramcal.models.registry.Family.data_options`); a key no family takes is refused.
         seq_lens: calibrate several sequence lengths at once (one profile holding the model in
             batch_size × seq_len, :mod:`vramcal.calibration.surface`): a list, a text as ``--seq-len``
-            takes it (``"128,512,2048"``, or a range ``"128:2048"``: its ends and their geometric middle) or
-            its :class:`~vramcal.calibration.fit2d.SeqLens`;
-            each a multiple of the model's chunk_size; the factory must take ``seq_len``. A single length
-            is a one-length calibration at it.
-        trials: how each trial runs and how many (:class:`~vramcal.records.TrialSettings`).
-        world: calibrate a DDP world of ranks (:class:`~vramcal.records.World`); the limits are per rank.
+            takes it (``"128,512,2048"``, or a range ``"128:2048"``: its ends and their geometric middle) or its
+            :class:`~vramcal.calibration.fit2d.SeqLens`; each a multiple of the model's chunk_size; the factory
+            must take ``seq_len``. A single length is a one-length calibration at it.
+        trials: how each trial runs and how many. world: calibrate a DDP world of ranks; the limits are per rank.
         rank_devices: the ranks' GPUs (``world.nproc`` of one model; ``device`` is rank 0's); () on the host,
             where every rank runs on the host under the budget.
-        aim: trace the step on fake tensors first (seconds; :func:`vramcal.estimated.aim_for`, its bound learned
-            from ``profiles_dir``) and aim the search's growth with its slope; one process at one length only.
-            A step that cannot be traced is calibrated without (``plan.notices`` says why).
+        aim: trace the step on fake tensors first (:func:`vramcal.estimated.aim_for`, its bound learned from
+            ``profiles_dir``) and aim the search's growth with its slope; one process at one length only (else, or
+            untraceable, ``plan.notices`` says why).
 
     Raises:
         ValueError, WorkloadError: see :func:`model_ref`; lengths that are not multiples of chunk_size or a
             factory without ``seq_len``; a budget with no usable memory; a world whose devices do not fit it;
-            an ``options`` key no family takes (the known ones listed). TypeError: ``params`` that is no dict.
+            an ``options`` key no family takes (the known ones listed). TypeError: an argument of the wrong type.
     """
+    _door(device=device, implementation=implementation, settings=settings, options=options, profiles_dir=profiles_dir,
+          out=out, unique_device=unique_device, seq_lens=seq_lens, trials=trials, world=world, aim=aim,
+          rank_devices=rank_devices)
     lengths = _read_lengths(seq_lens)
     ref = model_ref(model, {**arguments(params), **({"seq_len": lengths.lengths[0]} if lengths else {})},
                     device=device, implementation=implementation)
@@ -150,8 +186,7 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
     several = designed if len(designed) > 1 else ()
     settings.check(device.total_bytes)
     _check_world(world, device, tuple(rank_devices))
-    family = family_of(ref)
-    key = ref.without("seq_len") if several else ref
+    family, key = family_of(ref), ref.without("seq_len") if several else ref
     path = Path(out) if out is not None else profile_path(profiles_dir, device, key, family.implementation(ref),
                                                           unique_device, world)
     data = family.data_options(_known_options(options))
@@ -244,7 +279,8 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
             ``peak_bytes``, ``step_s``), the calibration's longest trial (:class:`vramcal.measure.trial.TrialRunner`).
 
     Returns:
-        The profile; ``profile.verified`` says whether real trials verified both limits.
+        The profile; ``profile.verified`` says whether real trials verified both limits, ``profile.path`` is the
+        file written (None without ``save``).
 
     Raises:
         CalibrationError: the first trial failed: one sample does not fit, or the training step itself
@@ -253,7 +289,7 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
             profile could not be written (the previous profile is untouched, the trials are in the journal).
         OSError: the profile's folder cannot take files (before any trial).
     """
-
+    _door(plan=plan, save=save, on_trial=on_trial, on_notice=on_notice, on_step=on_step)
     journal = _open_journal(plan, on_notice) if save else None
     profile = run_trials(plan, TrialRunner(worker_pool(), on_step), on_trial, journal)
     if plan.world is not None:
@@ -267,6 +303,7 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
                                    f"{journal.path}; free space and run the same command again (it reuses them)") \
                 from None
         journal.remove()
+        profile = dataclasses.replace(profile, path=plan.path)
     return profile
 
 
@@ -307,12 +344,14 @@ def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None
 
     Returns:
         The profile: ``limits.safe_batch_size`` and ``limits.conservative_batch_size`` (samples), the fit
-        ``peak_bytes = overhead_bytes + slope_bytes_per_sample × batch_size``, and ``verified``.
+        ``peak_bytes = overhead_bytes + slope_bytes_per_sample × batch_size``, ``verified``, and ``path``: the
+        file it wrote (None with ``save=False``), which the last line of its progress names too.
 
     Raises:
         DeviceError, NvmlError: no such device. ValueError, WorkloadError: bad model arguments.
         CalibrationError: not even one sample fits. OSError: the profile cannot be written.
     """
+    _door(save=save, on_trial=on_trial, progress=progress)
     device, notice = _one_device(gpu, capacity_bytes)
     plan = plan_calibration(model, params, device=device, implementation=implementation, settings=settings,
                             options=options, profiles_dir=profiles_dir, seq_lens=seq_lens, trials=trials)
@@ -338,7 +377,8 @@ def _run_said(plan: CalibrationPlan, notice: str | None, whole_host: bool, *, sa
     printer = (TrialPrinter(plan.search().max_trials, plan.usable_bytes, bar=False, prefix="vramcal:")
                if progress and on_trial is None else None)
     if printer is not None and notice:  # the host chosen for gpu="auto": said, as the command says it
-        printer.note(f"{notice}; give capacity_bytes= (such as '4GiB') for a budget below all of it"
+        printer.note(f"{notice}; give capacity_bytes= (such as "
+                     f"{size_argument(suggested_capacity(plan.device.total_bytes))!r}) for a budget below all of it"
                      if plan.device.kind == "host" and whole_host else notice)
     try:
         profile = run_calibration(plan, save=save, on_trial=on_trial or printer,
@@ -355,20 +395,33 @@ def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | N
                  capacity_bytes: int | str | None = None, implementation: str = "auto",
                  profiles_dir: Path | str = DEFAULT_PROFILES_DIR, path: Path | str | None = None) -> Profile:
     """The profile for a model on the device ``gpu`` names (as :func:`calibrate` takes it): the newest matching
-    one under ``profiles_dir``, or ``path``. Matching files that failed their checks are passed over with a
-    :class:`UserWarning` each, and so is a stale profile (:mod:`vramcal.staleness`).
+    one under ``profiles_dir`` calibrated at ``capacity_bytes`` (bytes or ``"1.5GiB"``; None: whatever budget the
+    matching files share), or ``path``. Matching files that failed their checks are passed over with a
+    :class:`UserWarning` each, and so is a stale profile (:mod:`vramcal.staleness`); the device's notice (the host
+    chosen for ``gpu="auto"``) is a line on stderr.
 
     Raises:
-        SizingError, WorkloadError, ValueError: see :func:`locate_profile`. DeviceError, NvmlError: no such device.
+        SizingError, WorkloadError, ValueError: see :func:`locate_profile` (SeveralBudgetsError: no
+            ``capacity_bytes`` and the matching files were calibrated at several budgets, each listed).
+            DeviceError, NvmlError: no such device.
     """
+    _door(implementation=implementation, profiles_dir=profiles_dir, path=path)
     (device, *_), notice = select_devices(gpu, capacity_bytes)
-    if notice:
-        warnings.warn(f"vramcal: {notice}", stacklevel=2)
     located = locate_profile(model, params, device=device, profile=path, implementation=implementation,
-                             profiles_dir=profiles_dir)
-    for notice in located.notices:
-        warnings.warn(f"vramcal: {notice}", stacklevel=2)
+                             profiles_dir=profiles_dir,
+                             total_bytes=device.total_bytes if capacity_bytes is not None else None)
+    for line in ([notice] if notice else []) + list(located.notices):
+        tell(line)
     return located.profile
+
+
+def tell(notice: str) -> None:
+    """A notice of the API to people: information (:class:`~vramcal.words.Info`) as a line on stderr, a warning
+    through :func:`warnings.warn` (attributed to the caller of the public function)."""
+    if is_info(notice):
+        print(f"vramcal: {notice}", file=sys.stderr, flush=True)
+    else:
+        warnings.warn(f"vramcal: {notice}", stacklevel=3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,9 +456,11 @@ def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None 
     Raises:
         as :func:`calibrate` and :func:`vramcal.sizing.size`.
     """
-
+    _door(implementation=implementation, options=options, profiles_dir=profiles_dir, settings=settings, trials=trials,
+          progress=progress)
+    ask = SizeRequest(limit=limit, seq_len=seq_len)
     device, notice = _one_device(gpu, capacity_bytes)
-    ask, budget = SizeRequest(limit=limit, seq_len=seq_len), device.total_bytes if device.kind == "host" else None
+    budget = device.total_bytes if device.kind == "host" else None
     ref = model_ref(model, params, device=device, implementation=implementation)
     found, skipped = newest_profile(profiles_dir, device, ref, None, budget)
     why = (f"calibrating: no profile of this model on this device{' at this budget' * (budget is not None)} under "
@@ -463,9 +518,11 @@ def verify(profile: Profile, batch_size: int, seq_len: int | None = None, *,
         trials: the trial's steps and time limit.
 
     Raises:
-        SizingError: the profile's device is not here.
+        SizingError: the profile's device is not here; ``batch_size`` or ``seq_len`` below 1. TypeError: an
+            argument of the wrong type.
     """
-
+    _door(profile=profile, trials=trials)
+    check_counts(answer_batch_size=batch_size, seq_len=seq_len)
     gpu = "none" if profile.device.kind == "host" else (profile.device.uuid or "auto")
     device = select_devices(gpu, profile.device.total_bytes if profile.device.kind == "host" else None)[0][0]
     if device.hardware_difference(profile.device):

@@ -9,11 +9,13 @@ stderr, the API with :func:`warnings.warn`, Lightning on rank 0 only).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from vramcal import staleness
+from vramcal.arguments import of_type, path_like
 from vramcal.models.registry import describe, family_of, model_ref
 from vramcal.profile import (
     DEFAULT_PROFILES_DIR,
@@ -21,12 +23,18 @@ from vramcal.profile import (
     ProfileError,
     check_profile_matches,
     load_profile,
+    matching_profiles,
     newest_profile,
 )
 from vramcal.records import Device, World
-from vramcal.sizing import SizeRequest, SizingError, size
+from vramcal.sizing import SizeRequest, SizingError, check_counts, size
 from vramcal.units import format_bytes, size_argument
+from vramcal.words import word
 from vramcal.workload import ModelRef
+
+
+class SeveralBudgetsError(SizingError):
+    """Several profiles match the run at different budgets and none was asked for: the message lists them."""
 
 
 class NoProfileError(SizingError):
@@ -58,33 +66,40 @@ def locate_profile(model: str | ModelRef | None = "regressor", params: dict[str,
                    total_bytes: int | None = None, strict: bool | None = None) -> Located:
     """The profile for a run of ``model`` on ``device`` (in a DDP ``world``; None: one process): ``profile``
     when given (an object or a file), else the newest matching file under ``profiles_dir`` (calibrated at
-    ``total_bytes``, when given: a host rank's own budget). A given profile is checked against the run's device
-    and world, and against ``model`` unless it is None (then the profile's own model is the run's). A profile
+    ``total_bytes``, when given: the run's budget; without it the matches must share one budget). A given profile
+    is checked against the run's device and world, and against ``model`` unless it is None (then the profile's
+    own model is the run's). A profile
     made under other software or settings that can move memory adds a notice naming them
     (:mod:`vramcal.staleness`; ``strict``: refuse it).
 
     Raises:
         StaleProfileError: ``strict`` (or ``VRAMCAL_STRICT_PROFILE=1``) and the profile is stale.
         NoProfileError: none matches (a SizingError whose message gives the ``vramcal probe`` command that makes
-            one, also its ``command``). SizingError: a file that
+            one, also its ``command``). SeveralBudgetsError: no ``total_bytes``, and the matching files were
+            calibrated at several budgets (the message lists each file and its budget; issue 42: the newest was
+            taken in silence). SizingError: a file that
             is no profile, a profile for another device, model or world (names the difference), or one with no
             limits; neither ``model`` nor ``profile`` given.
         WorkloadError, ValueError: ``model`` or ``params`` are not a model vramcal can build
             (:func:`vramcal.models.registry.model_ref`).
     """
+    _check(device, profile, profiles_dir, world, total_bytes, strict)
     if model is None and profile is None:
         raise SizingError("needs profile=<a profile file or Profile>, or model=<what was calibrated> to find one "
                           "under profiles_dir")
     ref = None if model is None else model_ref(model, params, device=device, implementation=implementation)
     notices: list[str] = []
     if profile is None:
-        found, skipped = newest_profile(profiles_dir, device, ref, world, total_bytes)
+        matches, skipped = matching_profiles(profiles_dir, device, ref, world, total_bytes)
         notices = [f"skipped {line}" for line in skipped]
+        if total_bytes is None:
+            _one_budget(matches, device, ref)
+        found = matches[-1].path if matches else None
         if found is None:
             bad = f" ({len(skipped)} matching file(s) failed their checks: {skipped[0]})" if skipped else ""
             where = f" for {world.describe()}" if world else ""
             budget = f" at {format_bytes(total_bytes)}" if total_bytes else ""
-            command = probe_command(device, ref, world)
+            command = probe_command(device, ref, world, suggest_budget=True)
             raise NoProfileError(f"no profile for {device.name}{budget} and {describe(ref)}{where} in {profiles_dir}/"
                                  f"{bad}: run `{command}` first", command)
         profile = found
@@ -93,6 +108,31 @@ def locate_profile(model: str | ModelRef | None = "regressor", params: dict[str,
     command = probe_command(located.profile.device, ref or located.profile.model, world)  # at the profile's budget
     stale = staleness.check(located.profile, located.source, device, strict=strict, command=command)
     return Located(located.profile, path, tuple(notices + ([stale] if stale else [])))
+
+
+def _check(device: Any, profile: Any, profiles_dir: Any, world: Any, total_bytes: Any, strict: Any) -> None:
+    """:func:`locate_profile`'s door (:mod:`vramcal.arguments`).
+
+    Raises:
+        TypeError: an argument of the wrong type, named. SizingError: ``total_bytes`` below 0.
+    """
+    of_type("device", device, Device, "a vramcal.records.Device (vramcal.select_devices(gpu)[0][0])")
+    of_type("profile", profile, (Profile, str, os.PathLike), "a vramcal.Profile, a profile file's path or None",
+            none=True)
+    path_like("profiles_dir", profiles_dir)
+    of_type("world", world, World, "a vramcal.records.World, or None", none=True)
+    check_counts(total_bytes=total_bytes)
+    of_type("strict", strict, bool, "True, False or None", none=True)
+
+
+def _one_budget(matches: list[Profile], device: Device, ref: ModelRef) -> None:
+    """Raises: SeveralBudgetsError: ``matches`` (no budget asked for) were calibrated at more than one budget."""
+    budgets = sorted({p.device.total_bytes for p in matches})
+    if len(budgets) > 1:
+        listed = ", ".join(f"{p.path} ({format_bytes(p.device.total_bytes)})" for p in matches)
+        raise SeveralBudgetsError(f"{len(matches)} profiles of {describe(ref)} on {device.name} were calibrated at "
+                                  f"{len(budgets)} budgets: {listed}; give {word('capacity')} (one of "
+                                  f"{', '.join(size_argument(b) for b in budgets)}) to choose, or name the file")
 
 
 def _checked(profile: Profile | Path | str, path: Path | None, device: Device, ref: ModelRef | None,
@@ -114,14 +154,34 @@ def _checked(profile: Profile | Path | str, path: Path | None, device: Device, r
     return found
 
 
-def probe_command(device: Device, ref: ModelRef, world: World | None = None) -> str:
-    """The ``vramcal probe`` command line that makes a missing profile (non-default options only)."""
+def probe_command(device: Device, ref: ModelRef, world: World | None = None, suggest_budget: bool = False) -> str:
+    """The ``vramcal probe`` command line that makes a missing profile (non-default options only): the device's
+    budget when it was given (``--capacity``); with ``suggest_budget``, a host without one gets
+    :func:`suggested_capacity` of its memory (each rank's share in a ``world``), not the whole host.
+
+    Raises:
+        TypeError: an argument of the wrong type, named.
+    """
+    of_type("device", device, Device, "a vramcal.records.Device (vramcal.select_devices(gpu)[0][0])")
+    of_type("ref", ref, ModelRef, "a vramcal.ModelRef (vramcal.model_ref(...))")
+    of_type("world", world, World, "a vramcal.records.World, or None", none=True)
+    of_type("suggest_budget", suggest_budget, bool, "True or False")
     gpu = "none" if device.kind == "host" else "auto"
     implementation = ref.params.get("implementation")
     ranks = world.probe_args() if world else []
     budget = [f"--capacity {size_argument(device.total_bytes)}"] if device.total_source == "--capacity" else []
+    if device.kind == "host" and not budget and suggest_budget:
+        share = device.total_bytes // (world.nproc if world else 1)
+        budget = [f"--capacity {size_argument(suggested_capacity(share))}"]
     impl = [f"--impl {implementation}"] if implementation else []
     return " ".join(["vramcal probe", f"--gpu {gpu}", *budget, *impl, *ranks, *family_of(ref).probe_args(ref)])
+
+
+def suggested_capacity(total_bytes: int) -> int:
+    """A host budget to suggest where none was given (bytes): half of ``total_bytes`` in whole 256 MiB, at least
+    256 MiB and at most 4 GiB: the rest of the host keeps room, and the calibration takes minutes, not the hour a
+    whole host's largest trials can (the probe's own hint, ``vramcal.cli.probe.host_hint``, gives the same)."""
+    return min(4 * 2**30, total_bytes // 2 // 2**28 * 2**28 or 2**28)
 
 
 def ddp_term(profile: Profile, profiles_dir: Path | str) -> dict[str, Any] | None:

@@ -209,7 +209,7 @@ class TrialSettings:
         boundary: measure near the out-of-memory boundary (:mod:`vramcal.calibration.search`, rule 3).
 
     Raises (on construction):
-        ValueError: a setting outside its range, named.
+        ValueError: a setting outside its range, named. TypeError: a setting of the wrong type, named.
     """
 
     warmup_steps: int = 1
@@ -225,10 +225,16 @@ class TrialSettings:
         for name, low in (("warmup_steps", 0), ("measured_steps", 2), ("val_steps", 0), ("steady_steps", 0),
                           ("plateau_steps", 0), ("max_trials", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}= takes a whole number >= {low}, not {type(value).__name__} {value!r:.40}")
+            if value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s < float("inf")):
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)):
+            raise TypeError(f"timeout_s= takes seconds, not {type(self.timeout_s).__name__} {self.timeout_s!r:.40}")
+        if not 0 < self.timeout_s < float("inf"):
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+        if not isinstance(self.boundary, bool):
+            raise TypeError(f"boundary= takes True or False, not {type(self.boundary).__name__} {self.boundary!r:.40}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

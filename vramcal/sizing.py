@@ -76,7 +76,7 @@ from vramcal.calibration.throughput import NO_DIFFERENCE, find_knee, measured_ra
 from vramcal.profile import Profile
 from vramcal.records import Trial
 from vramcal.units import format_bytes, format_rate
-from vramcal.words import given, word
+from vramcal.words import Info, given, word
 
 Limit = Literal["conservative", "safe"]  # which of the profile's limits a run takes
 LIMITS: tuple[str, ...] = ("conservative", "safe")
@@ -210,7 +210,8 @@ class Sizing:
         process_delta_bytes: what the run's process held at the start of training minus what the trials'
             processes held (the process term); 0 when not measured.
         verified: the profile's limits were verified by real trials.
-        notices: one line each, for people: clamping, the data term, an unverified profile.
+        notices: one line each, for people: clamping, the data term, an unverified profile; information marked
+            :class:`~vramcal.words.Info`, the rest warnings.
         fitted_from: the smallest batch size of the fitted points (None: a 2-D model); below it the
             prediction is an extrapolation (:func:`verdict`).
         accumulation_steps: micro-batches per optimizer step (``batch_size`` is the micro-batch).
@@ -340,6 +341,8 @@ class Answer:
         safe_batch_size, conservative_batch_size: the limits at ``seq_len``.
         basis: ``verified`` (a calibrated length), ``not verified``, or an interpolation note.
         predicted_peak_bytes, upper_bytes, usable_bytes: the model's figures at (batch_size, seq_len).
+        sentence: the answer in words, for people: what was asked, the answer, and what it rests on (a calibrated
+            length or one between two, verified or interpolated).
     """
 
     seq_len: int
@@ -350,6 +353,7 @@ class Answer:
     predicted_peak_bytes: int
     upper_bytes: int
     usable_bytes: int
+    sentence: str = ""
 
 
 def answer(profile: Profile, *, seq_len: int | None = None, batch_size: int | None = None) -> Answer:
@@ -363,13 +367,16 @@ def answer(profile: Profile, *, seq_len: int | None = None, batch_size: int | No
             that is no whole number.
     """
 
-    if (seq_len is None) == (batch_size is None):
-        raise SizingError(f"give {word('seq_len')} or {word('answer_batch_size')} (one of them)")
+    if not isinstance(profile, Profile):
+        raise TypeError(f"profile= takes a vramcal.Profile, not {type(profile).__name__} {profile!r:.40}: read a file "
+                        f"with vramcal.load_profile(path)")
     for setting, value in (("seq_len", seq_len), ("answer_batch_size", batch_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
             raise TypeError(f"{word(setting)} takes a whole number, not {type(value).__name__} {value!r:.40}")
         if value is not None and value < 1:
             raise SizingError(f"{given(setting, value)} is below 1: give a whole number >= 1")
+    if (seq_len is None) == (batch_size is None):
+        raise SizingError(f"give {word('seq_len')} or {word('answer_batch_size')} (one of them)")
     surface, usable = profile.surface, profile.settings.usable_bytes(profile.device.total_bytes)
     own = profile.model.params.get("seq_len")
     if surface is None and (batch_size is not None or seq_len != own):
@@ -384,8 +391,36 @@ def answer(profile: Profile, *, seq_len: int | None = None, batch_size: int | No
     sizing = size(profile, SizeRequest(limit="safe", seq_len=seq_len)) if batch_size is None else None
     batch = batch_size if batch_size is not None else sizing.batch_size
     basis = "verified" if model.verified else (model.basis or "not verified")
-    return Answer(seq_len, batch, model.limits.safe_batch_size, model.limits.conservative_batch_size, basis,
-                  int(model.predict(batch)), int(model.upper(batch)), model.limits.usable_bytes)
+    found = Answer(seq_len, batch, model.limits.safe_batch_size, model.limits.conservative_batch_size, basis,
+                   int(model.predict(batch)), int(model.upper(batch)), model.limits.usable_bytes)
+    return dataclasses.replace(found, sentence=_in_words(found, surface, by_batch=batch_size is not None))
+
+
+def _in_words(found: Answer, surface, by_batch: bool) -> str:
+    """:attr:`Answer.sentence`: the answer, where its length sits among the calibrated ones, and what its limits
+    rest on (``surface``: the profile's :class:`~vramcal.calibration.surface.Surface`, None for one length)."""
+    length, lengths = found.seq_len, surface.seq_lens if surface is not None else (found.seq_len,)
+    if length in lengths:
+        where = "the profile's one calibrated length" if surface is None else "a calibrated length"
+        rests = "its limits verified by real trials" if found.basis == "verified" else "its limits not verified"
+    else:
+        where = (f"between the calibrated lengths {max(n for n in lengths if n < length)} and "
+                 f"{min(n for n in lengths if n > length)}")
+        rests = "interpolated by the 2-D fit, not verified at this length"
+    if not by_batch:
+        return (f"at seq_len {length} ({where}; {rests}) the safe batch_size is {found.safe_batch_size} and the "
+                f"conservative {found.conservative_batch_size}")
+    said = f"the longest seq_len at batch_size {found.batch_size} is {length}"
+    if length == max(lengths):  # the range ends before memory does
+        said += (f", the longest calibrated length ({rests}): its upper 95 % bound fits usable memory there, and "
+                 f"longer lengths are outside the calibrated range (calibrate them to ask about them)")
+    else:
+        said += (f" ({where}; {rests}): the longest multiple of chunk_size {surface.chunk_size} whose upper 95 % "
+                 f"bound at that batch size fits usable memory")
+    if found.safe_batch_size < found.batch_size:
+        said += (f"; but the safe batch_size at {length} is {found.safe_batch_size}, below {found.batch_size}: train "
+                 f"at most {found.safe_batch_size} there")
+    return said
 
 
 def limits_for_data(model: LengthModel, profile: Profile, delta: int,
@@ -407,9 +442,9 @@ def limits_for_data(model: LengthModel, profile: Profile, delta: int,
                               f"it, or hold less")
         conservative = min(conservative, math.floor(profile.settings.conservative_fraction * safe))
         if safe < limits.safe_batch_size:
-            notices.append(f"{cause} {format_bytes(delta)} more than the calibration's: safe batch size "
-                           f"{limits.safe_batch_size} -> {safe}, conservative {limits.conservative_batch_size} -> "
-                           f"{conservative}")
+            notices.append(Info(f"{cause} {format_bytes(delta)} more than the calibration's: safe batch size "
+                                f"{limits.safe_batch_size} -> {safe}, conservative {limits.conservative_batch_size} "
+                                f"-> {conservative}"))
     if model.basis:
         notices.append(f"the profile's limits at this seq_len are {model.basis}")
     elif not model.verified:
@@ -478,9 +513,12 @@ def size(profile: Profile, ask: SizeRequest = SizeRequest(), *, pool_data_bytes:
         raise TypeError(f"profile= takes a vramcal.Profile, not {type(profile).__name__} {profile!r:.80}: read a "
                         f"file with vramcal.load_profile(path)")
     if not isinstance(ask, SizeRequest):
-        raise TypeError(f"size() takes what the run asks as a vramcal.SizeRequest, not {type(ask).__name__} "
-                        f"{ask!r:.40}: size(profile, SizeRequest(request={ask!r:.20})) for a batch size")
+        raise TypeError(f"ask= takes what the run asks as a vramcal.SizeRequest, not {type(ask).__name__} "
+                        f"{ask!r:.40}: size(profile, SizeRequest(request=64)) for a batch size")
     check_counts(pool_data_bytes=pool_data_bytes, process_bytes=process_bytes, free_bytes=free_bytes)
+    if not isinstance(free_source, str):
+        raise TypeError(f"free_source= takes where free_bytes came from, as a str, not {type(free_source).__name__} "
+                        f"{free_source!r:.40}")
     model = length_model(profile, ask.seq_len)
     extra = extra_bytes(profile, pool_data_bytes, process_bytes)
     gone = missing(model.limits, profile.settings, free_bytes, free_source)
@@ -529,7 +567,7 @@ def _size(profile: Profile, model: LengthModel, extra: tuple[int, int, str], pro
     batch, source = _chosen(ask.request, ask.limit, safe, conservative, ask.batch_size_min, notices)
     if ask.request is None and ask.size_for == "throughput":
         batch, source, why = throughput_choice(profile, ask.seq_len, batch, source, ask.batch_size_min, safe)
-        notices.append(why)
+        notices.append(Info(why))
     steps = 1
     if ask.effective_batch_size is not None:
         batch, steps = accumulation(ask.effective_batch_size, batch, ask.exact)
@@ -579,8 +617,8 @@ def gradient_term(profile: Profile, held: GradientsHeld | None, accumulation_ste
     if not isinstance(counted, int) or counted <= 0:
         return 0, (f"the gradients are held through the forward pass ({why}), but the profile does not record "
                    f"their bytes: re-run `vramcal probe` to count them; the prediction leaves them out")
-    return counted, (f"the gradients are held through the forward pass ({why}): a gradient term of "
-                     f"+{format_bytes(counted)} in the prediction and the limits")
+    return counted, Info(f"the gradients are held through the forward pass ({why}): a gradient term of "
+                         f"+{format_bytes(counted)} in the prediction and the limits")
 
 
 def _chosen(request: int | None, limit: Limit, safe: int, conservative: int, batch_size_min: int,
@@ -633,9 +671,9 @@ def process_notice(profile: Profile, process_bytes: int, delta: int) -> str:
                 f"what its trials held (it predates the process term): recalibrate to size this process")
     capped = (f" (it holds {(profile.held_bytes - process_bytes) / 2**20:.1f} MiB less; no more is credited than the "
               f"trials' own held bytes spread by)" if delta > process_bytes - profile.held_bytes else "")
-    return (f"this process holds {format_bytes(process_bytes)} as training starts, the profile's trials held "
-            f"{format_bytes(profile.held_bytes)}: a process term of {delta / 2**20:+.1f} MiB in the prediction and the "
-            f"limits{capped}")
+    return Info(f"this process holds {format_bytes(process_bytes)} as training starts, the profile's trials held "
+                f"{format_bytes(profile.held_bytes)}: a process term of {delta / 2**20:+.1f} MiB in the prediction and "
+                f"the limits{capped}")
 
 
 def length_trials(profile: Profile, seq_len: int | None = None) -> list[Trial]:

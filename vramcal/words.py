@@ -1,4 +1,4 @@
-"""The words a message uses for a setting: the caller's own.
+"""The words a message uses for a setting: the caller's own; and which notices inform and which warn.
 
 A message that tells people which setting to change names it as they gave it: ``--batch-size-min`` to
 someone at the command line, ``batch_size_min=`` to someone calling :func:`vramcal.api.batch_size`, the
@@ -7,6 +7,13 @@ once named CLI flags). The library speaks the API's argument names; each command
 :func:`speaking` ``(FLAGS)`` (:func:`vramcal.cli.main`), a context variable, so a message made anywhere below
 it (sizing, the families) reads the flags, and one made for the API, in the same process afterwards, does
 not.
+
+A notice is a warning (something people may need to act on: a profile passed over or made under other software,
+limits not verified, a request clamped) unless its maker marks it :class:`Info` (what was decided and why: the
+host chosen, the budget applied, a process term carried into the limits). The mark is made where the notice is,
+once; each reader says it its own way: a command prints information as it is and a warning after ``warning:``
+(:func:`labelled`), the API and the integrations send warnings through :func:`warnings.warn` and information to
+stderr or the framework's logger.
 """
 
 from __future__ import annotations
@@ -43,6 +50,23 @@ def given(setting: str, value: object) -> str:
     """``setting`` with ``value`` as the caller writes it: ``--batch-size-min 8`` or ``batch_size_min=8``."""
     name = word(setting)
     return f"{name}{value}" if name.endswith("=") else f"{name} {value}"
+
+
+class Info(str):
+    """A notice that informs: a ``str`` whose maker marked it as information (module docstring); a plain ``str``
+    notice is a warning."""
+
+    __slots__ = ()
+
+
+def labelled(notice: str) -> str:
+    """A notice as a command prints it: :class:`Info` as it is, a warning after ``warning: ``."""
+    return notice if isinstance(notice, Info) else f"warning: {notice}"
+
+
+def is_info(notice: str) -> bool:
+    """Whether ``notice`` informs (:class:`Info`) rather than warns."""
+    return isinstance(notice, Info)
 
 
 @contextlib.contextmanager

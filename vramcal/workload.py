@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vramcal.arguments import mapping, of_type
 from vramcal.oom import is_out_of_memory
 from vramcal.words import given
 
@@ -115,9 +116,12 @@ class ModelRef:
 
     @classmethod
     def make(cls, factory: str, params: dict[str, Any] | None = None) -> ModelRef:
-        """Raises: WorkloadError for a malformed factory name or arguments that are not plain JSON values."""
+        """Raises: WorkloadError for a malformed factory name or arguments that are not plain JSON values;
+        TypeError for a factory that is no str or arguments that are no dict."""
+        of_type("factory", factory, str, "the factory as 'module:function'")
+        mapping("params", params, "the factory's arguments as a dict ({'width': 512})")
         if not cls.is_factory_name(factory):
-            raise WorkloadError(f"{factory!r} is not module:function (e.g. mypackage.train:make_step)")
+            raise WorkloadError(f"factory={factory!r} is not module:function (e.g. mypackage.train:make_step)")
         try:
             text = json.dumps(params or {}, sort_keys=True, allow_nan=False)
         except (TypeError, ValueError) as error:

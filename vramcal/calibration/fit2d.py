@@ -93,6 +93,42 @@ class Fit2D:
         return (f"peak = {self.overhead_bytes / 2**30:.3g} GiB" + term(self.bytes_per_token, "batch_size·seq_len")
                 + term(self.bytes_per_sample, "batch_size"))
 
+    def negative_terms(self) -> str | None:
+        """What a negative coefficient of :meth:`formula` means, for people beside it; None when none is negative.
+
+        The plane is fitted over the calibrated points only and used only inside their lengths
+        (:func:`vramcal.calibration.surface.answer_at` refuses others). What a sample adds at ``seq_len`` is the
+        sum ``bytes_per_token × seq_len + bytes_per_sample``, so a negative per-sample term says that the per-token
+        term, fitted across the lengths, alone would over-cover what each sample adds there; it gives no memory
+        back. A negative per-token term is the same in the other direction, and a negative overhead is the plane's
+        intercept at batch_size 0, below the smallest batch measured. A term within two standard errors of 0 is
+        one the points cannot tell from none.
+        """
+        shortest, longest = min(self.seq_lens), max(self.seq_lens)
+        notes = []
+        for value, stderr, what in ((self.bytes_per_sample, self.stderr_bytes_per_sample, "per-sample"),
+                                    (self.bytes_per_token, self.stderr_bytes_per_token, "per-token"),
+                                    (self.overhead_bytes, self.overhead_stderr_bytes, "overhead")):
+            if value >= 0:
+                continue
+            noise = (f"; it is within two standard errors of 0 (±{format_bytes(2 * stderr)}): the points cannot tell "
+                     f"it from none" if abs(value) <= 2 * stderr else "")
+            if what == "overhead":
+                notes.append("the negative overhead is the plane's intercept at batch_size 0, below the smallest "
+                             "batch measured: it holds no memory, only the peaks over the measured sizes are "
+                             "predicted" + noise)
+                continue
+            other = "per-token" if what == "per-sample" else "per-sample"
+            notes.append(f"the negative {what} term gives no memory back: it corrects the {other} term, which alone "
+                         f"would over-cover what each sample adds within the calibrated lengths; a sample adds "
+                         f"{self._per_sample(shortest)} at seq_len {shortest} and {self._per_sample(longest)} at "
+                         f"{longest} (the model is not used outside {shortest}-{longest})" + noise)
+        return "; ".join(notes) or None
+
+    def _per_sample(self, seq_len: int) -> str:
+        """What one more sample adds at ``seq_len`` (bytes_per_token × seq_len + bytes_per_sample), for people."""
+        return format_bytes(self.bytes_per_token * seq_len + self.bytes_per_sample)
+
     def describe(self) -> str:
         return (f"{self.formula()}  (r² = {self.r_squared:.4f}, n = {self.n_points} over "
                 f"{len(set(self.seq_lens))} seq_len values, s = {format_bytes(self.residual_stderr_bytes)})")

@@ -33,7 +33,8 @@ class LimitSettings:
     """The user's knobs: ``--reserve`` bytes, ``--margin`` fraction, ``--conservative`` fraction.
 
     Raises (on construction):
-        ValueError: a margin or fraction outside its range, or a negative reserve.
+        ValueError: a margin or fraction outside its range, or a negative reserve. TypeError: a reserve that is no
+            whole number of bytes, a margin or fraction that is no number.
     """
 
     reserve_bytes: int = DEFAULT_RESERVE_BYTES
@@ -41,12 +42,19 @@ class LimitSettings:
     conservative_fraction: float = DEFAULT_CONSERVATIVE_FRACTION
 
     def __post_init__(self) -> None:
+        if isinstance(self.reserve_bytes, bool) or not isinstance(self.reserve_bytes, int):
+            raise TypeError(f"reserve_bytes= takes a whole number of bytes, not {type(self.reserve_bytes).__name__} "
+                            f"{self.reserve_bytes!r:.40}")
+        for name in ("margin", "conservative_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"{name}= takes a fraction, not {type(value).__name__} {value!r:.40}")
         if self.reserve_bytes < 0:
-            raise ValueError(f"reserve must be >= 0 bytes, got {self.reserve_bytes}")
+            raise ValueError(f"reserve_bytes must be >= 0, got {self.reserve_bytes}")
         if not 0 <= self.margin < 1:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
         if not 0 < self.conservative_fraction <= 1:
-            raise ValueError(f"conservative fraction must be in (0, 1], got {self.conservative_fraction}")
+            raise ValueError(f"conservative_fraction must be in (0, 1], got {self.conservative_fraction}")
 
     def usable_bytes(self, total_bytes: int) -> int:
         """``total_bytes - reserve_bytes - margin * total_bytes`` (may be <= 0 for tiny devices)."""

@@ -44,6 +44,8 @@ def summary(profile) -> str:
         surface = profile.surface
         lines.append(f"over seq_len: {surface.fit.formula()}   (r² = {surface.fit.r_squared:.4f}, "
                      f"{surface.fit.n_points} points; the lines above are seq_len {surface.reference_seq_len})")
+        if surface.fit.negative_terms():
+            lines.append(f"  ({surface.fit.negative_terms()})")
         lines += [f"  seq_len {e.seq_len:>6}  safe {e.safe_batch_size:<7} conservative {e.conservative_batch_size:<7} "
                   f"({'verified' if e.verified else 'NOT verified'})" for e in surface.lengths]
     lines.extend(f"warning: {w}" for w in profile.warnings)

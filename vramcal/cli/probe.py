@@ -35,6 +35,7 @@ from vramcal.cli.options import (
     strict_option,
     world_options,
 )
+from vramcal.lookup import suggested_capacity
 from vramcal.models import registry
 from vramcal.models.registry import describe
 from vramcal.models.regressor.spec import RegressorSpec
@@ -273,7 +274,7 @@ def stdout_to_stderr(active: bool) -> Iterator[None]:
 
 def host_hint(device, capacity: int | None) -> list[str]:
     if device.kind == "host" and capacity is None:
-        example = size_argument(min(4 * 2**30, device.total_bytes // 2 // 2**28 * 2**28 or 2**28))
+        example = size_argument(suggested_capacity(device.total_bytes))
         return [f"calibrating all of the host's {device.total_source} ({format_bytes(device.total_bytes)}); "
                 f"pass --capacity, e.g. {example}, to budget less"]
     return []

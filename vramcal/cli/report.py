@@ -128,6 +128,7 @@ def _print_answer(found, trial, as_json: bool) -> None:
                                             "fits": trial.fits(found.usable_bytes)}
         click.echo(json.dumps({**dataclasses.asdict(found), "verification": check}, indent=2, sort_keys=True))
         return
+    click.echo(found.sentence)
     click.echo(f"seq_len {found.seq_len}: safe batch_size {found.safe_batch_size}, conservative "
                f"{found.conservative_batch_size} ({found.basis})")
     click.echo(f"at batch_size {found.batch_size}: predicted peak {format_bytes(found.predicted_peak_bytes)}, upper "

@@ -23,6 +23,7 @@ from vramcal.cli.probe import (
 )
 from vramcal.records import TrialSettings
 from vramcal.sizing import LIMITS
+from vramcal.words import labelled
 
 
 @click.command("size")
@@ -53,7 +54,7 @@ def size_command(ctx: click.Context, gpu, capacity, implementation, model: Model
                                 options=data, profiles_dir=profiles_dir, settings=settings, trials=trials, limit=limit)
     s = answered.sizing
     for notice in s.notices:  # the gate's (memory taken since the calibration), clamping, an unverified profile
-        click.echo(f"vramcal: {notice}", err=True)
+        click.echo(f"vramcal: {labelled(notice)}", err=True)
     click.echo(f"vramcal: batch_size {s.batch_size} ({s.label}; safe {s.safe_batch_size}, conservative "
                f"{s.conservative_batch_size}) {answered.reason}", err=True)
     if as_json:

@@ -32,6 +32,7 @@ from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.train import checkpoint, distributed
 from vramcal.train.config import RESUME_OVERRIDES, ConfigError, TrainConfig, load_config
 from vramcal.units import format_bytes
+from vramcal.words import labelled
 
 TORCHRUN_OPTIONS = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "master_addr",
                     "master_port", "max_restarts", "monitor_interval")
@@ -315,7 +316,7 @@ def announce(plan) -> None:
 
     config, stats = plan.config, plan.data_stats
     for notice in plan.notices:
-        click.echo(f"warning: {notice}" if notice.startswith(("--batch-size", "the ")) else notice, err=True)
+        click.echo(labelled(notice), err=True)  # information as it is, warnings marked (vramcal.words)
     verb = "resuming" if plan.resume else "training"
     click.echo(f"{verb}: {config.spec.short()} [{plan.implementation}] on {plan.device.name}", err=True)
     click.echo(f"batch_size {plan.batch_size}{batch_origin(plan)}, lr {plan.lr:.3g} ({config.lr_scaling} scaling "

@@ -21,6 +21,7 @@ from vramcal.cli.train import make_config
 from vramcal.train.config import TrainConfig
 from vramcal.tune import storage as storages
 from vramcal.tune.storage import STUDY_DB
+from vramcal.words import labelled
 
 # Settings of the base config that a tune searches (the config's own values are replaced per trial).
 _SEARCHED = ("lr", "batch_size", "weight_decay", "max_grad_norm")
@@ -143,7 +144,7 @@ def open_tune(settings, run_dir: Path, resume: bool, url, in_run_dir: bool, stud
              f"its saved settings" + (f"; ignoring {', '.join(ignored)}" if ignored else ""))
         space = tune.search_space(settings, capacity)
     for notice in space.notices:
-        echo(notice if notice.startswith("host budget") else f"warning: {notice}")
+        echo(labelled(notice))
     for line in data_notices(space.lengths[0][1].data_stats):
         echo(line)
     return study, settings, space

@@ -31,38 +31,50 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vramcal.integrations.run import FrameworkRun
+from vramcal.arguments import of_type, shown
+from vramcal.integrations.run import FrameworkRun, asked_request, check_find
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
 from vramcal.records import World
-from vramcal.sizing import SizeRequest
 
 
 def sized(accelerator: Any, profile: Profile | str | Path | None = None, *, model: str | None = None,
           params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
-          **asked: Any) -> FrameworkRun:
+          capacity_bytes: int | str | None = None, **asked: Any) -> FrameworkRun:
     """The run of this ``accelerate.Accelerator``'s process, sized with its process term (module docstring);
     call it after ``accelerator.prepare(model, optimizer)`` and before building the DataLoader.
 
     Args:
-        profile, model, params, profiles_dir: as :class:`~vramcal.integrations.run.FrameworkRun`.
+        profile, model, params, profiles_dir, capacity_bytes: as :class:`~vramcal.integrations.run.FrameworkRun`.
         asked: what the run asks of the profile, the fields of :class:`~vramcal.sizing.SizeRequest` (``limit``,
             ``batch_size_min``, ``request``, ``effective_batch_size``: samples per optimizer step of this process
             to keep, the batch size then the micro-batch and ``accelerator.gradient_accumulation_steps`` what
             reaches it, ...).
 
     Raises:
-        SizingError, TypeError, ValueError: as :class:`~vramcal.integrations.run.FrameworkRun` and
-            :class:`~vramcal.sizing.SizeRequest`.
+        TypeError: ``accelerator`` no Accelerator. SizingError, TypeError, ValueError: as
+            :class:`~vramcal.integrations.run.FrameworkRun` and :class:`~vramcal.sizing.SizeRequest` (an unknown
+            asked value refused with the known ones listed).
     """
+    _accelerator(accelerator)
+    find = check_find("sized", profile, model, params, profiles_dir, capacity_bytes)
+    ask = asked_request("sized", asked)
     world = None
     if accelerator.num_processes > 1:
         world = World(accelerator.num_processes, "nccl" if accelerator.device.type == "cuda" else "gloo")
-    run = FrameworkRun(profile, model=model, params=params, profiles_dir=profiles_dir, device=accelerator.device,
-                       ask=SizeRequest(**asked), world=world, framework="accelerate")
+    run = FrameworkRun(**find, device=accelerator.device, ask=ask, world=world, framework="accelerate")
     sizing = run.start()
     if sizing.accumulation_steps > 1:
         accelerator.gradient_accumulation_steps = sizing.accumulation_steps
     return run
+
+
+def _accelerator(accelerator: Any) -> None:
+    """Raises: TypeError: ``accelerator`` is no ``accelerate.Accelerator`` (what this module reads of one)."""
+    if not all(hasattr(accelerator, name) for name in ("num_processes", "device", "is_main_process")):
+        reset = (" (one whose state was reset, as building TrainingArguments after it does: create the Accelerator "
+                 "again)" if type(accelerator).__name__ == "Accelerator" else "")
+        raise TypeError(f"accelerator= takes the accelerate.Accelerator this process prepared, not "
+                        f"{shown(accelerator)}{reset}")
 
 
 @dataclass
@@ -73,10 +85,22 @@ class Steps:
     report: str | None = None
 
 
-@contextlib.contextmanager
-def measured(run: FrameworkRun, accelerator: Any, run_dir: str = "") -> Iterator[Steps]:
+def measured(run: FrameworkRun, accelerator: Any, run_dir: str = "") -> contextlib.AbstractContextManager[Steps]:
     """Measure the training loop inside: at the end, this process's peak against the prediction (printed by
-    the main process, one line, and warnings) and the observation appended to the profile."""
+    the main process, one line, and warnings) and the observation appended to the profile.
+
+    Raises:
+        TypeError: ``run`` no FrameworkRun (from :func:`sized`), ``accelerator`` no Accelerator, ``run_dir`` no
+            str; when called, before the loop.
+    """
+    of_type("run", run, FrameworkRun, "the FrameworkRun that sized() returned")
+    _accelerator(accelerator)
+    of_type("run_dir", run_dir, str, "the run's folder as a str")
+    return _measured(run, accelerator, run_dir)
+
+
+@contextlib.contextmanager
+def _measured(run: FrameworkRun, accelerator: Any, run_dir: str) -> Iterator[Steps]:
     steps = Steps()
     try:
         yield steps

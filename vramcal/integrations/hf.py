@@ -31,17 +31,18 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from vramcal.integrations.run import FrameworkRun
+from vramcal.arguments import shown
+from vramcal.integrations.run import FrameworkRun, asked_request, check_find
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
 from vramcal.records import World
-from vramcal.sizing import SizeRequest, SizingError
+from vramcal.sizing import SizingError, check_counts
 
 
 class VramcalCallback(TrainerCallback):
     """Size a ``transformers.Trainer`` run from a vramcal profile and check its peak (module docstring).
 
     Args:
-        profile, model, params, profiles_dir: as :class:`vramcal.integrations.run.FrameworkRun`.
+        profile, model, params, profiles_dir, capacity_bytes: as :class:`vramcal.integrations.run.FrameworkRun`.
         asked: what the run asks of the profile, the fields of :class:`~vramcal.sizing.SizeRequest` (``limit``,
             ``batch_size_min``, ``request``: a per-device batch size to use instead, ...); the effective batch
             is :meth:`sized`'s.
@@ -50,14 +51,16 @@ class VramcalCallback(TrainerCallback):
     (the line printed at the end).
 
     Raises:
-        SizingError, TypeError: an asked value out of range or of the wrong type, or an unknown one.
+        SizingError, TypeError, ValueError: an argument out of range or of the wrong type
+            (:func:`~vramcal.integrations.run.check_find`), an asked value out of range, of the wrong type or
+            unknown; neither ``profile`` nor ``model``. Each one line naming the argument.
     """
 
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
                  params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
-                 **asked: Any) -> None:
-        self.ask = SizeRequest(**asked)
-        self._find = {"profile": profile, "model": model, "params": params, "profiles_dir": profiles_dir}
+                 capacity_bytes: int | str | None = None, **asked: Any) -> None:
+        self._find = check_find("VramcalCallback", profile, model, params, profiles_dir, capacity_bytes)
+        self.ask = asked_request("VramcalCallback", asked)
         self.run: FrameworkRun | None = None
         self.report: str | None = None
 
@@ -66,9 +69,13 @@ class VramcalCallback(TrainerCallback):
         from the profile; ``effective_batch_size`` is the whole world's samples per optimizer step, kept exactly.
 
         Raises:
-            SizingError: no profile, or no batch size within the bounds; an effective batch the ranks cannot
-                share equally.
+            TypeError: ``args`` no TrainingArguments, an ``effective_batch_size`` that is no whole number.
+            SizingError: no profile, or no batch size within the bounds; an effective batch below 1, or one the
+                ranks cannot share equally.
         """
+        if not (dataclasses.is_dataclass(args) and hasattr(args, "per_device_train_batch_size")):
+            raise TypeError(f"args= takes the Trainer's transformers.TrainingArguments, not {shown(args)}")
+        check_counts(effective_batch_size=effective_batch_size)
         world = _world(args)
         ask = self.ask.replace(exact=True)
         if effective_batch_size is not None:

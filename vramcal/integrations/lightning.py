@@ -41,10 +41,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from vramcal.integrations.run import FrameworkRun
+from vramcal.arguments import name_text
+from vramcal.integrations.run import FrameworkRun, asked_request, check_find
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
 from vramcal.records import World
-from vramcal.sizing import GradientsHeld, SizeRequest, Sizing, SizingError
+from vramcal.sizing import GradientsHeld, Sizing
 from vramcal.units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -61,6 +62,8 @@ class VramcalBatchSize(Callback):
             arguments), to find the profile or check the given file against; ``params["seq_len"]`` is the
             run's length, which a profile calibrated over several lengths needs.
         profiles_dir: where to look when ``profile`` is None.
+        capacity_bytes: the budget the profile to find was calibrated at (as
+            :class:`~vramcal.integrations.run.FrameworkRun`).
         attr: the attribute the dataloaders read (``batch_size``).
         asked: what the run asks of the profile, the fields of :class:`~vramcal.sizing.SizeRequest`:
             ``limit`` (``conservative``, the default, or ``safe``), ``batch_size_min``, ``request`` (a batch
@@ -73,21 +76,20 @@ class VramcalBatchSize(Callback):
     and ``report`` (the line printed).
 
     Raises:
-        SizingError: an asked value out of range (at construction); neither ``profile`` nor ``model``, no
-            matching profile, a profile from another device, model or world, or no batch size within the
-            bounds (each one line). TypeError: an asked value of the wrong type, or an unknown one. ValueError:
-            the module has no ``attr``; the run's device is neither a CUDA GPU nor the CPU.
+        At construction: TypeError, ValueError, SizingError: an argument of the wrong type or value
+            (:func:`~vramcal.integrations.run.check_find`, :class:`~vramcal.sizing.SizeRequest`, ``attr`` no
+            attribute name), an unknown asked value, neither ``profile`` nor ``model``. At ``setup``: SizingError:
+            no matching profile, a profile from another device, model or world, or no batch size within the
+            bounds; ValueError: the module has no ``attr``; the run's device is neither a CUDA GPU nor the CPU.
+            Each one line.
     """
 
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
                  params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
-                 attr: str = "batch_size", **asked: Any) -> None:
-        if profile is None and model is None:
-            raise SizingError("VramcalBatchSize needs profile=<a profile file or Profile>, or model=<what was "
-                              "calibrated> to find one under profiles_dir")
-        self.ask = SizeRequest(**asked)
-        self._find = {"profile": profile, "model": model, "params": params, "profiles_dir": profiles_dir}
-        self.attr = attr
+                 capacity_bytes: int | str | None = None, attr: str = "batch_size", **asked: Any) -> None:
+        self._find = check_find("VramcalBatchSize", profile, model, params, profiles_dir, capacity_bytes)
+        self.ask = asked_request("VramcalBatchSize", asked)
+        self.attr = name_text("attr", attr, "the name of the attribute the dataloaders read, such as 'batch_size'")
         self.run: FrameworkRun | None = None
         self.sizing: Sizing | None = None
         self.profile_source: str | None = None
@@ -103,8 +105,9 @@ class VramcalBatchSize(Callback):
                              f"in hparams): add it, or pass attr=<the name your dataloaders read>")
         ask = self.ask.replace(gradients=_gradients_held(pl_module)) if self.ask.gradients is None else self.ask
         self.run = FrameworkRun(**self._find, device=trainer.strategy.root_device, ask=ask, world=_world(trainer),
-                                framework="lightning", warn=lambda line: rank_zero_warn(line))
-        self.profile_source = self.run.source
+                                framework="lightning", warn=lambda line: rank_zero_warn(line),
+                                inform=lambda line: rank_zero_info(line))
+        self.profile_source, self.sizing = self.run.source, None  # a new fit says its size again
         self._apply(trainer, pl_module, self.run.sizing)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -112,14 +115,17 @@ class VramcalBatchSize(Callback):
             self._apply(trainer, pl_module, self.run.start())
 
     def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, sizing: Sizing) -> None:
-        """Set the (agreed, under DDP) batch size and the accumulation, and say so on rank 0."""
+        """Set the (agreed, under DDP) batch size and the accumulation, and say so on rank 0: once when it is first
+        decided (``setup``) and again only when fit start changed it."""
         own, batch = sizing.batch_size, _agreed(trainer, sizing.batch_size)
         if batch != own:
             sizing = self.run.resize(batch)
         lightning_setattr(pl_module, self.attr, batch)
         if sizing.accumulation_steps > 1:
             trainer.accumulate_grad_batches = sizing.accumulation_steps
-        self.sizing = sizing
+        said, self.sizing = self.sizing, sizing
+        if said is not None and (said.batch_size, said.accumulation_steps) == (batch, sizing.accumulation_steps):
+            return  # said at setup: fit start kept the size (the prediction's process term is in the report)
         s, agreed = sizing, "" if batch == own else f", the smallest of the ranks' sizes; this rank's was {own}"
         rank_zero_info(f"vramcal: {self.attr} = {batch} ({s.label}{agreed}; safe {s.safe_batch_size}, conservative "
                        f"{s.conservative_batch_size}) from {self.profile_source}: predicted peak "

@@ -19,6 +19,9 @@ file. Messages speak in the caller's words: the arguments of the integration it 
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import re
 import sys
 import warnings
 from collections.abc import Callable
@@ -26,18 +29,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vramcal import __version__
-from vramcal.api import select_devices
+from vramcal.api import capacity_argument, select_devices
+from vramcal.arguments import callback, flag, mapping, of_type, path_like
 from vramcal.environment import HOST_MALLOC, set_host_malloc
 from vramcal.lookup import locate_profile
-from vramcal.measure.device import free_bytes
+from vramcal.measure.device import DeviceError, free_bytes
 from vramcal.measure.meters import attach_meter
+from vramcal.measure.nvml import NvmlError
 from vramcal.profile import DEFAULT_PROFILES_DIR, Observation, Profile, ProfileError, append_observation, utc_now
-from vramcal.sizing import SizeRequest, Sizing, compare, size
+from vramcal.records import World
+from vramcal.sizing import SizeRequest, Sizing, SizingError, check_counts, compare, size
+from vramcal.words import is_info
+from vramcal.workload import ModelRef
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from vramcal.records import Device, World
+    from vramcal.records import Device
 
 Warn = Callable[[str], None]
 
@@ -46,12 +54,19 @@ def _warn(line: str) -> None:
     warnings.warn(line, stacklevel=3)
 
 
+def _inform(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 class FrameworkRun:
     """A training run of a framework's process, sized by a profile (module docstring).
 
     Args:
         profile: a :class:`~vramcal.profile.Profile`, a profile file, or None to find the newest matching one
             for ``model`` on this run's device under ``profiles_dir`` (:func:`vramcal.lookup.locate_profile`).
+        capacity_bytes: the budget the profile to find was calibrated at (bytes, or ``"1.5GiB"`` as
+            :func:`vramcal.calibrate` takes it); None: the matching files must share one budget, else the run
+            is refused with each file and its budget listed.
         model, params: what was calibrated (``regressor``, ``lm`` or ``module:function`` and its arguments), to
             find the profile or check the given one; ``params["seq_len"]`` is the run's length unless ``ask``
             gives one.
@@ -64,27 +79,39 @@ class FrameworkRun:
         host_malloc: on the host, :meth:`start` gives this process the trials' glibc malloc settings
             (:func:`vramcal.environment.set_host_malloc`: with glibc's defaults the same step can hold a third
             more), and says so; False keeps glibc's defaults.
-        warn: how notices reach people (default :func:`warnings.warn`): the lookup's and the sizing's.
+        warn: how warnings reach people (default :func:`warnings.warn`): the lookup's and the sizing's.
+        inform: how information reaches people (default: a line on stderr): the sizing's notices marked
+            :class:`~vramcal.words.Info` (the process term, the gradient term), the malloc settings given.
 
     Attributes:
         sizing: the batch size and its prediction (after :meth:`start`, with the process term).
         profile, source: the profile and where it came from. held_bytes: what the process held at start.
 
-    Raises:
-        ValueError: a device that is neither a CUDA GPU nor the CPU.
-        SizingError: neither ``profile`` nor ``model``, no matching profile, a profile from another device,
-            model or world, or no batch size within the bounds (each one line).
+    Raises (each one line naming the argument, before anything is looked up):
+        TypeError: an argument of the wrong type (:func:`check_find`, ``ask`` no SizeRequest, ``world`` no World,
+            ``device`` neither a str nor a torch.device, ``warn``/``inform`` not callable).
+        ValueError: a device that is no torch device, neither a CUDA GPU nor the CPU (DeviceError: a GPU this
+            machine cannot use); a ``capacity_bytes`` that is no size.
+        SizingError: neither ``profile`` nor ``model``, no matching profile (or several at different budgets
+            and no ``capacity_bytes``), a profile from another device, model or world, or no batch size within the
+            bounds.
     """
 
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
                  params: dict[str, Any] | None = None, device: torch.device | str = "cpu",
-                 profiles_dir: str | Path = DEFAULT_PROFILES_DIR, ask: SizeRequest = SizeRequest(),
+                 profiles_dir: str | Path = DEFAULT_PROFILES_DIR, capacity_bytes: int | str | None = None,
+                 ask: SizeRequest = SizeRequest(),
                  world: World | None = None, framework: str = "plain", host_malloc: bool = True,
-                 warn: Warn = _warn) -> None:
-        self.device, self.world, self.framework, self.warn = vramcal_device(device), world, framework, warn
-        self.host_malloc = host_malloc
-        located = locate_profile(model, params, device=self.device, profile=profile, profiles_dir=profiles_dir,
-                                 world=world)
+                 warn: Warn = _warn, inform: Warn = _inform) -> None:
+        find = check_find("FrameworkRun", profile, model, params, profiles_dir, capacity_bytes)
+        of_type("ask", ask, SizeRequest, "what the run asks as a vramcal.SizeRequest (SizeRequest(request=64))")
+        of_type("world", world, World, "the DDP world as a vramcal.records.World, or None", none=True)
+        self.framework, self.host_malloc = of_type("framework", framework, str, "a name"), flag("host_malloc",
+                                                                                                host_malloc)
+        self.warn, self.inform = callback("warn", warn, none=False), callback("inform", inform, none=False)
+        self.device, self.world = vramcal_device(device), world
+        located = locate_profile(find["model"], params, device=self.device, profile=profile,
+                                 profiles_dir=profiles_dir, world=world, total_bytes=find["capacity_bytes"])
         for notice in located.notices:
             warn(f"vramcal: {notice}")
         self.profile, self.source, self.path = located.profile, located.source, located.path
@@ -102,11 +129,11 @@ class FrameworkRun:
         process term and the gate (what the device has free now, :func:`vramcal.measure.device.free_bytes`,
         plus what this process holds: memory other processes took since the calibration lowers the limits),
         clamping the batch size when it no longer fits, and start measuring the peak. Returns the new sizing
-        (its notices given to ``warn``)."""
+        (its information given to ``inform``, its warnings to ``warn``)."""
 
         done = set_host_malloc() if self.device.kind == "host" and self.host_malloc else None
         if done:
-            self.warn(f"vramcal: this process's glibc malloc now runs as the trials' did ({done}: mallopt), for "
+            self.inform(f"vramcal: this process's glibc malloc now runs as the trials' did ({done}: mallopt), for "
                       f"their host figures to hold here; export GLIBC_TUNABLES={HOST_MALLOC} before Python starts to "
                       f"have it from the first allocation")
         self._meter = attach_meter(self.device, warn=self.warn)
@@ -118,7 +145,7 @@ class FrameworkRun:
         before = self.sizing.batch_size
         self.sizing = size(self.profile, self.ask, process_bytes=self.held_bytes, **self._free)
         for notice in self.sizing.notices:
-            self.warn(f"vramcal: {notice}")
+            (self.inform if is_info(notice) else self.warn)(f"vramcal: {notice}")
         if self.sizing.batch_size < before:
             self.warn(f"vramcal: batch_size {before} -> {self.sizing.batch_size}: with what this process holds and "
                       f"what the device has free now it no longer fits the profile's limits")
@@ -127,8 +154,12 @@ class FrameworkRun:
 
     def resize(self, batch_size: int) -> Sizing:
         """The sizing at ``batch_size`` (clamped to the bounds), the process term and the gate kept: the batch a
-        framework
-        settles on (the smallest over DDP ranks)."""
+        framework settles on (the smallest over DDP ranks).
+
+        Raises:
+            TypeError: no whole number. SizingError: below 1.
+        """
+        check_counts(answer_batch_size=batch_size)
         self.sizing = size(self.profile, self.ask.replace(request=batch_size), process_bytes=self.held_bytes,
                            **self._free)
         return self.sizing
@@ -138,8 +169,11 @@ class FrameworkRun:
         observation appended to the profile file (a failure to write it is a warning).
 
         Raises:
-            RuntimeError: :meth:`start` was not called.
+            RuntimeError: :meth:`start` was not called. TypeError, SizingError: ``steps`` no whole number >= 0,
+                ``run_dir`` no str.
         """
+        _steps(steps)
+        of_type("run_dir", run_dir, str, "the run's folder as a str")
         if self._meter is None:
             raise RuntimeError("FrameworkRun.finish() before start(): call start() when training starts")
         self.peak_bytes = self._meter.read()
@@ -152,7 +186,12 @@ class FrameworkRun:
 
     def conclude(self, steps: int = 0, run_dir: str = "", main_process: bool = True) -> str:
         """:meth:`finish`, said: its line printed to stderr by the main process, its warnings through ``warn``
-        (every process); returns the line."""
+        (every process); returns the line.
+
+        Raises:
+            as :meth:`finish`; TypeError: ``main_process`` not True or False.
+        """
+        flag("main_process", main_process)
         report, warned = self.finish(steps=steps, run_dir=run_dir)
         if main_process:
             print(report, file=sys.stderr, flush=True)
@@ -182,17 +221,75 @@ class FrameworkRun:
             self.warn(f"vramcal: could not record this run in {self.path} ({error})")
 
 
-def vramcal_device(device: torch.device | str) -> Device:
-    """The vramcal device of a torch device: a CUDA GPU by its index among the visible ones, or the host.
+def _steps(steps: Any) -> None:
+    """Raises: TypeError: ``steps`` no whole number. ValueError: below 0."""
+    of_type("steps", steps, int, "the optimizer steps done, a whole number >= 0")
+    if steps < 0:
+        raise ValueError(f"steps={steps} is below 0: give the optimizer steps done")
+
+
+def asked_request(who: str, asked: dict[str, Any]) -> SizeRequest:
+    """What an integration (``who``) was asked beyond finding the profile, as the run's
+    :class:`~vramcal.sizing.SizeRequest` (checked when made).
 
     Raises:
-        ValueError: another kind of device (MPS, TPU, ...).
+        TypeError: a name that is no field of SizeRequest (the fields listed), or a value of the wrong type.
+            SizingError: a value out of range.
+    """
+    fields = [f.name for f in dataclasses.fields(SizeRequest)]
+    unknown = sorted(set(asked) - set(fields))
+    if unknown:
+        raise TypeError(f"{who}() has no argument {unknown[0]}=: beside the profile's (profile, model, params, "
+                        f"profiles_dir, capacity_bytes) it takes what a run asks: {', '.join(fields)}")
+    return SizeRequest(**asked)
+
+
+def check_find(who: str, profile: Any, model: Any, params: Any, profiles_dir: Any,
+               capacity_bytes: Any) -> dict[str, Any]:
+    """What an integration (``who``) is given to find its profile, checked where it is given (its constructor):
+    the arguments, with ``capacity_bytes`` as bytes (:func:`vramcal.api.capacity_argument`).
+
+    Raises:
+        TypeError: ``profile`` neither a Profile, a path nor None; ``model`` neither a name nor a ModelRef;
+            ``params`` no dict; ``profiles_dir`` no path; ``capacity_bytes`` neither bytes nor a size.
+        ValueError: a ``capacity_bytes`` that is no size. SizingError: neither ``profile`` nor ``model``.
+    """
+    of_type("profile", profile, (Profile, str, os.PathLike), "a vramcal.Profile, a profile file's path or None",
+            none=True)
+    of_type("model", model, (str, ModelRef), "'regressor', 'lm', 'module:function' or a vramcal.ModelRef",
+            none=True)
+    mapping("params", params, "the model's arguments as a dict ({'seq_len': 256})")
+    path_like("profiles_dir", profiles_dir)
+    if profile is None and model is None:
+        raise SizingError(f"{who} needs profile=<a profile file or Profile>, or model=<what was calibrated> to find "
+                          f"one under profiles_dir")
+    return {"profile": profile, "model": model, "params": params, "profiles_dir": profiles_dir,
+            "capacity_bytes": capacity_argument(capacity_bytes)}
+
+
+def vramcal_device(device: torch.device | str) -> Device:
+    """The vramcal device of a torch device (``device=``): a CUDA GPU by its index among the visible ones, or the
+    host.
+
+    Raises:
+        TypeError: neither a ``str`` nor a ``torch.device``. ValueError: no torch device (``'bogus'``), or another
+            kind than CUDA and the CPU (MPS, TPU, ...). DeviceError: a CUDA device this machine cannot use.
     """
     import torch
 
-    device = torch.device(device)
+    of_type("device", device, (str, torch.device), "the torch device this process trains on ('cpu', 'cuda', "
+                                                   "'cuda:N' or a torch.device)")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device={device!r} is no torch device: give 'cpu', 'cuda' or 'cuda:N'") from None
     if device.type == "cuda":
-        return select_devices(str(device.index or 0))[0][0]
+        try:
+            return select_devices(str(device.index or 0))[0][0]
+        except (DeviceError, NvmlError) as error:
+            why = re.sub(r"^gpu=\S+: ", "", str(error).split("; use ")[0])
+            raise DeviceError(f"device={str(device)!r} names a GPU this machine cannot use ({why}): train on "
+                              f"device='cpu' with the host's profile, or on a GPU that is visible here") from None
     if device.type == "cpu":
         return select_devices("none")[0][0]
     raise ValueError(f"vramcal's profiles are for NVIDIA GPUs and the host CPU; this run trains on {device.type}")

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from vramcal.measure.nvml import NvmlError, gpu_record, load_nvml, memory_figures, nvml_handle, nvml_query, visible_gpus
 from vramcal.records import Device
 from vramcal.units import format_bytes
-from vramcal.words import given, word
+from vramcal.words import Info, given, word
 
 
 class DeviceError(ValueError):
@@ -137,12 +137,19 @@ def _cpu_name(proc: str) -> str:
 GPU_CHOICES = "auto, none (the host), all, a CUDA index such as 0, or a GPU-/MIG- UUID"
 
 
-def check_choice(gpu: str) -> str:
-    """``gpu`` stripped, if it is a ``--gpu`` choice in form (:func:`select`'s ``gpu``), checked before NVML is
-    asked anything, so that a misspelt choice on a machine without a driver is named as such.
+def check_choice(gpu: str | int) -> str:
+    """``gpu`` stripped, if it is a ``--gpu`` choice in form (:func:`select`'s ``gpu``; a CUDA index may be an
+    ``int``), checked before NVML is asked anything, so that a misspelt choice on a machine without a driver is
+    named as such.
 
     Raises:
-        DeviceError: any other value; ``cpu`` and ``host`` are told to use ``none``."""
+        DeviceError: any other value; ``cpu`` and ``host`` are told to use ``none``. TypeError: neither a ``str``
+            nor a whole number (``0.5``)."""
+    if isinstance(gpu, int) and not isinstance(gpu, bool):
+        gpu = str(gpu)
+    if not isinstance(gpu, str):
+        raise TypeError(f"{word('gpu')} takes {GPU_CHOICES} (a str, or a CUDA index as an int), not "
+                        f"{type(gpu).__name__} {gpu!r:.40}")
     choice = gpu.strip()
     if choice in ("auto", "none", "all") or choice.isdigit() or choice.startswith(("GPU-", "MIG-")):
         return choice
@@ -236,7 +243,7 @@ def _by_uuid(nvml: types.ModuleType, choice: str, gpus: list[Device], environ: M
 
 
 def _host_notice(reason: str, capacity_bytes: int | None) -> str:
-    return f"{reason}: using the host's memory instead"
+    return Info(f"{reason}: using the host's memory instead")
 
 
 def _narrow(device: Device, capacity_bytes: int) -> Device:

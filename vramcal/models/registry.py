@@ -23,17 +23,16 @@ import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from vramcal.arguments import of_type
 from vramcal.models import lm
 from vramcal.models.mamba2 import check_dtype, resolve_implementation
 from vramcal.models.regressor.spec import FACTORY as REGRESSOR_FACTORY
 from vramcal.models.regressor.spec import RegressorSpec
+from vramcal.records import Device
 from vramcal.words import given, word
 from vramcal.workload import ModelRef, WorkloadError, accepts, load_factory
-
-if TYPE_CHECKING:  # pragma: no cover
-    from vramcal.records import Device
 
 # The usual Mamba-2 arguments first in titles, in this order; the rest alphabetically.
 _ORDER = ("config", "d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len", "dtype")
@@ -226,11 +225,15 @@ def model_ref(model: str | ModelRef, params: dict[str, Any] | None = None, *, de
 
     Raises:
         ValueError: an impossible spec or config, a dtype the device cannot run, an implementation that
-            cannot run here. WorkloadError: a user factory that cannot be imported. TypeError: ``params`` that is
-            no mapping of argument names.
+            cannot run here. WorkloadError: a user factory that cannot be imported. TypeError: ``model`` neither a
+            name nor a ModelRef, ``implementation`` no str, ``params`` that is no mapping of argument names, or an
+            argument of the wrong type (``{'d_model': 'x'}``).
     """
+    of_type("device", device, Device, "a vramcal.records.Device (vramcal.select_devices(gpu)[0][0])")
     if isinstance(model, ModelRef):
         return model
+    of_type("model", model, str, "'regressor', 'lm', 'module:function' or a vramcal.ModelRef")
+    of_type("implementation", implementation, str, "'auto', 'transformers' or 'mamba_ssm'")
     return family(model).check(arguments(params), device, implementation)
 
 

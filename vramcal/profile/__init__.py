@@ -43,7 +43,8 @@ from vramcal.records import Device, World
 from vramcal.workload import ModelRef
 
 __all__ = ["DEFAULT_PROFILES_DIR", "SCHEMA_VERSION", "Observation", "Profile", "ProfileError", "Verification",
-           "append_observation", "check_profile_matches", "load_profile", "newest_profile", "profile_name",
+           "append_observation", "check_profile_matches", "load_profile", "matching_profiles", "newest_profile",
+           "profile_name",
            "profile_path", "save_profile", "utc_now", "world_difference"]
 
 
@@ -76,7 +77,8 @@ def profile_path(profiles_dir: Path | str, device: Device, model: ModelRef, impl
 
 
 def save_profile(profile: Profile, path: Path | str) -> Path:
-    """Write ``profile`` as JSON (sorted keys, 2-space indent) atomically; returns the path.
+    """Write ``profile`` as JSON (sorted keys, 2-space indent) atomically; returns the path (``profile.path`` is
+    left as it was: the written profile is ``dataclasses.replace(profile, path=...)``).
 
     Raises:
         OSError: the folder cannot be written; the previous file is then untouched.
@@ -86,7 +88,7 @@ def save_profile(profile: Profile, path: Path | str) -> Path:
 
 
 def load_profile(path: Path | str) -> Profile:
-    """Read and check a profile file (:func:`vramcal.profile.checks.read_profile`).
+    """Read and check a profile file (:func:`vramcal.profile.checks.read_profile`); the profile's ``path`` is it.
 
     Raises:
         ProfileError: missing, a folder or no regular file, unreadable, empty, not JSON, nested too deeply,
@@ -101,7 +103,7 @@ def load_profile(path: Path | str) -> Profile:
         text = _read_text(path)
         if not text.strip():
             raise ProfileError(f"profile {path} is empty: it is no profile (a write was cut short?); {replace}")
-        return read_profile(json.loads(text))
+        return dataclasses.replace(read_profile(json.loads(text)), path=path)
     except json.JSONDecodeError as error:
         raise ProfileError(f"profile {path} is not valid JSON (line {error.lineno}): it is corrupt or "
                            f"truncated; {replace}") from None
@@ -135,13 +137,20 @@ def _read_text(path: Path) -> str:
 
 def newest_profile(profiles_dir: Path | str, device: Device, model: ModelRef, world: World | None = None,
                    total_bytes: int | None = None) -> tuple[Path | None, list[str]]:
-    """The newest readable profile under ``profiles_dir`` for this device's hardware, this model and this DDP
-    ``world`` (None: one process), and, when ``total_bytes`` is given, this budget.
+    """The newest of :func:`matching_profiles` (None when there is none), and its lines for the files skipped."""
+    found, skipped = matching_profiles(profiles_dir, device, model, world, total_bytes)
+    return (found[-1].path if found else None), skipped
+
+
+def matching_profiles(profiles_dir: Path | str, device: Device, model: ModelRef, world: World | None = None,
+                      total_bytes: int | None = None) -> tuple[list[Profile], list[str]]:
+    """The readable profiles under ``profiles_dir`` for this device's hardware, this model and this DDP ``world``
+    (None: one process), and, when ``total_bytes`` is given, calibrated at this budget.
 
     Returns:
-        The path (None when there is none), and one line for each matching-looking file that could not
-        be used (unreadable or failing its checks), so a bad file is reported rather than passed over
-        in silence.
+        The profiles, oldest first (by ``created_utc``, then path; each carries its ``path``), and one line for each
+        matching-looking file that could not be used (unreadable or failing its checks), so a bad file is reported
+        rather than passed over in silence.
     """
     candidates, skipped = [], []
     for path in sorted(Path(profiles_dir).glob("**/*.json")):
@@ -153,8 +162,8 @@ def newest_profile(profiles_dir: Path | str, device: Device, model: ModelRef, wo
             continue
         if (profile.covers(model) and device.hardware_difference(profile.device) is None and profile.world == world
                 and total_bytes in (None, profile.device.total_bytes)):
-            candidates.append((profile.created_utc, str(path)))
-    return (Path(max(candidates)[1]) if candidates else None), skipped
+            candidates.append(profile)
+    return sorted(candidates, key=lambda p: (p.created_utc, str(p.path))), skipped
 
 
 def check_profile_matches(profile: Profile, device: Device, model: ModelRef | None, world: World | None = None) -> None:

@@ -172,6 +172,8 @@ class Profile:
         single_process: in a DDP profile, the DDP term: the per-rank peak at the safe size against a
             single-process profile of the same model and device (``profile``, ``batch_size``,
             ``predicted_peak_bytes``, ``ddp_peak_bytes``, ``term_bytes``), when one was found.
+        path: the file the profile was read from (:func:`vramcal.profile.load_profile`) or written to (a
+            calibration's); None for one built in memory. Not part of the file, nor of equality.
     """
 
     device: Device
@@ -196,6 +198,7 @@ class Profile:
     created_utc: str = ""
     vramcal_version: str = ""
     schema_version: int = SCHEMA_VERSION
+    path: Path | None = field(default=None, compare=False, repr=False)
 
     @property
     def verified(self) -> bool:
@@ -289,6 +292,8 @@ class Profile:
                 line naming the field; :func:`vramcal.profile.load_profile` adds the file and the fix).
         """
         _check_identity(data)
+        if "path" in data:  # where a profile lies is not written in it
+            raise ProfileError("path is not a field of a profile file: remove it")
         missing = [key for key in FIELDS if key not in data and key not in OPTIONAL]
         if missing:
             raise ProfileError(f"{missing[0]} is missing")
@@ -301,7 +306,7 @@ class Profile:
 
 # The keys :meth:`Profile.to_dict` writes: the fields, and three derived from them (checked against them where a
 # file has them: ``creep`` came with the step creep, so earlier files of the schema lack it).
-FIELDS = tuple(f.name for f in dataclasses.fields(Profile))
+FIELDS = tuple(f.name for f in dataclasses.fields(Profile) if f.name != "path")
 # Came later than the schema: the calibration over several lengths (surface), DDP (world, single_process).
 OPTIONAL = ("surface", "world", "single_process")
 DERIVED = ("model_key", "verified", "creep")

@@ -428,7 +428,8 @@ def lengths_section(profile: Profile, level: str) -> list[str]:
              (f"One calibration over {len(surface.lengths)} lengths: `{fit.formula()}` (r² = {fit.r_squared:.4f}, "
               f"n = {fit.n_points}, s = {format_bytes(fit.residual_stderr_bytes)}), a full search at seq_len "
               f"{surface.reference_seq_len} and the verifications at the others; any length in between is an "
-              f"interpolation (`vramcal limits --seq-len`)."), "",
+              f"interpolation (`vramcal limits --seq-len`)."
+              + (f" Signs: {fit.negative_terms()}." if fit.negative_terms() else "")), "",
              markdown_table(["seq_len", "safe", "conservative", "verified", "safe's peak", "trials", "how"], rows,
                             right=[0, 1, 2, 4, 5]), ""]
     if fit.extra_terms:

@@ -39,6 +39,7 @@ from vramcal.sizing import Sizing, SizingError, scaled_lr, size
 from vramcal.train import checkpoint, tracking
 from vramcal.train.config import ConfigError, TrainConfig, load_config
 from vramcal.units import format_bytes, size_argument
+from vramcal.words import Info
 from vramcal.workload import ModelRef
 
 COLLECTIVE_TIMEOUT_S = 300.0
@@ -205,10 +206,10 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
             notices.append(f"the profile was calibrated at a budget of {format_bytes(calibrated)}, this run's is "
                            f"{format_bytes(limit)}: its limits describe the calibration's budget "
                            f"(`vramcal probe --capacity {size_argument(limit)}` calibrates this one)")
-        notices.append(f"host budget: the training process may hold at most {format_bytes(limit)} of data segment "
-                       f"(RLIMIT_DATA: heap and private mappings, as the calibration's trials"
-                       f"{'' if capacity_bytes else '; --capacity to change it'}); this command's own process and "
-                       f"the worker fork server are outside it (together a few hundred MiB resident)")
+        notices.append(Info(f"host budget: the training process may hold at most {format_bytes(limit)} of data "
+                            f"segment (RLIMIT_DATA: heap and private mappings, as the calibration's trials"
+                            f"{'' if capacity_bytes else '; --capacity to change it'}); this command's own process "
+                            f"and the worker fork server are outside it (together a few hundred MiB resident)"))
     pool = windows.pipeline_bytes if device.kind == "host" or config.data_on_device else 0
     return Setting(config, device, model, located and located.profile, located and str(located.path),
                    {**windows.stats(), "file": data_identity(config.data)}, pool, limit, tuple(notices))
@@ -289,7 +290,7 @@ def _device(config: TrainConfig, capacity_bytes: int | None) -> tuple[Device, li
     devices, notice = api.select_devices(config.gpu, capacity_bytes)
     notices = [notice] if notice else []
     if len(devices) > 1:
-        notices.append(f"--gpu {config.gpu}: training uses one GPU, {devices[0].name} ({devices[0].uuid})")
+        notices.append(Info(f"--gpu {config.gpu}: training uses one GPU, {devices[0].name} ({devices[0].uuid})"))
     return devices[0], notices
 
 
@@ -328,9 +329,9 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
         if n_train < config.batch_size_min:
             raise SizingError(f"--batch-size-min {config.batch_size_min} is more than the {n_train} training "
                               f"windows{share}: lower it, or use more data or a smaller --stride")
-        notices.append(f"batch size {sizing.batch_size} is more than the {n_train} training windows{share}: one "
-                       f"step per epoch of {n_train} samples{' per rank' * (ranks > 1)} (a smaller --stride gives "
-                       f"more windows)")
+        notices.append(Info(f"batch size {sizing.batch_size} is more than the {n_train} training windows{share}: "
+                            f"one step per epoch of {n_train} samples{' per rank' * (ranks > 1)} (a smaller --stride "
+                            f"gives more windows)"))
         capped = size(setting.profile, ask.replace(request=n_train), pool_data_bytes=setting.pool_data_bytes,
                       free_bytes=free, free_source=source)
         sizing = replace(capped, source=sizing.source, capped_by_data=True)
@@ -359,8 +360,8 @@ def _unchecked_plan(config: TrainConfig, run_dir: Path, setting: Setting, prepar
         if effective is not None:
             raise SizingError(f"--effective-batch-size {effective} is more than the {n_train} training windows: "
                               f"lower it, or use more data or a smaller --stride")
-        notices.append(f"batch size {config.batch_size} is more than the {n_train} training windows: one step per "
-                       f"epoch of {n_train} samples (a smaller --stride gives more windows)")
+        notices.append(Info(f"batch size {config.batch_size} is more than the {n_train} training windows: one step "
+                            f"per epoch of {n_train} samples (a smaller --stride gives more windows)"))
         config = config.replace(batch_size=n_train)
     lr = scaled_lr(config.lr, effective or config.batch_size, config.reference_batch_size, config.lr_scaling)
     if prepare:

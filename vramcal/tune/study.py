@@ -60,6 +60,7 @@ from vramcal.train.plan import Setting
 from vramcal.train.tracking import log_trial
 from vramcal.tune.storage import StorageError, redact
 from vramcal.tune.workers import SURPLUS, fail_dead_trials, finished, is_surplus, time_left, worker_id
+from vramcal.words import Info
 
 Echo = Callable[[str], None]
 BEST_CONFIG = "best-config.json"
@@ -142,7 +143,8 @@ class BatchBounds:
         low, high: inclusive bounds of the ``batch_size`` search (``high`` <= the profile's conservative).
         profile_path: the profile that gave the upper end.
         conservative, safe: the profile's limits (the trainer clamps to ``safe``).
-        notices: warnings for the user (a user range narrowed to the profile or to the data).
+        notices: for the user (a user range narrowed to the profile or to the data; information marked
+            :class:`~vramcal.words.Info`).
     """
 
     low: int
@@ -184,7 +186,7 @@ def batch_bounds(settings: TuneSettings, setting: Setting) -> BatchBounds:
         high, source, why = throughput_choice(setting.profile, seq_len, conservative, "conservative", low,
                                               sizing.safe_batch_size)
         what = "throughput knee" if source == "knee" else what
-        notices.append(why)
+        notices.append(Info(why))
     if settings.batch_size_max is not None and settings.batch_size_max <= high:
         high = settings.batch_size_max
     elif settings.batch_size_max is not None:
@@ -194,7 +196,7 @@ def batch_bounds(settings: TuneSettings, setting: Setting) -> BatchBounds:
         if low > n_train:
             raise TuneError(f"--batch-size-min {low} is more than the {n_train} training windows: lower it, "
                             f"or use more data or a smaller --stride")
-        notices.append(f"the data has {n_train} training windows: searching batch sizes up to {n_train}")
+        notices.append(Info(f"the data has {n_train} training windows: searching batch sizes up to {n_train}"))
         high = n_train
     return BatchBounds(low, high, setting.profile_path, conservative, sizing.safe_batch_size, tuple(notices))
 

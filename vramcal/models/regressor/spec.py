@@ -75,11 +75,16 @@ class RegressorSpec:
         :func:`dataclasses.replace` makes a new one), so every ``RegressorSpec`` that exists is valid.
 
         Raises:
-            ValueError: one line naming the bad value and values that would work.
+            ValueError: one line naming the bad value and values that would work. TypeError: a size that is no
+                whole number, or a ``dtype``/``checkpointing`` that is no str (``{'d_model': 'x'}``).
         """
         for name in ("d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len",
-                     "n_features", "d_conv", "n_groups"):
-            if getattr(self, name) < 1:
+                     "n_features", "d_conv", "n_groups", "dtype", "checkpointing"):
+            value, kind = getattr(self, name), str if name in ("dtype", "checkpointing") else int
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise TypeError(f"{name} must be {'a str' if kind is str else 'a whole number'}, not "
+                                f"{type(value).__name__} {value!r:.40}")
+            if kind is int and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.d_inner % self.headdim:
             divisors = [h for h in (16, 32, 64, 128, 256) if self.d_inner % h == 0]
