@@ -255,7 +255,8 @@ def test_a_ddp_figure_says_per_rank_and_its_world():
     ddp = dataclasses.replace(host_profile(), world=World(2))
     figure = build_figure([ddp])
     memory, speed = figure.axes[:2]
-    assert memory.get_ylabel() == "peak memory per rank (GiB)" and speed.get_ylabel() == "throughput per rank (samples/s)"
+    assert memory.get_ylabel() == "peak memory per rank (GiB)"
+    assert speed.get_ylabel() == "throughput per rank (samples/s)"
     assert memory.get_xlabel() == "batch size per rank (samples per step)"
     assert "DDP 2 ranks (gloo, buckets 25 MiB): memory, batch sizes and samples/s per rank (the global batch is 2 × " \
         "per rank)" in figure.get_suptitle()

@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.search_curves import LIMITS, Case, curve, largest_within, run_case, simulate
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import SearchSettings, Step, next_batch_size, settle
 from vramcal.records import Trial
 
-from bench.search_curves import LIMITS, Case, curve, largest_within, run_case, simulate
 from fakes import GIB, run_policy
 
 _curve = curve  # the synthetic curves' shapes (issue 9), where bench.search_curves keeps them
@@ -173,8 +173,8 @@ def test_a_size_whose_trials_fitted_is_evidence_only_with_room_for_their_noise()
     """Rule 5 (issue 42 item 8): few points and a wide interval put the fit's safe size low, and a batch size whose
     two trials fitted with room for the noise they were measured with lifts it; a pair whose spread (2 % of usable,
     one degree of freedom near the limit: t = 12.7) leaves no such room does not, where it used to."""
-    from vramcal.calibration.search import evidence_batch_size, largest_fitting
     from vramcal.calibration.noise import measure_noise
+    from vramcal.calibration.search import evidence_batch_size, largest_fitting
 
     settings = SearchSettings(total_bytes=80 * GIB)
     usable = settings.usable_bytes
@@ -198,8 +198,8 @@ def test_the_creeps_error_widens_the_bound_the_safe_size_is_held_to():
     """Issue 42 item 8: the creep is one steady trial's peak minus a short trial's, so it carries the noise of both;
     the bound the safe size is held to adds that error to the fit's (in quadrature, scaled to the batch size as the
     creep is), and a noise-free calibration keeps its limits."""
-    from vramcal.calibration.noise import Noise, measure_noise
     from vramcal.calibration.fit import fit_linear
+    from vramcal.calibration.noise import Noise, measure_noise
 
     fit = fit_linear([100, 150, 200, 200], [1000, 1510, 1990, 2005])
     plain, creep = Noise(10.0, 4), Noise(10.0, 4, creep_batch_size=180, creep_short_trials=1)
