@@ -226,6 +226,8 @@ def test_probe_records_the_world_and_its_ddp_settings(tmp_path, monkeypatch):
     assert re.search(rf"-ddp2-[0-9a-f]{{6}}-{size}gib\.json$", path.name), path.name
     assert "DDP 2 ranks (gloo, buckets 50 MiB, gradient_as_bucket_view, find_unused_parameters, static_graph)" \
         in result.output
+    header = next(line for line in result.output.splitlines() if line.startswith("calibrating "))
+    assert "per rank, usable" in header and "DDP 2 ranks" in header and "(the global batch is 2 × per rank)" in header
 
 
 def test_a_killed_rank_ends_the_run_in_one_line_and_it_resumes(world):

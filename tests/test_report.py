@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -214,6 +215,88 @@ def test_reports_of_two_host_budgets_and_of_ddp_do_not_overwrite_each_other(tmp_
                                                                    profile.implementation, world=profile.world).stem
     written = [write_report([p], tmp_path)[1] for p in (*budgets, ddp)]
     assert len({path.name for path in written}) == 3 and all(path.exists() for path in written)
+
+
+def test_the_figure_draws_the_boundary_the_band_it_states_and_the_warning_line():
+    """Issue 42 item 6: the predicted out-of-memory boundary is drawn (a vertical line where the line reaches total
+    memory), the key states the 95 % band's width (thinner than the line with points on a line) and names the
+    warning line a run is held against, which is drawn; a size above safe is hollow and "best" says it stops at
+    safe, naming a faster one above it."""
+    from vramcal.report.figure import build_figure
+
+    profile = gpu_profile()
+    figure = build_figure([profile])
+    memory, speed = figure.axes[:2]
+    (boundary,) = [line for line in memory.get_lines() if line.get_gid() == "oom-boundary"]
+    assert boundary.get_xdata()[0] == pytest.approx(profile.limits.boundary_batch_size)
+    assert profile.fit.predict(profile.limits.boundary_batch_size) == pytest.approx(profile.device.total_bytes)
+    assert memory.get_xlim()[1] > profile.limits.boundary_batch_size
+    labels = [text.get_text() for text in memory.get_legend().get_texts()]
+    assert any(label.startswith(f"out-of-memory boundary ≈ {profile.limits.boundary_batch_size:,.0f}")
+               for label in labels), labels
+    half = profile.fit.half_width(profile.limits.safe_batch_size)
+    assert any(f"95 % prediction band ±{format_bytes(half)} at {profile.limits.safe_batch_size}" in label
+               for label in labels), labels
+    (warning,) = [line for line in memory.get_lines() if line.get_gid() == "warning-line"]
+    at = profile.limits.safe_batch_size
+    drawn = float(np.interp(at, warning.get_xdata(), warning.get_ydata())) * GIB
+    assert drawn == pytest.approx(max(profile.fit.upper(at), profile.fit.predict(at) * 1.03), rel=2e-3)
+    assert any(label.startswith("warning line: prediction +3.0 %") or label.startswith("warning line: prediction "
+               "+3.0%") for label in labels), labels
+    hollow = [c for c in speed.collections if c.get_gid() == "above-safe"]
+    assert hollow and all(x > profile.limits.safe_batch_size for x, _ in hollow[0].get_offsets())
+    speed_labels = " ".join(t.get_text() for t in speed.get_legend().get_texts())
+    assert "best (up to safe)" in speed_labels and "above the safe size" in speed_labels
+
+
+def test_a_ddp_figure_says_per_rank_and_its_world():
+    from vramcal.report.figure import build_figure
+
+    ddp = dataclasses.replace(host_profile(), world=World(2))
+    figure = build_figure([ddp])
+    memory, speed = figure.axes[:2]
+    assert memory.get_ylabel() == "peak memory per rank (GiB)"
+    assert speed.get_ylabel() == "throughput per rank (samples/s)"
+    assert memory.get_xlabel() == "batch size per rank (samples per step)"
+    assert "DDP 2 ranks (gloo, buckets 25 MiB): memory, batch sizes and samples/s per rank (the global batch is 2 × " \
+        "per rank)" in figure.get_suptitle()
+    plain = build_figure([host_profile()])
+    assert "per rank" not in plain.axes[0].get_ylabel() + plain.get_suptitle()
+
+
+def test_profiles_of_far_apart_batch_scales_get_a_log_axis_short_legend_lines_and_no_borrowed_seq_len():
+    """Issue 42 item 6: batch scales of 83 and 1,326 on one linear axis hid the small one; the title named one
+    profile's seq_len for both; the legend's lines ran to 200 characters."""
+    from vramcal.models.regressor.spec import RegressorSpec
+    from vramcal.report.figure import LEGEND_WIDTH, build_figure
+
+    small = gpu_profile()
+    big = build_profile(gpu_device("NVIDIA H100 80GB HBM3", 80 * GIB),
+                        [gpu_trial(b, int(0.4e9 + 3.7e6 * b)) for b in (1, 64, 256, 1024, 1326)],
+                        spec=RegressorSpec(seq_len=64, d_model=64))
+    figure = build_figure([small, big])
+    memory = figure.axes[0]
+    assert memory.get_xscale() == "log" and "seq_len" not in memory.get_title()
+    lines = [line for text in figure.legends[0].get_texts() for line in text.get_text().splitlines()]
+    assert len(lines) > 2 and max(len(line) for line in lines) <= LEGEND_WIDTH
+    near = build_figure([small, host_profile()])
+    assert near.axes[0].get_xscale() == "linear" and "(seq_len 128)" in near.axes[0].get_title()
+
+
+def test_a_report_of_several_profiles_writes_each_profiles_own_report_too(tmp_path):
+    paths = []
+    for index, profile in enumerate((gpu_profile(), host_profile())):
+        paths.append(tmp_path / f"{index}.json")
+        save_profile(profile, paths[-1])
+    result = CliRunner().invoke(main, ["report", *map(str, paths), "--out", str(tmp_path / "r"), "--json"])
+    assert result.exit_code == 0, result.output
+    facts = json.loads(result.output)
+    assert Path(facts["markdown"]).name.startswith("compare-")
+    own = [Path(p["markdown"]) for p in facts["profiles"]]
+    assert [path.name for path in own] == [f"{report_name([load_profile(p)])}.md" for p in paths]
+    assert all(path.exists() and path.with_suffix(".png").exists() for path in own)
+    text = CliRunner().invoke(main, ["report", *map(str, paths), "--out", str(tmp_path / "t")]).output
+    assert text.count("one profile's: ") == 2
 
 
 def test_a_bad_report_name_is_refused(tmp_path):

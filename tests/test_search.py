@@ -1,16 +1,20 @@
 """The search policy against fake trial runners: exact sequences, OOM above N, noise, non-linearity."""
 
 import itertools
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from bench.search_curves import LIMITS, Case, curve, largest_within, run_case, simulate
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import SearchSettings, Step, next_batch_size, settle
 from vramcal.records import Trial
 
 from fakes import GIB, run_policy
+
+_curve = curve  # the synthetic curves' shapes (issue 9), where bench.search_curves keeps them
 
 
 def linear(overhead, slope):
@@ -165,17 +169,49 @@ def test_a_small_limit_after_a_flat_start_still_ends_verified():
     assert len(trials) <= 12
 
 
-def test_the_safe_size_is_never_below_the_largest_size_that_fitted():
-    """Few points and a wide interval put the fit's safe size low; a batch that fitted twice is evidence."""
-    from vramcal.calibration.search import largest_fitting
+def test_a_size_whose_trials_fitted_is_evidence_only_with_room_for_their_noise():
+    """Rule 5 (issue 42 item 8): few points and a wide interval put the fit's safe size low, and a batch size whose
+    two trials fitted with room for the noise they were measured with lifts it; a pair whose spread (2 % of usable,
+    one degree of freedom near the limit: t = 12.7) leaves no such room does not, where it used to."""
+    from vramcal.calibration.noise import measure_noise
+    from vramcal.calibration.search import evidence_batch_size, largest_fitting
 
     settings = SearchSettings(total_bytes=80 * GIB)
     usable = settings.usable_bytes
-    trials = [Trial(8, "ok", int(0.50 * usable)), Trial(36, "ok", int(0.70 * usable)),
-              Trial(50, "ok", int(0.95 * usable)), Trial(50, "ok", int(0.97 * usable)), Trial(64, "oom")]
+
+    def trials(repeat):
+        return [Trial(8, "ok", int(0.50 * usable)), Trial(36, "ok", int(0.70 * usable)),
+                Trial(50, "ok", int(0.95 * usable)), Trial(50, "ok", int(repeat * usable)), Trial(64, "oom")]
+
+    close, apart = trials(0.951), trials(0.97)
+    for recorded in (close, apart):
+        assert largest_fitting(recorded, usable) == 50
+    state = settle(close, settings)
+    assert state.limits.safe_batch_size == 50 and state.safe_trial.batch_size == 50
+    assert evidence_batch_size(close, usable, measure_noise(close, state.fit)) == 50
+    state = settle(apart, settings)
+    assert evidence_batch_size(apart, usable, measure_noise(apart, state.fit)) == 36  # the next size down
+    assert state.limits.safe_batch_size < 50 and state.safe_trial is None
+
+
+def test_the_creeps_error_widens_the_bound_the_safe_size_is_held_to():
+    """Issue 42 item 8: the creep is one steady trial's peak minus a short trial's, so it carries the noise of both;
+    the bound the safe size is held to adds that error to the fit's (in quadrature, scaled to the batch size as the
+    creep is), and a noise-free calibration keeps its limits."""
+    from vramcal.calibration.fit import fit_linear
+    from vramcal.calibration.noise import Noise, measure_noise
+
+    fit = fit_linear([100, 150, 200, 200], [1000, 1510, 1990, 2005])
+    plain, creep = Noise(10.0, 4), Noise(10.0, 4, creep_batch_size=180, creep_short_trials=1)
+    assert plain.upper(fit, 200) == pytest.approx(fit.upper(200))
+    widened = creep.upper(fit, 200) - fit.predict(200)
+    assert widened == pytest.approx(math.hypot(fit.half_width(200), plain.t * 10.0 * math.sqrt(2) * 200 / 180))
+    assert creep.holds([1900, 1900], 200, 1940) is False and plain.holds([1900, 1900], 200, 1940) is True
+    settings = SearchSettings(total_bytes=24 * GIB)
+    trials = run_policy(linear(0.529 * GIB, 0.088 * GIB), settings)
     state = settle(trials, settings)
-    assert largest_fitting(trials, usable) == 50 and state.limits.safe_batch_size == 50
-    assert state.safe_trial.batch_size == 50
+    assert measure_noise(trials, state.fit).creep_batch_size == 204
+    assert (state.limits.safe_batch_size, state.limits.conservative_batch_size) == (227, 204)
 
 
 def test_recorded_host_trials_settle_instead_of_creeping_upward():
@@ -192,75 +228,44 @@ def test_recorded_host_trials_settle_instead_of_creeping_upward():
     assert next_batch_size(recorded, settings) == Step(102, "steady", verifies=True)  # its first steps verify 102
 
 
-def _curve(kind: str, total: int, limit: int):
-    """Synthetic peak(batch) curves reaching usable memory at ``limit`` (the issue's shapes)."""
-    import math
-
-    usable = SearchSettings(total_bytes=total).usable_bytes
-    overhead = (0.5 if kind == "flat-start" else 0.3) * usable
-    rise = usable - overhead
-    if kind == "linear":
-        return lambda b: overhead + rise / limit * b
-    if kind == "allocator-steps":
-        step = max(2 * 2**20, 0.04 * rise)
-        return lambda b: overhead + step * math.ceil(rise / limit * b / step)
-    if kind == "flat-start":
-        start = max(1, limit // 4)
-        return lambda b: overhead + rise / (limit - start) * max(0, b - start)
-    if kind == "bend-up":
-        return lambda b: overhead + 0.5 * rise * (b / limit + (b / limit) ** 2)
-    return lambda b: overhead + rise * (1.25 * b / limit - 0.25 * min(b / limit, 2.5) ** 2)  # bend-down
-
-
-def _largest_within(memory, budget: float) -> int:
-    low, high = 0, 1
-    while memory(high) <= budget:
-        low, high = high, high * 2
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if memory(middle) <= budget else (low, middle)
-    return low
-
-
 @pytest.mark.parametrize("kind", ["linear", "allocator-steps", "flat-start", "bend-up", "bend-down"])
 @pytest.mark.parametrize("creep", [0.0, 0.06])
 def test_synthetic_curves_end_verified_and_safe(kind, creep):
-    """GPU- and host-scale budgets, limits from 8 to 60,000 samples, noise-free and with 1 % noise, with
-    and without a step creep (a long run peaks 6 % of the activations higher than a short trial): every
-    calibration ends with both limits verified, the safe size's true long-run peak within usable memory
-    (noise may let it sit up to 2 sigma over) and at most a quarter (and a sample) below the true limit,
-    within max_trials; noise-free, the predicted boundary (a short trial's) is within 5 % of the true one
-    (a sample is 4 % at the smallest limits)."""
-    for total, limit, noise, seed in itertools.product((4 * GIB, 80 * GIB), (8, 60, 2000, 60_000), (0.0, 0.01),
-                                                       (0, 1)):
+    """Issue 42 item 8, the exact criterion over a deterministic set: the 80 GiB half of ``bench.search_curves``'s
+    600 curves (limits 8 to 60,000 samples, ±1 % noise drawn for every record, 5 seeds; the 24 GiB half differs
+    only in the reserve's share of the card; it had the issue's unsafe curves at both) and the same shapes
+    noise-free at 4 and 80 GiB, with and without a step creep (a long run peaks 6 % of the activations higher
+    than a short trial): every calibration ends with both limits verified within ``max_trials``, and the safe
+    size's true long-run peak (the curve without noise, plus the creep) within usable memory — no allowance for
+    the noise. The card is not wasted: noise-free the safe size is at least a quarter (and a sample) below the
+    true limit; with noise at least 0.55 of it (bench/results/search-curves: 0.69 the lowest, 0.92 the mean).
+    Noise-free, the predicted boundary (a short trial's) is within 5 % of the true one (a sample is 4 % at the
+    smallest limits), the steady trials are one (two where the creep moved the conservative size)."""
+    for limit, seed in itertools.product(LIMITS, range(5)):
+        outcome = run_case(Case(kind, creep, 80 * GIB, limit, seed), "uniform")
+        assert outcome.over is not None and outcome.over <= 0, outcome
+        assert limit == 8 or outcome.ratio >= 0.55, outcome
+    for total, limit in itertools.product((4 * GIB, 80 * GIB), (8, 60, 2000, 60_000)):
         settings = SearchSettings(total_bytes=total)
-        usable, memory = settings.usable_bytes, _curve(kind, total, limit)
+        usable, memory = settings.usable_bytes, curve(kind, total, limit)
 
-        def extra(b, memory=memory):
-            return creep * (memory(b) - memory(0))
-        rng = np.random.default_rng(seed)
-        trials = run_policy(lambda b, memory=memory, rng=rng, noise=noise: memory(b) * (1 + rng.normal(0, noise)),
-                            settings, creep=extra)
+        def long_run(b, memory=memory):
+            return memory(b) + creep * (memory(b) - memory(0))
+        trials = simulate(memory, settings, lambda b, memory=memory: creep * (memory(b) - memory(0)))
         state = settle(trials, settings)
-        case = (kind, creep, total // GIB, limit, noise, seed, [(t.batch_size, t.purpose, t.status) for t in trials])
+        case = (kind, creep, total // GIB, limit, [(t.batch_size, t.purpose, t.status) for t in trials])
         assert state.safe_trial is not None and state.conservative_trial is not None, case
         safe, conservative = state.limits.safe_batch_size, state.limits.conservative_batch_size
+        assert long_run(safe) <= usable and long_run(conservative) <= usable and conservative <= safe, case
+        assert safe >= 0.75 * largest_within(long_run, usable) - 1, case
         steady = [t.batch_size for t in trials if t.purpose == "steady"]
-        # one steady trial, and a second where the creep moved the conservative size away from the first's
         assert len(steady) == 1 or (len(steady) == 2 and abs(steady[0] - steady[1]) > 0.05 * steady[1]), case
-
-        def long_run(b, memory=memory, extra=extra):
-            return memory(b) + extra(b)
-        assert long_run(safe) <= usable * (1 + 2 * noise) + 2**20, case
-        assert long_run(conservative) <= usable * (1 + 2 * noise) + 2**20 and conservative <= safe, case
-        assert safe >= 0.75 * _largest_within(long_run, usable) - 1, case  # and the card is not wasted
-        if noise == 0:
-            truth = _largest_within(memory, total)
-            assert abs(state.limits.boundary_batch_size - truth) <= max(1.5, 0.05 * truth), case
-            at = state.safe_trial.batch_size  # its verification is read as the long run's peak
-            assert state.safe_trial.peak_bytes == pytest.approx(long_run(at), rel=0.01), case
-            if kind == "linear":  # and the fit predicts the long run
-                assert state.fit.predict(at) == pytest.approx(long_run(at), rel=1e-3), case
+        truth = largest_within(memory, total)
+        assert abs(state.limits.boundary_batch_size - truth) <= max(1.5, 0.05 * truth), case
+        at = state.safe_trial.batch_size  # its verification is read as the long run's peak
+        assert state.safe_trial.peak_bytes == pytest.approx(long_run(at), rel=0.01), case
+        if kind == "linear":  # and the fit predicts the long run
+            assert state.fit.predict(at) == pytest.approx(long_run(at), rel=1e-3), case
 
 
 def test_a_creep_past_usable_memory_brings_the_limits_down_and_verifies_them_again():

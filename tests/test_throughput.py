@@ -99,6 +99,22 @@ def test_a_knee_is_not_called_from_a_rate_whose_interval_is_open_and_says_which_
     assert "predates per-step times" in find_knee(old).refused
 
 
+def test_a_short_trial_times_steps_until_its_rate_has_a_finite_interval_at_most_four_more():
+    """Issue 42 item 3: the knee was refused from two-step rates ("(15.6–∞)"); a short trial now goes on timing
+    steps until its own give a finite 95 % interval (the same interval :func:`measured_rates` computes), at most
+    EXTRA_TIMED_STEPS beyond its measured ones."""
+    from vramcal.calibration.throughput import EXTRA_TIMED_STEPS, finite_interval, timing_done
+
+    assert not timing_done([0.1], 2) and timing_done([0.10, 0.105], 2)  # 3.5 % apart: finite with two
+    assert not timing_done([0.10, 0.13], 2) and timing_done([0.10, 0.13, 0.11], 2)  # 26 %: open; a third closes it
+    spread = [0.05, 1.0, 0.05, 1.0, 0.05, 1.0]  # open at every count: the cap ends it
+    assert [timing_done(spread[:n], 2) for n in range(2, 7)] == [False, False, False, False, True]  # the cap: 2 + 4
+    assert EXTRA_TIMED_STEPS == 4 and not finite_interval(spread)
+    for times in ([0.10, 0.105], [0.10, 0.13], [0.10, 0.13, 0.11], spread[:4]):  # the same rule as the rates'
+        (rate,) = measured_rates([Trial(8, "ok", 1, step_times_s=tuple(times))])
+        assert rate.bounded == finite_interval(times), times
+
+
 def test_two_intervals_differ_measurably_only_when_apart_and_an_open_end_reaches_everything():
     assert overlap((1.0, 2.0), (2.0, 3.0)) and overlap((2.0, 3.0), (1.0, 2.5))
     assert not overlap((1.0, 2.0), (2.1, 3.0)) and not overlap((5.0, 6.0), (1.0, 4.0))

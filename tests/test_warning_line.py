@@ -70,3 +70,23 @@ def test_a_trial_record_without_held_bytes_is_no_spread():
     profile = make_profile(host_device())
     assert all(isinstance(t, Trial) and t.held_bytes is None for t in profile.trials)
     assert size(profile, process_bytes=1).process_delta_bytes == 0  # no baseline recorded: no term
+
+
+def test_a_run_with_a_process_term_is_held_against_the_line_plus_what_the_term_may_be_off_by():
+    """Issue 42 item 9: the process term is measured once per run; repeats of one script held within 0.1 MiB of
+    each other (bench.process_term), the trials' own held bytes spread by their range. The warning line of a run
+    that carries a process term adds both, and says so; a run without one is held to the line as before."""
+    from vramcal.sizing import PROCESS_REPEAT_BYTES, process_spread
+
+    profile = make_profile(host_device())
+    held = [dataclasses.replace(t, held_bytes=500 * MIB + i * MIB) for i, t in enumerate(profile.trials)]
+    profile = dataclasses.replace(profile, trials=tuple(held))  # held 500..504 MiB: range 4 MiB
+    assert process_spread(profile) == 4 * MIB + PROCESS_REPEAT_BYTES
+    plain = size(profile, SizeRequest(request=8))
+    framework = size(profile, SizeRequest(request=8), process_bytes=512 * MIB)
+    line = max(framework.upper_bytes, framework.predicted_peak_bytes * (1 + BENCH_SPREAD))
+    assert abs(framework.warn_bytes - (line + 5 * MIB)) <= 2  # the prediction's own rounding to whole bytes
+    assert framework.warn_basis.endswith("plus 5.00 MiB: what the process term may be off by")
+    assert plain.warn_basis == repeat_spread(profile)[1] and plain.warn_bytes < plain.predicted_peak_bytes * 1.031
+    _, warnings = compare(framework, int(framework.predicted_peak_bytes * (1 + BENCH_SPREAD)) + 4 * MIB)
+    assert warnings == []  # inside the term's spread

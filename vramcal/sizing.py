@@ -51,7 +51,9 @@ above the prediction, and correct runs cross it (measured: the trainer −0.7 to
 spread is the widest of what repeats of the same run were measured to spread by: repeated trials of one batch
 size in the calibration, the runs recorded in the profile (the range of their errors: a profile that
 under-predicts every run by the same amount is still warned), and, as a floor, :data:`BENCH_SPREAD`, the
-project's benchmark figure (said as such). :func:`repeat_spread`.
+project's benchmark figure (said as such). :func:`repeat_spread`. A run whose process term was measured (a
+framework's, :func:`extra_bytes`) is held against that line plus what the term itself may be off by
+(:func:`process_spread`): the trials' own held bytes' range and how far repeats of one script held apart.
 
 Sizing for throughput (``size_for="throughput"``): a run without a requested batch size takes the throughput
 knee (:func:`throughput_choice`) when it lies below the limit and its rate differs measurably from the limit's
@@ -89,6 +91,10 @@ Source = Literal["conservative", "safe", "knee", "requested", "clamped"]
 # 1,000 steps -0.7 to +0.5 % (bench.survival), Lightning, HF Trainer, Accelerate and plain PyTorch up to +2.5 %
 # (bench.frameworks); the floor of the warning line (module docstring).
 BENCH_SPREAD = 0.03
+# How far what one framework script's process holds as training starts differs between repeats, rounded up: 3
+# repeats each of Lightning, HF Trainer, Accelerate and plain PyTorch on the host held within 4-100 KiB of each
+# other (bench.process_term, bench/results/process-term); a term of the warning line (process_spread).
+PROCESS_REPEAT_BYTES = 2**20
 
 
 class SizingError(ValueError):
@@ -477,6 +483,13 @@ def extra_bytes(profile: Profile, pool_data_bytes: int | None, process_bytes: in
     return (0 if pool_data_bytes is None else pool_data_bytes - profile.pool_data_bytes), 0, "the data hold"
 
 
+def process_spread(profile: Profile) -> int:
+    """What a measured process term may be off by (bytes): the range of the trials' own held bytes
+    (:func:`held_spread`), the side it is measured against, plus :data:`PROCESS_REPEAT_BYTES`, how far repeats of
+    one framework script held apart."""
+    return held_spread(profile) + PROCESS_REPEAT_BYTES
+
+
 def held_spread(profile: Profile) -> int:
     """The range (bytes) of what the trials' processes held when their step was built (0 with fewer than two)."""
     held = [t.held_bytes for t in profile.trials if t.ok and t.held_bytes is not None and t.purpose != "steady"]
@@ -578,9 +591,12 @@ def _size(profile: Profile, model: LengthModel, extra: tuple[int, int, str], pro
     expected = model.expected(batch)
     upper = max(model.upper(batch), expected)
     spread, basis = repeat_spread(profile, ask.seq_len)
+    term = process_spread(profile) if process_bytes is not None and profile.held_bytes is not None else 0
+    if term:
+        basis += f", plus {format_bytes(term)}: what the process term may be off by"
     return Sizing(batch_size=batch, source=source, safe_batch_size=safe, conservative_batch_size=conservative,
                   predicted_peak_bytes=int(expected + delta), upper_bytes=int(upper + delta),
-                  warn_bytes=int(max(upper + delta, (expected + delta) * (1 + spread))), warn_basis=basis,
+                  warn_bytes=int(max(upper + delta, (expected + delta) * (1 + spread)) + term), warn_basis=basis,
                   usable_bytes=model.limits.usable_bytes, total_bytes=model.limits.total_bytes,
                   data_delta_bytes=data_delta, verified=model.verified, notices=tuple(notices),
                   fitted_from=model.fitted_from, process_delta_bytes=process_delta, accumulation_steps=steps,

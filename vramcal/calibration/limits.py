@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vramcal.calibration.fit import Fit
@@ -107,26 +108,28 @@ LIMITS_RANGES = {"total_bytes": POSITIVE, "usable_bytes": POSITIVE, "safe_batch_
                  "failed_batch_size": AT_LEAST_ONE}
 
 
-def safe_batch_size(fit: Fit, usable_bytes: int) -> int:
-    """Largest integer batch_size >= 0 with ``fit.upper(batch_size) <= usable_bytes``.
+def safe_batch_size(fit: Fit, usable_bytes: int, upper: Callable[[float], float] | None = None) -> int:
+    """Largest integer batch_size >= 0 with ``upper(batch_size) <= usable_bytes``.
 
-    ``fit.upper`` is convex in batch_size (a line plus a hyperbola), so the batch sizes that fit form an
-    interval; it is found by bisection on the increasing side. Returns 0 when even batch 1 does not fit
-    or the slope is not positive (nothing to extrapolate from).
+    ``upper`` (default ``fit.upper``; the search's adds the creep's error,
+    :meth:`vramcal.calibration.noise.Noise.upper`) is convex in batch_size (a line plus the norm of an affine
+    function), so the batch sizes that fit form an interval; it is found by bisection on the increasing side.
+    Returns 0 when even batch 1 does not fit or the slope is not positive (nothing to extrapolate from).
     """
     if fit.slope_bytes_per_sample <= 0:
         return 0
+    upper = upper or fit.upper
     # The interval's left end may lie above 1 when the points are far from 1 (a wide interval there).
-    starts = [b for b in (1, max(1, math.floor(fit.batch_mean))) if fit.upper(b) <= usable_bytes]
+    starts = [b for b in (1, max(1, math.floor(fit.batch_mean))) if upper(b) <= usable_bytes]
     if not starts:
         return 0
     low = starts[0]
     high = max(1, math.floor((usable_bytes - fit.overhead_bytes) / fit.slope_bytes_per_sample)) + 1
-    while fit.upper(high) <= usable_bytes:  # point estimate <= upper bound, so this rarely runs
+    while upper(high) <= usable_bytes:  # point estimate <= upper bound, so this rarely runs
         high *= 2
     while high - low > 1:  # invariant: upper(low) <= usable < upper(high)
         middle = (low + high) // 2
-        if fit.upper(middle) <= usable_bytes:
+        if upper(middle) <= usable_bytes:
             low = middle
         else:
             high = middle
@@ -161,8 +164,8 @@ def safe_ceiling(fit: Fit, usable_bytes: int, largest_fitting: int | None, faile
     return ceiling if failed_batch_size is None else min(ceiling, failed_batch_size - 1)
 
 
-def compute_limits(fit: Fit, total_bytes: int, settings: LimitSettings,
-                   failed_batch_size: int | None = None) -> Limits:
+def compute_limits(fit: Fit, total_bytes: int, settings: LimitSettings, failed_batch_size: int | None = None,
+                   upper: Callable[[float], float] | None = None) -> Limits:
     """Limits from a fit (module docstring has the formulas).
 
     Args:
@@ -171,9 +174,10 @@ def compute_limits(fit: Fit, total_bytes: int, settings: LimitSettings,
         settings: reserve, margin, conservative fraction.
         failed_batch_size: the smallest batch size that ran out of memory or exceeded usable_bytes; the
             safe batch size stays below it whatever the fit says.
+        upper: the bound the safe size is held to (:func:`safe_batch_size`; default the fit's own).
     """
     usable = settings.usable_bytes(total_bytes)
-    safe = safe_batch_size(fit, usable)
+    safe = safe_batch_size(fit, usable, upper)
     if failed_batch_size is not None:
         safe = min(safe, failed_batch_size - 1)
     slope = fit.slope_bytes_per_sample

@@ -29,9 +29,12 @@ with recorded and synthetic trials. Its rules:
    data point: the limit comes down and the next call proposes the new sizes. When a real failure, not
    the fit, binds the limit, the safe size is found by bisection between the largest fitting batch and
    the smallest failed one.
-5. **Never less than the evidence**: the safe size is at least the largest batch size that fitted (every
-   trial there within usable memory) below the smallest failure: a fitting trial is itself a
-   verification, however wide the interval of a fit with few points.
+5. **Never less than the evidence**: the safe size is at least the largest batch size below the smallest
+   failure whose trials all fitted with room for the noise they were measured with (the mean of their
+   steady-equivalent peaks plus its 95 % error and the creep's, :mod:`vramcal.calibration.noise`): such trials
+   are a verification, however wide the interval of a fit with few points. (Read as the truth, a pair that
+   measured 1 % low passed sizes up to 1.5 % over usable memory: ``bench/results/search-curves``.) The fit's
+   bound the safe size is held to carries the measured creep's error too.
 7. **Only memory sets a limit**: a trial that ran out of memory, or finished above usable memory, is a
    failure at its size; one that ended in an ``error`` or a ``timeout`` measured nothing: it is run once more
    (``retry``), and a size that failed so twice is never a limit — no proposal reaches it, and limits that
@@ -68,6 +71,7 @@ from dataclasses import dataclass
 from vramcal.calibration.creep import STEADY, short_trials, steady_equivalent
 from vramcal.calibration.fit import Fit, fit_linear
 from vramcal.calibration.limits import Limits, LimitSettings, compute_limits, safe_ceiling
+from vramcal.calibration.noise import Noise, measure_noise, near_limit
 from vramcal.records import Trial, TrialSettings
 
 FLAT_FRACTION = 0.02  # peaks within 2 % (or FLAT_BYTES) of each other are not a measurable rise
@@ -234,22 +238,24 @@ def fit_trials(trials: Sequence[Trial], settings: SearchSettings | None = None) 
 
 def settle(trials: Sequence[Trial], settings: SearchSettings) -> Settled:
     """Fit, limits and verifying trials for the trials so far (module docstring, rules 2, 4, 5 and 6): from
-    the steady-equivalent peaks, but the boundary from the trials as measured (it is a trial's boundary)."""
-    measured, trials = short_trials(trials), steady_equivalent(trials)
+    the steady-equivalent peaks, but the boundary from the trials as measured (it is a trial's boundary).
+    ``trials`` as recorded (the steady trials' creep and its error are read from them)."""
+    measured, raw, trials = short_trials(trials), trials, steady_equivalent(trials)
     usable = settings.usable_bytes
     failed = failed_batch_size(trials, usable)
     fit = fit_trials(trials, settings)
     if fit is None or fit.slope_bytes_per_sample <= 0:
         return Settled(fit, None, None, None, failed)
-    limits = compute_limits(fit, settings.total_bytes, settings.limits, failed)
-    evidence = largest_fitting(trials, usable) or 0
+    noise = measure_noise(raw, fit)
+    limits = compute_limits(fit, settings.total_bytes, settings.limits, failed, lambda b: noise.upper(fit, b))
+    evidence = evidence_batch_size(trials, usable, noise) or 0
     target = max(limits.safe_batch_size, evidence)
     point = limits.point_safe_batch_size if failed is None else min(limits.point_safe_batch_size, failed - 1)
     if target < (1 - 3 * settings.snap_tolerance) * point:  # a wide interval: halve the gap to the point estimate
         target = max(target, (evidence + point + 1) // 2)
     if failed is not None and target >= failed - 1:
         target = _bisect_below(trials, failed, settings)  # the failure binds, not the fit
-    target = min(target, safe_ceiling(fit, usable, evidence, failed))  # the rule a reader checks the file by
+    target = min(target, safe_ceiling(fit, usable, largest_fitting(trials, usable), failed))  # a reader's check
     safe_trial = _snap(trials, target, settings, repeats=2 if settings.repeat_safe else 1,
                        tolerance=_settle_tolerance(trials, settings))
     safe = safe_trial.batch_size if safe_trial else target
@@ -262,6 +268,19 @@ def settle(trials: Sequence[Trial], settings: SearchSettings) -> Settled:
     return Settled(fit, limits, safe_trial, conservative_trial, failed)
 
 
+def evidence_batch_size(trials: Sequence[Trial], usable_bytes: int, noise: Noise) -> int | None:
+    """The largest batch size below the smallest failure whose trials all fitted and leave room for the noise
+    they were measured with (rule 5, :meth:`vramcal.calibration.noise.Noise.holds`); ``trials``
+    steady-equivalent. None when there is none."""
+    failed = failed_batch_size(trials, usable_bytes)
+    sizes = sorted({t.batch_size for t in trials if failed is None or t.batch_size < failed}, reverse=True)
+    for size in sizes:
+        at = fits_at(trials, size, usable_bytes)
+        if at and noise.holds([t.peak_bytes for t in at], size, usable_bytes):  # type: ignore[misc]
+            return size
+    return None
+
+
 def boundary_batch_size(trials: Sequence[Trial], settings: SearchSettings) -> float:
     """Where a trial's peak reaches the device's whole memory: the line through the top third of the
     measured batch sizes (else the top half): the boundary trials and the verifications, since peaks bend
@@ -269,11 +288,7 @@ def boundary_batch_size(trials: Sequence[Trial], settings: SearchSettings) -> fl
     above a batch size that ran out of memory. ``trials`` are as measured (no step creep): the boundary is
     compared with bisection by the same trials.
     """
-    finished = [t for t in trials if t.ok]
-    top = max((t.batch_size for t in finished), default=0)
-    near = [t for t in finished if t.batch_size >= top * 2 / 3]
-    if len({t.batch_size for t in near}) < 2:
-        near = [t for t in finished if t.batch_size >= top / 2]
+    near = near_limit(trials)
     slope = overhead = 0.0
     if len({t.batch_size for t in near}) >= 2:
         import numpy as np
@@ -455,7 +470,7 @@ def _boundary(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
 def _verify(trials: Sequence[Trial], settings: SearchSettings, raw: Sequence[Trial]) -> Step | None:
     """The verification trials (rule 4): safe twice, then conservative (by the steady trial's first steps
     when one is due there, rule 6). ``trials`` steady-equivalent, ``raw`` as recorded."""
-    state = settle(trials, settings)
+    state = settle(raw, settings)
     if state.limits is None or state.limits.safe_batch_size < 1:
         return None
     tried = {t.batch_size for t in trials}

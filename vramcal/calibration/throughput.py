@@ -24,6 +24,11 @@ measured sizes are sparse, so the knee lies somewhere above the largest measured
 called only where every rate it compares has a finite interval: two step times spread 11 % or more (sd /
 mean: a busy host's short trial) give a t interval whose upper end is open (t(0.975, 1) = 12.7), and a rate
 open above may be the best one; the knee is then :attr:`Knee.refused`, saying which sizes need more timed steps.
+So a short trial times more steps where its own are too few for that (:func:`timing_done`): after its
+``measured_steps`` it goes on, one step at a time, until its step times give a finite interval, at most
+:data:`EXTRA_TIMED_STEPS` more (a third step leaves the upper end open only where the three spread 40 % or more).
+The steps near the limit, the calibration's most expensive, rarely need one: a verification pair pools four, the
+steady trial dozens; the ones that do are the small, cheap growth trials of a busy host.
 
 **No measurable difference** (:func:`overlap`, the one rule for every piece of advice between two measured
 figures: the knee over the memory limit, the fastest or cheapest card, a forecast missed): two figures differ
@@ -59,8 +64,29 @@ STEADY_MIN_STEPS = 10  # timed steps at one batch size that make its rate steady
 CONFIDENCE = 0.95
 NEAR_FRACTION = 0.25  # a steady rate stands in, per sample, for a size this close to its own (rate_for_run)
 NO_DIFFERENCE = "no measurable difference"  # what advice says instead where the intervals overlap (overlap)
+EXTRA_TIMED_STEPS = 4  # at most this many steps a short trial times beyond its measured ones (timing_done)
+# Student's t(0.975, df) for df = 1..10 (Montgomery & Runger, Table V): timing_done runs in the trial's worker, which
+# does not import scipy for it
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 
 Interval = tuple[float | None, float | None]  # (low, high) of a 95 % interval; None: open (or unknown) there
+
+
+def finite_interval(times: Sequence[float]) -> bool:
+    """Whether step times give a rate with a finite 95 % interval: two or more, and their mean above
+    ``t(0.975, n − 1) × sd / √n`` (:func:`_rate`'s interval; its upper end is open otherwise)."""
+    n = len(times)
+    if n < 2:
+        return False
+    t = T_975[n - 2] if n - 2 < len(T_975) else 1.96
+    return statistics.fmean(times) > t * statistics.stdev(times) / math.sqrt(n)
+
+
+def timing_done(times: Sequence[float], measured_steps: int) -> bool:
+    """Whether a short trial may stop timing steps (module docstring): its ``measured_steps`` ran and their times
+    give a finite interval (:func:`finite_interval`), or it timed :data:`EXTRA_TIMED_STEPS` more."""
+    return len(times) >= measured_steps and (finite_interval(times)
+                                             or len(times) >= measured_steps + EXTRA_TIMED_STEPS)
 
 
 def overlap(a: Interval, b: Interval) -> bool:

@@ -286,8 +286,12 @@ def calibrate_one(plan, err: bool = False, reports_dir: Path | None = None):
 
     what = (f"{describe(plan.model.without('seq_len'))} at seq_len {', '.join(map(str, plan.seq_lens))}"
             if plan.seq_lens else describe(plan.model))
+    world = plan.world
+    per_rank = (f"; {world.describe()}: memory, batch sizes and limits per rank (the global batch is {world.nproc} × "
+                f"per rank)" if world is not None else "")
     echo_lines(f"calibrating {what} on {plan.device.name}, {format_bytes(plan.device.total_bytes)} "
-               f"({plan.device.total_source}), usable {format_bytes(plan.usable_bytes)}", err=err)
+               f"({plan.device.total_source}){' per rank' if world is not None else ''}, usable "
+               f"{format_bytes(plan.usable_bytes)}{per_rank}", err=err)
     if plan.aim is not None:
         echo_lines(f"aimed with {format_bytes(plan.aim.slope_bytes_per_sample)} per sample ({plan.aim.source})",
                    err=err)

@@ -45,13 +45,16 @@ def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, 
     """Write a PNG and a Markdown report from profile files.
 
     PROFILES are profile files, or folders (every profile below them). Several profiles are drawn on
-    one figure as comparable series. The report's run forecast (as `vramcal cost`) takes the forecast options.
+    one figure as comparable series, and each also gets its own report beside it. The report's run forecast (as
+    `vramcal cost`) takes the forecast options.
     """
 
     paths, loaded = load_profiles(profiles)
     try:
         png, markdown = write_report(loaded, out_dir, name=name, extra_gpus=gpus,
                                      forecast=forecast_settings(loaded, options))
+        own = [write_report([p], out_dir, extra_gpus=gpus, forecast=forecast_settings([p], options))
+               for p in loaded] if len(loaded) > 1 else []
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--name") from None
     except OSError as error:
@@ -59,9 +62,13 @@ def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, 
                                    f"choose another --out") from None
     if not as_json:
         click.echo(f"report: {markdown} and {png}")
+        for each_png, each_markdown in own:
+            click.echo(f"  one profile's: {each_markdown} and {each_png}")
         return
     facts = [{"profile": str(path), "verified": p.verified, "limits": p.limits.to_dict() if p.limits else None,
-              "observations": len(p.observations)} for path, p in zip(paths, loaded)]
+              "observations": len(p.observations),
+              **({"png": str(own[i][0]), "markdown": str(own[i][1])} if own else {})}
+             for i, (path, p) in enumerate(zip(paths, loaded))]
     click.echo(json.dumps({"png": str(png), "markdown": str(markdown), "profiles": facts}, indent=2, sort_keys=True))
 
 

@@ -9,7 +9,9 @@ The trial runs what training runs (:mod:`vramcal.workload`), in the kind of proc
 3. ``warmup_steps`` optimizer steps (AdamW allocates its state and Triton autotunes there), then reset
    the peaks;
 4. ``measured_steps`` steps, each on a fresh batch from the pipeline and timed after a synchronize
-   (torch.utils.benchmark's habit), then ``val_steps`` validation passes at the same batch size, as the
+   (torch.utils.benchmark's habit), and, where their times are too few for a finite 95 % interval of the
+   rate, up to four more, one at a time (:func:`vramcal.calibration.throughput.timing_done`: the throughput
+   knee compares only finite intervals), then ``val_steps`` validation passes at the same batch size, as the
    trainer validates;
 5. read the peaks: the trial's ``peak_bytes`` covers training steps and validation alike.
 
@@ -53,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramcal.calibration.creep import epoch_end_due, partial_batch_size, steady_done
+from vramcal.calibration.throughput import timing_done
 from vramcal.measure.distributed import build_agreed, join, local_bytes, wrap
 from vramcal.measure.meters import open_meter, synchronize
 from vramcal.measure.worker import Outcome, Workers
@@ -317,12 +320,11 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
     ``settings.plateau_steps`` steps after that (:mod:`vramcal.calibration.creep`); under DDP each decision is every
     rank's (``all_ranks``: the ranks' agreement, so they act at the same step). It sends each step through
     ``channel`` as it ends (a ``step`` message: ``step``, ``of`` (the most), ``peak_bytes``, ``step_s``), so the
-    caller's progress moves through its minutes. One that verifies its size
-    (``request.verifies``) also returns ``short``: its figures after its first ``settings.measured_steps``
-    steps and the validation passes, as a short trial's (module docstring). ``phase`` is told each part as it
-    starts (a trial killed at its time limit names where it was).
+    caller's progress moves through its minutes. One that verifies its size (``request.verifies``) also returns
+    ``short``: its figures after its first ``settings.measured_steps`` steps and the validation passes, as a short
+    trial's (module docstring). A short trial times more steps while its rate's interval is open (:func:`timing_done`).
+    ``phase`` is told each part as it starts (a trial killed at its time limit names where it was).
     """
-
     device, batch_size, settings = request.device, request.batch_size, request.settings
 
     def validate() -> list[float]:
@@ -352,6 +354,9 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
                     epoch_end = len(curve)
             elif all_ranks(steady_done(curve, settings, epoch_end)):
                 break
+    while not (request.steady or request.peak_only or all_ranks(timing_done(times, request.measured_steps))):
+        phase(f"timed step {len(times) + 1} (for the rate's interval)")
+        times.append(_timed(train, device.kind))
     figures = _figures(step, meter, device.kind, batch_size, build_s, warmup, times, validate(), witness)
     return {**figures, **({"step_peaks": tuple(curve), "epoch_end_step": epoch_end} if request.steady else {}),
             **({"short": short} if short is not None else {})}

@@ -1,0 +1,133 @@
+"""How much one trial's peak varies, and what that leaves of a limit (search rules 5 and 6).
+
+A trial's peak is a measurement: repeats of one batch size differ (on the host 0.4-0.8 % between processes,
+``bench/creep_policy.py``; the synthetic curves of ``bench/search_curves.py`` take ±1 %). Two rules of the search
+read single trials as if they were the truth, and both were found to settle limits whose long-run peak without
+noise lies above usable memory (``bench/results/search-curves/``):
+
+* **the evidence rule** (search rule 5): a batch size whose trials fitted was taken as safe whatever the fit said,
+  so a pair that measured 1 % low (or a creep measured low) passed a size 0.2-1.5 % over usable memory;
+* **the creep** (rule 6) is the difference of two trials (the steady trial's peak minus the short trials' at its
+  size), so it carries both their noise, and it was added to every point of the fit alike: the fit's residuals,
+  and so its prediction interval, never saw that error.
+
+Both are now held to the noise the calibration measured itself, :func:`measure_noise`: ``s``, the residual
+standard error of the line through the short trials near the limit (the batch sizes the boundary is read from,
+:func:`near_limit`: the verification pairs, the boundary trials and the conservative size's; repeats there are
+its pure error, and over so short a span a bend adds little), with ``n − 2`` degrees of freedom (the whole fit's
+residual where fewer than three points lie near the limit). With ``t = t(0.975, dof)`` (Student's t, the upper
+end of a 95 % interval, as :mod:`vramcal.calibration.fit`'s bound):
+
+    creep half-width(b) = t · s · sqrt(1 + 1/n_c) · b / c       (c: the steady trial's batch size, n_c: the short
+                                                                trials there; 0 before a creep is measured)
+    upper(b)            = fit.predict(b) + sqrt(fit.half_width(b)² + creep half-width(b)²)
+    evidence at b       : mean(steady-equivalent peaks at b) + t · s · sqrt(1/n_b + (1 + 1/n_c) · (b/c)²)
+                          <= usable            (n_b: the trials at b)
+
+The creep term is the standard error of a difference of one steady trial and the mean of ``n_c`` short trials,
+scaled to ``b`` as the creep is (per sample); the two half-widths add in quadrature, the errors being independent
+(Montgomery & Runger, *Applied Statistics and Probability for Engineers*, §5-4, the variance of a linear
+combination). The evidence test is the upper end of the 95 % interval of the mean of ``n_b`` trials (§8-2) with the
+creep's error beside it: a size counts as evidence when its measurements, not only their mean, leave room for the
+noise they were taken with.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vramcal.calibration.creep import measure_creep, short_trials
+from vramcal.calibration.fit import CONFIDENCE, Fit
+from vramcal.records import Trial
+
+
+def near_limit(trials: Sequence[Trial]) -> list[Trial]:
+    """The finished trials whose batch sizes lie near the largest measured one: the top third (at least two
+    sizes), else the top half; peaks bend, and the line near the limit is read from these (the boundary,
+    :func:`vramcal.calibration.search.boundary_batch_size`, and the noise, :func:`measure_noise`)."""
+    finished = [t for t in trials if t.ok]
+    top = max((t.batch_size for t in finished), default=0)
+    near = [t for t in finished if t.batch_size >= top * 2 / 3]
+    if len({t.batch_size for t in near}) < 2:
+        near = [t for t in finished if t.batch_size >= top / 2]
+    return near
+
+
+@dataclass(frozen=True)
+class Noise:
+    """The noise of one trial's peak and of the measured creep (module docstring).
+
+    Attributes:
+        stderr_bytes: ``s``, bytes.
+        dof: its degrees of freedom (at least 1).
+        creep_batch_size: ``c``, the steady trial's batch size whose creep counts (None: no creep measured).
+        creep_short_trials: ``n_c``, the short trials at ``c`` its creep was read against.
+    """
+
+    stderr_bytes: float
+    dof: int
+    creep_batch_size: int | None = None
+    creep_short_trials: int = 0
+
+    @property
+    def t(self) -> float:
+        """Student's t quantile for the upper end of a two-sided 95 % interval with :attr:`dof` degrees."""
+        return t_quantile(max(1, self.dof))
+
+    def creep_share(self, batch_size: float) -> float:
+        """``(1 + 1/n_c) · (b/c)²``: the creep's variance at ``batch_size`` in units of ``s²`` (0 without one)."""
+        if self.creep_batch_size is None:
+            return 0.0
+        return (1 + 1 / max(1, self.creep_short_trials)) * (batch_size / self.creep_batch_size) ** 2
+
+    def upper(self, fit: Fit, batch_size: float) -> float:
+        """The fit's upper 95 % prediction bound at ``batch_size`` with the creep's error added (bytes)."""
+        creep = self.t * self.stderr_bytes * math.sqrt(self.creep_share(batch_size))
+        return fit.predict(batch_size) + math.hypot(fit.half_width(batch_size), creep)
+
+    def holds(self, peaks: Sequence[int], batch_size: int, usable_bytes: int) -> bool:
+        """Whether trials at ``batch_size`` with these (steady-equivalent) ``peaks`` are evidence that its mean
+        long-run peak fits in ``usable_bytes`` (module docstring)."""
+        if not peaks:
+            return False
+        spread = self.t * self.stderr_bytes * math.sqrt(1 / len(peaks) + self.creep_share(batch_size))
+        return statistics.fmean(peaks) + spread <= usable_bytes
+
+
+@functools.lru_cache(maxsize=64)
+def t_quantile(dof: int) -> float:
+    """Student's t(0.975, ``dof``) (the search settles many times a step: computed once per ``dof``)."""
+    from scipy import stats  # deferred: scipy is heavy
+
+    return float(stats.t.ppf(0.5 + CONFIDENCE / 2, dof))
+
+
+def residual_stderr(batch_sizes: Sequence[int], peak_bytes: Sequence[int]) -> float:
+    """``s`` of the least-squares line through the points (bytes; at least 3 points over 2 sizes), as
+    :func:`vramcal.calibration.fit.fit_linear` computes it, without the rest of a fit."""
+    b, y = [float(v) for v in batch_sizes], [float(v) for v in peak_bytes]
+    b_mean, y_mean = math.fsum(b) / len(b), math.fsum(y) / len(y)
+    sxx = math.fsum((v - b_mean) ** 2 for v in b)
+    slope = math.fsum((u - b_mean) * (v - y_mean) for u, v in zip(b, y, strict=True)) / sxx
+    ssr = math.fsum((v - y_mean - slope * (u - b_mean)) ** 2 for u, v in zip(b, y, strict=True))
+    return math.sqrt(ssr / (len(b) - 2))
+
+
+def measure_noise(trials: Sequence[Trial], fit: Fit) -> Noise:
+    """The noise of ``trials`` (as recorded: short and steady ones) whose fit is ``fit`` (module docstring)."""
+    near = near_limit(short_trials(trials))
+    if len(near) >= 3 and len({t.batch_size for t in near}) >= 2:
+        stderr = residual_stderr([t.batch_size for t in near], [t.peak_bytes for t in near])  # type: ignore[misc]
+        dof = len(near) - 2
+    else:
+        stderr, dof = fit.residual_stderr_bytes, fit.n_points - 2
+    creep = measure_creep(trials)
+    if creep is None:
+        return Noise(stderr, dof)
+    short = sum(1 for t in short_trials(trials) if t.ok and t.batch_size == creep.batch_size
+                and t.seq_len == creep.seq_len)
+    return Noise(stderr, dof, creep.batch_size, short)
