@@ -65,6 +65,8 @@ class TrainConfig:
         checkpoint_steps, checkpoint_minutes: also save a checkpoint every this many steps or minutes
             within an epoch (None: at the end of each epoch only), so a kill loses less than an epoch.
         min_lr_fraction: the cosine decay ends at this fraction of the peak LR.
+        val_batch_size: samples per validation chunk; None = the profile's evaluation limit (its conservative size,
+            ``vramcal probe --eval``), else the training micro-batch (:func:`vramcal.train.plan.validation`).
 
     Paths (``data``, ``profiles_dir``, a ``profile`` file) are used as given, so relative ones are relative
     to the current directory. Files written for later use (a run's ``config.json``, the
@@ -100,6 +102,7 @@ class TrainConfig:
     data_on_device: bool = False
     checkpoint_steps: int | None = None
     checkpoint_minutes: float | None = None
+    val_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -127,6 +130,7 @@ class TrainConfig:
             (self.stride is None or self.stride >= 1, "stride must be >= 1"),
             (0 < self.val_fraction < 1, "val_fraction must be in (0, 1)"),
             (self.checkpoint_steps is None or self.checkpoint_steps >= 1, "checkpoint_steps must be >= 1"),
+            (self.val_batch_size is None or self.val_batch_size >= 1, "val_batch_size must be >= 1"),
             (self.checkpoint_minutes is None
              or (math.isfinite(self.checkpoint_minutes) and self.checkpoint_minutes > 0),
              f"checkpoint_minutes must be a finite number > 0, got {self.checkpoint_minutes}"),
