@@ -164,3 +164,12 @@ def test_the_profile_carries_both_and_the_report_and_limits_show_them(tmp_path):
     assert json.loads(shown.output)["token_budget"]["tokens"] == sized.budget.tokens
     alone = CliRunner().invoke(main, ["limits", str(path), "--token-budget", "--seq-len", "128"])
     assert alone.exit_code == 2 and "--seq-len and --token-budget ask different questions" in alone.output
+
+
+def test_the_probe_command_of_an_lm_profile_over_several_lengths_names_no_length():
+    """Such a profile's model keeps no seq_len: `vramcal limits` on it once failed with a KeyError there."""
+    from vramcal.models.registry import family_of
+    from vramcal.workload import ModelRef
+
+    ref = ModelRef.make("vramcal.models.lm:training_step", {"config": {"hidden_size": 64}, "dtype": "fp32"})
+    assert "--seq-len <its lengths>" in family_of(ref).probe_args(ref)
