@@ -267,6 +267,24 @@ def test_probe_limits_and_train_over_lengths_for_real(tmp_path):
     assert "at seq_len 16, 32, 64 on" in result.output
     reference = [t for t in profile.trials if t.seq_len == 32]
     assert len(profile.trials) - len(reference) <= 10  # the other lengths: their verifications only
+    # lengths that vary (issue 41): the bucket table and the token budget, both verified at their worst case by the
+    # calibration (a budget check, or a search trial at the same batch and length), carried in the profile
+    sized = profile.lengths
+    assert sized.verified and [b.longest_seq_len for b in sized.buckets] == [16, 32, 64]
+    assert len(sized.trials) <= 2 and all(t.purpose.startswith("verify-budget") for t in sized.trials)
+    assert "token budget  " in result.output
+    table = json.loads(CliRunner().invoke(main, ["limits", str(out), "--buckets", "auto", "--token-budget",
+                                                 "--json"]).output)
+    budget = table["token_budget"]
+    assert budget["tokens"] == sized.budget.tokens and all(case["verified"] for case in table["worst_cases"])
+    worst = table["worst_cases"][1]
+    assert worst["batch_size"] == budget["tokens"] // budget["worst_seq_len"] and worst["seq_len"] % 16 == 0
+    # other boundaries: the longest bucket, 40 tokens padded to 48, is an interpolation: --verify runs its trial
+    custom = CliRunner().invoke(main, ["limits", str(out), "--buckets", "20,40", "--verify"])
+    assert custom.exit_code in (0, 3) and "worst case, the longest bucket: batch_size" in custom.output
+    assert "at seq_len 48: verified by a real trial now (ok)" in custom.output or custom.exit_code == 3, custom.output
+    refused = CliRunner().invoke(main, ["limits", str(out), "--buckets", "32,128"])
+    assert refused.exit_code == 1 and "the bucket 128 is longer than the profile's longest seq_len 64" in refused.output
     answer = CliRunner().invoke(main, ["limits", str(out), "--seq-len", "48", "--json"])
     found = json.loads(answer.output)
     assert found["basis"].startswith("interpolated") and found["upper_bytes"] <= found["usable_bytes"]

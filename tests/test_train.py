@@ -261,8 +261,9 @@ def test_out_of_memory_at_one_sample_stops_in_one_line_naming_the_checkpoint(set
 @pytest.mark.parametrize("error, recorded", [(torch.OutOfMemoryError("CUDA out of memory"), "CUDA out of memory"),
                                              (MemoryError(), "MemoryError")], ids=["cuda", "host-without-a-message"])
 def test_validation_falls_back_too(setup, error, recorded):
-    """Validation halves its micro-batch like the step does; ``MemoryError()`` has no message (the fallback
-    once read its first line and crashed)."""
+    """Validation halves its chunk like the step halves its micro-batch, the training batch left as it is (an
+    evaluation's out-of-memory error must not shrink training: transformers #32215); ``MemoryError()`` has no
+    message (the fallback once read its first line and crashed)."""
     plan, step = in_process(setup, f"val-oom-{type(error).__name__}", batch_size=8, max_steps=1)
     real_forward = loop.forward
 
@@ -276,7 +277,7 @@ def test_validation_falls_back_too(setup, error, recorded):
         row = loop.Trainer(plan, step, echo=lambda line: None).run()
     finally:
         loop.forward = real_forward
-    assert math.isfinite(row["val_loss"]) and row["micro_batch_size"] == 2
+    assert math.isfinite(row["val_loss"]) and row["val_batch_size"] == 2 and row["micro_batch_size"] == 8
     assert [(e["where"], e["error"]) for e in rows(plan.run_dir, "oom")] == [("validation", recorded)] * 2
 
 

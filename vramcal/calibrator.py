@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from vramcal import __version__
-from vramcal.calibration import surface
+from vramcal.calibration import evaluation, lengths, surface
 from vramcal.calibration.creep import HOST_LATE_CREEP, STEADY
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import Aim, SearchSettings, Step, next_batch_size, settle, unmeasured_ceiling
@@ -70,6 +70,8 @@ class CalibrationPlan:
         aim: an estimate's slope the search aims its growth with (:class:`~vramcal.calibration.search.Aim`:
             :mod:`vramcal.estimated`); None climbs from batch size 1. The limits are verified the same way.
         notices: lines for people about the plan (why it is not aimed).
+        evaluation: also calibrate the evaluation pass alone (:mod:`vramcal.calibration.evaluation`), after the
+            training limits, at the reference length.
     """
 
     device: Device
@@ -83,6 +85,7 @@ class CalibrationPlan:
     rank_devices: tuple[Device, ...] = ()
     aim: Aim | None = None
     notices: tuple[str, ...] = ()
+    evaluation: bool = False
 
     @property
     def usable_bytes(self) -> int:
@@ -99,12 +102,15 @@ class CalibrationPlan:
                               steady_verifies=trials.steady_steps > trials.measured_steps, aim=self.aim)
 
     def request(self, step: Step, seq_len: int | None = None) -> TrialRequest:
-        """The trial of ``step`` (at ``seq_len`` in a calibration over several lengths)."""
+        """The trial of ``step`` (at ``seq_len`` in a calibration over several lengths; an evaluation trial for an
+        :class:`~vramcal.calibration.evaluation.EvalStep`)."""
         model = self.model if seq_len is None else self.model.replace(seq_len=seq_len)
+        train = step.train_batch_size if isinstance(step, evaluation.EvalStep) else None
         return TrialRequest(model, step.batch_size, self.device, json.dumps(self.options, sort_keys=True),
                             self.trials, steady=step.purpose == STEADY, verifies=step.verifies, world=self.world,
-                            rank_devices=self.rank_devices, peak_only=step.purpose == "boundary",
-                            usable_bytes=self.usable_bytes)
+                            rank_devices=self.rank_devices,
+                            peak_only=step.purpose.removeprefix(evaluation.PREFIX) == "boundary",
+                            train_batch_size=train, usable_bytes=self.usable_bytes)
 
 
 def run_trials(plan: CalibrationPlan, runner: Runner, on_trial: Callable[[Trial], None] | None = None,
@@ -122,7 +128,7 @@ def run_trials(plan: CalibrationPlan, runner: Runner, on_trial: Callable[[Trial]
             cannot be written (the calibration stops: what it holds is kept for the next run).
     """
     search, started, trials = plan.search(), time.perf_counter(), []
-    while (chosen := _next(trials, search, plan.seq_lens)) is not None:
+    while (chosen := _next(trials, search, plan)) is not None:
         seq_len, step = chosen
         purposes = ("verify-conservative", step.purpose) if step.verifies else (step.purpose,)
         found = journal.replay(len(trials), step.batch_size, purposes, seq_len) if journal else None
@@ -189,11 +195,42 @@ def _record(journal: Journal, trials: list[Trial], new: int) -> None:
                                f"space and run the same command again to continue from them") from None
 
 
-def _next(trials: list[Trial], search: SearchSettings, seq_lens: tuple[int, ...]) -> tuple[int | None, Step] | None:
-    if len(seq_lens) > 1:
-        return surface.next_trial(trials, seq_lens, search)
-    step = next_batch_size(trials, search)
-    return None if step is None else (None, step)
+def _next(trials: list[Trial], search: SearchSettings, plan: CalibrationPlan) -> tuple[int | None, Step] | None:
+    """The next (seq_len, step): the search (over several lengths, the surface's), then over several lengths the
+    token budget's verifications (:func:`vramcal.calibration.lengths.next_check`), then where the plan asks the
+    evaluation search (:func:`vramcal.calibration.evaluation.next_step`)."""
+    core, checks, evaluated = _split(trials)
+    if len(plan.seq_lens) > 1:
+        chosen = surface.next_trial(core, plan.seq_lens, search)
+        found = None if chosen else surface.settle_surface(core, plan.seq_lens, _chunk(plan), search)[0]
+        chosen = chosen or (found and lengths.next_check(core, checks, found, search))
+    else:
+        step = next_batch_size(core, search)
+        chosen = None if step is None else (None, step)
+    if chosen or not plan.evaluation:
+        return chosen or None
+    seq_len, train = _evaluation_base(plan, core, search)
+    step = evaluation.next_step(evaluated, search, train, plan.trials.max_trials) if train else None
+    return None if step is None else (seq_len, step)
+
+
+def _split(trials: list[Trial]) -> tuple[list[Trial], list[Trial], list[Trial]]:
+    """(the search's trials, the token budget's verification trials, the evaluation trials as their search reads
+    them)."""
+    return ([t for t in trials if t.purpose not in lengths.PURPOSES and not evaluation.is_evaluation(t)],
+            [t for t in trials if t.purpose in lengths.PURPOSES], evaluation.evaluation_trials(trials))
+
+
+def _evaluation_base(plan: CalibrationPlan, core: list[Trial], search: SearchSettings) -> tuple[int | None, int]:
+    """(the evaluation trials' seq_len: the reference length over several, else None; the training batch their
+    warm-up steps train at: the conservative size there, 0 when there is none)."""
+    seq_len = surface.reference_length(plan.seq_lens) if len(plan.seq_lens) > 1 else None
+    limits = settle(core if seq_len is None else surface.at_length(core, seq_len), search).limits
+    return seq_len, limits.conservative_batch_size if limits else 0
+
+
+def _chunk(plan: CalibrationPlan) -> int:
+    return family_of(plan.model).chunk_size(plan.model)
 
 
 def first_trial_failure(first: Trial, plan: CalibrationPlan) -> str:
@@ -241,9 +278,18 @@ def assemble(plan: CalibrationPlan, trials: list[Trial], context: dict[str, Any]
     run = {"wall_s": wall_s, **settings, "boundary_trials": plan.trials.boundary, "creep_rule": "largest",
            "host_memory_limit": "RLIMIT_DATA = total_bytes" if plan.device.kind == "host" else None,
            **({"aim": dataclasses.asdict(plan.aim)} if plan.aim else {})}
+    core, checks, evaluated = _split(trials)
     if len(plan.seq_lens) > 1:
-        return _assemble_surface(plan, trials, context, {**run, "seq_lens": list(plan.seq_lens)})
-    return _assemble_one(plan, plan.model, trials, context, run)
+        profile = _assemble_surface(plan, [*core, *checks], context, {**run, "seq_lens": list(plan.seq_lens)})
+    else:
+        profile = _assemble_one(plan, plan.model, core, context, run)
+    if not plan.evaluation:
+        return profile
+    seq_len, train = _evaluation_base(plan, core, plan.search())
+    found = evaluation.settle_evaluation(evaluated, plan.search(), max(1, train), seq_len, plan.trials.max_trials)
+    warnings = [] if found.verified else ["the evaluation limit is not verified by real trials: validate at the "
+                                          "training batch size"]
+    return dataclasses.replace(profile, evaluation=found, warnings=profile.warnings + tuple(warnings))
 
 
 def _assemble_one(plan: CalibrationPlan, model: ModelRef, trials: list[Trial], context: dict[str, Any],
@@ -300,12 +346,11 @@ def _assemble_surface(plan: CalibrationPlan, trials: list[Trial], context: dict[
                       run: dict[str, Any]) -> Profile:
     """The reference length's one-length fields, the surface, and a warning for each length left unverified
     or for terms the 2-D model lacks."""
-    reference = surface.reference_length(plan.seq_lens)
+    reference, (trials, checks, _) = surface.reference_length(plan.seq_lens), _split(trials)
     one = _assemble_one(plan, plan.model.replace(seq_len=reference), surface.at_length(trials, reference),
                         context, run)
-    found, _, _ = surface.settle_surface(trials, plan.seq_lens, family_of(plan.model).chunk_size(plan.model),
-                                         plan.search())
-    warnings = list(one.warnings)
+    found, _, _ = surface.settle_surface(trials, plan.seq_lens, _chunk(plan), plan.search())
+    warnings, sized = list(one.warnings), None
     if found is None:
         warnings.append("no model in batch_size x seq_len: too few points over the lengths")
     else:
@@ -313,8 +358,11 @@ def _assemble_surface(plan: CalibrationPlan, trials: list[Trial], context: dict[
                      if not e.verified]
         if found.fit.extra_terms:
             warnings.append(found.fit.extra_terms)
+        sized = lengths.settle_lengths(trials, checks, found, plan.search())
+        if not sized.verified:
+            warnings.append(sized.note or "the token budget is not verified by a real trial at its worst batch")
     return dataclasses.replace(one, model=plan.model.without("seq_len"), trials=tuple(trials), surface=found,
-                               warnings=tuple(warnings))
+                               lengths=sized, warnings=tuple(warnings))
 
 
 def _warnings(profile: Profile, n_trials: int) -> list[str]:

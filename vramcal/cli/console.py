@@ -48,8 +48,46 @@ def summary(profile) -> str:
             lines.append(f"  ({surface.fit.negative_terms()})")
         lines += [f"  seq_len {e.seq_len:>6}  safe {e.safe_batch_size:<7} conservative {e.conservative_batch_size:<7} "
                   f"({'verified' if e.verified else 'NOT verified'})" for e in surface.lengths]
+        lines += lengths_summary(profile)
+    lines += evaluation_lines(profile)
     lines.extend(f"warning: {w}" for w in profile.warnings)
     return "\n".join(lines)
+
+
+def evaluation_lines(profile) -> list[str]:
+    """The evaluation limit beside the training limit (``vramcal probe --eval``), or nothing without one."""
+    found, limits = profile.evaluation, profile.limits
+    if found is None:
+        return []
+    if found.limits is None or found.fit is None or limits is None:
+        return ["evaluation    no limit: too few evaluation trials fitted (validate at the training batch size)"]
+    lines = [f"evaluation    {found.fit.formula().replace('peak', 'eval_peak')}   (r² = {found.fit.r_squared:.4f}, "
+             f"{found.fit.n_points} points, after training steps at batch_size {found.train_batch_size})"]
+    for name, value, peak in (("safe", found.limits.safe_batch_size, found.safe_peak_bytes),
+                              ("conservative", found.limits.conservative_batch_size, found.conservative_peak_bytes)):
+        state = f"verified: peak {format_bytes(peak)}" if peak is not None else "NOT verified"
+        lines.append(f"  eval {name:<12} batch_size {value:<6} ({state})")
+    train = limits.safe_batch_size
+    if train > 0:
+        lines.append(f"  the evaluation pass fits {found.limits.safe_batch_size / train:.2f} x the training batch "
+                     f"(safe {found.limits.safe_batch_size} against {train}: "
+                     f"{format_bytes(found.fit.slope_bytes_per_sample)} a sample against "
+                     f"{format_bytes(profile.fit.slope_bytes_per_sample)})")
+    return lines
+
+
+def lengths_summary(profile) -> list[str]:
+    """Over several lengths: the token budget and whether its worst batches were verified (issue 41)."""
+    sized = profile.lengths
+    if sized is None or sized.budget is None:
+        return [] if sized is None else [f"token budget: none ({sized.note})"]
+    checks = [sized.verification.get(name) for name in ("budget", "conservative_budget")]
+    state = "; ".join(f"{name} verified at batch_size {c.batch_size} x seq_len {c.seq_len}: peak "
+                      f"{format_bytes(c.peak_bytes)}" if c and c.passed else f"{name} NOT verified"
+                      for name, c in zip(("safe", "conservative"), checks))
+    budget = sized.budget
+    return [f"token budget  {budget.tokens:,} tokens per batch, conservative {budget.conservative_tokens:,} ({state}); "
+            f"vramcal limits --buckets/--token-budget for the tables"]
 
 
 def observations_lines(profile) -> list[str]:

@@ -152,11 +152,14 @@ rank_options = group(
 @click.option("--aim/--no-aim", default=False, show_default=True,
               help="trace the step on fake tensors first (seconds) and aim the first trials with its slope instead "
                    "of climbing from batch_size 1; the limits are verified the same way")
+@click.option("--eval", "evaluation", is_flag=True,
+              help="also calibrate the evaluation pass alone (no gradients; after real training steps): a verified "
+                   "evaluation batch size, which vramcal train validates at")
 @click.option("--json", "as_json", is_flag=True, help="print the profile(s) as JSON on stdout (the rest on stderr)")
 @click.pass_context
 def probe(ctx: click.Context, gpu, capacity, implementation, model: ModelOptions, data: dict[str, Any],
           settings, trials: TrialSettings, nproc: int, parallel: WorldOptions, profiles_dir, out, reports_dir,
-          no_report, aim, as_json) -> None:
+          no_report, aim, evaluation, as_json) -> None:
     """Calibrate: real training steps at growing batch sizes, a fit, verified safe/conservative limits.
 
     Exits 0 when every profile written is verified, 3 when one is not (its limits are estimates).
@@ -168,7 +171,8 @@ def probe(ctx: click.Context, gpu, capacity, implementation, model: ModelOptions
         api.worker_pool().warm_up()  # the trials' server imports torch while the options and data are checked
         common = dict(implementation=implementation, settings=settings, options=data, profiles_dir=profiles_dir,
                       out=out, trials=trials, aim=aim)
-        plans = plan_probes(model, gpu, capacity, nproc, parallel, common, err=as_json)
+        plans = [dataclasses.replace(plan, evaluation=evaluation)  # --eval: the evaluation pass's own limit too
+                 for plan in plan_probes(model, gpu, capacity, nproc, parallel, common, err=as_json)]
         if not no_report:
             check_writable(reports_dir, "reports", "--reports-dir, or --no-report")
         profiles = [calibrate_one(plan, as_json, None if no_report else reports_dir) for plan in plans]

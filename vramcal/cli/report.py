@@ -11,7 +11,8 @@ from pathlib import Path
 
 import click
 
-from vramcal import api
+from vramcal import api, batching
+from vramcal.calibration.lengths import parse_buckets
 from vramcal.cli.console import estimate_lines
 from vramcal.cli.cost import forecast_options, forecast_settings
 from vramcal.cli.options import EXIT_UNVERIFIED, GpuList, load_profiles, one_line, strict_option
@@ -21,6 +22,7 @@ from vramcal.estimated import estimate_cards, traced_options
 from vramcal.models.registry import describe
 from vramcal.report import write_report
 from vramcal.report.catalogue import CATALOGUE, GpuModel, other_gpu_limits
+from vramcal.report.lengths import lengths_lines
 from vramcal.report.markdown import device_label, limits_notes, limits_table, missing_notes
 from vramcal.report.world import world_heading, world_rows, world_table
 from vramcal.sizing import answer
@@ -79,7 +81,15 @@ def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, 
               help="safe and conservative batch sizes at this length (a profile calibrated over several lengths)")
 @click.option("--batch-size", type=click.IntRange(1), default=None,
               help="the longest seq_len at this batch size (a profile calibrated over several lengths)")
-@click.option("--verify", is_flag=True, help="run one real trial at the answer (on the profile's device, here)")
+@click.option("--buckets", default=None,
+              help="a profile calibrated over several lengths: the safe and conservative batch of each seq_len "
+                   "bucket, named by its longest length (128,256,512,1024), or auto (the calibration's choice)")
+@click.option("--token-budget", is_flag=True,
+              help="a profile calibrated over several lengths: the most tokens per batch of documents up to its "
+                   "longest seq_len (each batch padded to a multiple of chunk_size), and its worst length")
+@click.option("--verify", is_flag=True,
+              help="run one real trial at the answer (on the profile's device, here); with --buckets or "
+                   "--token-budget, at each worst case no recorded trial verified")
 @click.option("--world-size", type=click.IntRange(2), default=None,
               help="a world's profile: its per-rank and global limits at this many ranks on each card, computed by "
                    "the sharding model")
@@ -92,29 +102,36 @@ def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, 
 @strict_option
 @click.pass_context
 def limits_command(ctx: click.Context, profile: Path, gpus: list[GpuModel], seq_len: int | None,
-                   batch_size: int | None, verify: bool, world_size: int | None, global_batch: int | None,
-                   profiles_dir: Path, as_json: bool, strict_profile: bool) -> None:
+                   batch_size: int | None, buckets: str | None, token_budget: bool, verify: bool,
+                   world_size: int | None, global_batch: int | None, profiles_dir: Path, as_json: bool,
+                   strict_profile: bool) -> None:
     """Print PROFILE's limits: on common GPUs, or at a sequence length or batch size.
 
     The GPU table is the report's "Limits on other GPUs": for a GPU profile, its fit carried to each card
     (roughly: the context and kernels differ by card); a host profile is never carried to a GPU, whose rows are
     estimated instead (`vramcal estimate`, with the bound learned from --profiles-dir). With --seq-len or
     --batch-size, the answer of a profile calibrated over several lengths; --verify checks it with a real trial
-    (exit 3 when that trial does not fit). With --world-size or --global-batch, a world's profile (`vramcal probe
-    --nproc N`) at other world sizes: under FSDP the model states divide by the ranks, the rest of the measured fit
-    does not.
+    (exit 3 when that trial does not fit). With --buckets or --token-budget, how a run on documents of varying
+    length batches them: per-bucket batch sizes, or a token budget, each with its worst case verified. With
+    --world-size or --global-batch, a world's profile (`vramcal probe --nproc N`) at other world sizes: under
+    FSDP the model states divide by the ranks, the rest of the measured fit does not.
     """
 
     loaded = load_profiles((profile,))[1][0]
     with one_line():
         warn_if_stale(loaded, profile, strict_profile)
+    questions = (("--seq-len", seq_len), ("--batch-size", batch_size), ("--buckets", buckets),
+                 ("--token-budget", token_budget), ("--world-size", world_size), ("--global-batch", global_batch))
+    asked = [flag for flag, given in questions if given is not None and given is not False]
+    if len(asked) > 1 and set(asked) != {"--buckets", "--token-budget"}:
+        raise click.UsageError(f"{asked[0]} and {asked[1]} ask different questions: give one of them")
     if world_size is not None or global_batch is not None:
-        asked = [flag for flag, given in (("--seq-len", seq_len), ("--batch-size", batch_size), ("--verify", verify),
-                                          ("--world-size", world_size), ("--global-batch", global_batch)) if given]
-        if len(asked) > 1:
-            raise click.UsageError(f"{asked[0]} and {asked[1]} ask different questions: give one of them")
+        if verify:
+            raise click.UsageError(f"--verify and {asked[0]} ask different questions: give one of them")
         _world_table(profile, loaded, gpus, world_size, global_batch, as_json)
         return
+    if buckets is not None or token_budget:
+        ctx.exit(_lengths(profile, loaded, buckets, token_budget, verify, as_json))
     if seq_len is None and batch_size is None:
         if verify:
             raise click.BadParameter("--verify checks an answer: give --seq-len or --batch-size", param_hint="--verify")
@@ -144,6 +161,38 @@ def _print_answer(found, trial, as_json: bool) -> None:
         verdict = (f"verified: peak {format_bytes(trial.peak_bytes)}" if trial.fits(found.usable_bytes) else
                    f"NOT verified: {trial.status}" + (f", peak {format_bytes(trial.peak_bytes)}" if trial.ok else ""))
         click.echo(f"real trial at batch_size {found.batch_size}, seq_len {found.seq_len}: {verdict}")
+
+
+def _lengths(path: Path, loaded, bucket_text: str | None, with_budget: bool, verify: bool, as_json: bool) -> int:
+    """The bucket table and/or the token budget, each worst case verified here where asked; the exit status."""
+    with one_line():
+        table, worst = batching.buckets(loaded, parse_buckets(bucket_text)) if bucket_text is not None else (None, [])
+        found, budget_worst = batching.budget(loaded) if with_budget else (None, ())
+        cases = [*([worst] if table else []), *budget_worst]
+        trials = {case: api.verify(loaded, case.batch_size, case.seq_len) for case in cases
+                  if verify and case.check is None}
+    usable = loaded.settings.usable_bytes(loaded.device.total_bytes)
+    results = [(case, _verdict(case, trials.get(case), usable)) for case in cases]
+    if as_json:
+        click.echo(json.dumps({"profile": str(path), "chunk_size": loaded.surface.chunk_size,
+                               "buckets": table and [b.to_dict() for b in table],
+                               "token_budget": found and found.to_dict(),
+                               "worst_cases": [{"what": c.what, "seq_len": c.seq_len, "batch_size": c.batch_size,
+                                                **v} for c, v in results]}, indent=2, sort_keys=True))
+    else:
+        for line in lengths_lines(loaded, table, found, results):
+            click.echo(line)
+    return EXIT_UNVERIFIED if any(v["verified"] is False for _, v in results) else 0
+
+
+def _verdict(case, trial, usable: int) -> dict:
+    """A worst case's verification: the profile's recorded trial, the real trial run now, or none."""
+    if trial is not None:
+        return {"verified": trial.fits(usable), "peak_bytes": trial.peak_bytes, "by": f"a real trial now "
+                f"({trial.status})"}
+    if case.check is not None:
+        return {"verified": case.check.passed, "peak_bytes": case.check.peak_bytes, "by": "the calibration's trial"}
+    return {"verified": None, "peak_bytes": None, "by": "no trial (--verify runs one)"}
 
 
 def _gpu_table(path: Path, loaded, gpus: list[GpuModel], as_json: bool, profiles_dir: Path) -> None:

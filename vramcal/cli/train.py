@@ -101,6 +101,9 @@ def es_sample_command(bar: str, out: Path, ticks: Path | None) -> None:
 @click.option("--batch-size", type=BatchSize(), default="auto", show_default=True,
               help="auto = the profile's conservative batch size; N is clamped to [--batch-size-min, safe] (with no "
                    "profile: N as it is, unchecked against memory)")
+@click.option("--val-batch-size", type=click.IntRange(1), default=None,
+              help="samples per validation chunk [default: the profile's evaluation limit (vramcal probe --eval), "
+                   "else the training batch]; above the evaluation limit the run is warned")
 @click.option("--lr", type=FiniteFloat(0, min_open=True), default=5e-5, show_default=True,
               help="peak learning rate at --reference-batch-size")
 @click.option("--weight-decay", type=FiniteFloat(0), default=0.01, show_default=True)
@@ -321,6 +324,10 @@ def announce(plan) -> None:
     click.echo(f"{verb}: {config.spec.short()} [{plan.implementation}] on {plan.device.name}", err=True)
     click.echo(f"batch_size {plan.batch_size}{batch_origin(plan)}, lr {plan.lr:.3g} ({config.lr_scaling} scaling "
                f"from {config.lr:.3g} at batch {config.reference_batch_size})", err=True)
+    if plan.validation is not None:
+        predicted = plan.validation.predicted_at(plan.validation.batch_size)
+        click.echo(f"validation batch_size {plan.validation.batch_size} ({plan.validation.source}"
+                   + (f", predicted peak {format_bytes(predicted)})" if predicted else ")"), err=True)
     click.echo(f"data: {stats['rows']} rows, {stats['train_windows']} training and {stats['val_windows']} validation "
                f"windows of {stats['seq_len']} bars (stride {stats['stride']}), validation from "
                f"{stats['first_val_timestamp']}; run folder {plan.run_dir}", err=True)

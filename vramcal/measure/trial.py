@@ -91,6 +91,9 @@ class TrialRequest:
         peak_only: one measured step and no validation pass (module docstring): a boundary trial.
         usable_bytes: the calibration's usable memory (bytes): a trial killed by a signal after its meter read at
             or above it is out-of-memory (:mod:`vramcal.measure.evidence`); None: only the kernel's counter says so.
+        train_batch_size: an evaluation trial (:mod:`vramcal.calibration.evaluation`): its warm-up steps train at
+            this batch size, then its measured steps are evaluation passes alone at ``batch_size``. None: a
+            training trial.
     """
 
     model: ModelRef
@@ -104,6 +107,7 @@ class TrialRequest:
     rank_devices: tuple[Device, ...] = ()
     peak_only: bool = False
     usable_bytes: int | None = None
+    train_batch_size: int | None = None
 
     def rank_device(self, rank: int) -> Device:
         return self.rank_devices[rank] if self.rank_devices else self.device
@@ -326,6 +330,8 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
     ``phase`` is told each part as it starts (a trial killed at its time limit names where it was).
     """
     device, batch_size, settings = request.device, request.batch_size, request.settings
+    if request.train_batch_size is not None:
+        return evaluation_steps(request, step, model, meter, build_s, phase)
 
     def validate() -> list[float]:
         if request.val_steps:
@@ -360,6 +366,25 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
     figures = _figures(step, meter, device.kind, batch_size, build_s, warmup, times, validate(), witness)
     return {**figures, **({"step_peaks": tuple(curve), "epoch_end_step": epoch_end} if request.steady else {}),
             **({"short": short} if short is not None else {})}
+
+
+def evaluation_steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: float,
+                     phase: Callable[[str], None] = phase_of(None)) -> dict[str, Any]:
+    """An evaluation trial (:mod:`vramcal.calibration.evaluation`): ``warmup_steps`` training steps at
+    ``request.train_batch_size`` (the optimizer's state allocated, the gradients freed by its step, as the trainer
+    leaves them before it validates), the meter reset, then ``measured_steps`` evaluation passes alone at
+    ``request.batch_size`` (:func:`vramcal.workload.validation_step`), each timed; their figures are the trial's."""
+
+    kind, settings = request.device.kind, request.settings
+    phase(f"the warm-up training step{'s' * (settings.warmup_steps != 1)} at batch_size {request.train_batch_size}")
+    train, witness = _trainer(step, model, request.train_batch_size)  # type: ignore[arg-type]
+    warmup = [_timed(train, kind) for _ in range(settings.warmup_steps)]
+    meter.reset()
+    passes = []
+    for number in range(1, request.measured_steps + 1):
+        phase(f"evaluation pass {number} of {request.measured_steps}")
+        passes.append(_timed(lambda: validation_step(step, request.batch_size, model), kind))
+    return _figures(step, meter, kind, request.batch_size, build_s, warmup, passes, [], witness)
 
 
 def _trainer(step: Any, model: Any, batch_size: int) -> tuple[Callable[[], None], Any]:

@@ -188,7 +188,8 @@ class LanguageModel(Family):
 
     def probe_args(self, ref: ModelRef) -> list[str]:
         checkpointing = ref.params.get("checkpointing")
-        return ["--model lm", "--model-arg config=<its config file>", f"--seq-len {ref.params['seq_len']}",
+        lengths = ref.params.get("seq_len", "<its lengths>")  # a profile over several lengths keeps none
+        return ["--model lm", "--model-arg config=<its config file>", f"--seq-len {lengths}",
                 *([f"--model-arg checkpointing={checkpointing}"] if checkpointing else [])]
 
 

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from vramcal.calibration.creep import Creep, CreepRule, measure_creep
+from vramcal.calibration.evaluation import EvalLimits
 from vramcal.calibration.fit import Fit
+from vramcal.calibration.lengths import LengthSizing
 from vramcal.calibration.limits import Limits, LimitSettings
 from vramcal.calibration.surface import Surface
 from vramcal.records import Device, Trial, World
@@ -168,6 +170,10 @@ class Profile:
         surface: for a calibration over several sequence lengths, the model in batch_size × seq_len and
             the limits verified at each length (``model`` then has no ``seq_len``; ``fit``, ``limits`` and
             ``verification`` are the reference length's). None for one length.
+        lengths: over several lengths, the bucket table and the token budget, and the trials that verify them at
+            their worst case (:mod:`vramcal.calibration.lengths`); None for one length and older profiles.
+        evaluation: the evaluation limit (the evaluation pass alone, :mod:`vramcal.calibration.evaluation`), when
+            the calibration measured it (``vramcal probe --eval``); None otherwise and in older profiles.
         world: the DDP world the trials ran in (every limit is then per rank), or None for one process.
         single_process: in a DDP profile, the DDP term: the per-rank peak at the safe size against a
             single-process profile of the same model and device (``profile``, ``batch_size``,
@@ -190,6 +196,8 @@ class Profile:
     environment: dict[str, Any] = field(default_factory=dict)
     observations: tuple[Observation, ...] = ()
     surface: Surface | None = None
+    lengths: LengthSizing | None = None
+    evaluation: EvalLimits | None = None
     world: World | None = None
     single_process: dict[str, Any] | None = None
     warnings: tuple[str, ...] = ()
@@ -279,6 +287,8 @@ class Profile:
             "creep": self.creep.to_dict() if self.creep else None,
             "observations": [o.to_dict() for o in self.observations],
             "surface": self.surface.to_dict() if self.surface else None,
+            "lengths": self.lengths.to_dict() if self.lengths else None,
+            "evaluation": self.evaluation.to_dict() if self.evaluation else None,
             "world": self.world.to_dict() if self.world else None, "single_process": self.single_process,
         }
 
@@ -307,8 +317,9 @@ class Profile:
 # The keys :meth:`Profile.to_dict` writes: the fields, and three derived from them (checked against them where a
 # file has them: ``creep`` came with the step creep, so earlier files of the schema lack it).
 FIELDS = tuple(f.name for f in dataclasses.fields(Profile) if f.name != "path")
-# Came later than the schema: the calibration over several lengths (surface), DDP (world, single_process).
-OPTIONAL = ("surface", "world", "single_process")
+# Came later than the schema: the calibration over several lengths (surface), DDP (world, single_process), lengths
+# that vary (lengths), the evaluation limit (evaluation).
+OPTIONAL = ("surface", "world", "single_process", "lengths", "evaluation")
 DERIVED = ("model_key", "verified", "creep")
 
 
@@ -364,5 +375,6 @@ _READERS = {
     "fit": _nullable(Fit.from_dict), "limits": _nullable(Limits.from_dict),
     "verification": lambda value, path: read_map(value, path, Verification.from_dict, ("safe", "conservative")),
     "observations": lambda value, path: read_list(value, path, Observation.from_dict),
-    "surface": _nullable(Surface.from_dict), "data": _read_data, "world": _nullable(World.from_dict),
+    "surface": _nullable(Surface.from_dict), "lengths": _nullable(LengthSizing.from_dict),
+    "evaluation": _nullable(EvalLimits.from_dict), "data": _read_data, "world": _nullable(World.from_dict),
 }

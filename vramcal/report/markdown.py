@@ -19,6 +19,7 @@ from vramcal.models.registry import describe, differences, family_of
 from vramcal.profile import profile_path
 from vramcal.report.catalogue import GpuLimitRow, GpuModel, other_gpu_limits
 from vramcal.report.cost import forecast_notes, forecast_table
+from vramcal.report.lengths import varying_section
 from vramcal.report.table import MISSING, markdown_table
 from vramcal.sizing import fitted_from, verdict
 from vramcal.units import format_bytes, format_duration, format_rate
@@ -501,7 +502,7 @@ def profile_section(profile: Profile, extra_gpus: Sequence[GpuModel], level: str
         warnings.append(profile.fit.nonlinearity)
     if warnings:
         lines += [f"{level} Warnings", "", *(f"- {w}" for w in dict.fromkeys(warnings)), ""]
-    lines += lengths_section(profile, level)
+    lines += lengths_section(profile, level) + varying_section(profile, level)
     lines += [f"{level} Training runs", ""]
     lines += ([("Each `vramcal train` run that used this profile appends its measured peak (by the trials' "
                 "definition) beside the prediction for its batch size and data."), "", observations_table(profile)]

@@ -68,6 +68,8 @@ class TrainConfig:
         checkpoint_steps, checkpoint_minutes: also save a checkpoint every this many steps or minutes
             within an epoch (None: at the end of each epoch only), so a kill loses less than an epoch.
         min_lr_fraction: the cosine decay ends at this fraction of the peak LR.
+        val_batch_size: samples per validation chunk; None = the profile's evaluation limit (its conservative size,
+            ``vramcal probe --eval``), else the training micro-batch (:func:`vramcal.train.plan.validation`).
         variant: ``spec`` (train the spec as given) or ``auto``: among the calibrated variants of the spec (its
             activation checkpointing and chunk_size: :mod:`vramcal.variants`) under ``profiles_dir``, the one with
             the most measured samples/s at the batch each would train at; the run's saved config holds the spec
@@ -109,6 +111,7 @@ class TrainConfig:
     data_on_device: bool = False
     checkpoint_steps: int | None = None
     checkpoint_minutes: float | None = None
+    val_batch_size: int | None = None
     variant: Literal["spec", "auto"] = "spec"
     report_to: tuple[Reporter, ...] = ("tensorboard",)
 
@@ -138,6 +141,7 @@ class TrainConfig:
             (self.stride is None or self.stride >= 1, "stride must be >= 1"),
             (0 < self.val_fraction < 1, "val_fraction must be in (0, 1)"),
             (self.checkpoint_steps is None or self.checkpoint_steps >= 1, "checkpoint_steps must be >= 1"),
+            (self.val_batch_size is None or self.val_batch_size >= 1, "val_batch_size must be >= 1"),
             (self.checkpoint_minutes is None
              or (math.isfinite(self.checkpoint_minutes) and self.checkpoint_minutes > 0),
              f"checkpoint_minutes must be a finite number > 0, got {self.checkpoint_minutes}"),

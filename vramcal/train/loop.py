@@ -197,6 +197,8 @@ class Trainer:
         self._last_save = time.monotonic()
         self._saved_step = self.progress.step if state is not None else None  # the step the last save holds
         self._outgrown: set[str] = set()  # the bounds this run's peak has passed (said once each)
+        validation = plan.validation
+        self.val_batch_size = validation.batch_size if validation is not None else self.progress.micro_batch_size
 
     # ------------------------------------------------------------------------------------ a step
 
@@ -259,7 +261,10 @@ class Trainer:
                              f"{self.progress.step + 1} ({message}): memory could not be recovered; "
                              f"{checkpoint.last_good(self.plan.run_dir)}")
         new = micro // 2
-        self.progress.micro_batch_size = new
+        if where == "validation":
+            self.val_batch_size = new
+        else:
+            self.progress.micro_batch_size = new
         self.progress.rows.append({"kind": "oom", "where": where, "epoch": self.progress.epoch + 1,
                                    "step": self.progress.step + 1, "batch_size": batch,
                                    "micro_batch_size_from": micro, "micro_batch_size_to": new, "error": message})
@@ -273,9 +278,9 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Validation loss, the zero-return baseline's loss, and directional accuracy of both.
 
-        Chunks of the micro-batch size (the training batch size unless an out-of-memory error halved
-        it); a chunk that runs out of memory is retried at half the size. Under DDP each rank takes every
-        n-th window and the sums are added over the ranks.
+        Chunks of ``val_batch_size`` (the plan's :class:`~vramcal.train.plan.Validation`: the evaluation limit, or
+        the training batch); a chunk that runs out of memory is retried at half the size, the training batch left
+        as it is. Under DDP each rank takes every n-th window and the sums are added over the ranks.
 
         ``val_dir_acc`` = mean over positions of [sign(prediction) == sign(target)] (sign 0 for 0);
         ``val_zero_dir_acc`` is the same for the naive prediction 0 (= the share of unchanged bars);
@@ -287,7 +292,7 @@ class Trainer:
         share = self.share
         position, starts = 0, pipeline.val_starts[share.rank::len(share.batch_sizes)]
         while position < len(starts):
-            chunk = max(1, self.progress.micro_batch_size)
+            chunk = max(1, self.val_batch_size)
             try:
                 x, y = pipeline.gather(starts[position:position + chunk])
                 prediction = forward(model, x, self.config.spec.dtype).float()  # (B, L)
@@ -371,16 +376,21 @@ class Trainer:
         progress = self.progress
         complete = progress.batch_in_epoch == n_batches
         train_s = progress.epoch_train_s
+        peaks = self._peaks()  # the training steps' (the validation pass is measured on its own)
+        if self.meter is not None and self._measuring:
+            self.meter.reset()
         val_start = time.perf_counter()
-        evaluation = self.evaluate()  # first: an out-of-memory fallback there changes the micro-batch size
+        evaluation = self.evaluate()  # first: an out-of-memory fallback there changes the validation chunk
         val_s = time.perf_counter() - val_start
+        validated = self._validation_peak()
         row = {"kind": "epoch", "epoch": progress.epoch + 1, "complete": complete, "step": progress.step,
                "train_loss": progress.epoch_loss_sum / max(progress.epoch_samples, 1),
                "samples": progress.epoch_samples, "train_s": train_s, "val_s": val_s, "epoch_s": train_s + val_s,
                "samples_per_s": progress.epoch_samples / train_s if train_s > 0 else 0.0,
                "step_s_median": statistics.median(progress.epoch_step_times) if progress.epoch_step_times else None,
                "lr": self.step.optimizer.param_groups[0]["lr"], "batch_size": self.share.global_batch,
-               "micro_batch_size": progress.micro_batch_size, **evaluation, **self._peaks()}
+               "micro_batch_size": progress.micro_batch_size, "val_batch_size": self.val_batch_size, **evaluation,
+               **peaks, **validated}
         bad = checkpoint.non_finite_tensors(self.step.model.state_dict())
         if not math.isfinite(row["val_loss"]) or bad:
             self._stop_non_finite(row["train_loss"], math.nan, val_loss=row["val_loss"], weights=bad)
@@ -398,7 +408,7 @@ class Trainer:
                   f"train_loss {row['train_loss']:.4f}  val_loss {row['val_loss']:.4f} "
                   f"(zero-return {row['val_zero_loss']:.4f})  dir_acc {row['val_dir_acc']:.3f} "
                   f"(zero-return {row['val_zero_dir_acc']:.3f}, on moves {row['val_move_dir_acc']:.3f})  "
-                  f"{row['samples_per_s']:.1f} samples/s{peak}")
+                  f"{row['samples_per_s']:.1f} samples/s{peak}{validation_text(row)}")
         if self.on_epoch is not None and self.on_epoch(row) == "stop":
             raise Stopped(f"stopped after epoch {row['epoch']} by the caller")
 
@@ -420,6 +430,18 @@ class Trainer:
                       f"{format_bytes(bound)} at batch_size {sizing.batch_size} (predicted "
                       f"{format_bytes(sizing.predicted_peak_bytes)}): the run outgrows its prediction; a smaller "
                       f"--batch-size is safer, and a fresh `vramcal probe` measures this creep")
+
+    def _validation_peak(self) -> dict[str, Any]:
+        """The validation pass's peak (the meter was reset before it; under DDP the largest rank's) and the
+        evaluation limit's prediction at its chunk size, when the plan has one."""
+        if self.meter is None:
+            return {}
+        figures = self._peaks()
+        validation = self.plan.validation
+        predicted = validation.predicted_at(self.val_batch_size) if validation is not None else None
+        usable = self.plan.sizing.usable_bytes if self.plan.sizing is not None else None
+        return {"val_peak_bytes": figures["peak_bytes"], "val_predicted_peak_bytes": predicted,
+                "val_usable_bytes": usable}
 
     def _peaks(self) -> dict[str, Any]:
         """The meter's figures of this epoch (under DDP: the largest rank's peak, and every rank's)."""
@@ -531,6 +553,19 @@ def diverged_loss(losses: list[float], baselines: list[float]) -> str | None:
         return None
     return (f"the training loss over the last {DIVERGENCE_STEPS} steps, {loss:.4g}, is {loss / baseline:.3g} times "
             f"the zero-return loss of the same batches ({baseline:.4g})")
+
+
+def validation_text(row: dict[str, Any]) -> str:
+    """``  validation peak 1.20 GiB at batch_size 512 (predicted 1.18 GiB, +1.7%)`` of an epoch's row (and a
+    warning when it is above usable memory), or ""."""
+    peak, predicted = row.get("val_peak_bytes"), row.get("val_predicted_peak_bytes")
+    usable = row.get("val_usable_bytes")
+    if peak is None:
+        return ""
+    against = f" (predicted {format_bytes(predicted)}, {(peak - predicted) / predicted:+.1%})" if predicted else ""
+    above = (f"; warning: above usable memory {format_bytes(usable)}: a smaller --val-batch-size is safer"
+             if usable is not None and peak > usable else "")
+    return f"  validation peak {format_bytes(peak)} at batch_size {row['val_batch_size']}{against}{above}"
 
 
 def diverged_validation(val_loss: float, zero_loss: float) -> str | None:

@@ -78,6 +78,50 @@ class Setting:
 
 
 @dataclass(frozen=True)
+class Validation:
+    """How a run validates (:func:`validation`).
+
+    Attributes:
+        batch_size: samples per validation chunk.
+        source: why this size, for people.
+        eval_overhead_bytes, eval_slope_bytes_per_sample: the evaluation limit's fit (``vramcal probe --eval``);
+            None without one.
+        eval_safe_batch_size: the evaluation limit's safe size; None without one.
+    """
+
+    batch_size: int
+    source: str
+    eval_overhead_bytes: float | None = None
+    eval_slope_bytes_per_sample: float | None = None
+    eval_safe_batch_size: int | None = None
+
+    def predicted_at(self, batch_size: int) -> int | None:
+        """The evaluation fit's point prediction of a validation pass's peak at ``batch_size`` (None: no fit)."""
+        if self.eval_overhead_bytes is None or self.eval_slope_bytes_per_sample is None:
+            return None
+        return int(self.eval_overhead_bytes + self.eval_slope_bytes_per_sample * batch_size)
+
+
+def validation(profile: Profile | None, asked: int | None, train_batch_size: int) -> tuple[Validation, list[str]]:
+    """The validation chunk of a run: ``asked`` (``--val-batch-size``), else the profile's verified evaluation
+    limit's conservative size (:mod:`vramcal.calibration.evaluation`), else the training batch; and a warning when
+    it is above the evaluation limit's safe size, or, without one, above the training batch."""
+    found = profile.evaluation if profile is not None else None
+    if found is None or not found.verified or found.fit is None:
+        why = "no evaluation limit in the profile (vramcal probe --eval measures one)"
+        notices = [f"--val-batch-size {asked} is above the training batch {train_batch_size} and unchecked: {why}"] \
+            if asked is not None and asked > train_batch_size else []
+        return Validation(asked or train_batch_size, "--val-batch-size" if asked else f"the training batch ({why})"), \
+            notices
+    safe, conservative = found.limits.safe_batch_size, found.limits.conservative_batch_size  # type: ignore[union-attr]
+    size = asked or conservative
+    notices = [f"--val-batch-size {asked} is above the evaluation limit (safe {safe}, conservative {conservative}): "
+               f"validation may run out of memory (it then halves its chunk)"] if size > safe else []
+    source = "--val-batch-size" if asked else f"the evaluation limit (conservative; safe {safe})"
+    return Validation(size, source, found.fit.overhead_bytes, found.fit.slope_bytes_per_sample, safe), notices
+
+
+@dataclass(frozen=True)
 class Plan:
     """A run, fully decided; sent to the worker that trains.
 
@@ -88,6 +132,8 @@ class Plan:
         resume: continue from the run folder's last checkpoint.
         world, rank: the DDP world this rank's process trains in (:mod:`vramcal.train.distributed`), or None
             for one process.
+        validation: how it validates (:func:`validation`); None in runs planned before it was recorded (the
+            training micro-batch).
     """
 
     config: TrainConfig
@@ -103,6 +149,7 @@ class Plan:
     notices: tuple[str, ...] = ()
     world: World | None = None
     rank: int = 0
+    validation: Validation | None = None
 
     @property
     def batch_size(self) -> int:
@@ -136,7 +183,7 @@ class Plan:
                 "implementation": self.implementation, "sizing": self.sizing and asdict(self.sizing),
                 "profile": self.profile_path,
                 "lr": self.lr, "data": self.data_stats, "host_memory_limit_bytes": self.host_memory_limit_bytes,
-                "notices": list(self.notices),
+                "notices": list(self.notices), "validation": self.validation and asdict(self.validation),
                 "written_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
     @classmethod
@@ -146,7 +193,8 @@ class Plan:
                    device=Device.from_dict(record["device"]), model=ModelRef.from_dict(record["model"]),
                    sizing=record["sizing"] and Sizing.from_dict(record["sizing"]),
                    profile_path=record["profile"], lr=record["lr"], data_stats=record["data"],
-                   host_memory_limit_bytes=record["host_memory_limit_bytes"], resume=True)
+                   host_memory_limit_bytes=record["host_memory_limit_bytes"], resume=True,
+                   validation=Validation(**record["validation"]) if record.get("validation") else None)
 
 
 def data_identity(path: str | Path) -> dict[str, Any]:
@@ -232,8 +280,8 @@ def _chosen_variant(config: TrainConfig, device: Device, capacity_bytes: int | N
                        f"the spec as given")
         return config
     choice = variants.choose(found, config.size_request(), named)
-    notices.append(f"--variant auto, of {len(found)} calibrated: {choice.reason}")
-    notices += [f"--variant auto passed over {line}" for line in choice.passed_over]
+    notices.append(Info(f"--variant auto, of {len(found)} calibrated: {choice.reason}"))
+    notices += [Info(f"--variant auto passed over {line}") for line in choice.passed_over]
     spec, _ = RegressorSpec.from_ref(choice.chosen.profile.model)
     return config.replace(spec=spec)
 
@@ -337,11 +385,13 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
         sizing = replace(capped, source=sizing.source, capped_by_data=True)
     lr = scaled_lr(config.lr, sizing.effective_batch_size or sizing.batch_size, config.reference_batch_size,
                    config.lr_scaling)
+    validated, warned = validation(setting.profile, config.val_batch_size, sizing.batch_size)
     if prepare:
         checkpoint.prepare_run_dir(run_dir, resume=False)
     return Plan(config=config, run_dir=Path(run_dir), device=setting.device, model=setting.model, sizing=sizing,
                 profile_path=setting.profile_path, lr=lr, data_stats=setting.data_stats,
-                host_memory_limit_bytes=setting.host_memory_limit_bytes, notices=tuple(notices))
+                host_memory_limit_bytes=setting.host_memory_limit_bytes, notices=tuple(notices + warned),
+                validation=validated)
 
 
 def _unchecked_plan(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool, ranks: int) -> Plan:
@@ -364,11 +414,13 @@ def _unchecked_plan(config: TrainConfig, run_dir: Path, setting: Setting, prepar
                             f"per epoch of {n_train} samples (a smaller --stride gives more windows)"))
         config = config.replace(batch_size=n_train)
     lr = scaled_lr(config.lr, effective or config.batch_size, config.reference_batch_size, config.lr_scaling)
+    validated, warned = validation(None, config.val_batch_size, config.batch_size)
     if prepare:
         checkpoint.prepare_run_dir(run_dir, resume=False)
     return Plan(config=config, run_dir=Path(run_dir), device=setting.device, model=setting.model, sizing=None,
                 profile_path=None, lr=lr, data_stats=setting.data_stats,
-                host_memory_limit_bytes=setting.host_memory_limit_bytes, notices=tuple(notices))
+                host_memory_limit_bytes=setting.host_memory_limit_bytes, notices=tuple(notices + warned),
+                validation=validated)
 
 
 def plan_resume(run_dir: Path, overrides: dict[str, Any]) -> Plan:

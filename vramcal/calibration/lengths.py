@@ -1,0 +1,384 @@
+"""Sizing for lengths that vary (issue 41): the bucket table and the token budget of a profile's surface.
+
+A run on documents of every length forms its batches by length: **bucketed** (each batch from one seq_len
+bucket, padded to the bucket's longest length) or **packed / length-sorted** under a **token budget** (as many
+documents as fit in ``tokens`` tokens, padded to the longest of them). Both are read from the 2-D model of
+:mod:`vramcal.calibration.surface` (``peak = overhead + per_token × batch_size × seq_len + per_sample ×
+batch_size``, its upper 95 % bound against usable memory), through :func:`~vramcal.calibration.surface.answer_at`:
+a calibrated length's verified limits, an interpolated length's model answer never above the next shorter
+calibrated length's verified limit.
+
+**Padding.** Mamba-2's chunked scan pads a sequence up to a multiple of ``chunk_size`` before it splits it into
+chunks, and cuts the output back after: transformers 5.25, ``models/mamba2/modeling_mamba2.py``,
+``mamba2_chunk_scan`` (``pad_size = (chunk_size - sequence_length % chunk_size) % chunk_size``, then
+``reshape_into_chunks`` -> ``pad_tensor_by_size`` on the seq_len dimension; the 4.x releases do the same in
+``Mamba2Mixer.torch_forward``); mamba_ssm's ``mamba_chunk_scan_combined`` computes in whole chunks too. So a
+batch whose longest document has L tokens is sized at ``padded_length(L) = ceil(L / chunk_size) × chunk_size``
+(the scan's memory; the embedding, projections and logits hold L, at most as much).
+
+**Bucket table** (:func:`bucket_table`): for boundaries ``b_1 < b_2 < ...``, bucket i holds the lengths in
+``(b_{i-1}, b_i]`` and its batch is the safe (and conservative) batch at ``padded_length(b_i)``; a bucket below
+the calibrated range is sized at the shortest calibrated length (memory grows with length). Its worst case,
+the one verified, is the longest bucket at its batch.
+
+**Token budget** (:func:`token_budget`): the largest T such that for every length L in the range the batch
+``floor(T / L)`` at ``padded_length(L)`` is within the safe batch there, ``B(padded_length(L))``:
+
+    floor(T / L) <= B  <=>  T <= L × (B + 1) - 1,   so   T = min over L of L × (B(padded_length(L)) + 1) - 1.
+
+B is constant over the lengths one chunk pads to, and ``L × (B + 1)`` grows with L, so each chunk's minimum is at
+its shortest length, ``(k - 1) × chunk_size + 1`` (the most padding): the minimum over those lengths (one per
+chunk, and the range's shortest) is exact, not sampled. The length where it is reached is the **worst length**;
+the budget is verified there, at ``floor(T / L)`` samples of ``padded_length(L)`` tokens, a batch at the safe
+limit of its padded length. The per-sample term makes short documents cost more per token, the padding makes
+lengths just past a chunk boundary cost more: the minimum weighs both. A document shorter than the calibrated
+range counts as the shortest calibrated length (the surface says nothing below it; memory grows with length), so
+a batch holds at most ``floor(T / max(L, shortest))`` documents. The conservative budget is the same minimum over
+the conservative batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from vramcal.calibration.creep import steady_equivalent
+from vramcal.calibration.search import SearchSettings, Step, memory_failure, unmeasured
+from vramcal.calibration.surface import Surface, answer_at
+from vramcal.records import Trial
+from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, read_list, read_map, read_record
+
+
+def padded_length(seq_len: int, chunk_size: int) -> int:
+    """``seq_len`` rounded up to a multiple of ``chunk_size`` (tokens): what the chunked scan computes on."""
+    return -(-seq_len // chunk_size) * chunk_size
+
+
+def parse_buckets(text: str) -> tuple[int, ...]:
+    """Read ``--buckets``: boundaries ``"128,256,512,1024"`` (each the longest length of its bucket), sorted and
+    de-duplicated; ``"auto"`` is () (:func:`default_buckets` chooses).
+
+    Raises:
+        ValueError: empty text, a value that is no whole number, or a boundary below 1.
+    """
+    text = text.strip()
+    if text == "auto":
+        return ()
+    parts = [part.strip() for part in text.split(",")] if text else []
+    if not parts or any(not re.fullmatch(r"[+-]?\d+", part) for part in parts):
+        raise ValueError(f"cannot read the buckets {text!r}: write their longest lengths, e.g. 128,256,512,1024, "
+                         f"or auto")
+    if min(int(part) for part in parts) < 1:
+        raise ValueError(f"a bucket's longest length must be positive: got {text}")
+    return tuple(sorted({int(part) for part in parts}))
+
+
+def default_buckets(surface: Surface) -> tuple[int, ...]:
+    """Boundaries chosen from a surface: its calibrated lengths and the powers of two between them."""
+    low, high = min(surface.seq_lens), max(surface.seq_lens)
+    powers = {2**k for k in range(low.bit_length(), high.bit_length()) if low < 2**k < high}
+    return tuple(sorted(set(surface.seq_lens) | powers))
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One row of a bucket table: the lengths it holds and the batch sizes at its longest one.
+
+    Attributes:
+        shortest_seq_len, longest_seq_len: the bucket holds lengths in [shortest, longest] (tokens).
+        padded_seq_len: the length the batch is sized at: ``longest_seq_len`` padded to a multiple of
+            chunk_size, and at least the profile's shortest calibrated length.
+        safe_batch_size, conservative_batch_size: samples per batch (:func:`~vramcal.calibration.surface.answer_at`).
+        basis: ``verified`` (a calibrated length's verified limit), ``not verified`` or ``interpolated ...``.
+    """
+
+    shortest_seq_len: int
+    longest_seq_len: int
+    padded_seq_len: int
+    safe_batch_size: int
+    conservative_batch_size: int
+    basis: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "lengths.buckets[0]") -> Bucket:
+        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
+        return read_record(cls, data, where, {**dict.fromkeys(("shortest_seq_len", "longest_seq_len",
+                                                               "padded_seq_len"), AT_LEAST_ONE),
+                                              "safe_batch_size": NON_NEGATIVE, "conservative_batch_size": NON_NEGATIVE})
+
+
+def _check_within(surface: Surface, longest: int, what: str) -> None:
+    """Raises: ValueError: ``longest`` above the surface's longest calibrated length (one line, the fix)."""
+    low, high = min(surface.seq_lens), max(surface.seq_lens)
+    if longest > high:
+        longer = padded_length(longest, surface.chunk_size)
+        raise ValueError(f"{what} {longest} is longer than the profile's longest seq_len {high}: calibrate up to it "
+                         f"(vramcal probe --seq-len {low}:{longer}) or end at {high}")
+
+
+def _sized_at(surface: Surface, seq_len: int) -> int:
+    """The calibrated length a batch of documents up to ``seq_len`` tokens is sized at (module docstring)."""
+    return max(padded_length(seq_len, surface.chunk_size), min(surface.seq_lens))
+
+
+def bucket_table(surface: Surface, boundaries: Sequence[int], usable_bytes: int,
+                 conservative_fraction: float) -> tuple[Bucket, ...]:
+    """The safe and conservative batch of each bucket (module docstring), shortest bucket first.
+
+    Args:
+        boundaries: each bucket's longest length (tokens), any order; () chooses (:func:`default_buckets`).
+        usable_bytes, conservative_fraction: the profile's (:class:`~vramcal.calibration.limits.LimitSettings`).
+
+    Raises:
+        ValueError: a boundary below 1, or above the profile's longest calibrated length.
+    """
+    ends = sorted(set(boundaries)) or list(default_buckets(surface))
+    if ends[0] < 1:
+        raise ValueError(f"a bucket's longest length must be positive: got {ends[0]}")
+    _check_within(surface, ends[-1], "the bucket")
+    rows, shortest = [], 1
+    for longest in ends:
+        at = _sized_at(surface, longest)
+        safe, conservative, basis = answer_at(surface, at, usable_bytes, conservative_fraction)
+        rows.append(Bucket(shortest, longest, at, safe, conservative, basis))
+        shortest = longest + 1
+    return tuple(rows)
+
+
+def bucket_of(table: Sequence[Bucket], seq_len: int) -> Bucket:
+    """The bucket that holds a document of ``seq_len`` tokens.
+
+    Raises:
+        ValueError: a length no bucket covers (above the longest bucket, or below 1).
+    """
+    for bucket in table:
+        if bucket.shortest_seq_len <= seq_len <= bucket.longest_seq_len:
+            return bucket
+    raise ValueError(f"no bucket covers a document of {seq_len} tokens: the buckets hold 1-{table[-1].longest_seq_len}"
+                     f"; add a bucket up to it (within the profile's range) or cut the document")
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    """The most tokens per batch over a range of lengths (module docstring).
+
+    Attributes:
+        tokens, conservative_tokens: the safe and the conservative budget (tokens of the documents, unpadded).
+        shortest_seq_len, longest_seq_len: the range it holds (a shorter document counts as the shortest).
+        chunk_size: the model's; batches are sized at their longest document padded to a multiple of it.
+        worst_seq_len, conservative_worst_seq_len: the length where each budget's batch sits closest to its limit
+            (the verification's length, before padding).
+    """
+
+    tokens: int
+    conservative_tokens: int
+    shortest_seq_len: int
+    longest_seq_len: int
+    chunk_size: int
+    worst_seq_len: int
+    conservative_worst_seq_len: int
+
+    def batch_size(self, seq_len: int, conservative: bool = False) -> int:
+        """Documents per batch when the longest of them has ``seq_len`` tokens: ``floor(tokens / max(seq_len,
+        shortest_seq_len))``.
+
+        Raises:
+            ValueError: ``seq_len`` above the budget's range (a document longer than the profile's longest seq_len).
+        """
+        if seq_len > self.longest_seq_len:
+            raise ValueError(f"a document of {seq_len} tokens is longer than the profile's longest seq_len "
+                             f"{self.longest_seq_len}: cut it (or calibrate longer lengths: vramcal probe --seq-len "
+                             f"{self.shortest_seq_len}:{padded_length(seq_len, self.chunk_size)})")
+        return (self.conservative_tokens if conservative else self.tokens) // max(seq_len, self.shortest_seq_len)
+
+    def worst(self, conservative: bool = False) -> tuple[int, int]:
+        """(padded seq_len, batch_size) of the budget's verification: its worst batch."""
+        length = self.conservative_worst_seq_len if conservative else self.worst_seq_len
+        return padded_length(max(length, self.shortest_seq_len), self.chunk_size), self.batch_size(length, conservative)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "lengths.budget") -> TokenBudget:
+        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
+        return read_record(cls, data, where, dict.fromkeys([f.name for f in dataclasses.fields(cls)], AT_LEAST_ONE))
+
+
+def worst_lengths(low: int, high: int, chunk_size: int) -> list[int]:
+    """The lengths the budget's minimum is taken over (module docstring): ``low``, and each chunk's shortest length
+    above it, ``(k - 1) × chunk_size + 1``, up to ``high``."""
+    firsts = range(padded_length(low, chunk_size) + 1, high + 1, chunk_size)
+    return [low, *firsts]
+
+
+def token_budget(surface: Surface, usable_bytes: int, conservative_fraction: float,
+                 failed: Sequence[tuple[int, int]] = ()) -> TokenBudget:
+    """The token budget over the surface's calibrated range (module docstring).
+
+    Args:
+        usable_bytes, conservative_fraction: the profile's.
+        failed: (padded seq_len, batch_size) pairs that did not fit (a verification that failed): no batch of that
+            size or more is counted as fitting at that length or a longer one.
+
+    Raises:
+        ValueError: one document of the longest length does not fit (no budget holds the range).
+    """
+    low, high, chunk = min(surface.seq_lens), max(surface.seq_lens), surface.chunk_size
+    limits: dict[int, tuple[int, int]] = {}
+    for length in worst_lengths(low, high, chunk):
+        at = _sized_at(surface, length)
+        if at not in limits:
+            safe, conservative, _ = answer_at(surface, at, usable_bytes, conservative_fraction)
+            cap = min((b - 1 for n, b in failed if n <= at), default=safe)
+            safe = min(safe, cap)
+            limits[at] = (safe, min(conservative, math.floor(conservative_fraction * safe)))
+    if min(safe for safe, _ in limits.values()) < 1:
+        raise ValueError(f"one document of {high} tokens does not fit in usable memory: no token budget holds the "
+                         f"range {low}-{high}; use buckets (vramcal limits --buckets) or a larger budget")
+
+    def least(which: int) -> tuple[int, int]:
+        bound = [(length * (limits[_sized_at(surface, length)][which] + 1) - 1, length)
+                 for length in worst_lengths(low, high, chunk)]
+        return min(bound, key=lambda item: (item[0], item[1] - _sized_at(surface, item[1])))
+
+    (tokens, worst), (conservative_tokens, conservative_worst) = least(0), least(1)
+    return TokenBudget(tokens, max(1, conservative_tokens), low, high, chunk, worst, conservative_worst)
+
+
+# ------------------------------------------------------------------------------------ verification
+
+BUDGET, CONSERVATIVE_BUDGET = "verify-budget", "verify-budget-conservative"  # the budget's verification trials
+PURPOSES = (BUDGET, CONSERVATIVE_BUDGET)
+MAX_CHECKS = 6  # verification trials of the budget at most (a failure lowers it and moves its worst length)
+
+
+@dataclass(frozen=True)
+class LengthCheck:
+    """The real trial behind a bucket table's or a token budget's worst case: ``batch_size`` samples of ``seq_len``
+    tokens (padded), ``passed`` when it finished with its peak (creep included) within usable memory."""
+
+    seq_len: int
+    batch_size: int
+    passed: bool
+    peak_bytes: int | None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "lengths.verification") -> LengthCheck:
+        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
+        return read_record(cls, data, where, {"seq_len": AT_LEAST_ONE, "batch_size": AT_LEAST_ONE,
+                                              "peak_bytes": AT_LEAST_ONE})
+
+
+@dataclass(frozen=True)
+class LengthSizing:
+    """What a calibration over several lengths says about lengths that vary (the profile's ``lengths``).
+
+    Attributes:
+        buckets: the bucket table at the chosen boundaries (:func:`default_buckets`).
+        budget: the token budget over the calibrated range; None when one document of the longest length does not
+            fit (``note`` says so).
+        verification: ``buckets`` (the longest bucket at its safe batch: the surface's verification at the longest
+            calibrated length), ``budget`` and ``conservative_budget`` (each at its worst length), where a trial
+            ran.
+        trials: the budget's verification trials, as measured (their peaks without the creep).
+        note: why there is no budget, or None.
+    """
+
+    buckets: tuple[Bucket, ...]
+    budget: TokenBudget | None
+    verification: dict[str, LengthCheck]
+    trials: tuple[Trial, ...] = ()
+    note: str | None = None
+
+    @property
+    def verified(self) -> bool:
+        """The longest bucket and both budgets ran for real within usable memory at their worst case."""
+        names = ("buckets", "budget", "conservative_budget") if self.budget else ("buckets",)
+        return all(name in self.verification and self.verification[name].passed for name in names)
+
+    def to_dict(self) -> dict:
+        return {"buckets": [b.to_dict() for b in self.buckets], "budget": self.budget and self.budget.to_dict(),
+                "verification": {k: v.to_dict() for k, v in self.verification.items()},
+                "trials": [t.to_dict() for t in self.trials], "note": self.note}
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "lengths") -> LengthSizing:
+        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
+        return read_record(cls, data, where, readers={
+            "buckets": lambda value, path: read_list(value, path, Bucket.from_dict),
+            "budget": lambda value, path: None if value is None else TokenBudget.from_dict(value, path),
+            "verification": lambda value, path: read_map(value, path, LengthCheck.from_dict,
+                                                         ("buckets", "budget", "conservative_budget")),
+            "trials": lambda value, path: read_list(value, path, Trial.from_dict)})
+
+
+def _read(core: Sequence[Trial], checks: Sequence[Trial]) -> list[Trial]:
+    """Every trial with its length, its peak as the limits read it: plus the step creep the core trials measured. A
+    search trial at a worst batch verifies it as well as a check does."""
+    return [t for t in steady_equivalent([*core, *checks]) if t.seq_len is not None]
+
+
+def _budget(surface: Surface, checks: Sequence[Trial], settings: SearchSettings) -> TokenBudget | None:
+    failed = [(t.seq_len, t.batch_size) for t in checks if t.seq_len and memory_failure(t, settings.usable_bytes)]
+    try:
+        return token_budget(surface, settings.usable_bytes, settings.limits.conservative_fraction, failed)
+    except ValueError:
+        return None
+
+
+def next_check(core: Sequence[Trial], checks: Sequence[Trial], surface: Surface,
+               settings: SearchSettings) -> tuple[int, Step] | None:
+    """The next verification of the token budget, (padded seq_len, step), or None when both budgets are verified
+    at their worst batch, or cannot be (no budget; :data:`MAX_CHECKS` spent; a batch that measured nothing twice).
+
+    ``core`` are the calibration's trials (their creep is added to the checks' peaks; one at a worst batch verifies
+    it), ``checks`` the budget's trials so far (purposes :data:`PURPOSES`, each with its ``seq_len``). A trial that
+    did not fit lowers the budget (:func:`token_budget`'s ``failed``), which moves its worst batch: the next call
+    verifies that one.
+    """
+    if len(checks) >= MAX_CHECKS:
+        return None
+    read = _read(core, checks)
+    budget = _budget(surface, read, settings)
+    if budget is None:
+        return None
+    for conservative, purpose in ((False, BUDGET), (True, CONSERVATIVE_BUDGET)):
+        length, batch = budget.worst(conservative)
+        here = [t for t in read if (t.seq_len, t.batch_size) == (length, batch)]
+        if batch < 1 or any(t.fits(settings.usable_bytes) for t in here) or sum(map(unmeasured, here)) >= 2:
+            continue
+        return length, Step(batch, purpose)
+    return None
+
+
+def settle_lengths(core: Sequence[Trial], checks: Sequence[Trial], surface: Surface,
+                   settings: SearchSettings) -> LengthSizing:
+    """The bucket table at the chosen boundaries, the token budget and the trials that verify them."""
+    usable, fraction = settings.usable_bytes, settings.limits.conservative_fraction
+    buckets, read = bucket_table(surface, (), usable, fraction), _read(core, checks)
+    verification, longest = {}, surface.at(max(surface.seq_lens))
+    if longest is not None and longest.safe_peak_bytes is not None:
+        verification["buckets"] = LengthCheck(longest.seq_len, longest.safe_batch_size,
+                                              longest.safe_peak_bytes <= usable, longest.safe_peak_bytes)
+    budget = _budget(surface, read, settings)
+    for conservative, name in ((False, "budget"), (True, "conservative_budget")):
+        if budget is None:
+            break
+        length, batch = budget.worst(conservative)
+        here = [t for t in read if (t.seq_len, t.batch_size) == (length, batch) and t.ok]
+        if here:
+            trial = max(here, key=lambda t: t.peak_bytes)  # type: ignore[arg-type,return-value]
+            verification[name] = LengthCheck(length, batch, trial.fits(usable), trial.peak_bytes)
+    note = None if budget else (f"no token budget: one document of {max(surface.seq_lens)} tokens does not fit in "
+                                f"usable memory")
+    return LengthSizing(buckets, budget, verification, tuple(checks), note)
