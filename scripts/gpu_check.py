@@ -150,7 +150,7 @@ def plan_training(device: Any, spec: RegressorSpec, implementation: str, data: s
     # (an epoch that would not fit the step's time is cut: gpu_check_policy.epoch_cut); the host keeps the default
     config = TrainConfig(data=data, spec=spec, gpu="auto" if device.kind == "cuda" else "none",
                          implementation=implementation, profiles_dir=str(profiles_dir), epochs=1,
-                         stride=1 if device.kind == "cuda" else None)
+                         stride=1 if device.kind == "cuda" else None, report_to=())  # the image has no tensorboard
     return plan_run(config, run_dir, resolve(config))
 
 

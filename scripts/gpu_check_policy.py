@@ -39,8 +39,8 @@ class Caps:
     given_s: float | None = None
 
 
-# On a GPU the steady trial runs half the product's steps (TrialSettings.steady_steps): its 40 steps at the safe size measure
-# the host heap's creep, and on a card that size a step may take seconds; 20 fit the check's minutes.
+# On a GPU the steady trial runs half the product's steps (TrialSettings.steady_steps): its 40 steps at the safe
+# size measure the host heap's creep, and on a card that size a step may take seconds; 20 fit the check's minutes.
 CUDA = Caps(max_trials=16, steady_steps=TrialSettings.steady_steps // 2, trial_timeout_s=180, trial_s=8, start_s=15)
 HOST = Caps(max_trials=16, steady_steps=TrialSettings.steady_steps, trial_timeout_s=120, trial_s=3, start_s=10)
 FUSED = Caps(max_trials=8, steady_steps=10, trial_timeout_s=120, trial_s=15, given_s=150)

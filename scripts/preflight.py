@@ -43,7 +43,7 @@ from packaging.requirements import Requirement
 from packaging.version import InvalidVersion, Version
 
 EXIT_PACKAGES, EXIT_NO_GPU = 3, 4
-NOT_ON_THE_GPU_PATH = {"optuna"}  # `vramcal tune` only
+NOT_ON_THE_GPU_PATH = {"optuna", "tensorboard"}  # `vramcal tune` only; the check's run reports to no tracker
 EXTRA = ["nvitop>=1.4"]  # the NVML layer (vramcal.measure.nvml); also in pyproject.toml
 # Shown on a line of their own too, beside what vramcal and the carried wheels require: what runs the fused path.
 SHOWN = ("triton", "mamba-ssm", "causal-conv1d", "einops")

@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+from vramcal.staleness import STRICT_ENV
+
 from fakes import restore_nvml
 
 
@@ -20,6 +22,14 @@ def pytest_terminal_summary(terminalreporter):
 def _restore_nvml():
     yield
     restore_nvml()
+
+
+@pytest.fixture(autouse=True)
+def _strictness_ends_with_its_test(monkeypatch):
+    """``--strict-profile`` sets VRAMCAL_STRICT_PROFILE for the rest of its process (its workers inherit it); a
+    command run in-process by a test must not make the next test's commands strict."""
+
+    monkeypatch.delenv(STRICT_ENV, raising=False)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -185,6 +185,17 @@ def test_a_single_process_profile_cannot_size_a_ddp_run(world, tmp_path):
     assert result.stderr.strip().splitlines()[-1] == errors[0], result.stderr  # nothing after it, no agent log
 
 
+def test_a_ddp_run_without_a_budget_among_two_asks_for_capacity_in_the_commands_words(world):
+    """The world's profiles were calibrated at two budgets: the ranks refuse to guess, and their one line names the
+    command line's ``--capacity`` (not the Python API's ``capacity_bytes=``), with each file and its budget."""
+    tmp = world["tmp"]
+    result = vramcal(tmp, *train_args(tmp, "two-budgets", "--nproc-per-node", "2", "--max-steps", "1"))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+    assert result.returncode == 1 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "were calibrated at 2 budgets" in errors[0] and "give --capacity (one of 1" in errors[0], errors[0]
+    assert "capacity_bytes" not in errors[0]
+
+
 def test_a_ddp_run_that_names_its_batch_size_trains_unchecked_without_a_world_profile(world):
     """As one process does (tests/test_train.py): each rank finds no profile for the world, trains at the named
     size, and rank 0 says once that it is unchecked and prints the ranks' measured peaks."""
@@ -251,7 +262,7 @@ def test_a_killed_rank_ends_the_run_in_one_line_and_it_resumes(world):
     assert len(errors) == 1 and "rank 1 failed" in errors[0] and "--resume" in errors[0], err
     kept = checkpoint.load_checkpoint(run_dir / checkpoint.LAST)["progress"]["step"]
     resumed = vramcal(tmp, "train", "--resume", "--run-dir", str(run_dir), "--nproc-per-node", "2",
-                      "--capacity", str(host_budget.budget(1024 * MIB)), "--max-steps", str(kept + 4))
+                      "--max-steps", str(kept + 4))  # no --capacity: the budget it was started with is kept
     assert resumed.returncode == 0, resumed.stderr
     assert "continuing from" in resumed.stderr
     assert checkpoint.load_checkpoint(run_dir / checkpoint.LAST)["progress"]["step"] == kept + 4
@@ -265,6 +276,7 @@ def test_sigterm_while_torchruns_agent_runs_takes_the_one_line_way_out(world):
 
     tmp, tag = world["tmp"], f"ddp-sigterm-{os.getpid()}"
     args = train_args(tmp, "terminated", "--nproc-per-node", "2", "--batch-size", "4", "--epochs", "50",
+                      "--capacity", str(host_budget.budget(1024 * MIB)),
                       "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                       "--rdzv-id", "terminated")
     run = subprocess.Popen([sys.executable, "-m", "vramcal", *args], cwd=tmp, stdout=subprocess.PIPE,

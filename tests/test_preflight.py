@@ -26,10 +26,10 @@ def requirements():
     return preflight.gpu_path_requirements(ROOT / "pyproject.toml")
 
 
-def test_the_gpu_path_is_the_projects_dependencies_less_optuna_plus_nvitop():
+def test_the_gpu_path_is_the_projects_dependencies_less_optuna_and_tensorboard_plus_nvitop():
     names = {preflight.canonical(r.name) for r in requirements()}
     assert {"torch", "transformers", "nvidia-ml-py", "nvitop", "scipy", "pandas", "pyarrow", "click"} <= names
-    assert "optuna" not in names
+    assert "optuna" not in names and "tensorboard" not in names
 
 
 def test_the_bare_image_lists_every_problem_in_one_go():

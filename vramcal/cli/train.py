@@ -199,6 +199,7 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
         if resume:
             run_dir = checkpoint.prepare_run_dir(resume_dir(run_dir), resume=True)
             config = load_config(run_dir / checkpoint.CONFIG)
+            capacities = capacities or distributed.launched_capacities(run_dir)  # the budgets it was started with
         else:
             config = make_config(config_file, options, given)
             load_windows(config)  # the data checked before any rank starts

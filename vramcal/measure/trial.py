@@ -360,12 +360,19 @@ def steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: flo
                     epoch_end = len(curve)
             elif all_ranks(steady_done(curve, settings, epoch_end)):
                 break
-    while not (request.steady or request.peak_only or all_ranks(timing_done(times, request.measured_steps))):
-        phase(f"timed step {len(times) + 1} (for the rate's interval)")
-        times.append(_timed(train, device.kind))
+    _time_more(request, train, times, all_ranks, phase)
     figures = _figures(step, meter, device.kind, batch_size, build_s, warmup, times, validate(), witness)
     return {**figures, **({"step_peaks": tuple(curve), "epoch_end_step": epoch_end} if request.steady else {}),
             **({"short": short} if short is not None else {})}
+
+
+def _time_more(request: TrialRequest, train: Callable[[], Any], times: list[float],
+               all_ranks: Callable[[bool], bool], phase: Callable[[str], None]) -> None:
+    """A short trial's extra timed steps, appended to ``times``, while its rate's interval is open
+    (:func:`timing_done`; every rank's decision under DDP)."""
+    while not (request.steady or request.peak_only or all_ranks(timing_done(times, request.measured_steps))):
+        phase(f"timed step {len(times) + 1} (for the rate's interval)")
+        times.append(_timed(train, request.device.kind))
 
 
 def evaluation_steps(request: TrialRequest, step: Any, model: Any, meter: Any, build_s: float,

@@ -37,6 +37,7 @@ from vramcal.records import World
 from vramcal.train import checkpoint
 from vramcal.train.config import TrainConfig, load_config
 from vramcal.train.errors import TrainError
+from vramcal.words import FLAGS, labelled, speaking
 
 LAUNCH = "launch.json"
 RANKS = "ranks"  # <run_dir>/ranks/<rank>.error: a failed rank's one line
@@ -73,6 +74,16 @@ def launch(config: TrainConfig, run_dir: Path, world: World, nproc_per_node: int
             run(get_args_parser().parse_args(args))
     except ChildFailedError as error:
         raise TrainError(failure_line(run_dir, error)) from None
+
+
+def launched_capacities(run_dir: Path) -> tuple[int, ...]:
+    """The host budgets (bytes) a run's ranks were last started with: what ``--resume`` without ``--capacity``
+    keeps; () when the run folder's ``launch.json`` is missing, unreadable or named none."""
+    try:
+        capacities = json.loads((run_dir / LAUNCH).read_text()).get("capacities", [])
+    except (OSError, ValueError, AttributeError):
+        return ()
+    return tuple(c for c in capacities if isinstance(c, int) and c > 0)
 
 
 @contextlib.contextmanager
@@ -134,10 +145,11 @@ def main(argv: list[str] | None = None) -> None:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     run_dir = spec_path.parent
     try:
-        plan, echo = rank_plan(spec, run_dir, rank, local_rank, int(os.environ["WORLD_SIZE"])), _printer(rank)
-        for notice in plan.notices:  # what sized rank 0's batch and where, as one process says it
-            echo(notice)
-        train(plan, echo=echo)
+        with speaking(FLAGS):  # the run was started by `vramcal train`: its lines name that command's flags
+            plan, echo = rank_plan(spec, run_dir, rank, local_rank, int(os.environ["WORLD_SIZE"])), _printer(rank)
+            for notice in plan.notices:  # what sized rank 0's batch and where, as one process says it
+                echo(labelled(notice))
+            train(plan, echo=echo)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank of the terminal's process group: the launcher says it
         sys.exit(130)
     except (TrainError, ValueError, OSError, RuntimeError) as error:

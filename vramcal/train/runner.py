@@ -97,14 +97,7 @@ def _run(plan: Plan, echo: Echo, on_epoch: Callable[[dict[str, Any]], Any] | Non
             return on_epoch(payload) if on_epoch is not None else None
         return None
 
-    status = "KILLED"  # until the worker says otherwise: an interrupt ends the run here
-    try:
-        outcome = (workers or worker_pool()).run(TRAIN_WORKER, plan, handler=handle,
-                                                 usable_bytes=plan.sizing.usable_bytes if plan.sizing else None)
-        status = "FINISHED" if outcome.status == "ok" else "KILLED" if outcome.error_type == "Stopped" else "FAILED"
-    finally:
-        for tracker in trackers:
-            tracker.close(status)
+    outcome = _in_worker(plan, handle, trackers, workers)
     if outcome.status != "ok":
         if outcome.error_type == "Stopped":
             return RunResult({}, 0, None, None, stopped=True)
@@ -120,6 +113,19 @@ def _run(plan: Plan, echo: Echo, on_epoch: Callable[[dict[str, Any]], Any] | Non
         observation = _observe(plan, {**result, "peak_bytes": peak}, echo,
                                timing.observed(forecast, rows, fresh=not plan.resume))
     return RunResult(result["last"], result["step"], peak, observation)
+
+
+def _in_worker(plan: Plan, handle: Callable[[str, Any], Any], trackers: list[Any], workers: Any) -> Any:
+    """The run's training in a worker (its messages to ``handle``); the trackers closed with how it ended."""
+    status = "KILLED"  # until the worker says otherwise: an interrupt ends the run here
+    try:
+        outcome = (workers or worker_pool()).run(TRAIN_WORKER, plan, handler=handle,
+                                                 usable_bytes=plan.sizing.usable_bytes if plan.sizing else None)
+        status = "FINISHED" if outcome.status == "ok" else "KILLED" if outcome.error_type == "Stopped" else "FAILED"
+    finally:
+        for tracker in trackers:
+            tracker.close(status)
+    return outcome
 
 
 def time_left_line(plan: Plan, row: dict[str, Any]) -> str | None:
