@@ -214,3 +214,32 @@ def test_a_two_rank_fsdp_probe_is_verified_and_carried_to_three_ranks(tmp_path):
     (row,) = json.loads(result.output)["gpus"]
     assert row["nproc"] == 3 and row["shift_bytes"] < 0 and not row["measured"]
     assert row["limits"]["safe_batch_size"] >= profile.limits.safe_batch_size
+
+
+def test_cost_for_n_cards_of_a_worlds_profile(tmp_path):
+    """``vramcal cost --world-size 4``: the per-rank batch carried by the sharding model, each rank a quarter of the
+    samples at the rate its ranks measured, the world's samples/s and the price of 4 cards."""
+    from profiles_for_tests import timed_profile
+
+    from vramcal.forecast import Dataset, forecast_profile
+    from vramcal.sharding import carried
+
+    whole = 2 * 2**30  # of a 12 GiB card's trials, timed
+    profile = dataclasses.replace(timed_profile(), world=World(2, "nccl", strategy="fsdp"), model_info={
+        "model_state_bytes": whole, "rank_model_state_bytes": whole // 2, "gradient_bytes": 0})
+    path = save_profile(profile, tmp_path / "fsdp.json")
+    card = profile.device.name
+    result = invoke("cost", str(path), "--world-size", "4", "--samples", "1000", "--val-samples", "0", "--price",
+                    f"{card}=2", "--out", str(tmp_path), "--json")
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.output)["forecasts"]
+    at_4 = carried(profile, World(4, "nccl", strategy="fsdp"))
+    rank = forecast_profile(at_4, Dataset(250, 0, "a quarter"), 10)  # one rank's share, alone
+    assert row["ranks"] == 4 and row["batch_size"] == at_4.limits.conservative_batch_size
+    assert row["batch_size"] > profile.limits.conservative_batch_size  # a rank of 4 holds less of the model
+    assert row["price_per_hour"] == 8 and row["samples_per_s"] == pytest.approx(4 * rank.samples_per_s)
+    assert row["run_s"] == pytest.approx(rank.run_s) and row["cost"] == pytest.approx(8 * rank.run_s / 3600)
+    assert "4 cards under FSDP" in row["notes"][0] and "computed from its 2-rank fit" in row["notes"][0]
+    one = save_profile(make_profile(host_device()), tmp_path / "one.json")
+    result = invoke("cost", str(one), "--world-size", "4", "--samples", "1000", "--out", str(tmp_path))
+    assert result.exit_code == 1 and "a single-process profile has no world to carry" in result.output
