@@ -4,8 +4,10 @@
 bench.fsdp`` writes one; without ``--profile`` this command calibrates ``--spec`` itself, ``vramcal.api`` with
 ``World(2, strategy="fsdp")``) runs a fresh process, as a user's script runs, that fits a ``LightningModule`` with
 ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)`` on 2 CPU ranks (Lightning starts the second
-rank itself). Its ``configure_model`` builds the spec's training step (vramcal's regressor factory) and shards it
-as the probe does (:func:`vramcal.measure.distributed.shard`: ``fully_shard`` on each Mamba-2 block and the root);
+rank itself), started with the trials' allocator settings (``GLIBC_TUNABLES`` as vramcal's information line advises a
+host run, and Arrow's system memory pool: :data:`vramcal.environment.WORKER_DEFAULTS`). Its ``configure_model``
+builds the spec's training step (vramcal's regressor factory) and shards it as the probe does
+(:func:`vramcal.measure.distributed.shard`: ``fully_shard`` on each Mamba-2 block and the root);
 its ``training_step`` is the factory's loss on a batch of the size the dataloader hands it. The
 :class:`~vramcal.integrations.lightning.VramcalBatchSize` callback reads the FSDP world from the sharded module at
 fit start, sizes ``batch_size`` from the profile (the process term and Lightning's gradient term included) and
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -85,6 +88,7 @@ def fit(profile: str, spec: str, steps: int, out: Path, profiles_dir: str | None
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vramcal.environment import WORKER_DEFAULTS
     from vramcal.units import parse_bytes
 
     parser = argparse.ArgumentParser(prog="python -m bench.lightning_fsdp", description=__doc__.splitlines()[0])
@@ -108,9 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         made = calibrate(ref, parse_bytes(args.capacity), World(2, strategy="fsdp"), args.out.parent / "profiles")
         profile = str(made.path)
     started = time.perf_counter()
+    # the trials' allocator settings from the first allocation (vramcal.environment.WORKER_DEFAULTS): glibc's malloc
+    # (FrameworkRun.start advises it) and Arrow's system pool: with Arrow's default pool (mimalloc) the regressor's
+    # data reserves a 1 GiB mapping that VmData counts (a process term of +1.13 GiB a rank, measured, and refused)
+    env = {**os.environ, **WORKER_DEFAULTS}
     done = subprocess.run([sys.executable, "-m", "bench.lightning_fsdp", "--child", "--profile", profile, "--spec",
                            args.spec, "--steps", str(args.steps), "--out", str(args.out)], cwd=REPO,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, env=env)
     if done.returncode != 0:
         print(done.stderr[-3000:], file=sys.stderr)
         return 1
