@@ -5,9 +5,12 @@
 of 2 gloo ranks twice, under DDP and under FSDP2 (``vramcal.api.plan_calibration(..., world=World(2, strategy=...))``,
 each trial a real world of ranks under the ``--capacity`` budget each), then:
 
-1. **The sharded bytes.** One real trial of each world at the FSDP profile's conservative size: the per-rank peaks'
-   difference (DDP - FSDP) against the model-state bytes a DDP rank holds more, counted in the trials
-   (``model_state_bytes - rank_model_state_bytes`` of the FSDP profile, :func:`vramcal.measure.trial.model_state`).
+1. **The sharded bytes.** ``--repeats`` real trials of each world at the FSDP profile's conservative size,
+   interleaved: the per-rank peaks' difference (DDP - FSDP, medians) against what a DDP rank holds more, counted from
+   the model (:func:`expected_difference`): the parameters and optimizer state sharded away (the gradients are not
+   at the peak: :mod:`vramcal.sharding`), plus DDP's gradient buckets, less FSDP's two unsharded units in flight.
+   The model states counted whole (``model_state_bytes - rank_model_state_bytes``, gradients included: the first
+   comparison this bench made) are printed beside it.
 2. **Another world size.** From the 2-rank FSDP profile, :func:`vramcal.sharding.at_world_size` at ``--to`` ranks;
    then a real ``--to``-rank FSDP trial at that world's conservative size (steady, as a verification runs), its
    peak read as a verification reads it (:func:`vramcal.calibration.creep.read_peak`) against the moved fit's
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -67,6 +71,28 @@ def trial(ref, budget: int, world, batch_size: int, steady: bool = False):
     return trials[-1], runner.context
 
 
+def expected_difference(ref, fsdp) -> dict[str, int]:
+    """What a 2-rank DDP rank holds more than an FSDP rank at the peak, counted from the model (bytes): the
+    parameters and optimizer state sharded away (:func:`vramcal.sharding.sharded_bytes`), plus DDP's gradient buckets
+    (the gradients' size again, ``gradient_as_bucket_view=False``: PyTorch's DDP notes), less FSDP's two unsharded
+    units in flight at the backward's start (the unit all-gathered and the next one prefetched, the largest unit's
+    parameters each: PyTorch's FSDP2 notes; :func:`vramcal.measure.distributed.shard_units` on the model built
+    here)."""
+    import torch
+
+    from vramcal.measure.distributed import shard_units
+    from vramcal.sharding import sharded_bytes
+    from vramcal.workload import build
+
+    whole, held = sharded_bytes(fsdp)
+    step = build(ref, torch.device("cpu"))
+    unit = max((sum(p.numel() * p.element_size() for p in u.parameters()) for u in shard_units(step)), default=0)
+    buckets = fsdp.model_info["gradient_bytes"] * fsdp.world.nproc
+    sharded = whole - held
+    return {"sharded_bytes": sharded, "bucket_bytes": buckets, "in_flight_bytes": 2 * unit,
+            "expected_bytes": sharded + buckets - 2 * unit}
+
+
 def main(argv: list[str] | None = None) -> int:
     from vramcal.calibration.creep import read_peak
     from vramcal.records import World
@@ -79,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=32, help="the lm config's seq_len")
     parser.add_argument("--capacity", default="2GiB", help="each rank's budget")
     parser.add_argument("--to", type=int, default=3, help="the world size predicted from the 2-rank profile")
+    parser.add_argument("--repeats", type=int, default=3, help="trials of each world at the same batch")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "fsdp")
     args = parser.parse_args(argv)
     ref, budget = model(args), parse_bytes(args.capacity)
@@ -91,14 +118,20 @@ def main(argv: list[str] | None = None) -> int:
               f"{profile.limits.conservative_batch_size}, verified {profile.verified}")
 
     size = fsdp.limits.conservative_batch_size
-    sharded, _ = trial(ref, budget, World(2, strategy="fsdp"), size)
-    replicated, _ = trial(ref, budget, World(2), size)
+    peaks = {"fsdp": [], "ddp": []}
+    for _ in range(args.repeats):  # interleaved: the host's drift reaches both worlds alike
+        peaks["fsdp"].append(trial(ref, budget, World(2, strategy="fsdp"), size)[0].peak_bytes)
+        peaks["ddp"].append(trial(ref, budget, World(2), size)[0].peak_bytes)
+    sharded, replicated = (statistics.median(peaks[k]) for k in ("fsdp", "ddp"))
     whole, held = fsdp.model_info["model_state_bytes"], fsdp.model_info["rank_model_state_bytes"]
-    saved, expected = replicated.peak_bytes - sharded.peak_bytes, whole - held
-    print(f"at batch_size {size}: per-rank peak DDP {replicated.peak_bytes / MIB:.2f} MiB, FSDP "
-          f"{sharded.peak_bytes / MIB:.2f} MiB: difference {saved / MIB:.2f} MiB; model states a DDP rank holds "
-          f"more: {expected / MIB:.2f} MiB (whole {whole / MIB:.2f}, FSDP rank {held / MIB:.2f}): "
-          f"{(saved - expected) / expected * 100:+.1f} %")
+    saved, counted, terms = replicated - sharded, whole - held, expected_difference(ref, fsdp)
+    expected = terms["expected_bytes"]
+    print(f"at batch_size {size}, medians of {args.repeats}: per-rank peak DDP {replicated / MIB:.2f} MiB, FSDP "
+          f"{sharded / MIB:.2f} MiB: difference {saved / MIB:.2f} MiB; expected {expected / MIB:.2f} MiB "
+          f"(parameters and optimizer state sharded away {terms['sharded_bytes'] / MIB:.2f} + DDP's buckets "
+          f"{terms['bucket_bytes'] / MIB:.2f} - two unsharded units {terms['in_flight_bytes'] / MIB:.2f}): "
+          f"{(saved - expected) / expected * 100:+.1f} %; against the model states counted whole (gradients "
+          f"included) {counted / MIB:.2f} MiB: {(saved - counted) / counted * 100:+.1f} %")
 
     moved = at_world_size(fsdp, args.to)
     at = moved.limits.conservative_batch_size
@@ -106,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     steady, context = trial(ref, budget, World(args.to, strategy="fsdp"), at, steady=True)
     measured = read_peak(steady, fsdp.creep) if steady.ok else None
     error = None if measured is None else (measured - predicted) / predicted * 100
-    print(f"{args.to} ranks from the 2-rank profile: safe {moved.limits.safe_batch_size}, conservative {at} (model "
-          f"states {moved.shift_bytes / MIB:+.2f} MiB per rank); predicted peak at {at}: {predicted / MIB:.2f} MiB; "
+    print(f"{args.to} ranks from the 2-rank profile: safe {moved.limits.safe_batch_size}, conservative {at} "
+          f"(parameters and optimizer state {moved.shift_bytes / MIB:+.2f} MiB per rank); predicted peak at {at}: "
+          f"{predicted / MIB:.2f} MiB; "
           f"real {args.to}-rank trial: {steady.status}"
           + ("" if measured is None else f", peak {measured / MIB:.2f} MiB ({error:+.2f} %)"))
 
@@ -115,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
               "fsdp": {"formula": fsdp.fit.formula(), "limits": fsdp.limits.to_dict(), "verified": fsdp.verified,
                        "model_info": fsdp.model_info},
               "ddp": {"formula": ddp.fit.formula(), "limits": ddp.limits.to_dict(), "verified": ddp.verified},
-              "same_batch": {"batch_size": size, "ddp_peak_bytes": replicated.peak_bytes,
-                             "fsdp_peak_bytes": sharded.peak_bytes, "difference_bytes": saved,
-                             "sharded_bytes": expected, "error_pct": (saved - expected) / expected * 100},
+              "same_batch": {"batch_size": size, "peaks_bytes": peaks, "ddp_peak_bytes": replicated,
+                             "fsdp_peak_bytes": sharded, "difference_bytes": saved, **terms,
+                             "error_pct": (saved - expected) / expected * 100, "model_states_bytes": counted,
+                             "model_states_error_pct": (saved - counted) / counted * 100},
               "other_world": {"nproc": args.to, "conservative": at, "predicted_peak_bytes": predicted,
                               "status": steady.status, "peak_bytes": measured, "error_pct": error,
                               "rank_model_state_bytes": context.get("rank_model_state_bytes")},

@@ -30,13 +30,14 @@ from vramcal.workload import TrainingStep
 MIB = 2**20
 
 
-def fsdp_profile(whole_mib: float = 400, nproc: int = 2):
+def fsdp_profile(whole_mib: float = 400, nproc: int = 2, gradient_mib: float = 0):
     """:func:`test_train.make_profile` (100 MiB + 24 MiB x batch in a 1 GiB budget) as a world of ``nproc`` FSDP
-    ranks whose model states are ``whole_mib`` whole, each rank holding its share."""
+    ranks whose model states are ``whole_mib`` whole, ``gradient_mib`` of them gradients, each rank holding its
+    share."""
     profile = make_profile(host_device())
-    whole = int(whole_mib * MIB)
-    return dataclasses.replace(profile, world=World(nproc, strategy="fsdp"),
-                               model_info={"model_state_bytes": whole, "rank_model_state_bytes": whole // nproc})
+    whole, grads = int(whole_mib * MIB), int(gradient_mib * MIB)
+    return dataclasses.replace(profile, world=World(nproc, strategy="fsdp"), model_info={
+        "model_state_bytes": whole, "rank_model_state_bytes": whole // nproc, "gradient_bytes": grads // nproc})
 
 
 def test_a_rank_sheds_its_share_of_the_model_states_at_more_ranks_and_gains_it_at_fewer():
@@ -49,6 +50,11 @@ def test_a_rank_sheds_its_share_of_the_model_states_at_more_ranks_and_gains_it_a
     # 100 MiB more room at 24 MiB per sample: about 4 samples more per rank
     assert at_4.limits.safe_batch_size - profile.limits.safe_batch_size in (3, 4, 5)
     assert at_4.global_conservative == 4 * at_4.limits.conservative_batch_size
+
+
+def test_the_gradients_do_not_move_with_the_world_size():
+    """They are freed before the forward: the peak near the limits holds next to none (vramcal.sharding)."""
+    assert state_shift(fsdp_profile(whole_mib=400, gradient_mib=100), 4) == pytest.approx(-75 * MIB, abs=1)
 
 
 def test_a_ddp_rank_holds_the_whole_model_at_any_world_size():
@@ -109,8 +115,9 @@ def test_limits_at_a_world_size_and_for_a_global_batch_on_the_hosts_budget(tmp_p
     result = invoke("limits", str(path), "--world-size", "4")
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
-    assert "computed from that fit by the sharding model" in text and "400.00 MiB of parameters" in text
-    assert re.search(r"\|\s*4\s*\|", result.output) and "computed (model states -100.00 MiB per rank)" in result.output
+    assert "computed from that fit by the sharding model" in text and "optimizer state (400.00 MiB, counted" in text
+    assert re.search(r"\|\s*4\s*\|", result.output)
+    assert "computed (parameters and optimizer state -100.00 MiB per rank)" in result.output
     result = invoke("limits", str(path), "--global-batch", "40", "--json")
     assert result.exit_code == 0, result.output
     (row,) = json.loads(result.output)["gpus"]
@@ -207,3 +214,32 @@ def test_a_two_rank_fsdp_probe_is_verified_and_carried_to_three_ranks(tmp_path):
     (row,) = json.loads(result.output)["gpus"]
     assert row["nproc"] == 3 and row["shift_bytes"] < 0 and not row["measured"]
     assert row["limits"]["safe_batch_size"] >= profile.limits.safe_batch_size
+
+
+def test_cost_for_n_cards_of_a_worlds_profile(tmp_path):
+    """``vramcal cost --world-size 4``: the per-rank batch carried by the sharding model, each rank a quarter of the
+    samples at the rate its ranks measured, the world's samples/s and the price of 4 cards."""
+    from profiles_for_tests import timed_profile
+
+    from vramcal.forecast import Dataset, forecast_profile
+    from vramcal.sharding import carried
+
+    whole = 2 * 2**30  # of a 12 GiB card's trials, timed
+    profile = dataclasses.replace(timed_profile(), world=World(2, "nccl", strategy="fsdp"), model_info={
+        "model_state_bytes": whole, "rank_model_state_bytes": whole // 2, "gradient_bytes": 0})
+    path = save_profile(profile, tmp_path / "fsdp.json")
+    card = profile.device.name
+    result = invoke("cost", str(path), "--world-size", "4", "--samples", "1000", "--val-samples", "0", "--price",
+                    f"{card}=2", "--out", str(tmp_path), "--json")
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads(result.output)["forecasts"]
+    at_4 = carried(profile, World(4, "nccl", strategy="fsdp"))
+    rank = forecast_profile(at_4, Dataset(250, 0, "a quarter"), 10)  # one rank's share, alone
+    assert row["ranks"] == 4 and row["batch_size"] == at_4.limits.conservative_batch_size
+    assert row["batch_size"] > profile.limits.conservative_batch_size  # a rank of 4 holds less of the model
+    assert row["price_per_hour"] == 8 and row["samples_per_s"] == pytest.approx(4 * rank.samples_per_s)
+    assert row["run_s"] == pytest.approx(rank.run_s) and row["cost"] == pytest.approx(8 * rank.run_s / 3600)
+    assert "4 cards under FSDP" in row["notes"][0] and "computed from its 2-rank fit" in row["notes"][0]
+    one = save_profile(make_profile(host_device()), tmp_path / "one.json")
+    result = invoke("cost", str(one), "--world-size", "4", "--samples", "1000", "--out", str(tmp_path))
+    assert result.exit_code == 1 and "a single-process profile has no world to carry" in result.output

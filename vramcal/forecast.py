@@ -19,6 +19,13 @@ trial times its steps). The interval of ``samples_per_s`` carries through to the
 
 A card without a measured profile has no throughput: its row says so and has no times and no cost. Nothing
 is extrapolated from another card, nor from a batch size outside the measured ones.
+
+For ``N`` cards of a kind (:func:`world_forecast`, ``vramcal cost --world-size N``) a world's profile (``vramcal
+probe --nproc``) is carried to ``N`` ranks (:func:`vramcal.sharding.carried`: under FSDP each rank's batch grows as
+its shard shrinks; under DDP it does not move), each rank trains its share of the windows (``ceil(samples / N)``) at
+the rate its ranks measured at that batch (the ranks step together), so the times are one rank's, the world's
+samples/s ``N`` × one rank's, and the cost ``N`` × the card's price × the run's hours. The rate at ``N`` ranks is the
+calibration's world's: the collectives of more ranks are not measured.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from vramcal.calibration.throughput import (
 )
 from vramcal.models.registry import describe
 from vramcal.profile import Observation, Profile
+from vramcal.records import World
+from vramcal.sharding import carried
 from vramcal.sizing import THROUGHPUT, SizeFor, SizeRequest, SizingError, length_trials, size
 
 HOUR_S = 3600.0
@@ -403,9 +412,20 @@ def parse_prices(text: str) -> list[Price]:
 
 def cost_table(profiles: Sequence[Profile], datasets: Sequence[Dataset | None], epochs: int,
                prices: Sequence[Price] = (), *, size_for: SizeFor = "memory", seq_len: int | None = None,
-               labels: Sequence[str] | None = None) -> list[Forecast]:
-    """One forecast per profile (with its dataset and, where a price names its card, its price), one row per price
-    naming no profile (unknown throughput), sorted and marked by :func:`mark_best`."""
+               labels: Sequence[str] | None = None, world_size: int | None = None) -> list[Forecast]:
+    """One forecast per profile (with its dataset and, where a price names its card, its price; with ``world_size``
+    the run on that many cards of each profile's kind, :func:`world_forecast`), one row per price naming no profile
+    (unknown throughput), sorted and marked by :func:`mark_best`.
+
+    Raises:
+        SizingError: ``world_size`` and a profile of one process, or one the sharding model cannot carry.
+    """
+    if world_size is not None:
+        return mark_best([world_forecast(p, d, epochs, world_size, price_per_hour=price_of, size_for=size_for,
+                                         seq_len=seq_len, card=label)
+                          for p, d, price_of, label in _priced(profiles, datasets, prices, labels)]
+                         + [unknown_card(price, epochs, datasets[0] if datasets else None) for price in prices
+                            if not match_price(price, profiles)])
     price_of: dict[int, float] = {}
     rows = []
     for price in prices:
@@ -417,6 +437,47 @@ def cost_table(profiles: Sequence[Profile], datasets: Sequence[Dataset | None], 
     rows = [forecast_profile(p, d, epochs, price_per_hour=price_of.get(i), size_for=size_for, seq_len=seq_len,
                              card=label) for i, (p, d, label) in enumerate(zip(profiles, datasets, labels))] + rows
     return mark_best(rows)
+
+
+def _priced(profiles: Sequence[Profile], datasets: Sequence[Dataset | None], prices: Sequence[Price],
+            labels: Sequence[str] | None) -> list[tuple[Profile, Dataset | None, float | None, str]]:
+    """Each profile with its dataset, the price that names its card (None: none does) and its row's name."""
+    price_of = {i: price.price_per_hour for price in prices for i in match_price(price, profiles)}
+    labels = labels or [p.device.name for p in profiles]
+    return [(p, d, price_of.get(i), label) for i, (p, d, label) in enumerate(zip(profiles, datasets, labels))]
+
+
+def world_forecast(profile: Profile, dataset: Dataset | None, epochs: int, nproc: int, *,
+                   price_per_hour: float | None = None, size_for: SizeFor = "memory", seq_len: int | None = None,
+                   card: str | None = None) -> Forecast:
+    """The forecast of a run on ``nproc`` cards of the profile's kind (module docstring): the batch size per rank,
+    the times of one rank's share of ``dataset``, the world's samples/s (``ranks`` = ``nproc``) and the cost of
+    ``nproc`` cards at ``price_per_hour`` each.
+
+    Raises:
+        SizingError: a profile of one process (no world to carry), or one :func:`vramcal.sharding.carried` refuses.
+    """
+    world = profile.world
+    if world is None:
+        raise SizingError("a single-process profile has no world to carry to other world sizes: calibrate one with "
+                          "`vramcal probe --nproc N` (and --strategy fsdp for a sharded one)")
+    at = profile if world.nproc == nproc else carried(profile, World(**{**world.to_dict(), "nproc": nproc}))
+    share = dataset and Dataset(-(-dataset.train_samples // nproc),
+                                None if dataset.val_samples is None else -(-dataset.val_samples // nproc),
+                                f"{dataset.source}; each of {nproc} ranks trains its share")
+    found = forecast_profile(at, share, epochs, price_per_hour=None if price_per_hour is None else
+                             nproc * price_per_hour, size_for=size_for, seq_len=seq_len, card=card)
+    basis = "measured" if at is profile else f"computed from its {world.nproc}-rank fit by the sharding model"
+    note = (f"{nproc} cards under {world.strategy.upper()}: the batch size is per rank "
+            f"({basis}), the global batch {nproc} × it; samples/s the world's (the ranks' rate at the "
+            f"{world.nproc}-rank calibration's, × {nproc}); the price {nproc} cards'")
+
+    def world_rate(rate: float | None) -> float | None:
+        return None if rate is None else rate * nproc
+
+    return replace(found, ranks=nproc, samples_per_s=world_rate(found.samples_per_s),
+                   low_samples_per_s=world_rate(found.low_samples_per_s),
+                   high_samples_per_s=world_rate(found.high_samples_per_s), notes=(note, *found.notes))
 
 
 def calibration_dataset(profile: Profile) -> Dataset | None:

@@ -1,10 +1,15 @@
 """A world's per-rank memory at other world sizes, and the fewest ranks a global batch needs.
 
 Under FSDP2 (``fully_shard``) every rank holds ``1/N`` of the model states: the parameters, their gradients and
-the optimizer state, ``S`` bytes for one whole copy (counted in the trial, ``model_info["model_state_bytes"]``:
-:func:`vramcal.measure.trial.model_state`). Nothing else a rank holds depends on ``N``: the activations of its
-batch (the fit's slope), the blocks being all-gathered, the process and its allocator (the rest of the
-overhead). So from a profile measured at ``N0`` ranks, at ``N`` ranks::
+the optimizer state (counted in the trial, ``model_info["model_state_bytes"]`` whole and
+``rank_model_state_bytes`` a rank's: :func:`vramcal.measure.trial.model_state`). At the peak of a batch near the
+limits the gradients are not held: the step frees them (``zero_grad(set_to_none=True)``) before the forward, and
+the peak comes where the backward starts, every activation alive and next to no gradient made yet (measured:
+``bench.fsdp_terms``, bench/README.md). So the part of the peak that divides by the world size is ``S``, the
+parameters and the optimizer state of one whole copy (the model states less the gradients, ``gradient_bytes`` a
+rank's share). Nothing else a rank holds depends on ``N``: the activations of its batch (the fit's slope), the
+blocks being all-gathered, the process and its allocator (the rest of the overhead). So from a profile measured at
+``N0`` ranks, at ``N`` ranks::
 
     overhead(N) = overhead(N0) - S_rank(N0) + S / N        (FSDP; S_rank(N0): what a rank held, counted)
     overhead(N) = overhead(N0)                             (DDP: every rank holds S whole)
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 
 from vramcal.calibration.limits import Limits, compute_limits
 from vramcal.profile import Profile
+from vramcal.records import World
 from vramcal.sizing import SizingError
 
 
@@ -37,7 +43,8 @@ class AtWorldSize:
         nproc: the ranks.
         limits: per rank: safe and conservative batch sizes (samples), usable bytes.
         overhead_bytes: the moved fit's overhead (bytes at batch_size 0).
-        shift_bytes: ``overhead(nproc) - overhead(N0)``: the model states a rank holds more (+) or less (-).
+        shift_bytes: ``overhead(nproc) - overhead(N0)``: the parameters and optimizer state a rank holds more (+)
+            or less (-).
         measured: ``nproc`` is the profile's own world (its limits are the calibration's, not computed).
     """
 
@@ -70,11 +77,24 @@ def state_shift(profile: Profile, nproc: int) -> float:
                           "with `vramcal probe --nproc N` (and --strategy fsdp for a sharded one)")
     if world.strategy == "ddp":
         return 0.0
-    whole, held = (profile.model_info.get(k) for k in ("model_state_bytes", "rank_model_state_bytes"))
-    if not isinstance(whole, int) or not isinstance(held, int):
+    whole, held = sharded_bytes(profile)
+    return whole / nproc - held
+
+
+def sharded_bytes(profile: Profile) -> tuple[int, int]:
+    """(one whole copy, what a rank of the profile's world held) of the parameters and the optimizer state of an
+    FSDP profile, bytes: its counted model states less the gradients (the rank's ``gradient_bytes``; whole, that
+    times the ranks, to within the shards' padding of a few rows).
+
+    Raises:
+        SizingError: a profile that does not record its model states (made before vramcal counted them).
+    """
+    whole, held, grads = (profile.model_info.get(k) for k in ("model_state_bytes", "rank_model_state_bytes",
+                                                               "gradient_bytes"))
+    if not all(isinstance(v, int) for v in (whole, held, grads)):
         raise SizingError("this FSDP profile does not record its model states (made before vramcal counted them): "
                           "calibrate it again with `vramcal probe --nproc N --strategy fsdp`")
-    return whole / nproc - held
+    return whole - grads * profile.world.nproc, held - grads
 
 
 def at_world_size(profile: Profile, nproc: int, total_bytes: int | None = None) -> AtWorldSize:
@@ -117,3 +137,39 @@ def fewest_ranks(profile: Profile, global_batch: int, total_bytes: int | None = 
         if profile.world.strategy == "ddp" and per_rank == 0:
             return None  # a DDP rank's room does not grow with the world
     return None
+
+
+def same_but_size(calibrated: World | None, run: World | None) -> bool:
+    """Whether two worlds differ in their number of ranks alone (the same strategy, backend and settings): what
+    :func:`carried` can bridge."""
+    return (calibrated is not None and run is not None
+            and dataclasses.replace(calibrated, nproc=run.nproc) == run)
+
+
+def carried(profile: Profile, world: World) -> Profile:
+    """``profile``, a world's, as a profile of ``world``: the same strategy and settings at another number of ranks,
+    its fit moved and its limits computed at ``world.nproc`` (:func:`at_world_size`, module docstring). What it
+    measured at its own world does not hold at another: its verification trials and the training runs recorded in
+    it are left out (the carried limits are computed, not verified), and it has no file (``path`` None: a run at
+    another world size is not recorded in it).
+
+    Raises:
+        SizingError: ``world`` differs from the profile's in more than its size (another strategy or settings: the
+            model moves the model states only), a profile over several lengths, see :func:`at_world_size`.
+    """
+    if not same_but_size(profile.world, world):
+        calibrated = profile.world.describe() if profile.world else "one process"
+        raise SizingError(f"the sharding model carries a world's profile to other numbers of ranks of the same "
+                          f"strategy and settings only, not {calibrated} to {world.describe()}: calibrate that world "
+                          f"with `vramcal probe {' '.join(world.probe_args())}`")
+    if profile.surface is not None:
+        raise SizingError("the sharding model carries a profile of one seq_len: calibrate this world over several "
+                          f"lengths with `vramcal probe {' '.join(world.probe_args())} --seq-len ...`")
+    found = at_world_size(profile, world.nproc)
+    fit = dataclasses.replace(profile.fit, overhead_bytes=found.overhead_bytes)
+    info = dict(profile.model_info)
+    if world.strategy == "fsdp":  # a rank's shares at the new size
+        grads = round(info["gradient_bytes"] * profile.world.nproc / world.nproc)
+        info.update(rank_model_state_bytes=round(info["model_state_bytes"] / world.nproc), gradient_bytes=grads)
+    return dataclasses.replace(profile, world=world, fit=fit, limits=found.limits, verification={}, model_info=info,
+                               observations=(), path=None)

@@ -134,22 +134,32 @@ def forecast_settings(profiles: list, options: dict[str, Any]):
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("reports"),
               show_default=True, help="folder for the PNG and the Markdown")
 @click.option("--name", default=None, help="file stem [default: cost-<hash of the profiles and settings>]")
+@click.option("--world-size", type=click.IntRange(2), default=None,
+              help="a world's profiles (`vramcal probe --nproc`): the run on this many cards of each kind, its batch "
+                   "per rank computed by the sharding model, its price that many cards'")
 @click.option("--json", "as_json", is_flag=True, help="print the forecast as JSON for programs")
-def cost_command(profiles: tuple[Path, ...], size_for: str, out_dir: Path, name: str | None, as_json: bool,
-                 **options: Any) -> None:
+def cost_command(profiles: tuple[Path, ...], size_for: str, out_dir: Path, name: str | None, world_size: int | None,
+                 as_json: bool, **options: Any) -> None:
     """Forecast a training run's time and cost on each card of PROFILES (files or folders).
 
     Each card's batch size, samples/s, epoch time, run time and (with --price) cost; the fastest and the cheapest
-    marked. Throughput is each card's own measurement: a priced card without a profile is shown as unknown.
+    marked. Throughput is each card's own measurement: a priced card without a profile is shown as unknown. With
+    --world-size N, a world's profile forecasts the run on N cards of its kind: per-rank batch (FSDP: carried by the
+    sharding model), each rank its share of the samples, the world's samples/s, the price of N cards.
     """
 
     paths, loaded = load_profiles(profiles)
     _check_lengths(paths, loaded, options["seq_len"])
-    forecasts = cost_table(loaded, datasets_for(loaded, options), options["epochs"], options["prices"],
-                           size_for=size_for, seq_len=options["seq_len"], labels=_labels(loaded))
-    forecasts = _estimated(forecasts, loaded)
+    try:
+        forecasts = cost_table(loaded, datasets_for(loaded, options), options["epochs"], options["prices"],
+                               size_for=size_for, seq_len=options["seq_len"], labels=_labels(loaded),
+                               world_size=world_size)
+    except SizingError as error:
+        raise click.ClickException(str(error)) from None
+    forecasts = forecasts if world_size else _estimated(forecasts, loaded)
     title = f"{options['epochs']} epochs, {'throughput knee' if size_for == 'throughput' else 'conservative'} batch"
-    stem = name or "cost-" + hashlib.sha256(json.dumps([sorted(map(str, paths)), size_for, options], sort_keys=True,
+    stem = name or "cost-" + hashlib.sha256(json.dumps([sorted(map(str, paths)), size_for, options, world_size],
+                                                       sort_keys=True,
                                                        default=str).encode()).hexdigest()[:8]
     try:
         png, markdown = write_cost_report(forecasts, out_dir, stem, title)

@@ -13,7 +13,8 @@
                 ...
             steps.done += 1
 
-:func:`sized` finds the profile for this process's device (and, with several processes, for the DDP world),
+:func:`sized` finds the profile for this process's device (and, with several processes, for the world: DDP, or
+FSDP2 under the FSDP plugin, whose FSDP1 is refused in one line: :mod:`vramcal.integrations.worlds`),
 measures what this process holds once the model and the optimizer are prepared against what the trials'
 processes held — the process term (:class:`vramcal.integrations.run.FrameworkRun`) — and sizes the batch with it;
 with an effective batch it sets ``accelerator.gradient_accumulation_steps`` to reach it. :func:`measured` prints
@@ -33,6 +34,7 @@ from typing import Any
 
 from vramcal.arguments import of_type, shown
 from vramcal.integrations.run import FrameworkRun, asked_request, check_find
+from vramcal.integrations.worlds import backend_of, plugin_world
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
 from vramcal.records import World
 
@@ -58,14 +60,28 @@ def sized(accelerator: Any, profile: Profile | str | Path | None = None, *, mode
     _accelerator(accelerator)
     find = check_find("sized", profile, model, params, profiles_dir, capacity_bytes)
     ask = asked_request("sized", asked)
-    world = None
-    if accelerator.num_processes > 1:
-        world = World(accelerator.num_processes, "nccl" if accelerator.device.type == "cuda" else "gloo")
-    run = FrameworkRun(**find, device=accelerator.device, ask=ask, world=world, framework="accelerate")
+    run = FrameworkRun(**find, device=accelerator.device, ask=ask, world=_world(accelerator), framework="accelerate")
     sizing = run.start()
     if sizing.accumulation_steps > 1:
         accelerator.gradient_accumulation_steps = sizing.accumulation_steps
     return run
+
+
+def _world(accelerator: Any) -> World | None:
+    """The world of an Accelerator of several processes: FSDP2 when it trains with its FSDP plugin
+    (``distributed_type`` FSDP), else DDP.
+
+    Raises:
+        SizingError: an FSDP1 plugin or CPU offload, which no profile measures (one line).
+    """
+    if accelerator.num_processes < 2:
+        return None
+    device_type = accelerator.device.type
+    if getattr(accelerator, "distributed_type", None) != "FSDP":  # a str enum: DistributedType.FSDP
+        return World(accelerator.num_processes, backend_of(device_type))
+    plugin = accelerator.state.fsdp_plugin  # FSDP2's cpu_offload: OffloadPolicy (none) or CPUOffloadPolicy
+    return plugin_world(accelerator.num_processes, device_type, plugin.fsdp_version, plugin.reshard_after_forward,
+                        type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy", "the Accelerator's FSDP plugin")
 
 
 def _accelerator(accelerator: Any) -> None:

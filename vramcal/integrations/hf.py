@@ -17,7 +17,8 @@ process holds against what the trials' processes held — the process term
 (:class:`vramcal.integrations.run.FrameworkRun`) — and stops with one line when the batch no longer fits with it
 (the Trainer's dataloader is built by then, so the size cannot change: the line says which size fits). At the end
 (``on_train_end``) it prints this process's peak beside the prediction and appends the observation to the
-profile. Under DDP (``torchrun``) each rank sizes itself from its own device's profile for the world.
+profile. Under DDP (``torchrun``) each rank sizes itself from its own device's profile for the world; with the
+``fsdp`` options on GPUs, from the FSDP2 world's (:mod:`vramcal.integrations.worlds`: FSDP1 refused in one line).
 
 Needs ``transformers`` (a dependency) and ``accelerate`` (which ``Trainer`` needs); ``import vramcal`` imports
 neither.
@@ -26,6 +27,7 @@ neither.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from transformers import TrainerCallback
 
 from vramcal.arguments import shown
 from vramcal.integrations.run import FrameworkRun, asked_request, check_find
+from vramcal.integrations.worlds import backend_of, plugin_world
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
 from vramcal.records import World
 from vramcal.sizing import SizingError, check_counts
@@ -110,9 +113,22 @@ class VramcalCallback(TrainerCallback):
                                         main_process=state.is_world_process_zero)
 
 
-def _world(args: Any):
-    """The DDP world of a Trainer run by several processes (its profile must be calibrated for it)."""
+def _world(args: Any) -> World | None:
+    """The world of a Trainer run by several processes (its profile must be calibrated for it): FSDP2 when the
+    arguments ask for FSDP (``fsdp``/``fsdp_config``, read as the Trainer hands them to Accelerate:
+    ``fsdp_plugin_args``) on GPUs, else DDP (on the host Accelerate trains DDP whatever they ask: said in a warning).
+
+    Raises:
+        SizingError: FSDP1 (``fsdp_config`` version 1) or CPU offload, which no profile measures (one line).
+    """
     if getattr(args, "world_size", 1) < 2:
         return None
-
-    return World(args.world_size, "nccl" if args.device.type == "cuda" else "gloo")
+    plugin, device_type = getattr(args, "fsdp_plugin_args", None), args.device.type
+    if not plugin:
+        return World(args.world_size, backend_of(device_type))
+    if device_type != "cuda":
+        warnings.warn("vramcal: TrainingArguments ask for FSDP, which Accelerate runs on GPUs only: this CPU run "
+                      "trains DDP (MULTI_CPU) and is sized as DDP", stacklevel=3)
+    return plugin_world(args.world_size, device_type, plugin.get("fsdp_version", 2),
+                        plugin.get("reshard_after_forward", True), plugin.get("cpu_offload", False),
+                        "TrainingArguments' fsdp_config")

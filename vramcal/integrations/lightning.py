@@ -43,6 +43,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from vramcal.arguments import name_text
 from vramcal.integrations.run import FrameworkRun, asked_request, check_find
+from vramcal.integrations.worlds import backend_of, ddp_world, fsdp1_refused, sharded_world, unmeasured
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
 from vramcal.records import World
 from vramcal.sizing import GradientsHeld, Sizing
@@ -103,16 +104,27 @@ class VramcalBatchSize(Callback):
         if not lightning_hasattr(pl_module, self.attr):
             raise ValueError(f"neither the LightningModule nor its DataModule has {self.attr!r} (an attribute or "
                              f"in hparams): add it, or pass attr=<the name your dataloaders read>")
-        ask = self.ask.replace(gradients=_gradients_held(pl_module)) if self.ask.gradients is None else self.ask
-        self.run = FrameworkRun(**self._find, device=trainer.strategy.root_device, ask=ask, world=_world(trainer),
-                                framework="lightning", warn=lambda line: rank_zero_warn(line),
-                                inform=lambda line: rank_zero_info(line))
-        self.profile_source, self.sizing = self.run.source, None  # a new fit says its size again
+        self.run, self.sizing = None, None  # a new fit says its size again
+        if _sharded_later(trainer):
+            return  # configure_model shards the module after setup: its world is read at fit start
+        self._size(trainer, pl_module, _world(trainer))
         self._apply(trainer, pl_module, self.run.sizing)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.run is None and _sharded_later(trainer):
+            self._size(trainer, pl_module, sharded_world(pl_module, trainer.world_size,
+                                                         backend_of(trainer.strategy.root_device.type),
+                                                         "Lightning's ModelParallelStrategy"))
         if self.run is not None:
             self._apply(trainer, pl_module, self.run.start())
+
+    def _size(self, trainer: pl.Trainer, pl_module: pl.LightningModule, world: World | None) -> None:
+        """The run of this fit in ``world``, sized from the profile (its information and warnings on rank 0)."""
+        ask = self.ask.replace(gradients=_gradients_held(pl_module)) if self.ask.gradients is None else self.ask
+        self.run = FrameworkRun(**self._find, device=trainer.strategy.root_device, ask=ask, world=world,
+                                framework="lightning", warn=lambda line: rank_zero_warn(line),
+                                inform=lambda line: rank_zero_info(line))
+        self.profile_source = self.run.source
 
     def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, sizing: Sizing) -> None:
         """Set the (agreed, under DDP) batch size and the accumulation, and say so on rank 0: once when it is first
@@ -158,14 +170,47 @@ def _gradients_held(pl_module: pl.LightningModule) -> GradientsHeld | None:
     return GradientsHeld.AUTOMATIC_OPTIMIZATION if pl_module.automatic_optimization else None
 
 
-def _world(trainer: pl.Trainer):
-    """The DDP world of a trainer with more than one process (its profile must be calibrated for it)."""
-    if trainer.world_size < 2:
+def _world(trainer: pl.Trainer) -> World | None:
+    """The DDP world of a trainer with more than one process (its profile must be calibrated for it): the settings
+    of DistributedDataParallel it was given (``DDPStrategy(**kwargs)``) that move a rank's memory.
+
+    Raises:
+        SizingError: FSDPStrategy (FSDP1) or DeepSpeed, whose memory no profile measures (one line each).
+    """
+    from lightning.pytorch.strategies import FSDPStrategy  # loads lightning's strategies: only when called
+
+    strategy, nproc = trainer.strategy, trainer.world_size
+    if nproc < 2:
         return None
+    if isinstance(strategy, FSDPStrategy):
+        raise fsdp1_refused("Lightning's FSDPStrategy", nproc, "train with ModelParallelStrategy and fully_shard "
+                            "on each block and the root in configure_model (FSDP2)")
+    if "DeepSpeed" in type(strategy).__name__:
+        raise unmeasured(f"Lightning's {type(strategy).__name__} (ZeRO)")
     import torch.distributed as dist
 
-    return World(trainer.world_size, "nccl" if trainer.strategy.root_device.type == "cuda" else "gloo",
-                 threads_per_rank=1) if dist.is_initialized() else None
+    backend = backend_of(strategy.root_device.type)
+    return ddp_world(nproc, backend, getattr(strategy, "_ddp_kwargs", None)) if dist.is_initialized() else None
+
+
+def _sharded_later(trainer: pl.Trainer) -> bool:
+    """Whether the trainer's ranks shard the module themselves in ``configure_model`` (Lightning's
+    ModelParallelStrategy: FSDP2's ``fully_shard``, read at fit start by :func:`~vramcal.integrations.worlds.
+    sharded_world`).
+
+    Raises:
+        SizingError: a tensor-parallel mesh (``tensor_parallel_size`` above 1), which no profile measures.
+    """
+    from lightning.pytorch.strategies import ModelParallelStrategy  # loads lightning's strategies: only when called
+
+    strategy = trainer.strategy
+    if trainer.world_size < 2 or not isinstance(strategy, ModelParallelStrategy):
+        return False
+    tensor_parallel = strategy._tensor_parallel_size
+    if tensor_parallel not in ("auto", 1):
+        raise unmeasured(f"ModelParallelStrategy with tensor_parallel_size {tensor_parallel} (tensor parallelism)",
+                         "shard with data_parallel_size equal to the world size and tensor_parallel_size 1")
+    return True
 
 
 def _agreed(trainer: pl.Trainer, batch_size: int) -> int:

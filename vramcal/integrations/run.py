@@ -32,7 +32,7 @@ from vramcal import __version__
 from vramcal.api import capacity_argument, select_devices
 from vramcal.arguments import callback, flag, mapping, of_type, path_like
 from vramcal.environment import HOST_MALLOC, set_host_malloc
-from vramcal.lookup import locate_profile
+from vramcal.integrations.worlds import locate_world
 from vramcal.measure.device import DeviceError, free_bytes
 from vramcal.measure.meters import attach_meter
 from vramcal.measure.nvml import NvmlError
@@ -74,7 +74,9 @@ class FrameworkRun:
         ask: what the run asks of the profile (:class:`~vramcal.sizing.SizeRequest`: the limit, a requested
             batch size clamped to ``[batch_size_min, safe]`` with a warning, an effective batch reached by
             ``sizing.accumulation_steps``, why the gradients stay alive through the forward pass).
-        world: the DDP world this process is a rank of (its profile must be calibrated for it).
+        world: the DDP or FSDP world this process is a rank of (its profile must be calibrated for it, or for the
+            same strategy and settings at another number of ranks: then carried by the sharding model,
+            :func:`vramcal.integrations.worlds.locate_world`, and said through ``inform``).
         framework: who trains (``lightning``, ``transformers.Trainer``, ``accelerate``, ``plain``), recorded.
         host_malloc: on the host, :meth:`start` gives this process the trials' glibc malloc settings
             (:func:`vramcal.environment.set_host_malloc`: with glibc's defaults the same step can hold a third
@@ -105,15 +107,15 @@ class FrameworkRun:
                  warn: Warn = _warn, inform: Warn = _inform) -> None:
         find = check_find("FrameworkRun", profile, model, params, profiles_dir, capacity_bytes)
         of_type("ask", ask, SizeRequest, "what the run asks as a vramcal.SizeRequest (SizeRequest(request=64))")
-        of_type("world", world, World, "the DDP world as a vramcal.records.World, or None", none=True)
+        of_type("world", world, World, "the DDP or FSDP world as a vramcal.records.World, or None", none=True)
         self.framework, self.host_malloc = of_type("framework", framework, str, "a name"), flag("host_malloc",
                                                                                                 host_malloc)
         self.warn, self.inform = callback("warn", warn, none=False), callback("inform", inform, none=False)
         self.device, self.world = vramcal_device(device), world
-        located = locate_profile(find["model"], params, device=self.device, profile=profile,
-                                 profiles_dir=profiles_dir, world=world, total_bytes=find["capacity_bytes"])
+        located = locate_world(find["model"], params, device=self.device, profile=profile,
+                               profiles_dir=profiles_dir, world=world, total_bytes=find["capacity_bytes"])
         for notice in located.notices:
-            warn(f"vramcal: {notice}")
+            (inform if is_info(notice) else warn)(f"vramcal: {notice}")
         self.profile, self.source, self.path = located.profile, located.source, located.path
         seq_len = (params or {}).get("seq_len")
         self.ask = ask if ask.seq_len is not None or seq_len is None else ask.replace(seq_len=seq_len)

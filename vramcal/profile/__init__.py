@@ -143,9 +143,10 @@ def newest_profile(profiles_dir: Path | str, device: Device, model: ModelRef, wo
 
 
 def matching_profiles(profiles_dir: Path | str, device: Device, model: ModelRef, world: World | None = None,
-                      total_bytes: int | None = None) -> tuple[list[Profile], list[str]]:
+                      total_bytes: int | None = None, any_size: bool = False) -> tuple[list[Profile], list[str]]:
     """The readable profiles under ``profiles_dir`` for this device's hardware, this model and this DDP ``world``
-    (None: one process), and, when ``total_bytes`` is given, calibrated at this budget.
+    (None: one process; ``any_size``: that world's strategy and settings at any number of ranks, which
+    :func:`vramcal.sharding.carried` can bridge), and, when ``total_bytes`` is given, calibrated at this budget.
 
     Returns:
         The profiles, oldest first (by ``created_utc``, then path; each carries its ``path``), and one line for each
@@ -160,7 +161,9 @@ def matching_profiles(profiles_dir: Path | str, device: Device, model: ModelRef,
             if model.key() in path.name:
                 skipped.append(str(error))
             continue
-        if (profile.covers(model) and device.hardware_difference(profile.device) is None and profile.world == world
+        same_world = profile.world == world or (any_size and None not in (profile.world, world)
+                                                and dataclasses.replace(profile.world, nproc=world.nproc) == world)
+        if (profile.covers(model) and device.hardware_difference(profile.device) is None and same_world
                 and total_bytes in (None, profile.device.total_bytes)):
             candidates.append(profile)
     return sorted(candidates, key=lambda p: (p.created_utc, str(p.path))), skipped

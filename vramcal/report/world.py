@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from vramcal.report.catalogue import GpuModel, other_gpu_limits
 from vramcal.report.table import markdown_table
-from vramcal.sharding import AtWorldSize, at_world_size, fewest_ranks, state_shift
+from vramcal.sharding import AtWorldSize, at_world_size, fewest_ranks, sharded_bytes
 from vramcal.units import format_bytes
 
 if TYPE_CHECKING:
@@ -63,11 +63,11 @@ def world_heading(profile: Profile) -> str:
             f"from that fit by the sharding model (vramcal.sharding)")
     if world.strategy == "ddp":
         return line + ": a DDP rank holds the whole model at any world size, so its per-rank limits do not move"
-    state_shift(profile, world.nproc)  # refuses a profile that does not count its model states
-    whole, held = profile.model_info["model_state_bytes"], profile.model_info["rank_model_state_bytes"]
-    return line + (f": the model states ({format_bytes(whole)} of parameters, gradients and optimizer state, counted; "
-                   f"{format_bytes(held)} on each of the {world.nproc} ranks) divide by the world size; the rest of "
-                   f"the fit (activations, gathered blocks, the process) is measured and does not")
+    whole, held = sharded_bytes(profile)  # refuses a profile that does not count its model states
+    return line + (f": the parameters and optimizer state ({format_bytes(whole)}, counted; {format_bytes(held)} on "
+                   f"each of the {world.nproc} ranks) divide by the world size (the gradients are freed before the "
+                   f"forward, so not at the peak); the rest of the fit (activations, gathered blocks, the process) is "
+                   f"measured and does not")
 
 
 def world_table(rows: Sequence[WorldRow], global_batch: int | None = None) -> str:
@@ -87,6 +87,6 @@ def world_table(rows: Sequence[WorldRow], global_batch: int | None = None) -> st
                  f"{limits.conservative_batch_size:,}", f"{found.global_safe:,}", f"{found.global_conservative:,}"]
         if global_batch:
             cells.append(f"{-(-global_batch // found.nproc):,}")
-        body.append(cells + ["measured" if found.measured else
-                             f"computed (model states {found.shift_bytes / 2**20:+.2f} MiB per rank)"])
+        moved = f"computed (parameters and optimizer state {found.shift_bytes / 2**20:+.2f} MiB per rank)"
+        body.append(cells + ["measured" if found.measured else moved])
     return markdown_table(header, body, right=range(1, len(header) - 1))
