@@ -158,15 +158,16 @@ def test_a_truncated_last_checkpoint_falls_back_to_the_previous_one(setup):
 
 
 def test_a_folder_of_unreadable_checkpoints_takes_a_new_run(setup):
-    run = setup / "all-bad"
-    assert CliRunner().invoke(main, train_args(setup, "all-bad", "--epochs", "2")).exit_code == 0
+    folder = "deep-" * 40 + "/all-bad"  # the message names the folder and each file: a long path is not cut
+    run = setup / folder
+    assert CliRunner().invoke(main, train_args(setup, folder, "--epochs", "2")).exit_code == 0
     for name in checkpoint.CHECKPOINTS:
         truncate(run / name)
     result = CliRunner().invoke(main, ["train", "--resume", "--run-dir", str(run)])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert f"no readable checkpoint in {run}" in result.output and "start a new run there without --resume" \
         in result.output
-    result = CliRunner().invoke(main, train_args(setup, "all-bad", "--epochs", "1"))
+    result = CliRunner().invoke(main, train_args(setup, folder, "--epochs", "1"))
     assert result.exit_code == 0, result.output
     assert epochs(run) == [1] and sorted(p.name for p in run.glob("*.unreadable")) == sorted(
         f"{name}.unreadable" for name in checkpoint.CHECKPOINTS)

@@ -350,14 +350,15 @@ def cuda_started() -> str | None:
 
 def failure(error: BaseException) -> dict[str, Any]:
     """The final result of a worker that raised: ``oom`` or ``error``, the traceback's last lines, the
-    exception's class name and first line.
+    exception's class name and first line (at most 4,000 characters: a message for people names paths, several
+    of them in a folder's errors, and a deep folder must not cut it).
 
     The traceback's frames still hold the step's tensors; they are cleared first, so that reporting an
     out-of-memory error does not itself run out of memory.
     """
 
     status = "oom" if is_out_of_memory(error) else "error"
-    message = (str(error).strip().splitlines() or [type(error).__name__])[0][:500]
+    message = (str(error).strip().splitlines() or [type(error).__name__])[0][:4000]
     traceback.clear_frames(error.__traceback__)
     gc.collect()
     try:
