@@ -45,3 +45,15 @@ def test_the_python_api_example_runs_as_written(tmp_path):
     assert profile.verified and profile.device.kind == "host" and profile.model.factory == "mytrain:make_step"
     assert profile.limits.conservative_batch_size > 1 and all(t.status == "ok" for t in profile.trials)
     assert profile.pool_data_bytes == 2048 * 256 * 16 * 4 + 2048 * 4  # the dataset's data_bytes, held by each trial
+
+
+def test_the_readme_is_short_its_command_sheet_early_and_its_links_land():
+    """Under 500 lines, the command cheat sheet within its first 100, and every link to DESIGN.md or bench/README.md
+    names a heading that exists there (GitHub's anchors: lower case, punctuation dropped, spaces as hyphens)."""
+    lines = README.read_text().splitlines()
+    assert len(lines) < 500
+    assert "## Commands" in lines[:100]
+    for target, anchor in re.findall(r"\]\(((?:DESIGN|bench/README)\.md)#([^)]+)\)", "\n".join(lines)):
+        headings = re.findall(r"^#+ (.+)$", (README.parent / target).read_text(), flags=re.M)
+        anchors = {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+        assert anchor in anchors, f"{target}#{anchor}"
