@@ -219,10 +219,10 @@ def test_a_two_rank_fsdp_probe_is_verified_and_carried_to_three_ranks(tmp_path):
 def test_cost_for_n_cards_of_a_worlds_profile(tmp_path):
     """``vramcal cost --world-size 4``: the per-rank batch carried by the sharding model, each rank a quarter of the
     samples at the rate its ranks measured, the world's samples/s and the price of 4 cards."""
-    from profiles_for_tests import timed_profile
-
     from vramcal.forecast import Dataset, forecast_profile
     from vramcal.sharding import carried
+
+    from profiles_for_tests import timed_profile
 
     whole = 2 * 2**30  # of a 12 GiB card's trials, timed
     profile = dataclasses.replace(timed_profile(), world=World(2, "nccl", strategy="fsdp"), model_info={

@@ -115,6 +115,25 @@ def test_a_short_trial_times_steps_until_its_rate_has_a_finite_interval_at_most_
         assert rate.bounded == finite_interval(times), times
 
 
+def test_the_workers_t_quantile_is_scipys_at_every_count_and_the_rule_agrees_with_the_rates_past_eleven_steps():
+    """timing_done (in the worker, no scipy) and the rates' intervals read one quantile: up to 60 timed steps it is
+    scipy's within 1e-5, and a series whose interval closes only past 11 steps (where a normal quantile of 1.96
+    stood in) is judged the same way by both."""
+    from scipy import stats
+
+    from vramcal.calibration.throughput import finite_interval, t_975
+
+    for dof in range(1, 60):
+        assert t_975(dof) == pytest.approx(float(stats.t.ppf(0.975, dof)), abs=1e-5), dof
+    for n in range(2, 60):
+        times = [0.1, 0.3] * (n // 2) + [0.2] * (n % 2)  # a wide spread: the interval closes at some n
+        (rate,) = measured_rates([Trial(8, "ok", 1, step_times_s=tuple(times))])
+        assert rate.bounded == finite_interval(times), n
+    times = [0.01] * 11 + [0.12]  # mean / (sd / sqrt 12) = 2.09: above a normal's 1.96, below t(0.975, 11) = 2.201
+    (rate,) = measured_rates([Trial(8, "ok", 1, step_times_s=tuple(times))])
+    assert not finite_interval(times) and not rate.bounded  # open to both (the worker's 1.96 called it finite)
+
+
 def test_two_intervals_differ_measurably_only_when_apart_and_an_open_end_reaches_everything():
     assert overlap((1.0, 2.0), (2.0, 3.0)) and overlap((2.0, 3.0), (1.0, 2.5))
     assert not overlap((1.0, 2.0), (2.1, 3.0)) and not overlap((5.0, 6.0), (1.0, 4.0))

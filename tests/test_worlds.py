@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_fsdp import fsdp_profile
 from test_lightning import profile_here
 
 from vramcal.integrations import hf, lightning
@@ -143,7 +142,8 @@ def test_a_sharded_modules_world_is_read_from_its_units(one_rank):
     for module, why in ((sharded((True, False)), "reshards some units after the forward and not others"),
                         (sharded((True, True), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)),
                          "mixed-precision policy"),
-                        (sharded((True, True), offload_policy=CPUOffloadPolicy(pin_memory=False)), "offloads the shards"),
+                        (sharded((True, True), offload_policy=CPUOffloadPolicy(pin_memory=False)),
+                         "offloads the shards"),
                         (torch.nn.Linear(2, 2), "sharded no module with fully_shard")):
         with pytest.raises(SizingError, match=why):
             sharded_world(module, 2, "gloo", "it")
