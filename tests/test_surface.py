@@ -283,6 +283,8 @@ def test_probe_limits_and_train_over_lengths_for_real(tmp_path):
     custom = CliRunner().invoke(main, ["limits", str(out), "--buckets", "20,40", "--verify"])
     assert custom.exit_code in (0, 3) and "worst case, the longest bucket: batch_size" in custom.output
     assert "at seq_len 48: verified by a real trial now (ok)" in custom.output or custom.exit_code == 3, custom.output
+    unread = CliRunner().invoke(main, ["limits", str(out), "--buckets", "x,1"])  # a bad value: click's exit 2
+    assert unread.exit_code == 2 and "Invalid value for '--buckets': cannot read the buckets 'x,1'" in unread.output
     refused = CliRunner().invoke(main, ["limits", str(out), "--buckets", "32,128"])
     assert refused.exit_code == 1 and "the bucket 128 is longer than the profile's longest seq_len 64" in refused.output
     answer = CliRunner().invoke(main, ["limits", str(out), "--seq-len", "48", "--json"])

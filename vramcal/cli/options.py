@@ -23,6 +23,7 @@ import click
 from click.core import ParameterSource
 
 from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
+from vramcal.calibration.lengths import parse_buckets
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibrator import CalibrationError
 from vramcal.estimate import EstimateError
@@ -115,6 +116,21 @@ class SeqLenList(click.ParamType):
             return value
         try:
             return parse_seq_lens(str(value))
+        except ValueError as error:
+            self.fail(str(error), param, ctx)
+
+
+class Buckets(click.ParamType):
+    """``--buckets``: boundaries ``128,256,512`` or ``auto`` (``()``), read once
+    (:func:`vramcal.calibration.lengths.parse_buckets`)."""
+
+    name = "N,N,...|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            return parse_buckets(str(value))
         except ValueError as error:
             self.fail(str(error), param, ctx)
 

@@ -12,10 +12,9 @@ from pathlib import Path
 import click
 
 from vramcal import api, batching
-from vramcal.calibration.lengths import parse_buckets
 from vramcal.cli.console import estimate_lines
 from vramcal.cli.cost import forecast_options, forecast_settings
-from vramcal.cli.options import EXIT_UNVERIFIED, GpuList, load_profiles, one_line, strict_option
+from vramcal.cli.options import EXIT_UNVERIFIED, Buckets, GpuList, load_profiles, one_line, strict_option
 from vramcal.cli.probe import warn_if_stale
 from vramcal.estimate import EstimateError
 from vramcal.estimated import estimate_cards, traced_options
@@ -81,7 +80,7 @@ def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, 
               help="safe and conservative batch sizes at this length (a profile calibrated over several lengths)")
 @click.option("--batch-size", type=click.IntRange(1), default=None,
               help="the longest seq_len at this batch size (a profile calibrated over several lengths)")
-@click.option("--buckets", default=None,
+@click.option("--buckets", type=Buckets(), default=None,
               help="a profile calibrated over several lengths: the safe and conservative batch of each seq_len "
                    "bucket, named by its longest length (128,256,512,1024), or auto (the calibration's choice)")
 @click.option("--token-budget", is_flag=True,
@@ -102,7 +101,7 @@ def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, 
 @strict_option
 @click.pass_context
 def limits_command(ctx: click.Context, profile: Path, gpus: list[GpuModel], seq_len: int | None,
-                   batch_size: int | None, buckets: str | None, token_budget: bool, verify: bool,
+                   batch_size: int | None, buckets: tuple[int, ...] | None, token_budget: bool, verify: bool,
                    world_size: int | None, global_batch: int | None, profiles_dir: Path, as_json: bool,
                    strict_profile: bool) -> None:
     """Print PROFILE's limits: on common GPUs, or at a sequence length or batch size.
@@ -163,10 +162,11 @@ def _print_answer(found, trial, as_json: bool) -> None:
         click.echo(f"real trial at batch_size {found.batch_size}, seq_len {found.seq_len}: {verdict}")
 
 
-def _lengths(path: Path, loaded, bucket_text: str | None, with_budget: bool, verify: bool, as_json: bool) -> int:
+def _lengths(path: Path, loaded, boundaries: tuple[int, ...] | None, with_budget: bool, verify: bool,
+             as_json: bool) -> int:
     """The bucket table and/or the token budget, each worst case verified here where asked; the exit status."""
     with one_line():
-        table, worst = batching.buckets(loaded, parse_buckets(bucket_text)) if bucket_text is not None else (None, [])
+        table, worst = batching.buckets(loaded, boundaries) if boundaries is not None else (None, [])
         found, budget_worst = batching.budget(loaded) if with_budget else (None, ())
         cases = [*([worst] if table else []), *budget_worst]
         trials = {case: api.verify(loaded, case.batch_size, case.seq_len) for case in cases
