@@ -112,12 +112,21 @@ def check_counts(**counts: object) -> None:
         if value is None:
             continue
         in_bytes = name.endswith("_bytes")
-        spoken = f"{name}=" if in_bytes else word("batch_size" if name == "request" else name)
+        setting = "batch_size" if name == "request" else name
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            spoken = f"{name}=" if in_bytes else word(setting)
             raise TypeError(f"{spoken} takes a whole number, not {type(value).__name__} {value!r:.40}")
         low = 0 if in_bytes else 1
         if value < low:
-            raise SizingError(f"{spoken} {value} is below {low}: give a whole number >= {low}")
+            shown = f"{name}={value}" if in_bytes else given(setting, value)
+            raise SizingError(f"{shown} is below {low}: give a whole number >= {low}")
+
+
+def check_profile(profile: object) -> None:
+    """Raise TypeError unless ``profile`` is a :class:`~vramcal.profile.Profile` (what the sizing functions take)."""
+    if not isinstance(profile, Profile):
+        raise TypeError(f"profile= takes a vramcal.Profile, not {type(profile).__name__} {profile!r:.40}: read a file "
+                        f"with vramcal.load_profile(path)")
 
 
 class GradientsHeld(enum.Enum):
@@ -373,14 +382,8 @@ def answer(profile: Profile, *, seq_len: int | None = None, batch_size: int | No
             that is no whole number.
     """
 
-    if not isinstance(profile, Profile):
-        raise TypeError(f"profile= takes a vramcal.Profile, not {type(profile).__name__} {profile!r:.40}: read a file "
-                        f"with vramcal.load_profile(path)")
-    for setting, value in (("seq_len", seq_len), ("answer_batch_size", batch_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-            raise TypeError(f"{word(setting)} takes a whole number, not {type(value).__name__} {value!r:.40}")
-        if value is not None and value < 1:
-            raise SizingError(f"{given(setting, value)} is below 1: give a whole number >= 1")
+    check_profile(profile)
+    check_counts(seq_len=seq_len, answer_batch_size=batch_size)
     if (seq_len is None) == (batch_size is None):
         raise SizingError(f"give {word('seq_len')} or {word('answer_batch_size')} (one of them)")
     surface, usable = profile.surface, profile.settings.usable_bytes(profile.device.total_bytes)
@@ -522,9 +525,7 @@ def size(profile: Profile, ask: SizeRequest = SizeRequest(), *, pool_data_bytes:
             profile does not cover; a byte count below 0. TypeError: a profile that is no Profile, an ``ask``
             that is no SizeRequest, a byte count that is no whole number.
     """
-    if not isinstance(profile, Profile):
-        raise TypeError(f"profile= takes a vramcal.Profile, not {type(profile).__name__} {profile!r:.80}: read a "
-                        f"file with vramcal.load_profile(path)")
+    check_profile(profile)
     if not isinstance(ask, SizeRequest):
         raise TypeError(f"ask= takes what the run asks as a vramcal.SizeRequest, not {type(ask).__name__} "
                         f"{ask!r:.40}: size(profile, SizeRequest(request=64)) for a batch size")
