@@ -75,7 +75,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "options": lambda n, v: mapping(n, v, "the data options as a dict ({'stride': 4})"),
     "profiles_dir": path_like, "out": lambda n, v: path_like(n, v, "a profile file's path", none=True),
     "path": lambda n, v: path_like(n, v, "a profile file's path", none=True),
-    "save": flag, "progress": flag, "unique_device": flag, "aim": flag,
+    "save": flag, "progress": flag, "unique_device": flag, "aim": flag, "evaluation": flag,
     "on_trial": callback, "on_notice": callback, "on_step": callback,
     "device": lambda n, v: of_type(n, v, Device, "a vramcal.records.Device (select_devices(gpu)[0][0])"),
     "world": lambda n, v: of_type(n, v, World, "a vramcal.records.World, or None", none=True),
@@ -149,7 +149,7 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
                      out: Path | str | None = None, unique_device: bool = False,
                      seq_lens: str | Sequence[int] | SeqLens = (), trials: TrialSettings = TrialSettings(),
                      world: World | None = None, rank_devices: Sequence[Device] = (),
-                     aim: bool = False) -> CalibrationPlan:
+                     aim: bool = False, evaluation: bool = False) -> CalibrationPlan:
     """Check everything knowable before the first trial (:func:`model_ref`, the lengths, the budget) and
     place the file.
 
@@ -168,6 +168,8 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
         aim: trace the step on fake tensors first (:func:`vramcal.estimated.aim_for`, its bound learned from
             ``profiles_dir``) and aim the search's growth with its slope; one process at one length only (else, or
             untraceable, ``plan.notices`` says why).
+        evaluation: also calibrate the evaluation pass alone (no gradients, after real training steps at the
+            conservative size): a verified evaluation batch size (:mod:`vramcal.calibration.evaluation`).
 
     Raises:
         ValueError, WorkloadError: see :func:`model_ref`; lengths that are not multiples of chunk_size or a
@@ -176,7 +178,7 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
     """
     _door(device=device, implementation=implementation, settings=settings, options=options, profiles_dir=profiles_dir,
           out=out, unique_device=unique_device, seq_lens=seq_lens, trials=trials, world=world, aim=aim,
-          rank_devices=rank_devices)
+          rank_devices=rank_devices, evaluation=evaluation)
     lengths = _read_lengths(seq_lens)
     ref = model_ref(model, {**arguments(params), **({"seq_len": lengths.lengths[0]} if lengths else {})},
                     device=device, implementation=implementation)
@@ -192,7 +194,7 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
     data = family.data_options(_known_options(options))
     found, notices = _aim(ref, data, device, profiles_dir, one=not several and world is None) if aim else (None, ())
     return CalibrationPlan(device, ref, settings, data, path, several, trials, world, tuple(rank_devices), found,
-                           notices)
+                           notices, evaluation=evaluation)
 
 
 def _known_options(options: dict[str, Any] | None) -> dict[str, Any]:
@@ -328,7 +330,7 @@ def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None
               settings: LimitSettings = LimitSettings(), options: dict[str, Any] | None = None,
               profiles_dir: Path | str = DEFAULT_PROFILES_DIR, save: bool = True,
               on_trial: Callable[[Trial], None] | None = None, seq_lens: str | Sequence[int] = (),
-              trials: TrialSettings = TrialSettings(), progress: bool = True) -> Profile:
+              trials: TrialSettings = TrialSettings(), progress: bool = True, evaluation: bool = False) -> Profile:
     """Calibrate a training step on one device and (by default) save its profile under ``profiles_dir``.
 
     Args:
@@ -338,7 +340,8 @@ def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None
             host, trials run under ``RLIMIT_DATA`` = the budget. ``gpu="auto"`` on a machine without a GPU
             calibrates the host (a line on stderr says so, with ``progress``).
         settings: reserve (bytes), margin and conservative fraction.
-        seq_lens, trials: see :func:`plan_calibration`.
+        seq_lens, trials, evaluation: see :func:`plan_calibration` (``evaluation=True``: the profile's
+            ``evaluation`` holds the evaluation pass's verified limits, which the trainer and integrations validate at).
         on_trial: called with each finished trial; without it, and with ``progress``, each trial is printed to
             stderr as one line, and the steady trial's steps every 5 (:class:`vramcal.progress.TrialPrinter`).
 
@@ -354,7 +357,8 @@ def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None
     _door(save=save, on_trial=on_trial, progress=progress)
     device, notice = _one_device(gpu, capacity_bytes)
     plan = plan_calibration(model, params, device=device, implementation=implementation, settings=settings,
-                            options=options, profiles_dir=profiles_dir, seq_lens=seq_lens, trials=trials)
+                            options=options, profiles_dir=profiles_dir, seq_lens=seq_lens, trials=trials,
+                            evaluation=evaluation)
     return _run_said(plan, notice, capacity_bytes is None, save=save, on_trial=on_trial, progress=progress)
 
 

@@ -170,9 +170,8 @@ def probe(ctx: click.Context, gpu, capacity, implementation, model: ModelOptions
             stdout_to_stderr(as_json):
         api.worker_pool().warm_up()  # the trials' server imports torch while the options and data are checked
         common = dict(implementation=implementation, settings=settings, options=data, profiles_dir=profiles_dir,
-                      out=out, trials=trials, aim=aim)
-        plans = [dataclasses.replace(plan, evaluation=evaluation)  # --eval: the evaluation pass's own limit too
-                 for plan in plan_probes(model, gpu, capacity, nproc, parallel, common, err=as_json)]
+                      out=out, trials=trials, aim=aim, evaluation=evaluation)
+        plans = plan_probes(model, gpu, capacity, nproc, parallel, common, err=as_json)
         if not no_report:
             check_writable(reports_dir, "reports", "--reports-dir, or --no-report")
         profiles = [calibrate_one(plan, as_json, None if no_report else reports_dir) for plan in plans]
