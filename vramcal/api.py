@@ -163,8 +163,7 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
             :class:`~vramcal.calibration.fit2d.SeqLens`; each a multiple of the model's chunk_size; the factory
             must take ``seq_len``. A single length is a one-length calibration at it.
         trials: how each trial runs and how many. world: calibrate a DDP world of ranks; the limits are per rank.
-        rank_devices: the ranks' GPUs (``world.nproc`` of one model; ``device`` is rank 0's); () on the host,
-            where every rank runs on the host under the budget.
+        rank_devices: the ranks' GPUs (``world.nproc`` of one model; ``device`` is rank 0's); () on the host.
         aim: trace the step on fake tensors first (:func:`vramcal.estimated.aim_for`, its bound learned from
             ``profiles_dir``) and aim the search's growth with its slope; one process at one length only (else, or
             untraceable, ``plan.notices`` says why).
@@ -183,8 +182,7 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
     ref = model_ref(model, {**arguments(params), **({"seq_len": lengths.lengths[0]} if lengths else {})},
                     device=device, implementation=implementation)
     designed = _check_lengths(ref, lengths, device, implementation) if lengths else ()
-    if len(designed) == 1:
-        ref = ref.replace(seq_len=designed[0])
+    ref = ref.replace(seq_len=designed[0]) if len(designed) == 1 else ref
     several = designed if len(designed) > 1 else ()
     settings.check(device.total_bytes)
     _check_world(world, device, tuple(rank_devices))
