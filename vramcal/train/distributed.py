@@ -1,4 +1,5 @@
-"""``vramcal train --nproc-per-node N``: a DDP run launched through torch.distributed's own launcher.
+"""``vramcal train --nproc-per-node N``: a DDP run (or FSDP, ``--strategy fsdp``) launched through torch.distributed's
+own launcher.
 
 The launcher (:func:`launch`, in the ``vramcal train`` process) checks the data and the run folder, writes
 the run's settings to ``<run_dir>/launch.json`` and starts torchrun's elastic agent
@@ -13,12 +14,14 @@ machines join as torchrun users already do). The agent starts one *rank process*
 3. trains in a worker forked from vramcal's server, like the trials that sized it
    (:func:`vramcal.train.worker.train_in_worker`): the ranks agree on every rank's batch, the learning rate
    follows the global batch, and gradients are weighted by each rank's samples
-   (:class:`vramcal.train.loop.Share`); rank 0 writes the run's records, checkpoints and metrics;
+   (:class:`vramcal.train.loop.Share`); rank 0 writes the run's records, checkpoints and metrics (under FSDP
+   every rank gathers the state it saves first: :mod:`vramcal.train.states`);
 4. appends its own observation (its measured peak against its own profile's prediction) to its profile.
 
 A rank that fails writes one line to ``<run_dir>/ranks/<rank>.error`` and exits 1; the agent then stops the
 others (within its monitor interval and shutdown timeout), and the launcher raises one line naming the
-rank. The run folder is left resumable: ``vramcal train --resume --run-dir ... --nproc-per-node N``.
+rank. The run folder is left resumable: ``vramcal train --resume --run-dir ... --nproc-per-node N`` (the world's
+strategy and settings kept from ``launch.json``: :func:`launched_world`).
 """
 
 from __future__ import annotations
@@ -84,6 +87,16 @@ def launched_capacities(run_dir: Path) -> tuple[int, ...]:
     except (OSError, ValueError, AttributeError):
         return ()
     return tuple(c for c in capacities if isinstance(c, int) and c > 0)
+
+
+def launched_world(run_dir: Path, now: World) -> World:
+    """The world a resumed run keeps: the strategy and settings its ranks were last started with (``launch.json``),
+    at ``now``'s size and backend; ``now`` itself when the file is missing, unreadable or names no world."""
+    try:
+        saved = json.loads((run_dir / LAUNCH).read_text())["world"]
+        return World.from_dict({**saved, "nproc": now.nproc, "backend": now.backend})
+    except (OSError, ValueError, KeyError, TypeError):  # (SchemaError is a ValueError)
+        return now
 
 
 @contextlib.contextmanager
