@@ -274,6 +274,8 @@ def test_an_fsdp_run_saved_and_resumed_trains_like_one_process_and_records_each_
     assert "training FSDP 2 ranks (gloo, fully_shard per block, no reshard after forward)" in first.stderr
     assert re.search(rf"ranks: 0: batch {b}, peak [\d.]+ MiB; 1: batch {b}, peak [\d.]+ MiB \(global batch {2 * b}\)",
                      first.stderr), first.stderr
+    launched = json.loads((tmp / "fsdp" / "launch.json").read_text())
+    assert launched["omp_num_threads"] == os.environ.get("OMP_NUM_THREADS")  # the caller's, not torchrun's 1
     saved = checkpoint.load_checkpoint(tmp / "fsdp" / checkpoint.LAST)
     assert saved["strategy"] == "fsdp" and all(type(t) is torch.Tensor for t in saved["model"].values())
     resumed = vramcal(tmp, "train", "--resume", "--run-dir", str(tmp / "fsdp"), "--nproc-per-node", "2",
@@ -354,3 +356,16 @@ def test_a_checkpoint_loads_only_under_the_strategy_that_wrote_it(written, shard
     with pytest.raises(TrainError, match=re.escape(message)):
         states.load(step, {"model": model.state_dict(), "optimizer": step.optimizer.state_dict(), **written}, sharded)
 
+
+@pytest.mark.parametrize("caller", [None, "3"])
+def test_a_rank_starts_its_worker_server_with_the_callers_omp_threads_not_torchruns(caller, monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1 for its ranks where its caller had none; a worker server importing torch so
+    holds ~80 MiB less data segment than the probe's did (OpenMP's and OpenBLAS's threads and buffers), which each
+    worker inherits: the rank gives its server the caller's setting, recorded in launch.json by the launcher."""
+    from vramcal.train import distributed
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as torchrun leaves it
+    distributed.as_the_caller({distributed.OMP: caller})
+    assert os.environ.get("OMP_NUM_THREADS") == caller
+    distributed.as_the_caller({})  # a launch.json written before it was recorded: left as it is
+    assert os.environ.get("OMP_NUM_THREADS") == caller
