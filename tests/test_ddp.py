@@ -82,15 +82,15 @@ def test_a_world_trial_killed_at_its_time_limit_says_where_each_rank_was():
     assert re.fullmatch(f"rank 0: {part}; rank 1: {part}", trial.error.splitlines()[0]), trial.error
 
 
-def ddp_profile(tmp: Path, capacity_mib: int, slope_mib: int):
-    """A DDP (2 ranks) profile of the tiny spec for the host at a budget of its own."""
+def ddp_profile(tmp: Path, capacity_mib: int, slope_mib: int, world: World = World(2)):
+    """A DDP (2 ranks) profile of the tiny spec for the host at a budget of its own (or of another ``world``)."""
     profile = make_profile(host_device(), slope_mib=slope_mib)
     device = dataclasses.replace(profile.device, total_bytes=host_budget.budget(capacity_mib * MIB),
                                  total_source="--capacity")
-    profile = dataclasses.replace(profile, device=device, world=World(2),
+    profile = dataclasses.replace(profile, device=device, world=world,
                                   limits=compute_limits(profile.fit, device.total_bytes, profile.settings))
     return save_profile(profile, profile_path(tmp / "profiles", device, profile.model, "transformers",
-                                              world=World(2))), profile
+                                              world=world)), profile
 
 
 def vramcal(tmp: Path, *args: str, **popen) -> subprocess.CompletedProcess:

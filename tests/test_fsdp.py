@@ -6,14 +6,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import host_budget
 import pytest
 import torch
 from click.testing import CliRunner
-from test_ddp import run_as_the_search_does
+from test_ddp import ddp_profile, free_port, run_as_the_search_does, train_args, vramcal
 from test_train import SPEC, SPEC_ARGS, make_profile
+from test_train_data import synthetic_bars
 
 from vramcal.api import worker_pool
 from vramcal.cli import main
@@ -25,9 +32,11 @@ from vramcal.profile import load_profile, save_profile
 from vramcal.records import TrialSettings, World
 from vramcal.sharding import at_world_size, fewest_ranks, state_shift
 from vramcal.sizing import SizingError
+from vramcal.train import checkpoint
 from vramcal.workload import TrainingStep
 
 MIB = 2**20
+TINY_LM = Path(__file__).resolve().parents[1] / "configs" / "mamba2-lm-tiny.json"
 
 
 def fsdp_profile(whole_mib: float = 400, nproc: int = 2, gradient_mib: float = 0):
@@ -176,14 +185,6 @@ def test_the_probe_a_world_suggests_calibrates_that_world(world, tmp_path, monke
     assert load_profile(path).world == world
 
 
-def test_the_trainer_refuses_an_fsdp_world_before_it_makes_a_run_folder(tmp_path):
-    run_dir = tmp_path / "run"
-    result = invoke("train", "--gpu", "none", "--nproc-per-node", "2", "--strategy", "fsdp",
-                    "--reshard-after-forward", "--run-dir", str(run_dir))
-    assert result.exit_code == 2 and "the trainer runs DDP only, for now" in result.output, result.output
-    assert not run_dir.exists()
-
-
 @pytest.mark.slow
 def test_an_fsdp_world_trial_holds_half_the_model_states_on_each_rank():
     runner = TrialRunner(worker_pool())
@@ -197,6 +198,27 @@ def test_an_fsdp_world_trial_holds_half_the_model_states_on_each_rank():
     (replicated,) = run_as_the_search_does(ddp, dataclasses.replace(request, world=World(2)))
     assert replicated.ok and ddp.context["rank_model_state_bytes"] == ddp.context["model_state_bytes"] == whole
 
+
+
+@pytest.mark.slow
+def test_an_lm_world_trial_under_fsdp_shards_each_of_its_blocks():
+    """What ``vramcal probe --nproc 2 --strategy fsdp --model lm --model-arg config=configs/mamba2-lm-tiny.json``
+    runs at each batch size (the whole probe, 9 trials, took 2 min 46 s on the 2-core host and verified safe 87 and
+    conservative 78 at 1.5 GiB): the lm family's step, each of its Mamba-2 blocks a unit by vramcal's default and the
+    root (its tied embedding) another, each rank holding about half of its model states."""
+    from vramcal.api import model_ref
+    from vramcal.measure.distributed import shard_units
+    from vramcal.workload import build
+
+    device = host_device(host_budget.budget(1024 * MIB))
+    ref = model_ref("lm", {"config": str(TINY_LM), "seq_len": 32}, device=device)
+    assert len(shard_units(build(ref, torch.device("cpu")))) == json.loads(TINY_LM.read_text())["num_hidden_layers"]
+    runner = TrialRunner(worker_pool())
+    request = TrialRequest(ref, 8, device, settings=TrialSettings(timeout_s=60), world=World(2, strategy="fsdp"))
+    (trial,) = run_as_the_search_does(runner, request)
+    assert trial.ok and len(trial.rank_peak_bytes) == 2, trial.error
+    whole, held = runner.context["model_state_bytes"], runner.context["rank_model_state_bytes"]
+    assert whole / 2 <= held < 0.55 * whole
 
 @pytest.mark.slow
 def test_a_two_rank_fsdp_probe_is_verified_and_carried_to_three_ranks(tmp_path):
@@ -243,3 +265,130 @@ def test_cost_for_n_cards_of_a_worlds_profile(tmp_path):
     one = save_profile(make_profile(host_device()), tmp_path / "one.json")
     result = invoke("cost", str(one), "--world-size", "4", "--samples", "1000", "--out", str(tmp_path))
     assert result.exit_code == 1 and "a single-process profile has no world to carry" in result.output
+
+
+# --------------------------------------------------------------------------- training a sharded world
+
+FSDP_WORLD = World(2, strategy="fsdp", reshard_after_forward=False)
+FSDP_ARGS = ["--nproc-per-node", "2", "--strategy", "fsdp", "--no-reshard-after-forward"]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """Bars, an FSDP world's profile (2 ranks, no reshard after forward, 1 GiB each) and a constant learning rate
+    (so a run's LR does not depend on its total steps: a resumed run's schedule is an uninterrupted one's)."""
+    tmp = tmp_path_factory.mktemp("fsdp-train")
+    synthetic_bars(1200).to_parquet(tmp / "bars.parquet")
+    path, _ = ddp_profile(tmp, 1024, slope_mib=24, world=FSDP_WORLD)
+    (tmp / "constant-lr.json").write_text(json.dumps({"min_lr_fraction": 1.0}))
+    return {"tmp": tmp, "profile": load_profile(path), "path": path}
+
+
+@pytest.mark.slow
+def test_an_fsdp_run_saved_and_resumed_trains_like_one_process_and_records_each_ranks_peak(sharded):
+    """Its gathered checkpoint holds whole tensors; saved at step 3 and resumed to 5 (the world's settings kept
+    without naming them again), its weights are one process's after 5 steps at the summed batch; each rank's
+    peak is recorded in the profile against the prediction for its batch."""
+    tmp, profile = sharded["tmp"], sharded["profile"]
+    b = profile.limits.conservative_batch_size
+    lr = ["--config", str(tmp / "constant-lr.json")]
+    first = vramcal(tmp, *train_args(tmp, "fsdp", *FSDP_ARGS, *lr, "--max-steps", "3", "--epochs", "3"))
+    assert first.returncode == 0, first.stderr
+    assert "training FSDP 2 ranks (gloo, fully_shard per block, no reshard after forward)" in first.stderr
+    assert re.search(rf"ranks: 0: batch {b}, peak [\d.]+ MiB; 1: batch {b}, peak [\d.]+ MiB \(global batch {2 * b}\)",
+                     first.stderr), first.stderr
+    launched = json.loads((tmp / "fsdp" / "launch.json").read_text())
+    assert launched["omp_num_threads"] == os.environ.get("OMP_NUM_THREADS")  # the caller's, not torchrun's 1
+    saved = checkpoint.load_checkpoint(tmp / "fsdp" / checkpoint.LAST)
+    assert saved["strategy"] == "fsdp" and all(type(t) is torch.Tensor for t in saved["model"].values())
+    resumed = vramcal(tmp, "train", "--resume", "--run-dir", str(tmp / "fsdp"), "--nproc-per-node", "2",
+                      "--max-steps", "5")
+    assert resumed.returncode == 0 and "continuing from" in resumed.stderr, resumed.stderr
+    assert "training FSDP 2 ranks (gloo, fully_shard per block, no reshard after forward)" in resumed.stderr
+    one = vramcal(tmp, *train_args(tmp, "one", *lr, "--batch-size", str(2 * b), "--max-steps", "5", "--epochs", "3",
+                                   "--profiles-dir", str(tmp / "no-profiles")))
+    assert one.returncode == 0, one.stderr
+    a, c = (checkpoint.load_checkpoint(tmp / run / checkpoint.LAST) for run in ("fsdp", "one"))
+    assert a["progress"]["step"] == c["progress"]["step"] == 5
+    for name, tensor in c["model"].items():
+        torch.testing.assert_close(a["model"][name], tensor, rtol=1e-4, atol=1e-6, msg=name)
+    observed = load_profile(sharded["path"]).observations
+    assert sorted((o.rank, o.world_size, o.batch_size) for o in observed) == [(0, 2, b), (0, 2, b), (1, 2, b),
+                                                                             (1, 2, b)]
+    sizing = json.loads((tmp / "fsdp" / checkpoint.RUN).read_text())["sizing"]  # the fit's, with the run's data
+    assert sizing["batch_size"] == b and abs(sizing["predicted_peak_bytes"] - profile.fit.predict(b)) < MIB
+    assert {o.predicted_peak_bytes for o in observed} == {sizing["predicted_peak_bytes"]}
+    assert all(o.peak_bytes > 0 for o in observed)
+
+
+@pytest.mark.slow
+def test_a_killed_fsdp_run_resumes_from_its_gathered_checkpoint_and_only_as_fsdp(sharded):
+    tmp = sharded["tmp"]
+    args = train_args(tmp, "killed", *FSDP_ARGS, "--max-steps", "400", "--epochs", "50", "--checkpoint-steps", "2",
+                      "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "killed")
+    run = subprocess.Popen([sys.executable, "-m", "vramcal", *args], cwd=tmp, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    run_dir, deadline = tmp / "killed", time.time() + 240
+    pid = run_dir / "ranks" / "1.pid"
+    while time.time() < deadline and not ((run_dir / checkpoint.LAST).exists() and pid.exists()):
+        time.sleep(0.5)
+    assert (run_dir / checkpoint.LAST).exists(), "the run never saved a checkpoint"
+    os.kill(int(pid.read_text()), signal.SIGKILL)
+    out, err = run.communicate(timeout=120)
+    errors = [line for line in err.splitlines() if line.startswith("Error")]
+    assert run.returncode == 1 and "Traceback" not in err and len(errors) == 1 and "rank 1 failed" in errors[0], err
+    kept = checkpoint.load_checkpoint(run_dir / checkpoint.LAST)  # whole: the kill left no half-written file
+    assert kept["strategy"] == "fsdp"
+    refused = vramcal(tmp, "train", "--resume", "--run-dir", str(run_dir), "--nproc-per-node", "2", "--strategy",
+                      "ddp", "--max-steps", "1000")
+    assert refused.returncode == 2 and "this run was started with --strategy fsdp and its checkpoints hold its state " \
+        "that way: resume it with --strategy fsdp" in refused.stderr, refused.stderr
+    step = kept["progress"]["step"]
+    resumed = vramcal(tmp, "train", "--resume", "--run-dir", str(run_dir), "--nproc-per-node", "2", "--max-steps",
+                      str(step + 2))
+    assert resumed.returncode == 0 and f"{step} step(s) done" in resumed.stderr, resumed.stderr
+    assert checkpoint.load_checkpoint(run_dir / checkpoint.LAST)["progress"]["step"] == step + 2
+
+
+@pytest.mark.slow
+def test_an_fsdp_run_against_a_ddp_profile_is_refused_naming_the_probe_that_makes_one(sharded, tmp_path):
+    ddp_profile(tmp_path, 1024, slope_mib=24)  # the same model and budget, calibrated for DDP only
+    tmp = sharded["tmp"]
+    result = vramcal(tmp, *train_args(tmp, "refused", "--nproc-per-node", "2", "--strategy", "fsdp",
+                                      "--reshard-after-forward", "--max-steps", "1", "--profiles-dir",
+                                      str(tmp_path / "profiles")))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
+    assert result.returncode == 1 and "Traceback" not in result.stderr and len(errors) == 1, result.stderr
+    assert "for FSDP 2 ranks (gloo, fully_shard per block, reshard after forward)" in errors[0], errors[0]
+    assert "--nproc 2 --strategy fsdp --d-model 32" in errors[0], errors[0]
+    assert not checkpoint.has_checkpoint(tmp / "refused")
+
+
+@pytest.mark.parametrize(("written", "sharded", "message"), [
+    ({"strategy": "fsdp"}, False, "written by FSDP: resume it the same way (--strategy fsdp)"),
+    ({}, True, "written by one process or DDP: resume it the same way (no --strategy fsdp)"),
+])
+def test_a_checkpoint_loads_only_under_the_strategy_that_wrote_it(written, sharded, message):
+    """The backstop behind the resume's own check (a run folder without launch.json: one process's run resumed as a
+    world): the optimizer state of a gathered FSDP checkpoint is keyed by parameter name, a plain one by position."""
+    from vramcal.train import states
+    from vramcal.train.errors import TrainError
+
+    model = torch.nn.Linear(4, 4)
+    step = TrainingStep(model, torch.optim.AdamW(model.parameters()), batch=lambda n: None, loss=lambda m, b: None)
+    with pytest.raises(TrainError, match=re.escape(message)):
+        states.load(step, {"model": model.state_dict(), "optimizer": step.optimizer.state_dict(), **written}, sharded)
+
+
+@pytest.mark.parametrize("caller", [None, "3"])
+def test_a_rank_starts_its_worker_server_with_the_callers_omp_threads_not_torchruns(caller, monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1 for its ranks where its caller had none; a worker server importing torch so
+    holds ~80 MiB less data segment than the probe's did (OpenMP's and OpenBLAS's threads and buffers), which each
+    worker inherits: the rank gives its server the caller's setting, recorded in launch.json by the launcher."""
+    from vramcal.train import distributed
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as torchrun leaves it
+    distributed.as_the_caller({distributed.OMP: caller})
+    assert os.environ.get("OMP_NUM_THREADS") == caller
+    distributed.as_the_caller({})  # a launch.json written before it was recorded: left as it is
+    assert os.environ.get("OMP_NUM_THREADS") == caller

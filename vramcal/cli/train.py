@@ -36,6 +36,9 @@ from vramcal.words import labelled
 
 TORCHRUN_OPTIONS = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "master_addr",
                     "master_port", "max_restarts", "monitor_interval")
+# world_options' settings: a resume given none of them keeps the run's own (distributed.launched_world)
+WORLD_OPTIONS = {"strategy", "ddp_backend", "bucket_cap_mb", "gradient_as_bucket_view", "find_unused_parameters",
+                 "static_graph", "reshard_after_forward"}
 torchrun_options = group(
     click.option("--nnodes", default=None, help="torchrun's: nodes of the DDP run (N or MIN:MAX)"),
     click.option("--node-rank", type=click.IntRange(0), default=None, help="torchrun's: this node's rank"),
@@ -110,8 +113,9 @@ def es_sample_command(bar: str, out: Path, ticks: Path | None) -> None:
 @click.option("--max-grad-norm", type=FiniteFloat(0, min_open=True), default=1.0, show_default=True)
 @click.option("--epochs", type=click.IntRange(1), default=10, show_default=True)
 @click.option("--nproc-per-node", type=click.IntRange(1), default=1, show_default=True,
-              help="DDP ranks on this machine, started by torch.distributed's launcher (torchrun's agent); each "
-                   "rank sized by its own device's profile for the world (vramcal probe --nproc)")
+              help="ranks on this machine (DDP, or FSDP with --strategy fsdp), started by torch.distributed's "
+                   "launcher (torchrun's agent); each rank sized by its own device's profile for the world (vramcal "
+                   "probe --nproc)")
 @torchrun_options
 @world_options
 @click.option("--json", "as_json", is_flag=True, help="at the end, print the run folder, batch size and its sizing, "
@@ -182,10 +186,6 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
                                  "--nnodes for several machines), or leave it out for one process", param_hint=flag)
     check_local_ranks(nproc_per_node, "--nproc-per-node", options.get("gpu") != "none" and gpu_here(),
                       parallel.oversubscribe)
-    if parallel.strategy == "fsdp":  # its checkpoints would hold each rank's shards: not built yet
-        raise click.BadParameter("the trainer runs DDP only, for now: calibrate an FSDP world with `vramcal probe "
-                                 "--nproc N --strategy fsdp` and size your own loop by it (vramcal.batch_size)",
-                                 param_hint="--strategy")
     with one_line():
         if probe:
             raise click.BadParameter("--probe calibrates one process: calibrate the world first with "
@@ -205,6 +205,8 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
             load_windows(config)  # the data checked before any rank starts
             run_dir = checkpoint.prepare_run_dir(run_dir or new_run_dir(), resume=False)
         world = parallel.world(nproc_per_node * nodes, config.gpu != "none" and gpu_here())
+        if resume:
+            world = resumed_world(run_dir, world, given)
         click.echo(f"training {world.describe()} in {run_dir}", err=True)
     overrides = {k: options[k] for k in RESUME_OVERRIDES if resume and k in given}
     with one_line(lambda: interrupted_line(run_dir, f" --nproc-per-node {nproc_per_node}")):
@@ -213,6 +215,23 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
         finally:
             checkpoint.release_run_dir(run_dir)
     return run_dir
+
+
+def resumed_world(run_dir: Path, world, given: set[str]):
+    """The world a resume trains: the one the run was started with (its strategy and settings,
+    :func:`vramcal.train.distributed.launched_world`) unless world options are given.
+
+    Raises:
+        click.BadParameter: ``--strategy`` other than the run's (its checkpoints hold the state that way).
+    """
+    launched = distributed.launched_world(run_dir, world)
+    if not given & WORLD_OPTIONS:
+        return launched
+    if launched.strategy != world.strategy and "fsdp" in (launched.strategy, world.strategy):
+        raise click.BadParameter(f"this run was started with --strategy {launched.strategy} and its checkpoints "
+                                 f"hold its state that way: resume it with --strategy {launched.strategy}",
+                                 param_hint="--strategy")
+    return world
 
 
 def interrupted_line(run_dir: Path, flags: str = "") -> str:

@@ -1,4 +1,5 @@
-"""``vramcal train --nproc-per-node N``: a DDP run launched through torch.distributed's own launcher.
+"""``vramcal train --nproc-per-node N``: a DDP run (or FSDP, ``--strategy fsdp``) launched through torch.distributed's
+own launcher.
 
 The launcher (:func:`launch`, in the ``vramcal train`` process) checks the data and the run folder, writes
 the run's settings to ``<run_dir>/launch.json`` and starts torchrun's elastic agent
@@ -11,14 +12,17 @@ machines join as torchrun users already do). The agent starts one *rank process*
    (:func:`vramcal.profile.world_difference` says why another world's or one process's cannot size it);
 2. sizes its own batch from that profile (ranks on different cards take different batches);
 3. trains in a worker forked from vramcal's server, like the trials that sized it
-   (:func:`vramcal.train.worker.train_in_worker`): the ranks agree on every rank's batch, the learning rate
+   (:func:`vramcal.train.worker.train_in_worker`; the server started with the caller's ``OMP_NUM_THREADS``, as the
+   probe's was, not torchrun's: :func:`as_the_caller`): the ranks agree on every rank's batch, the learning rate
    follows the global batch, and gradients are weighted by each rank's samples
-   (:class:`vramcal.train.loop.Share`); rank 0 writes the run's records, checkpoints and metrics;
+   (:class:`vramcal.train.loop.Share`); rank 0 writes the run's records, checkpoints and metrics (under FSDP
+   every rank gathers the state it saves first: :mod:`vramcal.train.states`);
 4. appends its own observation (its measured peak against its own profile's prediction) to its profile.
 
 A rank that fails writes one line to ``<run_dir>/ranks/<rank>.error`` and exits 1; the agent then stops the
 others (within its monitor interval and shutdown timeout), and the launcher raises one line naming the
-rank. The run folder is left resumable: ``vramcal train --resume --run-dir ... --nproc-per-node N``.
+rank. The run folder is left resumable: ``vramcal train --resume --run-dir ... --nproc-per-node N`` (the world's
+strategy and settings kept from ``launch.json``: :func:`launched_world`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from vramcal.words import FLAGS, labelled, speaking
 
 LAUNCH = "launch.json"
 RANKS = "ranks"  # <run_dir>/ranks/<rank>.error: a failed rank's one line
+OMP = "omp_num_threads"  # launch.json: the caller's OMP_NUM_THREADS (null: unset), which the ranks' servers get
 
 
 def launch(config: TrainConfig, run_dir: Path, world: World, nproc_per_node: int, torchrun: dict[str, Any],
@@ -63,17 +68,22 @@ def launch(config: TrainConfig, run_dir: Path, world: World, nproc_per_node: int
 
     atomic_write_json(run_dir / LAUNCH, {"config": config.with_absolute_paths().to_dict(), "world": world.to_dict(),
                                          "capacities": list(capacities), "resume": resume,
-                                         "overrides": overrides or {}})
+                                         "overrides": overrides or {},
+                                         OMP: os.environ.get("OMP_NUM_THREADS")})  # before torchrun sets it
     args = [f"--nproc-per-node={nproc_per_node}", *(f"--{k.replace('_', '-')}={v}" for k, v in torchrun.items()),
             "-m", "vramcal.train.distributed", str(run_dir / LAUNCH)]
     for name in list(logging.root.manager.loggerDict):  # each module's logger has its own level (elastic's get_logger)
         if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)  # the agent's own log lines: our one line says it
+    caller = os.environ.get("OMP_NUM_THREADS")
     try:
         with signals_as_before():
             run(get_args_parser().parse_args(args))
     except ChildFailedError as error:
         raise TrainError(failure_line(run_dir, error)) from None
+    finally:  # torchrun set it in this process too: a later launch (a search's next run) records the caller's
+        if caller is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
 
 
 def launched_capacities(run_dir: Path) -> tuple[int, ...]:
@@ -84,6 +94,16 @@ def launched_capacities(run_dir: Path) -> tuple[int, ...]:
     except (OSError, ValueError, AttributeError):
         return ()
     return tuple(c for c in capacities if isinstance(c, int) and c > 0)
+
+
+def launched_world(run_dir: Path, now: World) -> World:
+    """The world a resumed run keeps: the strategy and settings its ranks were last started with (``launch.json``),
+    at ``now``'s size and backend; ``now`` itself when the file is missing, unreadable or names no world."""
+    try:
+        saved = json.loads((run_dir / LAUNCH).read_text())["world"]
+        return World.from_dict({**saved, "nproc": now.nproc, "backend": now.backend})
+    except (OSError, ValueError, KeyError, TypeError):  # (SchemaError is a ValueError)
+        return now
 
 
 @contextlib.contextmanager
@@ -142,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
 
     spec_path = Path((argv or sys.argv[1:])[0])
     spec = json.loads(spec_path.read_text())
+    as_the_caller(spec)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     run_dir = spec_path.parent
     try:
@@ -160,6 +181,23 @@ def main(argv: list[str] | None = None) -> None:
         except OSError:
             print(f"rank {rank}: {line}", file=sys.stderr)  # the launcher cannot read it: say it here
         sys.exit(1)
+
+
+def as_the_caller(spec: dict[str, Any]) -> None:
+    """Give this rank process the ``OMP_NUM_THREADS`` of the command that launched it (``launch.json``), for the
+    worker server it starts: torchrun sets it to 1 where its caller had none, and a server that imports torch with
+    OpenMP's and OpenBLAS's pools at 1 thread holds about 80 MiB less data segment (their threads' stacks and
+    buffers, measured on the 2-core host: 398 against 478 MiB) than the probe's server did, which every forked worker
+    inherits: the rank then peaked that much under its trials at the same batch (2 FSDP ranks at the ``small`` spec:
+    -9.3 % against the prediction, -0.7 % with the caller's setting). The worker's compute threads are the world's
+    ``threads_per_rank`` either way (:func:`vramcal.measure.distributed.join`). A ``launch.json`` written before this
+    was recorded leaves it as is."""
+    if OMP not in spec:
+        return
+    if spec[OMP] is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = spec[OMP]
 
 
 def _printer(rank: int):

@@ -44,7 +44,9 @@ mean loss (one update equals one step of a single process at the summed batch), 
 global batch is left out of the epoch. Validation is sharded over the ranks and summed. Every decision
 (a non-finite loss, the end) is taken on figures summed over the ranks, so all ranks take it together;
 rank 0 alone writes checkpoints and metrics. An out-of-memory error under DDP ends the run on every rank
-(halving one rank's micro-batch would desynchronise the ranks' gradient reductions).
+(halving one rank's micro-batch would desynchronise the ranks' gradient reductions). Under FSDP (the model sharded
+by ``fully_shard``, :func:`vramcal.measure.distributed.shard`) the same holds, its reduce-scatter averaging as DDP's
+all-reduce does; a save gathers the whole state onto rank 0 with every rank (:mod:`vramcal.train.states`).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ import torch
 from vramcal.measure.meters import synchronize, torch_cuda_empty_cache
 from vramcal.models.regressor.step import RegressorStep, forward
 from vramcal.oom import is_out_of_memory
-from vramcal.train import checkpoint
+from vramcal.train import checkpoint, states
 from vramcal.train.errors import DivergedError, NonFiniteError, Stopped, TrainError
 from vramcal.train.plan import Plan
 from vramcal.units import format_bytes
@@ -173,6 +175,8 @@ class Trainer:
         self.plan, self.step, self.meter, self.echo, self.on_epoch = plan, step, meter, echo, on_epoch
         self.config, self.pipeline = plan.config, step.pipeline
         self.model, self.share = model or step.model, share or Share((plan.step_batch_size,))
+        self.sharded = plan.world is not None and plan.world.strategy == "fsdp"  # FSDP2: each rank holds a shard
+        self.saves = self.share.rank == 0 or self.sharded  # takes part in a save (FSDP gathers on every rank)
         assert self.pipeline is not None
         batch, n_train = self.share.global_batch, len(self.pipeline.train_starts)
         self.steps_per_epoch = n_train // batch if self.share.group is not None else math.ceil(n_train / batch)
@@ -184,8 +188,7 @@ class Trainer:
             s, self.warmup_steps, int(self.total_steps), self.config.min_lr_fraction))
         self.progress = Progress(micro_batch_size=plan.batch_size)  # an effective batch accumulates micro-batches
         if state is not None:
-            step.model.load_state_dict(state["model"])
-            step.optimizer.load_state_dict(state["optimizer"])
+            states.load(step, state, self.sharded)
             self.scheduler.load_state_dict(state["scheduler"])
             self.progress = Progress(**state["progress"])
             self.scheduler.base_lrs = [plan.lr] * len(step.optimizer.param_groups)  # a new --lr applies from here
@@ -251,6 +254,10 @@ class Trainer:
         """Free what the failed attempt held and halve the micro-batch, or stop at one sample."""
         import gc
 
+        if self.sharded:  # a rank halving alone would leave the ranks' all-gathers unmatched
+            raise TrainError(f"rank {self.share.rank} ran out of memory in the {where} at step "
+                             f"{self.progress.step + 1} ({message}): under FSDP every rank stops; "
+                             f"{checkpoint.last_good(self.plan.run_dir)} with a smaller --val-batch-size")
         self._had_oom = True
         self.step.optimizer.zero_grad(set_to_none=True)
         gc.collect()
@@ -280,7 +287,9 @@ class Trainer:
 
         Chunks of ``val_batch_size`` (the plan's :class:`~vramcal.train.plan.Validation`: the evaluation limit, or
         the training batch); a chunk that runs out of memory is retried at half the size, the training batch left
-        as it is. Under DDP each rank takes every n-th window and the sums are added over the ranks.
+        as it is. Under DDP each rank takes every n-th window and the sums are added over the ranks; under FSDP a
+        forward gathers each block from every rank, so a rank with fewer chunks runs idle forwards of one window
+        until all have run as many, and an out-of-memory error stops the run.
 
         ``val_dir_acc`` = mean over positions of [sign(prediction) == sign(target)] (sign 0 for 0);
         ``val_zero_dir_acc`` is the same for the naive prediction 0 (= the share of unchanged bars);
@@ -291,11 +300,13 @@ class Trainer:
         sums = torch.zeros(6, dtype=torch.float64)
         share = self.share
         position, starts = 0, pipeline.val_starts[share.rank::len(share.batch_sizes)]
+        rounds = max(share.gathered(math.ceil(len(starts) / max(1, self.val_batch_size)))) if self.sharded else 0
         while position < len(starts):
             chunk = max(1, self.val_batch_size)
             try:
                 x, y = pipeline.gather(starts[position:position + chunk])
                 prediction = forward(model, x, self.config.spec.dtype).float()  # (B, L)
+                rounds -= 1
                 hit = torch.sign(prediction) == torch.sign(y)
                 moved = y != 0
                 sums += torch.stack([((prediction - y) ** 2).sum(), (y ** 2).sum(), hit.sum(), (~moved).sum(),
@@ -305,6 +316,8 @@ class Trainer:
                 if not self._out_of_memory(error):
                     raise
                 self._fall_back(chunk, chunk, _first_line(error), "validation")
+        for _ in range(rounds):  # FSDP: as many forwards (all-gathers) as the rank with the most chunks
+            forward(model, pipeline.gather(pipeline.val_starts[:1])[0], self.config.spec.dtype)
         model.train()
         n = len(pipeline.val_starts) * pipeline.windows.seq_len
         se, zero_se, hits, unchanged, move_hits, moves = share.summed(sums.tolist())
@@ -366,7 +379,7 @@ class Trainer:
                 self._watch()
             bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{progress.epoch_samples / progress.epoch_train_s:.1f}")
             bar.update(1)
-            if index + 1 < len(batches) and share.rank == 0 and self._save_due():
+            if index + 1 < len(batches) and self.saves and self._save_due():
                 self._save(None)
         synchronize(self.plan.device.kind)
         bar.close()
@@ -391,7 +404,7 @@ class Trainer:
                "lr": self.step.optimizer.param_groups[0]["lr"], "batch_size": self.share.global_batch,
                "micro_batch_size": progress.micro_batch_size, "val_batch_size": self.val_batch_size, **evaluation,
                **peaks, **validated}
-        bad = checkpoint.non_finite_tensors(self.step.model.state_dict())
+        bad = states.non_finite_weights(self.step, self.share, self.sharded)
         if not math.isfinite(row["val_loss"]) or bad:
             self._stop_non_finite(row["train_loss"], math.nan, val_loss=row["val_loss"], weights=bad)
         self._check_divergence(diverged_validation(row["val_loss"], row["val_zero_loss"])
@@ -401,7 +414,7 @@ class Trainer:
             progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
             progress.epoch_loss_sum, progress.epoch_samples, progress.epoch_train_s = 0.0, 0, 0.0
             progress.epoch_step_times, progress.epoch_losses, progress.epoch_baselines = [], [], []
-        if self.share.rank == 0:
+        if self.saves:
             self._save(row)
         peak = f"  peak {format_bytes(row['peak_bytes'])}" if "peak_bytes" in row else ""
         self.echo(f"epoch {row['epoch']}{'' if complete else ' (stopped at max_steps)'}: "
@@ -509,9 +522,9 @@ class Trainer:
         """After a non-finite step (skipped: the weights and the optimizer's state are the step before's),
         save that state as the last checkpoint, unless the last save holds it already; a full disk leaves the
         checkpoints there are."""
-        if self.share.rank != 0 or self.progress.step == self._saved_step:
+        if not self.saves or self.progress.step == self._saved_step:
             return
-        if checkpoint.non_finite_tensors(self.step.model.state_dict()):
+        if states.non_finite_weights(self.step, self.share, self.sharded):
             return
         try:
             self._save(None)
@@ -519,23 +532,28 @@ class Trainer:
             self.echo(f"warning: the last finite state could not be saved ({error})")
 
     def _save_due(self) -> bool:
+        """Whether a save is due after this step (under FSDP every rank joins it, so a clock's ``checkpoint_minutes``
+        is rank 0's, told to all)."""
         c = self.config
-        return bool((c.checkpoint_steps and self.progress.step % c.checkpoint_steps == 0)
-                    or (c.checkpoint_minutes and time.monotonic() - self._last_save >= 60 * c.checkpoint_minutes))
+        due = bool((c.checkpoint_steps and self.progress.step % c.checkpoint_steps == 0)
+                   or (c.checkpoint_minutes and time.monotonic() - self._last_save >= 60 * c.checkpoint_minutes))
+        return self.share.gathered(due)[0] if self.sharded and c.checkpoint_minutes else due
 
     def _save(self, row: dict[str, Any] | None) -> None:
         """The last checkpoint (the one it replaces kept as previous), the best one when validation loss
-        improved, then the metrics: never ahead of a checkpoint."""
+        improved, then the metrics: never ahead of a checkpoint. Rank 0 writes them (under FSDP every rank gathers
+        the state first: :func:`vramcal.train.states.gather`)."""
         progress, plan = self.progress, self.plan
         improved = row is not None and row["val_loss"] < progress.best_val_loss
         if improved:
             progress.best_val_loss = row["val_loss"]
-        payload = {"model": self.step.model.state_dict(), "optimizer": self.step.optimizer.state_dict(),
-                   "scheduler": self.scheduler.state_dict(), "progress": asdict(progress),
-                   "data_stats": self.pipeline.windows.stats(), "warmup_steps": self.warmup_steps}
+        payload = {**states.gather(self.step, self.sharded), "scheduler": self.scheduler.state_dict(),
+                   "progress": asdict(progress), "data_stats": self.pipeline.windows.stats(),
+                   "warmup_steps": self.warmup_steps}
         try:
-            checkpoint.save_checkpoint(plan.run_dir, payload, best=improved)
-            checkpoint.write_metrics(plan.run_dir, progress.rows)
+            if self.share.rank == 0:
+                checkpoint.save_checkpoint(plan.run_dir, payload, best=improved)
+                checkpoint.write_metrics(plan.run_dir, progress.rows)
         except OSError as error:
             raise TrainError(f"cannot write {error.filename or plan.run_dir} ({error.strerror or error}): stopped "
                              f"at step {progress.step}, unsaved; {checkpoint.last_good(plan.run_dir)} once there "

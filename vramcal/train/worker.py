@@ -1,5 +1,6 @@
-"""The training process: a worker that opens the meter, joins the DDP world (when the plan has one), builds the
-step, resumes, and runs the :class:`~vramcal.train.loop.Trainer`.
+"""The training process: a worker that opens the meter, joins the DDP or FSDP world (when the plan has one), builds
+the step (wrapped or sharded as the world's trials did: :func:`vramcal.measure.distributed.wrap`), resumes, and runs
+the :class:`~vramcal.train.loop.Trainer`.
 
 It runs in a worker forked from vramcal's server (:func:`vramcal.api.worker_pool`), as the trials that sized
 the run did: :func:`vramcal.train.runner.train` starts it for one process, and each rank of a DDP run starts
@@ -120,7 +121,7 @@ def _build(plan: Plan, group: Any) -> tuple[Any, Any]:
 
 
 def _resume_state(plan: Plan, step: Any, echo: Any) -> dict[str, Any]:
-    """The checkpoint to continue from (rank 0 of a DDP run wrote it; every rank reads it)."""
+    """The checkpoint to continue from (rank 0 of a world wrote it; every rank reads it)."""
     state, path, notice = checkpoint.load_resumable(plan.run_dir)
     if notice:
         echo(f"warning: {notice}")
