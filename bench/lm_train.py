@@ -122,6 +122,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--capacity", default="640MiB")
     parser.add_argument("--threads", default="1")
+    parser.add_argument("--onednn-cache", default=None, help="ONEDNN_PRIMITIVE_CACHE_CAPACITY for every process "
+                        "(0: off; oneDNN keeps primitives per shape, 1,024 by default: batches of changing shapes "
+                        "grow the process ~1 MiB a step on the host)")
     parser.add_argument("--val-fraction", default="0.02")
     parser.add_argument("--seq-len", default="64:1024")
     parser.add_argument("--steps", type=int, default=300)
@@ -137,6 +140,8 @@ def main() -> None:
     from vramcal.units import format_bytes, format_rate
 
     ENV.update(OMP_NUM_THREADS=args.threads, PYTHONPATH=str(REPO))
+    if args.onednn_cache is not None:
+        ENV["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = args.onednn_cache
     args.out.mkdir(parents=True, exist_ok=True)
     profile_path = args.profile
     if profile_path is None:
@@ -174,7 +179,8 @@ def main() -> None:
               "error": (peak - predicted) / predicted, "outside_vmdata_bytes": worker["VmData"],
               "outside_vmhwm_bytes": worker["VmHWM"], "outside_error": (worker["VmData"] - predicted) / predicted,
               "oom_events": sum(r["kind"] == "oom" for r in rows), "tokens_per_s": tokens_s, "fixed": fixed,
-              "ratio": tokens_s / fixed["tokens_per_s"], "threads": args.threads, "epochs": epochs}
+              "ratio": tokens_s / fixed["tokens_per_s"], "threads": args.threads,
+              "onednn_cache": args.onednn_cache, "epochs": epochs}
     (args.out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"{result['steps']} steps, worst batch {result['worst']['batch_size']} x {result['worst']['seq_len']}: "
           f"peak {format_bytes(peak)} against predicted {format_bytes(predicted)} ({result['error']:+.2%}); "
