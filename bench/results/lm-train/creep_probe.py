@@ -1,3 +1,6 @@
+"""python creep_probe.py mixed|fixed (from the repository root, after bench.lm_train wrote run/run.json): the
+data-segment peak and VmData (MiB) every 20 steps of the tiny lm on the run's budget batches, or on its worst
+batch (46 x 80) alone."""
 import sys, torch
 from vramcal.measure.meters import peak_data_bytes, read_status_bytes
 from vramcal.models.registry import model_ref
@@ -11,16 +14,15 @@ mode = sys.argv[1]
 ref = model_ref("lm", {"config": "configs/mamba2-lm-tiny.json", "seq_len": 1024, "dtype": "fp32"}, device=host_device(), implementation="transformers")
 step = build(ref, torch.device("cpu"), {"lr": 5e-5, "seed": 0})
 corpus = load_corpus("stdlib", 1024, 0.02)
-s = LengthBatchSampler(lengths(corpus.train), budget=TokenBudget(4035, 3026, 64, 1024, 16, 65, 65) if False else None, buckets=None) if False else None
 import json
 prof = json.load(open("bench/results/lm-train/run/run.json"))["data"]["batching"]["budget"]
 s = LengthBatchSampler(lengths(corpus.train), budget=TokenBudget.from_dict(prof), seed=0)
 batches = s.batches()
 worst = next(b for b in batches if len(b) == 46)
-for i in range(61):
+for i in range(120):
     b = worst if mode == "fixed" else batches[i]
     ids, labels = tensors([corpus.train[j] for j in b], torch.device("cpu"))
     loss = step.model(input_ids=ids, labels=labels, use_cache=False).loss
     loss.backward(); optimizer_step(step)
-    if i % 20 == 0 or i == 60:
+    if i % 20 == 0 or i == 119:
         print(mode, i, round(peak_data_bytes() / 2**20, 1), round(read_status_bytes("VmData") / 2**20, 1), flush=True)
