@@ -26,8 +26,11 @@ endif
 # One epoch of windows 16 bars apart: 23 steps at the 2.5 GiB budget's conservative size (76), enough to compare
 # the epoch's time with the forecast (the default stride, seq_len // 2, leaves 6 steps, whose time is mostly noise).
 TRAIN_ARGS ?= --epochs 1 --stride 16
+# make run-lm: the tiny language model over lengths 64-1024 on the standard library's own source (no download)
+LM_ARGS ?= --model lm --model-arg config=configs/mamba2-lm-tiny.json --gpu none --capacity 1GiB
+LM_TRAIN_ARGS ?= --max-steps 300
 
-.PHONY: setup setup-dev run test lint clean gpu-wheels gpu-rehearsal gpu-fused-wheels
+.PHONY: setup setup-dev run run-lm test lint clean gpu-wheels gpu-rehearsal gpu-fused-wheels
 
 # setup: what vramcal runs with (make run); setup-dev adds what its tests need (Lightning, Accelerate, pytest,
 # ruff, the PostgreSQL driver, and the earlier transformers releases in TRANSFORMERS_ALSO: make test).
@@ -55,6 +58,10 @@ $(DATA): | setup
 run: setup $(DATA)
 	$(PY) -m vramcal probe $(PROBE_ARGS)
 	$(PY) -m vramcal train --data $(DATA) $(TRAIN_ARGS)
+
+run-lm: setup
+	$(PY) -m vramcal probe $(LM_ARGS) --reserve 0 --seq-len 64:1024
+	$(PY) -m vramcal train $(LM_ARGS) $(LM_TRAIN_ARGS)
 
 test: setup-dev
 	$(PY) -m pytest -q

@@ -15,6 +15,7 @@ import click
 
 from vramcal import api
 from vramcal.api import worker_pool
+from vramcal.cli.lm import announce_lm, check_lm, lm_options, lm_settings, saved_model
 from vramcal.cli.options import (
     BatchSize,
     FiniteFloat,
@@ -30,7 +31,7 @@ from vramcal.cli.options import (
 from vramcal.cli.probe import calibrate_one, stdout_to_stderr
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.train import checkpoint, distributed
-from vramcal.train.config import RESUME_OVERRIDES, ConfigError, TrainConfig, load_config
+from vramcal.train.config import RESUME_OVERRIDES, ConfigError, TrainConfig, is_language_model, load_config
 from vramcal.units import format_bytes
 from vramcal.words import labelled
 
@@ -91,6 +92,7 @@ def es_sample_command(bar: str, out: Path, ticks: Path | None) -> None:
 
 @click.command("train")
 @training_options
+@lm_options
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="run folder [default: runs/<UTC time>]")
 @click.option("--resume", is_flag=True, help="continue the run in --run-dir from its last checkpoint with its saved "
@@ -130,12 +132,17 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
     and records the run in the profile (`vramcal show` lists them). Its epochs go to metrics.jsonl and to
     TensorBoard (`tensorboard --logdir <run folder>`).
     """
-    from vramcal.train import plan as planning  # loads numpy: only when called
     from vramcal.train.runner import train  # loads numpy: only when called
 
     given = explicit(ctx)
     strict_profiles(options.pop("strict_profile"))
     torchrun = {name: options.pop(name) for name in TORCHRUN_OPTIONS}
+    lm_settings(options, given)
+    config = None
+    if not resume:
+        with one_line():  # a config file's error is one line here too
+            config = make_config(config_file, options, given)
+            check_lm(config, given, nproc_per_node, torchrun)
     if nproc_per_node > 1 or any(torchrun.values()):
         with stdout_to_stderr(as_json):
             run_dir = train_world(ctx, config_file, options, given, run_dir, resume, probe, capacity or (),
@@ -145,19 +152,25 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
     capacity = single_capacity(capacity, parallel)
     with one_line(), stdout_to_stderr(as_json):  # --json: what the worker server's processes print goes to stderr
         worker_pool().warm_up()  # the training worker's server imports torch while the run is planned
-        if resume:
-            plan = resume_plan(run_dir, options, given)
-        else:
-            config = make_config(config_file, options, given)
-            if probe:
-                config = probe_first(config, capacity)
-            setting = planning.resolve(config, capacity, unchecked=True)
-            run_dir = run_dir or new_run_dir()
-            plan = planning.plan_run(config, run_dir, setting)
-        announce(plan)
+        plan = resume_plan(run_dir, options, given) if resume else new_plan(config, probe, capacity, run_dir)
+        (announce_lm if plan.config.language_model else announce)(plan)
     with one_line(lambda: interrupted_line(plan.run_dir)), stdout_to_stderr(as_json):
         train(plan, echo=lambda line: click.echo(line, err=True))
     echo_done(plan.run_dir, as_json)
+
+
+def new_plan(config: TrainConfig, probe: bool, capacity: int | None, run_dir: Path | None):
+    """A new run's plan (``--probe``: calibrated first): the regressor's (:mod:`vramcal.train.plan`, unchecked
+    without a profile when --batch-size is given) or a language model's (:mod:`vramcal.train.lm_plan`)."""
+    from vramcal.train import lm_plan  # loads numpy: only when called
+    from vramcal.train import plan as planning  # loads numpy: only when called
+
+    if probe:
+        config = probe_first(config, capacity)
+    run_dir = run_dir or new_run_dir()
+    if config.language_model:
+        return lm_plan.plan_run(config, run_dir, lm_plan.resolve(config, capacity))
+    return planning.plan_run(config, run_dir, planning.resolve(config, capacity, unchecked=True))
 
 
 def single_capacity(capacity: tuple[int, ...] | None, parallel: WorldOptions) -> int | None:
@@ -278,7 +291,8 @@ def echo_done(run_dir: Path, as_json: bool = False) -> None:
         done = run_summary(run_dir)
     if done["val_loss"] is not None:
         steps = done["steps"]
-        click.echo(f"done: {steps} step{'' if steps == 1 else 's'}, val_loss {done['val_loss']:.4f} (zero-return "
+        baseline = "uniform" if is_language_model(done.get("model", "")) else "zero-return"
+        click.echo(f"done: {steps} step{'' if steps == 1 else 's'}, val_loss {done['val_loss']:.4f} ({baseline} "
                    f"{done['val_zero_loss']:.4f}), metrics {done['metrics']}, checkpoint {done['checkpoint']}, "
                    f"TensorBoard {done['tensorboard']}", err=as_json)
     if as_json:
@@ -319,7 +333,12 @@ def resume_plan(run_dir: Path | None, options: dict[str, Any], given: set[str]):
     if ignored:
         click.echo(f"--resume continues with the run's saved settings; ignoring "
                    f"{', '.join('--' + o.replace('_', '-') for o in ignored)}", err=True)
-    return plan_resume(run_dir, {k: options[k] for k in RESUME_OVERRIDES if k in given})
+    overrides = {k: options[k] for k in RESUME_OVERRIDES if k in given}
+    if is_language_model(saved_model(run_dir)):
+        from vramcal.train import lm_plan  # loads numpy: only when called
+
+        return lm_plan.plan_resume(run_dir, overrides)
+    return plan_resume(run_dir, overrides)
 
 
 def probe_first(config, capacity: int | None):

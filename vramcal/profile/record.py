@@ -218,8 +218,9 @@ class Profile:
 
     def covers(self, model: ModelRef) -> bool:
         """Whether the profile sizes ``model``: the same model, or (over several lengths) the same model at a
-        seq_len inside the calibrated range."""
-        if self.surface is None:
+        seq_len inside the calibrated range, or with no seq_len (a run of every length in it: a language model's on
+        documents of every length, :mod:`vramcal.train.lm_plan`)."""
+        if self.surface is None or "seq_len" not in model.params:
             return model == self.model
         seq_len = model.params.get("seq_len")
         return (isinstance(seq_len, int) and model.without("seq_len") == self.model

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from vramcal.models import registry
 from vramcal.models.mamba2 import IMPLEMENTATIONS
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.schema import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, SchemaError, read_value
@@ -28,6 +29,13 @@ SEED_BATCH_SIZE = 96  # the seed documents' training batch size, the default LR 
 VARIANT_CHOICES: tuple[str, ...] = ("spec", "auto")  # train the spec as given, or the fastest calibrated variant
 Reporter = Literal["tensorboard", "mlflow"]
 REPORT_TO: tuple[str, ...] = ("tensorboard", "mlflow")  # where a run's figures go beside metrics.jsonl
+MODELS: tuple[str, ...] = ("regressor", "lm")  # what vramcal train trains: the regressor on bars, or an LM on text
+BATCHINGS: tuple[str, ...] = ("budget", "buckets")  # how the lm's batches are formed (vramcal.sampler)
+
+
+def is_language_model(model: str) -> bool:
+    """Whether ``model`` (a run's ``--model``) names the language-model family (:mod:`vramcal.models.registry`)."""
+    return model in MODELS and isinstance(registry.family(model), registry.LanguageModel)
 
 
 class ConfigError(ValueError):
@@ -76,6 +84,12 @@ class TrainConfig:
             chosen.
         report_to: where the epochs' figures go beside ``metrics.jsonl`` (:mod:`vramcal.train.tracking`):
             ``tensorboard`` (the default), ``mlflow`` (when installed); empty for neither.
+        model: ``regressor`` (the spec, on ``data``) or ``lm``: the language model of ``lm_config`` on the documents
+            of ``text`` (:mod:`vramcal.train.lm_plan`), in batches by ``batching``.
+        lm_config: the lm's ``Mamba2Config`` JSON file (``--model-arg config=FILE``).
+        text: the lm's folder of text files, or ``stdlib`` (:mod:`vramcal.models.corpus`).
+        batching: the lm's batches: ``budget`` (the profile's token budget) or ``buckets`` (its bucket table at
+            ``buckets``, each bucket's longest length; () the calibration's).
 
     Paths (``data``, ``profiles_dir``, a ``profile`` file) are used as given, so relative ones are relative
     to the current directory. Files written for later use (a run's ``config.json``, the
@@ -114,6 +128,11 @@ class TrainConfig:
     val_batch_size: int | None = None
     variant: Literal["spec", "auto"] = "spec"
     report_to: tuple[Reporter, ...] = ("tensorboard",)
+    model: Literal["regressor", "lm"] = "regressor"
+    lm_config: str | None = None
+    text: str = "stdlib"
+    batching: Literal["budget", "buckets"] = "budget"
+    buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         checks = [
@@ -145,12 +164,22 @@ class TrainConfig:
             (self.checkpoint_minutes is None
              or (math.isfinite(self.checkpoint_minutes) and self.checkpoint_minutes > 0),
              f"checkpoint_minutes must be a finite number > 0, got {self.checkpoint_minutes}"),
+            (self.model in MODELS, f"model must be one of {', '.join(MODELS)}, got {self.model!r}"),
+            (self.batching in BATCHINGS, f"batching must be one of {', '.join(BATCHINGS)}, got {self.batching!r}"),
+            (not self.language_model or self.lm_config is not None,
+             "--model lm needs its Mamba2Config: --model-arg config=FILE (e.g. configs/mamba2-lm-tiny.json)"),
+            (all(b >= 1 for b in self.buckets), f"buckets must be lengths >= 1, got {list(self.buckets)}"),
             (set(self.report_to) <= set(REPORT_TO) and len(set(self.report_to)) == len(self.report_to),
              f"report_to must name each of {', '.join(REPORT_TO)} at most once, got {list(self.report_to)}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+
+    @property
+    def language_model(self) -> bool:
+        """Whether the run trains a language model on text (``model`` ``lm``), not the regressor on bars."""
+        return is_language_model(self.model)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -211,8 +240,11 @@ class TrainConfig:
     def with_absolute_paths(self) -> TrainConfig:
         """A copy whose ``data``, ``profiles_dir`` and ``profile`` file (unless ``auto``) are absolute."""
         profile = self.profile if self.profile == "auto" else str(Path(self.profile).resolve())
+        text = self.text if self.text == "stdlib" else str(Path(self.text).resolve())
+        lm_config = self.lm_config and str(Path(self.lm_config).resolve())
         return dataclasses.replace(self, data=str(Path(self.data).resolve()),
-                                   profiles_dir=str(Path(self.profiles_dir).resolve()), profile=profile)
+                                   profiles_dir=str(Path(self.profiles_dir).resolve()), profile=profile, text=text,
+                                   lm_config=lm_config)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
@@ -229,7 +261,7 @@ CONFIG_RANGES = {
     **dict.fromkeys(("d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len", "n_features",
                      "d_conv", "n_groups"), AT_LEAST_ONE),
 }
-PATHS = ("data", "profile", "profiles_dir")  # file and folder names: non-empty text
+PATHS = ("data", "profile", "profiles_dir", "text")  # file and folder names: non-empty text
 
 
 def _typed(record: type, values: dict[str, Any]) -> dict[str, Any]:

@@ -91,6 +91,8 @@ class Progress:
             a run resumed from a mid-epoch checkpoint reports the whole epoch.
         epoch_losses, epoch_baselines: each step's loss and its batch's zero-return loss (mean squared
             target) this epoch, for the divergence checks.
+        epoch_tokens, epoch_padded_tokens: the unfinished epoch's tokens the loss counted and the tokens its
+            batches held, padding included (the language model's trainer, :mod:`vramcal.train.lm_loop`; 0 here).
     """
 
     epoch: int = 0
@@ -105,6 +107,8 @@ class Progress:
     epoch_step_times: list[float] = field(default_factory=list)
     epoch_losses: list[float] = field(default_factory=list)
     epoch_baselines: list[float] = field(default_factory=list)
+    epoch_tokens: int = 0
+    epoch_padded_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -173,13 +177,11 @@ class Trainer:
                  state: dict[str, Any] | None = None, on_epoch: EpochHook | None = None, model: Any = None,
                  share: Share | None = None) -> None:
         self.plan, self.step, self.meter, self.echo, self.on_epoch = plan, step, meter, echo, on_epoch
-        self.config, self.pipeline = plan.config, step.pipeline
+        self.config, self.pipeline = plan.config, getattr(step, "pipeline", None)  # None: the lm (lm_loop)
         self.model, self.share = model or step.model, share or Share((plan.step_batch_size,))
         self.sharded = plan.world is not None and plan.world.strategy == "fsdp"  # FSDP2: each rank holds a shard
         self.saves = self.share.rank == 0 or self.sharded  # takes part in a save (FSDP gathers on every rank)
-        assert self.pipeline is not None
-        batch, n_train = self.share.global_batch, len(self.pipeline.train_starts)
-        self.steps_per_epoch = n_train // batch if self.share.group is not None else math.ceil(n_train / batch)
+        self.steps_per_epoch = self._steps_per_epoch()
         self.total_steps = min(self.config.max_steps or math.inf, self.config.epochs * self.steps_per_epoch)
         self.warmup_steps = (self.config.warmup_steps if self.config.warmup_steps is not None
                              else state["warmup_steps"] if state is not None and "warmup_steps" in state
@@ -203,6 +205,30 @@ class Trainer:
         validation = plan.validation
         self.val_batch_size = validation.batch_size if validation is not None else self.progress.micro_batch_size
 
+    def _steps_per_epoch(self) -> int:
+        """Optimizer steps per epoch: the windows over the global batch (under DDP the incomplete last batch is
+        left out)."""
+        assert self.pipeline is not None
+        batch, n_train = self.share.global_batch, len(self.pipeline.train_starts)
+        return n_train // batch if self.share.group is not None else math.ceil(n_train / batch)
+
+    def _epoch_figures(self) -> dict[str, Any]:
+        """What an epoch's row holds beyond the shared figures (the language model's tokens); none here."""
+        return {}
+
+    def _epoch_line(self, row: dict[str, Any]) -> str:
+        """The line an epoch ends with, for people."""
+        peak = f"  peak {format_bytes(row['peak_bytes'])}" if "peak_bytes" in row else ""
+        return (f"epoch {row['epoch']}{'' if row['complete'] else ' (stopped at max_steps)'}: "
+                f"train_loss {row['train_loss']:.4f}  val_loss {row['val_loss']:.4f} "
+                f"(zero-return {row['val_zero_loss']:.4f})  dir_acc {row['val_dir_acc']:.3f} "
+                f"(zero-return {row['val_zero_dir_acc']:.3f}, on moves {row['val_move_dir_acc']:.3f})  "
+                f"{row['samples_per_s']:.1f} samples/s{peak}{validation_text(row)}")
+
+    def _data_facts(self) -> dict[str, Any]:
+        """The data's facts a checkpoint keeps (a resume checks the data against them)."""
+        return self.pipeline.windows.stats()
+
     # ------------------------------------------------------------------------------------ a step
 
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
@@ -211,17 +237,25 @@ class Trainer:
         if self.share.group is not None:
             return self._ranked_step(x, y)
         batch, baseline = x.shape[0], float((y.float() ** 2).mean())
+        loss, grad_norm = self._accumulated(batch, lambda i, j: (
+            step_loss(self.step, (x[i:j], y[i:j]), self.model), (j - i) / batch))
+        return loss, grad_norm, baseline
+
+    def _accumulated(self, batch: int, part: Callable[[int, int], tuple[Any, float]]) -> tuple[float, float]:
+        """One optimizer step over a batch of ``batch`` samples in micro-batches (module docstring: the OOM
+        fallback halves them): ``part(i, j)`` is samples i to j's mean loss and its weight in the batch's (None: it
+        counts nothing); returns (loss, grad norm)."""
         while True:
             micro = min(self.progress.micro_batch_size, batch)
             try:
-                loss = torch.zeros((), device=x.device)
+                loss = 0.0
                 for i in range(0, batch, micro):
-                    share = min(micro, batch - i) / batch
-                    part = step_loss(self.step, (x[i:i + micro], y[i:i + micro]), self.model)
-                    (part * share).backward()
-                    loss += share * part.detach()
+                    lost, share = part(i, min(i + micro, batch))
+                    if lost is not None:
+                        (lost * share).backward()
+                        loss += share * float(lost.detach())
                 grad_norm = optimizer_step(self.step, skip_non_finite=True)
-                return float(loss), float(grad_norm) if grad_norm is not None else 0.0, baseline
+                return loss, float(grad_norm) if grad_norm is not None else 0.0
             except Exception as error:
                 if not self._out_of_memory(error):
                     raise
@@ -341,11 +375,28 @@ class Trainer:
             self._epoch()
         return next((r for r in reversed(self.progress.rows) if r["kind"] == "epoch"), {})
 
+    def _epoch_batches(self, epoch: int) -> list[Any]:
+        """The epoch's global batches, in order: index arrays into the training windows."""
+        return self.pipeline.epoch_order(epoch).split(self.share.global_batch)[:self.steps_per_epoch]
+
+    def _train_batch(self, batch: Any) -> tuple[float, float, float, int]:
+        """One optimizer step on a global batch of :meth:`_epoch_batches`: (loss, grad norm, zero-return loss,
+        samples)."""
+        share = self.share
+        starts = self.pipeline.train_starts[batch]  # the global batch; this rank's slice of it:
+        x, y = self.pipeline.gather(starts[share.offset:share.offset + share.own] if share.group else starts)
+        loss, grad_norm, baseline = self._step(x, y)  # float(loss) waits for the device: the step's time
+        return loss, grad_norm, baseline, share.global_batch if share.group else x.shape[0]
+
+    def _rate(self) -> dict[str, str]:
+        """The progress bar's rate."""
+        return {"samples_s": f"{self.progress.epoch_samples / self.progress.epoch_train_s:.1f}"}
+
     def _epoch(self) -> None:
         from tqdm import tqdm
 
         progress, share = self.progress, self.share
-        batches = self.pipeline.epoch_order(progress.epoch).split(share.global_batch)[:self.steps_per_epoch]
+        batches = self._epoch_batches(progress.epoch)
         bar = tqdm(total=len(batches), initial=progress.batch_in_epoch, unit="batch", file=sys.stderr,
                    desc=f"epoch {progress.epoch + 1}/{self.config.epochs}", leave=False,
                    disable=None if share.rank == 0 else True)
@@ -355,9 +406,7 @@ class Trainer:
             if progress.step >= self.total_steps:
                 break
             step_start = time.perf_counter()
-            starts = self.pipeline.train_starts[batches[index]]  # the global batch; this rank's slice of it:
-            x, y = self.pipeline.gather(starts[share.offset:share.offset + share.own] if share.group else starts)
-            loss, grad_norm, baseline = self._step(x, y)  # float(loss) waits for the device: the step's time
+            loss, grad_norm, baseline, samples = self._train_batch(batches[index])
             elapsed = time.perf_counter() - step_start
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 self._stop_non_finite(loss, grad_norm)
@@ -366,7 +415,6 @@ class Trainer:
             self._check_divergence(diverged_loss(progress.epoch_losses, progress.epoch_baselines), progress.step + 1)
             self.scheduler.step()
             progress.step, progress.batch_in_epoch = progress.step + 1, index + 1
-            samples = share.global_batch if share.group else x.shape[0]
             progress.epoch_loss_sum += loss * samples
             progress.epoch_samples += samples
             progress.epoch_train_s += elapsed
@@ -377,7 +425,7 @@ class Trainer:
                     self.meter.reset()
             if progress.step % WATCH_STEPS == 0:
                 self._watch()
-            bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{progress.epoch_samples / progress.epoch_train_s:.1f}")
+            bar.set_postfix(loss=f"{loss:.4f}", **self._rate())
             bar.update(1)
             if index + 1 < len(batches) and self.saves and self._save_due():
                 self._save(None)
@@ -403,7 +451,7 @@ class Trainer:
                "step_s_median": statistics.median(progress.epoch_step_times) if progress.epoch_step_times else None,
                "lr": self.step.optimizer.param_groups[0]["lr"], "batch_size": self.share.global_batch,
                "micro_batch_size": progress.micro_batch_size, "val_batch_size": self.val_batch_size, **evaluation,
-               **peaks, **validated}
+               **peaks, **validated, **self._epoch_figures()}
         bad = states.non_finite_weights(self.step, self.share, self.sharded)
         if not math.isfinite(row["val_loss"]) or bad:
             self._stop_non_finite(row["train_loss"], math.nan, val_loss=row["val_loss"], weights=bad)
@@ -414,14 +462,10 @@ class Trainer:
             progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
             progress.epoch_loss_sum, progress.epoch_samples, progress.epoch_train_s = 0.0, 0, 0.0
             progress.epoch_step_times, progress.epoch_losses, progress.epoch_baselines = [], [], []
+            progress.epoch_tokens, progress.epoch_padded_tokens = 0, 0
         if self.saves:
             self._save(row)
-        peak = f"  peak {format_bytes(row['peak_bytes'])}" if "peak_bytes" in row else ""
-        self.echo(f"epoch {row['epoch']}{'' if complete else ' (stopped at max_steps)'}: "
-                  f"train_loss {row['train_loss']:.4f}  val_loss {row['val_loss']:.4f} "
-                  f"(zero-return {row['val_zero_loss']:.4f})  dir_acc {row['val_dir_acc']:.3f} "
-                  f"(zero-return {row['val_zero_dir_acc']:.3f}, on moves {row['val_move_dir_acc']:.3f})  "
-                  f"{row['samples_per_s']:.1f} samples/s{peak}{validation_text(row)}")
+        self.echo(self._epoch_line(row))
         if self.on_epoch is not None and self.on_epoch(row) == "stop":
             raise Stopped(f"stopped after epoch {row['epoch']} by the caller")
 
@@ -548,8 +592,7 @@ class Trainer:
         if improved:
             progress.best_val_loss = row["val_loss"]
         payload = {**states.gather(self.step, self.sharded), "scheduler": self.scheduler.state_dict(),
-                   "progress": asdict(progress), "data_stats": self.pipeline.windows.stats(),
-                   "warmup_steps": self.warmup_steps}
+                   "progress": asdict(progress), "data_stats": self._data_facts(), "warmup_steps": self.warmup_steps}
         try:
             if self.share.rank == 0:
                 checkpoint.save_checkpoint(plan.run_dir, payload, best=improved)

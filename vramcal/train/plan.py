@@ -241,26 +241,33 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
 
     tracking.check_reporters(config.report_to)
     windows = load_windows(config)
-    device, notices = _device(config, capacity_bytes)
+    device, notices = run_device(config, capacity_bytes)
     if config.variant == "auto":
         config = _chosen_variant(config, device, capacity_bytes, world, notices)
     model = REGRESSOR.ref(config.spec, device, config.implementation)  # the spec was checked when the config was made
     located = _located(config, device, model, capacity_bytes, world, budget_matches, unchecked, notices)
-    limit = None
-    if device.kind == "host":
-        calibrated = located.profile.device.total_bytes if located else device.total_bytes
-        limit = capacity_bytes or calibrated
-        if located and limit != calibrated:
-            notices.append(f"the profile was calibrated at a budget of {format_bytes(calibrated)}, this run's is "
-                           f"{format_bytes(limit)}: its limits describe the calibration's budget "
-                           f"(`vramcal probe --capacity {size_argument(limit)}` calibrates this one)")
-        notices.append(Info(f"host budget: the training process may hold at most {format_bytes(limit)} of data "
-                            f"segment (RLIMIT_DATA: heap and private mappings, as the calibration's trials"
-                            f"{'' if capacity_bytes else '; --capacity to change it'}); this command's own process "
-                            f"and the worker fork server are outside it (together a few hundred MiB resident)"))
+    limit = host_limit(device, located and located.profile, capacity_bytes, notices)
     pool = windows.pipeline_bytes if device.kind == "host" or config.data_on_device else 0
     return Setting(config, device, model, located and located.profile, located and str(located.path),
                    {**windows.stats(), "file": data_identity(config.data)}, pool, limit, tuple(notices))
+
+
+def host_limit(device: Device, profile: Profile | None, capacity_bytes: int | None, notices: list[str]) -> int | None:
+    """The training process's host budget (``RLIMIT_DATA``): ``--capacity``, else the profile's (None on a GPU); its
+    notices added to ``notices``."""
+    if device.kind != "host":
+        return None
+    calibrated = profile.device.total_bytes if profile else device.total_bytes
+    limit = capacity_bytes or calibrated
+    if profile and limit != calibrated:
+        notices.append(f"the profile was calibrated at a budget of {format_bytes(calibrated)}, this run's is "
+                       f"{format_bytes(limit)}: its limits describe the calibration's budget "
+                       f"(`vramcal probe --capacity {size_argument(limit)}` calibrates this one)")
+    notices.append(Info(f"host budget: the training process may hold at most {format_bytes(limit)} of data "
+                        f"segment (RLIMIT_DATA: heap and private mappings, as the calibration's trials"
+                        f"{'' if capacity_bytes else '; --capacity to change it'}); this command's own process "
+                        f"and the worker fork server are outside it (together a few hundred MiB resident)"))
+    return limit
 
 
 def _chosen_variant(config: TrainConfig, device: Device, capacity_bytes: int | None, world: World | None,
@@ -326,13 +333,13 @@ def calibration_plan(config: TrainConfig, capacity_bytes: int | None = None):
     if config.profile != "auto":
         raise ConfigError("--probe writes a new profile: leave --profile at auto")
     load_windows(config)
-    device, _ = _device(config, capacity_bytes)
+    device, _ = run_device(config, capacity_bytes)
     return api.plan_calibration("regressor", config.spec.to_dict(), device=device,
                                 implementation=config.implementation, options=config.data_options(),
                                 profiles_dir=config.profiles_dir)
 
 
-def _device(config: TrainConfig, capacity_bytes: int | None) -> tuple[Device, list[str]]:
+def run_device(config: TrainConfig, capacity_bytes: int | None) -> tuple[Device, list[str]]:
     """The one device a run trains on, and notices (why the host, which of several GPUs)."""
 
     devices, notice = api.select_devices(config.gpu, capacity_bytes)

@@ -36,8 +36,8 @@ from vramcal.units import format_bytes, format_duration
 Echo = Callable[[str], None]
 TRAIN_WORKER = "vramcal.train.worker:train_in_worker"  # by name: the caller does not import torch
 # Errors raised in the worker whose message is already one line for people.
-_USER_ERRORS = {"DataError", "RunDirError", "TrainError", "NonFiniteError", "DivergedError", "WorkloadError",
-                "ValueError", "MeterError", "ConfigError", "SizingError"}
+_USER_ERRORS = {"DataError", "CorpusError", "RunDirError", "TrainError", "NonFiniteError", "DivergedError",
+                "WorkloadError", "ValueError", "MeterError", "ConfigError", "SizingError"}
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,8 @@ def time_left_line(plan: Plan, row: dict[str, Any]) -> str | None:
     the row's global batch, a DDP epoch leaving out its incomplete last batch, up to ``max_steps``).
     """
     config, batch, n_train = plan.config, int(row["batch_size"]), int(plan.data_stats["train_windows"])
-    per_epoch = max(1, n_train // batch if plan.world is not None else math.ceil(n_train / batch))
+    per_epoch = row.get("steps_per_epoch") or max(1, n_train // batch if plan.world is not None
+                                                  else math.ceil(n_train / batch))  # a language model's: its own
     total = min(config.max_steps or math.inf, config.epochs * per_epoch)
     steps = int(total - row["step"])
     step_s = row.get("step_s_median")
@@ -172,7 +173,8 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     measured = [r for r in epochs if r.get("peak_bytes") is not None]
     ranks = [max(r["rank_peak_bytes"][i] for r in measured) for i in range(len(measured[-1]["rank_peak_bytes"]))] \
         if measured and measured[-1].get("rank_peak_bytes") else None
-    return {"run_dir": str(run_dir), "batch_size": sizing["batch_size"] if sizing else record["config"]["batch_size"],
+    return {"run_dir": str(run_dir), "model": record["config"].get("model", "regressor"),
+            "batch_size": sizing["batch_size"] if sizing else record["config"]["batch_size"],
             "step_batch_size": last.get("batch_size"), "sizing": sizing, "profile": record["profile"],
             "predicted_peak_bytes": sizing and sizing["predicted_peak_bytes"],
             "upper_bytes": sizing and sizing["upper_bytes"],

@@ -30,6 +30,7 @@ from typing import Any
 from vramcal.calibration.throughput import NO_DIFFERENCE
 from vramcal.forecast import FAR, FAR_FRACTION, Dataset, Forecast, forecast_batch, noise_band, time_band, time_verdict
 from vramcal.profile import ProfileError, load_profile
+from vramcal.train import lm_timing
 from vramcal.train.plan import Plan
 from vramcal.units import format_duration, format_rate
 
@@ -40,6 +41,8 @@ def plan_forecast(plan: Plan) -> Forecast | None:
     (no throughput measured around the batch size)."""
     if plan.profile_path is None:
         return None
+    if plan.config.language_model:
+        return lm_timing.forecast(plan)
     try:
         profile = load_profile(plan.profile_path)
     except ProfileError:
@@ -103,7 +106,10 @@ def cut_steps(plan: Plan, dataset: Dataset) -> tuple[int, int | None]:
 def forecast_line(forecast: Forecast, plan: Plan | None = None) -> str:
     """``forecast: 30.1 samples/s at batch_size 161, epoch 16.1 s (training 14.1 s + validation 2.0 s), 10 epochs
     2.7 min`` (``..., 40 steps (max_steps, in epoch 2) 9.5 s`` when ``plan``'s max_steps stops it sooner; under DDP
-    ``60.2 samples/s for the world's 2 ranks (30.1 each) at batch_size 161 per rank``)."""
+    ``60.2 samples/s for the world's 2 ranks (30.1 each) at batch_size 161 per rank``; a language model's:
+    :func:`vramcal.train.lm_timing.forecast_line`)."""
+    if forecast.tokens_per_s is not None and plan is not None:
+        return lm_timing.forecast_line(forecast, plan)
     val = "validation not counted" if forecast.val_s is None else f"validation {format_duration(forecast.val_s)}"
     run = f"{forecast.epochs} epoch{'s' * (forecast.epochs != 1)}"
     if plan is not None and forecast.dataset is not None:
@@ -120,6 +126,8 @@ def epoch_steps(row: dict[str, Any]) -> int:
     """The optimizer steps of an epoch row (0 without its batch size). :func:`vramcal.forecast.time_band` counts
     these: with gradient accumulation, k micro-batches a step, the steps' noise is the micro-steps' averaged
     over k, and the band this count gives is up to √k wider than it need be (a looser check, never a stricter one)."""
+    if row.get("epoch_steps"):  # a language model's: its batches vary
+        return int(row["epoch_steps"])
     return math.ceil(row["samples"] / row["batch_size"]) if row.get("batch_size") else 0
 
 

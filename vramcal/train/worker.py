@@ -17,6 +17,7 @@ from vramcal.measure.meters import open_meter
 from vramcal.measure.trial import torch_device
 from vramcal.sizing import SizingError, scaled_lr
 from vramcal.train import checkpoint
+from vramcal.train.lm_loop import text_trainer
 from vramcal.train.loop import Share, Trainer
 from vramcal.train.plan import Plan, data_identity
 from vramcal.workload import build
@@ -48,10 +49,14 @@ def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
         meter = Reported(meter, channel)
     try:
         group, share, plan = _join(plan)
-        step, model = _build(plan, group)
-        meter.check_pinned()
-        state = _resume_state(plan, step, echo) if plan.resume else _check_planned_data(plan, step)
-        trainer = Trainer(plan, step, meter, echo=echo, state=state, on_epoch=on_epoch, model=model, share=share)
+        if plan.config.language_model:  # documents of every length (vramcal.train.lm_loop)
+            trainer, data_bytes = text_trainer(plan, meter, echo, on_epoch)
+        else:
+            step, model = _build(plan, group)
+            meter.check_pinned()
+            state = _resume_state(plan, step, echo) if plan.resume else _check_planned_data(plan, step)
+            trainer = Trainer(plan, step, meter, echo=echo, state=state, on_epoch=on_epoch, model=model, share=share)
+            data_bytes = step.pool_data_bytes(plan.device.kind)
         last = trainer.run()
     finally:
         if group is not None:
@@ -61,7 +66,7 @@ def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
     ranks = [max(r["rank_peak_bytes"][i] for r in rows) for i in range(len(share.batch_sizes))] if group else None
     return {"last": last, "step": trainer.progress.step, "epochs": len(rows),
             "peak_bytes": max((r["peak_bytes"] for r in rows), default=None),
-            "data_bytes": step.pool_data_bytes(plan.device.kind), "rank_peak_bytes": ranks,
+            "data_bytes": data_bytes, "rank_peak_bytes": ranks,
             "batch_sizes": list(share.batch_sizes)}
 
 

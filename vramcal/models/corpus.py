@@ -1,0 +1,175 @@
+"""Real text for the language-model trainer (``vramcal train --model lm``): byte-level documents read from source
+files that ship with the machine, no download.
+
+**Files.** ``--text stdlib`` (the default) is the Python standard library's own modules: the ``*.py`` files at the
+top of ``sysconfig.get_paths()["stdlib"]`` (its packages and tests left out: 168 files, 4.7 MB under CPython 3.11).
+``--text DIR`` is every ``*.py`` and ``*.txt`` file under ``DIR``, recursively. Files are taken in the order of
+their paths relative to the folder.
+
+**Documents.** A document is one definition, as CodeSearchNet (Husain et al. 2019) takes functions and methods
+from source files: the lines from a ``def``, ``async def`` or ``class`` line at any indentation (from the first of
+its decorators) up to the next such line; the lines before a file's first definition are a document too, and a
+file with no definition (a ``.txt`` file) is one document. Their lengths vary from a few bytes to tens of KB
+(function-level documents of the standard library: median 283 bytes, 90 % under 1.4 KB).
+
+**Tokens.** Byte-level: a document's tokens are its bytes (ids 0-255), so the model's ``vocab_size`` must be at
+least 256; no special token is needed, as a batch is padded on the right and the padding is left out of the loss
+(label ``-100``, transformers' ignore index) and, in a causal model, cannot reach the tokens before it.
+
+**Long documents.** A document longer than the run's context (the profile's longest calibrated seq_len, the
+longest batch it verified) is cut into consecutive windows of the context, the last one shorter: every window is
+a length the profile sizes, and the count of documents cut is said before the run (``cut``).
+
+**Split.** By file, so no file has documents on both sides: a file is in validation when the first 8 bytes of the
+SHA-256 of its relative path, as a fraction of 2^64, are below ``val_fraction``. Deterministic across machines
+and runs, and a file keeps its side when others are added or removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import sys
+import sysconfig
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STDLIB = "stdlib"  # --text's default: the standard library's own modules
+SUFFIXES = (".py", ".txt")
+BYTE_VOCAB = 256  # token ids 0-255: the model's vocab_size must hold them
+IGNORE_INDEX = -100  # the label of a padding position (transformers' cross-entropy ignores it)
+# a line that starts a definition, at any indentation (module docstring)
+DEFINITION = re.compile(rb"^[ \t]*(?:async[ \t]+def[ \t]|def[ \t]|class[ \t]|@)", re.MULTILINE)
+
+
+class CorpusError(ValueError):
+    """Text the trainer cannot use; the one-line message names the folder, the problem and the fix."""
+
+
+def text_files(source: str) -> tuple[Path, list[Path]]:
+    """The folder and its text files, in the order of their relative paths (module docstring).
+
+    Raises:
+        CorpusError: the folder is missing or holds no ``*.py`` or ``*.txt`` file.
+    """
+    if source == STDLIB:
+        root = Path(sysconfig.get_paths()["stdlib"])
+        files = sorted(root.glob("*.py"))
+    else:
+        root = Path(source)
+        if not root.is_dir():
+            raise CorpusError(f"--text {source}: no such folder: give a folder of *.py or *.txt files, or leave "
+                              f"--text out for the standard library's own source")
+        files = sorted((p for p in root.rglob("*") if p.suffix in SUFFIXES and p.is_file()),
+                       key=lambda p: p.relative_to(root).as_posix())
+    if not files:
+        raise CorpusError(f"--text {source}: no *.py or *.txt file in {root}: give a folder that holds text files, "
+                          f"or leave --text out for the standard library's own source")
+    return root, files
+
+
+def documents(text: bytes) -> list[bytes]:
+    """A file's documents, in order, non-empty (module docstring); their bytes joined are ``text``."""
+    cuts = [0]
+    for match in DEFINITION.finditer(text):
+        start = match.start()
+        if start == 0:
+            continue
+        line_start = text.rfind(b"\n", 0, start - 1) + 1  # the line before this one
+        if not text[line_start:start].strip().startswith(b"@"):  # a decorated definition starts at its decorator
+            cuts.append(start)
+    cuts.append(len(text))
+    return [text[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def windows(document: bytes, context: int) -> list[bytes]:
+    """``document`` cut into consecutive windows of ``context`` tokens (bytes), the last one shorter."""
+    return [document[i:i + context] for i in range(0, len(document), context)]
+
+
+def in_validation(relative: str, val_fraction: float) -> bool:
+    """Whether the file at ``relative`` (its path in the folder, ``/``-separated) is a validation file (module
+    docstring)."""
+    digest = hashlib.sha256(relative.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The documents of a text folder, cut to the context and split (module docstring).
+
+    Attributes:
+        source: ``--text`` as given; root: the folder read.
+        train, val: the training and validation documents (windows), bytes each (tokens = bytes).
+        files, val_files: files read, and those in validation.
+        documents, cut: documents found, and those longer than ``context`` (cut into windows).
+        longest_document: the longest document's length before cutting (tokens).
+        context: the longest window (tokens).
+        identity: SHA-256 of every file's relative path and content, in order: the corpus a run trained on.
+    """
+
+    source: str
+    root: str
+    train: tuple[bytes, ...]
+    val: tuple[bytes, ...]
+    files: int
+    val_files: int
+    documents: int
+    cut: int
+    longest_document: int
+    context: int
+    identity: str
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the documents hold in the process (their ``bytes`` objects: :func:`sys.getsizeof`): the run's data
+        term (:mod:`vramcal.sizing`)."""
+        return sum(sys.getsizeof(d) for d in self.train) + sum(sys.getsizeof(d) for d in self.val)
+
+    def stats(self) -> dict[str, Any]:
+        """The corpus's facts for the run's record and its checks (``train_windows``, ``val_windows``: the
+        documents each side after cutting; tokens; the identity)."""
+        return {"text": self.source, "root": self.root, "files": self.files, "val_files": self.val_files,
+                "documents": self.documents, "cut": self.cut, "longest_document": self.longest_document,
+                "context": self.context, "train_windows": len(self.train), "val_windows": len(self.val),
+                "train_tokens": sum(map(len, self.train)), "val_tokens": sum(map(len, self.val)),
+                "identity": self.identity, "seq_len": self.context}
+
+
+def load_corpus(source: str, context: int, val_fraction: float) -> Corpus:
+    """Read ``source``'s files into documents of at most ``context`` tokens, split by file (module docstring).
+
+    Raises:
+        CorpusError: no folder, no text file, no text in them, or a split that leaves one side empty.
+        OSError: a file cannot be read.
+    """
+    root, files = text_files(source)
+    train: list[bytes] = []
+    val: list[bytes] = []
+    found = cut = longest = val_files = 0
+    identity = hashlib.sha256()
+    for path in files:
+        relative, text = path.relative_to(root).as_posix(), path.read_bytes()
+        identity.update(relative.encode() + b"\0" + len(text).to_bytes(8, "big") + text)
+        side = in_validation(relative, val_fraction)
+        val_files += side
+        for document in documents(text):
+            found, longest = found + 1, max(longest, len(document))
+            cut += len(document) > context
+            (val if side else train).extend(windows(document, context))
+    if not found:
+        raise CorpusError(f"--text {source}: its {len(files)} files hold no text (every one is empty): give a "
+                          f"folder with text in its files")
+    if not train or not val:
+        side = "validation" if not val else "training"
+        raise CorpusError(f"--text {source}: the split by file ({len(files)} files, --val-fraction {val_fraction}) "
+                          f"leaves no {side} file: give more files, or another --val-fraction")
+    return Corpus(source, str(root), tuple(train), tuple(val), len(files), val_files, found, cut, longest, context,
+                  identity.hexdigest())
+
+
+def lengths(docs: Sequence[bytes]) -> list[int]:
+    """Each document's length in tokens."""
+    return [len(d) for d in docs]

@@ -1,0 +1,183 @@
+"""The language model's training loop (``vramcal train --model lm``), run inside the training worker: the
+regressor's :class:`~vramcal.train.loop.Trainer` (schedule, meter, checkpoints, resume, out-of-memory fallback,
+non-finite and divergence stops, metrics) with batches of documents of every length.
+
+Each epoch's batches are :class:`vramcal.sampler.LengthBatchSampler`'s from the plan's batching record
+(:mod:`vramcal.train.lm_plan`), shuffled by epoch (its ``set_epoch``), so a resumed epoch forms the same batches in
+the same order. In the first epoch the worst batch (the plan's) runs second: the first step allocates AdamW's state
+and is not measured, as a trial's warm-up; an epoch that would not fit fails in seconds.
+
+A batch is its documents' bytes, padded on the right to its longest: ``input_ids`` (B, L) int64 and ``labels``
+(B, L) int64 with the padding at :data:`vramcal.models.corpus.IGNORE_INDEX`; the loss is transformers' next-token
+cross-entropy, the mean over the tokens it counts (each document's tokens after its first). An out-of-memory step
+is retried in micro-batches of documents, each loss weighted by its share of the counted tokens (the gradient stays
+the batch's). Validation runs the validation documents in the same batching, without gradients, and reports the
+mean loss per counted token (``val_loss``, nats) beside a uniform guess over the 256 byte values (``val_zero_loss``,
+ln 256: the baseline the divergence checks hold the run to) and bits per byte. ``train_loss`` is the
+mean of the epoch's step losses weighted by their documents, as the regressor's is by its samples.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from vramcal.measure.trial import torch_device
+from vramcal.models.corpus import BYTE_VOCAB, IGNORE_INDEX, Corpus, lengths
+from vramcal.models.mamba2 import autocast
+from vramcal.train import checkpoint
+from vramcal.train.lm_plan import read_corpus, sampler
+from vramcal.train.loop import Trainer, _first_line
+from vramcal.train.plan import Plan
+from vramcal.workload import build
+
+UNIFORM_LOSS = math.log(BYTE_VOCAB)  # nats per byte of a uniform guess over the byte values
+
+
+def tensors(docs: list[bytes], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` and ``labels`` of documents padded on the right to the longest: (B, L) int64 each (module
+    docstring)."""
+    longest = max(map(len, docs))
+    ids = torch.zeros(len(docs), longest, dtype=torch.int64)
+    labels = torch.full((len(docs), longest), IGNORE_INDEX, dtype=torch.int64)
+    for row, doc in enumerate(docs):
+        values = torch.frombuffer(bytearray(doc), dtype=torch.uint8).to(torch.int64)
+        ids[row, :len(doc)] = values
+        labels[row, :len(doc)] = values
+    return ids.to(device), labels.to(device)
+
+
+def counted(labels: torch.Tensor) -> int:
+    """Tokens the next-token loss counts: the labels after each row's first that are not padding."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+class TextTrainer(Trainer):
+    """The :class:`~vramcal.train.loop.Trainer` on documents (module docstring).
+
+    Args:
+        corpus: the run's documents (:func:`vramcal.train.lm_plan.read_corpus`); the rest as the Trainer's.
+    """
+
+    def __init__(self, plan: Plan, step: Any, corpus: Corpus, **options: Any) -> None:
+        stats = plan.data_stats
+        self.corpus, self.dtype = corpus, str(plan.model.params.get("dtype", "fp32"))
+        self.sampler = sampler(stats["batching"], lengths(corpus.train), seed=plan.config.seed)
+        self.val_batches = sampler(stats["batching"], lengths(corpus.val), shuffle=False).batches()
+        self.worst = (int(stats["worst"]["batch_size"]), int(stats["worst"]["seq_len"]))
+        super().__init__(plan, step, **options)
+        if options.get("state") is None:
+            self.progress.micro_batch_size = int(stats["largest_batch"])  # no halving yet: whole batches
+        self.val_batch_size = int(stats["largest_batch"])
+
+    def _steps_per_epoch(self) -> int:
+        return len(self.sampler)
+
+    def _data_facts(self) -> dict[str, Any]:
+        return {"identity": self.corpus.identity, "files": self.corpus.files}
+
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        """The epoch's batches (module docstring: the worst one second in the first epoch)."""
+        self.sampler.set_epoch(epoch)
+        batches = self.sampler.batches()
+        if epoch == 0 and len(batches) > 2:
+            chunk = int(self.plan.data_stats["chunk_size"])
+            at = next((i for i, b in enumerate(batches) if (len(b), -(-max(len(self.corpus.train[j]) for j in b)
+                                                                     // chunk) * chunk) == self.worst), None)
+            if at is not None:
+                batches.insert(1, batches.pop(at))
+        return batches
+
+    def _loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean next-token loss of (B, L) ``ids`` against ``labels``: a scalar."""
+        with autocast(ids.device.type, self.dtype):
+            return self.model(input_ids=ids, labels=labels, use_cache=False).loss
+
+    def _train_batch(self, batch: list[int]) -> tuple[float, float, float, int]:
+        """One optimizer step on the batch's documents, with the out-of-memory fallback (module docstring): (loss,
+        grad norm, the uniform guess's loss, documents); the epoch's tokens counted."""
+        docs = [self.corpus.train[i] for i in batch]
+        ids, labels = tensors(docs, self.step_device)
+        total = counted(labels)
+
+        def part(i: int, j: int) -> tuple[torch.Tensor | None, float]:
+            share = counted(labels[i:j]) / max(total, 1)
+            return (self._loss(ids[i:j], labels[i:j]) if share else None), share  # one-token documents: nothing
+
+        loss, grad_norm = self._accumulated(len(docs), part)
+        self.progress.epoch_tokens += sum(map(len, docs))
+        self.progress.epoch_padded_tokens += ids.numel()
+        return loss, grad_norm, UNIFORM_LOSS, len(docs)
+
+    def _rate(self) -> dict[str, str]:
+        return {"tokens_s": f"{self.progress.epoch_tokens / self.progress.epoch_train_s:.0f}"}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """The validation documents' mean loss per counted token (nats), the uniform guess's, and bits per byte."""
+        self.model.eval()
+        loss_sum, tokens, docs = 0.0, 0, self.corpus.val
+        for batch in self.val_batches:
+            position = 0
+            while position < len(batch):
+                chunk = min(self.val_batch_size, len(batch) - position)
+                try:
+                    ids, labels = tensors([docs[i] for i in batch[position:position + chunk]], self.step_device)
+                    n = counted(labels)
+                    if n:
+                        loss_sum += float(self._loss(ids, labels)) * n
+                        tokens += n
+                    position += chunk
+                except Exception as error:
+                    if not self._out_of_memory(error):
+                        raise
+                    self._fall_back(chunk, chunk, _first_line(error), "validation")
+        self.model.train()
+        val_loss = loss_sum / max(tokens, 1)
+        return {"val_loss": val_loss, "val_zero_loss": UNIFORM_LOSS, "val_bits_per_byte": val_loss / math.log(2)}
+
+    @property
+    def step_device(self) -> torch.device:
+        return torch_device(self.plan.device)
+
+    def _epoch_figures(self) -> dict[str, Any]:
+        p = self.progress
+        return {"tokens": p.epoch_tokens,
+                "padded_tokens": p.epoch_padded_tokens, "epoch_steps": len(p.epoch_step_times),
+                "tokens_per_s": p.epoch_tokens / p.epoch_train_s if p.epoch_train_s > 0 else 0.0,
+                "steps_per_epoch": self.steps_per_epoch}
+
+    def _epoch_line(self, row: dict[str, Any]) -> str:
+        peak = f"  peak {row['peak_bytes'] / 2**20:.2f} MiB" if "peak_bytes" in row else ""
+        return (f"epoch {row['epoch']}{'' if row['complete'] else ' (stopped at max_steps)'}: "
+                f"train_loss {row['train_loss']:.4f}  val_loss {row['val_loss']:.4f} ({row['val_bits_per_byte']:.3f} "
+                f"bits/byte; uniform {row['val_zero_loss']:.4f})  {row['tokens_per_s']:.0f} tokens/s "
+                f"({row['tokens'] / max(row['padded_tokens'], 1):.1%} of the batches' tokens not padding){peak}")
+
+
+def text_trainer(plan: Plan, meter: Any, echo: Any, on_epoch: Any) -> tuple[TextTrainer, int]:
+    """The language model's trainer in the training worker: its text read and checked against the plan (and on
+    resume the checkpoint's), its step built by the family's factory as the trials built it; and the bytes of data
+    it holds in the measured memory.
+
+    Raises:
+        CorpusError: the text is not the run's (nothing trained on it). WorkloadError: the factory failed.
+    """
+    corpus = read_corpus(plan)
+    context = int(plan.data_stats["chunk_size"]) * -(-int(plan.data_stats["context"]) // int(
+        plan.data_stats["chunk_size"]))
+    options = {"lr": plan.lr, "weight_decay": plan.config.weight_decay, "max_grad_norm": plan.config.max_grad_norm,
+               "seed": plan.config.seed}
+    step = build(plan.model.replace(seq_len=context), torch_device(plan.device), options)
+    meter.check_pinned()
+    state = None
+    if plan.resume:
+        state, path, notice = checkpoint.load_resumable(plan.run_dir)
+        if notice:
+            echo(f"warning: {notice}")
+        done = state["progress"]
+        echo(f"continuing from {path}: {done['epoch']} epoch(s) and {done['step']} step(s) done")
+    trainer = TextTrainer(plan, step, corpus, meter=meter, echo=echo, state=state, on_epoch=on_epoch)
+    return trainer, corpus.held_bytes if plan.device.kind == "host" else 0

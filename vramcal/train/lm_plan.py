@@ -1,0 +1,232 @@
+"""Planning a language-model run (``vramcal train --model lm``): text, profile, batches, the worst batch, forecast.
+
+The run trains the ``lm`` family (:mod:`vramcal.models.lm`, a ``Mamba2Config`` file) on real documents of every
+length (:mod:`vramcal.models.corpus`: the standard library's own source by default), in the batches
+:class:`vramcal.sampler.LengthBatchSampler` forms from a profile calibrated over several lengths (``vramcal probe
+--model lm --seq-len 64:1024``): by its token budget (``--batching budget``, the default) or its bucket table
+(``--batching buckets``, at ``--buckets``). The profile's longest length is the run's context: longer documents are
+cut into windows of it.
+
+**The worst batch.** An epoch's batch shapes do not depend on its shuffle (the budget sorts by length, the buckets
+count their members), so the plan forms them once and sizes the run at the one the profile's model predicts the
+highest peak for (:func:`vramcal.sizing.size` at its documents and its longest length, padded to the chunk): the
+prediction the run's measured peak is held against, as the regressor's is held against its batch size's. The
+trainer runs that batch second in the first epoch (the first step allocates AdamW's state and is not measured, as
+a trial's warm-up): a run that would not fit fails in its first seconds, not an hour in.
+
+**The forecast** (:func:`vramcal.train.lm_timing.forecast`): the profile's trials time their steps and validation
+passes at each length; ``step_s = t0 + t_token × batch_size × seq_len`` is fitted to them by least squares, and an
+epoch is the sum over its batches (padded) plus its validation batches; the measured tokens/s and epoch time are
+printed beside it and recorded in the profile's observation, as the regressor's samples/s are
+(:mod:`vramcal.train.timing`).
+
+The learning rate is ``--lr`` as given (a batch's documents vary, so no batch-size scaling applies). Validation
+forms its batches from the validation documents by the same budget or table (it holds no gradients, so they fit).
+One process: DDP is the regressor's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from vramcal import api, batching
+from vramcal.calibration.lengths import Bucket, TokenBudget, padded_length
+from vramcal.lookup import NoProfileError
+from vramcal.measure.device import free_bytes
+from vramcal.models import lm
+from vramcal.models.corpus import BYTE_VOCAB, Corpus, CorpusError, lengths, load_corpus
+from vramcal.models.registry import family_of, model_ref
+from vramcal.profile import Profile
+from vramcal.records import Device
+from vramcal.sizing import SizeRequest, SizingError, size
+from vramcal.train import checkpoint, tracking
+from vramcal.train.config import ConfigError, TrainConfig, load_config
+from vramcal.train.plan import Plan, Setting, host_limit, run_device
+from vramcal.words import Info
+from vramcal.workload import ModelRef
+
+
+def lm_ref(config: TrainConfig, device: Device) -> ModelRef:
+    """The key of the run's language model over several lengths (a profile's over ``--seq-len A:B``: no seq_len).
+
+    Raises:
+        ValueError: a config transformers refuses, or whose vocabulary cannot hold the 256 byte values; a dtype the
+            device cannot run.
+    """
+    settings = lm.read_config(config.lm_config)
+    built = lm.mamba2_config(settings, str(config.lm_config))
+    if built.vocab_size < BYTE_VOCAB:
+        raise ConfigError(f"{config.lm_config}: vocab_size {built.vocab_size} cannot hold the {BYTE_VOCAB} byte values "
+                          f"the text is tokenized into: give a config with vocab_size >= {BYTE_VOCAB}")
+    params = {"config": config.lm_config, "seq_len": built.chunk_size, "dtype": config.spec.dtype}
+    return model_ref("lm", params, device=device, implementation=config.implementation).without("seq_len")
+
+
+def resolve(config: TrainConfig, capacity_bytes: int | None = None) -> Setting:
+    """What a language-model run is sized against: its device, model, profile (over several lengths), text (cut to
+    the profile's longest length) and host budget.
+
+    Raises:
+        CorpusError: no text (:func:`vramcal.models.corpus.load_corpus`). SizingError: no profile, or one of one
+            length. ConfigError, ValueError, DeviceError: as :func:`vramcal.train.plan.resolve`.
+    """
+    tracking.check_reporters(config.report_to)
+    device, notices = run_device(config, capacity_bytes)
+    model = lm_ref(config, device)
+    profile, path = _profile(config, device, model, capacity_bytes, notices)
+    context = max(profile.surface.seq_lens)
+    corpus = load_corpus(config.text, context, config.val_fraction)
+    if corpus.cut:
+        notices.append(Info(f"{corpus.cut} of {corpus.documents} documents are longer than the profile's longest "
+                            f"seq_len {context} (the longest has {corpus.longest_document} tokens): each is cut into "
+                            f"windows of {context} tokens"))
+    limit = host_limit(device, profile, capacity_bytes, notices)
+    pool = corpus.held_bytes if device.kind == "host" else 0  # the documents stay in host memory
+    return Setting(config, device, model, profile, path, corpus.stats(), pool, limit, tuple(notices))
+
+
+def _profile(config: TrainConfig, device: Device, model: ModelRef, capacity_bytes: int | None,
+             notices: list[str]) -> tuple[Profile, str]:
+    """The profile of the run's model over several lengths, and its file.
+
+    Raises:
+        SizingError: none (the probe that makes one named), or one calibrated at one length.
+    """
+    try:
+        located = api.locate_profile(model, device=device, profile=None if config.profile == "auto" else config.profile,
+                                     profiles_dir=config.profiles_dir,
+                                     total_bytes=capacity_bytes if device.kind == "host" else None)
+    except NoProfileError as error:
+        raise SizingError(str(error).replace("<its lengths>", "64:1024")) from None
+    notices += list(located.notices)
+    if located.profile.surface is None:
+        raise SizingError(f"{located.path}: the profile was calibrated at one seq_len; documents of every length need "
+                          f"several: `vramcal probe --model lm --model-arg config={config.lm_config} --seq-len "
+                          f"64:1024` (shortest:longest)")
+    return located.profile, str(located.path)
+
+
+def batching_record(profile: Profile, config: TrainConfig) -> dict[str, Any]:
+    """The run's batching, as its record keeps it: ``{"mode": "budget", "budget": {...}}`` or ``{"mode": "buckets",
+    "buckets": [...]}`` (the worker forms its batches from it, so a resume forms the same ones).
+
+    Raises:
+        SizingError: a bucket above the profile's longest seq_len; no budget (one document of the longest length
+            does not fit).
+    """
+    if config.batching == "budget":
+        return {"mode": "budget", "budget": batching.budget(profile)[0].to_dict()}
+    return {"mode": "buckets", "buckets": [b.to_dict() for b in batching.buckets(profile, config.buckets)[0]]}
+
+
+def sampler(record: dict[str, Any], lengths: list[int], **options: Any):
+    """The :class:`vramcal.sampler.LengthBatchSampler` of a batching record (:func:`batching`).
+
+    Raises:
+        ValueError: a length no bucket covers, or above the budget's longest (one line naming the document).
+    """
+    from vramcal.sampler import LengthBatchSampler  # loads torch: only when called
+
+    if record["mode"] == "budget":
+        return LengthBatchSampler(lengths, budget=TokenBudget.from_dict(record["budget"]), **options)
+    return LengthBatchSampler(lengths, buckets=[Bucket.from_dict(b) for b in record["buckets"]], **options)
+
+
+def shapes(batches: list[list[int]], lengths: list[int], chunk_size: int) -> list[tuple[int, int]]:
+    """Each batch's (documents, longest length padded to ``chunk_size``)."""
+    return [(len(b), padded_length(max(lengths[i] for i in b), chunk_size)) for b in batches]
+
+
+def plan_run(config: TrainConfig, run_dir: Path, setting: Setting) -> Plan:
+    """A new language-model run against ``setting`` (:func:`resolve`): its batches' shapes, sized at the worst one
+    (module docstring).
+
+    Raises:
+        SizingError: the text has a length the batching cannot hold (a length no bucket covers), or the worst batch
+            is above the profile's safe limit at its length. RunDirError: as :func:`vramcal.train.plan.plan_run`.
+    """
+    checkpoint.check_run_dir(run_dir, resume=False)
+    profile, stats = setting.profile, dict(setting.data_stats)
+    corpus = load_corpus(config.text, int(stats["context"]), config.val_fraction)
+    record = batching_record(profile, config)
+    chunk = family_of(profile.model).chunk_size(profile.model.replace(seq_len=1))
+    formed = {}
+    for side, docs in (("train", corpus.train), ("val", corpus.val)):
+        try:
+            formed[side] = shapes(sampler(record, lengths(docs), shuffle=False).batches(), lengths(docs), chunk)
+        except ValueError as error:
+            raise SizingError(f"--text {config.text}, {side}: {error}") from None
+    fit = profile.surface.fit
+    worst = max(formed["train"], key=lambda shape: fit.upper(shape[0], max(shape[1], min(profile.surface.seq_lens))))
+    free, source = free_bytes(setting.device)
+    sizing = size(profile, SizeRequest(request=worst[0], seq_len=max(worst[1], min(profile.surface.seq_lens))),
+                  pool_data_bytes=setting.pool_data_bytes, free_bytes=free, free_source=source)
+    if sizing.batch_size < worst[0]:
+        raise SizingError(f"the worst batch, {worst[0]} documents of up to {worst[1]} tokens, is above the profile's "
+                          f"safe limit at that length now ({sizing.safe_batch_size}: {'; '.join(sizing.notices)}): "
+                          f"free memory, or calibrate again")
+    stats.update(batching=record, chunk_size=chunk, worst={"batch_size": worst[0], "seq_len": worst[1]},
+                 **_totals(formed))
+    checkpoint.prepare_run_dir(run_dir, resume=False)
+    return Plan(config=config, run_dir=Path(run_dir), device=setting.device, model=setting.model, sizing=sizing,
+                profile_path=setting.profile_path, lr=config.lr, data_stats=stats,
+                host_memory_limit_bytes=setting.host_memory_limit_bytes,
+                notices=tuple(setting.notices) + tuple(sizing.notices))
+
+
+def _totals(formed: dict[str, list[tuple[int, int]]]) -> dict[str, int]:
+    """Each side's batches and tokens held, padding included (the forecast's terms)."""
+    totals = {}
+    for side, each in formed.items():
+        totals[f"{side}_batches"] = len(each)
+        totals[f"{side}_padded_tokens"] = sum(b * n for b, n in each)
+    totals["largest_batch"] = max(b for b, _ in formed["train"] + formed["val"])
+    return totals
+
+
+def plan_resume(run_dir: Path, overrides: dict[str, Any]) -> Plan:
+    """The continuation of the language-model run in ``run_dir``: its saved plan, the settings in ``overrides``
+    (:data:`vramcal.train.config.RESUME_OVERRIDES`) replaced; the worker checks the text against the checkpoint.
+
+    Raises:
+        RunDirError: nothing to resume. DeviceError: the device is not here.
+    """
+    run_dir = checkpoint.prepare_run_dir(run_dir, resume=True)
+    try:
+        plan = Plan.from_record(json.loads((run_dir / checkpoint.RUN).read_text()), run_dir)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise checkpoint.RunDirError(f"{run_dir / checkpoint.RUN} is not a readable run record ({error}): start "
+                                     f"a new run") from None
+    config = load_config(run_dir / checkpoint.CONFIG).replace(**overrides)
+    device = api.select_devices(config.gpu)[0][0]
+    notices = []
+    difference = device.hardware_difference(plan.device)
+    if difference:
+        notices.append(f"resuming on other hardware than the run started on ({difference}); the batches stay")
+    return replace(plan, config=config, lr=config.lr, device=replace(device, total_bytes=plan.device.total_bytes),
+                   notices=tuple(notices))
+
+
+def read_corpus(plan: Plan) -> Corpus:
+    """The plan's text, read again (in the training process).
+
+    Raises:
+        CorpusError: the text changed since the run was planned or started (its identity: nothing is trained on
+            it), or is gone.
+    """
+    stats = plan.data_stats
+    corpus = load_corpus(plan.config.text, int(stats["context"]), plan.config.val_fraction)
+    if corpus.identity != stats["identity"]:
+        raise _other_text(plan, corpus)
+    return corpus
+
+
+def _other_text(plan: Plan, corpus: Corpus) -> CorpusError:
+    """The one-line refusal of text that is not the run's."""
+    stats = plan.data_stats
+    return CorpusError(f"--text {plan.config.text} is not the text this run was planned on ({stats['files']} files, "
+                       f"SHA-256 {stats['identity'][:12]}...; now {corpus.files} files, {corpus.identity[:12]}...): "
+                       f"nothing was trained on it; train on the same text, or start a new run")
