@@ -22,8 +22,9 @@ def main() -> None:
     model, optimizer = accelerator.prepare(model, optimizer)
     # After prepare, before the DataLoader: sized() measures what this process holds against what the trials'
     # processes held (the process term) and sizes the batch with it (the conservative size; effective_batch_size=N
-    # sets accelerator.gradient_accumulation_steps to reach N samples per step).
-    run = sized(accelerator, path, model="lm", params=PARAMS)
+    # sets accelerator.gradient_accumulation_steps to reach N samples per step). module=: the model's blocks are
+    # recomputed in the backward pass where the profile's variant checkpoints (--checkpointing), as its trials were.
+    run = sized(accelerator, path, model="lm", params=PARAMS, module=model)
     loader = accelerator.prepare(torch.utils.data.DataLoader(Tokens(), batch_size=run.sizing.batch_size,
                                                              shuffle=True))
     # measured() watches this process's peak inside; at the end it prints it against the prediction (the main

@@ -19,6 +19,7 @@ def main() -> None:
     run = FrameworkRun(path, model="lm", params=PARAMS, device=device)  # reads and checks the profile
     model = tiny_lm().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run.checkpoint(model)  # the blocks recomputed in the backward pass as the profile's trials were (its variant)
     # Training starts (the model and the optimizer are on the device): start() measures what this process holds
     # against what the trials' processes held (the process term), sizes the batch with it (the conservative size)
     # and starts watching this process's peak.

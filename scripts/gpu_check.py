@@ -19,9 +19,13 @@ written to ``gpu_check.json`` and ``GPU_CHECK.md`` as soon as it ends, and a fai
 5. ``train``: one epoch of ``vramcal train``'s own runner at the default profile's conservative size (fewer steps
    when the trials' step times say an epoch would not fit the time given; the results say so), its measured
    peak against the profile's prediction and upper bound;
-6. ``large``: calibrate a spec that uses a real share of the card (d_model 768, 24 layers, seq_len 1024; GPU only);
+6. ``chunk_size``: the SSD chunk_size's effect (``bench.chunk_size.study``: real trials of the default step's spec
+   at each chunk_size it accepts, at two batch sizes from the default profile's conservative size, a half and an
+   eighth of it): memory per sample and samples/s per chunk_size, on the fused kernels where mamba_ssm imports
+   (where chunk_size matters most), else transformers' path; trials stop when the step's time is spent;
+7. ``large``: calibrate a spec that uses a real share of the card (d_model 768, 24 layers, seq_len 1024; GPU only);
    after the steps that need the default profile, so that a slow large spec cannot starve them;
-7. ``fused``: where mamba_ssm imports (its wheels carried: make gpu-fused-wheels), calibrate the default spec with
+8. ``fused``: where mamba_ssm imports (its wheels carried: make gpu-fused-wheels), calibrate the default spec with
    ``--impl mamba_ssm`` under its own caps (``gpu_check_policy.FUSED``: 8 trials, a steady trial of at most 10
    steps, 150 s).
 
@@ -100,7 +104,7 @@ SPECS = {
 }
 DATA = ROOT / "data" / "es_1s.parquet"
 # In this order: the steps that need the default profile run right after it, so a slow large spec cannot starve them.
-STEPS = ("device", "data", "default", "boundary", "train", "large", "fused")
+STEPS = ("device", "data", "default", "boundary", "train", "chunk_size", "large", "fused")
 # (estimate seconds: the least time a step is started with, weight: its share of the time left) per device kind;
 # a step without an entry for a kind does not run on it. Estimates, not measurements: the GPU path has not run on
 # a GPU yet; the device run's wall times (in its results) are what to set them from.
@@ -110,6 +114,7 @@ TIMES: dict[str, dict[str, tuple[float, float]]] = {
     "default": {"cuda": (80, 4), "host": (35, 4)},  # a calibration: its caps' start_s + MIN_TRIALS x trial_s
     "boundary": {"cuda": (30, 1.5), "host": (10, 1.5)},
     "train": {"cuda": (30, 1), "host": (10, 1)},
+    "chunk_size": {"cuda": (40, 1), "host": (10, 0.5)},  # a trial per chunk_size and batch size, ~5-15 s each
     "large": {"cuda": (80, 2)},
     "fused": {"cuda": (90, 2)},
 }
@@ -372,6 +377,35 @@ def train_step(ctx: Context) -> Step:
     return Step("train", TIMES["train"], body, needs=("default",))
 
 
+def chunk_size_step(ctx: Context) -> Step:
+    """The chunk_size study (module docstring, step 6; ``bench/chunk_size.py``)."""
+
+    def body(given_s: float, partial: dict[str, Any]) -> dict[str, Any]:
+        from bench.chunk_size import chunk_sizes_for, study, table
+        from bench.chunk_size import trial_runner as chunk_trials
+
+        _, profile = ctx.calibrations["default"]
+        deadline, spec = time.monotonic() + given_s, ctx.spec()
+        high = max(2, profile.limits.conservative_batch_size // 2)
+        sizes, fused = (max(1, high // 4), high), fused_unavailable(ctx) is None
+        implementation = "mamba_ssm" if fused else "transformers"
+        cap = (HOST if ctx.kind == "host" else CUDA).trial_timeout_s
+        run = chunk_trials(ctx.device, implementation, ctx.data,
+                           lambda: min(cap, max(1.0, deadline - time.monotonic() - 2.0)))
+        partial.update(implementation=implementation, batch_sizes=list(sizes))
+        rows = study(run, spec, chunk_sizes_for(spec), sizes, echo=lambda line: print(line, flush=True),
+                     stop=lambda: deadline - time.monotonic() < 5.0)
+        each = "; ".join(f"{r['chunk_size']}: " + ("-" if r["bytes_per_sample"] is None else
+                                                  f"{r['bytes_per_sample'] / 2**20:.2f} MiB/sample") +
+                         ("" if r["samples_per_s"] is None else f", {r['samples_per_s']:.1f} samples/s")
+                         for r in rows)
+        return {"implementation": implementation, "batch_sizes": list(sizes), "rows": rows,
+                "table": table(rows, spec.chunk_size),
+                "summary": f"{implementation}, batch {sizes[0]} and {sizes[1]}, per chunk_size: {each}"}
+
+    return Step("chunk_size", TIMES["chunk_size"], body, needs=("default",))
+
+
 def fused_unavailable(ctx: Context) -> str | None:
     from vramcal.models.mamba2 import mamba_ssm_available
 
@@ -385,7 +419,7 @@ def fused_unavailable(ctx: Context) -> str | None:
 def steps(ctx: Context) -> list[Step]:
     return [device_step(ctx), data_step(ctx),
             calibration_step(ctx, "default", ctx.spec, "transformers", lambda: HOST if ctx.kind == "host" else CUDA),
-            boundary_step(ctx), train_step(ctx),
+            boundary_step(ctx), train_step(ctx), chunk_size_step(ctx),
             calibration_step(ctx, "large", lambda: SPECS["large"], "transformers", lambda: CUDA),
             calibration_step(ctx, "fused", ctx.spec, "mamba_ssm", lambda: FUSED,
                              unavailable=lambda: fused_unavailable(ctx))]

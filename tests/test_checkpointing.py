@@ -142,6 +142,36 @@ def test_the_variants_are_found_together_and_tabulated(variant_folder):
     assert "checkpointing block, chunk_size 16" in table and "checkpointing off, chunk_size 16" in table
 
 
+def test_the_report_draws_the_frontier_and_carries_the_variants_in_markdown_and_json(variant_folder, tmp_path):
+    device, folder, profiles = variant_folder
+    result = CliRunner().invoke(main, ["report", str(folder / "profiles"), "--out", str(tmp_path), "--name", "both",
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    said = json.loads(result.stdout)
+    (group,) = said["variants"]
+    assert group["png"] == str(tmp_path / "both-variants.png")
+    assert Path(group["png"]).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    rows = {row["variant"]: row for row in group["rows"]}
+    assert set(rows) == {"checkpointing off, chunk_size 16", "checkpointing block, chunk_size 16"}
+    for name, profile in profiles.items():
+        row = rows[f"checkpointing {name}, chunk_size 16"]
+        assert row["safe_batch_size"] == profile.limits.safe_batch_size and row["verified"] is True
+        assert Path(row["path"]).is_file() and row["samples_per_s_conservative"] > 0
+    markdown = (tmp_path / "both.md").read_text()
+    section = markdown.split("## Variants of this model")[1]
+    assert "![Samples/s against batch size, one line per variant](both-variants.png)" in section
+    cells = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+             for line in section.splitlines() if line.startswith("| checkpointing")}
+    for name, profile in profiles.items():  # variant | verified | safe | conservative | ...
+        assert cells[f"checkpointing {name}, chunk_size 16"][:3] == [
+            "yes", str(profile.limits.safe_batch_size), str(profile.limits.conservative_batch_size)], cells
+    alone = CliRunner().invoke(main, ["report", str(rows["checkpointing off, chunk_size 16"]["path"]), "--out",
+                                      str(tmp_path / "one"), "--json"])
+    assert alone.exit_code == 0 and json.loads(alone.stdout)["variants"] == [], alone.output
+    assert not list((tmp_path / "one").glob("*variants*")) and "Variants" not in Path(
+        json.loads(alone.stdout)["markdown"]).read_text()
+
+
 def test_the_choice_takes_a_variant_that_admits_the_request_and_is_never_from_noise(variant_folder):
     device, folder, profiles = variant_folder
     found = variants.variants_of(TINY.ref("transformers"), device, folder / "profiles")

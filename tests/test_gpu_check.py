@@ -266,7 +266,7 @@ def test_a_step_made_to_fail_leaves_every_other_steps_result(tmp_path):
     assert results["order"] == list(gpu_check.STEPS) and results["finished"] is True
     status = {name: entry["status"] for name, entry in steps.items()}
     assert status == {"device": "ok", "data": "ok", "default": "ok", "boundary": "error", "train": "ok",
-                      "large": "skipped", "fused": "skipped"}, json.dumps(steps, indent=1)[:3000]
+                      "chunk_size": "ok", "large": "skipped", "fused": "skipped"}, json.dumps(steps, indent=1)[:3000]
     assert steps["boundary"]["error"] == ("InjectedError: injected by --inject-error boundary (a rehearsal of a "
                                           "failing step)")
     assert steps["data"]["result"]["synthetic"] is True and Path(steps["data"]["result"]["path"]).is_file()
@@ -277,6 +277,11 @@ def test_a_step_made_to_fail_leaves_every_other_steps_result(tmp_path):
     assert calibration["trial_wall_s"]["first_s"] > 0 and calibration["trial_wall_s"]["later"] >= 4
     assert steps["train"]["result"]["batch_size"] == calibration["conservative"]
     assert steps["train"]["result"]["measured_peak_bytes"] > 0
+    chunks = steps["chunk_size"]["result"]  # the tiny spec's seq_len 32: chunk sizes 16 and 32, on the host's path
+    assert chunks["implementation"] == "transformers" and [r["chunk_size"] for r in chunks["rows"]] == [16, 32]
+    assert chunks["batch_sizes"][1] == max(2, calibration["conservative"] // 2)
+    ran = [r for r in chunks["rows"] if r["samples_per_s"] is not None]  # the trials the step's time allowed
+    assert ran and all(r["trials"][str(chunks["batch_sizes"][1])][0]["status"] == "ok" for r in ran), chunks
     summary = (out / "GPU_CHECK.md").read_text()
     for name in gpu_check.STEPS:
         assert f"- **{name}** ({status[name]}" in summary

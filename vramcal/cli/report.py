@@ -19,10 +19,11 @@ from vramcal.cli.probe import warn_if_stale
 from vramcal.estimate import EstimateError
 from vramcal.estimated import estimate_cards, traced_options
 from vramcal.models.registry import describe
-from vramcal.report import write_report
+from vramcal.report import variants_png_names, write_report
 from vramcal.report.catalogue import CATALOGUE, GpuModel, other_gpu_limits
 from vramcal.report.lengths import lengths_lines
 from vramcal.report.markdown import device_label, limits_notes, limits_table, missing_notes
+from vramcal.report.variants import group_rows, variant_groups
 from vramcal.report.world import world_heading, world_rows, world_table
 from vramcal.sizing import answer
 from vramcal.units import format_bytes
@@ -70,7 +71,17 @@ def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, 
               "observations": len(p.observations),
               **({"png": str(own[i][0]), "markdown": str(own[i][1])} if own else {})}
              for i, (path, p) in enumerate(zip(paths, loaded))]
-    click.echo(json.dumps({"png": str(png), "markdown": str(markdown), "profiles": facts}, indent=2, sort_keys=True))
+    click.echo(json.dumps({"png": str(png), "markdown": str(markdown), "profiles": facts,
+                           "variants": _variants_json(paths, loaded, png)}, indent=2, sort_keys=True))
+
+
+def _variants_json(paths: list[Path], loaded: list, png: Path) -> list[dict]:
+    """Each group of variants of one model the report shows: its figure and its rows (``VariantRow.to_dict``)."""
+    groups = variant_groups(loaded)
+    path_of = {id(p): path for path, p in zip(paths, loaded)}
+    return [{"png": str(png.with_name(figure)), "rows": [row.to_dict() for row in
+                                                         group_rows(group, [path_of[id(p)] for p in group])]}
+            for group, figure in zip(groups, variants_png_names(png.stem, len(groups)))]
 
 
 @click.command("limits")

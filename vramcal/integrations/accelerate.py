@@ -5,7 +5,7 @@
 
     accelerator = Accelerator()
     model, optimizer = accelerator.prepare(model, optimizer)
-    run = sized(accelerator, model="mytrain:make_step", effective_batch_size=256)   # after prepare, before the loader
+    run = sized(accelerator, model="mytrain:make_step", module=model, effective_batch_size=256)   # after prepare
     loader = accelerator.prepare(DataLoader(dataset, batch_size=run.sizing.batch_size, shuffle=True))
     with measured(run, accelerator) as steps:
         for batch in loader:
@@ -41,26 +41,32 @@ from vramcal.records import World
 
 def sized(accelerator: Any, profile: Profile | str | Path | None = None, *, model: str | None = None,
           params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
-          capacity_bytes: int | str | None = None, **asked: Any) -> FrameworkRun:
+          capacity_bytes: int | str | None = None, module: Any = None, **asked: Any) -> FrameworkRun:
     """The run of this ``accelerate.Accelerator``'s process, sized with its process term (module docstring);
     call it after ``accelerator.prepare(model, optimizer)`` and before building the DataLoader.
 
     Args:
         profile, model, params, profiles_dir, capacity_bytes: as :class:`~vramcal.integrations.run.FrameworkRun`.
+        module: the model this process trains (prepared): where the profile's variant checkpoints, its blocks are
+            recomputed in the backward pass as the trials' were
+            (:meth:`~vramcal.integrations.run.FrameworkRun.checkpoint`); None: the run warns that it cannot.
         asked: what the run asks of the profile, the fields of :class:`~vramcal.sizing.SizeRequest` (``limit``,
             ``batch_size_min``, ``request``, ``effective_batch_size``: samples per optimizer step of this process
             to keep, the batch size then the micro-batch and ``accelerator.gradient_accumulation_steps`` what
             reaches it, ...).
 
     Raises:
-        TypeError: ``accelerator`` no Accelerator. SizingError, TypeError, ValueError: as
+        TypeError: ``accelerator`` no Accelerator, ``module`` no torch module. SizingError, TypeError, ValueError: as
             :class:`~vramcal.integrations.run.FrameworkRun` and :class:`~vramcal.sizing.SizeRequest` (an unknown
-            asked value refused with the known ones listed).
+            asked value refused with the known ones listed); a variant that checkpoints and a ``module`` with no
+            blocks to checkpoint.
     """
     _accelerator(accelerator)
     find = check_find("sized", profile, model, params, profiles_dir, capacity_bytes)
     ask = asked_request("sized", asked)
     run = FrameworkRun(**find, device=accelerator.device, ask=ask, world=_world(accelerator), framework="accelerate")
+    if module is not None:
+        run.checkpoint(module)
     sizing = run.start()
     if sizing.accumulation_steps > 1:
         accelerator.gradient_accumulation_steps = sizing.accumulation_steps

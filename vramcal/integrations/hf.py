@@ -15,7 +15,11 @@ effective batch is kept, as users of ``auto_find_batch_size`` ask). When trainin
 (``on_train_begin``: the model is on the device and the optimizer created) the callback measures what this
 process holds against what the trials' processes held — the process term
 (:class:`vramcal.integrations.run.FrameworkRun`) — and stops with one line when the batch no longer fits with it
-(the Trainer's dataloader is built by then, so the size cannot change: the line says which size fits). At the end
+(the Trainer's dataloader is built by then, so the size cannot change: the line says which size fits). There
+too the model's blocks are recomputed in the backward pass as the profile's trials did (its variant's activation
+checkpointing, transformers' own with ``use_reentrant=False``:
+:meth:`~vramcal.integrations.run.FrameworkRun.checkpoint`), whatever ``activation_checkpointing`` the arguments
+give; a model with no blocks to checkpoint is refused in one line. At the end
 (``on_train_end``) it prints this process's peak beside the prediction and appends the observation to the
 profile. Under DDP (``torchrun``) each rank sizes itself from its own device's profile for the world; with the
 ``fsdp`` options on GPUs, from the FSDP2 world's (:mod:`vramcal.integrations.worlds`: FSDP1 refused in one line).
@@ -98,6 +102,7 @@ class VramcalCallback(TrainerCallback):
             raise SizingError("VramcalCallback: pass the TrainingArguments through vramcal_callback.sized(args) "
                               "before building the Trainer")
         given = args.per_device_train_batch_size
+        self.run.checkpoint(kwargs["model"])  # after the Trainer's own activation_checkpointing_enable: ours holds
         sizing = self.run.start()
         if given > sizing.safe_batch_size:
             raise SizingError(f"per_device_train_batch_size {given} no longer fits with what this process holds "

@@ -16,6 +16,9 @@ margin, and holds it to this process (:class:`vramcal.integrations.run.Framework
   measures what this process holds against what the trials' processes held (the process term), carries it
   into the prediction and the limits, and sets the size again when it no longer fits; with an effective
   batch it sets ``trainer.accumulate_grad_batches`` to reach it;
+- at ``on_fit_start`` too, the module's Mamba-2 blocks are recomputed in the backward pass as the profile's
+  trials did (its variant's activation checkpointing, :meth:`~vramcal.integrations.run.FrameworkRun.checkpoint`),
+  or the fit is refused with one line when the module has none vramcal can checkpoint;
 - under automatic optimization Lightning zeroes the gradients between the forward and the backward pass,
   so each forward pass runs beside the previous step's gradients: their bytes (the profile's
   ``gradient_bytes``) join the prediction and the limits too (:mod:`vramcal.sizing`, the gradient term);
@@ -82,7 +85,8 @@ class VramcalBatchSize(Callback):
             attribute name), an unknown asked value, neither ``profile`` nor ``model``. At ``setup``: SizingError:
             no matching profile, a profile from another device, model or world, or no batch size within the
             bounds; ValueError: the module has no ``attr``; the run's device is neither a CUDA GPU nor the CPU.
-            Each one line.
+            At ``on_fit_start``: SizingError: the profile's variant checkpoints and the module has no blocks
+            vramcal can checkpoint. Each one line.
     """
 
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
@@ -116,6 +120,7 @@ class VramcalBatchSize(Callback):
                                                          backend_of(trainer.strategy.root_device.type),
                                                          "Lightning's ModelParallelStrategy"))
         if self.run is not None:
+            self.run.checkpoint(pl_module)  # the profile's variant: its blocks recomputed as the trials' were
             self._apply(trainer, pl_module, self.run.start())
 
     def _size(self, trainer: pl.Trainer, pl_module: pl.LightningModule, world: World | None) -> None:

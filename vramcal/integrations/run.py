@@ -36,6 +36,7 @@ from vramcal.integrations.worlds import locate_world
 from vramcal.measure.device import DeviceError, free_bytes
 from vramcal.measure.meters import attach_meter
 from vramcal.measure.nvml import NvmlError
+from vramcal.models.mamba2 import CHECKPOINTING_OFF, checkpoint_every, checkpoint_model
 from vramcal.profile import DEFAULT_PROFILES_DIR, Observation, Profile, ProfileError, append_observation, utc_now
 from vramcal.records import World
 from vramcal.sizing import SizeRequest, Sizing, SizingError, check_counts, compare, size
@@ -124,6 +125,7 @@ class FrameworkRun:
         self.peak_bytes: int | None = None
         self._meter: Any = None
         self._free: dict[str, Any] = {}  # the gate's reading at start()
+        self.checkpointed: tuple[int, int] | None = None  # checkpoint(): (blocks recomputed, blocks found)
 
     def start(self) -> Sizing:
         """Training starts (the model and the optimizer are on the device, the data loaded): on the host give
@@ -133,6 +135,9 @@ class FrameworkRun:
         clamping the batch size when it no longer fits, and start measuring the peak. Returns the new sizing
         (its information given to ``inform``, its warnings to ``warn``)."""
 
+        if self.checkpointed is None and checkpoint_every(self.variant):
+            self.warn(f"vramcal: {self.source} was calibrated with checkpointing {self.variant}: call "
+                      f"checkpoint(model) before start(), or the run holds more than its prediction")
         done = set_host_malloc() if self.device.kind == "host" and self.host_malloc else None
         if done:
             self.inform(f"vramcal: this process's glibc malloc now runs as the trials' did ({done}: mallopt), for "
@@ -153,6 +158,42 @@ class FrameworkRun:
                       f"what the device has free now it no longer fits the profile's limits")
         self._meter.reset()
         return self.sizing
+
+    @property
+    def variant(self) -> str:
+        """The profile's activation checkpointing (``off``, ``block``, ``every:K``: :mod:`vramcal.variants`)."""
+        return str(self.profile.model.params.get("checkpointing", CHECKPOINTING_OFF))
+
+    def checkpoint(self, module: torch.nn.Module) -> str | None:
+        """The model this process trains checkpointed as the profile's trials were (its :attr:`variant`:
+        :func:`vramcal.models.mamba2.checkpoint_model`), so the run holds what the profile predicts; call it before
+        :meth:`start`. Returns the line said (through ``inform``; a warning for a model that recomputes blocks the
+        profile's trials did not), None where neither checkpoints.
+
+        Raises:
+            TypeError: ``module`` no ``torch.nn.Module``. SizingError: the profile's variant checkpoints and the
+                model has no blocks vramcal can checkpoint.
+        """
+        import torch  # deferred: the integrations' module loads without torch
+
+        of_type("module", module, torch.nn.Module, "the torch.nn.Module this process trains")
+        recomputed, blocks = self.checkpointed = checkpoint_model(module, checkpoint_every(self.variant))
+        if self.variant != CHECKPOINTING_OFF and not blocks:
+            raise SizingError(f"{self.source} was calibrated with checkpointing {self.variant}, and the model "
+                              f"({type(module).__name__}) has no Mamba-2 blocks vramcal can checkpoint (transformers' "
+                              f"or vramcal's): use a profile calibrated with checkpointing off")
+        if self.variant != CHECKPOINTING_OFF:
+            line = (f"vramcal: checkpointing {self.variant}: {recomputed} of {blocks} blocks recomputed in the "
+                    f"backward pass, as the trials of {self.source}")
+            self.inform(line)
+            return line
+        if recomputed:
+            line = (f"vramcal: the model recomputes {recomputed} of {blocks} blocks in the backward pass and "
+                    f"{self.source} was calibrated without checkpointing: the run holds less and runs slower than "
+                    f"its figures; use a profile calibrated with --checkpointing, or turn the model's off")
+            self.warn(line)
+            return line
+        return None
 
     def resize(self, batch_size: int) -> Sizing:
         """The sizing at ``batch_size`` (clamped to the bounds), the process term and the gate kept: the batch a

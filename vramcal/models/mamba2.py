@@ -103,6 +103,42 @@ def checkpoint_blocks(model: torch.nn.Module, every: int) -> None:
         block.gradient_checkpointing = index % every == 0
 
 
+def checkpoint_model(module: torch.nn.Module, every: int) -> tuple[int, int]:
+    """A user's model (a LightningModule, a Trainer's model, a prepared one) checkpointed as the trials of a
+    variant were (:func:`checkpoint_every`'s ``every``; 0 changes nothing): each transformers model inside it
+    (outermost, with blocks: ``GradientCheckpointingLayer``) by :func:`checkpoint_blocks`, vramcal's mamba_ssm
+    backbone (:class:`vramcal.models.regressor.net.MambaSsmBackbone`, found by its ``checkpoint_stride``) by its
+    stride.
+
+    Returns:
+        (recomputed, blocks): the blocks recomputed in the backward pass now, of the blocks found (0 found: the
+        model has none vramcal can checkpoint).
+    """
+    transformers_model, layer = (), ()
+    if "transformers.modeling_utils" in sys.modules:  # a transformers model has loaded it: never loaded here
+        from transformers import PreTrainedModel
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        transformers_model, layer = PreTrainedModel, GradientCheckpointingLayer
+    inside: set[int] = set()
+    recomputed = blocks = 0
+    for part in module.modules():
+        if id(part) in inside:
+            continue
+        if isinstance(part, transformers_model) and (layers := [m for m in part.modules() if isinstance(m, layer)]):
+            checkpoint_blocks(part, every)
+            inside.update(id(m) for m in part.modules())
+            blocks += len(layers)
+            recomputed += sum(bool(layer.gradient_checkpointing) for layer in layers)
+        elif hasattr(part, "checkpoint_stride") and hasattr(part, "mixers"):
+            if every:
+                part.checkpoint_stride = every
+            stride, count = part.checkpoint_stride, len(part.mixers)
+            blocks += count
+            recomputed += len(range(0, count, stride)) if stride else 0
+    return recomputed, blocks
+
+
 def autocast(device_type: str, dtype_policy: str):
     """The dtype policy's autocast for a forward pass on a device of ``device_type``: bf16 autocast
     (``torch.autocast(device_type, dtype=torch.bfloat16)``) on CUDA for ``bf16-autocast``, else disabled (fp32), as

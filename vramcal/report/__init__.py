@@ -22,6 +22,7 @@ from vramcal.report.cost import render_cost_markdown
 from vramcal.report.cost_figure import render_cost_png
 from vramcal.report.figure import render_png
 from vramcal.report.markdown import render_markdown, report_name
+from vramcal.report.variants import group_rows, render_frontier_png, variant_groups, variants_section
 
 if TYPE_CHECKING:
     from vramcal.forecast import Forecast
@@ -31,7 +32,9 @@ if TYPE_CHECKING:
 def write_report(profiles: Sequence[Profile], out_dir: Path, name: str | None = None,
                  extra_gpus: Sequence[GpuModel] = (), forecast: ForecastSettings = ForecastSettings()
                  ) -> tuple[Path, Path]:
-    """Write ``<out_dir>/<name>.png`` and ``<out_dir>/<name>.md`` atomically; returns (png, md).
+    """Write ``<out_dir>/<name>.png`` and ``<out_dir>/<name>.md`` atomically; returns (png, md). Where the
+    profiles hold variants of one model (:func:`vramcal.report.variants.variant_groups`), each group's frontier
+    figure too, ``<out_dir>/<name>-variants.png`` (:func:`variants_png_names`), and its section in the Markdown.
 
     Args:
         profiles: one profile, or several to draw as comparable series on one figure.
@@ -48,8 +51,20 @@ def write_report(profiles: Sequence[Profile], out_dir: Path, name: str | None = 
         raise ValueError("a report needs at least one profile")
     png_path, md_path = _paths(out_dir, name or report_name(profiles))
     atomic_write_bytes(png_path, render_png(profiles))
-    atomic_write_text(md_path, render_markdown(profiles, png_path.name, extra_gpus, forecast))
+    sections: list[str] = []
+    groups = variant_groups(profiles)
+    for group, figure_name in zip(groups, variants_png_names(png_path.stem, len(groups))):
+        rows = group_rows(group)
+        atomic_write_bytes(png_path.with_name(figure_name), render_frontier_png(rows))
+        sections += variants_section(rows, figure_name)
+    markdown = render_markdown(profiles, png_path.name, extra_gpus, forecast)
+    atomic_write_text(md_path, markdown + ("\n" + "\n".join(sections).rstrip() + "\n" if sections else ""))
     return png_path, md_path
+
+
+def variants_png_names(name: str, groups: int) -> list[str]:
+    """The file names of a report's variant figures: ``<name>-variants.png``, then ``-variants-2.png``, ...."""
+    return [f"{name}-variants{'' if index == 0 else f'-{index + 1}'}.png" for index in range(groups)]
 
 
 def write_cost_report(forecasts: Sequence[Forecast], out_dir: Path, name: str, title: str) -> tuple[Path, Path]:
