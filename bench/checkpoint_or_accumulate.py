@@ -5,7 +5,8 @@
 1. calibrates a benchmark spec (``--spec``, :data:`bench.specs.SPECS`: ``small`` by default, whose steps are
    about eight times cheaper than the default spec's, so 200 steps fit a session on a shared 2-core host) without
    checkpointing (``off``) and with every block checkpointed (``block``), each verified
-   (:func:`bench.checkpointing.calibrate`), on one bars file (``--data``, or synthetic bars written to ``--out``) at ``--stride`` as the training runs read it;
+   (:func:`bench.checkpointing.calibrate`), on one bars file (``--data``, or synthetic bars written to ``--out``) at
+   ``--stride`` as the training runs read it;
 2. takes an effective batch that does not fit as one micro-batch without checkpointing (``--effective-batch-size``;
    default twice ``off``'s conservative size, above its safe size) and asks vramcal's choice
    (:func:`vramcal.variants.choose`, as ``vramcal train --variant auto`` does): ``off`` accumulates micro-batches of
