@@ -184,15 +184,22 @@ def test_the_choice_takes_a_variant_that_admits_the_request_and_is_never_from_no
     assert above.passed_over == (f"checkpointing off, chunk_size 16: batch_size {off_safe + 1} is above its safe "
                                  f"batch size {off_safe}",)
 
-    effective = variants.choose(found, SizeRequest(effective_batch_size=3 * off_safe), named)
+    block_conservative = profiles["block"].limits.conservative_batch_size  # above off's safe size (slope < 0.8x)
+    effective = variants.choose(found, SizeRequest(effective_batch_size=block_conservative), named)
     sized = {c.profile.model.params.get("checkpointing", "off"): c.sizing for c in effective.candidates}
-    assert sized["off"].accumulation_steps >= 3 > sized["block"].accumulation_steps  # accumulation against memory
+    assert sized["off"].accumulation_steps >= 2 > sized["block"].accumulation_steps  # accumulation against memory
     for choice in (effective, variants.choose(found, SizeRequest(), named)):
         own = next(c for c in choice.candidates if c.profile.model == named)
         if choice.chosen is not own:  # another variant only when measurably faster
             assert choice.chosen.rate.low_samples_per_s > own.rate.high_samples_per_s, choice.reason
         else:
             assert choice.reason.startswith("the variant named")
+
+    # a batch both train alike: checkpointing only adds the recomputation, whatever the calibration's rates say
+    alike = variants.choose(found, SizeRequest(request=off_safe), BLOCK.ref("transformers"))
+    assert alike.chosen.profile.model == named and [c.profile.model for c in alike.candidates] == [named]
+    assert alike.passed_over == (f"checkpointing block, chunk_size 16: trains batch_size {off_safe} as "
+                                 f"checkpointing off, chunk_size 16 does, recomputing its blocks",)
 
     unverified = [(path, dataclasses.replace(profile, verification={})) for path, profile in found]
     with pytest.raises(SizingError, match="no calibrated variant can train this run: .*not verified"):

@@ -15,7 +15,11 @@ own; sizing never mixes them (each has its own key, :meth:`vramcal.models.regres
 * :func:`choose` picks, for what a run asks (:class:`vramcal.sizing.SizeRequest`: a batch, an effective batch
   reached by accumulation, or the throughput knee), the variant, batch and accumulation with the highest measured
   samples/s at the batch each would train at, among the verified variants whose limits admit the request (a batch
-  asked for within their safe size; an effective batch any variant reaches, by accumulation where it must). The
+  asked for within their safe size; an effective batch any variant reaches, by accumulation where it must). A
+  checkpointed variant that would train the same micro-batch and accumulation as the same chunk_size without
+  checkpointing is passed over whatever its measured rate: it does the same step plus the recomputation, so a
+  higher rate there is noise (bench.checkpoint_or_accumulate: at effective batch 76 both trained 38 x 2, the
+  calibration's rates chose ``block``, and ``off`` trained 51 % faster). The
   variant the run named (the spec as given) is kept where the intervals do not tell it from the fastest
   (:func:`vramcal.calibration.throughput.overlap`): a choice from noise is no advice.
 
@@ -178,6 +182,8 @@ def choose(found: Sequence[tuple[Path, Profile]], ask: SizeRequest, named: Model
             continue
         rate = rate_for_run(measured_rates(length_trials(profile, ask.seq_len)), sizing.batch_size)
         candidates.append(Candidate(path, profile, sizing, rate))
+    candidates, recomputing = _without_recomputing_alike(candidates)
+    passed_over += recomputing
     if not candidates:
         raise SizingError("no calibrated variant can train this run: " + ("; ".join(passed_over) or
                                                                           "none was found"))
@@ -195,8 +201,31 @@ def choose(found: Sequence[tuple[Path, Profile]], ask: SizeRequest, named: Model
                   f"{_said(fastest)}: {gain:.0%} more samples/s than the variant named, {_said(own)}")
 
 
+def _without_recomputing_alike(candidates: list[Candidate]) -> tuple[list[Candidate], list[str]]:
+    """The candidates less the checkpointed ones that train the batch an uncheckpointed one of the same chunk_size
+    trains (module docstring), and a line for each of those."""
+    def plain(c: Candidate) -> bool:
+        return c.profile.model.params.get("checkpointing", "off") == "off"
+
+    def shape(c: Candidate) -> tuple:
+        return c.profile.model.params.get("chunk_size"), c.sizing.batch_size, c.sizing.accumulation_steps
+
+    trained_plainly = {shape(c): c for c in candidates if plain(c)}
+    kept, lines = [], []
+    for c in candidates:
+        alike = None if plain(c) else trained_plainly.get(shape(c))
+        if alike is None:
+            kept.append(c)
+        else:
+            lines.append(f"{variant_label(c.profile.model)}: trains {_batch(c.sizing)} as "
+                         f"{variant_label(alike.profile.model)} does, recomputing its blocks")
+    return kept, lines
+
+
+def _batch(s: Sizing) -> str:
+    return f"batch_size {s.batch_size}" + (f" x {s.accumulation_steps} accumulated" if s.accumulation_steps > 1 else "")
+
+
 def _said(candidate: Candidate) -> str:
-    s = candidate.sizing
-    accumulated = f" x {s.accumulation_steps} accumulated" if s.accumulation_steps > 1 else ""
     rate = f" at {rate_text(candidate.rate)} samples/s" if candidate.rate else " (no measured rate there)"
-    return f"{variant_label(candidate.profile.model)}, batch_size {s.batch_size}{accumulated}{rate}"
+    return f"{variant_label(candidate.profile.model)}, {_batch(candidate.sizing)}{rate}"
