@@ -319,6 +319,7 @@ BAD: dict[str, list[tuple[object, type]]] = {
                                                                "steady_steps", "plateau_steps", "max_trials")},
     "timeout_s": [(0, ValueError), ("x", TypeError)],
     "accelerator": [(None, TypeError)], "args": [("x", TypeError)], "run": [(None, TypeError)],
+    "module": [(3, TypeError)],
     "steps": [(-1, ValueError), ("x", TypeError)],
 }
 # what each walk gives beyond BAD, where the parameter takes more there (a torch device, a profile's path)

@@ -212,8 +212,8 @@ class FrameworkRun:
         observation appended to the profile file (a failure to write it is a warning).
 
         Raises:
-            RuntimeError: :meth:`start` was not called. TypeError, SizingError: ``steps`` no whole number >= 0,
-                ``run_dir`` no str.
+            RuntimeError: :meth:`start` was not called. TypeError: ``steps`` no whole number, ``run_dir`` no str.
+                ValueError: ``steps`` below 0.
         """
         _steps(steps)
         of_type("run_dir", run_dir, str, "the run's folder as a str")
