@@ -24,13 +24,20 @@ import platform
 # bench/results/creep-256k/STUDY.md.
 HOST_MALLOC = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=262144:glibc.malloc.trim_threshold=262144:"
                "glibc.malloc.arena_max=1")
+# oneDNN's primitive cache off in workers: it keeps a compiled primitive per op and shape (1,024 by default), so a run
+# whose batch shapes change (lengths that vary: the lm on text in the token budget's batches) grew its data segment
+# ~0.85 MiB a step past every trial's peak and ran out of memory at step 172 of 300; with the cache off the same
+# batches held flat (bench/results/lm-train/README.md). One shape needs a handful of entries, so the trials hold the
+# same with it on or off (the tiny lm on one shape: 636 MiB either way, 120 steps 4.8 % slower; on changing shapes
+# 659 against 839 MiB by step 120).
+ONEDNN_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 # What a worker's fork server starts with unless the caller set it (read once, when a process starts).
 WORKER_DEFAULTS = {"ARROW_DEFAULT_MEMORY_POOL": "system", "GLIBC_TUNABLES": HOST_MALLOC,
-                   "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+                   "PYTORCH_NVML_BASED_CUDA_CHECK": "1", ONEDNN_CACHE: "0"}
 # The CUDA caching allocator's and the driver's settings (PyTorch's "CUDA semantics" notes), and the host's.
 ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_MODULE_LOADING")
 HOST_MALLOC_ENV = ("GLIBC_TUNABLES", "ARROW_DEFAULT_MEMORY_POOL", "MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_",
-                   "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "LD_PRELOAD", "OMP_NUM_THREADS")
+                   "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "LD_PRELOAD", "OMP_NUM_THREADS", ONEDNN_CACHE)
 # Packages recorded in a profile; those whose version can move the memory of the same step.
 RECORDED_PACKAGES = ("torch", "transformers", "mamba-ssm", "causal-conv1d", "triton", "nvidia-ml-py", "nvitop")
 MEMORY_PACKAGES = ("torch", "transformers", "mamba-ssm", "causal-conv1d", "triton")

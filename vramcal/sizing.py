@@ -455,11 +455,17 @@ def limits_for_data(model: LengthModel, profile: Profile, delta: int,
                                 f"{limits.safe_batch_size} -> {safe}, conservative {limits.conservative_batch_size} "
                                 f"-> {conservative}"))
     if model.basis:
-        notices.append(f"the profile's limits at this seq_len are {model.basis}")
+        notices.append(basis_notice(model.basis))
     elif not model.verified:
         notices.append("the profile's limits were not verified by real trials: they are extrapolations; "
                        "re-run `vramcal probe` to verify them")
     return safe, conservative, notices
+
+
+def basis_notice(basis: str) -> str:
+    """The notice of limits read at a length the profile did not verify as such (``basis``: the surface's,
+    :func:`vramcal.calibration.surface.answer_at`)."""
+    return f"the profile's limits at this seq_len are {basis}"
 
 
 def _moved_down(model: LengthModel, delta: int) -> int:

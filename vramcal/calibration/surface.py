@@ -45,6 +45,8 @@ from vramcal.calibration.search import (
 from vramcal.records import Trial
 from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, read_list, read_record
 
+INTERPOLATED = "interpolated (not verified at this length)"  # the basis of limits between calibrated lengths
+
 
 @dataclass(frozen=True)
 class LengthLimits:
@@ -276,7 +278,7 @@ def answer_at(surface: Surface, seq_len: int, usable_bytes: int, conservative_fr
         return entry.safe_batch_size, entry.conservative_batch_size, "verified" if entry.verified else "not verified"
     shorter = max((e for e in surface.lengths if e.seq_len < seq_len), key=lambda e: e.seq_len)
     safe = min(safe_batch_size_2d(surface.fit, usable_bytes, seq_len), shorter.safe_batch_size)
-    return safe, math.floor(conservative_fraction * safe), "interpolated (not verified at this length)"
+    return safe, math.floor(conservative_fraction * safe), INTERPOLATED
 
 
 def longest_at(surface: Surface, batch_size: int, usable_bytes: int) -> int:

@@ -34,6 +34,7 @@ from typing import Any
 
 from vramcal import api, batching
 from vramcal.calibration.lengths import Bucket, TokenBudget, padded_length
+from vramcal.calibration.surface import INTERPOLATED
 from vramcal.lookup import NoProfileError
 from vramcal.measure.device import free_bytes
 from vramcal.models import lm
@@ -41,7 +42,7 @@ from vramcal.models.corpus import BYTE_VOCAB, Corpus, CorpusError, lengths, load
 from vramcal.models.registry import family_of, model_ref
 from vramcal.profile import Profile
 from vramcal.records import Device
-from vramcal.sizing import SizeRequest, SizingError, size
+from vramcal.sizing import SizeRequest, Sizing, SizingError, basis_notice, size
 from vramcal.train import checkpoint, tracking
 from vramcal.train.config import ConfigError, TrainConfig, load_config
 from vramcal.train.plan import Plan, Setting, host_limit, run_device
@@ -168,13 +169,26 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting) -> Plan:
         raise SizingError(f"the worst batch, {worst[0]} documents of up to {worst[1]} tokens, is above the profile's "
                           f"safe limit at that length now ({sizing.safe_batch_size}: {'; '.join(sizing.notices)}): "
                           f"free memory, or calibrate again")
+    notices = (*setting.notices, *_batching_notices(profile, config, sizing))
     stats.update(batching=record, chunk_size=chunk, worst={"batch_size": worst[0], "seq_len": worst[1]},
                  **_totals(formed))
     checkpoint.prepare_run_dir(run_dir, resume=False)
     return Plan(config=config, run_dir=Path(run_dir), device=setting.device, model=setting.model, sizing=sizing,
                 profile_path=setting.profile_path, lr=config.lr, data_stats=stats,
                 host_memory_limit_bytes=setting.host_memory_limit_bytes,
-                notices=tuple(setting.notices) + tuple(sizing.notices))
+                notices=notices)
+
+
+def _batching_notices(profile: Profile, config: TrainConfig, sizing: Sizing) -> tuple[str, ...]:
+    """The sizing's notices, where the batching's worst case was verified by a real trial with that trial said
+    instead of the limits interpolated at the worst batch's length (every batch lies within the batching)."""
+    worst = (batching.budget(profile)[1][1] if config.batching == "budget"
+             else batching.buckets(profile, config.buckets)[1])
+    if worst.check is None:
+        return sizing.notices
+    said = Info(f"every batch lies within {worst.what}, verified by a real trial at batch_size {worst.batch_size} x "
+                f"seq_len {worst.seq_len}")
+    return (*(n for n in sizing.notices if n != basis_notice(INTERPOLATED)), said)
 
 
 def _totals(formed: dict[str, list[tuple[int, int]]]) -> dict[str, int]:
