@@ -97,6 +97,9 @@ def test_a_short_run_trains_on_real_text_and_records_itself(setup):
                    "--checkpoint-steps", "2")
     assert result.exit_code == 0, result.output
     assert "batches by the token budget" in result.output and "worst" in result.output
+    # the budget's worst case had its trial: said, and no warning of limits interpolated at the worst batch's length
+    assert "every batch lies within the conservative token budget" in result.output
+    assert "interpolated" not in result.output
     assert "documents are longer than the profile's longest seq_len 128" in result.output
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     epoch = next(r for r in rows if r["kind"] == "epoch")
