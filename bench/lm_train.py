@@ -11,8 +11,10 @@ Prints figures and writes them; asserts nothing. In one invocation, on one machi
    the outside VmData peak are held against the plan's prediction for the worst batch;
 3. the fixed batch: the profile's conservative batch at its longest seq_len, each batch that many training
    documents in the run's shuffled order padded to the longest length, for ``--fixed-steps`` steps of the same
-   training step (the family's factory, the trainer's loss) in a fresh process; its tokens/s (tokens that are not
-   padding) beside the sampler run's, and the ratio.
+   training step (the family's factory, the trainer's loss) in a fresh process with the workers' malloc and oneDNN
+   settings (:data:`vramcal.environment.WORKER_DEFAULTS`: the 256 KiB mmap threshold makes a step of the tiny lm
+   2-3 times slower than glibc's defaults, so a child without them was not comparable); its tokens/s (tokens that
+   are not padding) beside the sampler run's, and the ratio.
 
 Every process runs torch on ``--threads`` threads (``OMP_NUM_THREADS``, default 1): on the shared 2-core host two
 threads under other work took 3-12 s for a step that one thread takes in 1 s (8 documents of 256 tokens), and
@@ -136,6 +138,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(fixed_child(args.child, args.fixed_steps)))
         return
+    from vramcal.environment import WORKER_DEFAULTS
     from vramcal.profile import load_profile
     from vramcal.units import format_bytes, format_rate
 
@@ -169,7 +172,7 @@ def main() -> None:
     plan_copy.write_text(json.dumps({**record, "bench": {"seq_len": longest, "batch_size": fixed_batch}}))
     child = subprocess.run([sys.executable, "-m", "bench.lm_train", "--child", str(plan_copy), "--fixed-steps",
                             str(args.fixed_steps)], capture_output=True, text=True, cwd=REPO,
-                           env=ENV)
+                           env={**WORKER_DEFAULTS, **ENV})  # the malloc settings the trainer's worker runs with
     if child.returncode != 0:
         sys.exit(f"the fixed batch failed: {child.stderr.strip().splitlines()[-1:]}")
     fixed = json.loads(child.stdout.strip().splitlines()[-1])

@@ -98,10 +98,6 @@ class EvalLimits:
         return (self.limits is not None and self.limits.safe_batch_size > 0 and self.safe_peak_bytes is not None
                 and self.conservative_peak_bytes is not None)
 
-    def predicted_peak_bytes(self, batch_size: int) -> int | None:
-        """The fit's point prediction of an evaluation pass's peak at ``batch_size`` (None without a fit)."""
-        return None if self.fit is None else int(self.fit.predict(batch_size))
-
     def to_dict(self) -> dict:
         return {"train_batch_size": self.train_batch_size, "seq_len": self.seq_len,
                 "fit": self.fit and self.fit.to_dict(), "limits": self.limits and self.limits.to_dict(),
