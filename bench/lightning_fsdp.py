@@ -4,8 +4,8 @@
 bench.fsdp`` writes one; without ``--profile`` this command calibrates ``--spec`` itself, ``vramcal.api`` with
 ``World(2, strategy="fsdp")``) runs a fresh process, as a user's script runs, that fits a ``LightningModule`` with
 ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)`` on 2 CPU ranks (Lightning starts the second
-rank itself), started with the trials' allocator settings (``GLIBC_TUNABLES`` as vramcal's information line advises a
-host run, and Arrow's system memory pool: :data:`vramcal.environment.WORKER_DEFAULTS`). Its ``configure_model``
+rank itself), started with the trials' glibc malloc settings (``GLIBC_TUNABLES`` as vramcal's information line advises
+a host run; the callback gives the process Arrow's system memory pool when it is made). Its ``configure_model``
 builds the spec's training step (vramcal's regressor factory) and shards it as the probe does
 (:func:`vramcal.measure.distributed.shard`: ``fully_shard`` on each Mamba-2 block and the root);
 its ``training_step`` is the factory's loss on a batch of the size the dataloader hands it. The
@@ -112,10 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         made = calibrate(ref, parse_bytes(args.capacity), World(2, strategy="fsdp"), args.out.parent / "profiles")
         profile = str(made.path)
     started = time.perf_counter()
-    # the trials' allocator settings from the first allocation (vramcal.environment.WORKER_DEFAULTS): glibc's malloc
-    # (FrameworkRun.start advises it) and Arrow's system pool: with Arrow's default pool (mimalloc) the regressor's
-    # data reserves a 1 GiB mapping that VmData counts (a process term of +1.13 GiB a rank, measured, and refused)
-    env = {**os.environ, **WORKER_DEFAULTS}
+    # glibc's malloc as the trials' from the first allocation, as FrameworkRun.start advises a host run; Arrow's pool
+    # is the callback's to set (vramcal.integrations.run.use_system_arrow_pool: with Arrow's default pool, mimalloc,
+    # the regressor's data read in a rank's thread reserves a 1 GiB mapping that VmData counts: a process term of
+    # +1.13 GiB a rank, measured before the callback set it, and refused)
+    env = {**os.environ, "GLIBC_TUNABLES": WORKER_DEFAULTS["GLIBC_TUNABLES"]}
     done = subprocess.run([sys.executable, "-m", "bench.lightning_fsdp", "--child", "--profile", profile, "--spec",
                            args.spec, "--steps", str(args.steps), "--out", str(args.out)], cwd=REPO,
                           capture_output=True, text=True, env=env)

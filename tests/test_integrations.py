@@ -192,6 +192,37 @@ def test_a_framework_process_gets_the_trials_malloc_on_the_host():
     assert run("set", GLIBC_TUNABLES=HOST_MALLOC)[0] == "None"  # started with them: nothing to set or say
 
 
+def test_the_callbacks_give_the_process_arrows_system_pool_and_leave_a_callers_choice(tmp_path):
+    """Arrow's default pool (mimalloc) reserves a 1 GiB mapping, counted by the host's meter, when a thread other
+    than the main one first reads data (a Lightning FSDP rank builds its model so: +1.14 GiB a rank, and no batch
+    fit). The callback, made before the fit, gives the process the system pool the trials' workers have; a pool the
+    process was started with stays. A fresh process each, with the thread's read measured."""
+    script = ("import sys, threading\n"
+              "import pyarrow\n"
+              "from vramcal.integrations.lightning import VramcalBatchSize\n"
+              "from vramcal.measure.meters import read_status_bytes\n"
+              "VramcalBatchSize(sys.argv[1])\n"
+              "before = read_status_bytes('VmData')\n"
+              "read = threading.Thread(target=lambda: pyarrow.array(range(2**16)))\n"
+              "read.start()\n"
+              "read.join()\n"
+              "print(pyarrow.default_memory_pool().backend_name, read_status_bytes('VmData') - before)\n")
+    path = tmp_path / "host.json"
+    save_profile(profile_here(), path)
+    base = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}  # a worker pool here set it
+
+    def run(**env: str) -> tuple[str, int]:
+        done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True,
+                              timeout=120, check=True, env={**base, **env})
+        backend, grown = done.stdout.split()[-2:]
+        return backend, int(grown)
+
+    backend, grown = run()
+    assert backend == "system" and grown < 64 * MIB, (backend, grown)
+    backend, grown = run(ARROW_DEFAULT_MEMORY_POOL="mimalloc")  # the caller's choice, and what it costs
+    assert backend == "mimalloc" and grown > 512 * MIB, (backend, grown)
+
+
 def test_the_profile_lookups_notices_go_to_the_runs_warn_not_to_every_rank(tmp_path):
     """The lookup's notices (here: the profile was made under other software) went through a module-level warning
     while the run's own went to ``warn``, so under Lightning every rank printed them; now both go to ``warn``."""

@@ -75,9 +75,42 @@ def set_host_malloc() -> str | None:
     return ", ".join(f"{name.rsplit('.', 1)[1]} {settings[name]}" for name in _MALLOPT)
 
 
+ARROW_POOL = "ARROW_DEFAULT_MEMORY_POOL"
+
+
+def set_arrow_pool() -> str | None:
+    """Give this process Arrow's system memory pool, as the workers have it (:data:`WORKER_DEFAULTS`), unless
+    ``ARROW_DEFAULT_MEMORY_POOL`` chose one: an imported pyarrow's default pool is set now
+    (``pyarrow.set_memory_pool``), and the variable is set for a pyarrow imported later and for child processes.
+    Arrow's default pool (mimalloc) reserves a 1 GiB mapping when a thread other than the main one first reads data,
+    which the host's meter counts (VmData): building the regressor's step in a thread grew VmData by 1,237 MiB
+    with it and 213 MiB with the system pool, and a Lightning FSDP rank, which builds its model so, measured a
+    process term of +1.14 GiB and fit no batch (bench/README.md, "FSDP on the host"). Data read before this call
+    stays where it is.
+
+    Returns:
+        What was set, for a notice (None: the process started with the variable set, or the pool is the system's).
+    """
+    import sys
+
+    if _STARTED_WITH_ARROW_POOL:
+        return None  # the caller's choice (the workers' setting in os.environ may be vramcal's own, for children)
+    if "pyarrow" in sys.modules:
+        import pyarrow
+
+        if pyarrow.default_memory_pool().backend_name == "system":
+            return None
+        pyarrow.set_memory_pool(pyarrow.system_memory_pool())
+    elif os.environ.get(ARROW_POOL) == "system":
+        return None
+    os.environ[ARROW_POOL] = "system"
+    return f"{ARROW_POOL}=system"
+
+
 # GLIBC_TUNABLES as this process had it when vramcal was imported: starting the trials' workers sets it in
 # os.environ later, for the children (glibc parses the variable in place, so /proc/self/environ no longer holds it)
 _STARTED_WITH_TUNABLES = os.environ.get("GLIBC_TUNABLES")
+_STARTED_WITH_ARROW_POOL = os.environ.get(ARROW_POOL)
 
 
 # The least address space (RLIMIT_AS) a process that runs steps can work in: importing torch maps 0.66 GiB on the

@@ -38,7 +38,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from vramcal.arguments import shown
-from vramcal.integrations.run import FrameworkRun, asked_request, check_find
+from vramcal.integrations.run import FrameworkRun, asked_request, check_find, use_system_arrow_pool
 from vramcal.integrations.worlds import backend_of, plugin_world
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
 from vramcal.records import World
@@ -70,6 +70,7 @@ class VramcalCallback(TrainerCallback):
         self.ask = asked_request("VramcalCallback", asked)
         self.run: FrameworkRun | None = None
         self.report: str | None = None
+        use_system_arrow_pool()  # before the Trainer's dataloaders read data
 
     def sized(self, args: Any, effective_batch_size: int | None = None) -> Any:
         """``args`` (``TrainingArguments``) with ``per_device_train_batch_size`` and ``gradient_accumulation_steps``

@@ -45,7 +45,7 @@ from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_set
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from vramcal.arguments import name_text
-from vramcal.integrations.run import FrameworkRun, asked_request, check_find
+from vramcal.integrations.run import FrameworkRun, asked_request, check_find, use_system_arrow_pool
 from vramcal.integrations.worlds import backend_of, ddp_world, fsdp1_refused, sharded_world, unmeasured
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
 from vramcal.records import World
@@ -101,6 +101,7 @@ class VramcalBatchSize(Callback):
         self.peak_bytes: int | None = None
         self.rank_peak_bytes: list[int] | None = None
         self.report: str | None = None
+        use_system_arrow_pool(rank_zero_info)  # before configure_model builds the model and reads its data
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from vramcal import __version__
 from vramcal.api import capacity_argument, select_devices
 from vramcal.arguments import callback, flag, mapping, of_type, path_like
-from vramcal.environment import HOST_MALLOC, set_host_malloc
+from vramcal.environment import HOST_MALLOC, set_arrow_pool, set_host_malloc
 from vramcal.integrations.worlds import locate_world
 from vramcal.measure.device import DeviceError, free_bytes
 from vramcal.measure.meters import attach_meter
@@ -112,6 +112,7 @@ class FrameworkRun:
         self.framework, self.host_malloc = of_type("framework", framework, str, "a name"), flag("host_malloc",
                                                                                                 host_malloc)
         self.warn, self.inform = callback("warn", warn, none=False), callback("inform", inform, none=False)
+        use_system_arrow_pool(self.inform)
         self.device, self.world = vramcal_device(device), world
         located = locate_world(find["model"], params, device=self.device, profile=profile,
                                profiles_dir=profiles_dir, world=world, total_bytes=find["capacity_bytes"])
@@ -269,6 +270,16 @@ def _steps(steps: Any) -> None:
     of_type("steps", steps, int, "the optimizer steps done, a whole number >= 0")
     if steps < 0:
         raise ValueError(f"steps={steps} is below 0: give the optimizer steps done")
+
+
+def use_system_arrow_pool(inform: Warn = _inform) -> None:
+    """Give this process Arrow's system memory pool, as the trials' workers have it, before the framework reads
+    its data (:func:`vramcal.environment.set_arrow_pool`: Arrow's default reserves a 1 GiB mapping that the host's
+    meter counts), and say so through ``inform``. The integrations call it when they are made."""
+    done = set_arrow_pool()
+    if done:
+        inform(f"vramcal: Arrow's memory pool is now the system allocator, as the trials' ({done}), so data read "
+               f"from here on holds what it held in the trials")
 
 
 def asked_request(who: str, asked: dict[str, Any]) -> SizeRequest:
