@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import sys
 
 # glibc malloc in workers: blocks of 256 KiB and more are mapped and unmapped on their own (a fixed threshold: glibc's
 # default threshold drifts up to 32 MiB as blocks are freed, and the heap then fragments by chance), one arena, and
@@ -28,15 +29,16 @@ HOST_MALLOC = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=262144:glibc.
 # whose batch shapes change (lengths that vary: the lm on text in the token budget's batches) grew its data segment
 # ~0.85 MiB a step past every trial's peak and ran out of memory at step 172 of 300; with the cache off the same
 # batches held flat (bench/results/lm-train/README.md). One shape needs a handful of entries, so the trials hold the
-# same with it on or off (the tiny lm on one shape: 636 MiB either way, 120 steps 4.8 % slower; on changing shapes
+# same with it on or off (the tiny lm on one shape: 636 MiB either way, its 120 steps 4.8 % longer; on changing shapes
 # 659 against 839 MiB by step 120).
 ONEDNN_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+ARROW_POOL = "ARROW_DEFAULT_MEMORY_POOL"  # Arrow's system pool: its default keeps ~1 GiB of address space (DESIGN.md)
 # What a worker's fork server starts with unless the caller set it (read once, when a process starts).
-WORKER_DEFAULTS = {"ARROW_DEFAULT_MEMORY_POOL": "system", "GLIBC_TUNABLES": HOST_MALLOC,
+WORKER_DEFAULTS = {ARROW_POOL: "system", "GLIBC_TUNABLES": HOST_MALLOC,
                    "PYTORCH_NVML_BASED_CUDA_CHECK": "1", ONEDNN_CACHE: "0"}
 # The CUDA caching allocator's and the driver's settings (PyTorch's "CUDA semantics" notes), and the host's.
 ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_MODULE_LOADING")
-HOST_MALLOC_ENV = ("GLIBC_TUNABLES", "ARROW_DEFAULT_MEMORY_POOL", "MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_",
+HOST_MALLOC_ENV = ("GLIBC_TUNABLES", ARROW_POOL, "MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_",
                    "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "LD_PRELOAD", "OMP_NUM_THREADS", ONEDNN_CACHE)
 # Packages recorded in a profile; those whose version can move the memory of the same step.
 RECORDED_PACKAGES = ("torch", "transformers", "mamba-ssm", "causal-conv1d", "triton", "nvidia-ml-py", "nvitop")
@@ -75,9 +77,6 @@ def set_host_malloc() -> str | None:
     return ", ".join(f"{name.rsplit('.', 1)[1]} {settings[name]}" for name in _MALLOPT)
 
 
-ARROW_POOL = "ARROW_DEFAULT_MEMORY_POOL"
-
-
 def set_arrow_pool() -> str | None:
     """Give this process Arrow's system memory pool, as the workers have it (:data:`WORKER_DEFAULTS`), unless
     ``ARROW_DEFAULT_MEMORY_POOL`` chose one: an imported pyarrow's default pool is set now
@@ -91,13 +90,10 @@ def set_arrow_pool() -> str | None:
     Returns:
         What was set, for a notice (None: the process started with the variable set, or the pool is the system's).
     """
-    import sys
-
     if _STARTED_WITH_ARROW_POOL:
         return None  # the caller's choice (the workers' setting in os.environ may be vramcal's own, for children)
-    if "pyarrow" in sys.modules:
-        import pyarrow
-
+    pyarrow = sys.modules.get("pyarrow")  # imported already: its default pool may be in use
+    if pyarrow is not None:
         if pyarrow.default_memory_pool().backend_name == "system":
             return None
         pyarrow.set_memory_pool(pyarrow.system_memory_pool())
