@@ -9,27 +9,11 @@ from typing import Any
 
 import click
 
-from vramcal.calibration.lengths import parse_buckets
-from vramcal.cli.options import KeyValue, group
+from vramcal.cli.options import Buckets, KeyValue, group
 from vramcal.train.checkpoint import CONFIG
 from vramcal.train.config import BATCHINGS, MODELS, is_language_model
 from vramcal.units import format_bytes
 from vramcal.words import labelled
-
-
-class Buckets(click.ParamType):
-    """``--buckets``: the buckets' longest lengths, ``128,256,512,1024``, or ``auto`` (())."""
-
-    name = "N,N,...|auto"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, tuple):
-            return value
-        try:
-            return parse_buckets(str(value))
-        except ValueError as error:
-            self.fail(str(error), param, ctx)
-
 
 lm_options = group(
     click.option("--model", type=click.Choice(MODELS), default="regressor", show_default=True,

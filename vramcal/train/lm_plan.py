@@ -27,7 +27,6 @@ One process: DDP is the regressor's.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -44,8 +43,8 @@ from vramcal.profile import Profile
 from vramcal.records import Device
 from vramcal.sizing import SizeRequest, Sizing, SizingError, basis_notice, size
 from vramcal.train import checkpoint, tracking
-from vramcal.train.config import ConfigError, TrainConfig, load_config
-from vramcal.train.plan import Plan, Setting, host_limit, run_device
+from vramcal.train.config import ConfigError, TrainConfig
+from vramcal.train.plan import Plan, Setting, host_limit, run_device, saved_run
 from vramcal.words import Info
 from vramcal.workload import ModelRef
 
@@ -208,13 +207,7 @@ def plan_resume(run_dir: Path, overrides: dict[str, Any]) -> Plan:
     Raises:
         RunDirError: nothing to resume. DeviceError: the device is not here.
     """
-    run_dir = checkpoint.prepare_run_dir(run_dir, resume=True)
-    try:
-        plan = Plan.from_record(json.loads((run_dir / checkpoint.RUN).read_text()), run_dir)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise checkpoint.RunDirError(f"{run_dir / checkpoint.RUN} is not a readable run record ({error}): start "
-                                     f"a new run") from None
-    config = load_config(run_dir / checkpoint.CONFIG).replace(**overrides)
+    run_dir, plan, config = saved_run(run_dir, overrides)
     device = api.select_devices(config.gpu)[0][0]
     notices = []
     difference = device.hardware_difference(plan.device)

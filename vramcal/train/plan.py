@@ -430,6 +430,22 @@ def _unchecked_plan(config: TrainConfig, run_dir: Path, setting: Setting, prepar
                 validation=validated)
 
 
+def saved_run(run_dir: Path, overrides: dict[str, Any]) -> tuple[Path, Plan, TrainConfig]:
+    """The run folder taken for a resume, its saved plan, and its saved config with ``overrides`` replaced (both
+    families' runs keep them alike).
+
+    Raises:
+        RunDirError: nothing to resume, or a run record that cannot be read. ConfigError: a bad override.
+    """
+    run_dir = checkpoint.prepare_run_dir(run_dir, resume=True)
+    try:
+        plan = Plan.from_record(json.loads((run_dir / checkpoint.RUN).read_text()), run_dir)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise checkpoint.RunDirError(f"{run_dir / checkpoint.RUN} is not a readable run record ({error}): start "
+                                     f"a new run") from None
+    return run_dir, plan, load_config(run_dir / checkpoint.CONFIG).replace(**overrides)
+
+
 def plan_resume(run_dir: Path, overrides: dict[str, Any]) -> Plan:
     """The continuation of the run in ``run_dir``: its saved plan with the settings of
     :data:`~vramcal.train.config.RESUME_OVERRIDES` in ``overrides`` replaced.
@@ -441,13 +457,7 @@ def plan_resume(run_dir: Path, overrides: dict[str, Any]) -> Plan:
         DeviceError, NvmlError: the device is not here.
     """
 
-    run_dir = checkpoint.prepare_run_dir(run_dir, resume=True)
-    try:
-        plan = Plan.from_record(json.loads((run_dir / checkpoint.RUN).read_text()), run_dir)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise checkpoint.RunDirError(f"{run_dir / checkpoint.RUN} is not a readable run record ({error}): start "
-                                     f"a new run") from None
-    config = load_config(run_dir / checkpoint.CONFIG).replace(**overrides)
+    run_dir, plan, config = saved_run(run_dir, overrides)
     if "lr" in overrides:  # scaled to the run's batch as at its start
         plan = replace(plan, lr=scaled_lr(config.lr, plan.batch_size, config.reference_batch_size, config.lr_scaling))
     windows = load_windows(config)
