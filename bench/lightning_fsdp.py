@@ -85,6 +85,9 @@ def fit(profile: str, spec: str, steps: int, out: Path, profiles_dir: str | None
             "steps": trainer.global_step,
             "ranks": [{"predicted_peak_bytes": p, "upper_bytes": u, "peak_bytes": m} for p, u, m in ranks],
             "report": callback.report}, indent=2) + "\n")
+    # gloo's threads joined before the interpreter exits: left to exit, a rank once aborted there under load
+    # ("terminate called without an active exception", exit -6) after its figures were written
+    torch.distributed.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
