@@ -241,21 +241,27 @@ def test_probe_records_the_world_and_its_ddp_settings(tmp_path, monkeypatch):
     assert "per rank, usable" in header and "DDP 2 ranks" in header and "(the global batch is 2 × per rank)" in header
 
 
+def kill_rank_1_after_a_checkpoint(args: list[str], cwd: Path, run_dir: Path) -> tuple[subprocess.Popen, float]:
+    """Start ``vramcal train`` with ``args`` (a 2-rank world into ``run_dir``), wait until it has saved a checkpoint
+    and rank 1 has written its pid, and SIGKILL rank 1; returns the running command and when the kill was sent."""
+    run = subprocess.Popen([sys.executable, "-m", "vramcal", *args], cwd=cwd, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    deadline, pid = time.time() + 240, run_dir / "ranks" / "1.pid"
+    while time.time() < deadline and not ((run_dir / checkpoint.LAST).exists() and pid.exists()):
+        time.sleep(0.5)
+    assert (run_dir / checkpoint.LAST).exists(), "the run never saved a checkpoint"
+    os.kill(int(pid.read_text()), signal.SIGKILL)
+    return run, time.time()
+
+
 def test_a_killed_rank_ends_the_run_in_one_line_and_it_resumes(world):
     tmp = world["tmp"]  # (a budget: the world's profiles were calibrated at two, which a run without one refuses)
     args = train_args(tmp, "killed", "--nproc-per-node", "2", "--capacity", str(host_budget.budget(1024 * MIB)),
                       "--max-steps", "400", "--epochs", "50",
                       "--checkpoint-steps", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                       f"127.0.0.1:{free_port()}", "--rdzv-id", "killed", "--rdzv-conf", "join_timeout=120")
-    run = subprocess.Popen([sys.executable, "-m", "vramcal", *args], cwd=tmp, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-    run_dir, deadline = tmp / "killed", time.time() + 240
-    pid = run_dir / "ranks" / "1.pid"
-    while time.time() < deadline and not ((run_dir / checkpoint.LAST).exists() and pid.exists()):
-        time.sleep(0.5)
-    assert (run_dir / checkpoint.LAST).exists(), "the run never saved a checkpoint"
-    os.kill(int(pid.read_text()), signal.SIGKILL)
-    killed = time.time()
+    run_dir = tmp / "killed"
+    run, killed = kill_rank_1_after_a_checkpoint(args, tmp, run_dir)
     out, err = run.communicate(timeout=120)
     assert time.time() - killed < 60 and run.returncode == 1 and "Traceback" not in err, err
     errors = [line for line in err.splitlines() if line.startswith("Error")]

@@ -8,17 +8,20 @@ import dataclasses
 import json
 import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import host_budget
 import pytest
 import torch
 from click.testing import CliRunner
-from test_ddp import ddp_profile, free_port, run_as_the_search_does, train_args, vramcal
+from test_ddp import (
+    ddp_profile,
+    free_port,
+    kill_rank_1_after_a_checkpoint,
+    run_as_the_search_does,
+    train_args,
+    vramcal,
+)
 from test_train import SPEC, SPEC_ARGS, make_profile
 from test_train_data import synthetic_bars
 
@@ -326,14 +329,8 @@ def test_a_killed_fsdp_run_resumes_from_its_gathered_checkpoint_and_only_as_fsdp
     tmp = sharded["tmp"]
     args = train_args(tmp, "killed", *FSDP_ARGS, "--max-steps", "400", "--epochs", "50", "--checkpoint-steps", "2",
                       "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "killed")
-    run = subprocess.Popen([sys.executable, "-m", "vramcal", *args], cwd=tmp, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-    run_dir, deadline = tmp / "killed", time.time() + 240
-    pid = run_dir / "ranks" / "1.pid"
-    while time.time() < deadline and not ((run_dir / checkpoint.LAST).exists() and pid.exists()):
-        time.sleep(0.5)
-    assert (run_dir / checkpoint.LAST).exists(), "the run never saved a checkpoint"
-    os.kill(int(pid.read_text()), signal.SIGKILL)
+    run_dir = tmp / "killed"
+    run, _ = kill_rank_1_after_a_checkpoint(args, tmp, run_dir)
     out, err = run.communicate(timeout=120)
     errors = [line for line in err.splitlines() if line.startswith("Error")]
     assert run.returncode == 1 and "Traceback" not in err and len(errors) == 1 and "rank 1 failed" in errors[0], err
