@@ -109,17 +109,20 @@ def _profile(config: TrainConfig, device: Device, model: ModelRef, capacity_byte
     return located.profile, str(located.path)
 
 
-def batching_record(profile: Profile, config: TrainConfig) -> dict[str, Any]:
+def batching_record(profile: Profile, config: TrainConfig) -> tuple[dict[str, Any], batching.Worst]:
     """The run's batching, as its record keeps it: ``{"mode": "budget", "budget": {...}}`` or ``{"mode": "buckets",
-    "buckets": [...]}`` (the worker forms its batches from it, so a resume forms the same ones).
+    "buckets": [...]}`` (the worker forms its batches from it, so a resume forms the same ones), and the worst case
+    its batches are held to (the conservative budget's, or the longest bucket's).
 
     Raises:
         SizingError: a bucket above the profile's longest seq_len; no budget (one document of the longest length
             does not fit).
     """
     if config.batching == "budget":
-        return {"mode": "budget", "budget": batching.budget(profile)[0].to_dict()}
-    return {"mode": "buckets", "buckets": [b.to_dict() for b in batching.buckets(profile, config.buckets)[0]]}
+        budget, (_, worst) = batching.budget(profile)
+        return {"mode": "budget", "budget": budget.to_dict()}, worst
+    buckets, worst = batching.buckets(profile, config.buckets)
+    return {"mode": "buckets", "buckets": [b.to_dict() for b in buckets]}, worst
 
 
 def sampler(record: dict[str, Any], lengths: list[int], **options: Any):
@@ -151,7 +154,7 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting) -> Plan:
     checkpoint.check_run_dir(run_dir, resume=False)
     profile, stats = setting.profile, dict(setting.data_stats)
     corpus = load_corpus(config.text, int(stats["context"]), config.val_fraction)
-    record = batching_record(profile, config)
+    record, held_to = batching_record(profile, config)
     chunk = family_of(profile.model).chunk_size(profile.model.replace(seq_len=1))
     formed = {}
     for side, docs in (("train", corpus.train), ("val", corpus.val)):
@@ -168,7 +171,7 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting) -> Plan:
         raise SizingError(f"the worst batch, {worst[0]} documents of up to {worst[1]} tokens, is above the profile's "
                           f"safe limit at that length now ({sizing.safe_batch_size}: {'; '.join(sizing.notices)}): "
                           f"free memory, or calibrate again")
-    notices = (*setting.notices, *_batching_notices(profile, config, sizing))
+    notices = (*setting.notices, *_batching_notices(held_to, sizing))
     stats.update(batching=record, chunk_size=chunk, worst={"batch_size": worst[0], "seq_len": worst[1]},
                  **_totals(formed))
     checkpoint.prepare_run_dir(run_dir, resume=False)
@@ -178,11 +181,9 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting) -> Plan:
                 notices=notices)
 
 
-def _batching_notices(profile: Profile, config: TrainConfig, sizing: Sizing) -> tuple[str, ...]:
+def _batching_notices(worst: batching.Worst, sizing: Sizing) -> tuple[str, ...]:
     """The sizing's notices, where the batching's worst case was verified by a real trial with that trial said
     instead of the limits interpolated at the worst batch's length (every batch lies within the batching)."""
-    worst = (batching.budget(profile)[1][1] if config.batching == "budget"
-             else batching.buckets(profile, config.buckets)[1])
     if worst.check is None:
         return sizing.notices
     said = Info(f"every batch lies within {worst.what}, verified by a real trial at batch_size {worst.batch_size} x "
