@@ -63,8 +63,11 @@ run-lm: setup
 	$(PY) -m vramcal probe $(LM_ARGS) --reserve 0 --seq-len 64:1024
 	$(PY) -m vramcal train $(LM_ARGS) $(LM_TRAIN_ARGS)
 
+# Two pytest processes (pytest-xdist; tests/conftest.py says why and how their threads wait); PYTEST_WORKERS=0 runs
+# the suite in one.
+PYTEST_WORKERS ?= 2
 test: setup-dev
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist worksteal)
 
 lint: setup-dev
 	$(PY) -m ruff check vramcal tests

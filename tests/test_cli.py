@@ -1,5 +1,6 @@
 """The CLI through click's test runner: bad input gets one line, a non-zero exit, no traceback."""
 
+import errno
 import os
 import re
 
@@ -150,6 +151,42 @@ def test_atomic_writes_leave_the_usual_file_mode_and_no_temporary_files(tmp_path
     assert target.read_text() == '{"a": 1}\n'
     assert target.stat().st_mode & 0o777 == 0o644
     assert [p.name for p in target.parent.iterdir()] == ["file.json"]
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["hard-links", "no-hard-links"])
+def test_a_save_stopped_between_any_two_of_its_renames_leaves_the_file_whole(tmp_path, monkeypatch, links):
+    """A checkpoint's save keeps the previous version (``keep_previous``); a kill between its renames once left
+    no ``checkpoint-last.pt`` at all (the old one renamed away, the new one not yet in place: seen in a test of a
+    killed run under load). With hard links the file is whole at every step; without them (the fallback) the
+    previous version is."""
+    from vramcal import files
+
+    target, previous = tmp_path / "checkpoint-last.pt", tmp_path / "checkpoint-prev.pt"
+    if not links:
+        monkeypatch.setattr(files.os, "link", lambda *a: (_ for _ in ()).throw(OSError(errno.EPERM, "no links")))
+    real_replace = files.os.replace
+    for stop_at in (0, 1):
+        target.write_bytes(b"old")
+        previous.unlink(missing_ok=True)
+        calls = []
+
+        def replace(source, destination, calls=calls, stop_at=stop_at):
+            if len(calls) == stop_at:
+                raise KeyboardInterrupt  # the process stops here
+            calls.append(destination)
+            real_replace(source, destination)
+
+        monkeypatch.setattr(files.os, "replace", replace)
+        with pytest.raises(KeyboardInterrupt):
+            files.atomic_write(target, lambda handle: handle.write(b"new"), keep_previous=previous)
+        monkeypatch.setattr(files.os, "replace", real_replace)
+        if links or stop_at == 0:
+            assert target.read_bytes() == b"old"
+        else:
+            assert not target.exists() and previous.read_bytes() == b"old"
+        assert not [p.name for p in tmp_path.glob(".*.tmp")]  # nothing left for a resume to clean up
+    files.atomic_write(target, lambda handle: handle.write(b"new"), keep_previous=previous)
+    assert (target.read_bytes(), previous.read_bytes()) == (b"new", b"old")
 
 
 @pytest.mark.parametrize("path, value, message", [

@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -42,8 +43,11 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any], keep_previous: Pa
     needing a second copy of itself in memory.
 
     Args:
-        keep_previous: when given and ``path`` exists, its current content is renamed there just before
-            the new file takes its place (both renames are atomic), so the previous version survives.
+        keep_previous: when given and ``path`` exists, its current content becomes ``keep_previous`` just
+            before the new file takes its place, so the previous version survives. ``path`` never goes
+            missing: the previous content is hard-linked under a temporary name that is renamed over
+            ``keep_previous`` (:func:`_keep_previous`), then the new file is renamed over ``path``; a kill
+            between any two steps leaves ``path`` whole, old or new.
 
     Raises:
         OSError: the folder cannot be created or written; ``path`` (and ``keep_previous``) are then untouched.
@@ -58,12 +62,34 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any], keep_previous: Pa
             handle.flush()
             os.fsync(handle.fileno())
         if keep_previous is not None and path.exists():
-            os.replace(path, keep_previous)
+            _keep_previous(path, Path(keep_previous))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_folder(path.parent)
+
+
+def _keep_previous(path: Path, previous: Path) -> None:
+    """Make ``previous`` hold ``path``'s content while ``path`` stays in place: a hard link under a temporary
+    name (``.<previous name>.<random>.tmp``, the pattern a killed save's leftovers are cleaned up by), renamed
+    over ``previous``. On a filesystem without hard links, ``path`` is renamed to ``previous`` instead, and is
+    missing until the new file lands (a resume then takes ``previous``).
+
+    Raises:
+        OSError: the folder cannot be written; ``path`` is then untouched.
+    """
+    link = previous.with_name(f".{previous.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        os.link(path, link)
+    except OSError:  # no hard links here (FAT, some network filesystems)
+        os.replace(path, previous)
+        return
+    try:
+        os.replace(link, previous)
+    except BaseException:
+        link.unlink(missing_ok=True)
+        raise
 
 
 def _fsync_folder(folder: Path) -> None:
