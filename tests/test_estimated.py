@@ -280,3 +280,38 @@ def test_the_baseline_is_this_devices_where_it_has_calibrations():
     assert "of this device" in learned_baseline([*others, mine], "host", device="Xeon").source
     assert learned_baseline([*others, mine], "host", device="EPYC").bytes == 500 * MIB  # none there: the kind's
     assert learned_baseline(others, "host", leave_out="a", device="AMD").bytes == 500 * MIB
+
+
+def test_a_host_baseline_comes_from_the_same_thread_setting_first_and_says_when_it_cannot():
+    """Each OpenMP thread holds its own arena and stack: the tiny spec's worker held 484 MiB at batch_size 1 with two
+    threads and 402 MiB with OMP_NUM_THREADS=1, and the estimate learned from two-thread profiles missed a one-thread
+    trial by 13.9 % (a test run with OMP_NUM_THREADS=1). Profiles made with a worker's thread setting come first;
+    where there are none, the source names the settings it learned under."""
+    import dataclasses
+
+    two = [dataclasses.replace(calibrated(name, 560, 670), device="EPYC") for name in ("a", "b")]
+    one = dataclasses.replace(calibrated("c", 480, 590), device="EPYC", threads="1")
+    assert learned_baseline([*two, one], "host", device="EPYC", threads="1").bytes == 480 * MIB
+    assert learned_baseline([*two, one], "host", device="EPYC", threads=None).bytes == 560 * MIB
+    assert "OMP_NUM_THREADS" not in learned_baseline([*two, one], "host", device="EPYC", threads="1").source
+    other = learned_baseline(two, "host", device="EPYC", threads="1")
+    assert other.bytes == 560 * MIB and other.source.endswith(
+        "made with OMP_NUM_THREADS unset where a worker now gets '1': a host process's baseline moves with its "
+        "threads (not in the bound)")
+    assert learned_baseline(two, "cuda") is CUDA_BASELINE  # a GPU's memory: threads not compared
+    # left out, c has no calibration of its own setting to learn from: the two-thread baseline misses it, in the bound
+    bound = learned_bound([*two, one], "host")
+    assert (bound.n, bound.low, bound.high) == (3, 0, pytest.approx((560 + 110) / 590 - 1))
+
+
+def test_estimate_names_the_thread_setting_its_host_baseline_was_learned_under(tmp_path, monkeypatch):
+    shutil.copytree(MEASURED, tmp_path / "profiles")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    result = CliRunner().invoke(main, ["estimate", *TINY, "--capacity", "1.5GiB", "--profiles-dir",
+                                       str(tmp_path / "profiles")])
+    assert result.exit_code == 0, result.output
+    assert "made with OMP_NUM_THREADS unset where a worker now gets '1'" in result.output, result.output
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    result = CliRunner().invoke(main, ["estimate", *TINY, "--capacity", "1.5GiB", "--profiles-dir",
+                                       str(tmp_path / "profiles")])
+    assert result.exit_code == 0 and "OMP_NUM_THREADS" not in result.output, result.output

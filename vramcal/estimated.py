@@ -14,7 +14,11 @@ On a CUDA card the trace's bytes are what the caching allocator would reserve fo
 **The baseline** is learned from the profiles at hand: for each verified profile,
 ``fit.overhead − pool_data_bytes − trace_overhead`` of its own model; the estimate takes their median over the same
 device where some were made there (another machine's libraries and allocator hold another amount), else over the
-same kind of device. With none, a stated default (:data:`HOST_BASELINE`, :data:`CUDA_BASELINE`).
+same kind of device. On the host, the same device's profiles made with the thread setting a worker gets now
+(``OMP_NUM_THREADS``) come first, and a baseline learned under another setting says so: each OpenMP thread holds its
+own allocator arena and stack (a tiny spec's worker on the project's 2-core host: 484 MiB at batch_size 1 with two
+threads, 402 MiB with ``OMP_NUM_THREADS=1``). With none, a stated default (:data:`HOST_BASELINE`,
+:data:`CUDA_BASELINE`).
 
 **The bound.** Each such profile is held against the estimate of its own model with the baseline learned from the
 *other* profiles (leave-one-out): ``error = estimated_peak(safe) / measured_peak(safe) − 1`` at its verified safe
@@ -45,6 +49,7 @@ from typing import Any
 
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import Aim
+from vramcal.environment import worker_setting
 from vramcal.estimate import EstimateError, StepEstimate, estimate_step
 from vramcal.estimate.result import line
 from vramcal.models.registry import describe
@@ -112,6 +117,7 @@ class Calibrated:
         safe_batch_size, safe_peak_bytes: its verified safe size and that verification's measured peak.
         trace_overhead_bytes, trace_slope_bytes_per_sample: the traced line of its model (on its kind of device).
         device: the device's name ("" when unknown): a baseline is learned from the same device where it can be.
+        threads: the ``OMP_NUM_THREADS`` its trials ran with (None: unset): a host baseline moves with it.
     """
 
     path: str
@@ -123,6 +129,7 @@ class Calibrated:
     trace_overhead_bytes: float
     trace_slope_bytes_per_sample: float
     device: str = ""
+    threads: str | None = None
 
     @property
     def baseline_bytes(self) -> float:
@@ -136,18 +143,32 @@ class Calibrated:
         return estimated / self.safe_peak_bytes - 1
 
 
+ANY_THREADS = "any"  # learned_baseline's threads when the thread setting is not compared (a GPU's memory)
+
+
 def learned_baseline(calibrated: Sequence[Calibrated], kind: DeviceKind, leave_out: str | None = None,
-                     device: str | None = None) -> Baseline:
-    """The median baseline of ``calibrated`` on ``device`` when some were made there, else on ``kind`` (without
-    the one at ``leave_out``), else the stated default of that kind (:data:`HOST_BASELINE`, :data:`CUDA_BASELINE`):
-    another machine's libraries and allocator hold another amount."""
+                     device: str | None = None, threads: str | None = ANY_THREADS) -> Baseline:
+    """The median baseline of ``calibrated`` (without the one at ``leave_out``) on ``device`` when some were made
+    there, those made with ``threads`` (``OMP_NUM_THREADS``, None: unset) first; else on ``kind``; else the stated
+    default of that kind (:data:`HOST_BASELINE`, :data:`CUDA_BASELINE`): another machine's libraries and allocator
+    hold another amount, and on the host another thread setting (module docstring), which the source then names."""
     pool = [c for c in calibrated if c.kind == kind and c.path != leave_out]
-    same = [c for c in pool if device and c.device == device]
     if not pool:
         return HOST_BASELINE if kind == "host" else CUDA_BASELINE
+    same = [c for c in pool if device and c.device == device]
+    alike = [c for c in same if c.threads == threads]
+    chosen = alike or same or pool
     where = "of this device" if same else "of this kind of device"
-    values = [c.baseline_bytes for c in same or pool]
-    return Baseline(int(statistics.median(values)), f"the median of {_count(len(values), 'calibration')} {where} here")
+    source = f"the median of {_count(len(chosen), 'calibration')} {where} here"
+    unlike = sorted({_shown(c.threads) for c in chosen if c.threads != threads})
+    if threads != ANY_THREADS and unlike:
+        source += (f", made with OMP_NUM_THREADS {' or '.join(unlike)} where a worker now gets {_shown(threads)}: "
+                   f"a host process's baseline moves with its threads (not in the bound)")
+    return Baseline(int(statistics.median([c.baseline_bytes for c in chosen])), source)
+
+
+def _shown(threads: str | None) -> str:
+    return "unset" if threads is None else repr(threads)
 
 
 def learned_bound(calibrated: Sequence[Calibrated], kind: DeviceKind) -> ErrorBound:
@@ -156,7 +177,8 @@ def learned_bound(calibrated: Sequence[Calibrated], kind: DeviceKind) -> ErrorBo
     mine = [c for c in calibrated if c.kind == kind]
     if len(mine) < 2:
         return BENCH_BOUND
-    errors = [c.error(learned_baseline(mine, kind, leave_out=c.path, device=c.device).bytes) for c in mine]
+    errors = [c.error(learned_baseline(mine, kind, leave_out=c.path, device=c.device, threads=c.threads).bytes)
+              for c in mine]
     return ErrorBound(min(errors), max(errors), len(errors), f"the {len(errors)} calibrations here")
 
 
@@ -271,7 +293,8 @@ def held_against(profiles: Iterable[tuple[Path | str, Profile]], trace: Trace = 
         overhead, slope = trace_line(cache[key], profile.device.kind)
         check = profile.verification["safe"]
         found.append(Calibrated(str(path), profile.device.kind, profile.fit.overhead_bytes, profile.pool_data_bytes,
-                                check.batch_size, check.peak_bytes, overhead, slope, profile.device.name))
+                                check.batch_size, check.peak_bytes, overhead, slope, profile.device.name,
+                                profile.environment.get("OMP_NUM_THREADS")))
     return found, notices
 
 
@@ -369,8 +392,10 @@ def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[An
                           ("host", [(f"host: {host.name}", host.total_bytes)] if host is not None else [])):
         if not targets:
             continue
-        device = host.name if kind == "host" else None  # the host's own profiles first; cards by kind
-        baseline, bound = learned_baseline(calibrated, kind, device=device), learned_bound(calibrated, kind)
+        # the host's own profiles first, those with a worker's thread setting before them; cards by kind
+        device, threads = (host.name, worker_setting("OMP_NUM_THREADS")) if kind == "host" else (None, ANY_THREADS)
+        baseline = learned_baseline(calibrated, kind, device=device, threads=threads)
+        bound = learned_bound(calibrated, kind)
         data = estimate.data_bytes if kind == "host" else 0
         rows += [estimated_limits(label, total, trace_line(estimate, kind), data, settings, baseline, bound)
                  for label, total in targets]
