@@ -1,14 +1,14 @@
 """Shared fixtures: every test leaves NVML as it found it (the fake driver of tests/fakes.py removed), and reads
 no defaults file of the developer's; the bad-input corpus prints its tally at the end of a run that holds it.
 
-``make test`` runs the suite in two pytest processes (pytest-xdist), each with its own worker fork server, so two
-trials or training runs can run at once on two cores. OpenMP's threads then sleep when idle
+``make test PYTEST_WORKERS=2`` runs the suite in two pytest processes (pytest-xdist), each with its own worker fork
+server, so two trials or training runs can run at once on two cores. OpenMP's threads then sleep when idle
 (``OMP_WAIT_POLICY=PASSIVE``, read once as torch loads, so set here, before any test module imports it, and
 inherited by every worker and command the tests start): libgomp's default spins a waiting thread, and two
 processes' spinning threads took half the CPU of the other's work (tests/test_lm.py, test_probe_real.py and
 test_surface.py in two processes: 299 CPU-seconds with the default, 152 with PASSIVE; 120 s of wall serially, 84 s
 in two). It changes how threads wait, not how many there are or what they hold, so trials measure the same
-memory.
+memory. In one process it is left as it is (there it cost time: those files took 131 s against 120 s).
 """
 
 import os
@@ -20,7 +20,8 @@ from vramcal.staleness import STRICT_ENV
 
 from fakes import restore_nvml
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # set by pytest-xdist in each of its processes before conftests load
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_terminal_summary(terminalreporter):
