@@ -285,6 +285,14 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def as_a_terminal_starts_it() -> None:
+    """In the child before it runs the command: SIGINT's default action and no signal blocked, as a shell leaves
+    them, whatever this test process inherited or changed (an ignored SIGINT is inherited through exec, and a
+    Python started with it ignored never raises KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 def ended(process: subprocess.Popen, tag: str, log: Path, timeout_s: float = 60) -> int:
     """``process``'s exit status once it ends; a failure after ``timeout_s`` that says where each of its tagged
     processes was (state and kernel wait channel, from /proc) and what the command printed. (The Ctrl-C case once
@@ -300,9 +308,11 @@ def ended(process: subprocess.Popen, tag: str, log: Path, timeout_s: float = 60)
                 state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
                 channel = Path(f"/proc/{pid}/wchan").read_text()
                 command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120].decode()
+                masks = " ".join(line.replace("\t", "") for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                                 if line.split(":")[0] in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
             except OSError:
                 continue
-            where.append(f"{pid} {state} {channel or '-'} {command}")
+            where.append(f"{pid} {state} {channel or '-'} {masks} {command}")
         pytest.fail(f"not ended {timeout_s} s after the fault:\n" + "\n".join(where) + "\n" + log.read_text()[-2000:])
 
 
@@ -322,7 +332,7 @@ def test_a_killed_or_interrupted_run_leaves_no_leaked_semaphore(setup, fault):
     with open(log, "w") as output:
         process = subprocess.Popen([sys.executable, "-m", "vramcal", *train_args(setup, name, *args), *unchecked],
                                    cwd=setup, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env={**os.environ, "VRAMCAL_TEST_TAG": tag})
+                                   env={**os.environ, "VRAMCAL_TEST_TAG": tag}, preexec_fn=as_a_terminal_starts_it)
     try:
         assert wait_for(lambda: (run / checkpoint.LAST).is_file(), 120, process), log.read_text()[-2000:]
         if fault == "Ctrl-C":
