@@ -142,3 +142,8 @@ def software_versions() -> dict[str, str | None]:
 def worker_setting(name: str) -> str | None:
     """The value of environment variable ``name`` a worker started now would see."""
     return os.environ.get(name, WORKER_DEFAULTS.get(name))
+
+
+def shown_setting(value: str | None) -> str:
+    """An environment variable's value for people: ``unset`` (None), else quoted (``'1'``)."""
+    return "unset" if value is None else repr(value)

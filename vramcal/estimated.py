@@ -49,7 +49,7 @@ from typing import Any
 
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import Aim
-from vramcal.environment import worker_setting
+from vramcal.environment import shown_setting, worker_setting
 from vramcal.estimate import EstimateError, StepEstimate, estimate_step
 from vramcal.estimate.result import line
 from vramcal.models.registry import describe
@@ -160,15 +160,12 @@ def learned_baseline(calibrated: Sequence[Calibrated], kind: DeviceKind, leave_o
     chosen = alike or same or pool
     where = "of this device" if same else "of this kind of device"
     source = f"the median of {_count(len(chosen), 'calibration')} {where} here"
-    unlike = sorted({_shown(c.threads) for c in chosen if c.threads != threads})
+    unlike = sorted({shown_setting(c.threads) for c in chosen if c.threads != threads})
     if threads != ANY_THREADS and unlike:
-        source += (f", made with OMP_NUM_THREADS {' or '.join(unlike)} where a worker now gets {_shown(threads)}: "
+        source += (f", made with OMP_NUM_THREADS {' or '.join(unlike)} where a worker now gets "
+                   f"{shown_setting(threads)}: "
                    f"a host process's baseline moves with its threads (not in the bound)")
     return Baseline(int(statistics.median([c.baseline_bytes for c in chosen])), source)
-
-
-def _shown(threads: str | None) -> str:
-    return "unset" if threads is None else repr(threads)
 
 
 def learned_bound(calibrated: Sequence[Calibrated], kind: DeviceKind) -> ErrorBound:

@@ -15,7 +15,14 @@ from __future__ import annotations
 import os
 import sys
 
-from vramcal.environment import ALLOCATOR_ENV, HOST_MALLOC_ENV, MEMORY_PACKAGES, software_versions, worker_setting
+from vramcal.environment import (
+    ALLOCATOR_ENV,
+    HOST_MALLOC_ENV,
+    MEMORY_PACKAGES,
+    shown_setting,
+    software_versions,
+    worker_setting,
+)
 from vramcal.profile import Profile, ProfileError
 from vramcal.records import Device
 
@@ -46,7 +53,8 @@ def changes(profile: Profile, device: Device | None = None) -> list[str]:
         if name == "OMP_NUM_THREADS" and profile.world is not None:
             continue  # a rank's threads are its world's threads_per_rank (compared with the world); torchrun sets 1
         if name in profile.environment and profile.environment[name] != worker_setting(name):
-            found.append(f"{name} {_shown(profile.environment[name])} -> {_shown(worker_setting(name))}")
+            found.append(f"{name} {shown_setting(profile.environment[name])} -> "
+                         f"{shown_setting(worker_setting(name))}")
     return found
 
 
@@ -72,5 +80,3 @@ def check(profile: Profile, source: str, device: Device | None = None, *, strict
     return f"{made}: its figures may not hold here; recalibrate with `{command}`"
 
 
-def _shown(value: str | None) -> str:
-    return "unset" if value is None else repr(value)
