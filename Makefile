@@ -63,10 +63,10 @@ run-lm: setup
 	$(PY) -m vramcal probe $(LM_ARGS) --reserve 0 --seq-len 64:1024
 	$(PY) -m vramcal train $(LM_ARGS) $(LM_TRAIN_ARGS)
 
-# PYTEST_WORKERS=2: the suite in two pytest processes (pytest-xdist; tests/conftest.py says how their threads wait),
-# about 9 minutes on two cores against 13.5 in one; not the default until test_faults' Ctrl-C test holds (it did not
-# end in 3 full runs, one of them in one process; DESIGN.md, "The parts").
-PYTEST_WORKERS ?= 0
+# The suite runs in two pytest processes (pytest-xdist's worksteal; tests/conftest.py says how their threads wait):
+# about 9 minutes on two cores against 13.5 in one. PYTEST_WORKERS=0 runs it in one process, PYTEST_WORKERS=auto in
+# one per core.
+PYTEST_WORKERS ?= 2
 test: setup-dev
 	$(PY) -m pytest -q $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist worksteal)
 

@@ -1,8 +1,8 @@
 """Shared fixtures: every test leaves NVML as it found it (the fake driver of tests/fakes.py removed), and reads
 no defaults file of the developer's; the bad-input corpus prints its tally at the end of a run that holds it.
 
-``make test PYTEST_WORKERS=2`` runs the suite in two pytest processes (pytest-xdist), each with its own worker fork
-server, so two trials or training runs can run at once on two cores. OpenMP's threads then sleep when idle
+``make test`` runs the suite in two pytest processes (pytest-xdist; ``PYTEST_WORKERS=0``: one), each with its own
+worker fork server, so two trials or training runs can run at once on two cores. OpenMP's threads then sleep when idle
 (``OMP_WAIT_POLICY=PASSIVE``, read once as torch loads, so set here, before any test module imports it, and
 inherited by every worker and command the tests start): libgomp's default spins a waiting thread, and two
 processes' spinning threads took half the CPU of the other's work (tests/test_lm.py, test_probe_real.py and
