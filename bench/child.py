@@ -12,7 +12,9 @@ Tools:
 * ``vramcal``: :func:`vramcal.api.plan_calibration` then :func:`vramcal.api.run_calibration` on
   ``host_device(capacity_bytes=budget)`` with its default limit settings (reserve 0.5 GiB, margin 10 %);
   ``vramcal-anchor-margin``: the same at the anchors' own margin (reserve 0, margin 5 %, Lightning
-  binsearch's default ``margin=0.05``). The answer is the conservative batch size.
+  binsearch's default ``margin=0.05``); ``vramcal-aimed``: the default settings with ``aim=True`` (``vramcal probe
+  --aim``: the step traced on fake tensors first, the growth aimed with its slope). The answer is the conservative
+  batch size.
 * ``lightning-binsearch`` / ``lightning-power``: ``lightning.pytorch.tuner.Tuner.scale_batch_size``
   with its defaults (``init_val=2``, ``max_trials=25``, ``steps_per_trial=3``, binsearch ``margin=0.05``).
 * ``accelerate``: ``accelerate.utils.find_executable_batch_size`` (back-off x0.9) from ``start``.
@@ -67,7 +69,7 @@ def _windows(step):
 
 # ------------------------------------------------------------------------------------------ vramcal
 
-def run_vramcal(request: dict, anchor_margin: bool) -> dict[str, Any]:
+def run_vramcal(request: dict, anchor_margin: bool, aim: bool = False) -> dict[str, Any]:
     from vramcal import api
     from vramcal.calibration.limits import LimitSettings
     from vramcal.measure.device import host_device
@@ -83,7 +85,7 @@ def run_vramcal(request: dict, anchor_margin: bool) -> dict[str, Any]:
     device = host_device(capacity_bytes=request["budget_bytes"])
     plan = api.plan_calibration("regressor", request["spec"], device=device, settings=settings,
                                 options={"data": request["data"], "stride": request["stride"]},
-                                out=request["profile_out"])
+                                out=request["profile_out"], aim=aim)
     profile = api.run_calibration(plan, on_trial=on_trial)
     limits, fit = profile.limits, profile.fit
     return {"answer": limits.conservative_batch_size if limits else None, "trials": trials,
@@ -182,6 +184,7 @@ def run_accelerate(request: dict) -> dict[str, Any]:
 
 TOOLS = {"vramcal": lambda r: run_vramcal(r, anchor_margin=False),
          "vramcal-anchor-margin": lambda r: run_vramcal(r, anchor_margin=True),
+         "vramcal-aimed": lambda r: run_vramcal(r, anchor_margin=False, aim=True),
          "lightning-binsearch": lambda r: run_lightning(r, "binsearch"),
          "lightning-power": lambda r: run_lightning(r, "power"), "accelerate": run_accelerate}
 

@@ -21,10 +21,10 @@ from typing import Any
 from vramcal.units import format_bytes
 
 SCHEMA = 2
-VRAMCAL = ("vramcal", "vramcal-anchor-margin")
+VRAMCAL = ("vramcal", "vramcal-anchor-margin", "vramcal-aimed")
 ANCHORS = ("lightning-binsearch", "lightning-power", "accelerate")
 TOOLS = VRAMCAL + ANCHORS
-LABELS = {"vramcal": "vramcal", "vramcal-anchor-margin": "vramcal (anchors' margin)"}
+LABELS = {"vramcal": "vramcal", "vramcal-anchor-margin": "vramcal (anchors' margin)", "vramcal-aimed": "vramcal --aim"}
 COLUMNS = ("tool", "rounds", "wall_s_median", "wall_s_range", "trials", "batch_size", "error_pct", "survived")
 BOUNDARY_TOLERANCE = 0.01  # issue 19: predicted boundary within 1 % of the bisected truth
 PREDICTION_TOLERANCE = 0.03  # issue 19: the trainer's peak within ±3 % of the point prediction
