@@ -30,7 +30,7 @@ import re
 import sys
 import types
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from vramcal.words import given
 from vramcal.workload import TORCH_PATH
@@ -49,6 +49,12 @@ BF16_MIN_COMPUTE_CAPABILITY = (8, 0)  # bf16 tensor cores and autocast speed: Am
 _AUTOCAST_AS_CUDA = contextvars.ContextVar("vramcal_autocast_as_cuda", default=False)
 CHECKPOINTING_FORMS = "off, block or every:K"  # what the spec's checkpointing takes (checkpoint_every)
 CHECKPOINTING_OFF = "off"
+
+
+def keyed_params(params: dict[str, Any]) -> dict[str, Any]:
+    """A model's parameters as its profile key holds them: ``checkpointing`` left out when it is ``off``, so a
+    model without checkpointing finds the profiles made before the setting existed (both families' keys)."""
+    return {k: v for k, v in params.items() if k != "checkpointing" or v != CHECKPOINTING_OFF}
 
 
 def checkpoint_every(checkpointing: object, n_layers: int | None = None, layers_name: str = "n_layers") -> int:

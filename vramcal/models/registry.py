@@ -27,7 +27,7 @@ from typing import Any
 
 from vramcal.arguments import of_type
 from vramcal.models import lm
-from vramcal.models.mamba2 import check_dtype, resolve_implementation
+from vramcal.models.mamba2 import check_dtype, keyed_params, resolve_implementation
 from vramcal.models.regressor.spec import FACTORY as REGRESSOR_FACTORY
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.records import Device
@@ -174,11 +174,9 @@ class LanguageModel(Family):
                              f"{word('seq_len')}")
         params = {"dtype": "fp32", **params, "config": lm.read_config(params["config"])}
         lm.check_params(params["config"], params["seq_len"], params["dtype"], params.get("checkpointing", "off"))
-        if params.get("checkpointing") == "off":
-            del params["checkpointing"]  # the key of a profile made before the setting existed (RegressorSpec.ref)
         check_dtype(device, params["dtype"])
-        return ModelRef.make(self.factory, {**params, "implementation": resolve_implementation(implementation,
-                                                                                             device.kind)})
+        implementation = resolve_implementation(implementation, device.kind)
+        return ModelRef.make(self.factory, {**keyed_params(params), "implementation": implementation})
 
     def chunk_size(self, ref: ModelRef) -> int:
         return lm.mamba2_config(ref.params["config"]).chunk_size

@@ -80,7 +80,32 @@ def purge_step(run_dir: Path, resume: bool) -> int:
     return max((int(r["step"]) for r in rows if r.get("kind") == "epoch"), default=-1) + 1
 
 
-class RunTracker:
+class _Tracker:
+    """What every tracker shares: its first failure, whatever it is, is one warning and ends its writing, never the
+    run (module docstring).
+
+    Args:
+        what: the writing it stops, as the warning names it (``TensorBoard logging to <folder>``).
+        echo: where the warning goes.
+    """
+
+    def __init__(self, what: str, echo: Echo) -> None:
+        self._what, self.echo = what, echo
+        self._failed = False
+
+    def _guarded(self, action: Callable[[], Any]) -> None:
+        """Run ``action``, unless an earlier one failed; a failure is the warning, once."""
+        if self._failed:
+            return
+        try:
+            action()
+        except Exception as error:  # whatever it is: a tracker must not end a training run (module docstring)
+            self._failed = True
+            self.echo(f"warning: {self._what} stopped ({_first_line(error)}); the run goes on and {checkpoint.METRICS} "
+                      f"keeps every figure")
+
+
+class RunTracker(_Tracker):
     """A run's TensorBoard writer (module docstring): opened at the first epoch row (nothing for a run that
     never ends one), stopped with one warning at its first failure.
 
@@ -91,9 +116,9 @@ class RunTracker:
     """
 
     def __init__(self, log_dir: Path, purge_step: int, echo: Echo) -> None:
-        self.log_dir, self.purge_step, self.echo = Path(log_dir), purge_step, echo
+        super().__init__(f"TensorBoard logging to {log_dir}", echo)
+        self.log_dir, self.purge_step = Path(log_dir), purge_step
         self._writer: Any = None
-        self._failed = False
 
     def epoch(self, row: dict[str, Any]) -> None:
         """Write an epoch row's figures (:func:`epoch_scalars`) at its step and flush them to the file."""
@@ -112,17 +137,6 @@ class RunTracker:
         for tag, value in epoch_scalars(row).items():
             self._writer.add_scalar(tag, value, int(row["step"]))
         self._writer.flush()  # a failed write surfaces here, at the epoch that made it
-
-    def _guarded(self, action: Callable[[], Any]) -> None:
-        """Run ``action``; its first failure, whatever it is, is a warning and ends the writing, never the run."""
-        if self._failed:
-            return
-        try:
-            action()
-        except Exception as error:  # whatever it is: a tracker must not end a training run (module docstring)
-            self._failed = True
-            self.echo(f"warning: TensorBoard logging to {self.log_dir} stopped ({_first_line(error)}); the run goes "
-                      f"on and {checkpoint.METRICS} keeps every figure")
 
 
 def check_reporters(report_to: Iterable[str]) -> None:
@@ -146,7 +160,7 @@ def run_trackers(plan: Any, echo: Echo) -> list[Any]:
     return found
 
 
-class MlflowTracker:
+class MlflowTracker(_Tracker):
     """A run's MLflow run (module docstring), through ``mlflow.tracking.MlflowClient``: created, or for a resumed
     run found again by its id, at the first epoch row; stopped with one warning at its first failure.
 
@@ -156,10 +170,10 @@ class MlflowTracker:
     """
 
     def __init__(self, plan: Any, echo: Echo) -> None:
-        self.plan, self.echo = plan, echo
+        super().__init__(f"MLflow logging of {plan.run_dir}", echo)
+        self.plan = plan
         self.run_id: str | None = None
         self._client: Any = None
-        self._failed = False
 
     def epoch(self, row: dict[str, Any]) -> None:
         """Log an epoch row's figures (:func:`epoch_scalars`) at its step."""
@@ -203,17 +217,6 @@ class MlflowTracker:
         now, step = int(time.time() * 1000), int(row["step"])
         metrics = [Metric(tag, value, now, step) for tag, value in epoch_scalars(row).items()]
         self._client.log_batch(self.run_id, metrics=metrics)
-
-    def _guarded(self, action: Callable[[], Any]) -> None:
-        """Run ``action``; its first failure, whatever it is, is a warning and ends the logging, never the run."""
-        if self._failed:
-            return
-        try:
-            action()
-        except Exception as error:  # whatever it is: a tracker must not end a training run (module docstring)
-            self._failed = True
-            self.echo(f"warning: MLflow logging of {self.plan.run_dir} stopped ({_first_line(error)}); the run goes "
-                      f"on and {checkpoint.METRICS} keeps every figure")
 
 
 def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:

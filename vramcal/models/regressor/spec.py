@@ -10,7 +10,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from vramcal.models.mamba2 import CHECKPOINTING_OFF, DTYPE_POLICIES, DtypePolicy, checkpoint_every
+from vramcal.models.mamba2 import CHECKPOINTING_OFF, DTYPE_POLICIES, DtypePolicy, checkpoint_every, keyed_params
 from vramcal.workload import ModelRef
 
 # The factory a profile of this family names (kept in every profile: it must not move).
@@ -128,8 +128,7 @@ class RegressorSpec:
     def ref(self, implementation: str) -> ModelRef:
         """The profile key of this spec trained with a concrete ``implementation`` (``checkpointing`` only when it is
         not ``off``: a profile without it was made without checkpointing)."""
-        fields = {k: v for k, v in self.to_dict().items() if k != "checkpointing" or v != CHECKPOINTING_OFF}
-        return ModelRef.make(FACTORY, {**fields, "implementation": implementation})
+        return ModelRef.make(FACTORY, {**keyed_params(self.to_dict()), "implementation": implementation})
 
     @classmethod
     def from_ref(cls, ref: ModelRef) -> tuple[RegressorSpec, str]:
