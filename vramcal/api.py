@@ -166,7 +166,8 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
         rank_devices: the ranks' GPUs (``world.nproc`` of one model; ``device`` is rank 0's); () on the host.
         aim: trace the step on fake tensors first (:func:`vramcal.estimated.aim_for`, its bound learned from
             ``profiles_dir``) and aim the search's growth with its slope; one process at one length only (else, or
-            untraceable, ``plan.notices`` says why).
+            untraceable, ``plan.notices`` says why). The trials' fork server is started first, so its imports and
+            the trace overlap (:meth:`vramcal.measure.worker.Workers.warm_up`).
         evaluation: also calibrate the evaluation pass alone (no gradients, after real training steps at the
             conservative size): a verified evaluation batch size (:mod:`vramcal.calibration.evaluation`).
 
