@@ -164,10 +164,9 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
             must take ``seq_len``. A single length is a one-length calibration at it.
         trials: how each trial runs and how many. world: calibrate a DDP world of ranks; the limits are per rank.
         rank_devices: the ranks' GPUs (``world.nproc`` of one model; ``device`` is rank 0's); () on the host.
-        aim: trace the step on fake tensors first (:func:`vramcal.estimated.aim_for`, its bound learned from
-            ``profiles_dir``) and aim the search's growth with its slope; one process at one length only (else, or
-            untraceable, ``plan.notices`` says why). The trials' fork server is started first, so its imports and
-            the trace overlap (:meth:`vramcal.measure.worker.Workers.warm_up`).
+        aim: trace the step on fake tensors (the trials' server started first, importing meanwhile) and aim the
+            search's growth with its slope (:func:`vramcal.estimated.aim_for`, its bound learned from
+            ``profiles_dir``); one process at one length only (else, or untraceable, ``plan.notices`` says why).
         evaluation: also calibrate the evaluation pass alone (no gradients, after real training steps at the
             conservative size): a verified evaluation batch size (:mod:`vramcal.calibration.evaluation`).
 
