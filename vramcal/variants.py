@@ -43,7 +43,7 @@ from vramcal.calibration.throughput import (
     rate_for_run,
     rate_text,
 )
-from vramcal.profile import Profile, ProfileError, load_profile
+from vramcal.profile import Profile, profiles_where
 from vramcal.records import Device, World
 from vramcal.sizing import SizeRequest, Sizing, SizingError, length_trials, size
 from vramcal.workload import ModelRef
@@ -69,18 +69,14 @@ def variants_of(model: ModelRef, device: Device, profiles_dir: Path | str, *, wo
     """The readable profiles under ``profiles_dir`` of ``model`` in any variant, on ``device``'s hardware, in
     ``world`` (None: one process) and, when given, at the budget ``total_bytes``; the newest of each variant, in
     the order of their paths. Unreadable files are passed over (the lookup reports them)."""
-    newest: dict[str, tuple[str, Path, Profile]] = {}
-    for path in sorted(Path(profiles_dir).glob("**/*.json")):
-        try:
-            profile = load_profile(path)
-        except ProfileError:
-            continue
-        if (same_model(profile.model, model) and device.hardware_difference(profile.device) is None
-                and profile.world == world and total_bytes in (None, profile.device.total_bytes)):
-            key = profile.model.key()
-            if key not in newest or profile.created_utc > newest[key][0]:
-                newest[key] = (profile.created_utc, path, profile)
-    return sorted(((path, profile) for _, path, profile in newest.values()), key=lambda found: str(found[0]))
+    found, _ = profiles_where(profiles_dir, device, lambda p: same_model(p.model, model) and p.world == world,
+                              total_bytes)
+    newest: dict[str, Profile] = {}
+    for profile in found:  # oldest first: a later one of a variant replaces it only when it was made later
+        key = profile.model.key()
+        if key not in newest or profile.created_utc > newest[key].created_utc:
+            newest[key] = profile
+    return sorted(((p.path, p) for p in newest.values()), key=lambda row: str(row[0]))
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import fcntl
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from vramcal.files import atomic_write_text
@@ -153,18 +154,34 @@ def matching_profiles(profiles_dir: Path | str, device: Device, model: ModelRef,
         matching-looking file that could not be used (unreadable or failing its checks), so a bad file is reported
         rather than passed over in silence.
     """
+    def same_world(profile: Profile) -> bool:
+        return profile.world == world or (any_size and None not in (profile.world, world)
+                                          and dataclasses.replace(profile.world, nproc=world.nproc) == world)
+
+    return profiles_where(profiles_dir, device, lambda p: p.covers(model) and same_world(p), total_bytes,
+                          name_hint=model.key())
+
+
+def profiles_where(profiles_dir: Path | str, device: Device, wanted: Callable[[Profile], bool],
+                   total_bytes: int | None = None, name_hint: str | None = None) -> tuple[list[Profile], list[str]]:
+    """The readable profiles under ``profiles_dir`` (any depth) for this device's hardware, calibrated at the budget
+    ``total_bytes`` when it is given, that ``wanted`` keeps.
+
+    Returns:
+        The profiles, oldest first (by ``created_utc``, then path; each carries its ``path``), and one line for each
+        unreadable file whose name holds ``name_hint`` (the model asked for: its bad file is reported, not passed
+        over in silence; None reports none).
+    """
     candidates, skipped = [], []
     for path in sorted(Path(profiles_dir).glob("**/*.json")):
         try:
             profile = load_profile(path)
         except ProfileError as error:
-            if model.key() in path.name:
+            if name_hint is not None and name_hint in path.name:
                 skipped.append(str(error))
             continue
-        same_world = profile.world == world or (any_size and None not in (profile.world, world)
-                                                and dataclasses.replace(profile.world, nproc=world.nproc) == world)
-        if (profile.covers(model) and device.hardware_difference(profile.device) is None and same_world
-                and total_bytes in (None, profile.device.total_bytes)):
+        if (device.hardware_difference(profile.device) is None and total_bytes in (None, profile.device.total_bytes)
+                and wanted(profile)):
             candidates.append(profile)
     return sorted(candidates, key=lambda p: (p.created_utc, str(p.path))), skipped
 
