@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench.specs import SPECS
 from vramcal.estimate import EstimateError, StepEstimate, estimate_step
-from vramcal.estimated import Calibrated, held_against, learned_baseline, learned_bound
+from vramcal.estimated import Calibrated, held_against, learned_baseline, learned_bound, leave_one_out
 from vramcal.models import lm
 from vramcal.workload import ModelRef
 
@@ -181,8 +181,7 @@ def print_bound(names: list[str]) -> None:
     and the bound and baseline they give: :data:`vramcal.estimated.BENCH_BOUND` and ``HOST_BASELINE``."""
     found = calibrations(names)
     print("| calibration | baseline MiB | safe size | measured peak MiB | leave-one-out error |\n|---|---|---|---|---|")
-    for c in found:
-        error = c.error(learned_baseline(found, "host", leave_out=c.path, device=c.device).bytes)
+    for c, error in leave_one_out(found, "host"):
         print(f"| {c.path} | {c.baseline_bytes / MIB:.1f} | {c.safe_batch_size} | {c.safe_peak_bytes / MIB:.1f} | "
               f"{error:+.1%} |")
     bound, baseline = learned_bound(found, "host"), learned_baseline(found, "host")

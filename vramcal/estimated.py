@@ -168,14 +168,20 @@ def learned_baseline(calibrated: Sequence[Calibrated], kind: DeviceKind, leave_o
     return Baseline(int(statistics.median([c.baseline_bytes for c in chosen])), source)
 
 
+def leave_one_out(calibrated: Sequence[Calibrated], kind: DeviceKind) -> list[tuple[Calibrated, float]]:
+    """Each profile of ``kind`` with its leave-one-out error (module docstring): the estimate with the baseline the
+    others give it (:func:`learned_baseline`: its device's first and, on the host, its thread setting's first)."""
+    mine = [c for c in calibrated if c.kind == kind]
+    return [(c, c.error(learned_baseline(mine, kind, leave_out=c.path, device=c.device,
+                                         threads=c.threads if kind == "host" else ANY_THREADS).bytes)) for c in mine]
+
+
 def learned_bound(calibrated: Sequence[Calibrated], kind: DeviceKind) -> ErrorBound:
     """The leave-one-out errors (module docstring) of the profiles of ``kind``: each held against the estimate
     with the baseline of the others; with fewer than two, :data:`BENCH_BOUND`."""
-    mine = [c for c in calibrated if c.kind == kind]
-    if len(mine) < 2:
+    errors = [error for _, error in leave_one_out(calibrated, kind)]
+    if len(errors) < 2:
         return BENCH_BOUND
-    errors = [c.error(learned_baseline(mine, kind, leave_out=c.path, device=c.device, threads=c.threads).bytes)
-              for c in mine]
     return ErrorBound(min(errors), max(errors), len(errors), f"the {len(errors)} calibrations here")
 
 
