@@ -89,16 +89,22 @@ def join(world: World, rank: int, init_method: str, timeout_s: float, device: to
 
     Args:
         timeout_s: the bound of every collective (a rank that waits longer raises).
-        device: the rank's torch device; the agreement flags live there (NCCL needs CUDA tensors).
+        device: the rank's torch device; the agreement flags live there (NCCL needs CUDA tensors). A GPU rank's
+            card is the only one its worker sees (the meter pinned it by UUID), so ``cuda`` is index 0: it is set
+            as the current device (``torch.cuda.set_device`` takes no index-less device: torch's
+            ``_get_device_index(..., optional=False)`` raises) and bound at init (``init_process_group``'s
+            ``device_id``: NCCL forms its communicator there); without it FSDP2's default mesh
+            (``init_device_mesh``) would set the device to ``LOCAL_RANK``, no card in a worker that sees one.
     """
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(world.threads_per_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    bound = torch.device(device.type, device.index or 0) if device.type == "cuda" else None
+    if bound is not None:
+        torch.cuda.set_device(bound)  # before FSDP2's default mesh, which would set the device to LOCAL_RANK
     dist.init_process_group(world.backend, init_method=init_method, rank=rank, world_size=world.nproc,
-                            timeout=dt.timedelta(seconds=timeout_s))
+                            timeout=dt.timedelta(seconds=timeout_s), device_id=bound)
     return Group(rank, world.nproc, device)
 
 
