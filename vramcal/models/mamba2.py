@@ -145,14 +145,31 @@ def checkpoint_model(module: torch.nn.Module, every: int) -> tuple[int, int]:
     return recomputed, blocks
 
 
-def autocast(device_type: str, dtype_policy: str):
-    """The dtype policy's autocast for a forward pass on a device of ``device_type``: bf16 autocast
-    (``torch.autocast(device_type, dtype=torch.bfloat16)``) on CUDA for ``bf16-autocast``, else disabled (fp32), as
-    every family's factory runs it. Inside :func:`autocast_as_cuda` the host's bf16 autocast is enabled too."""
+@contextlib.contextmanager
+def autocast(device_type: str, dtype_policy: str) -> Iterator[None]:
+    """The dtype policy's autocast for a forward pass on a device of ``device_type``: bf16 autocast on CUDA for
+    ``bf16-autocast``, else disabled (fp32), as every family's factory runs it. Inside :func:`autocast_as_cuda` the
+    host's bf16 autocast is enabled too.
+
+    It sets the autocast state as ``torch.autocast`` enters and leaves it (``torch.amp.autocast_mode``), without
+    the constructor's question to the device: on CUDA that asks ``torch.cuda.is_bf16_supported()``, which starts
+    CUDA (``current_device()``), so a step traced on fake CUDA tensors in a process that must not touch the card
+    (an estimate or an aim beside running trials) would hold a CUDA context there. Whether the card runs bf16 is
+    :func:`check_dtype`'s, from NVML's compute capability."""
     import torch
 
     enabled = dtype_policy == "bf16-autocast" and (device_type == "cuda" or _AUTOCAST_AS_CUDA.get())
-    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=enabled)
+    before = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+    torch.set_autocast_enabled(device_type, enabled)
+    torch.set_autocast_dtype(device_type, torch.bfloat16)
+    torch.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled(device_type, before[0])
+        torch.set_autocast_dtype(device_type, before[1])
 
 
 @contextlib.contextmanager
