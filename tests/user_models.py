@@ -88,6 +88,15 @@ def process_state(channel=None) -> dict:
             "nvml_check": os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")}
 
 
+def worker_environment(channel=None) -> dict:
+    """The settings a worker runs with that differ by the kind of device it measures (test_gpu_path)."""
+    import os
+
+    names = ("GLIBC_TUNABLES", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING",
+             "ARROW_DEFAULT_MEMORY_POOL", "PYTORCH_NVML_BASED_CUDA_CHECK")
+    return {name: os.environ.get(name) for name in names}
+
+
 def lm_with_kernels(device: torch.device, *, config: str, seq_len: int) -> vramcal.TrainingStep:
     """A user's Mamba-2 language model with mamba_ssm's kernels bound, however the device treats them:
     transformers' ``modeling_mamba2`` imported with mamba_ssm visible (test_lm: the kernel path recorded)."""

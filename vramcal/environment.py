@@ -12,6 +12,8 @@ import importlib.metadata
 import os
 import platform
 import sys
+from collections.abc import Mapping
+from pathlib import Path
 
 # glibc malloc in workers: blocks of 256 KiB and more are mapped and unmapped on their own (a fixed threshold: glibc's
 # default threshold drifts up to 32 MiB as blocks are freed, and the heap then fragments by chance), one arena, and
@@ -33,9 +35,17 @@ HOST_MALLOC = ("glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=262144:glibc.
 # 659 against 839 MiB by step 120).
 ONEDNN_CACHE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 ARROW_POOL = "ARROW_DEFAULT_MEMORY_POOL"  # Arrow's system pool: its default keeps ~1 GiB of address space (DESIGN.md)
-# What a worker's fork server starts with unless the caller set it (read once, when a process starts).
+# What a host worker's fork server starts with unless the caller set it (read once, when a process starts).
 WORKER_DEFAULTS = {ARROW_POOL: "system", "GLIBC_TUNABLES": HOST_MALLOC,
                    "PYTORCH_NVML_BASED_CUDA_CHECK": "1", ONEDNN_CACHE: "0"}
+# Of those, the host's figures' own: a GPU worker builds its batches on the host with glibc's and oneDNN's defaults,
+# as a framework's process on the same card does (the 256 KiB mmap threshold faults in every fresh mapping: host
+# steps up to 71 % slower, bench/results/creep-256k/STUDY.md), so its rates are the ones a run gets.
+HOST_ONLY = ("GLIBC_TUNABLES", ONEDNN_CACHE)
+# Triton keeps its compiled kernels, and with TRITON_CACHE_AUTOTUNING=1 its autotuning results (triton 3.6:
+# knobs.autotuning.cache; Autotuner.check_disk_cache writes <kernel>.autotune.json), in TRITON_CACHE_DIR, so the
+# fused path's trials after the first neither compile nor autotune again: a GPU worker's defaults.
+TRITON_ENV = ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING")
 # The CUDA caching allocator's and the driver's settings (PyTorch's "CUDA semantics" notes), and the host's.
 ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "CUDA_MODULE_LOADING")
 HOST_MALLOC_ENV = ("GLIBC_TUNABLES", ARROW_POOL, "MALLOC_ARENA_MAX", "MALLOC_MMAP_THRESHOLD_",
@@ -137,6 +147,14 @@ def software_versions() -> dict[str, str | None]:
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
     return versions
+
+
+def triton_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where a GPU worker's Triton keeps its caches unless the caller chose (:data:`TRITON_ENV`):
+    ``$XDG_CACHE_HOME/vramcal/triton``, ``~/.cache/vramcal/triton`` when that is unset or relative (the XDG Base
+    Directory specification ignores a relative one)."""
+    base = environ.get("XDG_CACHE_HOME", "")
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "vramcal" / "triton"
 
 
 def worker_setting(name: str) -> str | None:

@@ -13,6 +13,11 @@ the allocator's own error (which a worker that raised reports itself, :func:`vra
 
 Without either the kill came from outside (``kill -9``, a preemption) and the status is an ``error`` of type
 :data:`KILLED`, which the calibration runs again once (a second one stops it).
+
+Only the host's memory is the kernel's to guard: CUDA raises an out-of-memory error for a GPU's memory and never
+kills a process for it, so a GPU worker killed with the counter risen ran out of the host's memory, an ``error`` of
+type :data:`HOST_FAULT` (it measured nothing about the card, and never becomes its limit), and its meter's reading,
+of the card's memory, is no evidence at all.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 from vramcal.units import format_bytes
 
 KILLED = "Killed"  # the error_type of a worker killed by a signal without out-of-memory evidence
+HOST_FAULT = "HostOutOfMemory"  # the error_type of a GPU worker the kernel's out-of-memory killer ended
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 VMSTAT = Path("/proc/vmstat")
 
@@ -93,15 +99,26 @@ def oom_evidence(before: tuple[str, int] | None, after: tuple[str, int] | None, 
 
 
 def exit_status(exitcode: int | None, pid: int | None = None, counter_before: tuple[str, int] | None = None,
-                reading_bytes: int | None = None, usable_bytes: int | None = None) -> dict[str, Any]:
+                reading_bytes: int | None = None, usable_bytes: int | None = None,
+                killed_for_memory: bool = True) -> dict[str, Any]:
     """How a worker that sent no result ended, as :class:`vramcal.measure.worker.Outcome` fields: killed by a signal
     (``exitcode`` -N) is ``oom`` only on evidence (:func:`oom_evidence`, the counter read again now); any other kill
-    is an ``error`` of type :data:`KILLED`, which measured nothing."""
+    is an ``error`` of type :data:`KILLED`, which measured nothing.
+
+    Args:
+        killed_for_memory: whether the memory the worker measured is the kernel's to guard (the host's; a GPU's is
+            not: the meter's ``killed_for_memory``): where it is not, the counter's rise is a host fault
+            (:data:`HOST_FAULT`) and the reading no evidence (module docstring)."""
     if exitcode is not None and exitcode < 0:
         name, after = signal_name(-exitcode), oom_kill_counter()
-        evidence = oom_evidence(counter_before, after, reading_bytes, usable_bytes)
-        if evidence is not None:
+        evidence = oom_evidence(counter_before, after, reading_bytes if killed_for_memory else None, usable_bytes)
+        if evidence is not None and killed_for_memory:
             return {"status": "oom", "message": f"killed by {name} (pid {pid}) {evidence}"}
+        if evidence is not None:
+            return {"status": "error", "error_type": HOST_FAULT,
+                    "message": f"killed by {name} (pid {pid}) {evidence}: the host's memory ran out, not the GPU's "
+                               f"(CUDA raises an out-of-memory error for device memory, and never kills): a host "
+                               f"fault, no limit of the card; free host memory and run again"}
         what = (f"killed by {name} (pid {pid}), and the kernel counted no out-of-memory kill: something outside "
                 f"vramcal ended it (a kill, a scheduler's preemption)")
         return {"status": "error", "error_type": KILLED, "message": what}

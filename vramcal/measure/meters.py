@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from vramcal.environment import ALLOCATOR_ENV, HOST_MALLOC_ENV
+from vramcal.environment import ALLOCATOR_ENV, HOST_MALLOC_ENV, HOST_ONLY, TRITON_ENV, WORKER_DEFAULTS, triton_cache_dir
 from vramcal.measure.nvml import NvmlError, load_nvml, nvml_handle
 from vramcal.measure.sampler import BASELINE_SETTLE_S, NvmlSampler
 from vramcal.records import Device
@@ -75,9 +75,23 @@ def open_meter(device: Device, host_limit_bytes: int | None = None, *, settle_s:
 # ---------------------------------------------------------------------------------------------- GPU
 
 class CudaMeter:
-    """The GPU meter; see :func:`open_meter`."""
+    """The GPU meter; see :func:`open_meter`.
+
+    What else differs for a GPU's workers: CUDA raises an out-of-memory error for device memory and never kills a
+    process for it (``killed_for_memory``: a GPU worker killed by the kernel's out-of-memory killer ran out of the
+    host's memory, :mod:`vramcal.measure.evidence`); their environment (:meth:`worker_environment`).
+    """
 
     kind = "cuda"
+    killed_for_memory = False
+
+    @staticmethod
+    def worker_environment() -> dict[str, str]:
+        """What a GPU worker's fork server starts with unless the caller set it: the workers' defaults without the
+        host's own (:data:`vramcal.environment.HOST_ONLY`), and Triton's caches kept across trials
+        (:data:`vramcal.environment.TRITON_ENV`, under :func:`vramcal.environment.triton_cache_dir`)."""
+        return {**{name: value for name, value in WORKER_DEFAULTS.items() if name not in HOST_ONLY},
+                TRITON_ENV[0]: str(triton_cache_dir()), TRITON_ENV[1]: "1"}
 
     def __init__(self, device: Device, settle_s: float = BASELINE_SETTLE_S, nvml_loader: Any = None) -> None:
         if not device.uuid:
@@ -141,13 +155,15 @@ class CudaMeter:
         return cuda_peaks(self._sampler, self.nvml_overhead_bytes)
 
     def environment(self) -> dict[str, Any]:
-        """What changes GPU memory use besides the model, read after CUDA started (for the profile)."""
+        """What changes GPU memory use besides the model, read after CUDA started, and what the worker ran with
+        (Triton's caches; the host's settings, unset unless the caller set them) (for the profile)."""
         import torch
 
         major, minor = torch.cuda.get_device_capability()
         return {"torch_version": torch.__version__, "torch_cuda_version": torch.version.cuda,
                 "cudnn_version": torch.backends.cudnn.version(), "triton_version": _version("triton"),
-                "compute_capability": f"{major}.{minor}", **{name: os.environ.get(name) for name in ALLOCATOR_ENV}}
+                "compute_capability": f"{major}.{minor}",
+                **{name: os.environ.get(name) for name in (*ALLOCATOR_ENV, *TRITON_ENV, *HOST_ONLY)}}
 
     def close(self) -> None:
         self._sampler.stop()
@@ -169,9 +185,17 @@ def _version(distribution: str) -> str | None:
 # ---------------------------------------------------------------------------------------------- host
 
 class HostMeter:
-    """The host meter; see :func:`open_meter`. ``RLIMIT_DATA`` stays for the life of the process."""
+    """The host meter; see :func:`open_meter`. ``RLIMIT_DATA`` stays for the life of the process. The kernel's
+    out-of-memory killer guards the host's memory (``killed_for_memory``)."""
 
     kind = "host"
+    killed_for_memory = True
+
+    @staticmethod
+    def worker_environment() -> dict[str, str]:
+        """What a host worker's fork server starts with unless the caller set it
+        (:data:`vramcal.environment.WORKER_DEFAULTS`)."""
+        return dict(WORKER_DEFAULTS)
 
     def __init__(self, host_limit_bytes: int | None = None) -> None:
         self._highest: dict[str, int] | None = None  # the highest reading since the last reset (read)
@@ -221,6 +245,10 @@ class HostMeter:
 
     def close(self) -> None:
         """Nothing to stop on the host."""
+
+
+# The meter of each kind of device (:data:`vramcal.records.DeviceKind`), and with it what else differs between them
+METERS: dict[str, type[CudaMeter] | type[HostMeter]] = {"cuda": CudaMeter, "host": HostMeter}
 
 
 def read_status_bytes(field: str, pid: int | str = "self") -> int:

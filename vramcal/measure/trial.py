@@ -89,8 +89,9 @@ class TrialRequest:
         world: a DDP world of ranks (``batch_size`` is then per rank), or None for one process.
         rank_devices: each rank's device (GPUs: one each); () = every rank on ``device`` (the host).
         peak_only: one measured step and no validation pass (module docstring): a boundary trial.
-        usable_bytes: the calibration's usable memory (bytes): a trial killed by a signal after its meter read at
-            or above it is out-of-memory (:mod:`vramcal.measure.evidence`); None: only the kernel's counter says so.
+        usable_bytes: the calibration's usable memory (bytes): a host trial killed by a signal after its meter read
+            at or above it is out-of-memory (:mod:`vramcal.measure.evidence`; a GPU trial never is); None: only the
+            kernel's counter says so.
         train_batch_size: an evaluation trial (:mod:`vramcal.calibration.evaluation`): its warm-up steps train at
             this batch size, then its measured steps are evaluation passes alone at ``batch_size``. None: a
             training trial.
@@ -164,7 +165,7 @@ class TrialRunner:
         if request.world is not None:
             return self.run_world(request, purpose)
         outcome = self.workers.run(measure, request, timeout_s=request.settings.timeout_s, handler=self._handle,
-                                   usable_bytes=request.usable_bytes)
+                                   usable_bytes=request.usable_bytes, device_kind=request.device.kind)
         if outcome.status != "ok":
             return (self.failed(request, outcome, purpose),)
         return self.records([outcome.result], [outcome], request, purpose)
@@ -179,7 +180,7 @@ class TrialRunner:
             init = f"file://{folder}/rendezvous"
             calls = [(measure_rank, (request, rank, init)) for rank in range(request.world.nproc)]
             outcomes = self.workers.run_all(calls, timeout_s=request.settings.timeout_s, handler=self._handle,
-                                            usable_bytes=request.usable_bytes)
+                                            usable_bytes=request.usable_bytes, device_kind=request.device.kind)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         if all(o.status == "ok" for o in outcomes):

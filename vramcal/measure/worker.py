@@ -32,11 +32,15 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from vramcal.environment import WORKER_DEFAULTS
 from vramcal.measure.evidence import exit_status, oom_kill_counter
+from vramcal.measure.meters import METERS
+from vramcal.measure.nvml import NvmlError, load_nvml
 from vramcal.oom import is_out_of_memory
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vramcal.records import DeviceKind
 
 OutcomeStatus = Literal["ok", "oom", "timeout", "error"]
 _END_AT_EXIT: list[bool] = []  # one entry once Workers.warm_up has registered _end_server with atexit
@@ -98,11 +102,15 @@ class Workers:
     The first run starts the fork server (it imports torch and the rest once, seconds on a small CPU);
     later runs fork in milliseconds.
 
-    The fork server starts with ``ARROW_DEFAULT_MEMORY_POOL=system`` (pyarrow's default pools keep about
-    1 GiB of address space after reading a parquet file, which a host budget, ``RLIMIT_DATA``, would
-    count) and ``GLIBC_TUNABLES`` = :data:`vramcal.environment.HOST_MALLOC` (repeatable host peaks), unless the
-    caller set them (:data:`vramcal.environment.WORKER_DEFAULTS`). Both are read once, when a process starts, and
-    recorded in the profile's environment.
+    The fork server starts with the environment of the kind of device its workers measure, unless the caller set
+    it (the meter's ``worker_environment``: :data:`vramcal.environment.WORKER_DEFAULTS`, read once, when a process
+    starts, and recorded in the profile's environment): ``ARROW_DEFAULT_MEMORY_POOL=system`` (pyarrow's default
+    pools keep about 1 GiB of address space after reading a parquet file, which a host budget, ``RLIMIT_DATA``,
+    would count) for every worker; for the host's also ``GLIBC_TUNABLES`` = :data:`vramcal.environment.HOST_MALLOC`
+    (repeatable host peaks) and oneDNN's cache off, which a GPU's do not get (they build batches as a framework's
+    process on the card does); for a GPU's Triton's caches. A kind's own settings are in this process's
+    ``os.environ`` only while its server starts (:func:`_server_for`), so no other child (torchrun's ranks) takes
+    them for the caller's; a worker of the other kind restarts the server.
 
     Args:
         preload: the modules the fork server imports before it forks (the caller's: what its workers run).
@@ -110,32 +118,37 @@ class Workers:
     """
 
     def __init__(self, preload: tuple[str, ...]) -> None:
-        # read once when a process starts: set them for the fork server before it starts
-        for name, value in WORKER_DEFAULTS.items():
+        # read once when a process starts: what every kind's workers share is set for the fork server here
+        shared = METERS["cuda"].worker_environment().items() & METERS["host"].worker_environment().items()
+        for name, value in shared:
             os.environ.setdefault(name, value)
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(list(preload))
 
-    def warm_up(self) -> None:
+    def warm_up(self, device_kind: DeviceKind | None = None) -> None:
         """Start the fork server now and return at once: it imports its preload in its own process (seconds of
         torch and transformers) while the caller goes on with its own work (its imports, reading the data,
         finding the profile), so the first worker need not wait for all of it. The server takes the
         environment as it is now: a caller sets what its workers must see (``--strict-profile``) first.
 
+        Args:
+            device_kind: the kind of device its workers will measure; None: the one it last served, else a GPU
+                where NVML starts (the device is chosen later), else the host. A worker of another kind
+                restarts it.
+
         A server ends once its caller has gone, but not before its imports are done: the caller ends it as it
         exits, so a command that stops early (a bad option, a missing file) leaves nothing busy behind it (and
         whoever reads the command's output through a pipe does not wait seconds for the server to let it go)."""
         import atexit
-        from multiprocessing import forkserver
 
-        with _main_left_alone():
-            forkserver.ensure_running()
+        _server_for(device_kind or (_SERVED[0] if _SERVED else _likely_kind()))
         if not _END_AT_EXIT:
             _END_AT_EXIT.append(True)
             atexit.register(_end_server)
 
     def run(self, function: Callable[..., Any] | str, *args: Any, timeout_s: float | None = None,
-            handler: Handler | None = None, usable_bytes: int | None = None) -> Outcome:
+            handler: Handler | None = None, usable_bytes: int | None = None,
+            device_kind: DeviceKind = "host") -> Outcome:
         """Run ``function(*args, channel=Channel)`` in a worker and wait for it.
 
         Args:
@@ -145,26 +158,30 @@ class Workers:
             handler: ``handler(kind, payload)`` for the worker's messages; its return value answers an ask.
             usable_bytes: the usable memory of the worker's device: a kill after it read at or above that is
                 out-of-memory (:mod:`vramcal.measure.evidence`); None: only the kernel's counter says so.
+            device_kind: the kind of device the worker measures: its environment (class docstring), and what a
+                kill means (on a GPU never a device out-of-memory: :mod:`vramcal.measure.evidence`).
 
         Raises:
             KeyboardInterrupt: the caller was interrupted; the worker is killed first.
         """
-        return self.run_all([(function, args)], timeout_s=timeout_s, handler=handler, usable_bytes=usable_bytes)[0]
+        return self.run_all([(function, args)], timeout_s=timeout_s, handler=handler, usable_bytes=usable_bytes,
+                            device_kind=device_kind)[0]
 
     def start(self, function: Callable[..., Any] | str, *args: Any, handler: Handler | None = None,
-              usable_bytes: int | None = None) -> Job:
+              usable_bytes: int | None = None, device_kind: DeviceKind = "host") -> Job:
         """Start ``function(*args, channel=Channel)`` in a worker and return at once (:class:`Job`)."""
+        _server_for(device_kind)
         ours, theirs = self._context.Pipe(duplex=True)
         started = time.time()
         process = self._context.Process(target=_worker_main, args=(theirs, function, args, started, os.getpid()))
         with _main_left_alone():
             process.start()
         theirs.close()
-        return Job(process, ours, started, handler, usable_bytes)
+        return Job(process, ours, started, handler, usable_bytes, METERS[device_kind].killed_for_memory)
 
     def run_all(self, calls: list[tuple[Callable[..., Any] | str, tuple]], *, timeout_s: float | None = None,
                 handler: Handler | None = None, grace_s: float = 10.0,
-                usable_bytes: int | None = None) -> list[Outcome]:
+                usable_bytes: int | None = None, device_kind: DeviceKind = "host") -> list[Outcome]:
         """Run several workers at once (the ranks of a world) and wait for all of them.
 
         When one ends without a result ``ok``, the others get ``grace_s`` seconds to end by themselves (they
@@ -178,7 +195,8 @@ class Workers:
         Raises:
             KeyboardInterrupt: the caller was interrupted; every worker is killed first.
         """
-        jobs = [self.start(function, *args, handler=handler, usable_bytes=usable_bytes) for function, args in calls]
+        jobs = [self.start(function, *args, handler=handler, usable_bytes=usable_bytes, device_kind=device_kind)
+                for function, args in calls]
         try:
             _serve(jobs, timeout_s, grace_s)
         finally:
@@ -193,8 +211,9 @@ class Job:
     outcome: Outcome | None
 
     def __init__(self, process: Any, connection: Any, started: float, handler: Handler | None,
-                 usable_bytes: int | None = None) -> None:
+                 usable_bytes: int | None = None, killed_for_memory: bool = True) -> None:
         self.process, self.connection, self.started, self.handler = process, connection, started, handler
+        self.killed_for_memory = killed_for_memory  # whether its device's memory is the kernel's to guard
         self.final: dict[str, Any] | None = None
         self.outcome: Outcome | None = None
         self.counter_before = oom_kill_counter()  # the kernel's out-of-memory kills so far (evidence.exit_status)
@@ -235,7 +254,7 @@ class Job:
             self.process.kill()
         self.process.join()
         final = final or exit_status(self.process.exitcode, self.process.pid, self.counter_before, self.reading_bytes,
-                                     self.usable_bytes)
+                                     self.usable_bytes, self.killed_for_memory)
         self.outcome = Outcome(wall_s=time.time() - self.started, **final)
 
     def close(self) -> None:
@@ -296,6 +315,40 @@ def _main_left_alone():
         yield
     finally:
         main.__file__ = path
+
+
+_SERVED: list[str] = []  # the kind of device whose environment the running fork server started with
+
+
+def _server_for(device_kind: str) -> None:
+    """Make sure the fork server runs with the environment of ``device_kind``'s workers (:class:`Workers`): start it
+    with that kind's settings set in ``os.environ`` only for its start (those the caller set stay the caller's),
+    after ending one started for the other kind (a process that measures both: its imports once more; no worker
+    of the other kind runs then, trials being one at a time). Reads multiprocessing's private
+    ``_forkserver._stop`` (CPython 3.8 to 3.13), as :func:`_end_server` reads its pid."""
+    from multiprocessing import forkserver
+
+    if _SERVED and _SERVED[0] != device_kind:
+        getattr(forkserver._forkserver, "_stop", lambda: None)()  # type: ignore[attr-defined]
+    own = {name: value for name, value in METERS[device_kind].worker_environment().items() if name not in os.environ}
+    os.environ.update(own)
+    try:
+        with _main_left_alone():
+            forkserver.ensure_running()
+    finally:
+        for name in own:
+            os.environ.pop(name, None)
+    _SERVED[:] = [device_kind]
+
+
+def _likely_kind() -> str:
+    """The kind of device a server started before the device is chosen most likely serves: a GPU where NVML starts
+    (a GPU machine calibrates its GPUs), else the host."""
+    try:
+        load_nvml()
+    except NvmlError:
+        return "host"
+    return "cuda"
 
 
 def _end_server() -> None:

@@ -120,7 +120,8 @@ def _in_worker(plan: Plan, handle: Callable[[str, Any], Any], trackers: list[Any
     status = "KILLED"  # until the worker says otherwise: an interrupt ends the run here
     try:
         outcome = (workers or worker_pool()).run(TRAIN_WORKER, plan, handler=handle,
-                                                 usable_bytes=plan.sizing.usable_bytes if plan.sizing else None)
+                                                 usable_bytes=plan.sizing.usable_bytes if plan.sizing else None,
+                                                 device_kind=plan.device.kind)
         status = "FINISHED" if outcome.status == "ok" else "KILLED" if outcome.error_type == "Stopped" else "FAILED"
     finally:
         for tracker in trackers:
