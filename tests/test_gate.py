@@ -38,12 +38,11 @@ def test_a_studys_batch_range_ends_below_what_the_device_has_free_now(folder, mo
 
 def test_an_integrations_first_step_is_gated_and_a_resize_keeps_the_gate(folder, monkeypatch):
     """What this process holds is added back: only the others' memory is missing."""
-    seen = []
+    seen, held = [], []
+    monkeypatch.setattr(framework, "attach_meter", lambda device, warn: Meter(held))  # attached when the run is made
     run = framework.FrameworkRun(folder["path"], device="cpu", warn=seen.append)
     before = run.sizing.batch_size
     monkeypatch.setattr(framework, "free_bytes", lambda device: (folder["room"] - 72 * MIB, "MemAvailable (faked)"))
-    held = []
-    monkeypatch.setattr(framework, "attach_meter", lambda device, warn: Meter(held))
     sizing = run.start()
     assert sizing.batch_size < before and sizing.missing_bytes == 72 * MIB - held[0]
     assert any("less than the profile's" in line for line in seen)
@@ -54,6 +53,8 @@ def test_an_integrations_first_step_is_gated_and_a_resize_keeps_the_gate(folder,
 
 class Meter:
     """The process meter at the hardware boundary: this process holds 8 MiB."""
+
+    unseen = None
 
     def __init__(self, held: list[int]) -> None:
         self.held = held

@@ -623,7 +623,8 @@ def repeat_spread(profile: Profile, seq_len: int | None = None) -> tuple[float, 
     repeated = [(max(p) - min(p)) / min(p) for p in peaks.values() if len(p) > 1]
     if repeated:
         found.append((max(repeated), f"{max(repeated):.1%}: repeated trials of one batch size in the calibration"))
-    errors = [o.peak_bytes / o.predicted_peak_bytes - 1 for o in profile.observations if o.predicted_peak_bytes > 0]
+    errors = [o.peak_bytes / o.predicted_peak_bytes - 1 for o in profile.observations
+              if o.predicted_peak_bytes > 0 and o.peak_unseen is None]  # a lower bound spreads nothing
     if len(errors) > 1:
         found.append((max(errors) - min(errors), f"{max(errors) - min(errors):.1%}: the spread of the "
                                                  f"{len(errors)} runs recorded in the profile"))

@@ -125,6 +125,11 @@ class FrameworkRun:
         self.held_bytes: int | None = None
         self.peak_bytes: int | None = None
         self._meter: Any = None
+        # attached now, the earliest vramcal is in the process: before the model reaches the card where the
+        # framework calls this first (Lightning's setup, the Trainer's arguments), so a baseline of the device's use
+        # (no per-process NVML figure: containers) misses nothing (AttachedCudaMeter)
+        self._attached: Any = attach_meter(self.device, warn=self.warn)
+        self._unseen: str | None = None  # what the meter could not see (finish): the observation says so
         self._free: dict[str, Any] = {}  # the gate's reading at start()
         self.checkpointed: tuple[int, int] | None = None  # checkpoint(): (blocks recomputed, blocks found)
 
@@ -144,11 +149,14 @@ class FrameworkRun:
             self.inform(f"vramcal: this process's glibc malloc now runs as the trials' did ({done}: mallopt), for "
                       f"their host figures to hold here; export GLIBC_TUNABLES={HOST_MALLOC} before Python starts to "
                       f"have it from the first allocation")
-        self._meter = attach_meter(self.device, warn=self.warn)
-        self.held_bytes = self._meter.held_bytes()
+        self._meter, self._attached = self._attached or attach_meter(self.device, warn=self.warn), None
+        self.held_bytes = None if self._meter.unseen else self._meter.held_bytes()
+        if self._meter.unseen:
+            self.warn(f"vramcal: {self._meter.unseen}: no process term is measured, and the peak will be a lower "
+                      f"bound; make the run (the callback) before the model reaches the card")
         free, source = free_bytes(self.device)
-        if free is not None:  # this process's own memory is not the others'
-            free, source = free + (self.held_bytes or 0), f"{source} plus what this process holds"
+        if free is not None and self.held_bytes is not None:  # this process's own memory is not the others'
+            free, source = free + self.held_bytes, f"{source} plus what this process holds"
         self._free = {"free_bytes": free, "free_source": source}
         before = self.sizing.batch_size
         self.sizing = size(self.profile, self.ask, process_bytes=self.held_bytes, **self._free)
@@ -221,7 +229,7 @@ class FrameworkRun:
         if self._meter is None:
             raise RuntimeError("FrameworkRun.finish() before start(): call start() when training starts")
         self.peak_bytes = self._meter.read()
-        definition = self._meter.definition
+        definition, self._unseen = self._meter.definition, self._meter.unseen
         self._meter.close()
         self._meter = None
         line, warned = compare(self.sizing, self.peak_bytes, process=self.held_bytes is not None)
@@ -245,9 +253,10 @@ class FrameworkRun:
 
     def close(self) -> None:
         """Stop measuring (an exception ended the run)."""
-        if self._meter is not None:
-            self._meter.close()
-            self._meter = None
+        for meter in (self._meter, self._attached):
+            if meter is not None:
+                meter.close()
+        self._meter = self._attached = None
 
     def _observe(self, steps: int, run_dir: str) -> None:
         if self.path is None:
@@ -258,7 +267,7 @@ class FrameworkRun:
             peak_bytes=int(self.peak_bytes), predicted_peak_bytes=s.predicted_peak_bytes, upper_bytes=s.upper_bytes,
             warn_bytes=s.line_bytes,
             usable_bytes=s.usable_bytes, steps=steps, run_dir=run_dir, framework=self.framework,
-            process_delta_bytes=s.process_delta_bytes)
+            process_delta_bytes=s.process_delta_bytes, peak_unseen=self._unseen)
         try:
             append_observation(self.path, observation)
         except (OSError, ProfileError) as error:

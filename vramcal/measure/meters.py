@@ -354,9 +354,11 @@ def synchronize(device_kind: str) -> None:
 # ---------------------------------------------------------------------------------------------- attached
 
 class AttachedMeter(Protocol):
-    """A meter attached to a running process (:func:`attach_meter`); ``definition`` says what it measured."""
+    """A meter attached to a running process (:func:`attach_meter`); ``definition`` says what it measured, and
+    ``unseen`` what of the process it cannot see (None: nothing; else its peak is a lower bound)."""
 
     definition: str
+    unseen: str | None
 
     def held_bytes(self) -> int: ...
     def reset(self) -> None: ...
@@ -367,9 +369,11 @@ class AttachedMeter(Protocol):
 def attach_meter(device: Device, warn: Callable[[str], None] = print) -> AttachedMeter:
     """A meter for this already running process on ``device`` (a CUDA GPU it trains on, or the host), by the
     trials' definitions: on a GPU ``max(NVML per-process peak, NVML overhead at reset +
-    torch.cuda.max_memory_reserved())``, NVML sampled every 10 ms by a background thread (where NVML is
-    unusable, ``torch.cuda.max_memory_reserved()`` alone, which leaves out the CUDA context: ``warn`` says
-    so); on the host ``max(VmHWM since reset, peak of the data segment over the process's life)``.
+    torch.cuda.max_memory_reserved())``, NVML sampled every 10 ms by a background thread from the first
+    ``reset()`` (where NVML is unusable, ``torch.cuda.max_memory_reserved()`` alone, which leaves out the CUDA
+    context: ``warn`` says so); on the host ``max(VmHWM since reset, peak of the data segment over the process's
+    life)``. Attach it before the model reaches the card: where NVML gives no per-process figure its baseline is
+    the device's use now (:class:`AttachedCudaMeter`).
 
     Args:
         warn: called with one line when the meter falls back to a weaker figure.
@@ -383,6 +387,8 @@ class AttachedHostMeter:
     VmHWM is reset by :meth:`reset`; the data-segment peak cannot be reset, so where it was reached before
     (a long-lived process, a notebook) the figure is an upper bound of the span's, and the definition says so.
     """
+
+    unseen = None  # the kernel's figures are the whole process's
 
     def __init__(self) -> None:
         self.definition = "host peak: max(VmHWM since fit start, data-segment peak of the process)"
@@ -406,31 +412,60 @@ class AttachedHostMeter:
 
 
 class AttachedCudaMeter:
-    """The GPU peak of this process (:func:`cuda_peaks`): NVML sampled in a thread, and torch's allocator
-    peak. Without NVML, torch's reserved peak alone (with a warning)."""
+    """The GPU peak of this process (:func:`cuda_peaks`): NVML sampled in a thread, and torch's allocator peak.
+    Without NVML, torch's reserved peak alone (with a warning).
+
+    NVML's figure is this process's own where NVML lists it with one; else (a container's PID namespace hides it:
+    :mod:`vramcal.measure.sampler`) the device's use since the baseline, taken when the meter is made. Made before
+    CUDA started in this process, that covers all of it. Made after, what the process held then is not in the
+    change: torch's reserved memory at the baseline is counted back in, and what lies outside torch's allocator
+    (the CUDA context, ~0.3-0.5 GiB, and any library's own allocations) is not seen: ``unseen`` says so, the peak
+    and :meth:`held_bytes` are lower bounds, and the definition says it.
+    """
 
     def __init__(self, device: Device, warn: Callable[[str], None] = print) -> None:
-        self._overhead_bytes, self._warn = 0, warn
+        self._overhead_bytes, self._warn, self.unseen, self._sampling = 0, warn, None, False
+        torch = sys.modules.get("torch")
+        before = torch_cuda_reserved_bytes() if torch is not None and torch.cuda.is_initialized() else None
         try:
             nvml = load_nvml()
-            self._sampler: NvmlSampler | None = NvmlSampler(nvml, nvml_handle(nvml, device)).start()
+            self._sampler: NvmlSampler | None = NvmlSampler(nvml, nvml_handle(nvml, device))
             self.definition = "GPU peak: max(NVML peak, NVML overhead + torch.cuda.max_memory_reserved())"
         except NvmlError as error:
             self._sampler = None
             self.definition = "GPU peak: torch.cuda.max_memory_reserved() only (no NVML: no CUDA context)"
             warn(f"NVML is unusable ({error}): the peak will be torch.cuda.max_memory_reserved() alone, which leaves "
                  f"out the CUDA context that the profile counts")
+        self._before_bytes = 0
+        if self._sampler is not None and before is not None:
+            try:
+                self._sampler.sample()  # does NVML give this process's own figure?
+            except NvmlError as error:
+                self._sampler.error = str(error)  # read() says so
+            if self._sampler.source != "process":  # the device-wide change from here: what CUDA holds now is out
+                self._before_bytes = before
+                self.unseen = ("NVML gives no per-process figure here (a container?) and CUDA had started before "
+                               "vramcal attached, so the CUDA context and memory outside torch's allocator held "
+                               "then are not seen")
+                self.definition += f", a lower bound: {self.unseen}"
 
     def held_bytes(self) -> int:
-        """This process's GPU memory now (NVML; without it, torch's reserved memory)."""
+        """This process's GPU memory now (NVML, with torch's reserved memory at the baseline where NVML's figure
+        is the change since it; without NVML, torch's reserved memory)."""
         synchronize("cuda")
-        return self._sampler.current_bytes() if self._sampler is not None else torch_cuda_reserved_bytes()
+        if self._sampler is None:
+            return torch_cuda_reserved_bytes()
+        return self._sampler.current_bytes() + self._before_bytes
 
     def reset(self) -> None:
+        """The measured span starts: torch's and the sampler's peaks reset (its thread started at the first)."""
         torch_cuda_reset_peaks()
         if self._sampler is not None:
+            if not self._sampling:
+                self._sampler.start()
+                self._sampling = True
             self._sampler.reset_peaks()
-            self._overhead_bytes = self._sampler.current_bytes() - torch_cuda_reserved_bytes()
+            self._overhead_bytes = self.held_bytes() - torch_cuda_reserved_bytes()
 
     def read(self) -> int:
         synchronize("cuda")
@@ -440,7 +475,8 @@ class AttachedCudaMeter:
             except NvmlError as error:
                 self._sampler.error = str(error)
             if self._sampler.error is None:
-                return cuda_peaks(self._sampler, self._overhead_bytes)["peak_bytes"]
+                figures = cuda_peaks(self._sampler, self._overhead_bytes)
+                return max(figures["peak_bytes"], figures["nvml_peak_bytes"] + self._before_bytes)
             self._warn(f"NVML stopped answering ({self._sampler.error}): the peak is "
                        f"torch.cuda.max_memory_reserved() alone, without the CUDA context")
             self.definition = "GPU peak: torch.cuda.max_memory_reserved() only (NVML failed)"

@@ -93,6 +93,9 @@ class Observation:
         train_samples, val_samples, data_source: the epoch the run's forecast counted (its own windows: its data
             and stride; under DDP this rank's share) and where they came from, which the report's forecast counts
             (:func:`vramcal.forecast.default_dataset`); None: not recorded (older runs, no forecast).
+        peak_unseen: what of the process ``peak_bytes`` leaves out, which makes it a lower bound (a framework's run
+            on a GPU where NVML gives no per-process figure and CUDA started before vramcal attached:
+            :class:`vramcal.measure.meters.AttachedCudaMeter`); None: nothing.
     """
 
     recorded_utc: str
@@ -118,6 +121,7 @@ class Observation:
     train_samples: int | None = None
     val_samples: int | None = None
     data_source: str | None = None
+    peak_unseen: str | None = None
 
     @property
     def line_bytes(self) -> int:

@@ -356,7 +356,8 @@ def observations_table(profile: Profile) -> str:
     for o in profile.observations:
         found = verdict(o.peak_bytes, o.line_bytes, o.usable_bytes, o.batch_size, start)
         found = found if found in ("within the bound", "below the fitted range") else f"**{found}**"
-        rows.append([o.recorded_utc, str(o.batch_size), format_bytes(o.data_bytes), format_bytes(o.peak_bytes),
+        rows.append([o.recorded_utc, str(o.batch_size), format_bytes(o.data_bytes),
+                     (">= " if o.peak_unseen else "") + format_bytes(o.peak_bytes),  # a lower bound: part not seen
                      format_bytes(o.predicted_peak_bytes), f"{o.error:+.1%}", format_bytes(o.line_bytes), found,
                      str(o.steps), o.vramcal_version])
     return markdown_table(["recorded (UTC)", "batch", "data", "measured peak", "predicted", "error", "warned above",
