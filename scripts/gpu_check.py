@@ -29,14 +29,17 @@ written to ``gpu_check.json`` and ``GPU_CHECK.md`` as soon as it ends, and a fai
    ``--impl mamba_ssm`` under its own caps (``gpu_check_policy.FUSED``: 8 trials, a steady trial of at most 10
    steps, 150 s).
 
-Time: ``--budget-s`` bounds the whole run (gpu_check.sh runs it under ``timeout 480`` with the default 450 s, and
-the check stops itself before that with everything written). Each step has an estimate and a weight
+Time: ``--budget-s`` bounds the whole run (gpu_check.sh derives it, and the ``timeout`` it runs the check under, from
+its one deadline, after timing its setup, ``--setup-s``, recorded; the check stops itself before the timeout with
+everything written). Each step has an estimate and a weight
 (:data:`TIMES`); a calibration's most trials, steady steps and per-trial timeout derive from the time it is given
 (``gpu_check_policy.trial_settings``, from the caps ``CUDA``, ``HOST``, ``FUSED`` there).
 
-Triton (the fused path's kernels): ``TRITON_CACHE_DIR`` is set to ``<work>/triton-cache`` before the first trial
-process starts, so the kernels one trial compiles are found by the next, and ``TRITON_CACHE_AUTOTUNING=1`` makes
-Triton keep its autotuning results there too (triton 3.6.0, read in its wheel and in triton-lang/triton:
+Triton (the fused path's kernels): vramcal's GPU workers keep Triton's compiled kernels and autotuning results
+across trial processes (``vramcal.measure.meters.CudaMeter.worker_environment``: ``TRITON_CACHE_AUTOTUNING=1``, and
+``TRITON_CACHE_DIR`` in the user's cache unless set); the check sets ``TRITON_CACHE_DIR`` to ``<work>/triton-cache``
+before the first trial process starts, to count its files, so the kernels one trial compiles are found by the next,
+and the autotuning results too (triton 3.6.0, read in its wheel and in triton-lang/triton:
 ``python/triton/knobs.py`` ``autotuning_knobs.cache = env_bool("TRITON_CACHE_AUTOTUNING")``;
 ``python/triton/runtime/autotuner.py`` ``Autotuner.__init__`` turns on ``cache_results`` with it, and
 ``check_disk_cache`` then writes ``<kernel>.autotune.json`` through the cache manager of ``TRITON_CACHE_DIR``
@@ -54,11 +57,11 @@ Writes ``<out>/gpu_check.json``, ``<out>/GPU_CHECK.md`` and ``<out>/gpu_check_fi
 reports), and nothing else under ``<out>`` (the device tool brings back at most 8 files); profiles, reports,
 the training run, the bars and Triton's cache go to ``--work`` (default ``<out>.work``, beside ``<out>``).
 
-Options: ``--out`` (required), ``--work``, ``--budget-s`` (seconds, default 450), ``--gpu`` (``auto``; ``none``
-rehearses on the host), ``--capacity`` (the host budget, e.g. 2.5GiB), ``--reserve`` (what the calibrations keep
-free, default 0.5GiB as ``vramcal probe``; 0 lets a small host budget rehearse quickly), ``--spec`` (``default`` or
-``tiny``), ``--data``, and ``--inject-error STEP`` (that step fails at its start: a rehearsal of a failing step;
-only this script reads it).
+Options: ``--out`` (required), ``--work``, ``--budget-s`` (seconds, default 450), ``--setup-s`` (recorded), ``--gpu``
+(``auto``; ``none`` rehearses on the host), ``--capacity`` (the host budget, e.g. 2.5GiB), ``--reserve`` (what the
+calibrations keep free, default 0.5GiB as ``vramcal probe``; 0 lets a small host budget rehearse quickly), ``--spec``
+(``default`` or ``tiny``), ``--data``, and ``--inject-error STEP`` (that step fails at its start: a rehearsal of a
+failing step; only this script reads it).
 Exit status: 0 when every step that ran ended ok, 1 when one did not (the results say which), 2 a bad option.
 """
 
@@ -430,6 +433,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="results: gpu_check.json, GPU_CHECK.md, the bundle")
     parser.add_argument("--work", type=Path, default=None, help="profiles, reports, runs, caches (default <out>.work)")
     parser.add_argument("--budget-s", type=float, default=450, help="the whole check ends within this (seconds)")
+    parser.add_argument("--setup-s", type=float, default=None, help="seconds gpu_check.sh spent before it (recorded)")
     parser.add_argument("--gpu", default="auto", help="auto, or none to rehearse on the host")
     parser.add_argument("--capacity", default=None, help="the host budget for a rehearsal, e.g. 2.5GiB")
     parser.add_argument("--reserve", default="0.5GiB", help="memory the calibrations keep free (vramcal probe's)")
@@ -460,11 +464,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     check = Check(out, work, args.budget_s, " ".join(["scripts/gpu_check.py", *(argv or sys.argv[1:])]))
     ctx = Context(args, work)
-    # before the first trial process: the fork server, and every worker forked from it, inherit these
+    # before the first trial process: the fork server, and every worker forked from it, inherit it; vramcal's GPU
+    # workers keep Triton's autotuning results there too (TRITON_CACHE_AUTOTUNING=1, recorded in each profile)
     os.environ["TRITON_CACHE_DIR"] = str(ctx.triton_dir)
-    os.environ["TRITON_CACHE_AUTOTUNING"] = "1"
-    check.results["notes"]["triton"] = (f"TRITON_CACHE_DIR={ctx.triton_dir}, TRITON_CACHE_AUTOTUNING=1 (compiled "
-                                        f"kernels and autotuning results kept across trial processes)")
+    check.results["notes"]["triton"] = (f"TRITON_CACHE_DIR={ctx.triton_dir}; vramcal's GPU workers set "
+                                        f"TRITON_CACHE_AUTOTUNING=1 (compiled kernels and autotuning results kept "
+                                        f"across trial processes)")
+    check.results["setup_s"] = args.setup_s  # gpu_check.sh's wheels, preflight and nvidia-smi, before this started
     try:
         run_steps(check, steps(ctx), lambda: ctx.kind, inject=args.inject_error)
     except KeyboardInterrupt:

@@ -269,8 +269,9 @@ def line_of(entry: dict[str, Any]) -> str:
 
 def summary(results: dict[str, Any]) -> str:
     """GPU_CHECK.md: one section per step, then the notes (data, Triton's cache) and the time used."""
-    lines = ["# GPU check", "", f"Command: `{results['command']}`  ", f"Started {results['started_utc']}, budget "
-             f"{results['budget_s']:.0f} s, elapsed {results.get('elapsed_s', 0):.0f} s"
+    setup = f" after gpu_check.sh's setup of {results['setup_s']:.0f} s" if results.get("setup_s") is not None else ""
+    lines = ["# GPU check", "", f"Command: `{results['command']}`  ", f"Started {results['started_utc']}{setup}, "
+             f"budget {results['budget_s']:.0f} s, elapsed {results.get('elapsed_s', 0):.0f} s"
              f"{'' if results.get('finished') else ' (still running)'}.", ""]
     for name, entry in results["steps"].items():
         timing = f", {entry['wall_s']:.1f} s of {entry['given_s']:.0f} s given" if "wall_s" in entry else ""
