@@ -25,7 +25,9 @@ would need the real memory first. ``Module.to()`` of fake parameters fails in to
 tensors the fake mode's memo holds weak references to; pytorch PRs #178584 and #184976); while the factory runs,
 :func:`_swappable_fakes` drops those memo entries before a swap, as the first of those PRs does.
 
-On a CUDA device (``device_kind="cuda"``, a CUDA build of torch; fake tensors take no GPU memory) AdamW groups that
+On a CUDA device (``device_kind="cuda"``, a CUDA build of torch; fake tensors take no GPU memory, but where a GPU is
+visible torch makes one real CUDA tensor as it makes a fake one, ``fake_tensor.init_gpu_context``, which starts a
+CUDA context: trace a card's step in a process of its own, never beside running trials) AdamW groups that
 leave ``foreach`` unset are set to foreach, the choice torch makes for CUDA parameters of plain tensor types
 (``torch.optim.optimizer._default_to_fused_or_foreach``), which a fake parameter's type hides. The CUDA context and
 the cuBLAS/cuDNN workspaces are not traced: they come from a measured profile of the card.
