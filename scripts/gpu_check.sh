@@ -28,6 +28,7 @@ started=$(date +%s)
 DEADLINE_S=${GPU_CHECK_DEADLINE_S:-540}
 KILL_S=10 STOP_S=20
 echo "gpu_check.sh: one deadline, ${DEADLINE_S} s from now: the setup, then the check, end within it"
+trap 'echo "gpu_check.sh: stopped in the setup, before the check started" >&2; exit 143' TERM INT
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-check}
 PY=${PYTHON:-python3}
