@@ -10,7 +10,7 @@
 # preflight prints whether they import. Then scripts/gpu_check.py runs its steps (its docstring), writing
 # gpu_check.json, GPU_CHECK.md and gpu_check_files.tar.gz to $OUT after every step; its output is also kept in
 # $OUT/gpu_check.log.
-# Time: one deadline, taken at the first line: everything ends within GPU_CHECK_DEADLINE_S seconds (default 540;
+# Time: one deadline, taken at the first line: everything ends within GPU_CHECK_DEADLINE_S seconds (default 510;
 # give the device call a timeout_s 30 s longer, README). The setup (wheels, preflight, nvidia-smi) is timed and
 # recorded (setup_s in gpu_check.json); the check runs under `timeout` with what is left less 10 s (SIGTERM to the
 # check's whole process group, its fork server and trials included, then SIGKILL 10 s later: both before the
@@ -25,7 +25,7 @@
 # little time (one line); any other: pip's, or 124/137 (the timeout: the check's own budget should end it first).
 set -euo pipefail
 started=$(date +%s)
-DEADLINE_S=${GPU_CHECK_DEADLINE_S:-540}
+DEADLINE_S=${GPU_CHECK_DEADLINE_S:-510}
 KILL_S=10 STOP_S=20
 echo "gpu_check.sh: one deadline, ${DEADLINE_S} s from now: the setup, then the check, end within it"
 trap 'echo "gpu_check.sh: stopped in the setup, before the check started" >&2; exit 143' TERM INT

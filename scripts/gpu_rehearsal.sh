@@ -80,7 +80,7 @@ set -e
 finished=$(date +%s)
 cat "$DIR/check.out" "$DIR/check.err"
 [ "$code" -eq 4 ] || fail "scripts/gpu_check.sh exited $code, not 4 (no GPU)"
-head -1 "$DIR/check.out" | grep -q "^gpu_check.sh: one deadline, 540 s from now" || fail "no deadline first"
+head -1 "$DIR/check.out" | grep -q "^gpu_check.sh: one deadline, 510 s from now" || fail "no deadline first"
 grep -q "^preflight: packages ok (.*transformers 5\.2[3-9]\|^preflight: packages ok (.*transformers [6-9]\." "$DIR/check.out" \
   || fail "the preflight did not pass with the carried transformers (>=5.23)"
 grep -q "transformers from $PWD/.gpu-site" "$DIR/check.out" || fail "transformers was not imported from .gpu-site"
