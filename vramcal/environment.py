@@ -68,8 +68,8 @@ def set_host_malloc() -> str | None:
     started with the tunables (the trial: 801 MiB; measured with the earlier 4 MiB thresholds).
 
     Whether the process started with them is read as it was when vramcal was imported, not from ``os.environ``
-    now: starting the trials' workers sets the variable there for the children, and a process that calibrated
-    and then trained skipped the settings (+5.5 % over its prediction, above usable memory).
+    now: starting the trials' workers sets the variable there while their server starts (it stayed there before,
+    and a process that calibrated and then trained skipped the settings: +5.5 % over its prediction).
 
     Returns:
         What was set, for a notice (None: not glibc, or this process already started with them).
@@ -114,7 +114,7 @@ def set_arrow_pool() -> str | None:
 
 
 # GLIBC_TUNABLES as this process had it when vramcal was imported: starting the trials' workers sets it in
-# os.environ later, for the children (glibc parses the variable in place, so /proc/self/environ no longer holds it)
+# os.environ while their server starts (glibc parses the variable in place, so /proc/self/environ no longer holds it)
 _STARTED_WITH_TUNABLES = os.environ.get("GLIBC_TUNABLES")
 _STARTED_WITH_ARROW_POOL = os.environ.get(ARROW_POOL)
 

@@ -54,7 +54,8 @@ class Outcome:
     Attributes:
         status: ``ok``; ``oom`` (an out-of-memory error, or killed with out-of-memory evidence:
             :mod:`vramcal.measure.evidence`); ``timeout`` (killed after the time limit); ``error`` (anything else,
-            a kill without that evidence included: ``error_type`` :data:`vramcal.measure.evidence.KILLED`).
+            a kill without that evidence included: ``error_type`` :data:`vramcal.measure.evidence.KILLED`, or
+            :data:`vramcal.measure.evidence.HOST_FAULT` for a GPU worker the host's out-of-memory killer ended).
         result: what the worker's function returned (``ok`` only).
         error: the traceback's last lines (None when the process ended without one: ``message`` says why).
         error_type: the exception's class name (None when the process died without one).
