@@ -63,12 +63,15 @@ def test_the_device_run_takes_one_deadline_and_a_signal_to_it_keeps_the_step_in_
     setup's seconds recorded, the check's budget derived from the deadline, and a SIGTERM to the script alone (a
     device limit ends the command) passed on to the check, which stops its calibration, keeps it, skips the rest
     and writes its finished mark before the script exits."""
-    out = tmp_path / "out"
+    out, tree = tmp_path / "out", tmp_path / "tree"  # the source tree without its wheels/ (make gpu-rehearsal's)
+    tree.mkdir()
+    for name in ("scripts", "vramcal", "bench", "pyproject.toml"):
+        (tree / name).symlink_to(ROOT / name)
     env = {**os.environ, "GPU_CHECK_DEADLINE_S": "200", "PYTHON": sys.executable, "OUT": str(out)}
-    script = subprocess.Popen([str(ROOT / "scripts" / "gpu_check.sh"), "--gpu", "none", "--spec", "tiny",
+    script = subprocess.Popen([str(tree / "scripts" / "gpu_check.sh"), "--gpu", "none", "--spec", "tiny",
                                "--capacity", capacity(600 * MIB), "--reserve", "0",
                                "--data", str(tmp_path / "no-bars.parquet")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tree)
     results, waited = out / "gpu_check.json", time.monotonic() + 150
     while not (results.is_file() and "data" in json.loads(results.read_text())["steps"]):
         assert script.poll() is None and time.monotonic() < waited, script.communicate()
