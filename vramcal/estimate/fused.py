@@ -66,7 +66,7 @@ def fused_twins(choices: Choices) -> Iterator[None]:
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
-    _extension_twin()
+    twin = _extension_twin()
     saved = (JITFunction.run, Autotuner.run, torch.cuda.get_device_properties, torch.cuda.device)
 
     def launch(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -82,6 +82,8 @@ def fused_twins(choices: Choices) -> Iterator[None]:
         yield
     finally:
         JITFunction.run, Autotuner.run, torch.cuda.get_device_properties, torch.cuda.device = saved
+        if twin:  # nothing imported with the twin outlives the trace: mamba_ssm_available() answers for real
+            _drop("causal_conv1d_cuda", "causal_conv1d", "mamba_ssm")
 
 
 def _first_config(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -93,9 +95,11 @@ def _first_config(self: Any, *args: Any, **kwargs: Any) -> None:
     self.fn.run(*args, **kwargs, **config.all_kwargs())  # the launch's twin
 
 
-def _extension_twin() -> None:
-    """causal_conv1d's extension where it is not built, and fake implementations of its custom ops (once)."""
-    if not _installed("causal_conv1d_cuda"):
+def _extension_twin() -> bool:
+    """causal_conv1d's extension where it is not built (True: the twin was put in), and fake implementations of its
+    custom ops."""
+    needed = not _installed("causal_conv1d_cuda")
+    if needed:
         twin = types.ModuleType("causal_conv1d_cuda")
         twin.causal_conv1d_fwd = twin.causal_conv1d_bwd = twin.causal_conv1d_update = lambda *a, **k: None
         twin.__doc__ = "vramcal's twin of causal_conv1d's CUDA extension: its functions write into given outputs"
@@ -106,6 +110,7 @@ def _extension_twin() -> None:
         op = getattr(functions, name)
         if getattr(op, "_abstract_fn", None) is None:
             op.register_fake(lambda *args, **kwargs: None)
+    return needed
 
 
 def _installed(name: str) -> bool:

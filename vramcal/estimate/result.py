@@ -95,6 +95,12 @@ class StepEstimate:
         """Plain JSON values (the model as :meth:`vramcal.workload.ModelRef.to_dict`)."""
         return {**dataclasses.asdict(self), "model": self.model.to_dict()}
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepEstimate:
+        """The estimate :meth:`to_dict` wrote. Raises: KeyError, TypeError, ValueError: not such a record."""
+        return cls(**{**data, "model": ModelRef.from_dict(data["model"]), "choices": tuple(data["choices"]),
+                      "points": tuple(PointEstimate(**point) for point in data["points"])})
+
 
 def line(batch_sizes: Sequence[int], peak_bytes: Sequence[int]) -> tuple[float, float]:
     """Ordinary least squares of ``peak_bytes`` on ``batch_sizes``: ``(overhead_bytes, slope_bytes_per_sample)``,

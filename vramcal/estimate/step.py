@@ -87,22 +87,25 @@ def estimate_step(ref: ModelRef, batch_sizes: Sequence[int], *, options: dict[st
         raise ValueError(f"device_kind must be host or cuda, got {device_kind!r}")
     start = time.perf_counter()
     _check_fused(ref, device_kind)
-    with autocast_as_cuda() if device_kind == "cuda" else contextlib.nullcontext():
-        traced = [trace_point(ref, size, device_kind, options, settings or TrialSettings(), card) for size in sizes]
+    with _as_card(device_kind, card) as choices:
+        traced = [trace_point(ref, size, device_kind, options, settings or TrialSettings(), choices)
+                  for size in sizes]
+    _check_entered(ref, choices)
     points = tuple(point for point, _ in traced)
     overhead, slope = line([p.batch_size for p in points], [p.peak_bytes for p in points])
-    data_bytes, kernel_path, choices = traced[-1][1]
+    data_bytes, kernel_path = traced[-1][1]
     return StepEstimate(model=ref, device_kind=device_kind, points=points, overhead_bytes=overhead,
                         slope_bytes_per_sample=slope, data_bytes=data_bytes, kernel_path=kernel_path,
-                        wall_s=time.perf_counter() - start, choices=choices)
+                        wall_s=time.perf_counter() - start, choices=choices.lines() if choices else ())
 
 
 def trace_point(ref: ModelRef, batch_size: int, device_kind: DeviceKind, options: dict[str, Any] | None,
-                settings: TrialSettings, card: Card | None = None) -> tuple[PointEstimate, tuple[int, str, tuple]]:
-    """Build and trace one trial's steps at ``batch_size`` in a fresh fake mode (module docstring).
+                settings: TrialSettings, choices: Choices | None = None) -> tuple[PointEstimate, tuple[int, str]]:
+    """Build and trace one trial's steps at ``batch_size`` in a fresh fake mode (module docstring), as the card of
+    ``choices`` runs them (within :func:`_as_card`; None: the host).
 
     Returns:
-        The point, and ``(data_bytes, kernel_path, choices)`` of the built step.
+        The point, and ``(data_bytes, kernel_path)`` of the built step.
 
     Raises:
         EstimateError: anything raised while building or tracing (:func:`vramcal.estimate.result.failure_message`).
@@ -115,7 +118,7 @@ def trace_point(ref: ModelRef, batch_size: int, device_kind: DeviceKind, options
     start = time.perf_counter()
     fake, trace = FakeTensorMode(allow_non_fake_inputs=True), StorageTrace()
     try:
-        with torch.random.fork_rng(devices=[]), fake, _swappable_fakes(fake), _as_card(device_kind, card) as choices:
+        with torch.random.fork_rng(devices=[]), fake, _swappable_fakes(fake):
             with trace:
                 step = build(ref, torch.device("cpu"), options)
                 trace.label(step.model.parameters(), "parameters")
@@ -127,24 +130,24 @@ def trace_point(ref: ModelRef, batch_size: int, device_kind: DeviceKind, options
                 reset_at = _run_steps(step, batch_size, settings, trace)
     except Exception as error:  # noqa: BLE001 - every failure to trace is the one error a caller falls back on
         raise EstimateError(failure_message(error)) from error
-    _check_entered(ref, choices)
     facts = (step.pool_data_bytes("host") if device_kind == "host" else 0,
-             step.kernel_path or detect_kernel_path(step.model), choices.lines() if choices is not None else ())
+             step.kernel_path or detect_kernel_path(step.model))
     workspaces = choices.workspace_bytes() if choices is not None else ()
     return _point(trace, batch_size, device_kind, reset_at, time.perf_counter() - start, workspaces), facts
 
 
 @contextlib.contextmanager
 def _as_card(device_kind: DeviceKind, card: Card | None) -> Iterator[Choices | None]:
-    """For a CUDA card: its choices (:func:`vramcal.estimate.card.as_card`) and, where mamba_ssm is installed, its
-    fused kernels' twins; for the host: nothing."""
+    """For a CUDA card: its choices (:func:`vramcal.estimate.card.as_card`), a ``bf16-autocast`` factory's autocast
+    switched on for CPU tensors (:func:`vramcal.models.mamba2.autocast_as_cuda`) and, where mamba_ssm is installed,
+    its fused kernels' twins; for the host: nothing."""
     if device_kind != "cuda":
         yield None
         return
     from vramcal.estimate.card import Card, as_card
     from vramcal.estimate.fused import fused_twins, fused_unavailable
 
-    with as_card(card or Card()) as choices:
+    with as_card(card or Card()) as choices, autocast_as_cuda():
         with fused_twins(choices) if fused_unavailable() is None else contextlib.nullcontext():
             yield choices
 
