@@ -185,20 +185,17 @@ def test_a_bf16_step_is_estimated_for_gpus_as_the_card_runs_it(tmp_path):
     assert asked["allocated_bytes"] <= asked["reserved_bytes"] and card["bound"]["low"] == GPU_BOUND.low
 
 
-def test_limits_of_a_host_profile_estimates_the_gpus_asked_each_once_from_the_traces_estimate_made(tmp_path,
-                                                                                                   monkeypatch):
+def test_limits_of_a_host_profile_estimates_the_gpus_asked_each_once_from_traces_kept_on_disk(tmp_path,
+                                                                                           monkeypatch):
     """Issue 59: ``limits --gpus`` of a host profile listed the whole catalogue with the card asked for a second time,
     headed its table of the host alone "GPU", and traced again where ``estimate`` had traced the same model. Now: the
-    cards asked, each once, a device heading, and the traces ``estimate`` kept on disk."""
+    cards asked, each once, a device heading, and the traces an earlier command (another process) kept on disk."""
     from vramcal import estimated
     from vramcal.estimate import step
 
     path = MEASURED / "host-amd-epyc-2-cores" / "regressor-transformers-6e644469.json"
     monkeypatch.setenv("VRAMCAL_CACHE_DIR", str(tmp_path / "traces"))
-    model = load_profile(path).model.params
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in model.items() if k in ("d_model", "n_layers", "d_state",
-                                                                                "headdim", "chunk_size", "seq_len")]
-    made = CliRunner().invoke(main, ["estimate", *flags, "--gpus", "RTX 4090,L4=22.5GiB", "--profiles-dir",
+    made = CliRunner().invoke(main, ["limits", str(path), "--gpus", "RTX 4090,L4=22.5GiB", "--profiles-dir",
                                      str(tmp_path / "none")])
     assert made.exit_code == 0, made.output
     monkeypatch.setattr(estimated, "_TRACED", {})  # another process: only the disk's traces
@@ -212,6 +209,7 @@ def test_limits_of_a_host_profile_estimates_the_gpus_asked_each_once_from_the_tr
     cards = [line.split()[0] for line in estimate.splitlines() if line.startswith(("L4 ", "RTX 4090", "H200"))]
     assert cards == ["RTX", "L4"]  # each card once, nothing else of the catalogue
     assert "mamba_ssm: the fused mamba_ssm path is not estimated: mamba_ssm" in estimate  # not installed: one line
+    monkeypatch.undo()
     printed = json.loads(CliRunner().invoke(main, ["limits", str(path), "--json", "--profiles-dir",
                                                    str(tmp_path / "none")]).stdout)
     labels = [row["card"] for row in printed["estimated"]["cards"] if row["path"] == "transformers"]
@@ -226,7 +224,7 @@ def test_cost_gives_a_priced_card_without_a_profile_its_estimated_batch_size(tmp
     assert result.exit_code == 0, result.output
     rows = {f["card"]: f for f in json.loads(result.stdout)["forecasts"]}
     assert rows["H200"]["batch_source"] == "estimated" and rows["H200"]["batch_size"] > 1000
-    assert rows["H200"]["run_s"] is None and "project's benchmark" in rows["H200"]["notes"][0]
+    assert rows["H200"]["run_s"] is None and "published GPU run" in rows["H200"]["notes"][0]  # a GPU's bound
     assert rows["Foo"]["batch_size"] is None and rows["Foo"]["batch_source"] is None  # not catalogued: unknown
 
 

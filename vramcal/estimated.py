@@ -56,8 +56,10 @@ from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import Aim
 from vramcal.environment import shown_setting, worker_setting
 from vramcal.estimate import EstimateError, StepEstimate, estimate_step
+from vramcal.estimate.cache import cached_trace, key
 from vramcal.estimate.constants import CONTEXT
 from vramcal.estimate.result import line
+from vramcal.models.mamba2 import mamba_ssm_available
 from vramcal.models.registry import describe
 from vramcal.profile import Profile, ProfileError, load_profile
 from vramcal.records import Device, DeviceKind
@@ -291,8 +293,6 @@ ANY_GPU = Device(kind="cuda", name="a GPU (estimated)", total_bytes=0, total_sou
 
 
 def _trace(ref: ModelRef, options: dict[str, Any], kind: DeviceKind = "host", card: Any = None) -> StepEstimate:
-    from vramcal.estimate.cache import cached_trace, key
-
     found = key(ref, options, kind, card)
     if found not in _TRACED:
         _TRACED[found] = cached_trace(ref, options, kind, card)
@@ -406,7 +406,7 @@ def profiles_in(profiles_dir: Path | str) -> tuple[list[tuple[Path, Profile]], l
 def _card(device: Any) -> Any:
     """The :class:`vramcal.estimate.card.Card` a card (a catalogue entry, a profile's device) is traced as; None for
     the host."""
-    from vramcal.estimate.card import Card
+    from vramcal.estimate.card import Card  # loads torch: only when called
 
     if getattr(device, "kind", "cuda") == "host":
         return None
@@ -430,8 +430,6 @@ def paths(ref: ModelRef) -> list[ModelRef]:
 def installed_path() -> str:
     """Which path a card would run with this install (``--impl auto``): mamba_ssm where it and causal_conv1d's CUDA
     build import (:func:`vramcal.models.mamba2.mamba_ssm_available`), else transformers."""
-    from vramcal.models.mamba2 import mamba_ssm_available
-
     return "mamba_ssm" if mamba_ssm_available() else "transformers"
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vramcal.estimate.result import StepEstimate
+from vramcal.estimate.step import estimate_step
 from vramcal.files import atomic_write_json
 from vramcal.records import DeviceKind
 from vramcal.workload import ModelRef
@@ -36,8 +37,6 @@ def folder() -> Path:
 def cached_trace(ref: ModelRef, options: dict[str, Any], kind: DeviceKind = "host", card: Any = None) -> StepEstimate:
     """The trace of ``ref`` (:func:`vramcal.estimate.step.estimate_step` at :data:`TRACE_SIZES`) from the cache, else
     made and kept. Raises what ``estimate_step`` raises (a failure is not kept)."""
-    from vramcal.estimate.step import estimate_step
-
     path = folder() / f"{key(ref, options, kind, card)}.json"
     try:
         return StepEstimate.from_dict(json.loads(path.read_text()))

@@ -37,6 +37,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from vramcal.estimate.constants import card_constants
+
 CUDA_AUTOCAST: dict[str, tuple[str, ...]] = {  # policy -> aten ops (autocast_mode.cpp, CUDA's lists)
     "lower": ("_convolution.deprecated", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
               "conv_transpose2d.input", "conv_transpose3d.input", "convolution", "prelu", "addmm", "addmv", "addr",
@@ -94,8 +96,6 @@ class Choices:
 
     def workspace_bytes(self) -> tuple[int, ...]:
         """The card's cuBLAS and cuBLASLt workspaces (:func:`vramcal.estimate.constants.card_constants`)."""
-        from vramcal.estimate.constants import card_constants
-
         return card_constants(self.card.compute_capability).workspace_bytes
 
 

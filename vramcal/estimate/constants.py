@@ -7,7 +7,7 @@
   handles: the forward's thread and the backward's (the autograd engine runs CUDA's backward on its own device
   thread, and handles are per thread, ``DeviceThreadHandlePool``). cuBLASLt's workspace (``CUBLASLT_WORKSPACE_SIZE``,
   1024 KiB by default, ``parseCUDABlasLtWorkspaceSize``) is one more allocation per handle, not unified with cuBLAS's
-  unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` (``getCUDABlasLtWorkspace``). :func:`workspaces` lists them as
+  unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` (``getCUDABlasLtWorkspace``). :func:`card_constants` lists them as
   allocations, replayed through the allocator's model before the step's own.
 * **The CUDA context** (outside the allocator: NVML sees it, ``torch.cuda`` does not), with lazy module loading,
   PyTorch's default since 1.13 (``CUDA_MODULE_LOADING=LAZY`` when unset, pytorch/pytorch PR #86509, which measured

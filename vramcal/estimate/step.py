@@ -124,7 +124,7 @@ def trace_point(ref: ModelRef, batch_size: int, device_kind: DeviceKind, options
                 trace.label(step.model.parameters(), "parameters")
                 trace.label_live("persistent")
                 if choices is not None:
-                    from vramcal.estimate.card import foreach
+                    from vramcal.estimate.card import foreach  # loads torch: only when called
 
                     foreach(step.optimizer, choices)
                 reset_at = _run_steps(step, batch_size, settings, trace)
@@ -144,8 +144,8 @@ def _as_card(device_kind: DeviceKind, card: Card | None) -> Iterator[Choices | N
     if device_kind != "cuda":
         yield None
         return
-    from vramcal.estimate.card import Card, as_card
-    from vramcal.estimate.fused import fused_twins, fused_unavailable
+    from vramcal.estimate.card import Card, as_card  # loads torch: only when called
+    from vramcal.estimate.fused import fused_twins, fused_unavailable  # loads torch: only when called
 
     with as_card(card or Card()) as choices, autocast_as_cuda():
         with fused_twins(choices) if fused_unavailable() is None else contextlib.nullcontext():
@@ -159,7 +159,7 @@ def _check_fused(ref: ModelRef, device_kind: DeviceKind) -> None:
     if device_kind != "cuda":
         raise EstimateError("the mamba_ssm implementation runs on CUDA cards only: estimate a card, or the host with "
                             "the transformers implementation")
-    from vramcal.estimate.fused import fused_unavailable
+    from vramcal.estimate.fused import fused_unavailable  # loads torch: only when called
 
     why = fused_unavailable()
     if why:
