@@ -52,6 +52,21 @@ def test_dropout_keeps_cudas_bool_mask_not_the_cpus_float_mask():
     assert any(line.startswith("dropout: CUDA's fused native_dropout") for line in choices.lines())
 
 
+def test_a_checkpointed_block_recomputes_its_dropout_and_attention_as_the_card_ran_them():
+    """A checkpointed block (``use_reentrant=False``) recomputes its forward pass in the backward, where torch checks
+    the recomputed tensors against those saved: the card's dropout mask (bool) and attention backend must hold there
+    too (a torch-function mode does not reach the recomputation: CheckpointError, bool against float32)."""
+    def block(x):
+        q = torch.nn.functional.dropout(x, 0.1, training=True).unflatten(-1, (4, 16)).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    with FakeTensorMode(allow_non_fake_inputs=True), as_card(Card()) as choices:
+        x = torch.randn(2, 128, 64, dtype=torch.bfloat16, requires_grad=True)
+        torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum().backward()
+        assert x.grad.shape == x.shape
+    assert [line.split(":")[0] for line in choices.lines()] == ["dropout", "attention"]
+
+
 @pytest.mark.parametrize(("capability", "dtype", "mask", "expected"), [
     ((9, 0), torch.bfloat16, False, "flash"), ((8, 0), torch.float16, False, "flash"),
     ((9, 0), torch.float32, False, "efficient"), ((9, 0), torch.bfloat16, True, "efficient"),

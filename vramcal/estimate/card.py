@@ -28,13 +28,14 @@ A CUDA build of torch would change nothing here: its fake CUDA tensors cannot ru
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from vramcal.estimate.constants import card_constants
@@ -102,12 +103,29 @@ class Choices:
 @contextlib.contextmanager
 def as_card(card: Card, optimizer: Any = None) -> Iterator[Choices]:
     """Within: dropout, attention, CUDA's autocast and (given the step's ``optimizer``) AdamW's foreach as the card
-    makes them (module docstring). Yields the :class:`Choices` the step makes; torch is restored on exit."""
+    makes them (module docstring). Yields the :class:`Choices` the step makes; torch is restored on exit.
+
+    Dropout and attention are kernels registered for ``aten::dropout`` and ``aten::scaled_dot_product_attention`` at
+    the CPU's autograd key, so they hold wherever the op runs, a checkpointed block's recomputation in the backward
+    pass included (a torch-function mode does not reach it, and the recomputed tensors would differ from those
+    saved)."""
     choices = Choices(card)
-    with _cuda_autocast(choices), _CardFunctions(choices):
-        if optimizer is not None:
-            foreach(optimizer, choices)
-        yield choices
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        with _cuda_autocast(choices, library):
+            _register(library, "dropout", functools.partial(_dropout, choices), "AutogradCPU")
+            _register(library, "scaled_dot_product_attention", functools.partial(_attention, choices), "AutogradCPU")
+            if optimizer is not None:
+                foreach(optimizer, choices)
+            yield choices
+    finally:
+        library._destroy()
+
+
+def _register(library: torch.library.Library, name: str, kernel: Any, key: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": the point, for the trace
+        library.impl(name, kernel, key)
 
 
 def foreach(optimizer: Any, choices: Choices) -> None:
@@ -120,42 +138,33 @@ def foreach(optimizer: Any, choices: Choices) -> None:
                     f"(torch.optim.optimizer._default_to_fused_or_foreach)")
 
 
-class _CardFunctions(TorchFunctionMode):
-    """Dropout and attention as the card runs them (module docstring)."""
+def _dropout(choices: Choices, input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """``aten::dropout`` as CUDA runs it (``Dropout.cpp``'s ``is_fused_kernel_acceptable``, ``_dropout_impl``)."""
+    if not train or p == 0.0 or input.numel() == 0:
+        return input
+    if p == 1.0:
+        return input * torch.zeros((), dtype=input.dtype)
+    choices.add("dropout: CUDA's fused native_dropout, a 1-byte bool mask per element "
+                "(aten/src/ATen/native/cuda/Dropout.cu)")
+    return torch.ops.aten.native_dropout.default(input, p, True)[0]
 
-    def __init__(self, choices: Choices) -> None:
-        super().__init__()
-        self.choices = choices
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.dropout:
-            return self._dropout(*args, **kwargs)
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            return self._attention(*args, **kwargs)
-        return func(*args, **kwargs)
-
-    def _dropout(self, input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
-        if not training or p == 0.0 or p == 1.0:
-            return torch.nn.functional.dropout(input, p, training, inplace)
-        self.choices.add("dropout: CUDA's fused native_dropout, a 1-byte bool mask per element "
-                         "(aten/src/ATen/native/cuda/Dropout.cu)")
-        return torch.ops.aten.native_dropout.default(input, p, True)[0]
-
-    def _attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
-                   dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                   enable_gqa: bool = False) -> torch.Tensor:
-        backend = sdp_backend(self.choices.card, query, key, value, attn_mask, dropout_p, is_causal)
-        self.choices.add(f"attention: {backend} (torch's select_sdp_backend on {self.choices.card.sm}, "
-                         f"{str(query.dtype).removeprefix('torch.')}, head_dim {query.shape[-1]})")
-        if backend == "flash":
-            return torch.ops.aten._scaled_dot_product_flash_attention.default(
-                query, key, value, dropout_p, is_causal, False, scale=scale)[0]
-        if backend == "efficient":
-            return torch.ops.aten._scaled_dot_product_efficient_attention.default(
-                query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
-        return torch.ops.aten._scaled_dot_product_attention_math.default(
-            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
+def _attention(choices: Choices, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+               dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+               enable_gqa: bool = False) -> torch.Tensor:
+    """``aten::scaled_dot_product_attention`` as the backend :func:`sdp_backend` picks on the card, called as that
+    backend's own op (so its saved tensors are the card's)."""
+    backend = sdp_backend(choices.card, query, key, value, attn_mask, dropout_p, is_causal)
+    choices.add(f"attention: {backend} (torch's select_sdp_backend on {choices.card.sm}, "
+                f"{str(query.dtype).removeprefix('torch.')}, head_dim {query.shape[-1]})")
+    if backend == "flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention.default(
+            query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+    if backend == "efficient":
+        return torch.ops.aten._scaled_dot_product_efficient_attention.default(
+            query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
+    return torch.ops.aten._scaled_dot_product_attention_math.default(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)[0]
 
 
 def sdp_backend(card: Card, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any,
@@ -182,18 +191,15 @@ def sdp_backend(card: Card, query: torch.Tensor, key: torch.Tensor, value: torch
 # ------------------------------------------------------------------------------------------------ autocast
 
 @contextlib.contextmanager
-def _cuda_autocast(choices: Choices) -> Iterator[None]:
-    """CUDA's autocast lists on the CPU's autocast key, and torch's autocast questions answered as on the card
-    (module docstring); everything restored on exit."""
+def _cuda_autocast(choices: Choices, library: torch.library.Library) -> Iterator[None]:
+    """CUDA's autocast lists on the CPU's autocast key (registered in ``library``), and torch's autocast questions
+    answered as on the card (module docstring); everything restored on exit."""
     cache: dict[int, tuple[Any, torch.Tensor]] = {}
-    library = torch.library.Library("aten", "IMPL")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": the point, for the trace
-        for policy, names in CUDA_AUTOCAST.items():
-            for name in names:
-                library.impl(name, _autocast_kernel(policy, name, cache, choices), "AutocastCPU")
-        for name in CPU_ONLY_AUTOCAST:
-            library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
+    for policy, names in CUDA_AUTOCAST.items():
+        for name in names:
+            _register(library, name, _autocast_kernel(policy, name, cache, choices), "AutocastCPU")
+    for name in CPU_ONLY_AUTOCAST:
+        _register(library, name, torch.library.fallthrough_kernel, "AutocastCPU")
     saved = {name: getattr(torch, name) for name in ("is_autocast_enabled", "get_autocast_gpu_dtype",
                                                      "get_autocast_dtype", "clear_autocast_cache")}
     original_init = torch.amp.autocast_mode.autocast.__init__
@@ -216,7 +222,6 @@ def _cuda_autocast(choices: Choices) -> Iterator[None]:
         for name, value in saved.items():
             setattr(torch, name, value)
         torch.amp.autocast_mode.autocast.__init__ = original_init
-        library._destroy()
         cache.clear()
 
 
@@ -242,7 +247,7 @@ def _autocast_kernel(policy: str, name: str, cache: dict[int, tuple[Any, torch.T
         ref, casted = cache.get(id(value), (None, None))
         if ref is None or ref() is not value:
             casted = value.to(dtype)
-            cache[id(value)] = (_weak(value), casted)
+            cache[id(value)] = (weakref.ref(value), casted)
         return casted
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
@@ -267,8 +272,3 @@ def _widest(args: tuple) -> torch.dtype:
     found = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
     return max(found, key=lambda d: torch.finfo(d).bits, default=torch.float32)
 
-
-def _weak(tensor: torch.Tensor) -> Any:
-    import weakref
-
-    return weakref.ref(tensor)
