@@ -29,6 +29,12 @@ written to ``gpu_check.json`` and ``GPU_CHECK.md`` as soon as it ends, and a fai
    ``--impl mamba_ssm`` under its own caps (``gpu_check_policy.FUSED``: 8 trials, a steady trial of at most 10
    steps, 150 s).
 
+Before each calibration's trials (steps 3, 7, 8) the spec is estimated (issue 57: ``vramcal estimate``'s
+``estimate_cards`` in a process of its own, so nothing it loads stays beside the trials; on a card both kernel paths,
+labelled): each path's bytes per sample and their ratio, and the estimated peak at the calibration's verified safe
+size against the peak measured there, its error and whether the estimate's bound covers it, are written beside the
+calibration (``estimate`` in its result).
+
 Time: ``--budget-s`` bounds the whole run (gpu_check.sh runs it under ``timeout 480`` with the default 450 s, and
 the check stops itself before that with everything written). Each step has an estimate and a weight
 (:data:`TIMES`); a calibration's most trials, steady steps and per-trial timeout derive from the time it is given
@@ -136,6 +142,85 @@ def plan_calibration(device: Any, spec: RegressorSpec, implementation: str, data
     return api.plan_calibration("regressor", spec.to_dict(), device=device, implementation=implementation,
                                 options={"data": data}, profiles_dir=profiles_dir,
                                 settings=api.LimitSettings(reserve_bytes=reserve_bytes))
+
+
+def estimate_main() -> None:
+    """In a process of its own (:func:`estimate_spec`): print the estimate of the spec in ``sys.argv[1]`` (JSON:
+    ``spec``, ``data``, ``profiles_dir``, ``reserve_bytes`` and the device's ``kind``, ``name``, ``total_bytes``,
+    ``compute_capability``) as JSON: a card's rows for both kernel paths, or the host's row."""
+    import json
+
+    from vramcal import api
+    from vramcal.estimated import estimate_cards
+    from vramcal.records import Device
+    from vramcal.report.catalogue import GpuModel
+
+    asked = json.loads(sys.argv[1])
+    device = Device(kind=asked["kind"], name=asked["name"], total_bytes=asked["total_bytes"], total_source="the check",
+                    compute_capability=asked["compute_capability"])
+    ref = api.model_ref("regressor", asked["spec"], device=device, implementation="transformers")
+    cuda = device.kind == "cuda"
+    cards = [GpuModel(device.name, device.total_bytes, "the device", device.name, device.compute_capability)]
+    found = estimate_cards(ref, {"data": asked["data"]}, cards=cards if cuda else [], host=None if cuda else device,
+                           settings=api.LimitSettings(reserve_bytes=asked["reserve_bytes"]),
+                           profiles_dir=asked["profiles_dir"])
+    print(json.dumps({"rows": [row.to_dict() for row in found.rows], "formulas": list(found.formulas),
+                      "notices": list(found.notices)}))
+
+
+def estimate_spec(ctx: Any, spec: RegressorSpec, timeout_s: float) -> dict[str, Any]:
+    """The estimate of ``spec`` on the check's device before its trials (issue 57: both kernel paths on a card), made
+    in a process of its own so that nothing it imports or starts stays in the check's process while trials run;
+    ``{"error": ...}`` when it fails or takes more than ``timeout_s`` (the calibration goes on)."""
+    import json
+    import subprocess
+
+    d = ctx.device
+    asked = {"spec": spec.to_dict(), "data": ctx.data, "profiles_dir": str(ctx.work / "profiles"),
+             "reserve_bytes": parse_bytes(ctx.args.reserve), "kind": d.kind, "name": d.name,
+             "total_bytes": d.total_bytes, "compute_capability": getattr(d, "compute_capability", None)}
+    code = f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); import gpu_check; gpu_check.estimate_main()"
+    started = time.monotonic()
+    try:
+        done = subprocess.run([sys.executable, "-c", code, json.dumps(asked)], capture_output=True, text=True,
+                              timeout=max(1.0, timeout_s), cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"not estimated within {timeout_s:.0f} s"}
+    wall_s = round(time.monotonic() - started, 1)
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1], "wall_s": wall_s}
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "wall_s": wall_s}
+
+
+def held_against_trials(estimate: dict[str, Any], implementation: str, profile: Any) -> dict[str, Any]:
+    """``estimate`` (:func:`estimate_spec`) beside the calibration's measurement: each row's estimated peak at the
+    verified safe size (``fixed + slope × safe``) against the verification's measured peak there, the error of the
+    row of the path the trials ran; each path's bytes per sample and their ratio."""
+    check = profile.verification.get("safe")
+    rows = estimate.get("rows", [])
+    for row in rows:
+        if check is not None and check.peak_bytes:
+            row["estimated_peak_at_safe"] = int(row["fixed_bytes"] + row["slope_bytes_per_sample"] * check.batch_size)
+            row["error_at_safe"] = row["estimated_peak_at_safe"] / check.peak_bytes - 1
+    measured = [r for r in rows if r.get("path", "") in ("", implementation) and "error_at_safe" in r]
+    slopes = {r["path"]: r["slope_bytes_per_sample"] for r in rows if r.get("path")}
+    return {**estimate, "measured_safe": check and check.batch_size, "measured_peak": check and check.peak_bytes,
+            "error": measured[0]["error_at_safe"] if measured else None,
+            "inside_bound": bool(measured) and (measured[0]["bound"]["low"] <= measured[0]["error_at_safe"]
+                                                <= measured[0]["bound"]["high"]),
+            "bytes_per_sample": slopes, "ratio": (slopes["transformers"] / slopes["mamba_ssm"]
+                                                  if slopes.get("mamba_ssm") and "transformers" in slopes else None)}
+
+
+def estimate_line(figures: dict[str, Any]) -> str:
+    if "error" in figures and figures.get("rows") is None:
+        return f"estimate: {figures['error']}"
+    each = ", ".join(f"{path}: {bps / 2**20:.2f} MiB/sample" for path, bps in figures["bytes_per_sample"].items())
+    ratio = f" (ratio {figures['ratio']:.1f}x)" if figures.get("ratio") else ""
+    error = (f"{figures['error']:+.1%} of the measured peak at safe {figures['measured_safe']}, "
+             f"{'inside' if figures['inside_bound'] else 'OUTSIDE'} its bound" if figures["error"] is not None
+             else "not held against a measured peak")
+    return f"estimate {figures['wall_s']} s: {error}" + (f"; {each}{ratio}" if each else "")
 
 
 def run_calibration(plan: Any, settings: dict[str, Any], on_trial: Any) -> Any:
@@ -246,11 +331,9 @@ def calibration_step(ctx: Context, name: str, spec: Callable[[], RegressorSpec],
     The calibration (profile and report into the work folder) is complete before the steady trial starts, so a
     slow steady trial cannot cost the profile (a calibration stopped at its time limit leaves none). The steady
     trial then runs at the verified safe size, as many measured steps as fit a third of the step's time left by the
-    calibration's own step times (``gpu_check_policy.steady_steps_that_fit``, at most ``trial_settings``'s
-    ``steady_steps``), with a timeout inside the step's time; its step creep (``vramcal.calibration.creep``'s
-    measure_creep, against the calibration's short trials at that size) is recorded beside the profile, which
-    does not include it (so the train step's prediction has no creep term; the creep says how much of a
-    difference it would explain).
+    calibration's own step times (``gpu_check_policy.steady_steps_that_fit``), with a timeout inside the step's time;
+    its step creep (``vramcal.calibration.creep``'s measure_creep) is recorded beside the profile, which does not
+    include it. Before the trials, the spec's estimate (:func:`estimate_spec`), held against them after.
 
     Args:
         spec, caps: read when the step starts (they depend on the device found).
@@ -269,8 +352,9 @@ def calibration_step(ctx: Context, name: str, spec: Callable[[], RegressorSpec],
             printer(trial)
             rows.append(trial_row(trial, 2))
 
+        estimate = partial["estimate"] = estimate_spec(ctx, the_spec := spec(), max(20.0, given_s / 4))  # before
         started = time.monotonic()
-        plan = plan_calibration(ctx.device, spec(), implementation, ctx.data, ctx.work / "profiles",
+        plan = plan_calibration(ctx.device, the_spec, implementation, ctx.data, ctx.work / "profiles",
                                 parse_bytes(ctx.args.reserve))
         profile = run_calibration(plan, {**settings, "steady_steps": 0}, on_trial)
         wall_s = time.monotonic() - started
@@ -285,9 +369,10 @@ def calibration_step(ctx: Context, name: str, spec: Callable[[], RegressorSpec],
             "predicted_boundary": limits and limits.boundary_batch_size, "environment": profile.environment,
             "trial_wall_s": times, "sequence": rows}
         partial["calibration"] = figures  # kept if the steady trial is stopped
+        figures["estimate"] = held_against_trials(estimate, implementation, profile)
         figures["steady"] = steady_trial(plan, profile, settings["steady_steps"], deadline)
         figures["triton_cache"] = {"before": partial["triton_cache_before"], "after": cache_files(ctx.triton_dir)}
-        figures["summary"] = calibration_line(figures)
+        figures["summary"] = f"{calibration_line(figures)}; {estimate_line(figures['estimate'])}"
         return figures
 
     return Step(name, TIMES[name], body, needs=("device", "data"), unavailable=unavailable)

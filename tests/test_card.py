@@ -93,7 +93,8 @@ def test_flash_attention_keeps_a_logsumexp_per_query_not_the_weights():
 
 def test_adamw_on_a_card_runs_foreach_whose_temporaries_the_trace_holds():
     """AdamW's first step on 8 weights of 256 KiB: on CUDA parameters torch picks foreach, whose ``_foreach_sqrt`` of
-    the second moments is one temporary per weight, all alive at once (``torch/optim/adamw.py``, ``_multi_tensor_adamw``);
+    the second moments is one temporary per weight, all alive at once (``torch/optim/adamw.py``,
+    ``_multi_tensor_adamw``);
     the CPU's per-parameter loop holds three of one weight at its most (``_single_tensor_adamw``): 5 more."""
     from vramcal.estimate.trace import live_peak
 
@@ -123,6 +124,8 @@ def test_cudas_autocast_lists_replace_the_cpus_in_the_trace():
             assert torch.is_autocast_enabled() and torch.get_autocast_gpu_dtype() == torch.bfloat16
             assert torch.exp(x.bfloat16()).dtype == torch.float32
             assert torch.nn.functional.softplus(x.bfloat16()).dtype == torch.float32
+            assert torch.nn.functional.log_softmax(x.bfloat16(), -1).dtype == torch.float32  # dtype given positionally
+            assert torch.cumsum(x.bfloat16(), 0).dtype == torch.float32  # dtype a keyword
             assert (x @ x).dtype == torch.bfloat16
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert torch.exp(x.bfloat16()).dtype == torch.bfloat16
@@ -130,9 +133,10 @@ def test_cudas_autocast_lists_replace_the_cpus_in_the_trace():
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])
-def test_each_fused_layer_keeps_what_mamba_ssms_save_for_backward_keeps(fused_path, batch_size):
+def test_each_fused_layer_keeps_what_mamba_ssms_save_for_backward_keeps(fused_path, batch_size):  # noqa: F811
     """One mamba_ssm Mamba2 layer (d_model 768, d_state 128, headdim 64, chunk 256, seq_len 512, fp32) traced forward:
-    the bytes it keeps for backward are, to the byte, the storages its autograd graph saved (every ``save_for_backward``,
+    the bytes it keeps for backward are, to the byte, the storages its autograd graph saved (every
+    ``save_for_backward``,
     seen by ``saved_tensors_hooks``) less the input and the weights, and those are mamba_split_conv1d_scan_combined's:
     zxbcdt (B, L, 2·d_inner + 2·d_state + nheads), the scan's out_x (B, L, d_inner) and the norm's rstd (B·L) in fp32,
     and A = -exp(A_log) (nheads; the exp's output kept by its own backward too)."""
@@ -163,7 +167,7 @@ def test_each_fused_layer_keeps_what_mamba_ssms_save_for_backward_keeps(fused_pa
     assert choices.launched
 
 
-def test_the_fused_path_keeps_several_times_fewer_bytes_per_sample(fused_path):
+def test_the_fused_path_keeps_several_times_fewer_bytes_per_sample(fused_path):  # noqa: F811
     spec = RegressorSpec(d_model=64, n_layers=2, d_state=32, headdim=32, chunk_size=64, seq_len=256)
     torch_path = estimate_step(spec.ref("transformers"), (4, 16), device_kind="cuda")
     fused = estimate_step(spec.ref("mamba_ssm"), (4, 16), device_kind="cuda")

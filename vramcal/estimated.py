@@ -21,8 +21,8 @@ device where some were made there (another machine's libraries and allocator hol
 same kind of device. On the host, the same device's profiles made with the thread setting a worker gets now
 (``OMP_NUM_THREADS``) come first, and a baseline learned under another setting says so: each OpenMP thread holds its
 own allocator arena and stack (a tiny spec's worker on the project's 2-core host: 484 MiB at batch_size 1 with two
-threads, 402 MiB with ``OMP_NUM_THREADS=1``). With none, a stated default: :data:`HOST_BASELINE`; on a card, its CUDA context (:data:`vramcal.estimate.constants.CONTEXT`, with its
-source).
+threads, 402 MiB with ``OMP_NUM_THREADS=1``). With none, a stated default: :data:`HOST_BASELINE`; on a card, its
+CUDA context (:data:`vramcal.estimate.constants.CONTEXT`, with its source).
 
 **The bound.** Each such profile is held against the estimate of its own model with the baseline learned from the
 *other* profiles (leave-one-out): ``error = estimated_peak(safe) / measured_peak(safe) − 1`` at its verified safe
@@ -55,7 +55,7 @@ from typing import Any
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import Aim
 from vramcal.environment import shown_setting, worker_setting
-from vramcal.estimate import EstimateError, StepEstimate, estimate_step
+from vramcal.estimate import EstimateError, StepEstimate
 from vramcal.estimate.cache import cached_trace, key
 from vramcal.estimate.constants import CONTEXT
 from vramcal.estimate.result import line
@@ -67,7 +67,6 @@ from vramcal.units import format_bytes
 from vramcal.workload import ModelRef, WorkloadError
 
 MIB = 2**20
-TRACE_SIZES = (8, 64)  # the batch sizes every estimate traces: a fake step costs the same at any size
 
 
 @dataclass(frozen=True)
@@ -229,7 +228,8 @@ class EstimatedLimits:
     asked: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"card": self.card, "path": self.path, "at_batch_size": self.asked, "total_bytes": self.total_bytes, "usable_bytes": self.usable_bytes,
+        return {"card": self.card, "path": self.path, "at_batch_size": self.asked, "total_bytes": self.total_bytes,
+                "usable_bytes": self.usable_bytes,
                 "safe_batch_size": self.safe_batch_size, "conservative_batch_size": self.conservative_batch_size,
                 "peak_bytes": self.peak_bytes, "worst_bytes": self.worst_bytes, "fixed_bytes": self.fixed_bytes,
                 "slope_bytes_per_sample": self.slope_bytes_per_sample, "measured": False, "verified": False,
@@ -276,12 +276,6 @@ def peak_at(estimate: StepEstimate, batch_size: int, baseline: Baseline, data_by
             "fits": bound.worst(peak) <= usable_bytes}
 
 
-def trace_line(estimate: StepEstimate) -> tuple[float, float]:
-    """``(overhead_bytes, slope_bytes_per_sample)`` of a trace: live bytes on the host, the caching allocator's
-    reserved bytes on a card (:func:`vramcal.estimate.estimate_step`)."""
-    return estimate.overhead_bytes, estimate.slope_bytes_per_sample
-
-
 Trace = Callable[..., StepEstimate]  # (ref, options, kind="host", card=None) -> StepEstimate
 _TRACED: dict[str, StepEstimate] = {}  # this process's traces (the disk's are vramcal.estimate.cache's)
 
@@ -322,7 +316,7 @@ def held_against(profiles: Iterable[tuple[Path | str, Profile]], trace: Trace = 
         except (EstimateError, WorkloadError, ValueError) as error:
             notices.append(f"{path}: not learned from ({error})")
             continue
-        overhead, slope = trace_line(cache[key])
+        overhead, slope = cache[key].overhead_bytes, cache[key].slope_bytes_per_sample
         check = profile.verification["safe"]
         found.append(Calibrated(str(path), profile.device.kind, profile.fit.overhead_bytes, profile.pool_data_bytes,
                                 check.batch_size, check.peak_bytes, overhead, slope, profile.device.name,
@@ -352,7 +346,7 @@ def traced_options(profile: Profile) -> dict[str, Any]:
 
 def describe_estimate(estimate: StepEstimate, baseline: Baseline, data_bytes: int) -> str:
     """``peak ≈ 0.53 GiB + 14.37 MiB × batch_size (baseline 512 MiB: ..., data ..., the step's own ...)``."""
-    overhead, slope = trace_line(estimate)
+    overhead, slope = estimate.overhead_bytes, estimate.slope_bytes_per_sample
     return (f"peak ≈ {format_bytes(baseline.bytes + data_bytes + overhead)} + {format_bytes(slope)} × batch_size "
             f"(baseline {format_bytes(baseline.bytes)}: {baseline.source}; data {format_bytes(data_bytes)}; the step's "
             f"own {format_bytes(overhead)})")
@@ -492,7 +486,8 @@ def _rows(estimate: StepEstimate, kind: DeviceKind, targets: list[tuple[str, int
     bound, data = learned_bound(calibrated, kind), estimate.data_bytes if kind == "host" else 0
     found = []
     for label, total in targets:
-        row = estimated_limits(label, total, trace_line(estimate), data, settings, baseline, bound)
+        row = estimated_limits(label, total, (estimate.overhead_bytes, estimate.slope_bytes_per_sample), data,
+                               settings, baseline, bound)
         asked = None if batch_size is None else peak_at(estimate, batch_size, baseline, data, row.usable_bytes, bound)
         found.append(dataclasses.replace(row, path=path, asked=asked))
     return found
@@ -509,7 +504,7 @@ def aim_for(ref: ModelRef, options: dict[str, Any], kind: DeviceKind, profiles_d
     except (EstimateError, WorkloadError, ValueError) as error:
         return None, f"not aimed (the search climbs from batch size 1): {error}"
     bound = learned_bound(held_against(profiles_in(profiles_dir)[0], trace)[0], kind)
-    slope = trace_line(estimate)[1]
+    slope = estimate.slope_bytes_per_sample
     if slope <= 0:
         return None, "not aimed: the traced step's memory does not rise with the batch size"
     return Aim(slope, bound.low, bound.high, f"the fake-tensor trace; its bound learned on {bound.source}"), None

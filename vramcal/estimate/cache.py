@@ -2,9 +2,9 @@
 a trace is the same every time for the same model, options, device kind, card and software, so it is made once.
 
 The key is SHA-256 over those (the software as installed: vramcal, torch, transformers, mamba-ssm, causal-conv1d,
-triton; the code of this package; a data file by its path, size and modification time); the folder is ``$VRAMCAL_CACHE_DIR``, else
-``$XDG_CACHE_HOME/vramcal/traces``, else ``~/.cache/vramcal/traces``. A file that cannot be read is traced again; one
-that cannot be written is not kept (the estimate goes on).
+triton; the code of this package; a data file by its path, size and modification time); the folder is
+``$VRAMCAL_CACHE_DIR``, else ``$XDG_CACHE_HOME/vramcal/traces``, else ``~/.cache/vramcal/traces``. A file that
+cannot be read is traced again; one that cannot be written is not kept (the estimate goes on).
 """
 
 from __future__ import annotations

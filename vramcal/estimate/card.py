@@ -236,6 +236,7 @@ def _autocast_kernel(policy: str, name: str, cache: dict[int, tuple[Any, torch.T
     op_name, _, overload = name.partition(".")
     op = getattr(getattr(torch.ops.aten, op_name), overload or "default")
     excluded = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    names = [argument.name for argument in op._schema.arguments]
 
     def cast(value: Any, dtype: torch.dtype) -> Any:
         if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64
@@ -252,11 +253,12 @@ def _autocast_kernel(policy: str, name: str, cache: dict[int, tuple[Any, torch.T
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         with torch._C._ExcludeDispatchKeyGuard(excluded):
-            if policy == "fp32_set_opt_dtype":
+            if policy == "fp32_set_opt_dtype":  # the dtype argument fp32 where unset (positional or keyword)
                 first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-                if kwargs.get("dtype") is None and first is not None and first.dtype in (torch.float16,
-                                                                                          torch.bfloat16):
-                    kwargs = {**kwargs, "dtype": torch.float32}
+                if first is not None and first.dtype in (torch.float16, torch.bfloat16):
+                    given = dict(zip(names, args)) | kwargs
+                    given["dtype"] = given.get("dtype") or torch.float32
+                    return op(**given)
                 return op(*args, **kwargs)
             dtype = {"lower": torch.get_autocast_dtype("cpu"), "fp32": torch.float32}.get(policy) or _widest(args)
             if policy == "lower":

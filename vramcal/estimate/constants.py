@@ -57,8 +57,8 @@ def card_constants(compute_capability: tuple[int, int]) -> CardConstants:
     """The constants of a card of ``compute_capability`` under this process's environment (``CUBLAS_WORKSPACE_CONFIG``
     and ``CUBLASLT_WORKSPACE_SIZE`` as torch parses them; ``CUDA_MODULE_LOADING``)."""
     cublas = _configured_workspace() or (HOPPER_WORKSPACE if compute_capability == (9, 0) else WORKSPACE)
-    lt = int(os.environ.get("CUBLASLT_WORKSPACE_SIZE", "1024")) * 1024 if _whole(
-        os.environ.get("CUBLASLT_WORKSPACE_SIZE", "1024")) else CUBLASLT_WORKSPACE
+    lt_kib = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "").strip()
+    lt = int(lt_kib) * 1024 if lt_kib.isdigit() else CUBLASLT_WORKSPACE
     eager = os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper() == "EAGER"
     context = EAGER_CONTEXT if eager else CONTEXT
     source = (f"CUDA context {context / MIB:.0f} MiB ({'eager' if eager else 'lazy'} module loading, published "
@@ -75,6 +75,3 @@ def _configured_workspace() -> int | None:
     pairs = re.findall(r":([0-9]+):([0-9]+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))
     return sum(int(size) * 1024 * int(count) for size, count in pairs) or None
 
-
-def _whole(text: str) -> bool:
-    return text.strip().isdigit()

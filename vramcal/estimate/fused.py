@@ -1,11 +1,11 @@
 """mamba_ssm's fused Mamba-2 path traced on fake CPU tensors: its Python wrappers as they are, its launches as twins.
 
-A card with ``mamba_ssm`` installed runs ``mamba_split_conv1d_scan_combined`` (``mamba_ssm/ops/triton/ssd_combined.py``),
-which keeps for backward only the block's input projection, the scan's output before the gated norm and the norm's
-rstd (``ctx.save_for_backward``) and recomputes the rest; transformers' PyTorch chunked scan keeps every intermediate,
-several times more bytes per sample. mamba_ssm's wrappers allocate every output, saved tensor and workspace with torch
-ops before a kernel writes into it, so on fake tensors they allocate what they allocate on the card, once their
-kernels are twins of what they launch (:func:`fused_twins`):
+A card with ``mamba_ssm`` installed runs ``mamba_split_conv1d_scan_combined``
+(``mamba_ssm/ops/triton/ssd_combined.py``), which keeps for backward only the block's input projection, the scan's
+output before the gated norm and the norm's rstd (``ctx.save_for_backward``) and recomputes the rest; transformers'
+PyTorch chunked scan keeps every intermediate, several times more bytes per sample. mamba_ssm's wrappers allocate
+every output, saved tensor and workspace with torch ops before a kernel writes into it, so on fake tensors they
+allocate what they allocate on the card, once their kernels are twins of what they launch (:func:`fused_twins`):
 
 * Triton launches (``JITFunction.run``) do nothing; an autotuner (``Autotuner.run``) takes its first config as the one
   chosen (its ``best_config``, which some wrappers read to size a reduction) and runs its pre-hook (in-place zeroing),
@@ -14,6 +14,10 @@ kernels are twins of what they launch (:func:`fused_twins`):
   outputs its Python wrappers allocated) is a module of no-ops where the extension is not built, and its custom ops
   (``DaoAILab::_causal_conv1d_*_cpp``, which mutate their outputs and return nothing) get fake implementations that do
   nothing;
+* transformers' wrappers of these kernels send CPU tensors to its PyTorch path (5.25:
+  ``integrations/hub_kernels.py``, ``_PACKAGE_SUPPORTED_DEVICES``, bound when ``modeling_mamba2`` is imported): CPU is
+  listed too while the twins hold, and that module is imported afresh within them and dropped after, so the ``lm``
+  family's ``mamba_ssm`` path (transformers' Mamba2 with the kernels bound) is traced on the kernels;
 * ``torch.cuda.get_device_properties`` answers with the card's SM count and compute capability (the layer norms'
   backward and ``_chunk_state_bwd_db`` size their temporaries by the SM count), and ``torch.cuda.device(index)`` is
   a no-op for a CPU tensor's index.
@@ -38,6 +42,7 @@ INSTALL = ("MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORC
            "CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE pip install --no-build-isolation --no-deps mamba-ssm causal-conv1d "
            "triton einops")
 PACKAGES = ("mamba_ssm", "causal_conv1d", "triton", "einops")
+TRANSFORMERS_MAMBA2 = "transformers.models.mamba2.modeling_mamba2"
 
 
 def fused_unavailable() -> str | None:
@@ -50,7 +55,8 @@ def fused_unavailable() -> str | None:
 
 
 class _Properties:
-    """What ``torch.cuda.get_device_properties`` answers in the trace: the card's (:class:`~vramcal.estimate.card.Card`)."""
+    """What ``torch.cuda.get_device_properties`` answers in the trace: the card's
+    (:class:`~vramcal.estimate.card.Card`)."""
 
     def __init__(self, card: Any) -> None:
         self.name, self.multi_processor_count = card.name, card.sm_count
@@ -78,10 +84,16 @@ def fused_twins(choices: Choices) -> Iterator[None]:
     Autotuner.run = _first_config
     torch.cuda.get_device_properties = lambda device=None: _Properties(choices.card)
     torch.cuda.device = lambda device: contextlib.nullcontext()
+    hub = importlib.import_module("transformers.integrations.hub_kernels")
+    devices = dict(hub._PACKAGE_SUPPORTED_DEVICES)
+    hub._PACKAGE_SUPPORTED_DEVICES.update({name: (*devices.get(name, ()), "cpu") for name in PACKAGES[:2]})
+    sys.modules.pop(TRANSFORMERS_MAMBA2, None)
     try:
         yield
     finally:
         JITFunction.run, Autotuner.run, torch.cuda.get_device_properties, torch.cuda.device = saved
+        hub._PACKAGE_SUPPORTED_DEVICES.update(devices)
+        sys.modules.pop(TRANSFORMERS_MAMBA2, None)
         if twin:  # nothing imported with the twin outlives the trace: mamba_ssm_available() answers for real
             _drop("causal_conv1d_cuda", "causal_conv1d", "mamba_ssm")
 

@@ -26,9 +26,8 @@ tensors the fake mode's memo holds weak references to; pytorch PRs #178584 and #
 :func:`_swappable_fakes` drops those memo entries before a swap, as the first of those PRs does.
 
 For a CUDA card (``device_kind="cuda"``) the step is traced on fake CPU tensors as the card runs it
-(:func:`vramcal.estimate.card.as_card`: dropout's mask, the attention backend, AdamW's foreach, CUDA's autocast lists;
-a ``bf16-autocast`` factory's autocast is switched on for the CPU tensors by
-:func:`vramcal.models.mamba2.autocast_as_cuda`), with mamba_ssm's fused kernels as twins where they are installed
+(:func:`vramcal.estimate.card.as_card`: dropout's mask, the attention backend, AdamW's foreach, CUDA's autocast
+lists), with mamba_ssm's fused kernels as twins where they are installed
 (:func:`vramcal.estimate.fused.fused_twins`); the choices made are in ``StepEstimate.choices``. Its allocations and
 frees, after the cuBLAS workspaces (:func:`vramcal.estimate.constants.card_constants`), run through the caching
 allocator's model (:func:`vramcal.estimate.allocator.replay`) and the reserved peak is the estimate. The CUDA context
@@ -48,7 +47,6 @@ from typing import TYPE_CHECKING, Any
 
 from vramcal.estimate.allocator import Event, replay
 from vramcal.estimate.result import EstimateError, PointEstimate, StepEstimate, failure_message, line
-from vramcal.models.mamba2 import autocast_as_cuda
 from vramcal.records import DeviceKind, TrialSettings
 from vramcal.workload import ModelRef, build, detect_kernel_path, train_step, validation_step
 
@@ -138,16 +136,15 @@ def trace_point(ref: ModelRef, batch_size: int, device_kind: DeviceKind, options
 
 @contextlib.contextmanager
 def _as_card(device_kind: DeviceKind, card: Card | None) -> Iterator[Choices | None]:
-    """For a CUDA card: its choices (:func:`vramcal.estimate.card.as_card`), a ``bf16-autocast`` factory's autocast
-    switched on for CPU tensors (:func:`vramcal.models.mamba2.autocast_as_cuda`) and, where mamba_ssm is installed,
-    its fused kernels' twins; for the host: nothing."""
+    """For a CUDA card: its choices (:func:`vramcal.estimate.card.as_card`) and, where mamba_ssm is installed, its
+    fused kernels' twins; for the host: nothing."""
     if device_kind != "cuda":
         yield None
         return
     from vramcal.estimate.card import Card, as_card  # loads torch: only when called
     from vramcal.estimate.fused import fused_twins, fused_unavailable  # loads torch: only when called
 
-    with as_card(card or Card()) as choices, autocast_as_cuda():
+    with as_card(card or Card()) as choices:
         with fused_twins(choices) if fused_unavailable() is None else contextlib.nullcontext():
             yield choices
 

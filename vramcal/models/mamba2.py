@@ -22,14 +22,11 @@ mamba_ssm's by the regressor's backbone (:class:`vramcal.models.regressor.net.Ma
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import importlib
 import importlib.util
 import re
 import sys
 import types
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from vramcal.words import given
@@ -45,8 +42,6 @@ DtypePolicy = Literal["fp32", "bf16-autocast"]
 IMPLEMENTATIONS: tuple[str, ...] = ("auto", "transformers", "mamba_ssm")
 DTYPE_POLICIES: tuple[str, ...] = ("fp32", "bf16-autocast")
 BF16_MIN_COMPUTE_CAPABILITY = (8, 0)  # bf16 tensor cores and autocast speed: Ampere (sm_80) and later
-# While an estimate traces a CUDA step on CPU tensors (autocast_as_cuda), the host's bf16 autocast stands in for CUDA's
-_AUTOCAST_AS_CUDA = contextvars.ContextVar("vramcal_autocast_as_cuda", default=False)
 CHECKPOINTING_FORMS = "off, block or every:K"  # what the spec's checkpointing takes (checkpoint_every)
 CHECKPOINTING_OFF = "off"
 
@@ -147,26 +142,13 @@ def checkpoint_model(module: torch.nn.Module, every: int) -> tuple[int, int]:
 
 def autocast(device_type: str, dtype_policy: str):
     """The dtype policy's autocast for a forward pass on a device of ``device_type``: bf16 autocast
-    (``torch.autocast(device_type, dtype=torch.bfloat16)``) on CUDA for ``bf16-autocast``, else disabled (fp32), as
-    every family's factory runs it. Inside :func:`autocast_as_cuda` the host's bf16 autocast is enabled too."""
+    (``torch.autocast(device_type, dtype=torch.bfloat16)``) for ``bf16-autocast``, else disabled (fp32), as every
+    family's factory runs it. ``bf16-autocast`` runs on CUDA; on CPU tensors only in an estimate's trace of a card's
+    step (:func:`check_dtype` refuses it on the host), where the CPU's autocast casts by CUDA's op lists
+    (:func:`vramcal.estimate.card.as_card`)."""
     import torch
 
-    enabled = dtype_policy == "bf16-autocast" and (device_type == "cuda" or _AUTOCAST_AS_CUDA.get())
-    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=enabled)
-
-
-@contextlib.contextmanager
-def autocast_as_cuda() -> Iterator[None]:
-    """Within: a ``bf16-autocast`` step built on the CPU runs the CPU's bf16 autocast where a CUDA device would run
-    CUDA's (:func:`autocast`), for an estimate that traces a GPU's step on CPU tensors
-    (:func:`vramcal.estimate.step.estimate_step`). The two autocasts' op lists differ at the edges (CUDA's casts
-    ``einsum``, ``mv``, ``addmv`` and ``addr`` itself, the CPU's their decompositions: ``torch.amp.autocast_mode``);
-    matrix products and linear layers, where a Mamba-2 step's activations come from, are bf16 under both."""
-    token = _AUTOCAST_AS_CUDA.set(True)
-    try:
-        yield
-    finally:
-        _AUTOCAST_AS_CUDA.reset(token)
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=dtype_policy == "bf16-autocast")
 
 
 def mamba_ssm_available() -> bool:
