@@ -14,10 +14,12 @@ each figure ``nvmlDeviceGetMemoryInfo(...).used // 1024**2`` printed after train
 MiB: the whole card, so the CUDA context and the allocator's cached blocks: its reserved peak, never released
 without ``empty_cache``). The page measured the context on its own, 1343 MiB after ``torch.ones((1, 1)).to("cuda")``:
 that is each row's baseline (a measured context of the same card and software, as a GPU profile's would be). The
-Trainer of the time, reproduced by :func:`bert_step`: transformers' own AdamW (``adamw_hf``: a loop over the
-parameters), weight decay 0, ``max_grad_norm`` 1.0, ``model.zero_grad()`` zeroing the gradients in place (torch
-1.10's default, so they stay allocated), BERT's eager attention (its softmax weights and their dropout mask kept for
-backward), dropout 0.1, ``fp16=True``: torch's CUDA autocast around the forward pass and a GradScaler, gradient
+Trainer and torch of the time (torch 1.10, the last release before the page), reproduced by :func:`bert_step`:
+transformers' own AdamW (``adamw_hf``: a loop over the parameters), weight decay 0, ``max_grad_norm`` 1.0,
+``model.zero_grad()`` zeroing the gradients in place (torch 1.10's default, so they stay allocated), BERT's eager
+attention (its softmax weights and their dropout mask kept for backward) with torch 1.10's softmax, which kept its
+input for backward beside its output (``_softmax_backward_data(grad, output, dim, self)``; torch 1.11 stopped:
+pytorch issue #49600, PR #65242; :class:`Softmax110`), dropout 0.1, ``fp16=True``: torch's CUDA autocast around the forward pass and a GradScaler, gradient
 checkpointing: ``model.gradient_checkpointing_enable()``; with gradient accumulation the peak is a step's at the
 per-device batch size (the gradients are kept anyway). No evaluation ran (fewer steps than ``eval_steps``).
 
@@ -32,6 +34,8 @@ import argparse
 import sys
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from vramcal.records import TrialSettings
 from vramcal.workload import ModelRef, TrainingStep
@@ -63,14 +67,42 @@ ROWS = (
 )
 
 
+class Softmax110(torch.autograd.Function):
+    """``softmax(scores, -1)`` keeping for backward what torch 1.10's did: its input (fp32: under autocast,
+    ``softmax.int``'s cast of it) and its output."""
+
+    @staticmethod
+    def forward(ctx: Any, scores: torch.Tensor) -> torch.Tensor:
+        kept = scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores
+        out = torch._softmax(kept, -1, False)
+        ctx.save_for_backward(kept, out)
+        ctx.dtype = scores.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        kept, out = ctx.saved_tensors
+        return torch._softmax_backward_data(grad, out, -1, kept.dtype).to(ctx.dtype)
+
+
+def attention_110(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None,
+                  dropout: float = 0.0, **kwargs: Any) -> tuple[Any, Any]:
+    """transformers' BERT eager attention (``modeling_bert.eager_attention_forward``) with :class:`Softmax110`."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling or query.size(-1) ** -0.5)
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = torch.nn.functional.dropout(Softmax110.apply(scores), p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
 def bert_step(device: Any, dtype: str = "fp32", checkpointing: bool = False, seq_len: int = SEQ_LEN) -> TrainingStep:
     """The published runs' step (module docstring): BertForSequenceClassification as bert-large-uncased's config,
-    transformers' eager attention, AdamW looping over the parameters, gradients zeroed in place."""
-    import torch
-    from transformers import BertConfig, BertForSequenceClassification
+    eager attention with torch 1.10's softmax, AdamW looping over the parameters, gradients zeroed in place."""
+    from transformers import AttentionInterface, BertConfig, BertForSequenceClassification
 
+    AttentionInterface.register("eager_torch110", attention_110)
     config = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
-                        vocab_size=30522, num_labels=2, attn_implementation="eager")
+                        vocab_size=30522, num_labels=2, attn_implementation="eager_torch110")
     model = BertForSequenceClassification(config).to(device)
     if checkpointing:
         model.gradient_checkpointing_enable()

@@ -113,12 +113,11 @@ BENCH_BOUND = ErrorBound(-0.038, 0.043, 9, "the project's benchmark (9 host cali
                                            "`python -m bench.estimate --bound`)")
 
 
-# A card with fewer than two GPU profiles to learn from: no published GPU run has been held against this estimate
-# yet (bench/README.md, "Estimates on a card"), so its bound is the widest miss published for the CPU's trace of a
-# GPU's step (issue 57: -16 % to +40 % of a measured nvidia-smi peak), which the traced card choices narrow but no
-# measurement has yet shown how far.
-GPU_BOUND = ErrorBound(-0.16, 0.40, 1, "a published GPU run traced the CPU's way (issue 57), until GPU profiles or "
-                                        "the GPU benchmark's rows teach it")
+# A card with fewer than two GPU profiles to learn from: the errors of the estimate against published GPU measurements
+# of fully specified training runs (`python -m bench.published`: 5 runs of BERT-large on a V100, transformers' docs,
+# nvidia-smi, each row's published CUDA context as its baseline: -2.8 % to -0.4 %; bench/README.md, "Estimates on a
+# card"). The rows test the trace and the allocator's model, not the context a card's row assumes without a profile.
+GPU_BOUND = ErrorBound(-0.028, -0.004, 5, "5 published GPU runs (BERT-large on a V100; `python -m bench.published`)")
 
 
 @dataclass(frozen=True)
@@ -472,9 +471,8 @@ def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[An
         formulas += [f"the host: {describe_estimate(estimate, baseline, estimate.data_bytes)}",
                      f"  {learned_bound(calibrated, 'host').says()}"]
     if cards and not any(c.kind == "cuda" for c in calibrated):
-        notices.append("no GPU profile to learn from: the GPU rows' baseline is the CUDA context's published size and "
-                       "their bound is not yet a measured one (the kernels a step loads into the context are in "
-                       "neither)")
+        notices.append("no GPU profile to learn from: the GPU rows' baseline is the CUDA context's published size (the "
+                       "kernels a step loads into the context are not in it) and their bound the published GPU runs'")
     return CardEstimate(tuple(estimates), tuple(rows), tuple(formulas), tuple(notices + passed_over))
 
 

@@ -1,14 +1,13 @@
 """The step as a CUDA card runs it, traced on CPU tensors: the card's own choices, made by one mechanism.
 
 torch's CPU build cannot make fake CUDA tensors (any op on one asks for CUDA's device guard and aborts the process),
-and a CUDA build traces their forward pass but not their backward (the autograd engine asks for the device's
-primary context). So a trace for a card (:func:`vramcal.estimate.step.estimate_step`, ``device_kind="cuda"``) runs
+and a CUDA build's cannot run the backward (the autograd engine asks for the device's primary context). So a trace for a card (:func:`vramcal.estimate.step.estimate_step`, ``device_kind="cuda"``) runs
 the factory's step on fake CPU tensors, and wherever torch decides by the tensor's device, :func:`as_card` makes
 the decision CUDA makes and records it (:attr:`Choices.made`, printed with the estimate):
 
 * **dropout** (``F.dropout`` in training): CUDA runs the fused ``aten::native_dropout``, whose mask is a 1-byte bool
   per element (``aten/src/ATen/native/cuda/Dropout.cu``); the CPU keeps a mask of the input's dtype
-  (``at::dropout``'s ``_dropout_impl``). The twin calls ``native_dropout`` itself.
+  (``at::dropout``'s ``_dropout_impl``).
 * **attention** (``F.scaled_dot_product_attention``): the backend ``select_sdp_backend`` picks on the card
   (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: flash, then memory-efficient, then math), called as
   that backend's own op, so the trace keeps what it keeps for backward (flash and efficient: a logsumexp per query;
@@ -18,11 +17,9 @@ the decision CUDA makes and records it (:attr:`Choices.made`, printed with the e
   Its ``_foreach_*`` temporaries are then in the trace.
 * **autocast**: CUDA's op lists (``aten/src/ATen/autocast_mode.cpp``, ``TORCH_LIBRARY_IMPL(aten, Autocast, m)``:
   :data:`CUDA_AUTOCAST`), registered for the CPU's autocast key while the trace runs, so a CPU autocast casts as
-  CUDA's would (``exp``, ``softplus``, ``layer_norm``, ``cumsum``... to fp32, ``einsum`` to bf16), with its cache of
-  the weights' casts; ``torch.autocast("cuda")`` and ``torch.is_autocast_enabled()`` (mamba_ssm reads it) answer as on
-  the card. Not modelled: fp16 autocast with a GradScaler (cards without bf16).
-
-A CUDA build of torch would change nothing here: its fake CUDA tensors cannot run the backward either.
+  CUDA's would (``exp``, ``softplus``, ``layer_norm``, ``cumsum``... to fp32, ``einsum`` to bf16 or fp16), with its
+  cache of the weights' casts; ``torch.autocast("cuda")`` and ``torch.is_autocast_enabled()`` (mamba_ssm reads it)
+  answer as on the card. Not modelled: a GradScaler's own tensors (a scale and a found-inf flag).
 """
 
 from __future__ import annotations
