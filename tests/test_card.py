@@ -174,3 +174,21 @@ def test_the_fused_path_keeps_several_times_fewer_bytes_per_sample(fused_path): 
     assert "fused" in fused.kernel_path and "torch_forward" in torch_path.kernel_path
     assert fused.slope_bytes_per_sample * 2 < torch_path.slope_bytes_per_sample
     assert any(line.startswith("fused kernels:") for line in fused.choices)
+
+
+def test_the_lm_familys_fused_path_is_traced_on_the_kernels(fused_path):  # noqa: F811
+    """transformers 5.25 sends CPU tensors to its PyTorch path (``hub_kernels._PACKAGE_SUPPORTED_DEVICES``): within
+    the twins they reach mamba_ssm's kernels, so the lm family's mamba_ssm path keeps the fused layers' bytes (before,
+    the trace launched no kernel and the estimate refused the path)."""
+    from pathlib import Path
+
+    from vramcal.models import lm
+    from vramcal.workload import ModelRef
+
+    config = lm.read_config(Path(__file__).resolve().parent.parent / "configs" / "mamba2-lm-tiny.json")
+    traced = {impl: estimate_step(ModelRef.make(lm.FACTORY, {"config": config, "seq_len": 64, "dtype": "bf16-autocast",
+                                                             "implementation": impl}), (2, 8), device_kind="cuda")
+              for impl in ("transformers", "mamba_ssm")}
+    assert any(line.startswith("fused kernels:") for line in traced["mamba_ssm"].choices)
+    assert not any(line.startswith("fused kernels:") for line in traced["transformers"].choices)
+    assert traced["mamba_ssm"].slope_bytes_per_sample < traced["transformers"].slope_bytes_per_sample
