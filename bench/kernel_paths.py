@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             trace = cached_trace(ref.replace(implementation=path), options, "cuda", Card())
             slopes[path] = trace.slope_bytes_per_sample
             ratio = f"{slopes['transformers'] / slopes[path]:.2f}x" if path == "mamba_ssm" else ""
-            print(f"| {name} | {path} | {trace.slope_bytes_per_sample / MIB:,.2f} | {trace.overhead_bytes / MIB:,.0f} | "
-                  f"{time.perf_counter() - started:.0f} | {ratio} |", flush=True)
+            print(f"| {name} | {path} | {trace.slope_bytes_per_sample / MIB:,.2f} | "
+                  f"{trace.overhead_bytes / MIB:,.0f} | {time.perf_counter() - started:.0f} | {ratio} |", flush=True)
     return 0
 
 

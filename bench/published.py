@@ -19,9 +19,10 @@ transformers' own AdamW (``adamw_hf``: a loop over the parameters), weight decay
 ``model.zero_grad()`` zeroing the gradients in place (torch 1.10's default, so they stay allocated), BERT's eager
 attention (its softmax weights and their dropout mask kept for backward) with torch 1.10's softmax, which kept its
 input for backward beside its output (``_softmax_backward_data(grad, output, dim, self)``; torch 1.11 stopped:
-pytorch issue #49600, PR #65242; :class:`Softmax110`), dropout 0.1, ``fp16=True``: torch's CUDA autocast around the forward pass and a GradScaler, gradient
-checkpointing: ``model.gradient_checkpointing_enable()``; with gradient accumulation the peak is a step's at the
-per-device batch size (the gradients are kept anyway). No evaluation ran (fewer steps than ``eval_steps``).
+pytorch issue #49600, PR #65242; :class:`Softmax110`), dropout 0.1, ``fp16=True``: torch's CUDA autocast around
+the forward pass and a GradScaler, gradient checkpointing: ``model.gradient_checkpointing_enable()``; with gradient
+accumulation the peak is a step's at the per-device batch size (the gradients are kept anyway). No evaluation ran
+(fewer steps than ``eval_steps``).
 
 Not reproduced: the page's Adafactor and 8-bit Adam rows (another optimizer each; bitsandbytes is not installed);
 the GradScaler's own tensors (a scale and a found-inf flag: bytes); the cuBLAS workspaces torch 1.10 did not yet

@@ -8,12 +8,9 @@ on a GPU the CUDA context and workspaces) and the dataset a process holds in the
 
     estimated_peak(b) = baseline + data_bytes + trace_overhead + trace_slope × b
 
-On a CUDA card the step is traced as the card runs it (:mod:`vramcal.estimate.card`: its dropout, attention,
-optimizer and autocast; mamba_ssm's fused kernels for the ``mamba_ssm`` path, :mod:`vramcal.estimate.fused`) and its
-bytes are what the caching allocator would reserve for the same allocations, the cuBLAS workspaces included
-(:func:`vramcal.estimate.allocator.replay`); on the host, live bytes. A GPU row is given for each kernel path of a
-family's model (``transformers``: its PyTorch chunked scan; ``mamba_ssm``: the fused kernels), labelled, with the one
-this install would run named.
+On a CUDA card the step is traced as the card runs it (:mod:`vramcal.estimate.card`, :mod:`vramcal.estimate.fused`),
+in the caching allocator's reserved bytes, its cuBLAS workspaces included; on the host, in live bytes. A card has a
+row per kernel path of a family's model (``transformers``, ``mamba_ssm``), the one this install runs named.
 
 **The baseline** is learned from the profiles at hand: for each verified profile,
 ``fit.overhead − pool_data_bytes − trace_overhead`` of its own model; the estimate takes their median over the same
@@ -397,19 +394,9 @@ def profiles_in(profiles_dir: Path | str) -> tuple[list[tuple[Path, Profile]], l
 
 
 def _card(device: Any) -> Any:
-    """The :class:`vramcal.estimate.card.Card` a card (a catalogue entry, a profile's device) is traced as; None for
-    the host."""
     from vramcal.estimate.card import Card  # loads torch: only when called
 
-    if getattr(device, "kind", "cuda") == "host":
-        return None
-    capability = getattr(device, "compute_capability", None)
-    if isinstance(capability, str) and capability:
-        capability = tuple(int(part) for part in capability.split("."))
-    default = Card()
-    return Card(getattr(device, "label", None) or getattr(device, "name", default.name),
-                tuple(capability) if capability else default.compute_capability,
-                getattr(device, "sm_count", None) or default.sm_count)
+    return Card.of(device)
 
 
 def paths(ref: ModelRef) -> list[ModelRef]:

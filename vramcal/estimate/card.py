@@ -1,9 +1,10 @@
 """The step as a CUDA card runs it, traced on CPU tensors: the card's own choices, made by one mechanism.
 
 torch's CPU build cannot make fake CUDA tensors (any op on one asks for CUDA's device guard and aborts the process),
-and a CUDA build's cannot run the backward (the autograd engine asks for the device's primary context). So a trace for a card (:func:`vramcal.estimate.step.estimate_step`, ``device_kind="cuda"``) runs
-the factory's step on fake CPU tensors, and wherever torch decides by the tensor's device, :func:`as_card` makes
-the decision CUDA makes and records it (:attr:`Choices.made`, printed with the estimate):
+and a CUDA build's cannot run the backward (the autograd engine asks for the device's primary context). So a trace
+for a card (:func:`vramcal.estimate.step.estimate_step`, ``device_kind="cuda"``) runs the factory's step on fake CPU
+tensors, and wherever torch decides by the tensor's device, :func:`as_card` makes the decision CUDA makes and records
+it (:attr:`Choices.made`, printed with the estimate):
 
 * **dropout** (``F.dropout`` in training): CUDA runs the fused ``aten::native_dropout``, whose mask is a 1-byte bool
   per element (``aten/src/ATen/native/cuda/Dropout.cu``); the CPU keeps a mask of the input's dtype
@@ -71,6 +72,17 @@ class Card:
     name: str = "H100 80 GB (HBM3)"
     compute_capability: tuple[int, int] = (9, 0)
     sm_count: int = 132
+
+    @classmethod
+    def of(cls, device: Any) -> Card | None:
+        """The card ``device`` is traced as (a catalogue entry or a profile's device: its ``label`` or ``name``,
+        ``compute_capability`` as ``"9.0"``, ``sm_count``; an H100's traits where it says none); None for the host."""
+        if getattr(device, "kind", "cuda") == "host":
+            return None
+        default, capability = cls(), getattr(device, "compute_capability", None)
+        return cls(getattr(device, "label", None) or getattr(device, "name", default.name),
+                   tuple(int(part) for part in capability.split(".")) if capability else default.compute_capability,
+                   getattr(device, "sm_count", None) or default.sm_count)
 
     @property
     def sm(self) -> str:
