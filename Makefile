@@ -33,7 +33,10 @@ LM_TRAIN_ARGS ?= --max-steps 300
 .PHONY: setup setup-dev run run-lm test lint clean gpu-wheels gpu-rehearsal gpu-fused-wheels
 
 # setup: what vramcal runs with (make run); setup-dev adds what its tests need (Lightning, Accelerate, pytest,
-# ruff, the PostgreSQL driver, and the earlier transformers releases in TRANSFORMERS_ALSO: make test).
+# ruff, the PostgreSQL driver, the earlier transformers releases in TRANSFORMERS_ALSO, and mamba_ssm's fused path
+# without its CUDA builds in $(VENV)/fused-kernels, which the estimate's tests put on their path (tests/fused.py):
+# built once per venv, about 3 minutes the first time, then from pip's wheel cache).
+FUSED_KERNELS ?= mamba-ssm==2.3.2.post1 causal-conv1d==1.7.0 triton==3.9.0 einops==0.8.2
 setup: $(VENV)/.installed
 setup-dev: $(VENV)/.installed-dev
 
@@ -50,6 +53,10 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	rm -rf $(VENV)/transformers-also
 	for version in $(TRANSFORMERS_ALSO); do $(PY) -m pip install --quiet --disable-pip-version-check --no-deps \
 		--target $(VENV)/transformers-also/$$version transformers==$$version || exit 1; done
+	rm -rf $(VENV)/fused-kernels
+	MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE \
+		CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE $(PY) -m pip install --quiet --disable-pip-version-check --no-deps \
+		--no-build-isolation --target $(VENV)/fused-kernels $(FUSED_KERNELS)
 	touch $@
 
 $(DATA): | setup

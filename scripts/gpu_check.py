@@ -29,6 +29,13 @@ written to ``gpu_check.json`` and ``GPU_CHECK.md`` as soon as it ends, and a fai
    ``--impl mamba_ssm`` under its own caps (``gpu_check_policy.FUSED``: 8 trials, a steady trial of at most 10
    steps, 150 s).
 
+``estimate`` (after ``data``, before any trial): the specs the calibrations run (``default``, whose estimate the
+``fused`` step uses too, and on a card ``large``) estimated as ``vramcal estimate`` does (issue 57:
+``estimate_cards``, on a card both kernel paths, labelled), in a process of its own so that nothing it loads stays
+beside the trials; each path's bytes per sample and their ratio. Each calibration then writes its spec's estimate
+beside its measurement (``estimate`` in its result): the estimated peak at the verified safe size against the peak
+measured there, the error and whether the estimate's bound covers it.
+
 Time: ``--budget-s`` bounds the whole run (gpu_check.sh derives it, and the ``timeout`` it runs the check under, from
 its one deadline, after timing its setup, ``--setup-s``, recorded; the check stops itself before the timeout with
 everything written). Each step has an estimate and a weight
@@ -107,13 +114,16 @@ SPECS = {
 }
 DATA = ROOT / "data" / "es_1s.parquet"
 # In this order: the steps that need the default profile run right after it, so a slow large spec cannot starve them.
-STEPS = ("device", "data", "default", "boundary", "train", "chunk_size", "large", "fused")
+STEPS = ("device", "data", "estimate", "default", "boundary", "train", "chunk_size", "large", "fused")
 # (estimate seconds: the least time a step is started with, weight: its share of the time left) per device kind;
 # a step without an entry for a kind does not run on it. Estimates, not measurements: the GPU path has not run on
 # a GPU yet; the device run's wall times (in its results) are what to set them from.
 TIMES: dict[str, dict[str, tuple[float, float]]] = {
     "device": {"cuda": (20, 0), "host": (10, 0)},  # no weight: it is given its estimate
     "data": {"cuda": (10, 0), "host": (10, 0)},
+    # cuda: both paths of default and large, 4 traces of ~5-20 s; a rehearsal's trials need the host's time, so there
+    # it reads a kept trace or runs out (a cold trace of the tiny spec: ~10 s of CPU, a minute on the loaded host)
+    "estimate": {"cuda": (30, 1), "host": (8, 0)},
     "default": {"cuda": (80, 4), "host": (35, 4)},  # a calibration: its caps' start_s + MIN_TRIALS x trial_s
     "boundary": {"cuda": (30, 1.5), "host": (10, 1.5)},
     "train": {"cuda": (30, 1), "host": (10, 1)},
@@ -139,6 +149,109 @@ def plan_calibration(device: Any, spec: RegressorSpec, implementation: str, data
     return api.plan_calibration("regressor", spec.to_dict(), device=device, implementation=implementation,
                                 options={"data": data}, profiles_dir=profiles_dir,
                                 settings=api.LimitSettings(reserve_bytes=reserve_bytes))
+
+
+def estimate_main() -> None:
+    """In a process of its own (:func:`estimate_specs`): for each spec of ``sys.argv[1]`` (JSON: ``specs`` by name,
+    ``data``, ``profiles_dir``, ``reserve_bytes`` and the device's ``kind``, ``name``, ``total_bytes``,
+    ``compute_capability``), print one JSON line as soon as it is estimated: ``{name: estimate}``, a card's rows for
+    both kernel paths or the host's row, or ``{name: {"error": ...}}``."""
+    import json
+
+    from vramcal import api
+    from vramcal.estimated import estimate_cards
+    from vramcal.records import Device
+    from vramcal.report.catalogue import GpuModel
+
+    asked = json.loads(sys.argv[1])
+    device = Device(kind=asked["kind"], name=asked["name"], total_bytes=asked["total_bytes"], total_source="the check",
+                    compute_capability=asked["compute_capability"])
+    cuda = device.kind == "cuda"
+    cards = [GpuModel(device.name, device.total_bytes, "the device", device.name, device.compute_capability)]
+    for name, spec in asked["specs"].items():
+        started = time.monotonic()
+        try:
+            ref = api.model_ref("regressor", spec, device=device, implementation="transformers")
+            found = estimate_cards(ref, {"data": asked["data"]}, cards=cards if cuda else [],
+                                   host=None if cuda else device, profiles_dir=asked["profiles_dir"],
+                                   settings=api.LimitSettings(reserve_bytes=asked["reserve_bytes"]))
+            figures = {"rows": [row.to_dict() for row in found.rows], "formulas": list(found.formulas),
+                       "notices": list(found.notices)}
+        except Exception as error:  # noqa: BLE001 - recorded, and the next spec is estimated
+            figures = {"error": f"{type(error).__name__}: {error}"}
+        print(json.dumps({name: {**figures, "wall_s": round(time.monotonic() - started, 1)}}), flush=True)
+
+
+def estimate_specs(ctx: Any, specs: dict[str, RegressorSpec], timeout_s: float) -> dict[str, Any]:
+    """The estimates of ``specs`` on the check's device (issue 57: both kernel paths on a card), made before any
+    calibration's trials in a process of its own, so that nothing it imports or starts stays in the check's process
+    while trials run; those finished within ``timeout_s``, by name (a spec not reached: absent)."""
+    import json
+    import subprocess
+
+    d = ctx.device
+    asked = {"specs": {name: spec.to_dict() for name, spec in specs.items()}, "data": ctx.data,
+             "profiles_dir": str(ctx.work / "profiles"), "reserve_bytes": parse_bytes(ctx.args.reserve),
+             "kind": d.kind, "name": d.name, "total_bytes": d.total_bytes,
+             "compute_capability": getattr(d, "compute_capability", None)}
+    code = f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); import gpu_check; gpu_check.estimate_main()"
+    try:
+        out = subprocess.run([sys.executable, "-c", code, json.dumps(asked)], capture_output=True, text=True,
+                             timeout=max(1.0, timeout_s), cwd=ROOT).stdout
+    except subprocess.TimeoutExpired as stopped:
+        out = stopped.stdout or ""
+        out = out.decode() if isinstance(out, bytes) else out
+    found: dict[str, Any] = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            found.update(json.loads(line))
+    return found
+
+
+def estimate_step(ctx: Context) -> Step:
+    """Every spec the calibrations will run, estimated before their trials (:func:`estimate_specs`): ``default``
+    (also the ``fused`` step's) and, on a card, ``large``."""
+
+    def body(given_s: float, partial: dict[str, Any]) -> dict[str, Any]:
+        specs = {"default": ctx.spec(), **({"large": SPECS["large"]} if ctx.kind == "cuda" else {})}
+        ctx.estimates = estimate_specs(ctx, specs, given_s - 1.0)
+        missing = [name for name in specs if name not in ctx.estimates]
+        lines = [f"{name}: {estimate_line(held_against_trials(e, '', None))}" for name, e in ctx.estimates.items()]
+        return {"estimates": ctx.estimates, "not_reached": missing,
+                "summary": "; ".join(lines + [f"{name}: not estimated in the time given" for name in missing])}
+
+    return Step("estimate", TIMES["estimate"], body, needs=("device", "data"))
+
+
+def held_against_trials(estimate: dict[str, Any], implementation: str, profile: Any) -> dict[str, Any]:
+    """``estimate`` (:func:`estimate_specs`) beside a calibration's measurement (``profile``, or None before one):
+    each row's estimated peak at the verified safe size (``fixed + slope × safe``) against the verification's
+    measured peak there; the error of the row of the path the trials ran (``implementation``; the host's row on the
+    host) and whether its bound covers it; each row's bytes per sample and the two paths' ratio."""
+    check = profile.verification.get("safe") if profile is not None else None
+    rows = [dict(row) for row in estimate.get("rows", [])]
+    for row in rows:
+        if check is not None and check.peak_bytes:
+            row["estimated_peak_at_safe"] = int(row["fixed_bytes"] + row["slope_bytes_per_sample"] * check.batch_size)
+            row["error_at_safe"] = row["estimated_peak_at_safe"] / check.peak_bytes - 1
+    ran = next((r for r in rows if r["path"] in ("", implementation) and "error_at_safe" in r), None)
+    slopes = {r["path"] or "host": r["slope_bytes_per_sample"] for r in rows}
+    return {**estimate, "rows": rows, "path": implementation, "measured_safe": check and check.batch_size,
+            "measured_peak": check and check.peak_bytes, "error": ran and ran["error_at_safe"],
+            "inside_bound": ran is not None and ran["bound"]["low"] <= ran["error_at_safe"] <= ran["bound"]["high"],
+            "bytes_per_sample": slopes,
+            "ratio": slopes["transformers"] / slopes["mamba_ssm"] if slopes.get("mamba_ssm") and "transformers" in
+            slopes else None}
+
+
+def estimate_line(figures: dict[str, Any]) -> str:
+    if not figures.get("rows"):
+        return f"estimate: {figures.get('error') or 'none before the trials (the estimate step did not reach it)'}"
+    each = ", ".join(f"{path}: {bps / 2**20:.2f} MiB/sample" for path, bps in figures["bytes_per_sample"].items())
+    ratio = f" (ratio {figures['ratio']:.1f}x)" if figures.get("ratio") else ""
+    error = (f"; {figures['error']:+.1%} of the measured peak at safe {figures['measured_safe']}, "
+             f"{'inside' if figures['inside_bound'] else 'OUTSIDE'} its bound" if figures["error"] is not None else "")
+    return f"estimate ({figures.get('wall_s')} s) {each}{ratio}{error}"
 
 
 def run_calibration(plan: Any, settings: dict[str, Any], on_trial: Any) -> Any:
@@ -193,6 +306,7 @@ class Context:
     device: Any = None
     data: str | None = None
     calibrations: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    estimates: dict[str, Any] = field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -249,14 +363,9 @@ def calibration_step(ctx: Context, name: str, spec: Callable[[], RegressorSpec],
     The calibration (profile and report into the work folder) is complete before the steady trial starts, so a
     slow steady trial cannot cost the profile (a calibration stopped at its time limit leaves none). The steady
     trial then runs at the verified safe size, as many measured steps as fit a third of the step's time left by the
-    calibration's own step times (``gpu_check_policy.steady_steps_that_fit``, at most ``trial_settings``'s
-    ``steady_steps``), with a timeout inside the step's time; its step creep (``vramcal.calibration.creep``'s
-    measure_creep, against the calibration's short trials at that size) is recorded beside the profile, which
-    does not include it (so the train step's prediction has no creep term; the creep says how much of a
-    difference it would explain).
-
-    Args:
-        spec, caps: read when the step starts (they depend on the device found).
+    calibration's own step times (``gpu_check_policy.steady_steps_that_fit``), with a timeout inside the step's time;
+    its step creep (``vramcal.calibration.creep``'s measure_creep) is recorded beside the profile (not in it); the
+    spec's estimate (:func:`estimate_step`) is held against it. ``spec``, ``caps``: read when the step starts.
     """
 
     def body(given_s: float, partial: dict[str, Any]) -> dict[str, Any]:
@@ -288,9 +397,11 @@ def calibration_step(ctx: Context, name: str, spec: Callable[[], RegressorSpec],
             "predicted_boundary": limits and limits.boundary_batch_size, "environment": profile.environment,
             "trial_wall_s": times, "sequence": rows}
         partial["calibration"] = figures  # kept if the steady trial is stopped
+        figures["estimate"] = held_against_trials(ctx.estimates.get("large" if name == "large" else "default", {}),
+                                                  implementation, profile)
         figures["steady"] = steady_trial(plan, profile, settings["steady_steps"], deadline)
         figures["triton_cache"] = {"before": partial["triton_cache_before"], "after": cache_files(ctx.triton_dir)}
-        figures["summary"] = calibration_line(figures)
+        figures["summary"] = f"{calibration_line(figures)}; {estimate_line(figures['estimate'])}"
         return figures
 
     return Step(name, TIMES[name], body, needs=("device", "data"), unavailable=unavailable)
@@ -420,7 +531,7 @@ def fused_unavailable(ctx: Context) -> str | None:
 
 
 def steps(ctx: Context) -> list[Step]:
-    return [device_step(ctx), data_step(ctx),
+    return [device_step(ctx), data_step(ctx), estimate_step(ctx),
             calibration_step(ctx, "default", ctx.spec, "transformers", lambda: HOST if ctx.kind == "host" else CUDA),
             boundary_step(ctx), train_step(ctx), chunk_size_step(ctx),
             calibration_step(ctx, "large", lambda: SPECS["large"], "transformers", lambda: CUDA),

@@ -22,6 +22,11 @@ from fakes import restore_nvml
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # set by pytest-xdist in each of its processes before conftests load
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# the estimate's traces are kept on disk (vramcal.estimate.cache): the tests' in a folder of their own, new each run
+if "VRAMCAL_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["VRAMCAL_CACHE_DIR"] = tempfile.mkdtemp(prefix="vramcal-traces-")
 
 
 def pytest_terminal_summary(terminalreporter):

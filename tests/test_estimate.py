@@ -149,11 +149,9 @@ def test_a_factory_that_fails_is_the_same_one_error():
         estimate_step(ref, [2, 4])
 
 
-@pytest.mark.skipif(torch.backends.cuda.is_built(), reason="this torch can trace CUDA tensors")
-def test_a_cuda_estimate_needs_a_torch_built_with_cuda():
-    with pytest.raises(EstimateError, match=r"^cannot trace the step on CUDA tensors: this torch .* is built without "
-                                            r"CUDA; estimate with a CUDA build of torch"):
-        estimate_step(TINY.ref("transformers"), [2, 4], device_kind="cuda")
+def test_the_fused_path_of_the_host_or_without_mamba_ssm_is_one_line():
+    with pytest.raises(EstimateError, match=r"^the mamba_ssm implementation runs on CUDA cards only"):
+        estimate_step(TINY.ref("mamba_ssm"), [2, 4])
 
 
 @pytest.mark.parametrize("sizes", [[8], [8, 8], [0, 4], [2, 4.5], [True, 4]])

@@ -26,6 +26,7 @@ from vramcal.cli import main
 from vramcal.estimated import (
     BENCH_BOUND,
     CUDA_BASELINE,
+    GPU_BOUND,
     HOST_BASELINE,
     Baseline,
     Calibrated,
@@ -61,10 +62,11 @@ def test_the_bound_holds_each_calibration_against_the_others_baseline():
 
 def test_with_too_little_to_learn_from_the_defaults_are_said_as_such():
     one = [calibrated("a", 500, 610)]
-    assert learned_bound(one, "host") is BENCH_BOUND and learned_bound([], "cuda") is BENCH_BOUND
+    assert learned_bound(one, "host") is BENCH_BOUND and learned_bound([], "cuda") is GPU_BOUND
     assert learned_baseline(one, "host").bytes == 500 * MIB  # one calibration is a baseline, not a bound
     assert learned_baseline(one, "cuda") is CUDA_BASELINE and learned_baseline([], "host") is HOST_BASELINE
-    assert "project's benchmark" in BENCH_BOUND.says() and "unmeasured" in CUDA_BASELINE.source
+    assert "project's benchmark" in BENCH_BOUND.says() and "CUDA context" in CUDA_BASELINE.source
+    assert learned_bound(one, "cuda") is GPU_BOUND  # a GPU row never carries the host's bound
 
 
 def test_the_limits_hold_the_worst_error_against_usable_memory():
@@ -108,7 +110,7 @@ def test_estimate_prints_cards_from_the_catalogue_and_by_size_and_the_host_again
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert result.output.startswith("estimated, not measured: regressor d_model=32")
-    assert "on the 3 calibrations here" in result.output and "no GPU calibration to learn from" in result.output
+    assert "on the 3 calibrations here" in result.output and "no GPU profile to learn from" in result.output
     printed = json.loads(CliRunner().invoke(main, [*args, "--json"]).stdout)  # the same traces, kept by the process
     cards = {row["card"]: row for row in printed["cards"]}
     assert list(cards)[:2] == ["H200 141 GB", "Mine"] and cards["Mine"]["total_bytes"] == 12 * GIB
@@ -154,40 +156,64 @@ def test_estimate_refuses_what_it_cannot_trace_in_one_line(tmp_path, monkeypatch
     monkeypatch.delitem(sys.modules, "opaque_models", raising=False)
 
 
-def test_a_bf16_step_is_estimated_for_gpus_with_the_cpus_autocast_standing_in(tmp_path):
-    """bf16 autocast runs on CUDA only; the estimate traces the GPU's step on CPU tensors under the CPU's bf16
-    autocast: the matrix products' outputs, most of a Mamba-2 step's activations, are half the bytes, so the traced
-    slope falls below fp32's (0.81x on the tiny spec, 0.68x on the default spec when written; 1.0 without
-    autocast); the stand-in is said, and nothing of it is shown as a host's figure."""
+def test_a_bf16_step_is_estimated_for_gpus_as_the_card_runs_it(tmp_path):
+    """bf16 autocast runs on CUDA only; the estimate traces the GPU's step on CPU tensors with CUDA's autocast lists:
+    the matrix products' outputs, most of a Mamba-2 step's activations, are half the bytes, so the slope falls below
+    fp32's; the card's choices are named, and a row per kernel path is shown (--impl picks one); --batch-size gives
+    each row's peak there, its parts apart."""
     from vramcal.estimate import estimate_step
     from vramcal.models.regressor.spec import RegressorSpec
 
     spec = RegressorSpec(d_model=32, n_layers=1, d_state=16, headdim=16, chunk_size=16, seq_len=32)
-    fp32 = estimate_step(spec.ref("transformers"), (64, 256))
-    bf16 = estimate_step(dataclasses.replace(spec, dtype="bf16-autocast").ref("transformers"), (64, 256))
-    assert fp32.stand_in is None and "CPU's autocast stood in for CUDA's" in bf16.stand_in
+    fp32 = estimate_step(spec.ref("transformers"), (64, 256), device_kind="cuda")
+    bf16 = estimate_step(dataclasses.replace(spec, dtype="bf16-autocast").ref("transformers"), (64, 256),
+                         device_kind="cuda")
+    assert any(line.startswith("autocast: CUDA's bfloat16 op lists") for line in bf16.choices)
     assert bf16.slope_bytes_per_sample < 0.9 * fp32.slope_bytes_per_sample, (bf16, fp32)
     assert bf16.points[0].parameter_bytes == fp32.points[0].parameter_bytes  # fp32 weights under autocast
 
-    args = ["estimate", *TINY, "--dtype", "bf16-autocast", "--gpus", "H200", "--profiles-dir", str(tmp_path)]
+    args = ["estimate", *TINY, "--dtype", "bf16-autocast", "--gpus", "H200", "--profiles-dir", str(tmp_path),
+            "--impl", "transformers", "--batch-size", "100"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    assert "bf16-autocast" in result.output.splitlines()[0] and "stood in for CUDA's" in result.output
+    assert "bf16-autocast" in result.output.splitlines()[0] and "as the card runs it: autocast" in result.output
+    assert "at batch_size 100 on H200 141 GB (transformers): peak" in result.output
     (card,) = json.loads(CliRunner().invoke(main, [*args, "--json"]).stdout)["cards"]
     assert card["card"] == "H200 141 GB" and card["verified"] is False and card["safe_batch_size"] > 0
+    asked = card["at_batch_size"]
+    assert asked["peak_bytes"] == asked["baseline_bytes"] + asked["reserved_bytes"] and asked["fits"] is True
+    assert asked["allocated_bytes"] <= asked["reserved_bytes"] and card["bound"]["low"] == GPU_BOUND.low
 
 
-def test_limits_of_a_host_profile_estimates_the_gpus_instead_of_carrying_its_fit(tmp_path):
+def test_limits_of_a_host_profile_estimates_the_gpus_asked_each_once_from_traces_kept_on_disk(tmp_path,
+                                                                                           monkeypatch):
+    """Issue 59: ``limits --gpus`` of a host profile listed the whole catalogue with the card asked for a second time,
+    headed its table of the host alone "GPU", and traced again where ``estimate`` had traced the same model. Now: the
+    cards asked, each once, a device heading, and the traces an earlier command (another process) kept on disk."""
+    from vramcal import estimated
+    from vramcal.estimate import step
+
     path = MEASURED / "host-amd-epyc-2-cores" / "regressor-transformers-6e644469.json"
-    result = CliRunner().invoke(main, ["limits", str(path), "--gpus", "L4=22.5GiB", "--profiles-dir",
+    monkeypatch.setenv("VRAMCAL_CACHE_DIR", str(tmp_path / "traces"))
+    made = CliRunner().invoke(main, ["limits", str(path), "--gpus", "RTX 4090,L4=22.5GiB", "--profiles-dir",
+                                     str(tmp_path / "none")])
+    assert made.exit_code == 0, made.output
+    monkeypatch.setattr(estimated, "_TRACED", {})  # another process: only the disk's traces
+    monkeypatch.setattr(step, "trace_point", lambda *a, **k: pytest.fail("traced again"))
+    result = CliRunner().invoke(main, ["limits", str(path), "--gpus", "RTX 4090,L4=22.5GiB", "--profiles-dir",
                                        str(tmp_path / "none")])
     assert result.exit_code == 0, result.output
     table, _, estimate = result.output.partition("estimated, not measured:")
     assert "| host: AMD EPYC (2 cores) |" in table and "| L4" not in table and "A host profile is not carried" in table
-    assert "\nL4 " in estimate and "H200 141 GB" in estimate and "project's benchmark" in estimate
+    assert "| device " in table and "| GPU " not in table
+    cards = [line.split()[0] for line in estimate.splitlines() if line.startswith(("L4 ", "RTX 4090", "H200"))]
+    assert cards == ["RTX", "L4"]  # each card once, nothing else of the catalogue
+    assert "mamba_ssm: the fused mamba_ssm path is not estimated: mamba_ssm" in estimate  # not installed: one line
+    monkeypatch.undo()
     printed = json.loads(CliRunner().invoke(main, ["limits", str(path), "--json", "--profiles-dir",
                                                    str(tmp_path / "none")]).stdout)
-    assert [row["measured"] for row in printed["gpus"]] == [True] and printed["estimated"]["cards"]
+    labels = [row["card"] for row in printed["estimated"]["cards"] if row["path"] == "transformers"]
+    assert [row["measured"] for row in printed["gpus"]] == [True] and len(labels) == len(set(labels)) == 8
 
 
 def test_cost_gives_a_priced_card_without_a_profile_its_estimated_batch_size(tmp_path, monkeypatch):
@@ -198,7 +224,7 @@ def test_cost_gives_a_priced_card_without_a_profile_its_estimated_batch_size(tmp
     assert result.exit_code == 0, result.output
     rows = {f["card"]: f for f in json.loads(result.stdout)["forecasts"]}
     assert rows["H200"]["batch_source"] == "estimated" and rows["H200"]["batch_size"] > 1000
-    assert rows["H200"]["run_s"] is None and "project's benchmark" in rows["H200"]["notes"][0]
+    assert rows["H200"]["run_s"] is None and "published GPU run" in rows["H200"]["notes"][0]  # a GPU's bound
     assert rows["Foo"]["batch_size"] is None and rows["Foo"]["batch_source"] is None  # not catalogued: unknown
 
 

@@ -265,8 +265,9 @@ def test_a_step_made_to_fail_leaves_every_other_steps_result(tmp_path):
     steps = results["steps"]
     assert results["order"] == list(gpu_check.STEPS) and results["finished"] is True
     status = {name: entry["status"] for name, entry in steps.items()}
-    assert status == {"device": "ok", "data": "ok", "default": "ok", "boundary": "error", "train": "ok",
-                      "chunk_size": "ok", "large": "skipped", "fused": "skipped"}, json.dumps(steps, indent=1)[:3000]
+    assert status == {"device": "ok", "data": "ok", "estimate": "ok", "default": "ok", "boundary": "error",
+                      "train": "ok", "chunk_size": "ok", "large": "skipped", "fused": "skipped"}, \
+        json.dumps(steps, indent=1)[:3000]
     assert steps["boundary"]["error"] == ("InjectedError: injected by --inject-error boundary (a rehearsal of a "
                                           "failing step)")
     assert steps["data"]["result"]["synthetic"] is True and Path(steps["data"]["result"]["path"]).is_file()
@@ -275,6 +276,12 @@ def test_a_step_made_to_fail_leaves_every_other_steps_result(tmp_path):
     steady = calibration["steady"]  # after the calibration, sized to the time left
     assert (steady["ran"] and steady["steps"] >= 2 and steady["trial"]["purpose"] == "steady") or steady["reason"]
     assert calibration["trial_wall_s"]["first_s"] > 0 and calibration["trial_wall_s"]["later"] >= 4
+    estimate = calibration["estimate"]  # made before the trials, held against the verified safe size's peak
+    if "default" in steps["estimate"]["result"]["estimates"]:  # else the estimate step's time ran out first
+        (row,) = estimate["rows"]
+        assert row["card"].startswith("host") and estimate["measured_safe"] == calibration["safe"]
+        assert estimate["error"] == row["estimated_peak_at_safe"] / estimate["measured_peak"] - 1
+        assert estimate["bytes_per_sample"] == {"host": row["slope_bytes_per_sample"]}
     assert steps["train"]["result"]["batch_size"] == calibration["conservative"]
     assert steps["train"]["result"]["measured_peak_bytes"] > 0
     chunks = steps["chunk_size"]["result"]  # the tiny spec's seq_len 32: chunk sizes 16 and 32, on the host's path

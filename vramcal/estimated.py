@@ -8,8 +8,9 @@ on a GPU the CUDA context and workspaces) and the dataset a process holds in the
 
     estimated_peak(b) = baseline + data_bytes + trace_overhead + trace_slope × b
 
-On a CUDA card the trace's bytes are what the caching allocator would reserve for the same allocations
-(:func:`vramcal.estimate.allocator.replay`); on the host, live bytes.
+On a CUDA card the step is traced as the card runs it (:mod:`vramcal.estimate.card`, :mod:`vramcal.estimate.fused`),
+in the caching allocator's reserved bytes, its cuBLAS workspaces included; on the host, in live bytes. A card has a
+row per kernel path of a family's model (``transformers``, ``mamba_ssm``), the one this install runs named.
 
 **The baseline** is learned from the profiles at hand: for each verified profile,
 ``fit.overhead − pool_data_bytes − trace_overhead`` of its own model; the estimate takes their median over the same
@@ -17,14 +18,15 @@ device where some were made there (another machine's libraries and allocator hol
 same kind of device. On the host, the same device's profiles made with the thread setting a worker gets now
 (``OMP_NUM_THREADS``) come first, and a baseline learned under another setting says so: each OpenMP thread holds its
 own allocator arena and stack (a tiny spec's worker on the project's 2-core host: 484 MiB at batch_size 1 with two
-threads, 402 MiB with ``OMP_NUM_THREADS=1``). With none, a stated default (:data:`HOST_BASELINE`,
-:data:`CUDA_BASELINE`).
+threads, 402 MiB with ``OMP_NUM_THREADS=1``). With none, a stated default: :data:`HOST_BASELINE`; on a card, its
+CUDA context (:data:`vramcal.estimate.constants.CONTEXT`, with its source).
 
 **The bound.** Each such profile is held against the estimate of its own model with the baseline learned from the
 *other* profiles (leave-one-out): ``error = estimated_peak(safe) / measured_peak(safe) − 1`` at its verified safe
 size. The spread of those errors is the bound an estimate carries ("on the 4 calibrations here this estimate was
 −3.1 % to +2.2 % of the measured peak at the safe size"); with fewer than two profiles to learn from it is the
-project's benchmark's (:data:`BENCH_BOUND`), said as such.
+project's benchmark's, said as such: the host's (:data:`BENCH_BOUND`) for the host, a GPU's
+(:data:`GPU_BOUND`) for a card: a GPU row never carries the host's bound.
 
 **Estimated limits** (:func:`estimated_limits`) hold the worst error against the estimate: the measured peak may
 be as much as ``estimated / (1 + low)`` where ``low`` is the bound's lowest error (the estimate's largest
@@ -39,7 +41,7 @@ never verified: every line that shows one says it is an estimate and gives its b
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
@@ -50,8 +52,11 @@ from typing import Any
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import Aim
 from vramcal.environment import shown_setting, worker_setting
-from vramcal.estimate import EstimateError, StepEstimate, estimate_step
+from vramcal.estimate import EstimateError, StepEstimate
+from vramcal.estimate.cache import cached_trace, key
+from vramcal.estimate.constants import CONTEXT
 from vramcal.estimate.result import line
+from vramcal.models.mamba2 import mamba_ssm_available
 from vramcal.models.registry import describe
 from vramcal.profile import Profile, ProfileError, load_profile
 from vramcal.records import Device, DeviceKind
@@ -59,7 +64,6 @@ from vramcal.units import format_bytes
 from vramcal.workload import ModelRef, WorkloadError
 
 MIB = 2**20
-TRACE_SIZES = (8, 64)  # the batch sizes every estimate traces: a fake step costs the same at any size
 
 
 @dataclass(frozen=True)
@@ -74,10 +78,9 @@ class Baseline:
 # The host: the median over the project's own host calibrations (the profiles of examples/measured/profiles/ and the
 # vramcal rounds of bench/results/; `python -m bench.estimate --bound`): 497-632 MiB, torch 2.13's CPU build.
 HOST_BASELINE = Baseline(569 * MIB, "the project's host calibrations (no host profile here to learn from)")
-# A CUDA card: no GPU calibration has been made by this project; a CUDA 12/13 context with cuBLAS's workspace holds
-# a few hundred MiB per process. A stated default, replaced by the median of the user's GPU profiles once there are.
-CUDA_BASELINE = Baseline(512 * MIB, "a stated default for the CUDA context and workspaces (no GPU profile here to "
-                                    "learn from: unmeasured)")
+# A CUDA card without a GPU profile to learn from: its CUDA context, outside the trace (the workspaces are in it)
+CUDA_BASELINE = Baseline(CONTEXT, f"the CUDA context, {CONTEXT // MIB} MiB with lazy module loading (published "
+                                  f"figures: vramcal/estimate/constants.py; no GPU profile here to learn from)")
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,13 @@ class ErrorBound:
 # (the same 9 as HOST_BASELINE, of 5 models: `python -m bench.estimate --bound`).
 BENCH_BOUND = ErrorBound(-0.038, 0.043, 9, "the project's benchmark (9 host calibrations of 5 models; "
                                            "`python -m bench.estimate --bound`)")
+
+
+# A card with fewer than two GPU profiles to learn from: the errors of the estimate against published GPU measurements
+# of fully specified training runs (`python -m bench.published`: 5 runs of BERT-large on a V100, transformers' docs,
+# nvidia-smi, each row's published CUDA context as its baseline: -2.8 % to -0.4 %; bench/README.md, "Estimates on a
+# card"). The rows test the trace and the allocator's model, not the context a card's row assumes without a profile.
+GPU_BOUND = ErrorBound(-0.028, -0.004, 5, "5 published GPU runs (BERT-large on a V100; `python -m bench.published`)")
 
 
 @dataclass(frozen=True)
@@ -178,10 +188,10 @@ def leave_one_out(calibrated: Sequence[Calibrated], kind: DeviceKind) -> list[tu
 
 def learned_bound(calibrated: Sequence[Calibrated], kind: DeviceKind) -> ErrorBound:
     """The leave-one-out errors (module docstring) of the profiles of ``kind``: each held against the estimate
-    with the baseline of the others; with fewer than two, :data:`BENCH_BOUND`."""
+    with the baseline of the others; with fewer than two, :data:`BENCH_BOUND` (host) or :data:`GPU_BOUND` (card)."""
     errors = [error for _, error in leave_one_out(calibrated, kind)]
     if len(errors) < 2:
-        return BENCH_BOUND
+        return BENCH_BOUND if kind == "host" else GPU_BOUND
     return ErrorBound(min(errors), max(errors), len(errors), f"the {len(errors)} calibrations here")
 
 
@@ -195,6 +205,8 @@ class EstimatedLimits:
         peak_bytes: the estimated peak at the safe size; worst_bytes: the largest the bound allows there.
         fixed_bytes: ``baseline + data_bytes + trace_overhead``; slope_bytes_per_sample: the trace's slope.
         baseline, bound: what the estimate rests on.
+        path: the kernel path of a card's row (``transformers``, ``mamba_ssm``; "" for the host or a user's factory).
+        asked: the predicted peak at the batch size asked (:func:`peak_at`), or None.
     """
 
     card: str
@@ -208,9 +220,12 @@ class EstimatedLimits:
     slope_bytes_per_sample: float
     baseline: Baseline
     bound: ErrorBound
+    path: str = ""
+    asked: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"card": self.card, "total_bytes": self.total_bytes, "usable_bytes": self.usable_bytes,
+        return {"card": self.card, "path": self.path, "at_batch_size": self.asked, "total_bytes": self.total_bytes,
+                "usable_bytes": self.usable_bytes,
                 "safe_batch_size": self.safe_batch_size, "conservative_batch_size": self.conservative_batch_size,
                 "peak_bytes": self.peak_bytes, "worst_bytes": self.worst_bytes, "fixed_bytes": self.fixed_bytes,
                 "slope_bytes_per_sample": self.slope_bytes_per_sample, "measured": False, "verified": False,
@@ -240,20 +255,25 @@ def estimated_limits(card: str, total_bytes: int, trace: tuple[float, float], da
                            int(peak), int(bound.worst(peak)), int(fixed), slope, baseline, bound)
 
 
-def trace_line(estimate: StepEstimate, kind: DeviceKind) -> tuple[float, float]:
-    """``(overhead_bytes, slope_bytes_per_sample)`` of a trace for ``kind``: its peaks on the host (live bytes), the
-    caching allocator's reserved bytes on a CUDA card (a host trace replays its allocations through the
-    allocator's model too: :attr:`vramcal.estimate.PointEstimate.reserved_peak_bytes`)."""
-    if kind == "host":
-        return estimate.overhead_bytes, estimate.slope_bytes_per_sample
-    points = estimate.points
-    return line([p.batch_size for p in points], [p.reserved_peak_bytes for p in points])
+def peak_at(estimate: StepEstimate, batch_size: int, baseline: Baseline, data_bytes: int, usable_bytes: int,
+            bound: ErrorBound) -> dict[str, Any]:
+    """The predicted peak at ``batch_size`` (bytes), its parts apart: the step's allocated and reserved bytes (the
+    lines through the traced points' ``allocated_peak_bytes`` and ``peak_bytes``: on a card the caching allocator's,
+    its cuBLAS workspaces in them), the baseline (on a card its CUDA context) and the data; ``peak_bytes`` their sum,
+    ``worst_bytes`` the largest the bound allows, ``fits``: ``worst_bytes <= usable_bytes``."""
+    sizes = [p.batch_size for p in estimate.points]
+    allocated = line(sizes, [p.allocated_peak_bytes if estimate.device_kind == "cuda" else p.peak_bytes
+                             for p in estimate.points])
+    reserved = estimate.predict(batch_size)
+    peak = baseline.bytes + data_bytes + reserved
+    return {"batch_size": batch_size, "allocated_bytes": int(allocated[0] + allocated[1] * batch_size),
+            "reserved_bytes": int(reserved), "baseline_bytes": baseline.bytes, "data_bytes": data_bytes,
+            "peak_bytes": int(peak), "worst_bytes": int(bound.worst(peak)), "usable_bytes": usable_bytes,
+            "fits": bound.worst(peak) <= usable_bytes}
 
 
-Trace = Callable[[ModelRef, dict[str, Any]], StepEstimate]
-
-
-_TRACED: dict[str, StepEstimate] = {}  # this process's traces, by model and options: a trace is the same every time
+Trace = Callable[..., StepEstimate]  # (ref, options, kind="host", card=None) -> StepEstimate
+_TRACED: dict[str, StepEstimate] = {}  # this process's traces (the disk's are vramcal.estimate.cache's)
 
 
 # The device a GPU-only model (bf16 autocast) is checked against for an estimate: a CUDA GPU of unknown compute
@@ -262,11 +282,11 @@ _TRACED: dict[str, StepEstimate] = {}  # this process's traces, by model and opt
 ANY_GPU = Device(kind="cuda", name="a GPU (estimated)", total_bytes=0, total_source="none: an estimate's stand-in")
 
 
-def _trace(ref: ModelRef, options: dict[str, Any]) -> StepEstimate:
-    key = json.dumps([ref.to_dict(), options], sort_keys=True, default=str)
-    if key not in _TRACED:
-        _TRACED[key] = estimate_step(ref, TRACE_SIZES, options=options)
-    return _TRACED[key]
+def _trace(ref: ModelRef, options: dict[str, Any], kind: DeviceKind = "host", card: Any = None) -> StepEstimate:
+    found = key(ref, options, kind, card)
+    if found not in _TRACED:
+        _TRACED[found] = cached_trace(ref, options, kind, card)
+    return _TRACED[found]
 
 
 def held_against(profiles: Iterable[tuple[Path | str, Profile]], trace: Trace = _trace,
@@ -276,8 +296,7 @@ def held_against(profiles: Iterable[tuple[Path | str, Profile]], trace: Trace = 
     each one passed over.
 
     The regressor's data file is replaced by synthetic bars of the same shape in the trace (the data do not change
-    the step's bytes, and the profile says what its trials held); a profile made on a GPU is traced on the host and
-    replayed through the caching allocator's model.
+    the step's bytes, and the profile says what its trials held); a profile made on a GPU is traced as its card.
     """
     cache = {} if cache is None else cache
     found, notices = [], []
@@ -286,14 +305,14 @@ def held_against(profiles: Iterable[tuple[Path | str, Profile]], trace: Trace = 
         if why:
             notices.append(f"{path}: not learned from ({why})")
             continue
-        key = profile.model.key()
+        key = f"{profile.model.key()}-{profile.device.kind}"
         try:
             if key not in cache:
-                cache[key] = trace(profile.model, traced_options(profile))
+                cache[key] = trace(profile.model, traced_options(profile), profile.device.kind, _card(profile.device))
         except (EstimateError, WorkloadError, ValueError) as error:
             notices.append(f"{path}: not learned from ({error})")
             continue
-        overhead, slope = trace_line(cache[key], profile.device.kind)
+        overhead, slope = cache[key].overhead_bytes, cache[key].slope_bytes_per_sample
         check = profile.verification["safe"]
         found.append(Calibrated(str(path), profile.device.kind, profile.fit.overhead_bytes, profile.pool_data_bytes,
                                 check.batch_size, check.peak_bytes, overhead, slope, profile.device.name,
@@ -308,9 +327,8 @@ def _unusable(profile: Profile) -> str | None:
         return "no verified safe size"
     if profile.world is not None or profile.surface is not None:
         return "a DDP world or several lengths: the estimate is of one process at one length"
-    if profile.implementation != "transformers" or profile.model.params.get("dtype", "fp32") != "fp32":
-        dtype = profile.model.params.get("dtype")
-        return f"{profile.implementation}, {dtype}: the estimate traces the torch path in fp32"
+    if profile.device.kind == "host" and profile.model.params.get("dtype", "fp32") != "fp32":
+        return f"{profile.model.params.get('dtype')} on the host: the host trains in fp32"
     return None
 
 
@@ -322,9 +340,9 @@ def traced_options(profile: Profile) -> dict[str, Any]:
     return options
 
 
-def describe_estimate(estimate: StepEstimate, kind: DeviceKind, baseline: Baseline, data_bytes: int) -> str:
+def describe_estimate(estimate: StepEstimate, baseline: Baseline, data_bytes: int) -> str:
     """``peak ≈ 0.53 GiB + 14.37 MiB × batch_size (baseline 512 MiB: ..., data ..., the step's own ...)``."""
-    overhead, slope = trace_line(estimate, kind)
+    overhead, slope = estimate.overhead_bytes, estimate.slope_bytes_per_sample
     return (f"peak ≈ {format_bytes(baseline.bytes + data_bytes + overhead)} + {format_bytes(slope)} × batch_size "
             f"(baseline {format_bytes(baseline.bytes)}: {baseline.source}; data {format_bytes(data_bytes)}; the step's "
             f"own {format_bytes(overhead)})")
@@ -339,23 +357,28 @@ class CardEstimate:
     """A model's estimate on several cards (:func:`estimate_cards`).
 
     Attributes:
-        estimate: the trace (host, fp32, the torch path). rows: one per card, the host last when asked.
-        formulas: the estimated peak per kind of device and its bound, for people.
-        notices: profiles not learned from, and what a bound learned on the host leaves out on a GPU.
+        estimates: the traces, one per kernel path on the cards and one for the host, in the rows' order.
+        rows: one per card and kernel path, the host last when asked.
+        formulas: the estimated peak per trace, its choices and its bound, for people.
+        notices: profiles not learned from, a path not estimated, which path this install runs.
     """
 
-    estimate: StepEstimate
+    estimates: tuple[StepEstimate, ...]
     rows: tuple[EstimatedLimits, ...]
     formulas: tuple[str, ...]
     notices: tuple[str, ...]
 
+    @property
+    def estimate(self) -> StepEstimate:
+        return self.estimates[0]
+
     def describe(self) -> str:
-        """The traced model and its kernel path, for people."""
-        return f"{describe(self.estimate.model)}: {self.estimate.kernel_path}"
+        """The traced model, for people."""
+        return describe(self.estimate.model.without("implementation"))
 
     def to_dict(self) -> dict[str, Any]:
         return {"estimated": True, "verified": False, "model": self.estimate.model.to_dict(),
-                "kernel_path": self.estimate.kernel_path, "trace": self.estimate.to_dict(),
+                "kernel_path": self.estimate.kernel_path, "traces": [e.to_dict() for e in self.estimates],
                 "cards": [row.to_dict() for row in self.rows], "notices": list(self.notices)}
 
 
@@ -370,61 +393,103 @@ def profiles_in(profiles_dir: Path | str) -> tuple[list[tuple[Path, Profile]], l
     return loaded, notices
 
 
+def _card(device: Any) -> Any:
+    from vramcal.estimate.card import Card  # loads torch: only when called
+
+    return Card.of(device)
+
+
+def paths(ref: ModelRef) -> list[ModelRef]:
+    """The kernel paths a card's rows show for ``ref``: both of a family's (``transformers``, ``mamba_ssm``), or the
+    one a model names (a user's factory decides its own)."""
+    if ref.params.get("implementation") not in ("transformers", "mamba_ssm", "auto"):
+        return [ref]
+    return [ref.replace(implementation="transformers"), ref.replace(implementation="mamba_ssm")]
+
+
+def installed_path() -> str:
+    """Which path a card would run with this install (``--impl auto``): mamba_ssm where it and causal_conv1d's CUDA
+    build import (:func:`vramcal.models.mamba2.mamba_ssm_available`), else transformers."""
+    return "mamba_ssm" if mamba_ssm_available() else "transformers"
+
+
 def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[Any], host: Any = None,
                    settings: LimitSettings = LimitSettings(), profiles_dir: Path | str = Path("profiles"),
-                   trace: Trace = _trace) -> CardEstimate:
-    """The estimated limits of ``ref`` on each of ``cards`` (:class:`vramcal.report.catalogue.GpuModel`: a label and
-    ``total_bytes``) and on ``host`` (a host :class:`~vramcal.records.Device` at its budget, or None), learned from
-    the profiles under ``profiles_dir`` (module docstring).
+                   trace: Trace = _trace, batch_size: int | None = None,
+                   refs: Sequence[ModelRef] | None = None) -> CardEstimate:
+    """The estimated limits of ``ref`` on each of ``cards`` (:class:`vramcal.report.catalogue.GpuModel`: a label,
+    ``total_bytes`` and the card's traits), for each kernel path (``refs``, default :func:`paths`), and on ``host`` (a
+    host :class:`~vramcal.records.Device` at its budget, or None), learned from the profiles under ``profiles_dir``
+    (module docstring); with ``batch_size``, each row's predicted peak there (:func:`peak_at`).
 
     Raises:
-        EstimateError: the step cannot be traced (one line; probe it instead). ValueError: a step whose traced
-            memory does not rise with the batch size.
+        EstimateError: no path can be traced (one line; probe it instead). ValueError: a step whose traced memory
+            does not rise with the batch size.
     """
     loaded, notices = profiles_in(profiles_dir)
-    cache: dict[str, StepEstimate] = {}
-    calibrated, passed_over = held_against(loaded, trace, cache)
-    estimate = cache.get(ref.key()) or trace(ref, options)
-    if estimate.stand_in:
-        if host is not None:
-            raise ValueError(f"{describe(ref)} is a GPU's step ({estimate.stand_in}): the host trains in fp32, "
-                             f"estimate it apart")
-        notices.append(f"{estimate.stand_in}; the bound was learned from fp32 calibrations")
-    rows, formulas = [], []
-    for kind, targets in (("cuda", [(card.label, card.total_bytes) for card in cards]),
-                          ("host", [(f"host: {host.name}", host.total_bytes)] if host is not None else [])):
-        if not targets:
+    calibrated, passed_over = held_against(loaded, trace, {})
+    estimates, rows, formulas = [], [], []
+    card = _card(cards[0]) if cards else None
+    runs = installed_path()
+    for each in (refs or paths(ref)) if cards else []:
+        path = each.params.get("implementation", "") if each.params.get("implementation") in ("transformers",
+                                                                                                "mamba_ssm") else ""
+        try:
+            estimate = trace(each, options, "cuda", card)
+        except EstimateError as error:
+            if path != "mamba_ssm":
+                raise
+            notices.append(f"mamba_ssm: {error}")
             continue
-        # the host's own profiles first, those with a worker's thread setting before them; cards by kind
-        device, threads = (host.name, worker_setting("OMP_NUM_THREADS")) if kind == "host" else (None, ANY_THREADS)
-        baseline = learned_baseline(calibrated, kind, device=device, threads=threads)
-        bound = learned_bound(calibrated, kind)
-        data = estimate.data_bytes if kind == "host" else 0
-        rows += [estimated_limits(label, total, trace_line(estimate, kind), data, settings, baseline, bound)
-                 for label, total in targets]
-        where = "a GPU" if kind == "cuda" else "the host"
-        formulas += [f"{where}: {describe_estimate(estimate, kind, baseline, data)}", f"  {bound.says()}"]
-        if kind == "cuda" and not any(c.kind == "cuda" for c in calibrated):
-            notices.append("no GPU calibration to learn from: the GPU rows' bound was learned on the host, and the "
-                           "CUDA context, the kernels a card picks and fragmentation are outside it")
-    return CardEstimate(estimate, tuple(rows), tuple(formulas), tuple(notices + passed_over))
+        label = f"{path}{' (this install runs it)' if path == runs else ''}" if path else estimate.kernel_path
+        rows += _rows(estimate, "cuda", [(c.label, c.total_bytes) for c in cards], calibrated, settings, batch_size,
+                      path)
+        estimates.append(estimate)
+        formulas += [f"a GPU, {label}: {describe_estimate(estimate, learned_baseline(calibrated, 'cuda'), 0)}",
+                     *(f"  as the card runs it: {choice}" for choice in estimate.choices),
+                     f"  {learned_bound(calibrated, 'cuda').says()}"]
+    if host is not None:
+        estimate = trace(ref.replace(implementation="transformers") if ref.params.get("implementation") else ref,
+                         options)
+        baseline = learned_baseline(calibrated, "host", device=host.name, threads=worker_setting("OMP_NUM_THREADS"))
+        rows += _rows(estimate, "host", [(f"host: {host.name}", host.total_bytes)], calibrated, settings, batch_size,
+                      "", baseline)
+        estimates.append(estimate)
+        formulas += [f"the host: {describe_estimate(estimate, baseline, estimate.data_bytes)}",
+                     f"  {learned_bound(calibrated, 'host').says()}"]
+    if cards and not any(c.kind == "cuda" for c in calibrated):
+        notices.append("no GPU profile to learn from: the GPU rows' baseline is the CUDA context's published size (the "
+                       "kernels a step loads into the context are not in it) and their bound the published GPU runs'")
+    return CardEstimate(tuple(estimates), tuple(rows), tuple(formulas), tuple(notices + passed_over))
+
+
+def _rows(estimate: StepEstimate, kind: DeviceKind, targets: list[tuple[str, int]], calibrated: list[Calibrated],
+          settings: LimitSettings, batch_size: int | None, path: str,
+          baseline: Baseline | None = None) -> list[EstimatedLimits]:
+    """One row per target (label, total bytes) of a trace on ``kind``."""
+    baseline = baseline or learned_baseline(calibrated, kind)
+    bound, data = learned_bound(calibrated, kind), estimate.data_bytes if kind == "host" else 0
+    found = []
+    for label, total in targets:
+        row = estimated_limits(label, total, (estimate.overhead_bytes, estimate.slope_bytes_per_sample), data,
+                               settings, baseline, bound)
+        asked = None if batch_size is None else peak_at(estimate, batch_size, baseline, data, row.usable_bytes, bound)
+        found.append(dataclasses.replace(row, path=path, asked=asked))
+    return found
 
 
 def aim_for(ref: ModelRef, options: dict[str, Any], kind: DeviceKind, profiles_dir: Path | str,
             trace: Trace = _trace) -> tuple[Aim | None, str | None]:
     """What a calibration of ``ref`` on a device of ``kind`` may aim its growth with (:class:`Aim`: the traced
     slope and the bound learned from the profiles under ``profiles_dir``), or ``(None, why not)`` when the step
-    cannot be traced: the search then climbs from batch size 1, as without an aim.
-
-    A CUDA device's slope is the trace's reserved bytes (a CPU trace replayed through the caching allocator's
-    model: the torch path in fp32, which holds more per sample than bf16 or the fused kernels, so the aim lands
-    low, never high)."""
+    cannot be traced: the search then climbs from batch size 1, as without an aim. A CUDA device's slope is the
+    step traced as an H100 runs it, in the caching allocator's reserved bytes."""
     try:
-        estimate = trace(ref, options)
+        estimate = trace(ref, options, kind, _card(None) if kind == "cuda" else None)
     except (EstimateError, WorkloadError, ValueError) as error:
         return None, f"not aimed (the search climbs from batch size 1): {error}"
     bound = learned_bound(held_against(profiles_in(profiles_dir)[0], trace)[0], kind)
-    slope = trace_line(estimate, kind)[1]
+    slope = estimate.slope_bytes_per_sample
     if slope <= 0:
         return None, "not aimed: the traced step's memory does not rise with the batch size"
     return Aim(slope, bound.low, bound.high, f"the fake-tensor trace; its bound learned on {bound.source}"), None

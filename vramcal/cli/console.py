@@ -125,16 +125,24 @@ def echo_lines(text: str | list[str], err: bool = False) -> None:
 
 
 def estimate_lines(found) -> list[str]:
-    """The estimate for people: what was traced, the formula and the bound per kind of device, the table, the
-    notices."""
-    out = [f"estimated, not measured: {found.describe()} (traced on fake tensors in {found.estimate.wall_s:.1f} s)"]
+    """The estimate for people: what was traced, the formula, the card's choices and the bound per trace, the table
+    (a card's row per kernel path), each row's peak at the batch size asked, the notices."""
+    wall_s = sum(e.wall_s for e in found.estimates)
+    out = [f"estimated, not measured: {found.describe()} (traced on fake tensors in {wall_s:.1f} s)"]
     out += found.formulas
-    out.append(f"{'card':<24} {'total':>10} {'usable':>10} {'safe':>8} {'conservative':>13} {'est. peak':>10} "
-               f"{'up to':>10}")
+    out.append(f"{'card':<24} {'path':<12} {'total':>10} {'usable':>10} {'safe':>8} {'conservative':>13} "
+               f"{'est. peak':>10} {'up to':>10}")
     for row in found.rows:
-        out.append(f"{row.card:<24} {format_bytes(row.total_bytes):>10} {format_bytes(row.usable_bytes):>10} "
-                   f"{row.safe_batch_size:>8} {row.conservative_batch_size:>13} {format_bytes(row.peak_bytes):>10} "
-                   f"{format_bytes(row.worst_bytes):>10}")
+        out.append(f"{row.card:<24} {row.path or '-':<12} {format_bytes(row.total_bytes):>10} "
+                   f"{format_bytes(row.usable_bytes):>10} {row.safe_batch_size:>8} {row.conservative_batch_size:>13} "
+                   f"{format_bytes(row.peak_bytes):>10} {format_bytes(row.worst_bytes):>10}")
+    for row in (r for r in found.rows if r.asked):
+        at = row.asked
+        out.append(f"at batch_size {at['batch_size']} on {row.card}{f' ({row.path})' if row.path else ''}: peak "
+                   f"{format_bytes(at['peak_bytes'])} (allocated {format_bytes(at['allocated_bytes'])}, reserved "
+                   f"{format_bytes(at['reserved_bytes'])}, + {format_bytes(at['baseline_bytes'])} baseline, "
+                   f"{format_bytes(at['data_bytes'])} data), up to {format_bytes(at['worst_bytes'])}: "
+                   f"{'fits' if at['fits'] else 'does NOT fit'} in {format_bytes(at['usable_bytes'])} usable")
     out += found.notices
     return out
 

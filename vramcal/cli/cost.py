@@ -16,7 +16,7 @@ import click
 
 from vramcal.cli.options import FiniteFloat, group, load_profiles, one_line
 from vramcal.estimate import EstimateError
-from vramcal.estimated import estimate_cards, traced_options
+from vramcal.estimated import estimate_cards, installed_path, traced_options
 from vramcal.forecast import (
     DEFAULT_EPOCHS,
     Dataset,
@@ -208,7 +208,9 @@ def _estimated(forecasts: list, profiles: list) -> list:
     if not cards or len(models) != 1 or profiles[0].world is not None or profiles[0].surface is not None:
         return forecasts
     try:
-        found = estimate_cards(profiles[0].model, traced_options(profiles[0]), cards=list(cards.values()))
+        model = profiles[0].model
+        runs = [model.replace(implementation=installed_path())] if model.params.get("implementation") else [model]
+        found = estimate_cards(model, traced_options(profiles[0]), cards=list(cards.values()), refs=runs)
     except (EstimateError, ValueError) as error:
         return [dataclasses.replace(f, notes=(*f.notes, f"not estimated: {error}")) if f.card in cards else f
                 for f in forecasts]

@@ -20,7 +20,7 @@ from vramcal.estimate import EstimateError
 from vramcal.estimated import estimate_cards, traced_options
 from vramcal.models.registry import describe
 from vramcal.report import variants_png_names, write_report
-from vramcal.report.catalogue import CATALOGUE, GpuModel, other_gpu_limits
+from vramcal.report.catalogue import GpuModel, cards_for, other_gpu_limits
 from vramcal.report.lengths import lengths_lines
 from vramcal.report.markdown import device_label, limits_notes, limits_table, missing_notes
 from vramcal.report.variants import group_rows, variant_groups
@@ -267,7 +267,7 @@ def _estimated(loaded, gpus: list[GpuModel], profiles_dir: Path):
     if loaded.world is not None or loaded.surface is not None:
         return None, "a DDP world or several lengths: estimate one process at one length with `vramcal estimate`"
     try:
-        return estimate_cards(loaded.model, traced_options(loaded), cards=[*CATALOGUE, *gpus], settings=loaded.settings,
+        return estimate_cards(loaded.model, traced_options(loaded), cards=cards_for(gpus), settings=loaded.settings,
                               profiles_dir=profiles_dir), None
     except (EstimateError, WorkloadError, ValueError) as error:
         return None, str(error)

@@ -62,7 +62,8 @@ class StepEstimate:
 
     Attributes:
         model: what was traced (the profile key).
-        device_kind: ``host`` (peaks are live bytes) or ``cuda`` (reserved bytes of the caching allocator).
+        device_kind: ``host`` (peaks are live bytes) or ``cuda`` (reserved bytes of the caching allocator, the cuBLAS
+            workspaces included).
         points: one per batch size, in the order asked.
         overhead_bytes, slope_bytes_per_sample: the least-squares line ``peak_bytes = overhead_bytes +
             slope_bytes_per_sample * batch_size`` through the points' peaks (:func:`line`). The overhead is the
@@ -72,9 +73,8 @@ class StepEstimate:
             so not in the trace, and in a host trial's measured pool.
         kernel_path: the Mamba-2 kernels the traced model runs (:func:`vramcal.workload.detect_kernel_path`).
         wall_s: seconds the whole estimate took (imports included).
-        stand_in: what stood in for the device's own behaviour in the trace, for people (a ``bf16-autocast`` step
-            traced on CPU tensors: the CPU's bf16 autocast for CUDA's, :func:`vramcal.models.mamba2.autocast_as_cuda`);
-            None when nothing did.
+        choices: the card's choices the trace made, one line each (:class:`vramcal.estimate.card.Choices`: dropout,
+            attention, optimizer, autocast, fused kernels); empty for the host.
     """
 
     model: ModelRef
@@ -85,7 +85,7 @@ class StepEstimate:
     data_bytes: int
     kernel_path: str
     wall_s: float
-    stand_in: str | None = None
+    choices: tuple[str, ...] = ()
 
     def predict(self, batch_size: float) -> float:
         """The line's peak at ``batch_size`` (bytes, without a process baseline)."""
@@ -94,6 +94,12 @@ class StepEstimate:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON values (the model as :meth:`vramcal.workload.ModelRef.to_dict`)."""
         return {**dataclasses.asdict(self), "model": self.model.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepEstimate:
+        """The estimate :meth:`to_dict` wrote. Raises: KeyError, TypeError, ValueError: not such a record."""
+        return cls(**{**data, "model": ModelRef.from_dict(data["model"]), "choices": tuple(data["choices"]),
+                      "points": tuple(PointEstimate(**point) for point in data["points"])})
 
 
 def line(batch_sizes: Sequence[int], peak_bytes: Sequence[int]) -> tuple[float, float]:

@@ -25,12 +25,13 @@ would need the real memory first. ``Module.to()`` of fake parameters fails in to
 tensors the fake mode's memo holds weak references to; pytorch PRs #178584 and #184976); while the factory runs,
 :func:`_swappable_fakes` drops those memo entries before a swap, as the first of those PRs does.
 
-On a CUDA device (``device_kind="cuda"``, a CUDA build of torch; fake tensors take no GPU memory, but where a GPU is
-visible torch makes one real CUDA tensor as it makes a fake one, ``fake_tensor.init_gpu_context``, which starts a
-CUDA context: trace a card's step in a process of its own, never beside running trials) AdamW groups that
-leave ``foreach`` unset are set to foreach, the choice torch makes for CUDA parameters of plain tensor types
-(``torch.optim.optimizer._default_to_fused_or_foreach``), which a fake parameter's type hides. The CUDA context and
-the cuBLAS/cuDNN workspaces are not traced: they come from a measured profile of the card.
+For a CUDA card (``device_kind="cuda"``) the step is traced on fake CPU tensors as the card runs it
+(:func:`vramcal.estimate.card.as_card`: dropout's mask, the attention backend, AdamW's foreach, CUDA's autocast
+lists), with mamba_ssm's fused kernels as twins where they are installed
+(:func:`vramcal.estimate.fused.fused_twins`); the choices made are in ``StepEstimate.choices``. Its allocations and
+frees, after the cuBLAS workspaces (:func:`vramcal.estimate.constants.card_constants`), run through the caching
+allocator's model (:func:`vramcal.estimate.allocator.replay`) and the reserved peak is the estimate. The CUDA context
+is not traced (:mod:`vramcal.estimate.constants`).
 
 Limits: a step that reads tensor values (``.item()``, a branch on a tensor), an op with a data-dependent output
 shape, or a custom kernel with no fake implementation cannot be traced (:class:`EstimateError`); the host's process
@@ -44,65 +45,62 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from vramcal.estimate.allocator import replay
+from vramcal.estimate.allocator import Event, replay
 from vramcal.estimate.result import EstimateError, PointEstimate, StepEstimate, failure_message, line
-from vramcal.models.mamba2 import autocast_as_cuda
 from vramcal.records import DeviceKind, TrialSettings
 from vramcal.workload import ModelRef, build, detect_kernel_path, train_step, validation_step
 
-# What stands in for CUDA's autocast when a bf16-autocast step is traced on CPU tensors (StepEstimate.stand_in)
-BF16_STAND_IN = ("bf16 autocast traced on CPU tensors: the CPU's autocast stood in for CUDA's (the same bf16 matrix "
-                 "products; their op lists differ at the edges)")
-
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
-
+    from vramcal.estimate.card import Card, Choices
     from vramcal.estimate.trace import StorageTrace
     from vramcal.workload import TrainingStep
 
 
 def estimate_step(ref: ModelRef, batch_sizes: Sequence[int], *, options: dict[str, Any] | None = None,
-                  device_kind: DeviceKind = "host", settings: TrialSettings | None = None) -> StepEstimate:
+                  device_kind: DeviceKind = "host", settings: TrialSettings | None = None,
+                  card: Card | None = None) -> StepEstimate:
     """Trace the training step of ``ref`` at each of ``batch_sizes`` (module docstring) and fit a line to the peaks.
 
     Args:
-        ref: the factory and its arguments, as a trial builds them.
+        ref: the factory and its arguments, as a trial builds them; ``implementation=mamba_ssm`` traces the fused
+            kernels (a CUDA card only).
         batch_sizes: two or more distinct batch sizes (>= 1); the fake step costs the same at any size.
         options: more factory arguments that do not change the model (the regressor's data file, ...).
-        device_kind: ``host`` (traced on CPU tensors; peaks in live bytes) or ``cuda`` (traced on CUDA tensors;
-            peaks in the caching allocator's reserved bytes). A ``bf16-autocast`` step traced on the host runs the
-            CPU's bf16 autocast where CUDA's would run (:func:`vramcal.models.mamba2.autocast_as_cuda`, said in
-            ``stand_in``): its reserved bytes are a GPU's estimate, its live bytes no host's (the host runs fp32).
+        device_kind: ``host`` (peaks in live bytes) or ``cuda`` (the step as ``card`` runs it; peaks in the caching
+            allocator's reserved bytes, its cuBLAS workspaces included).
         settings: the trial's steps (``warmup_steps``, ``measured_steps``, ``val_steps``); default
             :class:`vramcal.records.TrialSettings`.
+        card: the card a ``cuda`` trace is made for (:class:`vramcal.estimate.card.Card`; default an H100).
 
     Returns:
-        The points and their line (bytes, no process baseline).
+        The points and their line (bytes, no CUDA context or process baseline), and the card's choices made.
 
     Raises:
         ValueError: fewer than two distinct batch sizes, or one below 1, or an unknown ``device_kind``.
-        EstimateError: the step cannot be traced on fake tensors, or a CUDA trace with a torch built without CUDA
-            (one line; measure with trials instead).
+        EstimateError: the step cannot be traced on fake tensors; the fused path asked where mamba_ssm is not
+            installed, or of the host, or not entered (one line; measure with trials instead).
     """
     sizes = _checked_sizes(batch_sizes)
     if device_kind not in ("host", "cuda"):
         raise ValueError(f"device_kind must be host or cuda, got {device_kind!r}")
     start = time.perf_counter()
-    _check_torch(device_kind)
-    stand_in = device_kind == "host" and ref.params.get("dtype") == "bf16-autocast"
-    with autocast_as_cuda() if stand_in else contextlib.nullcontext():
-        traced = [trace_point(ref, size, device_kind, options, settings or TrialSettings()) for size in sizes]
+    _check_fused(ref, device_kind)
+    with _as_card(device_kind, card) as choices:
+        traced = [trace_point(ref, size, device_kind, options, settings or TrialSettings(), choices)
+                  for size in sizes]
+    _check_entered(ref, choices)
     points = tuple(point for point, _ in traced)
     overhead, slope = line([p.batch_size for p in points], [p.peak_bytes for p in points])
     data_bytes, kernel_path = traced[-1][1]
     return StepEstimate(model=ref, device_kind=device_kind, points=points, overhead_bytes=overhead,
                         slope_bytes_per_sample=slope, data_bytes=data_bytes, kernel_path=kernel_path,
-                        wall_s=time.perf_counter() - start, stand_in=BF16_STAND_IN if stand_in else None)
+                        wall_s=time.perf_counter() - start, choices=choices.lines() if choices else ())
 
 
 def trace_point(ref: ModelRef, batch_size: int, device_kind: DeviceKind, options: dict[str, Any] | None,
-                settings: TrialSettings) -> tuple[PointEstimate, tuple[int, str]]:
-    """Build and trace one trial's steps at ``batch_size`` in a fresh fake mode (module docstring).
+                settings: TrialSettings, choices: Choices | None = None) -> tuple[PointEstimate, tuple[int, str]]:
+    """Build and trace one trial's steps at ``batch_size`` in a fresh fake mode (module docstring), as the card of
+    ``choices`` runs them (within :func:`_as_card`; None: the host).
 
     Returns:
         The point, and ``(data_bytes, kernel_path)`` of the built step.
@@ -118,17 +116,58 @@ def trace_point(ref: ModelRef, batch_size: int, device_kind: DeviceKind, options
     start = time.perf_counter()
     fake, trace = FakeTensorMode(allow_non_fake_inputs=True), StorageTrace()
     try:
-        with torch.random.fork_rng(devices=[]), fake, _swappable_fakes(fake), trace:
-            step = build(ref, torch.device("cuda" if device_kind == "cuda" else "cpu"), options)
-            _as_on_device(step, device_kind)
-            trace.label(step.model.parameters(), "parameters")
-            trace.label_live("persistent")
-            reset_at = _run_steps(step, batch_size, settings, trace)
+        with torch.random.fork_rng(devices=[]), fake, _swappable_fakes(fake):
+            with trace:
+                step = build(ref, torch.device("cpu"), options)
+                trace.label(step.model.parameters(), "parameters")
+                trace.label_live("persistent")
+                if choices is not None:
+                    from vramcal.estimate.card import foreach  # loads torch: only when called
+
+                    foreach(step.optimizer, choices)
+                reset_at = _run_steps(step, batch_size, settings, trace)
     except Exception as error:  # noqa: BLE001 - every failure to trace is the one error a caller falls back on
         raise EstimateError(failure_message(error)) from error
     facts = (step.pool_data_bytes("host") if device_kind == "host" else 0,
              step.kernel_path or detect_kernel_path(step.model))
-    return _point(trace, batch_size, device_kind, reset_at, time.perf_counter() - start), facts
+    workspaces = choices.workspace_bytes() if choices is not None else ()
+    return _point(trace, batch_size, device_kind, reset_at, time.perf_counter() - start, workspaces), facts
+
+
+@contextlib.contextmanager
+def _as_card(device_kind: DeviceKind, card: Card | None) -> Iterator[Choices | None]:
+    """For a CUDA card: its choices (:func:`vramcal.estimate.card.as_card`) and, where mamba_ssm is installed, its
+    fused kernels' twins; for the host: nothing."""
+    if device_kind != "cuda":
+        yield None
+        return
+    from vramcal.estimate.card import Card, as_card  # loads torch: only when called
+    from vramcal.estimate.fused import fused_twins, fused_unavailable  # loads torch: only when called
+
+    with as_card(card or Card()) as choices:
+        with fused_twins(choices) if fused_unavailable() is None else contextlib.nullcontext():
+            yield choices
+
+
+def _check_fused(ref: ModelRef, device_kind: DeviceKind) -> None:
+    """Raises: EstimateError: the fused path asked of the host, or where it is not installed."""
+    if ref.params.get("implementation") != "mamba_ssm":
+        return
+    if device_kind != "cuda":
+        raise EstimateError("the mamba_ssm implementation runs on CUDA cards only: estimate a card, or the host with "
+                            "the transformers implementation")
+    from vramcal.estimate.fused import fused_unavailable  # loads torch: only when called
+
+    why = fused_unavailable()
+    if why:
+        raise EstimateError(why)
+
+
+def _check_entered(ref: ModelRef, choices: Choices | None) -> None:
+    """Raises: EstimateError: the fused path asked of a step that launched none of its kernels on CPU tensors."""
+    if ref.params.get("implementation") == "mamba_ssm" and (choices is None or not choices.launched):
+        raise EstimateError("the step launched no mamba_ssm kernel on CPU tensors (its library sends them to its "
+                            "PyTorch path): the fused path cannot be traced for this model; measure it with trials")
 
 
 def _run_steps(step: TrainingStep, batch_size: int, settings: TrialSettings, trace: StorageTrace) -> int:
@@ -145,16 +184,17 @@ def _run_steps(step: TrainingStep, batch_size: int, settings: TrialSettings, tra
     return reset_at
 
 
-def _point(trace: StorageTrace, batch_size: int, device_kind: DeviceKind, reset_at: int,
-           trace_s: float) -> PointEstimate:
-    """The point of a finished trace: live peak and breakdown, and the caching allocator's peaks on the device's
-    events (the reset mapped onto them)."""
+def _point(trace: StorageTrace, batch_size: int, device_kind: DeviceKind, reset_at: int, trace_s: float,
+           workspaces: Sequence[int] = ()) -> PointEstimate:
+    """The point of a finished trace: live peak and breakdown, and the caching allocator's peaks of its events after
+    ``workspaces`` (allocations held for good; the reset mapped onto the events)."""
     from vramcal.estimate.trace import live_peak  # loads torch: only when called
 
-    device_type = "cuda" if device_kind == "cuda" else "cpu"
-    live, held = live_peak(trace, device_type, reset_at)
-    on_device = [(index, e) for index, e in enumerate(trace.events) if trace.devices[e.key] == device_type]
-    cuda = replay([e for _, e in on_device], reset_at=sum(1 for index, _ in on_device if index < reset_at))
+    live, held = live_peak(trace, "cpu", reset_at)
+    on_device = [(index, e) for index, e in enumerate(trace.events) if trace.devices[e.key] == "cpu"]
+    held_for_good = [Event("alloc", -1 - n, size) for n, size in enumerate(workspaces)]
+    cuda = replay(held_for_good + [e for _, e in on_device],
+                  reset_at=len(held_for_good) + sum(1 for index, _ in on_device if index < reset_at))
     return PointEstimate(
         batch_size=batch_size, peak_bytes=cuda.peak_reserved_bytes if device_kind == "cuda" else live,
         live_peak_bytes=live, allocated_peak_bytes=cuda.peak_allocated_bytes,
@@ -168,25 +208,6 @@ def _checked_sizes(batch_sizes: Sequence[int]) -> list[int]:
     if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes) or len(set(sizes)) < 2:
         raise ValueError(f"batch_sizes must be two or more distinct whole numbers >= 1, got {sizes!r}")
     return sizes
-
-
-def _check_torch(device_kind: DeviceKind) -> None:
-    """Raises: EstimateError: a CUDA trace asked of a torch built without CUDA (fake CUDA tensors need its
-    device support, not a GPU)."""
-    import torch
-
-    if device_kind == "cuda" and not torch.backends.cuda.is_built():
-        raise EstimateError(f"cannot trace the step on CUDA tensors: this torch ({torch.__version__}) is built without "
-                            f"CUDA; estimate with a CUDA build of torch, or estimate the host (device_kind='host')")
-
-
-def _as_on_device(step: TrainingStep, device_kind: DeviceKind) -> None:
-    """On CUDA, the optimizer's foreach choice that real CUDA parameters get (module docstring)."""
-    if device_kind != "cuda":
-        return
-    for group in step.optimizer.param_groups:
-        if "foreach" in group and group["foreach"] is None and not group.get("fused"):
-            group["foreach"] = True
 
 
 @contextlib.contextmanager

@@ -23,7 +23,6 @@ mamba_ssm's by the regressor's backbone (:class:`vramcal.models.regressor.net.Ma
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import importlib
 import importlib.util
 import re
@@ -45,8 +44,6 @@ DtypePolicy = Literal["fp32", "bf16-autocast"]
 IMPLEMENTATIONS: tuple[str, ...] = ("auto", "transformers", "mamba_ssm")
 DTYPE_POLICIES: tuple[str, ...] = ("fp32", "bf16-autocast")
 BF16_MIN_COMPUTE_CAPABILITY = (8, 0)  # bf16 tensor cores and autocast speed: Ampere (sm_80) and later
-# While an estimate traces a CUDA step on CPU tensors (autocast_as_cuda), the host's bf16 autocast stands in for CUDA's
-_AUTOCAST_AS_CUDA = contextvars.ContextVar("vramcal_autocast_as_cuda", default=False)
 CHECKPOINTING_FORMS = "off, block or every:K"  # what the spec's checkpointing takes (checkpoint_every)
 CHECKPOINTING_OFF = "off"
 
@@ -147,18 +144,19 @@ def checkpoint_model(module: torch.nn.Module, every: int) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def autocast(device_type: str, dtype_policy: str) -> Iterator[None]:
-    """The dtype policy's autocast for a forward pass on a device of ``device_type``: bf16 autocast on CUDA for
-    ``bf16-autocast``, else disabled (fp32), as every family's factory runs it. Inside :func:`autocast_as_cuda` the
-    host's bf16 autocast is enabled too.
+    """The dtype policy's autocast for a forward pass on a device of ``device_type``: bf16 autocast for
+    ``bf16-autocast``, else disabled (fp32), as every family's factory runs it. ``bf16-autocast`` runs on CUDA; on CPU
+    tensors only in an estimate's trace of a card's step (:func:`check_dtype` refuses it on the host), where the CPU's
+    autocast casts by CUDA's op lists (:func:`vramcal.estimate.card.as_card`).
 
     It sets the autocast state as ``torch.autocast`` enters and leaves it (``torch.amp.autocast_mode``), without
     the constructor's question to the device: on CUDA that asks ``torch.cuda.is_bf16_supported()``, which starts
-    CUDA (``current_device()``), so a step traced on fake CUDA tensors in a process that must not touch the card
-    (an estimate or an aim beside running trials) would hold a CUDA context there. Whether the card runs bf16 is
-    :func:`check_dtype`'s, from NVML's compute capability."""
+    CUDA (``current_device()``), so a process that must not touch the card (an estimate or an aim beside running
+    trials) would hold a CUDA context. Whether the card runs bf16 is :func:`check_dtype`'s, from NVML's compute
+    capability."""
     import torch
 
-    enabled = dtype_policy == "bf16-autocast" and (device_type == "cuda" or _AUTOCAST_AS_CUDA.get())
+    enabled = dtype_policy == "bf16-autocast"
     before = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
     torch.set_autocast_enabled(device_type, enabled)
     torch.set_autocast_dtype(device_type, torch.bfloat16)
@@ -170,20 +168,6 @@ def autocast(device_type: str, dtype_policy: str) -> Iterator[None]:
             torch.clear_autocast_cache()
         torch.set_autocast_enabled(device_type, before[0])
         torch.set_autocast_dtype(device_type, before[1])
-
-
-@contextlib.contextmanager
-def autocast_as_cuda() -> Iterator[None]:
-    """Within: a ``bf16-autocast`` step built on the CPU runs the CPU's bf16 autocast where a CUDA device would run
-    CUDA's (:func:`autocast`), for an estimate that traces a GPU's step on CPU tensors
-    (:func:`vramcal.estimate.step.estimate_step`). The two autocasts' op lists differ at the edges (CUDA's casts
-    ``einsum``, ``mv``, ``addmv`` and ``addr`` itself, the CPU's their decompositions: ``torch.amp.autocast_mode``);
-    matrix products and linear layers, where a Mamba-2 step's activations come from, are bf16 under both."""
-    token = _AUTOCAST_AS_CUDA.set(True)
-    try:
-        yield
-    finally:
-        _AUTOCAST_AS_CUDA.reset(token)
 
 
 def mamba_ssm_available() -> bool:

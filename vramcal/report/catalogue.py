@@ -37,28 +37,34 @@ class GpuModel:
         total_bytes: the memory limits are computed against (NVML ``total`` where known).
         source: where ``total_bytes`` comes from, for the table's notes.
         nvml_name: the name NVML reports, to recognise the measured card; None when unknown.
+        compute_capability, sm_count: what an estimate traces the card as (:class:`vramcal.estimate.card.Card`);
+            None: an H100's.
     """
 
     label: str
     total_bytes: int
     source: str
     nvml_name: str | None = None
+    compute_capability: str | None = None
+    sm_count: int | None = None
 
 
-def _nvidia_smi(label: str, nvml_name: str, total_mib: int) -> GpuModel:
-    return GpuModel(label, total_mib * MIB, f"nvidia-smi total {total_mib} MiB", nvml_name)
+def _nvidia_smi(label: str, nvml_name: str, total_mib: int, capability: str, sm_count: int) -> GpuModel:
+    return GpuModel(label, total_mib * MIB, f"nvidia-smi total {total_mib} MiB", nvml_name, capability, sm_count)
 
 
-# nvidia-smi totals as printed on these cards in public logs (Memory-Usage column "x MiB / <total>MiB").
+# nvidia-smi totals as printed on these cards in public logs (Memory-Usage column "x MiB / <total>MiB"); compute
+# capabilities from NVIDIA's CUDA GPUs table (developer.nvidia.com/cuda-gpus), SM counts from NVIDIA's architecture
+# whitepapers (GA102/GA104/GA106, AD102, GA100, GH100) and product briefs.
 CATALOGUE: tuple[GpuModel, ...] = (
-    _nvidia_smi("RTX 3050 Ti Laptop 4 GB", "NVIDIA GeForce RTX 3050 Ti Laptop GPU", 4096),
-    _nvidia_smi("RTX 3060 12 GB", "NVIDIA GeForce RTX 3060", 12288),
-    _nvidia_smi("RTX A4000 16 GB", "NVIDIA RTX A4000", 16376),
-    _nvidia_smi("RTX 4090 24 GB", "NVIDIA GeForce RTX 4090", 24564),
-    _nvidia_smi("A100 40 GB (SXM4)", "NVIDIA A100-SXM4-40GB", 40960),
-    _nvidia_smi("A100 80 GB (SXM4)", "NVIDIA A100-SXM4-80GB", 81920),
-    _nvidia_smi("H100 80 GB (HBM3)", "NVIDIA H100 80GB HBM3", 81559),
-    _nvidia_smi("H200 141 GB", "NVIDIA H200", 143771),
+    _nvidia_smi("RTX 3050 Ti Laptop 4 GB", "NVIDIA GeForce RTX 3050 Ti Laptop GPU", 4096, "8.6", 20),
+    _nvidia_smi("RTX 3060 12 GB", "NVIDIA GeForce RTX 3060", 12288, "8.6", 28),
+    _nvidia_smi("RTX A4000 16 GB", "NVIDIA RTX A4000", 16376, "8.6", 48),
+    _nvidia_smi("RTX 4090 24 GB", "NVIDIA GeForce RTX 4090", 24564, "8.9", 128),
+    _nvidia_smi("A100 40 GB (SXM4)", "NVIDIA A100-SXM4-40GB", 40960, "8.0", 108),
+    _nvidia_smi("A100 80 GB (SXM4)", "NVIDIA A100-SXM4-80GB", 81920, "8.0", 108),
+    _nvidia_smi("H100 80 GB (HBM3)", "NVIDIA H100 80GB HBM3", 81559, "9.0", 132),
+    _nvidia_smi("H200 141 GB", "NVIDIA H200", 143771, "9.0", 132),
 )
 
 
@@ -106,6 +112,17 @@ def parse_gpu_list(text: str) -> list[GpuModel]:
             raise ValueError(f"--gpus entry {entry!r}: {name.strip()!r} is given twice; name each card once")
         gpus.append(GpuModel(name.strip(), total_bytes, f"--gpus {size.strip()}"))
     return gpus
+
+
+def cards_for(gpus: Sequence[GpuModel] | None) -> list[GpuModel]:
+    """The cards an estimate shows: ``gpus`` when given (each once: a label or NVML name given twice is one card),
+    else the whole catalogue."""
+    found: list[GpuModel] = []
+    for gpu in CATALOGUE if not gpus else gpus:
+        if not any(g.label.casefold() == gpu.label.casefold() or (g.nvml_name and g.nvml_name == gpu.nvml_name)
+                   for g in found):
+            found.append(gpu)
+    return found
 
 
 def catalogued(name: str) -> GpuModel:

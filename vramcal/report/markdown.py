@@ -211,8 +211,9 @@ def limits_table(rows: Sequence[GpuLimitRow], verified: bool, bold: bool = True)
         name = f"{mark}{row.gpu.label}{mark}" if row.measured else row.gpu.label
         body.append([name, format_bytes(row.gpu.total_bytes), _bytes(row.limits.usable_bytes),
                      _batch(row.limits.safe_batch_size), _batch(row.limits.conservative_batch_size), basis])
-    return markdown_table(["GPU", "total memory", "usable", "safe max", "conservative", "basis"], body,
-                          right=[1, 2, 3, 4])
+    gpus = any(row.gpu.nvml_name or not row.measured for row in rows)  # a host profile's table holds the host alone
+    return markdown_table(["GPU" if gpus else "device", "total memory", "usable", "safe max", "conservative", "basis"],
+                          body, right=[1, 2, 3, 4])
 
 
 def limits_notes(profile: Profile) -> list[str]:

@@ -1,0 +1,77 @@
+"""Traces kept on disk, shared by every command that estimates (``estimate``, ``limits``, ``cost``, ``probe --aim``):
+a trace is the same every time for the same model, options, device kind, card and software, so it is made once.
+
+The key is SHA-256 over those (the software as installed: vramcal, torch, transformers, mamba-ssm, causal-conv1d,
+triton; the code of this package; a data file by its path, size and modification time); the folder is
+``$VRAMCAL_CACHE_DIR``, else ``$XDG_CACHE_HOME/vramcal/traces``, else ``~/.cache/vramcal/traces``. A file that
+cannot be read is traced again; one that cannot be written is not kept (the estimate goes on).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from vramcal.estimate.result import StepEstimate
+from vramcal.estimate.step import estimate_step
+from vramcal.files import atomic_write_json
+from vramcal.records import DeviceKind
+from vramcal.workload import ModelRef
+
+TRACE_SIZES = (8, 64)  # the batch sizes every estimate traces: a fake step costs the same at any size
+SOFTWARE = ("vramcal", "torch", "transformers", "mamba-ssm", "causal-conv1d", "triton")
+
+
+def folder() -> Path:
+    """Where traces are kept (module docstring)."""
+    if os.environ.get("VRAMCAL_CACHE_DIR"):
+        return Path(os.environ["VRAMCAL_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "vramcal" / "traces"
+
+
+def cached_trace(ref: ModelRef, options: dict[str, Any], kind: DeviceKind = "host", card: Any = None) -> StepEstimate:
+    """The trace of ``ref`` (:func:`vramcal.estimate.step.estimate_step` at :data:`TRACE_SIZES`) from the cache, else
+    made and kept. Raises what ``estimate_step`` raises (a failure is not kept)."""
+    path = folder() / f"{key(ref, options, kind, card)}.json"
+    try:
+        return StepEstimate.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    estimate = estimate_step(ref, TRACE_SIZES, options=options, device_kind=kind, card=card)
+    try:
+        atomic_write_json(path, estimate.to_dict())
+    except OSError:
+        pass
+    return estimate
+
+
+def key(ref: ModelRef, options: dict[str, Any], kind: DeviceKind, card: Any) -> str:
+    """24 hex digits of SHA-256 over what a trace depends on (module docstring)."""
+    files = {name: _file(value) for name, value in options.items() if isinstance(value, str) and Path(value).is_file()}
+    card_traits = None if card is None else [card.name, list(card.compute_capability), card.sm_count]
+    text = json.dumps([ref.to_dict(), options, files, kind, card_traits, [_version(p) for p in SOFTWARE], _code()],
+                      sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def _code() -> str:
+    """The estimate's own code (this package's files): a changed trace is a new key, whatever the version says."""
+    here = Path(__file__).resolve().parent
+    return hashlib.sha256(b"".join(path.read_bytes() for path in sorted(here.glob("*.py")))).hexdigest()
+
+
+def _file(path: str) -> list[int]:
+    stat = Path(path).stat()
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def _version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
