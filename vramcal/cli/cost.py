@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from vramcal.cli.options import FiniteFloat, group, load_profiles, one_line
+from vramcal.cli.options import CommaList, FiniteFloat, group, load_profiles, one_line
 from vramcal.estimate import EstimateError
 from vramcal.estimated import estimate_cards, traced_options
 from vramcal.forecast import (
@@ -36,18 +36,14 @@ from vramcal.sizing import SizingError, length_model
 from vramcal.units import format_bytes
 
 
-class PriceList(click.ParamType):
+class PriceList(CommaList):
     """``--price "NAME=PRICE,..."``, parsed by :func:`vramcal.forecast.parse_prices`."""
 
     name = "NAME=PRICE,..."
+    example = '"RTX 4090=0.59,host=0.05"'
 
-    def convert(self, value, param, ctx) -> list[Price]:
-        if isinstance(value, list):
-            return value
-        try:
-            return parse_prices(value)
-        except ValueError as error:
-            self.fail(str(error), param, ctx)
+    def read(self, text: str, param, ctx) -> list[Price]:
+        return parse_prices(text)
 
 
 forecast_options = group(
