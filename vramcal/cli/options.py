@@ -27,6 +27,7 @@ from vramcal.calibration.lengths import parse_buckets
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibrator import CalibrationError
 from vramcal.estimate import EstimateError
+from vramcal.files import os_advice
 from vramcal.measure.device import DeviceError, check_choice
 from vramcal.measure.nvml import NvmlError
 from vramcal.models.mamba2 import CHECKPOINTING_FORMS, DTYPE_POLICIES, IMPLEMENTATIONS, checkpoint_every
@@ -480,8 +481,7 @@ def one_line(interrupted: str | Callable[[], str] = "interrupted") -> Iterator[N
         raise click.ClickException(single_line(str(error)) or type(error).__name__) from None
     except OSError as error:
         raise click.ClickException(f"cannot read or write {error.filename or 'a file'} "
-                                   f"({single_line(error.strerror or str(error))}): check the path and its "
-                                   f"permissions") from None
+                                   f"({single_line(error.strerror or str(error))}): {os_advice(error)}") from None
 
 
 def single_line(text: str) -> str:
