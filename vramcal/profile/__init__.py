@@ -199,9 +199,9 @@ def check_profile_matches(profile: Profile, device: Device, model: ModelRef | No
             raise ProfileError(f"seq_len {model.params.get('seq_len')} is outside the profile's calibrated lengths "
                                f"{min(profile.surface.seq_lens)}-{max(profile.surface.seq_lens)}: calibrate it "
                                f"(vramcal probe --seq-len ...)")
-        ours, theirs = model.params, profile.model.params
-        diffs = [f"{k}={ours.get(k)} (profile {theirs.get(k)})" for k in sorted(set(ours) | set(theirs))
-                 if ours.get(k) != theirs.get(k)]
+        ours, theirs, family = model.params, profile.model.params, family_of(model)
+        diffs = [f"{k}={family.setting(model, k)} (the profile's: {family.setting(profile.model, k)})"
+                 for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
         what = ", ".join(diffs) if profile.model.factory == model.factory else f"factory {profile.model.factory}"
         raise ProfileError(f"the profile was made for another model: {what}; probe this model or pass matching "
                            f"options")
