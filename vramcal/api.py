@@ -38,7 +38,7 @@ from vramcal.estimated import aim_for
 from vramcal.files import check_writable
 from vramcal.journal import Journal, journal_path, plan_key
 from vramcal.lookup import Located, ddp_term, locate_profile, probe_command, suggested_capacity
-from vramcal.measure.device import free_bytes, select
+from vramcal.measure.device import check_host_world, free_bytes, select
 from vramcal.measure.trial import TrialRequest, TrialRunner
 from vramcal.measure.worker import Workers
 from vramcal.models.registry import DATA_OPTIONS, arguments, family_of, model_ref
@@ -216,8 +216,8 @@ def _aim(ref: ModelRef, data: dict[str, Any], device: Device, profiles_dir: Path
 
 
 def _check_world(world: World | None, device: Device, rank_devices: tuple[Device, ...]) -> None:
-    """Raises: ValueError for a world whose backend does not run on the device, or whose GPUs are not
-    ``world.nproc`` cards of one model."""
+    """Raises: ValueError for a world whose backend does not run on the device, whose GPUs are not ``world.nproc``
+    cards of one model, or whose host ranks' budgets add up to more than the host's memory (DeviceError)."""
     if world is None:
         if rank_devices:
             raise ValueError("rank_devices are for a DDP world: give world=World(nproc)")
@@ -225,6 +225,8 @@ def _check_world(world: World | None, device: Device, rank_devices: tuple[Device
     if (world.backend == "nccl") != (device.kind == "cuda"):
         raise ValueError(f"the {world.backend} backend does not run on {device.name}: use gloo on the host and "
                          f"nccl on NVIDIA GPUs")
+    if device.kind == "host":
+        check_host_world([device.total_bytes] * world.nproc)  # every rank under the budget, at once
     if device.kind == "cuda":
         if len(rank_devices) != world.nproc:
             raise ValueError(f"a DDP world of {world.nproc} ranks needs {world.nproc} GPUs, {len(rank_devices)} are "
