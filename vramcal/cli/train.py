@@ -144,6 +144,10 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
         with one_line():  # a config file's error is one line here too
             config = make_config(config_file, options, given)
             check_lm(config, given, nproc_per_node, torchrun)
+    if resume and "nproc_per_node" not in given and not any(torchrun.values()):
+        with one_line():  # the world the run folder was launched with (one process when it holds none)
+            nproc_per_node, launched = distributed.launched_ranks(resume_dir(run_dir))
+            torchrun.update(launched)
     if nproc_per_node > 1 or any(torchrun.values()):
         with stdout_to_stderr(as_json):
             run_dir = train_world(ctx, config_file, options, given, run_dir, resume, probe, capacity or (),
@@ -247,8 +251,8 @@ def resumed_world(run_dir: Path, world, given: set[str]):
         return launched
     if launched.strategy != world.strategy and "fsdp" in (launched.strategy, world.strategy):
         raise click.BadParameter(f"this run was started with --strategy {launched.strategy} and its checkpoints "
-                                 f"hold its state that way: resume it with --strategy {launched.strategy}",
-                                 param_hint="--strategy")
+                                 f"hold its state that way: resume it without --strategy (or with --strategy "
+                                 f"{launched.strategy})", param_hint="--strategy")
     return world
 
 
