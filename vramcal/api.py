@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from vramcal import staleness
 from vramcal.arguments import callback, flag, mapping, of_type, path_like
 from vramcal.calibration.creep import read_peak
 from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
@@ -49,14 +50,25 @@ from vramcal.profile import (
     load_profile,
     newest_profile,
     profile_path,
+    replaced_name,
     save_profile,
 )
 from vramcal.progress import TrialPrinter
 from vramcal.records import Device, Trial, TrialSettings, World
-from vramcal.sizing import Answer, Limit, SizeRequest, Sizing, SizingError, answer, check_counts, size
+from vramcal.sizing import (
+    Answer,
+    Limit,
+    NoLimitsError,
+    SizeRequest,
+    Sizing,
+    SizingError,
+    answer,
+    check_counts,
+    size,
+)
 from vramcal.staleness import StaleProfileError
 from vramcal.units import parse_bytes, size_argument
-from vramcal.words import is_info
+from vramcal.words import is_info, word
 from vramcal.workload import ModelRef, WorkloadError
 
 __all__ = ["Answer", "Answered", "CalibrationError", "CalibrationPlan", "LimitSettings", "Located", "Profile",
@@ -299,7 +311,7 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
         profile = dataclasses.replace(profile, single_process=ddp_term(profile, plan.path.parent.parent))
     if journal is not None:
         try:
-            save_profile(profile, plan.path)
+            save_profile(profile, plan.path, plan.keep_previous)
         except OSError as error:
             raise CalibrationError(f"cannot write the profile {plan.path} ({error.strerror or error}): the previous "
                                    f"profile is untouched and the {len(profile.trials)} trials are kept in "
@@ -376,11 +388,15 @@ def _one_device(gpu: str, capacity_bytes: int | str | None) -> tuple[Device, str
 
 
 def _run_said(plan: CalibrationPlan, notice: str | None, whole_host: bool, *, save: bool = True,
-              on_trial: Callable[[Trial], None] | None = None, progress: bool = True) -> Profile:
-    """:func:`run_calibration` with :func:`calibrate`'s progress on stderr: the device notice (``whole_host``: no
-    budget was given, so the host's whole memory is calibrated), each trial, where the profile went."""
+              on_trial: Callable[[Trial], None] | None = None, progress: bool = True,
+              why: str | None = None) -> Profile:
+    """:func:`run_calibration` with :func:`calibrate`'s progress on stderr: why it calibrates (``why``, before any
+    trial), the device notice (``whole_host``: no budget was given, so the host's whole memory is calibrated), each
+    trial, where the profile went."""
     printer = (TrialPrinter(plan.search().max_trials, plan.usable_bytes, bar=False, prefix="vramcal:")
                if progress and on_trial is None else None)
+    if printer is not None and why:
+        printer.note(why)
     if printer is not None and notice:  # the host chosen for gpu="auto": said, as the command says it
         printer.note(f"{notice}; give capacity_bytes= (such as "
                      f"{size_argument(suggested_capacity(plan.device.total_bytes))!r}) for a budget below all of it"
@@ -471,18 +487,52 @@ def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None 
     why = (f"calibrating: no profile of this model on this device{' at this budget' * (budget is not None)} under "
            f"{profiles_dir}/" + (f" ({len(skipped)} matching file(s) failed their checks)" if skipped else ""))
     if found is not None:
-        try:
-            located = locate_profile(ref, device=device, profile=found, strict=True)
-            sizing = size(located.profile, ask, **_gate(device))
-            return Answered(sizing.batch_size, sizing, located.profile, found, False,
-                            f"from the matching profile {found}")
-        except (StaleProfileError, SizingError) as error:
-            why = f"calibrating again: {error}"
+        answered = _from_profile(found, ref, device, ask)
+        if isinstance(answered, Answered):
+            return answered
+        why = f"calibrating again: {answered}"
     plan = plan_calibration(ref, device=device, settings=settings, options=options, profiles_dir=profiles_dir,
                             trials=trials)
-    profile = _run_said(plan, notice, capacity_bytes is None, progress=progress)
-    sizing = size(profile, ask, **_gate(device))
+    if plan.path.is_file():  # a stale or unreadable profile where the new one goes: kept, not overwritten
+        plan = dataclasses.replace(plan, keep_previous=replaced_name(plan.path))
+        why += f"; the file it replaces, {plan.path}, is kept as {plan.keep_previous.name}"
+    profile = _run_said(plan, notice, capacity_bytes is None, progress=progress, why=why)
+    try:
+        sizing = size(profile, ask, **_gate(device))
+    except NoLimitsError:
+        raise _no_limits(plan.path, profile) from None
     return Answered(sizing.batch_size, sizing, profile, plan.path, True, why)
+
+
+def _from_profile(found: Path, ref: ModelRef, device: Device, ask: SizeRequest) -> Answered | str:
+    """:func:`size_for`'s answer from the matching profile ``found``, or why it is calibrated again (made under other
+    software or settings, or sizing no more).
+
+    Raises:
+        NoLimitsError: it holds (not stale) but has no usable limits: a calibration at its budget gives the same.
+    """
+    try:
+        located = locate_profile(ref, device=device, profile=found, strict=True)
+        sizing = size(located.profile, ask, **_gate(device))
+    except NoLimitsError:
+        stale = staleness.check(load_profile(found), str(found), device, strict=False)
+        if stale is None:
+            raise _no_limits(found, load_profile(found)) from None
+        return stale
+    except (StaleProfileError, SizingError) as error:
+        return str(error)
+    return Answered(sizing.batch_size, sizing, located.profile, found, False, f"from the matching profile {found}")
+
+
+def _no_limits(path: Path, profile: Profile) -> NoLimitsError:
+    """Why ``profile`` (at ``path``) has no limits, and what changes that: calibrating again at its budget does not."""
+    ok = sum(t.ok for t in profile.trials)
+    why = (f"no line fitted to its {ok} successful trial(s)" if profile.fit is None else
+           "its fitted peak does not rise with batch_size" if profile.limits is None else
+           "not one sample fits its usable memory by the fit")
+    return NoLimitsError(f"{path}: the profile has no usable limits ({why}), and calibrating again at its budget gives "
+                         f"the same: give a larger {word('capacity')} or a smaller {word('reserve')} or "
+                         f"{word('margin')}, and check that the step's memory grows with its batch")
 
 
 def _gate(device: Device) -> dict[str, Any]:

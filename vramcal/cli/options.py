@@ -489,6 +489,13 @@ def single_line(text: str) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+class Unverified(click.ClickException):
+    """A failure that is a profile without verified limits (``vramcal size`` of a profile with none): one line, exit
+    :data:`EXIT_UNVERIFIED`, as the calibration that wrote it."""
+
+    exit_code = EXIT_UNVERIFIED
+
+
 class Interrupted(click.ClickException):
     exit_code = EXIT_INTERRUPTED
 

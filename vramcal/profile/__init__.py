@@ -29,7 +29,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from vramcal.files import atomic_write_text
+from vramcal.files import atomic_write
 from vramcal.models.registry import family_of
 from vramcal.profile.checks import read_profile
 from vramcal.profile.record import (
@@ -77,15 +77,27 @@ def profile_path(profiles_dir: Path | str, device: Device, model: ModelRef, impl
     return Path(profiles_dir) / slug / f"{profile_name(model, implementation, world)}{budget}.json"
 
 
-def save_profile(profile: Profile, path: Path | str) -> Path:
+def save_profile(profile: Profile, path: Path | str, keep_previous: Path | None = None) -> Path:
     """Write ``profile`` as JSON (sorted keys, 2-space indent) atomically; returns the path (``profile.path`` is
-    left as it was: the written profile is ``dataclasses.replace(profile, path=...)``).
+    left as it was: the written profile is ``dataclasses.replace(profile, path=...)``). With ``keep_previous``, the
+    file it replaces becomes that file as it does (:func:`vramcal.files.atomic_write`).
 
     Raises:
         OSError: the folder cannot be written; the previous file is then untouched.
     """
-    atomic_write_text(Path(path), json.dumps(profile.to_dict(), indent=2, sort_keys=True) + "\n")
+    text = json.dumps(profile.to_dict(), indent=2, sort_keys=True) + "\n"
+    atomic_write(Path(path), lambda handle: handle.write(text.encode()), keep_previous=keep_previous)
     return Path(path)
+
+
+def replaced_name(path: Path) -> Path:
+    """Where a profile file a calibration replaces is kept (``vramcal size``, for a stale or unreadable one):
+    ``<name>.replaced-<UTC time>`` beside it (``-2``, ``-3``, ... after it when that is taken), a name no lookup of
+    ``*.json`` files reads."""
+    stamp = f"{path.name}.replaced-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
+    taken = {p.name for p in path.parent.glob(f"{stamp}*")}
+    return path.with_name(next(n for n in (stamp, *(f"{stamp}-{i}" for i in range(2, len(taken) + 2)))
+                               if n not in taken))
 
 
 def load_profile(path: Path | str) -> Profile:
