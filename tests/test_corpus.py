@@ -11,7 +11,9 @@ committed profiles re-render their committed reports byte for byte.
 The kinds: 1 profiles (values checked for sense, and what vramcal writes it reads); 2 config files; 3 errors
 reported as memory (a timeout, a factory that raises); 4 bars and tick files; 5 LM configs; 6 issue 43's options
 and faults (cost's --price and --seq-len, world sizes, torchrun's options, --effective-batch-size against
---batch-size-min, a failed write's advice by its errno, a data file swapped between the plan and the worker).
+--batch-size-min, a failed write's advice by its errno, a data file swapped between the plan and the worker); 7 issue
+59's (empty lists, config values of the wrong type, a byte-order mark, errno advice, factories failing on their own,
+binary text, a world's budgets over the host's memory, ``size`` without limits or over a stale profile).
 
 Every case that goes through :func:`refusal`, :func:`accepted` or :func:`raised` is tallied by kind as it is judged
 (before its assertions, so a failing case is counted for what it did): a clean refusal or accept, a wrong accept

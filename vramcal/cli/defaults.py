@@ -13,8 +13,9 @@ winning over the top level of the same file; a group's table (``[data]``) applie
 ``[data.es-sample]`` to one. Keys are the options' Python parameter names (``profiles_dir``,
 ``conservative_fraction``), or their long flags without the dashes (``profiles-dir``, ``conservative``).
 
-Every value is checked when the file is read, by the option's own click type and callback, so ``capacity =
-"12GiB"`` means what ``--capacity 12GiB`` means; click converts it again as the command parses (the source is then
+Every value is checked when the file is read: as the option's TOML type (:func:`file_type`: ``gpus = 5`` is refused
+where ``gpus = "H200"`` is meant), then by the option's own click type and callback, so ``capacity = "12GiB"`` means
+what ``--capacity 12GiB`` means; click converts it again as the command parses (the source is then
 ``ParameterSource.DEFAULT_MAP``, which :func:`vramcal.cli.options.explicit` does not count as given). A key no
 command it applies to has, a value the option refuses, or a file that is not TOML is one line naming the file, the
 key and the value, exit 2 (a bad option value, README "Exit codes"). ``vramcal show --config`` lists what is in
