@@ -954,9 +954,9 @@ def test_a_probe_that_cannot_write_says_why_by_its_errno_before_any_trial(where,
 def test_a_failed_writes_advice_follows_its_errno(number, said, unsaid):
     import errno
 
-    from vramcal.files import write_advice
+    from vramcal.files import os_advice
 
-    advice = write_advice(OSError(getattr(errno, number), "x", "/somewhere"), "--out")
+    advice = os_advice(OSError(getattr(errno, number), "x", "/somewhere"), "--out")
     assert said in advice and (unsaid is None or unsaid not in advice) and advice.endswith("choose another --out")
     tally("clean refusal")  # the advice of a refusal, checked as the refusal's line is
 

@@ -290,8 +290,8 @@ def sharded(tmp_path_factory):
 @pytest.mark.slow
 def test_an_fsdp_run_saved_and_resumed_trains_like_one_process_and_records_each_ranks_peak(sharded):
     """Its gathered checkpoint holds whole tensors; saved at step 3 and resumed to 5 by a plain ``--resume`` (the world,
-    its ranks and settings, kept without naming them again), its weights are one process's after 5 steps at the summed batch; each rank's
-    peak is recorded in the profile against the prediction for its batch."""
+    its ranks and settings, kept without naming them again), its weights are one process's after 5 steps at the
+    summed batch; each rank's peak is recorded in the profile against the prediction for its batch."""
     tmp, profile = sharded["tmp"], sharded["profile"]
     b = profile.limits.conservative_batch_size
     lr = ["--config", str(tmp / "constant-lr.json")]
