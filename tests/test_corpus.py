@@ -1075,7 +1075,7 @@ def test_a_profile_of_another_variant_is_named_in_the_words_people_gave():
 @pytest.mark.parametrize(("number", "said"), [
     ("ENOSPC", "the disk is full: free space there"), ("EDQUOT", "free space within the quota"),
     ("EFBIG", "file-size limit"), ("EROFS", "read-only"), ("EACCES", "fix the permissions"),
-    ("ENOENT", "check the path"), ("EISDIR", "a folder stands where a file must be"), ("EIO", "check the disk"),
+    ("ENOENT", "check the path"), ("EISDIR", "a folder stands where a file must be"), ("EIO", "the disk failed"),
 ])
 def test_a_failed_read_or_writes_advice_follows_its_errno(number, said):
     """Issue 59 item 18: every OSError a command did not catch itself ended "check the path and its permissions", a

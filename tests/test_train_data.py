@@ -96,7 +96,7 @@ def test_time_zone_aware_timestamps_become_naive_utc_without_a_warning(tmp_path,
 
 def test_write_parquet_under_a_file_is_one_data_error(tmp_path):
     (tmp_path / "afile").write_text("")
-    where = r"cannot write .*afile/x.parquet \(.*\): a file stands where a folder must be: choose another --out"
+    where = r"cannot write .*afile/x.parquet \(File exists\): a file stands in the way: choose another --out"
     with pytest.raises(DataError, match=where) as caught:
         write_parquet(synthetic_bars(5), tmp_path / "afile" / "x.parquet")
     assert caught.value.__context__ is None or not isinstance(caught.value.__context__, NotADirectoryError)

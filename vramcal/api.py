@@ -466,16 +466,19 @@ def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None 
     """The batch size for a model on a device in one call: the matching profile under ``profiles_dir`` when one
     holds (the same model, implementation, device and budget, made under the software and settings running
     now: :mod:`vramcal.staleness`, strictly), else a calibration (:func:`calibrate`, saved there), saying why
-    (none, or made under other software). A second call with nothing changed runs no trial. The size is gated
-    by what the device has free now (:func:`vramcal.measure.device.free_bytes`: memory other processes took
-    since the calibration lowers the limits, said in a notice).
+    (none, or made under other software) before its first trial; a stale or unreadable file where the new profile
+    goes is kept beside it (:func:`vramcal.profile.replaced_name`), and the reason says so. A second call with
+    nothing changed runs no trial, a profile without limits included. The size is gated by what the device has
+    free now (:func:`vramcal.measure.device.free_bytes`: memory other processes took since the calibration lowers
+    the limits, said in a notice).
 
     Args:
         model, params, gpu, capacity_bytes, implementation, options, settings, trials, progress: as
             :func:`calibrate`. limit, seq_len: as :class:`~vramcal.sizing.SizeRequest`.
 
     Raises:
-        as :func:`calibrate` and :func:`vramcal.sizing.size`.
+        NoLimitsError: the matching or new profile has no usable limits (a calibration at its budget gives the
+            same; ``vramcal size`` exits 3). Otherwise as :func:`calibrate` and :func:`vramcal.sizing.size`.
     """
     _door(implementation=implementation, options=options, profiles_dir=profiles_dir, settings=settings, trials=trials,
           progress=progress)
