@@ -87,7 +87,7 @@ def test_find_profile_and_batch_size_read_it_back(calibrated):
     assert vramcal.batch_size(found, "safe") == limits.safe_batch_size
     assert vramcal.batch_size(found, request=10**9) == limits.safe_batch_size
     assert vramcal.size(found, vramcal.SizeRequest(request=7)).predicted_peak_bytes == int(profile.fit.predict(7))
-    with pytest.raises(vramcal.SizingError, match="another model: width=16 \\(profile 8\\)"):
+    with pytest.raises(vramcal.SizingError, match="another model: width=16 \\(the profile's: 8\\)"):
         vramcal.find_profile("user_models:mlp", {**PARAMS, "width": 16}, gpu="none", capacity_bytes=budget(CAPACITY),
                              path=path)
     with pytest.raises(vramcal.SizingError, match=r"no profile for .* `vramcal probe --gpu none --capacity \S+ "

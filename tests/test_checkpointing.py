@@ -62,7 +62,7 @@ def test_the_variant_is_in_the_profile_key_and_the_lookup_never_sizes_one_by_the
     assert profile.model.params["checkpointing"] == "block" and profile.model.key() != off_ref.key()
     assert "checkpointing" not in off_ref.params  # off: the key profiles made before the setting have
     assert RegressorSpec.from_ref(profile.model) == (BLOCK, "transformers")
-    with pytest.raises(SizingError, match=r"another model: checkpointing=None \(profile block\)"):
+    with pytest.raises(SizingError, match=r"another model: checkpointing=off \(the profile's: block\)"):
         locate_profile("regressor", TINY.to_dict(), device=device, profile=profile, implementation="transformers")
 
     save_profile(profile, profile_path(tmp_path, device, profile.model, "transformers"))

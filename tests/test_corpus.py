@@ -11,7 +11,9 @@ committed profiles re-render their committed reports byte for byte.
 The kinds: 1 profiles (values checked for sense, and what vramcal writes it reads); 2 config files; 3 errors
 reported as memory (a timeout, a factory that raises); 4 bars and tick files; 5 LM configs; 6 issue 43's options
 and faults (cost's --price and --seq-len, world sizes, torchrun's options, --effective-batch-size against
---batch-size-min, a failed write's advice by its errno, a data file swapped between the plan and the worker).
+--batch-size-min, a failed write's advice by its errno, a data file swapped between the plan and the worker); 7 issue
+59's (empty lists, config values of the wrong type, a byte-order mark, errno advice, factories failing on their own,
+binary text, a world's budgets over the host's memory, ``size`` without limits or over a stale profile).
 
 Every case that goes through :func:`refusal`, :func:`accepted` or :func:`raised` is tallied by kind as it is judged
 (before its assertions, so a failing case is counted for what it did): a clean refusal or accept, a wrong accept
@@ -952,9 +954,9 @@ def test_a_probe_that_cannot_write_says_why_by_its_errno_before_any_trial(where,
 def test_a_failed_writes_advice_follows_its_errno(number, said, unsaid):
     import errno
 
-    from vramcal.files import write_advice
+    from vramcal.files import os_advice
 
-    advice = write_advice(OSError(getattr(errno, number), "x", "/somewhere"), "--out")
+    advice = os_advice(OSError(getattr(errno, number), "x", "/somewhere"), "--out")
     assert said in advice and (unsaid is None or unsaid not in advice) and advice.endswith("choose another --out")
     tally("clean refusal")  # the advice of a refusal, checked as the refusal's line is
 
@@ -989,3 +991,217 @@ def test_a_data_file_swapped_between_the_plan_and_the_worker_is_refused(tmp_path
     raised(lambda: train(plan, echo=lambda line: None), TrainError, str(path), "changed after the run was planned",
            "nothing was trained on it")
     assert kept(not checkpoint.has_checkpoint(tmp_path / "run"))
+
+
+# ============================================================================== 7. issue 59: faults and bad input
+
+EMPTY_LISTS = [  # (id, the command line, the list option given no entry)
+    ("gpus-empty", ["estimate", "--gpus", ""], "--gpus"),
+    ("gpus-comma", ["estimate", "--gpus", ","], "--gpus"),
+    ("price-commas", ["cost", "p.json", "--price", " , "], "--price"),
+    ("report-to-comma", ["train", "--gpu", "none", "--report-to", ","], "--report-to"),
+    ("capacities-comma", ["train", "--gpu", "none", "--capacity", ","], "--capacity"),
+    ("buckets-blank", ["limits", "p.json", "--buckets", " "], "--buckets"),
+]
+
+
+@pytest.mark.parametrize(("args", "option"), [c[1:] for c in EMPTY_LISTS], ids=[c[0] for c in EMPTY_LISTS])
+def test_a_list_option_that_names_nothing_is_refused_before_any_work(args, option, tmp_path, monkeypatch):
+    """Issue 59 item 17: ``estimate --gpus ''`` (or ``','``) traced the step for 20 s and printed an empty table,
+    exit 0; every list option reads its text through one parser that refuses an empty list."""
+    monkeypatch.chdir(tmp_path)
+    refusal(invoke(*args), option, "names nothing: give at least one", code=2)
+    assert kept(not (tmp_path / "profiles").exists() and not (tmp_path / "runs").exists())
+
+
+WRONG_TYPES = [  # (id, vramcal.toml, what the line must name)
+    ("gpus-number", "[estimate]\ngpus = 5\n", "gpus = 5 is a whole number, not a string"),
+    ("epochs-fraction", "[train]\nepochs = 2.5\n", "epochs = 2.5 is not a whole number"),
+    ("epochs-quoted", '[train]\nepochs = "3"\n', 'epochs = "3" is a string, not a whole number'),
+    ("flag-number", "json = 1\n", "json = 1 is a whole number, not true or false"),
+    ("report-to-number", "[train]\nreport_to = 5\n", "report_to = 5 is a whole number, not a string"),
+    ("model-arg-item", '[probe]\nmodel_arg = ["width=8", 2]\n', "item 2 is a whole number, not a string"),
+    ("range-item", '[tune]\nlr_range = [1e-5, "x"]\n', "item 2 is a string, not a number"),
+]
+PEOPLE_WRITE = ('gpu = 0\ncapacity = 1073741824\nmargin = 0\n[probe]\nseq_len = 64\n[train]\nbatch_size = 8\n'
+                'epochs = 3\nreport_to = "tensorboard,mlflow"\n[tune]\nlr_range = [1e-5, 1e-3]\n')
+
+
+@pytest.mark.parametrize(("text", "named"), [c[1:] for c in WRONG_TYPES], ids=[c[0] for c in WRONG_TYPES])
+def test_a_config_value_of_the_wrong_type_is_one_line_naming_the_key(text, named, tmp_path, monkeypatch):
+    """Issue 59 item 15: ``[estimate] gpus = 5`` in vramcal.toml was an AttributeError traceback from ``vramcal show
+    --config`` (and ``epochs = 2.5`` trained 2 epochs): each value is read as the option's type first."""
+    path = tmp_path / "vramcal.toml"
+    path.write_text(text)
+    monkeypatch.setenv("VRAMCAL_CONFIG", str(path))
+    refusal(invoke("show", "--config"), path, named, code=2)
+
+
+@pytest.mark.parametrize("mark", ["", "\ufeff"], ids=["plain", "byte-order-mark"])
+def test_config_files_people_write_are_read_a_byte_order_mark_too(mark, tmp_path, monkeypatch):
+    """Issue 59 items 15 and 20: a number where the flag takes text or a size (``gpu = 0``, bytes), a whole number for
+    a float; and a file an editor on Windows starts with a byte-order mark, once refused as "not valid TOML" without
+    naming it (vramcal.toml, ``train --config`` in JSON and TOML, and an LM config)."""
+    from vramcal.models.lm import read_config
+    from vramcal.train.config import load_config
+
+    path = tmp_path / "vramcal.toml"
+    path.write_text(mark + PEOPLE_WRITE, encoding="utf-8")
+    monkeypatch.setenv("VRAMCAL_CONFIG", str(path))
+    shown = accepted(invoke("show", "--config"))
+    assert re.search(r"train\s+epochs\s+= 3 ", shown) and re.search(r"probe\s+gpu\s+= 0 ", shown), shown
+    for name, text in (("c.json", '{"epochs": 2, "lr": 1e-4}'), ("c.toml", "[train]\nepochs = 2\n")):
+        (tmp_path / name).write_text(mark + text, encoding="utf-8")
+        assert load_config(tmp_path / name).epochs == 2
+    (tmp_path / "lm.json").write_text(mark + TINY_LM.read_text(), encoding="utf-8")
+    assert read_config(tmp_path / "lm.json") == read_config(TINY_LM)
+
+
+def test_a_profile_of_another_variant_is_named_in_the_words_people_gave():
+    """Issue 59 item 20: ``train --checkpointing block`` against a profile made without it said "checkpointing=block
+    (profile None)": a setting left out of a profile's key is what leaving it out means (off)."""
+    from vramcal.lookup import locate_profile
+    from vramcal.models.regressor.spec import RegressorSpec
+    from vramcal.sizing import SizingError
+
+    profile = fake_calibration(lambda b, n: 400 * MIB + 2.5 * MIB * b, 2 * GIB)
+    spec, implementation = RegressorSpec.from_ref(profile.model)
+    line = raised(lambda: locate_profile("regressor", {**spec.to_dict(), "checkpointing": "block"},
+                                         device=profile.device, profile=profile, implementation=implementation),
+                  SizingError, "checkpointing=block (the profile's: off)")
+    assert "None" not in line
+
+
+@pytest.mark.parametrize(("number", "said"), [
+    ("ENOSPC", "the disk is full: free space there"), ("EDQUOT", "free space within the quota"),
+    ("EFBIG", "file-size limit"), ("EROFS", "read-only"), ("EACCES", "fix the permissions"),
+    ("ENOENT", "check the path"), ("EISDIR", "a folder stands where a file must be"), ("EIO", "the disk failed"),
+])
+def test_a_failed_read_or_writes_advice_follows_its_errno(number, said):
+    """Issue 59 item 18: every OSError a command did not catch itself ended "check the path and its permissions", a
+    full disk too."""
+    import errno
+
+    from vramcal.files import os_advice
+
+    advice = os_advice(OSError(getattr(errno, number), "x", "/somewhere"))
+    clear = said in advice and (number == "EACCES" or "permissions" not in advice)
+    tally("clean refusal" if clear else "unclear")  # the advice of a refusal, checked as the refusal's line is
+    assert clear, advice
+
+
+def test_size_on_a_full_disk_says_to_free_space(tmp_path, monkeypatch):
+    """Issue 59 item 18: ``vramcal size --profiles-dir`` on a full disk said "check the path and its permissions". The
+    disk is faked at its boundary: the write check's fsync fails as a full disk's does (ENOSPC)."""
+    import errno
+    import os
+
+    from test_train import SPEC_ARGS
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("vramcal.files.os.fsync", full)
+    line = refusal(invoke("size", "--gpu", "none", "--capacity", "1.5GiB", *SPEC_ARGS, "--profiles-dir",
+                          tmp_path / "profiles"), tmp_path / "profiles", "No space left on device", "free space there")
+    assert "permissions" not in line
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--model", "user_models:raises"], "raised ValueError: width must be a multiple of 64"),
+    (["--model", "user_models:wrong_type"], "returned MLP, not a vramcal.TrainingStep"),
+    (["--model", "lm", "--model-arg", f"config={TINY_LM}", "--model-arg", "bogus=1"], "takes no 'bogus'"),
+], ids=["raises", "wrong-type", "lm-unknown-argument"])
+def test_an_estimate_of_a_factory_that_fails_on_its_own_says_to_fix_the_factory(args, named):
+    """Issue 59 item 19: ``estimate`` ended "measure the step with trials" for every error of the factory, where trials
+    fail the same way; an argument the language model's factory does not take fails before any trace or trial."""
+    line = refusal(invoke("estimate", *args, "--gpus", "H200"), named)
+    assert "measure the step with trials" not in line and "cannot trace" not in line
+
+
+def test_binary_files_named_as_text_are_left_out_and_named(tmp_path):
+    """Issue 59 item 14: ``train --model lm --text`` trained on random bytes named ``*.py`` with no warning, and two
+    such files were refused for the validation split, not for their content."""
+    import random
+
+    from vramcal.models.corpus import CorpusError, binary_notice, load_corpus
+
+    noise = random.Random(59)
+    (tmp_path / "a.py").write_bytes(bytes(noise.getrandbits(8) for _ in range(4000)))
+    (tmp_path / "b.py").write_bytes(bytes(noise.getrandbits(8) for _ in range(64)) + b"\0")
+    raised(lambda: load_corpus(str(tmp_path), 64, 0.2), CorpusError, str(tmp_path), "a.py, b.py are binary")
+    for i in range(6):
+        (tmp_path / f"t{i}.py").write_text(f"def f{i}(x):\n    return x * {i}  # é\n")
+    (tmp_path / "latin.txt").write_bytes("caf\xe9, na\xefve r\xe9sum\xe9\n".encode("latin-1"))
+    corpus = load_corpus(str(tmp_path), 64, 0.2)
+    assert corpus.binary == ("a.py", "b.py") and corpus.files == 7  # Latin-1 text stays text
+    assert "left out 2 binary file(s) named as text (a.py, b.py)" in binary_notice(corpus)
+
+
+def test_a_world_whose_budgets_pass_the_hosts_memory_is_refused_before_any_rank(tmp_path, monkeypatch):
+    """Issue 59 item 12: ``--nproc 64 --oversubscribe --capacity 1.5GiB`` (96 GiB of budgets on a 23 GiB host) forked
+    39 ranks; a world's budgets together are checked against the host's memory before any rank starts."""
+    from vramcal.measure.device import _meminfo
+
+    monkeypatch.chdir(tmp_path)
+    half = str(_meminfo("/proc")["MemTotal"] // 2)  # each within the host: three of them are not
+    common = ["--gpu", "none", "--capacity", half, "--oversubscribe", "--d-model", 32, "--n-layers", 1]
+    (tmp_path / "a-file").write_text("")  # where the check is missing, the next one refuses: no rank starts here
+    refusal(invoke("probe", *common, "--nproc", 3, "--reports-dir", tmp_path / "a-file" / "reports"),
+            "3 ranks' budgets", "more than this host's")
+    refusal(invoke("train", *common, "--nproc-per-node", 3, "--data", tmp_path / "none.parquet", "--run-dir",
+                   tmp_path / "run"), "3 ranks' budgets", "more than this host's")
+    assert kept(not (tmp_path / "profiles").exists() and not (tmp_path / "run").exists())
+
+
+def test_a_worker_whose_caller_is_gone_ends_without_a_traceback():
+    """Issue 59 item 12: after SIGTERM a world's rank printed a ``BrokenPipeError`` traceback, its result sent down a
+    pipe its caller had closed."""
+    import subprocess
+    import sys
+
+    code = ("import os\nfrom multiprocessing import Pipe\nfrom vramcal.measure.worker import _worker_main\n"
+            "ours, theirs = Pipe()\ntheirs.close()\n_worker_main(ours, lambda channel: 1, (), 0.0, os.getpid())\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    tally("clean refusal" if done.returncode == 1 and "Traceback" not in done.stderr else "traceback")
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_size_says_why_first_exits_3_without_limits_calibrates_no_more_and_keeps_what_it_replaces(tmp_path,
+                                                                                                  monkeypatch):
+    """Issue 59 item 16: ``vramcal size`` calibrated before saying why, exited 1 for a profile without limits (README:
+    3), ran the trials again on the same call after it, and wrote over a stale or tampered profile at its path. The
+    trials' measurements are faked (tests/test_documented.py): a flat line first (no limits), then a rising one."""
+    from host_budget import extra_bytes
+    from test_documented import fake_measurement
+    from test_train import SPEC_ARGS
+
+    measured: list[int] = []
+    fake_measurement(monkeypatch, lambda b, purpose: measured.append(b) or extra_bytes() + 400 * MIB)
+    args = ["size", "--gpu", "none", "--capacity", capacity(3 * GIB // 2), *SPEC_ARGS, "--profiles-dir", tmp_path,
+            "--no-boundary", "--steady-steps", "0"]
+    first = invoke(*args)
+    refusal(first, "the profile has no usable limits (no line fitted to its", "calibrating again at its budget gives "
+            "the same", code=3)
+    (path,) = tmp_path.glob("*/*.json")
+    said = [i for i, line in enumerate(first.output.splitlines()) if "calibrating: no profile" in line]
+    trial = [i for i, line in enumerate(first.output.splitlines()) if re.search(r"batch_size +\d+ +ok", line)]
+    assert said and trial and said[0] < trial[0], first.output
+    before, trials = path.read_bytes(), len(measured)
+    refusal(invoke(*args), path, "no usable limits", code=3)  # the same call again: no trial
+    assert kept(len(measured) == trials and path.read_bytes() == before)
+
+    record = json.loads(before)
+    record["software"]["torch"] = "2.0.0"  # made under another torch: stale, calibrated again
+    path.write_text(json.dumps(record))
+    stale = path.read_bytes()
+    fake_measurement(monkeypatch)
+    again = accepted(invoke(*args))
+    (aside,) = path.parent.glob("*.replaced-*")
+    assert "torch 2.0.0 ->" in again and f"is kept as {aside.name}" in again and load_profile(path).verified
+    assert kept(aside.read_bytes() == stale)
+    path.write_text("{tampered")
+    third = accepted(invoke(*args))
+    (tampered,) = set(path.parent.glob("*.replaced-*")) - {aside}
+    assert "failed their checks" in third and f"is kept as {tampered.name}" in third
+    assert kept(tampered.read_text() == "{tampered" and aside.read_bytes() == stale)

@@ -538,7 +538,7 @@ def test_a_probe_on_a_full_disk_stops_before_its_first_trial_and_during_one_keep
 def test_a_folder_that_cannot_be_written_gets_the_advice_its_error_calls_for(tmp_path):
     """Issue 43 item 10: the advice follows the errno: a full disk asks for space (above), a file where the profiles
     folder must be says so, and neither asks the other's remedy."""
-    from vramcal.files import write_advice
+    from vramcal.files import os_advice
 
     (tmp_path / "afile").write_text("")
     result = CliRunner().invoke(main, ["probe", "--gpu", "none", *SPEC_ARGS, "--profiles-dir",
@@ -549,9 +549,10 @@ def test_a_folder_that_cannot_be_written_gets_the_advice_its_error_calls_for(tmp
     assert "free space" not in result.output
     import errno
 
-    assert write_advice(OSError(errno.EROFS, "Read-only file system"), "--out") == (
+    assert os_advice(OSError(errno.EROFS, "Read-only file system"), "--out") == (
         "the file system is read-only: choose another --out")
-    assert write_advice(OSError(errno.ENOENT, "No such file"), "--out") == "choose another --out"
+    assert os_advice(OSError(errno.ENOENT, "No such file"), "--out") == ("no such file or folder: check the path, or "
+                                                                         "choose another --out")
 
 
 def test_a_data_limit_set_outside_vramcal_is_named_as_such(tmp_path):

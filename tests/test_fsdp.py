@@ -289,9 +289,9 @@ def sharded(tmp_path_factory):
 
 @pytest.mark.slow
 def test_an_fsdp_run_saved_and_resumed_trains_like_one_process_and_records_each_ranks_peak(sharded):
-    """Its gathered checkpoint holds whole tensors; saved at step 3 and resumed to 5 (the world's settings kept
-    without naming them again), its weights are one process's after 5 steps at the summed batch; each rank's
-    peak is recorded in the profile against the prediction for its batch."""
+    """Its gathered checkpoint holds whole tensors; saved at step 3 and resumed to 5 by a plain ``--resume`` (the world,
+    its ranks and settings, kept without naming them again), its weights are one process's after 5 steps at the
+    summed batch; each rank's peak is recorded in the profile against the prediction for its batch."""
     tmp, profile = sharded["tmp"], sharded["profile"]
     b = profile.limits.conservative_batch_size
     lr = ["--config", str(tmp / "constant-lr.json")]
@@ -304,8 +304,8 @@ def test_an_fsdp_run_saved_and_resumed_trains_like_one_process_and_records_each_
     assert launched["omp_num_threads"] == os.environ.get("OMP_NUM_THREADS")  # the caller's, not torchrun's 1
     saved = checkpoint.load_checkpoint(tmp / "fsdp" / checkpoint.LAST)
     assert saved["strategy"] == "fsdp" and all(type(t) is torch.Tensor for t in saved["model"].values())
-    resumed = vramcal(tmp, "train", "--resume", "--run-dir", str(tmp / "fsdp"), "--nproc-per-node", "2",
-                      "--max-steps", "5")
+    assert launched["nproc_per_node"] == 2 and launched["torchrun"] == {}
+    resumed = vramcal(tmp, "train", "--resume", "--run-dir", str(tmp / "fsdp"), "--max-steps", "5")  # issue 59 item 13
     assert resumed.returncode == 0 and "continuing from" in resumed.stderr, resumed.stderr
     assert "training FSDP 2 ranks (gloo, fully_shard per block, no reshard after forward)" in resumed.stderr
     one = vramcal(tmp, *train_args(tmp, "one", *lr, "--batch-size", str(2 * b), "--max-steps", "5", "--epochs", "3",
@@ -339,7 +339,7 @@ def test_a_killed_fsdp_run_resumes_from_its_gathered_checkpoint_and_only_as_fsdp
     refused = vramcal(tmp, "train", "--resume", "--run-dir", str(run_dir), "--nproc-per-node", "2", "--strategy",
                       "ddp", "--max-steps", "1000")
     assert refused.returncode == 2 and "this run was started with --strategy fsdp and its checkpoints hold its state " \
-        "that way: resume it with --strategy fsdp" in refused.stderr, refused.stderr
+        "that way: resume it without --strategy (or with --strategy fsdp)" in refused.stderr, refused.stderr
     step = kept["progress"]["step"]
     resumed = vramcal(tmp, "train", "--resume", "--run-dir", str(run_dir), "--nproc-per-node", "2", "--max-steps",
                       str(step + 2))
@@ -361,9 +361,29 @@ def test_an_fsdp_run_against_a_ddp_profile_is_refused_naming_the_probe_that_make
     assert not checkpoint.has_checkpoint(tmp / "refused")
 
 
+def test_a_plain_resume_takes_the_ranks_the_run_was_launched_with(tmp_path):
+    """Issue 59 item 13: ``train --resume`` of a 2-rank FSDP run demanded ``--nproc-per-node 2`` and ``--strategy
+    fsdp`` again. The run folder's launch.json says how it was launched (a record from before: its world's ranks); a
+    run launched on several nodes is resumed on each as it was launched there."""
+    from vramcal.train.distributed import LAUNCH, launched_ranks
+    from vramcal.train.errors import TrainError
+
+    assert launched_ranks(tmp_path) == (1, {})  # no launch.json: one process
+    launch = {"world": FSDP_WORLD.to_dict(), "capacities": [], "nproc_per_node": 2,
+              "torchrun": {"rdzv_backend": "c10d", "rdzv_endpoint": "127.0.0.1:29511"}}
+    (tmp_path / LAUNCH).write_text(json.dumps(launch))
+    assert launched_ranks(tmp_path) == (2, launch["torchrun"])
+    (tmp_path / LAUNCH).write_text(json.dumps({"world": {**FSDP_WORLD.to_dict(), "nproc": 3}, "capacities": []}))
+    assert launched_ranks(tmp_path) == (3, {})  # written before the launch was kept
+    (tmp_path / LAUNCH).write_text(json.dumps({**launch, "torchrun": {"nnodes": "2"}}))
+    with pytest.raises(TrainError, match="launched on several nodes .*--nproc-per-node 2 and the node's torchrun"):
+        launched_ranks(tmp_path)
+
+
 @pytest.mark.parametrize(("written", "sharded", "message"), [
-    ({"strategy": "fsdp"}, False, "written by FSDP: resume it the same way (--strategy fsdp)"),
-    ({}, True, "written by one process or DDP: resume it the same way (no --strategy fsdp)"),
+    ({"strategy": "fsdp"}, False, "written by FSDP: resume it the same way (ranks under --strategy fsdp; a plain "
+                                  "`vramcal train --resume --run-dir` resumes it as it was launched)"),
+    ({}, True, "written by one process or DDP: resume it the same way (without --strategy fsdp; a plain"),
 ])
 def test_a_checkpoint_loads_only_under_the_strategy_that_wrote_it(written, sharded, message):
     """The backstop behind the resume's own check (a run folder without launch.json: one process's run resumed as a

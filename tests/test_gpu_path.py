@@ -42,6 +42,7 @@ def test_a_gpu_rank_sets_its_pinned_card_and_binds_it_when_it_joins(monkeypatch)
     from vramcal.measure.distributed import join
     from vramcal.measure.trial import torch_device
     from vramcal.records import World
+
     from profiles_for_tests import gpu_device
 
     set_to, init = [], {}
@@ -86,7 +87,8 @@ def test_the_device_run_takes_one_deadline_and_a_signal_to_it_keeps_the_step_in_
     steps = found["steps"]
     assert steps["default"]["status"] == "stopped" and "SIGTERM" in steps["default"]["reason"], steps["default"]
     assert all(steps[name]["status"] == "skipped" for name in ("boundary", "train", "chunk_size"))
-    assert stdout.splitlines()[0] == "gpu_check.sh: one deadline, 200 s from now: the setup, then the check, end within it"
+    first = "gpu_check.sh: one deadline, 200 s from now: the setup, then the check, end within it"
+    assert stdout.splitlines()[0] == first
     assert "== default: stopped" in (out / "gpu_check.log").read_text()
     assert f"after gpu_check.sh's setup of {found['setup_s']:.0f} s" in (out / "GPU_CHECK.md").read_text()
 

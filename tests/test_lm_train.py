@@ -114,6 +114,17 @@ def test_a_short_run_trains_on_real_text_and_records_itself(setup):
     assert "continuing from" in resumed.output
 
 
+def test_a_binary_file_named_as_text_is_left_out_with_a_warning(setup):
+    """Issue 59 item 14: random bytes named ``*.py`` were trained on as text (exit 0, no warning); the file is left out,
+    said before the run, and recorded with the run's data."""
+    tmp_path, profiles, text = setup
+    (text / "noise.py").write_bytes(bytes((i * 7919 + 13) % 256 for i in range(3000)))
+    result = train(tmp_path, profiles, "--text", str(text), "--val-fraction", "0.3", "--max-steps", "1")
+    assert result.exit_code == 0, result.output
+    assert f"warning: --text {text}: left out 1 binary file(s) named as text (noise.py)" in result.output
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["data"]["binary_files"] == ["noise.py"]
+
+
 def test_bucket_batching_and_a_length_no_bucket_covers(setup):
     tmp_path, profiles, text = setup
     ok = train(tmp_path, profiles, "--text", str(text), "--batching", "buckets", "--buckets", "64,128",
@@ -132,6 +143,9 @@ def test_bucket_batching_and_a_length_no_bucket_covers(setup):
     (lambda t: (t / "empty").mkdir(), ["--text", "{tmp}/empty"], EXIT_FAILURE, "no *.py or *.txt file in"),
     (lambda t: ((t / "blank").mkdir(), (t / "blank" / "a.py").write_text("")), ["--text", "{tmp}/blank"],
      EXIT_FAILURE, "hold no text"),
+    (lambda t: ((t / "noise").mkdir(), (t / "noise" / "a.py").write_bytes(bytes(range(256)) * 8),
+                (t / "noise" / "b.py").write_bytes(b"\x89PNG\r\n\x1a\n\0\0")), ["--text", "{tmp}/noise"], EXIT_FAILURE,
+     "hold no text (a.py, b.py are binary)"),  # issue 59 item 14: once refused for the validation split
     (lambda t: None, ["--buckets", "64"], EXIT_USAGE, "is for --batching buckets"),
     (lambda t: None, ["--batching", "buckets", "--buckets", "512"], EXIT_FAILURE,
      "longer than the profile's longest seq_len 128"),

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -106,6 +107,33 @@ def test_mlflow_gets_the_run_through_its_own_client_and_a_resume_logs_into_the_s
     assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r["train_loss"])) for r in epochs]
     assert client.get_run(run_id).info.status == "FINISHED" and (run_dir / tracking.TENSORBOARD).is_dir()
     assert len(client.search_runs([run.info.experiment_id])) == 1  # the resume went on in the same MLflow run
+
+
+def test_a_tracker_that_cannot_be_reached_is_one_warning_within_its_bound_and_the_process_ends(tmp_path):
+    """Issue 59 item 11: MLflow at an address nothing answers (``http://127.0.0.1:9``) held a finished run for minutes
+    in its client's retries. Each call into a tracker has a bounded time (here 2 s): past it, one warning, later
+    calls return at once, and the process ends without waiting for the client's thread."""
+    code = f"""
+import time, types
+from pathlib import Path
+from vramcal.train.config import TrainConfig
+from vramcal.train.tracking import MlflowTracker
+plan = types.SimpleNamespace(run_dir=Path({str(tmp_path / 'run')!r}), resume=False, config=TrainConfig(),
+                             batch_size=8, step_batch_size=8, lr=1e-4)
+tracker, started = MlflowTracker(plan, print, timeout_s=2), time.monotonic()
+for step in (1, 2):
+    tracker.epoch({{"kind": "epoch", "step": step, "train_loss": 1.0}})
+tracker.close("FINISHED")
+print(f"returned after {{time.monotonic() - started:.1f}} s")
+"""
+    env = {**os.environ, "MLFLOW_TRACKING_URI": "http://127.0.0.1:9"}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    warnings = [line for line in done.stdout.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "no answer within 2 s" in warnings[0] and "MLflow logging of" in warnings[0]
+    assert float(done.stdout.split("returned after ")[1].split()[0]) < 4  # the bound, once: later calls skipped
+    assert time.monotonic() - started < 60  # the process ended (imports included), the client's retries left
 
 
 def test_report_to_none_writes_metrics_jsonl_alone_and_a_bad_or_missing_reporter_is_refused(home, monkeypatch):

@@ -675,7 +675,7 @@ def test_profiles_of_another_spec_or_device_are_refused(setup):
                                                             seq_len=32, chunk_size=16))
     save_profile(other_spec, setup["tmp"] / "spec.json")
     line = one_line_failure(train(setup, "x", "--profile", str(setup["tmp"] / "spec.json")))
-    assert "another model: d_model=32 (profile 64)" in line
+    assert "another model: d_model=32 (the profile's: 64)" in line
     other_device = make_profile(Device(kind="host", name="Some Other CPU (64 cores)", total_bytes=1,
                                        total_source="test"))
     save_profile(other_device, setup["tmp"] / "device.json")

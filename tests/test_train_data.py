@@ -96,7 +96,8 @@ def test_time_zone_aware_timestamps_become_naive_utc_without_a_warning(tmp_path,
 
 def test_write_parquet_under_a_file_is_one_data_error(tmp_path):
     (tmp_path / "afile").write_text("")
-    with pytest.raises(DataError, match=r"cannot write .*afile/x.parquet \(.*\): choose another --out") as caught:
+    where = r"cannot write .*afile/x.parquet \(File exists\): a file stands in the way: choose another --out"
+    with pytest.raises(DataError, match=where) as caught:
         write_parquet(synthetic_bars(5), tmp_path / "afile" / "x.parquet")
     assert caught.value.__context__ is None or not isinstance(caught.value.__context__, NotADirectoryError)
     assert caught.value.__suppress_context__

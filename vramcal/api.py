@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from vramcal import staleness
 from vramcal.arguments import callback, flag, mapping, of_type, path_like
 from vramcal.calibration.creep import read_peak
 from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
@@ -38,7 +39,7 @@ from vramcal.estimated import aim_for
 from vramcal.files import check_writable
 from vramcal.journal import Journal, journal_path, plan_key
 from vramcal.lookup import Located, ddp_term, locate_profile, probe_command, suggested_capacity
-from vramcal.measure.device import free_bytes, select
+from vramcal.measure.device import check_host_world, free_bytes, select
 from vramcal.measure.trial import TrialRequest, TrialRunner
 from vramcal.measure.worker import Workers
 from vramcal.models.registry import DATA_OPTIONS, arguments, family_of, model_ref
@@ -49,14 +50,25 @@ from vramcal.profile import (
     load_profile,
     newest_profile,
     profile_path,
+    replaced_name,
     save_profile,
 )
 from vramcal.progress import TrialPrinter
 from vramcal.records import Device, Trial, TrialSettings, World
-from vramcal.sizing import Answer, Limit, SizeRequest, Sizing, SizingError, answer, check_counts, size
+from vramcal.sizing import (
+    Answer,
+    Limit,
+    NoLimitsError,
+    SizeRequest,
+    Sizing,
+    SizingError,
+    answer,
+    check_counts,
+    size,
+)
 from vramcal.staleness import StaleProfileError
 from vramcal.units import parse_bytes, size_argument
-from vramcal.words import is_info
+from vramcal.words import is_info, word
 from vramcal.workload import ModelRef, WorkloadError
 
 __all__ = ["Answer", "Answered", "CalibrationError", "CalibrationPlan", "LimitSettings", "Located", "Profile",
@@ -216,8 +228,8 @@ def _aim(ref: ModelRef, data: dict[str, Any], device: Device, profiles_dir: Path
 
 
 def _check_world(world: World | None, device: Device, rank_devices: tuple[Device, ...]) -> None:
-    """Raises: ValueError for a world whose backend does not run on the device, or whose GPUs are not
-    ``world.nproc`` cards of one model."""
+    """Raises: ValueError for a world whose backend does not run on the device, whose GPUs are not ``world.nproc``
+    cards of one model, or whose host ranks' budgets add up to more than the host's memory (DeviceError)."""
     if world is None:
         if rank_devices:
             raise ValueError("rank_devices are for a DDP world: give world=World(nproc)")
@@ -225,6 +237,8 @@ def _check_world(world: World | None, device: Device, rank_devices: tuple[Device
     if (world.backend == "nccl") != (device.kind == "cuda"):
         raise ValueError(f"the {world.backend} backend does not run on {device.name}: use gloo on the host and "
                          f"nccl on NVIDIA GPUs")
+    if device.kind == "host":
+        check_host_world([device.total_bytes] * world.nproc)  # every rank under the budget, at once
     if device.kind == "cuda":
         if len(rank_devices) != world.nproc:
             raise ValueError(f"a DDP world of {world.nproc} ranks needs {world.nproc} GPUs, {len(rank_devices)} are "
@@ -297,7 +311,7 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
         profile = dataclasses.replace(profile, single_process=ddp_term(profile, plan.path.parent.parent))
     if journal is not None:
         try:
-            save_profile(profile, plan.path)
+            save_profile(profile, plan.path, plan.keep_previous)
         except OSError as error:
             raise CalibrationError(f"cannot write the profile {plan.path} ({error.strerror or error}): the previous "
                                    f"profile is untouched and the {len(profile.trials)} trials are kept in "
@@ -374,11 +388,15 @@ def _one_device(gpu: str, capacity_bytes: int | str | None) -> tuple[Device, str
 
 
 def _run_said(plan: CalibrationPlan, notice: str | None, whole_host: bool, *, save: bool = True,
-              on_trial: Callable[[Trial], None] | None = None, progress: bool = True) -> Profile:
-    """:func:`run_calibration` with :func:`calibrate`'s progress on stderr: the device notice (``whole_host``: no
-    budget was given, so the host's whole memory is calibrated), each trial, where the profile went."""
+              on_trial: Callable[[Trial], None] | None = None, progress: bool = True,
+              why: str | None = None) -> Profile:
+    """:func:`run_calibration` with :func:`calibrate`'s progress on stderr: why it calibrates (``why``, before any
+    trial), the device notice (``whole_host``: no budget was given, so the host's whole memory is calibrated), each
+    trial, where the profile went."""
     printer = (TrialPrinter(plan.search().max_trials, plan.usable_bytes, bar=False, prefix="vramcal:")
                if progress and on_trial is None else None)
+    if printer is not None and why:
+        printer.note(why)
     if printer is not None and notice:  # the host chosen for gpu="auto": said, as the command says it
         printer.note(f"{notice}; give capacity_bytes= (such as "
                      f"{size_argument(suggested_capacity(plan.device.total_bytes))!r}) for a budget below all of it"
@@ -448,16 +466,19 @@ def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None 
     """The batch size for a model on a device in one call: the matching profile under ``profiles_dir`` when one
     holds (the same model, implementation, device and budget, made under the software and settings running
     now: :mod:`vramcal.staleness`, strictly), else a calibration (:func:`calibrate`, saved there), saying why
-    (none, or made under other software). A second call with nothing changed runs no trial. The size is gated
-    by what the device has free now (:func:`vramcal.measure.device.free_bytes`: memory other processes took
-    since the calibration lowers the limits, said in a notice).
+    (none, or made under other software) before its first trial; a stale or unreadable file where the new profile
+    goes is kept beside it (:func:`vramcal.profile.replaced_name`), and the reason says so. A second call with
+    nothing changed runs no trial, a profile without limits included. The size is gated by what the device has
+    free now (:func:`vramcal.measure.device.free_bytes`: memory other processes took since the calibration lowers
+    the limits, said in a notice).
 
     Args:
         model, params, gpu, capacity_bytes, implementation, options, settings, trials, progress: as
             :func:`calibrate`. limit, seq_len: as :class:`~vramcal.sizing.SizeRequest`.
 
     Raises:
-        as :func:`calibrate` and :func:`vramcal.sizing.size`.
+        NoLimitsError: the matching or new profile has no usable limits (a calibration at its budget gives the
+            same; ``vramcal size`` exits 3). Otherwise as :func:`calibrate` and :func:`vramcal.sizing.size`.
     """
     _door(implementation=implementation, options=options, profiles_dir=profiles_dir, settings=settings, trials=trials,
           progress=progress)
@@ -469,18 +490,52 @@ def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None 
     why = (f"calibrating: no profile of this model on this device{' at this budget' * (budget is not None)} under "
            f"{profiles_dir}/" + (f" ({len(skipped)} matching file(s) failed their checks)" if skipped else ""))
     if found is not None:
-        try:
-            located = locate_profile(ref, device=device, profile=found, strict=True)
-            sizing = size(located.profile, ask, **_gate(device))
-            return Answered(sizing.batch_size, sizing, located.profile, found, False,
-                            f"from the matching profile {found}")
-        except (StaleProfileError, SizingError) as error:
-            why = f"calibrating again: {error}"
+        answered = _from_profile(found, ref, device, ask)
+        if isinstance(answered, Answered):
+            return answered
+        why = f"calibrating again: {answered}"
     plan = plan_calibration(ref, device=device, settings=settings, options=options, profiles_dir=profiles_dir,
                             trials=trials)
-    profile = _run_said(plan, notice, capacity_bytes is None, progress=progress)
-    sizing = size(profile, ask, **_gate(device))
+    if plan.path.is_file():  # a stale or unreadable profile where the new one goes: kept, not overwritten
+        plan = dataclasses.replace(plan, keep_previous=replaced_name(plan.path))
+        why += f"; the file it replaces, {plan.path}, is kept as {plan.keep_previous.name}"
+    profile = _run_said(plan, notice, capacity_bytes is None, progress=progress, why=why)
+    try:
+        sizing = size(profile, ask, **_gate(device))
+    except NoLimitsError:
+        raise _no_limits(plan.path, profile) from None
     return Answered(sizing.batch_size, sizing, profile, plan.path, True, why)
+
+
+def _from_profile(found: Path, ref: ModelRef, device: Device, ask: SizeRequest) -> Answered | str:
+    """:func:`size_for`'s answer from the matching profile ``found``, or why it is calibrated again (made under other
+    software or settings, or sizing no more).
+
+    Raises:
+        NoLimitsError: it holds (not stale) but has no usable limits: a calibration at its budget gives the same.
+    """
+    try:
+        located = locate_profile(ref, device=device, profile=found, strict=True)
+        sizing = size(located.profile, ask, **_gate(device))
+    except NoLimitsError:
+        stale = staleness.check(load_profile(found), str(found), device, strict=False)
+        if stale is None:
+            raise _no_limits(found, load_profile(found)) from None
+        return stale
+    except (StaleProfileError, SizingError) as error:
+        return str(error)
+    return Answered(sizing.batch_size, sizing, located.profile, found, False, f"from the matching profile {found}")
+
+
+def _no_limits(path: Path, profile: Profile) -> NoLimitsError:
+    """Why ``profile`` (at ``path``) has no limits, and what changes that: calibrating again at its budget does not."""
+    ok = sum(t.ok for t in profile.trials)
+    why = (f"no line fitted to its {ok} successful trial(s)" if profile.fit is None else
+           "its fitted peak does not rise with batch_size" if profile.limits is None else
+           "not one sample fits its usable memory by the fit")
+    return NoLimitsError(f"{path}: the profile has no usable limits ({why}), and calibrating again at its budget gives "
+                         f"the same: give a larger {word('capacity')} or a smaller {word('reserve')} or "
+                         f"{word('margin')}, and check that the step's memory grows with its batch")
 
 
 def _gate(device: Device) -> dict[str, Any]:

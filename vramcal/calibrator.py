@@ -72,6 +72,8 @@ class CalibrationPlan:
         notices: lines for people about the plan (why it is not aimed).
         evaluation: also calibrate the evaluation pass alone (:mod:`vramcal.calibration.evaluation`), after the
             training limits, at the reference length.
+        keep_previous: where the file at ``path`` goes when the new profile replaces it (a stale or unreadable
+            profile ``vramcal size`` calibrates again: :func:`vramcal.files.atomic_write`); None: replaced.
     """
 
     device: Device
@@ -86,6 +88,7 @@ class CalibrationPlan:
     aim: Aim | None = None
     notices: tuple[str, ...] = ()
     evaluation: bool = False
+    keep_previous: Path | None = None
 
     @property
     def usable_bytes(self) -> int:

@@ -117,15 +117,29 @@ def atomic_write_json(path: Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def write_advice(error: OSError, choose: str) -> str:
-    """What to do about a failed write, by its errno, ending in ``choose another <choose>``: free space for a
-    full disk or quota, permissions for a refusal, a read-only file system or a file in a folder's place named
-    as such."""
-    fix = {errno.ENOSPC: "free space there, or ", errno.EDQUOT: "free space within the quota, or ",
-           errno.EROFS: "the file system is read-only: ", errno.EACCES: "no permission to write there: fix that, or ",
-           errno.EPERM: "no permission to write there: fix that, or ",
-           errno.ENOTDIR: "a file stands where a folder must be: ", errno.EEXIST: "a file stands in the way: "}
-    return f"{fix.get(error.errno, '')}choose another {choose}"
+# errno -> what is wrong, and what to do where choosing another place is not all (os_advice)
+_OS_ADVICE = {errno.ENOSPC: "the disk is full: free space there",
+              errno.EDQUOT: "the quota is full: free space within the quota",
+              errno.EFBIG: "the file passes the file-size limit set outside vramcal (ulimit -f): raise it",
+              errno.EROFS: "the file system is read-only", errno.EACCES: "no permission: fix the permissions",
+              errno.EPERM: "no permission: fix the permissions", errno.ENOENT: "no such file or folder: check the path",
+              errno.ENOTDIR: "a file stands where a folder must be",
+              errno.EISDIR: "a folder stands where a file must be",
+              errno.EEXIST: "a file stands in the way", errno.EIO: "the disk failed to read or write: check it",
+              errno.EMFILE: "too many open files: raise the limit (ulimit -n)"}
+
+
+def os_advice(error: OSError, choose: str | None = None) -> str:
+    """What to do about a read or write that failed, by its errno: free space for a full disk or quota, the
+    permissions for a refusal, the path for a missing one, a read-only file system or a file in a folder's place
+    said as such; with ``choose`` (the option that names another place), ending in ``choose another <choose>``.
+    The one place an OSError becomes advice (:func:`vramcal.cli.options.one_line`, and the commands that name their
+    folder's option)."""
+    fix = _OS_ADVICE.get(error.errno, "check the path and its permissions")
+    acts = ": " in fix or error.errno not in _OS_ADVICE  # the fix says what to do, else choosing another place is it
+    if choose is None:
+        return fix if acts else f"{fix}: choose another place"
+    return f"{fix}{', or' if acts else ':'} choose another {choose}"
 
 
 WRITE_CHECK_BYTES = 1 << 20  # 100 times a profile: room for it, its journal and their temporary copies

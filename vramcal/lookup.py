@@ -27,7 +27,7 @@ from vramcal.profile import (
     newest_profile,
 )
 from vramcal.records import Device, World
-from vramcal.sizing import SizeRequest, SizingError, check_counts, size
+from vramcal.sizing import NoLimitsError, SizeRequest, SizingError, check_counts, size
 from vramcal.units import format_bytes, size_argument
 from vramcal.words import word
 from vramcal.workload import ModelRef
@@ -149,8 +149,8 @@ def _checked(profile: Profile | Path | str, path: Path | None, device: Device, r
     except ProfileError as error:
         raise SizingError(str(error) if str(error).startswith("profile ") else f"{source}: {error}") from None
     if found.limits is None or found.fit is None or found.limits.safe_batch_size < 1:
-        raise SizingError(f"{source}: the profile has no usable limits (nothing fitted or nothing fits): re-run "
-                          f"`{probe_command(device, ref or found.model)}`")
+        command = probe_command(device, ref or found.model)
+        raise NoLimitsError(f"{source}: {NoLimitsError.NO_LIMITS}: re-run `{command}` with a larger budget")
     return found
 
 

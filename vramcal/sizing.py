@@ -101,6 +101,13 @@ class SizingError(ValueError):
     """No usable profile or batch size; the one-line message says which command or option fixes it."""
 
 
+class NoLimitsError(SizingError):
+    """A profile without usable limits (nothing fitted, or nothing fits its budget): calibrating it again at the same
+    budget gives the same (README "Exit codes": 3, as the calibration that wrote it)."""
+
+    NO_LIMITS = "the profile has no usable limits (nothing fitted or nothing fits)"
+
+
 def check_counts(**counts: object) -> None:
     """Each of ``counts`` None or a whole number (byte counts, ``*_bytes``, >= 0; the others >= 1), named in the
     caller's words (``request=`` or ``--batch-size``: :func:`vramcal.words.word`).
@@ -318,7 +325,7 @@ def length_model(profile: Profile, seq_len: int | None = None) -> LengthModel:
     """
     limits, fit, surface = profile.limits, profile.fit, profile.surface
     if limits is None or fit is None or limits.safe_batch_size < 1:
-        raise SizingError("the profile has no usable limits (nothing fitted or nothing fits): re-run `vramcal probe`")
+        raise NoLimitsError(f"{NoLimitsError.NO_LIMITS}: re-run `vramcal probe` with a larger budget")
     own = profile.model.params.get("seq_len")
     if surface is None and seq_len is not None and own is not None and seq_len != own:
         raise SizingError(f"the profile was calibrated at seq_len {own}, not {seq_len}: calibrate {seq_len} (`vramcal "

@@ -59,7 +59,17 @@ _FACTORY_NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
 
 class WorkloadError(ValueError):
-    """A factory that cannot be found, called or used; the one-line message names it and the fix."""
+    """A factory that cannot be found, called or used; the one-line message names it and the fix.
+
+    Attributes:
+        in_torch: the factory raised from inside torch (an op it called), where an estimate's fake tensors may be
+            the cause; False for its own failure (not importable, an argument it takes not, its own ``raise``, no
+            :class:`TrainingStep` returned), which a trial meets the same way.
+    """
+
+    def __init__(self, message: str, in_torch: bool = False) -> None:
+        super().__init__(message)
+        self.in_torch = in_torch
 
 
 @dataclass
@@ -205,7 +215,8 @@ def build(ref: ModelRef, device: torch.device, options: dict[str, Any] | None = 
     except Exception as error:
         if is_out_of_memory(error):
             raise
-        raise WorkloadError(f"the factory {ref.factory} raised {type(error).__name__}: {_first_line(error)}") from None
+        raise WorkloadError(f"the factory {ref.factory} raised {type(error).__name__}: {_first_line(error)}",
+                            in_torch=_raised_in_torch(error)) from None
     if not isinstance(step, TrainingStep):
         raise WorkloadError(f"the factory {ref.factory} returned {type(step).__name__}, not a vramcal.TrainingStep: "
                             f"return vramcal.TrainingStep(model=..., optimizer=..., batch=..., loss=...)")
@@ -289,6 +300,18 @@ def detect_kernel_path(model: torch.nn.Module, ran: set[str] | None = None) -> s
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0][:200] if text else type(error).__name__
+
+
+def _raised_in_torch(error: BaseException) -> bool:
+    """Whether ``error`` may come from torch: raised in torch's own Python code (its innermost frame), or a
+    ``RuntimeError`` (what torch's C++ raises, with the caller's frame innermost)."""
+    torch = sys.modules.get("torch")
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    where = frame.tb_frame.f_code.co_filename if frame is not None else ""
+    inside = torch is not None and where.startswith(str(torch.__file__).rpartition("/")[0] + "/")
+    return inside or isinstance(error, RuntimeError)
 
 
 # ------------------------------------------------------------------------------------------- steps

@@ -14,9 +14,10 @@ from typing import Any
 
 import click
 
-from vramcal.cli.options import FiniteFloat, group, load_profiles, one_line
+from vramcal.cli.options import CommaList, FiniteFloat, group, load_profiles, one_line
 from vramcal.estimate import EstimateError
 from vramcal.estimated import estimate_cards, installed_path, traced_options
+from vramcal.files import os_advice
 from vramcal.forecast import (
     DEFAULT_EPOCHS,
     Dataset,
@@ -36,18 +37,14 @@ from vramcal.sizing import SizingError, length_model
 from vramcal.units import format_bytes
 
 
-class PriceList(click.ParamType):
+class PriceList(CommaList):
     """``--price "NAME=PRICE,..."``, parsed by :func:`vramcal.forecast.parse_prices`."""
 
     name = "NAME=PRICE,..."
+    example = '"RTX 4090=0.59,host=0.05"'
 
-    def convert(self, value, param, ctx) -> list[Price]:
-        if isinstance(value, list):
-            return value
-        try:
-            return parse_prices(value)
-        except ValueError as error:
-            self.fail(str(error), param, ctx)
+    def read(self, text: str, param, ctx) -> list[Price]:
+        return parse_prices(text)
 
 
 forecast_options = group(
@@ -67,7 +64,7 @@ forecast_options = group(
                  show_default=True, help="the last fraction of rows, for validation"),
     click.option("--seq-len", type=click.IntRange(1), default=None,
                  help="the run's length, for a profile calibrated over several [default: each profile's own]"),
-    click.option("--price", "prices", type=PriceList(), default="",
+    click.option("--price", "prices", type=PriceList(), default=[],
                  help='price per hour of each card, e.g. "RTX 4090=0.59,RTX A4000=0.25" (matched to the profiles\' '
                       'devices by name; a card without a profile gets a row with unknown throughput)'),
 )
@@ -166,7 +163,8 @@ def cost_command(profiles: tuple[Path, ...], size_for: str, out_dir: Path, name:
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--name") from None
     except OSError as error:
-        raise click.ClickException(f"cannot write to {out_dir} ({error.strerror}): choose another --out") from None
+        raise click.ClickException(f"cannot write to {out_dir} ({error.strerror}): {os_advice(error, '--out')}") \
+            from None
     if as_json:
         click.echo(json.dumps({"png": str(png), "markdown": str(markdown), "profiles": [str(p) for p in paths],
                                "size_for": size_for, "forecasts": [f.to_dict() for f in forecasts]},

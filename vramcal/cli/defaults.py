@@ -13,8 +13,9 @@ winning over the top level of the same file; a group's table (``[data]``) applie
 ``[data.es-sample]`` to one. Keys are the options' Python parameter names (``profiles_dir``,
 ``conservative_fraction``), or their long flags without the dashes (``profiles-dir``, ``conservative``).
 
-Every value is checked when the file is read, by the option's own click type and callback, so ``capacity =
-"12GiB"`` means what ``--capacity 12GiB`` means; click converts it again as the command parses (the source is then
+Every value is checked when the file is read: as the option's TOML type (:func:`file_type`: ``gpus = 5`` is refused
+where ``gpus = "H200"`` is meant), then by the option's own click type and callback, so ``capacity = "12GiB"`` means
+what ``--capacity 12GiB`` means; click converts it again as the command parses (the source is then
 ``ParameterSource.DEFAULT_MAP``, which :func:`vramcal.cli.options.explicit` does not count as given). A key no
 command it applies to has, a value the option refuses, or a file that is not TOML is one line naming the file, the
 key and the value, exit 2 (a bad option value, README "Exit codes"). ``vramcal show --config`` lists what is in
@@ -37,6 +38,8 @@ import click
 from click.core import UNSET
 
 from vramcal.cli.options import single_line
+from vramcal.schema import SchemaError, read_value
+from vramcal.schema import shown as schema_shown
 
 ENV = "VRAMCAL_CONFIG"
 PROJECT_FILE = "vramcal.toml"
@@ -166,13 +169,14 @@ def resolve(root: click.Group, files: tuple[Path, ...]) -> Defaults:
 
 
 def read_toml(path: Path) -> dict[str, Any]:
-    """The file's TOML document (the standard library's :mod:`tomllib`).
+    """The file's TOML document (the standard library's :mod:`tomllib`), a UTF-8 byte-order mark before it left out
+    (TOML is UTF-8, and editors on Windows start a file with one).
 
     Raises:
         DefaultsError: the file cannot be read, or is not TOML (naming the line that is not).
     """
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Notepad's, PowerShell's) is no TOML
     except OSError as error:
         raise DefaultsError(f"{path}: cannot read it ({error.strerror}): check its permissions") from None
     except UnicodeDecodeError:
@@ -277,12 +281,37 @@ def _check(path: Path, where: Words, key: str, value: Any, words: Words, command
                                                  for item in (value if listed else [value])):
         kind = 'a list, e.g. ["a", "b"]' if many else "one text, number or true/false"
         raise DefaultsError(f"{_at(path, where, key, value)}: {flag} takes {kind}: {how}")
+    for index, item in enumerate(value if listed else [] if split else [value]):
+        try:
+            read_value(item, file_type(param, index), key)
+        except SchemaError as error:  # "key = value is a string, not a whole number": the file's words for value
+            why = str(error).removeprefix(f"{key} = {schema_shown(item)} ")
+            item_of = f": item {index + 1} " if listed else " "
+            raise DefaultsError(f"{_at(path, where, key, value)}{item_of}{why}: {how}") from None
     taken = param.type.split_envvar_value(value) if split else value  # as click splits a default_map string
     try:
         param.process_value(click.Context(command, info_name=words[-1]), taken)
     except (click.BadParameter, TypeError, ValueError) as error:  # a type's own error, for a value of a TOML type
         why = error.message if isinstance(error, click.BadParameter) else str(error)
         raise DefaultsError(f"{_at(path, where, key, value)}: {flag} refuses it ({single_line(why)}): {how}") from None
+
+
+def file_type(param: click.Parameter, index: int = 0) -> Any:
+    """The TOML type a file's value of ``param`` must have (for a list, its ``index``-th item's), read by
+    :func:`vramcal.schema.read_value` before the option's own type converts it: true/false for a flag, a whole
+    number for an integer option, a number for a float one, text for a choice or a path; a vramcal option type
+    says its own (``file_type``: text, or text or a whole number, as ``capacity`` and ``gpu`` take), and any other
+    text or a whole number, as click turns either into the flag's text. A value of another type is refused
+    here, in one line, where it once reached a parser of text (``[estimate] gpus = 5``: an AttributeError) or
+    was cut to fit (``epochs = 2.5`` trained 2)."""
+    kind = param.type.types[index] if isinstance(param.type, click.Tuple) else param.type
+    if getattr(param, "is_flag", False) or isinstance(kind, click.types.BoolParamType):
+        return bool
+    for click_type, hint in ((click.types.IntParamType, int), (click.types.FloatParamType, float),
+                             (click.Choice, str), (click.Path, str)):
+        if isinstance(kind, click_type):
+            return hint
+    return getattr(kind, "file_type", str | int)
 
 
 def _unknown(path: Path, where: Words, key: str, value: Any, command: click.Command,

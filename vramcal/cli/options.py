@@ -27,6 +27,7 @@ from vramcal.calibration.lengths import parse_buckets
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibrator import CalibrationError
 from vramcal.estimate import EstimateError
+from vramcal.files import os_advice
 from vramcal.measure.device import DeviceError, check_choice
 from vramcal.measure.nvml import NvmlError
 from vramcal.models.mamba2 import CHECKPOINTING_FORMS, DTYPE_POLICIES, IMPLEMENTATIONS, checkpoint_every
@@ -66,15 +67,38 @@ class ByteSize(click.ParamType):
         return n_bytes
 
 
-class ByteSizes(ByteSize):
+class CommaList(click.ParamType):
+    """A comma list option: its text read by the subclass's :meth:`read` once it names at least one entry. An empty
+    list (``''``, ``','``) is a bad value for every list option (issue 59: ``estimate --gpus ''`` traced for 20 s
+    and printed an empty table); a value already read (a list or tuple) passes as it is."""
+
+    example = ""  # a good value, for the refusal
+    file_type: Any = str  # what a defaults file may give (vramcal.cli.defaults.file_type): text
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list | tuple):
+            return value
+        if not any(part.strip() for part in str(value).split(",")):
+            self.fail(f"{str(value)!r} names nothing: give at least one, e.g. {self.example}", param, ctx)
+        try:
+            return self.read(str(value), param, ctx)
+        except ValueError as error:
+            self.fail(str(error), param, ctx)
+
+    def read(self, text: str, param, ctx) -> Any:
+        """The entries of ``text`` (which names at least one). Raises: ValueError, or click's BadParameter."""
+        raise NotImplementedError
+
+
+class ByteSizes(CommaList, ByteSize):
     """One size, or a comma list (one per local rank of a DDP run on the host): a tuple of byte counts."""
 
     name = "size[,size...]"
+    example = "12GiB"
+    file_type = str | int  # a whole number is bytes, as ByteSize reads it
 
-    def convert(self, value, param, ctx):
-        if isinstance(value, tuple):
-            return value
-        return tuple(ByteSize.convert(self, part.strip(), param, ctx) for part in str(value).split(","))
+    def read(self, text: str, param, ctx) -> tuple[int, ...]:
+        return tuple(ByteSize.convert(self, part.strip(), param, ctx) for part in text.split(","))
 
 
 class FiniteFloat(click.FloatRange):
@@ -120,19 +144,16 @@ class SeqLenList(click.ParamType):
             self.fail(str(error), param, ctx)
 
 
-class Buckets(click.ParamType):
+class Buckets(CommaList):
     """``--buckets``: boundaries ``128,256,512`` or ``auto`` (``()``), read once
     (:func:`vramcal.calibration.lengths.parse_buckets`)."""
 
     name = "N,N,...|auto"
+    example = "128,256,512 or auto"
+    file_type = str | int  # one bucket
 
-    def convert(self, value, param, ctx):
-        if isinstance(value, tuple):
-            return value
-        try:
-            return parse_buckets(str(value))
-        except ValueError as error:
-            self.fail(str(error), param, ctx)
+    def read(self, text: str, param, ctx) -> tuple[int, ...]:
+        return parse_buckets(text)
 
 
 class Checkpointing(click.ParamType):
@@ -140,6 +161,7 @@ class Checkpointing(click.ParamType):
     the model's blocks is the spec's to say (it knows ``n_layers``)."""
 
     name = "off|block|every:K"
+    file_type = str
 
     def convert(self, value, param, ctx):
         try:
@@ -149,19 +171,18 @@ class Checkpointing(click.ParamType):
         return value
 
 
-class Reporters(click.ParamType):
+class Reporters(CommaList):
     """``--report-to tensorboard,mlflow`` (or ``none``): the names of :data:`vramcal.train.config.REPORT_TO`, each
     once, as a tuple."""
 
     name = ",".join(REPORT_TO) + "|none"
+    example = "tensorboard, or none"
 
-    def convert(self, value, param, ctx):
-        if isinstance(value, tuple):
-            return value
-        names = () if str(value).strip() == "none" else tuple(n.strip() for n in str(value).split(","))
+    def read(self, text: str, param, ctx) -> tuple[str, ...]:
+        names = () if text.strip() == "none" else tuple(n.strip() for n in text.split(","))
         unknown = [n for n in names if n not in REPORT_TO]
         if unknown or len(set(names)) != len(names):
-            self.fail(f"{value!r}: name each of {', '.join(REPORT_TO)} at most once, separated by commas, or none",
+            self.fail(f"{text!r}: name each of {', '.join(REPORT_TO)} at most once, separated by commas, or none",
                       param, ctx)
         return names
 
@@ -170,6 +191,7 @@ class KeyValue(click.ParamType):
     """``KEY=VALUE``; the value is read as JSON when it parses (numbers, true/false, lists), else as text."""
 
     name = "KEY=VALUE"
+    file_type = str
 
     def convert(self, value, param, ctx):
         if isinstance(value, tuple):
@@ -217,19 +239,15 @@ def explicit(ctx: click.Context) -> set[str]:
             if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
 
 
-class GpuList(click.ParamType):
+class GpuList(CommaList):
     """``--gpus "H200,RTX 4090,My card=24GiB"``: catalogued cards by name, others as NAME=SIZE
     (:func:`vramcal.report.catalogue.parse_gpu_list`)."""
 
     name = "CARD[,CARD...]"
+    example = '"H200,RTX 4090,My card=24GiB"'
 
-    def convert(self, value, param, ctx) -> list:
-        if isinstance(value, list):
-            return value
-        try:
-            return parse_gpu_list(value)
-        except ValueError as error:
-            self.fail(str(error), param, ctx)
+    def read(self, text: str, param, ctx) -> list:
+        return parse_gpu_list(text)
 
 
 class GpuChoice(click.ParamType):
@@ -463,13 +481,19 @@ def one_line(interrupted: str | Callable[[], str] = "interrupted") -> Iterator[N
         raise click.ClickException(single_line(str(error)) or type(error).__name__) from None
     except OSError as error:
         raise click.ClickException(f"cannot read or write {error.filename or 'a file'} "
-                                   f"({single_line(error.strerror or str(error))}): check the path and its "
-                                   f"permissions") from None
+                                   f"({single_line(error.strerror or str(error))}): {os_advice(error)}") from None
 
 
 def single_line(text: str) -> str:
     """``text`` as one line: its lines joined by spaces (a message from a library may span several)."""
     return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+class Unverified(click.ClickException):
+    """A failure that is a profile without verified limits (``vramcal size`` of a profile with none): one line, exit
+    :data:`EXIT_UNVERIFIED`, as the calibration that wrote it."""
+
+    exit_code = EXIT_UNVERIFIED
 
 
 class Interrupted(click.ClickException):

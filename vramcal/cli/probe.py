@@ -309,7 +309,7 @@ def calibrate_one(plan, err: bool = False, reports_dir: Path | None = None):
             raise
         # the profile's folder (or its journal) cannot take files: said before any trial
         raise click.ClickException(f"cannot write profiles to {plan.path.parent} ({error.strerror}): "
-                                   f"{files.write_advice(error, '--out or --profiles-dir')}") from None
+                                   f"{files.os_advice(error, '--out or --profiles-dir')}") from None
     finally:
         printer.close()
     echo_lines([summary(profile), f"profile: {plan.path}"], err=err)
@@ -343,7 +343,7 @@ def check_writable(folder: Path, what: str, options: str) -> None:
         files.check_writable(folder)
     except OSError as error:
         raise click.ClickException(f"cannot write {what} to {folder} ({error.strerror}): "
-                                   f"{files.write_advice(error, options)}") from None
+                                   f"{files.os_advice(error, options)}") from None
 
 
 @click.command()

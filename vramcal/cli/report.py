@@ -18,6 +18,7 @@ from vramcal.cli.options import EXIT_UNVERIFIED, Buckets, GpuList, load_profiles
 from vramcal.cli.probe import warn_if_stale
 from vramcal.estimate import EstimateError
 from vramcal.estimated import estimate_cards, traced_options
+from vramcal.files import os_advice
 from vramcal.models.registry import describe
 from vramcal.report import variants_png_names, write_report
 from vramcal.report.catalogue import GpuModel, cards_for, other_gpu_limits
@@ -39,7 +40,7 @@ GPUS_HELP = ('more cards for the other-GPU table, e.g. "RTX 4080=16GiB,L4=22.5Gi
               show_default=True, help="folder for the PNG and the Markdown")
 @click.option("--name", default=None, help="file stem (default: <device>-<model>-<implementation>-<hash>, "
                                            "or compare-<hash> for several profiles)")
-@click.option("--gpus", type=GpuList(), default="", help=GPUS_HELP)
+@click.option("--gpus", type=GpuList(), default=[], help=GPUS_HELP)
 @click.option("--json", "as_json", is_flag=True, help="print the files written and each profile's limits as JSON")
 @forecast_options
 def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, gpus: list[GpuModel],
@@ -61,7 +62,7 @@ def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, 
         raise click.BadParameter(str(error), param_hint="--name") from None
     except OSError as error:
         raise click.ClickException(f"cannot write the report to {out_dir} ({error.strerror}): "
-                                   f"choose another --out") from None
+                                   f"{os_advice(error, '--out')}") from None
     if not as_json:
         click.echo(f"report: {markdown} and {png}")
         for each_png, each_markdown in own:
@@ -86,7 +87,7 @@ def _variants_json(paths: list[Path], loaded: list, png: Path) -> list[dict]:
 
 @click.command("limits")
 @click.argument("profile", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--gpus", type=GpuList(), default="", help=GPUS_HELP)
+@click.option("--gpus", type=GpuList(), default=[], help=GPUS_HELP)
 @click.option("--seq-len", type=click.IntRange(1), default=None,
               help="safe and conservative batch sizes at this length (a profile calibrated over several lengths)")
 @click.option("--batch-size", type=click.IntRange(1), default=None,

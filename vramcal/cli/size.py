@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from vramcal import api
-from vramcal.cli.options import EXIT_UNVERIFIED, device_options, limit_options, one_line
+from vramcal.cli.options import EXIT_UNVERIFIED, Unverified, device_options, limit_options, one_line
 from vramcal.cli.probe import (
     ModelOptions,
     capacity_option,
@@ -22,7 +22,7 @@ from vramcal.cli.probe import (
     trial_options,
 )
 from vramcal.records import TrialSettings
-from vramcal.sizing import LIMITS
+from vramcal.sizing import LIMITS, NoLimitsError
 from vramcal.words import labelled
 
 
@@ -43,15 +43,19 @@ def size_command(ctx: click.Context, gpu, capacity, implementation, model: Model
                  settings, trials: TrialSettings, limit, profiles_dir, as_json) -> None:
     """Print the batch size for a model on this device, alone on stdout: from the matching profile when one holds
     (same model, device, budget and software), else calibrating first and saying why. A second call with nothing
-    changed runs no trial. Exits 3 when the profile's limits are not verified."""
+    changed runs no trial. Exits 3 when the profile's limits are not verified, or it has none."""
 
     if len(model.seq_lens) > 1:
         raise click.BadParameter("a batch size is for one length: give one --seq-len", param_hint="--seq-len")
     with one_line("interrupted: no profile written, existing profiles are unchanged"), stdout_to_stderr(True):
         name, params, _ = model_params(model)
         importable_from_cwd(name)
-        answered = api.size_for(name, params, gpu=gpu, capacity_bytes=capacity, implementation=implementation,
-                                options=data, profiles_dir=profiles_dir, settings=settings, trials=trials, limit=limit)
+        try:
+            answered = api.size_for(name, params, gpu=gpu, capacity_bytes=capacity, implementation=implementation,
+                                    options=data, profiles_dir=profiles_dir, settings=settings, trials=trials,
+                                    limit=limit)
+        except NoLimitsError as error:  # a profile without limits: exit 3 (README "Exit codes")
+            raise Unverified(str(error)) from None
     s = answered.sizing
     for notice in s.notices:  # the gate's (memory taken since the calibration), clamping, an unverified profile
         click.echo(f"vramcal: {labelled(notice)}", err=True)

@@ -29,6 +29,7 @@ from vramcal.cli.options import (
     world_options,
 )
 from vramcal.cli.probe import calibrate_one, stdout_to_stderr
+from vramcal.measure.device import check_host_world
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.train import checkpoint, distributed
 from vramcal.train.config import RESUME_OVERRIDES, ConfigError, TrainConfig, is_language_model, load_config
@@ -143,6 +144,10 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
         with one_line():  # a config file's error is one line here too
             config = make_config(config_file, options, given)
             check_lm(config, given, nproc_per_node, torchrun)
+    if resume and "nproc_per_node" not in given and not any(torchrun.values()):
+        with one_line():  # the world the run folder was launched with (one process when it holds none)
+            nproc_per_node, launched = distributed.launched_ranks(resume_dir(run_dir))
+            torchrun.update(launched)
     if nproc_per_node > 1 or any(torchrun.values()):
         with stdout_to_stderr(as_json):
             run_dir = train_world(ctx, config_file, options, given, run_dir, resume, probe, capacity or (),
@@ -215,9 +220,13 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
             capacities = capacities or distributed.launched_capacities(run_dir)  # the budgets it was started with
         else:
             config = make_config(config_file, options, given)
+        on_gpu = config.gpu != "none" and gpu_here()
+        if capacities and not on_gpu:  # no budget given: each rank's profile's, checked when its world was probed
+            check_host_world(list(capacities) if len(capacities) > 1 else [capacities[0]] * nproc_per_node)
+        if not resume:
             load_windows(config)  # the data checked before any rank starts
             run_dir = checkpoint.prepare_run_dir(run_dir or new_run_dir(), resume=False)
-        world = parallel.world(nproc_per_node * nodes, config.gpu != "none" and gpu_here())
+        world = parallel.world(nproc_per_node * nodes, on_gpu)
         if resume:
             world = resumed_world(run_dir, world, given)
         click.echo(f"training {world.describe()} in {run_dir}", err=True)
@@ -242,8 +251,8 @@ def resumed_world(run_dir: Path, world, given: set[str]):
         return launched
     if launched.strategy != world.strategy and "fsdp" in (launched.strategy, world.strategy):
         raise click.BadParameter(f"this run was started with --strategy {launched.strategy} and its checkpoints "
-                                 f"hold its state that way: resume it with --strategy {launched.strategy}",
-                                 param_hint="--strategy")
+                                 f"hold its state that way: resume it without --strategy (or with --strategy "
+                                 f"{launched.strategy})", param_hint="--strategy")
     return world
 
 

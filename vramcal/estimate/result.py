@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramcal.records import DeviceKind
-from vramcal.workload import ModelRef
+from vramcal.workload import ModelRef, WorkloadError
 
 
 class EstimateError(RuntimeError):
@@ -137,8 +137,12 @@ def failure_message(error: BaseException) -> str:
     one it was raised from or during) names it, else the error's own first line.
 
     ``cannot trace the step on fake tensors: aten.nonzero.default has an output shape that depends on the data;
-    measure the step with trials``
+    measure the step with trials``; a factory that failed on its own (:class:`vramcal.workload.WorkloadError` not
+    ``in_torch``: not importable, an argument it does not take, its own ``raise``) is no tracing failure: its line
+    says to fix the factory, which trials would call the same way.
     """
+    if isinstance(error, WorkloadError) and not error.in_torch:
+        return f"{error}; a trial calls the factory the same way: fix it first (call it by hand to see the traceback)"
     for cause in _chain(error):
         func = getattr(cause, "func", None)
         reason = _REASONS.get(type(cause).__name__)

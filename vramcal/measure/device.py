@@ -18,7 +18,7 @@ import platform
 import re
 import resource
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from vramcal.measure.nvml import NvmlError, gpu_record, load_nvml, memory_figures, nvml_handle, nvml_query, visible_gpus
 from vramcal.records import Device
@@ -63,6 +63,30 @@ def host_device(capacity_bytes: int | None = None, proc: str = "/proc", cgroup: 
                               f"prlimit --data); give a {word('capacity')} of at most that, or raise the limit")
         total, source = capacity_bytes, "--capacity"
     return Device(kind="host", name=_cpu_name(proc), total_bytes=total, total_source=source)
+
+
+def check_host_world(budgets: Sequence[int], proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> None:
+    """A world of host ranks, checked before any is forked: each rank may hold its budget at once, so together they
+    must fit the host's memory (MemTotal, or the cgroup's limit where that is lower): the check
+    :func:`host_device` makes of one budget, made of their sum.
+
+    Args:
+        budgets: the local ranks' budgets (bytes), one each.
+
+    Raises:
+        DeviceError: their sum is more than the host's memory (naming it, the sum and the most each may have).
+    """
+    meminfo = _meminfo(proc)
+    limit = _cgroup_limit(cgroup)
+    host, what = ((limit, "cgroup memory limit") if limit is not None and limit < meminfo["MemTotal"] else
+                  (meminfo["MemTotal"], "RAM"))
+    if sum(budgets) <= host:
+        return
+    each = (f"{format_bytes(budgets[0])} each" if len(set(budgets)) == 1 else
+            ", ".join(format_bytes(b) for b in budgets))
+    raise DeviceError(f"{len(budgets)} ranks' budgets ({each}) add up to {format_bytes(sum(budgets))}, more than "
+                      f"this host's {format_bytes(host)} of {what}: give fewer ranks, or a {word('capacity')} of at "
+                      f"most {format_bytes(host // len(budgets))} per rank")
 
 
 def free_bytes(device: Device, proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> tuple[int | None, str]:

@@ -368,7 +368,8 @@ def _end_server() -> None:
 
 def _worker_main(connection: Any, function: Callable[..., Any], args: tuple, started: float,
                  caller_pid: int) -> None:
-    """Entry point of a worker process: run, then send one final result."""
+    """Entry point of a worker process: run, then send one final result (a caller gone by then, its end of the pipe
+    closed: the worker ends quietly, exit status 1, where multiprocessing would print a ``BrokenPipeError``)."""
     startup_s = time.time() - started
     threading.Thread(target=_exit_with_caller, args=(caller_pid,), daemon=True, name="vramcal-caller").start()
     try:
@@ -384,8 +385,11 @@ def _worker_main(connection: Any, function: Callable[..., Any], args: tuple, sta
     except BaseException as error:  # noqa: BLE001 - everything becomes a recorded status
         final = failure(error)
     final["startup_s"] = startup_s
-    connection.send(("done", final))
-    connection.close()
+    try:
+        connection.send(("done", final))
+        connection.close()
+    except OSError:  # the caller is gone (stopped by SIGTERM, killed): no one to tell, and no traceback to print
+        os._exit(1)
 
 
 def cuda_started() -> str | None:

@@ -20,6 +20,13 @@ least 256; no special token is needed, as a batch is padded on the right and the
 longest batch it verified) is cut into consecutive windows of the context, the last one shorter: every window is
 a length the profile sizes, and the count of documents cut is said before the run (``cut``).
 
+**Binary files.** A file whose name says text but whose bytes do not (an archive, a compiled file, random bytes
+named ``*.py``) is left out, and the run says which: a file is binary when it holds a NUL byte, or when it is not
+UTF-8 and more than a third of its bytes are neither printable ASCII nor whitespace (Perl's ``-B`` file test,
+perlfunc ``-X``: "If more than a third of the characters are strange, it's a -B file ... any file containing a
+zero byte in the examined portion is considered a binary file"). Text in another 8-bit encoding (Latin-1) stays
+text.
+
 **Split.** By file, so no file has documents on both sides: a file is in validation when the first 8 bytes of the
 SHA-256 of its relative path, as a fraction of 2^64, are below ``val_fraction``. Deterministic across machines
 and runs, and a file keeps its side when others are added or removed.
@@ -46,6 +53,21 @@ DEFINITION = re.compile(rb"^[ \t]*(?:async[ \t]+def[ \t]|def[ \t]|class[ \t]|@)"
 
 class CorpusError(ValueError):
     """Text the trainer cannot use; the one-line message names the folder, the problem and the fix."""
+
+
+_PLAIN = frozenset(range(0x20, 0x7F)) | frozenset(b"\t\n\r\f\b\x1b")  # printable ASCII and whitespace
+BINARY_SHARE = 1 / 3  # of a non-UTF-8 file's bytes outside _PLAIN, above which it is binary (module docstring)
+
+
+def is_binary(text: bytes) -> bool:
+    """Whether a file's bytes are binary, not text (module docstring, "Binary files")."""
+    if b"\0" in text:
+        return True
+    try:
+        text.decode("utf-8")
+        return False
+    except UnicodeDecodeError:
+        return sum(byte not in _PLAIN for byte in text) > BINARY_SHARE * len(text)
 
 
 def text_files(source: str) -> tuple[Path, list[Path]]:
@@ -104,6 +126,7 @@ class Corpus:
         source: ``--text`` as given; root: the folder read.
         train, val: the training and validation documents (windows), bytes each (tokens = bytes).
         files, val_files: files read, and those in validation.
+        binary: the files left out as binary (module docstring), by their relative paths.
         documents, cut: documents found, and those longer than ``context`` (cut into windows).
         longest_document: the longest document's length before cutting (tokens).
         context: the longest window (tokens).
@@ -121,6 +144,7 @@ class Corpus:
     longest_document: int
     context: int
     identity: str
+    binary: tuple[str, ...] = ()
 
     @property
     def held_bytes(self) -> int:
@@ -135,24 +159,28 @@ class Corpus:
                 "documents": self.documents, "cut": self.cut, "longest_document": self.longest_document,
                 "context": self.context, "train_windows": len(self.train), "val_windows": len(self.val),
                 "train_tokens": sum(map(len, self.train)), "val_tokens": sum(map(len, self.val)),
-                "identity": self.identity, "seq_len": self.context}
+                "identity": self.identity, "seq_len": self.context, "binary_files": list(self.binary)}
 
 
 def load_corpus(source: str, context: int, val_fraction: float) -> Corpus:
     """Read ``source``'s files into documents of at most ``context`` tokens, split by file (module docstring).
 
     Raises:
-        CorpusError: no folder, no text file, no text in them, or a split that leaves one side empty.
+        CorpusError: no folder, no text file, no text in them (every one empty or binary), or a split that leaves one
+            side empty.
         OSError: a file cannot be read.
     """
     root, files = text_files(source)
     train: list[bytes] = []
     val: list[bytes] = []
     found = cut = longest = val_files = 0
-    identity = hashlib.sha256()
+    identity, binary = hashlib.sha256(), []
     for path in files:
         relative, text = path.relative_to(root).as_posix(), path.read_bytes()
         identity.update(relative.encode() + b"\0" + len(text).to_bytes(8, "big") + text)
+        if is_binary(text):
+            binary.append(relative)
+            continue
         side = in_validation(relative, val_fraction)
         val_files += side
         for document in documents(text):
@@ -160,14 +188,30 @@ def load_corpus(source: str, context: int, val_fraction: float) -> Corpus:
             cut += len(document) > context
             (val if side else train).extend(windows(document, context))
     if not found:
-        raise CorpusError(f"--text {source}: its {len(files)} files hold no text (every one is empty): give a "
-                          f"folder with text in its files")
+        what = (f"{_named(binary)} {'is' if len(binary) == 1 else 'are'} binary"
+                + (", the rest empty" if len(binary) < len(files) else "") if binary else "every one is empty")
+        raise CorpusError(f"--text {source}: its {len(files)} files hold no text ({what}): give a folder with text "
+                          f"in its files")
     if not train or not val:
         side = "validation" if not val else "training"
-        raise CorpusError(f"--text {source}: the split by file ({len(files)} files, --val-fraction {val_fraction}) "
-                          f"leaves no {side} file: give more files, or another --val-fraction")
-    return Corpus(source, str(root), tuple(train), tuple(val), len(files), val_files, found, cut, longest, context,
-                  identity.hexdigest())
+        raise CorpusError(f"--text {source}: the split by file ({len(files) - len(binary)} text files, --val-fraction "
+                          f"{val_fraction}) leaves no {side} file: give more files, or another --val-fraction")
+    return Corpus(source, str(root), tuple(train), tuple(val), len(files) - len(binary), val_files, found, cut, longest,
+                  context, identity.hexdigest(), tuple(binary))
+
+
+def _named(paths: Sequence[str], shown: int = 3) -> str:
+    """``a.py, b.py`` or ``a.py, b.py, c.py and 4 more``."""
+    rest = len(paths) - shown
+    return ", ".join(paths[:shown]) + (f" and {rest} more" if rest > 0 else "")
+
+
+def binary_notice(corpus: Corpus) -> str | None:
+    """The warning for the files a corpus left out as binary (module docstring), or None."""
+    if not corpus.binary:
+        return None
+    return (f"--text {corpus.source}: left out {len(corpus.binary)} binary file(s) named as text "
+            f"({_named(corpus.binary)}): their bytes are not text; {corpus.files} text file(s) are trained on")
 
 
 def lengths(docs: Sequence[bytes]) -> list[int]:

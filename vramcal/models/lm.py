@@ -92,7 +92,7 @@ def read_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
     where = source if isinstance(source, (str, Path)) else "the config"
     if isinstance(source, (str, Path)):
         try:
-            settings = json.loads(Path(source).read_text())
+            settings = json.loads(Path(source).read_text(encoding="utf-8-sig"))  # a byte-order mark left out
         except OSError as error:
             raise ValueError(f"{_lm()}: cannot read the config {source} ({error.strerror or error}): give "
                              f"{given('params', 'config=<a Mamba2Config JSON file>')}, e.g. "

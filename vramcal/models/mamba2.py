@@ -48,10 +48,13 @@ CHECKPOINTING_FORMS = "off, block or every:K"  # what the spec's checkpointing t
 CHECKPOINTING_OFF = "off"
 
 
+KEY_DEFAULTS = {"checkpointing": CHECKPOINTING_OFF}  # what a profile key without the setting means (keyed_params)
+
+
 def keyed_params(params: dict[str, Any]) -> dict[str, Any]:
     """A model's parameters as its profile key holds them: ``checkpointing`` left out when it is ``off``, so a
     model without checkpointing finds the profiles made before the setting existed (both families' keys)."""
-    return {k: v for k, v in params.items() if k != "checkpointing" or v != CHECKPOINTING_OFF}
+    return {k: v for k, v in params.items() if KEY_DEFAULTS.get(k, object()) != v}
 
 
 def checkpoint_every(checkpointing: object, n_layers: int | None = None, layers_name: str = "n_layers") -> int:

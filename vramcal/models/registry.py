@@ -27,7 +27,7 @@ from typing import Any
 
 from vramcal.arguments import of_type
 from vramcal.models import lm
-from vramcal.models.mamba2 import check_dtype, keyed_params, resolve_implementation
+from vramcal.models.mamba2 import KEY_DEFAULTS, check_dtype, keyed_params, resolve_implementation
 from vramcal.models.regressor.spec import FACTORY as REGRESSOR_FACTORY
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.records import Device
@@ -68,14 +68,19 @@ class Family:
                 argument of that name (a variant, ``checkpointing``, asked of a factory that cannot take it).
         """
         ref = ModelRef.make(self.factory, params)
-        factory = load_factory(ref)  # a missing module or function fails here, in one line, before any trial
+        self.check_arguments(params)
+        return ref
+
+    def check_arguments(self, params: dict[str, Any]) -> None:
+        """Raises: WorkloadError: the factory cannot be imported, or takes no argument of a name in ``params``."""
+        factory = load_factory(ModelRef.make(self.factory))  # a missing module or function fails here, before a trial
         unknown = [name for name in params if not accepts(factory, name)]
         if unknown:
             variant = (" (activation checkpointing is the factory's to apply: give it a checkpointing parameter "
-                       "that does so)" if "checkpointing" in unknown else "")
+                       "that does so)" if "checkpointing" in unknown and self.name == "factory" else "")
             raise WorkloadError(f"the factory {self.factory} takes no {', '.join(map(repr, unknown))}{variant}: "
-                                f"leave {given('params', f'{unknown[0]}=...')} out, or add the parameter to it")
-        return ref
+                                f"leave {given('params', f'{unknown[0]}=...')} out" +
+                                (", or add the parameter to it" if self.name == "factory" else ""))
 
     def chunk_size(self, ref: ModelRef) -> int:
         """The model's chunk_size (sequence lengths are multiples of it); 1 when the factory names none."""
@@ -103,6 +108,14 @@ class Family:
         params = _without_implementation(ref)
         return [f"--model {ref.factory}", *(f"--model-arg {shlex.quote(f'{k}={_arg_text(v)}')}"
                                             for k, v in params.items())]
+
+    def setting(self, ref: ModelRef, name: str) -> str:
+        """A setting of ``ref`` for people: its value, or what leaving it out of the key means (a user's factory:
+        its own default; a Mamba-2 family's, :data:`vramcal.models.mamba2.KEY_DEFAULTS`), never ``None``."""
+        params = ref.params
+        if name in params:
+            return short_value(params[name])
+        return str(KEY_DEFAULTS[name]) if self.name != "factory" and name in KEY_DEFAULTS else "not given"
 
     def data_options(self, options: dict[str, Any]) -> dict[str, Any]:
         """The options that apply to this family's factory (they do not change the model): none."""
@@ -172,6 +185,7 @@ class LanguageModel(Family):
         if "config" not in params or "seq_len" not in params:
             raise ValueError(f"{given('model', 'lm')} needs {given('params', 'config=<Mamba2Config JSON file>')} and "
                              f"{word('seq_len')}")
+        self.check_arguments(params)  # an argument training_step does not take: one line here, not in a trial
         params = {"dtype": "fp32", **params, "config": lm.read_config(params["config"])}
         lm.check_params(params["config"], params["seq_len"], params["dtype"], params.get("checkpointing", "off"))
         check_dtype(device, params["dtype"])

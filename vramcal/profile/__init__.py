@@ -29,7 +29,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from vramcal.files import atomic_write_text
+from vramcal.files import atomic_write
 from vramcal.models.registry import family_of
 from vramcal.profile.checks import read_profile
 from vramcal.profile.record import (
@@ -77,15 +77,27 @@ def profile_path(profiles_dir: Path | str, device: Device, model: ModelRef, impl
     return Path(profiles_dir) / slug / f"{profile_name(model, implementation, world)}{budget}.json"
 
 
-def save_profile(profile: Profile, path: Path | str) -> Path:
+def save_profile(profile: Profile, path: Path | str, keep_previous: Path | None = None) -> Path:
     """Write ``profile`` as JSON (sorted keys, 2-space indent) atomically; returns the path (``profile.path`` is
-    left as it was: the written profile is ``dataclasses.replace(profile, path=...)``).
+    left as it was: the written profile is ``dataclasses.replace(profile, path=...)``). With ``keep_previous``, the
+    file it replaces becomes that file as it does (:func:`vramcal.files.atomic_write`).
 
     Raises:
         OSError: the folder cannot be written; the previous file is then untouched.
     """
-    atomic_write_text(Path(path), json.dumps(profile.to_dict(), indent=2, sort_keys=True) + "\n")
+    text = json.dumps(profile.to_dict(), indent=2, sort_keys=True) + "\n"
+    atomic_write(Path(path), lambda handle: handle.write(text.encode()), keep_previous=keep_previous)
     return Path(path)
+
+
+def replaced_name(path: Path) -> Path:
+    """Where a profile file a calibration replaces is kept (``vramcal size``, for a stale or unreadable one):
+    ``<name>.replaced-<UTC time>`` beside it (``-2``, ``-3``, ... after it when that is taken), a name no lookup of
+    ``*.json`` files reads."""
+    stamp = f"{path.name}.replaced-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
+    taken = {p.name for p in path.parent.glob(f"{stamp}*")}
+    return path.with_name(next(n for n in (stamp, *(f"{stamp}-{i}" for i in range(2, len(taken) + 2)))
+                               if n not in taken))
 
 
 def load_profile(path: Path | str) -> Profile:
@@ -199,9 +211,9 @@ def check_profile_matches(profile: Profile, device: Device, model: ModelRef | No
             raise ProfileError(f"seq_len {model.params.get('seq_len')} is outside the profile's calibrated lengths "
                                f"{min(profile.surface.seq_lens)}-{max(profile.surface.seq_lens)}: calibrate it "
                                f"(vramcal probe --seq-len ...)")
-        ours, theirs = model.params, profile.model.params
-        diffs = [f"{k}={ours.get(k)} (profile {theirs.get(k)})" for k in sorted(set(ours) | set(theirs))
-                 if ours.get(k) != theirs.get(k)]
+        ours, theirs, family = model.params, profile.model.params, family_of(model)
+        diffs = [f"{k}={family.setting(model, k)} (the profile's: {family.setting(profile.model, k)})"
+                 for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
         what = ", ".join(diffs) if profile.model.factory == model.factory else f"factory {profile.model.factory}"
         raise ProfileError(f"the profile was made for another model: {what}; probe this model or pass matching "
                            f"options")

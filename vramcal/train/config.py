@@ -296,7 +296,7 @@ def load_config(path: Path | str) -> TrainConfig:
     path = Path(path)
     fix = "fix it in the file, or give the option on the command line"
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark, as editors on Windows write, left out
     except UnicodeDecodeError:
         raise ConfigError(f"config {path} is not UTF-8 text: name a JSON or TOML file of settings") from None
     except OSError as error:

@@ -68,7 +68,8 @@ def launch(config: TrainConfig, run_dir: Path, world: World, nproc_per_node: int
 
     atomic_write_json(run_dir / LAUNCH, {"config": config.with_absolute_paths().to_dict(), "world": world.to_dict(),
                                          "capacities": list(capacities), "resume": resume,
-                                         "overrides": overrides or {},
+                                         "overrides": overrides or {}, "nproc_per_node": nproc_per_node,
+                                         "torchrun": torchrun,  # how it was launched: a plain --resume does so again
                                          OMP: os.environ.get("OMP_NUM_THREADS")})  # before torchrun sets it
     args = [f"--nproc-per-node={nproc_per_node}", *(f"--{k.replace('_', '-')}={v}" for k, v in torchrun.items()),
             "-m", "vramcal.train.distributed", str(run_dir / LAUNCH)]
@@ -94,6 +95,28 @@ def launched_capacities(run_dir: Path) -> tuple[int, ...]:
     except (OSError, ValueError, AttributeError):
         return ()
     return tuple(c for c in capacities if isinstance(c, int) and c > 0)
+
+
+def launched_ranks(run_dir: Path) -> tuple[int, dict[str, Any]]:
+    """How a run was last launched, for a ``--resume`` that gives neither ``--nproc-per-node`` nor torchrun's options:
+    its ranks on this machine and torchrun's options (``launch.json``; a record written before they were kept: the
+    world's ranks, no options); ``(1, {})`` for a run of one process (no world recorded).
+
+    Raises:
+        TrainError: a run launched on several nodes: each node's launch is its own, so it is resumed with its options.
+    """
+    try:
+        launched = json.loads((run_dir / LAUNCH).read_text())
+        nproc = int(launched.get("nproc_per_node") or launched["world"]["nproc"])
+        torchrun = dict(launched.get("torchrun") or {})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 1, {}
+    nodes = str(torchrun.get("nnodes", 1)).rpartition(":")[2]
+    if not nodes.isdigit() or int(nodes) > 1:
+        raise TrainError(f"{run_dir} was launched on several nodes (--nnodes {torchrun.get('nnodes')}): resume it on "
+                         f"each node as it was launched there (--resume with --nproc-per-node {nproc} and the node's "
+                         f"torchrun options)")
+    return nproc, torchrun
 
 
 def launched_world(run_dir: Path, now: World) -> World:

@@ -37,7 +37,7 @@ from vramcal.calibration.surface import INTERPOLATED
 from vramcal.lookup import NoProfileError
 from vramcal.measure.device import free_bytes
 from vramcal.models import lm
-from vramcal.models.corpus import BYTE_VOCAB, Corpus, CorpusError, lengths, load_corpus
+from vramcal.models.corpus import BYTE_VOCAB, Corpus, CorpusError, binary_notice, lengths, load_corpus
 from vramcal.models.registry import family_of, model_ref
 from vramcal.profile import Profile
 from vramcal.records import Device
@@ -79,6 +79,7 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None) -> Setting:
     profile, path = _profile(config, device, model, capacity_bytes, notices)
     context = max(profile.surface.seq_lens)
     corpus = load_corpus(config.text, context, config.val_fraction)
+    notices += [line for line in [binary_notice(corpus)] if line]  # a warning: files the user named, left out
     if corpus.cut:
         notices.append(Info(f"{corpus.cut} of {corpus.documents} documents are longer than the profile's longest "
                             f"seq_len {context} (the longest has {corpus.longest_document} tokens): each is cut into "

@@ -57,9 +57,10 @@ def load(step: TrainingStep, state: dict[str, Any], sharded: bool) -> None:
     """
     written = state.get(STRATEGY, "ddp")
     if (written == "fsdp") != sharded:
-        wanted, flag = ("FSDP", "--strategy fsdp") if written == "fsdp" else ("one process or DDP", "no --strategy "
-                                                                                                    "fsdp")
-        raise TrainError(f"this run's checkpoints were written by {wanted}: resume it the same way ({flag})")
+        wanted, flag = (("FSDP", "ranks under --strategy fsdp") if written == "fsdp" else
+                        ("one process or DDP", "without --strategy fsdp"))
+        raise TrainError(f"this run's checkpoints were written by {wanted}: resume it the same way ({flag}; a plain "
+                         f"`vramcal train --resume --run-dir` resumes it as it was launched)")
     if not sharded:
         step.model.load_state_dict(state["model"])
         step.optimizer.load_state_dict(state["optimizer"])

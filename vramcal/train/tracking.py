@@ -30,12 +30,17 @@ row's step, and the run's end as its status. The MLflow run's id is kept in the 
 a resumed run logs into the same MLflow run. W&B reads the TensorBoard files with its own tool (``wandb sync
 --sync-tensorboard <run_dir>/tensorboard``). Like TensorBoard's, a failing MLflow client is one warning, never the
 run's end.
+
+Every call into a tracker is bounded (:data:`TRACKER_TIMEOUT_S`): it runs on a thread of its own, and one that has
+not returned by then (a tracking server that cannot be reached, whose client retries for minutes; a file system
+that hangs) is that tracker's failure, one warning, and the run goes on and ends without waiting for it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -50,6 +55,10 @@ MLFLOW_RUN_ID = "mlflow_run_id"  # the run folder's file naming its MLflow run
 MLFLOW_EXPERIMENT = "vramcal"  # the experiment when MLFLOW_EXPERIMENT_NAME is not set
 OBJECTIVE = "tune/objective"  # a tune trial's value: its lowest validation loss
 _NOT_FIGURES = ("kind", "step", "complete")  # what an epoch row holds that is no figure over the steps
+# The most one call into a tracker may take (module docstring): MLflow's client, at an address nothing answers,
+# retries for minutes (MLFLOW_HTTP_REQUEST_MAX_RETRIES 7, backoff factor 2); a sound one answers in under a second,
+# a first call that makes MLflow's sqlite store in a few.
+TRACKER_TIMEOUT_S = 30.0
 
 
 def epoch_scalars(row: dict[str, Any]) -> dict[str, float]:
@@ -87,22 +96,35 @@ class _Tracker:
     Args:
         what: the writing it stops, as the warning names it (``TensorBoard logging to <folder>``).
         echo: where the warning goes.
+        timeout_s: the most one call may take (:data:`TRACKER_TIMEOUT_S`).
     """
 
-    def __init__(self, what: str, echo: Echo) -> None:
-        self._what, self.echo = what, echo
+    def __init__(self, what: str, echo: Echo, timeout_s: float = TRACKER_TIMEOUT_S) -> None:
+        self._what, self.echo, self.timeout_s = what, echo, timeout_s
         self._failed = False
 
     def _guarded(self, action: Callable[[], Any]) -> None:
-        """Run ``action``, unless an earlier one failed; a failure is the warning, once."""
+        """Run ``action`` on a thread of its own for at most ``timeout_s``, unless an earlier one failed; a failure
+        or a call still running then is the warning, once (the thread is left to end with the process)."""
         if self._failed:
             return
-        try:
-            action()
-        except Exception as error:  # whatever it is: a tracker must not end a training run (module docstring)
+        errors: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                action()
+            except BaseException as error:  # noqa: BLE001 - whatever it is: a tracker must not end a training run
+                errors.append(error)
+
+        worker = threading.Thread(target=call, name="vramcal-tracker", daemon=True)
+        worker.start()
+        worker.join(self.timeout_s)
+        if worker.is_alive() or errors:
             self._failed = True
-            self.echo(f"warning: {self._what} stopped ({_first_line(error)}); the run goes on and {checkpoint.METRICS} "
-                      f"keeps every figure")
+            why = (_first_line(errors[0]) if errors else
+                   f"no answer within {self.timeout_s:g} s: not waited for any longer")
+            self.echo(f"warning: {self._what} stopped ({why}); the run goes on and {checkpoint.METRICS} keeps every "
+                      f"figure")
 
 
 class RunTracker(_Tracker):
@@ -115,8 +137,8 @@ class RunTracker(_Tracker):
         echo: where the warning goes.
     """
 
-    def __init__(self, log_dir: Path, purge_step: int, echo: Echo) -> None:
-        super().__init__(f"TensorBoard logging to {log_dir}", echo)
+    def __init__(self, log_dir: Path, purge_step: int, echo: Echo, timeout_s: float = TRACKER_TIMEOUT_S) -> None:
+        super().__init__(f"TensorBoard logging to {log_dir}", echo, timeout_s)
         self.log_dir, self.purge_step = Path(log_dir), purge_step
         self._writer: Any = None
 
@@ -169,8 +191,8 @@ class MlflowTracker(_Tracker):
         echo: where the warning goes.
     """
 
-    def __init__(self, plan: Any, echo: Echo) -> None:
-        super().__init__(f"MLflow logging of {plan.run_dir}", echo)
+    def __init__(self, plan: Any, echo: Echo, timeout_s: float = TRACKER_TIMEOUT_S) -> None:
+        super().__init__(f"MLflow logging of {plan.run_dir}", echo, timeout_s)
         self.plan = plan
         self.run_id: str | None = None
         self._client: Any = None

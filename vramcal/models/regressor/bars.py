@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vramcal.files import atomic_write
+from vramcal.files import atomic_write, os_advice
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -364,7 +364,7 @@ def write_parquet(frame: pd.DataFrame, path: Path | str) -> Path:
     try:
         atomic_write(path, lambda handle: frame.to_parquet(handle, index=False))
     except OSError as error:
-        raise DataError(f"cannot write {path} ({error.strerror or error}): choose another --out") from None
+        raise DataError(f"cannot write {path} ({error.strerror or error}): {os_advice(error, '--out')}") from None
     return path
 
 
