@@ -120,7 +120,7 @@ def test_show_config_names_each_values_source(places, gpu_profile):
             for row in json.loads(invoke("show", "--config", "--json").output)["options"]}
     assert rows["probe", "profiles_dir"] == ("proj-profiles", str(places["project"]))  # the project file wins
     assert rows["limits", "gpus"] == ("Limits card=16GiB", f"{places['project']} [limits]")
-    assert rows["report", "gpus"] == ("", "default")  # the table applies to limits only
+    assert rows["report", "gpus"] == ([], "default")  # the table applies to limits only
     assert rows["probe", "margin"] == (0.2, str(places["user"]))
     assert rows["train", "profiles_dir"] == ("proj-profiles", str(places["project"]))
     assert "model: " in invoke("show", gpu_profile).output  # show PROFILE as before
