@@ -430,7 +430,8 @@ def tell(notice: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class Answered:
     """What :func:`size_for` answered: the batch size (samples) and its :class:`~vramcal.sizing.Sizing`, the
-    profile and its file, whether this call calibrated (``calibrated``), and why, for people (``reason``)."""
+    profile and its file, whether this call calibrated (``calibrated``), and why, for people (``reason``, and one
+    line per matching profile file it could not read, ``left_out``)."""
 
     batch_size: int
     sizing: Sizing
@@ -438,6 +439,7 @@ class Answered:
     path: Path
     calibrated: bool
     reason: str
+    left_out: tuple[str, ...] = ()
 
 
 def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *, gpu: str = "auto",
@@ -467,20 +469,20 @@ def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None 
     ref = model_ref(model, params, device=device, implementation=implementation)
     found, skipped = newest_profile(profiles_dir, device, ref, None, budget)
     why = (f"calibrating: no profile of this model on this device{' at this budget' * (budget is not None)} under "
-           f"{profiles_dir}/" + (f" ({len(skipped)} matching file(s) failed their checks)" if skipped else ""))
+           f"{profiles_dir}/" + (f" ({len(skipped)} matching file(s) left out)" if skipped else ""))
     if found is not None:
         try:
             located = locate_profile(ref, device=device, profile=found, strict=True)
             sizing = size(located.profile, ask, **_gate(device))
             return Answered(sizing.batch_size, sizing, located.profile, found, False,
-                            f"from the matching profile {found}")
+                            f"from the matching profile {found}", tuple(skipped))
         except (StaleProfileError, SizingError) as error:
             why = f"calibrating again: {error}"
     plan = plan_calibration(ref, device=device, settings=settings, options=options, profiles_dir=profiles_dir,
                             trials=trials)
     profile = _run_said(plan, notice, capacity_bytes is None, progress=progress)
     sizing = size(profile, ask, **_gate(device))
-    return Answered(sizing.batch_size, sizing, profile, plan.path, True, why)
+    return Answered(sizing.batch_size, sizing, profile, plan.path, True, why, tuple(skipped))
 
 
 def _gate(device: Device) -> dict[str, Any]:

@@ -53,7 +53,7 @@ from vramcal.environment import shown_setting, worker_setting
 from vramcal.estimate import EstimateError, StepEstimate, estimate_step
 from vramcal.estimate.result import line
 from vramcal.models.registry import describe
-from vramcal.profile import Profile, ProfileError, load_profile
+from vramcal.profile import Profile, profiles_under
 from vramcal.records import Device, DeviceKind
 from vramcal.units import format_bytes
 from vramcal.workload import ModelRef, WorkloadError
@@ -360,14 +360,10 @@ class CardEstimate:
 
 
 def profiles_in(profiles_dir: Path | str) -> tuple[list[tuple[Path, Profile]], list[str]]:
-    """The readable profiles under ``profiles_dir`` (any depth), and a notice for each file that is not one."""
-    loaded, notices = [], []
-    for path in sorted(Path(profiles_dir).glob("**/*.json")):
-        try:
-            loaded.append((path, load_profile(path)))
-        except ProfileError as error:
-            notices.append(f"not learned from: {error}")
-    return loaded, notices
+    """The readable profiles under ``profiles_dir`` (:func:`vramcal.profile.profiles_under`) with their paths, and
+    a notice for each file that is not one."""
+    found, unreadable = profiles_under(profiles_dir)
+    return [(p.path, p) for p in found], [f"{path}: not learned from ({why})" for path, why in unreadable]
 
 
 def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[Any], host: Any = None,

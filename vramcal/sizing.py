@@ -326,7 +326,7 @@ def length_model(profile: Profile, seq_len: int | None = None) -> LengthModel:
                           f"{max(own, seq_len)}`)")
     if surface is not None and seq_len is None:
         raise SizingError(f"the profile covers seq_len {min(surface.seq_lens)}-{max(surface.seq_lens)}: give the "
-                          f"run's seq_len (its memory depends on it)")
+                          f"run's {word('seq_len')} (its memory depends on it)")
     if surface is None or seq_len == surface.reference_seq_len:
         check = profile.verification.get("safe")
         peaks = {v.batch_size: v.peak_bytes for v in profile.verification.values() if v.passed and v.peak_bytes}
