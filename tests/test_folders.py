@@ -84,9 +84,9 @@ def test_a_file_named_alone_is_still_refused_and_a_folder_with_nothing_usable_sa
     shutil.copy(LENGTHS, only)
     code, _, err = invoke("cost", only, "--out", tmp_path / "reports")
     assert code == 1
-    assert err.splitlines()[-1] == (f"Error: no profile here can be used (1 left out; the first: {only / LENGTHS.name}: "
-                                    f"the profile covers seq_len 64-1024: give the run's --seq-len (its memory "
-                                    f"depends on it))")
+    assert err.splitlines()[-1] == (f"Error: no profile here can be used (1 left out; the first: "
+                                    f"{only / LENGTHS.name}: the profile covers seq_len 64-1024: give the run's "
+                                    f"--seq-len (its memory depends on it))")
 
 
 def test_the_report_of_a_folder_leaves_out_what_is_no_profile_and_what_its_data_cannot_forecast(folder, tmp_path):

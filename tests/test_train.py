@@ -20,6 +20,7 @@ import torch
 from click.testing import CliRunner
 from test_train_data import synthetic_bars
 
+from vramcal import progress
 from vramcal.calibration.fit import fit_linear
 from vramcal.calibration.limits import LimitSettings, compute_limits
 from vramcal.cli import main
@@ -29,7 +30,6 @@ from vramcal.models.regressor.step import training_step
 from vramcal.profile import Profile, profile_path, save_profile
 from vramcal.records import Device, Trial
 from vramcal.sizing import scaled_lr
-from vramcal import progress
 from vramcal.train import checkpoint, loop
 from vramcal.train.config import TrainConfig, load_config
 from vramcal.train.plan import plan_run, resolve

@@ -20,7 +20,6 @@ from vramcal.records import Trial
 from vramcal.report.markdown import trial_reason
 from vramcal.units import format_bytes
 
-
 LOG_EVERY_S = 60.0  # seconds between progress lines where no bar is drawn (Heartbeat)
 
 

@@ -66,7 +66,8 @@ def points_text(profile) -> str:
     sizes = ", ".join(f"{size}{f' ×{n}' if n > 1 else ''}" for size, n in counted.items())
     length = profile.surface.reference_seq_len if profile.surface is not None else None  # the line's length
     trials = len([t for t in profile.trials if t.seq_len == length and not is_evaluation(t)])
-    return f"{fit.n_points} of the {trials} trials are its points (batch_size {sizes}): the line is fitted near the limit"
+    return (f"{fit.n_points} of the {trials} trials are its points (batch_size {sizes}): the line is fitted near "
+            f"the limit")
 
 
 def evaluation_lines(profile) -> list[str]:

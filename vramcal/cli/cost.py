@@ -198,7 +198,8 @@ def cost_command(profiles: tuple[Path, ...], size_for: str, out_dir: Path, name:
         raise click.ClickException(f"cannot write to {out_dir} ({error.strerror}): choose another --out") from None
     if as_json:
         click.echo(json.dumps({"png": str(png), "markdown": str(markdown), "profiles": [str(p) for p in paths],
-                               "left_out": left_out, "size_for": size_for, "forecasts": [f.to_dict() for f in forecasts]},
+                               "left_out": left_out, "size_for": size_for,
+                               "forecasts": [f.to_dict() for f in forecasts]},
                               indent=2, sort_keys=True))
         return
     click.echo(forecast_table(forecasts, bold=False))

@@ -53,7 +53,8 @@ def size_command(ctx: click.Context, gpu, capacity, implementation, model: Model
         answered = api.size_for(name, params, gpu=gpu, capacity_bytes=capacity, implementation=implementation,
                                 options=data, profiles_dir=profiles_dir, settings=settings, trials=trials, limit=limit)
     s = answered.sizing
-    for notice in (*answered.left_out, *s.notices):  # the gate's (memory taken since the calibration), clamping, an unverified profile
+    # the files left out; the gate's (memory taken since the calibration), clamping, an unverified profile
+    for notice in (*answered.left_out, *s.notices):
         click.echo(f"vramcal: {labelled(notice)}", err=True)
     click.echo(f"vramcal: batch_size {s.batch_size} ({s.label}; safe {s.safe_batch_size}, conservative "
                f"{s.conservative_batch_size}) {answered.reason}", err=True)

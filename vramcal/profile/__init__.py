@@ -44,9 +44,9 @@ from vramcal.records import Device, World
 from vramcal.workload import ModelRef
 
 __all__ = ["DEFAULT_PROFILES_DIR", "SCHEMA_VERSION", "Observation", "Profile", "ProfileError", "Verification",
-           "append_observation", "check_profile_matches", "left_out", "load_profile", "matching_profiles", "newest_profile",
-           "profile_name",
-           "profile_path", "profiles_under", "save_profile", "utc_now", "world_difference"]
+           "append_observation", "check_profile_matches", "left_out", "load_profile", "matching_profiles",
+           "newest_profile", "profile_name", "profile_path", "profiles_under", "save_profile", "utc_now",
+           "world_difference"]
 
 
 def profile_name(model: ModelRef, implementation: str, world: World | None = None) -> str:
