@@ -339,9 +339,9 @@ def length_model(profile: Profile, seq_len: int | None = None) -> LengthModel:
         basis = answer_at(surface, seq_len, at.usable_bytes, profile.settings.conservative_fraction)[2]
     except ValueError as error:
         raise SizingError(str(error)) from None
-    entry, fit2 = surface.at(seq_len), surface.fit
-    return LengthModel(lambda b: fit2.predict(b, seq_len), lambda b: fit2.upper(b, seq_len),
-                       lambda usable: safe_batch_size_2d(fit2, usable, seq_len), at,
+    entry, fit2, widen = surface.at(seq_len), surface.fit, surface.widening(seq_len)
+    return LengthModel(lambda b: fit2.predict(b, seq_len), lambda b: surface.upper(b, seq_len),
+                       lambda usable: safe_batch_size_2d(fit2, usable, seq_len, widen), at,
                        entry.safe_peak_bytes if entry else None, bool(entry and entry.verified),
                        None if entry else basis)
 
