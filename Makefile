@@ -18,11 +18,13 @@ DATA ?= data/es_1s.parquet
 # (install, data, probe, one epoch) takes about 3.5 minutes on 2 cores with a warm pip cache; set
 # HOST_CAPACITY= to use all of the host's memory (its largest trials then take minutes each on a small CPU).
 HOST_CAPACITY ?= 2.5GiB
+# The device (and budget) the probe calibrates and the train step trains on: the same, said to both.
 ifeq ($(shell command -v nvidia-smi 2>/dev/null),)
-PROBE_ARGS ?= --gpu none $(if $(HOST_CAPACITY),--capacity $(HOST_CAPACITY))
+DEVICE_ARGS ?= --gpu none $(if $(HOST_CAPACITY),--capacity $(HOST_CAPACITY))
 else
-PROBE_ARGS ?= --gpu auto
+DEVICE_ARGS ?= --gpu auto
 endif
+PROBE_ARGS ?=
 # One epoch of windows 16 bars apart: 23 steps at the 2.5 GiB budget's conservative size (76), enough to compare
 # the epoch's time with the forecast (the default stride, seq_len // 2, leaves 6 steps, whose time is mostly noise).
 TRAIN_ARGS ?= --epochs 1 --stride 16
@@ -63,8 +65,8 @@ $(DATA): | setup
 	$(PY) -m vramcal data es-sample --bar 1s --out $(DATA)
 
 run: setup $(DATA)
-	$(PY) -m vramcal probe $(PROBE_ARGS)
-	$(PY) -m vramcal train --data $(DATA) $(TRAIN_ARGS)
+	$(PY) -m vramcal probe $(DEVICE_ARGS) $(PROBE_ARGS)
+	$(PY) -m vramcal train $(DEVICE_ARGS) --data $(DATA) $(TRAIN_ARGS)
 
 run-lm: setup
 	$(PY) -m vramcal probe $(LM_ARGS) --reserve 0 --seq-len 64:1024

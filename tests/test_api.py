@@ -60,8 +60,9 @@ def test_a_user_factory_calibrates_to_a_verified_profile_that_names_it(calibrate
     trial_lines = [line for line in seen if line.startswith("vramcal:  batch_size ")]  # the probe command's lines
     assert [int(line.split()[2]) for line in trial_lines] == [t.batch_size for t in profile.trials]
     assert any(line.split()[3] == "ok" and "[steady, " in line for line in trial_lines)
-    assert any(line.startswith("vramcal:    steady trial step 5/40, peak ") for line in seen), seen
-    assert not any("steady trial step 4/" in line for line in seen)  # every 5th step
+    # no bar, no terminal: a step is a line only once a minute has passed since the last line (issue 59 item 7: a
+    # "step 5/40" line was in every log, of a steady trial that ran 7 steps); this one took seconds
+    assert not any("steady trial step" in line for line in seen), seen
     limits = profile.limits
     assert 0 < limits.conservative_batch_size < limits.safe_batch_size
     # the input's 64 KiB per sample dominates (activations of width 8 are 32 B per layer)

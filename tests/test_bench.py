@@ -465,3 +465,19 @@ def test_survival_runs_train_only_the_kind_asked_for_for_real(tmp_path):
     assert run["sources"] == ["vramcal conservative r1"] and saved == [True]
     assert run["peak_bytes"] > 0 and run["epoch_peak_bytes"]  # measured by the runner's meter
     assert run["predictions"]["vramcal/r1"]["predicted_peak_bytes"] == run["predicted_peak_bytes"]
+
+
+def test_the_interpolation_bench_measures_each_gap_of_a_profile_between_its_lengths():
+    """bench/interpolation.py (issue 59 item 3) measures the 2-D fit where it interpolates: in each gap between
+    calibrated lengths, the middle at its safe batch and the longest seq_len at a batch between the ends', beside a
+    calibrated control; here the points it picks on the committed 640 MiB profile of the issue's +7.0 % answer."""
+    from pathlib import Path
+
+    from bench.interpolation import REPO, multi_length, points
+
+    found = {str(p.path.relative_to(REPO)): p for p in multi_length([REPO / "bench" / "results"])}
+    profile = found["bench/results/lm-train/profiles/host-amd-epyc-2-cores/lm-transformers-9f5b73fd-640mib.json"]
+    assert points(profile) == [("control", 19, 256), ("middle", 39, 128), ("longest", 38, 128), ("middle", 9, 512),
+                               ("longest", 8, 624)]  # the issue's answer: the longest seq_len at batch_size 8
+    assert all(p.surface is not None for p in found.values()) and len(found) >= 4
+    assert Path(REPO / "bench" / "results" / "interpolation" / "README.md").exists()

@@ -74,7 +74,7 @@ def test_a_creep_that_rises_and_levels_off_ends_the_steady_trial_early_and_enter
     flat = fake_calibration(memory, 4 * GIB)  # the same device and line without a creep
     assert profile.fit.slope_bytes_per_sample > flat.fit.slope_bytes_per_sample  # the line is a long run's
     assert profile.limits.point_safe_batch_size < flat.limits.point_safe_batch_size  # the creep took room
-    assert f"levelled off at step {creep.levelled_at}" in summary(profile)
+    assert f", level from step {creep.levelled_at} on" in summary(profile)
 
 
 def test_an_epochs_end_that_raises_the_peak_enters_the_limits():
@@ -90,20 +90,20 @@ def test_an_epochs_end_that_raises_the_peak_enters_the_limits():
     assert creep.levelled_at == end + 1
     assert creep.per_sample_bytes > flat.creep.per_sample_bytes
     assert profile.limits.point_safe_batch_size < flat.limits.point_safe_batch_size
-    assert (f"(after an epoch's end at step {end} it rose {format_bytes(creep.epoch_end_rise_bytes)})"
-            in summary(profile))
-    assert f"at step {steady(flat).epoch_end_step} it did not rise" in summary(flat)
+    assert (f"; a validation pass after step {end}, as at an epoch's end, added "
+            f"{format_bytes(creep.epoch_end_rise_bytes)};" in summary(profile))
+    assert f"after step {steady(flat).epoch_end_step}, as at an epoch's end, added nothing" in summary(flat)
 
 
 def test_an_epochs_end_rise_under_the_plateau_tolerance_says_why_the_curve_counts_as_level():
     """A rise after the epoch's end smaller than the plateau rule's 0.1 % leaves the curve level from before it
-    (``levelled off at step 1``); the summary says the rise was under the rule, not only that it happened."""
+    (``level from step 1 on``); the summary says the rise was under the rule, not only that it happened."""
     profile = fake_calibration(memory, 4 * GIB, creep=0.2 * MIB / 128, curve=lambda n: 1.0, epoch_rise=1024 / 128)
     trial, creep = steady(profile), profile.creep
     assert 0 < creep.epoch_end_rise_bytes < 0.001 * trial.step_peaks[-1]
     assert creep.levelled_at is not None and creep.levelled_at < trial.epoch_end_step
-    assert (f"(after an epoch's end at step {trial.epoch_end_step} it rose {format_bytes(creep.epoch_end_rise_bytes)}"
-            ", under the plateau rule's 0.1%)") in summary(profile)
+    assert (f"; a validation pass after step {trial.epoch_end_step}, as at an epoch's end, added "
+            f"{format_bytes(creep.epoch_end_rise_bytes)}, under the 0.1% counted as a rise") in summary(profile)
 
 
 def test_a_creep_still_rising_at_the_cap_is_reported():
@@ -126,9 +126,9 @@ def test_the_host_steady_trial_gets_an_allowance_for_later_steps_and_a_gpu_none(
     gpu = fake_calibration(memory, 4 * GIB, kind="cuda")
     assert steady(gpu).late_creep_bytes == 0 and gpu.creep.late_bytes == 0
     assert host.creep.bytes_at_steady == host.creep.late_bytes  # no rise measured: the allowance is all of it
-    assert (f"steps, flat over them (after an epoch's end at step {trial.epoch_end_step} it did not rise): all of it "
-            f"the allowance for later steps") in summary(host)
+    assert (f"steps, flat; a validation pass after step {trial.epoch_end_step}, as at an epoch's end, added nothing; "
+            f"all of the creep is the allowance for later steps") in summary(host)
     rising = calibrate(lambda n: 1 - math.exp(-n / 3))
     measured = rising.creep.bytes_at_steady - rising.creep.late_bytes
-    assert (f"; of it {format_bytes(measured)} measured, {format_bytes(rising.creep.late_bytes)} allowed for later "
-            f"steps") in summary(rising) and measured > 0
+    assert (f"; of the creep, {format_bytes(measured)} measured and {format_bytes(rising.creep.late_bytes)} allowed "
+            f"for later steps") in summary(rising) and measured > 0

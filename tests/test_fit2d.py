@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from vramcal.calibration.fit2d import (
+    LENGTH_RATIO,
     Fit2D,
     SeqLens,
     check_seq_lens,
@@ -14,6 +15,7 @@ from vramcal.calibration.fit2d import (
     longest_seq_len,
     parse_seq_lens,
     safe_batch_size_2d,
+    wide_gaps,
 )
 
 GIB = 2**30
@@ -178,6 +180,20 @@ def test_check_seq_lens():
         check_seq_lens([0, 128], 64)
     with pytest.raises(ValueError, match="at least one"):
         check_seq_lens([], 64)
+
+
+def test_a_range_is_placed_with_no_gap_wider_than_the_widest_measured():
+    """Issue 59 item 3: answers between calibrated lengths interpolate, and the interpolation error was measured
+    over gaps of up to 16 times (bench/interpolation.py); a range places its lengths so that no gap is wider
+    (16:8192 placed 16, 368, 8192 before: gaps of 23 and 22 times)."""
+    assert LENGTH_RATIO == 16
+    assert parse_seq_lens("64:1024").design(16) == (64, 256, 1024)  # the committed profiles' gaps of 4 times
+    assert parse_seq_lens("16:8192").design(16) == (16, 128, 1024, 8192)
+    for text in ("16:4096", "128:16384", "256:512", "16:65536", "64:256", "32:131072"):
+        lengths = parse_seq_lens(text).design(16)
+        assert len(lengths) >= 3 and all(b <= LENGTH_RATIO * a for a, b in zip(lengths, lengths[1:])), lengths
+    assert parse_seq_lens("128,8192").design(16) == (128, 8192)  # a list as written: the probe warns of its gap
+    assert wide_gaps((128, 512, 16384)) == [(512, 16384)] and wide_gaps((64, 1024, 16384)) == []
 
 
 def test_parse_seq_lens():

@@ -110,9 +110,10 @@ def test_probe_cli_writes_a_verified_profile_that_round_trips(tmp_path):
                                        "--reports-dir", str(tmp_path / "reports")])
     assert result.exit_code == 0, result.output  # 0: verified (an unverified calibration exits 3)
     assert "peak = " in result.output and re.search(r"GiB \+ [\d.]+ [KMG]iB × batch_size", result.output)
-    assert "    steady trial step 1/40, peak " in result.output  # -v: the steady trial step by step
-    shape = re.search(r"step creep +\+[\d.]+ [KMG]?i?B at batch_size \d+ over (\d+) steps, (levelled off at step "
-                      r"(\d+)|still rising|flat over them)", result.output)
+    assert "    steady trial step 1 (of at most 40: it stops once the peak is level), peak " in result.output  # -v
+    shape = re.search(r"step creep +\+[\d.]+ [KMG]?i?B at batch_size \d+: how much more a long run peaks than a "
+                      r"trial's few steps, from a steady trial of (\d+) steps, (level from step (\d+) on|still rising|"
+                      r"flat)", result.output)
     assert shape, result.output
     if shape.group(3):  # it ended 3 steps (--plateau-steps 3) after the later of its last rise and its epoch's end,
         # which runs after the short trial's 2 measured steps (a curve level from step 1 stops at 5; CI once had one)

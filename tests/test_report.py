@@ -418,12 +418,11 @@ def test_the_cost_command_cuts_windows_from_bars_or_data_and_refuses_two_dataset
     assert alone.exit_code == 2 and "--val-samples goes with --samples" in alone.output
     bad = CliRunner().invoke(main, ["cost", *paths, *out, "--price", "RTX 4090=free"])
     assert bad.exit_code == 2 and "is not a price per hour" in bad.output and "Traceback" not in bad.output
-    from vramcal.cli.cost import datasets_for
-    from vramcal.profile import load_profile
+    from vramcal.cli.cost import forecastable
 
     options = {"data": None, "bars": 3000, "samples": None, "val_samples": None, "seq_len": 256, "stride": None,
                "val_fraction": 0.2}
-    assert datasets_for([load_profile(paths[0])], options)[0].train_samples == 17  # windows of 256 bars, stride 128
+    assert forecastable((Path(paths[0]),), options, lengths=False)[1][0].train_samples == 17  # windows of 256 bars
     other = CliRunner().invoke(main, ["cost", *paths, *out, "--seq-len", "256", "--bars", "3000"])
     assert other.exit_code == 1 and "calibrated at seq_len 128, not 256" in other.output  # a length it lacks
 

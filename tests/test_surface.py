@@ -9,9 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from vramcal.calibration.fit2d import fit_2d
+from vramcal.calibration.fit2d import fit_2d, longest_seq_len, safe_batch_size_2d
 from vramcal.calibration.search import SearchSettings
 from vramcal.calibration.surface import (
+    INTERPOLATION_ERROR,
     LengthLimits,
     Surface,
     answer_at,
@@ -122,6 +123,26 @@ def test_answers_inside_outside_and_between_the_calibrated_lengths():
     with pytest.raises(ValueError, match="seq_len 100 is not a multiple of chunk_size 64"):
         answer_at(surface, 100, 75 * GIB, 0.9)
     assert Surface.from_dict(surface.to_dict()) == surface
+
+
+def test_between_calibrated_lengths_the_bound_is_widened_by_the_measured_interpolation_error():
+    """Issue 59 item 3: an answer between calibrated lengths is held to the fit's bound plus the interpolation error
+    measured on the committed profiles (bench/interpolation.py); at a calibrated length, to the bound alone."""
+    surface, usable = make_surface(), 9 * GIB
+    assert surface.widening(1024) == INTERPOLATION_ERROR > 0 and surface.widening(512) == 0
+    assert surface.upper(300, 1024) == surface.fit.upper(300, 1024) + INTERPOLATION_ERROR * surface.fit.predict(
+        300, 1024)
+    safe, _, _ = answer_at(surface, 1024, usable, 0.9)
+    assert surface.upper(safe, 1024) <= usable < surface.upper(safe + 1, 1024)
+    assert safe < safe_batch_size_2d(surface.fit, usable, 1024)  # the plain bound would take more
+    for batch in (200, 300, 500):
+        length = longest_at(surface, batch, usable)
+        assert surface.upper(batch, length) <= usable and length not in surface.seq_lens
+        assert surface.upper(batch, length + 64) > usable
+    # a calibrated length that fits by its own bound is the answer, though the widened bound would stop short of it
+    just = int(surface.fit.upper(100, 2048)) + 1
+    assert longest_seq_len(surface.fit, just, 100, 64, 128, 2048, INTERPOLATION_ERROR) < 2048
+    assert longest_at(surface, 100, just) == 2048
 
 
 def test_a_profile_over_lengths_covers_its_range_and_sizes_at_a_length(tmp_path):
@@ -337,3 +358,32 @@ def test_a_run_forecast_over_lengths_reads_the_trials_at_the_runs_length():
     assert any("no throughput measured" in note for note in at_2048.notes)
     unsized = forecast_profile(profile, dataset, 1)
     assert unsized.run_s is None and "give the run's seq_len" in unsized.notes[0]
+
+
+def test_a_calibration_over_lengths_further_apart_than_measured_says_so():
+    """Issue 59 item 3: a list of lengths the user wrote is calibrated as written, but where two neighbours are
+    further apart than the interpolation error was measured over (LENGTH_RATIO), the profile warns, with the fix."""
+    from pathlib import Path
+
+    from vramcal.calibration.limits import LimitSettings
+    from vramcal.calibrator import CalibrationPlan, run_trials
+    from vramcal.measure.device import host_device
+    from vramcal.models.registry import model_ref
+    from vramcal.records import Device, TrialSettings
+
+    from fakes import FakeTrialRunner
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "mamba2-lm-tiny.json"
+    device = Device(**{**host_device().to_dict(), "total_bytes": GIB, "total_source": "--capacity"})
+    model = model_ref("lm", {"config": str(config), "seq_len": 16}, device=device,
+                      implementation="transformers").without("seq_len")
+    memory = surface_memory(400 * MIB, 32 * 1024, 16 * 1024)
+    warned = {}
+    for seq_lens in ((32, 1024), (64, 1024)):
+        plan = CalibrationPlan(device, model, LimitSettings(reserve_bytes=0), {}, Path("p.json"), seq_lens=seq_lens,
+                               trials=TrialSettings(max_trials=40))
+        warned[seq_lens] = [w for w in run_trials(plan, FakeTrialRunner(memory, GIB)).warnings if "times apart" in w]
+    assert warned[(32, 1024)] == ["seq_len 32 and 1024 are 32 times apart: answers between them interpolate over a "
+                                  "wider gap than the 16 times the interpolation error was measured over; add a "
+                                  "length between them, or give a range (32:1024) to have them placed"]
+    assert warned[(64, 1024)] == []

@@ -20,6 +20,7 @@ import torch
 from click.testing import CliRunner
 from test_train_data import synthetic_bars
 
+from vramcal import progress
 from vramcal.calibration.fit import fit_linear
 from vramcal.calibration.limits import LimitSettings, compute_limits
 from vramcal.cli import main
@@ -222,6 +223,38 @@ def oom_when(step, fails) -> list[int]:
 
     step.loss = loss
     return calls
+
+
+def test_a_run_brings_the_report_its_probe_wrote_up_to_date(setup, monkeypatch):
+    """Issue 59 item 4: ``make run``'s report was written by the probe, before the train step recorded its run, so
+    it never showed the run (nor forecast the run's own windows). A run rewrites the profile's report where the
+    probe put it (``reports/``); it makes none where there is none."""
+    from vramcal.report import write_report
+
+    monkeypatch.chdir(setup["tmp"])
+    png, markdown = write_report([setup["profile"]], Path("reports"))
+    assert "None recorded yet" in markdown.read_text()
+    result = train(setup, "run", "--epochs", "1")
+    assert result.exit_code == 0, result.output
+    assert f"report: {markdown} and {png}, with this run" in result.output
+    text = markdown.read_text()
+    assert "None recorded yet" not in text and "| recorded (UTC) " in text
+    markdown.unlink()
+    assert train(setup, "again", "--epochs", "1").exit_code == 0 and not markdown.exists()
+
+
+def test_without_a_terminal_a_run_says_its_step_loss_rate_and_time_left_as_it_goes(setup, monkeypatch):
+    """Issue 59 item 6: a run whose output goes to a file drew no bar and printed nothing until an epoch ended (a
+    42-minute silent log). Without a terminal (pytest's stderr is none) a line comes when one is due: at most once
+    a minute (:class:`vramcal.progress.Heartbeat`), here at every step."""
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
+    plan, step = in_process(setup, "heartbeat", batch_size=8, max_steps=3)
+    messages = []
+    loop.Trainer(plan, step, echo=messages.append).run()
+    lines = [m for m in messages if m.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"], messages
+    assert re.fullmatch(r"step 2/3 \(epoch 1/1\), loss \d+\.\d{4}, [\d.]+ samples/s, about [\d.]+ m?s of training "
+                        r"steps left", lines[1]), lines[1]
 
 
 def test_out_of_memory_halves_the_micro_batch_and_keeps_the_gradient(setup):
@@ -447,6 +480,12 @@ def test_a_ddp_rank_is_forecast_on_its_share_of_the_windows(setup):
     seen = timing.observed(two, [row], fresh=False)
     assert seen["samples_per_s"] == pytest.approx(seen["forecast_samples_per_s"])
     assert "samples/s for the world; validation" in timing.first_epoch_lines(two, row, fresh=False)[0]
+    # a first epoch that --max-steps ended halfway: its steps' samples at the forecast's rate, and the validation pass
+    half = {**row, "complete": False, "samples": samples // 2, "train_s": two.train_s / 2,
+            "epoch_s": two.train_s / 2 + two.val_s}
+    (line,) = timing.first_epoch_lines(two, half, fresh=False)
+    assert line.startswith(f"after its {math.ceil(samples // 2 / row['batch_size'])} steps (max_steps, in epoch 1): ")
+    assert float(re.search(r"\(([+-][\d.]+)%", line).group(1)) == pytest.approx(0, abs=1)
     # an effective batch: --max-steps counts optimizer steps, each of the effective batch's samples
     plan, _ = in_process(setup, "forecast-effective", effective_batch_size=16, epochs=10)
     per_epoch = math.ceil(plan.data_stats["train_windows"] / 16)

@@ -448,7 +448,8 @@ def tell(notice: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class Answered:
     """What :func:`size_for` answered: the batch size (samples) and its :class:`~vramcal.sizing.Sizing`, the
-    profile and its file, whether this call calibrated (``calibrated``), and why, for people (``reason``)."""
+    profile and its file, whether this call calibrated (``calibrated``), and why, for people (``reason``, and one
+    line per matching profile file it could not read, ``left_out``)."""
 
     batch_size: int
     sizing: Sizing
@@ -456,6 +457,7 @@ class Answered:
     path: Path
     calibrated: bool
     reason: str
+    left_out: tuple[str, ...] = ()
 
 
 def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None = None, *, gpu: str = "auto",
@@ -488,11 +490,11 @@ def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None 
     ref = model_ref(model, params, device=device, implementation=implementation)
     found, skipped = newest_profile(profiles_dir, device, ref, None, budget)
     why = (f"calibrating: no profile of this model on this device{' at this budget' * (budget is not None)} under "
-           f"{profiles_dir}/" + (f" ({len(skipped)} matching file(s) failed their checks)" if skipped else ""))
+           f"{profiles_dir}/" + (f" ({len(skipped)} matching file(s) left out)" if skipped else ""))
     if found is not None:
         answered = _from_profile(found, ref, device, ask)
         if isinstance(answered, Answered):
-            return answered
+            return dataclasses.replace(answered, left_out=tuple(skipped))
         why = f"calibrating again: {answered}"
     plan = plan_calibration(ref, device=device, settings=settings, options=options, profiles_dir=profiles_dir,
                             trials=trials)
@@ -504,7 +506,7 @@ def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None 
         sizing = size(profile, ask, **_gate(device))
     except NoLimitsError:
         raise _no_limits(plan.path, profile) from None
-    return Answered(sizing.batch_size, sizing, profile, plan.path, True, why)
+    return Answered(sizing.batch_size, sizing, profile, plan.path, True, why, tuple(skipped))
 
 
 def _from_profile(found: Path, ref: ModelRef, device: Device, ask: SizeRequest) -> Answered | str:

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from vramcal import __version__
 from vramcal.calibration import evaluation, lengths, surface
 from vramcal.calibration.creep import HOST_LATE_CREEP, STEADY
+from vramcal.calibration.fit2d import LENGTH_RATIO, wide_gaps
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import Aim, SearchSettings, Step, next_batch_size, settle, unmeasured_ceiling
 from vramcal.environment import software_versions
@@ -359,6 +360,10 @@ def _assemble_surface(plan: CalibrationPlan, trials: list[Trial], context: dict[
     else:
         warnings += [f"seq_len {e.seq_len}: limits not verified by real trials" for e in found.lengths
                      if not e.verified]
+        warnings += [f"seq_len {a} and {b} are {b / a:.3g} times apart: answers between them interpolate over a "
+                     f"wider gap than the {LENGTH_RATIO} times the interpolation error was measured over; add a "
+                     f"length between them, or give a range ({a}:{b}) to have them placed" for a, b in
+                     wide_gaps(plan.seq_lens)]
         if found.fit.extra_terms:
             warnings.append(found.fit.extra_terms)
         sized = lengths.settle_lengths(trials, checks, found, plan.search())

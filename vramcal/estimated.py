@@ -58,7 +58,7 @@ from vramcal.estimate.constants import CONTEXT
 from vramcal.estimate.result import line
 from vramcal.models.mamba2 import mamba_ssm_available
 from vramcal.models.registry import describe
-from vramcal.profile import Profile, ProfileError, load_profile
+from vramcal.profile import Profile, profiles_under
 from vramcal.records import Device, DeviceKind
 from vramcal.units import format_bytes
 from vramcal.workload import ModelRef, WorkloadError
@@ -383,14 +383,10 @@ class CardEstimate:
 
 
 def profiles_in(profiles_dir: Path | str) -> tuple[list[tuple[Path, Profile]], list[str]]:
-    """The readable profiles under ``profiles_dir`` (any depth), and a notice for each file that is not one."""
-    loaded, notices = [], []
-    for path in sorted(Path(profiles_dir).glob("**/*.json")):
-        try:
-            loaded.append((path, load_profile(path)))
-        except ProfileError as error:
-            notices.append(f"not learned from: {error}")
-    return loaded, notices
+    """The readable profiles under ``profiles_dir`` (:func:`vramcal.profile.profiles_under`) with their paths, and
+    a notice for each file that is not one."""
+    found, unreadable = profiles_under(profiles_dir)
+    return [(p.path, p) for p in found], [f"{path}: not learned from ({why})" for path, why in unreadable]
 
 
 def _card(device: Any) -> Any:

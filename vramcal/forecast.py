@@ -108,7 +108,9 @@ class Forecast:
         model: the profile's model (:func:`vramcal.models.registry.describe`); None for a card without a profile.
         ranks: the DDP ranks whose samples/s the rates are (:mod:`vramcal.train.timing`: the world's, ranks ×
             one rank's; the batch size and the dataset are then one rank's); 1: one process.
-        tokens_per_s: a language model's training tokens per second (:mod:`vramcal.train.lm_timing`); None else.
+        tokens_per_s: a language model's training tokens per second (:mod:`vramcal.train.timing`); None else.
+        step_fit: a run on documents of every length: its step-time fit ``(t0, t_token)``, seconds per step and
+            per padded token (:func:`vramcal.train.timing.documents_forecast`); None else.
     """
 
     card: str
@@ -140,6 +142,7 @@ class Forecast:
     model: str | None = None
     ranks: int = 1
     tokens_per_s: float | None = None
+    step_fit: tuple[float, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

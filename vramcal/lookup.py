@@ -91,12 +91,12 @@ def locate_profile(model: str | ModelRef | None = "regressor", params: dict[str,
     notices: list[str] = []
     if profile is None:
         matches, skipped = matching_profiles(profiles_dir, device, ref, world, total_bytes)
-        notices = [f"skipped {line}" for line in skipped]
+        notices = list(skipped)
         if total_bytes is None:
             _one_budget(matches, device, ref)
         found = matches[-1].path if matches else None
         if found is None:
-            bad = f" ({len(skipped)} matching file(s) failed their checks: {skipped[0]})" if skipped else ""
+            bad = f" ({len(skipped)} matching file(s) {skipped[0]}{', ...' * (len(skipped) > 1)})" if skipped else ""
             where = f" for {world.describe()}" if world else ""
             budget = f" at {format_bytes(total_bytes)}" if total_bytes else ""
             command = probe_command(device, ref, world, suggest_budget=True)

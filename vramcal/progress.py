@@ -1,10 +1,17 @@
 """Progress for people while a calibration runs: one line per finished trial, and the steady trial's steps as
 they end. The probe command prints it above a progress bar; :func:`vramcal.calibrate` prints it on stderr as
-plain lines, prefixed ``vramcal:``, for a script's log."""
+plain lines, prefixed ``vramcal:``, for a script's log.
+
+Where there is no terminal (a log file, a pipe) no bar is drawn, so what it would have shown comes as a line at
+most once a minute (:class:`Heartbeat`): the steady trial's step here, a training run's step, loss, rate and time
+left in :mod:`vramcal.train.loop`. A log then neither goes silent for the length of a long trial or run nor fills
+with a line per step."""
 
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from tqdm import tqdm
@@ -12,6 +19,32 @@ from tqdm import tqdm
 from vramcal.records import Trial
 from vramcal.report.markdown import trial_reason
 from vramcal.units import format_bytes
+
+LOG_EVERY_S = 60.0  # seconds between progress lines where no bar is drawn (Heartbeat)
+
+
+class Heartbeat:
+    """When a progress line is due in a log without a terminal: at most one every ``every_s`` seconds (default
+    :data:`LOG_EVERY_S`), the first ``every_s`` after it was made.
+
+    Args:
+        clock: seconds, monotonic (default :func:`time.monotonic`; a test's fake clock).
+    """
+
+    def __init__(self, every_s: float | None = None, clock: Callable[[], float] | None = None) -> None:
+        self.every_s, self._clock = LOG_EVERY_S if every_s is None else every_s, clock or time.monotonic
+        self._last = self._clock()
+
+    def due(self) -> bool:
+        """Whether a line is due now; if so, the next one is due ``every_s`` from now."""
+        if self._clock() - self._last < self.every_s:
+            return False
+        self.mark()
+        return True
+
+    def mark(self) -> None:
+        """A line was written now (another's: a trial's): the next is due ``every_s`` from now."""
+        self._last = self._clock()
 
 
 class TrialPrinter:
@@ -24,15 +57,15 @@ class TrialPrinter:
         file: where the lines go (the bar, if any, goes to stderr).
         level: -1 prints no trial line and no bar, 0 the trial lines, 1 each step as a line too (``vramcal -q``
             / ``-v``).
-        bar: a tqdm bar (trials run / ``max_trials``) whose postfix follows the steady trial; without it, every
-            ``every``-th step is a line.
+        bar: a tqdm bar (trials run / ``max_trials``) whose postfix follows the steady trial; without one (or
+            without a terminal for it), a step is a line when a :class:`Heartbeat` says one is due.
         prefix: put before every line (``"vramcal:"`` for a library's output).
     """
 
     def __init__(self, max_trials: int, usable_bytes: int, *, file: TextIO | None = None, level: int = 0,
-                 bar: bool = True, prefix: str = "", every: int = 5) -> None:
+                 bar: bool = True, prefix: str = "") -> None:
         self._usable_bytes, self._file, self._level = usable_bytes, file or sys.stderr, level
-        self._prefix, self._every = prefix, every
+        self._prefix, self._beat = prefix, Heartbeat()
         self._bar = tqdm(total=max_trials, desc="trials", unit="trial", leave=False, file=sys.stderr,
                          disable=True if level < 0 or not bar else None)
 
@@ -46,10 +79,10 @@ class TrialPrinter:
     def step(self, payload: dict[str, Any]) -> None:
         """A steady trial's step as it ends (:class:`vramcal.measure.trial.TrialRunner`'s ``on_step``: ``step``,
         ``of``, ``peak_bytes``, ``step_s``)."""
-        text = (f"steady trial step {payload['step']}/{payload['of']}, peak {format_bytes(payload['peak_bytes'])}, "
-                f"{payload['step_s']:.2f} s/step")
+        text = (f"steady trial step {payload['step']} (of at most {payload['of']}: it stops once the peak is level), "
+                f"peak {format_bytes(payload['peak_bytes'])}, {payload['step_s']:.2f} s/step")
         self._bar.set_postfix_str(text)
-        if self._level > 0 or (self._level == 0 and self._bar.disable and payload["step"] % self._every == 0):
+        if self._level > 0 or (self._level == 0 and self._bar.disable and self._beat.due()):
             self._write(f"    {text}")
 
     def note(self, text: str) -> None:
@@ -60,6 +93,7 @@ class TrialPrinter:
         self._bar.close()
 
     def _write(self, line: str) -> None:
+        self._beat.mark()
         self._bar.write(f"{self._prefix}{line}", file=self._file)
         self._file.flush()
 

@@ -333,7 +333,7 @@ def length_model(profile: Profile, seq_len: int | None = None) -> LengthModel:
                           f"{max(own, seq_len)}`)")
     if surface is not None and seq_len is None:
         raise SizingError(f"the profile covers seq_len {min(surface.seq_lens)}-{max(surface.seq_lens)}: give the "
-                          f"run's seq_len (its memory depends on it)")
+                          f"run's {word('seq_len')} (its memory depends on it)")
     if surface is None or seq_len == surface.reference_seq_len:
         check = profile.verification.get("safe")
         peaks = {v.batch_size: v.peak_bytes for v in profile.verification.values() if v.passed and v.peak_bytes}
@@ -346,9 +346,9 @@ def length_model(profile: Profile, seq_len: int | None = None) -> LengthModel:
         basis = answer_at(surface, seq_len, at.usable_bytes, profile.settings.conservative_fraction)[2]
     except ValueError as error:
         raise SizingError(str(error)) from None
-    entry, fit2 = surface.at(seq_len), surface.fit
-    return LengthModel(lambda b: fit2.predict(b, seq_len), lambda b: fit2.upper(b, seq_len),
-                       lambda usable: safe_batch_size_2d(fit2, usable, seq_len), at,
+    entry, fit2, widen = surface.at(seq_len), surface.fit, surface.widening(seq_len)
+    return LengthModel(lambda b: fit2.predict(b, seq_len), lambda b: surface.upper(b, seq_len),
+                       lambda usable: safe_batch_size_2d(fit2, usable, seq_len, widen), at,
                        entry.safe_peak_bytes if entry else None, bool(entry and entry.verified),
                        None if entry else basis)
 

@@ -34,6 +34,10 @@ FIT2D_RANGES = {"overhead_stderr_bytes": NON_NEGATIVE, "stderr_bytes_per_token":
                 "n_points": Range(N_COEFFICIENTS + 1), "t_critical": POSITIVE, "batch_sizes": AT_LEAST_ONE,
                 "seq_lens": AT_LEAST_ONE, "peak_bytes": POSITIVE}
 _EXTRA_TERMS = ("tokens² (batch_size·seq_len)²", "a per-seq_len term independent of batch_size")
+# Neighbouring lengths of a range are at most this far apart (SeqLens.design): the widest gap between calibrated
+# lengths whose interpolated answers were measured against real trials (bench/interpolation.py, bench/README.md:
+# gaps of 4 and 16 times, within -0.32 % to +0.21 % of the prediction).
+LENGTH_RATIO = 16
 
 
 @dataclass(frozen=True)
@@ -283,8 +287,10 @@ def _last_fitting(f: Callable[[int], float], limit: float, low: int, high: int) 
     return low
 
 
-def safe_batch_size_2d(fit: Fit2D, usable_bytes: int, seq_len: int) -> int:
-    """Largest integer batch_size >= 0 with ``fit.upper(batch_size, seq_len) <= usable_bytes``.
+def safe_batch_size_2d(fit: Fit2D, usable_bytes: int, seq_len: int, widen: float = 0.0) -> int:
+    """Largest integer batch_size >= 0 with ``fit.upper(batch_size, seq_len) + widen × fit.predict(batch_size,
+    seq_len) <= usable_bytes`` (``widen``: a fraction of the prediction added to the bound, between calibrated
+    lengths :data:`vramcal.calibration.surface.INTERPOLATION_ERROR`).
 
     At fixed seq_len the upper bound is convex in batch_size (a line plus the square root of a convex
     quadratic), so the batch sizes that fit form an interval. Its left end may lie above 1 (a wide interval
@@ -300,14 +306,16 @@ def safe_batch_size_2d(fit: Fit2D, usable_bytes: int, seq_len: int) -> int:
     high = max(1, math.floor((usable_bytes - fit.overhead_bytes) / slope)) + 1  # predict(high) > usable
 
     def bound(batch_size: int) -> float:
-        return fit.upper(batch_size, seq_len)
+        return fit.upper(batch_size, seq_len) + widen * fit.predict(batch_size, seq_len)
 
     low = _argmin_convex(bound, 1, high)
     return _last_fitting(bound, usable_bytes, low, high) if bound(low) <= usable_bytes else 0
 
 
-def longest_seq_len(fit: Fit2D, usable_bytes: int, batch_size: int, chunk_size: int, low: int, high: int) -> int:
-    """Largest multiple of chunk_size in [low, high] with ``fit.upper(batch_size, seq_len) <= usable_bytes``.
+def longest_seq_len(fit: Fit2D, usable_bytes: int, batch_size: int, chunk_size: int, low: int, high: int,
+                    widen: float = 0.0) -> int:
+    """Largest multiple of chunk_size in [low, high] with ``fit.upper(batch_size, seq_len) + widen ×
+    fit.predict(batch_size, seq_len) <= usable_bytes`` (``widen``: as :func:`safe_batch_size_2d`'s).
 
     The upper bound is convex in seq_len at fixed batch_size, so the same search as
     :func:`safe_batch_size_2d` runs over k with seq_len = k · chunk_size. Returns 0 when no multiple fits
@@ -320,7 +328,7 @@ def longest_seq_len(fit: Fit2D, usable_bytes: int, batch_size: int, chunk_size: 
         return 0
 
     def bound(k: int) -> float:
-        return fit.upper(batch_size, k * chunk_size)
+        return fit.upper(batch_size, k * chunk_size) + widen * fit.predict(batch_size, k * chunk_size)
 
     start = _argmin_convex(bound, k_low, k_high)
     return chunk_size * _last_fitting(bound, usable_bytes, start, k_high) if bound(start) <= usable_bytes else 0
@@ -371,18 +379,29 @@ class SeqLens:
     is_range: bool = False
 
     def design(self, chunk_size: int) -> tuple[int, ...]:
-        """The lengths to calibrate: a list as written; a range as its ends and their geometric middle rounded
-        to a multiple of chunk_size (three lengths pin the 2-D model and its extra-terms test; the middle is
-        the reference calibrated in full). Each checked by :func:`check_seq_lens`.
+        """The lengths to calibrate: a list as written; a range as its ends and lengths spaced geometrically
+        between them, rounded to multiples of chunk_size, neighbours at most :data:`LENGTH_RATIO` apart and at
+        least a middle one (three lengths pin the 2-D model and its extra-terms test; the middle one is the
+        reference calibrated in full): answers between calibrated lengths interpolate over no wider a gap than
+        the one the interpolation error was measured over. Each checked by :func:`check_seq_lens`.
 
         Raises:
             ValueError: as :func:`check_seq_lens`.
         """
         lengths = check_seq_lens(self.lengths, chunk_size)
         if self.is_range and len(lengths) == 2:
-            middle = round(math.sqrt(lengths[0] * lengths[1]) / chunk_size) * chunk_size
-            lengths = tuple(sorted({lengths[0], min(max(middle, lengths[0]), lengths[1]), lengths[1]}))
+            low, high = lengths
+            gaps = max(2, math.ceil(math.log(high / low) / math.log(LENGTH_RATIO) - 1e-9))
+            inside = {round(low * (high / low) ** (i / gaps) / chunk_size) * chunk_size for i in range(1, gaps)}
+            lengths = tuple(sorted({low, high, *(min(max(n, low), high) for n in inside)}))
         return lengths
+
+
+def wide_gaps(seq_lens: Sequence[int]) -> list[tuple[int, int]]:
+    """Neighbouring calibrated lengths more than :data:`LENGTH_RATIO` apart (a list the user wrote): answers
+    between them interpolate over a gap wider than the one the interpolation error was measured over."""
+    ordered = sorted(seq_lens)
+    return [(a, b) for a, b in zip(ordered, ordered[1:]) if b > LENGTH_RATIO * a]
 
 
 def parse_seq_lens(text: str) -> SeqLens:

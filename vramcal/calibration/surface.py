@@ -46,6 +46,10 @@ from vramcal.records import Trial
 from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, read_list, read_record
 
 INTERPOLATED = "interpolated (not verified at this length)"  # the basis of limits between calibrated lengths
+# What the fit may under-predict a real trial by between calibrated lengths, a fraction of the prediction, added to
+# the upper bound there (Surface.upper): the worst of the interpolated answers measured by bench/interpolation.py
+# on the committed multi-length profiles (bench/README.md), rounded up.
+INTERPOLATION_ERROR = 0.005
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,17 @@ class Surface:
 
     def at(self, seq_len: int) -> LengthLimits | None:
         return next((entry for entry in self.lengths if entry.seq_len == seq_len), None)
+
+    def widening(self, seq_len: int) -> float:
+        """What the bound adds at ``seq_len``, a fraction of the prediction: :data:`INTERPOLATION_ERROR` between
+        calibrated lengths, 0 at one."""
+        return 0.0 if self.at(seq_len) is not None else INTERPOLATION_ERROR
+
+    def upper(self, batch_size: float, seq_len: int) -> float:
+        """The upper bound at (batch_size, seq_len) limits are held to: the fit's 95 % prediction bound, widened
+        between calibrated lengths by :meth:`widening` of the prediction (bytes)."""
+        fit = self.fit
+        return fit.upper(batch_size, seq_len) + self.widening(seq_len) * fit.predict(batch_size, seq_len)
 
     def to_dict(self) -> dict:
         return {"fit": self.fit.to_dict(), "reference_seq_len": self.reference_seq_len,
@@ -262,8 +277,9 @@ def settle_surface(trials: Sequence[Trial], seq_lens: Sequence[int], chunk_size:
 
 def answer_at(surface: Surface, seq_len: int, usable_bytes: int, conservative_fraction: float) -> tuple[int, int, str]:
     """(safe, conservative, basis) at any length: a calibrated length's verified limits, or inside the range
-    the model's safe size, never above the verified limit of the next shorter calibrated length (memory
-    grows with length), marked an interpolation.
+    the model's safe size under its bound widened by :data:`INTERPOLATION_ERROR` (:meth:`Surface.upper`), never
+    above the verified limit of the next shorter calibrated length (memory grows with length), marked an
+    interpolation.
 
     Raises:
         ValueError: ``seq_len`` outside the calibrated range, or not a multiple of chunk_size.
@@ -277,15 +293,19 @@ def answer_at(surface: Surface, seq_len: int, usable_bytes: int, conservative_fr
     if entry is not None:
         return entry.safe_batch_size, entry.conservative_batch_size, "verified" if entry.verified else "not verified"
     shorter = max((e for e in surface.lengths if e.seq_len < seq_len), key=lambda e: e.seq_len)
-    safe = min(safe_batch_size_2d(surface.fit, usable_bytes, seq_len), shorter.safe_batch_size)
+    model = safe_batch_size_2d(surface.fit, usable_bytes, seq_len, surface.widening(seq_len))
+    safe = min(model, shorter.safe_batch_size)
     return safe, math.floor(conservative_fraction * safe), INTERPOLATED
 
 
 def longest_at(surface: Surface, batch_size: int, usable_bytes: int) -> int:
     """The longest seq_len (a multiple of chunk_size, inside the calibrated range) whose upper bound at
-    ``batch_size`` fits in usable memory; 0 when none does."""
-    return longest_seq_len(surface.fit, usable_bytes, batch_size, surface.chunk_size, min(surface.seq_lens),
-                           max(surface.seq_lens))
+    ``batch_size`` (:meth:`Surface.upper`: widened between calibrated lengths) fits in usable memory; 0 when none
+    does."""
+    low, high, fit = min(surface.seq_lens), max(surface.seq_lens), surface.fit
+    between = longest_seq_len(fit, usable_bytes, batch_size, surface.chunk_size, low, high, INTERPOLATION_ERROR)
+    plain = longest_seq_len(fit, usable_bytes, batch_size, surface.chunk_size, low, high)
+    return max(between, max((n for n in surface.seq_lens if n <= plain), default=0))
 
 
 def limits_at(surface: Surface, seq_len: int, total_bytes: int, settings) -> Limits:

@@ -7,6 +7,7 @@ import contextvars
 
 import click
 
+from vramcal.calibration.evaluation import is_evaluation
 from vramcal.calibration.throughput import rate_text
 from vramcal.forecast import FAR, observation_verdict
 from vramcal.report.markdown import creep_shape, world_text
@@ -24,12 +25,13 @@ def summary(profile) -> str:
     if fit is None or limits is None:
         lines.append("no fit: " + "; ".join(profile.warnings))
         return "\n".join(lines)
-    lines.append(f"{fit.formula()}   (r² = {fit.r_squared:.4f}, {fit.n_points} points)")
+    lines.append(f"{fit.formula()}   (r² = {fit.r_squared:.4f}; {points_text(profile)})")
     creep = profile.creep
     if creep is not None:
-        lines.append(f"step creep    +{format_bytes(creep.bytes_at_steady)} at batch_size {creep.batch_size} over "
-                     f"{creep.steps or profile.run.get('steady_steps', '?')} steps{creep_shape(creep)} (in the line, "
-                     f"the limits and the verified peaks)")
+        lines.append(f"step creep    +{format_bytes(creep.bytes_at_steady)} at batch_size {creep.batch_size}: how much "
+                     f"more a long run peaks than a trial's few steps, from a steady trial of "
+                     f"{creep.steps or profile.run.get('steady_steps', '?')} steps{creep_shape(creep)}; included in "
+                     f"the line, the limits and the verified peaks")
     if profile.world is not None:
         lines.append(f"world         {world_text(profile).replace('`', '')}")
     lines.append(f"usable        {format_bytes(limits.usable_bytes)}")
@@ -52,6 +54,20 @@ def summary(profile) -> str:
     lines += evaluation_lines(profile)
     lines.extend(f"warning: {w}" for w in profile.warnings)
     return "\n".join(lines)
+
+
+def points_text(profile) -> str:
+    """Which trials the line goes through, for people: ``5 of the 8 trials are its points (batch_size 46, 76, 85 ×2,
+    138): the line is fitted near the limit``. The others are the flat start, sizes far below the largest measured,
+    trials that measured nothing, and the steady trial (the step creep's): the report's trials table marks each."""
+    fit, counted = profile.fit, {}
+    for size in sorted(fit.batch_sizes):
+        counted[size] = counted.get(size, 0) + 1
+    sizes = ", ".join(f"{size}{f' ×{n}' if n > 1 else ''}" for size, n in counted.items())
+    length = profile.surface.reference_seq_len if profile.surface is not None else None  # the line's length
+    trials = len([t for t in profile.trials if t.seq_len == length and not is_evaluation(t)])
+    return (f"{fit.n_points} of the {trials} trials are its points (batch_size {sizes}): the line is fitted near "
+            f"the limit")
 
 
 def evaluation_lines(profile) -> list[str]:

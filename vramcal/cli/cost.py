@@ -27,9 +27,9 @@ from vramcal.forecast import (
     default_dataset,
     estimated_card,
     parse_prices,
+    world_forecast,
 )
 from vramcal.models.registry import differences
-from vramcal.models.regressor.step import load_windows
 from vramcal.report import write_cost_report
 from vramcal.report.catalogue import catalogued
 from vramcal.report.cost import forecast_notes, forecast_table
@@ -70,54 +70,82 @@ forecast_options = group(
 )
 
 
-def datasets_for(profiles: list, options: dict[str, Any]) -> list[Dataset | None]:
-    """Each profile's dataset from the forecast options (module docstring of :mod:`vramcal.forecast`); without one,
-    :func:`vramcal.forecast.default_dataset` (the latest recorded run's windows, else the calibration's data).
+def forecastable(paths: tuple[Path, ...], options: dict[str, Any], world_size: int | None = None,
+                 lengths: bool = True) -> tuple[list, list[Dataset | None], list[str]]:
+    """The profiles PATHS hold that the forecast options can forecast (:func:`vramcal.cli.options.load_profiles`),
+    each profile's dataset (module docstring of :mod:`vramcal.forecast`; without --data, --bars or --samples
+    :func:`vramcal.forecast.default_dataset`: the latest recorded run's windows, else the calibration's data), and
+    one line per profile of a folder left out: a length it does not cover (``lengths``: --seq-len, or none given
+    for a profile over several), a world it cannot carry to ``world_size``, no seq_len to cut windows with.
 
     Raises:
         click.BadParameter: more than one of --data, --bars and --samples, or --val-samples without --samples.
-        click.ClickException: a profile without a seq_len asked to cut windows; unreadable data.
+        click.ClickException: a named file the options cannot forecast (one line naming it); unreadable data;
+            nothing left to forecast.
     """
-
     given = [name for name in ("data", "bars", "samples") if options[name] is not None]
     if len(given) > 1:
         raise click.BadParameter(f"give one of --data, --bars and --samples, not {' and '.join(given)}",
                                  param_hint=f"--{given[1]}")
     if options["val_samples"] is not None and options["samples"] is None:
         raise click.BadParameter("--val-samples goes with --samples", param_hint="--val-samples")
+    datasets: dict[Path, Dataset | None] = {}
+    bars = None
+    if options["data"] is not None:
+        from vramcal.models.regressor.bars import load_bars  # loads numpy: only when called
+
+        with one_line():
+            bars = load_bars(options["data"])  # read once; each profile cuts its own windows
+
+    def why_not(profile) -> str | None:
+        try:
+            if lengths:
+                length_model(profile, options["seq_len"])
+            if world_size is not None:
+                world_forecast(profile, None, 1, world_size)
+            datasets[profile.path] = _dataset(profile, options, bars)
+        except SizingError as error:
+            return str(error)
+        return None
+
+    profiles, left_out = load_profiles(paths, why_not)
+    return profiles, [datasets[p.path] for p in profiles], left_out
+
+
+def _dataset(profile, options: dict[str, Any], bars: Any) -> Dataset | None:
+    """The profile's dataset (:func:`forecastable`); ``bars``: --data's, read.
+
+    Raises:
+        SizingError: windows asked of a profile whose model has no seq_len, or too few bars for a window at it.
+    """
+    from vramcal.models.regressor.bars import DataError  # loads numpy: only when called
+    from vramcal.models.regressor.windows import make_windows, window_counts  # loads numpy: only when called
+
     if options["samples"] is not None:
-        return [Dataset(options["samples"], options["val_samples"], "--samples")] * len(profiles)
-    if not given:
-        return [default_dataset(p) for p in profiles]
-    return [_windows(p, options) for p in profiles]
-
-
-def _windows(profile, options: dict[str, Any]) -> Dataset:
-    from vramcal.models.regressor.windows import window_counts  # loads numpy: only when called
-
+        return Dataset(options["samples"], options["val_samples"], "--samples")
+    if options["data"] is None and options["bars"] is None:
+        return default_dataset(profile)
     seq_len = options["seq_len"] or profile.model.params.get("seq_len")
     if not isinstance(seq_len, int):
-        raise click.ClickException(f"{profile.device.name}: the profile's model has no seq_len to cut windows with: "
-                                   f"give --samples")
+        raise SizingError("its model has no seq_len to cut windows with: give --samples")
     stride, fraction = options["stride"], options["val_fraction"]
     where = f"seq_len {seq_len}, stride {stride or max(1, seq_len // 2)}, val_fraction {fraction:g}"
     if options["bars"] is not None:
         train, val = window_counts(options["bars"], seq_len, stride, fraction)
         if train < 1:
-            raise click.BadParameter(f"{options['bars']} bars give no training window of {seq_len} bars",
-                                     param_hint="--bars")
+            raise SizingError(f"{options['bars']} bars give no training window of {seq_len} bars: give more --bars")
         return Dataset(train, val, f"{options['bars']:,} bars without gaps: {where}")
-
-    with one_line():
-        windows = load_windows(options["data"], seq_len, stride, fraction)
+    try:
+        windows = make_windows(bars, seq_len, stride, fraction, source=options["data"])
+    except DataError as error:
+        raise SizingError(str(error)) from None
     return Dataset(len(windows.train_starts), len(windows.val_starts), f"{options['data']}: {where}")
 
 
-def forecast_settings(profiles: list, options: dict[str, Any]):
-    """The report's :class:`vramcal.forecast.ForecastSettings` from the forecast options (the first profile's
-    dataset: a report of several profiles forecasts each over its own calibration data unless one is given)."""
-
-    datasets = datasets_for(profiles, options)
+def forecast_settings(datasets: list[Dataset | None], options: dict[str, Any]) -> ForecastSettings:
+    """The report's :class:`vramcal.forecast.ForecastSettings` from the forecast options and the profiles' datasets
+    (:func:`forecastable`; the first profile's when one is given: a report of several profiles forecasts each over
+    its own calibration data unless one is given)."""
     given = any(options[name] is not None for name in ("data", "bars", "samples"))
     return ForecastSettings(epochs=options["epochs"], prices=tuple(options["prices"]),
                             dataset=datasets[0] if given else None, seq_len=options["seq_len"])
@@ -145,12 +173,13 @@ def cost_command(profiles: tuple[Path, ...], size_for: str, out_dir: Path, name:
     sharding model), each rank its share of the samples, the world's samples/s, the price of N cards.
     """
 
-    paths, loaded = load_profiles(profiles)
-    _check_lengths(paths, loaded, options["seq_len"])
+    loaded, datasets, left_out = forecastable(profiles, options, world_size)
+    paths = [p.path for p in loaded]
+    for line in left_out:
+        click.echo(line, err=True)
     try:
-        forecasts = cost_table(loaded, datasets_for(loaded, options), options["epochs"], options["prices"],
-                               size_for=size_for, seq_len=options["seq_len"], labels=_labels(loaded),
-                               world_size=world_size)
+        forecasts = cost_table(loaded, datasets, options["epochs"], options["prices"], size_for=size_for,
+                               seq_len=options["seq_len"], labels=_labels(loaded), world_size=world_size)
     except SizingError as error:
         raise click.ClickException(str(error)) from None
     forecasts = forecasts if world_size else _estimated(forecasts, loaded)
@@ -167,27 +196,14 @@ def cost_command(profiles: tuple[Path, ...], size_for: str, out_dir: Path, name:
             from None
     if as_json:
         click.echo(json.dumps({"png": str(png), "markdown": str(markdown), "profiles": [str(p) for p in paths],
-                               "size_for": size_for, "forecasts": [f.to_dict() for f in forecasts]},
+                               "left_out": left_out, "size_for": size_for,
+                               "forecasts": [f.to_dict() for f in forecasts]},
                               indent=2, sort_keys=True))
         return
     click.echo(forecast_table(forecasts, bold=False))
     for note in forecast_notes(forecasts):
         click.echo(click.wrap_text(note, width=110, initial_indent="- ", subsequent_indent="  "))
     click.echo(f"forecast: {markdown} and {png}")
-
-
-def _check_lengths(paths: list[Path], profiles: list, seq_len: int | None) -> None:
-    """``--seq-len`` must be a length each profile covers: a row of dashes would answer nothing.
-
-    Raises:
-        click.ClickException: one line naming the profile and the probe that covers the length (exit 1).
-    """
-
-    for path, profile in zip(paths, profiles):
-        try:
-            length_model(profile, seq_len)
-        except SizingError as error:
-            raise click.ClickException(f"{path}: {error}") from None
 
 
 def _estimated(forecasts: list, profiles: list) -> list:

@@ -32,7 +32,7 @@ from vramcal.measure.device import DeviceError, check_choice
 from vramcal.measure.nvml import NvmlError
 from vramcal.models.mamba2 import CHECKPOINTING_FORMS, DTYPE_POLICIES, IMPLEMENTATIONS, checkpoint_every
 from vramcal.models.regressor.spec import RegressorSpec
-from vramcal.profile import load_profile
+from vramcal.profile import left_out, load_profile, profiles_under
 from vramcal.records import World
 from vramcal.report.catalogue import parse_gpu_list
 from vramcal.staleness import STRICT_ENV
@@ -531,24 +531,35 @@ def stop_on_sigterm() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def profile_paths(paths: tuple[Path, ...]) -> list[Path]:
-    """Expand folders to the profiles (``*.json``) below them, sorted; files stay as given."""
-    expanded = []
-    for path in paths:
-        if path.is_dir():
-            found = sorted(path.glob("**/*.json"))
-            if not found:
-                raise click.ClickException(f"{path} holds no profile (*.json): run `vramcal probe` first")
-            expanded += found
-        else:
-            expanded.append(path)
-    return expanded
+def load_profiles(paths: tuple[Path, ...], why_not: Callable[[Any], str | None] = lambda profile: None
+                  ) -> tuple[list, list[str]]:
+    """The profiles PATHS name, and one line per profile a folder held that the command leaves out.
 
+    A file is taken as it is: one that is no profile, or that ``why_not`` refuses, ends the command (it was asked
+    for by name). A folder gives every profile below it (:func:`vramcal.profile.profiles_under`) that ``why_not``
+    (the command's use of a profile: None, or why it cannot use it) has nothing against; each of its files left
+    out, unreadable or refused, is one line ``left out PATH: why``, and the command goes on with the rest.
 
-def load_profiles(paths: tuple[Path, ...]) -> tuple[list[Path], list]:
-    """The profile files PATHS name (folders expanded: :func:`profile_paths`), and the profiles, checked; a bad one
-    ends the command with one line."""
-
-    expanded = profile_paths(paths)
+    Raises:
+        click.ClickException: a named file that is no profile or is refused; a folder holding no profile file;
+            nothing left to use (the first line says why).
+    """
+    profiles, lines = [], []
     with one_line():
-        return expanded, [load_profile(path) for path in expanded]
+        for path in paths:
+            if not path.is_dir():
+                profile = load_profile(path)
+                if (why := why_not(profile)) is not None:
+                    raise click.ClickException(f"{path}: {why}")
+                profiles.append(profile)
+                continue
+            found, unreadable = profiles_under(path)
+            if not found and not unreadable:
+                raise click.ClickException(f"{path} holds no profile (*.json): run `vramcal probe` first")
+            refused = [(p.path, why) for p in found if (why := why_not(p)) is not None]
+            lines += [left_out(where, why) for where, why in sorted(unreadable + refused)]
+            profiles += [p for p in found if p.path not in dict(refused)]
+    if not profiles:
+        raise click.ClickException(f"no profile here can be used ({len(lines)} left out; the first: "
+                                   f"{lines[0].removeprefix('left out ')})")
+    return profiles, lines

@@ -13,7 +13,7 @@ import click
 
 from vramcal import api, batching
 from vramcal.cli.console import estimate_lines
-from vramcal.cli.cost import forecast_options, forecast_settings
+from vramcal.cli.cost import forecast_options, forecast_settings, forecastable
 from vramcal.cli.options import EXIT_UNVERIFIED, Buckets, GpuList, load_profiles, one_line, strict_option
 from vramcal.cli.probe import warn_if_stale
 from vramcal.estimate import EstimateError
@@ -52,12 +52,15 @@ def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, 
     `vramcal cost`) takes the forecast options.
     """
 
-    paths, loaded = load_profiles(profiles)
+    loaded, datasets, left_out = forecastable(profiles, options, lengths=False)  # the forecast says its lengths
+    paths = [p.path for p in loaded]
+    for line in left_out:
+        click.echo(line, err=True)
     try:
         png, markdown = write_report(loaded, out_dir, name=name, extra_gpus=gpus,
-                                     forecast=forecast_settings(loaded, options))
-        own = [write_report([p], out_dir, extra_gpus=gpus, forecast=forecast_settings([p], options))
-               for p in loaded] if len(loaded) > 1 else []
+                                     forecast=forecast_settings(datasets, options))
+        own = [write_report([p], out_dir, extra_gpus=gpus, forecast=forecast_settings([d], options))
+               for p, d in zip(loaded, datasets)] if len(loaded) > 1 else []
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--name") from None
     except OSError as error:
@@ -72,7 +75,7 @@ def report_command(profiles: tuple[Path, ...], out_dir: Path, name: str | None, 
               "observations": len(p.observations),
               **({"png": str(own[i][0]), "markdown": str(own[i][1])} if own else {})}
              for i, (path, p) in enumerate(zip(paths, loaded))]
-    click.echo(json.dumps({"png": str(png), "markdown": str(markdown), "profiles": facts,
+    click.echo(json.dumps({"png": str(png), "markdown": str(markdown), "profiles": facts, "left_out": left_out,
                            "variants": _variants_json(paths, loaded, png)}, indent=2, sort_keys=True))
 
 
@@ -128,7 +131,7 @@ def limits_command(ctx: click.Context, profile: Path, gpus: list[GpuModel], seq_
     FSDP the model states divide by the ranks, the rest of the measured fit does not.
     """
 
-    loaded = load_profiles((profile,))[1][0]
+    loaded = load_profiles((profile,))[0][0]
     with one_line():
         warn_if_stale(loaded, profile, strict_profile)
     questions = (("--seq-len", seq_len), ("--batch-size", batch_size), ("--buckets", buckets),

@@ -57,7 +57,8 @@ def size_command(ctx: click.Context, gpu, capacity, implementation, model: Model
         except NoLimitsError as error:  # a profile without limits: exit 3 (README "Exit codes")
             raise Unverified(str(error)) from None
     s = answered.sizing
-    for notice in s.notices:  # the gate's (memory taken since the calibration), clamping, an unverified profile
+    # the files left out; the gate's (memory taken since the calibration), clamping, an unverified profile
+    for notice in (*answered.left_out, *s.notices):
         click.echo(f"vramcal: {labelled(notice)}", err=True)
     click.echo(f"vramcal: batch_size {s.batch_size} ({s.label}; safe {s.safe_batch_size}, conservative "
                f"{s.conservative_batch_size}) {answered.reason}", err=True)

@@ -31,6 +31,8 @@ from vramcal.cli.options import (
 from vramcal.cli.probe import calibrate_one, stdout_to_stderr
 from vramcal.measure.device import check_host_world
 from vramcal.models.regressor.spec import RegressorSpec
+from vramcal.profile import ProfileError, load_profile
+from vramcal.report import report_name, write_report
 from vramcal.train import checkpoint, distributed
 from vramcal.train.config import RESUME_OVERRIDES, ConfigError, TrainConfig, is_language_model, load_config
 from vramcal.units import format_bytes
@@ -161,7 +163,25 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
         (announce_lm if plan.config.language_model else announce)(plan)
     with one_line(lambda: interrupted_line(plan.run_dir)), stdout_to_stderr(as_json):
         train(plan, echo=lambda line: click.echo(line, err=True))
+    refresh_report(plan.profile_path)
     echo_done(plan.run_dir, as_json)
+
+
+def refresh_report(profile_path: str | None, reports_dir: Path = Path("reports")) -> None:
+    """Rewrite the report `vramcal probe` wrote of the run's profile in ``reports_dir`` (its default), now holding
+    the run the profile recorded: its peak and its time against their forecasts, and its windows as the epoch the
+    report forecasts (a report made at probe time never shows the run, and forecasts the calibration's windows).
+    Nothing where there is no such report (``--no-report``, another ``--reports-dir``: `vramcal report` makes one);
+    a report that cannot be written is a warning."""
+    if profile_path is None:
+        return
+    try:
+        profile = load_profile(profile_path)
+        if (reports_dir / f"{report_name([profile])}.md").exists():
+            png, markdown = write_report([profile], reports_dir)
+            click.echo(f"report: {markdown} and {png}, with this run", err=True)
+    except (OSError, ProfileError) as error:
+        click.echo(f"warning: the report of {profile_path} was not brought up to date ({error})", err=True)
 
 
 def new_plan(config: TrainConfig, probe: bool, capacity: int | None, run_dir: Path | None):

@@ -210,7 +210,7 @@ def select(gpu: str, capacity_bytes: int | None = None,
         gpus = visible_gpus(nvml, dict(environ))
     except NvmlError as error:
         if choice == "auto":
-            return [host_device(capacity_bytes)], _host_notice(f"no usable NVIDIA GPU ({error})", capacity_bytes)
+            return [host_device(capacity_bytes)], _host_notice(f"no usable NVIDIA GPU ({error.cause})", capacity_bytes)
         raise
     hidden = _visibility(environ)
     if choice == "auto":

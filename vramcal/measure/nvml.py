@@ -39,7 +39,12 @@ NOT_AVAILABLE = 2**64 - 1
 
 
 class NvmlError(RuntimeError):
-    """NVML is missing or a query failed; the message says why and what to do."""
+    """NVML is missing or a query failed; the message says why and what to do, ``cause`` why alone (for a notice
+    where the host was chosen already: ``--gpu auto`` on a machine without a GPU)."""
+
+    def __init__(self, message: str, cause: str | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause or message
 
 
 def load_nvml() -> types.ModuleType:
@@ -52,13 +57,15 @@ def load_nvml() -> types.ModuleType:
         import pynvml
         from nvitop.api import libnvml
     except ImportError as error:
-        raise NvmlError(f"{error.name or 'nvidia-ml-py'} is not installed: pip install nvidia-ml-py nvitop, "
-                        f"or use {given('gpu', 'none')} for the host's memory") from error
+        missing = f"{error.name or 'nvidia-ml-py'} is not installed"
+        raise NvmlError(f"{missing}: pip install nvidia-ml-py nvitop, or use {given('gpu', 'none')} for the host's "
+                        f"memory", missing) from error
     try:
         pynvml.nvmlInit()
     except Exception as error:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
         raise NvmlError(f"NVML could not start ({error}): the NVIDIA driver is not installed or not "
-                        f"visible here; use {given('gpu', 'none')} for the host's memory") from error
+                        f"visible here; use {given('gpu', 'none')} for the host's memory",
+                        f"NVML could not start: {error}") from error
     return libnvml
 
 

@@ -52,6 +52,8 @@ class Family:
             (else ``--model-arg KEY=VALUE``).
         option_args: arguments the command line fills from its ``--seq-len``/``--dtype`` defaults when
             ``--model-arg`` does not give them.
+        documents: the bundled trainer batches documents of every length for it (the language model's), so a run's
+            time is forecast per padded token (:mod:`vramcal.train.timing`), not per sample of one length.
     """
 
     factory: str
@@ -59,6 +61,7 @@ class Family:
     quiet: tuple[str, ...] = ()
     spec_options: bool = False
     option_args: tuple[str, ...] = ()
+    documents: bool = False
 
     def check(self, params: dict[str, Any], device: Device, implementation: str) -> ModelRef:
         """The checked reference of the factory with ``params`` on ``device`` (a user's factory: importable).
@@ -177,6 +180,7 @@ class LanguageModel(Family):
     factory: str = lm.FACTORY
     name: str = "lm"
     option_args: tuple[str, ...] = ("seq_len", "dtype")
+    documents: bool = True
 
     def check(self, params: dict[str, Any], device: Device, implementation: str) -> ModelRef:
         """Raises: ValueError: no config or seq_len, a config transformers refuses, a seq_len that is not a

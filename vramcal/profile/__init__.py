@@ -44,9 +44,9 @@ from vramcal.records import Device, World
 from vramcal.workload import ModelRef
 
 __all__ = ["DEFAULT_PROFILES_DIR", "SCHEMA_VERSION", "Observation", "Profile", "ProfileError", "Verification",
-           "append_observation", "check_profile_matches", "load_profile", "matching_profiles", "newest_profile",
-           "profile_name",
-           "profile_path", "save_profile", "utc_now", "world_difference"]
+           "append_observation", "check_profile_matches", "left_out", "load_profile", "matching_profiles",
+           "newest_profile", "profile_name", "profile_path", "profiles_under", "save_profile", "utc_now",
+           "world_difference"]
 
 
 def profile_name(model: ModelRef, implementation: str, world: World | None = None) -> str:
@@ -176,26 +176,43 @@ def matching_profiles(profiles_dir: Path | str, device: Device, model: ModelRef,
 
 def profiles_where(profiles_dir: Path | str, device: Device, wanted: Callable[[Profile], bool],
                    total_bytes: int | None = None, name_hint: str | None = None) -> tuple[list[Profile], list[str]]:
-    """The readable profiles under ``profiles_dir`` (any depth) for this device's hardware, calibrated at the budget
-    ``total_bytes`` when it is given, that ``wanted`` keeps.
+    """The readable profiles under ``profiles_dir`` (:func:`profiles_under`) for this device's hardware, calibrated
+    at the budget ``total_bytes`` when it is given, that ``wanted`` keeps.
 
     Returns:
         The profiles, oldest first (by ``created_utc``, then path; each carries its ``path``), and one line for each
         unreadable file whose name holds ``name_hint`` (the model asked for: its bad file is reported, not passed
         over in silence; None reports none).
     """
-    candidates, skipped = [], []
-    for path in sorted(Path(profiles_dir).glob("**/*.json")):
-        try:
-            profile = load_profile(path)
-        except ProfileError as error:
-            if name_hint is not None and name_hint in path.name:
-                skipped.append(str(error))
-            continue
-        if (device.hardware_difference(profile.device) is None and total_bytes in (None, profile.device.total_bytes)
-                and wanted(profile)):
-            candidates.append(profile)
+    found, unreadable = profiles_under(profiles_dir)
+    skipped = [left_out(path, why) for path, why in unreadable if name_hint is not None and name_hint in path.name]
+    candidates = [p for p in found if device.hardware_difference(p.device) is None
+                  and total_bytes in (None, p.device.total_bytes) and wanted(p)]
     return sorted(candidates, key=lambda p: (p.created_utc, str(p.path))), skipped
+
+
+def profiles_under(folder: Path | str) -> tuple[list[Profile], list[tuple[Path, str]]]:
+    """Every profile file below ``folder`` (``**/*.json`` at any depth, in path order; none where the folder does
+    not exist): the one scan of a folder of profiles that sizing, the estimate's learning and the commands over
+    folders (``cost``, ``report``) share.
+
+    Returns:
+        The readable profiles (each carries its ``path``), and (path, why) for each file there that is no readable
+        profile (:func:`load_profile`'s one line), for the caller to report or pass over.
+    """
+    found, unreadable = [], []
+    for path in sorted(Path(folder).glob("**/*.json")):
+        try:
+            found.append(load_profile(path))
+        except ProfileError as error:
+            unreadable.append((path, str(error)))
+    return found, unreadable
+
+
+def left_out(path: Path | str, why: str) -> str:
+    """``left out <path>: <why>``: the line a command over a folder of profiles gives each file it does not use (a
+    :class:`ProfileError`'s ``profile <path>`` opening is not said twice)."""
+    return f"left out {path}: {why.removeprefix(f'profile {path}').lstrip(': ')}"
 
 
 def check_profile_matches(profile: Profile, device: Device, model: ModelRef | None, world: World | None = None) -> None:

@@ -366,25 +366,25 @@ def observations_table(profile: Profile) -> str:
 
 
 def creep_shape(creep) -> str:
-    """``, levelled off at step 7`` or ``, still rising (+4.0 MiB over its last steps)``, what its epoch's end did
-    (``(after an epoch's end at step 2 it rose 1.50 MiB)``; ``, under the plateau rule's 0.1%`` when the curve
-    counts as level before it), and how much of the creep was measured and how much is the allowance for later
-    steps (``, flat over them: ...`` when the allowance is all of it; nothing for a profile made before the steady
-    trial's curve was recorded)."""
+    """How the steady trial's peak moved, in words a reader of the README follows: ``, level from step 7 on``,
+    ``, flat`` or ``, still rising (+4.0 MiB over its last steps)``; what the validation pass it ran as an epoch's
+    end did (``; a validation pass after step 2, as at an epoch's end, added 1.50 MiB``, with ``, under the 0.1 %
+    counted as a rise`` when the curve was level before it); and how much of the creep was measured and how much is
+    the allowance for later steps. Nothing for a profile made before the steady trial's curve was recorded."""
     if creep.steps is None:
         return ""
     epoch = ""
     if creep.epoch_end_step is not None:
-        rise = f"rose {format_bytes(creep.epoch_end_rise_bytes)}" if creep.epoch_end_rise_bytes else "did not rise"
+        rise = f"added {format_bytes(creep.epoch_end_rise_bytes)}" if creep.epoch_end_rise_bytes else "added nothing"
         if creep.epoch_end_rise_bytes and creep.levelled_at is not None and creep.levelled_at < creep.epoch_end_step:
-            rise += f", under the plateau rule's {PLATEAU_TOLERANCE:.1%}"  # level before the epoch's end: say why
-        epoch = f" (after an epoch's end at step {creep.epoch_end_step} it {rise})"
-    later = (f"; of it {format_bytes(creep.bytes_at_steady - creep.late_bytes)} measured, "
+            rise += f", under the {PLATEAU_TOLERANCE:.1%} counted as a rise"  # level before the epoch's end: say why
+        epoch = f"; a validation pass after step {creep.epoch_end_step}, as at an epoch's end, {rise}"
+    later = (f"; of the creep, {format_bytes(creep.bytes_at_steady - creep.late_bytes)} measured and "
              f"{format_bytes(creep.late_bytes)} allowed for later steps" if creep.late_bytes else "")
     if creep.late_bytes and creep.bytes_at_steady <= creep.late_bytes and creep.levelled_at is not None:
-        return f", flat over them{epoch}: all of it the allowance for later steps"
+        return f", flat{epoch}; all of the creep is the allowance for later steps"
     if creep.levelled_at is not None:
-        return f", levelled off at step {creep.levelled_at}{epoch}{later}"
+        return f", level from step {creep.levelled_at} on{epoch}{later}"
     return f", still rising (+{format_bytes(creep.late_rise_bytes)} over its last steps){epoch}{later}"
 
 

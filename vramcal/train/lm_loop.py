@@ -31,6 +31,7 @@ from vramcal.train import checkpoint
 from vramcal.train.lm_plan import read_corpus, sampler
 from vramcal.train.loop import Trainer, _first_line
 from vramcal.train.plan import Plan
+from vramcal.units import format_rate
 from vramcal.workload import build
 
 UNIFORM_LOSS = math.log(BYTE_VOCAB)  # nats per byte of a uniform guess over the byte values
@@ -111,8 +112,8 @@ class TextTrainer(Trainer):
         self.progress.epoch_padded_tokens += ids.numel()
         return loss, grad_norm, UNIFORM_LOSS, len(docs)
 
-    def _rate(self) -> dict[str, str]:
-        return {"tokens_s": f"{self.progress.epoch_tokens / self.progress.epoch_train_s:.0f}"}
+    def _rate(self) -> str:
+        return f"{format_rate(self.progress.epoch_tokens / self.progress.epoch_train_s)} tokens/s"
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

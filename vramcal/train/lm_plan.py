@@ -14,7 +14,7 @@ prediction the run's measured peak is held against, as the regressor's is held a
 trainer runs that batch second in the first epoch (the first step allocates AdamW's state and is not measured, as
 a trial's warm-up): a run that would not fit fails in its first seconds, not an hour in.
 
-**The forecast** (:func:`vramcal.train.lm_timing.forecast`): the profile's trials time their steps and validation
+**The forecast** (:func:`vramcal.train.timing.documents_forecast`): the profile's trials time their steps and validation
 passes at each length; ``step_s = t0 + t_token × batch_size × seq_len`` is fitted to them by least squares, and an
 epoch is the sum over its batches (padded) plus its validation batches; the measured tokens/s and epoch time are
 printed beside it and recorded in the profile's observation, as the regressor's samples/s are

@@ -64,10 +64,11 @@ import torch
 from vramcal.measure.meters import synchronize, torch_cuda_empty_cache
 from vramcal.models.regressor.step import RegressorStep, forward
 from vramcal.oom import is_out_of_memory
+from vramcal.progress import Heartbeat
 from vramcal.train import checkpoint, states
 from vramcal.train.errors import DivergedError, NonFiniteError, Stopped, TrainError
 from vramcal.train.plan import Plan
-from vramcal.units import format_bytes
+from vramcal.units import format_bytes, format_duration, format_rate
 from vramcal.workload import optimizer_step, step_loss
 
 Echo = Callable[[str], None]
@@ -388,9 +389,17 @@ class Trainer:
         loss, grad_norm, baseline = self._step(x, y)  # float(loss) waits for the device: the step's time
         return loss, grad_norm, baseline, share.global_batch if share.group else x.shape[0]
 
-    def _rate(self) -> dict[str, str]:
-        """The progress bar's rate."""
-        return {"samples_s": f"{self.progress.epoch_samples / self.progress.epoch_train_s:.1f}"}
+    def _rate(self) -> str:
+        """The epoch's rate so far, for the progress bar and its lines: ``41.2 samples/s``."""
+        return f"{format_rate(self.progress.epoch_samples / self.progress.epoch_train_s)} samples/s"
+
+    def _progress_line(self, loss: float) -> str:
+        """A log's line in place of the bar (:class:`vramcal.progress.Heartbeat`): ``step 120/300 (epoch 1/2),
+        loss 0.9876, 41.2 samples/s, about 1.20 min of training steps left`` (at this epoch's mean step time)."""
+        progress = self.progress
+        left = (self.total_steps - progress.step) * progress.epoch_train_s / len(progress.epoch_step_times)
+        return (f"step {progress.step}/{int(self.total_steps)} (epoch {progress.epoch + 1}/{self.config.epochs}), "
+                f"loss {loss:.4f}, {self._rate()}, about {format_duration(left)} of training steps left")
 
     def _epoch(self) -> None:
         from tqdm import tqdm
@@ -400,6 +409,7 @@ class Trainer:
         bar = tqdm(total=len(batches), initial=progress.batch_in_epoch, unit="batch", file=sys.stderr,
                    desc=f"epoch {progress.epoch + 1}/{self.config.epochs}", leave=False,
                    disable=None if share.rank == 0 else True)
+        beat = Heartbeat() if bar.disable and share.rank == 0 else None  # no terminal: a line a minute instead
         if self._measuring and self.meter is not None:
             self.meter.reset()
         for index in range(progress.batch_in_epoch, len(batches)):
@@ -425,8 +435,10 @@ class Trainer:
                     self.meter.reset()
             if progress.step % WATCH_STEPS == 0:
                 self._watch()
-            bar.set_postfix(loss=f"{loss:.4f}", **self._rate())
+            bar.set_postfix_str(f"loss {loss:.4f}, {self._rate()}")
             bar.update(1)
+            if beat is not None and beat.due():
+                self.echo(self._progress_line(loss))
             if index + 1 < len(batches) and self.saves and self._save_due():
                 self._save(None)
         synchronize(self.plan.device.kind)

@@ -108,10 +108,10 @@ def validation(profile: Profile | None, asked: int | None, train_batch_size: int
     it is above the evaluation limit's safe size, or, without one, above the training batch."""
     found = profile.evaluation if profile is not None else None
     if found is None or not found.verified or found.fit is None:
-        why = "no evaluation limit in the profile (vramcal probe --eval measures one)"
+        why = "the profile has no evaluation limit; `vramcal probe --eval` measures one"
         notices = [f"--val-batch-size {asked} is above the training batch {train_batch_size} and unchecked: {why}"] \
             if asked is not None and asked > train_batch_size else []
-        return Validation(asked or train_batch_size, "--val-batch-size" if asked else f"the training batch ({why})"), \
+        return Validation(asked or train_batch_size, "--val-batch-size" if asked else f"the training batch: {why}"), \
             notices
     safe, conservative = found.limits.safe_batch_size, found.limits.conservative_batch_size  # type: ignore[union-attr]
     size = asked or conservative

@@ -13,9 +13,25 @@ world's (:func:`world_rates`: the ranks step together, so the world trains ranks
 as the trainer's epoch rows count them (the global batch's samples over the step time): one unit on both sides,
 labelled.
 
+A family whose trainer batches documents of every length (the language model's, :mod:`vramcal.train.lm_plan`:
+:attr:`vramcal.models.registry.Family.documents`) is forecast from its profile's trials another way: they time each
+step at batch sizes and lengths of every kind, so a step's time is fitted as
+
+    step_s = t0 + t_token × batch_size × seq_len
+
+by least squares over the trials' median step times (seq_len as the trial ran it, a multiple of chunk_size), and a
+validation pass's the same way over their validation times. An epoch of batches ``(b_i, L_i)`` (each longest
+document padded to the chunk) is then ``Σ t0 + t_token × b_i × L_i`` = ``batches × t0 + t_token × padded tokens``,
+and its validation pass the same over the validation batches: the terms the plan counted. The steps' spread about
+the fit (the coefficient of variation of ``measured / fitted``) and their number give the band an epoch may land
+in with nothing wrong (:func:`vramcal.forecast.noise_band`), as for the windows' rate.
+
 Measured figures are the trainer's epoch rows (:mod:`vramcal.train.loop`): ``epoch_s`` = the epoch's step
-times plus its validation pass, ``samples_per_s`` = training samples over step time; only complete epochs
-count, and the first epoch's forecast carries the first step's extra time (it allocates AdamW's state).
+times plus its validation pass, ``samples_per_s`` = training samples over step time. The first epoch is held
+against the forecast for what it ran (:func:`first_epoch_lines`): a whole epoch, or the steps a ``max_steps`` ran
+before it ended (their samples at the forecast's rate, a language model's their batches and padded tokens on the
+step-time fit), with its validation pass; only complete epochs are recorded, and the first epoch's forecast
+carries the first step's extra time (it allocates AdamW's state).
 """
 
 from __future__ import annotations
@@ -29,8 +45,9 @@ from typing import Any
 
 from vramcal.calibration.throughput import NO_DIFFERENCE
 from vramcal.forecast import FAR, FAR_FRACTION, Dataset, Forecast, forecast_batch, noise_band, time_band, time_verdict
-from vramcal.profile import ProfileError, load_profile
-from vramcal.train import lm_timing
+from vramcal.models.registry import family_of
+from vramcal.profile import Profile, ProfileError, load_profile
+from vramcal.records import Trial
 from vramcal.train.plan import Plan
 from vramcal.units import format_duration, format_rate
 
@@ -41,8 +58,8 @@ def plan_forecast(plan: Plan) -> Forecast | None:
     (no throughput measured around the batch size)."""
     if plan.profile_path is None:
         return None
-    if plan.config.language_model:
-        return lm_timing.forecast(plan)
+    if family_of(plan.model).documents:
+        return documents_forecast(plan)
     try:
         profile = load_profile(plan.profile_path)
     except ProfileError:
@@ -106,10 +123,10 @@ def cut_steps(plan: Plan, dataset: Dataset) -> tuple[int, int | None]:
 def forecast_line(forecast: Forecast, plan: Plan | None = None) -> str:
     """``forecast: 30.1 samples/s at batch_size 161, epoch 16.1 s (training 14.1 s + validation 2.0 s), 10 epochs
     2.7 min`` (``..., 40 steps (max_steps, in epoch 2) 9.5 s`` when ``plan``'s max_steps stops it sooner; under DDP
-    ``60.2 samples/s for the world's 2 ranks (30.1 each) at batch_size 161 per rank``; a language model's:
-    :func:`vramcal.train.lm_timing.forecast_line`)."""
+    ``60.2 samples/s for the world's 2 ranks (30.1 each) at batch_size 161 per rank``; documents':
+    :func:`documents_line`)."""
     if forecast.tokens_per_s is not None and plan is not None:
-        return lm_timing.forecast_line(forecast, plan)
+        return documents_line(forecast, plan)
     val = "validation not counted" if forecast.val_s is None else f"validation {format_duration(forecast.val_s)}"
     run = f"{forecast.epochs} epoch{'s' * (forecast.epochs != 1)}"
     if plan is not None and forecast.dataset is not None:
@@ -122,6 +139,88 @@ def forecast_line(forecast: Forecast, plan: Plan | None = None) -> str:
             f"{run} {format_duration(forecast.run_s)}")
 
 
+# ------------------------------------------------------------------------- documents (module docstring)
+
+def line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
+    """(intercept, slope) of ``y = a + b x`` by least squares (Montgomery & Runger, eq. 11-7/11-8); None with fewer
+    than two distinct x or a slope that is not positive (time must grow with tokens)."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    mean_x, mean_y = statistics.fmean(x for x, _ in points), statistics.fmean(y for _, y in points)
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx
+    if slope <= 0:
+        return None
+    return max(0.0, mean_y - slope * mean_x), slope
+
+
+def timed(profile: Profile) -> list[tuple[int, Trial]]:
+    """(tokens per step, trial) of the profile's training trials that finished and timed their steps."""
+    surface = profile.surface
+    reference = surface.reference_seq_len if surface is not None else profile.model.params.get("seq_len")
+    return [(t.batch_size * (t.seq_len or reference), t) for t in profile.trials
+            if t.ok and t.step_times_s and (t.seq_len or reference)]
+
+
+def step_model(profile: Profile) -> tuple[tuple[float, float], float, int] | None:
+    """The step-time fit (t0, t_token), the steps' spread about it and their number; None: too few timings."""
+    trials = timed(profile)
+    fit = line_fit([(tokens, statistics.median(t.step_times_s)) for tokens, t in trials])
+    if fit is None:
+        return None
+    ratios = [s / (fit[0] + fit[1] * tokens) - 1 for tokens, t in trials for s in t.step_times_s]
+    return fit, statistics.stdev(ratios) if len(ratios) > 1 else 0.0, len(ratios)
+
+
+def val_model(profile: Profile) -> tuple[float, float] | None:
+    """The validation-pass fit (t0, t_token), or None where the trials timed too few passes."""
+    return line_fit([(tokens, statistics.median(t.val_times_s)) for tokens, t in timed(profile) if t.val_times_s])
+
+
+def documents_forecast(plan: Plan) -> Forecast | None:
+    """The forecast of a run on documents (module docstring): ``samples_per_s`` the training documents per second,
+    ``tokens_per_s`` their tokens (padding not counted) per second, ``step_fit`` the step-time fit (t0, t_token);
+    None without a profile file or enough timed trials."""
+    try:
+        profile = load_profile(plan.profile_path)
+    except (ProfileError, TypeError):
+        return None
+    found, val = step_model(profile), val_model(profile)
+    if found is None:
+        return None
+    (t0, per_token), spread, n_steps = found
+    stats = plan.data_stats
+    train_s = stats["train_batches"] * t0 + per_token * stats["train_padded_tokens"]
+    val_s = None if val is None else stats["val_batches"] * val[0] + val[1] * stats["val_padded_tokens"]
+    epoch_s = train_s + (val_s or 0.0)
+    steps, per_epoch = plan.config.max_steps, int(stats["train_batches"])
+    epochs = plan.config.epochs if not steps else min(plan.config.epochs, math.ceil(steps / per_epoch))
+    run_steps = min(steps or math.inf, epochs * per_epoch)
+    run_s = run_steps / per_epoch * train_s + epochs * (val_s or 0.0)
+    dataset = Dataset(int(stats["train_windows"]), int(stats["val_windows"]), f"--text {stats['text']}")
+    return Forecast(profile.device.name, True, epochs, dataset, int(stats["worst"]["batch_size"]), "worst batch",
+                    samples_per_s=stats["train_windows"] / train_s, step_spread=spread, n_steps=n_steps,
+                    train_s=train_s, val_s=val_s, epoch_s=epoch_s, run_s=run_s,
+                    tokens_per_s=stats["train_tokens"] / train_s, step_fit=(t0, per_token))
+
+
+def documents_line(forecast: Forecast, plan: Plan) -> str:
+    """``forecast: 31.2k tokens/s (52.0 documents/s) over 341 batches of the token budget, epoch 2.3 min (training
+    2.0 min + validation 18.0 s), 300 steps (max_steps, in epoch 1) 2.1 min``."""
+    stats, steps = plan.data_stats, plan.config.max_steps
+    val = "validation not counted" if forecast.val_s is None else f"validation {format_duration(forecast.val_s)}"
+    per_epoch = int(stats["train_batches"])
+    run = (f"{steps} step{'s' * (steps != 1)} (max_steps, in epoch {forecast.epochs})"
+           if steps and steps < plan.config.epochs * per_epoch else f"{forecast.epochs} epoch"
+           f"{'s' * (forecast.epochs != 1)}")
+    by = "token budget" if stats["batching"]["mode"] == "budget" else "bucket table"
+    return (f"forecast: {format_rate(forecast.tokens_per_s)} tokens/s ({format_rate(forecast.samples_per_s)} "
+            f"documents/s) over {per_epoch} batches of the {by}, epoch {format_duration(forecast.epoch_s)} (training "
+            f"{format_duration(forecast.train_s)} + {val}), {run} {format_duration(forecast.run_s)}")
+
+
+# ------------------------------------------------------------------------------- measured against forecast
+
 def epoch_steps(row: dict[str, Any]) -> int:
     """The optimizer steps of an epoch row (0 without its batch size). :func:`vramcal.forecast.time_band` counts
     these: with gradient accumulation, k micro-batches a step, the steps' noise is the micro-steps' averaged
@@ -131,13 +230,28 @@ def epoch_steps(row: dict[str, Any]) -> int:
     return math.ceil(row["samples"] / row["batch_size"]) if row.get("batch_size") else 0
 
 
+def expected_s(forecast: Forecast, row: dict[str, Any]) -> float:
+    """The forecast's time for what an epoch row ran (module docstring): the epoch, or, for one that ``max_steps``
+    stopped, its steps (their samples at the forecast's rate; on documents, their batches and padded tokens on the
+    step-time fit) and its validation pass."""
+    if row.get("complete", True):
+        return forecast.epoch_s
+    if forecast.step_fit is not None and row.get("padded_tokens") is not None:
+        t0, per_token = forecast.step_fit
+        train_s = epoch_steps(row) * t0 + per_token * row["padded_tokens"]
+    else:
+        train_s = row["samples"] / forecast.samples_per_s
+    return train_s + (forecast.val_s or 0.0)
+
+
 def first_epoch_lines(forecast: Forecast, row: dict[str, Any], fresh: bool) -> list[str]:
-    """The first epoch's measured time beside its forecast; a line saying so when it is more than 25 % off but
+    """The first epoch's measured time beside its forecast (or, where ``max_steps`` ended the run inside it, the
+    time of the steps it ran beside theirs: :func:`expected_s`); a line saying so when it is more than 25 % off but
     inside the spread the calibration measured (:func:`vramcal.forecast.time_band`: its steps' noise, the
     forecast's own 95 % interval), a warning suggesting recalibrating only when it is outside."""
-    if not row.get("epoch_s") or not row.get("complete", True):
+    if not row.get("epoch_s") or forecast.epoch_s is None:
         return []
-    expected = forecast.epoch_s + (forecast.first_s or 0.0) * fresh
+    expected = expected_s(forecast, row) + (forecast.first_s or 0.0) * fresh
     error = (row["epoch_s"] - expected) / expected
     steps, slower = epoch_steps(row), row["epoch_s"] > expected
     band = time_band(forecast, steps, slower)
@@ -145,17 +259,20 @@ def first_epoch_lines(forecast: Forecast, row: dict[str, Any], fresh: bool) -> l
     spread = (f"its {steps} steps may vary by ±{band:.0%}" if band == noise_band(forecast, steps) else
               f"the forecast's 95 % interval reaches {'+' if slower else '−'}{band:.0%}{open_}")
     noise = f"; {spread}" if band > FAR_FRACTION else ""
-    lines = [f"after the first epoch: {format_duration(row['epoch_s'])} (training {format_duration(row['train_s'])}"
-             f", {format_rate(row['samples_per_s'])} samples/s{' for the world' * (forecast.ranks > 1)}"
-             f"; validation {format_duration(row['val_s'])}): forecast {format_duration(expected)} "
-             f"({error:+.1%}{noise})"]
+    whole = row.get("complete", True)
+    rate = (f"{format_rate(row['tokens_per_s'])} tokens/s" if row.get("tokens_per_s") else
+            f"{format_rate(row['samples_per_s'])} samples/s{' for the world' * (forecast.ranks > 1)}")
+    lines = [f"after {'the first epoch' if whole else f'its {steps} steps (max_steps, in epoch 1)'}: "
+             f"{format_duration(row['epoch_s'])} (training {format_duration(row['train_s'])}, {rate}; validation "
+             f"{format_duration(row['val_s'])}): forecast {format_duration(expected)} ({error:+.1%}{noise})"]
+    took = "the epoch took" if whole else f"its {steps} steps took"
     if time_verdict(row["epoch_s"], expected, band) == FAR:
         short = ("; its rate rested on a short trial's few timed steps" if forecast.steady is False else "")
-        lines.append(f"warning: the epoch took {error:+.0%} against the forecast, outside the spread the calibration "
+        lines.append(f"warning: {took} {error:+.0%} against the forecast, outside the spread the calibration "
                      f"measured: the profile's throughput does not describe this run (a busier machine, other "
                      f"software, another card?{short}); re-run `vramcal probe` here to measure it again")
     elif abs(error) > FAR_FRACTION:
-        lines.append(f"the epoch took {error:+.0%} against the forecast, inside the spread the calibration measured "
+        lines.append(f"{took} {error:+.0%} against the forecast, inside the spread the calibration measured "
                      f"({spread}): {NO_DIFFERENCE} from the forecast, nothing to recalibrate (more timed steps in "
                      f"the profile would narrow the forecast)")
     return lines
