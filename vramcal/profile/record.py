@@ -93,6 +93,9 @@ class Observation:
         train_samples, val_samples, data_source: the epoch the run's forecast counted (its own windows: its data
             and stride; under DDP this rank's share) and where they came from, which the report's forecast counts
             (:func:`vramcal.forecast.default_dataset`); None: not recorded (older runs, no forecast).
+        out_of_memory: the run ran out of memory at ``batch_size`` after ``steps`` steps, its peak then
+            ``peak_bytes`` against ``predicted_peak_bytes``: evidence that caps what later runs take
+            (:func:`vramcal.sizing.run_failure_cap`).
     """
 
     recorded_utc: str
@@ -118,6 +121,7 @@ class Observation:
     train_samples: int | None = None
     val_samples: int | None = None
     data_source: str | None = None
+    out_of_memory: bool = False
 
     @property
     def line_bytes(self) -> int:
