@@ -155,6 +155,10 @@ class VramcalCallback(TrainerCallback):
         sizing = self.run.start(say_resize=not self._guarded)
         if given > sizing.safe_batch_size:
             if self._guarded:
+                self.run.inform(f"vramcal: per_device_train_batch_size {given} no longer fits with what this process "
+                                f"holds (the process term, {sizing.process_delta_bytes / 2**20:+.1f} MiB): the "
+                                f"training loop starts again at {sizing.batch_size} x {sizing.accumulation_steps} "
+                                f"accumulated")
                 raise _Resize()
             raise SizingError(f"per_device_train_batch_size {given} no longer fits with what this process holds "
                               f"(the process term, {sizing.process_delta_bytes / 2**20:+.1f} MiB): build the Trainer "
