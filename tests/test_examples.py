@@ -37,7 +37,7 @@ def run(script: str, profiles_dir: Path, *args: str, budget: float = 1.6) -> str
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "ARROW_DEFAULT_MEMORY_POOL")}
     command = [sys.executable, f"examples/{script}", "--profiles-dir", str(profiles_dir),
                "--capacity", capacity(int(budget * GIB)), *args]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done.stdout + done.stderr
 

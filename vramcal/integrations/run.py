@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from vramcal import __version__
 from vramcal.api import capacity_argument, select_devices, size_for
 from vramcal.arguments import callback, flag, mapping, of_type, path_like
-from vramcal.environment import HOST_MALLOC, set_arrow_pool, set_host_malloc
+from vramcal.environment import HOST_MALLOC, cache_thread_stacks, set_arrow_pool, set_host_malloc
 from vramcal.integrations.worlds import locate_world
 from vramcal.measure.device import DeviceError, free_bytes
 from vramcal.measure.meters import attach_meter
@@ -90,7 +90,8 @@ class FrameworkRun:
         framework: who trains (``lightning``, ``transformers.Trainer``, ``accelerate``, ``plain``), recorded.
         host_malloc: on the host, :meth:`start` gives this process the trials' glibc malloc settings
             (:func:`vramcal.environment.set_host_malloc`: with glibc's defaults the same step can hold a third
-            more), and says so; False keeps glibc's defaults.
+            more), and says so, and the thread stacks their processes find cached
+            (:func:`vramcal.environment.cache_thread_stacks`); False keeps glibc's defaults.
         warn: how warnings reach people (default :func:`warnings.warn`): the lookup's and the sizing's.
         inform: how information reaches people (default: a line on stderr): the sizing's notices marked
             :class:`~vramcal.words.Info` (the process term, the gradient term), the malloc settings given.
@@ -151,6 +152,8 @@ class FrameworkRun:
             self.warn(f"vramcal: {self.source} was calibrated with checkpointing {self.variant}: call "
                       f"checkpoint(model) before start(), or the run holds more than its prediction")
         done = set_host_malloc() if self.device.kind == "host" and self.host_malloc else None
+        if self.device.kind == "host" and self.host_malloc:
+            cache_thread_stacks()  # later threads reuse them, as the trials' did: no growth after the term's measure
         if done:
             self.inform(f"vramcal: this process's glibc malloc now runs as the trials' did ({done}: mallopt), for "
                       f"their host figures to hold here; export GLIBC_TUNABLES={HOST_MALLOC} before Python starts to "

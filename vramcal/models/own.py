@@ -68,7 +68,7 @@ def class_path(cls: type) -> str:
 def import_class(path: str) -> Any:
     """The class :func:`class_path` named, imported in this process. A script is imported as multiprocessing's
     spawn imports a parent's main module, under the name ``__mp_main__``, so its ``if __name__ == "__main__":`` part
-    does not run (:func:`rebuilding` names it meanwhile).
+    does not run (:func:`refuse_training_at_import` refuses a run started meanwhile).
 
     Raises:
         WorkloadError: the module or script cannot be imported, or has no such class (one line, with the reason).
@@ -103,18 +103,13 @@ def _import_script(file: str) -> Any:
     return module
 
 
-def rebuilding() -> str | None:
-    """The script this process is importing to rebuild a model from (:func:`import_class`), else None."""
-    return _REBUILDING[-1] if _REBUILDING else None
-
-
 def refuse_training_at_import() -> None:
-    """Raises WorkloadError when a script being imported to rebuild a model (:func:`rebuilding`) starts a run at its
-    top level: a trial would train (and calibrate again) instead of building one step. The integrations call it
+    """Raises WorkloadError when a script being imported to rebuild a model (:func:`import_class`) starts a run at
+    its top level: a trial would train (and calibrate again) instead of building one step. The integrations call it
     where a run starts."""
-    if rebuilding():
-        raise WorkloadError(f"{rebuilding()} trains when it is imported, and vramcal's trial processes import it to "
-                            f"rebuild the model: put its training under `if __name__ == '__main__':`")
+    if _REBUILDING:
+        raise WorkloadError(f"{_REBUILDING[-1]} trains when it is imported, and vramcal's trial processes import it "
+                            f"to rebuild the model: put its training under `if __name__ == '__main__':`")
 
 
 def save_sample(batch: Any, folder: Path | str) -> Path:
