@@ -1,5 +1,8 @@
-"""Hugging Face Trainer: vramcal's TrainerCallback fills per_device_train_batch_size from a profile, holds it to
-the Trainer's process, and prints the run's measured peak against the prediction at the end.
+"""Hugging Face Trainer: a Trainer as you have it, with vramcal's callback added: the first train() calibrates the
+model in vramcal's isolated trial processes (its class and config, the optimizer and mixed precision of the
+TrainingArguments, batches from the Trainer's own data collator) and saves a verified profile; every later run reuses
+it with no trial. The callback sets per_device_train_batch_size and gradient_accumulation_steps, holds them to this
+process, and prints the run's measured peak against the prediction at the end.
 
     python examples/hf_trainer_train.py [--steps 5] [--profiles-dir profiles] [--capacity 1.6GiB]
 """
@@ -8,7 +11,7 @@ from __future__ import annotations
 
 import tempfile
 
-from tiny_lm import PARAMS, Tokens, parse_args, profile_path, tiny_lm
+from tiny_lm import Tokens, parse_args, tiny_lm
 from transformers import Trainer, TrainingArguments
 
 from vramcal.integrations.hf import VramcalCallback
@@ -16,17 +19,15 @@ from vramcal.integrations.hf import VramcalCallback
 
 def main() -> None:
     args = parse_args(__doc__)
-    path = profile_path(args)  # the tiny model's profile: found under --profiles-dir, or calibrated there
-    callback = VramcalCallback(path, model="lm", params=PARAMS)
     with tempfile.TemporaryDirectory() as output_dir:
-        # sized() returns the arguments with per_device_train_batch_size from the profile (the conservative size;
-        # sized(..., effective_batch_size=N) adds gradient_accumulation_steps to reach N samples per step).
-        training = callback.sized(TrainingArguments(
-            output_dir=output_dir, max_steps=args.steps, use_cpu=True, report_to=[], save_strategy="no",
-            logging_strategy="no", disable_tqdm=True))
-        # At on_train_begin the callback measures what this process holds against what the trials' processes held
-        # (the process term) and stops with one line if the batch no longer fits with it; at on_train_end it
-        # prints this process's peak against the prediction and appends the run to the profile.
+        training = TrainingArguments(output_dir=output_dir, max_steps=args.steps, use_cpu=True, report_to=[],
+                                     save_strategy="no", logging_strategy="no", disable_tqdm=True)
+        # The one vramcal line. When train() starts, the callback finds the model's profile under profiles_dir (or
+        # calibrates it there: a line per trial) and sets the batch size; at on_train_begin it measures what this
+        # process holds against what the trials' processes held (the process term) and starts the training loop
+        # again at a smaller size if it no longer fits, as after an out-of-memory error (recorded in the profile);
+        # at on_train_end it prints this process's peak against the prediction and records the run.
+        callback = VramcalCallback(profiles_dir=args.profiles_dir, capacity_bytes=args.capacity)
         Trainer(model=tiny_lm(), args=training, train_dataset=Tokens(), callbacks=[callback]).train()
 
 

@@ -3,6 +3,7 @@ and a tiny real Mamba-2 language model; the plain-PyTorch pattern they share (Fr
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import torch
 from test_lightning import profile_here
 
 from vramcal.profile import load_profile, save_profile
-from vramcal.sizing import SizingError, accumulation, held_spread
+from vramcal.sizing import SizingError, accumulation
 
 MIB = 2**20
 TINY = Path(__file__).resolve().parents[1] / "configs" / "mamba2-lm-tiny.json"
@@ -71,13 +72,13 @@ def test_hf_trainer_is_sized_checked_and_recorded(tmp_path):
     assert callback.report.startswith("vramcal: peak ") and "process term" in callback.report
     observed = load_profile(path).observations[-1]
     assert observed.framework == "transformers.Trainer" and observed.steps == 3
-    credit = held_spread(profile)  # a process holding less than the trials is credited at most their spread
-    assert observed.process_delta_bytes == max(callback.run.held_bytes - profile.held_bytes, -credit)
+    assert observed.process_delta_bytes == callback.run.held_bytes - profile.held_bytes  # credited, less or more
 
 
-def test_hf_trainer_stops_when_its_batch_no_longer_fits(tmp_path):
+def test_hf_trainer_starts_its_loop_again_when_its_batch_no_longer_fits(tmp_path, capfd):
     """The trials held 10 MiB: this process holds far more, so the size given no longer fits when training
-    begins, and the run stops with one line naming the size that does."""
+    begins; the Trainer's training loop starts again at the size that does, as auto_find_batch_size restarts it,
+    and one line says so. A callback that found no Trainer (its hook called by hand) stops with the size instead."""
     from transformers import Trainer, TrainingArguments
 
     from vramcal.integrations.hf import VramcalCallback
@@ -85,11 +86,20 @@ def test_hf_trainer_stops_when_its_batch_no_longer_fits(tmp_path):
     callback = VramcalCallback(profile_here(held_bytes=10 * MIB), limit="safe")
     args = callback.sized(TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=1, use_cpu=True,
                                             report_to=[], save_strategy="no", disable_tqdm=True))
-    trainer = Trainer(model=tiny_lm(), args=args, train_dataset=Tokens(), callbacks=[callback])
+    given = args.per_device_train_batch_size
+    trainer = Trainer(model=tiny_lm(), args=args, train_dataset=Tokens(n=4096), callbacks=[callback])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    s = callback.run.sizing
+    assert trainer.state.global_step == 1 and trainer.args.per_device_train_batch_size == s.batch_size < given
+    assert f"vramcal: per_device_train_batch_size {given} no longer fits with what this process holds (the process " \
+           f"term, +" in capfd.readouterr().err
+    unguarded = VramcalCallback(profile_here(held_bytes=10 * MIB), limit="safe")
+    unguarded.sized(args)
     with pytest.raises(SizingError, match=r"^per_device_train_batch_size \d+ no longer fits .* at most \d+$"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.train()
+        unguarded.on_train_begin(dataclasses.replace(args, per_device_train_batch_size=given), None, None,
+                                 model=tiny_lm())
 
 
 def test_accelerate_loop_is_sized_checked_and_recorded(tmp_path):

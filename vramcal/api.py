@@ -279,7 +279,8 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
     A user's factory module is imported in each trial process after the meter has pinned the device
     (never preloaded into the fork server): a module that touches CUDA when imported, as
     ``DEVICE = "cuda" if torch.cuda.is_available() else "cpu"`` does, would otherwise start CUDA before
-    the pin.
+    the pin. Runs recorded out of memory in the profile at ``plan.path`` stay in the new one: evidence that caps
+    the sizes later runs take (:func:`vramcal.sizing.run_failure_cap`).
 
     With ``save``, the profile's folder must take :data:`vramcal.files.WRITE_CHECK_BYTES` before the first trial,
     and each trial is kept in the trial journal beside the profile as it finishes (:mod:`vramcal.journal`): a
@@ -306,7 +307,7 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
     """
     _door(plan=plan, save=save, on_trial=on_trial, on_notice=on_notice, on_step=on_step)
     journal = _open_journal(plan, on_notice) if save else None
-    profile = run_trials(plan, TrialRunner(worker_pool(), on_step), on_trial, journal)
+    profile = _with_failed_runs(run_trials(plan, TrialRunner(worker_pool(), on_step), on_trial, journal), plan.path)
     if plan.world is not None:
         profile = dataclasses.replace(profile, single_process=ddp_term(profile, plan.path.parent.parent))
     if journal is not None:
@@ -320,6 +321,18 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
         journal.remove()
         profile = dataclasses.replace(profile, path=plan.path)
     return profile
+
+
+def _with_failed_runs(profile: Profile, path: Path) -> Profile:
+    """``profile`` with the observations of runs that ran out of memory under the profile file at ``path`` (at the
+    same usable memory), when there is one and it reads."""
+    try:
+        before = load_profile(path) if path.exists() and profile.limits is not None else None
+    except ProfileError:
+        before = None
+    kept = tuple(o for o in (before.observations if before else ()) if o.out_of_memory
+                 and o.usable_bytes == profile.limits.usable_bytes)
+    return dataclasses.replace(profile, observations=kept) if kept else profile
 
 
 def _open_journal(plan: CalibrationPlan, on_notice: Callable[[str], None] | None) -> Journal:
@@ -583,8 +596,8 @@ def verify(profile: Profile, batch_size: int, seq_len: int | None = None, *,
     """
     _door(profile=profile, trials=trials)
     check_counts(answer_batch_size=batch_size, seq_len=seq_len)
-    gpu = "none" if profile.device.kind == "host" else (profile.device.uuid or "auto")
-    device = select_devices(gpu, profile.device.total_bytes if profile.device.kind == "host" else None)[0][0]
+    budget = profile.device.total_bytes if profile.device.kind == "host" else None
+    device = select_devices(profile.device.gpu, budget)[0][0]
     if device.hardware_difference(profile.device):
         raise SizingError(f"the profile was made on {profile.device.name}, this is {device.name}: verify it there")
     device = dataclasses.replace(device, total_bytes=profile.device.total_bytes)

@@ -79,6 +79,12 @@ class Device:
             slug += "-" + re.sub(r"[^a-z0-9]", "", self.uuid.lower().split("-", 1)[-1])[:8]
         return slug
 
+    @property
+    def gpu(self) -> str:
+        """The ``gpu=`` choice that selects this device again (:func:`vramcal.api.select_devices`): a GPU's UUID
+        (``auto`` without one), ``none`` for the host."""
+        return (self.uuid or "auto") if self.kind == "cuda" else "none"
+
     def hardware_difference(self, other: Device) -> str | None:
         """None when ``other`` is the same kind of device; else a phrase naming the difference.
 

@@ -439,13 +439,14 @@ def _in_words(found: Answer, surface, by_batch: bool) -> str:
     return said
 
 
-def limits_for_data(model: LengthModel, profile: Profile, delta: int,
-                    cause: str = "the data hold") -> tuple[int, int, list[str]]:
+def limits_for_data(model: LengthModel, profile: Profile, delta: int, cause: str = "the data hold",
+                    seq_len: int | None = None) -> tuple[int, int, list[str]]:
     """(safe, conservative, notices) with ``delta`` bytes more (or less) in the measured memory than the
-    calibration held (module docstring: the data term, the process term); ``cause`` names where they are.
+    calibration held (module docstring: the data term, the process term); ``cause`` names where they are. Runs
+    recorded out of memory cap both (:func:`run_failure_cap`, at ``seq_len``).
 
     Raises:
-        SizingError: ``delta`` leaves no room for one sample.
+        SizingError: ``delta`` leaves no room for one sample; no trial ran below a recorded failure.
     """
     limits = model.limits
     safe, conservative, notices = limits.safe_batch_size, limits.conservative_batch_size, []
@@ -461,12 +462,40 @@ def limits_for_data(model: LengthModel, profile: Profile, delta: int,
             notices.append(Info(f"{cause} {format_bytes(delta)} more than the calibration's: safe batch size "
                                 f"{limits.safe_batch_size} -> {safe}, conservative {limits.conservative_batch_size} "
                                 f"-> {conservative}"))
+    cap, why = run_failure_cap(profile, seq_len)
+    if cap is not None and cap < safe:
+        safe, conservative = cap, min(conservative, cap)
+        notices.append(why)
     if model.basis:
         notices.append(basis_notice(model.basis))
     elif not model.verified:
         notices.append("the profile's limits were not verified by real trials: they are extrapolations; "
                        "re-run `vramcal probe` to verify them")
     return safe, conservative, notices
+
+
+def run_failure_cap(profile: Profile, seq_len: int | None = None) -> tuple[int | None, str]:
+    """(cap, notice): after training runs of the profile ran out of memory (its observations marked
+    ``out_of_memory``), the largest batch size below the smallest of them that a trial of the profile ran and fitted
+    in (at ``seq_len``): the evidence a run may take; (None, "") when no run did.
+
+    Raises:
+        SizingError: no trial ran below it (one line: the size a run failed at, and what to do).
+    """
+    failed = [o for o in profile.observations if o.out_of_memory]
+    if not failed:
+        return None, ""
+    first = min(failed, key=lambda o: o.batch_size)
+    usable = profile.settings.usable_bytes(profile.device.total_bytes)
+    below = [t.batch_size for t in length_trials(profile, seq_len)
+             if t.fits(usable) and t.batch_size < first.batch_size]
+    if not below:
+        raise SizingError(f"a run ran out of memory at batch_size {first.batch_size} (step {first.steps}) and no trial "
+                          f"of the profile ran below it: train at a batch size below {first.batch_size} unchecked, or "
+                          f"calibrate with less held beside the model")
+    return max(below), (f"a run ran out of memory at batch_size {first.batch_size} (step {first.steps}, peak "
+                        f"{format_bytes(first.peak_bytes)}, predicted {format_bytes(first.predicted_peak_bytes)}): "
+                        f"batch sizes up to {max(below)}, the largest below it that a trial ran")
 
 
 def basis_notice(basis: str) -> str:
@@ -489,13 +518,15 @@ def _moved_down(model: LengthModel, delta: int) -> int:
 def extra_bytes(profile: Profile, pool_data_bytes: int | None, process_bytes: int | None) -> tuple[int, int, str]:
     """(data delta, process delta, what holds them) for :func:`size` (module docstring). The process term, when
     measured, covers the data the process holds, so the data term is then 0. A process that holds less than the
-    trials' is credited no more than the trials' own held bytes spread by (their range): repeats of one
-    framework script were measured to differ by up to 38 MiB, so a larger credit is noise taken as room."""
+    trials' is credited all of it: a run's own model calibrated in trials that imported more than the run (the
+    worker server's pandas and pyarrow: 40 MiB) peaked within 0.4 % of the prediction so credited, 4.7 % under it
+    with no credit (bench/README.md, "The process term and the late threads"); the warning line keeps the term's
+    own spread (:func:`process_spread`)."""
     if process_bytes is not None:
         held = profile.held_bytes
         if held is None:
             return 0, 0, "this process holds"
-        return 0, max(process_bytes - held, -held_spread(profile)), "this process holds"
+        return 0, process_bytes - held, "this process holds"
     return (0 if pool_data_bytes is None else pool_data_bytes - profile.pool_data_bytes), 0, "the data hold"
 
 
@@ -584,7 +615,7 @@ def _size(profile: Profile, model: LengthModel, extra: tuple[int, int, str], pro
     elif gone[0]:
         cause = "with the memory missing now, this run needs"
     safe, conservative, notices = limits_for_data(model, profile, data_delta + process_delta + gradient_delta + gone[0],
-                                                  cause)
+                                                  cause, ask.seq_len)
     if gone[1]:
         notices.insert(0, gone[1])
     if gradient_notice:
@@ -631,7 +662,7 @@ def repeat_spread(profile: Profile, seq_len: int | None = None) -> tuple[float, 
     if repeated:
         found.append((max(repeated), f"{max(repeated):.1%}: repeated trials of one batch size in the calibration"))
     errors = [o.peak_bytes / o.predicted_peak_bytes - 1 for o in profile.observations
-              if o.predicted_peak_bytes > 0 and o.peak_unseen is None]  # a lower bound spreads nothing
+              if o.predicted_peak_bytes > 0 and o.peak_unseen is None and not o.out_of_memory]  # bounds spread nothing
     if len(errors) > 1:
         found.append((max(errors) - min(errors), f"{max(errors) - min(errors):.1%}: the spread of the "
                                                  f"{len(errors)} runs recorded in the profile"))
@@ -700,11 +731,9 @@ def process_notice(profile: Profile, process_bytes: int, delta: int) -> str:
     if profile.held_bytes is None:
         return (f"this process holds {format_bytes(process_bytes)} as training starts, but the profile does not record "
                 f"what its trials held (it predates the process term): recalibrate to size this process")
-    capped = (f" (it holds {(profile.held_bytes - process_bytes) / 2**20:.1f} MiB less; no more is credited than the "
-              f"trials' own held bytes spread by)" if delta > process_bytes - profile.held_bytes else "")
     return Info(f"this process holds {format_bytes(process_bytes)} as training starts, the profile's trials held "
                 f"{format_bytes(profile.held_bytes)}: a process term of {delta / 2**20:+.1f} MiB in the prediction and "
-                f"the limits{capped}")
+                f"the limits")
 
 
 def length_trials(profile: Profile, seq_len: int | None = None) -> list[Trial]:

@@ -114,7 +114,7 @@ def observations_lines(profile) -> list[str]:
     start = fitted_from(profile)
     for o in profile.observations:
         mark = verdict(o.peak_bytes, o.line_bytes, o.usable_bytes, o.batch_size, start)
-        mark = mark.upper() if mark == "above usable" else mark
+        mark = "OUT OF MEMORY" if o.out_of_memory else mark.upper() if mark == "above usable" else mark
         peak = (">= " if o.peak_unseen else "") + format_bytes(o.peak_bytes)  # a lower bound: part was not seen
         lines.append(f"  {o.recorded_utc}  batch_size {o.batch_size:>6}  peak {peak:>10}  "
                      f"predicted {format_bytes(o.predicted_peak_bytes):>10} ({o.error:+.1%})  {mark}  "

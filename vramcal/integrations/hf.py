@@ -1,21 +1,34 @@
-"""Hugging Face ``transformers.Trainer``: a profile's batch size in the ``TrainingArguments``, held to the Trainer's
-process, and its peak checked at the end of training.
+"""Hugging Face ``transformers.Trainer``: a batch size vramcal measured in the ``TrainingArguments``, held to the
+Trainer's process, and its peak checked at the end of training.
 
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
     from vramcal.integrations.hf import VramcalCallback
 
-    vramcal_callback = VramcalCallback(model="lm", params={"config": "configs/mamba2-lm-small.json", "seq_len": 256})
-    args = vramcal_callback.sized(TrainingArguments(output_dir="out", max_steps=1000), effective_batch_size=64)
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[vramcal_callback])
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[VramcalCallback()])
     trainer.train()
 
-:meth:`VramcalCallback.sized` fills ``per_device_train_batch_size`` (the largest micro-batch the profile allows,
-or one that divides the requested effective batch) and ``gradient_accumulation_steps`` (what reaches it: the
-effective batch is kept, as users of ``auto_find_batch_size`` ask). When training begins
+Given no profile (and no ``model=``), the callback calibrates the Trainer's own model when ``train()`` starts, once:
+in vramcal's trial processes, each building the model's class from its config with random weights (as
+``from_config``; a class of the script itself too) at the model's dtype, with the optimizer and the mixed precision
+the ``TrainingArguments`` give (``Trainer.get_optimizer_cls_and_kwargs``, ``bf16``/``fp16``), their gradient
+clipping and activation checkpointing, on batches from a sample of the Trainer's own train dataloader (its collator
+and column removal: :mod:`vramcal.models.own`, :func:`trial_step`). The profile, keyed by the model's class, its
+config and the data's shapes, is saved under ``profiles_dir``; the next run finds it and runs no trial. The
+Trainer's ``per_device_train_batch_size`` and ``gradient_accumulation_steps`` are then set from it (an
+``effective_batch_size=`` asked is kept), and :meth:`VramcalCallback.sized` gives them for other arguments.
+
+With a profile, :meth:`VramcalCallback.sized` fills ``per_device_train_batch_size`` (the largest micro-batch the
+profile allows, or one that divides the requested effective batch) and ``gradient_accumulation_steps`` (what
+reaches it: the effective batch is kept, as users of ``auto_find_batch_size`` ask). When training begins
 (``on_train_begin``: the model is on the device and the optimizer created) the callback measures what this
 process holds against what the trials' processes held — the process term
-(:class:`vramcal.integrations.run.FrameworkRun`) — and stops with one line when the batch no longer fits with it
-(the Trainer's dataloader is built by then, so the size cannot change: the line says which size fits). There
+(:class:`vramcal.integrations.run.FrameworkRun`) — and, when the batch no longer fits with it, the Trainer's
+training loop starts again at the size that does, as ``auto_find_batch_size`` restarts it. An out-of-memory error
+in the loop is recorded in the profile (:meth:`~vramcal.integrations.run.FrameworkRun.out_of_memory`) and the loop
+starts again the same way at the largest size below it that a trial ran, the samples per optimizer step kept by
+``gradient_accumulation_steps``; with none, training stops with one line. (A callback is given no reference to
+its Trainer: the callback takes the one whose ``__init__`` calls its ``on_init_end``, and guards its
+``_inner_training_loop``, the function ``auto_find_batch_size`` guards.) There
 too the model's blocks are recomputed in the backward pass as the profile's trials did (its variant's activation
 checkpointing, transformers' own with ``use_reentrant=False``:
 :meth:`~vramcal.integrations.run.FrameworkRun.checkpoint`), whatever ``activation_checkpointing`` the arguments
@@ -30,46 +43,67 @@ neither.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback
+import torch
+from transformers import Trainer, TrainerCallback
 
-from vramcal.arguments import shown
-from vramcal.integrations.run import FrameworkRun, asked_request, check_find, use_system_arrow_pool
+from vramcal.arguments import of_type, shown
+from vramcal.integrations.run import FrameworkRun, asked_request, check_find, own_profile, use_system_arrow_pool
 from vramcal.integrations.worlds import backend_of, plugin_world
+from vramcal.models.own import SAMPLE_ROWS, class_path, import_class, sample_batches
+from vramcal.oom import is_out_of_memory
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
-from vramcal.records import World
-from vramcal.sizing import SizingError, check_counts
+from vramcal.records import TrialSettings, World
+from vramcal.sizing import Sizing, SizingError, check_counts
+from vramcal.workload import TrainingStep
+
+
+class _Resize(Exception):  # noqa: N818 - a signal to the guarded training loop, not an error
+    """Raised at ``on_train_begin`` when the batch no longer fits with what the process holds: the guarded loop
+    starts again at the run's sizing."""
 
 
 class VramcalCallback(TrainerCallback):
     """Size a ``transformers.Trainer`` run from a vramcal profile and check its peak (module docstring).
 
     Args:
-        profile, model, params, profiles_dir, capacity_bytes: as :class:`vramcal.integrations.run.FrameworkRun`.
+        profile, model, params, profiles_dir, capacity_bytes: as :class:`vramcal.integrations.run.FrameworkRun`;
+            with neither ``profile`` nor ``model``, the Trainer's own model, found or calibrated under
+            ``profiles_dir`` (at ``capacity_bytes`` on the host) when ``train()`` starts (module docstring).
+        trials: how the model's own calibration runs its trials (:class:`~vramcal.records.TrialSettings`).
         asked: what the run asks of the profile, the fields of :class:`~vramcal.sizing.SizeRequest` (``limit``,
-            ``batch_size_min``, ``request``: a per-device batch size to use instead, ...); the effective batch
-            is :meth:`sized`'s.
+            ``batch_size_min``, ``request``: a per-device batch size to use instead, ``effective_batch_size`` for
+            the model's own profile, ...); with a profile the effective batch is :meth:`sized`'s.
 
-    Attributes: ``run`` (the :class:`~vramcal.integrations.run.FrameworkRun`, after :meth:`sized`), ``report``
-    (the line printed at the end).
+    Attributes: ``run`` (the :class:`~vramcal.integrations.run.FrameworkRun`, after :meth:`sized` or once training
+    started), ``report`` (the line printed at the end).
 
     Raises:
         SizingError, TypeError, ValueError: an argument out of range or of the wrong type
             (:func:`~vramcal.integrations.run.check_find`), an asked value out of range, of the wrong type or
-            unknown; neither ``profile`` nor ``model``. Each one line naming the argument.
+            unknown. When ``train()`` starts, calibrating the model itself: SizingError (several processes, a model
+            with no config), WorkloadError (a class no trial can import), CalibrationError (its trials failed). In
+            the loop: SizingError: out of memory with no smaller size a trial ran. Each one line.
     """
 
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
                  params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
-                 capacity_bytes: int | str | None = None, **asked: Any) -> None:
-        self._find = check_find("VramcalCallback", profile, model, params, profiles_dir, capacity_bytes)
-        self.ask = asked_request("VramcalCallback", asked)
+                 capacity_bytes: int | str | None = None, trials: TrialSettings = TrialSettings(),
+                 **asked: Any) -> None:
+        self._find = check_find("VramcalCallback", profile, model, params, profiles_dir, capacity_bytes, own=True)
+        self._own = profile is None and model is None
+        self.trials = of_type("trials", trials, TrialSettings, "a vramcal.TrialSettings (TrialSettings(max_trials=8))")
+        self.ask = asked_request("VramcalCallback", asked).replace(exact=True)
         self.run: FrameworkRun | None = None
         self.report: str | None = None
+        self._guarded = False  # the Trainer's training loop starts again at a new size (on_init_end: _guard)
         use_system_arrow_pool()  # before the Trainer's dataloaders read data
 
     def sized(self, args: Any, effective_batch_size: int | None = None) -> Any:
@@ -84,8 +118,15 @@ class VramcalCallback(TrainerCallback):
         if not (dataclasses.is_dataclass(args) and hasattr(args, "per_device_train_batch_size")):
             raise TypeError(f"args= takes the Trainer's transformers.TrainingArguments, not {shown(args)}")
         check_counts(effective_batch_size=effective_batch_size)
+        if self._own:
+            if self.run is None:
+                raise SizingError("VramcalCallback() without a profile sizes the Trainer itself when train() starts: "
+                                  "pass it in Trainer(callbacks=[...]); sized(args) gives its sizes once it did")
+            s = self.run.sizing
+            return dataclasses.replace(args, per_device_train_batch_size=s.batch_size,
+                                       gradient_accumulation_steps=s.accumulation_steps)
         world = _world(args)
-        ask = self.ask.replace(exact=True)
+        ask = self.ask
         if effective_batch_size is not None:
             ranks = world.nproc if world else 1
             if effective_batch_size % ranks:
@@ -98,25 +139,188 @@ class VramcalCallback(TrainerCallback):
         return dataclasses.replace(args, per_device_train_batch_size=s.batch_size,
                                    gradient_accumulation_steps=s.accumulation_steps)
 
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = _calling_trainer()
+        if trainer is not None:
+            _guard(trainer, self)
+            self._guarded = True
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.run is None:
             raise SizingError("VramcalCallback: pass the TrainingArguments through vramcal_callback.sized(args) "
                               "before building the Trainer")
         given = args.per_device_train_batch_size
-        self.run.checkpoint(kwargs["model"])  # after the Trainer's own activation_checkpointing_enable: ours holds
-        sizing = self.run.start()
+        if not self._own:  # the profile's variant, after the Trainer's own activation_checkpointing_enable
+            self.run.checkpoint(kwargs["model"])
+        sizing = self.run.start(say_resize=not self._guarded)
         if given > sizing.safe_batch_size:
+            if self._guarded:
+                self.run.inform(f"vramcal: per_device_train_batch_size {given} no longer fits with what this process "
+                                f"holds (the process term, {sizing.process_delta_bytes / 2**20:+.1f} MiB): the "
+                                f"training loop starts again at {sizing.batch_size} x {sizing.accumulation_steps} "
+                                f"accumulated")
+                raise _Resize()
             raise SizingError(f"per_device_train_batch_size {given} no longer fits with what this process holds "
                               f"(the process term, {sizing.process_delta_bytes / 2**20:+.1f} MiB): build the Trainer "
                               f"with per_device_train_batch_size at most {sizing.safe_batch_size}")
         if given != sizing.batch_size:
             self.run.resize(given)
 
+    def _begin(self, trainer: Any) -> None:
+        """``train()`` starts: for the Trainer's own model, its profile found or calibrated (module docstring) and
+        the run sized; then the Trainer's batch size and accumulation set from the run's sizing.
+
+        Raises:
+            SizingError: several processes (a world the model's own calibration does not measure); see
+                :func:`_own_model`.
+        """
+        if self.run is None and self._own:
+            if getattr(trainer.args, "world_size", 1) > 1:
+                raise SizingError(f"VramcalCallback() calibrates a model in one process, and this run has "
+                                  f"{trainer.args.world_size}: calibrate the world with a factory (vramcal probe "
+                                  f"--nproc) and give model=")
+            params, batch = _own_model(trainer)
+            path = own_profile(f"{__name__}:trial_step", params, batch, trainer.args.device, self._find, self.trials)
+            self.run = FrameworkRun(**{**self._find, "profile": path}, device=trainer.args.device, ask=self.ask,
+                                    framework="transformers.Trainer")
+        if self.run is not None:
+            _set_size(trainer, self.run.sizing)
+
+    def _out_of_memory(self, trainer: Any) -> None:
+        """An out-of-memory error in the training loop: recorded, and the run's size moved below it with the samples
+        per optimizer step kept (said on the main process).
+
+        Raises:
+            SizingError: no smaller size a trial ran; several processes (they cannot agree on a size mid-run).
+        """
+        before = self.run.sizing
+        if getattr(trainer.args, "world_size", 1) > 1:
+            raise SizingError(f"out of memory at per_device_train_batch_size {before.batch_size} with "
+                              f"{trainer.args.world_size} processes: train again from your last checkpoint")
+        effective = trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps
+        _, line = self.run.out_of_memory(trainer.state.global_step, effective)
+        if trainer.is_world_process_zero():
+            print(f"{line}; the training loop starts again, as auto_find_batch_size restarts it", file=sys.stderr,
+                  flush=True)
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.run is None or self.run.peak_bytes is not None:
             return
         self.report = self.run.conclude(steps=state.global_step, run_dir=str(args.output_dir),
                                         main_process=state.is_world_process_zero)
+
+
+def _calling_trainer() -> Any:
+    """The ``transformers.Trainer`` whose method calls this callback's hook (a callback is given no reference to its
+    Trainer): the ``self`` of the nearest Trainer method up the call stack, None when no Trainer called."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        found = frame.f_locals.get("self")
+        if isinstance(found, Trainer):
+            return found
+        frame = frame.f_back
+    return None
+
+
+def _guard(trainer: Any, callback: VramcalCallback) -> None:
+    """Guard ``trainer``'s training loop (``_inner_training_loop``, which ``auto_find_batch_size`` guards): when
+    ``train()`` starts, the callback sizes the run (:meth:`VramcalCallback._begin`); the loop starts again at the
+    run's new size when ``on_train_begin`` finds the batch no longer fits, and after an out-of-memory error
+    (:func:`vramcal.oom.is_out_of_memory`) once the callback recorded it and moved the size."""
+    inner = type(trainer)._inner_training_loop.__get__(trainer)
+
+    def guarded(batch_size: int | None = None, args: Any = None, **kwargs: Any) -> Any:
+        callback._begin(trainer)
+        while True:
+            try:
+                return inner(batch_size=trainer._train_batch_size, args=args, **kwargs)
+            except _Resize:
+                pass
+            except Exception as error:  # noqa: BLE001 - one kind is handled; the rest is raised again
+                if not is_out_of_memory(error):
+                    raise
+                callback._out_of_memory(trainer)
+            _set_size(trainer, callback.run.sizing)
+
+    trainer._inner_training_loop = guarded
+
+
+def _set_size(trainer: Any, sizing: Sizing) -> None:
+    """The Trainer's batch size and accumulation, for the next start of its loop, from ``sizing``."""
+    trainer._train_batch_size = sizing.batch_size
+    trainer.args.per_device_train_batch_size = sizing.batch_size
+    trainer.args.gradient_accumulation_steps = sizing.accumulation_steps
+
+
+def _own_model(trainer: Any) -> tuple[dict[str, Any], Any]:
+    """(the arguments of :func:`trial_step` that build the Trainer's model as it trains it, a batch of its own train
+    dataloader at :data:`vramcal.models.own.SAMPLE_ROWS` rows).
+
+    Raises:
+        SizingError: a model with no config to build it from, optimizer settings that are no plain values.
+            WorkloadError: a class no trial can import.
+    """
+    model, args = trainer.model, trainer.args
+    if getattr(model, "config", None) is None or not hasattr(type(model), "config_class"):
+        raise SizingError(f"VramcalCallback() builds the Trainer's model from its config, and {type(model).__name__} "
+                          f"has none: calibrate its step with a factory and give model=")
+    optimizer, options = ((type(trainer.optimizer), dict(trainer.optimizer.defaults)) if trainer.optimizer else
+                          Trainer.get_optimizer_cls_and_kwargs(args, model))
+    try:
+        options = json.loads(json.dumps(options, allow_nan=False))
+    except (TypeError, ValueError) as error:
+        raise SizingError(f"the optimizer's settings are not plain values ({error}): calibrate the step with a "
+                          f"factory and give model=") from None
+    checkpointing = dict(args.activation_checkpointing_kwargs or {}) if args.activation_checkpointing else None
+    params = {"model": class_path(type(model)), "config": json.loads(model.config.to_json_string(use_diff=False)),
+              "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "optimizer": class_path(optimizer),
+              "optimizer_kwargs": options, "mixed": "bfloat16" if args.bf16 else "float16" if args.fp16 else None,
+              "max_grad_norm": args.max_grad_norm or None, "activation_checkpointing": checkpointing}
+    return params, _sample(trainer)
+
+
+def _sample(trainer: Any) -> Any:
+    """One batch of the Trainer's own train dataloader (its collator, column removal and sampler) at
+    :data:`vramcal.models.own.SAMPLE_ROWS` rows."""
+    before, trainer._train_batch_size = trainer._train_batch_size, SAMPLE_ROWS
+    try:
+        return next(iter(trainer.get_train_dataloader()))
+    finally:
+        trainer._train_batch_size = before
+
+
+def trial_step(device: torch.device, model: str, config: dict[str, Any], dtype: str, optimizer: str,
+               optimizer_kwargs: dict[str, Any], sample: str, mixed: str | None = None,
+               max_grad_norm: float | None = None, activation_checkpointing: dict[str, Any] | None = None,
+               **key: Any) -> TrainingStep:
+    """The factory of a Trainer's own model's calibration (:mod:`vramcal.models.own`), in a trial process: the model
+    ``import_class(model)`` built from ``config`` with random weights (as ``from_config``) at ``dtype`` on ``device``,
+    its blocks checkpointed as ``Trainer.train`` does with ``activation_checkpointing`` (the arguments'
+    ``activation_checkpointing_kwargs``; None: off); ``optimizer`` with ``optimizer_kwargs`` over its trainable
+    parameters; the loss ``model(**batch).loss`` under autocast to ``mixed`` (``bfloat16``, ``float16``; None: none)
+    on batches from ``sample``; gradients clipped at ``max_grad_norm``. ``key``: the rest of the profile's key (the
+    data's shapes), unused here.
+
+    Raises:
+        WorkloadError: the model's or the optimizer's class cannot be imported.
+    """
+    cls = import_class(model)
+    decode = getattr(cls.config_class, "_decode_special_floats", lambda settings: settings)  # to_json_string's inf
+    built = cls(cls.config_class.from_dict(decode(config))).to(device=device, dtype=getattr(torch, dtype))
+    if activation_checkpointing is not None:
+        options = dict(activation_checkpointing)
+        every, offload = options.pop("every_n_layers", 1), options.pop("offload", False)
+        built.activation_checkpointing_enable(activation_checkpointing_kwargs=options or None, every_n_layers=every,
+                                              offload=offload)
+    built.train()
+    opt = import_class(optimizer)([p for p in built.parameters() if p.requires_grad], **optimizer_kwargs)
+
+    def loss(batch: dict[str, Any]) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=getattr(torch, mixed)) if mixed else contextlib.nullcontext():
+            return built(**batch).loss
+
+    return TrainingStep(model=built, optimizer=opt, batch=sample_batches(sample, device), loss=loss,
+                        max_grad_norm=max_grad_norm, info={"framework": "transformers.Trainer", "mixed": mixed})
 
 
 def _world(args: Any) -> World | None:

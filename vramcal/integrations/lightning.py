@@ -1,14 +1,21 @@
-"""Lightning: a profile's batch size for a LightningModule (or its DataModule), and its peak checked at the end.
+"""Lightning: a batch size for a LightningModule (or its DataModule) that vramcal measured, and its peak checked.
 
     from vramcal.integrations.lightning import VramcalBatchSize
 
-    trainer = lightning.Trainer(callbacks=[VramcalBatchSize("profiles/<device>/<model>.json")])
+    trainer = lightning.Trainer(callbacks=[VramcalBatchSize()])
     trainer.fit(model, datamodule)   # model.batch_size (or datamodule.batch_size) = the conservative size
 
 Lightning's ``BatchSizeFinder`` runs steps at growing sizes in the training process until one runs out
 of memory; this callback applies a size that vramcal measured in isolated trials and verified, with its
 margin, and holds it to this process (:class:`vramcal.integrations.run.FrameworkRun`):
 
+- at ``setup("fit")``, given no profile (and no ``model=``), it calibrates the module as this fit runs it, once:
+  in vramcal's trial processes, each rebuilding it as ``type(module)(**module.hparams)`` (a module of the script
+  itself too) and running its own ``training_step`` and ``configure_optimizers`` at the trainer's precision and
+  gradient clipping, on batches from a sample of its own train dataloader (:mod:`vramcal.models.own`,
+  :func:`trial_step`). The profile, keyed by the module's class, hyperparameters and the data's shapes, is saved
+  under ``profiles_dir``; the next fit finds it and runs no trial. A module that cannot be rebuilt so (its
+  constructor takes what ``hparams`` lack), that steps its own optimizers or trains under DDP is refused in one line;
 - at ``setup("fit")`` it sets the size from the profile, as ``BatchSizeFinder`` does, with Lightning's
   ``lightning_setattr`` (on the LightningModule, its ``hparams``, the DataModule and its ``hparams``,
   wherever the name is found);
@@ -23,7 +30,11 @@ margin, and holds it to this process (:class:`vramcal.integrations.run.Framework
   so each forward pass runs beside the previous step's gradients: their bytes (the profile's
   ``gradient_bytes``) join the prediction and the limits too (:mod:`vramcal.sizing`, the gradient term);
 - at ``on_fit_end`` it prints this process's peak since fit start beside the prediction and its upper 95 %
-  bound, warns when the peak is above either, and appends the observation to the profile.
+  bound, warns when the peak is above either, and appends the observation to the profile;
+- an out-of-memory error in the fit is recorded in the profile (:meth:`~vramcal.integrations.run.FrameworkRun.
+  out_of_memory`) and the fit goes on at the largest size below it that a trial ran, its samples per optimizer step
+  kept by ``accumulate_grad_batches``: the fit loop runs again from where it stopped, with its dataloader rebuilt, as
+  ``BatchSizeFinder`` reruns it; with no such size (or under DDP) the fit stops with one line.
 
 The peak is this process's, by the trials' definitions (DESIGN.md, :func:`vramcal.measure.meters.attach_meter`).
 
@@ -37,23 +48,37 @@ Needs ``lightning`` (``pip install "lightning>=2.6,<2.7"``); ``import vramcal`` 
 
 from __future__ import annotations
 
+import gc
+import inspect
+import json
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.parsing import lightning_hasattr, lightning_setattr
+from lightning.pytorch.core.optimizer import _configure_optimizers
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from vramcal.arguments import name_text
-from vramcal.integrations.run import FrameworkRun, asked_request, check_find, use_system_arrow_pool
+from vramcal.arguments import name_text, of_type
+from vramcal.integrations.run import FrameworkRun, asked_request, check_find, own_profile, use_system_arrow_pool
 from vramcal.integrations.worlds import backend_of, ddp_world, fsdp1_refused, sharded_world, unmeasured
+from vramcal.models.own import SAMPLE_ROWS, class_path, import_class, sample_batches
+from vramcal.oom import is_out_of_memory
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
-from vramcal.records import World
-from vramcal.sizing import GradientsHeld, Sizing
+from vramcal.records import TrialSettings, World
+from vramcal.sizing import GradientsHeld, Sizing, SizingError
 from vramcal.units import format_bytes
+from vramcal.workload import TrainingStep, WorkloadError
 
 if TYPE_CHECKING:  # pragma: no cover
     import lightning.pytorch as pl
+
+# Lightning's precisions a trial runs with Lightning's own plugin (the trainer's precision_plugin.precision)
+PRECISIONS = ("32-true", "64-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed")
 
 
 class VramcalBatchSize(Callback):
@@ -61,13 +86,15 @@ class VramcalBatchSize(Callback):
 
     Args:
         profile: a :class:`~vramcal.profile.Profile`, a profile file, or None to find the newest matching
-            one for ``model`` on this run's device under ``profiles_dir`` (:func:`vramcal.lookup.locate_profile`).
+            one for ``model`` on this run's device under ``profiles_dir`` (:func:`vramcal.lookup.locate_profile`);
+            with neither, the module itself, found or calibrated (module docstring).
         model, params: what was calibrated (``regressor``, ``lm`` or ``module:function`` and its
             arguments), to find the profile or check the given file against; ``params["seq_len"]`` is the
             run's length, which a profile calibrated over several lengths needs.
-        profiles_dir: where to look when ``profile`` is None.
+        profiles_dir: where to look when ``profile`` is None (and where the module's own profile is saved).
         capacity_bytes: the budget the profile to find was calibrated at (as
-            :class:`~vramcal.integrations.run.FrameworkRun`).
+            :class:`~vramcal.integrations.run.FrameworkRun`), or, on the host, to calibrate the module at.
+        trials: how the module's own calibration runs its trials (:class:`~vramcal.records.TrialSettings`).
         attr: the attribute the dataloaders read (``batch_size``).
         asked: what the run asks of the profile, the fields of :class:`~vramcal.sizing.SizeRequest`:
             ``limit`` (``conservative``, the default, or ``safe``), ``batch_size_min``, ``request`` (a batch
@@ -84,15 +111,20 @@ class VramcalBatchSize(Callback):
             (:func:`~vramcal.integrations.run.check_find`, :class:`~vramcal.sizing.SizeRequest`, ``attr`` no
             attribute name), an unknown asked value, neither ``profile`` nor ``model``. At ``setup``: SizingError:
             no matching profile, a profile from another device, model or world, or no batch size within the
-            bounds; ValueError: the module has no ``attr``; the run's device is neither a CUDA GPU nor the CPU.
-            At ``on_fit_start``: SizingError: the profile's variant checkpoints and the module has no blocks
-            vramcal can checkpoint. Each one line.
+            bounds; ValueError: the module has no ``attr``; the run's device is neither a CUDA GPU nor the CPU;
+            WorkloadError, SizingError: calibrating the module itself, one it cannot rebuild or step (above);
+            CalibrationError: its trials failed. At ``on_fit_start``: SizingError: the profile's variant
+            checkpoints and the module has no blocks vramcal can checkpoint. In the fit: SizingError: out of memory
+            with no smaller size a trial ran, or under DDP. Each one line.
     """
 
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
                  params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
-                 capacity_bytes: int | str | None = None, attr: str = "batch_size", **asked: Any) -> None:
-        self._find = check_find("VramcalBatchSize", profile, model, params, profiles_dir, capacity_bytes)
+                 capacity_bytes: int | str | None = None, attr: str = "batch_size",
+                 trials: TrialSettings = TrialSettings(), **asked: Any) -> None:
+        self._find = check_find("VramcalBatchSize", profile, model, params, profiles_dir, capacity_bytes, own=True)
+        self._own = profile is None and model is None
+        self.trials = of_type("trials", trials, TrialSettings, "a vramcal.TrialSettings (TrialSettings(max_trials=8))")
         self.ask = asked_request("VramcalBatchSize", asked)
         self.attr = name_text("attr", attr, "the name of the attribute the dataloaders read, such as 'batch_size'")
         self.run: FrameworkRun | None = None
@@ -112,43 +144,76 @@ class VramcalBatchSize(Callback):
         self.run, self.sizing = None, None  # a new fit says its size again
         if _sharded_later(trainer):
             return  # configure_model shards the module after setup: its world is read at fit start
-        self._size(trainer, pl_module, _world(trainer))
-        self._apply(trainer, pl_module, self.run.sizing)
+        world, find = _world(trainer), self._find
+        if self._own:
+            if world is not None:
+                raise SizingError(f"VramcalBatchSize() calibrates a module in one process, and this fit runs "
+                                  f"{world.nproc} ranks: calibrate them with a factory (vramcal probe --nproc) and "
+                                  f"give model=")
+            params, batch = _own_model(trainer, pl_module, self.attr)
+            find = {**find, "profile": own_profile(f"{__name__}:trial_step", params, batch,
+                                                   trainer.strategy.root_device, find, self.trials, rank_zero_info)}
+        self._size(trainer, pl_module, world, find)
+        self._apply(trainer, pl_module, self.run.sizing, said=False)  # said at fit start, once it holds
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.run is None and _sharded_later(trainer):
             self._size(trainer, pl_module, sharded_world(pl_module, trainer.world_size,
                                                          backend_of(trainer.strategy.root_device.type),
-                                                         "Lightning's ModelParallelStrategy"))
+                                                         "Lightning's ModelParallelStrategy"), self._find)
         if self.run is not None:
-            self.run.checkpoint(pl_module)  # the profile's variant: its blocks recomputed as the trials' were
-            self._apply(trainer, pl_module, self.run.start())
+            if not self._own:  # a factory's profile ran its variant; the module's own ran it as it is
+                self.run.checkpoint(pl_module)
+            self._apply(trainer, pl_module, self.run.start(say_resize=False))
+            _go_on_after_out_of_memory(trainer, self._out_of_memory)
 
-    def _size(self, trainer: pl.Trainer, pl_module: pl.LightningModule, world: World | None) -> None:
-        """The run of this fit in ``world``, sized from the profile (its information and warnings on rank 0)."""
+    def _size(self, trainer: pl.Trainer, pl_module: pl.LightningModule, world: World | None,
+              find: dict[str, Any]) -> None:
+        """The run of this fit in ``world``, sized from the profile ``find`` locates (its information and warnings
+        on rank 0)."""
         ask = self.ask.replace(gradients=_gradients_held(pl_module)) if self.ask.gradients is None else self.ask
-        self.run = FrameworkRun(**self._find, device=trainer.strategy.root_device, ask=ask, world=world,
+        self.run = FrameworkRun(**find, device=trainer.strategy.root_device, ask=ask, world=world,
                                 framework="lightning", warn=lambda line: rank_zero_warn(line),
                                 inform=lambda line: rank_zero_info(line))
         self.profile_source = self.run.source
 
-    def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, sizing: Sizing) -> None:
-        """Set the (agreed, under DDP) batch size and the accumulation, and say so on rank 0: once when it is first
-        decided (``setup``) and again only when fit start changed it."""
+    def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, sizing: Sizing, said: bool = True) -> None:
+        """Set the (agreed, under DDP) batch size and the accumulation; with ``said``, say so on rank 0 in one line,
+        and why when it differs from the size set at ``setup`` (before what this process holds was measured)."""
         own, batch = sizing.batch_size, _agreed(trainer, sizing.batch_size)
         if batch != own:
             sizing = self.run.resize(batch)
         lightning_setattr(pl_module, self.attr, batch)
         if sizing.accumulation_steps > 1:
             trainer.accumulate_grad_batches = sizing.accumulation_steps
-        said, self.sizing = self.sizing, sizing
-        if said is not None and (said.batch_size, said.accumulation_steps) == (batch, sizing.accumulation_steps):
-            return  # said at setup: fit start kept the size (the prediction's process term is in the report)
+        before, self.sizing = self.sizing, sizing
+        if not said:
+            return
         s, agreed = sizing, "" if batch == own else f", the smallest of the ranks' sizes; this rank's was {own}"
+        why = "" if before is None or before.batch_size == batch else (
+            f"; down from {before.batch_size}: this process holds {s.process_delta_bytes / 2**20:+.1f} MiB against "
+            f"the trials' (the process term) and the gradients {s.gradient_delta_bytes / 2**20:+.1f} MiB")
         rank_zero_info(f"vramcal: {self.attr} = {batch} ({s.label}{agreed}; safe {s.safe_batch_size}, conservative "
-                       f"{s.conservative_batch_size}) from {self.profile_source}: predicted peak "
+                       f"{s.conservative_batch_size}{why}) from {self.profile_source}: predicted peak "
                        f"{format_bytes(s.predicted_peak_bytes)}, warned above {format_bytes(s.line_bytes)}, usable "
                        f"{format_bytes(s.usable_bytes)}")
+
+    def _out_of_memory(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """An out-of-memory error in the fit (module docstring): recorded, and the size it goes on at set, the fit's
+        samples per optimizer step kept.
+
+        Raises:
+            SizingError: under DDP (the ranks cannot agree on a new size mid-fit), or no smaller size a trial ran.
+        """
+        before = self.sizing
+        if trainer.world_size > 1:
+            raise SizingError(f"out of memory at {self.attr} {before.batch_size} in a fit of {trainer.world_size} "
+                              f"ranks: fit again from your last checkpoint (the profile's limits are per rank)")
+        sizing, line = self.run.out_of_memory(trainer.global_step, before.batch_size * trainer.accumulate_grad_batches)
+        lightning_setattr(pl_module, self.attr, sizing.batch_size)
+        trainer.accumulate_grad_batches = sizing.accumulation_steps
+        self.sizing = sizing
+        rank_zero_info(line)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.run is None or self.run.peak_bytes is not None:
@@ -166,6 +231,143 @@ class VramcalBatchSize(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self.run is not None:
             self.run.close()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        trainer.fit_loop.__dict__.pop("run", None)  # this fit's guard (_go_on_after_out_of_memory) ends with it
+
+
+def _go_on_after_out_of_memory(trainer: pl.Trainer, resized: Any) -> None:
+    """Guard the trainer's fit loop: an out-of-memory error (:func:`vramcal.oom.is_out_of_memory`) inside it calls
+    ``resized(trainer, module)`` (which records it and sets the size, or raises), then the loop runs again from where
+    it stopped with its dataloader rebuilt at the new size, as Lightning's ``BatchSizeFinder`` reruns it."""
+    loop = trainer.fit_loop
+    run = type(loop).run.__get__(loop)
+
+    def guarded() -> None:
+        while True:
+            try:
+                return run()
+            except Exception as error:  # noqa: BLE001 - one kind is handled; the rest is raised again
+                if not is_out_of_memory(error):
+                    raise
+            resized(trainer, trainer.lightning_module)
+            if loop._data_fetcher is not None:  # its batches, prefetched at the old size, go with it
+                loop._data_fetcher.teardown()
+                loop._data_fetcher = None
+            loop._combined_loader = None  # rebuilt at the new size by the next run's setup_data
+            trainer.lightning_module.zero_grad(set_to_none=True)
+            gc.collect()
+
+    loop.run = guarded
+
+
+def _own_model(trainer: pl.Trainer, pl_module: pl.LightningModule, attr: str) -> tuple[dict[str, Any], Any]:
+    """(the arguments of :func:`trial_step` that rebuild ``pl_module`` as this fit runs it, a batch of its own
+    training data of :data:`vramcal.models.own.SAMPLE_ROWS` rows).
+
+    Raises:
+        SizingError: manual optimization (the module steps its own optimizers), a precision no trial runs, a train
+            dataloader that is no single DataLoader. WorkloadError: a module its trials cannot rebuild.
+    """
+    name = type(pl_module).__name__
+    if not pl_module.automatic_optimization:
+        raise SizingError(f"VramcalBatchSize() calibrates a module under Lightning's automatic optimization, and "
+                          f"{name} steps its own optimizers: calibrate its step with a factory and give model=")
+    if trainer.precision not in PRECISIONS:
+        raise SizingError(f"VramcalBatchSize() calibrates precision {', '.join(PRECISIONS)}, not "
+                          f"{trainer.precision!r}: calibrate the step with a factory and give model=")
+    clip = trainer.gradient_clip_val if trainer.gradient_clip_algorithm == "norm" else None
+    params = {"model": class_path(type(pl_module)), "hparams": _hparams(pl_module, attr),
+              "precision": trainer.precision, "max_grad_norm": clip}
+    return params, _sample(trainer, pl_module, attr)
+
+
+def _hparams(pl_module: pl.LightningModule, attr: str) -> dict[str, Any]:
+    """What rebuilds ``pl_module`` in a trial, ``type(pl_module)(**hparams)`` (its batch size ``attr`` at 1: the
+    trials set their own).
+
+    Raises:
+        WorkloadError: its constructor takes an argument ``hparams`` lack, or one that is no plain JSON value.
+    """
+    name, hparams = type(pl_module).__name__, dict(pl_module.hparams)
+    if attr in hparams:
+        hparams[attr] = 1
+    needed = [p.name for p in list(inspect.signature(type(pl_module).__init__).parameters.values())[1:]
+              if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in hparams]
+    if needed:
+        raise WorkloadError(f"VramcalBatchSize() rebuilds {name} in its trial processes as Lightning's "
+                            f"load_from_checkpoint does, {name}(**hparams), and its hparams lack {', '.join(needed)}: "
+                            f"call self.save_hyperparameters() in {name}.__init__")
+    try:
+        json.dumps(hparams, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise WorkloadError(f"{name}'s hparams are not plain JSON values ({error}), which its trials are rebuilt "
+                            f"from: leave objects out with save_hyperparameters(ignore=[...]) and build them in "
+                            f"__init__ from plain arguments") from None
+    return hparams
+
+
+def _sample(trainer: pl.Trainer, pl_module: pl.LightningModule, attr: str) -> Any:
+    """One batch of the fit's own train dataloader at :data:`vramcal.models.own.SAMPLE_ROWS` rows (its ``attr`` set
+    for it, then put back), as Lightning requests it.
+
+    Raises:
+        SizingError: the train dataloader is not one ``DataLoader``.
+    """
+    before = lightning_getattr(pl_module, attr)
+    lightning_setattr(pl_module, attr, SAMPLE_ROWS)
+    try:
+        loader = trainer.fit_loop._data_source.dataloader()
+        if not isinstance(loader, torch.utils.data.DataLoader):
+            raise SizingError(f"VramcalBatchSize() samples the fit's data from one DataLoader, and the train "
+                              f"dataloader is {type(loader).__name__}: return one DataLoader from train_dataloader()")
+        return next(iter(loader))
+    finally:
+        lightning_setattr(pl_module, attr, before)
+
+
+def trial_step(device: torch.device, model: str, hparams: dict[str, Any], precision: str, sample: str,
+               max_grad_norm: float | None = None, **key: Any) -> TrainingStep:
+    """The factory of a LightningModule's own calibration (:mod:`vramcal.models.own`), in a trial process: the
+    module rebuilt as ``import_class(model)(**hparams)`` under Lightning's plugin for ``precision`` (its init
+    context, ``convert_module``), on ``device``; its optimizer from its ``configure_optimizers`` (Lightning's own
+    reading of what it returns); its loss its ``training_step`` under the plugin's ``train_step_context`` (autocast
+    for mixed precision) on batches from ``sample`` passed through its batch-transfer hooks; gradients clipped by
+    norm at ``max_grad_norm``. ``key``: the rest of the profile's key (the data's shapes), unused here.
+
+    Raises:
+        WorkloadError: the class cannot be imported; it configures no optimizer or several.
+    """
+    plugin = _precision_plugin(precision, device)
+    with plugin.module_init_context():
+        module = plugin.convert_module(import_class(model)(**hparams)).to(device)
+    module.train()
+    optimizers = _configure_optimizers(module.configure_optimizers())[0]
+    if len(optimizers) != 1:
+        raise WorkloadError(f"{type(module).__name__}.configure_optimizers gives {len(optimizers)} optimizers: "
+                            f"automatic optimization steps one")
+    rows = sample_batches(sample, device)
+
+    def loss(batch: Any) -> torch.Tensor:
+        with plugin.train_step_context(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*self.log.*")  # no trainer here to log to
+            out = module.training_step(batch, 0)
+        return out["loss"] if isinstance(out, Mapping) else out
+
+    def batch(batch_size: int) -> Any:
+        return module._apply_batch_transfer_handler(module._on_before_batch_transfer(rows(batch_size)), device)
+
+    return TrainingStep(model=module, optimizer=optimizers[0], batch=batch, loss=loss, max_grad_norm=max_grad_norm,
+                        info={"framework": "lightning", "precision": precision})
+
+
+def _precision_plugin(precision: str, device: torch.device) -> Precision:
+    """Lightning's plugin for ``precision`` (as its accelerator connector chooses one for one device)."""
+    if precision in ("16-mixed", "bf16-mixed"):
+        return MixedPrecision(precision, device.type)
+    if precision in ("16-true", "bf16-true"):
+        return HalfPrecision(precision)
+    return DoublePrecision() if precision == "64-true" else Precision()
 
 
 def _gradients_held(pl_module: pl.LightningModule) -> GradientsHeld | None:

@@ -29,17 +29,26 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vramcal import __version__
-from vramcal.api import capacity_argument, select_devices
+from vramcal.api import capacity_argument, select_devices, size_for
 from vramcal.arguments import callback, flag, mapping, of_type, path_like
-from vramcal.environment import HOST_MALLOC, set_arrow_pool, set_host_malloc
+from vramcal.environment import HOST_MALLOC, cache_thread_stacks, set_arrow_pool, set_host_malloc
 from vramcal.integrations.worlds import locate_world
 from vramcal.measure.device import DeviceError, free_bytes
 from vramcal.measure.meters import attach_meter
 from vramcal.measure.nvml import NvmlError
 from vramcal.models.mamba2 import CHECKPOINTING_OFF, checkpoint_every, checkpoint_model
-from vramcal.profile import DEFAULT_PROFILES_DIR, Observation, Profile, ProfileError, append_observation, utc_now
-from vramcal.records import World
+from vramcal.models.own import data_shapes, refuse_training_at_import, save_sample
+from vramcal.profile import (
+    DEFAULT_PROFILES_DIR,
+    Observation,
+    Profile,
+    ProfileError,
+    append_observation,
+    utc_now,
+)
+from vramcal.records import TrialSettings, World
 from vramcal.sizing import SizeRequest, Sizing, SizingError, check_counts, compare, size
+from vramcal.units import format_bytes
 from vramcal.words import is_info
 from vramcal.workload import ModelRef
 
@@ -81,7 +90,8 @@ class FrameworkRun:
         framework: who trains (``lightning``, ``transformers.Trainer``, ``accelerate``, ``plain``), recorded.
         host_malloc: on the host, :meth:`start` gives this process the trials' glibc malloc settings
             (:func:`vramcal.environment.set_host_malloc`: with glibc's defaults the same step can hold a third
-            more), and says so; False keeps glibc's defaults.
+            more), and says so, and the thread stacks their processes find cached
+            (:func:`vramcal.environment.cache_thread_stacks`); False keeps glibc's defaults.
         warn: how warnings reach people (default :func:`warnings.warn`): the lookup's and the sizing's.
         inform: how information reaches people (default: a line on stderr): the sizing's notices marked
             :class:`~vramcal.words.Info` (the process term, the gradient term), the malloc settings given.
@@ -132,23 +142,29 @@ class FrameworkRun:
         self._unseen: str | None = None  # what the meter could not see (finish): the observation says so
         self._free: dict[str, Any] = {}  # the gate's reading at start()
         self.checkpointed: tuple[int, int] | None = None  # checkpoint(): (blocks recomputed, blocks found)
+        self.failed = False  # the run ran out of memory (out_of_memory)
 
-    def start(self) -> Sizing:
+    def start(self, say_resize: bool = True) -> Sizing:
         """Training starts (the model and the optimizer are on the device, the data loaded): on the host give
         the process the trials' malloc settings (``host_malloc``), measure what it holds, size again with the
         process term and the gate (what the device has free now, :func:`vramcal.measure.device.free_bytes`,
         plus what this process holds: memory other processes took since the calibration lowers the limits),
         clamping the batch size when it no longer fits, and start measuring the peak. Returns the new sizing
-        (its information given to ``inform``, its warnings to ``warn``)."""
+        (its information given to ``inform``, its warnings to ``warn``; a batch size it lowered said through
+        ``inform`` with ``say_resize``, else left to the caller to say)."""
 
         if self.checkpointed is None and checkpoint_every(self.variant):
             self.warn(f"vramcal: {self.source} was calibrated with checkpointing {self.variant}: call "
                       f"checkpoint(model) before start(), or the run holds more than its prediction")
         done = set_host_malloc() if self.device.kind == "host" and self.host_malloc else None
+        if self.device.kind == "host" and self.host_malloc:
+            cache_thread_stacks()  # later threads reuse them, as the trials' did: no growth after the term's measure
         if done:
             self.inform(f"vramcal: this process's glibc malloc now runs as the trials' did ({done}: mallopt), for "
                       f"their host figures to hold here; export GLIBC_TUNABLES={HOST_MALLOC} before Python starts to "
                       f"have it from the first allocation")
+        if self._meter is not None:  # a second start (a restarted training loop) measures anew
+            self._meter.close()
         self._meter, self._attached = self._attached or attach_meter(self.device, warn=self.warn), None
         self.held_bytes = None if self._meter.unseen else self._meter.held_bytes()
         if self._meter.unseen:
@@ -162,9 +178,9 @@ class FrameworkRun:
         self.sizing = size(self.profile, self.ask, process_bytes=self.held_bytes, **self._free)
         for notice in self.sizing.notices:
             (self.inform if is_info(notice) else self.warn)(f"vramcal: {notice}")
-        if self.sizing.batch_size < before:
-            self.warn(f"vramcal: batch_size {before} -> {self.sizing.batch_size}: with what this process holds and "
-                      f"what the device has free now it no longer fits the profile's limits")
+        if self.sizing.batch_size < before and say_resize:
+            self.inform(f"vramcal: batch_size {before} -> {self.sizing.batch_size}: with what this process holds and "
+                        f"what the device has free now it no longer fits the profile's limits")
         self._meter.reset()
         return self.sizing
 
@@ -218,7 +234,9 @@ class FrameworkRun:
 
     def finish(self, steps: int = 0, run_dir: str = "") -> tuple[str, list[str]]:
         """The process's peak since :meth:`start` against the prediction (one line, and warnings), and the
-        observation appended to the profile file (a failure to write it is a warning).
+        observation appended to the profile file (a failure to write it is a warning). After an out-of-memory
+        error (:meth:`out_of_memory`, recorded then) the peak may be the failed step's (the host's data-segment
+        peak is never reset): it is said, not recorded nor warned about.
 
         Raises:
             RuntimeError: :meth:`start` was not called. TypeError: ``steps`` no whole number, ``run_dir`` no str.
@@ -233,7 +251,9 @@ class FrameworkRun:
         self._meter.close()
         self._meter = None
         line, warned = compare(self.sizing, self.peak_bytes, process=self.held_bytes is not None)
-        self._observe(steps, run_dir)
+        if self.failed:
+            return f"vramcal: {line} (this process's {definition}; after an out-of-memory error: not recorded)", []
+        self._observe(self._observation(steps, run_dir))
         return f"vramcal: {line} (this process's {definition})", warned
 
     def conclude(self, steps: int = 0, run_dir: str = "", main_process: bool = True) -> str:
@@ -251,6 +271,35 @@ class FrameworkRun:
             self.warn(f"vramcal: {line}")
         return report
 
+    def out_of_memory(self, steps: int, effective_batch_size: int) -> tuple[Sizing, str]:
+        """This run ran out of memory after ``steps`` optimizer steps: recorded in the profile (an observation marked
+        ``out_of_memory``: the batch size, the step, this process's peak, the prediction it broke), and the sizing it
+        goes on with: at most the largest batch size below the failed one that a trial of the profile ran
+        (:func:`vramcal.sizing.run_failure_cap`), ``effective_batch_size`` samples per optimizer step kept by
+        accumulation (the fewest micro-batches that reach it: :func:`vramcal.sizing.accumulation`). Returns the
+        sizing and the line that says so.
+
+        Raises:
+            SizingError: no trial ran below the failed size (one line: the size to use, and how to go on).
+        """
+        broke = self.sizing
+        self.peak_bytes = self._meter.read() if self._meter is not None else broke.predicted_peak_bytes
+        self._unseen = self._meter.unseen if self._meter is not None else None
+        observation = self._observation(steps, "", out_of_memory=True)
+        self._observe(observation)
+        self.failed = True
+        self.profile = dataclasses.replace(self.profile, observations=(*self.profile.observations, observation))
+        self.ask = self.ask.replace(request=None, effective_batch_size=effective_batch_size, exact=False)
+        self.sizing = s = size(self.profile, self.ask, process_bytes=self.held_bytes, **self._free)
+        self.peak_bytes = None
+        if self._meter is not None:
+            self._meter.reset()
+        return s, (f"vramcal: out of memory at batch_size {broke.batch_size} after {steps} steps (this process's peak "
+                   f"{format_bytes(observation.peak_bytes)}, predicted {format_bytes(broke.predicted_peak_bytes)}), "
+                   f"recorded in {self.source}: going on at batch_size {s.batch_size} x {s.accumulation_steps} "
+                   f"accumulated ({s.batch_size * s.accumulation_steps} samples per optimizer step, "
+                   f"{effective_batch_size} before)")
+
     def close(self) -> None:
         """Stop measuring (an exception ended the run)."""
         for meter in (self._meter, self._attached):
@@ -258,16 +307,18 @@ class FrameworkRun:
                 meter.close()
         self._meter = self._attached = None
 
-    def _observe(self, steps: int, run_dir: str) -> None:
-        if self.path is None:
-            return
+    def _observation(self, steps: int, run_dir: str, out_of_memory: bool = False) -> Observation:
         s = self.sizing
-        observation = Observation(
+        return Observation(
             recorded_utc=utc_now(), vramcal_version=__version__, batch_size=s.batch_size, data_bytes=0,
             peak_bytes=int(self.peak_bytes), predicted_peak_bytes=s.predicted_peak_bytes, upper_bytes=s.upper_bytes,
-            warn_bytes=s.line_bytes,
-            usable_bytes=s.usable_bytes, steps=steps, run_dir=run_dir, framework=self.framework,
-            process_delta_bytes=s.process_delta_bytes, peak_unseen=self._unseen)
+            warn_bytes=s.line_bytes, usable_bytes=s.usable_bytes, steps=steps, run_dir=run_dir,
+            framework=self.framework, process_delta_bytes=s.process_delta_bytes, peak_unseen=self._unseen,
+            out_of_memory=out_of_memory)
+
+    def _observe(self, observation: Observation) -> None:
+        if self.path is None:
+            return
         try:
             append_observation(self.path, observation)
         except (OSError, ProfileError) as error:
@@ -308,14 +359,16 @@ def asked_request(who: str, asked: dict[str, Any]) -> SizeRequest:
 
 
 def check_find(who: str, profile: Any, model: Any, params: Any, profiles_dir: Any,
-               capacity_bytes: Any) -> dict[str, Any]:
+               capacity_bytes: Any, own: bool = False) -> dict[str, Any]:
     """What an integration (``who``) is given to find its profile, checked where it is given (its constructor):
-    the arguments, with ``capacity_bytes`` as bytes (:func:`vramcal.api.capacity_argument`).
+    the arguments, with ``capacity_bytes`` as bytes (:func:`vramcal.api.capacity_argument`). ``own``: the
+    integration calibrates the run's own model when given neither ``profile`` nor ``model`` (:func:`own_profile`).
 
     Raises:
         TypeError: ``profile`` neither a Profile, a path nor None; ``model`` neither a name nor a ModelRef;
             ``params`` no dict; ``profiles_dir`` no path; ``capacity_bytes`` neither bytes nor a size.
-        ValueError: a ``capacity_bytes`` that is no size. SizingError: neither ``profile`` nor ``model``.
+        ValueError: a ``capacity_bytes`` that is no size. SizingError: neither ``profile`` nor ``model`` (not
+            ``own``).
     """
     of_type("profile", profile, (Profile, str, os.PathLike), "a vramcal.Profile, a profile file's path or None",
             none=True)
@@ -323,11 +376,34 @@ def check_find(who: str, profile: Any, model: Any, params: Any, profiles_dir: An
             none=True)
     mapping("params", params, "the model's arguments as a dict ({'seq_len': 256})")
     path_like("profiles_dir", profiles_dir)
-    if profile is None and model is None:
+    if profile is None and model is None and not own:
         raise SizingError(f"{who} needs profile=<a profile file or Profile>, or model=<what was calibrated> to find "
                           f"one under profiles_dir")
     return {"profile": profile, "model": model, "params": params, "profiles_dir": profiles_dir,
             "capacity_bytes": capacity_argument(capacity_bytes)}
+
+
+def own_profile(factory: str, params: dict[str, Any], batch: Any, device: torch.device | str, find: dict[str, Any],
+                trials: TrialSettings, inform: Warn = _inform) -> Path:
+    """The profile of a run's own model (:mod:`vramcal.models.own`), which an integration calibrates without a
+    factory of the user's: ``factory`` (the integration's trial builder) with ``params`` and the shapes of ``batch``,
+    a batch of the run's own data (saved for the trials under ``profiles_dir/samples``), on the run's ``device``. The
+    matching profile under ``find["profiles_dir"]`` at ``find["capacity_bytes"]`` when one holds (said through
+    ``inform``), else a calibration there, verified and saved, a line per trial (:func:`vramcal.api.size_for`).
+
+    Raises:
+        WorkloadError: a script imported to rebuild a model trains at its top level; a batch that holds no tensor.
+        CalibrationError: not even one sample fits, or the trials cannot rebuild or step the model (its first line).
+        OSError: the profiles folder cannot be written.
+    """
+    refuse_training_at_import()
+    ref = ModelRef.make(factory, {**params, "data": data_shapes(batch)})
+    sample = save_sample(batch, Path(find["profiles_dir"]) / "samples")
+    answered = size_for(ref, gpu=vramcal_device(device).gpu, capacity_bytes=find["capacity_bytes"],
+                        profiles_dir=find["profiles_dir"], options={"sample": str(sample)}, trials=trials)
+    if not answered.calibrated:  # a calibration said so itself: a line per trial and where it saved the profile
+        inform(f"vramcal: {answered.reason}")
+    return answered.path
 
 
 def vramcal_device(device: torch.device | str) -> Device:

@@ -403,8 +403,10 @@ class AttachedHostMeter:
 
     def read(self) -> int:
         peaks = host_peaks()
-        if peaks["data_peak_bytes"] > peaks["rss_peak_bytes"] and peaks["data_peak_bytes"] <= self._data_peak_at_start:
-            self.definition += ", reached before the fit started: an upper bound of the fit's peak"
+        earlier = ", reached earlier in the process: an upper bound of this span's peak"
+        if peaks["data_peak_bytes"] > peaks["rss_peak_bytes"] and peaks["data_peak_bytes"] <= self._data_peak_at_start \
+                and earlier not in self.definition:
+            self.definition += earlier
         return peaks["peak_bytes"]
 
     def close(self) -> None:

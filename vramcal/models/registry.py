@@ -8,9 +8,11 @@ a :class:`~vramcal.workload.ModelRef`. Two families ship with vramcal:
   fields and a concrete implementation; it takes the data options (a bar file, stride, ...);
 * ``lm`` — a Mamba-2 causal language model from a transformers ``Mamba2Config`` (:mod:`vramcal.models.lm`);
 
-and any other ``module:function`` is a user's factory. Everything that differs between them — how a
-reference is checked, its chunk size and whether it takes a ``seq_len``, the command line that probes it,
-its data options, the arguments left out of titles, its file label — is a method of its :class:`Family`.
+and any other ``module:function`` is a user's factory; a model the framework integrations calibrate as the run
+has it (:class:`OwnModel`, :mod:`vramcal.models.own`) is named by the integration's own factory. Everything that
+differs between them — how a reference is checked, its chunk size and whether it takes a ``seq_len``, the command
+line that probes it, its data options, the arguments left out of titles, its file label — is a method of its
+:class:`Family`.
 No other module tells the families apart by name: they ask :func:`family` or :func:`family_of`.
 """
 
@@ -37,7 +39,8 @@ from vramcal.workload import ModelRef, WorkloadError, accepts, load_factory
 # The usual Mamba-2 arguments first in titles, in this order; the rest alphabetically.
 _ORDER = ("config", "d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len", "dtype")
 _SHAPE = (("hidden_size", "hidden"), ("num_hidden_layers", "layers"), ("vocab_size", "vocab"), ("state_size", "state"))
-DATA_OPTIONS = ("data", "stride", "val_fraction", "data_on_device")  # the regressor's; they do not change the model
+REGRESSOR_OPTIONS = ("data", "stride", "val_fraction", "data_on_device")  # the regressor's data
+DATA_OPTIONS = (*REGRESSOR_OPTIONS, "sample")  # the families' options: they do not change the model
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ class Regressor(Family):
                 if k not in self.quiet and k in params and defaults[k] != params[k]]
 
     def data_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        picked = {k: options[k] for k in DATA_OPTIONS if k in options}
+        picked = {k: options[k] for k in REGRESSOR_OPTIONS if k in options}
         if picked.get("data") is not None:
             picked["data"] = str(Path(picked["data"]).resolve())
         return picked
@@ -209,9 +212,42 @@ class LanguageModel(Family):
                 *([f"--model-arg checkpointing={checkpointing}"] if checkpointing else [])]
 
 
+@dataclass(frozen=True)
+class OwnModel(Family):
+    """A model an integration calibrates as the run has it (:mod:`vramcal.models.own`): a LightningModule or a
+    transformers model, named by its class (``params["model"]``); ``framework`` trains it."""
+
+    name: str = "own"
+    quiet: tuple[str, ...] = ("data",)
+    framework: str = ""
+
+    def check(self, params: dict[str, Any], device: Device, implementation: str) -> ModelRef:
+        """The reference as the integration made it (it checked the model where the run gave it)."""
+        return ModelRef.make(self.factory, params)
+
+    def implementation(self, ref: ModelRef) -> str:
+        return self.framework
+
+    def title(self, ref: ModelRef) -> str:
+        return f"{self.label(ref)} ({self.framework})"
+
+    def label(self, ref: ModelRef) -> str:
+        """The model's class name."""
+        return re.sub(r"[^A-Za-z0-9_]+", "-", str(ref.params.get("model", "")).rpartition(":")[2]).strip("-")
+
+    def data_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """The sample of the run's data the trials take their batches from (:func:`vramcal.models.own.save_sample`)."""
+        return {"sample": str(options["sample"])} if options.get("sample") else {}
+
+    def data_source(self, options: dict[str, Any]) -> str:
+        return f"a sample of the run's own training data ({options.get('sample')})"
+
+
 REGRESSOR = Regressor()
 FAMILIES: dict[str, Family] = {"regressor": REGRESSOR, "lm": LanguageModel()}
-_BY_FACTORY = {each.factory: each for each in FAMILIES.values()}
+OWN_MODELS = (OwnModel("vramcal.integrations.lightning:trial_step", framework="lightning"),
+              OwnModel("vramcal.integrations.hf:trial_step", framework="transformers"))
+_BY_FACTORY = {each.factory: each for each in (*FAMILIES.values(), *OWN_MODELS)}
 
 
 def family(model: str) -> Family:

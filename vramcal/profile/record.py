@@ -96,6 +96,9 @@ class Observation:
         peak_unseen: what of the process ``peak_bytes`` leaves out, which makes it a lower bound (a framework's run
             on a GPU where NVML gives no per-process figure and CUDA started before vramcal attached:
             :class:`vramcal.measure.meters.AttachedCudaMeter`); None: nothing.
+        out_of_memory: the run ran out of memory at ``batch_size`` after ``steps`` steps, its peak then
+            ``peak_bytes`` against ``predicted_peak_bytes``: evidence that caps what later runs take
+            (:func:`vramcal.sizing.run_failure_cap`).
     """
 
     recorded_utc: str
@@ -122,6 +125,7 @@ class Observation:
     val_samples: int | None = None
     data_source: str | None = None
     peak_unseen: str | None = None
+    out_of_memory: bool = False
 
     @property
     def line_bytes(self) -> int:
