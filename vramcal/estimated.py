@@ -14,11 +14,9 @@ On a CUDA card the trace's bytes are what the caching allocator would reserve fo
 **The baseline** is learned from the profiles at hand: for each verified profile,
 ``fit.overhead − pool_data_bytes − trace_overhead`` of its own model; the estimate takes their median over the same
 device where some were made there (another machine's libraries and allocator hold another amount), else over the
-same kind of device. On the host, the same device's profiles made with the thread setting a worker gets now
-(``OMP_NUM_THREADS``) come first, and a baseline learned under another setting says so: each OpenMP thread holds its
-own allocator arena and stack (a tiny spec's worker on the project's 2-core host: 484 MiB at batch_size 1 with two
-threads, 402 MiB with ``OMP_NUM_THREADS=1``). With none, a stated default (:data:`HOST_BASELINE`,
-:data:`CUDA_BASELINE`).
+same kind of device. Before the device come the profiles made under the settings a baseline moves with
+(:data:`BASELINE_SETTINGS`: torch's build; on the host the thread setting a worker gets), and a baseline learned
+under others, or a stated default (:data:`HOST_BASELINE`, :data:`CUDA_BASELINE`) where there is none, says so.
 
 **The bound.** Each such profile is held against the estimate of its own model with the baseline learned from the
 *other* profiles (leave-one-out): ``error = estimated_peak(safe) / measured_peak(safe) − 1`` at its verified safe
@@ -42,19 +40,20 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import Aim
-from vramcal.environment import shown_setting, worker_setting
+from vramcal.environment import shown_setting, software_versions, worker_setting
 from vramcal.estimate import EstimateError, StepEstimate, estimate_step
 from vramcal.estimate.result import line
 from vramcal.models.registry import describe
 from vramcal.profile import Profile, ProfileError, load_profile
 from vramcal.records import Device, DeviceKind
+from vramcal.staleness import recorded_software
 from vramcal.units import format_bytes
 from vramcal.workload import ModelRef, WorkloadError
 
@@ -65,15 +64,39 @@ TRACE_SIZES = (8, 64)  # the batch sizes every estimate traces: a fake step cost
 @dataclass(frozen=True)
 class Baseline:
     """What a process of a kind of device holds that a fake trace cannot see (bytes), and where the figure comes
-    from, for people."""
+    from, for people; ``settings``: the :data:`BASELINE_SETTINGS` a stated default was measured under."""
 
     bytes: int
     source: str
+    settings: Mapping[str, str | None] = field(default_factory=dict)
+
+
+# What a process's baseline moves with besides its device, by kind of device, weightiest first. torch's build: a host
+# worker of the CUDA build holds about 1.00 GiB at batch_size 1 where one of the CPU build holds 0.48 GiB (the CUDA
+# libraries' mappings count in its data segment; the tiny spec, torch 2.13.0, issue 62), and a card's CUDA context
+# moves with torch's CUDA. The host's threads (OMP_NUM_THREADS, as a worker gets it): each OpenMP thread holds its own
+# allocator arena and stack (the tiny spec's worker on the project's 2-core host: 484 MiB at batch_size 1 with two
+# threads, 402 MiB with OMP_NUM_THREADS=1).
+BASELINE_SETTINGS: dict[DeviceKind, tuple[str, ...]] = {"host": ("torch", "OMP_NUM_THREADS"), "cuda": ("torch",)}
+
+
+def baseline_settings(kind: DeviceKind) -> dict[str, str | None]:
+    """The :data:`BASELINE_SETTINGS` of ``kind`` a worker started now runs with (torch: its version with its build)."""
+    return {name: software_versions()["torch"] if name == "torch" else worker_setting(name)
+            for name in BASELINE_SETTINGS[kind]}
+
+
+def settings_of(profile: Profile) -> dict[str, str | None]:
+    """The :data:`BASELINE_SETTINGS` of ``profile``'s kind of device its trials ran with, those it recorded."""
+    torch = recorded_software(profile).get("torch")
+    made = {**profile.environment, **({"torch": torch} if torch else {})}
+    return {name: made[name] for name in BASELINE_SETTINGS[profile.device.kind] if name in made}
 
 
 # The host: the median over the project's own host calibrations (the profiles of examples/measured/profiles/ and the
 # vramcal rounds of bench/results/; `python -m bench.estimate --bound`): 497-632 MiB, torch 2.13's CPU build.
-HOST_BASELINE = Baseline(569 * MIB, "the project's host calibrations (no host profile here to learn from)")
+HOST_BASELINE = Baseline(569 * MIB, "the project's host calibrations (no host profile here to learn from)",
+                         {"torch": "2.13.0+cpu", "OMP_NUM_THREADS": None})
 # A CUDA card: no GPU calibration has been made by this project; a CUDA 12/13 context with cuBLAS's workspace holds
 # a few hundred MiB per process. A stated default, replaced by the median of the user's GPU profiles once there are.
 CUDA_BASELINE = Baseline(512 * MIB, "a stated default for the CUDA context and workspaces (no GPU profile here to "
@@ -117,7 +140,7 @@ class Calibrated:
         safe_batch_size, safe_peak_bytes: its verified safe size and that verification's measured peak.
         trace_overhead_bytes, trace_slope_bytes_per_sample: the traced line of its model (on its kind of device).
         device: the device's name ("" when unknown): a baseline is learned from the same device where it can be.
-        threads: the ``OMP_NUM_THREADS`` its trials ran with (None: unset): a host baseline moves with it.
+        settings: the :data:`BASELINE_SETTINGS` its trials ran with (``OMP_NUM_THREADS`` None: unset).
     """
 
     path: str
@@ -129,7 +152,7 @@ class Calibrated:
     trace_overhead_bytes: float
     trace_slope_bytes_per_sample: float
     device: str = ""
-    threads: str | None = None
+    settings: Mapping[str, str | None] = field(default_factory=dict)
 
     @property
     def baseline_bytes(self) -> float:
@@ -143,37 +166,48 @@ class Calibrated:
         return estimated / self.safe_peak_bytes - 1
 
 
-ANY_THREADS = "any"  # learned_baseline's threads when the thread setting is not compared (a GPU's memory)
-
-
 def learned_baseline(calibrated: Sequence[Calibrated], kind: DeviceKind, leave_out: str | None = None,
-                     device: str | None = None, threads: str | None = ANY_THREADS) -> Baseline:
-    """The median baseline of ``calibrated`` (without the one at ``leave_out``) on ``device`` when some were made
-    there, those made with ``threads`` (``OMP_NUM_THREADS``, None: unset) first; else on ``kind``; else the stated
-    default of that kind (:data:`HOST_BASELINE`, :data:`CUDA_BASELINE`): another machine's libraries and allocator
-    hold another amount, and on the host another thread setting (module docstring), which the source then names."""
+                     device: str | None = None, settings: Mapping[str, str | None] | None = None) -> Baseline:
+    """The median baseline of ``calibrated`` (without the one at ``leave_out``) of ``kind``, those that match best
+    first: made under ``settings`` (:data:`BASELINE_SETTINGS`, weightiest first; None: not compared), then on
+    ``device``; with none of ``kind``, its stated default (:data:`HOST_BASELINE`, :data:`CUDA_BASELINE`). Another
+    machine's libraries and allocator, or another setting, hold another amount (module docstring): where what it
+    was learned under differs from ``settings``, the source says so."""
+    wanted = dict(settings or {})
     pool = [c for c in calibrated if c.kind == kind and c.path != leave_out]
     if not pool:
-        return HOST_BASELINE if kind == "host" else CUDA_BASELINE
-    same = [c for c in pool if device and c.device == device]
-    alike = [c for c in same if c.threads == threads]
-    chosen = alike or same or pool
-    where = "of this device" if same else "of this kind of device"
+        default = HOST_BASELINE if kind == "host" else CUDA_BASELINE
+        unlike = _unlike([default.settings], wanted)
+        return Baseline(default.bytes, default.source + unlike, default.settings) if unlike else default
+
+    def rank(c: Calibrated) -> tuple[bool, ...]:  # the weightiest setting, the device, the other settings
+        alike = [c.settings.get(name) == value for name, value in wanted.items()]
+        return (*alike[:1], bool(device) and c.device == device, *alike[1:])
+
+    best = max(map(rank, pool))
+    chosen = [c for c in pool if rank(c) == best]
+    where = "of this device" if device and chosen[0].device == device else "of this kind of device"
     source = f"the median of {_count(len(chosen), 'calibration')} {where} here"
-    unlike = sorted({shown_setting(c.threads) for c in chosen if c.threads != threads})
-    if threads != ANY_THREADS and unlike:
-        source += (f", made with OMP_NUM_THREADS {' or '.join(unlike)} where a worker now gets "
-                   f"{shown_setting(threads)}: "
-                   f"a host process's baseline moves with its threads (not in the bound)")
-    return Baseline(int(statistics.median([c.baseline_bytes for c in chosen])), source)
+    return Baseline(int(statistics.median([c.baseline_bytes for c in chosen])),
+                    source + _unlike([c.settings for c in chosen], wanted))
+
+
+def _unlike(made: Sequence[Mapping[str, str | None]], wanted: Mapping[str, str | None]) -> str:
+    """``, made with torch '2.13.0+cpu' where a worker now gets '2.13.0+cu130': ...`` for each of ``wanted`` that
+    some of ``made`` recorded otherwise ("": none)."""
+    differ = [f"{name} {' or '.join(sorted(unlike))} where a worker now gets {shown_setting(value)}"
+              for name, value in wanted.items()
+              if (unlike := {shown_setting(m[name]) for m in made if name in m and m[name] != value})]
+    return (f", made with {' and '.join(differ)}: a process's baseline moves with them (not in the bound)"
+            if differ else "")
 
 
 def leave_one_out(calibrated: Sequence[Calibrated], kind: DeviceKind) -> list[tuple[Calibrated, float]]:
     """Each profile of ``kind`` with its leave-one-out error (module docstring): the estimate with the baseline the
-    others give it (:func:`learned_baseline`: its device's first and, on the host, its thread setting's first)."""
+    others give it (:func:`learned_baseline`: those of its own settings and device first)."""
     mine = [c for c in calibrated if c.kind == kind]
-    return [(c, c.error(learned_baseline(mine, kind, leave_out=c.path, device=c.device,
-                                         threads=c.threads if kind == "host" else ANY_THREADS).bytes)) for c in mine]
+    return [(c, c.error(learned_baseline(mine, kind, leave_out=c.path, device=c.device, settings=c.settings).bytes))
+            for c in mine]
 
 
 def learned_bound(calibrated: Sequence[Calibrated], kind: DeviceKind) -> ErrorBound:
@@ -297,7 +331,7 @@ def held_against(profiles: Iterable[tuple[Path | str, Profile]], trace: Trace = 
         check = profile.verification["safe"]
         found.append(Calibrated(str(path), profile.device.kind, profile.fit.overhead_bytes, profile.pool_data_bytes,
                                 check.batch_size, check.peak_bytes, overhead, slope, profile.device.name,
-                                profile.environment.get("OMP_NUM_THREADS")))
+                                settings_of(profile)))
     return found, notices
 
 
@@ -395,9 +429,9 @@ def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[An
                           ("host", [(f"host: {host.name}", host.total_bytes)] if host is not None else [])):
         if not targets:
             continue
-        # the host's own profiles first, those with a worker's thread setting before them; cards by kind
-        device, threads = (host.name, worker_setting("OMP_NUM_THREADS")) if kind == "host" else (None, ANY_THREADS)
-        baseline = learned_baseline(calibrated, kind, device=device, threads=threads)
+        # those made under a worker's settings first, then the host's own; cards by kind
+        device = host.name if kind == "host" else None
+        baseline = learned_baseline(calibrated, kind, device=device, settings=baseline_settings(kind))
         bound = learned_bound(calibrated, kind)
         data = estimate.data_bytes if kind == "host" else 0
         rows += [estimated_limits(label, total, trace_line(estimate, kind), data, settings, baseline, bound)
