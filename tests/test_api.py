@@ -112,7 +112,7 @@ def test_a_factory_that_cannot_be_called_fails_before_any_trial_in_one_line(fact
     with pytest.raises(vramcal.WorkloadError) as error:
         vramcal.calibrate(factory, **host())
     assert str(error.value).startswith(message.format(model="model=")) and "\n" not in str(error.value)
-    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1GiB", "--model", factory,
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", capacity(2**30), "--model", factory,
                                        "--no-report"])
     assert result.exit_code == 1 and result.output.startswith(f"Error: {message.format(model='--model ')}")
     assert len(result.output.strip().splitlines()) == 1, result.output
