@@ -20,6 +20,8 @@ from vramcal.measure.device import DeviceError, host_device
 from vramcal.models.registry import family_of
 from vramcal.profile import load_profile, save_profile
 
+from fakes import DRIVER_NOT_LOADED, install_fake_nvml
+
 PARAMS = {"n_features": 16384, "width": 8}
 # 640 MiB of host memory, no reserve: about 100 MiB above a worker's own footprint, 1,500 samples of 64 KiB,
 # so the largest trials take a fraction of a second (grown by what this torch build's workers hold beyond the
@@ -195,7 +197,8 @@ def test_the_api_takes_a_capacity_as_the_command_line_does_and_refuses_nonsense_
 
 def test_calibrate_says_where_it_saved_the_profile_and_that_auto_chose_the_host(tmp_path, capsys):
     """gpu="auto" on a machine without a GPU calibrates the host: one line says so, as the CLI does, and one
-    names the file written."""
+    names the file written. The driver is faked as not loaded, so that on a GPU box too this is the host."""
+    install_fake_nvml([], init_error=DRIVER_NOT_LOADED)
     profile = vramcal.calibrate("user_models:mlp", PARAMS, profiles_dir=tmp_path,
                                 **{**host(), "gpu": "auto", "capacity_bytes": f"{budget(CAPACITY)}B"})
     err = capsys.readouterr().err

@@ -142,10 +142,9 @@ def software_versions() -> dict[str, str | None]:
 
 
 def torch_version(published: str | None) -> str | None:
-    """torch's version with its build, as ``torch.__version__`` gives it (``2.13.0+cpu``, ``2.13.0+cu130``), without
-    importing torch: PyPI's wheels are published without the build (``published`` is then ``2.13.0``; PyTorch's own
-    index keeps it), which torch's ``version.py`` keeps. The build moves a process's memory: a host worker of the
-    CUDA build holds about 540 MiB more data segment than one of the CPU build (its libraries' mappings)."""
+    """torch's version with its build, as ``torch.__version__`` (``2.13.0+cpu``, ``2.13.0+cu130``), read from its
+    ``version.py`` without importing it: PyPI publishes ``published`` without the build, which moves memory (a host
+    worker of the CUDA build holds about 540 MiB more than one of the CPU build)."""
     if published is None or "+" in published:
         return published
     try:

@@ -71,12 +71,9 @@ class Baseline:
     settings: Mapping[str, str | None] = field(default_factory=dict)
 
 
-# What a process's baseline moves with besides its device, by kind of device, weightiest first. torch's build: a host
-# worker of the CUDA build holds about 1.00 GiB at batch_size 1 where one of the CPU build holds 0.48 GiB (the CUDA
-# libraries' mappings count in its data segment; the tiny spec, torch 2.13.0, issue 62), and a card's CUDA context
-# moves with torch's CUDA. The host's threads (OMP_NUM_THREADS, as a worker gets it): each OpenMP thread holds its own
-# allocator arena and stack (the tiny spec's worker on the project's 2-core host: 484 MiB at batch_size 1 with two
-# threads, 402 MiB with OMP_NUM_THREADS=1).
+# What a process's baseline moves with besides its device, weightiest first (the tiny spec's worker at batch_size 1):
+# torch's build (CUDA build 1.00 GiB, CPU build 0.48 GiB on the host; a card's CUDA context moves with its CUDA), and
+# on the host OMP_NUM_THREADS (each OpenMP thread's arena and stack: 484 MiB with two threads, 402 MiB with one).
 BASELINE_SETTINGS: dict[DeviceKind, tuple[str, ...]] = {"host": ("torch", "OMP_NUM_THREADS"), "cuda": ("torch",)}
 
 
@@ -168,11 +165,10 @@ class Calibrated:
 
 def learned_baseline(calibrated: Sequence[Calibrated], kind: DeviceKind, leave_out: str | None = None,
                      device: str | None = None, settings: Mapping[str, str | None] | None = None) -> Baseline:
-    """The median baseline of ``calibrated`` (without the one at ``leave_out``) of ``kind``, those that match best
-    first: made under ``settings`` (:data:`BASELINE_SETTINGS`, weightiest first; None: not compared), then on
-    ``device``; with none of ``kind``, its stated default (:data:`HOST_BASELINE`, :data:`CUDA_BASELINE`). Another
-    machine's libraries and allocator, or another setting, hold another amount (module docstring): where what it
-    was learned under differs from ``settings``, the source says so."""
+    """The median baseline of ``calibrated`` (without the one at ``leave_out``) of ``kind`` that match best: made under
+    the weightiest of ``settings`` (:data:`BASELINE_SETTINGS`; None: not compared), then on ``device``, then under
+    the rest; with none, the stated default of ``kind`` (:data:`HOST_BASELINE`, :data:`CUDA_BASELINE`). The source
+    names the settings it was learned under that differ from ``settings`` (module docstring)."""
     wanted = dict(settings or {})
     pool = [c for c in calibrated if c.kind == kind and c.path != leave_out]
     if not pool:
