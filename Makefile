@@ -6,7 +6,9 @@
 # PyPI's torch.
 
 PYTHON ?= python3
-VENV ?= .venv
+# One venv per interpreter, so that another Python never replaces the default one's: .venv for python3,
+# .venv-python3.12 for PYTHON=python3.12 (whose torch is PyPI's CUDA build when PyTorch's CPU index has none).
+VENV ?= .venv$(if $(filter python3,$(PYTHON)),,-$(notdir $(PYTHON)))
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 # Earlier transformers releases the kernel-binding tests also run under (tests/transformers_versions.py): the

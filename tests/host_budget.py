@@ -12,7 +12,9 @@ nothing and failed every real run under one.
 :func:`extra_bytes` measures it once per test session, in a worker of vramcal's own (the fork server the
 tests' trials and runs use: starting it is the first real run's cost anyway, and the worker is a fork), less
 the reference. :func:`budget` grows a figure by it so that what the budget leaves above a worker's own
-footprint is the same on every build: on the CPU build it returns the figure unchanged.
+footprint is the same on every build: on the CPU build it returns the figure unchanged. :data:`SIZE` matches a
+printed size in any unit. tests/test_host_budget.py finds, on any build, a test that runs under a literal budget or
+matches a printed size in one unit (CI runs the CPU build only, where neither fails).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ REFERENCE_BYTES = 472 * MIB
 # Closer than this to the reference is the reference's own build (other library versions move it by a few
 # MiB): the tests' figures hold as written, with the room they already leave.
 TOLERANCE_BYTES = 16 * MIB
+# A size as vramcal prints it (vramcal.units.format_bytes), in whichever unit: a process's figure is MiB on the CPU
+# build and GiB on the CUDA build (a worker at batch_size 1: 0.48 against 1.00 GiB), so a test matches any unit.
+SIZE = r"-?[\d.]+ (?:B|KiB|MiB|GiB|TiB)"
 
 
 def _data_bytes_here(channel: Any = None) -> int:

@@ -20,6 +20,8 @@ from vramcal.measure.device import DeviceError, host_device
 from vramcal.models.registry import family_of
 from vramcal.profile import load_profile, save_profile
 
+from fakes import DRIVER_NOT_LOADED, install_fake_nvml
+
 PARAMS = {"n_features": 16384, "width": 8}
 # 640 MiB of host memory, no reserve: about 100 MiB above a worker's own footprint, 1,500 samples of 64 KiB,
 # so the largest trials take a fraction of a second (grown by what this torch build's workers hold beyond the
@@ -113,7 +115,7 @@ def test_a_factory_that_cannot_be_called_fails_before_any_trial_in_one_line(fact
     with pytest.raises(vramcal.WorkloadError) as error:
         vramcal.calibrate(factory, **host())
     assert str(error.value).startswith(message.format(model="model=")) and "\n" not in str(error.value)
-    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1GiB", "--model", factory,
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", capacity(2**30), "--model", factory,
                                        "--no-report"])
     assert result.exit_code == 1 and result.output.startswith(f"Error: {message.format(model='--model ')}")
     assert len(result.output.strip().splitlines()) == 1, result.output
@@ -196,7 +198,8 @@ def test_the_api_takes_a_capacity_as_the_command_line_does_and_refuses_nonsense_
 
 def test_calibrate_says_where_it_saved_the_profile_and_that_auto_chose_the_host(tmp_path, capsys):
     """gpu="auto" on a machine without a GPU calibrates the host: one line says so, as the CLI does, and one
-    names the file written."""
+    names the file written. The driver is faked as not loaded, so that on a GPU box too this is the host."""
+    install_fake_nvml([], init_error=DRIVER_NOT_LOADED)
     profile = vramcal.calibrate("user_models:mlp", PARAMS, profiles_dir=tmp_path,
                                 **{**host(), "gpu": "auto", "capacity_bytes": f"{budget(CAPACITY)}B"})
     err = capsys.readouterr().err

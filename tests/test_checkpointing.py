@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from host_budget import budget
+from host_budget import budget, capacity
 
 from vramcal import variants
 from vramcal.api import worker_pool
@@ -227,7 +227,7 @@ def test_train_variant_auto_trains_the_variant_chosen(variant_folder):
 
 def test_a_variant_asked_of_a_factory_that_cannot_take_it_is_one_line_before_any_trial(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1.5GiB", "--model",
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", capacity(3 * 2**29), "--model",
                                        "user_models:mlp", "--model-arg", "checkpointing=block"])
     assert result.exit_code == 1 and "Traceback" not in result.output and "batch_size" not in result.output
     (line,) = [line for line in result.output.splitlines() if line.startswith("Error")]

@@ -660,7 +660,7 @@ def test_the_first_trial_says_what_ended_it(status, error, said, unsaid):
 
 def test_a_first_trial_that_hangs_times_out_in_one_line(tmp_path):
     """``--timeout 1`` and a factory that never returns (real trial processes): not "does not fit"."""
-    line = refusal(invoke("probe", "--gpu", "none", "--capacity", "1GiB", "--model", "corpus_models:hangs",
+    line = refusal(invoke("probe", "--gpu", "none", "--capacity", capacity(GIB), "--model", "corpus_models:hangs",
                           "--timeout", "1", "--out", tmp_path / "p.json", "--no-report"),
                    "timed out", "1 s time limit", "--timeout")
     assert "does not fit" not in line and not (tmp_path / "p.json").exists()
@@ -840,8 +840,8 @@ LM_CONFIGS = [  # (id, the config's changes (or whole text), what the line must 
 def test_a_bad_lm_config_is_refused_in_one_line_naming_the_field(change, named, tmp_path):
     path = tmp_path / "lm.json"
     path.write_text(change if isinstance(change, str) else json.dumps({**TINY, **change}))
-    refusal(invoke("probe", "--gpu", "none", "--capacity", "1GiB", "--model", "lm", "--model-arg", f"config={path}",
-                   "--seq-len", "32", "--out", tmp_path / "p.json", "--no-report"), path, named)
+    refusal(invoke("probe", "--gpu", "none", "--capacity", capacity(GIB), "--model", "lm", "--model-arg",
+                   f"config={path}", "--seq-len", "32", "--out", tmp_path / "p.json", "--no-report"), path, named)
     assert not (tmp_path / "p.json").exists()
 
 
@@ -939,7 +939,7 @@ def test_a_probe_that_cannot_write_says_why_by_its_errno_before_any_trial(where,
     blocker = tmp_path / "a-file"
     blocker.write_text("kept")
     target = blocker / ("p.json" if where == "--out" else "sub")
-    line = refusal(invoke("probe", "--gpu", "none", "--capacity", "1GiB", where, target,
+    line = refusal(invoke("probe", "--gpu", "none", "--capacity", capacity(GIB), where, target,
                           *(["--no-report"] if where != "--reports-dir" else [])), named)
     assert "free space" not in line and "batch_size" not in line
     assert kept(blocker.read_text() == "kept")
@@ -1102,7 +1102,7 @@ def test_size_on_a_full_disk_says_to_free_space(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr("vramcal.files.os.fsync", full)
-    line = refusal(invoke("size", "--gpu", "none", "--capacity", "1.5GiB", *SPEC_ARGS, "--profiles-dir",
+    line = refusal(invoke("size", "--gpu", "none", "--capacity", capacity(int(1.5 * GIB)), *SPEC_ARGS, "--profiles-dir",
                           tmp_path / "profiles"), tmp_path / "profiles", "No space left on device", "free space there")
     assert "permissions" not in line
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import host_budget
 import pytest
 import torch
+from host_budget import SIZE
 from test_train import SPEC, SPEC_ARGS, make_profile
 from test_train_data import synthetic_bars
 
@@ -206,7 +207,7 @@ def test_a_ddp_run_that_names_its_batch_size_trains_unchecked_without_a_world_pr
     text = " ".join(result.stderr.split())
     assert text.count("--batch-size 4 is unchecked against memory") == 1 and "--nproc 2" in text
     assert "halves the micro-batch" not in text  # a DDP rank does not halve alone
-    assert re.search(r"ranks: 0: batch 4, peak [\d.]+ MiB; 1: batch 4, peak [\d.]+ MiB \(global batch 8\)", text)
+    assert re.search(rf"ranks: 0: batch 4, peak {SIZE}; 1: batch 4, peak {SIZE} \(global batch 8\)", text)
 
 
 def free_port() -> int:
@@ -347,8 +348,8 @@ def test_oversubscribe_lets_more_host_ranks_than_cores_start(command, tmp_path, 
     monkeypatch.chdir(tmp_path)
     ranks = str(len(os.sched_getaffinity(0)) + 1)
     (tmp_path / "a-file").write_text("")
-    args = {"probe": ["probe", "--gpu", "none", "--capacity", "1.5GiB", "--nproc", ranks, "--reports-dir",
-                      str(tmp_path / "a-file" / "reports")],
+    args = {"probe": ["probe", "--gpu", "none", "--capacity", host_budget.capacity(1536 * MIB), "--nproc", ranks,
+                      "--reports-dir", str(tmp_path / "a-file" / "reports")],
             "train": ["train", "--gpu", "none", "--nproc-per-node", ranks, "--data", str(tmp_path / "none.parquet")]}
     refused = CliRunner().invoke(main, args[command])
     assert refused.exit_code == 2 and "or --oversubscribe to share cores (slower steps)" in refused.output

@@ -19,10 +19,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from host_budget import capacity
 
 from vramcal import api
 from vramcal.calibration.limits import LimitSettings
 from vramcal.cli import main
+from vramcal.environment import software_versions
 from vramcal.estimated import (
     BENCH_BOUND,
     CUDA_BASELINE,
@@ -35,8 +37,10 @@ from vramcal.estimated import (
     held_against,
     learned_baseline,
     learned_bound,
+    leave_one_out,
 )
 from vramcal.profile import load_profile
+from vramcal.staleness import recorded_software
 
 MIB, GIB = 2**20, 2**30
 MEASURED = Path(__file__).resolve().parents[1] / "examples" / "measured" / "profiles"
@@ -98,19 +102,40 @@ def test_the_committed_calibrations_teach_the_estimate_within_its_benchmark_boun
     assert all(450 * MIB < c.baseline_bytes < 650 * MIB for c in found)  # a process of libraries, not of tensors
 
 
-def test_estimate_prints_cards_from_the_catalogue_and_by_size_and_the_host_against_a_real_trial(tmp_path):
-    """The tiny spec estimated for a catalogued card, a card by size and this host, learning from the committed
-    profiles; its conservative host size then runs as a real trial, whose peak the estimate must be within 10 % of."""
+@pytest.fixture(scope="module")
+def this_builds_profiles(tmp_path_factory) -> Path:
+    """The committed host calibrations, and where they were made under another torch build than this process's (the
+    CUDA build: issue 62), two calibrations of small models under this one: the estimate learns its baseline from the
+    same build first, and each calibration left out needs another of its build to be held against."""
+    folder = tmp_path_factory.mktemp("estimated") / "profiles"
+    shutil.copytree(MEASURED, folder)
+    builds = {recorded_software(load_profile(path))["torch"] for path in folder.glob("*/*.json")}
+    if builds == {software_versions()["torch"]}:
+        return folder
+    for d_model, n_layers in ((64, 1), (32, 2)):
+        result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", capacity(3 * GIB // 2), *TINY,
+                                           "--d-model", str(d_model), "--n-layers", str(n_layers), "--no-report",
+                                           "--no-boundary", "--steady-steps", "0", "--profiles-dir", str(folder)])
+        assert result.exit_code == 0, result.output
+    return folder
+
+
+def test_estimate_prints_cards_from_the_catalogue_and_by_size_and_the_host_against_a_real_trial(this_builds_profiles):
+    """The tiny spec estimated for a catalogued card, a card by size and this host, learning from the host calibrations
+    of this torch build; its conservative host size then runs as a real trial, whose peak the estimate must be within
+    10 % of. The budget grows by what a worker of this build holds beyond the CPU build's (tests/host_budget.py)."""
     from vramcal.api import model_ref, select_devices, worker_pool
     from vramcal.measure.trial import TrialRequest, TrialRunner
 
-    shutil.copytree(MEASURED, tmp_path / "profiles")
-    args = ["estimate", *TINY, "--gpus", "H200,Mine=12GiB", "--capacity", "1.5GiB", "--profiles-dir",
-            str(tmp_path / "profiles"), "--reserve", "512MiB", "--margin", "0.1", "--conservative", "0.9"]
+    budget, calibrations = capacity(3 * GIB // 2), len(list(this_builds_profiles.glob("*/*.json")))
+    args = ["estimate", *TINY, "--gpus", "H200,Mine=12GiB", "--capacity", budget, "--profiles-dir",
+            str(this_builds_profiles), "--reserve", "512MiB", "--margin", "0.1", "--conservative", "0.9"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert result.output.startswith("estimated, not measured: regressor d_model=32")
-    assert "on the 3 calibrations here" in result.output and "no GPU profile to learn from" in result.output
+    assert f"on the {calibrations} calibrations here" in result.output
+    assert "no GPU profile to learn from" in result.output
+    assert "made with torch" not in result.output  # the host's baseline is this build's
     printed = json.loads(CliRunner().invoke(main, [*args, "--json"]).stdout)  # the same traces, kept by the process
     cards = {row["card"]: row for row in printed["cards"]}
     assert list(cards)[:2] == ["H200 141 GB", "Mine"] and cards["Mine"]["total_bytes"] == 12 * GIB
@@ -118,7 +143,7 @@ def test_estimate_prints_cards_from_the_catalogue_and_by_size_and_the_host_again
     host = next(row for name, row in cards.items() if name.startswith("host: "))
     batch = host["conservative_batch_size"]
     assert 100 < batch < cards["Mine"]["conservative_batch_size"]
-    device = select_devices("none", int(1.5 * GIB))[0][0]
+    device = select_devices("none", int(budget))[0][0]
     ref = model_ref("regressor", {"d_model": 32, "n_layers": 1, "d_state": 16, "headdim": 16, "chunk_size": 16,
                                   "seq_len": 32}, device=device, implementation="transformers")
     (trial,) = TrialRunner(worker_pool()).run(TrialRequest(ref, batch, device))
@@ -149,7 +174,7 @@ def test_estimate_refuses_what_it_cannot_trace_in_one_line(tmp_path, monkeypatch
     assert result.output.startswith("Error: cannot trace the step on fake tensors: opaque_models::double has no fake "
                                     "implementation") and len(result.output.strip().splitlines()) == 1
     for bad, hint in ((["--seq-len", "64,128"], "one --seq-len"),
-                      (["--dtype", "bf16-autocast", "--capacity", "2GiB"], "the host trains in fp32"),
+                      (["--dtype", "bf16-autocast", "--capacity", capacity(2 * GIB)], "the host trains in fp32"),
                       (["--gpus", "A100"], "names several catalogued cards"), (["--gpus", "H200,h200"], "twice")):
         refused = CliRunner().invoke(main, ["estimate", *bad])
         assert refused.exit_code == 2 and hint in refused.output, refused.output
@@ -233,17 +258,17 @@ def test_probe_aims_with_the_estimate_and_verifies_its_limits(tmp_path):
     """``--aim``: the step is traced first and the second trial lands near half the limit instead of at 8; the
     profile records the aim and is verified, as without it (``--no-aim``, the default, climbs)."""
     profile = tmp_path / "aimed.json"
-    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1.5GiB", *TINY, "--no-report",
-                                       "--max-trials", "12", "--steady-steps", "0", "--no-boundary", "--out",
-                                       str(profile), "--aim",
-                                       "--profiles-dir", str(tmp_path / "none")])
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", capacity(3 * GIB // 2), *TINY,
+                                       "--no-report", "--max-trials", "12", "--steady-steps", "0", "--no-boundary",
+                                       "--out", str(profile), "--aim", "--profiles-dir", str(tmp_path / "none")])
     assert result.exit_code == 0, result.output
     assert "aimed with " in result.output and "per sample (the fake-tensor trace" in result.output
     aimed = json.loads(profile.read_text())
     assert aimed["verified"] and aimed["run"]["aim"]["slope_bytes_per_sample"] > 0
     assert aimed["trials"][1]["batch_size"] > 300  # climbing: 8
     assert not any("estimate's" in w for w in aimed["warnings"])  # the measured slope is the estimate's
-    plain = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1.5GiB", *TINY, "--no-report",
+    plain = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", capacity(3 * GIB // 2), *TINY,
+                                      "--no-report",
                                       "--max-trials", "3", "--out", str(tmp_path / "plain.json"), "--no-aim"])
     climbed = json.loads((tmp_path / "plain.json").read_text())["trials"]
     assert "aimed with" not in plain.output and [t["batch_size"] for t in climbed][:2] == [1, 8]
@@ -269,8 +294,8 @@ def test_size_answers_from_the_matching_profile_and_calibrates_when_none_holds(t
     """``vramcal size``: the first call calibrates and prints the batch size alone; the second, with nothing changed,
     prints the same from the profile with no trial; a profile whose recorded torch is another is calibrated again,
     and the line says why."""
-    args = ["size", "--gpu", "none", "--capacity", "1.5GiB", *TINY, "--profiles-dir", str(tmp_path), "--no-boundary",
-            "--steady-steps", "0", "--limit", "conservative"]
+    args = ["size", "--gpu", "none", "--capacity", capacity(3 * GIB // 2), *TINY, "--profiles-dir", str(tmp_path),
+            "--no-boundary", "--steady-steps", "0", "--limit", "conservative"]
     first = CliRunner().invoke(main, args)
     assert first.exit_code == 0, first.output
     assert first.stdout.strip().isdigit() and "calibrating: no profile of this model" in first.stderr
@@ -316,29 +341,76 @@ def test_a_host_baseline_comes_from_the_same_thread_setting_first_and_says_when_
     where there are none, the source names the settings it learned under."""
     import dataclasses
 
-    two = [dataclasses.replace(calibrated(name, 560, 670), device="EPYC") for name in ("a", "b")]
-    one = dataclasses.replace(calibrated("c", 480, 590), device="EPYC", threads="1")
-    assert learned_baseline([*two, one], "host", device="EPYC", threads="1").bytes == 480 * MIB
-    assert learned_baseline([*two, one], "host", device="EPYC", threads=None).bytes == 560 * MIB
-    assert "OMP_NUM_THREADS" not in learned_baseline([*two, one], "host", device="EPYC", threads="1").source
-    other = learned_baseline(two, "host", device="EPYC", threads="1")
+    two = [dataclasses.replace(calibrated(name, 560, 670), device="EPYC", settings={"OMP_NUM_THREADS": None})
+           for name in ("a", "b")]
+    one = dataclasses.replace(calibrated("c", 480, 590), device="EPYC", settings={"OMP_NUM_THREADS": "1"})
+    assert learned_baseline([*two, one], "host", device="EPYC", settings={"OMP_NUM_THREADS": "1"}).bytes == 480 * MIB
+    assert learned_baseline([*two, one], "host", device="EPYC", settings={"OMP_NUM_THREADS": None}).bytes == 560 * MIB
+    assert "OMP_NUM_THREADS" not in learned_baseline([*two, one], "host", device="EPYC",
+                                                     settings={"OMP_NUM_THREADS": "1"}).source
+    other = learned_baseline(two, "host", device="EPYC", settings={"OMP_NUM_THREADS": "1"})
     assert other.bytes == 560 * MIB and other.source.endswith(
-        "made with OMP_NUM_THREADS unset where a worker now gets '1': a host process's baseline moves with its "
-        "threads (not in the bound)")
+        "made with OMP_NUM_THREADS unset where a worker now gets '1': a process's baseline moves with them (not in "
+        "the bound)")
     assert learned_baseline(two, "cuda") is CUDA_BASELINE  # a GPU's memory: threads not compared
     # left out, c has no calibration of its own setting to learn from: the two-thread baseline misses it, in the bound
     bound = learned_bound([*two, one], "host")
     assert (bound.n, bound.low, bound.high) == (3, 0, pytest.approx((560 + 110) / 590 - 1))
 
 
-def test_estimate_names_the_thread_setting_its_host_baseline_was_learned_under(tmp_path, monkeypatch):
-    shutil.copytree(MEASURED, tmp_path / "profiles")
+def test_a_baseline_comes_from_the_same_torch_build_first_even_of_another_device():
+    """A host worker of torch's CUDA build holds about 1.00 GiB at batch_size 1 where one of the CPU build holds
+    0.48 GiB (issue 62): a baseline learned from profiles of this build comes first, before this device's of another
+    build and before the thread setting; learned from another build, or the stated default (the CPU build's), the
+    source names both builds."""
+    import dataclasses
+
+    cpu, cuda = {"torch": "2.13.0+cpu", "OMP_NUM_THREADS": None}, {"torch": "2.13.0+cu130", "OMP_NUM_THREADS": None}
+    here = [dataclasses.replace(calibrated(name, 500, 610), device="EPYC", settings=cpu) for name in ("a", "b")]
+    there = dataclasses.replace(calibrated("c", 1040, 1150), device="Xeon", settings={**cuda, "OMP_NUM_THREADS": "1"})
+    learned = learned_baseline([*here, there], "host", device="EPYC", settings=cuda)
+    assert learned.bytes == 1040 * MIB and "of this kind of device" in learned.source
+    assert "made with OMP_NUM_THREADS '1' where a worker now gets unset" in learned.source
+    assert "torch" not in learned.source
+    under_cpu = learned_baseline(here, "host", device="EPYC", settings=cuda)
+    assert under_cpu.bytes == 500 * MIB and under_cpu.source.endswith(
+        "made with torch '2.13.0+cpu' where a worker now gets '2.13.0+cu130': a process's baseline moves with them "
+        "(not in the bound)")
+    default = learned_baseline([], "host", settings=cuda)
+    assert default.bytes == HOST_BASELINE.bytes and "'2.13.0+cpu' where a worker now gets '2.13.0+cu130'" in \
+        default.source
+    assert learned_baseline([], "host", settings=cpu) is HOST_BASELINE
+    # each left out learns from its own build first: c, alone of its build, is held against the CPU build's baseline
+    errors = dict((c.path, error) for c, error in leave_one_out([*here, there], "host"))
+    assert errors["a"] == pytest.approx((500 + 110) / 610 - 1) and errors["c"] == pytest.approx((500 + 110) / 1150 - 1)
+
+
+def made_under(folder: Path, torch_version: str) -> Path:
+    """The committed host calibrations, copied to ``folder`` as if made under ``torch_version``."""
+    shutil.copytree(MEASURED, folder)
+    for path in folder.glob("*/*.json"):
+        record = json.loads(path.read_text())
+        record["software"]["torch"] = record["environment"]["torch_version"] = torch_version
+        path.write_text(json.dumps(record))
+    return folder
+
+
+def test_estimate_names_the_settings_its_host_baseline_was_learned_under(tmp_path, monkeypatch):
+    """Under another thread setting, or another torch build (issue 62: a CUDA build's process learning from CPU
+    build profiles missed a real trial by -39 %), the host's baseline line names what it was learned under."""
+    here = software_versions()["torch"]
+    other = "2.13.0+cu130" if here.endswith("+cpu") else "2.13.0+cpu"
+
+    def estimate(folder: Path) -> str:
+        result = CliRunner().invoke(main, ["estimate", *TINY, "--capacity", capacity(3 * GIB // 2), "--profiles-dir",
+                                           str(folder)])
+        assert result.exit_code == 0, result.output
+        return result.output
+
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    result = CliRunner().invoke(main, ["estimate", *TINY, "--capacity", "1.5GiB", "--profiles-dir",
-                                       str(tmp_path / "profiles")])
-    assert result.exit_code == 0, result.output
-    assert "made with OMP_NUM_THREADS unset where a worker now gets '1'" in result.output, result.output
+    said = estimate(made_under(tmp_path / "here", here))
+    assert "made with OMP_NUM_THREADS unset where a worker now gets '1': a process's baseline moves" in said, said
     monkeypatch.delenv("OMP_NUM_THREADS")
-    result = CliRunner().invoke(main, ["estimate", *TINY, "--capacity", "1.5GiB", "--profiles-dir",
-                                       str(tmp_path / "profiles")])
-    assert result.exit_code == 0 and "OMP_NUM_THREADS" not in result.output, result.output
+    assert "made with" not in estimate(tmp_path / "here")
+    said = estimate(made_under(tmp_path / "other", other))
+    assert f"made with torch '{other}' where a worker now gets '{here}': a process's baseline moves" in said, said

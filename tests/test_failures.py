@@ -379,7 +379,7 @@ def test_the_issues_reproducer_exits_3_with_its_reason(tmp_path):
 def test_an_unwritable_profiles_folder_fails_before_any_trial_even_as_root(where):
     """Root ignores permission bits, so the folder is one nobody can write: under /proc (a pseudo file
     system that takes no new files), or below a file there."""
-    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", "1GiB", *test_train.SPEC_ARGS,
+    result = CliRunner().invoke(main, ["probe", "--gpu", "none", "--capacity", capacity(2**30), *test_train.SPEC_ARGS,
                                        "--max-trials", "3", "--no-report", "--profiles-dir", where])
     line = one_line_failure(result)
     assert f"cannot write profiles to {where}" in line and "choose another --out or --profiles-dir" in line

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from host_budget import capacity
+from host_budget import SIZE, capacity
 from test_train import SPEC, SPEC_ARGS, make_profile, training_folder
 from test_train_data import synthetic_bars
 
@@ -427,7 +427,7 @@ def test_a_training_worker_killed_after_its_meter_read_usable_memory_ran_out_of_
     import re
 
     line = killed_at_an_epochs_end(setup, setup / "epoch-end-usable", "profiles", usable_bytes=1)
-    assert re.match(r"the training process ran out of memory \(killed by SIGKILL \(pid \d+\) with [\d.]+ MiB held, at "
+    assert re.match(rf"the training process ran out of memory \(killed by SIGKILL \(pid \d+\) with {SIZE} held, at "
                     r"or above usable memory 1 B \(the meter's last reading\)\) and could not recover; the last good "
                     r"checkpoint is ", line), line
 
@@ -568,7 +568,8 @@ def test_a_data_limit_set_outside_vramcal_is_named_as_such(tmp_path):
         return subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True,
                               preexec_fn=limited, timeout=120)
 
-    probe = run("-m", "vramcal", "probe", "--gpu", "none", "--capacity", "1.5GiB", *SPEC_ARGS, "--no-report")
+    probe = run("-m", "vramcal", "probe", "--gpu", "none", "--capacity", capacity(3 * 2**29), *SPEC_ARGS,
+                "--no-report")
     assert probe.returncode != 0 and "Traceback" not in probe.stderr, probe.stderr
     assert "its RLIMIT_DATA is 600.00 MiB, set outside vramcal" in probe.stderr
     shown = run("-c", "from vramcal.measure.device import host_device; d = host_device(); "

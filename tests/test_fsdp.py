@@ -14,6 +14,7 @@ import host_budget
 import pytest
 import torch
 from click.testing import CliRunner
+from host_budget import SIZE
 from test_ddp import (
     ddp_profile,
     free_port,
@@ -298,7 +299,7 @@ def test_an_fsdp_run_saved_and_resumed_trains_like_one_process_and_records_each_
     first = vramcal(tmp, *train_args(tmp, "fsdp", *FSDP_ARGS, *lr, "--max-steps", "3", "--epochs", "3"))
     assert first.returncode == 0, first.stderr
     assert "training FSDP 2 ranks (gloo, fully_shard per block, no reshard after forward)" in first.stderr
-    assert re.search(rf"ranks: 0: batch {b}, peak [\d.]+ MiB; 1: batch {b}, peak [\d.]+ MiB \(global batch {2 * b}\)",
+    assert re.search(rf"ranks: 0: batch {b}, peak {SIZE}; 1: batch {b}, peak {SIZE} \(global batch {2 * b}\)",
                      first.stderr), first.stderr
     launched = json.loads((tmp / "fsdp" / "launch.json").read_text())
     assert launched["omp_num_threads"] == os.environ.get("OMP_NUM_THREADS")  # the caller's, not torchrun's 1

@@ -42,7 +42,7 @@ def test_probe_json_from_a_shell_is_only_json_on_stdout_even_when_the_factory_pr
 
 
 def test_probe_json_errors_stay_off_stdout(tmp_path):
-    result = CliRunner().invoke(main, ["probe", "--json", "--gpu", "none", "--capacity", "1GiB", "--model",
+    result = CliRunner().invoke(main, ["probe", "--json", "--gpu", "none", "--capacity", capacity(2**30), "--model",
                                        "user_models:nope", "--no-report"])
     assert result.exit_code == 1 and result.stdout == ""
     assert result.stderr.startswith("Error: user_models has no nope")

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from host_budget import SIZE
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer  # the dev extra installs lightning
 from torch.utils.data import DataLoader, TensorDataset
 from user_models import MLP
@@ -135,7 +136,7 @@ def test_a_process_holding_more_than_the_trials_gets_a_smaller_batch(tmp_path, c
     # issue 59 item 9: one line, in vramcal's voice, says the size and why it is not setup's (no UserWarning)
     said = [line for line in caplog.text.splitlines() if "vramcal: batch_size = " in line]
     assert len(said) == 1 and f"batch_size = {callback.sizing.batch_size} (safe" in said[0], said
-    assert re.search(rf"; down from {profile.limits.safe_batch_size}: this process holds \+\d+\.\d MiB against the "
+    assert re.search(rf"; down from {profile.limits.safe_batch_size}: this process holds \+{SIZE} against the "
                      rf"trials' \(the process term\) and the gradients \+\d", said[0]), said[0]
     assert re.search(r"this process holds .* a process term of \+\d", caplog.text), caplog.text
     assert not any("batch_size" in str(w.message) for w in warned), [str(w.message) for w in warned]

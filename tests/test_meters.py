@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from host_budget import SIZE
 
 from vramcal import oom
 from vramcal.measure import meters
@@ -220,7 +221,7 @@ def test_a_host_budget_below_what_the_process_holds_is_out_of_memory_before_any_
             "except MemoryError as error:\n"
             "    print(is_out_of_memory(error), resource.getrlimit(resource.RLIMIT_DATA) == before, error)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
-    assert re.fullmatch(r"True True the host budget 1\.00 MiB is below the \d+\.\d\d MiB this process held before its "
+    assert re.fullmatch(rf"True True the host budget 1\.00 MiB is below the {SIZE} this process held before its "
                         r"step \(the interpreter, torch and the libraries it imported\)\n", out), out
 
 

@@ -32,8 +32,7 @@ def stale(tmp_path, monkeypatch):
 
 
 def expected_changes() -> tuple[str, str]:
-    # the running torch as a profile records it: the installed distribution's version (2.13.0+cpu for the CPU
-    # wheel; 2.13.0 for PyPI's CUDA wheel, whose torch.__version__ is 2.13.0+cu130)
+    # the running torch as a profile records it: its version with its build (2.13.0+cpu, 2.13.0+cu130)
     return (f"torch {OLD_TORCH} -> {software_versions()['torch']}",
             f"GLIBC_TUNABLES 'glibc.malloc.arena_max=8' -> '{worker_setting('GLIBC_TUNABLES')}'")
 
@@ -127,3 +126,37 @@ def test_a_world_profile_is_not_stale_for_the_threads_torchrun_sets(monkeypatch)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert changes(dataclasses.replace(profile, world=World(2))) == []
     assert changes(profile) == ["OMP_NUM_THREADS unset -> '1'"]
+
+
+def test_the_torch_build_is_recorded_and_compared_without_importing_torch():
+    """Issue 62: PyPI's CUDA wheel is published as 2.13.0 (its torch.__version__ is 2.13.0+cu130), and a host worker
+    of it holds about 540 MiB more than one of the CPU build (2.13.0+cpu): the version a profile records and the
+    staleness check compares is torch's own, with its build, read without importing torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from vramcal.environment import software_versions; v = software_versions()['torch']; "
+            "loaded = 'torch' in sys.modules; import torch; print(v == torch.__version__, loaded)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.split() == ["True", "False"]
+
+
+def test_a_profile_of_the_other_torch_build_is_stale_and_one_recorded_without_the_build_is_read_with_it(
+        monkeypatch):
+    """A profile made under the CPU build used by a process of the CUDA build (and the reverse) names both builds;
+    a profile written before the build was recorded (PyPI's ``2.13.0``, its trials' ``torch.__version__`` in its
+    environment) is read with the build its trials ran."""
+    from vramcal import staleness
+
+    profile = make_profile(host_device())
+
+    def running(build: str) -> None:
+        monkeypatch.setattr(staleness, "software_versions", lambda: {**software_versions(), "torch": build})
+
+    cpu = dataclasses.replace(profile, software={**software_versions(), "torch": "2.13.0+cpu"})
+    earlier = dataclasses.replace(profile, software={**software_versions(), "torch": "2.13.0"},
+                                  environment={**profile.environment, "torch_version": "2.13.0+cu130"})
+    running("2.13.0+cu130")
+    assert changes(cpu) == ["torch 2.13.0+cpu -> 2.13.0+cu130"] and changes(earlier) == []
+    running("2.13.0+cpu")
+    assert changes(cpu) == [] and changes(earlier) == ["torch 2.13.0+cu130 -> 2.13.0+cpu"]

@@ -972,7 +972,8 @@ def test_the_gate_sees_a_real_second_process_that_took_memory_since_the_calibrat
         hog.kill()
         hog.wait()
     assert result.exit_code == 0, result.output
-    assert re.search(r"the device has [\d.]+ GiB free now \(MemAvailable\): [\d.]+ GiB less than", result.output)
+    assert re.search(rf"the device has {host_budget.SIZE} free now \(MemAvailable\): {host_budget.SIZE} less than",
+                     result.output)
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     missing = run["sizing"]["missing_bytes"]
     assert 3 * 2**30 - settings.reserve_bytes - 2**30 < missing < 3 * 2**30 + 2**30, format_bytes(missing)
@@ -1053,9 +1054,9 @@ def test_one_probe_checks_each_spec_once(tmp_path, monkeypatch):
         check(self)
 
     monkeypatch.setattr(RegressorSpec, "validate", counted)
-    args = ["probe", "--gpu", "none", "--capacity", "1.5GiB", "--d-model", "32", "--n-layers", "1", "--d-state", "16",
-            "--headdim", "16", "--chunk-size", "16", "--seq-len", "32,64", "--no-report", "--max-trials", "3",
-            "--profiles-dir", str(tmp_path)]
+    args = ["probe", "--gpu", "none", "--capacity", host_budget.capacity(3 * 2**29), "--d-model", "32", "--n-layers",
+            "1", "--d-state", "16", "--headdim", "16", "--chunk-size", "16", "--seq-len", "32,64", "--no-report",
+            "--max-trials", "3", "--profiles-dir", str(tmp_path)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 3, result.output  # 3 trials: unverified, and every spec made before them
     assert sorted(spec.seq_len for spec in specs) == [32, 64] and set(specs.values()) == {1}

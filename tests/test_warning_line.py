@@ -27,7 +27,8 @@ def test_correct_runs_within_three_percent_are_not_warned_and_one_that_outgrows_
     (plain PyTorch) to +2.5 % (the frameworks) crossed it and were told the profile under-predicts them."""
     sizing = size(make_profile(host_device()), SizeRequest(request=8))
     predicted = sizing.predicted_peak_bytes
-    assert sizing.upper_bytes < predicted * 1.01 < predicted * (1 + BENCH_SPREAD) <= sizing.line_bytes
+    # the line is whole bytes, rounded down: with the CUDA build's figures (tests/host_budget.py) 0.09 bytes below
+    assert sizing.upper_bytes < predicted * 1.01 < predicted * (1 + BENCH_SPREAD) < sizing.line_bytes + 1
     for error in (-0.03, 0.004, 0.005, 0.025, 0.029):
         line, warnings = compare(sizing, int(predicted * (1 + error)))
         assert warnings == [], (error, warnings)

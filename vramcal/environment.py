@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -157,14 +158,29 @@ def address_space_refusal() -> str | None:
 
 
 def software_versions() -> dict[str, str | None]:
-    """Versions of Python and the packages of :data:`RECORDED_PACKAGES` (None: not installed)."""
+    """Versions of Python and the packages of :data:`RECORDED_PACKAGES` (None: not installed); torch's with its build
+    (:func:`torch_version`)."""
     versions: dict[str, str | None] = {"python": platform.python_version()}
     for package in RECORDED_PACKAGES:
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
-    return versions
+    return {**versions, "torch": torch_version(versions["torch"])}
+
+
+def torch_version(published: str | None) -> str | None:
+    """torch's version with its build, as ``torch.__version__`` (``2.13.0+cpu``, ``2.13.0+cu130``), read from its
+    ``version.py`` without importing it: PyPI publishes ``published`` without the build, which moves memory (a host
+    worker of the CUDA build holds about 540 MiB more than one of the CPU build)."""
+    if published is None or "+" in published:
+        return published
+    try:
+        text = importlib.metadata.distribution("torch").locate_file("torch/version.py").read_text()
+    except (importlib.metadata.PackageNotFoundError, OSError):
+        return published
+    found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+    return found.group(1) if found and found.group(1).split("+")[0] == published else published
 
 
 def triton_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:

@@ -15,11 +15,10 @@ row per kernel path of a family's model (``transformers``, ``mamba_ssm``), the o
 **The baseline** is learned from the profiles at hand: for each verified profile,
 ``fit.overhead − pool_data_bytes − trace_overhead`` of its own model; the estimate takes their median over the same
 device where some were made there (another machine's libraries and allocator hold another amount), else over the
-same kind of device. On the host, the same device's profiles made with the thread setting a worker gets now
-(``OMP_NUM_THREADS``) come first, and a baseline learned under another setting says so: each OpenMP thread holds its
-own allocator arena and stack (a tiny spec's worker on the project's 2-core host: 484 MiB at batch_size 1 with two
-threads, 402 MiB with ``OMP_NUM_THREADS=1``). With none, a stated default: :data:`HOST_BASELINE`; on a card, its
-CUDA context (:data:`vramcal.estimate.constants.CONTEXT`, with its source).
+same kind of device. Before the device come the profiles made under the settings a baseline moves with
+(:data:`BASELINE_SETTINGS`: torch's build; on the host the thread setting a worker gets), and a baseline learned
+under others, or a stated default where there is none
+(:data:`HOST_BASELINE`; on a card its CUDA context, :data:`CUDA_BASELINE`), says so.
 
 **The bound.** Each such profile is held against the estimate of its own model with the baseline learned from the
 *other* profiles (leave-one-out): ``error = estimated_peak(safe) / measured_peak(safe) − 1`` at its verified safe
@@ -44,14 +43,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import Aim
-from vramcal.environment import shown_setting, worker_setting
+from vramcal.environment import shown_setting, software_versions, worker_setting
 from vramcal.estimate import EstimateError, StepEstimate
 from vramcal.estimate.cache import cached_trace, key
 from vramcal.estimate.constants import CONTEXT
@@ -60,6 +59,7 @@ from vramcal.models.mamba2 import mamba_ssm_available
 from vramcal.models.registry import describe
 from vramcal.profile import Profile, profiles_under
 from vramcal.records import Device, DeviceKind
+from vramcal.staleness import recorded_software
 from vramcal.units import format_bytes
 from vramcal.workload import ModelRef, WorkloadError
 
@@ -69,15 +69,36 @@ MIB = 2**20
 @dataclass(frozen=True)
 class Baseline:
     """What a process of a kind of device holds that a fake trace cannot see (bytes), and where the figure comes
-    from, for people."""
+    from, for people; ``settings``: the :data:`BASELINE_SETTINGS` a stated default was measured under."""
 
     bytes: int
     source: str
+    settings: Mapping[str, str | None] = field(default_factory=dict)
+
+
+# What a process's baseline moves with besides its device, weightiest first (the tiny spec's worker at batch_size 1):
+# torch's build (CUDA build 1.00 GiB, CPU build 0.48 GiB on the host; a card's CUDA context moves with its CUDA), and
+# on the host OMP_NUM_THREADS (each OpenMP thread's arena and stack: 484 MiB with two threads, 402 MiB with one).
+BASELINE_SETTINGS: dict[DeviceKind, tuple[str, ...]] = {"host": ("torch", "OMP_NUM_THREADS"), "cuda": ("torch",)}
+
+
+def baseline_settings(kind: DeviceKind) -> dict[str, str | None]:
+    """The :data:`BASELINE_SETTINGS` of ``kind`` a worker started now runs with (torch: its version with its build)."""
+    return {name: software_versions()["torch"] if name == "torch" else worker_setting(name)
+            for name in BASELINE_SETTINGS[kind]}
+
+
+def settings_of(profile: Profile) -> dict[str, str | None]:
+    """The :data:`BASELINE_SETTINGS` of ``profile``'s kind of device its trials ran with, those it recorded."""
+    torch = recorded_software(profile).get("torch")
+    made = {**profile.environment, **({"torch": torch} if torch else {})}
+    return {name: made[name] for name in BASELINE_SETTINGS[profile.device.kind] if name in made}
 
 
 # The host: the median over the project's own host calibrations (the profiles of examples/measured/profiles/ and the
 # vramcal rounds of bench/results/; `python -m bench.estimate --bound`): 497-632 MiB, torch 2.13's CPU build.
-HOST_BASELINE = Baseline(569 * MIB, "the project's host calibrations (no host profile here to learn from)")
+HOST_BASELINE = Baseline(569 * MIB, "the project's host calibrations (no host profile here to learn from)",
+                         {"torch": "2.13.0+cpu", "OMP_NUM_THREADS": None})
 # A CUDA card without a GPU profile to learn from: its CUDA context, outside the trace (the workspaces are in it)
 CUDA_BASELINE = Baseline(CONTEXT, f"the CUDA context, {CONTEXT // MIB} MiB with lazy module loading (published "
                                   f"figures: vramcal/estimate/constants.py; no GPU profile here to learn from)")
@@ -127,7 +148,7 @@ class Calibrated:
         safe_batch_size, safe_peak_bytes: its verified safe size and that verification's measured peak.
         trace_overhead_bytes, trace_slope_bytes_per_sample: the traced line of its model (on its kind of device).
         device: the device's name ("" when unknown): a baseline is learned from the same device where it can be.
-        threads: the ``OMP_NUM_THREADS`` its trials ran with (None: unset): a host baseline moves with it.
+        settings: the :data:`BASELINE_SETTINGS` its trials ran with (``OMP_NUM_THREADS`` None: unset).
     """
 
     path: str
@@ -139,7 +160,7 @@ class Calibrated:
     trace_overhead_bytes: float
     trace_slope_bytes_per_sample: float
     device: str = ""
-    threads: str | None = None
+    settings: Mapping[str, str | None] = field(default_factory=dict)
 
     @property
     def baseline_bytes(self) -> float:
@@ -153,37 +174,47 @@ class Calibrated:
         return estimated / self.safe_peak_bytes - 1
 
 
-ANY_THREADS = "any"  # learned_baseline's threads when the thread setting is not compared (a GPU's memory)
-
-
 def learned_baseline(calibrated: Sequence[Calibrated], kind: DeviceKind, leave_out: str | None = None,
-                     device: str | None = None, threads: str | None = ANY_THREADS) -> Baseline:
-    """The median baseline of ``calibrated`` (without the one at ``leave_out``) on ``device`` when some were made
-    there, those made with ``threads`` (``OMP_NUM_THREADS``, None: unset) first; else on ``kind``; else the stated
-    default of that kind (:data:`HOST_BASELINE`, :data:`CUDA_BASELINE`): another machine's libraries and allocator
-    hold another amount, and on the host another thread setting (module docstring), which the source then names."""
+                     device: str | None = None, settings: Mapping[str, str | None] | None = None) -> Baseline:
+    """The median baseline of ``calibrated`` (without the one at ``leave_out``) of ``kind`` that match best: made under
+    the weightiest of ``settings`` (:data:`BASELINE_SETTINGS`; None: not compared), then on ``device``, then under
+    the rest; with none, the stated default of ``kind`` (:data:`HOST_BASELINE`, :data:`CUDA_BASELINE`). The source
+    names the settings it was learned under that differ from ``settings`` (module docstring)."""
+    wanted = dict(settings or {})
     pool = [c for c in calibrated if c.kind == kind and c.path != leave_out]
     if not pool:
-        return HOST_BASELINE if kind == "host" else CUDA_BASELINE
-    same = [c for c in pool if device and c.device == device]
-    alike = [c for c in same if c.threads == threads]
-    chosen = alike or same or pool
-    where = "of this device" if same else "of this kind of device"
+        default = HOST_BASELINE if kind == "host" else CUDA_BASELINE
+        unlike = _unlike([default.settings], wanted)
+        return Baseline(default.bytes, default.source + unlike, default.settings) if unlike else default
+
+    def rank(c: Calibrated) -> tuple[bool, ...]:  # the weightiest setting, the device, the other settings
+        alike = [c.settings.get(name) == value for name, value in wanted.items()]
+        return (*alike[:1], bool(device) and c.device == device, *alike[1:])
+
+    best = max(map(rank, pool))
+    chosen = [c for c in pool if rank(c) == best]
+    where = "of this device" if device and chosen[0].device == device else "of this kind of device"
     source = f"the median of {_count(len(chosen), 'calibration')} {where} here"
-    unlike = sorted({shown_setting(c.threads) for c in chosen if c.threads != threads})
-    if threads != ANY_THREADS and unlike:
-        source += (f", made with OMP_NUM_THREADS {' or '.join(unlike)} where a worker now gets "
-                   f"{shown_setting(threads)}: "
-                   f"a host process's baseline moves with its threads (not in the bound)")
-    return Baseline(int(statistics.median([c.baseline_bytes for c in chosen])), source)
+    return Baseline(int(statistics.median([c.baseline_bytes for c in chosen])),
+                    source + _unlike([c.settings for c in chosen], wanted))
+
+
+def _unlike(made: Sequence[Mapping[str, str | None]], wanted: Mapping[str, str | None]) -> str:
+    """``, made with torch '2.13.0+cpu' where a worker now gets '2.13.0+cu130': ...`` for each of ``wanted`` that
+    some of ``made`` recorded otherwise ("": none)."""
+    differ = [f"{name} {' or '.join(sorted(unlike))} where a worker now gets {shown_setting(value)}"
+              for name, value in wanted.items()
+              if (unlike := {shown_setting(m[name]) for m in made if name in m and m[name] != value})]
+    return (f", made with {' and '.join(differ)}: a process's baseline moves with them (not in the bound)"
+            if differ else "")
 
 
 def leave_one_out(calibrated: Sequence[Calibrated], kind: DeviceKind) -> list[tuple[Calibrated, float]]:
     """Each profile of ``kind`` with its leave-one-out error (module docstring): the estimate with the baseline the
-    others give it (:func:`learned_baseline`: its device's first and, on the host, its thread setting's first)."""
+    others give it (:func:`learned_baseline`: those of its own settings and device first)."""
     mine = [c for c in calibrated if c.kind == kind]
-    return [(c, c.error(learned_baseline(mine, kind, leave_out=c.path, device=c.device,
-                                         threads=c.threads if kind == "host" else ANY_THREADS).bytes)) for c in mine]
+    return [(c, c.error(learned_baseline(mine, kind, leave_out=c.path, device=c.device, settings=c.settings).bytes))
+            for c in mine]
 
 
 def learned_bound(calibrated: Sequence[Calibrated], kind: DeviceKind) -> ErrorBound:
@@ -316,7 +347,7 @@ def held_against(profiles: Iterable[tuple[Path | str, Profile]], trace: Trace = 
         check = profile.verification["safe"]
         found.append(Calibrated(str(path), profile.device.kind, profile.fit.overhead_bytes, profile.pool_data_bytes,
                                 check.batch_size, check.peak_bytes, overhead, slope, profile.device.name,
-                                profile.environment.get("OMP_NUM_THREADS")))
+                                settings_of(profile)))
     return found, notices
 
 
@@ -441,13 +472,14 @@ def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[An
         rows += _rows(estimate, "cuda", [(c.label, c.total_bytes) for c in cards], calibrated, settings, batch_size,
                       path)
         estimates.append(estimate)
-        formulas += [f"a GPU, {label}: {describe_estimate(estimate, learned_baseline(calibrated, 'cuda'), 0)}",
+        baseline = learned_baseline(calibrated, "cuda", settings=baseline_settings("cuda"))
+        formulas += [f"a GPU, {label}: {describe_estimate(estimate, baseline, 0)}",
                      *(f"  as the card runs it: {choice}" for choice in estimate.choices),
                      f"  {learned_bound(calibrated, 'cuda').says()}"]
     if host is not None:
         estimate = trace(ref.replace(implementation="transformers") if ref.params.get("implementation") else ref,
                          options)
-        baseline = learned_baseline(calibrated, "host", device=host.name, threads=worker_setting("OMP_NUM_THREADS"))
+        baseline = learned_baseline(calibrated, "host", device=host.name, settings=baseline_settings("host"))
         rows += _rows(estimate, "host", [(f"host: {host.name}", host.total_bytes)], calibrated, settings, batch_size,
                       "", baseline)
         estimates.append(estimate)
@@ -463,7 +495,7 @@ def _rows(estimate: StepEstimate, kind: DeviceKind, targets: list[tuple[str, int
           settings: LimitSettings, batch_size: int | None, path: str,
           baseline: Baseline | None = None) -> list[EstimatedLimits]:
     """One row per target (label, total bytes) of a trace on ``kind``."""
-    baseline = baseline or learned_baseline(calibrated, kind)
+    baseline = baseline or learned_baseline(calibrated, kind, settings=baseline_settings(kind))
     bound, data = learned_bound(calibrated, kind), estimate.data_bytes if kind == "host" else 0
     found = []
     for label, total in targets:

@@ -36,7 +36,7 @@ class StaleProfileError(ProfileError):
 def changes(profile: Profile, device: Device | None = None) -> list[str]:
     """Each change since the profile was made that can move memory (module docstring), as ``torch 2.5.1 ->
     2.13.0+cpu``; ``device`` is the running device (its driver is compared on a GPU)."""
-    running, recorded = software_versions(), profile.software
+    running, recorded = software_versions(), recorded_software(profile)
     host = profile.device.kind == "host"
     names = (*MEMORY_PACKAGES, "python") if host else MEMORY_PACKAGES
     found = [f"{name} {recorded.get(name) or 'absent'} -> {running.get(name) or 'absent'}" for name in names
@@ -56,6 +56,16 @@ def changes(profile: Profile, device: Device | None = None) -> list[str]:
             found.append(f"{name} {shown_setting(profile.environment[name])} -> "
                          f"{shown_setting(worker_setting(name))}")
     return found
+
+
+def recorded_software(profile: Profile) -> dict[str, str | None]:
+    """The software ``profile`` was made with, torch's version with its build (``2.13.0+cu130``): a profile made
+    before :func:`vramcal.environment.software_versions` read the build recorded PyPI's ``2.13.0``, and its trials'
+    ``torch.__version__`` in its environment."""
+    torch, built = profile.software.get("torch"), profile.environment.get("torch_version")
+    if torch and built and built.split("+")[0] == torch:
+        return {**profile.software, "torch": built}
+    return profile.software
 
 
 def check(profile: Profile, source: str, device: Device | None = None, *, strict: bool | None = None,
