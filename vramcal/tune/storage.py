@@ -19,10 +19,12 @@ A password may hold ``@``, ``:`` or ``/`` unescaped: it runs from the first ``:`
 stay as they are), so the driver is given the right host and never echoes a piece of the password as one.
 Everything vramcal prints or writes about a storage passes :func:`redact` with the password known.
 
-Dead trials: both kinds record a heartbeat per running trial every :data:`HEARTBEAT_S` seconds (the
-database's own clock in ``RDBStorage``; for a journal, :func:`heartbeat_journal_storage`'s class writes each
-writer's wall-clock time, so hosts sharing one journal need clocks within about a minute), and a RUNNING
-trial without one for ``2 x HEARTBEAT_S`` is stale (:func:`optuna.storages.fail_stale_trials`).
+Dead trials: both kinds record a heartbeat per running trial every :data:`HEARTBEAT_S` seconds (optuna's
+``heartbeat_interval``: the database's own clock in ``RDBStorage``; optuna 5.1's ``JournalStorage`` has no
+heartbeat, so :func:`heartbeat_journal_storage`'s class writes each writer's wall-clock time, and hosts sharing
+one journal need clocks within about a minute), and a RUNNING trial without one for :data:`GRACE_S` (optuna's
+``grace_period``) is stale: optuna's own ``_get_stale_trial_ids``, which ``optuna.storages.fail_stale_trials``
+and :func:`vramcal.tune.workers.dead_trials` read.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from urllib.parse import quote, unquote
 STUDY_DB = "study.db"
 JOURNAL_SCHEME = "journal://"
 JOURNAL_SUFFIXES = (".log", ".jsonl")
-HEARTBEAT_S = 60  # a trial is stale after 2 x this without a heartbeat
+HEARTBEAT_S = 60  # optuna's heartbeat_interval: each running trial beats this often
+GRACE_S = 2 * HEARTBEAT_S  # optuna's grace_period: a RUNNING trial without a beat for this long is stale
 HEARTBEAT_ATTR = "vramcal:heartbeat_unix_s"  # a journal trial's last heartbeat (system attribute, seconds)
 POSTGRES_EXTRA = "pip install 'vramcal[postgres]'"
 # PostgreSQL drivers SQLAlchemy knows, by module: the URL scheme that picks each, and how to install it
@@ -200,7 +203,7 @@ def _open_rdb(url: StorageURL, create: bool):
     import optuna
 
     check_driver(url)
-    storage = optuna.storages.RDBStorage(url.target, heartbeat_interval=HEARTBEAT_S)
+    storage = optuna.storages.RDBStorage(url.target, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S)
     storage.get_all_studies()  # connects: a refused password or an unreachable server fails here, as "cannot open"
     return storage
 
@@ -264,7 +267,7 @@ def _open_journal(url: StorageURL, create: bool):
                            f"(start one without --resume)")
     # Absolute: optuna's lock is a symlink to this path, so a relative one dangles; a dangling lock that a killed
     # worker left behind is never broken (optuna 5.0 stats it through the link and retries at once, forever).
-    storage = heartbeat_journal_storage()(JournalFileBackend(str(path.resolve())), HEARTBEAT_S)
+    storage = heartbeat_journal_storage()(JournalFileBackend(str(path.resolve())))
     storage.get_all_studies()  # reads the log: a file that is not a journal fails here, not mid-study
     return storage
 
@@ -278,14 +281,12 @@ def heartbeat_journal_storage() -> type:
     from optuna.trial import TrialState
 
     class _HeartbeatJournalStorage(JournalStorage, BaseHeartbeat):
-        """A journal storage with optuna's heartbeat (``BaseHeartbeat``, which only ``RDBStorage`` has): so
-        ``study.optimize`` beats for each running trial and ``fail_stale_trials`` fails trials of dead workers
-        on any host, as on a database. A beat is the writer's wall-clock time in the trial's
-        :data:`HEARTBEAT_ATTR` system attribute."""
+        """A journal storage with optuna's heartbeat (``BaseHeartbeat``, which only ``RDBStorage`` has), its
+        interval and grace period named as ``RDBStorage`` names them: so ``study.optimize`` beats for each running
+        trial and ``fail_stale_trials`` fails trials of dead workers on any host, as on a database. A beat is the
+        writer's wall-clock time in the trial's :data:`HEARTBEAT_ATTR` system attribute."""
 
-        def __init__(self, backend, heartbeat_interval_s: int) -> None:
-            super().__init__(backend)
-            self.heartbeat_interval_s = heartbeat_interval_s
+        heartbeat_interval, grace_period = HEARTBEAT_S, GRACE_S
 
         def record_heartbeat(self, trial_id: int) -> None:
             try:
@@ -296,14 +297,12 @@ def heartbeat_journal_storage() -> type:
         def _get_stale_trial_ids(self, study_id: int) -> list[int]:
             now = time.time()
             return [t._trial_id for t in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
-                    if HEARTBEAT_ATTR in t.system_attrs
-                    and now - t.system_attrs[HEARTBEAT_ATTR] > 2 * self.heartbeat_interval_s]
+                    if now - t.system_attrs.get(HEARTBEAT_ATTR, now) > self.grace_period]
 
         def get_heartbeat_interval(self) -> int:
-            return self.heartbeat_interval_s
+            return self.heartbeat_interval
 
         def get_heartbeat_stale_trial_callback(self):
             return None
 
     return _HeartbeatJournalStorage
-

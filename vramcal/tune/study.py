@@ -58,8 +58,7 @@ from vramcal.train.config import TrainConfig
 from vramcal.train.errors import DivergedError, NonFiniteError, TrainError
 from vramcal.train.plan import Setting
 from vramcal.train.tracking import log_trial
-from vramcal.tune.storage import StorageError, redact
-from vramcal.tune.workers import SURPLUS, fail_dead_trials, finished, is_surplus, time_left, worker_id
+from vramcal.tune.workers import SURPLUS, announce, fail_dead_trials, failure_reason, finished, is_surplus, worker_id
 from vramcal.words import Info
 
 Echo = Callable[[str], None]
@@ -373,7 +372,7 @@ def run_study(study, settings: TuneSettings, space: SearchSpace, run_dir: Path, 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             study.optimize(objective, n_trials=1, gc_after_trial=True, catch=(Exception,),
-                           callbacks=[_announce(echo, n_trials), lambda _, trial: log_trial(trial, echo)])
+                           callbacks=[announce(echo, n_trials), lambda _, trial: log_trial(trial, echo)])
 
 
 class Surplus(Exception):
@@ -493,31 +492,3 @@ def _record(trial, rows: list[dict[str, Any]]) -> None:
     trial.set_user_attr("epochs", len(rows))
     trial.set_user_attr("steps", rows[-1]["step"])
     trial.set_user_attr("peak_bytes", max(r["peak_bytes"] for r in rows))
-
-
-def failure_reason(error: BaseException, secrets: tuple[str, ...] = ()) -> str:
-    """One line for a failed trial: the message of vramcal's own errors (written for people, naming the
-    trial's last good checkpoint), else ``Type: first line``; passwords and ``secrets`` hidden
-    (:func:`vramcal.tune.storage.redact`)."""
-
-    lines = str(error).strip().splitlines()
-    first = lines[0] if lines else ""
-    own = isinstance(error, TrainError | TuneError | StorageError) or type(error).__name__ in (
-        "DataError", "RunDirError", "SizingError", "ConfigError")
-    return redact(first if own and first else f"{type(error).__name__}: {first}".rstrip(": "), secrets)[:500]
-
-
-def _announce(echo: Echo, n_trials: int):
-    """The line of a trial that ended: its state, its lowest validation loss, why it failed, and the study's
-    progress with the time left (:func:`~vramcal.tune.workers.time_left`)."""
-    def callback(study, trial) -> None:
-        if trial.user_attrs.get(SURPLUS):
-            echo(f"trial {trial.number}: {trial.user_attrs['error']}")
-            return
-        value = trial.user_attrs.get("val_loss")
-        shown = f"val_loss {value:.4f}" if value is not None else "no validation"
-        reason = trial.user_attrs.get("error")
-        echo(f"trial {trial.number}: {trial.state.name.lower()}, {shown}" + (f" ({reason})" if reason else "")
-             + f"; {time_left(study.get_trials(deepcopy=False), n_trials)}")
-
-    return callback

@@ -1,12 +1,14 @@
-"""Several ``vramcal tune`` processes on one study: who runs a trial, which trials are dead, what counts.
+"""Several ``vramcal tune`` processes on one study: who runs a trial, which trials are dead, what counts, and
+the line each trial ends with.
 
 Each trial records the process that runs it in its ``worker`` user attribute (``<host>:<pid>``,
 :func:`worker_id`). A RUNNING trial is *dead* when its worker ran on this host and that process no longer
-exists (a ``kill -9`` or a crash, or ended and not yet reaped by its parent: seen at once), or when the
-storage's heartbeat for it is older than the grace period (any host: :mod:`vramcal.tune.storage`, 2
-minutes). :func:`fail_dead_trials` marks dead trials failed with the reason, and is called before every
-trial and before the results are written, so no table shows a dead trial as running. Trials of live
-workers, here or elsewhere, are left alone.
+exists (a ``kill -9`` or a crash, or ended and not yet reaped by its parent: seen at once), or when optuna's
+heartbeat calls it stale (any host: no beat for ``grace_period``, :data:`vramcal.tune.storage.GRACE_S`).
+:func:`fail_dead_trials` marks dead trials failed with the reason, and is called before every trial and before
+the results are written, so no table shows a dead trial as running. Trials of live workers, here or elsewhere,
+are left alone. (optuna's own ``fail_stale_trials``, which ``study.optimize`` calls, fails the same stale trials
+but records no reason, and a database refuses a finished trial's attributes: so the reason is written first.)
 
 What counts towards ``--trials``: complete and pruned trials (:func:`finished`). A trial is *surplus* when
 the finished and running trials numbered before it already make the count (:func:`is_surplus`): optuna
@@ -22,6 +24,7 @@ import socket
 from collections.abc import Iterable
 from pathlib import Path
 
+from vramcal.tune.storage import GRACE_S, redact
 from vramcal.units import format_duration
 
 SURPLUS = "surplus"  # the user attribute of a trial that started past the requested count and did not run
@@ -48,19 +51,18 @@ def _process_is_gone(pid: int) -> bool:
 
 def dead_trials(study) -> dict[int, tuple[int, str]]:
     """The RUNNING trials whose worker is dead (module docstring): ``{trial id: (number, reason)}``."""
-    from optuna.storages._heartbeat import BaseHeartbeat
     from optuna.trial import TrialState
 
     storage = study._storage
-    interval_s = storage.get_heartbeat_interval() if isinstance(storage, BaseHeartbeat) else None
-    stale = set(storage._get_stale_trial_ids(study._study_id)) if interval_s else set()
+    beats = getattr(storage, "heartbeat_interval", None) is not None  # RDBStorage's, or the journal's (storage)
+    stale = set(storage._get_stale_trial_ids(study._study_id)) if beats else set()
     host, dead = socket.gethostname(), {}
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         worker_host, _, pid = str(trial.user_attrs.get("worker", "")).rpartition(":")
         if worker_host == host and pid.isdigit() and int(pid) != os.getpid() and _process_is_gone(int(pid)):
             dead[trial._trial_id] = (trial.number, "its worker process is gone")
         elif trial._trial_id in stale:
-            dead[trial._trial_id] = (trial.number, f"its worker sent no heartbeat for {2 * interval_s} s")
+            dead[trial._trial_id] = (trial.number, f"its worker sent no heartbeat for {GRACE_S} s")
     return dead
 
 
@@ -122,3 +124,29 @@ def time_left(trials: Iterable, n_trials: int) -> str:
 def shown_trials(trials: Iterable) -> list:
     """The trials a table lists: all but the surplus ones (they never ran)."""
     return [t for t in trials if not t.user_attrs.get(SURPLUS)]
+
+
+def failure_reason(error: BaseException, secrets: tuple[str, ...] = ()) -> str:
+    """One line for a failed trial: the message of vramcal's own errors (written for people, naming the
+    trial's last good checkpoint), else ``Type: first line``; passwords and ``secrets`` hidden
+    (:func:`vramcal.tune.storage.redact`)."""
+    lines = str(error).strip().splitlines()
+    first = lines[0] if lines else ""
+    own = type(error).__module__.startswith("vramcal.")
+    return redact(first if own and first else f"{type(error).__name__}: {first}".rstrip(": "), secrets)[:500]
+
+
+def announce(echo, n_trials: int):
+    """The optuna callback that prints the line of a trial that ended: its state, its lowest validation loss, why
+    it failed, and the study's progress with the time left (:func:`time_left`)."""
+    def callback(study, trial) -> None:
+        if trial.user_attrs.get(SURPLUS):
+            echo(f"trial {trial.number}: {trial.user_attrs['error']}")
+            return
+        value = trial.user_attrs.get("val_loss")
+        shown = f"val_loss {value:.4f}" if value is not None else "no validation"
+        reason = trial.user_attrs.get("error")
+        echo(f"trial {trial.number}: {trial.state.name.lower()}, {shown}" + (f" ({reason})" if reason else "")
+             + f"; {time_left(study.get_trials(deepcopy=False), n_trials)}")
+
+    return callback
