@@ -9,7 +9,8 @@
    ``--stride`` as the training runs read it;
 2. takes an effective batch that does not fit as one micro-batch without checkpointing (``--effective-batch-size``;
    default twice ``off``'s conservative size, above its safe size) and asks vramcal's choice
-   (:func:`vramcal.variants.choose`, as ``vramcal train --variant auto`` does): ``off`` accumulates micro-batches of
+   (:func:`vramcal.sizing.variants.choose`, as ``vramcal train --variant auto`` does): ``off`` accumulates
+   micro-batches of
    its conservative size, ``block`` trains larger micro-batches (one where its conservative size admits it);
 3. measures both: ``vramcal train`` of each setting for ``--steps`` optimizer steps, ``--rounds`` rounds in
    alternating order (the machine is shared), samples/s as the trainer measures it (``samples_per_s`` of the
@@ -79,7 +80,7 @@ def measure(args: argparse.Namespace, profiles: dict, work: Path) -> dict[str, l
 
 def lines(args: argparse.Namespace, profiles: dict, choice, runs: dict, long: dict, command: str) -> list[str]:
     """The Markdown results."""
-    from vramcal.variants import variant_label
+    from vramcal.sizing.variants import variant_label
 
     medians = {name: statistics.median(r["samples_per_s"] for r in each) for name, each in runs.items()}
     faster = max(medians, key=medians.get)
@@ -110,8 +111,8 @@ def lines(args: argparse.Namespace, profiles: dict, choice, runs: dict, long: di
 def main(argv: list[str] | None = None) -> int:
     from vramcal.models.regressor.bars import synthetic_bars, write_parquet
     from vramcal.sizing import SizeRequest
+    from vramcal.sizing.variants import choose, variants_of
     from vramcal.units import parse_bytes
-    from vramcal.variants import choose, variants_of
 
     parser = argparse.ArgumentParser(prog="python -m bench.checkpoint_or_accumulate",
                                      description=__doc__.splitlines()[0])

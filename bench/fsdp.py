@@ -8,11 +8,11 @@ each trial a real world of ranks under the ``--capacity`` budget each), then:
 1. **The sharded bytes.** ``--repeats`` real trials of each world at the FSDP profile's conservative size,
    interleaved: the per-rank peaks' difference (DDP - FSDP, medians) against what a DDP rank holds more, counted from
    the model (:func:`expected_difference`): the parameters and optimizer state sharded away (the gradients are not
-   at the peak: :mod:`vramcal.sharding`), plus DDP's gradient buckets, less FSDP's two unsharded units in flight.
+   at the peak: :mod:`vramcal.sizing.sharding`), plus DDP's gradient buckets, less FSDP's two unsharded units in flight.
    The model states counted whole (``model_state_bytes - rank_model_state_bytes``, gradients included: the first
    comparison this bench made) are printed beside it.
-2. **Another world size.** From the 2-rank FSDP profile, :func:`vramcal.sharding.at_world_size` at ``--to`` ranks;
-   then a real ``--to``-rank FSDP trial at that world's conservative size (steady, as a verification runs), its
+2. **Another world size.** From the 2-rank FSDP profile, :func:`vramcal.sizing.sharding.at_world_size` at ``--to``
+   ranks; then a real ``--to``-rank FSDP trial at that world's conservative size (steady, as a verification runs), its
    peak read as a verification reads it (:func:`vramcal.calibration.creep.read_peak`) against the moved fit's
    prediction there.
 
@@ -73,7 +73,8 @@ def trial(ref, budget: int, world, batch_size: int, steady: bool = False):
 
 def expected_difference(ref, fsdp) -> dict[str, int]:
     """What a 2-rank DDP rank holds more than an FSDP rank at the peak, counted from the model (bytes): the
-    parameters and optimizer state sharded away (:func:`vramcal.sharding.sharded_bytes`), plus DDP's gradient buckets
+    parameters and optimizer state sharded away (:func:`vramcal.sizing.sharding.sharded_bytes`), plus DDP's gradient
+    buckets
     (the gradients' size again, ``gradient_as_bucket_view=False``: PyTorch's DDP notes), less FSDP's two unsharded
     units in flight at the backward's start (the unit all-gathered and the next one prefetched, the largest unit's
     parameters each: PyTorch's FSDP2 notes; :func:`vramcal.measure.distributed.shard_units` on the model built
@@ -81,7 +82,7 @@ def expected_difference(ref, fsdp) -> dict[str, int]:
     import torch
 
     from vramcal.measure.distributed import shard_units
-    from vramcal.sharding import sharded_bytes
+    from vramcal.sizing.sharding import sharded_bytes
     from vramcal.workload import build
 
     whole, held = sharded_bytes(fsdp)
@@ -96,7 +97,7 @@ def expected_difference(ref, fsdp) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     from vramcal.calibration.creep import read_peak
     from vramcal.records import World
-    from vramcal.sharding import at_world_size
+    from vramcal.sizing.sharding import at_world_size
     from vramcal.units import parse_bytes
 
     parser = argparse.ArgumentParser(prog="python -m bench.fsdp", description=__doc__.splitlines()[0])

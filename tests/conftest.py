@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from vramcal.staleness import STRICT_ENV
+from vramcal.sizing.staleness import STRICT_ENV
 
 from fakes import restore_nvml
 

@@ -11,11 +11,9 @@ import pytest
 from click.testing import CliRunner
 from host_budget import budget, capacity
 
-from vramcal import variants
 from vramcal.api import worker_pool
 from vramcal.calibration.fit import fit_linear
 from vramcal.cli import main
-from vramcal.lookup import NoProfileError, locate_profile
 from vramcal.measure.device import host_device
 from vramcal.measure.trial import TrialRequest, TrialRunner
 from vramcal.models.registry import model_ref
@@ -23,7 +21,8 @@ from vramcal.models.regressor.bars import synthetic_bars
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.profile import profile_path, save_profile
 from vramcal.records import TrialSettings
-from vramcal.sizing import SizeRequest, SizingError
+from vramcal.sizing import SizeRequest, SizingError, variants
+from vramcal.sizing.lookup import NoProfileError, locate_profile
 
 from profiles_for_tests import build_profile
 

@@ -1060,9 +1060,9 @@ def test_config_files_people_write_are_read_a_byte_order_mark_too(mark, tmp_path
 def test_a_profile_of_another_variant_is_named_in_the_words_people_gave():
     """Issue 59 item 20: ``train --checkpointing block`` against a profile made without it said "checkpointing=block
     (profile None)": a setting left out of a profile's key is what leaving it out means (off)."""
-    from vramcal.lookup import locate_profile
     from vramcal.models.regressor.spec import RegressorSpec
     from vramcal.sizing import SizingError
+    from vramcal.sizing.lookup import locate_profile
 
     profile = fake_calibration(lambda b, n: 400 * MIB + 2.5 * MIB * b, 2 * GIB)
     spec, implementation = RegressorSpec.from_ref(profile.model)

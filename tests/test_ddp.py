@@ -143,8 +143,8 @@ DDP_SETTINGS = ["--ddp-backend", "gloo", "--bucket-cap-mb", "50", "--gradient-as
 def test_the_ddp_term_is_read_against_the_single_process_profile_of_the_same_budget(tmp_path):
     """A newer single-process profile at another budget is passed over for the one calibrated at the DDP
     profile's budget; without one, the newest at any budget."""
-    from vramcal.lookup import ddp_term
     from vramcal.profile import Verification
+    from vramcal.sizing.lookup import ddp_term
 
     _, ddp = ddp_profile(tmp_path, 1024, slope_mib=24)
     safe = ddp.limits.safe_batch_size

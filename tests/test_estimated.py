@@ -40,7 +40,7 @@ from vramcal.estimated import (
     leave_one_out,
 )
 from vramcal.profile import load_profile
-from vramcal.staleness import recorded_software
+from vramcal.sizing.staleness import recorded_software
 
 MIB, GIB = 2**20, 2**30
 MEASURED = Path(__file__).resolve().parents[1] / "examples" / "measured" / "profiles"

@@ -1,5 +1,5 @@
 """FSDP2 on the host: 2-rank gloo worlds of the tiny model sharded with ``fully_shard``, for real, and the sharding
-model that carries their profile to other world sizes and cards (vramcal.sharding), on synthetic profiles.
+model that carries their profile to other world sizes and cards (vramcal.sizing.sharding), on synthetic profiles.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from vramcal.measure.trial import TrialRequest, TrialRunner
 from vramcal.models.registry import REGRESSOR
 from vramcal.profile import load_profile, save_profile
 from vramcal.records import TrialSettings, World
-from vramcal.sharding import at_world_size, fewest_ranks, state_shift
 from vramcal.sizing import SizingError
+from vramcal.sizing.sharding import at_world_size, fewest_ranks, state_shift
 from vramcal.train import checkpoint
 from vramcal.workload import TrainingStep
 
@@ -66,7 +66,7 @@ def test_a_rank_sheds_its_share_of_the_model_states_at_more_ranks_and_gains_it_a
 
 
 def test_the_gradients_do_not_move_with_the_world_size():
-    """They are freed before the forward: the peak near the limits holds next to none (vramcal.sharding)."""
+    """They are freed before the forward: the peak near the limits holds next to none (vramcal.sizing.sharding)."""
     assert state_shift(fsdp_profile(whole_mib=400, gradient_mib=100), 4) == pytest.approx(-75 * MIB, abs=1)
 
 
@@ -174,8 +174,8 @@ def test_the_probe_a_world_suggests_calibrates_that_world(world, tmp_path, monke
 
     from test_documented import fake_measurement
 
-    from vramcal.lookup import probe_command
     from vramcal.profile import world_difference
+    from vramcal.sizing.lookup import probe_command
 
     fake_measurement(monkeypatch)
     total = host_budget.budget(1536 * MIB)
@@ -246,7 +246,7 @@ def test_cost_for_n_cards_of_a_worlds_profile(tmp_path):
     """``vramcal cost --world-size 4``: the per-rank batch carried by the sharding model, each rank a quarter of the
     samples at the rate its ranks measured, the world's samples/s and the price of 4 cards."""
     from vramcal.forecast import Dataset, forecast_profile
-    from vramcal.sharding import carried
+    from vramcal.sizing.sharding import carried
 
     from profiles_for_tests import timed_profile
 

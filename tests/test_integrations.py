@@ -300,7 +300,7 @@ def two_budgets(tmp_path):
 def test_several_budgets_are_chosen_by_capacity_or_refused_with_the_list(two_budgets):
     import vramcal
     from vramcal.integrations.run import FrameworkRun
-    from vramcal.lookup import SeveralBudgetsError
+    from vramcal.sizing.lookup import SeveralBudgetsError
 
     folder, paths = two_budgets
     find = {"model": "regressor", "params": {}, "profiles_dir": folder}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vramcal.calibration.lengths import padded_length
-from vramcal.sampler import LengthBatchSampler
+from vramcal.sizing.sampler import LengthBatchSampler
 
 from fakes import GIB, fake_calibration
 

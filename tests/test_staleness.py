@@ -15,7 +15,7 @@ from vramcal import api
 from vramcal.cli import main
 from vramcal.environment import software_versions, worker_setting
 from vramcal.measure.device import host_device
-from vramcal.staleness import STRICT_ENV, StaleProfileError, changes
+from vramcal.sizing.staleness import STRICT_ENV, StaleProfileError, changes
 
 OLD_TORCH = "2.5.1"
 
@@ -146,7 +146,7 @@ def test_a_profile_of_the_other_torch_build_is_stale_and_one_recorded_without_th
     """A profile made under the CPU build used by a process of the CUDA build (and the reverse) names both builds;
     a profile written before the build was recorded (PyPI's ``2.13.0``, its trials' ``torch.__version__`` in its
     environment) is read with the build its trials ran."""
-    from vramcal import staleness
+    from vramcal.sizing import staleness
 
     profile = make_profile(host_device())
 

@@ -30,21 +30,18 @@ LAYERS = (
     ("vramcal.workload", "vramcal.calibration"),  # what a trial runs; the pure calibration core
     ("vramcal.models", "vramcal.measure", "vramcal.estimate"),  # the families; processes and hardware; fake tensors
     ("vramcal.profile",),  # the profile file
-    # profile -> batch size, run time; trials -> profile (and their journal); a profile against the running software;
-    # which profile a run uses
-    ("vramcal.sizing", "vramcal.batching", "vramcal.forecast", "vramcal.calibrator", "vramcal.journal",
-     "vramcal.staleness", "vramcal.lookup", "vramcal.estimated", "vramcal.sharding",
-     "vramcal.variants"),
-    # the front door; reports from profiles; progress for people; the batch sampler of lengths that vary
-    ("vramcal.api", "vramcal.report", "vramcal.progress", "vramcal.sampler"),
+    # the sizing wing (a profile -> a batch size: lookup, staleness, batching, the sampler, variants, sharding), run
+    # time; trials -> profile (and their journal); cards not in hand
+    ("vramcal.sizing", "vramcal.forecast", "vramcal.calibrator", "vramcal.journal", "vramcal.estimated"),
+    # the front door; reports from profiles; progress for people
+    ("vramcal.api", "vramcal.report", "vramcal.progress"),
     ("vramcal.train",),  # the bundled trainer
     ("vramcal.tune", "vramcal.integrations", "vramcal.preload"),  # studies, frameworks, the worker server's imports
     ("vramcal.cli", "vramcal.__main__"),  # the commands
 )
 # tested with recorded or synthetic trials: no process, hardware or trainer code
 PURE = ("vramcal.calibration", "vramcal.records", "vramcal.schema", "vramcal.units", "vramcal.profile",
-        "vramcal.sizing", "vramcal.batching", "vramcal.forecast", "vramcal.report", "vramcal.staleness",
-        "vramcal.words")
+        "vramcal.sizing", "vramcal.forecast", "vramcal.report", "vramcal.words")
 PROCESS = ("vramcal.measure", "vramcal.train", "vramcal.calibrator", "vramcal.api", "vramcal.tune", "vramcal.cli")
 
 

@@ -672,7 +672,7 @@ def test_no_profile_says_which_probe_to_run(setup):
     # a budget that fits the host (issue 42 item 4: the hint was a whole-host probe), as the probe's hint gives it
     found = re.search(r"vramcal probe --gpu none --capacity (\S+) --impl transformers --d-model 32 --n-layers 1", line)
     assert found, line
-    from vramcal.lookup import suggested_capacity
+    from vramcal.sizing.lookup import suggested_capacity
     from vramcal.units import parse_bytes
 
     assert parse_bytes(found.group(1)) == suggested_capacity(host_device().total_bytes) <= host_device().total_bytes / 2

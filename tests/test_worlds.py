@@ -25,11 +25,11 @@ from test_lightning import profile_here
 from vramcal.integrations import hf, lightning
 from vramcal.integrations.run import FrameworkRun
 from vramcal.integrations.worlds import plugin_world, sharded_world
-from vramcal.lookup import NoProfileError
 from vramcal.profile import load_profile, save_profile
 from vramcal.records import World
-from vramcal.sharding import carried
 from vramcal.sizing import SizingError
+from vramcal.sizing.lookup import NoProfileError
+from vramcal.sizing.sharding import carried
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 2**20

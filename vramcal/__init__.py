@@ -25,11 +25,11 @@ __version__ = "0.2.0"
 
 _API = {
     "calibrate": "vramcal.api", "plan_calibration": "vramcal.api", "run_calibration": "vramcal.api",
-    "find_profile": "vramcal.api", "locate_profile": "vramcal.lookup", "batch_size": "vramcal.api",
+    "find_profile": "vramcal.api", "locate_profile": "vramcal.sizing.lookup", "batch_size": "vramcal.api",
     "model_ref": "vramcal.api", "size_for": "vramcal.api", "Answered": "vramcal.api",
-    "select_devices": "vramcal.api", "probe_command": "vramcal.lookup", "CalibrationPlan": "vramcal.api",
+    "select_devices": "vramcal.api", "probe_command": "vramcal.sizing.lookup", "CalibrationPlan": "vramcal.api",
     "size": "vramcal.sizing", "SizeRequest": "vramcal.sizing", "Sizing": "vramcal.sizing",
-    "SizingError": "vramcal.sizing", "GradientsHeld": "vramcal.sizing", "Located": "vramcal.lookup",
+    "SizingError": "vramcal.sizing", "GradientsHeld": "vramcal.sizing", "Located": "vramcal.sizing.lookup",
     "load_profile": "vramcal.profile", "Profile": "vramcal.profile", "ProfileError": "vramcal.profile",
     "LimitSettings": "vramcal.calibration.limits", "CalibrationError": "vramcal.calibrator",
     "TrialSettings": "vramcal.records",

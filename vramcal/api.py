@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from vramcal import staleness
 from vramcal.arguments import callback, flag, mapping, of_type, path_like
 from vramcal.calibration.creep import read_peak
 from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
@@ -38,7 +37,6 @@ from vramcal.calibrator import CalibrationError, CalibrationPlan, run_trials
 from vramcal.estimated import aim_for
 from vramcal.files import check_writable
 from vramcal.journal import Journal, journal_path, plan_key
-from vramcal.lookup import Located, ddp_term, locate_profile, probe_command, suggested_capacity
 from vramcal.measure.device import check_host_world, free_bytes, select
 from vramcal.measure.trial import TrialRequest, TrialRunner
 from vramcal.measure.worker import Workers
@@ -65,8 +63,10 @@ from vramcal.sizing import (
     answer,
     check_counts,
     size,
+    staleness,
 )
-from vramcal.staleness import StaleProfileError
+from vramcal.sizing.lookup import Located, ddp_term, locate_profile, probe_command, suggested_capacity
+from vramcal.sizing.staleness import StaleProfileError
 from vramcal.units import parse_bytes, size_argument
 from vramcal.words import is_info, word
 from vramcal.workload import ModelRef, WorkloadError
@@ -431,8 +431,8 @@ def find_profile(model: str | ModelRef = "regressor", params: dict[str, Any] | N
     """The profile for a model on the device ``gpu`` names (as :func:`calibrate` takes it): the newest matching
     one under ``profiles_dir`` calibrated at ``capacity_bytes`` (bytes or ``"1.5GiB"``; None: whatever budget the
     matching files share), or ``path``. Matching files that failed their checks are passed over with a
-    :class:`UserWarning` each, and so is a stale profile (:mod:`vramcal.staleness`); the device's notice (the host
-    chosen for ``gpu="auto"``) is a line on stderr.
+    :class:`UserWarning` each, and so is a stale profile (:mod:`vramcal.sizing.staleness`); the device's notice (the
+    host chosen for ``gpu="auto"``) is a line on stderr.
 
     Raises:
         SizingError, WorkloadError, ValueError: see :func:`locate_profile` (SeveralBudgetsError: no
@@ -480,7 +480,7 @@ def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None 
              limit: Limit = "conservative", seq_len: int | None = None, progress: bool = True) -> Answered:
     """The batch size for a model on a device in one call: the matching profile under ``profiles_dir`` when one
     holds (the same model, implementation, device and budget, made under the software and settings running
-    now: :mod:`vramcal.staleness`, strictly), else a calibration (:func:`calibrate`, saved there), saying why
+    now: :mod:`vramcal.sizing.staleness`, strictly), else a calibration (:func:`calibrate`, saved there), saying why
     (none, or made under other software) before its first trial; a stale or unreadable file where the new profile
     goes is kept beside it (:func:`vramcal.profile.replaced_name`), and the reason says so. A second call with
     nothing changed runs no trial, a profile without limits included. The size is gated by what the device has

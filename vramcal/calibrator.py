@@ -342,7 +342,7 @@ def model_info(context: dict[str, Any]) -> dict[str, Any]:
     (:func:`vramcal.measure.trial.model_state`): ``gradient_bytes`` (a rank's; the sizing's gradient term,
     :mod:`vramcal.sizing`), ``model_state_bytes`` (one whole copy of the parameters, gradients and optimizer
     state) and ``rank_model_state_bytes`` (what a rank holds of it: all under DDP, its shard under FSDP;
-    :mod:`vramcal.sharding`)."""
+    :mod:`vramcal.sizing.sharding`)."""
     return {**context.get("info", {}), **{name: context[name] for name in COUNTED if name in context}}
 
 

@@ -1,5 +1,5 @@
 """The software and the settings a process runs with that change the memory of the same step: read here, recorded
-in every profile, and compared when a profile is used (:mod:`vramcal.staleness`).
+in every profile, and compared when a profile is used (:mod:`vramcal.sizing.staleness`).
 
 Nothing here imports torch: versions come from the installed packages' metadata, settings from the
 environment as a worker will see it (:class:`vramcal.measure.worker.Workers` sets vramcal's defaults for the

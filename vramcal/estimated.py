@@ -59,7 +59,7 @@ from vramcal.models.mamba2 import mamba_ssm_available
 from vramcal.models.registry import describe
 from vramcal.profile import Profile, profiles_under
 from vramcal.records import Device, DeviceKind
-from vramcal.staleness import recorded_software
+from vramcal.sizing.staleness import recorded_software
 from vramcal.units import format_bytes
 from vramcal.workload import ModelRef, WorkloadError
 

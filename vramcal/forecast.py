@@ -21,7 +21,8 @@ A card without a measured profile has no throughput: its row says so and has no 
 is extrapolated from another card, nor from a batch size outside the measured ones.
 
 For ``N`` cards of a kind (:func:`world_forecast`, ``vramcal cost --world-size N``) a world's profile (``vramcal
-probe --nproc``) is carried to ``N`` ranks (:func:`vramcal.sharding.carried`: under FSDP each rank's batch grows as
+probe --nproc``) is carried to ``N`` ranks (:func:`vramcal.sizing.sharding.carried`: under FSDP each rank's batch
+grows as
 its shard shrinks; under DDP it does not move), each rank trains its share of the windows (``ceil(samples / N)``) at
 the rate its ranks measured at that batch (the ranks step together), so the times are one rank's, the world's
 samples/s ``N`` × one rank's, and the cost ``N`` × the card's price × the run's hours. The rate at ``N`` ranks is the
@@ -47,8 +48,8 @@ from vramcal.calibration.throughput import (
 from vramcal.models.registry import describe
 from vramcal.profile import Observation, Profile
 from vramcal.records import World
-from vramcal.sharding import carried
 from vramcal.sizing import THROUGHPUT, SizeFor, SizeRequest, SizingError, length_trials, size
+from vramcal.sizing.sharding import carried
 
 HOUR_S = 3600.0
 DEFAULT_EPOCHS = 10  # as `vramcal train`'s --epochs (a test keeps them equal)
@@ -460,7 +461,8 @@ def world_forecast(profile: Profile, dataset: Dataset | None, epochs: int, nproc
     ``nproc`` cards at ``price_per_hour`` each.
 
     Raises:
-        SizingError: a profile of one process (no world to carry), or one :func:`vramcal.sharding.carried` refuses.
+        SizingError: a profile of one process (no world to carry), or one :func:`vramcal.sizing.sharding.carried`
+        refuses.
     """
     world = profile.world
     if world is None:

@@ -164,7 +164,7 @@ def estimate_lines(found) -> list[str]:
 
 
 def variant_lines(rows) -> list[str]:
-    """The variants of one model (:func:`vramcal.variants.variant_rows`) for people: limits, bytes per sample,
+    """The variants of one model (:func:`vramcal.sizing.variants.variant_rows`) for people: limits, bytes per sample,
     samples/s at the conservative size and at the knee, samples/s per GiB of predicted peak there."""
     out = [f"variants of this model ({len(rows)}, each its own profile; `vramcal train --variant auto` takes the "
            f"fastest for its batch):",

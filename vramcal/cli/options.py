@@ -35,7 +35,7 @@ from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.profile import left_out, load_profile, profiles_under
 from vramcal.records import World
 from vramcal.report.catalogue import parse_gpu_list
-from vramcal.staleness import STRICT_ENV
+from vramcal.sizing.staleness import STRICT_ENV
 from vramcal.train.config import REPORT_TO, VARIANT_CHOICES
 from vramcal.train.errors import TrainError
 from vramcal.units import format_bytes, parse_bytes
@@ -306,7 +306,7 @@ data_options = group(
 )
 
 def strict_profiles(strict: bool) -> None:
-    """``--strict-profile``: refuse stale profiles for the rest of this command (:mod:`vramcal.staleness`), its
+    """``--strict-profile``: refuse stale profiles for the rest of this command (:mod:`vramcal.sizing.staleness`), its
     workers included (they inherit the environment)."""
 
     if strict:

@@ -35,7 +35,6 @@ from vramcal.cli.options import (
     strict_option,
     world_options,
 )
-from vramcal.lookup import suggested_capacity
 from vramcal.models import registry
 from vramcal.models.registry import describe
 from vramcal.models.regressor.spec import RegressorSpec
@@ -43,9 +42,10 @@ from vramcal.profile import load_profile
 from vramcal.progress import TrialPrinter, trial_line
 from vramcal.records import TrialSettings
 from vramcal.report import write_report
-from vramcal.staleness import check
+from vramcal.sizing.lookup import suggested_capacity
+from vramcal.sizing.staleness import check
+from vramcal.sizing.variants import variant_rows, variants_of
 from vramcal.units import format_bytes, size_argument
-from vramcal.variants import variant_rows, variants_of
 
 DEFAULT_DATA = Path("data/es_1s.parquet")
 
@@ -323,7 +323,7 @@ def calibrate_one(plan, err: bool = False, reports_dir: Path | None = None):
 
 
 def warn_if_stale(profile, path: Path, strict: bool) -> None:
-    """A warning on stderr for a profile made under other software or settings (:mod:`vramcal.staleness`);
+    """A warning on stderr for a profile made under other software or settings (:mod:`vramcal.sizing.staleness`);
     ``strict``: refuse it (StaleProfileError, one line)."""
 
     notice = check(profile, str(path), strict=strict or None,
@@ -377,7 +377,7 @@ def show(ctx: click.Context, profile_path: Path | None, as_json: bool, show_conf
     echo_lines([summary(profile), *observations_lines(profile)])
     found = variants_of(profile.model, profile.device, profile_path.parent, world=profile.world,
                         total_bytes=profile.device.total_bytes)
-    if len(found) > 1:  # the same model in other variants beside it (vramcal.variants)
+    if len(found) > 1:  # the same model in other variants beside it (vramcal.sizing.variants)
         echo_lines(variant_lines(variant_rows(found)))
 
 

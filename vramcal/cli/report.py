@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from vramcal import api, batching
+from vramcal import api
 from vramcal.cli.console import estimate_lines
 from vramcal.cli.cost import forecast_options, forecast_settings, forecastable
 from vramcal.cli.options import EXIT_UNVERIFIED, Buckets, GpuList, load_profiles, one_line, strict_option
@@ -26,7 +26,7 @@ from vramcal.report.lengths import lengths_lines
 from vramcal.report.markdown import device_label, limits_notes, limits_table, missing_notes
 from vramcal.report.variants import group_rows, variant_groups
 from vramcal.report.world import world_heading, world_rows, world_table
-from vramcal.sizing import answer
+from vramcal.sizing import answer, batching
 from vramcal.units import format_bytes
 from vramcal.workload import WorkloadError
 
@@ -254,8 +254,9 @@ def _world_table(path: Path, loaded, gpus: list[GpuModel], world_size: int | Non
     except ValueError as error:  # SizingError too
         raise click.ClickException(f"{path}: {error}") from None
     if as_json:
-        click.echo(json.dumps({"profile": str(path), "world": loaded.world.to_dict(), "computed_by": "vramcal.sharding",
-                               "world_size": world_size, "global_batch": global_batch,
+        click.echo(json.dumps({"profile": str(path), "world": loaded.world.to_dict(),
+                               "computed_by": "vramcal.sizing.sharding", "world_size": world_size,
+                               "global_batch": global_batch,
                                "gpus": [row.to_dict() for row in rows]}, indent=2, sort_keys=True))
         return
     click.echo(click.wrap_text(heading, width=110))

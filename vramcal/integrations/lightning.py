@@ -86,7 +86,8 @@ class VramcalBatchSize(Callback):
 
     Args:
         profile: a :class:`~vramcal.profile.Profile`, a profile file, or None to find the newest matching
-            one for ``model`` on this run's device under ``profiles_dir`` (:func:`vramcal.lookup.locate_profile`);
+            one for ``model`` on this run's device under ``profiles_dir``
+            (:func:`vramcal.sizing.lookup.locate_profile`);
             with neither, the module itself, found or calibrated (module docstring).
         model, params: what was calibrated (``regressor``, ``lm`` or ``module:function`` and its
             arguments), to find the profile or check the given file against; ``params["seq_len"]`` is the

@@ -73,7 +73,7 @@ class FrameworkRun:
 
     Args:
         profile: a :class:`~vramcal.profile.Profile`, a profile file, or None to find the newest matching one
-            for ``model`` on this run's device under ``profiles_dir`` (:func:`vramcal.lookup.locate_profile`).
+            for ``model`` on this run's device under ``profiles_dir`` (:func:`vramcal.sizing.lookup.locate_profile`).
         capacity_bytes: the budget the profile to find was calibrated at (bytes, or ``"1.5GiB"`` as
             :func:`vramcal.calibrate` takes it); None: the matching files must share one budget, else the run
             is refused with each file and its budget listed.
@@ -186,7 +186,7 @@ class FrameworkRun:
 
     @property
     def variant(self) -> str:
-        """The profile's activation checkpointing (``off``, ``block``, ``every:K``: :mod:`vramcal.variants`)."""
+        """The profile's activation checkpointing (``off``, ``block``, ``every:K``: :mod:`vramcal.sizing.variants`)."""
         return str(self.profile.model.params.get("checkpointing", CHECKPOINTING_OFF))
 
     def checkpoint(self, module: torch.nn.Module) -> str | None:

@@ -14,7 +14,7 @@ once each has read its own framework's settings (``_world`` in ``lightning.py``,
   any other kind of world (DeepSpeed, tensor parallelism: :func:`unmeasured`).
 
 :func:`locate_world` finds the profile of the run's world; where there is none, a profile of the same strategy and
-settings at another number of ranks is carried to the run's by :func:`vramcal.sharding.carried` (computed, said
+settings at another number of ranks is carried to the run's by :func:`vramcal.sizing.sharding.carried` (computed, said
 in a notice); a profile of another strategy is refused with the probe that calibrates the run's world.
 """
 
@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vramcal.lookup import Located, NoProfileError, locate_profile
 from vramcal.models.registry import model_ref
 from vramcal.profile import Profile, ProfileError, load_profile, matching_profiles
 from vramcal.records import DDP_SETTINGS, Backend, Device, World
-from vramcal.sharding import carried, same_but_size, sharded_bytes
 from vramcal.sizing import SizingError
+from vramcal.sizing.lookup import Located, NoProfileError, locate_profile
+from vramcal.sizing.sharding import carried, same_but_size, sharded_bytes
 from vramcal.units import format_bytes
 from vramcal.words import Info
 
@@ -143,15 +143,15 @@ def unmeasured(what: str, instead: str = "train under one of them to be sized, o
 
 def locate_world(model: Any, params: dict[str, Any] | None, *, device: Device, profile: Profile | Path | str | None,
                  profiles_dir: Path | str, world: World | None, total_bytes: int | None) -> Located:
-    """The profile for a run in ``world`` (:func:`vramcal.lookup.locate_profile`'s arguments): the world's own, or,
-    where there is none, one of the same strategy and settings at another number of ranks (the given file, else
+    """The profile for a run in ``world`` (:func:`vramcal.sizing.lookup.locate_profile`'s arguments): the world's own,
+    or, where there is none, one of the same strategy and settings at another number of ranks (the given file, else
     the nearest size under ``profiles_dir``, the newest of those), carried to ``world`` by
-    :func:`vramcal.sharding.carried`, with a notice saying so (its limits computed, not measured; the run is not
+    :func:`vramcal.sizing.sharding.carried`, with a notice saying so (its limits computed, not measured; the run is not
     recorded in it: the located ``path`` is None).
 
     Raises:
-        as :func:`vramcal.lookup.locate_profile`; SizingError: a profile of another strategy or settings (the probe of
-            the run's world named), one the sharding model cannot carry (why).
+        as :func:`vramcal.sizing.lookup.locate_profile`; SizingError: a profile of another strategy or settings (the
+            probe of the run's world named), one the sharding model cannot carry (why).
     """
     find = {"device": device, "profiles_dir": profiles_dir, "total_bytes": total_bytes}
     try:

@@ -159,7 +159,7 @@ def matching_profiles(profiles_dir: Path | str, device: Device, model: ModelRef,
                       total_bytes: int | None = None, any_size: bool = False) -> tuple[list[Profile], list[str]]:
     """The readable profiles under ``profiles_dir`` for this device's hardware, this model and this DDP ``world``
     (None: one process; ``any_size``: that world's strategy and settings at any number of ranks, which
-    :func:`vramcal.sharding.carried` can bridge), and, when ``total_bytes`` is given, calibrated at this budget.
+    :func:`vramcal.sizing.sharding.carried` can bridge), and, when ``total_bytes`` is given, calibrated at this budget.
 
     Returns:
         The profiles, oldest first (by ``created_utc``, then path; each carries its ``path``), and one line for each

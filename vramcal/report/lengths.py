@@ -1,16 +1,15 @@
-"""Lengths that vary, for people: the bucket table and the token budget of a profile (:mod:`vramcal.batching`), as
-``vramcal limits --buckets/--token-budget`` prints them and as the report's short section shows them."""
+"""Lengths that vary, for people: the bucket table and the token budget of a profile (:mod:`vramcal.sizing.batching`),
+as ``vramcal limits --buckets/--token-budget`` prints them and as the report's short section shows them."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-from vramcal import batching
 from vramcal.calibration.lengths import Bucket, TokenBudget
 from vramcal.profile import Profile
 from vramcal.report.table import markdown_table
-from vramcal.sizing import SizingError
+from vramcal.sizing import SizingError, batching
 from vramcal.units import format_bytes
 
 

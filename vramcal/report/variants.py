@@ -1,10 +1,10 @@
-"""The report's variants: a model's variants side by side (:mod:`vramcal.variants`), as a Markdown section and a
+"""The report's variants: a model's variants side by side (:mod:`vramcal.sizing.variants`), as a Markdown section and a
 figure of the frontier.
 
 When the profiles of a report hold two or more variants of one model (the same model but for its checkpointing
 and chunk_size, on the same hardware, budget and world: :func:`variant_groups`), the report gets a section with
 their table (:func:`variants_section`: limits, memory per sample, samples/s at the conservative size and at the
-knee, samples/s per GiB of predicted peak there, each from :func:`vramcal.variants.variant_rows`) and a PNG
+knee, samples/s per GiB of predicted peak there, each from :func:`vramcal.sizing.variants.variant_rows`) and a PNG
 (:func:`render_frontier_png`): samples/s against batch size, one line per variant, each through its trials'
 measured rates up to its safe size (hollow markers above it: no run takes those sizes), the knee starred and the
 conservative size ringed. Where one variant's line lies above another's at the same batch it is the faster; where
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 from vramcal.calibration.throughput import rate_text
 from vramcal.report.markdown import profile_rates
 from vramcal.report.table import MISSING, markdown_table
+from vramcal.sizing.variants import VariantRow, same_model, variant_rows
 from vramcal.units import format_bytes
-from vramcal.variants import VariantRow, same_model, variant_rows
 
 if TYPE_CHECKING:
     from vramcal.profile import Profile
@@ -55,7 +55,7 @@ def _together(a: Profile, b: Profile) -> bool:
 
 
 def group_rows(group: Sequence[Profile], paths: Sequence[Path] | None = None) -> list[VariantRow]:
-    """The group's :class:`~vramcal.variants.VariantRow` rows; ``paths``: the profiles' files where known (the
+    """The group's :class:`~vramcal.sizing.variants.VariantRow` rows; ``paths``: the profiles' files where known (the
     report's Markdown and figure do not show them; ``report --json`` does)."""
     return variant_rows(list(zip(paths or [Path("")] * len(group), group)))
 

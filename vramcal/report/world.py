@@ -1,7 +1,7 @@
 """A world's profile at other world sizes, per card: the tables of ``vramcal limits --world-size`` and
 ``--global-batch``.
 
-The rows come from :mod:`vramcal.sharding` (measured fit, computed move); the cards are the other-GPU table's
+The rows come from :mod:`vramcal.sizing.sharding` (measured fit, computed move); the cards are the other-GPU table's
 (:func:`vramcal.report.catalogue.other_gpu_limits`): for a GPU profile the catalogue and ``--gpus``, for a host
 profile the host alone.
 """
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from vramcal.report.catalogue import GpuModel, other_gpu_limits
 from vramcal.report.table import markdown_table
-from vramcal.sharding import AtWorldSize, at_world_size, fewest_ranks, sharded_bytes
+from vramcal.sizing.sharding import AtWorldSize, at_world_size, fewest_ranks, sharded_bytes
 from vramcal.units import format_bytes
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def world_rows(profile: Profile, extra_gpus: Sequence[GpuModel] = (), nproc: int
     Raises:
         ValueError: neither or both of ``nproc`` and ``global_batch``; see
             :func:`~vramcal.report.catalogue.other_gpu_limits`.
-        vramcal.sizing.SizingError: see :func:`vramcal.sharding.at_world_size`.
+        vramcal.sizing.SizingError: see :func:`vramcal.sizing.sharding.at_world_size`.
     """
     if (nproc is None) == (global_batch is None):
         raise ValueError("give exactly one of a world size and a global batch")
@@ -60,7 +60,7 @@ def world_heading(profile: Profile) -> str:
     """What was measured and what is computed, for the tables' readers."""
     world = profile.world
     line = (f"calibrated at {world.nproc} ranks ({world.describe()}); other world sizes and cards are computed "
-            f"from that fit by the sharding model (vramcal.sharding)")
+            f"from that fit by the sharding model (vramcal.sizing.sharding)")
     if world.strategy == "ddp":
         return line + ": a DDP rank holds the whole model at any world size, so its per-rank limits do not move"
     whole, held = sharded_bytes(profile)  # refuses a profile that does not count its model states

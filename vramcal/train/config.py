@@ -30,7 +30,7 @@ VARIANT_CHOICES: tuple[str, ...] = ("spec", "auto")  # train the spec as given, 
 Reporter = Literal["tensorboard", "mlflow"]
 REPORT_TO: tuple[str, ...] = ("tensorboard", "mlflow")  # where a run's figures go beside metrics.jsonl
 MODELS: tuple[str, ...] = ("regressor", "lm")  # what vramcal train trains: the regressor on bars, or an LM on text
-BATCHINGS: tuple[str, ...] = ("budget", "buckets")  # how the lm's batches are formed (vramcal.sampler)
+BATCHINGS: tuple[str, ...] = ("budget", "buckets")  # how the lm's batches are formed (vramcal.sizing.sampler)
 
 
 def is_language_model(model: str) -> bool:
@@ -79,8 +79,8 @@ class TrainConfig:
         val_batch_size: samples per validation chunk; None = the profile's evaluation limit (its conservative size,
             ``vramcal probe --eval``), else the training micro-batch (:func:`vramcal.train.plan.validation`).
         variant: ``spec`` (train the spec as given) or ``auto``: among the calibrated variants of the spec (its
-            activation checkpointing and chunk_size: :mod:`vramcal.variants`) under ``profiles_dir``, the one with
-            the most measured samples/s at the batch each would train at; the run's saved config holds the spec
+            activation checkpointing and chunk_size: :mod:`vramcal.sizing.variants`) under ``profiles_dir``, the one
+            with the most measured samples/s at the batch each would train at; the run's saved config holds the spec
             chosen.
         report_to: where the epochs' figures go beside ``metrics.jsonl`` (:mod:`vramcal.train.tracking`):
             ``tensorboard`` (the default), ``mlflow`` (when installed); empty for neither.

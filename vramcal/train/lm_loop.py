@@ -2,7 +2,7 @@
 regressor's :class:`~vramcal.train.loop.Trainer` (schedule, meter, checkpoints, resume, out-of-memory fallback,
 non-finite and divergence stops, metrics) with batches of documents of every length.
 
-Each epoch's batches are :class:`vramcal.sampler.LengthBatchSampler`'s from the plan's batching record
+Each epoch's batches are :class:`vramcal.sizing.sampler.LengthBatchSampler`'s from the plan's batching record
 (:mod:`vramcal.train.lm_plan`), shuffled by epoch (its ``set_epoch``), so a resumed epoch forms the same batches in
 the same order. In the first epoch the worst batch (the plan's) runs second: the first step allocates AdamW's state
 and is not measured, as a trial's warm-up; an epoch that would not fit fails in seconds.

@@ -2,7 +2,7 @@
 
 The run trains the ``lm`` family (:mod:`vramcal.models.lm`, a ``Mamba2Config`` file) on real documents of every
 length (:mod:`vramcal.models.corpus`: the standard library's own source by default), in the batches
-:class:`vramcal.sampler.LengthBatchSampler` forms from a profile calibrated over several lengths (``vramcal probe
+:class:`vramcal.sizing.sampler.LengthBatchSampler` forms from a profile calibrated over several lengths (``vramcal probe
 --model lm --seq-len 64:1024``): by its token budget (``--batching budget``, the default) or its bucket table
 (``--batching buckets``, at ``--buckets``). The profile's longest length is the run's context: longer documents are
 cut into windows of it.
@@ -31,17 +31,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from vramcal import api, batching
+from vramcal import api
 from vramcal.calibration.lengths import Bucket, TokenBudget, padded_length
 from vramcal.calibration.surface import INTERPOLATED
-from vramcal.lookup import NoProfileError
 from vramcal.measure.device import free_bytes
 from vramcal.models import lm
 from vramcal.models.corpus import BYTE_VOCAB, Corpus, CorpusError, binary_notice, lengths, load_corpus
 from vramcal.models.registry import family_of, model_ref
 from vramcal.profile import Profile
 from vramcal.records import Device
-from vramcal.sizing import SizeRequest, Sizing, SizingError, basis_notice, size
+from vramcal.sizing import SizeRequest, Sizing, SizingError, basis_notice, batching, size
+from vramcal.sizing.lookup import NoProfileError
 from vramcal.train import checkpoint, tracking
 from vramcal.train.config import ConfigError, TrainConfig
 from vramcal.train.plan import Plan, Setting, host_limit, run_device, saved_run
@@ -127,12 +127,12 @@ def batching_record(profile: Profile, config: TrainConfig) -> tuple[dict[str, An
 
 
 def sampler(record: dict[str, Any], lengths: list[int], **options: Any):
-    """The :class:`vramcal.sampler.LengthBatchSampler` of a batching record (:func:`batching`).
+    """The :class:`vramcal.sizing.sampler.LengthBatchSampler` of a batching record (:func:`batching`).
 
     Raises:
         ValueError: a length no bucket covers, or above the budget's longest (one line naming the document).
     """
-    from vramcal.sampler import LengthBatchSampler  # loads torch: only when called
+    from vramcal.sizing.sampler import LengthBatchSampler  # loads torch: only when called
 
     if record["mode"] == "budget":
         return LengthBatchSampler(lengths, budget=TokenBudget.from_dict(record["budget"]), **options)

@@ -25,9 +25,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from vramcal import api, variants
+from vramcal import api
 from vramcal.calibration.limits import LimitSettings
-from vramcal.lookup import NoProfileError
 from vramcal.measure.device import free_bytes
 from vramcal.models.registry import REGRESSOR
 from vramcal.models.regressor.spec import RegressorSpec
@@ -35,7 +34,8 @@ from vramcal.models.regressor.step import load_windows as windows_of
 from vramcal.models.regressor.windows import Windows
 from vramcal.profile import Profile
 from vramcal.records import Device, World
-from vramcal.sizing import Sizing, SizingError, scaled_lr, size
+from vramcal.sizing import Sizing, SizingError, scaled_lr, size, variants
+from vramcal.sizing.lookup import NoProfileError
 from vramcal.train import checkpoint, tracking
 from vramcal.train.config import ConfigError, TrainConfig, load_config
 from vramcal.units import format_bytes, size_argument
@@ -273,8 +273,8 @@ def host_limit(device: Device, profile: Profile | None, capacity_bytes: int | No
 def _chosen_variant(config: TrainConfig, device: Device, capacity_bytes: int | None, world: World | None,
                     notices: list[str]) -> TrainConfig:
     """``variant auto``: ``config`` with the spec of its fastest calibrated variant for this run
-    (:func:`vramcal.variants.choose`), the choice said in ``notices``; unchanged, and said, where its folder holds
-    no variant (the lookup then names the probe).
+    (:func:`vramcal.sizing.variants.choose`), the choice said in ``notices``; unchanged, and said, where its folder
+    holds no variant (the lookup then names the probe).
 
     Raises:
         SizingError: variants were found and none can train this run.

@@ -11,7 +11,7 @@ from vramcal.measure.device import host_device
 from vramcal.measure.meters import peak_data_bytes, read_status_bytes
 from vramcal.models.corpus import lengths, load_corpus
 from vramcal.models.registry import model_ref
-from vramcal.sampler import LengthBatchSampler
+from vramcal.sizing.sampler import LengthBatchSampler
 from vramcal.train.lm_loop import tensors
 from vramcal.workload import build, optimizer_step
 

@@ -27,10 +27,9 @@ from typing import Literal
 
 import torch
 
-from vramcal import batching
 from vramcal.calibration.lengths import Bucket, TokenBudget, bucket_of
 from vramcal.profile import Profile, load_profile
-from vramcal.sizing import SizingError
+from vramcal.sizing import SizingError, batching
 
 Mode = Literal["budget", "buckets"]
 Limit = Literal["conservative", "safe"]

@@ -3,7 +3,7 @@
 :func:`locate_profile` takes what the caller has (a :class:`~vramcal.profile.Profile`, a profile file, or
 nothing) and the model and device of the run; it returns the checked profile with the notices people should
 see (matching files that failed their checks and were passed over, a profile made under other software:
-:mod:`vramcal.staleness`). It never warns itself: each caller says the notices its own way (a command on
+:mod:`vramcal.sizing.staleness`). It never warns itself: each caller says the notices its own way (a command on
 stderr, the API with :func:`warnings.warn`, Lightning on rank 0 only).
 """
 
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vramcal import staleness
 from vramcal.arguments import of_type, path_like
 from vramcal.models.registry import describe, family_of, model_ref
 from vramcal.profile import (
@@ -27,7 +26,7 @@ from vramcal.profile import (
     newest_profile,
 )
 from vramcal.records import Device, World
-from vramcal.sizing import NoLimitsError, SizeRequest, SizingError, check_counts, size
+from vramcal.sizing import NoLimitsError, SizeRequest, SizingError, check_counts, size, staleness
 from vramcal.units import format_bytes, size_argument
 from vramcal.words import word
 from vramcal.workload import ModelRef
@@ -70,7 +69,7 @@ def locate_profile(model: str | ModelRef | None = "regressor", params: dict[str,
     is checked against the run's device and world, and against ``model`` unless it is None (then the profile's
     own model is the run's). A profile
     made under other software or settings that can move memory adds a notice naming them
-    (:mod:`vramcal.staleness`; ``strict``: refuse it).
+    (:mod:`vramcal.sizing.staleness`; ``strict``: refuse it).
 
     Raises:
         StaleProfileError: ``strict`` (or ``VRAMCAL_STRICT_PROFILE=1``) and the profile is stale.
