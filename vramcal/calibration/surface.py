@@ -35,12 +35,14 @@ from vramcal.calibration.limits import Limits
 from vramcal.calibration.search import (
     SearchSettings,
     Step,
+    bisect_below,
     failed_batch_size,
     fit_points,
-    fits_at,
     largest_fitting,
     next_batch_size,
     settle,
+    snap_trial,
+    verify_safe,
 )
 from vramcal.records import Trial
 from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, read_list, read_record
@@ -185,28 +187,16 @@ def length_limits(trials: Sequence[Trial], seq_len: int, reference: int, setting
     failed = failed_batch_size(here, usable)
     target = max(predicted_safe(trials, seq_len, reference, settings), largest_fitting(here, usable) or 0)
     if failed is not None and target >= failed - 1:
-        below = largest_fitting(here, usable) or 0
-        target = below if failed - below <= max(1, math.floor(settings.snap_tolerance * failed)) \
-            else (below + failed) // 2
-    safe_trial = _settled(here, target, settings, repeats=2 if settings.repeat_safe else 1)
+        target = bisect_below(here, failed, settings)
+    wide = 2 * settings.snap_tolerance  # the window a limit settles in at a non-reference length
+    safe_trial = snap_trial(here, target, settings, 2 if settings.repeat_safe else 1, wide)
     safe = safe_trial.batch_size if safe_trial else target
     conservative = math.floor(settings.limits.conservative_fraction * safe)
-    conservative_trial = _settled(here, conservative, settings, repeats=1)
+    conservative_trial = snap_trial(here, conservative, settings, 1, wide)
     if conservative_trial is not None:
         conservative = conservative_trial.batch_size
     return LengthLimits(seq_len, safe, conservative, safe_trial and safe_trial.peak_bytes,
                         conservative_trial and conservative_trial.peak_bytes, failed)
-
-
-def _settled(trials: Sequence[Trial], target: int, settings: SearchSettings, repeats: int) -> Trial | None:
-    if target < 1:
-        return None
-    low = math.floor(target * (1 - 2 * settings.snap_tolerance))
-    for size in sorted({t.batch_size for t in trials if low <= t.batch_size <= target}, reverse=True):
-        at = fits_at(trials, size, settings.usable_bytes)
-        if len(at) >= repeats:
-            return at[-1]
-    return None
 
 
 def next_trial(trials: Sequence[Trial], seq_lens: Sequence[int], settings: SearchSettings) -> tuple[int, Step] | None:
@@ -241,14 +231,7 @@ def _verify_length(trials: Sequence[Trial], seq_len: int, reference: int, settin
     if limits.safe_batch_size < 1:
         return Step(1, "verify-safe") if 1 not in tried else None
     if limits.safe_peak_bytes is None:
-        once = _settled(here, limits.safe_batch_size, settings, repeats=1)
-        if once is not None and settings.repeat_safe:
-            return Step(once.batch_size, "verify-safe-repeat")
-        below = max(1, math.floor(limits.safe_batch_size * (1 - settings.snap_tolerance / 2)))
-        for batch_size in (below, limits.safe_batch_size):
-            if batch_size not in tried:
-                return Step(batch_size, "verify-safe")
-        return None
+        return verify_safe(here, limits.safe_batch_size, settings, 2 * settings.snap_tolerance)
     if limits.conservative_peak_bytes is None and limits.conservative_batch_size >= 1:
         if limits.conservative_batch_size not in tried:
             return Step(limits.conservative_batch_size, "verify-conservative")
