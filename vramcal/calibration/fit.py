@@ -13,6 +13,7 @@ where s is the residual standard error and Sxx = Σ (b_i - mean_b)². The seed d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -112,8 +113,6 @@ def fit_linear(batch_sizes: Sequence[int], peak_bytes: Sequence[int]) -> Fit:
     Raises:
         ValueError: fewer than 3 points, fewer than 2 distinct batch sizes, or mismatched lengths.
     """
-    from scipy import stats
-
     if len(batch_sizes) != len(peak_bytes):
         raise ValueError("batch_sizes and peak_bytes differ in length")
     if len(batch_sizes) < 3 or len(set(batch_sizes)) < 2:
@@ -133,24 +132,35 @@ def fit_linear(batch_sizes: Sequence[int], peak_bytes: Sequence[int]) -> Fit:
         overhead_bytes=intercept, slope_bytes_per_sample=slope,
         overhead_stderr_bytes=s * math.sqrt(1 / n + b_mean**2 / sxx), slope_stderr_bytes_per_sample=s / math.sqrt(sxx),
         residual_stderr_bytes=s, r_squared=0.0 if syy == 0 else min(1.0, sxy**2 / (sxx * syy)), n_points=n,
-        batch_mean=b_mean, batch_sxx=sxx, t_critical=float(stats.t.ppf(0.5 + CONFIDENCE / 2, n - 2)),
+        batch_mean=b_mean, batch_sxx=sxx, t_critical=t_quantile(n - 2),
         batch_sizes=tuple(int(v) for v in batch_sizes), peak_bytes=tuple(int(v) for v in peak_bytes),
         nonlinearity=_nonlinearity(b, y, ssr, intercept + slope * max(b)))
 
 
-def _nonlinearity(b: list[float], y: list[float], ssr_linear: float, linear_at_max: float) -> str | None:
-    from scipy import stats
+@functools.lru_cache(maxsize=64)
+def t_quantile(dof: int) -> float:
+    """Student's t(0.975, ``dof``), cached (the search settles many times a step)."""
+    from scipy import stats  # deferred: scipy is heavy
 
+    return float(stats.t.ppf(0.5 + CONFIDENCE / 2, dof))
+
+
+def f_test_p(ssr_reduced: float, ssr_full: float, n_extra: int, df_full: int) -> float:
+    """p-value of the partial F-test ((SSR_r - SSR_f) / k) / (SSR_f / df_f) ~ F(k, df_f) (Montgomery & Runger §12-2)."""
+    from scipy import stats  # deferred: scipy is heavy
+
+    if ssr_full <= 0:
+        return 0.0 if ssr_reduced > 0 else 1.0
+    return float(stats.f.sf(((ssr_reduced - ssr_full) / n_extra) / (ssr_full / df_full), n_extra, df_full))
+
+
+def _nonlinearity(b: list[float], y: list[float], ssr_linear: float, linear_at_max: float) -> str | None:
     n = len(b)
     if n < 4 or len(set(b)) < 3:
         return None
     quadratic = _quadratic(b, y)
     ssr_quadratic = math.fsum((v - quadratic(x)) ** 2 for x, v in zip(b, y, strict=True))
-    if ssr_quadratic <= 0:
-        p_value = 0.0 if ssr_linear > 0 else 1.0
-    else:
-        f_stat = (ssr_linear - ssr_quadratic) / (ssr_quadratic / (n - 3))
-        p_value = float(stats.f.sf(f_stat, 1, n - 3))
+    p_value = f_test_p(ssr_linear, ssr_quadratic, 1, n - 3)
     b_max = max(b)
     deviation = abs(quadratic(b_max) - linear_at_max) / max(abs(linear_at_max), 1.0)
     if p_value < 0.01 and deviation > 0.02:

@@ -22,10 +22,10 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from vramcal.calibration.fit import f_test_p, t_quantile
 from vramcal.schema import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, SchemaError, read_record
 from vramcal.units import format_bytes
 
-CONFIDENCE = 0.95
 N_COEFFICIENTS = 3
 _MIN_SLOPE_BYTES = 1.0  # growth under one byte per sample (or per position) is rounding noise, not memory
 # What a 2-D fit's numbers can be (the coefficients take any sign; a profile relates them to the points).
@@ -163,7 +163,6 @@ def fit_2d(batch_sizes: Sequence[int], seq_lens: Sequence[int], peak_bytes: Sequ
             2 batch sizes, or points that do not determine the three coefficients.
     """
     import numpy as np
-    from scipy import stats
 
     if not len(batch_sizes) == len(seq_lens) == len(peak_bytes):
         raise ValueError("batch_sizes, seq_lens and peak_bytes differ in length")
@@ -188,7 +187,7 @@ def fit_2d(batch_sizes: Sequence[int], seq_lens: Sequence[int], peak_bytes: Sequ
         overhead_bytes=float(beta[0]), bytes_per_token=float(beta[1]), bytes_per_sample=float(beta[2]),
         overhead_stderr_bytes=stderr[0], stderr_bytes_per_token=stderr[1], stderr_bytes_per_sample=stderr[2],
         residual_stderr_bytes=s, r_squared=1 - ssr / sst if sst > 0 else 1.0, n_points=n,
-        t_critical=float(stats.t.ppf(0.5 + CONFIDENCE / 2, n - N_COEFFICIENTS)),
+        t_critical=t_quantile(n - N_COEFFICIENTS),
         xtx_inverse=tuple(tuple(float(v) for v in row) for row in inverse),
         batch_sizes=tuple(int(v) for v in batch_sizes), seq_lens=tuple(int(v) for v in seq_lens),
         peak_bytes=tuple(int(v) for v in peak_bytes), extra_terms=_extra_terms(design, length, y, beta, ssr))
@@ -210,16 +209,6 @@ def _least_squares(design, y):
     return beta_scaled / scale, float(np.sum((y - scaled @ beta_scaled) ** 2)), inverse
 
 
-def _f_test_p(ssr_reduced: float, ssr_full: float, n_extra: int, df_full: int) -> float:
-    """p-value of the partial F-test ((SSR_r - SSR_f) / k) / (SSR_f / df_f) ~ F(k, df_f)."""
-    from scipy import stats
-
-    if ssr_full <= 0:
-        return 0.0 if ssr_reduced > 0 else 1.0
-    f_stat = ((ssr_reduced - ssr_full) / n_extra) / (ssr_full / df_full)
-    return float(stats.f.sf(f_stat, n_extra, df_full))
-
-
 def _extra_terms(design, seq_lens, y, beta, ssr: float) -> str | None:
     import numpy as np
 
@@ -232,7 +221,7 @@ def _extra_terms(design, seq_lens, y, beta, ssr: float) -> str | None:
     if solved is None:
         return None
     beta_extended, ssr_extended, _ = solved
-    p_value = _f_test_p(ssr, ssr_extended, candidates.shape[1], n - extended.shape[1])
+    p_value = f_test_p(ssr, ssr_extended, candidates.shape[1], n - extended.shape[1])
     at = int(np.argmax(design[:, 1]))
     base, wider = float(design[at] @ beta), float(extended[at] @ beta_extended)
     deviation = abs(wider - base) / max(abs(base), 1.0)
@@ -241,7 +230,7 @@ def _extra_terms(design, seq_lens, y, beta, ssr: float) -> str | None:
     single = []  # each candidate alone, to say which one the points ask for
     for j, name in enumerate(_EXTRA_TERMS):
         one = _least_squares(np.column_stack([design, candidates[:, j]]), y)
-        single.append((_f_test_p(ssr, one[1], 1, n - N_COEFFICIENTS - 1) if one else 1.0, name))
+        single.append((f_test_p(ssr, one[1], 1, n - N_COEFFICIENTS - 1) if one else 1.0, name))
     names = [name for p, name in single if p < 0.01] or [min(single)[1]]
     return (f"peaks need more than tokens and batch_size terms ({' and '.join(names)}: p = {p_value:.2g}, "
             f"{deviation:.1%} off at batch_size {design[at, 2]:.0f} × seq_len {seq_lens[at]:.0f}); "

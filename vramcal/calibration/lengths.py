@@ -86,15 +86,6 @@ class Bucket:
                                               "safe_batch_size": NON_NEGATIVE, "conservative_batch_size": NON_NEGATIVE})
 
 
-def _check_within(surface: Surface, longest: int, what: str) -> None:
-    """Raises: ValueError: ``longest`` above the surface's longest calibrated length."""
-    low, high = min(surface.seq_lens), max(surface.seq_lens)
-    if longest > high:
-        longer = padded_length(longest, surface.chunk_size)
-        raise ValueError(f"{what} {longest} is longer than the profile's longest seq_len {high}: calibrate up to it "
-                         f"(vramcal probe --seq-len {low}:{longer}) or end at {high}")
-
-
 def _sized_at(surface: Surface, seq_len: int) -> int:
     return max(padded_length(seq_len, surface.chunk_size), min(surface.seq_lens))
 
@@ -113,7 +104,11 @@ def bucket_table(surface: Surface, boundaries: Sequence[int], usable_bytes: int,
     ends = sorted(set(boundaries)) or list(default_buckets(surface))
     if ends[0] < 1:
         raise ValueError(f"a bucket's longest length must be positive: got {ends[0]}")
-    _check_within(surface, ends[-1], "the bucket")
+    low, high = min(surface.seq_lens), max(surface.seq_lens)
+    if ends[-1] > high:
+        raise ValueError(f"the bucket {ends[-1]} is longer than the profile's longest seq_len {high}: calibrate up to "
+                         f"it (vramcal probe --seq-len {low}:{padded_length(ends[-1], surface.chunk_size)}) or end at "
+                         f"{high}")
     rows, shortest = [], 1
     for longest in ends:
         at = _sized_at(surface, longest)

@@ -17,14 +17,13 @@ independent errors add in quadrature (Montgomery & Runger, *Applied Statistics a
 
 from __future__ import annotations
 
-import functools
 import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vramcal.calibration.creep import measure_creep, short_trials
-from vramcal.calibration.fit import CONFIDENCE, Fit
+from vramcal.calibration.fit import Fit, t_quantile
 from vramcal.records import Trial
 
 
@@ -71,14 +70,6 @@ class Noise:
             return False
         spread = self.t * self.stderr_bytes * math.sqrt(1 / len(peaks) + self.creep_share(batch_size))
         return statistics.fmean(peaks) + spread <= usable_bytes
-
-
-@functools.lru_cache(maxsize=64)
-def t_quantile(dof: int) -> float:
-    """Student's t(0.975, ``dof``), cached (the search settles many times a step)."""
-    from scipy import stats  # deferred: scipy is heavy
-
-    return float(stats.t.ppf(0.5 + CONFIDENCE / 2, dof))
 
 
 def residual_stderr(batch_sizes: Sequence[int], peak_bytes: Sequence[int]) -> float:
