@@ -1,12 +1,5 @@
-"""The calibration loop: the search policy against real trials, and the profile assembled from them.
-
-``step = next_batch_size(trials)`` -> run the trial in a worker of its own -> repeat; the fit, limits and
-verification then come from :func:`vramcal.calibration.search.settle` over the recorded trials, and
-:func:`assemble` is a pure function of them. What to calibrate, where and how is decided before the first
-trial, in one record, the :class:`CalibrationPlan` (:func:`vramcal.api.plan_calibration` makes it).
-
-This module sits above the pure calibration core (:mod:`vramcal.calibration`: fits, limits, the search)
-and the profile record, and below the front door: it is the one place where trials and the policy meet.
+"""The calibration loop: the search policy (:mod:`vramcal.calibration`) against real trials, decided in one
+:class:`CalibrationPlan` before the first trial, and the profile assembled from the trials (:func:`assemble`, pure).
 """
 
 from __future__ import annotations
@@ -59,22 +52,17 @@ class CalibrationPlan:
     """A calibration, fully decided before its first trial.
 
     Attributes:
-        device: where to measure (its ``total_bytes`` is the budget).
-        model: what to calibrate (the profile's key).
-        settings: reserve, margin and conservative fraction.
+        device: where to measure (its ``total_bytes`` is the budget); model: what (the profile's key).
+        settings: reserve, margin and conservative fraction; path: where the profile will be written.
         options: factory arguments that do not change the model (the regressor's data file).
-        path: where the profile will be written.
-        seq_lens: two or more sequence lengths calibrated at once (issue 13), else ().
+        seq_lens: two or more sequence lengths calibrated at once, else ().
         trials: how each trial runs and how many (:class:`~vramcal.records.TrialSettings`).
-        world: a DDP world each trial runs in (limits per rank), or None for one process.
-        rank_devices: the ranks' devices (one GPU each); () = every rank on ``device`` (the host).
-        aim: an estimate's slope the search aims its growth with (:class:`~vramcal.calibration.search.Aim`:
-            :mod:`vramcal.estimated`); None climbs from batch size 1. The limits are verified the same way.
+        world: a DDP world each trial runs in (limits per rank), or None; rank_devices: the ranks' devices
+            (one GPU each; () = every rank on ``device``).
+        aim: the slope the search's growth aims with (:class:`~vramcal.calibration.search.Aim`), or None.
         notices: lines for people about the plan (why it is not aimed).
-        evaluation: also calibrate the evaluation pass alone (:mod:`vramcal.calibration.evaluation`), after the
-            training limits, at the reference length.
-        keep_previous: where the file at ``path`` goes when the new profile replaces it (a stale or unreadable
-            profile ``vramcal size`` calibrates again: :func:`vramcal.files.atomic_write`); None: replaced.
+        evaluation: also calibrate the evaluation pass (:mod:`vramcal.calibration.evaluation`).
+        keep_previous: where the file at ``path`` goes when replaced (:func:`vramcal.files.atomic_write`), or None.
     """
 
     device: Device
@@ -96,8 +84,7 @@ class CalibrationPlan:
         return self.settings.usable_bytes(self.device.total_bytes)
 
     def search(self) -> SearchSettings:
-        """The search policy's settings: the budget, the limits, and the trials' caps (4 more trials per
-        length beyond the first)."""
+        """The search policy's settings (4 more trials per length beyond the first)."""
         trials = self.trials
         return SearchSettings(total_bytes=self.device.total_bytes, limits=self.settings,
                               max_trials=trials.max_trials + 4 * max(0, len(self.seq_lens) - 1),
@@ -106,8 +93,7 @@ class CalibrationPlan:
                               steady_verifies=trials.steady_steps > trials.measured_steps, aim=self.aim)
 
     def request(self, step: Step, seq_len: int | None = None) -> TrialRequest:
-        """The trial of ``step`` (at ``seq_len`` in a calibration over several lengths; an evaluation trial for an
-        :class:`~vramcal.calibration.evaluation.EvalStep`)."""
+        """The trial of ``step`` (at ``seq_len`` over several lengths; an evaluation trial for an ``EvalStep``)."""
         model = self.model if seq_len is None else self.model.replace(seq_len=seq_len)
         train = step.train_batch_size if isinstance(step, evaluation.EvalStep) else None
         return TrialRequest(model, step.batch_size, self.device, json.dumps(self.options, sort_keys=True),
@@ -122,14 +108,12 @@ def run_trials(plan: CalibrationPlan, runner: Runner, on_trial: Callable[[Trial]
     """Calibrate as ``plan`` says and return the profile (not yet written).
 
     Args:
-        runner: runs each trial in a fresh worker (:class:`vramcal.measure.trial.TrialRunner`).
-        on_trial: called with each trial as it finishes (progress output), a replayed one included.
-        journal: where each trial is recorded as it finishes, and the trials of an earlier run of the same
-            plan to replay (:mod:`vramcal.journal`); None: none.
+        runner: runs each trial in a fresh worker; on_trial: called with each trial (a replayed one included).
+        journal: records each trial and replays an earlier run's (:mod:`vramcal.journal`); None: none.
 
     Raises:
-        CalibrationError: the first trial failed (too little memory for one sample, or a crash); the journal
-            cannot be written (the calibration stops: what it holds is kept for the next run).
+        CalibrationError: the first trial failed; a size was killed from outside twice; the journal cannot be
+            written (:class:`JournalError`: what it holds is kept for the next run).
     """
     search, started, trials = plan.search(), time.perf_counter(), []
     while (chosen := _next(trials, search, plan)) is not None:
@@ -155,15 +139,8 @@ def run_trials(plan: CalibrationPlan, runner: Runner, on_trial: Callable[[Trial]
 
 
 def _stop_if_killed_twice(trials: list[Trial]) -> None:
-    """Stop the calibration where the last trial's size was killed from outside twice (a kill with no
-    out-of-memory kill counted by the kernel: :mod:`vramcal.measure.evidence`). Such a kill measured
-    nothing, so it is run again once; a second one is no memory limit either, and a profile whose search went
-    on below it would be verified at a size 16 times too small.
-
-    Raises:
-        CalibrationError: one line naming the signal, the pids and the size; the journal keeps the measured
-            trials, so the same command continues from them.
-    """
+    """Raises: CalibrationError: the last trial's size was killed from outside twice with no out-of-memory kill
+    counted (:mod:`vramcal.measure.evidence`): no memory limit, and a search below it would verify far too small."""
     size = trials[-1].batch_size
     killed = [t for t in trials if t.batch_size == size and (t.error or "").startswith(f"{KILLED}: ")]
     if len(killed) >= 2:
@@ -175,8 +152,7 @@ def _stop_if_killed_twice(trials: list[Trial]) -> None:
 
 
 def _recorded(plan: CalibrationPlan, trial: Trial, seq_len: int | None) -> Trial:
-    """The trial as the profile keeps it: its length in a calibration over several, and a steady trial's
-    allowance for the creep after it (:data:`vramcal.calibration.creep.HOST_LATE_CREEP` on the host)."""
+    """The trial with its length and a steady trial's allowance (:data:`vramcal.calibration.creep.HOST_LATE_CREEP`)."""
     if seq_len is not None:
         trial = dataclasses.replace(trial, seq_len=seq_len)
     if trial.purpose == STEADY and trial.ok:
@@ -186,10 +162,7 @@ def _recorded(plan: CalibrationPlan, trial: Trial, seq_len: int | None) -> Trial
 
 
 def _record(journal: Journal, trials: list[Trial], new: int) -> None:
-    """Write the journal after the last ``new`` trials (one process's records).
-
-    Raises: CalibrationError: the journal cannot be written (a full disk): stop rather than run trials
-    whose results could not be kept."""
+    """Raises: JournalError: the journal cannot be written (a full disk): stop rather than lose trials."""
     try:
         journal.record(trials)
     except OSError as error:
@@ -200,9 +173,7 @@ def _record(journal: Journal, trials: list[Trial], new: int) -> None:
 
 
 def _next(trials: list[Trial], search: SearchSettings, plan: CalibrationPlan) -> tuple[int | None, Step] | None:
-    """The next (seq_len, step): the search (over several lengths, the surface's), then over several lengths the
-    token budget's verifications (:func:`vramcal.calibration.lengths.next_check`), then where the plan asks the
-    evaluation search (:func:`vramcal.calibration.evaluation.next_step`)."""
+    """The next (seq_len, step): the search (or the surface's), the token budget's checks, then the evaluation's."""
     core, checks, evaluated = _split(trials)
     if len(plan.seq_lens) > 1:
         chosen = surface.next_trial(core, plan.seq_lens, search)
@@ -219,15 +190,13 @@ def _next(trials: list[Trial], search: SearchSettings, plan: CalibrationPlan) ->
 
 
 def _split(trials: list[Trial]) -> tuple[list[Trial], list[Trial], list[Trial]]:
-    """(the search's trials, the token budget's verification trials, the evaluation trials as their search reads
-    them)."""
+    """(the search's trials, the token budget's checks, the evaluation trials as their search reads them)."""
     return ([t for t in trials if t.purpose not in lengths.PURPOSES and not evaluation.is_evaluation(t)],
             [t for t in trials if t.purpose in lengths.PURPOSES], evaluation.evaluation_trials(trials))
 
 
 def _evaluation_base(plan: CalibrationPlan, core: list[Trial], search: SearchSettings) -> tuple[int | None, int]:
-    """(the evaluation trials' seq_len: the reference length over several, else None; the training batch their
-    warm-up steps train at: the conservative size there, 0 when there is none)."""
+    """(the evaluation trials' seq_len, None for the model's; their training batch: the conservative size or 0)."""
     seq_len = surface.reference_length(plan.seq_lens) if len(plan.seq_lens) > 1 else None
     limits = settle(core if seq_len is None else surface.at_length(core, seq_len), search).limits
     return seq_len, limits.conservative_batch_size if limits else 0
@@ -238,10 +207,8 @@ def _chunk(plan: CalibrationPlan) -> int:
 
 
 def first_trial_failure(first: Trial, plan: CalibrationPlan) -> str:
-    """Why a calibration could not start, in one line, with what to change: the training step itself failed
-    (an ``error``: its reason, fix the step), it ran past the time limit (a ``timeout``: the limit and the
-    option that raises it), or one sample does not fit (``oom``, or a peak above usable memory: change the
-    budget or the model). Only the last is about memory."""
+    """Why a calibration could not start, in one line with the fix: an ``error``, a ``timeout``, a kill, or one
+    sample that does not fit (the only one about memory)."""
     title, size = family_of(plan.model).title(plan.model), first.batch_size
     header = (first.error or "").strip().splitlines()[:1] or ["no error text recorded"]
     if first.status == "error" and header[0].startswith(f"{KILLED}: "):
@@ -273,11 +240,7 @@ def first_trial_failure(first: Trial, plan: CalibrationPlan) -> str:
 # -------------------------------------------------------------------------------------- the profile
 
 def assemble(plan: CalibrationPlan, trials: list[Trial], context: dict[str, Any], wall_s: float) -> Profile:
-    """The profile of recorded trials (pure: fit, limits, verification and warnings).
-
-    ``context`` is what the trial processes reported (:attr:`vramcal.measure.trial.TrialRunner.context`).
-    A calibration over several lengths adds the surface to the reference length's one-length fields.
-    """
+    """The profile of recorded trials (pure); ``context``: :attr:`vramcal.measure.trial.TrialRunner.context`."""
     settings = {k: v for k, v in plan.trials.to_dict().items() if k != "boundary"}
     run = {"wall_s": wall_s, **settings, "boundary_trials": plan.trials.boundary, "creep_rule": "largest",
            "host_memory_limit": "RLIMIT_DATA = total_bytes" if plan.device.kind == "host" else None,
@@ -317,9 +280,7 @@ def _assemble_one(plan: CalibrationPlan, model: ModelRef, trials: list[Trial], c
 
 
 def _off_aim(profile: Profile, aim: Aim | None) -> list[str]:
-    """A warning when the measured slope is far from the estimate the search aimed with: outside twice the
-    estimate's bound (at least ±10 %), it points at fragmentation, a leak, or a step that holds more than the
-    model (the estimate traces the step's own tensors)."""
+    """A warning when the measured slope lies outside twice the aim's error bound (at least ±10 %)."""
     fit = profile.fit
     if aim is None or fit is None or fit.slope_bytes_per_sample <= 0:
         return []
@@ -338,18 +299,14 @@ COUNTED = ("gradient_bytes", "model_state_bytes", "rank_model_state_bytes")
 
 
 def model_info(context: dict[str, Any]) -> dict[str, Any]:
-    """What the factory reported about its model, and the bytes vramcal counted in the trial
-    (:func:`vramcal.measure.trial.model_state`): ``gradient_bytes`` (a rank's; the sizing's gradient term,
-    :mod:`vramcal.sizing`), ``model_state_bytes`` (one whole copy of the parameters, gradients and optimizer
-    state) and ``rank_model_state_bytes`` (what a rank holds of it: all under DDP, its shard under FSDP;
-    :mod:`vramcal.sizing.sharding`)."""
+    """The factory's report on its model and the bytes counted in the trial (:func:`vramcal.measure.trial.model_state`):
+    a rank's ``gradient_bytes``, a whole copy's ``model_state_bytes``, a rank's ``rank_model_state_bytes``."""
     return {**context.get("info", {}), **{name: context[name] for name in COUNTED if name in context}}
 
 
 def _assemble_surface(plan: CalibrationPlan, trials: list[Trial], context: dict[str, Any],
                       run: dict[str, Any]) -> Profile:
-    """The reference length's one-length fields, the surface, and a warning for each length left unverified
-    or for terms the 2-D model lacks."""
+    """The reference length's one-length fields, the surface and the lengths' sizing, with their warnings."""
     reference, (trials, checks, _) = surface.reference_length(plan.seq_lens), _split(trials)
     one = _assemble_one(plan, plan.model.replace(seq_len=reference), surface.at_length(trials, reference),
                         context, run)
@@ -374,7 +331,7 @@ def _assemble_surface(plan: CalibrationPlan, trials: list[Trial], context: dict[
 
 
 def _warnings(profile: Profile, n_trials: int) -> list[str]:
-    """A warning for each way the profile falls short: why there are no limits, curvature, no verification."""
+    """A warning for each way the profile falls short."""
     warnings, fit = [], profile.fit
     finished = [t for t in profile.trials if t.ok]
     if fit is None and len(finished) >= 3 and len({t.batch_size for t in finished}) >= 2:

@@ -1,15 +1,7 @@
-"""The trial journal: a calibration's trials on disk as each one finishes, so a crash, a kill or a full disk
-loses none of them.
-
-``<profile>.journal`` beside the profile it will become: one JSON object, rewritten atomically after every
-trial (:mod:`vramcal.files`), holding what the calibration is (:func:`plan_key`: device, model, limit and
-trial settings, DDP world, data options, lengths, vramcal and the software that ran) and its trials in
-order. A later calibration of the same plan replays them: the search is a function of the trials so far
-(:mod:`vramcal.calibration.search`), so it asks again for the sizes they measured, and each one it asks for
-in the same order is taken from the journal instead of being run; from the first that differs, and from the
-first that measured nothing (an error or a timeout: the step may have been fixed since), trials run for
-real. Saving the profile removes the journal, and so does a calibration that ends having measured nothing.
-A journal of another plan is replaced, with a notice.
+"""The trial journal: ``<profile>.journal``, a calibration's trials rewritten atomically after each one, so a
+crash, a kill or a full disk loses none. A later calibration of the same :func:`plan_key` replays them while the
+search (a function of the trials so far) asks for the same sizes, up to the first that differs or measured
+nothing; saving the profile removes it.
 """
 
 from __future__ import annotations
@@ -37,8 +29,7 @@ def journal_path(profile_path: Path) -> Path:
 
 
 def plan_key(plan: Any) -> dict[str, Any]:
-    """What a calibration is, as JSON: two calibrations with equal keys run the same trials (a
-    :class:`vramcal.calibrator.CalibrationPlan`; the software versions are the running ones)."""
+    """What a :class:`vramcal.calibrator.CalibrationPlan` is, as JSON: equal keys run the same trials."""
     return {"device": plan.device.to_dict(), "model": plan.model.to_dict(), "settings": plan.settings.to_dict(),
             "trials": plan.trials.to_dict(), "world": plan.world.to_dict() if plan.world else None,
             "rank_devices": [d.to_dict() for d in plan.rank_devices], "options": plan.options,
@@ -47,14 +38,8 @@ def plan_key(plan: Any) -> dict[str, Any]:
 
 @dataclass
 class Journal:
-    """The journal of one calibration: the trials recorded so far and the ones a previous run left to replay.
-
-    Attributes:
-        path: the journal file. key: the calibration's :func:`plan_key`.
-        made: folders made for it (removed by :meth:`discard` when empty).
-        kept: the previous run's trials, in order (replayed while the search asks for them).
-        notice: one line for people about what was found (trials to reuse, a journal of another plan replaced).
-    """
+    """The journal at ``path`` of the calibration ``key`` (:func:`plan_key`): ``kept``, the previous run's trials
+    to replay; ``made``, folders made for it (:meth:`discard`); ``notice``, one line for people about what was found."""
 
     path: Path
     key: dict[str, Any]
@@ -64,8 +49,7 @@ class Journal:
 
     @classmethod
     def open(cls, path: Path, key: dict[str, Any], made: tuple[Path, ...] = ()) -> Journal:
-        """The journal at ``path`` for the calibration ``key``: with the trials of an earlier run of the same
-        calibration, or empty (none there, another calibration's, or unreadable: each with a notice)."""
+        """With an earlier run's measured trials, or empty (none, another calibration's, unreadable: a notice)."""
         if not path.exists():
             return cls(path, key, made)
         try:
@@ -84,10 +68,8 @@ class Journal:
                                                      f"search asks for them")
 
     def replay(self, index: int, batch_size: int, purposes: tuple[str, ...], seq_len: int | None) -> list[Trial] | None:
-        """The kept trials from ``index`` that the trial asked for recorded — one per purpose in ``purposes``
-        (a steady trial that verifies records two), or its last purpose's alone when that trial failed — when
-        they are the ones asked for (same batch size, purposes and length); else None, and none of the later
-        ones either (the search has gone another way)."""
+        """The kept trials from ``index`` when they are the ones asked for (one per purpose, or the last purpose's
+        alone when it failed); else None, and the later ones are dropped (the search has gone another way)."""
         kept = self.kept[index:index + len(purposes)]
         asked = [(batch_size, purpose, seq_len) for purpose in purposes]
         found = [(t.batch_size, t.purpose, t.seq_len) for t in kept]

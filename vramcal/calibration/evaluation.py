@@ -1,22 +1,11 @@
-"""The evaluation limit (issue 41): the largest verified batch of the evaluation pass alone.
+"""The evaluation limit: the largest verified batch of the evaluation pass alone (no gradients, no saved
+activations: it fits more than training; transformers #32215, Lightning #18985).
 
-Evaluation holds no gradients and no activations saved for a backward pass, so it fits a larger batch than
-training; evaluating at the training batch wastes the card, at a guessed larger one it dies (transformers #32215,
-Lightning #18985). An **evaluation trial** (:class:`vramcal.measure.trial.TrialRequest` with ``train_batch_size``)
-builds the step, makes ``warmup_steps`` real training steps at the training batch (AdamW allocates its state; the
-optimizer step frees the gradients, ``zero_grad(set_to_none=True)``, as the trainer leaves them before it
-validates; the allocator keeps what training left), resets the meter, then measures evaluation passes alone at
-its batch size (:func:`vramcal.workload.validation_step`: eval mode, ``torch.no_grad()``). Its peak is the peak of a
-training run's validation, by the trials' definition.
-
-The evaluation limit is the one-length search of :mod:`vramcal.calibration.search` run over evaluation trials, as
-it runs over training trials, with its own fit ``eval_peak = overhead + slope × batch_size`` and its own limits
-and verification (two trials at the safe size, one at the conservative), starting at the training batch (the
-evaluation's peak there is below the training step's) and with no steady trial (the creep is a training
-step's). The training batch is the calibration's conservative size: the one a run trains at by default.
-
-Evaluation trials are kept apart from the training trials: their purposes carry :data:`PREFIX` in the
-calibration's list (and its journal), and the profile keeps them in its ``evaluation`` record only.
+An **evaluation trial** (:class:`vramcal.measure.trial.TrialRequest` with ``train_batch_size``) trains
+``warmup_steps`` steps at the training batch (the conservative size), resets the meter and measures evaluation
+passes alone (:func:`vramcal.workload.validation_step`). The limit is the one-length search of
+:mod:`vramcal.calibration.search` over these trials, with its own fit ``eval_peak = overhead + slope ×
+batch_size``, from the training batch up, with no steady trial. Their purposes carry :data:`PREFIX`.
 """
 
 from __future__ import annotations
@@ -36,8 +25,7 @@ PREFIX = "eval:"  # an evaluation trial's purpose in the calibration's list: eva
 
 @dataclass(frozen=True)
 class EvalStep(Step):
-    """A step of the evaluation search: an evaluation trial at ``batch_size`` after warm-up training steps at
-    ``train_batch_size``."""
+    """An evaluation trial at ``batch_size`` after warm-up training steps at ``train_batch_size``."""
 
     train_batch_size: int = 1
 
@@ -52,20 +40,14 @@ def evaluation_trials(trials: Sequence[Trial]) -> list[Trial]:
 
 
 def search_settings(search: SearchSettings, train_batch_size: int, max_trials: int) -> SearchSettings:
-    """The training search's settings for the evaluation search (module docstring): the same budget and limits,
-    growth from the training batch, no steady trial, no aim (an estimate's slope is a training step's)."""
+    """The training search's settings, growing from the training batch, with no steady trial and no aim."""
     return dataclasses.replace(search, start_batch_size=max(1, train_batch_size), steady_steps=0,
                                steady_verifies=False, aim=None, max_trials=max_trials)
 
 
 def next_step(trials: Sequence[Trial], search: SearchSettings, train_batch_size: int,
               max_trials: int) -> EvalStep | None:
-    """The next evaluation trial, or None when the evaluation limits are verified (or cannot be).
-
-    Args:
-        trials: the evaluation trials so far (:func:`evaluation_trials`).
-        search: the training search's settings; ``train_batch_size``: the batch its warm-up steps train at.
-    """
+    """The next evaluation trial after ``trials`` (:func:`evaluation_trials`), or None when verified (or cannot be)."""
     step = next_batch_size(trials, search_settings(search, train_batch_size, max_trials))
     if step is None:
         return None
@@ -77,10 +59,8 @@ class EvalLimits:
     """The evaluation limit of a profile (module docstring).
 
     Attributes:
-        train_batch_size: the training batch of the trials' warm-up steps (the profile's conservative size).
-        seq_len: the length the trials ran at (over several lengths, the reference one); None: the model's.
-        fit: ``eval_peak = overhead + slope × batch_size`` through the evaluation trials (None: too few).
-        limits: safe and conservative evaluation batch sizes (None without a fit).
+        train_batch_size: the warm-up steps' batch; seq_len: the trials' length (None: the model's).
+        fit, limits: the evaluation fit and limits (None: too few trials).
         safe_peak_bytes, conservative_peak_bytes: the verification trials' peaks (None: not verified).
         trials: the evaluation trials, their purposes without :data:`PREFIX`.
     """

@@ -13,6 +13,7 @@ where s is the residual standard error and Sxx = Σ (b_i - mean_b)². The seed d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,17 +26,13 @@ CONFIDENCE = 0.95
 
 @dataclass(frozen=True)
 class Fit:
-    """A fitted line with what is needed to predict and bound new trials. Bytes are floats here.
+    """A fitted line with what is needed to predict and bound new trials (module docstring). Bytes are floats.
 
     Attributes:
-        overhead_bytes: intercept (bytes at batch_size 0: weights, optimizer state, CUDA context...).
-        slope_bytes_per_sample: bytes added per sample of batch.
-        overhead_stderr_bytes, slope_stderr_bytes_per_sample: standard errors of the two coefficients.
-        residual_stderr_bytes: s, the residual standard error (n - 2 degrees of freedom).
-        r_squared: coefficient of determination.
-        n_points: trials used. batch_mean: their mean batch size. batch_sxx: Σ (b - mean)².
-        t_critical: Student's t quantile for the two-sided 95 % interval with n - 2 degrees of freedom.
-        batch_sizes, peak_bytes: the points, for reports.
+        overhead_bytes, slope_bytes_per_sample: intercept (weights, optimizer state, context...) and slope;
+            ``*_stderr_*`` their standard errors.
+        residual_stderr_bytes: s (n - 2 degrees of freedom); t_critical: t(0.975, n - 2).
+        n_points, batch_mean, batch_sxx: n, mean_b and Sxx; batch_sizes, peak_bytes: the points.
         nonlinearity: a warning when a quadratic explains the points better (F-test), else None.
     """
 
@@ -70,8 +67,7 @@ class Fit:
         return self.predict(batch_size) - self.half_width(batch_size)
 
     def formula(self) -> str:
-        """The line as people say it, the slope in its own unit (a tiny model's read ``0.000251 GiB``):
-        ``peak = 0.529 GiB + 90.11 MiB × batch_size``, as :meth:`vramcal.calibration.fit2d.Fit2D.formula`."""
+        """``peak = 0.529 GiB + 90.11 MiB × batch_size`` (the slope in its own unit)."""
         slope = self.slope_bytes_per_sample
         return (f"peak = {self.overhead_bytes / 2**30:.3g} GiB {'-' if slope < 0 else '+'} "
                 f"{format_bytes(abs(slope))} × batch_size")
@@ -117,14 +113,11 @@ def fit_linear(batch_sizes: Sequence[int], peak_bytes: Sequence[int]) -> Fit:
     Raises:
         ValueError: fewer than 3 points, fewer than 2 distinct batch sizes, or mismatched lengths.
     """
-    from scipy import stats
-
     if len(batch_sizes) != len(peak_bytes):
         raise ValueError("batch_sizes and peak_bytes differ in length")
     if len(batch_sizes) < 3 or len(set(batch_sizes)) < 2:
         raise ValueError(f"a fit needs at least 3 points over 2 batch sizes, got {len(batch_sizes)} points")
-    # Ordinary least squares in Python floats (the textbook formulas scipy.stats.linregress uses): NumPy's
-    # covariance would call BLAS, whose first call maps OpenBLAS's 32 MiB buffer (:func:`_quadratic`).
+    # the textbook formulas scipy.stats.linregress uses, in Python floats (no BLAS: see _quadratic)
     b, y = [float(v) for v in batch_sizes], [float(v) for v in peak_bytes]
     n = len(b)
     b_mean, y_mean = math.fsum(b) / n, math.fsum(y) / n
@@ -139,24 +132,35 @@ def fit_linear(batch_sizes: Sequence[int], peak_bytes: Sequence[int]) -> Fit:
         overhead_bytes=intercept, slope_bytes_per_sample=slope,
         overhead_stderr_bytes=s * math.sqrt(1 / n + b_mean**2 / sxx), slope_stderr_bytes_per_sample=s / math.sqrt(sxx),
         residual_stderr_bytes=s, r_squared=0.0 if syy == 0 else min(1.0, sxy**2 / (sxx * syy)), n_points=n,
-        batch_mean=b_mean, batch_sxx=sxx, t_critical=float(stats.t.ppf(0.5 + CONFIDENCE / 2, n - 2)),
+        batch_mean=b_mean, batch_sxx=sxx, t_critical=t_quantile(n - 2),
         batch_sizes=tuple(int(v) for v in batch_sizes), peak_bytes=tuple(int(v) for v in peak_bytes),
         nonlinearity=_nonlinearity(b, y, ssr, intercept + slope * max(b)))
 
 
-def _nonlinearity(b: list[float], y: list[float], ssr_linear: float, linear_at_max: float) -> str | None:
-    from scipy import stats
+@functools.lru_cache(maxsize=64)
+def t_quantile(dof: int) -> float:
+    """Student's t(0.975, ``dof``), cached (the search settles many times a step)."""
+    from scipy import stats  # deferred: scipy is heavy
 
+    return float(stats.t.ppf(0.5 + CONFIDENCE / 2, dof))
+
+
+def f_test_p(ssr_reduced: float, ssr_full: float, n_extra: int, df_full: int) -> float:
+    """p-value of the partial F-test ((SSR_r - SSR_f) / k) / (SSR_f / df_f) ~ F(k, df_f) (Montgomery & Runger §12-2)."""
+    from scipy import stats  # deferred: scipy is heavy
+
+    if ssr_full <= 0:
+        return 0.0 if ssr_reduced > 0 else 1.0
+    return float(stats.f.sf(((ssr_reduced - ssr_full) / n_extra) / (ssr_full / df_full), n_extra, df_full))
+
+
+def _nonlinearity(b: list[float], y: list[float], ssr_linear: float, linear_at_max: float) -> str | None:
     n = len(b)
     if n < 4 or len(set(b)) < 3:
         return None
     quadratic = _quadratic(b, y)
     ssr_quadratic = math.fsum((v - quadratic(x)) ** 2 for x, v in zip(b, y, strict=True))
-    if ssr_quadratic <= 0:
-        p_value = 0.0 if ssr_linear > 0 else 1.0
-    else:
-        f_stat = (ssr_linear - ssr_quadratic) / (ssr_quadratic / (n - 3))
-        p_value = float(stats.f.sf(f_stat, 1, n - 3))
+    p_value = f_test_p(ssr_linear, ssr_quadratic, 1, n - 3)
     b_max = max(b)
     deviation = abs(quadratic(b_max) - linear_at_max) / max(abs(linear_at_max), 1.0)
     if p_value < 0.01 and deviation > 0.02:
@@ -166,14 +170,9 @@ def _nonlinearity(b: list[float], y: list[float], ssr_linear: float, linear_at_m
 
 
 def _quadratic(b: list[float], y: list[float]) -> Callable[[float], float]:
-    """The least-squares parabola through (b, y), as a function of b.
-
-    Solved from the normal equations in the centred, scaled variable z = (b - mean) / spread (which keeps
-    them well conditioned), by Gaussian elimination in Python floats. NumPy's ``polyfit`` would call LAPACK,
-    whose first call maps OpenBLAS's 32 MiB buffer: every process that loads a profile refits it
-    (:func:`vramcal.profile.checks.check_fit`), and a framework's process measures its own data segment
-    against the trials' (:mod:`vramcal.integrations.run`), which never map it.
-    """
+    """The least-squares parabola through (b, y) in z = (b - mean) / spread, by Gaussian elimination in Python
+    floats: NumPy's LAPACK would map OpenBLAS's 32 MiB buffer in every process that loads a profile, which a
+    framework's process measures against the trials' (:mod:`vramcal.integrations.run`)."""
     mean = sum(b) / len(b)
     spread = max(abs(v - mean) for v in b)
     z = [(v - mean) / spread for v in b]

@@ -1,4 +1,4 @@
-"""One memory model for every sequence length (issue 13)::
+"""One memory model for every sequence length::
 
     peak_bytes = overhead_bytes + bytes_per_token * (batch_size * seq_len) + bytes_per_sample * batch_size
 
@@ -22,10 +22,10 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from vramcal.calibration.fit import f_test_p, t_quantile
 from vramcal.schema import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, SchemaError, read_record
 from vramcal.units import format_bytes
 
-CONFIDENCE = 0.95
 N_COEFFICIENTS = 3
 _MIN_SLOPE_BYTES = 1.0  # growth under one byte per sample (or per position) is rounding noise, not memory
 # What a 2-D fit's numbers can be (the coefficients take any sign; a profile relates them to the points).
@@ -34,26 +34,20 @@ FIT2D_RANGES = {"overhead_stderr_bytes": NON_NEGATIVE, "stderr_bytes_per_token":
                 "n_points": Range(N_COEFFICIENTS + 1), "t_critical": POSITIVE, "batch_sizes": AT_LEAST_ONE,
                 "seq_lens": AT_LEAST_ONE, "peak_bytes": POSITIVE}
 _EXTRA_TERMS = ("tokens² (batch_size·seq_len)²", "a per-seq_len term independent of batch_size")
-# Neighbouring lengths of a range are at most this far apart (SeqLens.design): the widest gap between calibrated
-# lengths whose interpolated answers were measured against real trials (bench/interpolation.py, bench/README.md:
-# gaps of 4 and 16 times, within -0.32 % to +0.21 % of the prediction).
+# The widest gap between neighbouring calibrated lengths (SeqLens.design) whose interpolated answers were measured
+# against real trials (bench/interpolation.py, bench/README.md).
 LENGTH_RATIO = 16
 
 
 @dataclass(frozen=True)
 class Fit2D:
-    """A fitted plane in (tokens, batch_size) with what is needed to predict and bound new trials.
+    """A fitted plane in (tokens, batch_size) with what is needed to predict and bound new trials (module docstring).
 
     Attributes:
-        overhead_bytes: intercept (weights, optimizer state, CUDA context...).
-        bytes_per_token: bytes added per token of batch_size × seq_len.
-        bytes_per_sample: bytes added per sample, whatever its length.
-        overhead_stderr_bytes, stderr_bytes_per_token, stderr_bytes_per_sample: standard errors.
-        residual_stderr_bytes: s, the residual standard error (n - 3 degrees of freedom).
-        r_squared: coefficient of determination. n_points: trials used.
-        t_critical: Student's t quantile for the two-sided 95 % interval with n - 3 degrees of freedom.
-        xtx_inverse: (XᵀX)⁻¹ for the design columns (1, batch_size·seq_len, batch_size), row by row.
-        batch_sizes, seq_lens, peak_bytes: the points, for reports.
+        overhead_bytes, bytes_per_token, bytes_per_sample: β; their standard errors beside them.
+        residual_stderr_bytes: s (n - 3 degrees of freedom); t_critical: t(0.975, n - 3).
+        xtx_inverse: (XᵀX)⁻¹ for the columns (1, batch_size·seq_len, batch_size), row by row.
+        batch_sizes, seq_lens, peak_bytes: the points.
         extra_terms: a warning when tokens² or seq_len alone explain the points better, else None.
     """
 
@@ -98,16 +92,8 @@ class Fit2D:
                 + term(self.bytes_per_sample, "batch_size"))
 
     def negative_terms(self) -> str | None:
-        """What a negative coefficient of :meth:`formula` means, for people beside it; None when none is negative.
-
-        The plane is fitted over the calibrated points only and used only inside their lengths
-        (:func:`vramcal.calibration.surface.answer_at` refuses others). What a sample adds at ``seq_len`` is the
-        sum ``bytes_per_token × seq_len + bytes_per_sample``, so a negative per-sample term says that the per-token
-        term, fitted across the lengths, alone would over-cover what each sample adds there; it gives no memory
-        back. A negative per-token term is the same in the other direction, and a negative overhead is the plane's
-        intercept at batch_size 0, below the smallest batch measured. A term within two standard errors of 0 is
-        one the points cannot tell from none.
-        """
+        """What a negative coefficient of :meth:`formula` means, for people (the plane is used only inside the
+        calibrated lengths, where a sample adds ``bytes_per_token × seq_len + bytes_per_sample``); None if none."""
         shortest, longest = min(self.seq_lens), max(self.seq_lens)
         notes = []
         for value, stderr, what in ((self.bytes_per_sample, self.stderr_bytes_per_sample, "per-sample"),
@@ -130,7 +116,6 @@ class Fit2D:
         return "; ".join(notes) or None
 
     def _per_sample(self, seq_len: int) -> str:
-        """What one more sample adds at ``seq_len`` (bytes_per_token × seq_len + bytes_per_sample), for people."""
         return format_bytes(self.bytes_per_token * seq_len + self.bytes_per_sample)
 
     def describe(self) -> str:
@@ -178,7 +163,6 @@ def fit_2d(batch_sizes: Sequence[int], seq_lens: Sequence[int], peak_bytes: Sequ
             2 batch sizes, or points that do not determine the three coefficients.
     """
     import numpy as np
-    from scipy import stats
 
     if not len(batch_sizes) == len(seq_lens) == len(peak_bytes):
         raise ValueError("batch_sizes, seq_lens and peak_bytes differ in length")
@@ -203,7 +187,7 @@ def fit_2d(batch_sizes: Sequence[int], seq_lens: Sequence[int], peak_bytes: Sequ
         overhead_bytes=float(beta[0]), bytes_per_token=float(beta[1]), bytes_per_sample=float(beta[2]),
         overhead_stderr_bytes=stderr[0], stderr_bytes_per_token=stderr[1], stderr_bytes_per_sample=stderr[2],
         residual_stderr_bytes=s, r_squared=1 - ssr / sst if sst > 0 else 1.0, n_points=n,
-        t_critical=float(stats.t.ppf(0.5 + CONFIDENCE / 2, n - N_COEFFICIENTS)),
+        t_critical=t_quantile(n - N_COEFFICIENTS),
         xtx_inverse=tuple(tuple(float(v) for v in row) for row in inverse),
         batch_sizes=tuple(int(v) for v in batch_sizes), seq_lens=tuple(int(v) for v in seq_lens),
         peak_bytes=tuple(int(v) for v in peak_bytes), extra_terms=_extra_terms(design, length, y, beta, ssr))
@@ -225,16 +209,6 @@ def _least_squares(design, y):
     return beta_scaled / scale, float(np.sum((y - scaled @ beta_scaled) ** 2)), inverse
 
 
-def _f_test_p(ssr_reduced: float, ssr_full: float, n_extra: int, df_full: int) -> float:
-    """p-value of the partial F-test ((SSR_r - SSR_f) / k) / (SSR_f / df_f) ~ F(k, df_f)."""
-    from scipy import stats
-
-    if ssr_full <= 0:
-        return 0.0 if ssr_reduced > 0 else 1.0
-    f_stat = ((ssr_reduced - ssr_full) / n_extra) / (ssr_full / df_full)
-    return float(stats.f.sf(f_stat, n_extra, df_full))
-
-
 def _extra_terms(design, seq_lens, y, beta, ssr: float) -> str | None:
     import numpy as np
 
@@ -247,7 +221,7 @@ def _extra_terms(design, seq_lens, y, beta, ssr: float) -> str | None:
     if solved is None:
         return None
     beta_extended, ssr_extended, _ = solved
-    p_value = _f_test_p(ssr, ssr_extended, candidates.shape[1], n - extended.shape[1])
+    p_value = f_test_p(ssr, ssr_extended, candidates.shape[1], n - extended.shape[1])
     at = int(np.argmax(design[:, 1]))
     base, wider = float(design[at] @ beta), float(extended[at] @ beta_extended)
     deviation = abs(wider - base) / max(abs(base), 1.0)
@@ -256,7 +230,7 @@ def _extra_terms(design, seq_lens, y, beta, ssr: float) -> str | None:
     single = []  # each candidate alone, to say which one the points ask for
     for j, name in enumerate(_EXTRA_TERMS):
         one = _least_squares(np.column_stack([design, candidates[:, j]]), y)
-        single.append((_f_test_p(ssr, one[1], 1, n - N_COEFFICIENTS - 1) if one else 1.0, name))
+        single.append((f_test_p(ssr, one[1], 1, n - N_COEFFICIENTS - 1) if one else 1.0, name))
     names = [name for p, name in single if p < 0.01] or [min(single)[1]]
     return (f"peaks need more than tokens and batch_size terms ({' and '.join(names)}: p = {p_value:.2g}, "
             f"{deviation:.1%} off at batch_size {design[at, 2]:.0f} × seq_len {seq_lens[at]:.0f}); "
@@ -289,14 +263,13 @@ def _last_fitting(f: Callable[[int], float], limit: float, low: int, high: int) 
 
 def safe_batch_size_2d(fit: Fit2D, usable_bytes: int, seq_len: int, widen: float = 0.0) -> int:
     """Largest integer batch_size >= 0 with ``fit.upper(batch_size, seq_len) + widen × fit.predict(batch_size,
-    seq_len) <= usable_bytes`` (``widen``: a fraction of the prediction added to the bound, between calibrated
-    lengths :data:`vramcal.calibration.surface.INTERPOLATION_ERROR`).
+    seq_len) <= usable_bytes`` (``widen``: :data:`vramcal.calibration.surface.INTERPOLATION_ERROR` between lengths).
 
-    At fixed seq_len the upper bound is convex in batch_size (a line plus the square root of a convex
-    quadratic), so the batch sizes that fit form an interval. Its left end may lie above 1 (a wide interval
-    far from the points), so the search starts at the bound's smallest value on [1, high] and bisects on
-    the increasing side. Returns 0 when nothing fits or the slope in batch_size at this length is under
-    one byte per sample (nothing to extrapolate from; a flat fit's slope is rounding noise).
+    The bound is convex in batch_size (a line plus the root of a convex quadratic): bisection on the increasing
+    side from its minimum. 0 when nothing fits or the slope at this length is under one byte per sample.
+
+    Raises:
+        ValueError: ``seq_len`` below 1.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
@@ -314,12 +287,11 @@ def safe_batch_size_2d(fit: Fit2D, usable_bytes: int, seq_len: int, widen: float
 
 def longest_seq_len(fit: Fit2D, usable_bytes: int, batch_size: int, chunk_size: int, low: int, high: int,
                     widen: float = 0.0) -> int:
-    """Largest multiple of chunk_size in [low, high] with ``fit.upper(batch_size, seq_len) + widen ×
-    fit.predict(batch_size, seq_len) <= usable_bytes`` (``widen``: as :func:`safe_batch_size_2d`'s).
+    """Largest multiple of chunk_size in [low, high] under :func:`safe_batch_size_2d`'s bound (convex in seq_len
+    too: the same search over k = seq_len / chunk_size); 0 when none fits or bytes_per_token · batch_size < 1.
 
-    The upper bound is convex in seq_len at fixed batch_size, so the same search as
-    :func:`safe_batch_size_2d` runs over k with seq_len = k · chunk_size. Returns 0 when no multiple fits
-    (or none lies in the range), or when the slope in seq_len, bytes_per_token · batch_size, is under one byte.
+    Raises:
+        ValueError: ``batch_size`` or ``chunk_size`` below 1.
     """
     if batch_size < 1 or chunk_size < 1:
         raise ValueError(f"batch_size and chunk_size must be positive, got {batch_size} and {chunk_size}")
@@ -379,11 +351,9 @@ class SeqLens:
     is_range: bool = False
 
     def design(self, chunk_size: int) -> tuple[int, ...]:
-        """The lengths to calibrate: a list as written; a range as its ends and lengths spaced geometrically
-        between them, rounded to multiples of chunk_size, neighbours at most :data:`LENGTH_RATIO` apart and at
-        least a middle one (three lengths pin the 2-D model and its extra-terms test; the middle one is the
-        reference calibrated in full): answers between calibrated lengths interpolate over no wider a gap than
-        the one the interpolation error was measured over. Each checked by :func:`check_seq_lens`.
+        """The lengths to calibrate: a list as written; a range as its ends and geometrically spaced multiples of
+        chunk_size between, neighbours at most :data:`LENGTH_RATIO` apart, at least one in the middle (three pin
+        the 2-D model; the middle one is calibrated in full).
 
         Raises:
             ValueError: as :func:`check_seq_lens`.
@@ -398,16 +368,14 @@ class SeqLens:
 
 
 def wide_gaps(seq_lens: Sequence[int]) -> list[tuple[int, int]]:
-    """Neighbouring calibrated lengths more than :data:`LENGTH_RATIO` apart (a list the user wrote): answers
-    between them interpolate over a gap wider than the one the interpolation error was measured over."""
+    """Neighbouring lengths more than :data:`LENGTH_RATIO` apart (wider than the interpolation error was measured)."""
     ordered = sorted(seq_lens)
     return [(a, b) for a, b in zip(ordered, ordered[1:]) if b > LENGTH_RATIO * a]
 
 
 def parse_seq_lens(text: str) -> SeqLens:
-    """Read ``--seq-len``: a list ``"128,512,2048"`` or a range ``"128:2048"``.
-
-    Multiples of chunk_size are checked by :meth:`SeqLens.design`, which needs the model's chunk_size.
+    """Read ``--seq-len``: a list ``"128,512,2048"`` or a range ``"128:2048"`` (:meth:`SeqLens.design` checks
+    the multiples of chunk_size).
 
     Raises:
         ValueError: empty text, a non-integer, a zero or negative length, or a reversed range.

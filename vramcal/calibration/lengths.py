@@ -1,40 +1,19 @@
-"""Sizing for lengths that vary (issue 41): the bucket table and the token budget of a profile's surface.
+"""Sizing for lengths that vary: the bucket table and the token budget of a profile's surface, read from its
+2-D model through :func:`~vramcal.calibration.surface.answer_at`.
 
-A run on documents of every length forms its batches by length: **bucketed** (each batch from one seq_len
-bucket, padded to the bucket's longest length) or **packed / length-sorted** under a **token budget** (as many
-documents as fit in ``tokens`` tokens, padded to the longest of them). Both are read from the 2-D model of
-:mod:`vramcal.calibration.surface` (``peak = overhead + per_token × batch_size × seq_len + per_sample ×
-batch_size``, its upper 95 % bound against usable memory), through :func:`~vramcal.calibration.surface.answer_at`:
-a calibrated length's verified limits, an interpolated length's model answer never above the next shorter
-calibrated length's verified limit.
+**Padding.** Mamba-2's chunked scan pads a sequence to a multiple of ``chunk_size`` (transformers 5.25,
+``models/mamba2/modeling_mamba2.py``, ``mamba2_chunk_scan``: ``pad_size = (chunk_size - sequence_length %
+chunk_size) % chunk_size``; mamba_ssm's ``mamba_chunk_scan_combined`` computes whole chunks too), so a batch whose
+longest document has L tokens is sized at ``padded_length(L)``, at least the shortest calibrated length.
 
-**Padding.** Mamba-2's chunked scan pads a sequence up to a multiple of ``chunk_size`` before it splits it into
-chunks, and cuts the output back after: transformers 5.25, ``models/mamba2/modeling_mamba2.py``,
-``mamba2_chunk_scan`` (``pad_size = (chunk_size - sequence_length % chunk_size) % chunk_size``, then
-``reshape_into_chunks`` -> ``pad_tensor_by_size`` on the seq_len dimension; the 4.x releases do the same in
-``Mamba2Mixer.torch_forward``); mamba_ssm's ``mamba_chunk_scan_combined`` computes in whole chunks too. So a
-batch whose longest document has L tokens is sized at ``padded_length(L) = ceil(L / chunk_size) × chunk_size``
-(the scan's memory; the embedding, projections and logits hold L, at most as much).
-
-**Bucket table** (:func:`bucket_table`): for boundaries ``b_1 < b_2 < ...``, bucket i holds the lengths in
-``(b_{i-1}, b_i]`` and its batch is the safe (and conservative) batch at ``padded_length(b_i)``; a bucket below
-the calibrated range is sized at the shortest calibrated length (memory grows with length). Its worst case,
-the one verified, is the longest bucket at its batch.
-
-**Token budget** (:func:`token_budget`): the largest T such that for every length L in the range the batch
-``floor(T / L)`` at ``padded_length(L)`` is within the safe batch there, ``B(padded_length(L))``:
+**Bucket table** (:func:`bucket_table`): bucket i holds ``(b_{i-1}, b_i]`` at the safe batch of
+``padded_length(b_i)``. **Token budget** (:func:`token_budget`): the largest T with ``floor(T / L) <= B`` (the
+safe batch at ``padded_length(L)``) for every L in the range::
 
     floor(T / L) <= B  <=>  T <= L × (B + 1) - 1,   so   T = min over L of L × (B(padded_length(L)) + 1) - 1.
 
-B is constant over the lengths one chunk pads to, and ``L × (B + 1)`` grows with L, so each chunk's minimum is at
-its shortest length, ``(k - 1) × chunk_size + 1`` (the most padding): the minimum over those lengths (one per
-chunk, and the range's shortest) is exact, not sampled. The length where it is reached is the **worst length**;
-the budget is verified there, at ``floor(T / L)`` samples of ``padded_length(L)`` tokens, a batch at the safe
-limit of its padded length. The per-sample term makes short documents cost more per token, the padding makes
-lengths just past a chunk boundary cost more: the minimum weighs both. A document shorter than the calibrated
-range counts as the shortest calibrated length (the surface says nothing below it; memory grows with length), so
-a batch holds at most ``floor(T / max(L, shortest))`` documents. The conservative budget is the same minimum over
-the conservative batches.
+B is constant over a chunk and ``L × (B + 1)`` grows with L, so the minimum over each chunk's shortest length
+(:func:`worst_lengths`) is exact; where it is reached (the **worst length**) the budget is verified by a trial.
 """
 
 from __future__ import annotations
@@ -58,8 +37,8 @@ def padded_length(seq_len: int, chunk_size: int) -> int:
 
 
 def parse_buckets(text: str) -> tuple[int, ...]:
-    """Read ``--buckets``: boundaries ``"128,256,512,1024"`` (each the longest length of its bucket), sorted and
-    de-duplicated; ``"auto"`` is () (:func:`default_buckets` chooses).
+    """Read ``--buckets``: ``"128,256,512,1024"`` (each bucket's longest length), sorted, de-duplicated; ``"auto"``
+    is () (:func:`default_buckets` chooses).
 
     Raises:
         ValueError: empty text, a value that is no whole number, or a boundary below 1.
@@ -85,15 +64,9 @@ def default_buckets(surface: Surface) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Bucket:
-    """One row of a bucket table: the lengths it holds and the batch sizes at its longest one.
-
-    Attributes:
-        shortest_seq_len, longest_seq_len: the bucket holds lengths in [shortest, longest] (tokens).
-        padded_seq_len: the length the batch is sized at: ``longest_seq_len`` padded to a multiple of
-            chunk_size, and at least the profile's shortest calibrated length.
-        safe_batch_size, conservative_batch_size: samples per batch (:func:`~vramcal.calibration.surface.answer_at`).
-        basis: ``verified`` (a calibrated length's verified limit), ``not verified`` or ``interpolated ...``.
-    """
+    """One row of a bucket table: lengths in [``shortest_seq_len``, ``longest_seq_len``] (tokens), sized at
+    ``padded_seq_len`` (module docstring), with the safe and conservative batch and their ``basis``
+    (:func:`~vramcal.calibration.surface.answer_at`)."""
 
     shortest_seq_len: int
     longest_seq_len: int
@@ -113,17 +86,7 @@ class Bucket:
                                               "safe_batch_size": NON_NEGATIVE, "conservative_batch_size": NON_NEGATIVE})
 
 
-def _check_within(surface: Surface, longest: int, what: str) -> None:
-    """Raises: ValueError: ``longest`` above the surface's longest calibrated length (one line, the fix)."""
-    low, high = min(surface.seq_lens), max(surface.seq_lens)
-    if longest > high:
-        longer = padded_length(longest, surface.chunk_size)
-        raise ValueError(f"{what} {longest} is longer than the profile's longest seq_len {high}: calibrate up to it "
-                         f"(vramcal probe --seq-len {low}:{longer}) or end at {high}")
-
-
 def _sized_at(surface: Surface, seq_len: int) -> int:
-    """The calibrated length a batch of documents up to ``seq_len`` tokens is sized at (module docstring)."""
     return max(padded_length(seq_len, surface.chunk_size), min(surface.seq_lens))
 
 
@@ -141,7 +104,11 @@ def bucket_table(surface: Surface, boundaries: Sequence[int], usable_bytes: int,
     ends = sorted(set(boundaries)) or list(default_buckets(surface))
     if ends[0] < 1:
         raise ValueError(f"a bucket's longest length must be positive: got {ends[0]}")
-    _check_within(surface, ends[-1], "the bucket")
+    low, high = min(surface.seq_lens), max(surface.seq_lens)
+    if ends[-1] > high:
+        raise ValueError(f"the bucket {ends[-1]} is longer than the profile's longest seq_len {high}: calibrate up to "
+                         f"it (vramcal probe --seq-len {low}:{padded_length(ends[-1], surface.chunk_size)}) or end at "
+                         f"{high}")
     rows, shortest = [], 1
     for longest in ends:
         at = _sized_at(surface, longest)
@@ -166,15 +133,9 @@ def bucket_of(table: Sequence[Bucket], seq_len: int) -> Bucket:
 
 @dataclass(frozen=True)
 class TokenBudget:
-    """The most tokens per batch over a range of lengths (module docstring).
-
-    Attributes:
-        tokens, conservative_tokens: the safe and the conservative budget (tokens of the documents, unpadded).
-        shortest_seq_len, longest_seq_len: the range it holds (a shorter document counts as the shortest).
-        chunk_size: the model's; batches are sized at their longest document padded to a multiple of it.
-        worst_seq_len, conservative_worst_seq_len: the length where each budget's batch sits closest to its limit
-            (the verification's length, before padding).
-    """
+    """The most tokens per batch over a range of lengths (module docstring): the safe and conservative ``tokens``
+    (unpadded), the range [``shortest_seq_len``, ``longest_seq_len``], the model's ``chunk_size``, and each
+    budget's worst length (unpadded: where its batch sits closest to its limit, the one verified)."""
 
     tokens: int
     conservative_tokens: int
@@ -212,20 +173,15 @@ class TokenBudget:
 
 
 def worst_lengths(low: int, high: int, chunk_size: int) -> list[int]:
-    """The lengths the budget's minimum is taken over (module docstring): ``low``, and each chunk's shortest length
-    above it, ``(k - 1) × chunk_size + 1``, up to ``high``."""
+    """``low`` and each chunk's shortest length above it up to ``high`` (module docstring)."""
     firsts = range(padded_length(low, chunk_size) + 1, high + 1, chunk_size)
     return [low, *firsts]
 
 
 def token_budget(surface: Surface, usable_bytes: int, conservative_fraction: float,
                  failed: Sequence[tuple[int, int]] = ()) -> TokenBudget:
-    """The token budget over the surface's calibrated range (module docstring).
-
-    Args:
-        usable_bytes, conservative_fraction: the profile's.
-        failed: (padded seq_len, batch_size) pairs that did not fit (a verification that failed): no batch of that
-            size or more is counted as fitting at that length or a longer one.
+    """The token budget over the surface's calibrated range (module docstring); ``failed``: (padded seq_len,
+    batch_size) pairs that did not fit, capping the batch at that length and longer ones.
 
     Raises:
         ValueError: one document of the longest length does not fit (no budget holds the range).
@@ -261,8 +217,7 @@ MAX_CHECKS = 6  # verification trials of the budget at most (a failure lowers it
 
 @dataclass(frozen=True)
 class LengthCheck:
-    """The real trial behind a bucket table's or a token budget's worst case: ``batch_size`` samples of ``seq_len``
-    tokens (padded), ``passed`` when it finished with its peak (creep included) within usable memory."""
+    """The trial behind a bucket table's or a budget's worst case, ``passed`` when its peak (creep included) fit."""
 
     seq_len: int
     batch_size: int
@@ -281,18 +236,10 @@ class LengthCheck:
 
 @dataclass(frozen=True)
 class LengthSizing:
-    """What a calibration over several lengths says about lengths that vary (the profile's ``lengths``).
-
-    Attributes:
-        buckets: the bucket table at the chosen boundaries (:func:`default_buckets`).
-        budget: the token budget over the calibrated range; None when one document of the longest length does not
-            fit (``note`` says so).
-        verification: ``buckets`` (the longest bucket at its safe batch: the surface's verification at the longest
-            calibrated length), ``budget`` and ``conservative_budget`` (each at its worst length), where a trial
-            ran.
-        trials: the budget's verification trials, as measured (their peaks without the creep).
-        note: why there is no budget, or None.
-    """
+    """What a calibration over several lengths says about lengths that vary (the profile's ``lengths``): the
+    ``buckets`` at :func:`default_buckets`, the ``budget`` (None, with a ``note``: one document of the longest length
+    does not fit), the ``verification`` of ``buckets``, ``budget`` and ``conservative_budget`` where a trial ran, and
+    the budget's ``trials`` as measured."""
 
     buckets: tuple[Bucket, ...]
     budget: TokenBudget | None
@@ -323,8 +270,7 @@ class LengthSizing:
 
 
 def _read(core: Sequence[Trial], checks: Sequence[Trial]) -> list[Trial]:
-    """Every trial with its length, its peak as the limits read it: plus the step creep the core trials measured. A
-    search trial at a worst batch verifies it as well as a check does."""
+    """Every trial with a length, steady-equivalent (a search trial at a worst batch verifies it as a check does)."""
     return [t for t in steady_equivalent([*core, *checks]) if t.seq_len is not None]
 
 
@@ -338,14 +284,9 @@ def _budget(surface: Surface, checks: Sequence[Trial], settings: SearchSettings)
 
 def next_check(core: Sequence[Trial], checks: Sequence[Trial], surface: Surface,
                settings: SearchSettings) -> tuple[int, Step] | None:
-    """The next verification of the token budget, (padded seq_len, step), or None when both budgets are verified
-    at their worst batch, or cannot be (no budget; :data:`MAX_CHECKS` spent; a batch that measured nothing twice).
-
-    ``core`` are the calibration's trials (their creep is added to the checks' peaks; one at a worst batch verifies
-    it), ``checks`` the budget's trials so far (purposes :data:`PURPOSES`, each with its ``seq_len``). A trial that
-    did not fit lowers the budget (:func:`token_budget`'s ``failed``), which moves its worst batch: the next call
-    verifies that one.
-    """
+    """The next verification of the token budgets at their worst batch, (padded seq_len, step), or None when both
+    are verified or cannot be (no budget, :data:`MAX_CHECKS` spent, a batch unmeasured twice). ``core``: the
+    calibration's trials; ``checks``: the budget's (:data:`PURPOSES`). A failure lowers the budget and moves it."""
     if len(checks) >= MAX_CHECKS:
         return None
     read = _read(core, checks)

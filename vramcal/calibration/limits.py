@@ -109,13 +109,9 @@ LIMITS_RANGES = {"total_bytes": POSITIVE, "usable_bytes": POSITIVE, "safe_batch_
 
 
 def safe_batch_size(fit: Fit, usable_bytes: int, upper: Callable[[float], float] | None = None) -> int:
-    """Largest integer batch_size >= 0 with ``upper(batch_size) <= usable_bytes``.
-
-    ``upper`` (default ``fit.upper``; the search's adds the creep's error,
-    :meth:`vramcal.calibration.noise.Noise.upper`) is convex in batch_size (a line plus the norm of an affine
-    function), so the batch sizes that fit form an interval; it is found by bisection on the increasing side.
-    Returns 0 when even batch 1 does not fit or the slope is not positive (nothing to extrapolate from).
-    """
+    """Largest integer batch_size >= 0 with ``upper(batch_size) <= usable_bytes`` (default ``fit.upper``; the
+    search's, :meth:`vramcal.calibration.noise.Noise.upper`). ``upper`` is convex (a line plus the norm of an affine
+    function): bisection on its increasing side. 0 when batch 1 does not fit or the slope is not positive."""
     if fit.slope_bytes_per_sample <= 0:
         return 0
     upper = upper or fit.upper
@@ -148,14 +144,9 @@ def point_safe_batch_size(fit: Fit, usable_bytes: int) -> int:
 
 
 def safe_ceiling(fit: Fit, usable_bytes: int, largest_fitting: int | None, failed_batch_size: int | None) -> int:
-    """The largest safe batch size a calibration may settle on, from the facts it settles on (samples).
-
-    The search (:func:`vramcal.calibration.search.settle`) takes the larger of what the fit's upper bound
-    allows and the largest batch size whose trials all fitted (search rule 5); narrows a wide interval
-    halfway towards the point estimate; and bisects between the largest fitting size and a failure when the
-    failure binds (rule 4). None of these goes above the larger of the point estimate
-    (:func:`point_safe_batch_size`) and ``largest_fitting``, or to ``failed_batch_size`` and beyond: that
-    is the ceiling, verified or not. A reader of the limits checks them against it.
+    """The largest safe batch size a calibration may settle on (samples): the larger of the point estimate
+    (:func:`point_safe_batch_size`) and ``largest_fitting``, below ``failed_batch_size``. None of
+    :func:`vramcal.calibration.search.settle`'s rules goes above it; a reader of the limits checks them against it.
 
     Raises:
         OverflowError: see :func:`point_safe_batch_size`.
@@ -166,16 +157,8 @@ def safe_ceiling(fit: Fit, usable_bytes: int, largest_fitting: int | None, faile
 
 def compute_limits(fit: Fit, total_bytes: int, settings: LimitSettings, failed_batch_size: int | None = None,
                    upper: Callable[[float], float] | None = None) -> Limits:
-    """Limits from a fit (module docstring has the formulas).
-
-    Args:
-        fit: the memory model.
-        total_bytes: the device's memory.
-        settings: reserve, margin, conservative fraction.
-        failed_batch_size: the smallest batch size that ran out of memory or exceeded usable_bytes; the
-            safe batch size stays below it whatever the fit says.
-        upper: the bound the safe size is held to (:func:`safe_batch_size`; default the fit's own).
-    """
+    """Limits from a fit and the device's ``total_bytes`` (module docstring has the formulas); the safe size stays
+    below ``failed_batch_size``, held to ``upper`` (:func:`safe_batch_size`)."""
     usable = settings.usable_bytes(total_bytes)
     safe = safe_batch_size(fit, usable, upper)
     if failed_batch_size is not None:

@@ -1,54 +1,35 @@
 """How much one trial's peak varies, and what that leaves of a limit (search rules 5 and 6).
 
-A trial's peak is a measurement: repeats of one batch size differ (on the host 0.4-0.8 % between processes,
-``bench/creep_policy.py``; the synthetic curves of ``bench/search_curves.py`` take ±1 %). Two rules of the search
-read single trials as if they were the truth, and both were found to settle limits whose long-run peak without
-noise lies above usable memory (``bench/results/search-curves/``):
+Read as the truth, single trials settled limits above usable memory (``bench/results/search-curves/``): the
+evidence rule's sizes and the creep (a difference of two trials) carry the trials' noise. :func:`measure_noise`
+measures it: ``s``, the residual standard error of the line through :func:`near_limit`'s short trials (``n − 2``
+degrees of freedom; the whole fit's where fewer than three lie there), ``t = t(0.975, dof)``::
 
-* **the evidence rule** (search rule 5): a batch size whose trials fitted was taken as safe whatever the fit said,
-  so a pair that measured 1 % low (or a creep measured low) passed a size 0.2-1.5 % over usable memory;
-* **the creep** (rule 6) is the difference of two trials (the steady trial's peak minus the short trials' at its
-  size), so it carries both their noise, and it was added to every point of the fit alike: the fit's residuals,
-  and so its prediction interval, never saw that error.
-
-Both are now held to the noise the calibration measured itself, :func:`measure_noise`: ``s``, the residual
-standard error of the line through the short trials near the limit (the batch sizes the boundary is read from,
-:func:`near_limit`: the verification pairs, the boundary trials and the conservative size's; repeats there are
-its pure error, and over so short a span a bend adds little), with ``n − 2`` degrees of freedom (the whole fit's
-residual where fewer than three points lie near the limit). With ``t = t(0.975, dof)`` (Student's t, the upper
-end of a 95 % interval, as :mod:`vramcal.calibration.fit`'s bound):
-
-    creep half-width(b) = t · s · sqrt(1 + 1/n_c) · b / c       (c: the steady trial's batch size, n_c: the short
-                                                                trials there; 0 before a creep is measured)
+    creep half-width(b) = t · s · sqrt(1 + 1/n_c) · b / c     (c: the steady trial's batch size, n_c: the short
+                                                              trials there; 0 before a creep is measured)
     upper(b)            = fit.predict(b) + sqrt(fit.half_width(b)² + creep half-width(b)²)
-    evidence at b       : mean(steady-equivalent peaks at b) + t · s · sqrt(1/n_b + (1 + 1/n_c) · (b/c)²)
-                          <= usable            (n_b: the trials at b)
+    evidence at b       : mean(steady-equivalent peaks at b) + t · s · sqrt(1/n_b + (1 + 1/n_c) · (b/c)²) <= usable
 
-The creep term is the standard error of a difference of one steady trial and the mean of ``n_c`` short trials,
-scaled to ``b`` as the creep is (per sample); the two half-widths add in quadrature, the errors being independent
-(Montgomery & Runger, *Applied Statistics and Probability for Engineers*, §5-4, the variance of a linear
-combination). The evidence test is the upper end of the 95 % interval of the mean of ``n_b`` trials (§8-2) with the
-creep's error beside it: a size counts as evidence when its measurements, not only their mean, leave room for the
-noise they were taken with.
+The creep term is the standard error of one steady trial minus the mean of ``n_c`` short ones, scaled per sample;
+independent errors add in quadrature (Montgomery & Runger, *Applied Statistics and Probability for Engineers*,
+§5-4); the evidence test is the upper end of the 95 % interval of a mean of ``n_b`` trials (§8-2).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vramcal.calibration.creep import measure_creep, short_trials
-from vramcal.calibration.fit import CONFIDENCE, Fit
+from vramcal.calibration.fit import Fit, t_quantile
 from vramcal.records import Trial
 
 
 def near_limit(trials: Sequence[Trial]) -> list[Trial]:
-    """The finished trials whose batch sizes lie near the largest measured one: the top third (at least two
-    sizes), else the top half; peaks bend, and the line near the limit is read from these (the boundary,
-    :func:`vramcal.calibration.search.boundary_batch_size`, and the noise, :func:`measure_noise`)."""
+    """The finished trials in the top third of the measured batch sizes (at least two sizes), else the top half:
+    peaks bend, so the boundary and the noise are read near the limit."""
     finished = [t for t in trials if t.ok]
     top = max((t.batch_size for t in finished), default=0)
     near = [t for t in finished if t.batch_size >= top * 2 / 3]
@@ -59,14 +40,8 @@ def near_limit(trials: Sequence[Trial]) -> list[Trial]:
 
 @dataclass(frozen=True)
 class Noise:
-    """The noise of one trial's peak and of the measured creep (module docstring).
-
-    Attributes:
-        stderr_bytes: ``s``, bytes.
-        dof: its degrees of freedom (at least 1).
-        creep_batch_size: ``c``, the steady trial's batch size whose creep counts (None: no creep measured).
-        creep_short_trials: ``n_c``, the short trials at ``c`` its creep was read against.
-    """
+    """The noise of one trial's peak and of the measured creep (module docstring): ``stderr_bytes`` ``s`` and its
+    ``dof``; ``creep_batch_size`` ``c`` (None: no creep) and ``creep_short_trials`` ``n_c``."""
 
     stderr_bytes: float
     dof: int
@@ -75,7 +50,7 @@ class Noise:
 
     @property
     def t(self) -> float:
-        """Student's t quantile for the upper end of a two-sided 95 % interval with :attr:`dof` degrees."""
+        """t(0.975, :attr:`dof`)."""
         return t_quantile(max(1, self.dof))
 
     def creep_share(self, batch_size: float) -> float:
@@ -90,20 +65,11 @@ class Noise:
         return fit.predict(batch_size) + math.hypot(fit.half_width(batch_size), creep)
 
     def holds(self, peaks: Sequence[int], batch_size: int, usable_bytes: int) -> bool:
-        """Whether trials at ``batch_size`` with these (steady-equivalent) ``peaks`` are evidence that its mean
-        long-run peak fits in ``usable_bytes`` (module docstring)."""
+        """The module docstring's evidence test for steady-equivalent ``peaks`` (bytes) at ``batch_size``."""
         if not peaks:
             return False
         spread = self.t * self.stderr_bytes * math.sqrt(1 / len(peaks) + self.creep_share(batch_size))
         return statistics.fmean(peaks) + spread <= usable_bytes
-
-
-@functools.lru_cache(maxsize=64)
-def t_quantile(dof: int) -> float:
-    """Student's t(0.975, ``dof``) (the search settles many times a step: computed once per ``dof``)."""
-    from scipy import stats  # deferred: scipy is heavy
-
-    return float(stats.t.ppf(0.5 + CONFIDENCE / 2, dof))
 
 
 def residual_stderr(batch_sizes: Sequence[int], peak_bytes: Sequence[int]) -> float:

@@ -1,64 +1,32 @@
-"""The search policy: which batch size to try next, as a pure function of the trials so far.
+"""The search policy: which batch size to try next, as a pure function of the trials so far (Accelerate's
+injectable back-off is the model; tested with recorded and synthetic trials). Its rules:
 
-Separate from the code that runs trials (Accelerate's injectable back-off is the model), so it is tested
-with recorded and synthetic trials. Its rules:
+1. **Grow** from ``start_batch_size``: x8 while the peaks do not rise measurably (a *flat start*), then to half
+   the batch size where the line through the rising points reaches usable memory, at most ``max_growth`` times
+   the largest fitting batch, never at or above a failure. With an :class:`Aim` (:mod:`vramcal.estimated`) the
+   line before two trials rise is the largest fitting peak plus the aim's worst slope.
+2. **Fit locally** (:func:`fit_points`): without the flat start and the points below ``1/local_span`` of the
+   largest measured batch (peaks bend); over-budget trials count. Until there are three points, **fill** below
+   the limit and between what fitted and what failed.
+3. **Measure the boundary**: a peak-only trial (``TrialRequest.peak_only``) at ``boundary_fraction`` of where
+   the fit reaches the whole memory, so the out-of-memory boundary is interpolated, not extrapolated (a second
+   when the first fails or lands far below; a third when of two one fitted and one failed).
+4. **Verify** the safe size with two trials (their spread enters the fit's residuals), then the conservative
+   size with one. A failure lowers the limit; when a real failure binds it, the safe size is bisected between
+   the largest fitting batch and the smallest failure.
+5. **Never less than the evidence**: the safe size is at least the largest size below the smallest failure whose
+   trials all fitted with room for the noise they were measured with (:mod:`vramcal.calibration.noise`; read as
+   the truth, a pair 1 % low passed sizes 1.5 % over usable memory: ``bench/results/search-curves``).
+6. **Measure the step creep** once the safe size is verified: one steady trial of at most ``steady_steps``
+   steps at the conservative size (:mod:`vramcal.calibration.creep`), its first steps that size's verification
+   when no trial has verified it (``steady_verifies``). From then on every rule reads steady-equivalent peaks;
+   when that moves the conservative size by more than ``snap_tolerance``, a second steady trial measures there.
+7. **Only memory sets a limit**: out of memory, or a finish above usable memory, is a failure at its size; an
+   ``error`` or a ``timeout`` measured nothing and is run once more (``retry``); a size unmeasured twice is no
+   limit and no proposal reaches it. A first trial that measured nothing ends the calibration.
 
-1. **Grow** from ``start_batch_size`` while far from the limit: x8 while the peaks do not rise measurably
-   (a *flat start*: on CPUs the first samples fit in memory the process already holds), then aim at half
-   of the batch size where the line through the rising points reaches usable memory, at most
-   ``max_growth`` times the largest fitting batch and never at or above a batch size that failed. With an
-   :class:`Aim` (an estimate's slope, :mod:`vramcal.estimated`), the line before any two trials rise is the
-   largest fitting trial's peak plus that slope, raised by the estimate's worst under-prediction: the first
-   jump lands at half the estimated limit instead of climbing x8 at a time.
-2. **Fit locally** (:func:`fit_points`): the line is fitted through the trials that measure the slope
-   near the limit — the flat start is left out (it would pull the slope down), and so are points below
-   ``1/local_span`` of the largest measured batch (peaks bend: what matters is the slope where the limit
-   is). Over-budget trials are measurements and count. A fit needs three such points; until there are,
-   the policy **adds points** where they pin the line down: below the limit, between what fitted and
-   what failed.
-3. **Measure the boundary**: one trial aimed just under the batch size where the fit reaches the
-   device's *whole* memory (``boundary_fraction`` of it), allowed to run over the usable budget, so the
-   line is fitted across the range it is used on and the predicted out-of-memory boundary is a short
-   interpolation, not a long extrapolation (a second one when the first runs out of memory or lands far
-   below, and a third when of those two one fitted and one failed, and the largest that fitted is still
-   far below the boundary). A boundary trial measures its peak only: one step after the warm-up, no
-   validation pass (``TrialRequest.peak_only``): its steps are the calibration's most expensive.
-4. **Verify** the safe size with two real trials at the same batch size — the limit is where noise
-   matters, and the pair's spread enters the fit's residuals, so the prediction interval covers how
-   much one batch size varies between runs — then the conservative size with one. A failure is a
-   data point: the limit comes down and the next call proposes the new sizes. When a real failure, not
-   the fit, binds the limit, the safe size is found by bisection between the largest fitting batch and
-   the smallest failed one.
-5. **Never less than the evidence**: the safe size is at least the largest batch size below the smallest
-   failure whose trials all fitted with room for the noise they were measured with (the mean of their
-   steady-equivalent peaks plus its 95 % error and the creep's, :mod:`vramcal.calibration.noise`): such trials
-   are a verification, however wide the interval of a fit with few points. (Read as the truth, a pair that
-   measured 1 % low passed sizes up to 1.5 % over usable memory: ``bench/results/search-curves``.) The fit's
-   bound the safe size is held to carries the measured creep's error too.
-7. **Only memory sets a limit**: a trial that ran out of memory, or finished above usable memory, is a
-   failure at its size; one that ended in an ``error`` or a ``timeout`` measured nothing: it is run once more
-   (``retry``), and a size that failed so twice is never a limit — no proposal reaches it, and limits that
-   would need a trial there stay unverified (the profile says why). A first trial that measured nothing ends
-   the calibration: the step itself failed, or is too slow for the time limit.
-6. **Measure the step creep** once the safe size is verified: one *steady trial* at the conservative size,
-   the one a run takes by default, of at most ``steady_steps`` measured steps (:mod:`vramcal.calibration.creep`).
-   Its first steps are the conservative size's verification when no trial has verified that size yet
-   (``steady_verifies``: one process measures both, recorded as a ``verify-conservative`` trial and the
-   ``steady`` one: a trial fewer, at the most expensive size but one).
-   (At the safe size it missed the conservative size's creep where the two sat on either side of the workers'
-   earlier 4 MiB mmap threshold for the activations: default spec at 2.5 GiB, steady at 72 saw +4 MiB, a run at 60
-   rose 5 % over 42 steps. Read per sample, the conservative size's creep then over-predicts the safe size's:
-   the error is on the side of memory, at the safe size only.) From then on every rule reads the trials'
-   steady-equivalent peaks (the peak a long run reaches at that size): when the creep pushes the safe size's
-   peak past usable memory, the limits come down and are verified again, and when that moves the conservative
-   size by more than ``snap_tolerance``, a second steady trial measures the creep and the throughput there
-   (with the 4 MiB threshold a few samples could cross it: the small spec at 1.5 GiB, steady at 130, came
-   down to 117, where a step ran 1.6 times faster and its verification peaked 4 % above the line).
-
-A limit is *settled* on trials that fitted at, or at most ``snap_tolerance`` below, the computed size, so
-refits that move the limit by a sample or two do not chase it forever. The policy never reports an
-untested extrapolation: :func:`settle` marks each limit with the trial behind it, and a limit without one
-is unverified.
+A limit is *settled* on fitting trials at, or at most ``snap_tolerance`` below, the computed size;
+:func:`settle` marks each limit with its trial, and a limit without one is unverified.
 """
 
 from __future__ import annotations
@@ -76,16 +44,13 @@ from vramcal.records import Trial, TrialSettings
 
 FLAT_FRACTION = 0.02  # peaks within 2 % (or FLAT_BYTES) of each other are not a measurable rise
 FLAT_BYTES = 8 * 2**20
-# A flat start spans at least this factor of batch sizes (growth while flat is x8); closer sizes at one peak are
-# verifications near the limit whose difference is within the noise, and they are fitted
-FLAT_START_SPAN = 2
+FLAT_START_SPAN = 2  # a flat start spans at least this factor; closer sizes at one peak are verifications, fitted
 
 
 @dataclass(frozen=True)
 class Aim:
-    """An estimate of the step's bytes per sample the search may aim with before it has measured a slope
-    (rule 1): ``slope_bytes_per_sample`` (bytes), ``low`` and ``high`` the estimate's errors (``estimated /
-    measured − 1`` at a safe size, :class:`vramcal.estimated.ErrorBound`), and where it comes from, for people."""
+    """An estimate's bytes per sample to aim with before a slope is measured (rule 1); ``low``, ``high``: its
+    errors (``estimated / measured − 1``, :class:`vramcal.estimated.ErrorBound`); ``source``: for people."""
 
     slope_bytes_per_sample: float
     low: float
@@ -100,18 +65,8 @@ class Aim:
 
 @dataclass(frozen=True)
 class SearchSettings:
-    """Knobs of the policy. ``total_bytes`` is the device's memory; limits derive usable from it.
-
-    Attributes:
-        local_span: fit points below ``largest measured batch / local_span`` are left out (rule 2).
-        boundary_fraction: the boundary trial aims at this fraction of the predicted boundary (rule 3);
-            0 switches the boundary trial off.
-        repeat_safe: verify the safe size twice (rule 4).
-        steady_steps: measured steps of the steady trial (rule 6); 0 runs none (no creep term).
-        steady_verifies: a steady trial due at a conservative size not yet verified is its verification too
-            (rule 6); False runs the verification on its own first.
-        aim: an estimate's slope to aim the growth with before any two trials rise (rule 1); None climbs.
-    """
+    """Knobs of the policy (the module docstring's rules name them); ``total_bytes``: the device's memory.
+    ``boundary_fraction`` 0 runs no boundary trial, ``steady_steps`` 0 no steady trial, ``aim`` None climbs."""
 
     total_bytes: int
     limits: LimitSettings = LimitSettings()
@@ -135,10 +90,9 @@ class SearchSettings:
 
 @dataclass(frozen=True)
 class Step:
-    """The next trial to run and why: ``grow``, ``fill``, ``boundary``, ``verify-safe``,
-    ``verify-safe-repeat``, ``verify-conservative`` or ``steady`` (``steady_steps`` measured steps).
-    ``verifies``: a steady trial at a conservative size not yet verified, whose first steps are its
-    verification (rule 6): it records a ``verify-conservative`` trial and then the ``steady`` one."""
+    """The next trial and why: ``grow``, ``fill``, ``boundary``, ``retry``, ``verify-safe``, ``verify-safe-repeat``,
+    ``verify-conservative`` or ``steady``; ``verifies``: a steady trial that records a ``verify-conservative``
+    trial first (rule 6)."""
 
     batch_size: int
     purpose: str
@@ -155,8 +109,6 @@ class Settled:
     conservative_trial: Trial | None
     failed_batch_size: int | None
 
-
-# ------------------------------------------------------------------------------------------ facts
 
 def memory_failure(trial: Trial, usable_bytes: int) -> bool:
     """The trial ran out of memory, or finished above ``usable_bytes`` (rule 7: what sets a limit)."""
@@ -206,8 +158,8 @@ def rises(low: Trial, high: Trial) -> bool:
 
 
 def fit_points(trials: Sequence[Trial], settings: SearchSettings) -> list[Trial]:
-    """The trials the line is fitted through (rule 2): finished ones, without the flat start, within the
-    local span of the largest measured batch (widened when that leaves fewer than three)."""
+    """The trials the line is fitted through (rule 2; all finished ones without the flat start when the local
+    span leaves fewer than three)."""
     finished = sorted((t for t in trials if t.ok), key=lambda t: t.batch_size)
     if not finished:
         return []
@@ -234,12 +186,9 @@ def fit_trials(trials: Sequence[Trial], settings: SearchSettings | None = None) 
     return fit_linear([t.batch_size for t in points], [t.peak_bytes for t in points])
 
 
-# ------------------------------------------------------------------------------------------ settle
-
 def settle(trials: Sequence[Trial], settings: SearchSettings) -> Settled:
-    """Fit, limits and verifying trials for the trials so far (module docstring, rules 2, 4, 5 and 6): from
-    the steady-equivalent peaks, but the boundary from the trials as measured (it is a trial's boundary).
-    ``trials`` as recorded (the steady trials' creep and its error are read from them)."""
+    """Fit, limits and verifying trials of ``trials`` as recorded (rules 2, 4, 5, 6): read steady-equivalent,
+    but the boundary from the trials as measured (bisection compares it with them)."""
     measured, raw, trials = short_trials(trials), trials, steady_equivalent(trials)
     usable = settings.usable_bytes
     failed = failed_batch_size(trials, usable)
@@ -254,13 +203,13 @@ def settle(trials: Sequence[Trial], settings: SearchSettings) -> Settled:
     if target < (1 - 3 * settings.snap_tolerance) * point:  # a wide interval: halve the gap to the point estimate
         target = max(target, (evidence + point + 1) // 2)
     if failed is not None and target >= failed - 1:
-        target = _bisect_below(trials, failed, settings)  # the failure binds, not the fit
+        target = bisect_below(trials, failed, settings)  # the failure binds, not the fit
     target = min(target, safe_ceiling(fit, usable, largest_fitting(trials, usable), failed))  # a reader's check
-    safe_trial = _snap(trials, target, settings, repeats=2 if settings.repeat_safe else 1,
+    safe_trial = snap_trial(trials, target, settings, repeats=2 if settings.repeat_safe else 1,
                        tolerance=_settle_tolerance(trials, settings))
     safe = safe_trial.batch_size if safe_trial else target
     conservative_target = math.floor(settings.limits.conservative_fraction * safe)
-    conservative_trial = _snap(trials, conservative_target, settings, repeats=1)
+    conservative_trial = snap_trial(trials, conservative_target, settings, repeats=1)
     conservative = conservative_trial.batch_size if conservative_trial else conservative_target
     boundary = boundary_batch_size(measured, settings)
     limits = dataclasses.replace(limits, safe_batch_size=safe, conservative_batch_size=conservative,
@@ -269,9 +218,7 @@ def settle(trials: Sequence[Trial], settings: SearchSettings) -> Settled:
 
 
 def evidence_batch_size(trials: Sequence[Trial], usable_bytes: int, noise: Noise) -> int | None:
-    """The largest batch size below the smallest failure whose trials all fitted and leave room for the noise
-    they were measured with (rule 5, :meth:`vramcal.calibration.noise.Noise.holds`); ``trials``
-    steady-equivalent. None when there is none."""
+    """Rule 5's size (:meth:`vramcal.calibration.noise.Noise.holds`), from steady-equivalent ``trials``, or None."""
     failed = failed_batch_size(trials, usable_bytes)
     sizes = sorted({t.batch_size for t in trials if failed is None or t.batch_size < failed}, reverse=True)
     for size in sizes:
@@ -282,12 +229,8 @@ def evidence_batch_size(trials: Sequence[Trial], usable_bytes: int, noise: Noise
 
 
 def boundary_batch_size(trials: Sequence[Trial], settings: SearchSettings) -> float:
-    """Where a trial's peak reaches the device's whole memory: the line through the top third of the
-    measured batch sizes (else the top half): the boundary trials and the verifications, since peaks bend
-    and the slope near the boundary is read near it; else the line through the fit points; never at or
-    above a batch size that ran out of memory. ``trials`` are as measured (no step creep): the boundary is
-    compared with bisection by the same trials.
-    """
+    """Where a trial's peak (as measured, no creep) reaches the whole memory: the line through
+    :func:`~vramcal.calibration.noise.near_limit`'s trials (peaks bend), else the fit's; below any OOM."""
     near = near_limit(trials)
     slope = overhead = 0.0
     if len({t.batch_size for t in near}) >= 2:
@@ -301,9 +244,9 @@ def boundary_batch_size(trials: Sequence[Trial], settings: SearchSettings) -> fl
     return boundary if hard_failed is None else min(boundary, hard_failed - 1)
 
 
-def _bisect_below(trials: Sequence[Trial], failed: int, settings: SearchSettings) -> int:
-    """Safe target when a real failure binds: the largest fitting batch below ``failed`` once the gap is
-    within ``snap_tolerance`` (or one sample), else the midpoint (the next bisection trial)."""
+def bisect_below(trials: Sequence[Trial], failed: int, settings: SearchSettings) -> int:
+    """Rule 4's bisection below ``failed``: the largest fitting batch once the gap is within ``snap_tolerance``
+    (or one sample), else the midpoint."""
     below = largest_fitting(trials, settings.usable_bytes) or 0
     if failed - below <= max(1, math.floor(settings.snap_tolerance * failed)):
         return below
@@ -311,19 +254,18 @@ def _bisect_below(trials: Sequence[Trial], failed: int, settings: SearchSettings
 
 
 def _settle_tolerance(trials: Sequence[Trial], settings: SearchSettings) -> float:
-    """How far below the computed safe size a verified one may settle: ``snap_tolerance`` at first; after
-    one verified round 3x that; after two, anything below. Peaks that bend make each verification move
-    the local fit (and the limit) a little further; this bounds the chase to two rounds."""
+    """How far below the computed safe size a verified one may settle: ``snap_tolerance``, after one verified
+    round 3x that, after two anything (each verification moves a bending fit: the chase ends in two rounds)."""
     repeats = settings.repeat_safe + 1
     rounds = sum(1 for size in {t.batch_size for t in trials if t.purpose.startswith("verify-safe")}
                  if len(fits_at(trials, size, settings.usable_bytes)) >= repeats)
     return settings.snap_tolerance if rounds == 0 else 3 * settings.snap_tolerance if rounds == 1 else 1.0
 
 
-def _snap(trials: Sequence[Trial], target: int, settings: SearchSettings, repeats: int,
-          tolerance: float | None = None) -> Trial | None:
-    """The largest batch size in ``[target * (1 - tolerance), target]`` (default ``snap_tolerance``) with
-    at least ``repeats`` trials, all fitting; its last trial (None when there is none)."""
+def snap_trial(trials: Sequence[Trial], target: int, settings: SearchSettings, repeats: int,
+                tolerance: float | None = None) -> Trial | None:
+    """The last trial of the largest batch size in ``[target * (1 - tolerance), target]`` (default
+    ``snap_tolerance``) with at least ``repeats`` trials, all fitting; None when there is none."""
     if target < 1:
         return None
     low = math.floor(target * (1 - (settings.snap_tolerance if tolerance is None else tolerance)))
@@ -335,14 +277,9 @@ def _snap(trials: Sequence[Trial], target: int, settings: SearchSettings, repeat
     return None
 
 
-# ------------------------------------------------------------------------------------------- next
-
 def next_batch_size(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
-    """The next trial to run, or None when the calibration is done (or cannot go on).
-
-    Done means: both limits settled on fitting trials and the creep measured; or nothing fits; or
-    ``max_trials`` were run; or no batch size is left to try.
-    """
+    """The next trial, or None when done: limits settled and creep measured, nothing fits, ``max_trials`` run,
+    or no batch size left to try."""
     if not trials:
         return Step(settings.start_batch_size, "grow")
     if len(trials) >= settings.max_trials:
@@ -390,14 +327,9 @@ def _grow(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
 
 def _estimated_limit(trials: Sequence[Trial], fitting: Sequence[Trial],
                      settings: SearchSettings) -> tuple[float | None, bool]:
-    """(batch size where the line through the rising trials reaches usable memory, None if unknown; whether the
-    line is the aim's).
-
-    The fit's point estimate when it has three rising points and a slope clear of its error; else the
-    line through the two largest fitting trials when their peaks differ measurably; else, with an
-    :class:`Aim`, the largest fitting trial's peak plus the aim's worst slope; else unknown (a flat start
-    would extrapolate to an absurd limit).
-    """
+    """(batch size where the line reaches usable memory, None if unknown; whether the line is the aim's).
+    The line: the fit's when its slope is clear of 3 standard errors; else through the two largest fitting
+    trials when they rise; else the aim's worst slope from the largest fitting trial (rule 1)."""
     fit, aimed = fit_trials(trials, settings), False
     if fit is not None and fit.slope_bytes_per_sample > 3 * fit.slope_stderr_bytes_per_sample:
         slope, overhead = fit.slope_bytes_per_sample, fit.overhead_bytes
@@ -427,8 +359,7 @@ def _fill(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
     tried = {t.batch_size for t in trials}
     candidates = []
     if estimate is not None:
-        # below the limit; an aimed search, whose first jump lands near it, keeps this point out of the window a
-        # limit settles on (snap_tolerance), so that the limit is verified where the fit puts it
+        # below the limit; aimed, outside the window a limit settles on, so it is verified where the fit puts it
         below = settings.snap_tolerance * (2 if settings.aim is not None else 1)
         candidates.append(math.floor(min(estimate, ceiling) * (1 - below)))
     if failed is not None:
@@ -468,24 +399,14 @@ def _boundary(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
 
 
 def _verify(trials: Sequence[Trial], settings: SearchSettings, raw: Sequence[Trial]) -> Step | None:
-    """The verification trials (rule 4): safe twice, then conservative (by the steady trial's first steps
-    when one is due there, rule 6). ``trials`` steady-equivalent, ``raw`` as recorded."""
+    """Rule 4's trials (the conservative one by a steady trial's first steps when due, rule 6); ``trials``
+    steady-equivalent, ``raw`` as recorded."""
     state = settle(raw, settings)
     if state.limits is None or state.limits.safe_batch_size < 1:
         return None
-    tried = {t.batch_size for t in trials}
     if state.safe_trial is None:
-        target = state.limits.safe_batch_size
-        once = _snap(trials, target, settings, repeats=1)
-        if once is not None and settings.repeat_safe:
-            return Step(once.batch_size, "verify-safe-repeat")
-        # a little below the target, inside its snap window: the verification adds a point that moves the
-        # refit, and a trial still inside the moved window settles the limit instead of chasing it
-        below = max(1, math.floor(target * (1 - settings.snap_tolerance / 2)))
-        for batch_size in (below, target):
-            if batch_size not in tried:
-                return Step(batch_size, "verify-safe")
-        return None
+        return verify_safe(trials, state.limits.safe_batch_size, settings)
+    tried = {t.batch_size for t in trials}
     conservative = state.limits.conservative_batch_size  # floor(fraction x the settled safe size)
     if state.conservative_trial is None and conservative >= 1 and conservative not in tried:
         if settings.steady_verifies and len(raw) + 2 <= settings.max_trials and _steady_due(raw, conservative,
@@ -495,9 +416,19 @@ def _verify(trials: Sequence[Trial], settings: SearchSettings, raw: Sequence[Tri
     return None
 
 
+def verify_safe(trials: Sequence[Trial], target: int, settings: SearchSettings,
+                tolerance: float | None = None) -> Step | None:
+    """Rule 4's safe-size trial toward ``target``: a repeat of one that fitted within :func:`snap_trial`'s window,
+    else one a little below ``target`` (inside the window the refit it causes moves), then ``target``."""
+    once = snap_trial(trials, target, settings, repeats=1, tolerance=tolerance)
+    if once is not None and settings.repeat_safe:
+        return Step(once.batch_size, "verify-safe-repeat")
+    tried, below = {t.batch_size for t in trials}, max(1, math.floor(target * (1 - settings.snap_tolerance / 2)))
+    return next((Step(size, "verify-safe") for size in (below, target) if size not in tried), None)
+
+
 def _steady(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
-    """The steady trial at the verified conservative size, the one a run takes by default (rule 6), or None:
-    the limits not yet verified or the creep not due there (:func:`_steady_due`)."""
+    """Rule 6's steady trial at the verified conservative size, or None."""
     state = settle(trials, settings)
     if state.safe_trial is None or state.conservative_trial is None:
         return None
@@ -506,8 +437,8 @@ def _steady(trials: Sequence[Trial], settings: SearchSettings) -> Step | None:
 
 
 def _steady_due(trials: Sequence[Trial], target: int, settings: SearchSettings) -> bool:
-    """Whether a steady trial at ``target`` is due: switched on, fewer than two run, and the creep not yet
-    measured at ``target`` or within ``snap_tolerance`` of it (``trials`` as recorded)."""
+    """A steady trial at ``target`` is due: switched on, fewer than two run, none measured within
+    ``snap_tolerance`` of ``target``."""
     steady = [t for t in trials if t.purpose == STEADY]
     if settings.steady_steps <= 0 or len(steady) >= 2:
         return False

@@ -1,24 +1,12 @@
-"""One calibration for several sequence lengths: the policy and the record of the memory model in
-batch_size × seq_len (issue 13).
+"""One calibration for several sequence lengths: the policy and the record of the 2-D memory model
+(:mod:`vramcal.calibration.fit2d`). Its rules:
 
-The model (:mod:`vramcal.calibration.fit2d`): ``peak = overhead + per_token × (batch_size × seq_len) +
-per_sample × batch_size`` with its 95 % prediction interval. The policy, and why it needs few trials:
-
-1. **One full calibration at a reference length** — the middle one of those requested
-   (:func:`reference_length`): the one-length search (:mod:`vramcal.calibration.search`: growth, local fit,
-   boundary trial, verification) pins the overhead and the slope in batch_size at that length, from a
-   length that is interpolated from, not extrapolated.
-2. **Each other length costs its verifications only**, longest first: a first trial at the safe size the
-   model predicts there (before any other length was measured, the slope is scaled by the length: the
-   per-token assumption, which over-predicts a longer length's memory, so that first guess fits), which
-   is also the point that splits the slope into its per-token and per-sample parts;
-   then the safe size twice and the conservative size once, each a point of the 2-D fit. Peaks that bend
-   or a failure bind the limit at that length as in the one-length search (bisection, never less than
-   the largest size that fitted there).
-
-So three lengths take one calibration plus about three trials per further length, where three separate
-calibrations take three full searches. The fit's extra-terms test (tokens² and a per-length term) is
-reported when the data need more terms, as the one-length fit reports curvature.
+1. **One full calibration at the reference length** (:func:`reference_length`, the middle requested one): the
+   one-length search (:mod:`vramcal.calibration.search`), so the other lengths are interpolated from it.
+2. **Each other length costs its verifications only**, longest first: a first trial at the safe size the model
+   predicts (before the 2-D fit, the reference slope scaled by the length: it over-predicts a longer length, so
+   the guess fits, and its point splits the per-token and per-sample terms), then the safe size twice and the
+   conservative once, bisected below a failure as in the one-length search.
 """
 
 from __future__ import annotations
@@ -35,33 +23,28 @@ from vramcal.calibration.limits import Limits
 from vramcal.calibration.search import (
     SearchSettings,
     Step,
+    bisect_below,
     failed_batch_size,
     fit_points,
-    fits_at,
     largest_fitting,
     next_batch_size,
     settle,
+    snap_trial,
+    verify_safe,
 )
 from vramcal.records import Trial
 from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, read_list, read_record
 
 INTERPOLATED = "interpolated (not verified at this length)"  # the basis of limits between calibrated lengths
-# What the fit may under-predict a real trial by between calibrated lengths, a fraction of the prediction, added to
-# the upper bound there (Surface.upper): the worst of the interpolated answers measured by bench/interpolation.py
-# on the committed multi-length profiles (bench/README.md), rounded up.
+# What the fit may under-predict between calibrated lengths, a share of the prediction added to the bound there
+# (Surface.upper): the worst interpolated answer of bench/interpolation.py (bench/README.md), rounded up.
 INTERPOLATION_ERROR = 0.005
 
 
 @dataclass(frozen=True)
 class LengthLimits:
-    """The verified limits at one calibrated sequence length.
-
-    Attributes:
-        seq_len: tokens (or bars) per sample.
-        safe_batch_size, conservative_batch_size: as in :class:`~vramcal.calibration.limits.Limits`.
-        safe_peak_bytes, conservative_peak_bytes: the verification trials' peaks (None: not verified).
-        failed_batch_size: the smallest batch size that did not fit at this length, or None.
-    """
+    """The limits at one calibrated ``seq_len`` (as :class:`~vramcal.calibration.limits.Limits`'), the peaks of
+    the trials that verified them (None: not verified), the smallest size that did not fit there (or None)."""
 
     seq_len: int
     safe_batch_size: int
@@ -87,14 +70,8 @@ class LengthLimits:
 
 @dataclass(frozen=True)
 class Surface:
-    """The 2-D memory model of a profile calibrated at several lengths, and the limits verified at each.
-
-    Attributes:
-        fit: the model in batch_size × seq_len.
-        reference_seq_len: the length of the full one-length calibration (the profile's one-length fields).
-        chunk_size: lengths are multiples of it.
-        lengths: the verified limits at each calibrated length, shortest first.
-    """
+    """The 2-D model ``fit`` of a profile calibrated at several lengths (multiples of ``chunk_size``), the length
+    calibrated in full (``reference_seq_len``) and the limits at each, shortest first (``lengths``)."""
 
     fit: Fit2D
     reference_seq_len: int
@@ -118,8 +95,7 @@ class Surface:
         return 0.0 if self.at(seq_len) is not None else INTERPOLATION_ERROR
 
     def upper(self, batch_size: float, seq_len: int) -> float:
-        """The upper bound at (batch_size, seq_len) limits are held to: the fit's 95 % prediction bound, widened
-        between calibrated lengths by :meth:`widening` of the prediction (bytes)."""
+        """The bound limits are held to (bytes): the fit's 95 % upper bound plus :meth:`widening` × prediction."""
         fit = self.fit
         return fit.upper(batch_size, seq_len) + self.widening(seq_len) * fit.predict(batch_size, seq_len)
 
@@ -129,11 +105,7 @@ class Surface:
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "surface") -> Surface:
-        """The record as a file holds it, each field typed and ranged (a profile relates it to its trials).
-
-        Raises:
-            SchemaError: a field missing, unknown, of the wrong type or out of range (named).
-        """
+        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
         return read_record(cls, data, where, {"reference_seq_len": AT_LEAST_ONE, "chunk_size": AT_LEAST_ONE},
                            {"fit": Fit2D.from_dict,
                             "lengths": lambda value, path: read_list(value, path, LengthLimits.from_dict)})
@@ -150,8 +122,8 @@ def at_length(trials: Sequence[Trial], seq_len: int) -> list[Trial]:
 
 
 def surface_fit(trials: Sequence[Trial], settings: SearchSettings) -> Fit2D | None:
-    """The 2-D fit through each length's fit points (:func:`vramcal.calibration.search.fit_points`: no flat
-    start, local to the limit), or None while it has fewer than 4 points over 2 lengths and 2 batch sizes."""
+    """The 2-D fit through each length's :func:`~vramcal.calibration.search.fit_points`, or None while it has
+    fewer than 4 points over 2 lengths and 2 batch sizes."""
     trials = steady_equivalent(trials)
     points = [t for length in {t.seq_len for t in trials} for t in fit_points(at_length(trials, length), settings)]
     if len({t.seq_len for t in points}) < 2 or len({t.batch_size for t in points}) < 2 or len(points) < 4:
@@ -178,43 +150,28 @@ def predicted_safe(trials: Sequence[Trial], seq_len: int, reference: int, settin
 
 
 def length_limits(trials: Sequence[Trial], seq_len: int, reference: int, settings: SearchSettings) -> LengthLimits:
-    """The limits at one non-reference length: the model's safe size, never less than the largest size that
-    fitted there (twice), below any failure there; bisection when a failure binds (search rules 4 and 5)."""
+    """The limits at one other length: the model's safe size, at least the largest that fitted there, bisected
+    below a failure that binds (search rules 4 and 5)."""
     usable = settings.usable_bytes
     here = at_length(steady_equivalent(trials), seq_len)
     failed = failed_batch_size(here, usable)
     target = max(predicted_safe(trials, seq_len, reference, settings), largest_fitting(here, usable) or 0)
     if failed is not None and target >= failed - 1:
-        below = largest_fitting(here, usable) or 0
-        target = below if failed - below <= max(1, math.floor(settings.snap_tolerance * failed)) \
-            else (below + failed) // 2
-    safe_trial = _settled(here, target, settings, repeats=2 if settings.repeat_safe else 1)
+        target = bisect_below(here, failed, settings)
+    wide = 2 * settings.snap_tolerance  # the window a limit settles in at a non-reference length
+    safe_trial = snap_trial(here, target, settings, 2 if settings.repeat_safe else 1, wide)
     safe = safe_trial.batch_size if safe_trial else target
     conservative = math.floor(settings.limits.conservative_fraction * safe)
-    conservative_trial = _settled(here, conservative, settings, repeats=1)
+    conservative_trial = snap_trial(here, conservative, settings, 1, wide)
     if conservative_trial is not None:
         conservative = conservative_trial.batch_size
     return LengthLimits(seq_len, safe, conservative, safe_trial and safe_trial.peak_bytes,
                         conservative_trial and conservative_trial.peak_bytes, failed)
 
 
-def _settled(trials: Sequence[Trial], target: int, settings: SearchSettings, repeats: int) -> Trial | None:
-    if target < 1:
-        return None
-    low = math.floor(target * (1 - 2 * settings.snap_tolerance))
-    for size in sorted({t.batch_size for t in trials if low <= t.batch_size <= target}, reverse=True):
-        at = fits_at(trials, size, settings.usable_bytes)
-        if len(at) >= repeats:
-            return at[-1]
-    return None
-
-
 def next_trial(trials: Sequence[Trial], seq_lens: Sequence[int], settings: SearchSettings) -> tuple[int, Step] | None:
-    """The next (seq_len, step) of a calibration over ``seq_lens``, or None when done (module docstring).
-
-    ``trials`` carry their ``seq_len``. The reference length runs the one-length search first; each other
-    length (longest first) then its verifications. ``settings.max_trials`` bounds the whole calibration.
-    """
+    """The next (seq_len, step) over ``seq_lens`` (module docstring), or None when done; ``trials`` carry their
+    ``seq_len``, ``settings.max_trials`` bounds them all."""
     if len(trials) >= settings.max_trials:
         return None
     reference = reference_length(seq_lens)
@@ -223,8 +180,7 @@ def next_trial(trials: Sequence[Trial], seq_lens: Sequence[int], settings: Searc
         return reference, step
     if settle(at_length(trials, reference), settings).safe_trial is None:
         return None  # the reference length did not settle: nothing to scale from
-    # longest first: scaling the reference slope by the length over-predicts a longer length's memory
-    # (the per-sample part does not grow with it), so that first guess fits, and its point splits the slope
+    # longest first (module docstring, 2)
     for seq_len in sorted((length for length in seq_lens if length != reference), reverse=True):
         step = _verify_length(trials, seq_len, reference, settings)
         if step is not None:
@@ -241,14 +197,7 @@ def _verify_length(trials: Sequence[Trial], seq_len: int, reference: int, settin
     if limits.safe_batch_size < 1:
         return Step(1, "verify-safe") if 1 not in tried else None
     if limits.safe_peak_bytes is None:
-        once = _settled(here, limits.safe_batch_size, settings, repeats=1)
-        if once is not None and settings.repeat_safe:
-            return Step(once.batch_size, "verify-safe-repeat")
-        below = max(1, math.floor(limits.safe_batch_size * (1 - settings.snap_tolerance / 2)))
-        for batch_size in (below, limits.safe_batch_size):
-            if batch_size not in tried:
-                return Step(batch_size, "verify-safe")
-        return None
+        return verify_safe(here, limits.safe_batch_size, settings, 2 * settings.snap_tolerance)
     if limits.conservative_peak_bytes is None and limits.conservative_batch_size >= 1:
         if limits.conservative_batch_size not in tried:
             return Step(limits.conservative_batch_size, "verify-conservative")
@@ -276,10 +225,8 @@ def settle_surface(trials: Sequence[Trial], seq_lens: Sequence[int], chunk_size:
 
 
 def answer_at(surface: Surface, seq_len: int, usable_bytes: int, conservative_fraction: float) -> tuple[int, int, str]:
-    """(safe, conservative, basis) at any length: a calibrated length's verified limits, or inside the range
-    the model's safe size under its bound widened by :data:`INTERPOLATION_ERROR` (:meth:`Surface.upper`), never
-    above the verified limit of the next shorter calibrated length (memory grows with length), marked an
-    interpolation.
+    """(safe, conservative, basis) at ``seq_len``: a calibrated length's limits, else the model's safe size under
+    :meth:`Surface.upper`, never above the next shorter calibrated length's (memory grows with length).
 
     Raises:
         ValueError: ``seq_len`` outside the calibrated range, or not a multiple of chunk_size.
@@ -299,9 +246,8 @@ def answer_at(surface: Surface, seq_len: int, usable_bytes: int, conservative_fr
 
 
 def longest_at(surface: Surface, batch_size: int, usable_bytes: int) -> int:
-    """The longest seq_len (a multiple of chunk_size, inside the calibrated range) whose upper bound at
-    ``batch_size`` (:meth:`Surface.upper`: widened between calibrated lengths) fits in usable memory; 0 when none
-    does."""
+    """The longest calibrated-range multiple of chunk_size whose :meth:`Surface.upper` at ``batch_size`` fits in
+    ``usable_bytes``; 0 when none does."""
     low, high, fit = min(surface.seq_lens), max(surface.seq_lens), surface.fit
     between = longest_seq_len(fit, usable_bytes, batch_size, surface.chunk_size, low, high, INTERPOLATION_ERROR)
     plain = longest_seq_len(fit, usable_bytes, batch_size, surface.chunk_size, low, high)

@@ -1,50 +1,18 @@
 """Throughput: samples per second at each measured batch size, from the trials' own step times, and the knee.
 
-Every trial times each of its measured steps (``Trial.step_times_s``: from drawing the batch to a synchronize
-after the optimizer step, as the trainer times its steps), its warm-up steps and its validation passes. The
-trials that finished at one batch size are pooled:
+The finished trials at one batch size pool their measured step times (``Trial.step_times_s``; older profiles
+have each trial's median ``step_s`` only):
 
-    step time at b        the mean of their measured step times, n of them, standard deviation sd
-    samples_per_s(b)      b / mean step time
+    samples_per_s(b)      b / mean step time (the mean: an epoch's time is the sum of its steps')
     95 % interval         b / (mean ± t(0.975, n − 1) × sd / √n): Student's t interval of a mean (Montgomery &
-                          Runger, *Applied Statistics and Probability for Engineers*, 6th ed., eq. 8-7), turned
-                          into rates; none with one step time; its upper end is open when the lower step time is ≤ 0
+                          Runger, *Applied Statistics and Probability for Engineers*, 6th ed., eq. 8-7), in rates;
+                          its upper end is open when the lower step time is ≤ 0
 
-The mean, not the median: an epoch's time is the sum of its steps' times, so the mean is what a forecast
-multiplies (:mod:`vramcal.forecast`). A batch size's rate is **steady** when a steady trial ran there (the
-step-creep trial, :data:`vramcal.calibration.creep.STEADY`) or its trials timed at least
-:data:`STEADY_MIN_STEPS` steps together; otherwise it is a short trial's figure, its first steps after one
-warm-up. Profiles made before the step times were recorded have each trial's median ``step_s`` only: one
-value per trial, and no interval from fewer than two.
-
-The **knee** (the shared DESIGN.md's "throughput knee"): the smallest batch size whose samples/s reaches
-:data:`KNEE_FRACTION` (95 %) of the best measured samples/s, among the measured sizes a run may use. The
-measured sizes are sparse, so the knee lies somewhere above the largest measured size below it
-(:attr:`Knee.below`): that is the interval of the knee itself; its rate and the best's carry theirs. A knee is
-called only where every rate it compares has a finite interval: two step times spread 11 % or more (sd /
-mean: a busy host's short trial) give a t interval whose upper end is open (t(0.975, 1) = 12.7), and a rate
-open above may be the best one; the knee is then :attr:`Knee.refused`, saying which sizes need more timed steps.
-So a short trial times more steps where its own are too few for that (:func:`timing_done`): after its
-``measured_steps`` it goes on, one step at a time, until its step times give a finite interval, at most
-:data:`EXTRA_TIMED_STEPS` more (a third step leaves the upper end open only where the three spread 40 % or more).
-The steps near the limit, the calibration's most expensive, rarely need one: a verification pair pools four, the
-steady trial dozens; the ones that do are the small, cheap growth trials of a busy host.
-
-**No measurable difference** (:func:`overlap`, the one rule for every piece of advice between two measured
-figures: the knee over the memory limit, the fastest or cheapest card, a forecast missed): two figures differ
-measurably only when their 95 % intervals do not overlap; an interval with an open or unknown end overlaps
-everything on that side. Where they overlap, no option is named: the text says :data:`NO_DIFFERENCE`.
-
-Throughput depends on the card, not only on its memory: there is no rate for a batch size nor for a device
-that was not measured, and nothing here extrapolates one. Between two measured sizes :func:`rate_at`
-interpolates the time per sample linearly, and says so; the ends of its interval are interpolated the same
-way (a mix of the two intervals' ends, wider than the mix's own interval: the cautious side).
-
-A run is forecast at a steady rate where there is one (:func:`rate_for_run`): its own size's, else the steady
-rate of a size within :data:`NEAR_FRACTION` (25 %) of it, read per sample, else the short trials' rate at or
-around the size. The steady trial runs at the conservative size, which moves when the step creep it measured
-brings the limits down; a short trial's two steps are seconds of a busy machine, the steady trial's dozens
-are a steadier rate, and near the memory limit a batch size's time per sample changes slowly.
+A rate is **steady** when a steady trial ran there or :data:`STEADY_MIN_STEPS` steps were timed. The **knee** (the
+shared DESIGN.md's "throughput knee", :func:`find_knee`) is refused where a rate it compares has no finite interval.
+Two figures differ measurably only when their 95 % intervals do not overlap (:func:`overlap`, the one rule for
+advice). No rate is extrapolated: :func:`rate_at` interpolates between measured sizes, :func:`rate_for_run` reads
+a nearby steady rate per sample.
 """
 
 from __future__ import annotations
@@ -102,16 +70,15 @@ def finite_interval(times: Sequence[float]) -> bool:
 
 
 def timing_done(times: Sequence[float], measured_steps: int) -> bool:
-    """Whether a short trial may stop timing steps (module docstring): its ``measured_steps`` ran and their times
-    give a finite interval (:func:`finite_interval`), or it timed :data:`EXTRA_TIMED_STEPS` more."""
+    """Whether a short trial may stop timing steps: its ``measured_steps`` ran and their times give a finite
+    interval (:func:`finite_interval`; a knee needs one), or it timed :data:`EXTRA_TIMED_STEPS` more."""
     return len(times) >= measured_steps and (finite_interval(times)
                                              or len(times) >= measured_steps + EXTRA_TIMED_STEPS)
 
 
 def overlap(a: Interval, b: Interval) -> bool:
-    """Whether two 95 % intervals overlap (module docstring): then the figures show :data:`NO_DIFFERENCE` and no
-    advice names either. A low end None reaches −∞, a high end None +∞: a figure without an interval differs
-    measurably from nothing."""
+    """Whether two 95 % intervals overlap: then the figures show :data:`NO_DIFFERENCE` and no advice names either.
+    An end None is open (−∞ low, +∞ high)."""
     (a_low, a_high), (b_low, b_high) = a, b
     return ((a_low is None or b_high is None or a_low <= b_high)
             and (b_low is None or a_high is None or b_low <= a_high))
@@ -122,22 +89,15 @@ class Rate:
     """The measured throughput at one batch size (module docstring). Seconds and samples per second.
 
     Attributes:
-        batch_size: samples per step.
-        samples_per_s: ``batch_size / step_s``.
-        low_samples_per_s, high_samples_per_s: its 95 % interval; None: not known (one step time), and
-            ``high`` alone None: open above.
-        step_s: the mean measured step time.
-        step_sd_s: the standard deviation of the step times (None with one).
-        n_steps: the step times pooled (the trials' medians, for a profile without step times).
-        n_trials: the trials that finished at this size.
-        per_step: every trial there recorded each step's time (False: a profile made before they were
-            recorded, whose trials give their median step time only).
+        samples_per_s: ``batch_size / step_s``, with its 95 % interval ``low_samples_per_s``,
+            ``high_samples_per_s`` (None: unknown, one step time; ``high`` alone None: open above).
+        step_s, step_sd_s: the mean measured step time and its standard deviation (None with one).
+        n_steps, n_trials: the step times pooled, the trials that finished at this size.
         steady: a steady trial ran here, or at least :data:`STEADY_MIN_STEPS` steps were timed.
-        first_step_s: the mean time of the trials' first warm-up step, which allocates the optimizer's state as
-            a run's first step does (None: not recorded).
-        val_s: the mean time of one validation pass at this batch size (None: not recorded).
-        interpolated_from: for a size between measured ones (:func:`rate_at`), the two it was read from.
-        per_sample_from: for a size read per sample from a nearby steady rate (:func:`rate_for_run`), that size.
+        per_step: every trial recorded each step's time (False: older profiles, medians only).
+        first_step_s, val_s: the mean first warm-up step (the optimizer's state allocated) and validation pass.
+        interpolated_from: the two measured sizes :func:`rate_at` read it from; per_sample_from: the steady
+            size :func:`rate_for_run` read it from per sample.
     """
 
     batch_size: int
@@ -176,17 +136,9 @@ class Rate:
 
 @dataclass(frozen=True)
 class Knee:
-    """The throughput knee (module docstring).
-
-    Attributes:
-        batch_size: the smallest measured batch size reaching ``fraction`` of the best rate.
-        rate: the rate there; best: the best measured rate.
-        fraction: :data:`KNEE_FRACTION`.
-        below: the largest measured batch size under the knee (None: the knee is the smallest measured): the
-            knee lies in ``(below, batch_size]``.
-        refused: why no knee is called from these rates (None: it is): the sizes whose rate has no finite
-            interval; ``batch_size`` is then only where the point estimates would put it, for no advice.
-    """
+    """The throughput knee: the smallest measured ``batch_size`` whose ``rate`` reaches ``fraction`` of the
+    ``best``; it lies in ``(below, batch_size]`` (``below`` None: the smallest measured). ``refused``: why no knee
+    is called (rates without a finite interval; ``batch_size`` then only the point estimates'), else None."""
 
     batch_size: int
     rate: Rate
@@ -244,8 +196,7 @@ def _rate(batch_size: int, trials: Sequence[Trial]) -> Rate:
 
 def find_knee(rates: Sequence[Rate], low: int = 1, high: int | None = None,
               fraction: float = KNEE_FRACTION) -> Knee | None:
-    """The knee among the measured rates at batch sizes in ``[low, high]`` (``high`` None: no bound), refused
-    (:attr:`Knee.refused`) where a rate it compares has no finite interval; None without a rate there."""
+    """The knee among the rates at batch sizes in ``[low, high]`` (``high`` None: no bound); None without one."""
     usable = [r for r in rates if r.batch_size >= low and (high is None or r.batch_size <= high)]
     if not usable:
         return None
@@ -256,7 +207,7 @@ def find_knee(rates: Sequence[Rate], low: int = 1, high: int | None = None,
 
 
 def knee_refusal(rates: Sequence[Rate]) -> str | None:
-    """Why no knee is called from ``rates`` (module docstring), or None: each of them has a finite interval."""
+    """Why no knee is called from ``rates``, or None: each has a finite interval."""
     open_ = [r for r in rates if not r.bounded]
     if not open_:
         return None
@@ -301,9 +252,8 @@ def rate_at(rates: Sequence[Rate], batch_size: int) -> Rate | None:
 
 
 def rate_for_run(rates: Sequence[Rate], batch_size: int) -> Rate | None:
-    """The rate a run at ``batch_size`` is forecast at (module docstring): a steady rate at that size, else the
-    nearest steady rate within :data:`NEAR_FRACTION` of it read per sample (the same samples/s and interval; the
-    step, first step and validation times scaled by the batch sizes' ratio), else :func:`rate_at`."""
+    """The rate a run at ``batch_size`` is forecast at: a steady rate there, else the nearest steady rate within
+    :data:`NEAR_FRACTION` read per sample (its samples/s, times scaled by the sizes' ratio), else :func:`rate_at`."""
     own = rate_at(rates, batch_size)
     if own is not None and own.steady:
         return own
