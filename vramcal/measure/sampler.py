@@ -131,6 +131,15 @@ class NvmlSampler:
                 self.device_delta_peak_bytes = max(self.device_delta_peak_bytes, self._device_delta(processes))
             self.samples += 1
 
+    def checked_sample(self) -> str | None:
+        """:meth:`sample` unless NVML failed before; a failure is kept in ``error``, which is returned."""
+        if self.error is None:
+            try:
+                self.sample()
+            except NvmlError as error:
+                self.error = str(error)
+        return self.error
+
     def reset_peaks(self) -> None:
         """Forget the peaks (not the baseline): the next samples start the measured span."""
         with self._lock:
