@@ -50,7 +50,6 @@ def set_host_malloc() -> str | None:
         What was set, for a notice (None: not glibc, or this process already started with them).
     """
     import ctypes
-    import platform
 
     if _STARTED_WITH_TUNABLES == HOST_MALLOC or platform.libc_ver()[0] != "glibc":
         return None

@@ -168,16 +168,6 @@ def gpu_record(nvml: types.ModuleType, handle: Any, cuda_index: int | None = Non
         parent_uuid=nvml_query(nvml, "nvmlDeviceGetUUID", parent) if parent is not None else None)
 
 
-def list_gpus(nvml: types.ModuleType) -> list[Device]:
-    """Every physical GPU NVML sees, in NVML order (PCI bus order), whether visible to CUDA or not.
-
-    Raises:
-        NvmlError: a query failed.
-    """
-    count = nvml_query(nvml, "nvmlDeviceGetCount")
-    return [gpu_record(nvml, nvml_query(nvml, "nvmlDeviceGetHandleByIndex", index)) for index in range(count)]
-
-
 def visible_uuids(cuda_visible_devices: str | None = None) -> list[str]:
     """``GPU-``/``MIG-`` UUIDs CUDA shows this process for ``CUDA_VISIBLE_DEVICES`` = ``cuda_visible_devices``
     (None: unset), in CUDA index order; empty when it hides every device or is invalid."""

@@ -37,17 +37,10 @@ Handler = Callable[[str, Any], Any]
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a worker ended.
-
-    Attributes:
-        status: ``ok``; ``oom`` (an out-of-memory error, or a kill with evidence: :mod:`vramcal.measure.evidence`);
-            ``timeout`` (killed at the time limit); ``error`` (anything else, a kill without evidence included).
-        result: what the worker's function returned (``ok`` only).
-        error: the traceback's last lines; error_type: the exception's class name (None: it died without one).
-        message: the exception's first line, for people.
-        startup_s: seconds from asking for the process to its function running; wall_s: the whole run's, seen by
-            the caller.
-    """
+    """How a worker ended: ``status`` ``ok``, ``oom`` (an out-of-memory error, or a kill with evidence:
+    :mod:`vramcal.measure.evidence`), ``timeout`` or ``error``; ``result`` (``ok`` only); the traceback's last lines
+    (``error``), the exception's class name and first line (None: it died without one); ``startup_s`` (asking for
+    the process to its function running) and ``wall_s`` (the whole run, seen by the caller)."""
 
     status: OutcomeStatus
     result: Any = None
