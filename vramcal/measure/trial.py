@@ -162,17 +162,15 @@ class TrialRunner:
         step times, step by step (the collectives make every rank wait for it)."""
         self.context = figures[0]["context"]
         figures = [{k: v for k, v in each.items() if k not in ("context", "rank", "short")} for each in figures]
-        if len(figures) == 1:
-            return Trial(batch_size=request.batch_size, status="ok", purpose=purpose, startup_s=outcomes[0].startup_s,
-                         wall_s=outcomes[0].wall_s, **figures[0])
         startup_s, wall_s = max(o.startup_s or 0 for o in outcomes), max(o.wall_s or 0 for o in outcomes)
         top = max(range(len(figures)), key=lambda rank: figures[rank]["peak_bytes"])
         step_s = max(f["step_s"] for f in figures)
         slowest = {key: tuple(map(max, zip(*(f[key] for f in figures))))
                    for key in ("step_times_s", "warmup_times_s", "val_times_s")}
         trial = {**figures[top], **slowest, "step_s": step_s, "samples_per_s": request.batch_size / step_s}
+        ranks = tuple(f["peak_bytes"] for f in figures) if len(figures) > 1 else None
         return Trial(batch_size=request.batch_size, status="ok", purpose=purpose, startup_s=startup_s, wall_s=wall_s,
-                     rank_peak_bytes=tuple(f["peak_bytes"] for f in figures), **trial)
+                     rank_peak_bytes=ranks, **trial)
 
     def failed(self, request: TrialRequest, outcome: Outcome, purpose: str) -> Trial:
         """The record of a trial that did not finish: its status and the error's first line, then the traceback."""
