@@ -171,8 +171,7 @@ def select(gpu: str, capacity_bytes: int | None = None,
     Args:
         gpu: ``auto`` (else the host), ``none`` (the host), ``all``, a CUDA index, or a UUID (or 8+ characters of it).
         capacity_bytes: ``--capacity``; on a GPU it narrows ``total_bytes`` (never widens it).
-        nvml_loader: returns an initialised NVML namespace (default :func:`load_nvml`).
-        environ: where ``CUDA_VISIBLE_DEVICES`` is read (default ``os.environ``).
+        nvml_loader, environ: NVML's loader (default :func:`load_nvml`) and where ``CUDA_VISIBLE_DEVICES`` is read.
 
     Returns:
         The devices, and a one-line notice (why the host was chosen) or None.

@@ -112,8 +112,7 @@ class Workers:
         """Run ``function(*args, channel=Channel)`` in a worker and wait for it.
 
         Args:
-            function: a module-level function (pickled by reference), or ``module:function`` (imported in the
-                worker only).
+            function: a module-level function (pickled by reference), or ``module:function`` (imported there only).
             timeout_s: kill the worker after this many seconds (None: no limit).
             handler: ``handler(kind, payload)`` for the worker's messages; its return value answers an ask.
             usable_bytes: a kill after a reading at or above it is out-of-memory (:mod:`vramcal.measure.evidence`).
