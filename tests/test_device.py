@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from vramcal.cli import main
 from vramcal.measure.device import DeviceError, host_device, select
-from vramcal.measure.nvml import NvmlError, list_gpus, load_nvml, nvml_handle, nvml_query
+from vramcal.measure.nvml import NvmlError, gpu_record, load_nvml, nvml_handle, nvml_query
 from vramcal.models.mamba2 import check_dtype
 from vramcal.records import Device
 
@@ -29,8 +29,9 @@ A100 = {"name": "NVIDIA A100-SXM4-80GB", "uuid": "GPU-a1000000-aaaa-bbbb-cccc-00
                  "total": 21474836480, "reserved": 0, "used": 2**20}]}
 
 
-def test_list_gpus_reads_identity_and_the_usable_total():
-    gpus = list_gpus(fake_nvml([H200, L4]))
+def test_gpu_record_reads_identity_and_the_usable_total():
+    nvml = fake_nvml([H200, L4])
+    gpus = [gpu_record(nvml, nvml_query(nvml, "nvmlDeviceGetHandleByIndex", index)) for index in range(2)]
     h200, l4 = gpus
     assert [g.name for g in gpus] == ["NVIDIA H200", "NVIDIA L4"]
     assert h200.total_bytes == H200["total"] - H200["reserved"]  # what a process can allocate

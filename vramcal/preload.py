@@ -1,21 +1,9 @@
-"""What the worker fork server imports once, so every worker — trial or training run — starts with the same
-modules already imported (torch and transformers take seconds each on a small CPU) and the same process
-make-up: the model families, the trainer's data libraries (pandas, pyarrow), its loop and its progress bars.
+"""What the worker fork server imports once, so every worker (trial or training run) starts with the same modules
+and process make-up (:func:`vramcal.api.worker_pool` names it; nothing else imports it).
 
-The callers own it (:func:`vramcal.api.worker_pool` names it to :class:`vramcal.measure.worker.Workers`),
-so the process layer below knows nothing of what runs on it. Nothing imports this module but the server.
-
-pyarrow's default memory pool is the system allocator in workers (:class:`~vramcal.measure.worker.Workers`
-starts the server with ``ARROW_DEFAULT_MEMORY_POOL=system``; pyarrow reads it once, at load):
-jemalloc/mimalloc keep address space after a read, which the host budget's ``RLIMIT_DATA`` counts (about
-1 GiB on the E-mini bars). tqdm's monitor thread is switched off: a thread's stack is 8 MiB of data
-segment, and a worker should not carry threads that depend on whether a progress bar was drawn. Its lock is a
-thread lock: a worker's bars are its own process's, and tqdm's default holds a ``multiprocessing`` RLock, a named
-semaphore that a worker killed (``kill -9``, or by its caller on Ctrl-C) never unlinks, so multiprocessing's
-resource tracker warned of "leaked semaphore objects" as the command ended. Nothing
-here may start CUDA: the server runs with ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (so ``torch.cuda.is_available()``
-asks NVML, not the driver), and each worker checks that it inherited no CUDA state
-(:func:`vramcal.measure.worker.cuda_started`).
+tqdm's monitor thread is off (a thread's stack is 8 MiB of data segment) and its lock is a thread lock (its default
+``multiprocessing`` RLock is a named semaphore a killed worker never unlinks). Nothing here may start CUDA: each
+worker checks it inherited none (:func:`vramcal.measure.worker.cuda_started`).
 """
 
 import threading

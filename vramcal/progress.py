@@ -1,11 +1,6 @@
-"""Progress for people while a calibration runs: one line per finished trial, and the steady trial's steps as
-they end. The probe command prints it above a progress bar; :func:`vramcal.calibrate` prints it on stderr as
-plain lines, prefixed ``vramcal:``, for a script's log.
-
-Where there is no terminal (a log file, a pipe) no bar is drawn, so what it would have shown comes as a line at
-most once a minute (:class:`Heartbeat`): the steady trial's step here, a training run's step, loss, rate and time
-left in :mod:`vramcal.train.loop`. A log then neither goes silent for the length of a long trial or run nor fills
-with a line per step."""
+"""Progress for people while a calibration runs: a line per finished trial and the steady trial's steps, above a
+bar (probe) or as plain ``vramcal:`` lines (:func:`vramcal.calibrate`). Without a terminal, no bar: a line at most
+once a minute (:class:`Heartbeat`, also used by :mod:`vramcal.train.loop`)."""
 
 from __future__ import annotations
 
@@ -24,12 +19,8 @@ LOG_EVERY_S = 60.0  # seconds between progress lines where no bar is drawn (Hear
 
 
 class Heartbeat:
-    """When a progress line is due in a log without a terminal: at most one every ``every_s`` seconds (default
-    :data:`LOG_EVERY_S`), the first ``every_s`` after it was made.
-
-    Args:
-        clock: seconds, monotonic (default :func:`time.monotonic`; a test's fake clock).
-    """
+    """When a progress line is due without a terminal: at most one every ``every_s`` seconds (default
+    :data:`LOG_EVERY_S`), the first ``every_s`` after it was made; ``clock``: monotonic seconds."""
 
     def __init__(self, every_s: float | None = None, clock: Callable[[], float] | None = None) -> None:
         self.every_s, self._clock = LOG_EVERY_S if every_s is None else every_s, clock or time.monotonic
@@ -48,17 +39,13 @@ class Heartbeat:
 
 
 class TrialPrinter:
-    """One line per finished trial (:func:`trial_line`, with its speed, purpose and wall time), and the steady
-    trial's steps (:meth:`step`).
+    """One line per finished trial (:func:`trial_line`), and the steady trial's steps (:meth:`step`).
 
     Args:
-        max_trials: the most trials the search runs (the bar's total).
-        usable_bytes: the budget a finished trial is judged against (``over`` above it).
-        file: where the lines go (the bar, if any, goes to stderr).
-        level: -1 prints no trial line and no bar, 0 the trial lines, 1 each step as a line too (``vramcal -q``
-            / ``-v``).
-        bar: a tqdm bar (trials run / ``max_trials``) whose postfix follows the steady trial; without one (or
-            without a terminal for it), a step is a line when a :class:`Heartbeat` says one is due.
+        max_trials: the bar's total. usable_bytes: a finished trial above it is ``over``.
+        file: where the lines go (the bar goes to stderr).
+        level: -1 nothing, 0 the trial lines, 1 each step as a line too (``vramcal -q`` / ``-v``).
+        bar: draw a tqdm bar; without one (or a terminal), a step is a line when a :class:`Heartbeat` is due.
         prefix: put before every line (``"vramcal:"`` for a library's output).
     """
 
@@ -77,8 +64,7 @@ class TrialPrinter:
         self._bar.update(1)
 
     def step(self, payload: dict[str, Any]) -> None:
-        """A steady trial's step as it ends (:class:`vramcal.measure.trial.TrialRunner`'s ``on_step``: ``step``,
-        ``of``, ``peak_bytes``, ``step_s``)."""
+        """A steady trial's step (``TrialRunner``'s ``on_step``: ``step``, ``of``, ``peak_bytes``, ``step_s``)."""
         text = (f"steady trial step {payload['step']} (of at most {payload['of']}: it stops once the peak is level), "
                 f"peak {format_bytes(payload['peak_bytes'])}, {payload['step_s']:.2f} s/step")
         self._bar.set_postfix_str(text)
@@ -99,8 +85,7 @@ class TrialPrinter:
 
 
 def trial_line(trial: Trial, usable_bytes: int, middle: str) -> str:
-    """One trial for people: length, batch size, status, peak, ``middle``, and why a trial that did not finish
-    ended (an error's reason, a timeout's limit)."""
+    """One trial for people: length, batch size, status, peak, ``middle``, and why an unfinished one ended."""
     peak = format_bytes(trial.peak_bytes) if trial.peak_bytes is not None else "-"
     length = f"seq_len {trial.seq_len:>5}  " if trial.seq_len is not None else ""
     reason = trial_reason(trial)
@@ -109,5 +94,5 @@ def trial_line(trial: Trial, usable_bytes: int, middle: str) -> str:
 
 
 def trial_status(trial: Trial, usable_bytes: int) -> str:
-    """A trial's status for people: ``over`` for one that finished above usable memory, else its status."""
+    """``over`` for a trial that finished above usable memory, else its status."""
     return "over" if trial.ok and not trial.fits(usable_bytes) else trial.status

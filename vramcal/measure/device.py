@@ -1,14 +1,8 @@
 """Devices that vramcal calibrates: NVIDIA GPUs and MIG slices found through NVML, or the host's memory.
 
-Selection honours the environment the way CUDA does: ``--gpu auto`` is the first GPU *visible* to this
-process (``CUDA_VISIBLE_DEVICES``), ``--gpu N`` is CUDA index N among the visible ones in CUDA's order
-(PCI bus order under ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, else CUDA's default "fastest first", as the CUDA
-driver itself reports it: :func:`vramcal.measure.nvml.visible_uuids`), ``--gpu all`` is every visible
-one, and a UUID (``GPU-...`` or a MIG slice's ``MIG-...``) must be visible. Devices are then identified
-by UUID, never by position: a trial pins its device with ``CUDA_VISIBLE_DEVICES=<UUID>``.
-
-NVML itself lives in :mod:`vramcal.measure.nvml` (every call through one wrapper, errors as
-:class:`NvmlError`); this module and :mod:`vramcal.measure.meters` are its only users.
+``--gpu`` follows CUDA: ``auto`` is the first GPU visible to this process (``CUDA_VISIBLE_DEVICES``), ``N`` is
+CUDA index N in CUDA's order (:func:`vramcal.measure.nvml.visible_uuids`), ``all`` every visible one, a
+``GPU-``/``MIG-`` UUID must be visible. Devices are then identified by UUID, never by position.
 """
 
 from __future__ import annotations
@@ -33,22 +27,15 @@ class DeviceError(ValueError):
 # ---------------------------------------------------------------------------------------------- host
 
 def host_device(capacity_bytes: int | None = None, proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> Device:
-    """The host's RAM as a device.
-
-    ``total_bytes`` is ``capacity_bytes`` if given, else the cgroup v2 ``memory.max`` (or v1
-    ``memory.limit_in_bytes``) when it is set and below MemTotal, else MemAvailable from /proc/meminfo; never
-    more than a hard ``RLIMIT_DATA`` set outside vramcal (the budget is applied as one: ulimit -d, prlimit).
+    """The host's RAM as a device: ``total_bytes`` is ``capacity_bytes`` if given, else the cgroup's limit (v2
+    ``memory.max``, v1 ``memory.limit_in_bytes``) where below MemTotal, else MemAvailable; never more than a hard
+    ``RLIMIT_DATA`` set outside vramcal (the budget is applied as one).
 
     Raises:
         DeviceError: ``capacity_bytes`` is larger than the host's memory, or than that ``RLIMIT_DATA``.
     """
     meminfo = _meminfo(proc)
-    available = meminfo["MemAvailable"]
-    limit = _cgroup_limit(cgroup)
-    if limit is not None and limit < meminfo["MemTotal"]:
-        total, source = limit, "cgroup memory limit"
-    else:
-        total, source = available, "MemAvailable"
+    total, source = _cgroup_below(meminfo, cgroup) or (meminfo["MemAvailable"], "MemAvailable")
     _, outer = resource.getrlimit(resource.RLIMIT_DATA)
     outer = None if outer == resource.RLIM_INFINITY else outer
     if outer is not None and outer < total:
@@ -66,20 +53,14 @@ def host_device(capacity_bytes: int | None = None, proc: str = "/proc", cgroup: 
 
 
 def check_host_world(budgets: Sequence[int], proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> None:
-    """A world of host ranks, checked before any is forked: each rank may hold its budget at once, so together they
-    must fit the host's memory (MemTotal, or the cgroup's limit where that is lower): the check
-    :func:`host_device` makes of one budget, made of their sum.
-
-    Args:
-        budgets: the local ranks' budgets (bytes), one each.
+    """Check that the local host ranks' ``budgets`` (bytes, one each) together fit the host's memory (MemTotal, or
+    the cgroup's limit where lower), before any is forked.
 
     Raises:
-        DeviceError: their sum is more than the host's memory (naming it, the sum and the most each may have).
+        DeviceError: their sum is more (naming it, the sum and the most each may have).
     """
     meminfo = _meminfo(proc)
-    limit = _cgroup_limit(cgroup)
-    host, what = ((limit, "cgroup memory limit") if limit is not None and limit < meminfo["MemTotal"] else
-                  (meminfo["MemTotal"], "RAM"))
+    host, what = _cgroup_below(meminfo, cgroup) or (meminfo["MemTotal"], "RAM")
     if sum(budgets) <= host:
         return
     each = (f"{format_bytes(budgets[0])} each" if len(set(budgets)) == 1 else
@@ -90,10 +71,8 @@ def check_host_world(budgets: Sequence[int], proc: str = "/proc", cgroup: str = 
 
 
 def free_bytes(device: Device, proc: str = "/proc", cgroup: str = "/sys/fs/cgroup") -> tuple[int | None, str]:
-    """What ``device`` has free now for a run (bytes) and where the figure comes from: on the host MemAvailable
-    (``/proc/meminfo``), lowered to the cgroup's room (its limit minus its current use) where one is set; on a GPU
-    NVML's free memory of the card (other processes' memory is not free). ``(None, why)`` when it cannot be read.
-    """
+    """What ``device`` has free now (bytes) and the figure's source: on the host MemAvailable, lowered to the
+    cgroup's limit minus its use; on a GPU NVML's free memory. ``(None, why)`` when it cannot be read."""
     if device.kind == "host":
         try:
             available, source = _meminfo(proc)["MemAvailable"], "MemAvailable"
@@ -110,15 +89,8 @@ def free_bytes(device: Device, proc: str = "/proc", cgroup: str = "/sys/fs/cgrou
 
 
 def _cgroup_room(cgroup: str) -> int | None:
-    limit = _cgroup_limit(cgroup)
-    for name in ("memory.current", "memory/memory.usage_in_bytes"):
-        try:
-            with open(os.path.join(cgroup, name)) as handle:
-                used = int(handle.read().strip())
-        except (OSError, ValueError):
-            continue
-        return None if limit is None else max(0, limit - used)
-    return None
+    limit, used = _cgroup_limit(cgroup), _cgroup_figure(cgroup, "memory.current", "memory/memory.usage_in_bytes")
+    return None if limit is None or used is None else max(0, limit - used)
 
 
 def _meminfo(proc: str) -> dict[str, int]:
@@ -131,13 +103,24 @@ def _meminfo(proc: str) -> dict[str, int]:
 
 
 def _cgroup_limit(cgroup: str) -> int | None:
-    for name in ("memory.max", "memory/memory.limit_in_bytes"):
+    limit = _cgroup_figure(cgroup, "memory.max", "memory/memory.limit_in_bytes")  # v2, v1
+    return limit if limit is not None and limit < 2**60 else None  # v1's "no limit" is a huge number
+
+
+def _cgroup_below(meminfo: dict[str, int], cgroup: str) -> tuple[int, str] | None:
+    limit = _cgroup_limit(cgroup)
+    return (limit, "cgroup memory limit") if limit is not None and limit < meminfo["MemTotal"] else None
+
+
+def _cgroup_figure(cgroup: str, *names: str) -> int | None:
+    """The first of the cgroup's files ``names`` that holds a number (bytes)."""
+    for name in names:
         try:
             with open(os.path.join(cgroup, name)) as handle:
                 text = handle.read().strip()
         except OSError:
             continue
-        if text.isdigit() and int(text) < 2**60:
+        if text.isdigit():
             return int(text)
     return None
 
@@ -162,13 +145,11 @@ GPU_CHOICES = "auto, none (the host), all, a CUDA index such as 0, or a GPU-/MIG
 
 
 def check_choice(gpu: str | int) -> str:
-    """``gpu`` stripped, if it is a ``--gpu`` choice in form (:func:`select`'s ``gpu``; a CUDA index may be an
-    ``int``), checked before NVML is asked anything, so that a misspelt choice on a machine without a driver is
-    named as such.
+    """``gpu`` stripped, if it is a ``--gpu`` choice in form (a CUDA index may be an ``int``), checked before NVML
+    is asked anything.
 
     Raises:
-        DeviceError: any other value; ``cpu`` and ``host`` are told to use ``none``. TypeError: neither a ``str``
-            nor a whole number (``0.5``)."""
+        DeviceError: any other value (``cpu``/``host`` are told to use ``none``). TypeError: not a str or an int."""
     if isinstance(gpu, int) and not isinstance(gpu, bool):
         gpu = str(gpu)
     if not isinstance(gpu, str):
@@ -185,18 +166,15 @@ def check_choice(gpu: str | int) -> str:
 def select(gpu: str, capacity_bytes: int | None = None,
            nvml_loader: Callable[[], types.ModuleType] | None = None,
            environ: Mapping[str, str] | None = None) -> tuple[list[Device], str | None]:
-    """Resolve a ``--gpu`` choice to devices, among those visible to this process (see the module doc).
+    """Resolve a ``--gpu`` choice to devices visible to this process (module docstring).
 
     Args:
-        gpu: ``auto`` (first visible GPU, else the host), ``none`` (the host), ``all`` (every visible
-            GPU), a CUDA index such as ``0``, or a UUID (or a prefix of 8+ characters) such as
-            ``GPU-5d2c...`` or ``MIG-...``.
-        capacity_bytes: optional ``--capacity``; on a GPU it narrows ``total_bytes`` (never widens it).
-        nvml_loader: returns an initialised NVML namespace (default :func:`load_nvml`).
-        environ: where ``CUDA_VISIBLE_DEVICES`` is read (default ``os.environ``).
+        gpu: ``auto`` (else the host), ``none`` (the host), ``all``, a CUDA index, or a UUID (or 8+ characters of it).
+        capacity_bytes: ``--capacity``; on a GPU it narrows ``total_bytes`` (never widens it).
+        nvml_loader, environ: NVML's loader (default :func:`load_nvml`) and where ``CUDA_VISIBLE_DEVICES`` is read.
 
     Returns:
-        The devices, and a one-line notice for the user (e.g. why the host was chosen) or None.
+        The devices, and a one-line notice (why the host was chosen) or None.
 
     Raises:
         DeviceError: a choice not in form (:func:`check_choice`), or naming no visible device (it lists those).
@@ -210,12 +188,12 @@ def select(gpu: str, capacity_bytes: int | None = None,
         gpus = visible_gpus(nvml, dict(environ))
     except NvmlError as error:
         if choice == "auto":
-            return [host_device(capacity_bytes)], _host_notice(f"no usable NVIDIA GPU ({error.cause})", capacity_bytes)
+            return [host_device(capacity_bytes)], _host_notice(f"no usable NVIDIA GPU ({error.cause})")
         raise
     hidden = _visibility(environ)
     if choice == "auto":
         if not gpus:
-            return [host_device(capacity_bytes)], _host_notice(f"no GPU is visible{hidden}", capacity_bytes)
+            return [host_device(capacity_bytes)], _host_notice(f"no GPU is visible{hidden}")
         chosen = gpus[:1]
     elif choice == "all":
         if not gpus:
@@ -245,8 +223,8 @@ def _visibility(environ: Mapping[str, str]) -> str:
 
 
 def _by_uuid(nvml: types.ModuleType, choice: str, gpus: list[Device], environ: Mapping[str, str]) -> Device:
-    """The visible device whose UUID is ``choice`` or starts with it (8+ characters); with
-    ``CUDA_VISIBLE_DEVICES`` unset, any MIG slice NVML knows (CUDA lists only a card's first slice)."""
+    """The visible device whose UUID is or starts with ``choice`` (8+ characters); with ``CUDA_VISIBLE_DEVICES``
+    unset, any MIG slice NVML knows (CUDA lists only a card's first)."""
     def matches(uuid: str | None) -> bool:
         return uuid == choice or (len(choice) >= 8 and choice.startswith(("GPU-", "MIG-"))
                                   and (uuid or "").startswith(choice))
@@ -266,7 +244,7 @@ def _by_uuid(nvml: types.ModuleType, choice: str, gpus: list[Device], environ: M
                       f"(visible: {listing}); use auto, none, all, a CUDA index or a visible UUID")
 
 
-def _host_notice(reason: str, capacity_bytes: int | None) -> str:
+def _host_notice(reason: str) -> str:
     return Info(f"{reason}: using the host's memory instead")
 
 

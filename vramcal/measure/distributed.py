@@ -1,21 +1,11 @@
 """A rank of a data-parallel world (DDP or FSDP2) in a worker process: joining the world, the model wrapped or
 sharded, failures agreed.
 
-A world's trial (:func:`vramcal.measure.trial.measure_rank`) and a training rank (:mod:`vramcal.train.worker`) run
-the same sequence in a worker forked from vramcal's server, after the meter has pinned the rank's device::
-
-    group = join(world, rank, init_method, timeout_s)   # torch.distributed.init_process_group
-    step = build(...)
-    group.agree(True)                                   # every rank built its step, or all stop
-    model = wrap(step, world, device)                   # DistributedDataParallel, or FSDP2's fully_shard
-    ... steps through ``model`` ...
-    group.close()
-
-Failures: a rank that fails outside a collective (building its step, drawing a batch) says so at the next
-:meth:`Group.agree`, where every rank learns it and stops with one line; a failure inside a step, while the
-others wait in DDP's gradient all-reduce, is seen by the caller, which stops the world
-(:meth:`vramcal.measure.worker.Workers.run_all`); every collective is bounded by the process group's
-timeout, the trial's time limit.
+A world's trial (:func:`vramcal.measure.trial.measure`) and a training rank (:mod:`vramcal.train.worker`) run
+:func:`join`, the step built on every rank (:func:`build_agreed`), :func:`wrap`, the steps, ``group.close()``. A rank
+failing outside a collective says so at the next :meth:`Group.agree`, and every rank stops; one failing inside a
+step is seen by the caller, which stops the world (:meth:`vramcal.measure.worker.Workers.run_all`). Every
+collective is bounded by the process group's timeout, the trial's time limit.
 """
 
 from __future__ import annotations
@@ -44,19 +34,15 @@ class Group:
     device: Any
 
     def agree(self, ok: bool) -> bool:
-        """Whether every rank is ``ok`` (an all-reduce of a flag: the minimum over the ranks).
+        """Whether every rank is ``ok`` (:meth:`all_of`).
 
         Raises:
             PeerFailed: this rank is ok and another is not.
         """
-        import torch
-        import torch.distributed as dist
-
-        flag = torch.tensor([1 if ok else 0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if ok and not int(flag.item()):
+        everyone = self.all_of(ok)
+        if ok and not everyone:
             raise PeerFailed(f"rank {self.rank} stops: another rank of the world failed")
-        return bool(flag.item())
+        return everyone
 
     def all_of(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank (an all-reduce of the minimum; no rank fails by it)."""
@@ -85,16 +71,13 @@ class Group:
 
 def join(world: World, rank: int, init_method: str, timeout_s: float, device: torch.device) -> Group:
     """Join ``world`` as ``rank`` (``torch.distributed.init_process_group``; ``env://`` under torchrun, a shared
-    file for vramcal's own trials), with ``world.threads_per_rank`` intra-op threads.
+    file for vramcal's trials), with ``world.threads_per_rank`` intra-op threads.
 
     Args:
-        timeout_s: the bound of every collective (a rank that waits longer raises).
-        device: the rank's torch device; the agreement flags live there (NCCL needs CUDA tensors). A GPU rank's
-            card is the only one its worker sees (the meter pinned it by UUID), so ``cuda`` is index 0: it is set
-            as the current device (``torch.cuda.set_device`` takes no index-less device: torch's
-            ``_get_device_index(..., optional=False)`` raises) and bound at init (``init_process_group``'s
-            ``device_id``: NCCL forms its communicator there); without it FSDP2's default mesh
-            (``init_device_mesh``) would set the device to ``LOCAL_RANK``, no card in a worker that sees one.
+        timeout_s: the bound of every collective.
+        device: the rank's torch device (the agreement flags live there). A GPU rank's one visible card is set as
+            current device with an index (``torch.cuda.set_device`` refuses none) and bound at init (``device_id``),
+            before FSDP2's default mesh would set it to ``LOCAL_RANK``.
     """
     import torch
     import torch.distributed as dist
@@ -102,15 +85,15 @@ def join(world: World, rank: int, init_method: str, timeout_s: float, device: to
     torch.set_num_threads(world.threads_per_rank)
     bound = torch.device(device.type, device.index or 0) if device.type == "cuda" else None
     if bound is not None:
-        torch.cuda.set_device(bound)  # before FSDP2's default mesh, which would set the device to LOCAL_RANK
+        torch.cuda.set_device(bound)
     dist.init_process_group(world.backend, init_method=init_method, rank=rank, world_size=world.nproc,
                             timeout=dt.timedelta(seconds=timeout_s), device_id=bound)
     return Group(rank, world.nproc, device)
 
 
 def wrap(step: TrainingStep, world: World, device: torch.device) -> torch.nn.Module:
-    """The module a rank's steps go through: ``step.model`` in ``torch.nn.parallel.DistributedDataParallel`` with
-    the world's memory-relevant settings, or sharded in place by FSDP2 (:func:`shard`).
+    """The module a rank's steps go through: ``step.model`` in ``DistributedDataParallel`` with the world's settings,
+    or sharded in place by FSDP2 (:func:`shard`).
 
     Raises:
         ValueError: FSDP over a model with no parameter to shard.
@@ -131,9 +114,8 @@ BLOCK_CLASSES = ("Mamba2Block", "Mamba2")
 
 
 def shard_units(step: TrainingStep) -> tuple[torch.nn.Module, ...]:
-    """The submodules ``fully_shard`` wraps before the root: the factory's ``step.shard_units``, else every
-    Mamba-2 block of ``step.model`` (:data:`BLOCK_CLASSES`, the first class that occurs), else none (the root
-    alone is one unit)."""
+    """The submodules ``fully_shard`` wraps before the root: ``step.shard_units``, else every block of the first of
+    :data:`BLOCK_CLASSES` in ``step.model``, else none."""
     if step.shard_units is not None:
         return tuple(step.shard_units)
     for name in BLOCK_CLASSES:
@@ -144,11 +126,9 @@ def shard_units(step: TrainingStep) -> tuple[torch.nn.Module, ...]:
 
 
 def shard(step: TrainingStep, world: World) -> torch.nn.Module:
-    """Shard ``step.model`` across the world in place with FSDP2, as torchtitan does: ``fully_shard`` on each
-    unit (:func:`shard_units`) and then on the root, with ``world.reshard_after_forward``; the optimizer's
-    parameter groups are pointed at the sharded parameters (``fully_shard`` replaces each parameter by a
-    DTensor of its shard, PyTorch's FSDP2 notes), so the factory builds its optimizer as it would for one
-    process. Returns the model, now an ``FSDPModule``.
+    """Shard ``step.model`` in place with FSDP2, as torchtitan does (``fully_shard`` on each of :func:`shard_units`,
+    then the root), and point the optimizer's groups at the sharded DTensor parameters (PyTorch's FSDP2 notes).
+    Returns the model, now an ``FSDPModule``.
 
     Raises:
         ValueError: the optimizer already holds state (a step ran before sharding), or a parameter it holds is
@@ -175,15 +155,14 @@ def shard(step: TrainingStep, world: World) -> torch.nn.Module:
 
 
 def local_bytes(tensors: Any) -> int:
-    """Bytes this rank holds of ``tensors`` (elements times element size): a DTensor's local shard, any other
-    tensor whole."""
+    """Bytes this rank holds of ``tensors``: a DTensor's local shard, any other tensor whole."""
     return sum(local.numel() * local.element_size()
                for local in (t.to_local() if hasattr(t, "to_local") else t for t in tensors))
 
 
 def build_agreed(group: Group, build: Any) -> Any:
-    """``build()`` on every rank, agreed: a rank whose build raised tells the others (which stop with
-    :class:`PeerFailed`), then raises its own error."""
+    """``build()`` on every rank, agreed: a rank whose build raised tells the others (:class:`PeerFailed`), then
+    raises."""
     try:
         built = build()
     except BaseException:

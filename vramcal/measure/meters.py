@@ -1,37 +1,26 @@
-"""The meter: one definition of peak_bytes (DESIGN.md), used by trial processes, the trainer and the
-framework integrations alike.
+"""The meter: one definition of peak_bytes (DESIGN.md), for trial processes, the trainer and the integrations.
 
     meter = open_meter(device, host_limit_bytes)  # first thing in the process, before CUDA starts
     meter.check_pinned()                           # once CUDA has started (GPU; no-op on the host)
-    ...build, warm up...
-    meter.reset()                                  # the measured span starts here
-    ...measured steps...
+    meter.reset()                                  # after build and warm-up: the measured span starts
     figures = meter.read()                         # peak_bytes and every source
     meter.environment(); meter.close()
 
-On a GPU, ``peak_bytes = max(NVML peak, nvml_overhead_bytes + torch.cuda.max_memory_reserved())``: the
-NVML peak comes from :class:`~vramcal.measure.sampler.NvmlSampler` (baseline before CUDA started, so the
-context, weights and data count), the overhead (NVML usage minus torch's reserved memory: the CUDA
-context, cuBLAS workspaces, kernels) is re-measured at each :meth:`CudaMeter.reset`. On the host,
-``peak_bytes = max(VmHWM, data-segment peak)``: the figure the host budget (``RLIMIT_DATA``) binds.
-
-A process that was not started for measuring (a Lightning, Hugging Face or Accelerate run: CUDA may have
-started, no budget is set) is measured by :func:`attach_meter`, by the same definitions from the moment it
-is attached.
-
-With :mod:`vramcal.measure.nvml`, the only module that touches NVML or ``torch.cuda`` memory functions.
+GPU: ``peak_bytes = max(NVML peak, nvml_overhead_bytes + torch.cuda.max_memory_reserved())``, the NVML peak from
+:class:`~vramcal.measure.sampler.NvmlSampler`, the overhead (NVML usage minus torch's reserved: context, workspaces,
+kernels) re-measured at each reset. Host: ``peak_bytes = max(VmHWM, data-segment peak)``, what ``RLIMIT_DATA``
+binds. A process not started for measuring (a framework's run) is measured by :func:`attach_meter`.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import resource
 import sys
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from vramcal.environment import ALLOCATOR_ENV, HOST_MALLOC_ENV, HOST_ONLY, TRITON_ENV, WORKER_DEFAULTS, triton_cache_dir
+from vramcal import environment as env
 from vramcal.measure.nvml import NvmlError, load_nvml, nvml_handle
 from vramcal.measure.sampler import BASELINE_SETTLE_S, NvmlSampler
 from vramcal.records import Device
@@ -57,15 +46,13 @@ def open_meter(device: Device, host_limit_bytes: int | None = None, *, settle_s:
                nvml_loader: Any = None) -> Meter:
     """Start measuring this process on ``device``; call it before CUDA is initialised.
 
-    GPU: pins ``CUDA_VISIBLE_DEVICES`` to the device's UUID (a MIG slice's ``MIG-`` UUID), waits up to
-    ``settle_s`` for the device's used memory to settle, takes the baseline and starts the sampler.
-    Host: sets ``RLIMIT_DATA`` to ``host_limit_bytes`` when given.
+    GPU: pins ``CUDA_VISIBLE_DEVICES`` to the device's UUID, waits up to ``settle_s`` for its used memory to
+    settle, takes the baseline and starts the sampler. Host: sets ``RLIMIT_DATA`` to ``host_limit_bytes`` if given.
 
     Raises:
-        MeterError: CUDA was already initialised in this process, or the device has no UUID.
+        MeterError: CUDA was already initialised, the device has no UUID, or an outer RLIMIT_DATA is below the budget.
         NvmlError: NVML is unusable.
-        MemoryError: the host budget is at or below the data segment this process already holds (no batch
-            size can fit; the limit is left unset).
+        MemoryError: the host budget is at or below what this process already holds (the limit is left unset).
     """
     if device.kind == "cuda":
         return CudaMeter(device, settle_s=settle_s, nvml_loader=nvml_loader)
@@ -75,23 +62,17 @@ def open_meter(device: Device, host_limit_bytes: int | None = None, *, settle_s:
 # ---------------------------------------------------------------------------------------------- GPU
 
 class CudaMeter:
-    """The GPU meter; see :func:`open_meter`.
-
-    What else differs for a GPU's workers: CUDA raises an out-of-memory error for device memory and never kills a
-    process for it (``killed_for_memory``: a GPU worker killed by the kernel's out-of-memory killer ran out of the
-    host's memory, :mod:`vramcal.measure.evidence`); their environment (:meth:`worker_environment`).
-    """
+    """The GPU meter (:func:`open_meter`); CUDA never kills a process for device memory (``killed_for_memory``:
+    :mod:`vramcal.measure.evidence`)."""
 
     kind = "cuda"
     killed_for_memory = False
 
     @staticmethod
     def worker_environment() -> dict[str, str]:
-        """What a GPU worker's fork server starts with unless the caller set it: the workers' defaults without the
-        host's own (:data:`vramcal.environment.HOST_ONLY`), and Triton's caches kept across trials
-        (:data:`vramcal.environment.TRITON_ENV`, under :func:`vramcal.environment.triton_cache_dir`)."""
-        return {**{name: value for name, value in WORKER_DEFAULTS.items() if name not in HOST_ONLY},
-                TRITON_ENV[0]: str(triton_cache_dir()), TRITON_ENV[1]: "1"}
+        """A GPU worker's fork server's defaults: the workers' without the host's own, and Triton's caches."""
+        return {**{name: value for name, value in env.WORKER_DEFAULTS.items() if name not in env.HOST_ONLY},
+                env.TRITON_ENV[0]: str(env.triton_cache_dir()), env.TRITON_ENV[1]: "1"}
 
     def __init__(self, device: Device, settle_s: float = BASELINE_SETTLE_S, nvml_loader: Any = None) -> None:
         if not device.uuid:
@@ -111,8 +92,7 @@ class CudaMeter:
         """Raise unless torch's current CUDA device is the chosen one (compared by UUID).
 
         Raises:
-            MeterError: something touched CUDA before the pin (e.g. a ``__main__`` re-imported by the
-                fork server's children), so the steps would run on another device than the one metered.
+            MeterError: something touched CUDA before the pin: the steps would run on another device.
         """
         import torch
 
@@ -124,18 +104,15 @@ class CudaMeter:
                              f"meter before anything touches CUDA")
 
     def held_bytes(self) -> int:
-        """What this process holds on the GPU now (NVML's figure: the context, weights, data; the process term)."""
+        """What this process holds on the GPU now (NVML's figure: context, weights, data), bytes."""
         synchronize("cuda")
         return self._sampler.current_bytes()
 
     def reset(self) -> None:
         """Synchronize; reset torch's and the sampler's peaks; re-measure the NVML overhead."""
-        import torch
-
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        torch_cuda_reset_peaks()
         self._sampler.reset_peaks()
-        self.nvml_overhead_bytes = self._sampler.current_bytes() - int(torch.cuda.memory_reserved())
+        self.nvml_overhead_bytes = self._sampler.current_bytes() - torch_cuda_reserved_bytes()
 
     def read(self) -> dict[str, Any]:
         """Figures since the last :meth:`reset` (bytes): ``peak_bytes`` and every source.
@@ -144,26 +121,20 @@ class CudaMeter:
             MeterError: NVML stopped answering during the span.
         """
         synchronize("cuda")
-        if self._sampler.error is None:
-            try:
-                self._sampler.sample()
-            except NvmlError as error:
-                self._sampler.error = str(error)
-        if self._sampler.error is not None:
+        if self._sampler.checked_sample() is not None:
             raise MeterError(f"NVML stopped answering while measuring ({self._sampler.error}): the figures are "
                              f"incomplete; check the GPU with nvidia-smi and run again")
         return cuda_peaks(self._sampler, self.nvml_overhead_bytes)
 
     def environment(self) -> dict[str, Any]:
-        """What changes GPU memory use besides the model, read after CUDA started, and what the worker ran with
-        (Triton's caches; the host's settings, unset unless the caller set them) (for the profile)."""
+        """What changes GPU memory besides the model (read after CUDA started), and the worker's settings."""
         import torch
 
         major, minor = torch.cuda.get_device_capability()
         return {"torch_version": torch.__version__, "torch_cuda_version": torch.version.cuda,
-                "cudnn_version": torch.backends.cudnn.version(), "triton_version": _version("triton"),
+                "cudnn_version": torch.backends.cudnn.version(), "triton_version": env.package_version("triton"),
                 "compute_capability": f"{major}.{minor}",
-                **{name: os.environ.get(name) for name in (*ALLOCATOR_ENV, *TRITON_ENV, *HOST_ONLY)}}
+                **{name: os.environ.get(name) for name in (*env.ALLOCATOR_ENV, *env.TRITON_ENV, *env.HOST_ONLY)}}
 
     def close(self) -> None:
         self._sampler.stop()
@@ -175,35 +146,24 @@ def _uuid_body(uuid: str | None) -> str:
     return text.split("-", 1)[1] if text.startswith(("gpu-", "mig-")) else text
 
 
-def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 # ---------------------------------------------------------------------------------------------- host
 
 class HostMeter:
-    """The host meter; see :func:`open_meter`. ``RLIMIT_DATA`` stays for the life of the process. The kernel's
-    out-of-memory killer guards the host's memory (``killed_for_memory``)."""
+    """The host meter (:func:`open_meter`); ``RLIMIT_DATA`` stays for the process's life."""
 
     kind = "host"
     killed_for_memory = True
 
     @staticmethod
     def worker_environment() -> dict[str, str]:
-        """What a host worker's fork server starts with unless the caller set it
-        (:data:`vramcal.environment.WORKER_DEFAULTS`)."""
-        return dict(WORKER_DEFAULTS)
+        """A host worker's fork server's defaults (:data:`vramcal.environment.WORKER_DEFAULTS`)."""
+        return dict(env.WORKER_DEFAULTS)
 
     def __init__(self, host_limit_bytes: int | None = None) -> None:
-        self._highest: dict[str, int] | None = None  # the highest reading since the last reset (read)
+        self._highest: dict[str, int] | None = None  # the highest reading since the last reset
         if host_limit_bytes is not None:
             held = read_status_bytes("VmData")
             if held >= host_limit_bytes:
-                # every allocation would fail, wherever it happens first (a library's thread, a parquet read):
-                # a budget problem, said as one, not the failure of whatever ran into it
                 raise MemoryError(f"the host budget {format_bytes(host_limit_bytes)} is below the "
                                   f"{format_bytes(held)} this process held before its step (the interpreter, torch "
                                   f"and the libraries it imported)")
@@ -227,9 +187,8 @@ class HostMeter:
         self._highest = None
 
     def read(self) -> dict[str, Any]:
-        """:func:`host_peaks`, never below a reading since the last reset: the data-segment peak is VmPeak less the
-        mappings that are not data at the time of reading, so a mapping that is there now and was not at the peak
-        lowers it by its size (seen: a steady trial's peak so far 116 KiB lower one step than the step before)."""
+        """:func:`host_peaks`, never below a reading since the last reset (a mapping made after the data-segment
+        peak lowers :func:`peak_data_bytes` by its size)."""
         peaks = host_peaks()
         if self._highest is not None and self._highest["peak_bytes"] > peaks["peak_bytes"]:
             return self._highest
@@ -241,13 +200,13 @@ class HostMeter:
         import torch
 
         return {"torch_version": torch.__version__, "torch_num_threads": torch.get_num_threads(),
-                **{name: os.environ.get(name) for name in HOST_MALLOC_ENV}}
+                **{name: os.environ.get(name) for name in env.HOST_MALLOC_ENV}}
 
     def close(self) -> None:
         """Nothing to stop on the host."""
 
 
-# The meter of each kind of device (:data:`vramcal.records.DeviceKind`), and with it what else differs between them
+# The meter of each kind of device (:data:`vramcal.records.DeviceKind`)
 METERS: dict[str, type[CudaMeter] | type[HostMeter]] = {"cuda": CudaMeter, "host": HostMeter}
 
 
@@ -271,31 +230,21 @@ def host_held_bytes() -> int:
 
 
 def peak_data_bytes() -> int:
-    """Peak size of this process's data segment (VmData: heap and private anonymous mappings), bytes.
-
-    The kernel keeps the peak of the whole address space (VmPeak) but not of VmData, and the rest of the
-    address space (code, libraries, mapped files) does not change while training steps run, so
-    ``VmPeak - (VmSize - VmData)`` is the data segment's peak. It is what ``RLIMIT_DATA`` limits: the
-    host budget of vramcal's trials fails exactly when this figure would pass it.
-    """
+    """Peak of this process's data segment (VmData), bytes: ``VmPeak - (VmSize - VmData)``, the rest of the
+    address space (code, libraries, mapped files) being constant while steps run. ``RLIMIT_DATA`` limits it."""
     status = {field: read_status_bytes(field) for field in ("VmPeak", "VmSize", "VmData")}
     return status["VmPeak"] - (status["VmSize"] - status["VmData"])
 
 
 def host_peaks() -> dict[str, int]:
-    """DESIGN.md's host ``peak_bytes`` with its sources: the larger of the resident peak (VmHWM, since
-    the last :func:`reset_peak_rss`) and the data-segment peak (:func:`peak_data_bytes`, whole process
-    life), the figure that the host budget ``RLIMIT_DATA`` limits."""
+    """DESIGN.md's host ``peak_bytes`` with its sources: max(VmHWM since :func:`reset_peak_rss`, the data-segment
+    peak of the process's life), bytes."""
     rss_peak, data_peak = read_status_bytes("VmHWM"), peak_data_bytes()
     return {"peak_bytes": max(rss_peak, data_peak), "rss_peak_bytes": rss_peak, "data_peak_bytes": data_peak}
 
 
 def reset_peak_rss() -> bool:
-    """Reset this process's VmHWM to its current RSS (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0).
-
-    Returns:
-        False when the kernel refuses; the peak then also covers the warm-up.
-    """
+    """Reset VmHWM to the current RSS (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0); False if refused."""
     try:
         with open("/proc/self/clear_refs", "w") as handle:
             handle.write("5")
@@ -354,8 +303,8 @@ def synchronize(device_kind: str) -> None:
 # ---------------------------------------------------------------------------------------------- attached
 
 class AttachedMeter(Protocol):
-    """A meter attached to a running process (:func:`attach_meter`); ``definition`` says what it measured, and
-    ``unseen`` what of the process it cannot see (None: nothing; else its peak is a lower bound)."""
+    """A meter attached to a running process (:func:`attach_meter`): ``definition`` is what it measured, ``unseen``
+    what it cannot see (None: nothing; else its peak is a lower bound)."""
 
     definition: str
     unseen: str | None
@@ -367,26 +316,18 @@ class AttachedMeter(Protocol):
 
 
 def attach_meter(device: Device, warn: Callable[[str], None] = print) -> AttachedMeter:
-    """A meter for this already running process on ``device`` (a CUDA GPU it trains on, or the host), by the
-    trials' definitions: on a GPU ``max(NVML per-process peak, NVML overhead at reset +
-    torch.cuda.max_memory_reserved())``, NVML sampled every 10 ms by a background thread from the first
-    ``reset()`` (where NVML is unusable, ``torch.cuda.max_memory_reserved()`` alone, which leaves out the CUDA
-    context: ``warn`` says so); on the host ``max(VmHWM since reset, peak of the data segment over the process's
-    life)``. Attach it before the model reaches the card: where NVML gives no per-process figure its baseline is
-    the device's use now (:class:`AttachedCudaMeter`).
+    """A meter for this already running process on ``device``, by the trials' definitions (module docstring),
+    the NVML sampler started at the first ``reset()``. Attach it before the model reaches the card.
 
     Args:
-        warn: called with one line when the meter falls back to a weaker figure.
+        warn: called with one line when the meter falls back to a weaker figure (no NVML: torch's reserved peak).
     """
     return AttachedCudaMeter(device, warn) if device.kind == "cuda" else AttachedHostMeter()
 
 
 class AttachedHostMeter:
-    """The host peak of this process (:func:`host_peaks`).
-
-    VmHWM is reset by :meth:`reset`; the data-segment peak cannot be reset, so where it was reached before
-    (a long-lived process, a notebook) the figure is an upper bound of the span's, and the definition says so.
-    """
+    """The host peak of this process (:func:`host_peaks`); where the data-segment peak (never reset) was reached
+    before the span, an upper bound, and the definition says so."""
 
     unseen = None  # the kernel's figures are the whole process's
 
@@ -414,15 +355,11 @@ class AttachedHostMeter:
 
 
 class AttachedCudaMeter:
-    """The GPU peak of this process (:func:`cuda_peaks`): NVML sampled in a thread, and torch's allocator peak.
-    Without NVML, torch's reserved peak alone (with a warning).
+    """The GPU peak of this process (:func:`cuda_peaks`); without NVML, torch's reserved peak alone.
 
-    NVML's figure is this process's own where NVML lists it with one; else (a container's PID namespace hides it:
-    :mod:`vramcal.measure.sampler`) the device's use since the baseline, taken when the meter is made. Made before
-    CUDA started in this process, that covers all of it. Made after, what the process held then is not in the
-    change: torch's reserved memory at the baseline is counted back in, and what lies outside torch's allocator
-    (the CUDA context, ~0.3-0.5 GiB, and any library's own allocations) is not seen: ``unseen`` says so, the peak
-    and :meth:`held_bytes` are lower bounds, and the definition says it.
+    Where NVML gives no per-process figure (:mod:`vramcal.measure.sampler`) and CUDA started before the meter was
+    made, torch's reserved memory then is counted back in, but the CUDA context and other allocations outside
+    torch's are not seen: ``unseen`` says so, and the peak and :meth:`held_bytes` are lower bounds.
     """
 
     def __init__(self, device: Device, warn: Callable[[str], None] = print) -> None:
@@ -440,11 +377,8 @@ class AttachedCudaMeter:
                  f"out the CUDA context that the profile counts")
         self._before_bytes = 0
         if self._sampler is not None and before is not None:
-            try:
-                self._sampler.sample()  # does NVML give this process's own figure?
-            except NvmlError as error:
-                self._sampler.error = str(error)  # read() says so
-            if self._sampler.source != "process":  # the device-wide change from here: what CUDA holds now is out
+            self._sampler.checked_sample()  # does NVML give this process's own figure? (an error: read() says so)
+            if self._sampler.source != "process":
                 self._before_bytes = before
                 self.unseen = ("NVML gives no per-process figure here (a container?) and CUDA had started before "
                                "vramcal attached, so the CUDA context and memory outside torch's allocator held "
@@ -452,8 +386,7 @@ class AttachedCudaMeter:
                 self.definition += f", a lower bound: {self.unseen}"
 
     def held_bytes(self) -> int:
-        """This process's GPU memory now (NVML, with torch's reserved memory at the baseline where NVML's figure
-        is the change since it; without NVML, torch's reserved memory)."""
+        """This process's GPU memory now, bytes (without NVML, torch's reserved memory)."""
         synchronize("cuda")
         if self._sampler is None:
             return torch_cuda_reserved_bytes()
@@ -472,11 +405,7 @@ class AttachedCudaMeter:
     def read(self) -> int:
         synchronize("cuda")
         if self._sampler is not None:
-            try:
-                self._sampler.sample()
-            except NvmlError as error:
-                self._sampler.error = str(error)
-            if self._sampler.error is None:
+            if self._sampler.checked_sample() is None:
                 figures = cuda_peaks(self._sampler, self._overhead_bytes)
                 return max(figures["peak_bytes"], figures["nvml_peak_bytes"] + self._before_bytes)
             self._warn(f"NVML stopped answering ({self._sampler.error}): the peak is "

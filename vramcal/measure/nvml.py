@@ -1,27 +1,10 @@
-"""The NVML boundary: loading NVML, the one query wrapper, memory and process figures, visible GPUs.
+"""The NVML boundary: loading NVML, the one query wrapper (:func:`nvml_query`, errors as :class:`NvmlError`), memory
+and process figures, visible GPUs.
 
-Every NVML call in vramcal goes through :func:`nvml_query`, which turns the driver's errors into
-:class:`NvmlError` with a readable message (nvitop's ``libnvml.py`` pattern). What nvitop does here:
-
-- ``nvitop.api.libnvml`` is the namespace the queries are looked up in: pynvml's functions, with
-  ``nvmlDeviceGetMemoryInfo`` choosing the v2 struct only when the driver exports the v2 symbol, and
-  ``nvmlDeviceGet*RunningProcesses`` choosing the v3/v2/v1 struct layout the driver has. vramcal does
-  not use nvitop's ``nvmlQuery`` (it turns errors into ``NA`` values and logs them); nor nvitop's
-  ``nvmlInit`` (it logs a coloured "FATAL ERROR" when the driver is missing, the ordinary case on a
-  CPU machine): NVML is started with pynvml's ``nvmlInit``.
-- :func:`visible_uuids` is nvitop's ``normalize_cuda_visible_devices``: it asks the CUDA driver itself
-  (``cuInit``, ``cuDeviceGetUuid``, in a throw-away process, so this one never creates a CUDA context)
-  which devices ``CUDA_VISIBLE_DEVICES`` and ``CUDA_DEVICE_ORDER`` make visible, in CUDA's order:
-  PCI bus order under ``CUDA_DEVICE_ORDER=PCI_BUS_ID``, else CUDA's default "fastest first". It
-  follows CUDA's MIG rules (``MIG-<UUID>`` and the legacy ``MIG-GPU-<UUID>/gi/ci`` forms; one MIG
-  device at most is visible to a process; a MIG-enabled GPU listed by index shows its first slice).
-  Where the CUDA driver cannot be asked, nvitop falls back to NVML, whose order is the PCI bus order:
-  the same as CUDA's on machines whose GPUs are all one model, or under ``CUDA_DEVICE_ORDER=PCI_BUS_ID``.
-
-Written here by hand: the v2 -> v1 memory retry when the v2 symbol exists but the call is refused
-(vGPU, some MIG set-ups), building :class:`~vramcal.records.Device` records, and the MIG slice's
-identity (its name, memory and UUID from its own handle; bus id, index and compute capability from
-its parent's).
+Queries go through ``nvitop.api.libnvml`` (pynvml's functions with the driver's v2/v3 struct chosen per symbol;
+not nvitop's ``nvmlQuery``/``nvmlInit``, which log). :func:`visible_uuids` is nvitop's
+``normalize_cuda_visible_devices`` (the CUDA driver asked in a throw-away process: CUDA's order and MIG rules).
+Written here: the v2 -> v1 memory retry, :class:`~vramcal.records.Device` records, a MIG slice's identity.
 """
 
 from __future__ import annotations
@@ -86,11 +69,8 @@ def nvml_query(nvml: types.ModuleType, func: str, *args: Any, **kwargs: Any) -> 
 
 @dataclass(frozen=True)
 class MemoryFigures:
-    """One NVML memory reading of a GPU or MIG slice, in bytes.
-
-    ``reserved_bytes`` is the driver's and firmware's share of ``total_bytes`` (v2 only; 0 from v1,
-    where ``total`` already leaves it out on most drivers). ``version`` is 2 or 1.
-    """
+    """One NVML memory reading of a GPU or MIG slice, in bytes; ``reserved_bytes`` is the driver's and firmware's
+    share of ``total_bytes`` (v2; 0 from v1, whose total leaves it out on most drivers); ``version`` 2 or 1."""
 
     total_bytes: int
     reserved_bytes: int
@@ -99,37 +79,26 @@ class MemoryFigures:
     version: int
 
 
-def nvml_memory_info(nvml: types.ModuleType, handle: Any) -> Any:
-    """NVML's memory struct of ``handle`` (``total``/``free``/``used``, and ``reserved`` from v2; bytes):
-    v2 where the driver exports it, else v1; v1 also when v2 exists but is refused (vGPU, some MIG set-ups).
+def memory_figures(nvml: types.ModuleType, handle: Any) -> MemoryFigures:
+    """Memory of ``handle``: v2 where the driver exports it, else v1, also where v2 is refused (vGPU, some MIG).
 
     Raises:
         NvmlError: both calls failed.
     """
     try:
-        return nvml_query(nvml, "nvmlDeviceGetMemoryInfo", handle)  # nvitop's: v2 if the driver has the symbol
+        info = nvml_query(nvml, "nvmlDeviceGetMemoryInfo", handle)  # nvitop's: v2 if the driver has the symbol
     except NvmlError:
         import pynvml
 
-        return nvml_query(pynvml, "nvmlDeviceGetMemoryInfo", handle)  # pynvml without a version: v1
-
-
-def memory_figures(nvml: types.ModuleType, handle: Any) -> MemoryFigures:
-    """Memory of ``handle`` as :class:`MemoryFigures` (see :func:`nvml_memory_info`).
-
-    Raises:
-        NvmlError: both calls failed.
-    """
-    info = nvml_memory_info(nvml, handle)
+        info = nvml_query(pynvml, "nvmlDeviceGetMemoryInfo", handle)  # pynvml without a version: v1
     reserved = getattr(info, "reserved", None)
     return MemoryFigures(total_bytes=int(info.total), reserved_bytes=int(reserved or 0), used_bytes=int(info.used),
                          free_bytes=int(info.free), version=2 if reserved is not None else 1)
 
 
 def process_figures(nvml: types.ModuleType, handle: Any) -> dict[int, int | None]:
-    """Compute processes on ``handle``: PID -> used bytes, None where NVML gives no figure (containers).
-
-    One NVML call. On a MIG slice's handle, NVML lists the slice's processes.
+    """Compute processes on ``handle`` (a slice's on a MIG handle): PID -> used bytes, None where NVML gives no
+    figure (containers). One NVML call.
 
     Raises:
         NvmlError: the call failed.
@@ -169,12 +138,9 @@ def _system_versions(nvml: types.ModuleType) -> tuple[str, str | None]:
 
 
 def gpu_record(nvml: types.ModuleType, handle: Any, cuda_index: int | None = None) -> Device:
-    """A :class:`Device` for a GPU or MIG slice handle.
-
-    ``total_bytes`` is what a process can use: NVML v2 ``total - reserved`` (``reserved`` is the
-    driver's and firmware's share, which no process can allocate); the raw figures are kept as
-    ``nvml_total_bytes`` and ``nvml_reserved_bytes``. A MIG slice's memory and UUID are its own, its
-    bus id, NVML index and compute capability its parent GPU's.
+    """A :class:`Device` for a GPU or MIG slice handle: ``total_bytes`` is NVML v2 ``total - reserved`` (what a
+    process can allocate), the raw figures kept; a slice's memory and UUID are its own, its bus id, index and
+    compute capability its parent's.
 
     Raises:
         NvmlError: a query failed.
@@ -202,35 +168,17 @@ def gpu_record(nvml: types.ModuleType, handle: Any, cuda_index: int | None = Non
         parent_uuid=nvml_query(nvml, "nvmlDeviceGetUUID", parent) if parent is not None else None)
 
 
-def list_gpus(nvml: types.ModuleType) -> list[Device]:
-    """Every physical GPU NVML sees, in NVML order (PCI bus order), whether visible to CUDA or not.
-
-    Raises:
-        NvmlError: a query failed.
-    """
-    count = nvml_query(nvml, "nvmlDeviceGetCount")
-    return [gpu_record(nvml, nvml_query(nvml, "nvmlDeviceGetHandleByIndex", index)) for index in range(count)]
-
-
 def visible_uuids(cuda_visible_devices: str | None = None) -> list[str]:
-    """UUIDs of the devices CUDA shows this process, in CUDA index order (nvitop's parser; see above).
-
-    Args:
-        cuda_visible_devices: the variable's value; None means unset (every GPU is visible).
-
-    Returns:
-        ``GPU-...`` and ``MIG-...`` UUIDs; empty when the value hides every device or is invalid.
-    """
+    """``GPU-``/``MIG-`` UUIDs CUDA shows this process for ``CUDA_VISIBLE_DEVICES`` = ``cuda_visible_devices``
+    (None: unset), in CUDA index order; empty when it hides every device or is invalid."""
     from nvitop.api.device import normalize_cuda_visible_devices
 
     return [uuid for uuid in normalize_cuda_visible_devices(cuda_visible_devices).split(",") if uuid]
 
 
 def visible_gpus(nvml: types.ModuleType, environ: dict[str, str] | None = None) -> list[Device]:
-    """The GPUs (or MIG slice) this process may use, in CUDA order, with ``cuda_index`` set.
-
-    ``CUDA_VISIBLE_DEVICES`` is read from ``environ`` (default ``os.environ``); ``CUDA_DEVICE_ORDER``
-    from ``os.environ`` (the CUDA driver, asked in a child process, reads it there).
+    """The GPUs (or MIG slice) this process may use, in CUDA order, with ``cuda_index`` set; ``CUDA_VISIBLE_DEVICES``
+    from ``environ`` (default ``os.environ``), ``CUDA_DEVICE_ORDER`` from ``os.environ`` (the driver's child reads it).
 
     Raises:
         NvmlError: a query failed.

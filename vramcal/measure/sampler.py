@@ -1,21 +1,10 @@
 """NVML sampling of one GPU (or MIG slice) in a background thread: the NVML half of DESIGN.md's peak_bytes.
 
-Which figure counts as "this process's memory", in order of preference (``source``):
-
-- ``process``: NVML's per-process used memory for this PID (``nvmlDeviceGetComputeRunningProcesses``).
-  One NVML call per sample.
-- ``device-delta-minus-others``: where NVML lists no figure for this PID (containers: the PID namespace
-  hides it), the change of device-wide used memory since the baseline, minus the change of every
-  *other* process NVML listed with a figure at the baseline (a process that has gone since counts as
-  having freed all it held). Two calls per sample.
-- ``device-delta``: the same with no such process to subtract (also where NVML refuses to list
-  processes at all, e.g. without permission on a MIG slice: then one call per sample).
-
-The baseline is taken once, before this process initialises CUDA (the caller's promise), after the
-device-wide figure has settled: the previous trial's process may still be releasing its memory. So
-the CUDA context, the weights and the data are part of every figure. A process that appears after the
-baseline is never subtracted: in a container it may be this one under its host PID, so counting it
-errs on the safe side (a larger peak).
+This process's memory (``source``), by preference: ``process``, NVML's per-process figure for this PID;
+``device-delta-minus-others`` where NVML lists none for it (a container's PID namespace), the device-wide change
+since the baseline minus the change of each other process listed at the baseline; ``device-delta`` with no such
+process (or where NVML refuses to list them). The baseline is taken once, before this process starts CUDA, after
+the device-wide figure settles; a process appearing later is never subtracted (it may be this one: errs high).
 """
 
 from __future__ import annotations
@@ -29,12 +18,8 @@ from typing import Any
 
 from vramcal.measure.nvml import NvmlError, memory_figures, process_figures
 
-# A training step lasts milliseconds to seconds. The caching allocator's peaks come from torch exactly
-# (max_memory_reserved), so NVML only has to catch what torch cannot see (the CUDA context, cuBLAS and
-# cuDNN workspaces, lazily loaded kernels), which appears at a step's start and stays. 10 ms sees
-# anything that lives that long, several times per step even for millisecond steps, and costs one
-# NVML call (tens of microseconds, with the GIL released inside ctypes) per sample: well under 1 % of
-# one core, so the training thread is not held up. Trials and the trainer share it.
+# NVML need only catch what torch's peaks cannot see (context, workspaces, kernels), which stays once it appears:
+# 10 ms sees it several times a step at one NVML call (tens of microseconds) a sample.
 NVML_SAMPLE_INTERVAL_S = 0.010
 BASELINE_SETTLE_S = 3.0  # longest wait for the device-wide figure to stop changing before the baseline
 _SETTLE_POLL_S = 0.05
@@ -44,10 +29,8 @@ _SETTLE_TOLERANCE_BYTES = 4 * 2**20  # NVML reports in whole pages; a few MiB of
 def settled(read: Callable[[], int], settle_s: float, poll_s: float = _SETTLE_POLL_S,
             tolerance_bytes: int = _SETTLE_TOLERANCE_BYTES, clock: Callable[[], float] = time.monotonic,
             sleep: Callable[[float], None] = time.sleep) -> int:
-    """``read()`` once three readings ``poll_s`` apart agree within ``tolerance_bytes``, else at ``settle_s``.
-
-    Returns the last reading, in bytes.
-    """
+    """``read()`` (bytes) once three readings ``poll_s`` apart agree within ``tolerance_bytes``, else at
+    ``settle_s``."""
     deadline, readings = clock() + settle_s, [read()]
     while clock() < deadline:
         sleep(poll_s)
@@ -58,20 +41,15 @@ def settled(read: Callable[[], int], settle_s: float, poll_s: float = _SETTLE_PO
 
 
 class NvmlSampler:
-    """Samples one GPU's NVML memory in a background thread (see the module doc for the figures).
+    """Samples one GPU's NVML memory in a background thread (module docstring).
 
     Args:
-        nvml: the NVML namespace (:func:`vramcal.measure.nvml.load_nvml`).
-        handle: the device's NVML handle (a MIG slice's own handle for a slice).
-        pid: the process measured (default: this one).
-        interval_s: seconds between samples.
+        nvml: the NVML namespace (:func:`vramcal.measure.nvml.load_nvml`); handle: the device's (a slice's own).
+        pid: the process measured (default: this one). interval_s: seconds between samples.
         settle_s: longest wait for device-wide used memory to settle before the baseline (0: none).
 
-    Attributes:
-        baseline_bytes: device-wide used memory at the baseline.
-        process_peak_bytes: peak of the per-process figure, None while NVML never gave one.
-        device_delta_peak_bytes: peak of the device-wide change (minus other processes' changes).
-        samples: samples taken; ``error``: why the thread stopped early, else None.
+    Attributes (bytes): ``baseline_bytes`` (device-wide used at the baseline), ``process_peak_bytes`` (None while
+    NVML gave no per-process figure), ``device_delta_peak_bytes``; ``samples``; ``error``: why the thread stopped.
     """
 
     def __init__(self, nvml: types.ModuleType, handle: Any, pid: int | None = None,
@@ -98,12 +76,12 @@ class NvmlSampler:
         return "device-delta-minus-others" if self._others_baseline else "device-delta"
 
     def _processes(self) -> dict[int, int | None]:
-        """PID -> used bytes; {} from the first refusal on (e.g. no permission on a MIG slice in a container)."""
+        """PID -> used bytes; {} from the first refusal on (no permission on a MIG slice in a container)."""
         if self._lists_processes:
             try:
                 return process_figures(self._nvml, self._handle)
             except NvmlError:
-                self._lists_processes = False  # the device-wide figure is then the only one: one call a sample
+                self._lists_processes = False
         return {}
 
     def device_used_bytes(self) -> int:
@@ -130,6 +108,15 @@ class NvmlSampler:
             else:
                 self.device_delta_peak_bytes = max(self.device_delta_peak_bytes, self._device_delta(processes))
             self.samples += 1
+
+    def checked_sample(self) -> str | None:
+        """:meth:`sample` unless NVML failed before; a failure is kept in ``error``, which is returned."""
+        if self.error is None:
+            try:
+                self.sample()
+            except NvmlError as error:
+                self.error = str(error)
+        return self.error
 
     def reset_peaks(self) -> None:
         """Forget the peaks (not the baseline): the next samples start the measured span."""

@@ -1,22 +1,10 @@
 """Worker processes: trials and training runs, each in a fresh process forked from one preloaded server.
 
-Both kinds of work run in the same kind of process, made the same way: forked from a
-``multiprocessing`` fork server that has already imported what the caller names (vramcal's callers name
-:mod:`vramcal.preload`: torch, transformers, pandas, pyarrow, the families, the trainer), so a worker starts
-in a fork rather than seconds of imports, inherits no allocator state, CUDA context or memory from an
-earlier one, and — what the promise rests on — a training run's process has the make-up of the trials
-that sized it (imports, thread pools, libraries' pages, the budget's ``RLIMIT_DATA``).
-
-A fork must not inherit CUDA: the server starts with ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (torch then
-answers ``torch.cuda.is_available()`` from NVML instead of initialising the driver, which is what a
-library's import-time check would otherwise do), and every worker checks first that it holds no CUDA
-state (:func:`cuda_started`); one that does fails at once with one line saying so.
-
-A worker talks to its caller over one pipe: it may send messages (lines to print, epoch figures) and
-ask questions (the tuner's "prune?"), then sends one final result. Whatever happens inside — an
-out-of-memory error, a crash, a hang past the time limit, a ``kill -9`` — becomes an :class:`Outcome`
-for the caller, never its end. A worker ends when its caller is gone (its parent is the fork server,
-so it watches the caller's PID).
+Forked from a ``multiprocessing`` fork server that imported what the caller names (:mod:`vramcal.preload`), a
+worker starts in milliseconds, inherits no allocator state or CUDA (the server runs with
+``PYTORCH_NVML_BASED_CUDA_CHECK=1``; :func:`cuda_started`), and a training run has the make-up of the trials that
+sized it. A worker talks over one pipe (:class:`Channel`) and sends one final result; whatever happens inside
+(an out-of-memory error, a crash, a hang, a ``kill -9``) becomes an :class:`Outcome`. It ends with its caller.
 """
 
 from __future__ import annotations
@@ -49,20 +37,10 @@ Handler = Callable[[str, Any], Any]
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a worker ended.
-
-    Attributes:
-        status: ``ok``; ``oom`` (an out-of-memory error, or killed with out-of-memory evidence:
-            :mod:`vramcal.measure.evidence`); ``timeout`` (killed after the time limit); ``error`` (anything else,
-            a kill without that evidence included: ``error_type`` :data:`vramcal.measure.evidence.KILLED`, or
-            :data:`vramcal.measure.evidence.HOST_FAULT` for a GPU worker the host's out-of-memory killer ended).
-        result: what the worker's function returned (``ok`` only).
-        error: the traceback's last lines (None when the process ended without one: ``message`` says why).
-        error_type: the exception's class name (None when the process died without one).
-        message: the exception's first line, for one-line reports to people.
-        startup_s: seconds from asking for the process to the worker's function running.
-        wall_s: seconds of the whole run as seen by the caller.
-    """
+    """How a worker ended: ``status`` ``ok``, ``oom`` (an out-of-memory error, or a kill with evidence:
+    :mod:`vramcal.measure.evidence`), ``timeout`` or ``error``; ``result`` (``ok`` only); the traceback's last lines
+    (``error``), the exception's class name and first line (None: it died without one); ``startup_s`` (asking for
+    the process to its function running) and ``wall_s`` (the whole run, seen by the caller)."""
 
     status: OutcomeStatus
     result: Any = None
@@ -87,39 +65,27 @@ class Channel:
         return self._connection.recv()
 
     def reading(self, peak_bytes: int) -> None:
-        """Send the meter's reading now (the peak so far, bytes): the last one is the evidence
-        (:mod:`vramcal.measure.evidence`) that a kill with no other was an out-of-memory one."""
+        """Send the meter's peak so far (bytes): the last one is a kill's evidence (:mod:`vramcal.measure.evidence`)."""
         self._connection.send(("reading", int(peak_bytes)))
 
     def phase(self, text: str) -> None:
-        """Say what the worker does now (``building the step``, ``measured step 3 of at most 40``): kept by the caller,
-        and named when the worker is killed at its time limit (where it hung)."""
+        """Say what the worker does now (``building the step``): named if it is killed at its time limit."""
         self._connection.send(("phase", text))
 
 
 class Workers:
     """Runs functions in fresh worker processes (module docstring).
 
-    The first run starts the fork server (it imports torch and the rest once, seconds on a small CPU);
-    later runs fork in milliseconds.
-
-    The fork server starts with the environment of the kind of device its workers measure, unless the caller set
-    it (the meter's ``worker_environment``: :data:`vramcal.environment.WORKER_DEFAULTS`, read once, when a process
-    starts, and recorded in the profile's environment): ``ARROW_DEFAULT_MEMORY_POOL=system`` (pyarrow's default
-    pools keep about 1 GiB of address space after reading a parquet file, which a host budget, ``RLIMIT_DATA``,
-    would count) for every worker; for the host's also ``GLIBC_TUNABLES`` = :data:`vramcal.environment.HOST_MALLOC`
-    (repeatable host peaks) and oneDNN's cache off, which a GPU's do not get (they build batches as a framework's
-    process on the card does); for a GPU's Triton's caches. A kind's own settings are in this process's
-    ``os.environ`` only while its server starts (:func:`_server_for`), so no other child (torchrun's ranks) takes
-    them for the caller's; a worker of the other kind restarts the server.
+    The fork server starts with its device kind's environment (the meter's ``worker_environment``,
+    :mod:`vramcal.environment`) unless the caller set it; a kind's own settings are in ``os.environ`` only while
+    its server starts (:func:`_server_for`); a worker of the other kind restarts the server.
 
     Args:
-        preload: the modules the fork server imports before it forks (the caller's: what its workers run).
-            Only the first pool of a process starts the server; later pools share it.
+        preload: the modules the fork server imports before it forks; only a process's first pool starts it.
     """
 
     def __init__(self, preload: tuple[str, ...]) -> None:
-        # read once when a process starts: what every kind's workers share is set for the fork server here
+        # what every kind's workers share is set for good
         shared = METERS["cuda"].worker_environment().items() & METERS["host"].worker_environment().items()
         for name, value in shared:
             os.environ.setdefault(name, value)
@@ -127,19 +93,12 @@ class Workers:
         self._context.set_forkserver_preload(list(preload))
 
     def warm_up(self, device_kind: DeviceKind | None = None) -> None:
-        """Start the fork server now and return at once: it imports its preload in its own process (seconds of
-        torch and transformers) while the caller goes on with its own work (its imports, reading the data,
-        finding the profile), so the first worker need not wait for all of it. The server takes the
-        environment as it is now: a caller sets what its workers must see (``--strict-profile``) first.
+        """Start the fork server now and return at once, so its imports overlap the caller's work; it takes the
+        environment as it is now, and is ended when this process exits (:func:`_end_server`).
 
         Args:
-            device_kind: the kind of device its workers will measure; None: the one it last served, else a GPU
-                where NVML starts (the device is chosen later), else the host. A worker of another kind
-                restarts it.
-
-        A server ends once its caller has gone, but not before its imports are done: the caller ends it as it
-        exits, so a command that stops early (a bad option, a missing file) leaves nothing busy behind it (and
-        whoever reads the command's output through a pipe does not wait seconds for the server to let it go)."""
+            device_kind: its workers' kind; None: the one last served, else a GPU where NVML starts, else the host.
+        """
         import atexit
 
         _server_for(device_kind or (_SERVED[0] if _SERVED else _likely_kind()))
@@ -153,14 +112,11 @@ class Workers:
         """Run ``function(*args, channel=Channel)`` in a worker and wait for it.
 
         Args:
-            function: a module-level function (it is pickled by reference), or its name
-                ``module:function`` (imported in the worker only, so the caller need not import it).
+            function: a module-level function (pickled by reference), or ``module:function`` (imported there only).
             timeout_s: kill the worker after this many seconds (None: no limit).
             handler: ``handler(kind, payload)`` for the worker's messages; its return value answers an ask.
-            usable_bytes: the usable memory of the worker's device: a kill after it read at or above that is
-                out-of-memory (:mod:`vramcal.measure.evidence`); None: only the kernel's counter says so.
-            device_kind: the kind of device the worker measures: its environment (class docstring), and what a
-                kill means (on a GPU never a device out-of-memory: :mod:`vramcal.measure.evidence`).
+            usable_bytes: a kill after a reading at or above it is out-of-memory (:mod:`vramcal.measure.evidence`).
+            device_kind: the kind of device the worker measures: its environment, and what a kill means.
 
         Raises:
             KeyboardInterrupt: the caller was interrupted; the worker is killed first.
@@ -183,15 +139,11 @@ class Workers:
     def run_all(self, calls: list[tuple[Callable[..., Any] | str, tuple]], *, timeout_s: float | None = None,
                 handler: Handler | None = None, grace_s: float = 10.0,
                 usable_bytes: int | None = None, device_kind: DeviceKind = "host") -> list[Outcome]:
-        """Run several workers at once (the ranks of a world) and wait for all of them.
-
-        When one ends without a result ``ok``, the others get ``grace_s`` seconds to end by themselves (they
-        agree on the failure at their next collective), then are killed: one worker's failure never leaves
-        the others waiting in a collective. After ``timeout_s`` all still running are killed (``timeout``).
+        """Run several workers at once (the ranks of a world) and wait for all of them: when one fails, the others
+        get ``grace_s`` seconds to agree on it, then are killed; after ``timeout_s`` all are killed (``timeout``).
 
         Returns:
-            The outcomes in the order of ``calls``; a worker killed after another's failure is ``error``,
-            naming it.
+            The outcomes in the order of ``calls``; one killed after another's failure is ``error``, naming it.
 
         Raises:
             KeyboardInterrupt: the caller was interrupted; every worker is killed first.
@@ -214,8 +166,7 @@ class Job:
     def __init__(self, process: Any, connection: Any, started: float, handler: Handler | None,
                  usable_bytes: int | None = None, killed_for_memory: bool = True) -> None:
         self.process, self.connection, self.started, self.handler = process, connection, started, handler
-        self.killed_for_memory = killed_for_memory  # whether its device's memory is the kernel's to guard
-        self.final: dict[str, Any] | None = None
+        self.killed_for_memory = killed_for_memory
         self.outcome: Outcome | None = None
         self.counter_before = oom_kill_counter()  # the kernel's out-of-memory kills so far (evidence.exit_status)
         self.phase: str | None = None  # what the worker last said it does (Channel.phase)
@@ -246,9 +197,7 @@ class Job:
                 self.end(None)
 
     def end(self, final: dict[str, Any] | None, kill: bool = False) -> None:
-        """Record how the worker ended (None: it died without a result; its exit status says how); ``kill``
-        a worker that has not ended by itself (a worker that sent its result exits on its own, so its
-        semaphores and files are released)."""
+        """Record how the worker ended (``final`` None: its exit status says how); ``kill`` one still running."""
         if self.outcome is not None:
             return
         if kill or final is None:
@@ -267,8 +216,7 @@ class Job:
 
 
 def _serve(jobs: list[Job], timeout_s: float | None, grace_s: float) -> None:
-    """Serve every job's messages until all have ended (module docstring of :meth:`Workers.run_all`); the time
-    limit counts from now, when every job has started."""
+    """Serve every job's messages until all have ended (:meth:`Workers.run_all`); the time limit counts from now."""
     from multiprocessing.connection import wait
 
     stop_at = None if timeout_s is None else time.time() + timeout_s
@@ -299,13 +247,8 @@ def _stop(running: list[Job], failed: list[int], timeout_s: float | None) -> Non
 
 @contextlib.contextmanager
 def _main_left_alone():
-    """Start a worker without it re-running the caller's script.
-
-    multiprocessing prepares a forkserver child by importing the parent's ``__main__`` from its file, so
-    that functions defined there can be unpickled: a user's ``python train.py`` would run its top-level code
-    again in every trial (and without a ``__main__`` guard, recurse). Workers only run vramcal's functions
-    and factories imported by module name, so the file is hidden while the process starts.
-    """
+    """Start a worker without it re-running the caller's script: multiprocessing imports the parent's ``__main__``
+    file in a forkserver child, and workers run only functions named by module, so the file is hidden."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if path is None or getattr(getattr(main, "__spec__", None), "name", None) is not None:
@@ -322,11 +265,8 @@ _SERVED: list[str] = []  # the kind of device whose environment the running fork
 
 
 def _server_for(device_kind: str) -> None:
-    """Make sure the fork server runs with the environment of ``device_kind``'s workers (:class:`Workers`): start it
-    with that kind's settings set in ``os.environ`` only for its start (those the caller set stay the caller's),
-    after ending one started for the other kind (a process that measures both: its imports once more; no worker
-    of the other kind runs then, trials being one at a time). Reads multiprocessing's private
-    ``_forkserver._stop`` (CPython 3.8 to 3.13), as :func:`_end_server` reads its pid."""
+    """Make sure the fork server runs with ``device_kind``'s environment, its settings in ``os.environ`` only while
+    it starts, ending one of the other kind first (the private ``_forkserver._stop``, CPython 3.8-3.13)."""
     from multiprocessing import forkserver
 
     if _SERVED and _SERVED[0] != device_kind:
@@ -343,8 +283,7 @@ def _server_for(device_kind: str) -> None:
 
 
 def _likely_kind() -> str:
-    """The kind of device a server started before the device is chosen most likely serves: a GPU where NVML starts
-    (a GPU machine calibrates its GPUs), else the host."""
+    """A server's likely kind before the device is chosen: a GPU where NVML starts, else the host."""
     try:
         load_nvml()
     except NvmlError:
@@ -353,10 +292,8 @@ def _likely_kind() -> str:
 
 
 def _end_server() -> None:
-    """End this process's fork server at its exit (its workers have ended, or end with their caller): the one
-    running then, so a server that died and was started again is the one ended, and a pid already reaped is
-    never signalled. Reads multiprocessing's private ``_forkserver._forkserver_pid`` (CPython 3.8 to 3.13):
-    where that is gone, the server ends as it would without this, once its imports are done."""
+    """End this process's fork server at exit, so an early-stopping command leaves nothing busy (the private
+    ``_forkserver._forkserver_pid``, CPython 3.8-3.13; without it the server ends after its imports)."""
     import signal
     from multiprocessing import forkserver
 
@@ -368,8 +305,7 @@ def _end_server() -> None:
 
 def _worker_main(connection: Any, function: Callable[..., Any], args: tuple, started: float,
                  caller_pid: int) -> None:
-    """Entry point of a worker process: run, then send one final result (a caller gone by then, its end of the pipe
-    closed: the worker ends quietly, exit status 1, where multiprocessing would print a ``BrokenPipeError``)."""
+    """Entry point of a worker process: run, then send one final result (caller gone: exit 1 quietly)."""
     startup_s = time.time() - started
     threading.Thread(target=_exit_with_caller, args=(caller_pid,), daemon=True, name="vramcal-caller").start()
     try:
@@ -388,14 +324,13 @@ def _worker_main(connection: Any, function: Callable[..., Any], args: tuple, sta
     try:
         connection.send(("done", final))
         connection.close()
-    except OSError:  # the caller is gone (stopped by SIGTERM, killed): no one to tell, and no traceback to print
+    except OSError:  # the caller is gone: no one to tell
         os._exit(1)
 
 
 def cuda_started() -> str | None:
-    """Why this process holds torch's CUDA state already (initialised here, or inherited from a parent that
-    initialised it: torch's "bad fork"), or None. A forked worker must hold none: CUDA cannot be used after
-    a fork ("Cannot re-initialize CUDA in forked subprocess")."""
+    """Why this process holds torch's CUDA state already (here, or a parent's: torch's "bad fork"), or None: CUDA
+    cannot be used after a fork."""
     torch = sys.modules.get("torch")
     if torch is None:
         return None
@@ -407,13 +342,8 @@ def cuda_started() -> str | None:
 
 
 def failure(error: BaseException) -> dict[str, Any]:
-    """The final result of a worker that raised: ``oom`` or ``error``, the traceback's last lines, the
-    exception's class name and first line (at most 4,000 characters: a message for people names paths, several
-    of them in a folder's errors, and a deep folder must not cut it).
-
-    The traceback's frames still hold the step's tensors; they are cleared first, so that reporting an
-    out-of-memory error does not itself run out of memory.
-    """
+    """The final result of a worker that raised: ``oom`` or ``error``, the traceback's last lines, the exception's
+    class name and first line (at most 4,000 characters). The frames (the step's tensors) are cleared first."""
 
     status = "oom" if is_out_of_memory(error) else "error"
     message = (str(error).strip().splitlines() or [type(error).__name__])[0][:4000]
@@ -427,12 +357,7 @@ def failure(error: BaseException) -> dict[str, Any]:
 
 
 def _exit_with_caller(caller_pid: int, interval_s: float = 0.5) -> None:
-    """End this worker when the process that asked for it is gone (a killed probe or train must not leave a
-    trial holding gigabytes, or a run training on: the fork server, not the caller, is the worker's parent).
-
-    Gone: no such process; a zombie (dead, not yet reaped: a caller whose parent does not reap it, as a
-    container's first process may not, stays one); or the fork server ended, which it does once its caller's end of
-    its pipe closes, whoever holds the PID now."""
+    """End this worker when its caller is gone (no such process, a zombie, or the fork server, its parent, ended)."""
     server = os.getppid()
     while _alive(caller_pid) and os.getppid() == server:
         time.sleep(interval_s)
