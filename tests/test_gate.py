@@ -40,7 +40,7 @@ def test_an_integrations_first_step_is_gated_and_a_resize_keeps_the_gate(folder,
     """What this process holds is added back: only the others' memory is missing."""
     seen, held = [], []
     monkeypatch.setattr(framework, "attach_meter", lambda device, warn: Meter(held))  # attached when the run is made
-    run = framework.FrameworkRun(folder["path"], device="cpu", warn=seen.append)
+    run = framework.FrameworkRun(folder["path"], device="cpu", warn=seen.append, inform=seen.append)
     before = run.sizing.batch_size
     monkeypatch.setattr(framework, "free_bytes", lambda device: (folder["room"] - 72 * MIB, "MemAvailable (faked)"))
     sizing = run.start()
