@@ -10,8 +10,9 @@ from typing import Any
 import click
 
 from vramcal.cli.console import estimate_lines
-from vramcal.cli.options import ByteSize, GpuList, limit_options, one_line
+from vramcal.cli.options import limit_options, one_line
 from vramcal.cli.probe import ModelOptions, data_file_options, model_options, model_params
+from vramcal.cli.types import ByteSize, GpuList
 from vramcal.estimated import ANY_GPU, estimate_cards
 from vramcal.models import registry
 from vramcal.models.registry import model_ref

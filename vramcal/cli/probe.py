@@ -19,9 +19,6 @@ from vramcal.cli.console import VERBOSITY, echo_lines, observations_lines, summa
 from vramcal.cli.options import (
     EXIT_UNVERIFIED,
     SPEC_NAMES,
-    ByteSize,
-    FiniteFloat,
-    KeyValue,
     WorldOptions,
     check_local_ranks,
     collected,
@@ -35,6 +32,7 @@ from vramcal.cli.options import (
     strict_option,
     world_options,
 )
+from vramcal.cli.types import ByteSize, FiniteFloat, KeyValue
 from vramcal.models import registry
 from vramcal.models.registry import describe
 from vramcal.models.regressor.spec import RegressorSpec

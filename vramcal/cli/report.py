@@ -13,8 +13,9 @@ import click
 
 from vramcal.cli.console import estimate_lines
 from vramcal.cli.cost import forecast_options, forecast_settings, forecastable
-from vramcal.cli.options import EXIT_UNVERIFIED, Buckets, GpuList, load_profiles, one_line, strict_option
+from vramcal.cli.options import EXIT_UNVERIFIED, load_profiles, one_line, strict_option
 from vramcal.cli.probe import warn_if_stale
+from vramcal.cli.types import Buckets, GpuList
 from vramcal.estimate import EstimateError
 from vramcal.estimated import estimate_cards, traced_options
 from vramcal.files import os_advice

@@ -15,8 +15,6 @@ import click
 
 from vramcal.cli.lm import announce_lm, check_lm, lm_options, lm_settings, saved_model
 from vramcal.cli.options import (
-    BatchSize,
-    FiniteFloat,
     WorldOptions,
     check_local_ranks,
     explicit,
@@ -27,6 +25,7 @@ from vramcal.cli.options import (
     world_options,
 )
 from vramcal.cli.probe import calibrate_one, stdout_to_stderr
+from vramcal.cli.types import BatchSize, FiniteFloat
 from vramcal.measure.device import check_host_world
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.profile import ProfileError, load_profile
