@@ -1,6 +1,6 @@
 """The options' defaults from TOML files (the user's ``config.toml``, the project's ``vramcal.toml``, or the one file
 ``VRAMCAL_CONFIG`` names), handed to click as the root group's ``default_map``; every value checked as the option's
-own type checks it when the file is read. The files, their order and layout: DESIGN.md "Defaults: vramcal.toml".
+own type checks it when the file is read. The files, their order and layout: DESIGN.md "Defaults: ``vramcal.toml``".
 """
 
 from __future__ import annotations
