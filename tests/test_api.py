@@ -400,13 +400,15 @@ def test_every_public_door_refuses_each_bad_value_in_one_line_naming_its_paramet
     import inspect
     import warnings
 
-    import vramcal.api
+    import vramcal.service.calibrate
+    import vramcal.service.pool
 
     def reached(*args, **kwargs):
         raise Reached()
 
-    monkeypatch.setattr(vramcal.api, "run_trials", reached)  # a value let through would start the trials
-    monkeypatch.setattr(vramcal.api, "TrialRunner", reached)
+    monkeypatch.setattr(vramcal.service.calibrate, "run_trials", reached)  # a value let through would start trials
+    monkeypatch.setattr(vramcal.service.calibrate, "TrialRunner", reached)
+    monkeypatch.setattr(vramcal.service.pool, "TrialRunner", reached)
     walked, let_through, unnamed = 0, [], []
     for name, door, valid in doors:
         for parameter in inspect.signature(door).parameters.values():

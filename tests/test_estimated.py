@@ -21,7 +21,6 @@ import pytest
 from click.testing import CliRunner
 from host_budget import capacity
 
-from vramcal import api
 from vramcal.calibration.limits import LimitSettings
 from vramcal.cli import main
 from vramcal.environment import software_versions
@@ -40,6 +39,7 @@ from vramcal.estimated import (
     leave_one_out,
 )
 from vramcal.profile import load_profile
+from vramcal.service import size as api  # size_for's gate reads free_bytes there
 from vramcal.sizing.staleness import recorded_software
 
 MIB, GIB = 2**20, 2**30

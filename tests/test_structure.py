@@ -34,7 +34,7 @@ LAYERS = (
     # time; trials -> profile (and their journal); cards not in hand
     ("vramcal.sizing", "vramcal.forecast", "vramcal.calibrator", "vramcal.journal", "vramcal.estimated"),
     # the front door; reports from profiles; progress for people
-    ("vramcal.api", "vramcal.report", "vramcal.progress"),
+    ("vramcal.api", "vramcal.service", "vramcal.report", "vramcal.progress"),
     ("vramcal.train",),  # the bundled trainer
     ("vramcal.tune", "vramcal.integrations", "vramcal.preload"),  # studies, frameworks, the worker server's imports
     ("vramcal.cli", "vramcal.__main__"),  # the commands
@@ -42,7 +42,8 @@ LAYERS = (
 # tested with recorded or synthetic trials: no process, hardware or trainer code
 PURE = ("vramcal.calibration", "vramcal.records", "vramcal.schema", "vramcal.units", "vramcal.profile",
         "vramcal.sizing", "vramcal.forecast", "vramcal.report", "vramcal.words")
-PROCESS = ("vramcal.measure", "vramcal.train", "vramcal.calibrator", "vramcal.api", "vramcal.tune", "vramcal.cli")
+PROCESS = ("vramcal.measure", "vramcal.train", "vramcal.calibrator", "vramcal.api", "vramcal.service", "vramcal.tune",
+           "vramcal.cli")
 
 
 def import_graph() -> dict[str, set[str]]:

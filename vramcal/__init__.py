@@ -7,13 +7,7 @@ The public API (:mod:`vramcal.api`)::
     profile = vramcal.calibrate("mytrain:make_step", gpu="auto")   # real trials, verified limits, saved
     batch_size = vramcal.batch_size(profile)                        # the conservative batch size
 
-``mytrain.make_step(device, **params)`` returns a :class:`vramcal.TrainingStep`. Also:
-:func:`find_profile`, :func:`load_profile`, :func:`size` (the batch size with its predicted peak),
-:func:`plan_calibration` / :func:`run_calibration` (the two halves of :func:`calibrate`), and
-:class:`vramcal.integrations.lightning.VramcalBatchSize` for Lightning.
-
-Importing this package imports no torch, triton, NVML or mamba_ssm: the names below load on first use,
-so ``vramcal --help`` works on a machine with no GPU.
+Importing this package imports no torch, triton, NVML or mamba_ssm: the names below load on first use.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """The API's front door: the checks its public functions and classes run on their arguments, before any work.
 
-Each refusal is one line that names the Python parameter as the caller wrote it (``device=``, ``attr=``), never
-a command-line flag: a wrong type is a :class:`TypeError` (``device= takes 'cpu', 'cuda' or 'cuda:N' ..., not
-float 3.5``), a wrong value a :class:`ValueError` or one of vramcal's own errors derived from it. A function
-checks what it takes once, where it is called (the constructor of a class, the public function), so that
-nothing deeper meets a value of the wrong kind and fails with Python's own words (``'str' object has no attribute
-'limits'``). The command line parses its options with click's types first and never reaches these checks with
-the wrong kind.
+Each refusal is one line naming the Python parameter as the caller wrote it (``device=``), never a flag: a wrong
+type a :class:`TypeError`, a wrong value a :class:`ValueError` (or one of vramcal's errors derived from it).
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""The words a message uses for a setting: the caller's own; and which notices inform and which warn.
+"""The words a message uses for a setting, the caller's own; and which notices inform and which warn.
 
-A message that tells people which setting to change names it as they gave it: ``--batch-size-min`` to
-someone at the command line, ``batch_size_min=`` to someone calling :func:`vramcal.api.batch_size`, the
-Lightning callback or :class:`vramcal.integrations.run.FrameworkRun` (issue 23: the API and the callbacks
-once named CLI flags). The library speaks the API's argument names; each command of the CLI runs inside
-:func:`speaking` ``(FLAGS)`` (:func:`vramcal.cli.main`), a context variable, so a message made anywhere below
-it (sizing, the families) reads the flags, and one made for the API, in the same process afterwards, does
-not.
-
-A notice is a warning (something people may need to act on: a profile passed over or made under other software,
-limits not verified, a request clamped) unless its maker marks it :class:`Info` (what was decided and why: the
-host chosen, the budget applied, a process term carried into the limits). The mark is made where the notice is,
-once; each reader says it its own way: a command prints information as it is and a warning after ``warning:``
-(:func:`labelled`), the API and the integrations send warnings through :func:`warnings.warn` and information to
-stderr or the framework's logger.
+A message names a setting as the caller gave it: ``--batch-size-min`` at the command line (each command runs
+inside :func:`speaking` ``(FLAGS)``, a context variable), ``batch_size_min=`` to the API and the integrations.
+A notice is a warning unless its maker marks it :class:`Info` (what was decided and why); a command prints a
+warning after ``warning:`` (:func:`labelled`), the API sends it through :func:`warnings.warn`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ from typing import Any
 
 import click
 
-from vramcal.cli.options import CommaList, FiniteFloat, group, load_profiles, one_line
+from vramcal.cli.options import group, load_profiles, one_line
+from vramcal.cli.types import CommaList, FiniteFloat
 from vramcal.estimate import EstimateError
 from vramcal.estimated import estimate_cards, installed_path, traced_options
 from vramcal.files import os_advice

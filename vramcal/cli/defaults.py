@@ -1,25 +1,6 @@
-"""The options' defaults from TOML files, handed to click as the root group's ``default_map``.
-
-Files, lowest priority first; a later file wins option by option, and a flag on the command line wins over all:
-
-1. the user's ``$XDG_CONFIG_HOME/vramcal/config.toml`` (``~/.config/vramcal/config.toml`` when it is unset);
-2. the project's ``vramcal.toml``: the first in the current folder or its parents, the search stopping at the
-   filesystem root or at a folder holding ``.git`` (whose own ``vramcal.toml`` still counts).
-
-``VRAMCAL_CONFIG=PATH`` names one file instead of both.
-
-Layout: a top-level key applies to every command that has the option; a table ``[probe]`` to that command only,
-winning over the top level of the same file; a group's table (``[data]``) applies to its subcommands, and
-``[data.es-sample]`` to one. Keys are the options' Python parameter names (``profiles_dir``,
-``conservative_fraction``), or their long flags without the dashes (``profiles-dir``, ``conservative``).
-
-Every value is checked when the file is read: as the option's TOML type (:func:`file_type`: ``gpus = 5`` is refused
-where ``gpus = "H200"`` is meant), then by the option's own click type and callback, so ``capacity = "12GiB"`` means
-what ``--capacity 12GiB`` means; click converts it again as the command parses (the source is then
-``ParameterSource.DEFAULT_MAP``, which :func:`vramcal.cli.options.explicit` does not count as given). A key no
-command it applies to has, a value the option refuses, or a file that is not TOML is one line naming the file, the
-key and the value, exit 2 (a bad option value, README "Exit codes"). ``vramcal show --config`` lists what is in
-force and where it came from.
+"""The options' defaults from TOML files (the user's ``config.toml``, the project's ``vramcal.toml``, or the one file
+``VRAMCAL_CONFIG`` names), handed to click as the root group's ``default_map``; every value checked as the option's
+own type checks it when the file is read. The files, their order and layout: DESIGN.md "Defaults: ``vramcal.toml``".
 """
 
 from __future__ import annotations
@@ -56,15 +37,8 @@ class DefaultsError(click.ClickException):
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One option's default as a file gives it.
-
-    Attributes:
-        command: the command it applies to.
-        name: the option's parameter name (``profiles_dir``).
-        value: as the file wrote it (click converts it as it converts a flag's text).
-        source: the file.
-        table: the table it was written in (``()``: the top level).
-    """
+    """One option's default as a file gives it: the command, the parameter name, the value as written, the file and
+    its table (``()``: the top level)."""
 
     command: Words
     name: str

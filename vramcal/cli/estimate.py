@@ -9,13 +9,15 @@ from typing import Any
 
 import click
 
-from vramcal import api
 from vramcal.cli.console import estimate_lines
-from vramcal.cli.options import ByteSize, GpuList, limit_options, one_line
+from vramcal.cli.options import limit_options, one_line
 from vramcal.cli.probe import ModelOptions, data_file_options, model_options, model_params
+from vramcal.cli.types import ByteSize, GpuList
 from vramcal.estimated import ANY_GPU, estimate_cards
 from vramcal.models import registry
+from vramcal.models.registry import model_ref
 from vramcal.report.catalogue import cards_for
+from vramcal.service.pool import select_devices
 
 
 @click.command("estimate")
@@ -50,8 +52,8 @@ def estimate_command(model: ModelOptions, data: dict[str, Any], gpus, capacity, 
                                  f"--dtype fp32", param_hint="--capacity")
     with one_line():
         name, params, _ = model_params(model)
-        host, _ = api.select_devices("none", capacity)
-        ref = api.model_ref(name, params, device=ANY_GPU if on_gpus else host[0], implementation="transformers")
+        host, _ = select_devices("none", capacity)
+        ref = model_ref(name, params, device=ANY_GPU if on_gpus else host[0], implementation="transformers")
         data = registry.family_of(ref).data_options(data)  # those that apply to the model
         refs = None if paths == "both" or ref.params.get("implementation") is None else [
             ref.replace(implementation=paths)]

@@ -9,7 +9,8 @@ from typing import Any
 
 import click
 
-from vramcal.cli.options import Buckets, KeyValue, group
+from vramcal.cli.options import group
+from vramcal.cli.types import Buckets, KeyValue
 from vramcal.train.checkpoint import CONFIG
 from vramcal.train.config import BATCHINGS, MODELS, is_language_model
 from vramcal.units import format_bytes

@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
-import math
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,190 +20,26 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
-from vramcal.calibration.lengths import parse_buckets
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibrator import CalibrationError
+from vramcal.cli.types import ByteSize, ByteSizes, Checkpointing, FiniteFloat, GpuChoice, Reporters, SeqLenList
+from vramcal.cli.types import KeyValue as KeyValue  # re-exported: vramcal.cli.options.KeyValue is named in docs
 from vramcal.estimate import EstimateError
 from vramcal.files import os_advice
-from vramcal.measure.device import DeviceError, check_choice
 from vramcal.measure.nvml import NvmlError
-from vramcal.models.mamba2 import CHECKPOINTING_FORMS, DTYPE_POLICIES, IMPLEMENTATIONS, checkpoint_every
+from vramcal.models.mamba2 import CHECKPOINTING_FORMS, DTYPE_POLICIES, IMPLEMENTATIONS
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.profile import left_out, load_profile, profiles_under
 from vramcal.records import World
-from vramcal.report.catalogue import parse_gpu_list
 from vramcal.sizing.staleness import STRICT_ENV
 from vramcal.train.config import REPORT_TO, VARIANT_CHOICES
 from vramcal.train.errors import TrainError
-from vramcal.units import format_bytes, parse_bytes
 
 EXIT_UNVERIFIED = 3
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports a process that SIGTERM ended
 _DEFAULTS = RegressorSpec()
 SPEC_NAMES = ("d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len", "dtype", "checkpointing")
-
-
-class ByteSize(click.ParamType):
-    """A size such as ``12GiB``, parsed by :func:`vramcal.units.parse_bytes`."""
-
-    name = "size"
-
-    def __init__(self, min_bytes: int = 0) -> None:
-        self.min_bytes = min_bytes
-
-    def convert(self, value, param, ctx):
-        try:
-            n_bytes = value if isinstance(value, int) else parse_bytes(value)
-        except ValueError as error:
-            self.fail(str(error), param, ctx)
-        if n_bytes < self.min_bytes:
-            bare = isinstance(value, str) and value.strip().replace(".", "", 1).isdigit()  # bytes, without a unit
-            self.fail(f"{value} is below the minimum of {format_bytes(self.min_bytes)}"
-                      + ("; a number without a unit is bytes: write a unit, e.g. 24GiB" if bare else ""), param, ctx)
-        return n_bytes
-
-
-class CommaList(click.ParamType):
-    """A comma list option: its text read by the subclass's :meth:`read` once it names at least one entry. An empty
-    list (``''``, ``','``) is a bad value for every list option (issue 59: ``estimate --gpus ''`` traced for 20 s
-    and printed an empty table); a value already read (a list or tuple) passes as it is."""
-
-    example = ""  # a good value, for the refusal
-    file_type: Any = str  # what a defaults file may give (vramcal.cli.defaults.file_type): text
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, list | tuple):
-            return value
-        if not any(part.strip() for part in str(value).split(",")):
-            self.fail(f"{str(value)!r} names nothing: give at least one, e.g. {self.example}", param, ctx)
-        try:
-            return self.read(str(value), param, ctx)
-        except ValueError as error:
-            self.fail(str(error), param, ctx)
-
-    def read(self, text: str, param, ctx) -> Any:
-        """The entries of ``text`` (which names at least one). Raises: ValueError, or click's BadParameter."""
-        raise NotImplementedError
-
-
-class ByteSizes(CommaList, ByteSize):
-    """One size, or a comma list (one per local rank of a DDP run on the host): a tuple of byte counts."""
-
-    name = "size[,size...]"
-    example = "12GiB"
-    file_type = str | int  # a whole number is bytes, as ByteSize reads it
-
-    def read(self, text: str, param, ctx) -> tuple[int, ...]:
-        return tuple(ByteSize.convert(self, part.strip(), param, ctx) for part in text.split(","))
-
-
-class FiniteFloat(click.FloatRange):
-    """A float range that refuses NaN and infinities first, with one message for all of them (click's ranges
-    let NaN through: it compares false; ``1e999`` reads as infinity)."""
-
-    def convert(self, value, param, ctx):
-        number = click.FLOAT.convert(value, param, ctx)
-        if not math.isfinite(number):
-            self.fail(f"{value!r} is not a finite number", param, ctx)
-        return super().convert(number, param, ctx)
-
-
-class BatchSize(click.ParamType):
-    """``auto`` (None) or a positive integer."""
-
-    name = "auto|N"
-
-    def convert(self, value, param, ctx):
-        if value is None or str(value).lower() == "auto":
-            return None
-        try:
-            number = int(value)
-        except ValueError:
-            self.fail(f"{value!r} is neither auto nor an integer", param, ctx)
-        if number < 1:
-            self.fail(f"{number} is not >= 1", param, ctx)
-        return number
-
-
-class SeqLenList(click.ParamType):
-    """One sequence length, a list ``128,512,2048`` or a range ``128:2048``, read once
-    (:func:`vramcal.calibration.fit2d.parse_seq_lens`)."""
-
-    name = "N|N,N,...|LOW:HIGH"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, SeqLens):
-            return value
-        try:
-            return parse_seq_lens(str(value))
-        except ValueError as error:
-            self.fail(str(error), param, ctx)
-
-
-class Buckets(CommaList):
-    """``--buckets``: boundaries ``128,256,512`` or ``auto`` (``()``), read once
-    (:func:`vramcal.calibration.lengths.parse_buckets`)."""
-
-    name = "N,N,...|auto"
-    example = "128,256,512 or auto"
-    file_type = str | int  # one bucket
-
-    def read(self, text: str, param, ctx) -> tuple[int, ...]:
-        return parse_buckets(text)
-
-
-class Checkpointing(click.ParamType):
-    """``--checkpointing off|block|every:K`` in form (:func:`vramcal.models.mamba2.checkpoint_every`); whether K fits
-    the model's blocks is the spec's to say (it knows ``n_layers``)."""
-
-    name = "off|block|every:K"
-    file_type = str
-
-    def convert(self, value, param, ctx):
-        try:
-            checkpoint_every(value)
-        except ValueError as error:
-            self.fail(str(error).removeprefix("checkpointing "), param, ctx)
-        return value
-
-
-class Reporters(CommaList):
-    """``--report-to tensorboard,mlflow`` (or ``none``): the names of :data:`vramcal.train.config.REPORT_TO`, each
-    once, as a tuple."""
-
-    name = ",".join(REPORT_TO) + "|none"
-    example = "tensorboard, or none"
-
-    def read(self, text: str, param, ctx) -> tuple[str, ...]:
-        names = () if text.strip() == "none" else tuple(n.strip() for n in text.split(","))
-        unknown = [n for n in names if n not in REPORT_TO]
-        if unknown or len(set(names)) != len(names):
-            self.fail(f"{text!r}: name each of {', '.join(REPORT_TO)} at most once, separated by commas, or none",
-                      param, ctx)
-        return names
-
-
-class KeyValue(click.ParamType):
-    """``KEY=VALUE``; the value is read as JSON when it parses (numbers, true/false, lists), else as text."""
-
-    name = "KEY=VALUE"
-    file_type = str
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, tuple):
-            return value
-        key, sep, text = str(value).partition("=")
-        if not sep or not key.isidentifier():
-            self.fail(f"{value!r} is not KEY=VALUE with KEY a Python identifier", param, ctx)
-        try:
-            parsed = json.loads(text)
-        except ValueError:
-            parsed = text
-        if isinstance(parsed, float) and not math.isfinite(parsed):
-            self.fail(f"{key}: {text} is not a finite number", param, ctx)
-        return key, parsed
 
 
 def group(*decorators: Callable) -> Callable:
@@ -237,30 +71,6 @@ def explicit(ctx: click.Context) -> set[str]:
     """The parameters given on the command line (not defaults)."""
     return {name for name in ctx.params
             if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)}
-
-
-class GpuList(CommaList):
-    """``--gpus "H200,RTX 4090,My card=24GiB"``: catalogued cards by name, others as NAME=SIZE
-    (:func:`vramcal.report.catalogue.parse_gpu_list`)."""
-
-    name = "CARD[,CARD...]"
-    example = '"H200,RTX 4090,My card=24GiB"'
-
-    def read(self, text: str, param, ctx) -> list:
-        return parse_gpu_list(text)
-
-
-class GpuChoice(click.ParamType):
-    """A ``--gpu`` value in form (:func:`vramcal.measure.device.check_choice`); whether it names a visible device
-    is for the device selection to say."""
-
-    name = "gpu"
-
-    def convert(self, value, param, ctx):
-        try:
-            return check_choice(str(value))
-        except DeviceError as error:
-            self.fail(str(error).removeprefix("--gpu "), param, ctx)
 
 
 GPU_HELP = "auto | none (the host) | all | a CUDA index among the visible GPUs | a GPU/MIG UUID"

@@ -13,15 +13,12 @@ from typing import Any
 
 import click
 
-from vramcal import api, files
+from vramcal import files
 from vramcal.cli import defaults
 from vramcal.cli.console import VERBOSITY, echo_lines, observations_lines, summary, variant_lines
 from vramcal.cli.options import (
     EXIT_UNVERIFIED,
     SPEC_NAMES,
-    ByteSize,
-    FiniteFloat,
-    KeyValue,
     WorldOptions,
     check_local_ranks,
     collected,
@@ -35,6 +32,7 @@ from vramcal.cli.options import (
     strict_option,
     world_options,
 )
+from vramcal.cli.types import ByteSize, FiniteFloat, KeyValue
 from vramcal.models import registry
 from vramcal.models.registry import describe
 from vramcal.models.regressor.spec import RegressorSpec
@@ -42,7 +40,9 @@ from vramcal.profile import load_profile
 from vramcal.progress import TrialPrinter, trial_line
 from vramcal.records import TrialSettings
 from vramcal.report import write_report
-from vramcal.sizing.lookup import suggested_capacity
+from vramcal.service.calibrate import plan_calibration, run_calibration
+from vramcal.service.pool import select_devices, worker_pool
+from vramcal.sizing.lookup import probe_command, suggested_capacity
 from vramcal.sizing.staleness import check
 from vramcal.sizing.variants import variant_rows, variants_of
 from vramcal.units import format_bytes, size_argument
@@ -168,7 +168,7 @@ def probe(ctx: click.Context, gpu, capacity, implementation, model: ModelOptions
     with one_line("interrupted: no profile written, existing profiles are unchanged; the trials so far are kept "
                   "beside the profile (*.journal): run the same command again to continue from them"), \
             stdout_to_stderr(as_json):
-        api.worker_pool().warm_up()  # the trials' server imports torch while the options and data are checked
+        worker_pool().warm_up()  # the trials' server imports torch while the options and data are checked
         common = dict(implementation=implementation, settings=settings, options=data, profiles_dir=profiles_dir,
                       out=out, trials=trials, aim=aim, evaluation=evaluation)
         plans = plan_probes(model, gpu, capacity, nproc, parallel, common, err=as_json)
@@ -184,8 +184,8 @@ def probe(ctx: click.Context, gpu, capacity, implementation, model: ModelOptions
 
 def plan_probes(model: ModelOptions, gpu: str, capacity: int | None, nproc: int, parallel: WorldOptions,
                 common: dict[str, Any], err: bool) -> list:
-    """One :class:`~vramcal.api.CalibrationPlan` per device ``--gpu`` names (one for a DDP world), every check
-    done before any trial; prints the device notices. ``common``: :func:`vramcal.api.plan_calibration`'s
+    """One :class:`~vramcal.calibrator.CalibrationPlan` per device ``--gpu`` names (one for a DDP world), every check
+    done before any trial; prints the device notices. ``common``: :func:`vramcal.service.calibrate.plan_calibration`'s
     keywords that every plan shares.
 
     Raises:
@@ -194,7 +194,7 @@ def plan_probes(model: ModelOptions, gpu: str, capacity: int | None, nproc: int,
 
     name, params, spec = model_params(model)
     importable_from_cwd(name)
-    devices, notice = api.select_devices("all" if nproc > 1 and gpu == "auto" else gpu, capacity)
+    devices, notice = select_devices("all" if nproc > 1 and gpu == "auto" else gpu, capacity)
     check_local_ranks(nproc, "--nproc", devices[0].kind == "cuda", parallel.oversubscribe)
     world = parallel.world(nproc, devices[0].kind == "cuda")
     if devices[0].kind == "host" and world is not None:
@@ -210,8 +210,8 @@ def plan_probes(model: ModelOptions, gpu: str, capacity: int | None, nproc: int,
 
     if world is not None:
         ranks = tuple(devices[:world.nproc]) if devices[0].kind == "cuda" else ()
-        return [api.plan_calibration(key(devices[0]), params, device=devices[0], rank_devices=ranks, **common)]
-    return [api.plan_calibration(key(device), params, device=device, unique_device=len(devices) > 1, **common)
+        return [plan_calibration(key(devices[0]), params, device=devices[0], rank_devices=ranks, **common)]
+    return [plan_calibration(key(device), params, device=device, unique_device=len(devices) > 1, **common)
             for device in devices]
 
 
@@ -302,7 +302,7 @@ def calibrate_one(plan, err: bool = False, reports_dir: Path | None = None):
     printer = TrialPrinter(plan.search().max_trials, plan.usable_bytes, file=sys.stderr if err else sys.stdout,
                            level=VERBOSITY.get())
     try:
-        profile = api.run_calibration(plan, on_trial=printer, on_notice=lambda line: echo_lines(line, err=err),
+        profile = run_calibration(plan, on_trial=printer, on_notice=lambda line: echo_lines(line, err=err),
                                       on_step=printer.step)
     except OSError as error:
         if not str(error.filename or "").startswith(str(plan.path.parent)):
@@ -327,7 +327,7 @@ def warn_if_stale(profile, path: Path, strict: bool) -> None:
     ``strict``: refuse it (StaleProfileError, one line)."""
 
     notice = check(profile, str(path), strict=strict or None,
-                   command=api.probe_command(profile.device, profile.model, profile.world))
+                   command=probe_command(profile.device, profile.model, profile.world))
     if notice:
         click.echo(f"warning: {notice}", err=True)
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import click
 
-from vramcal import api
 from vramcal.cli.console import estimate_lines
 from vramcal.cli.cost import forecast_options, forecast_settings, forecastable
-from vramcal.cli.options import EXIT_UNVERIFIED, Buckets, GpuList, load_profiles, one_line, strict_option
+from vramcal.cli.options import EXIT_UNVERIFIED, load_profiles, one_line, strict_option
 from vramcal.cli.probe import warn_if_stale
+from vramcal.cli.types import Buckets, GpuList
 from vramcal.estimate import EstimateError
 from vramcal.estimated import estimate_cards, traced_options
 from vramcal.files import os_advice
@@ -26,6 +26,7 @@ from vramcal.report.lengths import lengths_lines
 from vramcal.report.markdown import device_label, limits_notes, limits_table, missing_notes
 from vramcal.report.variants import group_rows, variant_groups
 from vramcal.report.world import world_heading, world_rows, world_table
+from vramcal.service import pool
 from vramcal.sizing import answer, batching
 from vramcal.units import format_bytes
 from vramcal.workload import WorkloadError
@@ -154,7 +155,7 @@ def limits_command(ctx: click.Context, profile: Path, gpus: list[GpuModel], seq_
 
     with one_line():
         found = answer(loaded, seq_len=seq_len, batch_size=batch_size)
-        trial = api.verify(loaded, found.batch_size, found.seq_len) if verify else None
+        trial = pool.verify(loaded, found.batch_size, found.seq_len) if verify else None
     _print_answer(found, trial, as_json)
     if trial is not None and not trial.fits(found.usable_bytes):
         ctx.exit(EXIT_UNVERIFIED)
@@ -184,7 +185,7 @@ def _lengths(path: Path, loaded, boundaries: tuple[int, ...] | None, with_budget
         table, worst = batching.buckets(loaded, boundaries) if boundaries is not None else (None, [])
         found, budget_worst = batching.budget(loaded) if with_budget else (None, ())
         cases = [*([worst] if table else []), *budget_worst]
-        trials = {case: api.verify(loaded, case.batch_size, case.seq_len) for case in cases
+        trials = {case: pool.verify(loaded, case.batch_size, case.seq_len) for case in cases
                   if verify and case.check is None}
     usable = loaded.settings.usable_bytes(loaded.device.total_bytes)
     results = [(case, _verdict(case, trials.get(case), usable)) for case in cases]

@@ -1,4 +1,4 @@
-"""``vramcal size``: the batch size for a model on a device in one command (:func:`vramcal.api.size_for`)."""
+"""``vramcal size``: the batch size for a model on a device in one command (:func:`vramcal.service.size.size_for`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any
 
 import click
 
-from vramcal import api
 from vramcal.cli.options import EXIT_UNVERIFIED, Unverified, device_options, limit_options, one_line
 from vramcal.cli.probe import (
     ModelOptions,
@@ -22,6 +21,7 @@ from vramcal.cli.probe import (
     trial_options,
 )
 from vramcal.records import TrialSettings
+from vramcal.service.size import size_for
 from vramcal.sizing import LIMITS, NoLimitsError
 from vramcal.words import labelled
 
@@ -51,7 +51,7 @@ def size_command(ctx: click.Context, gpu, capacity, implementation, model: Model
         name, params, _ = model_params(model)
         importable_from_cwd(name)
         try:
-            answered = api.size_for(name, params, gpu=gpu, capacity_bytes=capacity, implementation=implementation,
+            answered = size_for(name, params, gpu=gpu, capacity_bytes=capacity, implementation=implementation,
                                     options=data, profiles_dir=profiles_dir, settings=settings, trials=trials,
                                     limit=limit)
         except NoLimitsError as error:  # a profile without limits: exit 3 (README "Exit codes")

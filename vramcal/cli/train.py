@@ -13,12 +13,8 @@ from typing import Any
 
 import click
 
-from vramcal import api
-from vramcal.api import worker_pool
 from vramcal.cli.lm import announce_lm, check_lm, lm_options, lm_settings, saved_model
 from vramcal.cli.options import (
-    BatchSize,
-    FiniteFloat,
     WorldOptions,
     check_local_ranks,
     explicit,
@@ -29,10 +25,12 @@ from vramcal.cli.options import (
     world_options,
 )
 from vramcal.cli.probe import calibrate_one, stdout_to_stderr
+from vramcal.cli.types import BatchSize, FiniteFloat
 from vramcal.measure.device import check_host_world
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.profile import ProfileError, load_profile
 from vramcal.report import report_name, write_report
+from vramcal.service.pool import select_devices, worker_pool
 from vramcal.train import checkpoint, distributed
 from vramcal.train.config import RESUME_OVERRIDES, ConfigError, TrainConfig, is_language_model, load_config
 from vramcal.units import format_bytes
@@ -304,7 +302,7 @@ def node_count(nnodes: object) -> int:
 def gpu_here() -> bool:
     """Whether an NVIDIA GPU is visible (the default backend follows it)."""
 
-    return api.select_devices("auto")[0][0].kind == "cuda"
+    return select_devices("auto")[0][0].kind == "cuda"
 
 
 def new_run_dir() -> Path:
