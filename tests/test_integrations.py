@@ -151,14 +151,21 @@ def test_a_plain_loop_uses_the_run_directly(tmp_path):
 def test_sizing_a_run_adds_little_to_the_process_it_measures(tmp_path):
     """Loading and sizing refit the profile: in Python floats, not through BLAS, whose first call maps
     OpenBLAS's 32 MiB buffer into the data segment, which the process term would then count against the
-    trials' processes (a fresh process: this one's OpenBLAS is awake already; the modules imported first)."""
+    trials' processes (a fresh process: this one's OpenBLAS is awake already; the modules imported first). start()
+    caches thread stacks on purpose (:func:`vramcal.environment.cache_thread_stacks`): two are cached here first,
+    their threads alive together and then gone, so start()'s threads reuse them and only sizing's growth counts."""
     import subprocess
     import sys
 
     path = save_profile(profile_here(), tmp_path / "host.json")
-    script = ("import torch, numpy, scipy.stats\n"
+    script = ("import os, threading, time, torch, numpy, scipy.stats\n"
               "from vramcal.integrations.run import FrameworkRun\n"
               "from vramcal.measure.meters import read_status_bytes\n"
+              "tasks, gate = len(os.listdir('/proc/self/task')), threading.Event()\n"
+              "threads = [threading.Thread(target=gate.wait) for _ in range(2)]\n"
+              "[t.start() for t in threads], gate.set(), [t.join() for t in threads]\n"
+              "while len(os.listdir('/proc/self/task')) > tasks:\n"
+              "    time.sleep(0.01)  # their stacks are free for reuse once the threads are gone\n"
               "before = read_status_bytes('VmData')\n"
               f"FrameworkRun({str(path)!r}, device='cpu').start()\n"
               "print(read_status_bytes('VmData') - before)")

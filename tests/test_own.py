@@ -176,31 +176,71 @@ def lightning_fit(module, folder, max_steps: int = 2, **given):
     return trainer, callback
 
 
-@pytest.mark.slow
-def test_lightning_calibrates_the_module_itself_once_then_reuses_its_profile(tmp_path, caplog):
-    import logging
+FIT_SCRIPT = """
+import json, resource, sys
+framework, folder, budget, spike, given = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+sys.path[:0] = sys.argv[6:]
+from pathlib import Path
+import test_own
+folder, given, steps = Path(folder), json.loads(given), 4 if spike == "spike" else 2
+if spike == "spike":  # the profile's budget: this run's memory, as its trials'
+    resource.setrlimit(resource.RLIMIT_DATA, (budget, budget))
+if framework == "lightning":
+    module = test_own.Wide()
+    module.spike_at = 1 if spike == "spike" else None
+    trainer, callback = test_own.lightning_fit(module, folder, max_steps=steps, **given)
+    ran = {"steps": trainer.global_step, "seen": module.seen, "path": callback.profile_source,
+           "accumulated": trainer.accumulate_grad_batches, "batch_size": callback.sizing.batch_size}
+else:
+    from transformers import TrainingArguments
+    trainer, callback = test_own.hf_train(folder, max_steps=steps, collator=test_own.Spike(at=3 if spike == "spike"
+                                          else None), **given)
+    s, args = callback.run.sizing, trainer.args
+    ran = {"steps": trainer.state.global_step, "path": str(callback.run.path), "seen": [s.batch_size],
+           "accumulated": args.gradient_accumulation_steps, "trainer": [args.per_device_train_batch_size,
+           args.gradient_accumulation_steps], "sizing": [s.batch_size, s.accumulation_steps], "report": callback.report}
+    if spike != "spike":
+        ran["sized"] = callback.sized(TrainingArguments(output_dir=str(folder / "out"), use_cpu=True,
+                                                        report_to=[])).per_device_train_batch_size
+print(json.dumps(ran))
+"""
 
+
+def fresh_fit(framework: str, folder, spike: bool = False, **given) -> tuple[dict, str]:
+    """A fit of :class:`Wide` (``lightning``) or :class:`WideModel` (``hf``) with no profile at first, run as a user
+    runs one: in a fresh Python process (this one holds what every test before imported, which the process term
+    rightly counts). ``spike``: 4 steps under the profile's budget, one batch 64 times larger. Returns what it printed
+    (FIT_SCRIPT) and its stderr."""
+    import json
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    done = subprocess.run([sys.executable, "-c", FIT_SCRIPT, framework, str(folder), str(own_budget()),
+                           "spike" if spike else "", json.dumps(given), *sys.path], capture_output=True, text=True,
+                          timeout=900, env=env, cwd=os.path.dirname(__file__))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+@pytest.mark.slow
+def test_lightning_calibrates_the_module_itself_once_then_reuses_its_profile(tmp_path):
     from vramcal.profile import load_profile
 
-    with caplog.at_level(logging.INFO):
-        _, first = lightning_fit(module := Wide(), tmp_path)
-    profile = load_profile(first.profile_source)
+    first, said = fresh_fit("lightning", tmp_path)
+    profile = load_profile(first["path"])
     assert profile.verified and profile.model.factory == "vramcal.integrations.lightning:trial_step"
     params = profile.model.params
     assert params["model"] == "test_own:Wide" and params["hparams"] == {"width": 8}
     assert params["data"] == [["0", [WIDE], "torch.float32"], ["1", [1], "torch.float32"]]
     assert params["precision"] == "32-true" and params["max_grad_norm"] is None
-    assert module.seen == [first.sizing.batch_size] * 2 and first.sizing.batch_size > 64  # rows of the sample cycled
-    assert "profile saved to" in caplog.text or "batch_size" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.INFO):
-        _, second = lightning_fit(again := Wide(), tmp_path)
-    assert second.profile_source == first.profile_source and f"from the matching profile {first.profile_source}" \
-        in caplog.text
-    reread = load_profile(first.profile_source)
+    assert first["seen"] == [first["batch_size"]] * 2 and first["batch_size"] > 64  # rows of the sample cycled
+    assert "profile saved to" in said or "batch_size" in said
+    second, said = fresh_fit("lightning", tmp_path)
+    assert second["path"] == first["path"] and f"from the matching profile {first['path']}" in said
+    reread = load_profile(first["path"])
     assert reread.trials == profile.trials and reread.created_utc == profile.created_utc  # no trial ran
     assert [o.framework for o in reread.observations] == ["lightning", "lightning"]
-    assert again.seen == [second.sizing.batch_size] * 2
+    assert second["seen"] == [second["batch_size"]] * 2
 
 
 class Unsaved(pl.LightningModule):
@@ -314,54 +354,28 @@ def hf_train(folder, max_steps: int = 2, collator=None, **given):
 
 
 @pytest.mark.slow
-def test_the_trainer_calibrates_its_model_itself_once_then_reuses_its_profile(tmp_path, capfd):
+def test_the_trainer_calibrates_its_model_itself_once_then_reuses_its_profile(tmp_path):
     from transformers import TrainingArguments
 
+    from vramcal.integrations.hf import VramcalCallback
     from vramcal.profile import load_profile
     from vramcal.sizing import SizingError
 
-    trainer, first = hf_train(tmp_path, effective_batch_size=600)
-    profile = load_profile(first.run.path)
+    first, _ = fresh_fit("hf", tmp_path, effective_batch_size=600)
+    profile = load_profile(first["path"])
     assert profile.verified and profile.model.factory == "vramcal.integrations.hf:trial_step"
     params = profile.model.params
     assert params["model"] == "test_own:WideModel" and params["config"]["width"] == 8 and params["dtype"] == "float32"
     assert params["optimizer"] == "torch.optim.adamw:AdamW" and params["optimizer_kwargs"]["lr"] == 5e-05
     assert params["data"] == [["x", [WIDE], "torch.float32"], ["y", [1], "torch.float32"]] and params["mixed"] is None
-    s = first.run.sizing
-    assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == \
-        (s.batch_size, s.accumulation_steps) and s.batch_size * s.accumulation_steps == 600  # exactly kept
-    assert trainer.state.global_step == 2 and first.report.startswith("vramcal: peak ")
-    sized = first.sized(TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[]))
-    assert sized.per_device_train_batch_size == s.batch_size
-    capfd.readouterr()
-    _, second = hf_train(tmp_path)
-    said = capfd.readouterr().err
-    assert f"vramcal: from the matching profile {first.run.path}" in said and "batch_size      1" not in said
-    assert load_profile(first.run.path).trials == profile.trials  # no trial ran
+    batch_size, steps = first["sizing"]
+    assert first["trainer"] == first["sizing"] and batch_size * steps == 600  # exactly kept
+    assert first["steps"] == 2 and first["report"].startswith("vramcal: peak ") and first["sized"] == batch_size
+    _, said = fresh_fit("hf", tmp_path)
+    assert f"vramcal: from the matching profile {first['path']}" in said and "batch_size      1" not in said
+    assert load_profile(first["path"]).trials == profile.trials  # no trial ran
     with pytest.raises(SizingError, match=r"sizes the Trainer itself when train\(\) starts: pass it in "):
-        type(second)().sized(TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[]))
-
-
-OOM_SCRIPT = """
-import json, resource, sys, warnings
-sys.path[:0] = sys.argv[4:]
-from pathlib import Path
-import test_own
-budget = int(sys.argv[3])
-resource.setrlimit(resource.RLIMIT_DATA, (budget, budget))  # the profile's budget: this run's memory, as its trials'
-folder = Path(sys.argv[2])
-if sys.argv[1] == "lightning":
-    module = test_own.Wide()
-    module.spike_at = 1
-    trainer, callback = test_own.lightning_fit(module, folder, max_steps=4)
-    print(json.dumps({"steps": trainer.global_step, "seen": module.seen, "path": callback.profile_source,
-                      "accumulated": trainer.accumulate_grad_batches}))
-else:
-    trainer, callback = test_own.hf_train(folder, max_steps=4, collator=test_own.Spike(at=3))
-    print(json.dumps({"steps": trainer.state.global_step, "path": str(callback.run.path),
-                      "accumulated": trainer.args.gradient_accumulation_steps,
-                      "seen": [callback.run.sizing.batch_size]}))
-"""
+        VramcalCallback().sized(TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[]))
 
 
 @pytest.mark.slow
@@ -371,22 +385,11 @@ def test_an_out_of_memory_error_mid_run_is_recorded_and_the_run_goes_on_smaller(
     (64 times the batch at one step) runs out of memory: the profile records it (the size, the step, the peak, the
     prediction it broke), and the run goes on at the largest size below it that a trial ran, its samples per
     optimizer step kept by accumulation; the profile stays whole, its first run's record kept."""
-    import json
-    import os
-
     from vramcal.profile import load_profile
     from vramcal.sizing import SizeRequest, size
 
-    if framework == "lightning":  # calibrated here; the run below reuses the profile
-        lightning_fit(Wide(), tmp_path)
-    else:
-        hf_train(tmp_path)
-    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    here = os.path.dirname(__file__)
-    done = subprocess.run([sys.executable, "-c", OOM_SCRIPT, framework, str(tmp_path), str(own_budget()), *sys.path],
-                          capture_output=True, text=True, timeout=900, env=env, cwd=here)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ran = json.loads(done.stdout.strip().splitlines()[-1])
+    fresh_fit(framework, tmp_path)  # calibrated; the run below reuses the profile
+    ran, said = fresh_fit(framework, tmp_path, spike=True)
     profile = load_profile(ran["path"])
     first, failed = profile.observations  # the calibrating run's, and this run's failure (its end is said only)
     assert not first.out_of_memory and failed.out_of_memory and failed.steps < 4 and failed.peak_bytes > 0
@@ -394,5 +397,5 @@ def test_an_out_of_memory_error_mid_run_is_recorded_and_the_run_goes_on_smaller(
     assert capped < failed.batch_size and capped in {t.batch_size for t in profile.trials}
     micro, steps = ran["seen"][-1], ran["accumulated"]  # the effective batch kept, as closely as micro-batches can
     assert ran["steps"] == 4 and micro <= capped and micro * (steps - 1) < failed.batch_size <= micro * steps
-    assert f"vramcal: out of memory at batch_size {failed.batch_size} after {failed.steps} steps" in done.stderr
-    assert "after an out-of-memory error: not recorded" in done.stderr and "Traceback" not in done.stderr
+    assert f"vramcal: out of memory at batch_size {failed.batch_size} after {failed.steps} steps" in said
+    assert "after an out-of-memory error: not recorded" in said and "Traceback" not in said

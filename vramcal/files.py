@@ -1,9 +1,5 @@
-"""Writing files so that a crash, a kill or a full disk never leaves a half-written one.
-
-Every file vramcal writes (profiles, reports, checkpoints, run records, tune results) goes through
-here: a temporary file in the same folder, written and fsynced, then ``os.replace`` over the target,
-so a reader sees either the previous content or the new one, never a mix.
-"""
+"""Writing files so that a crash, a kill or a full disk never leaves a half-written one: every file vramcal writes
+goes to a temporary file in the same folder, fsynced, then ``os.replace`` over the target."""
 
 from __future__ import annotations
 
@@ -18,7 +14,7 @@ from typing import Any, BinaryIO
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: a temporary file in the same folder, fsync, rename.
+    """Write ``text`` to ``path`` atomically (:func:`atomic_write`).
 
     Raises:
         OSError: the folder cannot be created or written; ``path`` is then untouched.
@@ -27,27 +23,18 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (as :func:`atomic_write_text`).
+    """Write ``data`` to ``path`` atomically (:func:`atomic_write`).
 
     Raises:
-        OSError: the folder cannot be created or written (a full disk, a file-size limit); ``path`` is
-            then untouched.
+        OSError: the folder cannot be created or written; ``path`` is then untouched.
     """
     atomic_write(path, lambda handle: handle.write(data))
 
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], Any], keep_previous: Path | None = None) -> None:
-    """Write ``path`` atomically by streaming into a temporary file: ``write(handle)``, flush, fsync, rename.
-
-    Streaming (rather than building the bytes first) keeps a large file, such as a checkpoint, from
-    needing a second copy of itself in memory.
-
-    Args:
-        keep_previous: when given and ``path`` exists, its current content becomes ``keep_previous`` just
-            before the new file takes its place, so the previous version survives. ``path`` never goes
-            missing: the previous content is hard-linked under a temporary name that is renamed over
-            ``keep_previous`` (:func:`_keep_previous`), then the new file is renamed over ``path``; a kill
-            between any two steps leaves ``path`` whole, old or new.
+    """Write ``path`` atomically by streaming ``write(handle)`` into a temporary file (no second copy of a large file
+    in memory), then flush, fsync, rename. ``keep_previous``: ``path``'s current content becomes that file first,
+    ``path`` never missing (:func:`_keep_previous`).
 
     Raises:
         OSError: the folder cannot be created or written; ``path`` (and ``keep_previous``) are then untouched.
@@ -71,10 +58,8 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], Any], keep_previous: Pa
 
 
 def _keep_previous(path: Path, previous: Path) -> None:
-    """Make ``previous`` hold ``path``'s content while ``path`` stays in place: a hard link under a temporary
-    name (``.<previous name>.<random>.tmp``, the pattern a killed save's leftovers are cleaned up by), renamed
-    over ``previous``. On a filesystem without hard links, ``path`` is renamed to ``previous`` instead, and is
-    missing until the new file lands (a resume then takes ``previous``).
+    """Make ``previous`` hold ``path``'s content, ``path`` in place: a hard link under a temporary name (the pattern
+    a killed save's leftovers are cleaned up by) renamed over ``previous``; without hard links, ``path`` is renamed.
 
     Raises:
         OSError: the folder cannot be written; ``path`` is then untouched.
@@ -130,11 +115,8 @@ _OS_ADVICE = {errno.ENOSPC: "the disk is full: free space there",
 
 
 def os_advice(error: OSError, choose: str | None = None) -> str:
-    """What to do about a read or write that failed, by its errno: free space for a full disk or quota, the
-    permissions for a refusal, the path for a missing one, a read-only file system or a file in a folder's place
-    said as such; with ``choose`` (the option that names another place), ending in ``choose another <choose>``.
-    The one place an OSError becomes advice (:func:`vramcal.cli.options.one_line`, and the commands that name their
-    folder's option)."""
+    """What to do about a failed read or write, by its errno; with ``choose`` (the option naming another place),
+    ending in ``choose another <choose>``. The one place an OSError becomes advice."""
     fix = _OS_ADVICE.get(error.errno, "check the path and its permissions")
     acts = ": " in fix or error.errno not in _OS_ADVICE  # the fix says what to do, else choosing another place is it
     if choose is None:
@@ -146,8 +128,8 @@ WRITE_CHECK_BYTES = 1 << 20  # 100 times a profile: room for it, its journal and
 
 
 def check_writable(folder: Path, size: int = WRITE_CHECK_BYTES) -> None:
-    """Write and remove ``size`` bytes in ``folder`` (created if missing), synced to disk: a full disk fails
-    here, before a calibration that can take an hour, not after it.
+    """Write and remove ``size`` bytes in ``folder`` (created if missing), synced: a full disk fails here, before
+    an hour of calibration.
 
     Raises:
         OSError: the folder cannot be created, or ``size`` bytes cannot be written there (naming the folder).

@@ -1,25 +1,13 @@
-"""Accelerate: a profile's batch size for a plain ``accelerate`` loop, held to its process, and its peak checked.
+"""Accelerate: a profile's batch size for a plain ``accelerate`` loop, held to its process (:func:`sized`), and its
+peak checked (:func:`measured`); DESIGN.md "Framework processes" and "Several processes: DDP and FSDP".
 
-    from accelerate import Accelerator
-    from vramcal.integrations.accelerate import measured, sized
-
-    accelerator = Accelerator()
     model, optimizer = accelerator.prepare(model, optimizer)
     run = sized(accelerator, model="mytrain:make_step", module=model, effective_batch_size=256)   # after prepare
     loader = accelerator.prepare(DataLoader(dataset, batch_size=run.sizing.batch_size, shuffle=True))
     with measured(run, accelerator) as steps:
         for batch in loader:
-            with accelerator.accumulate(model):
-                ...
+            ...
             steps.done += 1
-
-:func:`sized` finds the profile for this process's device (and, with several processes, for the world: DDP, or
-FSDP2 under the FSDP plugin, whose FSDP1 is refused in one line: :mod:`vramcal.integrations.worlds`),
-measures what this process holds once the model and the optimizer are prepared against what the trials'
-processes held — the process term (:class:`vramcal.integrations.run.FrameworkRun`) — and sizes the batch with it;
-with an effective batch it sets ``accelerator.gradient_accumulation_steps`` to reach it. :func:`measured` prints
-this process's peak against the prediction at the end (the main process) and appends the observation to the
-profile.
 
 Needs ``accelerate`` (``pip install 'vramcal[dev]'`` has it); ``import vramcal`` never imports it.
 """
@@ -42,24 +30,21 @@ from vramcal.records import World
 def sized(accelerator: Any, profile: Profile | str | Path | None = None, *, model: str | None = None,
           params: dict[str, Any] | None = None, profiles_dir: str | Path = DEFAULT_PROFILES_DIR,
           capacity_bytes: int | str | None = None, module: Any = None, **asked: Any) -> FrameworkRun:
-    """The run of this ``accelerate.Accelerator``'s process, sized with its process term (module docstring);
-    call it after ``accelerator.prepare(model, optimizer)`` and before building the DataLoader.
+    """The run of this ``accelerate.Accelerator``'s process, sized with its process term; call it after
+    ``accelerator.prepare(model, optimizer)`` and before building the DataLoader. With an effective batch it sets
+    ``accelerator.gradient_accumulation_steps``.
 
     Args:
         profile, model, params, profiles_dir, capacity_bytes: as :class:`~vramcal.integrations.run.FrameworkRun`.
-        module: the model this process trains (prepared): where the profile's variant checkpoints, its blocks are
-            recomputed in the backward pass as the trials' were
+        module: the prepared model, checkpointed as the profile's trials were
             (:meth:`~vramcal.integrations.run.FrameworkRun.checkpoint`); None: the run warns that it cannot.
-        asked: what the run asks of the profile, the fields of :class:`~vramcal.sizing.SizeRequest` (``limit``,
-            ``batch_size_min``, ``request``, ``effective_batch_size``: samples per optimizer step of this process
-            to keep, the batch size then the micro-batch and ``accelerator.gradient_accumulation_steps`` what
-            reaches it, ...).
+        asked: the fields of :class:`~vramcal.sizing.SizeRequest` (``limit``, ``batch_size_min``, ``request``,
+            ``effective_batch_size`` of this process, ...).
 
     Raises:
-        TypeError: ``accelerator`` no Accelerator, ``module`` no torch module. SizingError, TypeError, ValueError: as
-            :class:`~vramcal.integrations.run.FrameworkRun` and :class:`~vramcal.sizing.SizeRequest` (an unknown
-            asked value refused with the known ones listed); a variant that checkpoints and a ``module`` with no
-            blocks to checkpoint.
+        TypeError: ``accelerator`` no Accelerator, ``module`` no torch module. SizingError, TypeError, ValueError:
+            as :class:`~vramcal.integrations.run.FrameworkRun` and :class:`~vramcal.sizing.SizeRequest`; a
+            checkpointing variant and a ``module`` with no blocks.
     """
     _accelerator(accelerator)
     find = check_find("sized", profile, model, params, profiles_dir, capacity_bytes)
@@ -74,11 +59,10 @@ def sized(accelerator: Any, profile: Profile | str | Path | None = None, *, mode
 
 
 def _world(accelerator: Any) -> World | None:
-    """The world of an Accelerator of several processes: FSDP2 when it trains with its FSDP plugin
-    (``distributed_type`` FSDP), else DDP.
+    """The world of an Accelerator of several processes: FSDP2 under its FSDP plugin, else DDP.
 
     Raises:
-        SizingError: an FSDP1 plugin or CPU offload, which no profile measures (one line).
+        SizingError: an FSDP1 plugin or CPU offload, which no profile measures.
     """
     if accelerator.num_processes < 2:
         return None
@@ -108,12 +92,11 @@ class Steps:
 
 
 def measured(run: FrameworkRun, accelerator: Any, run_dir: str = "") -> contextlib.AbstractContextManager[Steps]:
-    """Measure the training loop inside: at the end, this process's peak against the prediction (printed by
-    the main process, one line, and warnings) and the observation appended to the profile.
+    """Measure the training loop inside: at the end, the peak against the prediction (said by the main process)
+    and the observation appended to the profile.
 
     Raises:
-        TypeError: ``run`` no FrameworkRun (from :func:`sized`), ``accelerator`` no Accelerator, ``run_dir`` no
-            str; when called, before the loop.
+        TypeError: ``run`` no FrameworkRun, ``accelerator`` no Accelerator, ``run_dir`` no str.
     """
     of_type("run", run, FrameworkRun, "the FrameworkRun that sized() returned")
     _accelerator(accelerator)

@@ -1,44 +1,11 @@
-"""Hugging Face ``transformers.Trainer``: a batch size vramcal measured in the ``TrainingArguments``, held to the
-Trainer's process, and its peak checked at the end of training.
-
-    from transformers import Trainer
-    from vramcal.integrations.hf import VramcalCallback
+"""Hugging Face ``transformers.Trainer``: :class:`VramcalCallback` sets the ``TrainingArguments``' batch size from a
+vramcal profile, holds it to the Trainer's process and checks its peak (DESIGN.md "Framework processes"; its
+worlds: "Several processes: DDP and FSDP").
 
     trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[VramcalCallback()])
     trainer.train()
 
-Given no profile (and no ``model=``), the callback calibrates the Trainer's own model when ``train()`` starts, once:
-in vramcal's trial processes, each building the model's class from its config with random weights (as
-``from_config``; a class of the script itself too) at the model's dtype, with the optimizer and the mixed precision
-the ``TrainingArguments`` give (``Trainer.get_optimizer_cls_and_kwargs``, ``bf16``/``fp16``), their gradient
-clipping and activation checkpointing, on batches from a sample of the Trainer's own train dataloader (its collator
-and column removal: :mod:`vramcal.models.own`, :func:`trial_step`). The profile, keyed by the model's class, its
-config and the data's shapes, is saved under ``profiles_dir``; the next run finds it and runs no trial. The
-Trainer's ``per_device_train_batch_size`` and ``gradient_accumulation_steps`` are then set from it (an
-``effective_batch_size=`` asked is kept), and :meth:`VramcalCallback.sized` gives them for other arguments.
-
-With a profile, :meth:`VramcalCallback.sized` fills ``per_device_train_batch_size`` (the largest micro-batch the
-profile allows, or one that divides the requested effective batch) and ``gradient_accumulation_steps`` (what
-reaches it: the effective batch is kept, as users of ``auto_find_batch_size`` ask). When training begins
-(``on_train_begin``: the model is on the device and the optimizer created) the callback measures what this
-process holds against what the trials' processes held — the process term
-(:class:`vramcal.integrations.run.FrameworkRun`) — and, when the batch no longer fits with it, the Trainer's
-training loop starts again at the size that does, as ``auto_find_batch_size`` restarts it. An out-of-memory error
-in the loop is recorded in the profile (:meth:`~vramcal.integrations.run.FrameworkRun.out_of_memory`) and the loop
-starts again the same way at the largest size below it that a trial ran, the samples per optimizer step kept by
-``gradient_accumulation_steps``; with none, training stops with one line. (A callback is given no reference to
-its Trainer: the callback takes the one whose ``__init__`` calls its ``on_init_end``, and guards its
-``_inner_training_loop``, the function ``auto_find_batch_size`` guards.) There
-too the model's blocks are recomputed in the backward pass as the profile's trials did (its variant's activation
-checkpointing, transformers' own with ``use_reentrant=False``:
-:meth:`~vramcal.integrations.run.FrameworkRun.checkpoint`), whatever ``activation_checkpointing`` the arguments
-give; a model with no blocks to checkpoint is refused in one line. At the end
-(``on_train_end``) it prints this process's peak beside the prediction and appends the observation to the
-profile. Under DDP (``torchrun``) each rank sizes itself from its own device's profile for the world; with the
-``fsdp`` options on GPUs, from the FSDP2 world's (:mod:`vramcal.integrations.worlds`: FSDP1 refused in one line).
-
-Needs ``transformers`` (a dependency) and ``accelerate`` (which ``Trainer`` needs); ``import vramcal`` imports
-neither.
+Needs ``transformers`` and ``accelerate``; ``import vramcal`` imports neither.
 """
 
 from __future__ import annotations
@@ -66,31 +33,34 @@ from vramcal.workload import TrainingStep
 
 
 class _Resize(Exception):  # noqa: N818 - a signal to the guarded training loop, not an error
-    """Raised at ``on_train_begin`` when the batch no longer fits with what the process holds: the guarded loop
-    starts again at the run's sizing."""
+    """The batch no longer fits at ``on_train_begin``: the guarded loop starts again at the run's sizing."""
 
 
 class VramcalCallback(TrainerCallback):
-    """Size a ``transformers.Trainer`` run from a vramcal profile and check its peak (module docstring).
+    """Size a ``transformers.Trainer`` run from a vramcal profile and check its peak.
+
+    Given neither ``profile`` nor ``model``, the Trainer's own model is calibrated once when ``train()`` starts
+    (:func:`trial_step`, the profile saved under ``profiles_dir``) and the Trainer's batch size and accumulation set
+    from it. With a profile, :meth:`sized` gives the ``TrainingArguments``. When training begins the process term is
+    measured and the model's blocks checkpointed as the profile's trials did; a batch that no longer fits, or an
+    out-of-memory error, restarts the Trainer's inner loop smaller, as ``auto_find_batch_size`` does (:func:`_guard`),
+    the effective batch kept. ``on_train_end`` says the peak against the prediction and records it.
 
     Args:
-        profile, model, params, profiles_dir, capacity_bytes: as :class:`vramcal.integrations.run.FrameworkRun`;
-            with neither ``profile`` nor ``model``, the Trainer's own model, found or calibrated under
-            ``profiles_dir`` (at ``capacity_bytes`` on the host) when ``train()`` starts (module docstring).
+        profile, model, params, profiles_dir, capacity_bytes: as :class:`vramcal.integrations.run.FrameworkRun`.
         trials: how the model's own calibration runs its trials (:class:`~vramcal.records.TrialSettings`).
-        asked: what the run asks of the profile, the fields of :class:`~vramcal.sizing.SizeRequest` (``limit``,
-            ``batch_size_min``, ``request``: a per-device batch size to use instead, ``effective_batch_size`` for
-            the model's own profile, ...); with a profile the effective batch is :meth:`sized`'s.
+        asked: the fields of :class:`~vramcal.sizing.SizeRequest` (``limit``, ``batch_size_min``, ``request``,
+            ``effective_batch_size`` for the model's own profile, ...); with a profile the effective batch is
+            :meth:`sized`'s.
 
     Attributes: ``run`` (the :class:`~vramcal.integrations.run.FrameworkRun`, after :meth:`sized` or once training
     started), ``report`` (the line printed at the end).
 
-    Raises:
-        SizingError, TypeError, ValueError: an argument out of range or of the wrong type
-            (:func:`~vramcal.integrations.run.check_find`), an asked value out of range, of the wrong type or
-            unknown. When ``train()`` starts, calibrating the model itself: SizingError (several processes, a model
-            with no config), WorkloadError (a class no trial can import), CalibrationError (its trials failed). In
-            the loop: SizingError: out of memory with no smaller size a trial ran. Each one line.
+    Raises (each one line):
+        SizingError, TypeError, ValueError: arguments (:func:`~vramcal.integrations.run.check_find`). When
+            ``train()`` starts, calibrating the model itself: SizingError (several processes, no config),
+            WorkloadError (a class no trial can import), CalibrationError. In the loop: SizingError: out of memory
+            with no smaller size a trial ran.
     """
 
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
@@ -118,23 +88,19 @@ class VramcalCallback(TrainerCallback):
         if not (dataclasses.is_dataclass(args) and hasattr(args, "per_device_train_batch_size")):
             raise TypeError(f"args= takes the Trainer's transformers.TrainingArguments, not {shown(args)}")
         check_counts(effective_batch_size=effective_batch_size)
-        if self._own:
-            if self.run is None:
-                raise SizingError("VramcalCallback() without a profile sizes the Trainer itself when train() starts: "
-                                  "pass it in Trainer(callbacks=[...]); sized(args) gives its sizes once it did")
-            s = self.run.sizing
-            return dataclasses.replace(args, per_device_train_batch_size=s.batch_size,
-                                       gradient_accumulation_steps=s.accumulation_steps)
-        world = _world(args)
-        ask = self.ask
-        if effective_batch_size is not None:
-            ranks = world.nproc if world else 1
-            if effective_batch_size % ranks:
-                raise SizingError(f"effective_batch_size {effective_batch_size} is not a multiple of the "
-                                  f"{ranks} ranks: give a multiple")
-            ask = ask.replace(effective_batch_size=effective_batch_size // ranks)
-        self.run = FrameworkRun(**self._find, device=args.device, ask=ask, world=world,
-                                framework="transformers.Trainer")
+        if self._own and self.run is None:
+            raise SizingError("VramcalCallback() without a profile sizes the Trainer itself when train() starts: "
+                              "pass it in Trainer(callbacks=[...]); sized(args) gives its sizes once it did")
+        if not self._own:
+            world, ask = _world(args), self.ask
+            if effective_batch_size is not None:
+                ranks = world.nproc if world else 1
+                if effective_batch_size % ranks:
+                    raise SizingError(f"effective_batch_size {effective_batch_size} is not a multiple of the "
+                                      f"{ranks} ranks: give a multiple")
+                ask = ask.replace(effective_batch_size=effective_batch_size // ranks)
+            self.run = FrameworkRun(**self._find, device=args.device, ask=ask, world=world,
+                                    framework="transformers.Trainer")
         s = self.run.sizing
         return dataclasses.replace(args, per_device_train_batch_size=s.batch_size,
                                    gradient_accumulation_steps=s.accumulation_steps)
@@ -167,12 +133,10 @@ class VramcalCallback(TrainerCallback):
             self.run.resize(given)
 
     def _begin(self, trainer: Any) -> None:
-        """``train()`` starts: for the Trainer's own model, its profile found or calibrated (module docstring) and
-        the run sized; then the Trainer's batch size and accumulation set from the run's sizing.
+        """``train()`` starts: the Trainer's own model's profile found or calibrated, then its batch size set.
 
         Raises:
-            SizingError: several processes (a world the model's own calibration does not measure); see
-                :func:`_own_model`.
+            SizingError: several processes; see :func:`_own_model`.
         """
         if self.run is None and self._own:
             if getattr(trainer.args, "world_size", 1) > 1:
@@ -187,8 +151,7 @@ class VramcalCallback(TrainerCallback):
             _set_size(trainer, self.run.sizing)
 
     def _out_of_memory(self, trainer: Any) -> None:
-        """An out-of-memory error in the training loop: recorded, and the run's size moved below it with the samples
-        per optimizer step kept (said on the main process).
+        """An out-of-memory error in the loop: recorded, and the run's size moved below it, the effective batch kept.
 
         Raises:
             SizingError: no smaller size a trial ran; several processes (they cannot agree on a size mid-run).
@@ -211,8 +174,7 @@ class VramcalCallback(TrainerCallback):
 
 
 def _calling_trainer() -> Any:
-    """The ``transformers.Trainer`` whose method calls this callback's hook (a callback is given no reference to its
-    Trainer): the ``self`` of the nearest Trainer method up the call stack, None when no Trainer called."""
+    """The Trainer whose method calls this hook (callbacks get no reference to it), None when none did."""
     frame = sys._getframe(1)
     while frame is not None:
         found = frame.f_locals.get("self")
@@ -223,10 +185,8 @@ def _calling_trainer() -> Any:
 
 
 def _guard(trainer: Any, callback: VramcalCallback) -> None:
-    """Guard ``trainer``'s training loop (``_inner_training_loop``, which ``auto_find_batch_size`` guards): when
-    ``train()`` starts, the callback sizes the run (:meth:`VramcalCallback._begin`); the loop starts again at the
-    run's new size when ``on_train_begin`` finds the batch no longer fits, and after an out-of-memory error
-    (:func:`vramcal.oom.is_out_of_memory`) once the callback recorded it and moved the size."""
+    """Guard ``trainer._inner_training_loop`` (as ``auto_find_batch_size`` does): size the run when ``train()``
+    starts, and start the loop again at the new size after :class:`_Resize` or an out-of-memory error."""
     inner = type(trainer)._inner_training_loop.__get__(trainer)
 
     def guarded(batch_size: int | None = None, args: Any = None, **kwargs: Any) -> Any:
@@ -253,12 +213,11 @@ def _set_size(trainer: Any, sizing: Sizing) -> None:
 
 
 def _own_model(trainer: Any) -> tuple[dict[str, Any], Any]:
-    """(the arguments of :func:`trial_step` that build the Trainer's model as it trains it, a batch of its own train
-    dataloader at :data:`vramcal.models.own.SAMPLE_ROWS` rows).
+    """(the arguments of :func:`trial_step` that build the Trainer's model as it trains it, a batch of its data).
 
     Raises:
-        SizingError: a model with no config to build it from, optimizer settings that are no plain values.
-            WorkloadError: a class no trial can import.
+        SizingError: a model with no config, optimizer settings that are no plain values. WorkloadError: a class
+            no trial can import.
     """
     model, args = trainer.model, trainer.args
     if getattr(model, "config", None) is None or not hasattr(type(model), "config_class"):
@@ -280,8 +239,7 @@ def _own_model(trainer: Any) -> tuple[dict[str, Any], Any]:
 
 
 def _sample(trainer: Any) -> Any:
-    """One batch of the Trainer's own train dataloader (its collator, column removal and sampler) at
-    :data:`vramcal.models.own.SAMPLE_ROWS` rows."""
+    """One batch of the Trainer's own train dataloader at :data:`~vramcal.models.own.SAMPLE_ROWS` rows."""
     before, trainer._train_batch_size = trainer._train_batch_size, SAMPLE_ROWS
     try:
         return next(iter(trainer.get_train_dataloader()))
@@ -293,13 +251,10 @@ def trial_step(device: torch.device, model: str, config: dict[str, Any], dtype: 
                optimizer_kwargs: dict[str, Any], sample: str, mixed: str | None = None,
                max_grad_norm: float | None = None, activation_checkpointing: dict[str, Any] | None = None,
                **key: Any) -> TrainingStep:
-    """The factory of a Trainer's own model's calibration (:mod:`vramcal.models.own`), in a trial process: the model
-    ``import_class(model)`` built from ``config`` with random weights (as ``from_config``) at ``dtype`` on ``device``,
-    its blocks checkpointed as ``Trainer.train`` does with ``activation_checkpointing`` (the arguments'
-    ``activation_checkpointing_kwargs``; None: off); ``optimizer`` with ``optimizer_kwargs`` over its trainable
-    parameters; the loss ``model(**batch).loss`` under autocast to ``mixed`` (``bfloat16``, ``float16``; None: none)
-    on batches from ``sample``; gradients clipped at ``max_grad_norm``. ``key``: the rest of the profile's key (the
-    data's shapes), unused here.
+    """The factory of a Trainer's own model's calibration (:mod:`vramcal.models.own`): ``import_class(model)`` built
+    from ``config`` with random weights at ``dtype``, checkpointed as ``Trainer.train`` does with
+    ``activation_checkpointing`` (None: off), ``optimizer(**optimizer_kwargs)``, the loss ``model(**batch).loss``
+    under autocast to ``mixed`` on batches from ``sample``, clipped at ``max_grad_norm``. ``key``: unused.
 
     Raises:
         WorkloadError: the model's or the optimizer's class cannot be imported.
@@ -324,12 +279,11 @@ def trial_step(device: torch.device, model: str, config: dict[str, Any], dtype: 
 
 
 def _world(args: Any) -> World | None:
-    """The world of a Trainer run by several processes (its profile must be calibrated for it): FSDP2 when the
-    arguments ask for FSDP (``fsdp``/``fsdp_config``, read as the Trainer hands them to Accelerate:
-    ``fsdp_plugin_args``) on GPUs, else DDP (on the host Accelerate trains DDP whatever they ask: said in a warning).
+    """The world of a Trainer of several processes: FSDP2 when ``fsdp_plugin_args`` ask for FSDP on GPUs, else DDP
+    (on the host Accelerate trains DDP whatever they ask: said in a warning).
 
     Raises:
-        SizingError: FSDP1 (``fsdp_config`` version 1) or CPU offload, which no profile measures (one line).
+        SizingError: FSDP1 or CPU offload, which no profile measures.
     """
     if getattr(args, "world_size", 1) < 2:
         return None

@@ -1,47 +1,9 @@
-"""Lightning: a batch size for a LightningModule (or its DataModule) that vramcal measured, and its peak checked.
-
-    from vramcal.integrations.lightning import VramcalBatchSize
+"""Lightning: :class:`VramcalBatchSize`, a callback that sets a LightningModule's (or DataModule's) batch size from a
+vramcal profile, holds it to this process and checks its peak (DESIGN.md "Framework processes"; its worlds:
+"Several processes: DDP and FSDP").
 
     trainer = lightning.Trainer(callbacks=[VramcalBatchSize()])
     trainer.fit(model, datamodule)   # model.batch_size (or datamodule.batch_size) = the conservative size
-
-Lightning's ``BatchSizeFinder`` runs steps at growing sizes in the training process until one runs out
-of memory; this callback applies a size that vramcal measured in isolated trials and verified, with its
-margin, and holds it to this process (:class:`vramcal.integrations.run.FrameworkRun`):
-
-- at ``setup("fit")``, given no profile (and no ``model=``), it calibrates the module as this fit runs it, once:
-  in vramcal's trial processes, each rebuilding it as ``type(module)(**module.hparams)`` (a module of the script
-  itself too) and running its own ``training_step`` and ``configure_optimizers`` at the trainer's precision and
-  gradient clipping, on batches from a sample of its own train dataloader (:mod:`vramcal.models.own`,
-  :func:`trial_step`). The profile, keyed by the module's class, hyperparameters and the data's shapes, is saved
-  under ``profiles_dir``; the next fit finds it and runs no trial. A module that cannot be rebuilt so (its
-  constructor takes what ``hparams`` lack), that steps its own optimizers or trains under DDP is refused in one line;
-- at ``setup("fit")`` it sets the size from the profile, as ``BatchSizeFinder`` does, with Lightning's
-  ``lightning_setattr`` (on the LightningModule, its ``hparams``, the DataModule and its ``hparams``,
-  wherever the name is found);
-- at ``on_fit_start`` — the model and the optimizers are on the device, the dataloaders not yet built — it
-  measures what this process holds against what the trials' processes held (the process term), carries it
-  into the prediction and the limits, and sets the size again when it no longer fits; with an effective
-  batch it sets ``trainer.accumulate_grad_batches`` to reach it;
-- at ``on_fit_start`` too, the module's Mamba-2 blocks are recomputed in the backward pass as the profile's
-  trials did (its variant's activation checkpointing, :meth:`~vramcal.integrations.run.FrameworkRun.checkpoint`),
-  or the fit is refused with one line when the module has none vramcal can checkpoint;
-- under automatic optimization Lightning zeroes the gradients between the forward and the backward pass,
-  so each forward pass runs beside the previous step's gradients: their bytes (the profile's
-  ``gradient_bytes``) join the prediction and the limits too (:mod:`vramcal.sizing`, the gradient term);
-- at ``on_fit_end`` it prints this process's peak since fit start beside the prediction and its upper 95 %
-  bound, warns when the peak is above either, and appends the observation to the profile;
-- an out-of-memory error in the fit is recorded in the profile (:meth:`~vramcal.integrations.run.FrameworkRun.
-  out_of_memory`) and the fit goes on at the largest size below it that a trial ran, its samples per optimizer step
-  kept by ``accumulate_grad_batches``: the fit loop runs again from where it stopped, with its dataloader rebuilt, as
-  ``BatchSizeFinder`` reruns it; with no such size (or under DDP) the fit stops with one line.
-
-The peak is this process's, by the trials' definitions (DESIGN.md, :func:`vramcal.measure.meters.attach_meter`).
-
-Under DDP each rank sizes itself from its own device's profile for the world (``trainer.world_size``
-ranks), and the ranks agree on the smallest of their sizes (Lightning's samplers give every rank the same
-number of batches, so the sizes must be equal); at the end every rank's peak is gathered and rank 0
-prints them; each rank records its own observation.
 
 Needs ``lightning`` (``pip install "lightning>=2.6,<2.7"``); ``import vramcal`` never imports it.
 """
@@ -84,39 +46,32 @@ PRECISIONS = ("32-true", "64-true", "16-true", "bf16-true", "16-mixed", "bf16-mi
 class VramcalBatchSize(Callback):
     """Set the batch size from a vramcal profile; hold it to this process; report the measured peak at the end.
 
+    At ``setup("fit")``, given neither ``profile`` nor ``model``, it calibrates the module itself once
+    (:func:`trial_step`, the profile saved under ``profiles_dir``), then sets ``attr`` wherever
+    ``lightning_setattr`` finds it (as ``BatchSizeFinder``). At ``on_fit_start`` it checkpoints the module's blocks
+    as the profile's trials did, measures the process term (and the gradient term under automatic optimization)
+    and sets the size again, with ``accumulate_grad_batches`` for an effective batch. An out-of-memory error in the
+    fit is recorded and the fit loop runs again smaller (:func:`_go_on_after_out_of_memory`). ``on_fit_end`` says
+    the peak against the prediction and records it. Under DDP the ranks take the smallest of their sizes.
+
     Args:
-        profile: a :class:`~vramcal.profile.Profile`, a profile file, or None to find the newest matching
-            one for ``model`` on this run's device under ``profiles_dir``
-            (:func:`vramcal.sizing.lookup.locate_profile`);
-            with neither, the module itself, found or calibrated (module docstring).
-        model, params: what was calibrated (``regressor``, ``lm`` or ``module:function`` and its
-            arguments), to find the profile or check the given file against; ``params["seq_len"]`` is the
-            run's length, which a profile calibrated over several lengths needs.
-        profiles_dir: where to look when ``profile`` is None (and where the module's own profile is saved).
-        capacity_bytes: the budget the profile to find was calibrated at (as
-            :class:`~vramcal.integrations.run.FrameworkRun`), or, on the host, to calibrate the module at.
+        profile, model, params, profiles_dir, capacity_bytes: as :class:`~vramcal.integrations.run.FrameworkRun`
+            (``capacity_bytes`` is also the host budget the module's own calibration runs at).
         trials: how the module's own calibration runs its trials (:class:`~vramcal.records.TrialSettings`).
         attr: the attribute the dataloaders read (``batch_size``).
-        asked: what the run asks of the profile, the fields of :class:`~vramcal.sizing.SizeRequest`:
-            ``limit`` (``conservative``, the default, or ``safe``), ``batch_size_min``, ``request`` (a batch
-            size to use instead, clamped to ``[batch_size_min, safe]`` with a warning), ``effective_batch_size``
-            (samples per optimizer step per rank to keep: ``trainer.accumulate_grad_batches`` micro-batches reach
-            it), ``size_for``, ``seq_len``. Under automatic optimization the callback adds the gradient term.
+        asked: the fields of :class:`~vramcal.sizing.SizeRequest` (``limit``, ``batch_size_min``, ``request``,
+            ``effective_batch_size`` per rank, ``size_for``, ``seq_len``).
 
-    Attributes (after ``fit``): ``sizing`` (:class:`~vramcal.sizing.Sizing`), ``profile_source`` (where the
-    profile came from), ``peak_bytes`` (the measured peak), ``rank_peak_bytes`` (every rank's, under DDP)
-    and ``report`` (the line printed).
+    Attributes (after ``fit``): ``sizing``, ``profile_source``, ``peak_bytes``, ``rank_peak_bytes`` (every rank's,
+    under DDP) and ``report`` (the line printed).
 
-    Raises:
-        At construction: TypeError, ValueError, SizingError: an argument of the wrong type or value
-            (:func:`~vramcal.integrations.run.check_find`, :class:`~vramcal.sizing.SizeRequest`, ``attr`` no
-            attribute name), an unknown asked value, neither ``profile`` nor ``model``. At ``setup``: SizingError:
-            no matching profile, a profile from another device, model or world, or no batch size within the
-            bounds; ValueError: the module has no ``attr``; the run's device is neither a CUDA GPU nor the CPU;
-            WorkloadError, SizingError: calibrating the module itself, one it cannot rebuild or step (above);
-            CalibrationError: its trials failed. At ``on_fit_start``: SizingError: the profile's variant
-            checkpoints and the module has no blocks vramcal can checkpoint. In the fit: SizingError: out of memory
-            with no smaller size a trial ran, or under DDP. Each one line.
+    Raises (each one line):
+        At construction: TypeError, ValueError, SizingError: as :func:`~vramcal.integrations.run.check_find` and
+            :class:`~vramcal.sizing.SizeRequest`; ``attr`` no attribute name. At ``setup``: SizingError: no
+            matching profile or batch size; ValueError: no ``attr``, a device neither CUDA nor the CPU;
+            WorkloadError, SizingError, CalibrationError: the module's own calibration (:func:`_own_model`).
+            At ``on_fit_start``: SizingError: a checkpointing variant and no blocks. In the fit: SizingError: out
+            of memory with no smaller size a trial ran, or under DDP.
     """
 
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
@@ -131,9 +86,9 @@ class VramcalBatchSize(Callback):
         self.run: FrameworkRun | None = None
         self.sizing: Sizing | None = None
         self.profile_source: str | None = None
+        self.report: str | None = None
         self.peak_bytes: int | None = None
         self.rank_peak_bytes: list[int] | None = None
-        self.report: str | None = None
         use_system_arrow_pool(rank_zero_info)  # before configure_model builds the model and reads its data
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -170,8 +125,7 @@ class VramcalBatchSize(Callback):
 
     def _size(self, trainer: pl.Trainer, pl_module: pl.LightningModule, world: World | None,
               find: dict[str, Any]) -> None:
-        """The run of this fit in ``world``, sized from the profile ``find`` locates (its information and warnings
-        on rank 0)."""
+        """The run of this fit in ``world``, sized from the profile ``find`` locates (said on rank 0)."""
         ask = self.ask.replace(gradients=_gradients_held(pl_module)) if self.ask.gradients is None else self.ask
         self.run = FrameworkRun(**find, device=trainer.strategy.root_device, ask=ask, world=world,
                                 framework="lightning", warn=lambda line: rank_zero_warn(line),
@@ -179,8 +133,8 @@ class VramcalBatchSize(Callback):
         self.profile_source = self.run.source
 
     def _apply(self, trainer: pl.Trainer, pl_module: pl.LightningModule, sizing: Sizing, said: bool = True) -> None:
-        """Set the (agreed, under DDP) batch size and the accumulation; with ``said``, say so on rank 0 in one line,
-        and why when it differs from the size set at ``setup`` (before what this process holds was measured)."""
+        """Set the (agreed, under DDP) batch size and the accumulation; with ``said``, say so on rank 0, and why it
+        moved since ``setup``."""
         own, batch = sizing.batch_size, _agreed(trainer, sizing.batch_size)
         if batch != own:
             sizing = self.run.resize(batch)
@@ -200,11 +154,10 @@ class VramcalBatchSize(Callback):
                        f"{format_bytes(s.usable_bytes)}")
 
     def _out_of_memory(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """An out-of-memory error in the fit (module docstring): recorded, and the size it goes on at set, the fit's
-        samples per optimizer step kept.
+        """An out-of-memory error in the fit: recorded, and the smaller size set, the samples per step kept.
 
         Raises:
-            SizingError: under DDP (the ranks cannot agree on a new size mid-fit), or no smaller size a trial ran.
+            SizingError: under DDP (the ranks cannot agree mid-fit), or no smaller size a trial ran.
         """
         before = self.sizing
         if trainer.world_size > 1:
@@ -238,9 +191,8 @@ class VramcalBatchSize(Callback):
 
 
 def _go_on_after_out_of_memory(trainer: pl.Trainer, resized: Any) -> None:
-    """Guard the trainer's fit loop: an out-of-memory error (:func:`vramcal.oom.is_out_of_memory`) inside it calls
-    ``resized(trainer, module)`` (which records it and sets the size, or raises), then the loop runs again from where
-    it stopped with its dataloader rebuilt at the new size, as Lightning's ``BatchSizeFinder`` reruns it."""
+    """Guard the trainer's fit loop: on an out-of-memory error (:func:`vramcal.oom.is_out_of_memory`) call
+    ``resized(trainer, module)``, then run the loop again with its dataloader rebuilt, as ``BatchSizeFinder`` does."""
     loop = trainer.fit_loop
     run = type(loop).run.__get__(loop)
 
@@ -263,12 +215,11 @@ def _go_on_after_out_of_memory(trainer: pl.Trainer, resized: Any) -> None:
 
 
 def _own_model(trainer: pl.Trainer, pl_module: pl.LightningModule, attr: str) -> tuple[dict[str, Any], Any]:
-    """(the arguments of :func:`trial_step` that rebuild ``pl_module`` as this fit runs it, a batch of its own
-    training data of :data:`vramcal.models.own.SAMPLE_ROWS` rows).
+    """(the arguments of :func:`trial_step` that rebuild ``pl_module`` as this fit runs it, a batch of its data).
 
     Raises:
-        SizingError: manual optimization (the module steps its own optimizers), a precision no trial runs, a train
-            dataloader that is no single DataLoader. WorkloadError: a module its trials cannot rebuild.
+        SizingError: manual optimization, a precision no trial runs, a train dataloader that is no DataLoader.
+            WorkloadError: a module its trials cannot rebuild.
     """
     name = type(pl_module).__name__
     if not pl_module.automatic_optimization:
@@ -284,8 +235,7 @@ def _own_model(trainer: pl.Trainer, pl_module: pl.LightningModule, attr: str) ->
 
 
 def _hparams(pl_module: pl.LightningModule, attr: str) -> dict[str, Any]:
-    """What rebuilds ``pl_module`` in a trial, ``type(pl_module)(**hparams)`` (its batch size ``attr`` at 1: the
-    trials set their own).
+    """What rebuilds ``pl_module`` in a trial, ``type(pl_module)(**hparams)`` (``attr`` at 1: trials set their own).
 
     Raises:
         WorkloadError: its constructor takes an argument ``hparams`` lack, or one that is no plain JSON value.
@@ -309,8 +259,7 @@ def _hparams(pl_module: pl.LightningModule, attr: str) -> dict[str, Any]:
 
 
 def _sample(trainer: pl.Trainer, pl_module: pl.LightningModule, attr: str) -> Any:
-    """One batch of the fit's own train dataloader at :data:`vramcal.models.own.SAMPLE_ROWS` rows (its ``attr`` set
-    for it, then put back), as Lightning requests it.
+    """One batch of the fit's own train dataloader at :data:`~vramcal.models.own.SAMPLE_ROWS` rows.
 
     Raises:
         SizingError: the train dataloader is not one ``DataLoader``.
@@ -329,12 +278,10 @@ def _sample(trainer: pl.Trainer, pl_module: pl.LightningModule, attr: str) -> An
 
 def trial_step(device: torch.device, model: str, hparams: dict[str, Any], precision: str, sample: str,
                max_grad_norm: float | None = None, **key: Any) -> TrainingStep:
-    """The factory of a LightningModule's own calibration (:mod:`vramcal.models.own`), in a trial process: the
-    module rebuilt as ``import_class(model)(**hparams)`` under Lightning's plugin for ``precision`` (its init
-    context, ``convert_module``), on ``device``; its optimizer from its ``configure_optimizers`` (Lightning's own
-    reading of what it returns); its loss its ``training_step`` under the plugin's ``train_step_context`` (autocast
-    for mixed precision) on batches from ``sample`` passed through its batch-transfer hooks; gradients clipped by
-    norm at ``max_grad_norm``. ``key``: the rest of the profile's key (the data's shapes), unused here.
+    """The factory of a LightningModule's own calibration (:mod:`vramcal.models.own`): the module rebuilt as
+    ``import_class(model)(**hparams)`` under Lightning's plugin for ``precision``, its ``configure_optimizers``'
+    optimizer, its ``training_step`` as the loss on batches from ``sample`` (through its batch-transfer hooks),
+    gradients clipped by norm at ``max_grad_norm``. ``key``: the rest of the profile's key, unused.
 
     Raises:
         WorkloadError: the class cannot be imported; it configures no optimizer or several.
@@ -363,7 +310,7 @@ def trial_step(device: torch.device, model: str, hparams: dict[str, Any], precis
 
 
 def _precision_plugin(precision: str, device: torch.device) -> Precision:
-    """Lightning's plugin for ``precision`` (as its accelerator connector chooses one for one device)."""
+    """Lightning's plugin for ``precision``, as its accelerator connector picks one for one device."""
     if precision in ("16-mixed", "bf16-mixed"):
         return MixedPrecision(precision, device.type)
     if precision in ("16-true", "bf16-true"):
@@ -372,19 +319,16 @@ def _precision_plugin(precision: str, device: torch.device) -> Precision:
 
 
 def _gradients_held(pl_module: pl.LightningModule) -> GradientsHeld | None:
-    """Why the module's forward passes run beside the previous step's gradients: Lightning's automatic
-    optimization zeroes them inside its closure, after the forward pass (``Closure.closure``: step, zero_grad,
-    backward), where a trial frees them after the optimizer step. None under manual optimization (the
-    module's own order)."""
+    """Automatic optimization zeroes the gradients after the forward pass (``Closure.closure``), so it runs beside
+    them (DESIGN.md "Framework processes": the gradient term); None under manual optimization."""
     return GradientsHeld.AUTOMATIC_OPTIMIZATION if pl_module.automatic_optimization else None
 
 
 def _world(trainer: pl.Trainer) -> World | None:
-    """The DDP world of a trainer with more than one process (its profile must be calibrated for it): the settings
-    of DistributedDataParallel it was given (``DDPStrategy(**kwargs)``) that move a rank's memory.
+    """The DDP world of a trainer of several processes, with the ``DDPStrategy`` settings that move memory.
 
     Raises:
-        SizingError: FSDPStrategy (FSDP1) or DeepSpeed, whose memory no profile measures (one line each).
+        SizingError: FSDPStrategy (FSDP1) or DeepSpeed, which no profile measures.
     """
     from lightning.pytorch.strategies import FSDPStrategy  # loads lightning's strategies: only when called
 
@@ -403,9 +347,7 @@ def _world(trainer: pl.Trainer) -> World | None:
 
 
 def _sharded_later(trainer: pl.Trainer) -> bool:
-    """Whether the trainer's ranks shard the module themselves in ``configure_model`` (Lightning's
-    ModelParallelStrategy: FSDP2's ``fully_shard``, read at fit start by :func:`~vramcal.integrations.worlds.
-    sharded_world`).
+    """Whether ModelParallelStrategy shards the module in ``configure_model`` (FSDP2: the world read at fit start).
 
     Raises:
         SizingError: a tensor-parallel mesh (``tensor_parallel_size`` above 1), which no profile measures.
@@ -426,8 +368,6 @@ def _agreed(trainer: pl.Trainer, batch_size: int) -> int:
     """The smallest of the ranks' batch sizes (one process: its own)."""
     if trainer.world_size < 2:
         return batch_size
-    import torch
-
     return int(trainer.strategy.reduce(torch.tensor(batch_size, device=trainer.strategy.root_device),
                                        reduce_op="min"))
 
@@ -436,7 +376,5 @@ def _gathered(trainer: pl.Trainer, value: int) -> list[int]:
     """Every rank's ``value``, rank 0 first (one process: its own)."""
     if trainer.world_size < 2:
         return [value]
-    import torch
-
     gathered = trainer.strategy.all_gather(torch.tensor(value, device=trainer.strategy.root_device))
     return [int(v) for v in gathered.reshape(-1).tolist()]

@@ -1,20 +1,12 @@
-"""A framework's training run sized by a vramcal profile and checked against it: what the Lightning callback,
-the Hugging Face ``TrainerCallback`` and the Accelerate helpers share, and what a plain PyTorch loop uses::
+"""A framework's training run sized by a vramcal profile and checked against it: what the Lightning, Hugging Face
+and Accelerate integrations share, and what a plain PyTorch loop uses (the process term and the gradient term:
+DESIGN.md "Framework processes")::
 
     run = FrameworkRun(model="mytrain:make_step", device=torch.device("cuda"))   # finds the profile
     ... build the model and the optimizer, move them to the device ...
     batch_size = run.start().batch_size   # what this process holds now: the process term, in the sizing
     ... build the DataLoader at batch_size, train ...
     print(run.finish(steps))              # the measured peak against the prediction; recorded in the profile
-
-A process that was not made like the trials' (a framework's: other imports, loggers, its own tensors, another
-allocator) holds a different amount when training starts. :meth:`FrameworkRun.start` measures it
-(:func:`vramcal.measure.meters.attach_meter`, the trials' definitions) against what the trials' processes held
-at the same point, carries the difference into the prediction and the limits (:mod:`vramcal.sizing`: the
-process term), and clamps the batch size when it no longer fits. :meth:`FrameworkRun.finish` reads the
-process's peak since then, compares it with the prediction and its upper 95 % bound
-(:func:`vramcal.sizing.compare`), and appends the observation, process term included, to the profile
-file. Messages speak in the caller's words: the arguments of the integration it came through.
 """
 
 from __future__ import annotations
@@ -69,45 +61,35 @@ def _inform(line: str) -> None:
 
 
 class FrameworkRun:
-    """A training run of a framework's process, sized by a profile (module docstring).
+    """A training run of a framework's process, sized by a profile (module docstring). Messages name the caller's
+    arguments.
 
     Args:
         profile: a :class:`~vramcal.profile.Profile`, a profile file, or None to find the newest matching one
             for ``model`` on this run's device under ``profiles_dir`` (:func:`vramcal.sizing.lookup.locate_profile`).
-        capacity_bytes: the budget the profile to find was calibrated at (bytes, or ``"1.5GiB"`` as
-            :func:`vramcal.calibrate` takes it); None: the matching files must share one budget, else the run
-            is refused with each file and its budget listed.
-        model, params: what was calibrated (``regressor``, ``lm`` or ``module:function`` and its arguments), to
-            find the profile or check the given one; ``params["seq_len"]`` is the run's length unless ``ask``
-            gives one.
+        capacity_bytes: the budget the profile to find was calibrated at (bytes or ``"1.5GiB"``); None: the
+            matching files must share one budget.
+        model, params: what was calibrated (``regressor``, ``lm`` or ``module:function`` and its arguments);
+            ``params["seq_len"]`` is the run's length unless ``ask`` gives one.
         device: the torch device this process trains on (``cuda:N`` or ``cpu``).
-        ask: what the run asks of the profile (:class:`~vramcal.sizing.SizeRequest`: the limit, a requested
-            batch size clamped to ``[batch_size_min, safe]`` with a warning, an effective batch reached by
-            ``sizing.accumulation_steps``, why the gradients stay alive through the forward pass).
-        world: the DDP or FSDP world this process is a rank of (its profile must be calibrated for it, or for the
-            same strategy and settings at another number of ranks: then carried by the sharding model,
-            :func:`vramcal.integrations.worlds.locate_world`, and said through ``inform``).
+        ask: what the run asks of the profile (:class:`~vramcal.sizing.SizeRequest`).
+        world: the DDP or FSDP world this process is a rank of (a profile of another size is carried:
+            :func:`vramcal.integrations.worlds.locate_world`).
         framework: who trains (``lightning``, ``transformers.Trainer``, ``accelerate``, ``plain``), recorded.
-        host_malloc: on the host, :meth:`start` gives this process the trials' glibc malloc settings
-            (:func:`vramcal.environment.set_host_malloc`: with glibc's defaults the same step can hold a third
-            more), and says so, and the thread stacks their processes find cached
-            (:func:`vramcal.environment.cache_thread_stacks`); False keeps glibc's defaults.
-        warn: how warnings reach people (default :func:`warnings.warn`): the lookup's and the sizing's.
-        inform: how information reaches people (default: a line on stderr): the sizing's notices marked
-            :class:`~vramcal.words.Info` (the process term, the gradient term), the malloc settings given.
+        host_malloc: on the host, :meth:`start` gives this process the trials' glibc malloc settings and cached
+            thread stacks (:func:`vramcal.environment.set_host_malloc`, :func:`~vramcal.environment.
+            cache_thread_stacks`); False keeps glibc's defaults.
+        warn, inform: how warnings (default :func:`warnings.warn`) and information (default: stderr) are said.
 
     Attributes:
         sizing: the batch size and its prediction (after :meth:`start`, with the process term).
         profile, source: the profile and where it came from. held_bytes: what the process held at start.
 
-    Raises (each one line naming the argument, before anything is looked up):
-        TypeError: an argument of the wrong type (:func:`check_find`, ``ask`` no SizeRequest, ``world`` no World,
-            ``device`` neither a str nor a torch.device, ``warn``/``inform`` not callable).
-        ValueError: a device that is no torch device, neither a CUDA GPU nor the CPU (DeviceError: a GPU this
-            machine cannot use); a ``capacity_bytes`` that is no size.
-        SizingError: neither ``profile`` nor ``model``, no matching profile (or several at different budgets
-            and no ``capacity_bytes``), a profile from another device, model or world, or no batch size within the
-            bounds.
+    Raises (each one line naming the argument):
+        TypeError: an argument of the wrong type. ValueError: a device neither a CUDA GPU nor the CPU, a
+            ``capacity_bytes`` that is no size (DeviceError: a GPU this machine cannot use).
+        SizingError: neither ``profile`` nor ``model``, no matching profile (or several budgets), a profile from
+            another device, model or world, or no batch size within the bounds.
     """
 
     def __init__(self, profile: Profile | str | Path | None = None, *, model: str | None = None,
@@ -135,9 +117,7 @@ class FrameworkRun:
         self.held_bytes: int | None = None
         self.peak_bytes: int | None = None
         self._meter: Any = None
-        # attached now, the earliest vramcal is in the process: before the model reaches the card where the
-        # framework calls this first (Lightning's setup, the Trainer's arguments), so a baseline of the device's use
-        # (no per-process NVML figure: containers) misses nothing (AttachedCudaMeter)
+        # attached as early as possible, before the model reaches the card (AttachedCudaMeter's baseline)
         self._attached: Any = attach_meter(self.device, warn=self.warn)
         self._unseen: str | None = None  # what the meter could not see (finish): the observation says so
         self._free: dict[str, Any] = {}  # the gate's reading at start()
@@ -145,13 +125,10 @@ class FrameworkRun:
         self.failed = False  # the run ran out of memory (out_of_memory)
 
     def start(self, say_resize: bool = True) -> Sizing:
-        """Training starts (the model and the optimizer are on the device, the data loaded): on the host give
-        the process the trials' malloc settings (``host_malloc``), measure what it holds, size again with the
-        process term and the gate (what the device has free now, :func:`vramcal.measure.device.free_bytes`,
-        plus what this process holds: memory other processes took since the calibration lowers the limits),
-        clamping the batch size when it no longer fits, and start measuring the peak. Returns the new sizing
-        (its information given to ``inform``, its warnings to ``warn``; a batch size it lowered said through
-        ``inform`` with ``say_resize``, else left to the caller to say)."""
+        """Training starts (model, optimizer and data in place): on the host the trials' malloc settings, then what
+        this process holds measured and the run sized again with the process term and the gate
+        (:func:`vramcal.measure.device.free_bytes` plus what this process holds), and the peak measured from here.
+        Returns the sizing; a batch size it lowered is said through ``inform`` with ``say_resize``."""
 
         if self.checkpointed is None and checkpoint_every(self.variant):
             self.warn(f"vramcal: {self.source} was calibrated with checkpointing {self.variant}: call "
@@ -190,10 +167,9 @@ class FrameworkRun:
         return str(self.profile.model.params.get("checkpointing", CHECKPOINTING_OFF))
 
     def checkpoint(self, module: torch.nn.Module) -> str | None:
-        """The model this process trains checkpointed as the profile's trials were (its :attr:`variant`:
-        :func:`vramcal.models.mamba2.checkpoint_model`), so the run holds what the profile predicts; call it before
-        :meth:`start`. Returns the line said (through ``inform``; a warning for a model that recomputes blocks the
-        profile's trials did not), None where neither checkpoints.
+        """Checkpoint ``module``'s blocks as the profile's trials did (:func:`vramcal.models.mamba2.checkpoint_model`);
+        call it before :meth:`start`. Returns the line said (a warning for a model that recomputes blocks the trials
+        did not), None where neither checkpoints.
 
         Raises:
             TypeError: ``module`` no ``torch.nn.Module``. SizingError: the profile's variant checkpoints and the
@@ -221,8 +197,8 @@ class FrameworkRun:
         return None
 
     def resize(self, batch_size: int) -> Sizing:
-        """The sizing at ``batch_size`` (clamped to the bounds), the process term and the gate kept: the batch a
-        framework settles on (the smallest over DDP ranks).
+        """The sizing at ``batch_size`` (clamped), the process term and the gate kept: the batch a framework settles
+        on (the smallest over DDP ranks).
 
         Raises:
             TypeError: no whole number. SizingError: below 1.
@@ -233,16 +209,16 @@ class FrameworkRun:
         return self.sizing
 
     def finish(self, steps: int = 0, run_dir: str = "") -> tuple[str, list[str]]:
-        """The process's peak since :meth:`start` against the prediction (one line, and warnings), and the
-        observation appended to the profile file (a failure to write it is a warning). After an out-of-memory
-        error (:meth:`out_of_memory`, recorded then) the peak may be the failed step's (the host's data-segment
-        peak is never reset): it is said, not recorded nor warned about.
+        """The process's peak since :meth:`start` against the prediction (one line, and warnings), the observation
+        appended to the profile (a failed write is a warning). After :meth:`out_of_memory` it is said only.
 
         Raises:
             RuntimeError: :meth:`start` was not called. TypeError: ``steps`` no whole number, ``run_dir`` no str.
                 ValueError: ``steps`` below 0.
         """
-        _steps(steps)
+        of_type("steps", steps, int, "the optimizer steps done, a whole number >= 0")
+        if steps < 0:
+            raise ValueError(f"steps={steps} is below 0: give the optimizer steps done")
         of_type("run_dir", run_dir, str, "the run's folder as a str")
         if self._meter is None:
             raise RuntimeError("FrameworkRun.finish() before start(): call start() when training starts")
@@ -257,8 +233,7 @@ class FrameworkRun:
         return f"vramcal: {line} (this process's {definition})", warned
 
     def conclude(self, steps: int = 0, run_dir: str = "", main_process: bool = True) -> str:
-        """:meth:`finish`, said: its line printed to stderr by the main process, its warnings through ``warn``
-        (every process); returns the line.
+        """:meth:`finish`, said: its line on stderr by the main process, its warnings through ``warn``.
 
         Raises:
             as :meth:`finish`; TypeError: ``main_process`` not True or False.
@@ -273,14 +248,12 @@ class FrameworkRun:
 
     def out_of_memory(self, steps: int, effective_batch_size: int) -> tuple[Sizing, str]:
         """This run ran out of memory after ``steps`` optimizer steps: recorded in the profile (an observation marked
-        ``out_of_memory``: the batch size, the step, this process's peak, the prediction it broke), and the sizing it
-        goes on with: at most the largest batch size below the failed one that a trial of the profile ran
-        (:func:`vramcal.sizing.run_failure_cap`), ``effective_batch_size`` samples per optimizer step kept by
-        accumulation (the fewest micro-batches that reach it: :func:`vramcal.sizing.accumulation`). Returns the
+        ``out_of_memory``), and the sizing it goes on with, capped below the failed size
+        (:func:`vramcal.sizing.run_failure_cap`) and ``effective_batch_size`` kept by accumulation. Returns the
         sizing and the line that says so.
 
         Raises:
-            SizingError: no trial ran below the failed size (one line: the size to use, and how to go on).
+            SizingError: no trial ran below the failed size.
         """
         broke = self.sizing
         self.peak_bytes = self._meter.read() if self._meter is not None else broke.predicted_peak_bytes
@@ -325,17 +298,9 @@ class FrameworkRun:
             self.warn(f"vramcal: could not record this run in {self.path} ({error})")
 
 
-def _steps(steps: Any) -> None:
-    """Raises: TypeError: ``steps`` no whole number. ValueError: below 0."""
-    of_type("steps", steps, int, "the optimizer steps done, a whole number >= 0")
-    if steps < 0:
-        raise ValueError(f"steps={steps} is below 0: give the optimizer steps done")
-
-
 def use_system_arrow_pool(inform: Warn = _inform) -> None:
-    """Give this process Arrow's system memory pool, as the trials' workers have it, before the framework reads
-    its data (:func:`vramcal.environment.set_arrow_pool`: Arrow's default reserves a 1 GiB mapping that the host's
-    meter counts), and say so through ``inform``. The integrations call it when they are made."""
+    """Give this process Arrow's system memory pool as the trials' workers have it
+    (:func:`vramcal.environment.set_arrow_pool`), and say so through ``inform``."""
     done = set_arrow_pool()
     if done:
         inform(f"vramcal: Arrow's memory pool is now the system allocator, as the trials' ({done}), so data read "
@@ -343,8 +308,7 @@ def use_system_arrow_pool(inform: Warn = _inform) -> None:
 
 
 def asked_request(who: str, asked: dict[str, Any]) -> SizeRequest:
-    """What an integration (``who``) was asked beyond finding the profile, as the run's
-    :class:`~vramcal.sizing.SizeRequest` (checked when made).
+    """What an integration (``who``) was asked beyond finding the profile, as a :class:`~vramcal.sizing.SizeRequest`.
 
     Raises:
         TypeError: a name that is no field of SizeRequest (the fields listed), or a value of the wrong type.
@@ -360,15 +324,12 @@ def asked_request(who: str, asked: dict[str, Any]) -> SizeRequest:
 
 def check_find(who: str, profile: Any, model: Any, params: Any, profiles_dir: Any,
                capacity_bytes: Any, own: bool = False) -> dict[str, Any]:
-    """What an integration (``who``) is given to find its profile, checked where it is given (its constructor):
-    the arguments, with ``capacity_bytes`` as bytes (:func:`vramcal.api.capacity_argument`). ``own``: the
-    integration calibrates the run's own model when given neither ``profile`` nor ``model`` (:func:`own_profile`).
+    """What an integration (``who``) is given to find its profile, checked in its constructor, ``capacity_bytes`` as
+    bytes. ``own``: with neither ``profile`` nor ``model`` it calibrates the run's own model (:func:`own_profile`).
 
     Raises:
-        TypeError: ``profile`` neither a Profile, a path nor None; ``model`` neither a name nor a ModelRef;
-            ``params`` no dict; ``profiles_dir`` no path; ``capacity_bytes`` neither bytes nor a size.
-        ValueError: a ``capacity_bytes`` that is no size. SizingError: neither ``profile`` nor ``model`` (not
-            ``own``).
+        TypeError: an argument of the wrong type. ValueError: a ``capacity_bytes`` that is no size.
+            SizingError: neither ``profile`` nor ``model`` (not ``own``).
     """
     of_type("profile", profile, (Profile, str, os.PathLike), "a vramcal.Profile, a profile file's path or None",
             none=True)
@@ -385,16 +346,13 @@ def check_find(who: str, profile: Any, model: Any, params: Any, profiles_dir: An
 
 def own_profile(factory: str, params: dict[str, Any], batch: Any, device: torch.device | str, find: dict[str, Any],
                 trials: TrialSettings, inform: Warn = _inform) -> Path:
-    """The profile of a run's own model (:mod:`vramcal.models.own`), which an integration calibrates without a
-    factory of the user's: ``factory`` (the integration's trial builder) with ``params`` and the shapes of ``batch``,
-    a batch of the run's own data (saved for the trials under ``profiles_dir/samples``), on the run's ``device``. The
-    matching profile under ``find["profiles_dir"]`` at ``find["capacity_bytes"]`` when one holds (said through
-    ``inform``), else a calibration there, verified and saved, a line per trial (:func:`vramcal.api.size_for`).
+    """The profile of a run's own model (:mod:`vramcal.models.own`): ``factory`` (the integration's trial builder) with
+    ``params`` and the shapes of ``batch`` (saved for the trials under ``profiles_dir/samples``) on ``device``; the
+    matching profile under ``find["profiles_dir"]`` when one holds, else a calibration (:func:`vramcal.api.size_for`).
 
     Raises:
-        WorkloadError: a script imported to rebuild a model trains at its top level; a batch that holds no tensor.
-        CalibrationError: not even one sample fits, or the trials cannot rebuild or step the model (its first line).
-        OSError: the profiles folder cannot be written.
+        WorkloadError: a script that trains when imported; a batch with no tensor. CalibrationError: not one sample
+            fits, or the trials cannot rebuild or step the model. OSError: the profiles folder cannot be written.
     """
     refuse_training_at_import()
     ref = ModelRef.make(factory, {**params, "data": data_shapes(batch)})
@@ -407,12 +365,11 @@ def own_profile(factory: str, params: dict[str, Any], batch: Any, device: torch.
 
 
 def vramcal_device(device: torch.device | str) -> Device:
-    """The vramcal device of a torch device (``device=``): a CUDA GPU by its index among the visible ones, or the
-    host.
+    """The vramcal device of a torch device: a CUDA GPU by its index among the visible ones, or the host.
 
     Raises:
-        TypeError: neither a ``str`` nor a ``torch.device``. ValueError: no torch device (``'bogus'``), or another
-            kind than CUDA and the CPU (MPS, TPU, ...). DeviceError: a CUDA device this machine cannot use.
+        TypeError: neither a ``str`` nor a ``torch.device``. ValueError: no torch device, or neither CUDA nor the
+            CPU. DeviceError: a CUDA device this machine cannot use.
     """
     import torch
 

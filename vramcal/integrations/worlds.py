@@ -1,21 +1,7 @@
 """The world a framework's run trains in, as the :class:`~vramcal.records.World` its profile must have been
-calibrated for, and the profile of that world: what the Lightning, Hugging Face and Accelerate integrations share
-once each has read its own framework's settings (``_world`` in ``lightning.py``, ``hf.py`` and ``accelerate.py``).
-
-- DDP (``torch.nn.parallel.DistributedDataParallel``): of the keyword arguments the framework passes it, those
-  that move a rank's memory (:data:`~vramcal.records.DDP_SETTINGS`: buckets, ``gradient_as_bucket_view``,
-  ``find_unused_parameters``, ``static_graph``); the others (``broadcast_buffers``, a communication hook) do not.
-- FSDP2 (``torch.distributed.fsdp.fully_shard``): ``strategy="fsdp"`` and its ``reshard_after_forward``, read from
-  the framework's settings or from the modules it sharded (:func:`sharded_world`); a mixed-precision policy or CPU
-  offload, which no probe measures, is refused.
-- FSDP1 (``torch.distributed.fsdp.FullyShardedDataParallel``) flattens each wrapped module's parameters into one
-  buffer and has its own sharding strategies, prefetching and rate limiter: an FSDP2 profile did not measure that
-  memory, so a run under it is refused in one line that names what to use instead (:func:`fsdp1_refused`); so is
-  any other kind of world (DeepSpeed, tensor parallelism: :func:`unmeasured`).
-
-:func:`locate_world` finds the profile of the run's world; where there is none, a profile of the same strategy and
-settings at another number of ranks is carried to the run's by :func:`vramcal.sizing.sharding.carried` (computed, said
-in a notice); a profile of another strategy is refused with the probe that calibrates the run's world.
+calibrated for, and that world's profile (:func:`locate_world`): what the integrations share once each read its
+framework's settings. DDP and FSDP2 are measured; FSDP1, DeepSpeed, tensor parallelism, CPU offload and
+mixed-precision policies are refused in one line (DESIGN.md "Several processes: DDP and FSDP").
 """
 
 from __future__ import annotations
@@ -37,8 +23,7 @@ from vramcal.words import Info
 
 @dataclass(frozen=True)
 class Carried(Located):
-    """A profile carried to the run's world (:func:`locate_world`): ``path`` None (the run is not recorded in it),
-    ``origin`` the file or object it was carried from."""
+    """A profile carried to the run's world: ``path`` None (the run is not recorded in it), ``origin`` its source."""
 
     origin: str = ""
 
@@ -56,8 +41,8 @@ def backend_of(device_type: str) -> Backend:
 
 
 def ddp_world(nproc: int, backend: Backend, ddp_kwargs: Mapping[str, Any] | None = None) -> World:
-    """The DDP world of ``nproc`` ranks whose framework builds ``DistributedDataParallel(**ddp_kwargs)``: each
-    setting of :data:`~vramcal.records.DDP_SETTINGS` that is given (not None), the others at DDP's defaults."""
+    """The DDP world of ``nproc`` ranks built as ``DistributedDataParallel(**ddp_kwargs)``: the settings of
+    :data:`~vramcal.records.DDP_SETTINGS` given, the others at DDP's defaults."""
     given = {name: value for name, value in (ddp_kwargs or {}).items() if name in DDP_SETTINGS and value is not None}
     return World(nproc, backend, **{name: float(value) if name == "bucket_cap_mb" else bool(value)
                                     for name, value in given.items()})
@@ -67,8 +52,7 @@ def fsdp_world(nproc: int, backend: Backend, reshard_after_forward: Any = True) 
     """The FSDP2 world of ``nproc`` ranks, ``fully_shard(reshard_after_forward=...)``.
 
     Raises:
-        SizingError: ``reshard_after_forward`` a number of ranks to reshard to (``fully_shard`` takes one), which
-            no probe measures.
+        SizingError: ``reshard_after_forward`` a number of ranks, which no probe measures.
     """
     if reshard_after_forward not in (True, False):
         raise unmeasured(f"FSDP2 resharding to {reshard_after_forward!r} ranks after the forward",
@@ -77,14 +61,13 @@ def fsdp_world(nproc: int, backend: Backend, reshard_after_forward: Any = True) 
 
 
 def sharded_world(module: Any, nproc: int, backend: Backend, who: str) -> World:
-    """The FSDP2 world of a ``module`` that ``fully_shard`` sharded (``who``: how the framework sharded it, in its
-    words): ``reshard_after_forward`` as its units (the sharded submodules below the root) were given it, read from
-    their FSDP state (``post_forward_mesh_info`` is None exactly when a unit keeps its gathered parameters after the
-    forward; FSDP2 sets the root's to False itself, so the root is not read).
+    """The FSDP2 world of a ``module`` that ``fully_shard`` sharded (``who``: how, in the framework's words),
+    ``reshard_after_forward`` read from its units below the root (``post_forward_mesh_info`` is None exactly when a
+    unit keeps its parameters gathered; FSDP2 sets the root's itself).
 
     Raises:
-        SizingError: no submodule sharded with ``fully_shard`` (tensor parallelism alone, or FSDP1), units that
-            differ in ``reshard_after_forward``, a mixed-precision policy or CPU offload (no probe measures them).
+        SizingError: no submodule sharded with ``fully_shard``, units that differ in ``reshard_after_forward``, a
+            mixed-precision policy or CPU offload.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy  # loads torch: only here
 
@@ -108,14 +91,11 @@ def sharded_world(module: Any, nproc: int, backend: Backend, who: str) -> World:
 
 def plugin_world(nproc: int, device_type: str, version: Any, reshard_after_forward: Any, offload: Any,
                  who: str) -> World:
-    """The world of a run whose Accelerate FSDP plugin (``who``: where the run's settings say so, in its framework's
-    words) is of ``version`` with ``reshard_after_forward`` and CPU ``offload``, on a device of ``device_type``:
-    FSDP2's; on the host a DDP world, which is what Accelerate trains there (it keeps its FSDP plugin for GPUs,
-    ``AcceleratorState``: a CPU world of several processes is ``MULTI_CPU``, its model wrapped in
-    DistributedDataParallel).
+    """The world of a run whose Accelerate FSDP plugin (``who``) is of ``version``: FSDP2's on GPUs; on the host DDP,
+    which Accelerate trains there (``MULTI_CPU``).
 
     Raises:
-        SizingError: FSDP1 (``version`` 1), CPU offload, ``reshard_after_forward`` no bool (one line each).
+        SizingError: FSDP1 (``version`` 1), CPU offload, ``reshard_after_forward`` no bool.
     """
     if device_type != "cuda":
         return World(nproc, backend_of(device_type))
@@ -127,8 +107,7 @@ def plugin_world(nproc: int, device_type: str, version: Any, reshard_after_forwa
 
 
 def fsdp1_refused(what: str, nproc: int, instead: str) -> SizingError:
-    """The one-line refusal of a run under FSDP1 (``what``, in the framework's words), naming ``instead`` (the
-    framework's FSDP2) and the probe of the FSDP2 world."""
+    """The one-line refusal of FSDP1 (``what``), naming ``instead`` and the probe of the FSDP2 world."""
     probe = " ".join(World(max(nproc, 2), strategy="fsdp").probe_args())
     return SizingError(f"{what} is FSDP1 (FullyShardedDataParallel), whose memory no vramcal profile measured (its "
                        f"FSDP profiles are FSDP2's fully_shard per block): {instead}, and calibrate that world with "
@@ -144,14 +123,12 @@ def unmeasured(what: str, instead: str = "train under one of them to be sized, o
 def locate_world(model: Any, params: dict[str, Any] | None, *, device: Device, profile: Profile | Path | str | None,
                  profiles_dir: Path | str, world: World | None, total_bytes: int | None) -> Located:
     """The profile for a run in ``world`` (:func:`vramcal.sizing.lookup.locate_profile`'s arguments): the world's own,
-    or, where there is none, one of the same strategy and settings at another number of ranks (the given file, else
-    the nearest size under ``profiles_dir``, the newest of those), carried to ``world`` by
-    :func:`vramcal.sizing.sharding.carried`, with a notice saying so (its limits computed, not measured; the run is not
-    recorded in it: the located ``path`` is None).
+    else one of the same strategy and settings at another number of ranks (the given file, else the nearest size
+    under ``profiles_dir``), carried by :func:`vramcal.sizing.sharding.carried` with a notice (``path`` None).
 
     Raises:
-        as :func:`vramcal.sizing.lookup.locate_profile`; SizingError: a profile of another strategy or settings (the
-            probe of the run's world named), one the sharding model cannot carry (why).
+        as :func:`vramcal.sizing.lookup.locate_profile`; SizingError: a profile of another strategy or settings,
+            or one the sharding model cannot carry.
     """
     find = {"device": device, "profiles_dir": profiles_dir, "total_bytes": total_bytes}
     try:
@@ -185,8 +162,7 @@ def _given_other_size(profile: Any, world: World | None) -> Profile | None:
 
 def _other_size(model: Any, params: dict[str, Any] | None, world: World, device: Device, profiles_dir: Path | str,
                 total_bytes: int | None) -> Profile | None:
-    """The profile under ``profiles_dir`` of ``world``'s strategy and settings at the nearest other size (the newest
-    of those), or None."""
+    """The newest profile under ``profiles_dir`` of ``world``'s strategy at the nearest other size, or None."""
     ref = model_ref(model, params, device=device)
     matches, _ = matching_profiles(profiles_dir, device, ref, world, total_bytes, any_size=True)
     matches = [p for p in matches if p.world != world]
@@ -196,7 +172,7 @@ def _other_size(model: Any, params: dict[str, Any] | None, world: World, device:
 
 
 def _carried_notice(located: Located, at: Profile) -> Info:
-    """The information that a profile was carried: from which world, the model states' move, the limits computed."""
+    """The notice that a profile was carried: from which world, the model states' move, the limits computed."""
     source, world = located.profile, at.world
     states = " (a DDP rank holds the whole model at any size)"
     if world.strategy == "fsdp":

@@ -1,9 +1,5 @@
-"""What a ``vramcal tune`` study leaves: the trials table, the best configuration, the PNG.
-
-Pure functions of the optuna study (and the batch bounds in force), so they can be re-run on a stored
-study. Surplus trials (started past the count by a worker racing another, never run:
-:mod:`vramcal.tune.workers`) are left out. The PNG is plain matplotlib on the Agg backend (no display needed).
-"""
+"""What a ``vramcal tune`` study leaves: the trials table, the best configuration, the PNG (matplotlib, Agg);
+pure functions of the study, surplus trials left out."""
 
 from __future__ import annotations
 
@@ -41,8 +37,7 @@ def table_rows(study) -> list[tuple[str, ...]]:
 
 
 def format_table(study) -> str:
-    """The trials as an aligned text table (also valid Markdown); the seq_len column only when the study
-    searched look-back windows."""
+    """The trials as an aligned Markdown table; the seq_len column only when the study searched lengths."""
     rows = [COLUMNS, *table_rows(study)]
     if all(row[2] == "-" for row in rows[1:]):
         rows = [row[:2] + row[3:] for row in rows]
@@ -70,11 +65,9 @@ def best_trial(study):
 
 
 def study_summary(study, written: dict[str, Path]) -> dict:
-    """What a study holds, for programs (``vramcal tune --json``): ``study_name``; ``best`` (the best trial's
-    ``number``, ``value``, ``params``, ``batch_size_used`` and ``run_dir``; None when no trial completed);
-    ``trials`` (counted by optuna's states, each named in lower case, 0 included: ``complete``, ``pruned``,
-    ``fail``, ``running``, ``waiting``; surplus trials, which never ran, left out); ``files`` (``written``'s
-    paths: ``table``, ``plot``, ``best``)."""
+    """What a study holds, for ``vramcal tune --json``: ``study_name``; ``best`` (``number``, ``value``, ``params``,
+    ``batch_size_used``, ``run_dir``; None when none completed); ``trials`` counted per optuna state in lower case
+    (surplus left out); ``files`` (``written``'s paths)."""
     from optuna.trial import TrialState
 
     best = best_trial(study)
@@ -88,8 +81,7 @@ def study_summary(study, written: dict[str, Path]) -> dict:
 
 
 def best_config(study, settings: TuneSettings) -> TrainConfig | None:
-    """The best trial's training settings, with the batch size it actually used, and absolute paths
-    (:meth:`TrainConfig.with_absolute_paths`) so ``vramcal train --config`` works from any directory."""
+    """The best trial's training settings at the batch size it used, paths absolute (for ``train --config``)."""
     best = best_trial(study)
     if best is None:
         return None
@@ -156,12 +148,8 @@ def plot_study(study, bounds, path: Path) -> Path:
 
 
 def study_figure(study, bounds):
-    """The two-panel figure of a study (a matplotlib ``Figure`` on an Agg canvas).
-
-    Left: validation loss per trial (pruned trials at their last reported loss) and the best so far.
-    Right: validation loss against the batch size used (log scale), with the search bounds and the
-    profile's conservative and safe batch sizes as vertical lines.
-    """
+    """The two-panel figure of a study (a matplotlib ``Figure``, Agg): validation loss per trial with the best so
+    far, and against the batch size used (log scale) with the search bounds and the profile's limits."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import LogFormatter, MaxNLocator
@@ -179,8 +167,7 @@ def study_figure(study, bounds):
     history.set(xlabel="trial", ylabel="validation loss (MSE)", title="optimisation history")
     history.xaxis.set_major_locator(MaxNLocator(integer=True))  # trial numbers, never 0.2
     by_batch.set_xscale("log")
-    # plain numbers; the minor ticks (2, 3, 5, ...) labelled only on a narrow axis, a few of them up to 2.5 decades,
-    # none beyond: each one labelled printed over its neighbours
+    # plain numbers; minor ticks labelled up to 2.5 decades only (beyond, the labels overlap)
     labels = LogFormatter(labelOnlyBase=False, minor_thresholds=(2.5, 0.6))
     by_batch.xaxis.set_major_formatter(labels)
     by_batch.xaxis.set_minor_formatter(labels)

@@ -1,30 +1,8 @@
-"""Where a tune's study lives: the storage URL forms vramcal reads, opening them, and hiding passwords.
-
-Forms (``--storage`` or ``VRAMCAL_TUNE_STORAGE``):
-
-* a database URL that optuna's ``RDBStorage`` opens through SQLAlchemy: ``sqlite:///path/study.db`` (the
-  default, ``<run_dir>/study.db``), ``postgresql://user:password@host:5432/db``, ``mysql+pymysql://...``.
-  SQLAlchemy 2.1 opens ``postgresql://`` with psycopg 3 (2.0 with psycopg2): the ``postgres`` extra
-  (``pip install 'vramcal[postgres]'``) installs psycopg 3 and a SQLAlchemy that uses it;
-  ``postgresql+psycopg2://`` uses psycopg2. A missing driver is one line naming the package to install and the
-  URL form that works with what is installed (:func:`check_driver`).
-* an optuna *journal file* (``optuna.storages.JournalStorage`` over ``journal.JournalFileBackend``: an
-  append-only log of operations, the storage optuna recommends for a shared file system such as NFS, with no
-  database): ``journal:///absolute/path/study.log``, or a plain path ending in ``.log`` or ``.jsonl``
-  (relative to the current folder). The file is made when absent; its folder must exist. Locks are
-  optuna's default (a symlink, atomic on NFS).
-
-A password may hold ``@``, ``:`` or ``/`` unescaped: it runs from the first ``:`` after the user name to the
-*last* ``@`` of the URL, and is percent-encoded before SQLAlchemy reads the URL (already-encoded ``%XX``
-stay as they are), so the driver is given the right host and never echoes a piece of the password as one.
-Everything vramcal prints or writes about a storage passes :func:`redact` with the password known.
-
-Dead trials: both kinds record a heartbeat per running trial every :data:`HEARTBEAT_S` seconds (optuna's
-``heartbeat_interval``: the database's own clock in ``RDBStorage``; optuna 5.1's ``JournalStorage`` has no
-heartbeat, so :func:`heartbeat_journal_storage`'s class writes each writer's wall-clock time, and hosts sharing
-one journal need clocks within about a minute), and a RUNNING trial without one for :data:`GRACE_S` (optuna's
-``grace_period``) is stale: optuna's own ``_get_stale_trial_ids``, which ``optuna.storages.fail_stale_trials``
-and :func:`vramcal.tune.workers.dead_trials` read.
+"""Where a tune's study lives: a database URL for optuna's ``RDBStorage`` (``sqlite:///`` by default,
+``postgresql://``, ``mysql+pymysql://``) or an optuna journal file (``journal:///abs/path.log``, or a path ending in
+``.log``/``.jsonl``), opened with optuna's heartbeat so dead workers' trials go stale (:data:`HEARTBEAT_S`,
+:data:`GRACE_S`), and passwords hidden from every message (:func:`redact`). A password may hold ``@``, ``:``, ``/``:
+it runs to the URL's last ``@`` and is percent-encoded for SQLAlchemy. DESIGN.md "Hyperparameter search".
 """
 
 from __future__ import annotations
@@ -61,14 +39,9 @@ class StorageError(ValueError):
 
 @dataclass(frozen=True)
 class StorageURL:
-    """A storage as the user gave it, and what vramcal opens.
-
-    Attributes:
-        text: as given (may hold a password: print :attr:`shown`, never this).
-        kind: ``rdb`` (SQLAlchemy, optuna's ``RDBStorage``) or ``journal`` (a journal file).
-        target: the URL handed to SQLAlchemy (the password percent-encoded) or the journal file's path.
-        secrets: the password as given, decoded and encoded (empty without one), hidden from every message.
-    """
+    """A storage as the user gave it (``text``: may hold a password, print :attr:`shown`), its ``kind`` (``rdb`` or
+    ``journal``), the ``target`` opened (the URL with the password percent-encoded, or the journal's path) and the
+    password's forms to hide (``secrets``)."""
 
     text: str
     kind: Literal["rdb", "journal"]
@@ -85,15 +58,8 @@ class StorageURL:
 
 
 def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
-    """``text`` (a storage URL, or an error message that may quote one) with passwords replaced by ``***``,
-    for everything vramcal prints or writes.
-
-    The password of ``scheme://user:password@host/...`` runs to the *last* ``@`` of the URL (so one holding
-    an unescaped ``@``, ``:`` or ``/`` is hidden whole, at the cost of hiding more of a URL that has an ``@``
-    after its host); ``password=...`` and ``passwd=...`` parameters (query strings, driver DSNs) are hidden
-    too, and so is every string in ``secrets`` wherever it appears (a known password, quoted by a driver
-    without its URL).
-    """
+    """``text`` with passwords replaced by ``***``: a URL's (up to its *last* ``@``), ``password=``/``passwd=``
+    parameters, and every string in ``secrets``."""
     for secret in sorted((s for s in secrets if s), key=len, reverse=True):
         text = text.replace(secret, "***")
     text = re.sub(r"(://[^:/@\s]*:)\S*@", r"\1***@", text)
@@ -109,8 +75,7 @@ def parse_storage(text: str) -> StorageURL:
     """Read a ``--storage`` value (the forms in the module docstring).
 
     Raises:
-        StorageError: a ``journal://`` URL without an absolute path, or a value that is neither a URL nor a
-            journal file path.
+        StorageError: a ``journal://`` URL without an absolute path, or neither a URL nor a journal file path.
     """
     text = text.strip()
     if text.startswith(JOURNAL_SCHEME):
@@ -134,15 +99,11 @@ def parse_storage(text: str) -> StorageURL:
 
 
 def open_storage(url: str | StorageURL, create: bool = True):
-    """Open a storage with heartbeats, so trials of a killed process end as failed (module docstring).
-
-    Args:
-        create: a journal file that is absent is made (False: refused, for ``--resume``).
+    """Open a storage with heartbeats. ``create``: a journal file that is absent is made (False for ``--resume``).
 
     Raises:
-        StorageError: the URL cannot be opened: a bad form or scheme, a missing driver (the message names the
-            package and the URL form that works), an unreachable server, a missing folder, a file that is not
-            a journal; the password is hidden.
+        StorageError: the URL cannot be opened (a bad form, a missing driver named with what to install, an
+            unreachable server, a missing folder, no journal), the password hidden.
     """
     url = parse_storage(url) if isinstance(url, str) else url
     opener = _open_journal if url.kind == "journal" else _open_rdb
@@ -158,15 +119,11 @@ def open_storage(url: str | StorageURL, create: bool = True):
 
 @contextlib.contextmanager
 def storage_errors(url: StorageURL) -> Iterator[None]:
-    """A storage that fails once open (a lost connection, a server that went away) as one line.
-
-    Any error whose chain (``__cause__``/``__context__``) holds one of SQLAlchemy's errors or optuna's
-    ``StorageInternalError`` is the storage's: optuna 5.0's ``study.optimize`` turns a failed write of a
-    trial's end into an ``UnboundLocalError`` of its own raised while handling it.
+    """A storage that fails once open (a lost connection) as one line: any error whose chain holds a SQLAlchemy
+    error or optuna's ``StorageInternalError`` (optuna 5.0 raises its own ``UnboundLocalError`` over a failed write).
 
     Raises:
-        StorageError: for those, with the SQLAlchemy error's first line (the driver's message), the password
-            hidden. Other errors pass unchanged.
+        StorageError: for those, with the driver's first line, the password hidden. Other errors pass unchanged.
     """
     try:
         yield
@@ -212,8 +169,8 @@ def check_driver(url: StorageURL) -> None:
     """The URL's scheme is one SQLAlchemy knows and its driver imports.
 
     Raises:
-        StorageError: an unknown scheme; a driver that is not installed, naming what to install and, for
-            PostgreSQL, the URL form that works with the driver that is installed.
+        StorageError: an unknown scheme; a driver not installed, naming what to install (and for PostgreSQL the
+            URL form that works with the installed driver).
     """
     import sqlalchemy
     from sqlalchemy.engine import make_url
@@ -265,8 +222,7 @@ def _open_journal(url: StorageURL, create: bool):
     if not create and not path.is_file():
         raise StorageError(f"there is no study to resume in {url.shown}: the journal file does not exist "
                            f"(start one without --resume)")
-    # Absolute: optuna's lock is a symlink to this path, so a relative one dangles; a dangling lock that a killed
-    # worker left behind is never broken (optuna 5.0 stats it through the link and retries at once, forever).
+    # absolute: optuna's lock is a symlink to this path, and a dangling one is never broken (optuna 5.0)
     storage = heartbeat_journal_storage()(JournalFileBackend(str(path.resolve())))
     storage.get_all_studies()  # reads the log: a file that is not a journal fails here, not mid-study
     return storage
@@ -274,17 +230,14 @@ def _open_journal(url: StorageURL, create: bool):
 
 @functools.cache
 def heartbeat_journal_storage() -> type:
-    """The class of a journal storage with heartbeats, defined on first use (importing this module imports
-    no optuna)."""
+    """The class of a journal storage with heartbeats (defined on first use: this module imports no optuna)."""
     from optuna.storages import JournalStorage
     from optuna.storages._heartbeat import BaseHeartbeat
     from optuna.trial import TrialState
 
     class _HeartbeatJournalStorage(JournalStorage, BaseHeartbeat):
-        """A journal storage with optuna's heartbeat (``BaseHeartbeat``, which only ``RDBStorage`` has), its
-        interval and grace period named as ``RDBStorage`` names them: so ``study.optimize`` beats for each running
-        trial and ``fail_stale_trials`` fails trials of dead workers on any host, as on a database. A beat is the
-        writer's wall-clock time in the trial's :data:`HEARTBEAT_ATTR` system attribute."""
+        """A journal storage with optuna's ``BaseHeartbeat`` (only ``RDBStorage`` has one), so ``fail_stale_trials``
+        works as on a database; a beat is the writer's wall-clock time in :data:`HEARTBEAT_ATTR`."""
 
         heartbeat_interval, grace_period = HEARTBEAT_S, GRACE_S
 

@@ -1,43 +1,8 @@
-"""``vramcal tune``: an optuna study over the trainer's knobs whose batch sizes come from the profile.
-
-The seed documents run a hyperparameter optimiser over learning rate and batch size and clamp each
-proposed batch size to the hardware's bounds before allocating; they list as future work that the
-search space itself should use the trainer's bounds. Here it does: the batch-size range is
-``[--batch-size-min, the profile's conservative batch size]`` (narrowed further by ``--batch-size-max``
-and by the number of training windows), so no trial is spent on a batch that cannot fit. The trainer
-still clamps whatever it is given (:func:`vramcal.sizing.size`), a second guard;
-each trial records whether it did.
-
-Search: TPE (``optuna.samplers.TPESampler``, Bergstra et al. 2011) after ``n_initial`` random start-up
-trials, over the learning rate (log), the batch size (log, integer), the weight decay and the gradient
-clip norm (log). Each trial is a real ``vramcal train`` run (:func:`vramcal.train.plan.plan_run` and
-:func:`vramcal.train.runner.train`, the same code as the command) of ``epochs`` epochs or ``max_steps``
-steps in ``<run_dir>/trials/<number>`` (zero-padded: ``trials/0000``); its value is its lowest validation loss (what
-``checkpoint-best.pt`` holds). After every epoch the validation loss goes to ``trial.report`` and a
-median pruner (``optuna.pruners.MedianPruner``) stops trials worse than the median of earlier ones at
-the same epoch. A non-finite loss or a diverged run (the learning rate was too high) ends a trial as
-pruned, so TPE still learns from it.
-
-Each trial is a ``vramcal train`` run in a worker process of its own (:func:`vramcal.train.runner.train`),
-made like the probe's trials that sized it; after each epoch the worker asks this process, which calls
-``trial.report`` and answers "stop" when the pruner says so. Whatever goes wrong inside a trial — an
-out-of-memory error the trainer could not recover from, a crash, a ``kill -9`` of the worker — fails
-that trial only: the study goes on and writes its results. What the trials are sized against (data,
-device, profile) is decided once for the study (:func:`vramcal.train.plan.resolve`). A killed study
-loses only its running trial: the study lives in a storage and ``--resume`` continues it.
-
-Storage (:mod:`vramcal.tune.storage`): SQLite at ``<run_dir>/study.db`` by default, any database URL optuna's
-``RDBStorage`` opens (``postgresql://``, ``mysql://``, ``sqlite:///``), or an optuna journal file
-(``journal:///path/study.log``, or a path ending in ``.log``). Several processes or machines given the same
-``--storage`` and ``--study-name`` work on one study at once (optuna's distributed mode). The first one
-saves the search settings in the study; the others use those, with batch bounds from their own profile.
-They stop at exactly ``--trials`` finished trials between them, and fail the trials of workers that died
-(:mod:`vramcal.tune.workers`, :func:`run_study`).
-
-The trials table, the best configuration and the PNG are made by :mod:`vramcal.tune.report`. Each trial's run
-writes its epochs to TensorBoard in its folder, and its hyperparameters and objective beside them once it ends
-(:mod:`vramcal.train.tracking`): ``tensorboard --logdir <run_dir>`` compares the trials. Each trial's line ends
-with the study's progress and the time left.
+"""``vramcal tune``: an optuna study (TPE, Bergstra et al. 2011, with a median pruner) over the learning rate, batch
+size, weight decay and clip norm, whose batch-size range is the profile's ``[--batch-size-min, conservative]``; each
+trial a real ``vramcal train`` run in ``<run_dir>/trials/<nnnn>`` scored by its lowest validation loss. The study
+lives in a storage (:mod:`vramcal.tune.storage`) that several workers share (:mod:`vramcal.tune.workers`); its
+results are :mod:`vramcal.tune.report`'s. DESIGN.md "Hyperparameter search" gives the rules.
 """
 
 from __future__ import annotations
@@ -79,15 +44,11 @@ class TuneSettings:
     """What a study searches, saved in the study so a resumed or second worker searches the same.
 
     Attributes:
-        base: the training settings every trial starts from (``lr``, ``batch_size``, ``weight_decay``
-            and ``max_grad_norm`` are replaced by the trial's).
-        lr_range, weight_decay_range, max_grad_norm_range: (low, high) of each knob; LR and clip norm
-            are searched on a log scale, weight decay on a linear one (it may be 0).
-        batch_size_max: the user's upper batch bound (None: the profile's conservative batch size);
-            the lower bound is ``base.batch_size_min``.
-        n_initial: random start-up trials before TPE models the results.
-        seq_lens: look-back windows to search too (categorical); each trial's batch range is that length's
-            (issue 13: no trial is spent on a (batch, length) pair that cannot fit). () = the base's seq_len.
+        base: the training settings every trial starts from (the searched knobs replaced by the trial's).
+        lr_range, weight_decay_range, max_grad_norm_range: (low, high); LR and clip norm on a log scale.
+        batch_size_max: the user's upper batch bound (None: the profile's conservative batch size).
+        n_initial: random start-up trials before TPE.
+        seq_lens: look-back windows to search too, each with its own batch range (): the base's seq_len.
     """
 
     base: TrainConfig = field(default_factory=TrainConfig)
@@ -124,8 +85,7 @@ class TuneSettings:
 
 
 def check_range(name: str, low: float, high: float, positive: bool = False) -> None:
-    """Raises: TuneError when a bound is not finite, ``low > high``, a bound is negative, or (``positive``)
-    not above 0."""
+    """Raises: TuneError: a bound not finite or negative (``positive``: not above 0), or ``low > high``."""
     if not (math.isfinite(low) and math.isfinite(high)):
         raise TuneError(f"{name}: bounds must be finite numbers, got {low:g} {high:g}")
     if low > high:
@@ -136,15 +96,8 @@ def check_range(name: str, low: float, high: float, positive: bool = False) -> N
 
 @dataclass(frozen=True)
 class BatchBounds:
-    """The batch sizes trials may use, and where the ends come from.
-
-    Attributes:
-        low, high: inclusive bounds of the ``batch_size`` search (``high`` <= the profile's conservative).
-        profile_path: the profile that gave the upper end.
-        conservative, safe: the profile's limits (the trainer clamps to ``safe``).
-        notices: for the user (a user range narrowed to the profile or to the data; information marked
-            :class:`~vramcal.words.Info`).
-    """
+    """The inclusive batch-size bounds of the search (``high`` <= the profile's ``conservative``), the profile
+    that gave them, its limits, and ``notices`` for the user."""
 
     low: int
     high: int
@@ -159,13 +112,9 @@ class BatchBounds:
 
 
 def batch_bounds(settings: TuneSettings, setting: Setting) -> BatchBounds:
-    """The batch-size search range from the setting's profile, sized as ``vramcal train`` sizes a run.
-
-    Upper end: the conservative batch size (:func:`vramcal.sizing.size`, with the data term and the gate: what
-    the device has free now, :func:`vramcal.measure.device.free_bytes`, each trial gated again), sizing for
-    throughput the throughput knee when below it (:func:`vramcal.sizing.throughput_choice`), or
-    ``batch_size_max`` when lower (a higher one is narrowed with a notice); never more than the training
-    windows (a larger batch is one whole epoch).
+    """The batch-size search range from the setting's profile, sized as ``vramcal train`` sizes a run (the data term
+    and the gate: :func:`vramcal.sizing.size`): up to the conservative size, the throughput knee when sizing for
+    throughput (:func:`vramcal.sizing.throughput_choice`), ``batch_size_max``, and the training windows.
 
     Raises:
         TuneError: the whole user range lies above the conservative batch size or the training windows.
@@ -202,11 +151,7 @@ def batch_bounds(settings: TuneSettings, setting: Setting) -> BatchBounds:
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """What trials may choose: for each look-back window, what it is sized against and its batch bounds.
-
-    Attributes:
-        lengths: ``(seq_len, setting, bounds)`` per length (one entry: the base's length, not searched).
-    """
+    """What trials may choose: ``(seq_len, setting, bounds)`` per look-back window (one: the base's, not searched)."""
 
     lengths: tuple[tuple[int, Setting, BatchBounds], ...]
 
@@ -229,12 +174,10 @@ class SearchSpace:
 
 
 def search_space(settings: TuneSettings, capacity_bytes: int | None = None) -> SearchSpace:
-    """Resolve each searched length (data, device, its profile: one over several lengths, or one per length)
-    and its batch bounds, as ``vramcal train`` sizes a run at that length.
+    """Each searched length's setting (:func:`vramcal.train.plan.resolve`) and batch bounds.
 
     Raises:
-        TuneError, SizingError, DataError, DeviceError: as :func:`batch_bounds` and
-            :func:`vramcal.train.plan.resolve`, for the first length that cannot be searched.
+        TuneError, SizingError, DataError, DeviceError: for the first length that cannot be searched.
     """
     from vramcal.train.plan import resolve  # loads numpy: only when called
 
@@ -249,21 +192,13 @@ def search_space(settings: TuneSettings, capacity_bytes: int | None = None) -> S
 # ------------------------------------------------------------------------------------------- study
 
 def open_study(storage, study_name: str, settings: TuneSettings | None, where: str = "the storage"):
-    """Load study ``study_name`` from ``storage``, or create it with ``settings`` when absent.
-
-    Of workers that start at once, the one whose ``create_study`` succeeds saves its settings; the others
-    load the study and wait up to :data:`SETTINGS_WAIT_S` for them. The sampler's seed is the saved settings'
-    ``seed`` plus the number of trials so far (a resumed study does not repeat its first random trials), plus
-    a number from :func:`~vramcal.tune.workers.worker_id` for a study that existed (two workers joining at once
-    do not draw the same trials). TPE runs with ``constant_liar`` (optuna 5's default, set for optuna 4 too):
-    running trials are penalised, so concurrent workers do not propose the same point.
-
-    Args:
-        settings: None = the study must exist (``--resume``).
-        where: the storage as printed (:attr:`vramcal.tune.storage.StorageURL.shown`).
+    """Load study ``study_name`` from ``storage``, or create it with ``settings`` (None: it must exist, ``--resume``).
+    A joining worker takes the saved settings (waiting up to :data:`SETTINGS_WAIT_S`); the sampler's seed adds the
+    trials so far and, for a study that existed, a hash of :func:`~vramcal.tune.workers.worker_id`; TPE runs with
+    ``constant_liar`` so concurrent workers do not propose the same point. ``where``: the storage as printed.
 
     Returns:
-        (study, the settings it searches: the saved ones for an existing study, and whether it existed).
+        (study, the settings it searches, whether it existed).
 
     Raises:
         TuneError: ``--resume`` of a study that is not there; a study not made by ``vramcal tune``.
@@ -296,7 +231,7 @@ def open_study(storage, study_name: str, settings: TuneSettings | None, where: s
 
 
 def _saved_settings(study) -> dict[str, Any]:
-    """The settings a study's creator saved, waiting for them while a new study has no trials yet.
+    """The settings a study's creator saved, waited for while a new study has no trials.
 
     Raises:
         TuneError: the study has trials (or had none for :data:`SETTINGS_WAIT_S`) and no saved settings.
@@ -311,12 +246,8 @@ def _saved_settings(study) -> dict[str, Any]:
 
 
 def setting_differences(asked: TuneSettings, saved: TuneSettings) -> dict[str, tuple[Any, Any]]:
-    """The settings a resumed or joining worker was given that differ from the study's saved ones.
-
-    Returns:
-        ``{name: (asked value, saved value)}``, by option name: the training settings' and the model spec's
-        field names (``epochs``, ``d_model``) and the search's own (``lr_range``, ``n_initial``).
-    """
+    """``{option name: (asked, saved)}`` for the settings a resumed or joining worker was given that differ from the
+    study's (the training settings', the model spec's and the search's own names)."""
     def flat(settings: TuneSettings) -> dict[str, Any]:
         data = settings.to_dict()
         base = data.pop("base")
@@ -328,20 +259,9 @@ def setting_differences(asked: TuneSettings, saved: TuneSettings) -> dict[str, t
 
 def run_study(study, settings: TuneSettings, space: SearchSpace, run_dir: Path, n_trials: int,
               echo: Echo = print, secrets: tuple[str, ...] = (), poll_s: float = POLL_S) -> int:
-    """Run trials until the study has exactly ``n_trials`` complete or pruned ones (across all its workers).
-
-    Before each trial, trials of dead workers are failed (:func:`~vramcal.tune.workers.fail_dead_trials`).
-    When the finished trials and those running in other workers already make ``n_trials``, this worker
-    starts none: it waits, polling every ``poll_s`` seconds, until they end, and runs one in the place of any
-    that fails (or whose worker dies); so every worker ends when the study has ``n_trials`` finished and none
-    running, and its table is the whole study's. Two workers that start a trial at once past the count
-    leave one of them *surplus*: it ends failed before it suggests anything (:meth:`Objective.__call__`) and
-    is left out of the tables. A trial that fails (any error) is recorded as failed with its one-line
-    reason, and another takes its place, until this call has seen more than ``n_trials`` failures (a study
-    of N trials tolerates N failed ones; more means something fails every trial, and the reasons say what).
-
-    Args:
-        secrets: strings (a storage password) hidden from the trials' recorded reasons.
+    """Run trials until the study has exactly ``n_trials`` complete or pruned ones across its workers (DESIGN.md
+    "Hyperparameter search": dead workers' trials failed first, waiting for other workers' last trials, surplus
+    trials, a failed trial replaced until more than ``n_trials`` failed). ``secrets``: hidden from the reasons.
 
     Returns:
         The number of trials this call ran.
@@ -380,12 +300,8 @@ class Surplus(Exception):
 
 
 class Objective:
-    """One trial: suggest, plan and train with the trainer's own functions, report each epoch.
-
-    Args:
-        n_trials: the study's requested count (a trial started past it ends at once, :class:`Surplus`).
-        secrets: strings hidden from the recorded reasons (a storage password).
-    """
+    """One trial: suggest, plan and train with the trainer's own functions, report each epoch. ``n_trials``: the
+    requested count (a trial past it is :class:`Surplus`); ``secrets``: hidden from the recorded reasons."""
 
     def __init__(self, settings: TuneSettings, space: SearchSpace, run_dir: Path, echo: Echo, n_trials: int,
                  secrets: tuple[str, ...] = ()) -> None:
@@ -394,10 +310,8 @@ class Objective:
         self.calls = self.failures = 0  # trials this objective ran, and how many of them failed
 
     def config(self, trial) -> tuple[TrainConfig, Setting]:
-        """The trial's training settings (the base ones with the suggested knobs) and what they are sized
-        against. When look-back windows are searched, the length is chosen first and the batch size as a
-        share of that length's range on a log scale (``batch_share``: one distribution for all lengths, so
-        TPE can model it), recorded as the ``batch_size`` user attribute."""
+        """The trial's training settings and what they are sized against; with look-back windows searched, the length
+        first, then the batch as a log-scale share of its range (``batch_share``, recorded as ``batch_size``)."""
         s = self.settings
         if self.space.searched:
             length = trial.suggest_categorical("seq_len", [entry[0] for entry in self.space.lengths])
@@ -415,12 +329,10 @@ class Objective:
         return config, setting
 
     def __call__(self, trial) -> float:
-        """Train the trial; any error (a failed run, a crash, a folder that cannot be written) fails this
-        trial only, with its one-line reason in the ``error`` user attribute (optuna records it as FAIL).
+        """Train the trial; any error fails this trial only, its one-line reason in the ``error`` user attribute.
 
         Raises:
-            Surplus: the trial started past the count; it ends failed, marked ``surplus``, having suggested
-                and run nothing (optuna records it as FAIL).
+            Surplus: the trial started past the count; it ran nothing.
         """
         import optuna
 

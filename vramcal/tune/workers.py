@@ -1,19 +1,7 @@
-"""Several ``vramcal tune`` processes on one study: who runs a trial, which trials are dead, what counts, and
-the line each trial ends with.
-
-Each trial records the process that runs it in its ``worker`` user attribute (``<host>:<pid>``,
-:func:`worker_id`). A RUNNING trial is *dead* when its worker ran on this host and that process no longer
-exists (a ``kill -9`` or a crash, or ended and not yet reaped by its parent: seen at once), or when optuna's
-heartbeat calls it stale (any host: no beat for ``grace_period``, :data:`vramcal.tune.storage.GRACE_S`).
-:func:`fail_dead_trials` marks dead trials failed with the reason, and is called before every trial and before
-the results are written, so no table shows a dead trial as running. Trials of live workers, here or elsewhere,
-are left alone. (optuna's own ``fail_stale_trials``, which ``study.optimize`` calls, fails the same stale trials
-but records no reason, and a database refuses a finished trial's attributes: so the reason is written first.)
-
-What counts towards ``--trials``: complete and pruned trials (:func:`finished`). A trial is *surplus* when
-the finished and running trials numbered before it already make the count (:func:`is_surplus`): optuna
-numbers trials in the order the storage created them, so of several workers that started trials at once,
-every worker agrees which ones are past the count.
+"""Several ``vramcal tune`` processes on one study: who runs a trial (``worker``: ``<host>:<pid>``), which trials are
+dead (their worker gone on this host, or stale by optuna's heartbeat: :data:`vramcal.tune.storage.GRACE_S`), what
+counts towards ``--trials`` (complete and pruned) and which are surplus, and the line each trial ends with
+(DESIGN.md "Hyperparameter search").
 """
 
 from __future__ import annotations
@@ -36,7 +24,7 @@ def worker_id() -> str:
 
 
 def _process_is_gone(pid: int) -> bool:
-    """Whether process ``pid`` of this host has ended (a zombie, ended but not yet reaped, counts as ended)."""
+    """Whether process ``pid`` of this host has ended (a zombie counts as ended)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -67,11 +55,8 @@ def dead_trials(study) -> dict[int, tuple[int, str]]:
 
 
 def fail_dead_trials(study) -> list[tuple[int, str]]:
-    """Mark RUNNING trials whose worker is dead (:func:`dead_trials`) as FAIL, the reason in ``error``.
-
-    Returns:
-        ``(number, reason)`` of each trial marked failed.
-    """
+    """Mark RUNNING trials whose worker is dead as FAIL, the reason in ``error`` (written first: optuna's own
+    ``fail_stale_trials`` records none). Returns ``(number, reason)`` of each."""
     import optuna
     from optuna.trial import TrialState
 
@@ -94,8 +79,8 @@ def finished(trials: Iterable) -> int:
 
 
 def is_surplus(trials: Iterable, number: int, n_trials: int) -> bool:
-    """Whether trial ``number`` starts past the count: the finished and running trials numbered before it
-    already make ``n_trials``."""
+    """Whether trial ``number`` starts past the count: the finished and running trials numbered before it (optuna
+    numbers them as the storage made them, so every worker agrees) already make ``n_trials``."""
     from optuna.trial import TrialState
 
     counted = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
@@ -103,10 +88,8 @@ def is_surplus(trials: Iterable, number: int, n_trials: int) -> bool:
 
 
 def time_left(trials: Iterable, n_trials: int) -> str:
-    """``4 of 20 finished, about 9.6 min left`` from the mean wall time of the finished trials (complete or
-    pruned) and how many workers are running one (this one, which has just finished one, and every other worker
-    of a RUNNING trial): the trials still to run, shared between them. ``4 of 20 finished`` alone before any
-    trial has a time."""
+    """``4 of 20 finished, about 9.6 min left``: the trials still to run at the finished ones' mean wall time,
+    shared between this worker and the others running one."""
     from optuna.trial import TrialState
 
     trials = list(trials)
@@ -127,9 +110,8 @@ def shown_trials(trials: Iterable) -> list:
 
 
 def failure_reason(error: BaseException, secrets: tuple[str, ...] = ()) -> str:
-    """One line for a failed trial: the message of vramcal's own errors (written for people, naming the
-    trial's last good checkpoint), else ``Type: first line``; passwords and ``secrets`` hidden
-    (:func:`vramcal.tune.storage.redact`)."""
+    """One line for a failed trial: vramcal's own errors' message, else ``Type: first line``; passwords and
+    ``secrets`` hidden."""
     lines = str(error).strip().splitlines()
     first = lines[0] if lines else ""
     own = type(error).__module__.startswith("vramcal.")
@@ -137,8 +119,8 @@ def failure_reason(error: BaseException, secrets: tuple[str, ...] = ()) -> str:
 
 
 def announce(echo, n_trials: int):
-    """The optuna callback that prints the line of a trial that ended: its state, its lowest validation loss, why
-    it failed, and the study's progress with the time left (:func:`time_left`)."""
+    """The optuna callback that prints an ended trial's line: state, lowest validation loss, why it failed, and
+    :func:`time_left`."""
     def callback(study, trial) -> None:
         if trial.user_attrs.get(SURPLUS):
             echo(f"trial {trial.number}: {trial.user_attrs['error']}")
