@@ -1,11 +1,5 @@
-"""OHLCV bars for the regressor family: loading and checking a bar file, the E-mini tick sample.
-
-Bars are a parquet file with columns ``timestamp, open, high, low, close, volume`` (any
-capitalisation; ``datetime``/``date``/``time`` also name the timestamp, or a datetime index).
-Time-zone-aware timestamps are converted to UTC and made naive; numeric (epoch) timestamps are refused,
-as their unit cannot be known. What the trainer makes of them (features, windows, the split) is
-:mod:`vramcal.models.regressor.windows`.
-"""
+"""OHLCV bars for the regressor family: loading and checking a bar file (:data:`COLUMNS`, any capitalisation;
+:data:`TIMESTAMP_ALIASES` or a datetime index for the time), and the E-mini tick sample."""
 
 from __future__ import annotations
 
@@ -30,20 +24,13 @@ class DataError(ValueError):
     """Bars the trainer cannot use; the one-line message names the file, the problem and the fix."""
 
 
-# ------------------------------------------------------------------------------------------- bars
-
 def load_bars(path: Path | str) -> pd.DataFrame:
-    """Read and check an OHLCV parquet file (the bars' schema: :data:`COLUMNS`, :func:`check_bars`).
-
-    Returns:
-        A DataFrame with exactly :data:`COLUMNS`, a fresh RangeIndex, ``timestamp`` as datetime64 and
-        the rest float64, strictly increasing in time.
+    """Read and check an OHLCV parquet file: :data:`COLUMNS` (timestamp naive datetime64, the rest float64),
+    strictly increasing in time, a fresh RangeIndex.
 
     Raises:
-        DataError: the file is missing, a folder, no regular file, unreadable, empty, not parquet, lacks a
-            column or names one twice, has a column that is not numbers (true/false, text) or not date-times,
-            NaN/infinite/non-positive prices, negative volume, inconsistent bars, or unsorted or duplicate
-            timestamps.
+        DataError: no readable parquet file (:func:`check_file`), a column missing or named twice, or bad values
+            (:func:`check_bars`).
     """
     import pandas as pd
 
@@ -62,13 +49,7 @@ def load_bars(path: Path | str) -> pd.DataFrame:
 
 def check_file(path: Path, what: str, make: str) -> bytes:
     """The first bytes of ``path`` once it is a readable, non-empty regular file (``what`` names it, ``make``
-    says how to get one).
-
-    Raises:
-        DataError: no such file, a folder, no regular file (a device such as /dev/null, a pipe, a socket), a
-            file that cannot be read, or an empty one (pseudo-files such as /proc/self/status report a size
-            of 0 and still hold text, so the bytes decide, not the size).
-    """
+    says how to get one). Raises: DataError: missing, a folder, a device or pipe, unreadable, or empty."""
     if not path.exists():
         raise DataError(f"{path}: no such file ({make})")
     if path.is_dir():
@@ -107,11 +88,10 @@ def _normalise_columns(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
 
 
 def column_names(frame: pd.DataFrame, path: Path | str, wanted: tuple[str, ...]) -> dict[str, object]:
-    """Lower-case name -> the frame's column, for the ``wanted`` names (any capitalisation, spaces around).
+    """Lower-case name -> the frame's column (any capitalisation, spaces around).
 
     Raises:
-        DataError: a wanted name given by two columns (``close`` and ``Close``): which one holds the data is
-            unknowable.
+        DataError: a ``wanted`` name given by two columns (``close`` and ``Close``).
     """
     lower: dict[str, object] = {}
     for column in frame.columns:
@@ -123,7 +103,12 @@ def column_names(frame: pd.DataFrame, path: Path | str, wanted: tuple[str, ...])
 
 
 def check_bars(frame: pd.DataFrame, path: Path | str = "bars") -> pd.DataFrame:
-    """Check normalised bars (see :func:`load_bars`) and convert dtypes. Raises: DataError."""
+    """Check normalised bars and convert dtypes.
+
+    Raises:
+        DataError: no rows, bad numbers or date-times, prices <= 0, negative volume, high/low inconsistent with the
+            other prices, or unsorted or duplicate timestamps.
+    """
     import pandas as pd
 
     if len(frame) == 0:
@@ -155,11 +140,10 @@ def check_bars(frame: pd.DataFrame, path: Path | str = "bars") -> pd.DataFrame:
 
 
 def numbers(raw: pd.Series, name: str, path: Path | str, stamps: pd.Series | None = None) -> np.ndarray:
-    """A column of numbers as float64: numeric columns and text that reads as numbers; every value finite.
+    """A column of numbers (or text that reads as numbers) as finite float64.
 
     Raises:
-        DataError: true/false values, a value that is no number (names its row, and its time when known), or
-            NaN and infinities (their count and the first row); the fix in each message.
+        DataError: true/false values, a value that is no number, NaN or infinities (the row named).
     """
     import pandas as pd
 
@@ -187,12 +171,11 @@ def numbers(raw: pd.Series, name: str, path: Path | str, stamps: pd.Series | Non
 
 
 def timestamps(column: pd.Series, path: Path | str, name: str = "timestamp") -> pd.Series:
-    """``column`` (named ``name`` in messages) as naive datetime64: time-zone-aware stamps, and text with UTC
-    offsets, are converted to UTC and made naive.
+    """``column`` as naive datetime64, zone-aware stamps converted to UTC.
 
     Raises:
-        DataError: numbers (epoch times, whose unit cannot be known: the message guesses it and shows
-            the conversion), true/false, text that is not a date-time (names the row), or a missing stamp.
+        DataError: numbers (epoch times of unknown unit: the message guesses it), true/false, text that is not a
+            date-time, or a missing stamp.
     """
     import pandas as pd
 
@@ -215,8 +198,7 @@ def timestamps(column: pd.Series, path: Path | str, name: str = "timestamp") -> 
 
 
 def _parse_stamps(column: pd.Series, path: Path | str, name: str) -> pd.Series:
-    """Text (or date objects) as datetime64: the whole column at once in one format where it has one (fast on
-    the half-million stamps of a tick file), else stamp by stamp, naming the first one that is no date-time."""
+    """Text as datetime64: the whole column in one format where it has one (fast), else stamp by stamp."""
     import pandas as pd
 
     try:
@@ -236,12 +218,8 @@ def _parse_stamps(column: pd.Series, path: Path | str, name: str) -> pd.Series:
 
 
 def synthetic_bars(n_bars: int = 34_171, seed: int = 0) -> pd.DataFrame:
-    """Random-walk bars with the E-mini sample's size and shape, for calibrating without a data file.
-
-    A random walk on the 0.25-point tick grid from 1600, one bar per second, consistent OHLC and integer
-    volume; ``n_bars`` defaults to the number of 1-second bars of ``vramcal data es-sample``, so the data
-    a calibration holds matches the sample's.
-    """
+    """Random-walk bars (0.25-point ticks from 1600, one a second) the size of ``vramcal data es-sample``'s,
+    for calibrating without a data file."""
     import pandas as pd
 
     rng = np.random.default_rng(seed)
@@ -254,12 +232,8 @@ def synthetic_bars(n_bars: int = 34_171, seed: int = 0) -> pd.DataFrame:
                          "volume": rng.integers(0, 500, n_bars).astype(float)})
 
 
-# ------------------------------------------------------------------------------------ E-mini sample
-
 def mlfinpy_tick_path() -> Path:
-    """The E-mini S&P 500 tick CSV shipped inside the ``mlfinpy`` package, located without importing it.
-
-    (Importing mlfinpy pulls numba; the file is data, so only its location is needed.)
+    """The E-mini S&P 500 tick CSV inside ``mlfinpy``, located without importing it (which pulls numba).
 
     Raises:
         DataError: mlfinpy is not installed, or the file is not in it.
@@ -279,15 +253,11 @@ TICK_STAMPS = ("datetime", "timestamp")  # the tick file's time column, any capi
 
 
 def check_ticks(ticks: pd.DataFrame, path: Path | str = "ticks") -> pd.DataFrame:
-    """The tick file's schema: a time column (``DateTime`` or ``timestamp``, date-times as :func:`timestamps`
-    reads them), ``Price`` (finite numbers > 0) and ``Volume`` (finite numbers >= 0), any capitalisation.
-
-    Returns:
-        A DataFrame ``timestamp, price, volume``: naive datetime64 and float64, sorted by time (stable).
+    """Ticks (``DateTime`` or ``timestamp``, ``Price`` > 0, ``Volume`` >= 0; any capitalisation) as a frame
+    ``timestamp, price, volume`` sorted by time.
 
     Raises:
-        DataError: a missing or doubled column, no trades, or a bad value (names the file, the column and
-            the row, and the fix).
+        DataError: a missing or doubled column, no trades, or a bad value.
     """
     import pandas as pd
 
@@ -312,10 +282,7 @@ def check_ticks(ticks: pd.DataFrame, path: Path | str = "ticks") -> pd.DataFrame
 
 
 def bar_offset(bar: str) -> pd.DateOffset:
-    """``bar`` (``1s``, ``5s``, ``1min``) as a pandas offset (``pandas.tseries.frequencies.to_offset``).
-
-    Raises:
-        DataError: a string pandas cannot read, or a length that is not positive."""
+    """``bar`` (``1s``, ``5s``, ``1min``) as a pandas offset. Raises: DataError: unreadable, or not positive."""
     import pandas as pd
 
     try:
@@ -328,21 +295,11 @@ def bar_offset(bar: str) -> pd.DateOffset:
 
 
 def ticks_to_bars(ticks: pd.DataFrame, bar: str, path: Path | str = "ticks") -> pd.DataFrame:
-    """Time bars from trades.
-
-    Args:
-        ticks: columns ``DateTime`` (or ``timestamp``), ``Price``, ``Volume`` (any capitalisation), checked by
-            :func:`check_ticks`.
-        bar: a pandas offset such as ``1s``, ``5s``, ``1min``.
-        path: where the ticks came from, for messages.
-
-    Returns:
-        Bars with :data:`COLUMNS`: open/high/low/close of the trade prices in each interval (pandas
-        ``resample(bar).ohlc()``, left-labelled), volume = summed traded contracts; intervals without
-        trades are dropped, not forward-filled.
+    """Time bars (:data:`COLUMNS`) from trades (:func:`check_ticks`): pandas ``resample(bar).ohlc()``,
+    left-labelled, volume summed; intervals without trades dropped.
 
     Raises:
-        DataError: bad ticks (:func:`check_ticks`) or a bar string pandas cannot read.
+        DataError: bad ticks or a bar string pandas cannot read.
     """
     offset = bar_offset(bar)
     series = check_ticks(ticks, path).set_index("timestamp")
@@ -354,11 +311,10 @@ def ticks_to_bars(ticks: pd.DataFrame, bar: str, path: Path | str = "ticks") -> 
 
 
 def write_parquet(frame: pd.DataFrame, path: Path | str) -> Path:
-    """Write ``frame`` as parquet atomically (:func:`vramcal.files.atomic_write`: a temporary file in the same
-    folder, fsynced, then renamed over ``path``).
+    """Write ``frame`` as parquet atomically (:func:`vramcal.files.atomic_write`).
 
     Raises:
-        DataError: the folder cannot be created or written (e.g. a part of the path is a file).
+        DataError: the folder cannot be created or written.
     """
     path = Path(path)
     try:
