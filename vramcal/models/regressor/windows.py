@@ -98,7 +98,7 @@ def _duration(seconds: float) -> str:
 
 
 def find_gaps(timestamps: pd.Series) -> tuple[np.ndarray, float]:
-    """The bars j (ascending int64) after a gap in ``timestamps`` (n,), and the threshold, seconds (module docstring)."""
+    """The bars j (ascending int64) after a gap in ``timestamps`` (n,), and the threshold, seconds."""
     stamps = np.asarray(timestamps, dtype="datetime64[ns]").astype(np.int64)
     spacing_s = np.diff(stamps) / 1e9  # (n - 1,)
     if len(spacing_s) == 0:
