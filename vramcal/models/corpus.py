@@ -1,35 +1,13 @@
-"""Real text for the language-model trainer (``vramcal train --model lm``): byte-level documents read from source
-files that ship with the machine, no download.
+"""Real text for the language-model trainer (``vramcal train --model lm``): byte-level documents from source files
+on the machine (DESIGN.md "A language model on real text").
 
-**Files.** ``--text stdlib`` (the default) is the Python standard library's own modules: the ``*.py`` files at the
-top of ``sysconfig.get_paths()["stdlib"]`` (its packages and tests left out: 168 files, 4.7 MB under CPython 3.11).
-``--text DIR`` is every ``*.py`` and ``*.txt`` file under ``DIR``, recursively. Files are taken in the order of
-their paths relative to the folder.
-
-**Documents.** A document is one definition, as CodeSearchNet (Husain et al. 2019) takes functions and methods
-from source files: the lines from a ``def``, ``async def`` or ``class`` line at any indentation (from the first of
-its decorators) up to the next such line; the lines before a file's first definition are a document too, and a
-file with no definition (a ``.txt`` file) is one document. Their lengths vary from a few bytes to tens of KB
-(function-level documents of the standard library: median 283 bytes, 90 % under 1.4 KB).
-
-**Tokens.** Byte-level: a document's tokens are its bytes (ids 0-255), so the model's ``vocab_size`` must be at
-least 256; no special token is needed, as a batch is padded on the right and the padding is left out of the loss
-(label ``-100``, transformers' ignore index) and, in a causal model, cannot reach the tokens before it.
-
-**Long documents.** A document longer than the run's context (the profile's longest calibrated seq_len, the
-longest batch it verified) is cut into consecutive windows of the context, the last one shorter: every window is
-a length the profile sizes, and the count of documents cut is said before the run (``cut``).
-
-**Binary files.** A file whose name says text but whose bytes do not (an archive, a compiled file, random bytes
-named ``*.py``) is left out, and the run says which: a file is binary when it holds a NUL byte, or when it is not
-UTF-8 and more than a third of its bytes are neither printable ASCII nor whitespace (Perl's ``-B`` file test,
-perlfunc ``-X``: "If more than a third of the characters are strange, it's a -B file ... any file containing a
-zero byte in the examined portion is considered a binary file"). Text in another 8-bit encoding (Latin-1) stays
-text.
-
-**Split.** By file, so no file has documents on both sides: a file is in validation when the first 8 bytes of the
-SHA-256 of its relative path, as a fraction of 2^64, are below ``val_fraction``. Deterministic across machines
-and runs, and a file keeps its side when others are added or removed.
+Files: ``--text stdlib`` (the standard library's top-level ``*.py``) or every ``*.py``/``*.txt`` under a folder, in
+the order of their relative paths. A document is one definition, from a ``def``/``class`` line (or its first
+decorator) to the next, as CodeSearchNet (Husain et al. 2019) takes functions; a longer one than the context is cut
+into windows. Tokens are bytes (ids 0-255), padding labelled ``-100``. A file is binary, and left out, when it holds
+a NUL byte or is not UTF-8 with over a third of its bytes outside printable ASCII and whitespace (Perl's ``-B``
+test, perlfunc ``-X``). Split by file: in validation when the first 8 bytes of the SHA-256 of its relative path, as
+a fraction of 2^64, fall below ``val_fraction``.
 """
 
 from __future__ import annotations
@@ -60,7 +38,7 @@ BINARY_SHARE = 1 / 3  # of a non-UTF-8 file's bytes outside _PLAIN, above which 
 
 
 def is_binary(text: bytes) -> bool:
-    """Whether a file's bytes are binary, not text (module docstring, "Binary files")."""
+    """Whether a file's bytes are binary, not text (module docstring)."""
     if b"\0" in text:
         return True
     try:
@@ -125,10 +103,8 @@ class Corpus:
     Attributes:
         source: ``--text`` as given; root: the folder read.
         train, val: the training and validation documents (windows), bytes each (tokens = bytes).
-        files, val_files: files read, and those in validation.
-        binary: the files left out as binary (module docstring), by their relative paths.
-        documents, cut: documents found, and those longer than ``context`` (cut into windows).
-        longest_document: the longest document's length before cutting (tokens).
+        files, val_files, binary: files read, those in validation, and those left out as binary (relative paths).
+        documents, cut, longest_document: documents found, those cut into windows, the longest's length (tokens).
         context: the longest window (tokens).
         identity: SHA-256 of every file's relative path and content, in order: the corpus a run trained on.
     """
@@ -148,13 +124,11 @@ class Corpus:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes the documents hold in the process (their ``bytes`` objects: :func:`sys.getsizeof`): the run's data
-        term (:mod:`vramcal.sizing`)."""
+        """Bytes the documents hold in the process (:func:`sys.getsizeof`): the run's data term."""
         return sum(sys.getsizeof(d) for d in self.train) + sum(sys.getsizeof(d) for d in self.val)
 
     def stats(self) -> dict[str, Any]:
-        """The corpus's facts for the run's record and its checks (``train_windows``, ``val_windows``: the
-        documents each side after cutting; tokens; the identity)."""
+        """The corpus's facts for the run's record and its checks."""
         return {"text": self.source, "root": self.root, "files": self.files, "val_files": self.val_files,
                 "documents": self.documents, "cut": self.cut, "longest_document": self.longest_document,
                 "context": self.context, "train_windows": len(self.train), "val_windows": len(self.val),
@@ -166,8 +140,7 @@ def load_corpus(source: str, context: int, val_fraction: float) -> Corpus:
     """Read ``source``'s files into documents of at most ``context`` tokens, split by file (module docstring).
 
     Raises:
-        CorpusError: no folder, no text file, no text in them (every one empty or binary), or a split that leaves one
-            side empty.
+        CorpusError: no folder, no text file, no text in them, or a split that leaves one side empty.
         OSError: a file cannot be read.
     """
     root, files = text_files(source)
