@@ -164,10 +164,7 @@ def read_value(value: Any, hint: Any, path: str, limits: Range | None = None) ->
 
 def read_number(value: Any, path: str, hint: type = float, limits: Range | None = None) -> int | float:
     """A finite number of type ``hint`` within ``limits`` and :data:`MAX_MAGNITUDE`.
-
-    Raises:
-        SchemaError: no number (a string, bool, null), a fraction for an int, not finite, or out of range.
-    """
+    Raises: SchemaError: no number (a string, bool, null), a fraction for an int, not finite, or out of range."""
     name = "a whole number" if hint is int else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         hint_quotes = " (write it without quotes)" if isinstance(value, str) and _numeric(value) else ""
@@ -185,10 +182,7 @@ def read_number(value: Any, path: str, hint: type = float, limits: Range | None 
 
 def plain(value: Any, path: str, depth: int = 0) -> Any:
     """A free-form JSON value, its numbers finite and within :data:`MAX_MAGNITUDE`, nested at most :data:`MAX_DEPTH`.
-
-    Raises:
-        SchemaError: a non-finite or out-of-range number, a non-JSON value, or nesting too deep.
-    """
+    Raises: SchemaError: a non-finite or out-of-range number, a non-JSON value, or nesting too deep."""
     if depth > MAX_DEPTH:
         raise SchemaError(path, f"{path} is nested more than {MAX_DEPTH} levels deep")
     if isinstance(value, dict):
@@ -211,10 +205,7 @@ def read_list(value: Any, path: str, read: Reader) -> tuple[Any, ...]:
 
 def read_map(value: Any, path: str, read: Reader, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
     """An object whose values ``read`` checks, keys among ``keys`` (None: any).
-
-    Raises:
-        SchemaError: not an object, an unknown key, or a value ``read`` refuses.
-    """
+    Raises: SchemaError: not an object, an unknown key, or a value ``read`` refuses."""
     if not isinstance(value, dict):
         raise _not(path, value, "an object")
     for key in value:

@@ -124,10 +124,7 @@ class ModelRef:
 
 def load_factory(ref: ModelRef) -> Callable[..., TrainingStep]:
     """Import the factory named by ``ref``.
-
-    Raises:
-        WorkloadError: the module cannot be imported or has no such function.
-    """
+    Raises: WorkloadError: the module cannot be imported or has no such function."""
     module_name, _, attribute = ref.factory.partition(":")
     try:
         target: Any = importlib.import_module(module_name)
@@ -252,10 +249,7 @@ def _raised_in_torch(error: BaseException) -> bool:
 
 def step_loss(step: TrainingStep, batch: Any, model: torch.nn.Module | None = None) -> torch.Tensor:
     """The step's loss on ``batch`` through ``model`` (default ``step.model``; under DDP its wrapper).
-
-    Raises:
-        WorkloadError: the loss takes the batch alone and ``model`` is a wrapper it would bypass.
-    """
+    Raises: WorkloadError: the loss takes the batch alone and ``model`` is a wrapper it would bypass."""
     model = step.model if model is None else model
     if takes_model(step.loss):
         return step.loss(model, batch)

@@ -50,10 +50,7 @@ def is_binary(text: bytes) -> bool:
 
 def text_files(source: str) -> tuple[Path, list[Path]]:
     """The folder and its text files, in the order of their relative paths (module docstring).
-
-    Raises:
-        CorpusError: the folder is missing or holds no ``*.py`` or ``*.txt`` file.
-    """
+    Raises: CorpusError: the folder is missing or holds no ``*.py`` or ``*.txt`` file."""
     if source == STDLIB:
         root = Path(sysconfig.get_paths()["stdlib"])
         files = sorted(root.glob("*.py"))

@@ -6,11 +6,8 @@ keeps the config's settings, not its path; ``configs/`` holds examples (``mamba2
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
-import sys
-import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +17,7 @@ from vramcal.models.mamba2 import (
     autocast,
     checkpoint_blocks,
     checkpoint_every,
-    import_mamba_ssm_mamba2,
+    import_transformers_kernels,
     import_transformers_mamba2,
 )
 from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, SchemaError, read_value
@@ -193,10 +190,7 @@ def _defaults() -> dict[str, Any]:
 
 def mamba2_config(settings: dict[str, Any], where: str = "the config") -> Mamba2Config:
     """``transformers.Mamba2Config(**settings)``, the settings checked first (:func:`check_settings`).
-
-    Raises:
-        ValueError: a bad setting, or one transformers refuses (the line of its error that names it).
-    """
+    Raises: ValueError: a bad setting, or one transformers refuses (the line of its error that names it)."""
     settings = check_settings(settings, where)
     try:
         return _config_class()(**settings)
@@ -238,23 +232,6 @@ def check_params(config: dict[str, Any], seq_len: Any, dtype: str = "fp32",
     return settings
 
 
-def _modeling_with_kernels() -> types.ModuleType:
-    """transformers' ``modeling_mamba2`` with mamba_ssm's kernels bound, reloaded where the fork server preloaded it
-    with them hidden (:func:`vramcal.models.mamba2.import_transformers_mamba2`)."""
-    try:
-        import_mamba_ssm_mamba2()  # the package importable even without Mamba-1's compiled extension
-    except ImportError:
-        pass  # transformers then binds what it can import, and detect_kernel_path records it
-    name = "transformers.models.mamba2.modeling_mamba2"
-    module = sys.modules.get(name)
-    if module is None:
-        module = importlib.import_module(name)
-    elif getattr(module, "_vramcal_torch_only", False):
-        module = importlib.reload(module)
-    module._vramcal_torch_only = False
-    return module
-
-
 def training_step(device: torch.device, *, config: dict[str, Any], seq_len: int, dtype: str = "fp32",
                   checkpointing: str = CHECKPOINTING_OFF, implementation: str = "transformers", lr: float = 1e-4,
                   weight_decay: float = 0.01, max_grad_norm: float = 1.0, seed: int = 0) -> TrainingStep:
@@ -273,7 +250,7 @@ def training_step(device: torch.device, *, config: dict[str, Any], seq_len: int,
     import torch
 
     settings = check_params(config, seq_len, dtype, checkpointing)
-    modeling = import_transformers_mamba2() if implementation == "transformers" else _modeling_with_kernels()
+    modeling = import_transformers_mamba2() if implementation == "transformers" else import_transformers_kernels()
     torch.manual_seed(seed)
     model = modeling.Mamba2ForCausalLM(settings).to(device)
     checkpoint_blocks(model, checkpoint_every(checkpointing, settings.num_hidden_layers))

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from vramcal.words import given
-from vramcal.workload import TORCH_PATH
+from vramcal.workload import KERNEL_PACKAGES, TORCH_PATH
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -29,6 +29,7 @@ DTYPE_POLICIES: tuple[str, ...] = ("fp32", "bf16-autocast")
 BF16_MIN_COMPUTE_CAPABILITY = (8, 0)  # bf16 tensor cores and autocast speed: Ampere (sm_80) and later
 CHECKPOINTING_FORMS = "off, block or every:K"  # what the spec's checkpointing takes (checkpoint_every)
 CHECKPOINTING_OFF = "off"
+MODELING = "transformers.models.mamba2.modeling_mamba2"
 
 
 KEY_DEFAULTS = {"checkpointing": CHECKPOINTING_OFF}  # what a profile key without the setting means (keyed_params)
@@ -174,10 +175,7 @@ def resolve_implementation(implementation: Implementation, device_kind: str) -> 
 
 def check_dtype(device: Device, dtype_policy: str) -> None:
     """Refuse ``bf16-autocast`` off CUDA or below compute capability 8.0 (no bf16 tensor cores); unknown passes.
-
-    Raises:
-        ValueError: one line naming the device, its capability and the fix.
-    """
+    Raises: ValueError: one line naming the device, its capability and the fix."""
     if dtype_policy != "bf16-autocast":
         return
     if device.kind != "cuda":
@@ -200,19 +198,16 @@ def kernel_path(implementation: str) -> str:
 def import_transformers_mamba2() -> types.ModuleType:
     """``transformers.models.mamba2.modeling_mamba2`` bound to its pure-PyTorch functions: imported (or reloaded)
     with ``mamba_ssm``/``causal_conv1d`` hidden, as transformers binds their kernels at import."""
-    name = "transformers.models.mamba2.modeling_mamba2"
-    hidden = ("mamba_ssm", "causal_conv1d")
-    saved = {key: sys.modules[key] for key in list(sys.modules)
-             if key.split(".")[0] in hidden}
+    saved = {key: sys.modules[key] for key in list(sys.modules) if key.split(".")[0] in KERNEL_PACKAGES}
     for key in saved:
         del sys.modules[key]
-    for key in hidden:
+    for key in KERNEL_PACKAGES:
         sys.modules[key] = None  # type: ignore[assignment]  # makes `import key` raise ImportError
     try:
-        module = sys.modules.get(name)
+        module = sys.modules.get(MODELING)
         if module is not None and getattr(module, "_vramcal_torch_only", False):
             return module
-        module = importlib.reload(module) if module is not None else importlib.import_module(name)
+        module = importlib.reload(module) if module is not None else importlib.import_module(MODELING)
         module._vramcal_torch_only = True
         # transformers warns at every first call that it falls back to PyTorch: here that is the intent.
         from transformers.utils import logging as transformers_logging
@@ -220,9 +215,25 @@ def import_transformers_mamba2() -> types.ModuleType:
         transformers_logging.set_verbosity_error()
         return module
     finally:
-        for key in hidden:
+        for key in KERNEL_PACKAGES:
             sys.modules.pop(key, None)
         sys.modules.update(saved)
+
+
+def import_transformers_kernels() -> types.ModuleType:
+    """``modeling_mamba2`` with mamba_ssm's kernels bound (the ``mamba_ssm`` implementation of transformers' model),
+    reloaded where :func:`import_transformers_mamba2` had hidden them (the fork server preloads it so)."""
+    try:
+        import_mamba_ssm_mamba2()  # the package importable even without Mamba-1's compiled extension
+    except ImportError:
+        pass  # transformers then binds what it can import, and detect_kernel_path records it
+    module = sys.modules.get(MODELING)
+    if module is None:
+        module = importlib.import_module(MODELING)
+    elif getattr(module, "_vramcal_torch_only", False):
+        module = importlib.reload(module)
+    module._vramcal_torch_only = False
+    return module
 
 
 def import_mamba_ssm_mamba2() -> types.ModuleType:

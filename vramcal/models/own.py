@@ -51,10 +51,7 @@ def class_path(cls: type) -> str:
 
 def import_class(path: str) -> Any:
     """The class :func:`class_path` named; a script imported as ``__mp_main__``, as multiprocessing's spawn does.
-
-    Raises:
-        WorkloadError: the module or script cannot be imported, or has no such class.
-    """
+    Raises: WorkloadError: the module or script cannot be imported, or has no such class."""
     where, _, name = path.rpartition(":")
     try:
         target = _SCRIPTS.get(where) or _import_script(where) if where.endswith(".py") else \
@@ -156,10 +153,7 @@ def data_shapes(batch: Any) -> list[list[Any]]:
 
 def sample_batches(path: Path | str, device: torch.device) -> Callable[[int], Any]:
     """``batch(batch_size)`` over the sample :func:`save_sample` wrote, its rows taken in turn, on ``device``.
-
-    Raises:
-        WorkloadError: the file is missing or holds no sample.
-    """
+    Raises: WorkloadError: the file is missing or holds no sample."""
     import torch  # loads torch: only in a trial
 
     try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vramcal.arguments import of_type
+from vramcal.arguments import mapping, of_type
 from vramcal.models import lm
 from vramcal.models.mamba2 import KEY_DEFAULTS, check_dtype, keyed_params, resolve_implementation
 from vramcal.models.regressor.spec import FACTORY as REGRESSOR_FACTORY
@@ -52,10 +52,7 @@ class Family:
 
     def check(self, params: dict[str, Any], device: Device, implementation: str) -> ModelRef:
         """The checked reference of the factory with ``params`` on ``device``.
-
-        Raises:
-            WorkloadError: the factory cannot be imported, or takes no argument of a name in ``params``.
-        """
+        Raises: WorkloadError: the factory cannot be imported, or takes no argument of a name in ``params``."""
         ref = ModelRef.make(self.factory, params)
         self.check_arguments(params)
         return ref
@@ -226,10 +223,7 @@ _BY_FACTORY = {each.factory: each for each in (*FAMILIES.values(), *OWN_MODELS)}
 
 def family(model: str) -> Family:
     """The family a ``--model`` choice names: ``regressor``, ``lm``, or a user's ``module:function``.
-
-    Raises:
-        WorkloadError: neither a family name nor ``module:function``.
-    """
+    Raises: WorkloadError: neither a family name nor ``module:function``."""
     found = FAMILIES.get(model) or _BY_FACTORY.get(model)
     if found is not None:
         return found
@@ -263,10 +257,7 @@ def model_ref(model: str | ModelRef, params: dict[str, Any] | None = None, *, de
 
 def arguments(params: Mapping[str, Any] | None) -> dict[str, Any]:
     """``params=`` as a dict (None: none). Raises: TypeError: no mapping (``"d_model=32"``)."""
-    if params is not None and not isinstance(params, Mapping):
-        raise TypeError(f"params= takes the model's arguments as a dict ({{'d_model': 32}}), not "
-                        f"{type(params).__name__} {params!r:.40}")
-    return dict(params or {})
+    return dict(mapping("params", params, "the model's arguments as a dict ({'d_model': 32})") or {})
 
 
 def describe(ref: ModelRef) -> str:

@@ -89,10 +89,7 @@ def _normalise_columns(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
 
 def column_names(frame: pd.DataFrame, path: Path | str, wanted: tuple[str, ...]) -> dict[str, object]:
     """Lower-case name -> the frame's column (any capitalisation, spaces around).
-
-    Raises:
-        DataError: a ``wanted`` name given by two columns (``close`` and ``Close``).
-    """
+    Raises: DataError: a ``wanted`` name given by two columns (``close`` and ``Close``)."""
     lower: dict[str, object] = {}
     for column in frame.columns:
         key = str(column).strip().lower()
@@ -116,35 +113,24 @@ def check_bars(frame: pd.DataFrame, path: Path | str = "bars") -> pd.DataFrame:
     stamps = timestamps(frame["timestamp"], path)
     values = {name: numbers(frame[name], name, path, stamps) for name in COLUMNS[1:]}
     prices = np.stack([values[c] for c in ("open", "high", "low", "close")])
-    if (prices <= 0).any():
-        row = int(np.argmax((prices <= 0).any(axis=0)))
-        raise DataError(f"{path}: non-positive price in row {row} ({stamps.iloc[row]}): log returns need prices > 0")
-    if (values["volume"] < 0).any():
-        row = int(np.argmax(values["volume"] < 0))
-        raise DataError(f"{path}: negative volume in row {row} ({stamps.iloc[row]})")
-    inconsistent = (values["high"] < prices.max(axis=0)) | (values["low"] > prices.min(axis=0))
-    if inconsistent.any():
-        row = int(np.argmax(inconsistent))
-        raise DataError(f"{path}: bar in row {row} ({stamps.iloc[row]}) has high below or low above its "
-                        f"other prices")
-    steps = np.diff(stamps.to_numpy().astype("datetime64[ns]").astype(np.int64))
-    if (steps < 0).any():
-        row = int(np.argmax(steps < 0)) + 1
-        raise DataError(f"{path}: timestamps are not sorted: row {row} ({stamps.iloc[row]}) is earlier than "
-                        f"row {row - 1}; sort the bars by time")
-    if (steps == 0).any():
-        row = int(np.argmax(steps == 0)) + 1
-        raise DataError(f"{path}: duplicate timestamp {stamps.iloc[row]} in rows {row - 1} and {row}; "
-                        f"keep one bar per time")
+    steps = np.r_[1, np.diff(stamps.to_numpy().astype("datetime64[ns]").astype(np.int64))]  # row i: since row i-1
+    for bad, says in (((prices <= 0).any(axis=0), "non-positive price in row {row} ({stamp}): log returns need "
+                                                   "prices > 0"),
+                      (values["volume"] < 0, "negative volume in row {row} ({stamp})"),
+                      ((values["high"] < prices.max(axis=0)) | (values["low"] > prices.min(axis=0)),
+                       "bar in row {row} ({stamp}) has high below or low above its other prices"),
+                      (steps < 0, "timestamps are not sorted: row {row} ({stamp}) is earlier than row {before}; sort "
+                                  "the bars by time"),
+                      (steps == 0, "duplicate timestamp {stamp} in rows {before} and {row}; keep one bar per time")):
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise DataError(f"{path}: " + says.format(row=row, stamp=stamps.iloc[row], before=row - 1))
     return pd.DataFrame({"timestamp": stamps.to_numpy(), **values})
 
 
 def numbers(raw: pd.Series, name: str, path: Path | str, stamps: pd.Series | None = None) -> np.ndarray:
     """A column of numbers (or text that reads as numbers) as finite float64.
-
-    Raises:
-        DataError: true/false values, a value that is no number, NaN or infinities (the row named).
-    """
+    Raises: DataError: true/false values, a value that is no number, NaN or infinities (the row named)."""
     import pandas as pd
 
     def where(row: int) -> str:
@@ -234,10 +220,7 @@ def synthetic_bars(n_bars: int = 34_171, seed: int = 0) -> pd.DataFrame:
 
 def mlfinpy_tick_path() -> Path:
     """The E-mini S&P 500 tick CSV inside ``mlfinpy``, located without importing it (which pulls numba).
-
-    Raises:
-        DataError: mlfinpy is not installed, or the file is not in it.
-    """
+    Raises: DataError: mlfinpy is not installed, or the file is not in it."""
     spec = importlib.util.find_spec("mlfinpy")
     if spec is None or not spec.submodule_search_locations:
         raise DataError("the E-mini tick sample comes with mlfinpy: pip install --no-deps mlfinpy==0.1.2")
@@ -312,10 +295,7 @@ def ticks_to_bars(ticks: pd.DataFrame, bar: str, path: Path | str = "ticks") -> 
 
 def write_parquet(frame: pd.DataFrame, path: Path | str) -> Path:
     """Write ``frame`` as parquet atomically (:func:`vramcal.files.atomic_write`).
-
-    Raises:
-        DataError: the folder cannot be created or written.
-    """
+    Raises: DataError: the folder cannot be created or written."""
     path = Path(path)
     try:
         atomic_write(path, lambda handle: frame.to_parquet(handle, index=False))

@@ -120,10 +120,7 @@ class RegressorSpec:
     @classmethod
     def from_ref(cls, ref: ModelRef) -> tuple[RegressorSpec, str]:
         """The spec and implementation of a ``regressor`` reference.
-
-        Raises:
-            ValueError: ``ref`` is not the regressor family, or its arguments are not a spec.
-        """
+        Raises: ValueError: ``ref`` is not the regressor family, or its arguments are not a spec."""
         if ref.factory != FACTORY:
             raise ValueError(f"{ref.factory} is not vramcal's regressor")
         params = ref.params

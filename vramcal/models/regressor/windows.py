@@ -171,10 +171,7 @@ def make_windows(bars: pd.DataFrame, seq_len: int, stride: int | None = None,
 
 def window_counts(n_bars: int, seq_len: int, stride: int | None = None, val_fraction: float = 0.2) -> tuple[int, int]:
     """(training windows, validation windows) that :func:`make_windows` cuts from ``n_bars`` bars without gaps.
-
-    Raises:
-        ValueError: fewer than one bar, seq_len or stride below 1, or val_fraction outside (0, 1).
-    """
+    Raises: ValueError: fewer than one bar, seq_len or stride below 1, or val_fraction outside (0, 1)."""
     stride = stride or max(1, seq_len // 2)
     if n_bars < 1 or seq_len < 1 or stride < 1 or not 0 < val_fraction < 1:
         raise ValueError(f"window counts need n_bars, seq_len and stride >= 1 and val_fraction in (0, 1), got "
@@ -200,10 +197,7 @@ def _segments(gaps: np.ndarray, n_bars: int) -> tuple[list[tuple[int, int]], np.
 
 def _training_statistics(training: np.ndarray, source: str) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
     """Mean and std (N_FEATURES,) of the training rows, 1 for a feature without spread, and those features' names.
-
-    Raises:
-        DataError: the log return (the target's source) has no spread: the closes never move.
-    """
+    Raises: DataError: the log return (the target's source) has no spread: the closes never move."""
     mean, std = training.mean(axis=0), training.std(axis=0)
     flat = tuple(name for name, m, sd in zip(FEATURE_NAMES, mean, std) if not sd > 1e-12 + 1e-9 * abs(m))
     if FEATURE_NAMES[0] in flat:
