@@ -5,18 +5,17 @@ No process, hardware or framework code is imported here, so the pure parts can u
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, read_record
+from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, Record
 
 DeviceKind = Literal["cuda", "host"]
 
 
 @dataclass(frozen=True)
-class Device:
+class Device(Record):
     """One calibratable memory pool: an NVIDIA GPU, a MIG slice of one, or the host's RAM.
 
     Attributes:
@@ -48,14 +47,8 @@ class Device:
     nvml_total_bytes: int | None = None
     nvml_reserved_bytes: int | None = None
     parent_uuid: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "device") -> Device:
-        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where, DEVICE_RANGES)
+    RANGES = {"total_bytes": POSITIVE, "nvml_index": NON_NEGATIVE, "cuda_index": NON_NEGATIVE,
+              "nvml_total_bytes": NON_NEGATIVE, "nvml_reserved_bytes": NON_NEGATIVE}
 
     @property
     def is_mig(self) -> bool:
@@ -94,7 +87,7 @@ FSDP_SETTINGS = ("reshard_after_forward",)
 
 
 @dataclass(frozen=True)
-class World:
+class World(Record):
     """A data-parallel world of ``nproc`` ranks (torch.distributed), each measured by its own meter; limits are per
     rank (DESIGN.md "Several processes: DDP and FSDP").
 
@@ -122,6 +115,7 @@ class World:
     threads_per_rank: int = 1
     strategy: Strategy = "ddp"
     reshard_after_forward: bool = True
+    RANGES = {"nproc": Range(2), "bucket_cap_mb": POSITIVE, "threads_per_rank": AT_LEAST_ONE}
 
     def __post_init__(self) -> None:
         if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 2:
@@ -168,17 +162,9 @@ class World:
         names = (*(DDP_SETTINGS if self.strategy == "ddp" else FSDP_SETTINGS), "threads_per_rank")
         return {name: getattr(self, name) for name in names}
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "world") -> World:
-        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where, WORLD_RANGES)
-
 
 @dataclass(frozen=True)
-class TrialSettings:
+class TrialSettings(Record):
     """How the trials of a calibration run, and how many.
 
     Attributes:
@@ -220,12 +206,9 @@ class TrialSettings:
         if not isinstance(self.boundary, bool):
             raise TypeError(f"boundary= takes True or False, not {type(self.boundary).__name__} {self.boundary!r:.40}")
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
-class Trial:
+class Trial(Record):
     """The raw record of one trial. Bytes are integers, times seconds; None: not measured here (or an older profile).
 
     Attributes:
@@ -286,6 +269,13 @@ class Trial:
     step_times_s: tuple[float, ...] | None = None
     warmup_times_s: tuple[float, ...] | None = None
     val_times_s: tuple[float, ...] | None = None
+    # sizes positive, byte counts and durations never negative; nvml_overhead_bytes, a difference, of any sign
+    RANGES = {"batch_size": AT_LEAST_ONE, "peak_bytes": POSITIVE, "seq_len": AT_LEAST_ONE, "step_peaks": POSITIVE,
+              "epoch_end_step": AT_LEAST_ONE, "late_creep_bytes": NON_NEGATIVE,
+              **dict.fromkeys(("nvml_peak_bytes", "torch_max_reserved_bytes", "torch_max_allocated_bytes",
+                               "rss_peak_bytes", "data_peak_bytes", "data_bytes", "step_s", "samples_per_s",
+                               "startup_s", "build_s", "wall_s", "step_times_s", "warmup_times_s",
+                               "val_times_s"), NON_NEGATIVE)}
 
     @property
     def ok(self) -> bool:
@@ -294,26 +284,3 @@ class Trial:
     def fits(self, usable_bytes: int) -> bool:
         """Finished and its peak stayed within ``usable_bytes``."""
         return self.ok and self.peak_bytes <= usable_bytes  # type: ignore[operator]
-
-    def to_dict(self) -> dict[str, Any]:
-        """The record as JSON holds it (its tuples as lists)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "trial") -> Trial:
-        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where, TRIAL_RANGES)
-
-
-# The ranges of the records' numbers as files hold them (``nvml_overhead_bytes``, a difference, takes any sign).
-DEVICE_RANGES = {"total_bytes": POSITIVE, "nvml_index": NON_NEGATIVE, "cuda_index": NON_NEGATIVE,
-                 "nvml_total_bytes": NON_NEGATIVE, "nvml_reserved_bytes": NON_NEGATIVE}
-WORLD_RANGES = {"nproc": Range(2), "bucket_cap_mb": POSITIVE, "threads_per_rank": AT_LEAST_ONE}
-TRIAL_RANGES = {"batch_size": AT_LEAST_ONE, "peak_bytes": POSITIVE, "seq_len": AT_LEAST_ONE, "step_peaks": POSITIVE,
-                "epoch_end_step": AT_LEAST_ONE, "late_creep_bytes": NON_NEGATIVE,
-                **dict.fromkeys(("nvml_peak_bytes", "torch_max_reserved_bytes", "torch_max_allocated_bytes",
-                                 "rss_peak_bytes", "data_peak_bytes", "data_bytes", "step_s", "samples_per_s",
-                                 "startup_s", "build_s", "wall_s", "step_times_s", "warmup_times_s",
-                                 "val_times_s"), NON_NEGATIVE)}
-
-

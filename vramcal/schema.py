@@ -14,7 +14,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Self
 
 MAX_MAGNITUDE = 2**63  # no byte count, batch size or statistic vramcal records comes near it
 MAX_DEPTH = 32  # levels of nesting below a free-form (``Any``) field
@@ -113,6 +113,21 @@ def read_record(cls: type, data: Any, where: str, ranges: Mapping[str, Range] | 
         return cls(**values)
     except (ValueError, TypeError) as error:
         raise SchemaError(where, f"{where}: {error}") from None
+
+
+class Record:
+    """A frozen dataclass as JSON holds it: :meth:`to_dict` (tuples as lists), :meth:`from_dict` checked against
+    its annotations and ``RANGES`` (:func:`read_record`)."""
+
+    RANGES: ClassVar[Mapping[str, Range]] = {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str | None = None) -> Self:
+        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
+        return read_record(cls, data, cls.__name__.lower() if where is None else where, cls.RANGES)
 
 
 def _not(path: str, value: Any, what: str) -> SchemaError:
