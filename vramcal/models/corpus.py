@@ -1,14 +1,6 @@
-"""Real text for the language-model trainer (``vramcal train --model lm``): byte-level documents from source files
-on the machine (DESIGN.md "A language model on real text").
-
-Files: ``--text stdlib`` (the standard library's top-level ``*.py``) or every ``*.py``/``*.txt`` under a folder, in
-the order of their relative paths. A document is one definition, from a ``def``/``class`` line (or its first
-decorator) to the next, as CodeSearchNet (Husain et al. 2019) takes functions; a longer one than the context is cut
-into windows. Tokens are bytes (ids 0-255), padding labelled ``-100``. A file is binary, and left out, when it holds
-a NUL byte or is not UTF-8 with over a third of its bytes outside printable ASCII and whitespace (Perl's ``-B``
-test, perlfunc ``-X``). Split by file: in validation when the first 8 bytes of the SHA-256 of its relative path, as
-a fraction of 2^64, fall below ``val_fraction``.
-"""
+"""Real text for the language-model trainer (``vramcal train --model lm``): byte-level documents, one per
+definition, from source files on the machine, split by file; the rules are DESIGN.md's "A language model on real
+text"."""
 
 from __future__ import annotations
 
@@ -25,7 +17,8 @@ STDLIB = "stdlib"  # --text's default: the standard library's own modules
 SUFFIXES = (".py", ".txt")
 BYTE_VOCAB = 256  # token ids 0-255: the model's vocab_size must hold them
 IGNORE_INDEX = -100  # the label of a padding position (transformers' cross-entropy ignores it)
-# a line that starts a definition, at any indentation (module docstring)
+# a line that starts a definition (or its first decorator), at any indentation: CodeSearchNet's (Husain et al. 2019)
+# function-level documents
 DEFINITION = re.compile(rb"^[ \t]*(?:async[ \t]+def[ \t]|def[ \t]|class[ \t]|@)", re.MULTILINE)
 
 
@@ -34,11 +27,12 @@ class CorpusError(ValueError):
 
 
 _PLAIN = frozenset(range(0x20, 0x7F)) | frozenset(b"\t\n\r\f\b\x1b")  # printable ASCII and whitespace
-BINARY_SHARE = 1 / 3  # of a non-UTF-8 file's bytes outside _PLAIN, above which it is binary (module docstring)
+BINARY_SHARE = 1 / 3  # of a non-UTF-8 file's bytes outside _PLAIN, above which it is binary (is_binary)
 
 
 def is_binary(text: bytes) -> bool:
-    """Whether a file's bytes are binary, not text (module docstring)."""
+    """Whether a file's bytes are binary: a NUL byte, or not UTF-8 with over :data:`BINARY_SHARE` of its bytes
+    outside printable ASCII and whitespace (Perl's ``-B`` file test, perlfunc ``-X``)."""
     if b"\0" in text:
         return True
     try:
@@ -49,7 +43,7 @@ def is_binary(text: bytes) -> bool:
 
 
 def text_files(source: str) -> tuple[Path, list[Path]]:
-    """The folder and its text files, in the order of their relative paths (module docstring).
+    """The folder and its text files, in the order of their relative paths.
     Raises: CorpusError: the folder is missing or holds no ``*.py`` or ``*.txt`` file."""
     if source == STDLIB:
         root = Path(sysconfig.get_paths()["stdlib"])
@@ -68,7 +62,7 @@ def text_files(source: str) -> tuple[Path, list[Path]]:
 
 
 def documents(text: bytes) -> list[bytes]:
-    """A file's documents, in order, non-empty (module docstring); their bytes joined are ``text``."""
+    """A file's documents, in order, non-empty; their bytes joined are ``text``."""
     cuts = [0]
     for match in DEFINITION.finditer(text):
         start = match.start()
@@ -87,15 +81,15 @@ def windows(document: bytes, context: int) -> list[bytes]:
 
 
 def in_validation(relative: str, val_fraction: float) -> bool:
-    """Whether the file at ``relative`` (its path in the folder, ``/``-separated) is a validation file (module
-    docstring)."""
+    """Whether the file at ``relative`` (``/``-separated) is a validation file: the first 8 bytes of its path's
+    SHA-256, as a fraction of 2^64, below ``val_fraction``."""
     digest = hashlib.sha256(relative.encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
 
 
 @dataclass(frozen=True)
 class Corpus:
-    """The documents of a text folder, cut to the context and split (module docstring).
+    """The documents of a text folder, cut to the context and split.
 
     Attributes:
         source: ``--text`` as given; root: the folder read.
@@ -134,7 +128,7 @@ class Corpus:
 
 
 def load_corpus(source: str, context: int, val_fraction: float) -> Corpus:
-    """Read ``source``'s files into documents of at most ``context`` tokens, split by file (module docstring).
+    """Read ``source``'s files into documents of at most ``context`` tokens, split by file.
 
     Raises:
         CorpusError: no folder, no text file, no text in them, or a split that leaves one side empty.
@@ -177,7 +171,7 @@ def _named(paths: Sequence[str], shown: int = 3) -> str:
 
 
 def binary_notice(corpus: Corpus) -> str | None:
-    """The warning for the files a corpus left out as binary (module docstring), or None."""
+    """The warning for the files a corpus left out as binary, or None."""
     if not corpus.binary:
         return None
     return (f"--text {corpus.source}: left out {len(corpus.binary)} binary file(s) named as text "

@@ -111,9 +111,6 @@ class Family:
         return "the factory's"
 
 
-SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RegressorSpec)}
-
-
 @dataclass(frozen=True)
 class Regressor(Family):
     """vramcal's regressor (:mod:`vramcal.models.regressor`)."""
@@ -136,7 +133,7 @@ class Regressor(Family):
         return True
 
     def probe_args(self, ref: ModelRef) -> list[str]:
-        params, defaults = ref.params, SPEC_DEFAULTS
+        params, defaults = ref.params, {f.name: f.default for f in dataclasses.fields(RegressorSpec)}
         return [f"--{k.replace('_', '-')} {params[k]}" for k in defaults
                 if k not in self.quiet and k in params and defaults[k] != params[k]]
 
