@@ -1,10 +1,6 @@
-"""A model the user already has (a LightningModule, a transformers model), calibrated without a factory of theirs.
-
-The integrations' factories key it by its class (:func:`class_path`), what rebuilds it in a trial (``hparams`` or
-its config), the framework's settings and the data's shapes (:func:`data_shapes`); a trial rebuilds it rather than
-receiving it, and takes its batches from a sample of the run's data (:func:`save_sample`). DESIGN.md "Framework
-processes" gives the reasons.
-"""
+"""A model the user already has (a LightningModule, a transformers model), calibrated without a factory of theirs:
+its key (:func:`class_path`, :func:`data_shapes`), its rebuilding in a trial and the sample of the run's data the
+trial draws from (:func:`save_sample`). Why it is rebuilt, not sent: DESIGN.md "Framework processes"."""
 
 from __future__ import annotations
 
