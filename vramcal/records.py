@@ -222,24 +222,19 @@ class Trial(Record):
             (``device-delta``).
         nvml_overhead_bytes: NVML usage minus ``torch.cuda.memory_reserved()`` after warm-up (context, workspaces).
         torch_max_reserved_bytes, torch_max_allocated_bytes: caching allocator peaks in the measured steps.
-        rss_peak_bytes, data_peak_bytes: VmHWM and peak VmData over the measured steps (host;
-            :func:`vramcal.measure.meters.peak_data_bytes`).
+        rss_peak_bytes, data_peak_bytes: the host's VmHWM and peak VmData over the measured steps.
         data_bytes: training data held in the measured memory (all on the host; on a GPU device-resident data).
         step_s, samples_per_s: median wall time of the measured steps, and ``batch_size / step_s``.
         step_times_s, warmup_times_s, val_times_s: each measured step (from drawing its batch to a synchronize after
             the optimizer step), warm-up step and validation pass, in order.
         startup_s, build_s, wall_s: process start, building the step, the whole trial as the caller saw it.
-        purpose: why the search chose this size (``grow``, ``verify-conservative``, ...).
-        error: the last lines of the traceback (``oom``/``error``/``timeout``).
+        purpose, error: why the search chose this size (``grow``, ...); the traceback's last lines, when it failed.
         seq_len: the trial's sequence length in a calibration over several lengths (None: the model's one).
         rank_peak_bytes: each rank's ``peak_bytes`` in a DDP world, rank 0 first; ``peak_bytes`` is the largest.
         held_bytes: what the process held once its step was built, before the first step (the process term's
             baseline; :func:`vramcal.measure.meters.host_held_bytes`, or NVML).
-        step_peaks: a steady trial's peak after each measured step (:func:`vramcal.calibration.creep.plateau_step`).
-        epoch_end_step: the steady trial's step after which it ran its epoch's end
-            (:func:`vramcal.calibration.creep.epoch_end_due`).
-        late_creep_bytes: a steady trial's allowance for creep after its last step
-            (:data:`vramcal.calibration.creep.HOST_LATE_CREEP` of its peak on the host; 0 on a GPU).
+        step_peaks, epoch_end_step, late_creep_bytes: a steady trial's peak after each measured step, the step after
+            which it ran its epoch's end, its allowance for creep after the last (:mod:`vramcal.calibration.creep`).
     """
 
     batch_size: int
