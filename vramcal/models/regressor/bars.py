@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vramcal.files import atomic_write, os_advice
+from vramcal.workload import first_line
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -42,8 +43,7 @@ def load_bars(path: Path | str) -> pd.DataFrame:
     try:
         frame = pd.read_parquet(path)
     except Exception as error:  # noqa: BLE001 - pyarrow raises many types for a bad file
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise DataError(f"{path}: not a readable parquet file ({first[:160]})") from None
+        raise DataError(f"{path}: not a readable parquet file ({first_line(error)[:160]})") from None
     return check_bars(_normalise_columns(frame, path), path)
 
 
