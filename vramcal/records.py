@@ -1,33 +1,28 @@
-"""Records: the plain, frozen data vramcal measures and keeps (devices, trials, how trials run).
+"""Records: the plain, frozen data vramcal measures and keeps (devices, worlds, trials, how trials run).
 
-This module imports no process, hardware or framework code, so the pure parts (search policy, fit,
-limits, profiles, reports) can use these records on any machine.
+No process, hardware or framework code is imported here, so the pure parts can use these records anywhere.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, read_record
+from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, Record
 
 DeviceKind = Literal["cuda", "host"]
 
 
 @dataclass(frozen=True)
-class Device:
+class Device(Record):
     """One calibratable memory pool: an NVIDIA GPU, a MIG slice of one, or the host's RAM.
 
     Attributes:
         kind: ``cuda`` for an NVIDIA GPU or MIG slice, ``host`` for the machine's RAM.
-        name: marketing name (``NVIDIA H200``; a slice's is ``NVIDIA H100 80GB HBM3 MIG 1g.10gb``) or,
-            on the host, the CPU model and core count.
-        total_bytes: memory the limits are computed against. On a GPU what a process can use: NVML v2
-            ``total - reserved`` (the driver's and firmware's reservation is never allocatable); v1
-            ``total`` on old drivers; a MIG slice's own memory. On the host the cgroup limit or
-            MemAvailable. ``--capacity``, when given, never more than the device has.
+        name: marketing name (``NVIDIA H200``, ``NVIDIA H100 80GB HBM3 MIG 1g.10gb``), or the host's CPU and cores.
+        total_bytes: memory the limits are computed against: a GPU's NVML v2 ``total - reserved`` (v1 ``total``;
+            a MIG slice's own), the host's cgroup limit or MemAvailable; ``--capacity`` when given (never more).
         total_source: where ``total_bytes`` came from.
         uuid: ``GPU-...`` (a MIG slice: ``MIG-...``), what trials pin ``CUDA_VISIBLE_DEVICES`` to.
         pci_bus_id, nvml_index: the physical GPU's NVML identity (a slice's parent's). None on the host.
@@ -52,26 +47,16 @@ class Device:
     nvml_total_bytes: int | None = None
     nvml_reserved_bytes: int | None = None
     parent_uuid: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "device") -> Device:
-        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where, DEVICE_RANGES)
+    RANGES = {"total_bytes": POSITIVE, "nvml_index": NON_NEGATIVE, "cuda_index": NON_NEGATIVE,
+              "nvml_total_bytes": NON_NEGATIVE, "nvml_reserved_bytes": NON_NEGATIVE}
 
     @property
     def is_mig(self) -> bool:
         return (self.uuid or "").startswith("MIG-")
 
     def slug(self, unique: bool = False) -> str:
-        """Folder name under ``profiles/``: e.g. ``nvidia-h200-140gib`` or ``host-amd-epyc-7763-2-cores``.
-
-        The size is NVML's raw total where known (``total_bytes`` leaves out the driver's reservation,
-        which would move older profiles' folders). ``unique=True`` appends the first 8 hex digits of the
-        UUID (``nvidia-h100-80gb-hbm3-79gib-5d2c1f7e``) to tell identical cards in one machine apart.
-        """
+        """Folder name under ``profiles/`` (``nvidia-h200-140gib``, ``host-amd-epyc-7763-2-cores``), sized by NVML's
+        raw total; ``unique=True`` appends 8 hex digits of the UUID to tell identical cards apart."""
         base = self.name if self.kind == "cuda" else f"host {self.name}"
         size = f"-{(self.nvml_total_bytes or self.total_bytes) // 2**30}gib" if self.kind == "cuda" else ""
         slug = re.sub(r"[^a-z0-9]+", "-", base.lower()).strip("-") + size
@@ -86,10 +71,7 @@ class Device:
         return (self.uuid or "auto") if self.kind == "cuda" else "none"
 
     def hardware_difference(self, other: Device) -> str | None:
-        """None when ``other`` is the same kind of device; else a phrase naming the difference.
-
-        GPUs match by name (any card of the same model), the host by CPU name and core count.
-        """
+        """None when ``other`` is the same kind of device (same kind and name); else a phrase naming the difference."""
         if self.kind != other.kind:
             return f"device kind {other.kind} is not {self.kind}"
         if self.name != other.name:
@@ -105,30 +87,23 @@ FSDP_SETTINGS = ("reshard_after_forward",)
 
 
 @dataclass(frozen=True)
-class World:
-    """A data-parallel world: ``nproc`` ranks started through torch.distributed, each training the same step on
-    its own device and measured by its own meter (on the host every rank runs on the host, each under the
-    budget), the model either replicated on every rank (DDP) or sharded across them (FSDP2's ``fully_shard``).
-    What the profile of a world's calibration records, and what a run must match to be sized by it: the limits
-    are per rank.
+class World(Record):
+    """A data-parallel world of ``nproc`` ranks (torch.distributed), each measured by its own meter; limits are per
+    rank (DESIGN.md "Several processes: DDP and FSDP").
 
     Attributes:
         nproc: ranks (>= 2).
-        backend: ``gloo`` (the host; CPU tensors) or ``nccl`` (NVIDIA GPUs).
-        strategy: ``ddp`` (``torch.nn.parallel.DistributedDataParallel``: every rank holds the whole model, its
-            gradients and optimizer state) or ``fsdp`` (``torch.distributed.fsdp.fully_shard`` on each Mamba-2
-            block and on the root: every rank holds ``1/nproc`` of them, plus the blocks being all-gathered).
-        bucket_cap_mb, gradient_as_bucket_view, find_unused_parameters, static_graph: the settings of
-            DistributedDataParallel that change a rank's memory (its gradient buckets are about the gradients'
-            size again unless ``gradient_as_bucket_view``; PyTorch's DDP notes). DDP only.
-        reshard_after_forward: FSDP only: free each block's gathered parameters after its forward (gathered
-            again for its backward); False keeps them until the backward, more memory for less communication
-            (``fully_shard(reshard_after_forward=...)``).
+        backend: ``gloo`` (the host) or ``nccl`` (NVIDIA GPUs).
+        strategy: ``ddp`` (DistributedDataParallel: the whole model on every rank) or ``fsdp`` (``fully_shard`` on
+            each Mamba-2 block and the root: ``1/nproc`` of it per rank, plus the blocks being gathered).
+        bucket_cap_mb, gradient_as_bucket_view, find_unused_parameters, static_graph: DDP's settings that change a
+            rank's memory (PyTorch's DDP notes). DDP only.
+        reshard_after_forward: ``fully_shard(reshard_after_forward=...)``. FSDP only.
         threads_per_rank: ``torch.set_num_threads`` of each rank (torchrun's default ``OMP_NUM_THREADS=1``).
 
     Raises (on construction):
-        ValueError: fewer than 2 ranks, an unknown backend or strategy, a bucket size that is not positive, a
-            setting of the other strategy.
+        ValueError: fewer than 2 ranks, an unknown backend or strategy, a bucket size not positive, a setting of
+            the other strategy.
     """
 
     nproc: int
@@ -140,6 +115,7 @@ class World:
     threads_per_rank: int = 1
     strategy: Strategy = "ddp"
     reshard_after_forward: bool = True
+    RANGES = {"nproc": Range(2), "bucket_cap_mb": POSITIVE, "threads_per_rank": AT_LEAST_ONE}
 
     def __post_init__(self) -> None:
         if isinstance(self.nproc, bool) or not isinstance(self.nproc, int) or self.nproc < 2:
@@ -159,8 +135,7 @@ class World:
                              f"{self.strategy.upper()}: leave it out, or choose the other strategy")
 
     def describe(self) -> str:
-        """``DDP 2 ranks (gloo, buckets 25 MiB)`` or ``FSDP 2 ranks (gloo, fully_shard per block, reshard after
-        forward)``, and the settings that differ from the defaults."""
+        """``DDP 2 ranks (gloo, buckets 25 MiB)`` or ``FSDP 2 ranks (gloo, fully_shard per block, ...)``."""
         if self.strategy == "fsdp":
             reshard = "reshard after forward" if self.reshard_after_forward else "no reshard after forward"
             return f"FSDP {self.nproc} ranks ({self.backend}, fully_shard per block, {reshard})"
@@ -169,8 +144,7 @@ class World:
                 + "".join(f", {name}" for name in extras) + ")")
 
     def probe_args(self) -> list[str]:
-        """The options of ``vramcal probe`` that calibrate this world: ``--nproc N``, ``--strategy fsdp`` for
-        FSDP, and each setting of its strategy that differs from the default, as the command spells it."""
+        """The options of ``vramcal probe`` that calibrate this world (``--nproc N``, settings off their default)."""
         args = [f"--nproc {self.nproc}"] + (["--strategy fsdp"] if self.strategy == "fsdp" else [])
         for name in DDP_SETTINGS if self.strategy == "ddp" else FSDP_SETTINGS:
             value, default = getattr(self, name), getattr(World, name)
@@ -184,34 +158,23 @@ class World:
         return args
 
     def settings(self) -> dict[str, Any]:
-        """The settings of this world's strategy that change a rank's memory (its name's key), by name."""
+        """The settings of this world's strategy that change a rank's memory, by name."""
         names = (*(DDP_SETTINGS if self.strategy == "ddp" else FSDP_SETTINGS), "threads_per_rank")
         return {name: getattr(self, name) for name in names}
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "world") -> World:
-        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where, WORLD_RANGES)
-
 
 @dataclass(frozen=True)
-class TrialSettings:
-    """How the trials of a calibration run, and how many: one record from the command line to the trial.
+class TrialSettings(Record):
+    """How the trials of a calibration run, and how many.
 
     Attributes:
         warmup_steps: unmeasured optimizer steps first (AdamW allocates its state, Triton autotunes).
         measured_steps: measured steps of each trial (>= 2: the peak is the largest of them).
         val_steps: validation passes at the trial's batch size, as the trainer validates.
-        steady_steps: the most measured steps of the one steady trial that measures the step creep
-            (:mod:`vramcal.calibration.creep`); 0 runs none.
-        plateau_steps: the steady trial ends sooner, once its peak has not risen for this many steps after its
-            epoch's end (0: no epoch's end, it runs all ``steady_steps``;
-            :func:`vramcal.calibration.creep.steady_done`).
-        max_trials: the most trials of a calibration (>= 1; several lengths add 4 per extra length). 20: with
-            ±1 % noise, 16 left 2 of the 600 curves of ``bench/search_curves.py`` re-verifying when they ran out.
+        steady_steps: the most measured steps of the steady trial (:mod:`vramcal.calibration.creep`); 0: none.
+        plateau_steps: the steady trial ends once its peak has not risen for this many steps after its epoch's end
+            (0: it runs all ``steady_steps``; :func:`vramcal.calibration.creep.steady_done`).
+        max_trials: the most trials (>= 1; several lengths add 4 per extra length; 20: ``bench/search_curves.py``).
         timeout_s: seconds before a trial's process is killed (the trial then counts as ``timeout``).
         boundary: measure near the out-of-memory boundary (:mod:`vramcal.calibration.search`, rule 3).
 
@@ -243,59 +206,35 @@ class TrialSettings:
         if not isinstance(self.boundary, bool):
             raise TypeError(f"boundary= takes True or False, not {type(self.boundary).__name__} {self.boundary!r:.40}")
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
-class Trial:
-    """The raw record of one trial. Bytes are integers; None means the source does not exist here.
+class Trial(Record):
+    """The raw record of one trial. Bytes are integers, times seconds; None: not measured here (or an older profile).
 
     Attributes:
         batch_size: samples per step.
-        status: ``ok``, ``oom`` (an allocator out-of-memory error, or the process killed while the kernel
-            counted an out-of-memory kill), ``timeout`` (killed after the time limit) or ``error`` (a process
-            killed from outside among them: its ``error`` starts ``Killed:``).
+        status: ``ok``, ``oom`` (an allocator out-of-memory error, or a kill the kernel counted as one), ``timeout``
+            or ``error`` (a process killed from outside: its ``error`` starts ``Killed:``).
         peak_bytes: the figure the fit uses (DESIGN.md): GPU ``max(nvml_peak_bytes, nvml_overhead_bytes +
-            torch_max_reserved_bytes)``; host ``max(rss_peak_bytes, data_peak_bytes)``: the resident
-            peak, or the data-segment peak that the host budget (``RLIMIT_DATA``) limits when larger.
-        nvml_peak_bytes: NVML per-process peak, or the device-wide change when no per-process figure.
-        nvml_source: ``process`` or ``device-delta``: which NVML figure ``nvml_peak_bytes`` is.
-        nvml_overhead_bytes: NVML usage minus ``torch.cuda.memory_reserved()`` after warm-up (CUDA
-            context, cuBLAS workspaces, kernels).
+            torch_max_reserved_bytes)``; host ``max(rss_peak_bytes, data_peak_bytes)`` (``RLIMIT_DATA`` limits the
+            data segment).
+        nvml_peak_bytes, nvml_source: NVML's per-process peak (``process``), or the device-wide change
+            (``device-delta``).
+        nvml_overhead_bytes: NVML usage minus ``torch.cuda.memory_reserved()`` after warm-up (context, workspaces).
         torch_max_reserved_bytes, torch_max_allocated_bytes: caching allocator peaks in the measured steps.
-        rss_peak_bytes: VmHWM of the trial process over the measured steps (host).
-        data_peak_bytes: peak VmData of the trial process (host; :func:`vramcal.measure.meters.peak_data_bytes`).
-        data_bytes: bytes of training data the trial held in the measured memory (all of it on the
-            host; on a GPU only device-resident data).
-        step_s: median wall time of the measured steps, seconds.
-        samples_per_s: ``batch_size / step_s``.
-        step_times_s: the wall time of each measured step, seconds, in order (each timed from drawing its batch
-            to a synchronize after the optimizer step, as the trainer times its steps); None in profiles made
-            before they were recorded (their ``step_s`` is then the only figure).
-        warmup_times_s: the wall time of each warm-up step, seconds (the first allocates the optimizer's
-            state, as a training run's first step does); None when not recorded.
-        val_times_s: the wall time of each validation pass at ``batch_size``, seconds; None when not recorded.
-        startup_s: seconds from asking for the process to the trial code running in it.
-        build_s: seconds to build the model and optimizer and move them to the device.
-        wall_s: seconds of the whole trial as seen by the caller.
-        purpose: why the search chose this size (``grow``, ``verify-conservative``, ...).
-        error: the last lines of the traceback (``oom``/``error``/``timeout``), else None.
+        rss_peak_bytes, data_peak_bytes: the host's VmHWM and peak VmData over the measured steps.
+        data_bytes: training data held in the measured memory (all on the host; on a GPU device-resident data).
+        step_s, samples_per_s: median wall time of the measured steps, and ``batch_size / step_s``.
+        step_times_s, warmup_times_s, val_times_s: each measured step (from drawing its batch to a synchronize after
+            the optimizer step), warm-up step and validation pass, in order.
+        startup_s, build_s, wall_s: process start, building the step, the whole trial as the caller saw it.
+        purpose, error: why the search chose this size (``grow``, ...); the traceback's last lines, when it failed.
         seq_len: the trial's sequence length in a calibration over several lengths (None: the model's one).
-        rank_peak_bytes: in a DDP world, each rank's own ``peak_bytes``, rank 0 first; ``peak_bytes`` is the
-            largest (the other figures are that rank's). None for one process.
-        held_bytes: what the trial's process held once its step was built, before the first step
-            (:func:`vramcal.measure.meters.host_held_bytes`, or NVML on a GPU): the process term's baseline.
-            None in older profiles.
-        step_peaks: a steady trial's peak so far after each of its measured steps (its curve: where the creep
-            levelled off, :func:`vramcal.calibration.creep.plateau_step`); None for other trials and older
-            profiles.
-        epoch_end_step: the measured step of a steady trial after which it ran its epoch's end (a step at a partial
-            batch and validation passes, :func:`vramcal.calibration.creep.epoch_end_due`); None for other trials, a
-            steady trial without one (no plateau rule) and older profiles.
-        late_creep_bytes: a steady trial's allowance for the creep after its last step
-            (:data:`vramcal.calibration.creep.HOST_LATE_CREEP` of its peak on the host; 0 on a GPU, where it
-            has not been measured); None for other trials and older profiles.
+        rank_peak_bytes: each rank's ``peak_bytes`` in a DDP world, rank 0 first; ``peak_bytes`` is the largest.
+        held_bytes: what the process held once its step was built, before the first step (the process term's
+            baseline; :func:`vramcal.measure.meters.host_held_bytes`, or NVML).
+        step_peaks, epoch_end_step, late_creep_bytes: a steady trial's peak after each measured step, the step after
+            which it ran its epoch's end, its allowance for creep after the last (:mod:`vramcal.calibration.creep`).
     """
 
     batch_size: int
@@ -325,6 +264,13 @@ class Trial:
     step_times_s: tuple[float, ...] | None = None
     warmup_times_s: tuple[float, ...] | None = None
     val_times_s: tuple[float, ...] | None = None
+    # sizes positive, byte counts and durations never negative; nvml_overhead_bytes, a difference, of any sign
+    RANGES = {"batch_size": AT_LEAST_ONE, "peak_bytes": POSITIVE, "seq_len": AT_LEAST_ONE, "step_peaks": POSITIVE,
+              "epoch_end_step": AT_LEAST_ONE, "late_creep_bytes": NON_NEGATIVE,
+              **dict.fromkeys(("nvml_peak_bytes", "torch_max_reserved_bytes", "torch_max_allocated_bytes",
+                               "rss_peak_bytes", "data_peak_bytes", "data_bytes", "step_s", "samples_per_s",
+                               "startup_s", "build_s", "wall_s", "step_times_s", "warmup_times_s",
+                               "val_times_s"), NON_NEGATIVE)}
 
     @property
     def ok(self) -> bool:
@@ -333,27 +279,3 @@ class Trial:
     def fits(self, usable_bytes: int) -> bool:
         """Finished and its peak stayed within ``usable_bytes``."""
         return self.ok and self.peak_bytes <= usable_bytes  # type: ignore[operator]
-
-    def to_dict(self) -> dict[str, Any]:
-        """The record as JSON holds it (its tuples as lists)."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], where: str = "trial") -> Trial:
-        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where, TRIAL_RANGES)
-
-
-# The ranges of the records' numbers as files hold them (the types are the annotations): sizes are positive,
-# byte counts and durations never negative. (``nvml_overhead_bytes`` is a difference of two readings: any sign.)
-DEVICE_RANGES = {"total_bytes": POSITIVE, "nvml_index": NON_NEGATIVE, "cuda_index": NON_NEGATIVE,
-                 "nvml_total_bytes": NON_NEGATIVE, "nvml_reserved_bytes": NON_NEGATIVE}
-WORLD_RANGES = {"nproc": Range(2), "bucket_cap_mb": POSITIVE, "threads_per_rank": AT_LEAST_ONE}
-TRIAL_RANGES = {"batch_size": AT_LEAST_ONE, "peak_bytes": POSITIVE, "seq_len": AT_LEAST_ONE, "step_peaks": POSITIVE,
-                "epoch_end_step": AT_LEAST_ONE, "late_creep_bytes": NON_NEGATIVE,
-                **dict.fromkeys(("nvml_peak_bytes", "torch_max_reserved_bytes", "torch_max_allocated_bytes",
-                                 "rss_peak_bytes", "data_peak_bytes", "data_bytes", "step_s", "samples_per_s",
-                                 "startup_s", "build_s", "wall_s", "step_times_s", "warmup_times_s",
-                                 "val_times_s"), NON_NEGATIVE)}
-
-

@@ -1,16 +1,9 @@
 """Checked reading of the JSON and TOML vramcal reads: a dict into a frozen dataclass, every field typed and ranged.
 
-One reader for every file kind whose records are dataclasses (profiles, config files): a field's type comes
-from the dataclass's own annotations (``int``, ``float``, ``str``, ``bool``, ``Literal[...]``, ``X | None``,
-``tuple[X, ...]``, ``dict[...]``, ``Any``), its range from a table the record's module keeps beside it, and
-each refusal is a :class:`SchemaError` that names the field by its path (``trials[3].peak_bytes``) and says
-what the value is and what it must be, in one line. The caller adds the file's name and the fix.
-
-What JSON itself lets through and Python would only trip over later is refused here: a ``bool`` where a
-number belongs (``True`` is an ``int`` in Python), a float where an integer belongs (``epochs: 1.5``), a
-string where a number belongs (``d_model: "32"``), integers too large for a float, NaN and infinities
-(Python's ``json`` reads ``NaN``, ``Infinity`` and ``1e999``), and nesting deeper than any file vramcal
-writes (:data:`MAX_DEPTH`).
+Types come from the dataclass's annotations, ranges from a table beside it; each refusal is one :class:`SchemaError`
+line naming the field's path (``trials[3].peak_bytes``). Refused beyond JSON's own rules: a bool for a number, a
+fraction for a whole number, a quoted number, NaN, infinities, magnitudes beyond :data:`MAX_MAGNITUDE` and nesting
+deeper than :data:`MAX_DEPTH`.
 """
 
 from __future__ import annotations
@@ -21,7 +14,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Self
 
 MAX_MAGNITUDE = 2**63  # no byte count, batch size or statistic vramcal records comes near it
 MAX_DEPTH = 32  # levels of nesting below a free-form (``Any``) field
@@ -81,19 +74,9 @@ def kind(value: Any) -> str:
     """What a JSON value is, in words: ``a string``, ``a whole number``, ``null``, ``a list``, ..."""
     if value is None:
         return "null"
-    if isinstance(value, bool):
-        return "true/false"
-    if isinstance(value, int):
-        return "a whole number"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
+    words = ((bool, "true/false"), (int, "a whole number"), (float, "a number"), (str, "a string"),
+             ((list, tuple), "a list"), (dict, "an object"))
+    return next((word for types_, word in words if isinstance(value, types_)), type(value).__name__)
 
 
 def read_record(cls: type, data: Any, where: str, ranges: Mapping[str, Range] | None = None,
@@ -101,16 +84,13 @@ def read_record(cls: type, data: Any, where: str, ranges: Mapping[str, Range] | 
     """``cls(**data)`` once every field of ``data`` fits ``cls``'s annotations and ``ranges``.
 
     Args:
-        cls: a dataclass; its annotations give the types, its defaults say which fields may be left out.
-        data: the parsed JSON/TOML object.
         where: the record's path for messages (``fit``, ``trials[2]``, ``config``).
         ranges: field name -> the range a number (or each number of a tuple) must lie in.
         readers: field name -> a reader for a nested record (``(value, path) -> value``).
         optional: fields that may be missing although they have no default (``cls`` then fails itself).
 
     Raises:
-        SchemaError: not an object, an unknown or missing field, a value of the wrong type, out of range,
-            not finite, or a value ``cls`` refuses on construction (its ``ValueError``, with the record named).
+        SchemaError: not an object, an unknown or missing field, a value that does not fit, or one ``cls`` refuses.
     """
     if not isinstance(data, dict):
         raise SchemaError(where, f"{where} is {kind(data)}, not an object of {cls.__name__} fields")
@@ -135,20 +115,30 @@ def read_record(cls: type, data: Any, where: str, ranges: Mapping[str, Range] | 
         raise SchemaError(where, f"{where}: {error}") from None
 
 
+class Record:
+    """A frozen dataclass as JSON holds it: :meth:`to_dict` (tuples as lists), :meth:`from_dict` checked against
+    its annotations and ``RANGES`` (:func:`read_record`)."""
+
+    RANGES: ClassVar[Mapping[str, Range]] = {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str | None = None) -> Self:
+        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
+        return read_record(cls, data, cls.__name__.lower() if where is None else where, cls.RANGES)
+
+
 def _not(path: str, value: Any, what: str) -> SchemaError:
-    """``path = value is <its kind>, not <what>`` (``path is null, not ...`` for null)."""
     if value is None:
         return SchemaError(path, f"{path} is null, not {what}")
     return SchemaError(path, f"{path} = {shown(value)} is {kind(value)}, not {what}")
 
 
 def read_value(value: Any, hint: Any, path: str, limits: Range | None = None) -> Any:
-    """``value`` checked against the type ``hint`` (and each number against ``limits``): lists become tuples
-    where the hint is a tuple, whole numbers floats where it is a float.
-
-    Raises:
-        SchemaError: the value does not fit (module docstring).
-    """
+    """``value`` checked against the type ``hint`` (each number against ``limits``); lists read as tuples, whole
+    numbers as floats where the hint says so. Raises: SchemaError: the value does not fit."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return plain(value, path)
@@ -188,13 +178,8 @@ def read_value(value: Any, hint: Any, path: str, limits: Range | None = None) ->
 
 
 def read_number(value: Any, path: str, hint: type = float, limits: Range | None = None) -> int | float:
-    """A finite number of type ``hint`` (``int``: whole numbers only; ``float``: a whole number is taken as
-    a float), within ``limits`` and :data:`MAX_MAGNITUDE`.
-
-    Raises:
-        SchemaError: a string, a bool, null, a fraction where a whole number belongs, NaN or an infinity, a
-            number beyond :data:`MAX_MAGNITUDE`, or one outside ``limits``.
-    """
+    """A finite number of type ``hint`` within ``limits`` and :data:`MAX_MAGNITUDE`.
+    Raises: SchemaError: no number (a string, bool, null), a fraction for an int, not finite, or out of range."""
     name = "a whole number" if hint is int else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         hint_quotes = " (write it without quotes)" if isinstance(value, str) and _numeric(value) else ""
@@ -211,12 +196,8 @@ def read_number(value: Any, path: str, hint: type = float, limits: Range | None 
 
 
 def plain(value: Any, path: str, depth: int = 0) -> Any:
-    """A free-form JSON value: objects with string keys, lists, strings, bools, null and finite numbers within
-    :data:`MAX_MAGNITUDE`, nested at most :data:`MAX_DEPTH` levels.
-
-    Raises:
-        SchemaError: a non-finite or out-of-range number, or nesting deeper than :data:`MAX_DEPTH`.
-    """
+    """A free-form JSON value, its numbers finite and within :data:`MAX_MAGNITUDE`, nested at most :data:`MAX_DEPTH`.
+    Raises: SchemaError: a non-finite or out-of-range number, a non-JSON value, or nesting too deep."""
     if depth > MAX_DEPTH:
         raise SchemaError(path, f"{path} is nested more than {MAX_DEPTH} levels deep")
     if isinstance(value, dict):
@@ -231,22 +212,15 @@ def plain(value: Any, path: str, depth: int = 0) -> Any:
 
 
 def read_list(value: Any, path: str, read: Reader) -> tuple[Any, ...]:
-    """A list whose items ``read`` checks (each with its index in the path).
-
-    Raises:
-        SchemaError: not a list, or an item ``read`` refuses.
-    """
+    """A list whose items ``read`` checks. Raises: SchemaError: not a list, or an item ``read`` refuses."""
     if not isinstance(value, list):
         raise _not(path, value, "a list")
     return tuple(read(item, f"{path}[{i}]") for i, item in enumerate(value))
 
 
 def read_map(value: Any, path: str, read: Reader, keys: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """An object whose values ``read`` checks, with keys among ``keys`` (None: any).
-
-    Raises:
-        SchemaError: not an object, an unknown key, or a value ``read`` refuses.
-    """
+    """An object whose values ``read`` checks, keys among ``keys`` (None: any).
+    Raises: SchemaError: not an object, an unknown key, or a value ``read`` refuses."""
     if not isinstance(value, dict):
         raise _not(path, value, "an object")
     for key in value:
@@ -279,10 +253,9 @@ def _number(value: float) -> str:
 
 def _numeric(text: str) -> bool:
     try:
-        float(text)
+        return float(text) is not None
     except ValueError:
         return False
-    return True
 
 
 def _json_text(value: Any) -> str:

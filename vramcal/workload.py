@@ -1,39 +1,8 @@
-"""What vramcal calibrates: a training step, built by a factory that a trial process imports by name.
+"""What vramcal calibrates: a training step built by a factory (``module:function``) that a trial process imports.
 
-A **factory** is any importable function ``module:function`` that builds one training step on a device::
-
-    def make_step(device: torch.device, **params) -> vramcal.TrainingStep: ...
-
-vramcal calls it inside each trial process (and the bundled trainer calls its own factory the same
-way), so the model, optimizer and data live in the process whose memory is measured. ``params`` are
-plain JSON values (numbers, strings, booleans, lists, dicts): they travel to the trial process and are
-kept in the profile, which identifies the calibration by the factory's name and these arguments
-(:class:`ModelRef`). A factory that takes a ``seq_len`` parameter can be calibrated over several
-sequence lengths.
-
-The factory's module must be importable in the trial processes. They start with the calling process's
-``sys.path`` and working directory (multiprocessing hands both over), so a module beside the calling
-script, on ``PYTHONPATH`` or installed works, and ``vramcal probe`` also looks in the current directory.
-A function defined in ``__main__`` or in a notebook cannot be named: put it in a module. A trial imports
-the module after its meter has pinned the device, so what the module allocates when imported counts.
-
-One step, as a trial runs it and as the trainer runs it (:func:`train_step`)::
-
-    loss = step.loss(model, batch)   # forward pass through ``model``; any autocast inside
-    loss.backward()
-    clip_grad_norm_(parameters, step.max_grad_norm)   # when set
-    step.optimizer.step()
-    step.optimizer.zero_grad(set_to_none=True)
-
-where ``model`` is ``step.model``, or, in a DDP world (several ranks), ``step.model`` wrapped in
-``torch.nn.parallel.DistributedDataParallel``: the forward pass must go through the wrapper for the
-gradients to be averaged over the ranks, so a loss that runs under DDP takes the model it is given. A loss
-of the batch alone (``loss(batch)``, calling its own module) works in one process and is refused under DDP.
-A validation pass runs the loss on ``step.val_batch(batch_size)`` under ``torch.no_grad()``.
-
-Families shipped with vramcal are named factories: ``regressor`` (the bundled Mamba-2 regressor that
-``vramcal train`` trains) and ``lm`` (a Mamba-2 causal language model from a transformers
-``Mamba2Config``); :mod:`vramcal.models.registry` says what differs between them.
+The factory's contract (``make_step(device, **params) -> TrainingStep``, plain JSON ``params``, where its module
+must be importable, a loss of ``(model, batch)`` under DDP) is DESIGN.md "The Python API"; one step as trials and
+the trainer run it is :func:`train_step`. The shipped families are :mod:`vramcal.models.registry`'s.
 """
 
 from __future__ import annotations
@@ -61,10 +30,7 @@ _FACTORY_NAME = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 class WorkloadError(ValueError):
     """A factory that cannot be found, called or used; the one-line message names it and the fix.
 
-    Attributes:
-        in_torch: the factory raised from inside torch (an op it called), where an estimate's fake tensors may be
-            the cause; False for its own failure (not importable, an argument it takes not, its own ``raise``, no
-            :class:`TrainingStep` returned), which a trial meets the same way.
+    ``in_torch``: it raised from inside torch (where an estimate's fake tensors may be the cause), not on its own.
     """
 
     def __init__(self, message: str, in_torch: bool = False) -> None:
@@ -79,20 +45,17 @@ class TrainingStep:
     Attributes:
         model: the module being trained (already on the device).
         optimizer: its optimizer (state is allocated by the first step, as in training).
-        batch: ``batch(batch_size) -> batch``: the next training batch, on the device, from the same
-            data pipeline training uses (the trial draws several, as training does).
-        loss: ``loss(model, batch) -> scalar tensor``: the forward pass of ``model`` (the step's module, or
-            its DDP wrapper) and the loss, under any autocast wanted; ``loss(batch)`` is accepted for one
-            process (module docstring).
+        batch: ``batch(batch_size) -> batch``: the next training batch, on the device, from training's pipeline.
+        loss: ``loss(model, batch) -> scalar tensor`` through ``model`` (the module or its DDP wrapper), under any
+            autocast wanted; ``loss(batch)`` is accepted for one process.
         max_grad_norm: gradient clipping by total L2 norm before the optimizer step; None = no clipping.
         val_batch: ``val_batch(batch_size) -> batch`` for the validation pass; None = ``batch``.
         data_bytes: bytes the dataset holds in host memory while training (0 for generated data).
         data_on_device: True when the dataset is held in the device's memory (it then counts there).
-        kernel_path: which kernels the model runs, for the profile (e.g. the Mamba-2 implementation);
-            None lets vramcal detect it from the model's modules.
+        kernel_path: which kernels the model runs, for the profile; None: detected (:func:`detect_kernel_path`).
         info: anything else worth recording in the profile (plain JSON values).
-        shard_units: under FSDP, the submodules ``fully_shard`` wraps before the root, each gathered whole while
-            it runs; None: every Mamba-2 block of ``model`` (:func:`vramcal.measure.distributed.shard_units`).
+        shard_units: under FSDP, the submodules ``fully_shard`` wraps before the root; None: every Mamba-2 block
+            (:func:`vramcal.measure.distributed.shard_units`).
     """
 
     model: torch.nn.Module
@@ -114,20 +77,14 @@ class TrainingStep:
 
 @dataclass(frozen=True)
 class ModelRef:
-    """The identity of what a profile calibrated: a factory and its arguments (the profile's key).
-
-    Attributes:
-        factory: ``module:function`` (a family's is in :mod:`vramcal.models.registry`).
-        params_json: the arguments as canonical JSON (sorted keys), so the record is hashable and stable.
-    """
+    """The profile's key: ``factory`` (``module:function``) and ``params_json``, its arguments as canonical JSON."""
 
     factory: str
     params_json: str = "{}"
 
     @classmethod
     def make(cls, factory: str, params: dict[str, Any] | None = None) -> ModelRef:
-        """Raises: WorkloadError for a malformed factory name or arguments that are not plain JSON values;
-        TypeError for a factory that is no str or arguments that are no dict."""
+        """Raises: WorkloadError: a malformed name or non-JSON arguments; TypeError: no str, or no dict."""
         of_type("factory", factory, str, "the factory as 'module:function'")
         mapping("params", params, "the factory's arguments as a dict ({'width': 512})")
         if not cls.is_factory_name(factory):
@@ -167,16 +124,13 @@ class ModelRef:
 
 def load_factory(ref: ModelRef) -> Callable[..., TrainingStep]:
     """Import the factory named by ``ref``.
-
-    Raises:
-        WorkloadError: the module cannot be imported or has no such function (one line, with the reason).
-    """
+    Raises: WorkloadError: the module cannot be imported or has no such function."""
     module_name, _, attribute = ref.factory.partition(":")
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as error:  # noqa: BLE001 - any import failure is the user's module failing
         raise WorkloadError(f"cannot import {module_name} for {given('model', ref.factory)} "
-                            f"({type(error).__name__}: {_first_line(error)}): check the name and that it is "
+                            f"({type(error).__name__}: {first_line(error)}): check the name and that it is "
                             f"importable: installed, on PYTHONPATH, or (vramcal probe) in the current directory"
                             ) from None
     for part in attribute.split("."):
@@ -200,22 +154,19 @@ def accepts(factory: Callable[..., Any], name: str) -> bool:
 
 
 def build(ref: ModelRef, device: torch.device, options: dict[str, Any] | None = None) -> TrainingStep:
-    """Call the factory on ``device`` with the reference's arguments (and ``options``, arguments that do
-    not change the model, such as the regressor's data file) and check what it returns.
+    """Call the factory on ``device`` with the reference's arguments and ``options`` (data options: no model change).
 
     Raises:
-        WorkloadError: the factory is missing, raised (its error's first line), or did not return a
-            :class:`TrainingStep`.
+        WorkloadError: the factory is missing, raised, or did not return a :class:`TrainingStep`.
         torch.OutOfMemoryError, MemoryError: passed through (the caller records them as out-of-memory).
     """
-
     factory = load_factory(ref)
     try:
         step = factory(device=device, **ref.params, **(options or {}))
     except Exception as error:
         if is_out_of_memory(error):
             raise
-        raise WorkloadError(f"the factory {ref.factory} raised {type(error).__name__}: {_first_line(error)}",
+        raise WorkloadError(f"the factory {ref.factory} raised {type(error).__name__}: {first_line(error)}",
                             in_torch=_raised_in_torch(error)) from None
     if not isinstance(step, TrainingStep):
         raise WorkloadError(f"the factory {ref.factory} returned {type(step).__name__}, not a vramcal.TrainingStep: "
@@ -228,16 +179,9 @@ TORCH_PATH = "transformers Mamba2 torch_forward (pure PyTorch chunked scan; mamb
 
 
 class KernelWitness:
-    """Which Python functions of ``mamba_ssm`` and ``causal_conv1d`` the code in a ``with`` block called, on this
-    thread (``sys.setprofile``): the kernels a step ran, as opposed to the kernels its model has bound.
-
-    transformers binds mamba_ssm's kernels into ``modeling_mamba2`` when it can import them; up to 5.24 it then
-    calls them for tensors on every device, from 5.25 on only for CUDA tensors (CPU tensors take the PyTorch path,
-    ``transformers/integrations/hub_kernels.py``). A model's modules therefore cannot say what ran; the step
-    itself can. The forward pass, where the fused functions are entered, runs on the calling thread.
-
-    ``called``: the functions' names, such as ``mamba_split_conv1d_scan_combined``; empty when none ran.
-    """
+    """The functions of :data:`KERNEL_PACKAGES` a ``with`` block called on this thread (``sys.setprofile``), in
+    ``called``: the kernels a step ran, not those bound (transformers >= 5.25 calls bound kernels for CUDA tensors
+    only: ``transformers/integrations/hub_kernels.py``)."""
 
     def __init__(self) -> None:
         self.called: set[str] = set()
@@ -257,31 +201,20 @@ class KernelWitness:
 
 
 def kernels_bound(model: torch.nn.Module) -> bool:
-    """True when ``model``'s Mamba-2 mixers come from a transformers ``modeling_mamba2`` that bound mamba_ssm's
-    kernels (imported with mamba_ssm importable, not through
-    :func:`vramcal.models.mamba2.import_transformers_mamba2`): only a step run under :class:`KernelWitness` can
-    then say which path ran."""
+    """Whether ``model``'s mixers come from a ``modeling_mamba2`` that bound mamba_ssm's kernels (not imported by
+    :func:`vramcal.models.mamba2.import_transformers_mamba2`)."""
     return "mamba_ssm" in sys.modules and any(not getattr(sys.modules.get(name), "_vramcal_torch_only", False)
                                               for name in _mixer_modules(model))
 
 
 def _mixer_modules(model: torch.nn.Module) -> set[str]:
-    """The modules (transformers' ``modeling_mamba2``, by name) that ``model``'s ``Mamba2Mixer`` layers come from."""
     return {type(m).__module__ for m in model.modules()
             if type(m).__name__ == "Mamba2Mixer" and type(m).__module__.endswith("modeling_mamba2")}
 
 
 def detect_kernel_path(model: torch.nn.Module, ran: set[str] | None = None) -> str:
-    """Which Mamba-2 kernels a model runs, for the profile: read from its modules and, where transformers bound
-    mamba_ssm's kernels (:func:`kernels_bound`), from what a step of it called (``ran``:
-    :attr:`KernelWitness.called`).
-
-    ``mamba_ssm`` ``Mamba2`` modules run the fused Triton/CUDA kernels. transformers' ``Mamba2Mixer`` runs its
-    pure-PyTorch chunked scan when vramcal imported it with mamba_ssm hidden
-    (:func:`vramcal.models.mamba2.import_transformers_mamba2`) or mamba_ssm is not installed; with the kernels
-    bound, it runs them when a step called them, and the PyTorch path when it did not (transformers >= 5.25 on
-    CPU tensors). Bound kernels with no witnessed step (``ran`` None) are recorded as bound, not run.
-    """
+    """Which Mamba-2 kernels ``model`` runs, for the profile: from its modules and, where kernels are bound
+    (:func:`kernels_bound`), from what a step called (``ran``: :attr:`KernelWitness.called`; None: not witnessed)."""
     kinds = {f"{type(m).__module__}.{type(m).__name__}" for m in model.modules()}
     if any(k.startswith("mamba_ssm.") and k.endswith(".Mamba2") for k in kinds):
         return "mamba_ssm.Mamba2 fused kernels (Triton + causal_conv1d CUDA)"
@@ -297,14 +230,14 @@ def detect_kernel_path(model: torch.nn.Module, ran: set[str] | None = None) -> s
             "transformers sends tensors on this device to the PyTorch path)")
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """An error's first line (200 characters at most), or its type's name when it says nothing."""
     text = str(error).strip()
     return text.splitlines()[0][:200] if text else type(error).__name__
 
 
 def _raised_in_torch(error: BaseException) -> bool:
-    """Whether ``error`` may come from torch: raised in torch's own Python code (its innermost frame), or a
-    ``RuntimeError`` (what torch's C++ raises, with the caller's frame innermost)."""
+    """Whether ``error`` may come from torch: its innermost frame in torch, or a RuntimeError (torch's C++)."""
     torch = sys.modules.get("torch")
     frame = error.__traceback__
     while frame is not None and frame.tb_next is not None:
@@ -314,15 +247,9 @@ def _raised_in_torch(error: BaseException) -> bool:
     return inside or isinstance(error, RuntimeError)
 
 
-# ------------------------------------------------------------------------------------------- steps
-
 def step_loss(step: TrainingStep, batch: Any, model: torch.nn.Module | None = None) -> torch.Tensor:
-    """The step's loss on ``batch``, the forward pass through ``model`` (default ``step.model``; under DDP its
-    wrapper), as the module docstring says.
-
-    Raises:
-        WorkloadError: the loss takes the batch alone and ``model`` is a wrapper it would bypass.
-    """
+    """The step's loss on ``batch`` through ``model`` (default ``step.model``; under DDP its wrapper).
+    Raises: WorkloadError: the loss takes the batch alone and ``model`` is a wrapper it would bypass."""
     model = step.model if model is None else model
     if takes_model(step.loss):
         return step.loss(model, batch)
@@ -351,15 +278,8 @@ def train_step(step: TrainingStep, batch: Any, model: torch.nn.Module | None = N
 
 
 def optimizer_step(step: TrainingStep, skip_non_finite: bool = False) -> torch.Tensor | None:
-    """Clip (when ``max_grad_norm`` is set), step, and free the gradients.
-
-    Args:
-        skip_non_finite: when the gradient norm is NaN or infinite, free the gradients without stepping,
-            so the weights stay the last good ones (the trainer then stops; trials never skip).
-
-    Returns:
-        The total gradient norm before clipping (a scalar tensor), or None without clipping.
-    """
+    """Clip (when ``max_grad_norm`` is set), step, and free the gradients; returns the norm before clipping (None:
+    no clipping). ``skip_non_finite``: a NaN or infinite norm frees the gradients without stepping (the trainer's)."""
     import torch
 
     norm = None
@@ -374,8 +294,7 @@ def optimizer_step(step: TrainingStep, skip_non_finite: bool = False) -> torch.T
 
 
 def validation_step(step: TrainingStep, batch_size: int, model: torch.nn.Module | None = None) -> None:
-    """One validation forward pass at ``batch_size`` through ``model`` (:func:`step_loss`) under
-    ``torch.no_grad()`` in eval mode."""
+    """One validation forward pass at ``batch_size`` (:func:`step_loss`), in eval mode under ``torch.no_grad()``."""
     import torch
 
     batch = (step.val_batch or step.batch)(batch_size)

@@ -1,36 +1,6 @@
-"""Real text for the language-model trainer (``vramcal train --model lm``): byte-level documents read from source
-files that ship with the machine, no download.
-
-**Files.** ``--text stdlib`` (the default) is the Python standard library's own modules: the ``*.py`` files at the
-top of ``sysconfig.get_paths()["stdlib"]`` (its packages and tests left out: 168 files, 4.7 MB under CPython 3.11).
-``--text DIR`` is every ``*.py`` and ``*.txt`` file under ``DIR``, recursively. Files are taken in the order of
-their paths relative to the folder.
-
-**Documents.** A document is one definition, as CodeSearchNet (Husain et al. 2019) takes functions and methods
-from source files: the lines from a ``def``, ``async def`` or ``class`` line at any indentation (from the first of
-its decorators) up to the next such line; the lines before a file's first definition are a document too, and a
-file with no definition (a ``.txt`` file) is one document. Their lengths vary from a few bytes to tens of KB
-(function-level documents of the standard library: median 283 bytes, 90 % under 1.4 KB).
-
-**Tokens.** Byte-level: a document's tokens are its bytes (ids 0-255), so the model's ``vocab_size`` must be at
-least 256; no special token is needed, as a batch is padded on the right and the padding is left out of the loss
-(label ``-100``, transformers' ignore index) and, in a causal model, cannot reach the tokens before it.
-
-**Long documents.** A document longer than the run's context (the profile's longest calibrated seq_len, the
-longest batch it verified) is cut into consecutive windows of the context, the last one shorter: every window is
-a length the profile sizes, and the count of documents cut is said before the run (``cut``).
-
-**Binary files.** A file whose name says text but whose bytes do not (an archive, a compiled file, random bytes
-named ``*.py``) is left out, and the run says which: a file is binary when it holds a NUL byte, or when it is not
-UTF-8 and more than a third of its bytes are neither printable ASCII nor whitespace (Perl's ``-B`` file test,
-perlfunc ``-X``: "If more than a third of the characters are strange, it's a -B file ... any file containing a
-zero byte in the examined portion is considered a binary file"). Text in another 8-bit encoding (Latin-1) stays
-text.
-
-**Split.** By file, so no file has documents on both sides: a file is in validation when the first 8 bytes of the
-SHA-256 of its relative path, as a fraction of 2^64, are below ``val_fraction``. Deterministic across machines
-and runs, and a file keeps its side when others are added or removed.
-"""
+"""Real text for the language-model trainer (``vramcal train --model lm``): byte-level documents, one per
+definition, from source files on the machine, split by file; the rules are DESIGN.md's "A language model on real
+text"."""
 
 from __future__ import annotations
 
@@ -47,7 +17,8 @@ STDLIB = "stdlib"  # --text's default: the standard library's own modules
 SUFFIXES = (".py", ".txt")
 BYTE_VOCAB = 256  # token ids 0-255: the model's vocab_size must hold them
 IGNORE_INDEX = -100  # the label of a padding position (transformers' cross-entropy ignores it)
-# a line that starts a definition, at any indentation (module docstring)
+# a line that starts a definition (or its first decorator), at any indentation: CodeSearchNet's (Husain et al. 2019)
+# function-level documents
 DEFINITION = re.compile(rb"^[ \t]*(?:async[ \t]+def[ \t]|def[ \t]|class[ \t]|@)", re.MULTILINE)
 
 
@@ -56,11 +27,12 @@ class CorpusError(ValueError):
 
 
 _PLAIN = frozenset(range(0x20, 0x7F)) | frozenset(b"\t\n\r\f\b\x1b")  # printable ASCII and whitespace
-BINARY_SHARE = 1 / 3  # of a non-UTF-8 file's bytes outside _PLAIN, above which it is binary (module docstring)
+BINARY_SHARE = 1 / 3  # of a non-UTF-8 file's bytes outside _PLAIN, above which it is binary (is_binary)
 
 
 def is_binary(text: bytes) -> bool:
-    """Whether a file's bytes are binary, not text (module docstring, "Binary files")."""
+    """Whether a file's bytes are binary: a NUL byte, or not UTF-8 with over :data:`BINARY_SHARE` of its bytes
+    outside printable ASCII and whitespace (Perl's ``-B`` file test, perlfunc ``-X``)."""
     if b"\0" in text:
         return True
     try:
@@ -71,11 +43,8 @@ def is_binary(text: bytes) -> bool:
 
 
 def text_files(source: str) -> tuple[Path, list[Path]]:
-    """The folder and its text files, in the order of their relative paths (module docstring).
-
-    Raises:
-        CorpusError: the folder is missing or holds no ``*.py`` or ``*.txt`` file.
-    """
+    """The folder and its text files, in the order of their relative paths.
+    Raises: CorpusError: the folder is missing or holds no ``*.py`` or ``*.txt`` file."""
     if source == STDLIB:
         root = Path(sysconfig.get_paths()["stdlib"])
         files = sorted(root.glob("*.py"))
@@ -93,7 +62,7 @@ def text_files(source: str) -> tuple[Path, list[Path]]:
 
 
 def documents(text: bytes) -> list[bytes]:
-    """A file's documents, in order, non-empty (module docstring); their bytes joined are ``text``."""
+    """A file's documents, in order, non-empty; their bytes joined are ``text``."""
     cuts = [0]
     for match in DEFINITION.finditer(text):
         start = match.start()
@@ -112,23 +81,21 @@ def windows(document: bytes, context: int) -> list[bytes]:
 
 
 def in_validation(relative: str, val_fraction: float) -> bool:
-    """Whether the file at ``relative`` (its path in the folder, ``/``-separated) is a validation file (module
-    docstring)."""
+    """Whether the file at ``relative`` (``/``-separated) is a validation file: the first 8 bytes of its path's
+    SHA-256, as a fraction of 2^64, below ``val_fraction``."""
     digest = hashlib.sha256(relative.encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
 
 
 @dataclass(frozen=True)
 class Corpus:
-    """The documents of a text folder, cut to the context and split (module docstring).
+    """The documents of a text folder, cut to the context and split.
 
     Attributes:
         source: ``--text`` as given; root: the folder read.
         train, val: the training and validation documents (windows), bytes each (tokens = bytes).
-        files, val_files: files read, and those in validation.
-        binary: the files left out as binary (module docstring), by their relative paths.
-        documents, cut: documents found, and those longer than ``context`` (cut into windows).
-        longest_document: the longest document's length before cutting (tokens).
+        files, val_files, binary: files read, those in validation, and those left out as binary (relative paths).
+        documents, cut, longest_document: documents found, those cut into windows, the longest's length (tokens).
         context: the longest window (tokens).
         identity: SHA-256 of every file's relative path and content, in order: the corpus a run trained on.
     """
@@ -148,13 +115,11 @@ class Corpus:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes the documents hold in the process (their ``bytes`` objects: :func:`sys.getsizeof`): the run's data
-        term (:mod:`vramcal.sizing`)."""
+        """Bytes the documents hold in the process (:func:`sys.getsizeof`): the run's data term."""
         return sum(sys.getsizeof(d) for d in self.train) + sum(sys.getsizeof(d) for d in self.val)
 
     def stats(self) -> dict[str, Any]:
-        """The corpus's facts for the run's record and its checks (``train_windows``, ``val_windows``: the
-        documents each side after cutting; tokens; the identity)."""
+        """The corpus's facts for the run's record and its checks."""
         return {"text": self.source, "root": self.root, "files": self.files, "val_files": self.val_files,
                 "documents": self.documents, "cut": self.cut, "longest_document": self.longest_document,
                 "context": self.context, "train_windows": len(self.train), "val_windows": len(self.val),
@@ -163,11 +128,10 @@ class Corpus:
 
 
 def load_corpus(source: str, context: int, val_fraction: float) -> Corpus:
-    """Read ``source``'s files into documents of at most ``context`` tokens, split by file (module docstring).
+    """Read ``source``'s files into documents of at most ``context`` tokens, split by file.
 
     Raises:
-        CorpusError: no folder, no text file, no text in them (every one empty or binary), or a split that leaves one
-            side empty.
+        CorpusError: no folder, no text file, no text in them, or a split that leaves one side empty.
         OSError: a file cannot be read.
     """
     root, files = text_files(source)
@@ -207,7 +171,7 @@ def _named(paths: Sequence[str], shown: int = 3) -> str:
 
 
 def binary_notice(corpus: Corpus) -> str | None:
-    """The warning for the files a corpus left out as binary (module docstring), or None."""
+    """The warning for the files a corpus left out as binary, or None."""
     if not corpus.binary:
         return None
     return (f"--text {corpus.source}: left out {len(corpus.binary)} binary file(s) named as text "

@@ -1,28 +1,13 @@
-"""A second family: a Mamba-2 causal language model from a transformers ``Mamba2Config``.
-
-For people training Mamba-2 language models, whose memory is not the regressor's: a vocabulary, an
-embedding (tied to the head when the config says so) and logits of ``(batch_size, seq_len, vocab_size)``
-in fp32 for the loss, which dominate the step at large vocabularies. Weights are random (memory does
-not depend on their values); batches are random token ids of ``seq_len`` drawn on the device, and the
-loss is transformers' own next-token cross-entropy (``labels=input_ids``).
-
-Calibrate it with ``vramcal probe --model lm --model-arg config=path/to/config.json --seq-len 512``; the
-profile keeps the config's settings themselves (not the path), so it identifies the model wherever the
-file goes. The config is either a transformers ``Mamba2Config`` (a Hugging Face ``config.json``) or a
-``mamba_ssm`` ``MambaConfig`` (the ``config.json`` of the state-spaces checkpoints: ``d_model``,
-``n_layer``, ``ssm_cfg``), converted by :func:`from_mamba_ssm`. ``configs/`` in the repository holds
-examples: ``mamba2-130m.json`` (the published state-spaces/mamba2-130m shape), ``mamba2-lm-small.json``
-(a CPU-sized model with a host profile in ``profiles/``) and ``mamba2-lm-tiny.json`` (for tests).
-"""
+"""The ``lm`` family: a Mamba-2 causal language model from a transformers ``Mamba2Config`` (or a ``mamba_ssm``
+``config.json``), whose vocabulary, embedding and fp32 logits (B, seq_len, vocab) the regressor lacks. The profile
+keeps the config's settings, not its path; ``configs/`` holds examples (``mamba2-130m.json``,
+``mamba2-lm-small.json``, ``mamba2-lm-tiny.json``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
-import sys
-import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +17,7 @@ from vramcal.models.mamba2 import (
     autocast,
     checkpoint_blocks,
     checkpoint_every,
-    import_mamba_ssm_mamba2,
+    import_transformers_kernels,
     import_transformers_mamba2,
 )
 from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, SchemaError, read_value
@@ -43,17 +28,14 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import Mamba2Config
 
-# The factory a profile of this family names (kept in every profile: it must not move).
 FACTORY = "vramcal.models.lm:training_step"
 # Keys of a Hugging Face config.json that describe the file, not the model.
 BOOKKEEPING = ("architectures", "transformers_version", "model_type", "torch_dtype", "dtype", "_name_or_path")
-# Keys published Mamba-2 config.json files carry that transformers' Mamba2 has no option for (it always
-# uses a gated RMSNorm, gate before norm): they change no tensor's size, so they are dropped.
+# Keys of published Mamba-2 configs transformers' Mamba2 has no option for (it always gates before its RMSNorm)
 NO_OPTION = ("rms_norm", "norm_before_gate")
 # Without these a misspelt key would silently give Mamba2Config's default, a 64-layer 4096-wide model.
 SHAPE_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size")
-# The schema of the settings vramcal sizes with (their type and range; transformers' own checks follow). Floats
-# may be written as whole numbers (1 for 1.0: transformers would refuse the int).
+# The settings' types and ranges (transformers' own checks follow); a float may be written as a whole number
 SETTINGS: dict[str, tuple[Any, Range | None]] = {
     **dict.fromkeys(("hidden_size", "num_hidden_layers", "vocab_size", "state_size", "expand", "head_dim",
                      "num_heads", "n_groups", "conv_kernel", "chunk_size"), (int, AT_LEAST_ONE)),
@@ -71,23 +53,16 @@ MAMBA_SSM_DEFAULTS = {"d_state": 128, "d_conv": 4, "expand": 2, "headdim": 64, "
 
 
 def _lm() -> str:
-    """``--model lm`` or ``model=lm``: how the caller names this family (:mod:`vramcal.words`)."""
     return given("model", "lm")
 
 
 def read_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
-    """A ``Mamba2Config``'s settings from a JSON file (or a dict), checked by building the config.
-
-    Accepts a Hugging Face ``config.json`` as it is (its bookkeeping keys such as ``architectures`` are
-    dropped) and a ``mamba_ssm`` one (converted by :func:`from_mamba_ssm`).
-
-    Returns:
-        The settings (``Mamba2Config`` keyword arguments), as the profile records them.
+    """A ``Mamba2Config``'s settings (keyword arguments, as the profile records them) from a Hugging Face or a
+    ``mamba_ssm`` (:func:`from_mamba_ssm`) ``config.json``, or a dict; checked by building the config.
 
     Raises:
-        ValueError: the file is missing or not JSON; a key that is not a ``Mamba2Config`` setting; a
-            missing ``hidden_size``, ``num_hidden_layers`` or ``vocab_size``; or settings transformers
-            refuses (one line each).
+        ValueError: the file missing or not JSON; an unknown key; no ``hidden_size``, ``num_hidden_layers`` or
+            ``vocab_size`` (:data:`SHAPE_KEYS`); or settings transformers refuses.
     """
     where = source if isinstance(source, (str, Path)) else "the config"
     if isinstance(source, (str, Path)):
@@ -128,12 +103,9 @@ def read_config(source: str | Path | dict[str, Any]) -> dict[str, Any]:
 
 
 def from_mamba_ssm(settings: dict[str, Any]) -> dict[str, Any]:
-    """``Mamba2Config`` settings for a ``mamba_ssm`` ``MambaConfig`` (``d_model``, ``n_layer``, ``ssm_cfg``...).
-
-    mamba_ssm pads the vocabulary up to a multiple of ``pad_vocab_size_multiple`` (its
-    ``MambaLMHeadModel``), ties the embeddings by default, and takes its Mamba2 block's defaults for what
-    ``ssm_cfg`` leaves out (:data:`MAMBA_SSM_DEFAULTS`). Initialisation settings (``A_init_range``, ``dt_*``)
-    change no memory and are dropped.
+    """``Mamba2Config`` settings for a ``mamba_ssm`` ``MambaConfig``: the vocabulary padded to
+    ``pad_vocab_size_multiple`` and embeddings tied as its ``MambaLMHeadModel`` does, :data:`MAMBA_SSM_DEFAULTS`
+    for what ``ssm_cfg`` leaves out, initialisation settings dropped.
 
     Raises:
         ValueError: a model transformers' Mamba2 cannot build: Mamba-1 layers, attention layers, MLP
@@ -175,12 +147,8 @@ def _config_class() -> type[Mamba2Config]:
 
 
 def check_settings(settings: dict[str, Any], where: str = "the config") -> dict[str, Any]:
-    """The settings' schema (:data:`SETTINGS`) and the relations transformers' Mamba2 needs (with its defaults
-    for what ``settings`` leave out): heads that tile the inner width, groups that divide the heads, a
-    ``time_step_limit`` of two numbers in order and ``time_step_min <= time_step_max``.
-
-    Returns:
-        The settings, with floats written as whole numbers made floats (and ``time_step_limit`` a tuple).
+    """The settings checked against :data:`SETTINGS` and the relations transformers' Mamba2 needs (heads tiling the
+    inner width, groups dividing the heads, time steps in order); returned with floats made floats.
 
     Raises:
         ValueError: the first bad setting, named with ``where`` (the config file), with what it must be.
@@ -215,7 +183,6 @@ def check_settings(settings: dict[str, Any], where: str = "the config") -> dict[
 
 
 def _defaults() -> dict[str, Any]:
-    """``Mamba2Config``'s defaults of the settings :func:`check_settings` relates."""
     fields = {f.name: f.default for f in dataclasses.fields(_config_class())}
     return {name: fields[name] for name in ("expand", "hidden_size", "num_heads", "head_dim", "n_groups",
                                             "time_step_min", "time_step_max")}
@@ -223,11 +190,7 @@ def _defaults() -> dict[str, Any]:
 
 def mamba2_config(settings: dict[str, Any], where: str = "the config") -> Mamba2Config:
     """``transformers.Mamba2Config(**settings)``, the settings checked first (:func:`check_settings`).
-
-    Raises:
-        ValueError: a bad setting (:func:`check_settings`), or one transformers refuses: one line naming the
-            setting (the line of transformers' error that names it, not its header).
-    """
+    Raises: ValueError: a bad setting, or one transformers refuses (the line of its error that names it)."""
     settings = check_settings(settings, where)
     try:
         return _config_class()(**settings)
@@ -237,9 +200,7 @@ def mamba2_config(settings: dict[str, Any], where: str = "the config") -> Mamba2
 
 
 def _refusal(error: Exception) -> str:
-    """The line of a transformers (huggingface_hub strict dataclass) error that names the field and the problem:
-    its headers (``Class validation error for validator 'validate_architecture':``, ``Validation error for
-    field 'x':``) say nothing, and the exception's type prefix is left out."""
+    """The line of a huggingface_hub strict-dataclass error that names the field (not its headers or type prefix)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     telling = [line for line in lines if not line.endswith(":")] or lines or [type(error).__name__]
     kind, sep, rest = telling[0].partition(": ")
@@ -248,15 +209,11 @@ def _refusal(error: Exception) -> str:
 
 def check_params(config: dict[str, Any], seq_len: Any, dtype: str = "fp32",
                  checkpointing: str = CHECKPOINTING_OFF) -> Mamba2Config:
-    """Check the family's arguments before any trial (and again in the trial process).
-
-    Returns:
-        The built ``Mamba2Config``.
+    """The built ``Mamba2Config`` once the family's arguments are checked (before any trial, and in the trial).
 
     Raises:
-        ValueError: a bad config (:func:`mamba2_config`), a ``seq_len`` that is not a positive multiple of
-            the config's ``chunk_size``, an unknown ``dtype``, or a ``checkpointing`` that is not off, block or
-            every:K with K at most the config's layers (:func:`vramcal.models.mamba2.checkpoint_every`).
+        ValueError: a bad config, a ``seq_len`` that is no positive multiple of its ``chunk_size``, an unknown
+            ``dtype``, or a bad ``checkpointing`` (:func:`vramcal.models.mamba2.checkpoint_every`).
     """
     if dtype not in DTYPE_POLICIES:
         raise ValueError(f"{_lm()}: dtype must be one of {', '.join(DTYPE_POLICIES)}, got {dtype!r}")
@@ -275,44 +232,17 @@ def check_params(config: dict[str, Any], seq_len: Any, dtype: str = "fp32",
     return settings
 
 
-def _modeling_with_kernels() -> types.ModuleType:
-    """transformers' ``modeling_mamba2`` with mamba_ssm's kernels bound (the ``mamba_ssm`` implementation).
-
-    transformers binds the kernels when the module is imported. The worker fork server preloads it with
-    mamba_ssm hidden (:func:`vramcal.models.mamba2.import_transformers_mamba2`), so here, in the trial
-    process only, it is reloaded with mamba_ssm visible.
-    """
-
-    try:
-        import_mamba_ssm_mamba2()  # the package importable even without Mamba-1's compiled extension
-    except ImportError:
-        pass  # transformers then binds what it can import, and detect_kernel_path records it
-    name = "transformers.models.mamba2.modeling_mamba2"
-    module = sys.modules.get(name)
-    if module is None:
-        module = importlib.import_module(name)
-    elif getattr(module, "_vramcal_torch_only", False):
-        module = importlib.reload(module)
-    module._vramcal_torch_only = False
-    return module
-
-
 def training_step(device: torch.device, *, config: dict[str, Any], seq_len: int, dtype: str = "fp32",
                   checkpointing: str = CHECKPOINTING_OFF, implementation: str = "transformers", lr: float = 1e-4,
                   weight_decay: float = 0.01, max_grad_norm: float = 1.0, seed: int = 0) -> TrainingStep:
-    """The language model's training step (module docstring).
+    """The language model's training step: random weights, batches of random ``input_ids`` (B, seq_len) int64 on
+    the device, transformers' next-token loss (``labels=input_ids``), AdamW.
 
     Args:
-        device: where to train.
         config: ``Mamba2Config`` settings (:func:`read_config`).
         seq_len: tokens per sample; a multiple of the config's ``chunk_size``.
-        dtype: ``fp32``, or ``bf16-autocast`` (fp32 weights, bf16 autocast on CUDA).
-        checkpointing: activation checkpointing, ``off``, ``block`` or ``every:K`` (transformers' own:
-            :func:`vramcal.models.mamba2.checkpoint_blocks`).
-        implementation: ``transformers`` (its PyTorch chunked scan, mamba_ssm kernels hidden) or
-            ``mamba_ssm`` (transformers' Mamba2 with mamba_ssm's fused kernels bound; CUDA only).
-
-    Batches: ``input_ids`` (batch_size, seq_len) int64 on the device.
+        dtype, checkpointing: as :func:`check_params` takes them.
+        implementation: ``transformers`` or ``mamba_ssm`` (transformers' Mamba2 with the fused kernels; CUDA only).
 
     Raises:
         ValueError: a bad config, seq_len, dtype or checkpointing (:func:`check_params`).
@@ -320,7 +250,7 @@ def training_step(device: torch.device, *, config: dict[str, Any], seq_len: int,
     import torch
 
     settings = check_params(config, seq_len, dtype, checkpointing)
-    modeling = import_transformers_mamba2() if implementation == "transformers" else _modeling_with_kernels()
+    modeling = import_transformers_mamba2() if implementation == "transformers" else import_transformers_kernels()
     torch.manual_seed(seed)
     model = modeling.Mamba2ForCausalLM(settings).to(device)
     checkpoint_blocks(model, checkpoint_every(checkpointing, settings.num_hidden_layers))

@@ -1,24 +1,7 @@
-"""The Mamba-2 model that vramcal calibrates and trains: its spec and the one function that builds it.
-
-Only this module imports Mamba-2 implementations. Two are supported, both from well-kept libraries:
-
-* ``transformers``: ``transformers.Mamba2Model`` on its pure-PyTorch chunked-scan path (``torch_forward``),
-  which runs on CPUs and GPUs. Where ``mamba_ssm`` is installed, transformers binds the Triton kernels of
-  ``mamba_ssm`` into the model at import time and calls them for CUDA tensors (up to 5.24 for CPU tensors
-  too, which crash); vramcal imports the transformers module with ``mamba_ssm`` and ``causal_conv1d``
-  hidden, so this path is always the PyTorch one it claims to be.
-* ``mamba_ssm``: ``mamba_ssm.modules.mamba2.Mamba2``, the authors' fused Triton/CUDA kernels
-  (``mamba_split_conv1d_scan_combined``, ``use_mem_eff_path=True``). GPU only; it needs the compiled
-  ``causal_conv1d`` package, because mamba_ssm 2.3.2's training path without it does not run.
-
-The profile records which one ran (:func:`kernel_path`): their memory differs by several times.
-
-Activation checkpointing (:func:`checkpoint_every`, the spec's ``checkpointing``) trades compute for memory: a
-checkpointed block keeps only its input in the forward pass and recomputes its activations in the backward pass
-(``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``; Chen et al. 2016, "Training Deep Nets with
-Sublinear Memory Cost"). transformers' blocks are checkpointed by transformers itself (:func:`checkpoint_blocks`),
-mamba_ssm's by the regressor's backbone (:class:`vramcal.models.regressor.net.MambaSsmBackbone`).
-"""
+"""The Mamba-2 implementations vramcal runs, and the one place that imports them: ``transformers`` (its
+pure-PyTorch chunked scan, imported with mamba_ssm hidden: :func:`import_transformers_mamba2`) and ``mamba_ssm``
+(the authors' fused Triton/CUDA kernels, GPU only, needing the compiled ``causal_conv1d``); the dtype policies and
+activation checkpointing (:func:`checkpoint_every`) both families share."""
 
 from __future__ import annotations
 
@@ -32,7 +15,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from vramcal.words import given
-from vramcal.workload import TORCH_PATH
+from vramcal.workload import KERNEL_PACKAGES, TORCH_PATH
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -46,26 +29,21 @@ DTYPE_POLICIES: tuple[str, ...] = ("fp32", "bf16-autocast")
 BF16_MIN_COMPUTE_CAPABILITY = (8, 0)  # bf16 tensor cores and autocast speed: Ampere (sm_80) and later
 CHECKPOINTING_FORMS = "off, block or every:K"  # what the spec's checkpointing takes (checkpoint_every)
 CHECKPOINTING_OFF = "off"
+MODELING = "transformers.models.mamba2.modeling_mamba2"
 
 
 KEY_DEFAULTS = {"checkpointing": CHECKPOINTING_OFF}  # what a profile key without the setting means (keyed_params)
 
 
 def keyed_params(params: dict[str, Any]) -> dict[str, Any]:
-    """A model's parameters as its profile key holds them: ``checkpointing`` left out when it is ``off``, so a
-    model without checkpointing finds the profiles made before the setting existed (both families' keys)."""
+    """A model's parameters as its profile key holds them: settings at their :data:`KEY_DEFAULTS` left out."""
     return {k: v for k, v in params.items() if KEY_DEFAULTS.get(k, object()) != v}
 
 
 def checkpoint_every(checkpointing: object, n_layers: int | None = None, layers_name: str = "n_layers") -> int:
-    """How many blocks apart the blocks recomputed in the backward pass are: 0 for ``off`` (none), 1 for ``block``
-    (every Mamba-2 block), K for ``every:K`` (blocks 0, K, 2K, ...; transformers' ``every_n_layers`` counts so).
-    One spelling per variant (``every:1`` is ``block``), so each variant has one profile key.
-
-    Args:
-        checkpointing: the spec's setting.
-        n_layers: the model's blocks, when known: K may not exceed it.
-        layers_name: the setting that gives ``n_layers``, as messages name it.
+    """How many blocks apart the blocks recomputed in the backward pass are: 0 for ``off``, 1 for ``block``, K for
+    ``every:K`` (blocks 0, K, 2K, ..., as transformers' ``every_n_layers``); K at most ``n_layers`` when given
+    (``layers_name`` names it). One spelling per variant (``every:1`` is ``block``): one profile key each.
 
     Raises:
         ValueError: one line naming the setting and what it takes.
@@ -88,12 +66,10 @@ def checkpoint_every(checkpointing: object, n_layers: int | None = None, layers_
 
 
 def checkpoint_blocks(model: torch.nn.Module, every: int) -> None:
-    """Recompute every ``every``-th Mamba-2 block of a transformers model (``Mamba2Model``, ``Mamba2ForCausalLM``)
-    in the backward pass, by transformers' own activation checkpointing: ``activation_checkpointing_enable``
-    (``gradient_checkpointing_enable`` before transformers named it so) with ``use_reentrant=False``, then each
-    block's own flag (its ``GradientCheckpointingLayer.gradient_checkpointing``) for blocks 0, K, 2K, ..., as
-    transformers' ``every_n_layers`` sets them where it has one. ``every`` 0: nothing (:func:`checkpoint_every`).
-    """
+    """Recompute every ``every``-th block of a transformers model in the backward pass (0: none), by transformers'
+    own ``activation_checkpointing_enable`` (formerly ``gradient_checkpointing_enable``, ``use_reentrant=False``)
+    and each ``GradientCheckpointingLayer``'s flag (Chen et al. 2016, "Training Deep Nets with Sublinear Memory
+    Cost")."""
     if not every:
         return
     from transformers.modeling_layers import GradientCheckpointingLayer  # loads torch: only when called
@@ -110,15 +86,12 @@ def checkpoint_blocks(model: torch.nn.Module, every: int) -> None:
 
 
 def checkpoint_model(module: torch.nn.Module, every: int) -> tuple[int, int]:
-    """A user's model (a LightningModule, a Trainer's model, a prepared one) checkpointed as the trials of a
-    variant were (:func:`checkpoint_every`'s ``every``; 0 changes nothing): each transformers model inside it
-    (outermost, with blocks: ``GradientCheckpointingLayer``) by :func:`checkpoint_blocks`, vramcal's mamba_ssm
-    backbone (:class:`vramcal.models.regressor.net.MambaSsmBackbone`, found by its ``checkpoint_stride``) by its
-    stride.
+    """A user's model checkpointed as a variant's trials were (``every`` 0 changes nothing): each outermost
+    transformers model inside it by :func:`checkpoint_blocks`, vramcal's mamba_ssm backbone
+    (:class:`vramcal.models.regressor.net.MambaSsmBackbone`) by its stride.
 
     Returns:
-        (recomputed, blocks): the blocks recomputed in the backward pass now, of the blocks found (0 found: the
-        model has none vramcal can checkpoint).
+        (recomputed, blocks): the blocks recomputed now, of the blocks found (0: none vramcal can checkpoint).
     """
     transformers_model, layer = (), ()
     if "transformers.modeling_utils" in sys.modules:  # a transformers model has loaded it: never loaded here
@@ -147,16 +120,11 @@ def checkpoint_model(module: torch.nn.Module, every: int) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def autocast(device_type: str, dtype_policy: str) -> Iterator[None]:
-    """The dtype policy's autocast for a forward pass on a device of ``device_type``: bf16 autocast for
-    ``bf16-autocast``, else disabled (fp32), as every family's factory runs it. ``bf16-autocast`` runs on CUDA; on CPU
-    tensors only in an estimate's trace of a card's step (:func:`check_dtype` refuses it on the host), where the CPU's
-    autocast casts by CUDA's op lists (:func:`vramcal.estimate.card.as_card`).
+    """The dtype policy's autocast on ``device_type``: bf16 for ``bf16-autocast``, else disabled (fp32).
 
-    It sets the autocast state as ``torch.autocast`` enters and leaves it (``torch.amp.autocast_mode``), without
-    the constructor's question to the device: on CUDA that asks ``torch.cuda.is_bf16_supported()``, which starts
-    CUDA (``current_device()``), so a process that must not touch the card (an estimate or an aim beside running
-    trials) would hold a CUDA context. Whether the card runs bf16 is :func:`check_dtype`'s, from NVML's compute
-    capability."""
+    It sets the state as ``torch.autocast`` does (``torch.amp.autocast_mode``) without its constructor's
+    ``torch.cuda.is_bf16_supported()``, which starts a CUDA context where an estimate must not (whether the card
+    runs bf16 is :func:`check_dtype`'s; a CPU trace of a card: :func:`vramcal.estimate.card.as_card`)."""
     import torch
 
     enabled = dtype_policy == "bf16-autocast"
@@ -184,9 +152,8 @@ def mamba_ssm_available() -> bool:
 
 
 def resolve_implementation(implementation: Implementation, device_kind: str) -> str:
-    """Pick the concrete implementation for a device (``cuda`` or ``host``).
-
-    ``auto`` picks ``mamba_ssm`` on CUDA when :func:`mamba_ssm_available`, else ``transformers``.
+    """The concrete implementation on a device kind: ``auto`` is ``mamba_ssm`` on CUDA where it imports, else
+    ``transformers``.
 
     Raises:
         ValueError: ``mamba_ssm`` asked for on the host, or asked for where it cannot be imported.
@@ -207,12 +174,8 @@ def resolve_implementation(implementation: Implementation, device_kind: str) -> 
 
 
 def check_dtype(device: Device, dtype_policy: str) -> None:
-    """Refuse a dtype policy the device cannot run: ``bf16-autocast`` off CUDA, or on a GPU below compute
-    capability 8.0 (pre-Ampere: no bf16 tensor cores). An unknown capability (NVML did not say) passes.
-
-    Raises:
-        ValueError: one line naming the device, its capability and the fix.
-    """
+    """Refuse ``bf16-autocast`` off CUDA or below compute capability 8.0 (no bf16 tensor cores); unknown passes.
+    Raises: ValueError: one line naming the device, its capability and the fix."""
     if dtype_policy != "bf16-autocast":
         return
     if device.kind != "cuda":
@@ -233,25 +196,18 @@ def kernel_path(implementation: str) -> str:
 
 
 def import_transformers_mamba2() -> types.ModuleType:
-    """Import ``transformers.models.mamba2.modeling_mamba2`` bound to its pure-PyTorch functions.
-
-    transformers binds ``mamba_ssm``/``causal_conv1d`` functions at import when they are importable;
-    hiding them from ``sys.modules`` during the import keeps the PyTorch reference path. If the module
-    was imported earlier with kernels bound, it is reloaded under the same guard.
-    """
-    name = "transformers.models.mamba2.modeling_mamba2"
-    hidden = ("mamba_ssm", "causal_conv1d")
-    saved = {key: sys.modules[key] for key in list(sys.modules)
-             if key.split(".")[0] in hidden}
+    """``transformers.models.mamba2.modeling_mamba2`` bound to its pure-PyTorch functions: imported (or reloaded)
+    with ``mamba_ssm``/``causal_conv1d`` hidden, as transformers binds their kernels at import."""
+    saved = {key: sys.modules[key] for key in list(sys.modules) if key.split(".")[0] in KERNEL_PACKAGES}
     for key in saved:
         del sys.modules[key]
-    for key in hidden:
+    for key in KERNEL_PACKAGES:
         sys.modules[key] = None  # type: ignore[assignment]  # makes `import key` raise ImportError
     try:
-        module = sys.modules.get(name)
+        module = sys.modules.get(MODELING)
         if module is not None and getattr(module, "_vramcal_torch_only", False):
             return module
-        module = importlib.reload(module) if module is not None else importlib.import_module(name)
+        module = importlib.reload(module) if module is not None else importlib.import_module(MODELING)
         module._vramcal_torch_only = True
         # transformers warns at every first call that it falls back to PyTorch: here that is the intent.
         from transformers.utils import logging as transformers_logging
@@ -259,18 +215,30 @@ def import_transformers_mamba2() -> types.ModuleType:
         transformers_logging.set_verbosity_error()
         return module
     finally:
-        for key in hidden:
+        for key in KERNEL_PACKAGES:
             sys.modules.pop(key, None)
         sys.modules.update(saved)
 
 
-def import_mamba_ssm_mamba2() -> types.ModuleType:
-    """Import ``mamba_ssm.modules.mamba2``.
+def import_transformers_kernels() -> types.ModuleType:
+    """``modeling_mamba2`` with mamba_ssm's kernels bound (the ``mamba_ssm`` implementation of transformers' model),
+    reloaded where :func:`import_transformers_mamba2` had hidden them (the fork server preloads it so)."""
+    try:
+        import_mamba_ssm_mamba2()  # the package importable even without Mamba-1's compiled extension
+    except ImportError:
+        pass  # transformers then binds what it can import, and detect_kernel_path records it
+    module = sys.modules.get(MODELING)
+    if module is None:
+        module = importlib.import_module(MODELING)
+    elif getattr(module, "_vramcal_torch_only", False):
+        module = importlib.reload(module)
+    module._vramcal_torch_only = False
+    return module
 
-    mamba-ssm 2.3.2's package ``__init__`` imports the compiled ``selective_scan_cuda`` (Mamba-1 only);
-    when that extension is missing, the package is entered as a bare namespace so Mamba-2's Triton
-    modules still import.
-    """
+
+def import_mamba_ssm_mamba2() -> types.ModuleType:
+    """``mamba_ssm.modules.mamba2``, the package entered as a bare namespace where its ``__init__`` fails on the
+    Mamba-1-only ``selective_scan_cuda`` extension (mamba-ssm 2.3.2)."""
     try:
         return importlib.import_module("mamba_ssm.modules.mamba2")
     except ImportError as error:

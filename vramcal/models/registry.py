@@ -1,20 +1,7 @@
-"""The model families vramcal builds, in one place: how each is named, checked, described and sized.
-
-What a profile calibrates is a *factory* (``module:function``, :mod:`vramcal.workload`) and its arguments,
-a :class:`~vramcal.workload.ModelRef`. Two families ship with vramcal:
-
-* ``regressor`` — the bundled trainer's Mamba-2 regressor over windows of bars
-  (:mod:`vramcal.models.regressor`); its arguments are the :class:`~vramcal.models.regressor.spec.RegressorSpec`
-  fields and a concrete implementation; it takes the data options (a bar file, stride, ...);
-* ``lm`` — a Mamba-2 causal language model from a transformers ``Mamba2Config`` (:mod:`vramcal.models.lm`);
-
-and any other ``module:function`` is a user's factory; a model the framework integrations calibrate as the run
-has it (:class:`OwnModel`, :mod:`vramcal.models.own`) is named by the integration's own factory. Everything that
-differs between them — how a reference is checked, its chunk size and whether it takes a ``seq_len``, the command
-line that probes it, its data options, the arguments left out of titles, its file label — is a method of its
-:class:`Family`.
-No other module tells the families apart by name: they ask :func:`family` or :func:`family_of`.
-"""
+"""The model families vramcal builds, in one place: ``regressor`` (:mod:`vramcal.models.regressor`), ``lm``
+(:mod:`vramcal.models.lm`), the integrations' own models (:mod:`vramcal.models.own`) and any user's
+``module:function``. What differs between them is a method of its :class:`Family`; no other module tells them apart
+by name (they ask :func:`family` or :func:`family_of`)."""
 
 from __future__ import annotations
 
@@ -27,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vramcal.arguments import of_type
+from vramcal.arguments import mapping, of_type
 from vramcal.models import lm
 from vramcal.models.mamba2 import KEY_DEFAULTS, check_dtype, keyed_params, resolve_implementation
 from vramcal.models.regressor.spec import FACTORY as REGRESSOR_FACTORY
@@ -48,15 +35,12 @@ class Family:
     """A user's factory (``module:function``): the base every family refines.
 
     Attributes:
-        factory: ``module:function``.
         name: the family's name (``regressor``, ``lm``), or ``factory`` for a user's.
         quiet: arguments left out of titles (fixed settings).
-        spec_options: whether the command line's spec options (``--d-model``, ...) are its arguments
-            (else ``--model-arg KEY=VALUE``).
-        option_args: arguments the command line fills from its ``--seq-len``/``--dtype`` defaults when
-            ``--model-arg`` does not give them.
-        documents: the bundled trainer batches documents of every length for it (the language model's), so a run's
-            time is forecast per padded token (:mod:`vramcal.train.timing`), not per sample of one length.
+        spec_options: the command line's spec options (``--d-model``, ...) are its arguments (else ``--model-arg``).
+        option_args: arguments filled from ``--seq-len``/``--dtype`` when ``--model-arg`` does not give them.
+        documents: the trainer batches documents of every length for it, forecast per padded token
+            (:mod:`vramcal.train.timing`).
     """
 
     factory: str
@@ -67,12 +51,8 @@ class Family:
     documents: bool = False
 
     def check(self, params: dict[str, Any], device: Device, implementation: str) -> ModelRef:
-        """The checked reference of the factory with ``params`` on ``device`` (a user's factory: importable).
-
-        Raises:
-            WorkloadError: the module cannot be imported or has no such function, or the function takes no
-                argument of that name (a variant, ``checkpointing``, asked of a factory that cannot take it).
-        """
+        """The checked reference of the factory with ``params`` on ``device``.
+        Raises: WorkloadError: the factory cannot be imported, or takes no argument of a name in ``params``."""
         ref = ModelRef.make(self.factory, params)
         self.check_arguments(params)
         return ref
@@ -96,7 +76,7 @@ class Family:
         return accepts(load_factory(ref), "seq_len")
 
     def implementation(self, ref: ModelRef) -> str:
-        """The Mamba-2 implementation a profile of ``ref`` records (``factory``: the user's model)."""
+        """The Mamba-2 implementation a profile of ``ref`` records."""
         return str(ref.params.get("implementation", "factory"))
 
     def title(self, ref: ModelRef) -> str:
@@ -116,24 +96,19 @@ class Family:
                                             for k, v in params.items())]
 
     def setting(self, ref: ModelRef, name: str) -> str:
-        """A setting of ``ref`` for people: its value, or what leaving it out of the key means (a user's factory:
-        its own default; a Mamba-2 family's, :data:`vramcal.models.mamba2.KEY_DEFAULTS`), never ``None``."""
+        """A setting of ``ref`` for people: its value, or what leaving it out of the key means, never ``None``."""
         params = ref.params
         if name in params:
             return short_value(params[name])
         return str(KEY_DEFAULTS[name]) if self.name != "factory" and name in KEY_DEFAULTS else "not given"
 
     def data_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        """The options that apply to this family's factory (they do not change the model): none."""
+        """The data options that apply to this family's factory: none."""
         return {}
 
     def data_source(self, options: dict[str, Any]) -> str:
         """What the profile says its trials' data were."""
         return "the factory's"
-
-
-# the regressor's defaults, read from the record's fields (no spec is made to read them)
-SPEC_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RegressorSpec)}
 
 
 @dataclass(frozen=True)
@@ -150,11 +125,7 @@ class Regressor(Family):
         return self.ref(RegressorSpec.from_dict(params), device, implementation)
 
     def ref(self, spec: RegressorSpec, device: Device, implementation: str) -> ModelRef:
-        """The key of a spec already made (and so checked) on ``device``: the trainer's.
-
-        Raises:
-            ValueError: a dtype or implementation the device cannot run.
-        """
+        """The key of a spec already made on ``device``. Raises: ValueError: a dtype or implementation it cannot run."""
         check_dtype(device, spec.dtype)
         return spec.ref(resolve_implementation(implementation, device.kind))
 
@@ -162,7 +133,7 @@ class Regressor(Family):
         return True
 
     def probe_args(self, ref: ModelRef) -> list[str]:
-        params, defaults = ref.params, SPEC_DEFAULTS
+        params, defaults = ref.params, {f.name: f.default for f in dataclasses.fields(RegressorSpec)}
         return [f"--{k.replace('_', '-')} {params[k]}" for k in defaults
                 if k not in self.quiet and k in params and defaults[k] != params[k]]
 
@@ -186,9 +157,7 @@ class LanguageModel(Family):
     documents: bool = True
 
     def check(self, params: dict[str, Any], device: Device, implementation: str) -> ModelRef:
-        """Raises: ValueError: no config or seq_len, a config transformers refuses, a seq_len that is not a
-        multiple of its chunk_size, a dtype the device cannot run, or a checkpointing that is not off, block or
-        every:K with K at most the config's layers."""
+        """Raises: ValueError: no config or seq_len, or a bad one (:func:`vramcal.models.lm.check_params`)."""
         if "config" not in params or "seq_len" not in params:
             raise ValueError(f"{given('model', 'lm')} needs {given('params', 'config=<Mamba2Config JSON file>')} and "
                              f"{word('seq_len')}")
@@ -214,15 +183,14 @@ class LanguageModel(Family):
 
 @dataclass(frozen=True)
 class OwnModel(Family):
-    """A model an integration calibrates as the run has it (:mod:`vramcal.models.own`): a LightningModule or a
-    transformers model, named by its class (``params["model"]``); ``framework`` trains it."""
+    """A model an integration calibrates as the run has it (:mod:`vramcal.models.own`), named by its class."""
 
     name: str = "own"
     quiet: tuple[str, ...] = ("data",)
     framework: str = ""
 
     def check(self, params: dict[str, Any], device: Device, implementation: str) -> ModelRef:
-        """The reference as the integration made it (it checked the model where the run gave it)."""
+        """The reference as the integration made (and checked) it."""
         return ModelRef.make(self.factory, params)
 
     def implementation(self, ref: ModelRef) -> str:
@@ -236,7 +204,7 @@ class OwnModel(Family):
         return re.sub(r"[^A-Za-z0-9_]+", "-", str(ref.params.get("model", "")).rpartition(":")[2]).strip("-")
 
     def data_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        """The sample of the run's data the trials take their batches from (:func:`vramcal.models.own.save_sample`)."""
+        """The sample of the run's data (:func:`vramcal.models.own.save_sample`)."""
         return {"sample": str(options["sample"])} if options.get("sample") else {}
 
     def data_source(self, options: dict[str, Any]) -> str:
@@ -252,10 +220,7 @@ _BY_FACTORY = {each.factory: each for each in (*FAMILIES.values(), *OWN_MODELS)}
 
 def family(model: str) -> Family:
     """The family a ``--model`` choice names: ``regressor``, ``lm``, or a user's ``module:function``.
-
-    Raises:
-        WorkloadError: neither a family name nor ``module:function``.
-    """
+    Raises: WorkloadError: neither a family name nor ``module:function``."""
     found = FAMILIES.get(model) or _BY_FACTORY.get(model)
     if found is not None:
         return found
@@ -272,15 +237,12 @@ def family_of(ref: ModelRef) -> Family:
 
 def model_ref(model: str | ModelRef, params: dict[str, Any] | None = None, *, device: Device,
               implementation: str = "auto") -> ModelRef:
-    """The checked key of ``model`` on ``device``: the factory, its arguments, and for vramcal's families a
-    concrete implementation (``auto`` picks ``mamba_ssm`` on a GPU where its kernels import, else
-    ``transformers``). A :class:`~vramcal.workload.ModelRef` is taken as it is.
+    """The checked key of ``model`` on ``device`` (for vramcal's families with a concrete implementation:
+    :func:`vramcal.models.mamba2.resolve_implementation`); a :class:`~vramcal.workload.ModelRef` as it is.
 
     Raises:
-        ValueError: an impossible spec or config, a dtype the device cannot run, an implementation that
-            cannot run here. WorkloadError: a user factory that cannot be imported. TypeError: ``model`` neither a
-            name nor a ModelRef, ``implementation`` no str, ``params`` that is no mapping of argument names, or an
-            argument of the wrong type (``{'d_model': 'x'}``).
+        ValueError: an impossible spec or config, or a dtype or implementation the device cannot run.
+            WorkloadError: a user factory that cannot be imported. TypeError: an argument of the wrong type.
     """
     of_type("device", device, Device, "a vramcal.records.Device (vramcal.select_devices(gpu)[0][0])")
     if isinstance(model, ModelRef):
@@ -291,20 +253,12 @@ def model_ref(model: str | ModelRef, params: dict[str, Any] | None = None, *, de
 
 
 def arguments(params: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``params=`` as a dict of the model's arguments (None: none).
-
-    Raises:
-        TypeError: anything that is no mapping (``"d_model=32"``).
-    """
-    if params is not None and not isinstance(params, Mapping):
-        raise TypeError(f"params= takes the model's arguments as a dict ({{'d_model': 32}}), not "
-                        f"{type(params).__name__} {params!r:.40}")
-    return dict(params or {})
+    """``params=`` as a dict (None: none). Raises: TypeError: no mapping (``"d_model=32"``)."""
+    return dict(mapping("params", params, "the model's arguments as a dict ({'d_model': 32})") or {})
 
 
 def describe(ref: ModelRef) -> str:
-    """One line for titles: the family or factory, its arguments (the usual Mamba-2 ones first, values only
-    for ``dtype``, a config by its shape), and the implementation in brackets."""
+    """One line for titles: the family, its arguments (:data:`_ORDER` first) and ``[implementation]``."""
     chosen = family_of(ref)
     params = {k: v for k, v in _without_implementation(ref).items() if k not in chosen.quiet}
     order = sorted(params, key=lambda k: (_ORDER.index(k) if k in _ORDER else len(_ORDER), k))
@@ -319,8 +273,7 @@ def _without_implementation(ref: ModelRef) -> dict[str, Any]:
 
 
 def short_value(value: Any) -> str:
-    """A value for :func:`describe`: a config dict by its shape (``(hidden 64, layers 2, vocab 512, state 16,
-    +7 more)``), other dicts by their size."""
+    """A value for titles: a config dict by its shape (``(hidden 64, layers 2, +7 more)``), other dicts by size."""
     if isinstance(value, dict):
         shape = [f"{label} {value[key]}" for key, label in _SHAPE if key in value]
         rest = len(value) - len(shape)
@@ -329,9 +282,8 @@ def short_value(value: Any) -> str:
 
 
 def differences(refs: Sequence[ModelRef]) -> list[tuple[str, str]]:
-    """What tells each of ``refs`` apart from the others: (the family where the families differ, else ""; the
-    settings whose values differ, ``d_model=256 seq_len=64``, else ""). A setting its family lacks (None) is left
-    out, never ``d_model=None``; a config is given by its shape (:func:`short_value`)."""
+    """What tells each of ``refs`` apart: (its family where they differ, else ""; the settings that differ,
+    ``d_model=256 seq_len=64``, else "")."""
     titles = [family_of(ref).title(ref) for ref in refs]
     params = [{k: v for k, v in ref.params.items() if v is not None} for ref in refs]
     differ = sorted(k for k in {k for each in params for k in each}
@@ -342,8 +294,7 @@ def differences(refs: Sequence[ModelRef]) -> list[tuple[str, str]]:
 
 
 def _arg_text(value: Any) -> str:
-    """A ``--model-arg`` value that reads back as ``value`` (:class:`vramcal.cli.options.KeyValue` reads JSON,
-    else text)."""
+    """A ``--model-arg`` value that reads back as ``value`` (JSON, else text)."""
     if isinstance(value, str):
         try:
             json.loads(value)

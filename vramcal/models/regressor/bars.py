@@ -1,11 +1,5 @@
-"""OHLCV bars for the regressor family: loading and checking a bar file, the E-mini tick sample.
-
-Bars are a parquet file with columns ``timestamp, open, high, low, close, volume`` (any
-capitalisation; ``datetime``/``date``/``time`` also name the timestamp, or a datetime index).
-Time-zone-aware timestamps are converted to UTC and made naive; numeric (epoch) timestamps are refused,
-as their unit cannot be known. What the trainer makes of them (features, windows, the split) is
-:mod:`vramcal.models.regressor.windows`.
-"""
+"""OHLCV bars for the regressor family: loading and checking a bar file (:data:`COLUMNS`, any capitalisation;
+:data:`TIMESTAMP_ALIASES` or a datetime index for the time), and the E-mini tick sample."""
 
 from __future__ import annotations
 
@@ -16,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vramcal.files import atomic_write, os_advice
+from vramcal.workload import first_line
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -30,20 +25,13 @@ class DataError(ValueError):
     """Bars the trainer cannot use; the one-line message names the file, the problem and the fix."""
 
 
-# ------------------------------------------------------------------------------------------- bars
-
 def load_bars(path: Path | str) -> pd.DataFrame:
-    """Read and check an OHLCV parquet file (the bars' schema: :data:`COLUMNS`, :func:`check_bars`).
-
-    Returns:
-        A DataFrame with exactly :data:`COLUMNS`, a fresh RangeIndex, ``timestamp`` as datetime64 and
-        the rest float64, strictly increasing in time.
+    """Read and check an OHLCV parquet file: :data:`COLUMNS` (timestamp naive datetime64, the rest float64),
+    strictly increasing in time, a fresh RangeIndex.
 
     Raises:
-        DataError: the file is missing, a folder, no regular file, unreadable, empty, not parquet, lacks a
-            column or names one twice, has a column that is not numbers (true/false, text) or not date-times,
-            NaN/infinite/non-positive prices, negative volume, inconsistent bars, or unsorted or duplicate
-            timestamps.
+        DataError: no readable parquet file (:func:`check_file`), a column missing or named twice, or bad values
+            (:func:`check_bars`).
     """
     import pandas as pd
 
@@ -55,20 +43,13 @@ def load_bars(path: Path | str) -> pd.DataFrame:
     try:
         frame = pd.read_parquet(path)
     except Exception as error:  # noqa: BLE001 - pyarrow raises many types for a bad file
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise DataError(f"{path}: not a readable parquet file ({first[:160]})") from None
+        raise DataError(f"{path}: not a readable parquet file ({first_line(error)[:160]})") from None
     return check_bars(_normalise_columns(frame, path), path)
 
 
 def check_file(path: Path, what: str, make: str) -> bytes:
     """The first bytes of ``path`` once it is a readable, non-empty regular file (``what`` names it, ``make``
-    says how to get one).
-
-    Raises:
-        DataError: no such file, a folder, no regular file (a device such as /dev/null, a pipe, a socket), a
-            file that cannot be read, or an empty one (pseudo-files such as /proc/self/status report a size
-            of 0 and still hold text, so the bytes decide, not the size).
-    """
+    says how to get one). Raises: DataError: missing, a folder, a device or pipe, unreadable, or empty."""
     if not path.exists():
         raise DataError(f"{path}: no such file ({make})")
     if path.is_dir():
@@ -107,12 +88,8 @@ def _normalise_columns(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
 
 
 def column_names(frame: pd.DataFrame, path: Path | str, wanted: tuple[str, ...]) -> dict[str, object]:
-    """Lower-case name -> the frame's column, for the ``wanted`` names (any capitalisation, spaces around).
-
-    Raises:
-        DataError: a wanted name given by two columns (``close`` and ``Close``): which one holds the data is
-            unknowable.
-    """
+    """Lower-case name -> the frame's column (any capitalisation, spaces around).
+    Raises: DataError: a ``wanted`` name given by two columns (``close`` and ``Close``)."""
     lower: dict[str, object] = {}
     for column in frame.columns:
         key = str(column).strip().lower()
@@ -123,7 +100,12 @@ def column_names(frame: pd.DataFrame, path: Path | str, wanted: tuple[str, ...])
 
 
 def check_bars(frame: pd.DataFrame, path: Path | str = "bars") -> pd.DataFrame:
-    """Check normalised bars (see :func:`load_bars`) and convert dtypes. Raises: DataError."""
+    """Check normalised bars and convert dtypes.
+
+    Raises:
+        DataError: no rows, bad numbers or date-times, prices <= 0, negative volume, high/low inconsistent with the
+            other prices, or unsorted or duplicate timestamps.
+    """
     import pandas as pd
 
     if len(frame) == 0:
@@ -131,36 +113,24 @@ def check_bars(frame: pd.DataFrame, path: Path | str = "bars") -> pd.DataFrame:
     stamps = timestamps(frame["timestamp"], path)
     values = {name: numbers(frame[name], name, path, stamps) for name in COLUMNS[1:]}
     prices = np.stack([values[c] for c in ("open", "high", "low", "close")])
-    if (prices <= 0).any():
-        row = int(np.argmax((prices <= 0).any(axis=0)))
-        raise DataError(f"{path}: non-positive price in row {row} ({stamps.iloc[row]}): log returns need prices > 0")
-    if (values["volume"] < 0).any():
-        row = int(np.argmax(values["volume"] < 0))
-        raise DataError(f"{path}: negative volume in row {row} ({stamps.iloc[row]})")
-    inconsistent = (values["high"] < prices.max(axis=0)) | (values["low"] > prices.min(axis=0))
-    if inconsistent.any():
-        row = int(np.argmax(inconsistent))
-        raise DataError(f"{path}: bar in row {row} ({stamps.iloc[row]}) has high below or low above its "
-                        f"other prices")
-    steps = np.diff(stamps.to_numpy().astype("datetime64[ns]").astype(np.int64))
-    if (steps < 0).any():
-        row = int(np.argmax(steps < 0)) + 1
-        raise DataError(f"{path}: timestamps are not sorted: row {row} ({stamps.iloc[row]}) is earlier than "
-                        f"row {row - 1}; sort the bars by time")
-    if (steps == 0).any():
-        row = int(np.argmax(steps == 0)) + 1
-        raise DataError(f"{path}: duplicate timestamp {stamps.iloc[row]} in rows {row - 1} and {row}; "
-                        f"keep one bar per time")
+    steps = np.r_[1, np.diff(stamps.to_numpy().astype("datetime64[ns]").astype(np.int64))]  # row i: since row i-1
+    for bad, says in (((prices <= 0).any(axis=0), "non-positive price in row {row} ({stamp}): log returns need "
+                                                   "prices > 0"),
+                      (values["volume"] < 0, "negative volume in row {row} ({stamp})"),
+                      ((values["high"] < prices.max(axis=0)) | (values["low"] > prices.min(axis=0)),
+                       "bar in row {row} ({stamp}) has high below or low above its other prices"),
+                      (steps < 0, "timestamps are not sorted: row {row} ({stamp}) is earlier than row {before}; sort "
+                                  "the bars by time"),
+                      (steps == 0, "duplicate timestamp {stamp} in rows {before} and {row}; keep one bar per time")):
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise DataError(f"{path}: " + says.format(row=row, stamp=stamps.iloc[row], before=row - 1))
     return pd.DataFrame({"timestamp": stamps.to_numpy(), **values})
 
 
 def numbers(raw: pd.Series, name: str, path: Path | str, stamps: pd.Series | None = None) -> np.ndarray:
-    """A column of numbers as float64: numeric columns and text that reads as numbers; every value finite.
-
-    Raises:
-        DataError: true/false values, a value that is no number (names its row, and its time when known), or
-            NaN and infinities (their count and the first row); the fix in each message.
-    """
+    """A column of numbers (or text that reads as numbers) as finite float64.
+    Raises: DataError: true/false values, a value that is no number, NaN or infinities (the row named)."""
     import pandas as pd
 
     def where(row: int) -> str:
@@ -187,12 +157,11 @@ def numbers(raw: pd.Series, name: str, path: Path | str, stamps: pd.Series | Non
 
 
 def timestamps(column: pd.Series, path: Path | str, name: str = "timestamp") -> pd.Series:
-    """``column`` (named ``name`` in messages) as naive datetime64: time-zone-aware stamps, and text with UTC
-    offsets, are converted to UTC and made naive.
+    """``column`` as naive datetime64, zone-aware stamps converted to UTC.
 
     Raises:
-        DataError: numbers (epoch times, whose unit cannot be known: the message guesses it and shows
-            the conversion), true/false, text that is not a date-time (names the row), or a missing stamp.
+        DataError: numbers (epoch times of unknown unit: the message guesses it), true/false, text that is not a
+            date-time, or a missing stamp.
     """
     import pandas as pd
 
@@ -215,8 +184,7 @@ def timestamps(column: pd.Series, path: Path | str, name: str = "timestamp") -> 
 
 
 def _parse_stamps(column: pd.Series, path: Path | str, name: str) -> pd.Series:
-    """Text (or date objects) as datetime64: the whole column at once in one format where it has one (fast on
-    the half-million stamps of a tick file), else stamp by stamp, naming the first one that is no date-time."""
+    """Text as datetime64: the whole column in one format where it has one (fast), else stamp by stamp."""
     import pandas as pd
 
     try:
@@ -236,12 +204,8 @@ def _parse_stamps(column: pd.Series, path: Path | str, name: str) -> pd.Series:
 
 
 def synthetic_bars(n_bars: int = 34_171, seed: int = 0) -> pd.DataFrame:
-    """Random-walk bars with the E-mini sample's size and shape, for calibrating without a data file.
-
-    A random walk on the 0.25-point tick grid from 1600, one bar per second, consistent OHLC and integer
-    volume; ``n_bars`` defaults to the number of 1-second bars of ``vramcal data es-sample``, so the data
-    a calibration holds matches the sample's.
-    """
+    """Random-walk bars (0.25-point ticks from 1600, one a second) the size of ``vramcal data es-sample``'s,
+    for calibrating without a data file."""
     import pandas as pd
 
     rng = np.random.default_rng(seed)
@@ -254,16 +218,9 @@ def synthetic_bars(n_bars: int = 34_171, seed: int = 0) -> pd.DataFrame:
                          "volume": rng.integers(0, 500, n_bars).astype(float)})
 
 
-# ------------------------------------------------------------------------------------ E-mini sample
-
 def mlfinpy_tick_path() -> Path:
-    """The E-mini S&P 500 tick CSV shipped inside the ``mlfinpy`` package, located without importing it.
-
-    (Importing mlfinpy pulls numba; the file is data, so only its location is needed.)
-
-    Raises:
-        DataError: mlfinpy is not installed, or the file is not in it.
-    """
+    """The E-mini S&P 500 tick CSV inside ``mlfinpy``, located without importing it (which pulls numba).
+    Raises: DataError: mlfinpy is not installed, or the file is not in it."""
     spec = importlib.util.find_spec("mlfinpy")
     if spec is None or not spec.submodule_search_locations:
         raise DataError("the E-mini tick sample comes with mlfinpy: pip install --no-deps mlfinpy==0.1.2")
@@ -279,15 +236,11 @@ TICK_STAMPS = ("datetime", "timestamp")  # the tick file's time column, any capi
 
 
 def check_ticks(ticks: pd.DataFrame, path: Path | str = "ticks") -> pd.DataFrame:
-    """The tick file's schema: a time column (``DateTime`` or ``timestamp``, date-times as :func:`timestamps`
-    reads them), ``Price`` (finite numbers > 0) and ``Volume`` (finite numbers >= 0), any capitalisation.
-
-    Returns:
-        A DataFrame ``timestamp, price, volume``: naive datetime64 and float64, sorted by time (stable).
+    """Ticks (``DateTime`` or ``timestamp``, ``Price`` > 0, ``Volume`` >= 0; any capitalisation) as a frame
+    ``timestamp, price, volume`` sorted by time.
 
     Raises:
-        DataError: a missing or doubled column, no trades, or a bad value (names the file, the column and
-            the row, and the fix).
+        DataError: a missing or doubled column, no trades, or a bad value.
     """
     import pandas as pd
 
@@ -312,10 +265,7 @@ def check_ticks(ticks: pd.DataFrame, path: Path | str = "ticks") -> pd.DataFrame
 
 
 def bar_offset(bar: str) -> pd.DateOffset:
-    """``bar`` (``1s``, ``5s``, ``1min``) as a pandas offset (``pandas.tseries.frequencies.to_offset``).
-
-    Raises:
-        DataError: a string pandas cannot read, or a length that is not positive."""
+    """``bar`` (``1s``, ``5s``, ``1min``) as a pandas offset. Raises: DataError: unreadable, or not positive."""
     import pandas as pd
 
     try:
@@ -328,21 +278,11 @@ def bar_offset(bar: str) -> pd.DateOffset:
 
 
 def ticks_to_bars(ticks: pd.DataFrame, bar: str, path: Path | str = "ticks") -> pd.DataFrame:
-    """Time bars from trades.
-
-    Args:
-        ticks: columns ``DateTime`` (or ``timestamp``), ``Price``, ``Volume`` (any capitalisation), checked by
-            :func:`check_ticks`.
-        bar: a pandas offset such as ``1s``, ``5s``, ``1min``.
-        path: where the ticks came from, for messages.
-
-    Returns:
-        Bars with :data:`COLUMNS`: open/high/low/close of the trade prices in each interval (pandas
-        ``resample(bar).ohlc()``, left-labelled), volume = summed traded contracts; intervals without
-        trades are dropped, not forward-filled.
+    """Time bars (:data:`COLUMNS`) from trades (:func:`check_ticks`): pandas ``resample(bar).ohlc()``,
+    left-labelled, volume summed; intervals without trades dropped.
 
     Raises:
-        DataError: bad ticks (:func:`check_ticks`) or a bar string pandas cannot read.
+        DataError: bad ticks or a bar string pandas cannot read.
     """
     offset = bar_offset(bar)
     series = check_ticks(ticks, path).set_index("timestamp")
@@ -354,12 +294,8 @@ def ticks_to_bars(ticks: pd.DataFrame, bar: str, path: Path | str = "ticks") -> 
 
 
 def write_parquet(frame: pd.DataFrame, path: Path | str) -> Path:
-    """Write ``frame`` as parquet atomically (:func:`vramcal.files.atomic_write`: a temporary file in the same
-    folder, fsynced, then renamed over ``path``).
-
-    Raises:
-        DataError: the folder cannot be created or written (e.g. a part of the path is a file).
-    """
+    """Write ``frame`` as parquet atomically (:func:`vramcal.files.atomic_write`).
+    Raises: DataError: the folder cannot be created or written."""
     path = Path(path)
     try:
         atomic_write(path, lambda handle: frame.to_parquet(handle, index=False))

@@ -1,8 +1,4 @@
-"""The ``nn.Module`` classes of the regressor (imported lazily by :func:`vramcal.models.regressor.step.build_model`).
-
-The Mamba-2 blocks themselves come from transformers or mamba_ssm; this file only wires an input
-projection, a library backbone and a regression head around them.
-"""
+"""The regressor's ``nn.Module`` classes: an input projection, a library's Mamba-2 backbone and a linear head."""
 
 from __future__ import annotations
 
@@ -39,13 +35,8 @@ class Mamba2Regressor(nn.Module):
 
 
 class TransformersBackbone(nn.Module):
-    """``transformers.Mamba2Model`` fed through ``inputs_embeds``: (B, L, d_model) -> (B, L, d_model).
-
-    Its one-row token embedding is unused, and frozen (no gradient, no optimizer state, and DDP finds no
-    parameter without a gradient); blocks, initialisation, the final RMSNorm, the fp32 residual stream
-    (``residual_in_fp32``) and the spec's activation checkpointing
-    (:func:`vramcal.models.mamba2.checkpoint_blocks`) are the library's.
-    """
+    """``transformers.Mamba2Model`` fed through ``inputs_embeds``: (B, L, d_model) -> (B, L, d_model); its unused
+    one-row embedding frozen (DDP then finds no parameter without a gradient)."""
 
     def __init__(self, modeling: types.ModuleType, spec) -> None:
         super().__init__()
@@ -65,16 +56,10 @@ class TransformersBackbone(nn.Module):
 
 
 class MambaSsmBackbone(nn.Module):
-    """Pre-norm residual stack of ``mamba_ssm`` Mamba2 mixers: (B, L, d_model) -> (B, L, d_model).
-
-    The same layout as mamba_ssm's ``MixerModel`` without its token embedding: for each layer
-    ``h = h + Mamba2(RMSNorm(h))``, then a final RMSNorm. The residual stream ``h`` is fp32 whatever the
-    autocast (the input projection's bf16 output is cast up at the entry, and each block's bf16 output is
-    added to fp32), as transformers' ``Mamba2Model`` keeps it with ``residual_in_fp32=True``: both
-    implementations calibrate the same model. The blocks the spec checkpoints (every ``checkpoint_stride``-th from
-    the first, as transformers counts them) run under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
-    in training: only their input is kept, the rest recomputed in the backward pass.
-    """
+    """Pre-norm residual stack of ``mamba_ssm`` Mamba2 mixers, mamba_ssm's ``MixerModel`` without its embedding:
+    ``h = h + Mamba2(RMSNorm(h))`` per layer, a final RMSNorm; (B, L, d_model) -> (B, L, d_model). The residual
+    stream is fp32, as transformers' with ``residual_in_fp32=True``; every ``checkpoint_stride``-th block from the
+    first is recomputed in the backward pass (``checkpoint(..., use_reentrant=False)``)."""
 
     def __init__(self, mamba2: types.ModuleType, spec) -> None:
         super().__init__()
@@ -101,5 +86,5 @@ class MambaSsmBackbone(nn.Module):
 
 
 def _block(norm: nn.Module, mixer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """One pre-norm residual block: (B, L, d_model) fp32 -> (B, L, d_model) fp32 (+ bf16 under autocast -> fp32)."""
+    """One pre-norm residual block: (B, L, d_model) fp32 -> (B, L, d_model) fp32."""
     return hidden + mixer(norm(hidden))

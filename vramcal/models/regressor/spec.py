@@ -1,8 +1,4 @@
-"""The regressor's spec: the Mamba-2 regressor's shape, the key of its profiles.
-
-The regressor is vramcal's bundled model family (:mod:`vramcal.models.regressor`): a Mamba-2 model over
-windows of OHLCV bars, which ``vramcal train`` trains and ``vramcal probe`` calibrates by default.
-"""
+"""The regressor's spec (:class:`RegressorSpec`): the Mamba-2 regressor's shape, the key of its profiles."""
 
 from __future__ import annotations
 
@@ -21,11 +17,8 @@ N_FEATURES = 5
 
 @dataclass(frozen=True)
 class RegressorSpec:
-    """A Mamba-2 regression model over windows of bars: the key of a profile, checked when made (:meth:`validate`).
-
-    The model maps ``x: (batch_size, seq_len, n_features)`` float32 to ``(batch_size, seq_len)``
-    float32 predictions (one next-bar return per position): a linear input projection to ``d_model``,
-    ``n_layers`` pre-norm Mamba-2 blocks, a final RMSNorm and a linear head.
+    """A Mamba-2 regressor over windows of bars, (B, L, n_features) -> (B, L) float32: the key of a profile,
+    checked when made (:meth:`validate`).
 
     Attributes:
         d_model: width of the residual stream.
@@ -39,11 +32,8 @@ class RegressorSpec:
         d_conv: width of the causal depthwise convolution.
         n_groups: groups sharing B and C (1 = multi-value attention analogue).
         dtype: ``fp32``, or ``bf16-autocast`` (fp32 weights, bf16 autocast; CUDA only).
-        checkpointing: activation checkpointing, ``off``, ``block`` (every Mamba-2 block recomputed in the
-            backward pass) or ``every:K`` (blocks 0, K, 2K, ...; K at most ``n_layers``): less memory per sample
-            for more compute (:func:`vramcal.models.mamba2.checkpoint_every`). A variant of the same model with a
-            profile of its own: :meth:`ref` keys it, leaving ``off`` out so that profiles made before the setting
-            existed keep their key.
+        checkpointing: ``off``, ``block`` or ``every:K`` (:func:`vramcal.models.mamba2.checkpoint_every`): a
+            variant with a profile of its own.
     """
 
     d_model: int = 128
@@ -71,12 +61,11 @@ class RegressorSpec:
         return self.d_inner // self.headdim
 
     def validate(self) -> None:
-        """Refuse a spec no Mamba-2 implementation can build or train: run once, when the spec is made (a
-        :func:`dataclasses.replace` makes a new one), so every ``RegressorSpec`` that exists is valid.
+        """Refuse a spec no Mamba-2 implementation can build or train (run when the spec is made).
 
         Raises:
             ValueError: one line naming the bad value and values that would work. TypeError: a size that is no
-                whole number, or a ``dtype``/``checkpointing`` that is no str (``{'d_model': 'x'}``).
+                whole number, or a ``dtype``/``checkpointing`` that is no str.
         """
         for name in ("d_model", "n_layers", "d_state", "headdim", "expand", "chunk_size", "seq_len",
                      "n_features", "d_conv", "n_groups", "dtype", "checkpointing"):
@@ -109,8 +98,7 @@ class RegressorSpec:
 
     @property
     def checkpoint_stride(self) -> int:
-        """How many blocks apart the checkpointed blocks are; 0: none
-        (:func:`~vramcal.models.mamba2.checkpoint_every`)."""
+        """How many blocks apart the checkpointed blocks are; 0: none."""
         return checkpoint_every(self.checkpointing, self.n_layers)
 
     def to_dict(self) -> dict:
@@ -126,17 +114,13 @@ class RegressorSpec:
         return cls(**data)
 
     def ref(self, implementation: str) -> ModelRef:
-        """The profile key of this spec trained with a concrete ``implementation`` (``checkpointing`` only when it is
-        not ``off``: a profile without it was made without checkpointing)."""
+        """The profile key with a concrete ``implementation`` (:func:`~vramcal.models.mamba2.keyed_params`)."""
         return ModelRef.make(FACTORY, {**keyed_params(self.to_dict()), "implementation": implementation})
 
     @classmethod
     def from_ref(cls, ref: ModelRef) -> tuple[RegressorSpec, str]:
         """The spec and implementation of a ``regressor`` reference.
-
-        Raises:
-            ValueError: ``ref`` is not the regressor family, or its arguments are not a spec.
-        """
+        Raises: ValueError: ``ref`` is not the regressor family, or its arguments are not a spec."""
         if ref.factory != FACTORY:
             raise ValueError(f"{ref.factory} is not vramcal's regressor")
         params = ref.params
@@ -144,8 +128,7 @@ class RegressorSpec:
         return cls.from_dict(params), implementation
 
     def short(self) -> str:
-        """One line for titles: ``d_model=256 n_layers=4 d_state=64 headdim=64 expand=2 ...`` (and
-        ``checkpointing=block`` where it is on)."""
+        """One line for titles: ``d_model=256 n_layers=4 ... fp32`` (and ``checkpointing=block`` where it is on)."""
         checkpointing = f" checkpointing={self.checkpointing}" if self.checkpoint_stride else ""
         return (f"d_model={self.d_model} n_layers={self.n_layers} d_state={self.d_state} "
                 f"headdim={self.headdim} expand={self.expand} chunk_size={self.chunk_size} "

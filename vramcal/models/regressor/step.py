@@ -1,16 +1,6 @@
-"""The bundled model family: a Mamba-2 regressor over windows of OHLCV bars, and its training step.
-
-``vramcal train`` trains this model and ``vramcal probe`` calibrates it by default, both through
-:func:`training_step`, the same factory: a trial holds the trainer's model, optimizer and data
-pipeline (the same windows, drawn and copied to the device the same way), so what a trial measures is
-what training holds.
-
-Data residency: on the host the windows are host memory, the measured pool. On a GPU they stay in
-host memory and each batch is gathered there, pinned and copied to the device (non-blocking); with
-``data_on_device`` the windows are moved to the GPU once and gathered there, and their bytes count in
-the GPU's memory.
-"""
-
+"""The regressor's training step (:func:`training_step`): the factory ``vramcal probe`` calibrates and ``vramcal
+train`` trains, so a trial holds the trainer's model, optimizer and data pipeline. Where the data live: DESIGN.md
+"Data"."""
 
 from __future__ import annotations
 
@@ -33,23 +23,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from vramcal.models.regressor.windows import Windows
 
 
-# ------------------------------------------------------------------------------------------- model
-
 def build_model(spec: RegressorSpec, implementation: str) -> torch.nn.Module:
-    """Build the regressor in fp32 on the CPU (move it to the device yourself).
-
-    Args:
-        spec: the model spec (validated here).
-        implementation: a concrete implementation, ``transformers`` or ``mamba_ssm``
-            (:func:`vramcal.models.mamba2.resolve_implementation`).
-
-    Returns:
-        A :class:`vramcal.models.regressor.net.Mamba2Regressor`: ``(batch_size, seq_len, n_features)``
-        float32 -> ``(batch_size, seq_len)``.
-
-    Raises:
-        ValueError: an invalid spec or implementation.
-    """
+    """The regressor (:class:`vramcal.models.regressor.net.Mamba2Regressor`) in fp32 on the CPU, built with a
+    concrete ``implementation`` (``transformers`` or ``mamba_ssm``). Raises: ValueError: any other implementation."""
     from vramcal.models.regressor import net  # loads torch: only when called
 
     if implementation == "transformers":
@@ -62,27 +38,14 @@ def build_model(spec: RegressorSpec, implementation: str) -> torch.nn.Module:
 
 
 def forward(model: torch.nn.Module, x: torch.Tensor, dtype: DtypePolicy) -> torch.Tensor:
-    """The model under the dtype policy: (batch_size, seq_len, n_features) -> (batch_size, seq_len).
-
-    ``bf16-autocast`` runs under bf16 autocast on CUDA (fp32 weights); elsewhere everything is fp32.
-    """
+    """The model under the dtype policy (:func:`vramcal.models.mamba2.autocast`): (B, L, n_features) -> (B, L)."""
     with autocast(x.device.type, dtype):
         return model(x)
 
 
-# ------------------------------------------------------------------------------------------- data
-
 class WindowPipeline:
-    """The trainer's data pipeline: windows of standardised bars, gathered into batches on the device.
-
-    Args:
-        windows: from :func:`vramcal.models.regressor.windows.make_windows`.
-        device: the training device.
-        on_device: keep the rows in the device's memory (else host memory, batches copied per step).
-        seed: the seed of the epoch permutations.
-
-    Batches: ``x`` (batch_size, seq_len, n_features) float32 and ``y`` (batch_size, seq_len) float32, the
-    windows starting at the given rows.
+    """The trainer's data pipeline: windows gathered into batches ``x`` (B, L, n_features) and ``y`` (B, L) float32
+    on ``device``; ``on_device`` keeps the rows there (else in host memory, copied per batch); ``seed`` orders epochs.
     """
 
     def __init__(self, windows: Windows, device: torch.device, on_device: bool = False, seed: int = 0) -> None:
@@ -99,8 +62,7 @@ class WindowPipeline:
 
     @property
     def data_bytes(self) -> int:
-        """Bytes the pipeline holds (:attr:`vramcal.models.regressor.windows.Windows.pipeline_bytes`: its tensors
-        share the windows' arrays)."""
+        """Bytes the pipeline holds (:attr:`vramcal.models.regressor.windows.Windows.pipeline_bytes`)."""
         return self.windows.pipeline_bytes
 
     def epoch_order(self, epoch: int) -> torch.Tensor:
@@ -119,9 +81,8 @@ class WindowPipeline:
         return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
 
     def next_batch(self, split: str, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next ``batch_size`` windows of an endless walk through ``split`` (``train``: epoch after
-        epoch in the trainer's order; ``val``: in order), repeating windows when ``batch_size`` exceeds
-        the split. This is what a trial draws."""
+        """The next ``batch_size`` windows of an endless walk through ``split`` (``train``: the epochs' order;
+        ``val``: in order)."""
         import torch
 
         starts_of = self.train_starts if split == "train" else self.val_starts
@@ -145,17 +106,15 @@ class WindowPipeline:
 
 @dataclass
 class RegressorStep(TrainingStep):
-    """The regressor's :class:`~vramcal.workload.TrainingStep` with what the trainer needs besides:
-    its spec and data pipeline."""
+    """The regressor's :class:`~vramcal.workload.TrainingStep`, with its spec and pipeline for the trainer."""
 
     spec: RegressorSpec | None = None
     pipeline: WindowPipeline | None = None
 
 
 def load_windows(data: str | None, seq_len: int, stride: int | None = None, val_fraction: float = 0.2) -> Windows:
-    """The windows of an OHLCV parquet file (:func:`vramcal.models.regressor.bars.load_bars`), or of synthetic
-    bars of the E-mini sample's size when ``data`` is None (:func:`vramcal.models.regressor.bars.synthetic_bars`),
-    cut by :func:`vramcal.models.regressor.windows.make_windows`.
+    """The windows (:func:`vramcal.models.regressor.windows.make_windows`) of an OHLCV parquet file, or of synthetic
+    bars when ``data`` is None (:func:`vramcal.models.regressor.bars.synthetic_bars`).
 
     Raises:
         DataError: unusable bars, or too few for a window of each split.
@@ -171,21 +130,12 @@ def training_step(device: torch.device, *, implementation: str = "transformers",
                   stride: int | None = None, val_fraction: float = 0.2, data_on_device: bool = False,
                   lr: float = 1e-4, weight_decay: float = 0.01, max_grad_norm: float = 1.0, seed: int = 0,
                   **spec_fields: Any) -> RegressorStep:
-    """The bundled regressor's training step: the factory of ``vramcal probe`` (default ``--model``) and
-    of ``vramcal train``.
+    """The regressor's training step: MSE in fp32 of the model under the spec's dtype policy, AdamW.
 
     Args:
-        device: where to train.
         implementation: ``transformers`` or ``mamba_ssm`` (concrete).
-        data, stride, val_fraction: the windows (:func:`load_windows`).
-        data_on_device: hold the windows in the device's memory (see the module docstring).
-        lr, weight_decay: AdamW's (the memory does not depend on them).
-        max_grad_norm: gradient clipping norm.
-        seed: seeds the weights and the epoch order.
+        data, stride, val_fraction: the windows (:func:`load_windows`); data_on_device: hold them on the device.
         spec_fields: the :class:`RegressorSpec` fields (``d_model``, ``seq_len``, ...).
-
-    Returns:
-        A :class:`RegressorStep`: MSE loss in fp32 of the model under the spec's dtype policy.
 
     Raises:
         ValueError: an invalid spec; DataError: unusable data.

@@ -1,53 +1,17 @@
 """Features and windows of OHLCV bars for the regressor: what a trial and the trainer feed the model.
 
-Features of bar t (``N_FEATURES = 5``), all relative to the previous close ``C[t-1]`` so they are
-scale-free and stationary::
+Features of bar t (:data:`FEATURE_NAMES`), relative to the previous close: ``log(C[t]/C[t-1])``,
+``log(O[t]/C[t-1])``, ``log(H[t]/C[t-1])``, ``log(L[t]/C[t-1])``, ``log1p(V[t])``, each standardised with the
+training split's mean and std. Target: the next return ``log(C[t+1]/C[t]) / std_r``, scaled, not centred. Of n
+bars, ``M = n - 2`` rows (row i = bar i + 1); the split is chronological, training rows ``[0, s)`` with
+``s = round(M * (1 - val_fraction))``; windows of ``seq_len`` rows start every ``stride`` rows (default
+``seq_len // 2``: every bar in some window's second half) and never cross ``s`` or a gap.
 
-    log(C[t] / C[t-1])      the bar's log return
-    log(O[t] / C[t-1])      the opening gap
-    log(H[t] / C[t-1])      the intrabar high, relative to the previous close
-    log(L[t] / C[t-1])      the intrabar low, relative to the previous close
-    log1p(V[t])             log volume
-
-each standardised as ``(f - mean) / std`` with the mean and standard deviation of the *training split
-only*. The target at bar t is the next bar's log return, ``log(C[t+1] / C[t]) / std_r``, scaled by the
-training-split standard deviation ``std_r`` of the return and not centred, so 0 still means "no move"
-and its sign is the direction. A window is ``seq_len`` consecutive bars: ``x`` (seq_len, 5) and ``y``
-(seq_len,), one target per position, as the model predicts one next-bar return per position.
-
-Rows: of n bars, the first has no previous close and the last no next bar, so ``M = n - 2`` rows carry
-both features and a target (row i = bar i + 1). The split is chronological: training rows
-``[0, s)``, validation rows ``[s, M)`` with ``s = round(M * (1 - val_fraction))``; windows start every
-``stride`` rows from the first row of each side (of each segment's part of it, when there are gaps, see
-below) and never cross ``s``. The last training target is the return of the first validation bar, an
-input there, never a validation target.
-
-Gaps (session breaks): a spacing between consecutive bars longer than ``GAP_FACTOR`` (10) times the
-median spacing *and* longer than ``GAP_MIN`` (30 minutes) is a gap. The relative part is issue 10's rule
-(a break "far longer than the bar spacing"): it keeps a weekend out of daily bars' gaps. The absolute
-part keeps quiet seconds out: trade-driven bars drop intervals without trades, and the one-second
-E-mini sample has 2,941 spacings of 10 to 209 s (the market was open, just quiet) and one of 6.5 hours;
-the shortest regular session break of the major exchanges is about an hour (CME Globex's daily
-maintenance halt, 17:00-18:00 ET; the Tokyo and Hong Kong lunch breaks), so 30 minutes catches every
-one of those with a factor of two to spare. The bars between gaps form segments; a window never spans a
-gap (its rows and the bars its targets read lie in one segment), and the rows whose features or target
-reach across a gap (the return across a gap) are in no window and left out of the training statistics
-(they are zeroed). Of a segment of k bars, k - 2 rows carry in-segment features and targets, as a file
-without gaps does.
-
-Spread: a training split on which the *target* has zero spread (the closes never move: constant prices)
-is refused, since no model can learn from it. A *feature* without spread on the training split is a fact
-of the data, not an error: bars whose opens equal the previous close (a common way to build contiguous
-bars) have a constant opening gap, and some instruments report zero volume. Such a feature is centred on
-its training mean and left unscaled (its standard deviation is taken as 1, so it is 0 on the training
-split and carries no information), and the windows name it (``flat_features``) so the trainer says so.
-
-Default ``stride = seq_len // 2``: the loss covers every position of a window, so a stride of seq_len
-already trains on every bar's target once; half of that puts every bar (but the first half-window) also
-in the second half of some window, with at least seq_len/2 bars of context, at twice the samples and no
-more. On the 34,171 one-second E-mini bars (one gap) with the default seq_len 128 that is 424 training
-and 105 validation windows: an epoch of the default model is seconds on a GPU and about 10 s on a 2-core CPU
-(about 60 samples/s), so a run of several epochs fits in minutes anywhere.
+Gaps (session breaks): a spacing over ``GAP_FACTOR`` x the median *and* over ``GAP_MIN_S``: the relative part is
+issue 10's "far longer than the bar spacing"; the absolute part keeps quiet seconds of trade-driven bars out, and
+catches the shortest regular exchange break (CME Globex's hour-long daily halt) twice over. Rows reaching across a
+gap are zeroed, in no window and out of the statistics. A target without spread is refused; a feature without
+spread is centred, not scaled (std taken as 1), and named in ``flat_features``.
 """
 
 from __future__ import annotations
@@ -71,22 +35,17 @@ GAP_MIN_S = 30 * 60  # ... and longer than this (module docstring: the rule and 
 
 @dataclass(frozen=True)
 class Windows:
-    """Standardised rows and the window starts of each split.
+    """Standardised rows and the window starts of each split (module docstring).
 
     Attributes:
-        features: (M, N_FEATURES) float32, standardised with training-split statistics (0 in rows that
-            reach across a gap).
-        targets: (M,) float32, next-bar log return / training std of the log return (0 in rows whose
-            target is the return across a gap: never a target, as no window holds them).
+        features: (M, N_FEATURES) float32, standardised (0 in rows across a gap).
+        targets: (M,) float32, next-bar log return / std_r (0 in rows across a gap).
         train_starts, val_starts: (n_windows,) int64 first rows of the windows of each split.
-        seq_len, stride: window length and spacing, bars.
-        split_row: s, the first validation row.
+        seq_len, stride: window length and spacing, bars; split_row: s, the first validation row.
         feature_mean, feature_std: (N_FEATURES,) the training statistics; target_scale: std_r.
         first_val_timestamp: when the validation split begins (ISO text).
-        gaps: the number of gaps (session breaks) between bars; longest_gap_s: the longest, seconds (0.0
-            without gaps); gap_threshold_s: the spacing above which a pause is a gap, seconds.
-        flat_features: the features without spread on the training split (module docstring: centred, not
-            scaled).
+        gaps, longest_gap_s, gap_threshold_s: the gaps' count, the longest and the threshold, seconds.
+        flat_features: the features without spread on the training split.
     """
 
     features: np.ndarray
@@ -107,8 +66,7 @@ class Windows:
 
     @property
     def pipeline_bytes(self) -> int:
-        """Bytes the trainer's data pipeline holds for these windows: rows, targets, window starts and one epoch's
-        permutation of the training starts (:class:`vramcal.models.regressor.step.WindowPipeline`); the data term."""
+        """Bytes the trainer's pipeline holds: rows, targets, starts and one epoch's permutation (the data term)."""
         return int(self.features.nbytes + self.targets.nbytes + self.train_starts.nbytes * 2 + self.val_starts.nbytes)
 
     def stats(self) -> dict:
@@ -140,15 +98,7 @@ def _duration(seconds: float) -> str:
 
 
 def find_gaps(timestamps: pd.Series) -> tuple[np.ndarray, float]:
-    """Where the bars pause for a session break (module docstring: the rule and its sources).
-
-    Args:
-        timestamps: (n,) strictly increasing bar times.
-
-    Returns:
-        The bar indices j (ascending int64) such that the pause between bar j - 1 and bar j is a gap,
-        and the threshold in seconds (``max(GAP_FACTOR x median spacing, GAP_MIN_S)``).
-    """
+    """The bars j (ascending int64) after a gap in ``timestamps`` (n,), and the threshold, seconds."""
     stamps = np.asarray(timestamps, dtype="datetime64[ns]").astype(np.int64)
     spacing_s = np.diff(stamps) / 1e9  # (n - 1,)
     if len(spacing_s) == 0:
@@ -158,12 +108,7 @@ def find_gaps(timestamps: pd.Series) -> tuple[np.ndarray, float]:
 
 
 def raw_features(bars: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """Unstandardised features and next-bar log returns.
-
-    Returns:
-        features (n - 2, 5) float64 for bars 1..n-2, and returns (n - 2,) float64, the log return of
-        bars 2..n-1 (the target of each row, before scaling).
-    """
+    """Unstandardised features (n - 2, 5) float64 of bars 1..n-2, and their targets' log returns (n - 2,)."""
     close = bars["close"].to_numpy()
     prev = close[:-1]
     per_bar = np.stack([np.log(close[1:] / prev), np.log(bars["open"].to_numpy()[1:] / prev),
@@ -173,8 +118,7 @@ def raw_features(bars: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _starts(segments: list[tuple[int, int]], low: int, high: int, seq_len: int, stride: int) -> np.ndarray:
-    """Window starts every ``stride`` rows from the first row of each segment's part of ``[low, high)``,
-    each window inside it. ``segments``: ``[first row, end row)`` of the rows of each segment."""
+    """Window starts every ``stride`` rows in each segment's ``[first, end)`` part of ``[low, high)``."""
     starts = []
     for first, end in segments:
         first, end = max(first, low), min(end, high)
@@ -185,7 +129,7 @@ def _starts(segments: list[tuple[int, int]], low: int, high: int, seq_len: int, 
 
 def make_windows(bars: pd.DataFrame, seq_len: int, stride: int | None = None,
                  val_fraction: float = 0.2, source: str = "bars") -> Windows:
-    """Features, targets and the chronological split (module docstring has the formulas and the gap rule).
+    """Features, targets and the chronological split (module docstring).
 
     Raises:
         DataError: fewer bars than one window, a split that leaves a side without a window (gaps
@@ -226,12 +170,8 @@ def make_windows(bars: pd.DataFrame, seq_len: int, stride: int | None = None,
 
 
 def window_counts(n_bars: int, seq_len: int, stride: int | None = None, val_fraction: float = 0.2) -> tuple[int, int]:
-    """(training windows, validation windows) that :func:`make_windows` cuts from ``n_bars`` bars without gaps
-    (the module docstring's rows, split and starts, counted instead of made; with gaps there are fewer).
-
-    Raises:
-        ValueError: fewer than one bar, seq_len or stride below 1, or val_fraction outside (0, 1).
-    """
+    """(training windows, validation windows) that :func:`make_windows` cuts from ``n_bars`` bars without gaps.
+    Raises: ValueError: fewer than one bar, seq_len or stride below 1, or val_fraction outside (0, 1)."""
     stride = stride or max(1, seq_len // 2)
     if n_bars < 1 or seq_len < 1 or stride < 1 or not 0 < val_fraction < 1:
         raise ValueError(f"window counts need n_bars, seq_len and stride >= 1 and val_fraction in (0, 1), got "
@@ -246,10 +186,7 @@ def window_counts(n_bars: int, seq_len: int, stride: int | None = None, val_frac
 
 
 def _segments(gaps: np.ndarray, n_bars: int) -> tuple[list[tuple[int, int]], np.ndarray]:
-    """The rows ``[first, end)`` of each segment between gaps, and which of the ``n_bars - 2`` rows lie in one.
-
-    Bars ``[a, b)`` of a segment give rows ``[a, b - 2)``: row i reads bars i..i+2 (previous close, bar, target).
-    """
+    """The rows ``[a, b - 2)`` of each segment ``[a, b)`` of bars between gaps, and which rows lie in one."""
     edges = [0, *gaps.tolist(), n_bars]
     segments = [(a, b - 2) for a, b in itertools.pairwise(edges) if b - 2 > a]
     valid = np.zeros(n_bars - 2, dtype=bool)
@@ -259,12 +196,8 @@ def _segments(gaps: np.ndarray, n_bars: int) -> tuple[list[tuple[int, int]], np.
 
 
 def _training_statistics(training: np.ndarray, source: str) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
-    """Mean and standard deviation of the training rows' features (N_FEATURES,), with 1 for a feature without
-    spread, and the names of those (module docstring).
-
-    Raises:
-        DataError: the log return (the target's source) has no spread: the closes never move.
-    """
+    """Mean and std (N_FEATURES,) of the training rows, 1 for a feature without spread, and those features' names.
+    Raises: DataError: the log return (the target's source) has no spread: the closes never move."""
     mean, std = training.mean(axis=0), training.std(axis=0)
     flat = tuple(name for name, m, sd in zip(FEATURE_NAMES, mean, std) if not sd > 1e-12 + 1e-9 * abs(m))
     if FEATURE_NAMES[0] in flat:
@@ -283,6 +216,5 @@ def flat_notice(stats: dict) -> str | None:
 
 
 def data_notices(stats: dict) -> list[str]:
-    """The lines about the data people should read before a run (from :meth:`Windows.stats`): its gaps and its
-    features without spread."""
+    """The lines about the data people should read before a run: its gaps and its flat features."""
     return [line for line in (gap_notice(stats), flat_notice(stats)) if line]
