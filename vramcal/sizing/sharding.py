@@ -71,14 +71,18 @@ def state_shift(profile: Profile, nproc: int) -> float:
         SizingError: a profile of one process (it has no world to carry), or an FSDP profile made before vramcal
             counted the model states (recalibrate it).
     """
-    world = profile.world
-    if world is None:
-        raise SizingError("a single-process profile has no world to carry to other world sizes: calibrate one "
-                          "with `vramcal probe --nproc N` (and --strategy fsdp for a sharded one)")
-    if world.strategy == "ddp":
+    if world_of(profile).strategy == "ddp":
         return 0.0
     whole, held = sharded_bytes(profile)
     return whole / nproc - held
+
+
+def world_of(profile: Profile) -> World:
+    """The profile's world. Raises: SizingError: a single-process profile (no world to carry)."""
+    if profile.world is None:
+        raise SizingError("a single-process profile has no world to carry to other world sizes: calibrate one "
+                          "with `vramcal probe --nproc N` (and --strategy fsdp for a sharded one)")
+    return profile.world
 
 
 def sharded_bytes(profile: Profile) -> tuple[int, int]:
