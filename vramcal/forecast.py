@@ -304,8 +304,9 @@ def mark_best(forecasts: Sequence[Forecast]) -> list[Forecast]:
             if not rivals:
                 marked = [replace(f, **{flag: True}) if i in best else f for i, f in enumerate(marked)]
                 continue
-            others = " and ".join(row_name(marked[j]) + (" (it has no interval)" if spread_of(marked[j], field)[1]
-                                                         is None else "") for j in rivals)
+            others = " and ".join(f"{marked[j].card} at batch size {marked[j].batch_size}"
+                                  + (" (it has no interval)" if spread_of(marked[j], field)[1] is None else "")
+                                  for j in rivals)
             note = f"{NO_DIFFERENCE} in {what} from {others}: the 95 % intervals overlap, so none is marked {flag}"
             marked[best[0]] = replace(marked[best[0]], notes=(*marked[best[0]].notes, note))
     return sorted(marked, key=lambda f: (f.run_s is None, f.run_s or 0.0))
@@ -316,11 +317,6 @@ def spread_of(forecast: Forecast, field: str) -> tuple[float | None, float | Non
     if field == "run_s":
         return forecast.run_low_s, forecast.run_high_s
     return forecast.cost_low, forecast.cost_high
-
-
-def row_name(forecast: Forecast) -> str:
-    """A row's card and batch size, for the notes."""
-    return f"{forecast.card} at batch size {forecast.batch_size}"
 
 
 def card_key(name: str) -> str:

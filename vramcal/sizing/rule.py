@@ -40,18 +40,10 @@ from vramcal.words import Info, given, word
 
 @dataclass(frozen=True)
 class LengthModel:
-    """What sizing needs from a profile at one sequence length.
-
-    Attributes:
-        predict, upper: point prediction and upper 95 % bound of the peak at a batch size (bytes).
-        safe_for: the largest batch size whose upper bound fits in a given number of bytes.
-        limits: the limits at this length.
-        safe_peak_bytes: the safe size's verification peak (None: not verified at this length).
-        verified: both limits verified by real trials at this length.
-        basis: a note when the limits are not a calibrated length's own (an interpolation).
-        fitted_from: the smallest batch size of the one-length fit's points (None: the 2-D model).
-        verified_peaks: batch size -> the peak its passed verification trial measured (bytes).
-    """
+    """What sizing needs from a profile at one sequence length: the peak's prediction and upper 95 % bound at a
+    batch size (bytes), the largest batch whose bound fits a number of bytes (``safe_for``), the limits, the safe
+    size's verified peak (None: not verified here), an interpolation's ``basis`` note, :func:`fitted_from`, and
+    the verified peaks by batch size."""
 
     predict: Callable[[int], float]
     upper: Callable[[int], float]
@@ -69,8 +61,8 @@ class LengthModel:
 
 
 def length_model(profile: Profile, seq_len: int | None = None) -> LengthModel:
-    """The profile's model at the run's ``seq_len``: the one-length fit, or for a profile over several lengths the
-    2-D model there (:mod:`vramcal.calibration.surface`), which needs the length.
+    """The profile's model at ``seq_len``: the one-length fit, or the 2-D model there
+    (:mod:`vramcal.calibration.surface`).
 
     Raises:
         SizingError: no limits; a one-length profile asked about another length; a several-length profile
@@ -115,9 +107,8 @@ def fitted_from(profile: Profile) -> int | None:
 
 def limits_for_data(model: LengthModel, profile: Profile, delta: int, cause: str = "the data hold",
                     seq_len: int | None = None) -> tuple[int, int, list[str]]:
-    """(safe, conservative, notices) with ``delta`` bytes more (or less) in the measured memory than the
-    calibration held (:mod:`vramcal.sizing`'s rule for ``safe``); ``cause`` names where they are. Runs recorded out
-    of memory cap both (:func:`run_failure_cap`).
+    """(safe, conservative, notices) with ``delta`` bytes more than the calibration held (:mod:`vramcal.sizing`'s
+    rule; ``cause`` names them), capped by :func:`run_failure_cap`.
 
     Raises:
         SizingError: ``delta`` leaves no room for one sample; no trial ran below a recorded failure.

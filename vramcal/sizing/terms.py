@@ -41,14 +41,10 @@ def extra_bytes(profile: Profile, pool_data_bytes: int | None, process_bytes: in
 
 
 def process_spread(profile: Profile) -> int:
-    """What a measured process term may be off by (bytes): :func:`held_spread` plus :data:`PROCESS_REPEAT_BYTES`."""
-    return held_spread(profile) + PROCESS_REPEAT_BYTES
-
-
-def held_spread(profile: Profile) -> int:
-    """The range (bytes) of what the trials' processes held when their step was built (0 with fewer than two)."""
+    """What a measured process term may be off by (bytes): the range of what the trials' processes held when their
+    step was built, plus :data:`PROCESS_REPEAT_BYTES`."""
     held = [t.held_bytes for t in profile.trials if t.ok and t.held_bytes is not None and t.purpose != "steady"]
-    return max(held) - min(held) if len(held) > 1 else 0
+    return (max(held) - min(held) if len(held) > 1 else 0) + PROCESS_REPEAT_BYTES
 
 
 def repeat_spread(profile: Profile, seq_len: int | None = None) -> tuple[float, str]:
