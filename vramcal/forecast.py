@@ -45,13 +45,8 @@ BAND_Z = 2.0  # the step times' noise band of an epoch against its forecast: abo
 
 @dataclass(frozen=True)
 class Dataset:
-    """What one epoch holds, in samples (windows of bars for the regressor).
-
-    Attributes:
-        train_samples: training samples per epoch.
-        val_samples: validation samples per epoch (None: not known, so not counted: the forecast says so).
-        source: where the counts come from, for people.
-    """
+    """What one epoch holds: training and validation samples (None: unknown, not counted) and, for people, where
+    the counts come from. Raises: ValueError: no training sample, or a negative count."""
 
     train_samples: int
     val_samples: int | None
