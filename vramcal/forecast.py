@@ -1,9 +1,6 @@
-"""The run forecast (the shared DESIGN.md's "run forecast"): how long a training run takes on a card and what
-it costs, from the card's profile; pure functions of profiles, a dataset, a number of epochs and prices.
-
-At the run's batch size ``b`` (the conservative one, or the throughput knee: :func:`vramcal.sizing.size`),
-with the rates the card's trials measured there, steady where it can
-(:func:`vramcal.calibration.throughput.rate_for_run`):
+"""The run forecast (DESIGN.md, "Throughput, time and cost"): how long a training run takes on a card and what it
+costs, from the card's profile. At the run's batch size ``b`` (:func:`vramcal.sizing.size`), with the rates the
+card's trials measured there (:func:`vramcal.calibration.throughput.rate_for_run`):
 
     train_s   = train_samples / samples_per_s(b)             every training window once per epoch
     val_s     = val_samples × val_pass_s(b) / b               one validation pass, in chunks of b
@@ -12,21 +9,9 @@ with the rates the card's trials measured there, steady where it can
     run_s     = epochs × epoch_s + first_s
     cost      = price_per_hour × run_s / 3600
 
-The first line is the shared definition (samples per epoch / samples/s: the epoch's last, partly filled batch
-counts at the same rate per sample); the validation pass and the first step are what an epoch of ``vramcal
-train`` holds besides (:mod:`vramcal.train.loop`, whose ``epoch_s`` is ``train_s + val_s`` timed the way a
-trial times its steps). The interval of ``samples_per_s`` carries through to the times and the cost.
-
-A card without a measured profile has no throughput: its row says so and has no times and no cost. Nothing
-is extrapolated from another card, nor from a batch size outside the measured ones.
-
-For ``N`` cards of a kind (:func:`world_forecast`, ``vramcal cost --world-size N``) a world's profile (``vramcal
-probe --nproc``) is carried to ``N`` ranks (:func:`vramcal.sizing.sharding.carried`: under FSDP each rank's batch
-grows as
-its shard shrinks; under DDP it does not move), each rank trains its share of the windows (``ceil(samples / N)``) at
-the rate its ranks measured at that batch (the ranks step together), so the times are one rank's, the world's
-samples/s ``N`` × one rank's, and the cost ``N`` × the card's price × the run's hours. The rate at ``N`` ranks is the
-calibration's world's: the collectives of more ranks are not measured.
+The rate's interval carries to the times and the cost. A card without a profile has no throughput: nothing is
+extrapolated. ``N`` cards (:func:`world_forecast`): the profile carried to ``N`` ranks
+(:func:`vramcal.sizing.sharding.carried`), each training ``ceil(samples / N)`` at its calibration's rank rate.
 """
 
 from __future__ import annotations
@@ -49,7 +34,7 @@ from vramcal.models.registry import describe
 from vramcal.profile import Observation, Profile
 from vramcal.records import World
 from vramcal.sizing import THROUGHPUT, SizeFor, SizeRequest, SizingError, length_trials, size
-from vramcal.sizing.sharding import carried
+from vramcal.sizing.sharding import carried, world_of
 
 HOUR_S = 3600.0
 DEFAULT_EPOCHS = 10  # as `vramcal train`'s --epochs (a test keeps them equal)
@@ -60,13 +45,8 @@ BAND_Z = 2.0  # the step times' noise band of an epoch against its forecast: abo
 
 @dataclass(frozen=True)
 class Dataset:
-    """What one epoch holds, in samples (windows of bars for the regressor).
-
-    Attributes:
-        train_samples: training samples per epoch.
-        val_samples: validation samples per epoch (None: not known, so not counted: the forecast says so).
-        source: where the counts come from, for people.
-    """
+    """What one epoch holds: training and validation samples (None: unknown, not counted) and, for people, where
+    the counts come from. Raises: ValueError: no training sample, or a negative count."""
 
     train_samples: int
     val_samples: int | None
@@ -91,27 +71,19 @@ class Forecast:
     """One card's run forecast (module docstring). Seconds, samples per second, currency units.
 
     Attributes:
-        card: the row's name: the profile's device (and model, when the profiles' models differ), or a priced
-            card without a profile.
-        measured: the card has a profile; False: throughput, times and cost unknown.
+        card: the row's name (the profile's device, or a priced card). measured: the card has a profile.
         batch_size, batch_source: the run's batch size and why (``conservative``, ``knee``, ...).
         samples_per_s, low_samples_per_s, high_samples_per_s: the rate at the batch size and its 95 % interval.
-        steady: the rate is a steady one (:mod:`vramcal.calibration.throughput`).
-        step_spread: the coefficient of variation of the step times the rate rests on (sd / mean; None: one).
-        n_steps: how many step times the rate rests on.
-        train_s, val_s, epoch_s, first_s, run_s: the forecast's terms (module docstring); ``val_s`` None: the
-            validation pass is not counted.
-        run_low_s, run_high_s: ``run_s`` at the ends of the rate's interval (``run_low_s`` None: open).
+        steady: a steady rate (:mod:`vramcal.calibration.throughput`). step_spread: the step times' sd / mean
+            (None: one). n_steps: how many step times the rate rests on.
+        train_s, val_s, epoch_s, first_s, run_s: the module docstring's terms (``val_s`` None: not counted).
+        run_low_s, run_high_s: ``run_s`` at the ends of the rate's interval (None: open).
         price_per_hour, cost, cost_low, cost_high: the price and the run's cost with its interval.
-        epochs, dataset: what was forecast.
-        fastest, cheapest: the shortest run, the lowest cost among the rows of its model that have one.
-        notes: what people should know about the row (one sentence each).
-        model: the profile's model (:func:`vramcal.models.registry.describe`); None for a card without a profile.
-        ranks: the DDP ranks whose samples/s the rates are (:mod:`vramcal.train.timing`: the world's, ranks ×
-            one rank's; the batch size and the dataset are then one rank's); 1: one process.
-        tokens_per_s: a language model's training tokens per second (:mod:`vramcal.train.timing`); None else.
-        step_fit: a run on documents of every length: its step-time fit ``(t0, t_token)``, seconds per step and
-            per padded token (:func:`vramcal.train.timing.documents_forecast`); None else.
+        fastest, cheapest: marked among the rows of its model (:func:`mark_best`). notes: one sentence each.
+        model: :func:`vramcal.models.registry.describe` of the profile's model; None without a profile.
+        ranks: the ranks whose samples/s the rates are (the batch size and dataset are then one rank's).
+        tokens_per_s, step_fit: a language model's tokens/s and step-time fit ``(t0, t_token)`` (seconds per step
+            and per padded token: :mod:`vramcal.train.timing`); None else.
     """
 
     card: str
@@ -148,8 +120,6 @@ class Forecast:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-
-# ------------------------------------------------------------------------------------------ the arithmetic
 
 def epoch_seconds(rate: Rate, dataset: Dataset) -> tuple[float, float | None]:
     """(train_s, val_s) of one epoch at ``rate`` (module docstring); ``val_s`` None when not countable."""
@@ -193,24 +163,20 @@ def forecast_rate(rate: Rate, dataset: Dataset, epochs: int, price_per_hour: flo
 
 
 def time_verdict(measured_s: float, forecast_s: float, band: float = FAR_FRACTION) -> str:
-    """``within 25 %`` of the forecast, or :data:`FAR`: more than ``band`` (a fraction; default
-    :data:`FAR_FRACTION`) off, either way: the measured time outside the forecast's band
-    (:func:`vramcal.calibration.throughput.overlap`, the point against the band)."""
+    """``within 25 %`` of the forecast, or :data:`FAR`: more than ``band`` (a fraction) off either way."""
     inside = overlap((measured_s, measured_s), (forecast_s * (1 - band), forecast_s * (1 + band)))
     return f"within {band * 100:.0f} %" if inside else FAR
 
 
 def observation_verdict(o: Observation) -> str:
-    """:func:`time_verdict` of a recorded run's mean epoch against its forecast, by the band it recorded (older
-    runs, which recorded none: :data:`FAR_FRACTION`). The observation has both times."""
+    """:func:`time_verdict` of a recorded run's mean epoch, by the band it recorded (else :data:`FAR_FRACTION`)."""
     return time_verdict(o.epoch_s, o.forecast_epoch_s, o.time_band or FAR_FRACTION)
 
 
 def time_band(forecast: Forecast, steps: int, slower: bool = True) -> float:
-    """How far an epoch of ``steps`` steps may land from ``forecast`` by the spread the calibration measured, as a
-    fraction, on the side it landed (``slower``: above the forecast): the wider of :func:`noise_band` and
-    :func:`interval_band`, never less than :data:`FAR_FRACTION`. A miss inside it is no sign that the profile is
-    wrong (:mod:`vramcal.train.timing`)."""
+    """How far (a fraction) an epoch of ``steps`` steps may land from ``forecast`` on the side it landed
+    (``slower``: above) with nothing wrong: the wider of :func:`noise_band` and :func:`interval_band`, at least
+    :data:`FAR_FRACTION`."""
     return max(FAR_FRACTION, noise_band(forecast, steps), interval_band(forecast, slower))
 
 
@@ -219,22 +185,17 @@ def noise_band(forecast: Forecast, steps: int) -> float:
 
         band = BAND_Z × spread × √(1/steps + 1/n_steps)
 
-    ``spread`` is the coefficient of variation of the step times the forecast rests on and ``n_steps`` their
-    number: the mean of ``steps`` new step times against the mean of those ``n_steps``, two independent means,
-    whose difference has the variance σ²(1/steps + 1/n_steps) (Montgomery & Runger, *Applied Statistics and
-    Probability for Engineers*, 6th ed., eq. 10-1); ``BAND_Z`` = 2, about 95 %. On a GPU whose steps repeat
-    within 1 % it is far below 25 %; on a busy 2-core host (step times spread 20-30 %) an epoch of 3 steps may
-    land 30 % off its forecast with nothing wrong. 0 without a spread."""
+    ``spread``: the step times' coefficient of variation, ``n_steps`` their number; two independent means differ
+    with variance σ²(1/steps + 1/n_steps) (Montgomery & Runger, *Applied Statistics and Probability for
+    Engineers*, 6th ed., eq. 10-1). 0 without a spread."""
     if not forecast.step_spread or not forecast.n_steps or steps < 1:
         return 0.0
     return BAND_Z * forecast.step_spread * (1 / steps + 1 / forecast.n_steps) ** 0.5
 
 
 def interval_band(forecast: Forecast, slower: bool) -> float:
-    """The forecast epoch's own 95 % interval on one side, as a fraction of it: its training time at the rate's
-    low end (``slower``) or high end (all of it where that end is open: two step times spread 11 % or more), the
-    validation pass as forecast. Where t(0.975, n − 1) is large (12.7 for two step times) this is wider than
-    :func:`noise_band`. 0 without an interval."""
+    """The forecast epoch's own 95 % interval on one side, as a fraction of it: the training time at the rate's low
+    end (``slower``) or high end (all of it where that end is open). 0 without an interval."""
     rate, low, high = forecast.samples_per_s, forecast.low_samples_per_s, forecast.high_samples_per_s
     if not forecast.epoch_s or not forecast.train_s or not rate or low is None:
         return 0.0
@@ -263,8 +224,6 @@ def rate_notes(rate: Rate, dataset: Dataset) -> list[str]:
     return notes
 
 
-# ------------------------------------------------------------------------------------------ one card
-
 def forecast_batch(profile: Profile, batch_size: int, batch_source: str, dataset: Dataset, epochs: int, *,
                    price_per_hour: float | None = None, seq_len: int | None = None,
                    card: str | None = None) -> Forecast:
@@ -282,9 +241,8 @@ def forecast_batch(profile: Profile, batch_size: int, batch_source: str, dataset
 
 def forecast_profile(profile: Profile, dataset: Dataset | None, epochs: int, *, price_per_hour: float | None = None,
                      size_for: SizeFor = "memory", seq_len: int | None = None, card: str | None = None) -> Forecast:
-    """The forecast at the batch size a run would take on the profile's card (:func:`vramcal.sizing.size`: the
-    conservative one, or sizing for throughput the knee, with the sizing's reason in the notes), no more than the
-    training samples, as the trainer takes it; without a dataset the rate alone."""
+    """The forecast at the batch size a run would take (:func:`vramcal.sizing.size`, at most the training samples,
+    as the trainer takes it); without a dataset the rate alone."""
     card, model = card or profile.device.name, describe(profile.model)
     try:
         sizing = size(profile, SizeRequest(size_for=size_for, seq_len=seq_len))
@@ -318,19 +276,15 @@ def unknown_card(price: Price, epochs: int, dataset: Dataset | None) -> Forecast
 
 
 def estimated_card(forecast: Forecast, batch_size: int, bound: str) -> Forecast:
-    """A priced card without a profile, with its estimated batch size (:mod:`vramcal.estimated`: never measured,
-    never verified; ``bound`` says how wrong such estimates were): throughput, times and cost stay unknown."""
+    """A priced card without a profile, with its estimated batch size (:mod:`vramcal.estimated`; ``bound`` says how
+    wrong such estimates were): throughput, times and cost stay unknown."""
     return replace(forecast, batch_size=batch_size, batch_source="estimated",
                    notes=(f"batch size {batch_size} {bound}", *forecast.notes))
 
 
-# ------------------------------------------------------------------------------------------ several cards
-
 def mark_best(forecasts: Sequence[Forecast]) -> list[Forecast]:
-    """The rows sorted by run time (rows without one last, in their order), the fastest and the cheapest marked
-    among the rows of each model (ties: every row at the minimum): another model is another run, not a card's
-    speed or price. A row is marked only where its 95 % interval is apart from every other row's of its model
-    (:func:`vramcal.calibration.throughput.overlap`); else none is, and the row with the least says
+    """The rows sorted by run time (rows without one last), the fastest and the cheapest of each model marked (ties:
+    each) where its 95 % interval is apart from every other row's of the model; else the least says
     :data:`~vramcal.calibration.throughput.NO_DIFFERENCE` from the rows it overlaps."""
     marked = list(forecasts)
     for flag, field, what in (("fastest", "run_s", "run time"), ("cheapest", "cost", "cost")):
@@ -345,8 +299,9 @@ def mark_best(forecasts: Sequence[Forecast]) -> list[Forecast]:
             if not rivals:
                 marked = [replace(f, **{flag: True}) if i in best else f for i, f in enumerate(marked)]
                 continue
-            others = " and ".join(row_name(marked[j]) + (" (it has no interval)" if spread_of(marked[j], field)[1]
-                                                         is None else "") for j in rivals)
+            others = " and ".join(f"{marked[j].card} at batch size {marked[j].batch_size}"
+                                  + (" (it has no interval)" if spread_of(marked[j], field)[1] is None else "")
+                                  for j in rivals)
             note = f"{NO_DIFFERENCE} in {what} from {others}: the 95 % intervals overlap, so none is marked {flag}"
             marked[best[0]] = replace(marked[best[0]], notes=(*marked[best[0]].notes, note))
     return sorted(marked, key=lambda f: (f.run_s is None, f.run_s or 0.0))
@@ -359,11 +314,6 @@ def spread_of(forecast: Forecast, field: str) -> tuple[float | None, float | Non
     return forecast.cost_low, forecast.cost_high
 
 
-def row_name(forecast: Forecast) -> str:
-    """A row's card and batch size, for the notes."""
-    return f"{forecast.card} at batch size {forecast.batch_size}"
-
-
 def card_key(name: str) -> str:
     """A card's name for matching prices: lower case, words only, without ``nvidia`` and ``geforce``
     (``NVIDIA GeForce RTX 4090`` and ``rtx-4090`` are both ``rtx 4090``)."""
@@ -372,9 +322,8 @@ def card_key(name: str) -> str:
 
 
 def match_price(price: Price, profiles: Sequence[Profile]) -> list[int]:
-    """The indices of the profiles a price names: by the device's name (:func:`card_key`; ``host`` names every
-    host profile), else by a whole-word prefix of exactly one device name (``H100`` for ``NVIDIA H100 80GB
-    HBM3``); none when it names no profile's card or several different ones."""
+    """The indices of the profiles a price names: by :func:`card_key` (``host`` names every host profile), else by
+    a whole-word prefix of exactly one device name (``H100``); none when it names none or several."""
     key = card_key(price.name)
     keys = [card_key(p.device.name) for p in profiles]
     exact = [i for i, (p, k) in enumerate(zip(profiles, keys))
@@ -389,9 +338,8 @@ def parse_prices(text: str) -> list[Price]:
     """Parse ``--price "RTX 4090=0.59,RTX A4000=0.25"``: a card's name and its price per hour (any currency).
 
     Raises:
-        ValueError: an entry without exactly one ``=``, or with a ``;`` (entries are separated by commas), an
-            empty name, a price that is not a finite number >= 0, or a name
-            given twice (any case); the message names the entry.
+        ValueError: an entry without exactly one ``=`` or with a ``;``, an empty name, a price not a finite
+            number >= 0, or a name given twice (any case); the message names the entry.
     """
     prices: list[Price] = []
     for entry in (part.strip() for part in text.split(",")):
@@ -419,55 +367,33 @@ def parse_prices(text: str) -> list[Price]:
 def cost_table(profiles: Sequence[Profile], datasets: Sequence[Dataset | None], epochs: int,
                prices: Sequence[Price] = (), *, size_for: SizeFor = "memory", seq_len: int | None = None,
                labels: Sequence[str] | None = None, world_size: int | None = None) -> list[Forecast]:
-    """One forecast per profile (with its dataset and, where a price names its card, its price; with ``world_size``
-    the run on that many cards of each profile's kind, :func:`world_forecast`), one row per price naming no profile
-    (unknown throughput), sorted and marked by :func:`mark_best`.
+    """One forecast per profile (with its dataset and the price naming its card; with ``world_size`` on that many
+    cards, :func:`world_forecast`), one row per price naming no profile, sorted and marked by :func:`mark_best`.
 
     Raises:
         SizingError: ``world_size`` and a profile of one process, or one the sharding model cannot carry.
     """
-    if world_size is not None:
-        return mark_best([world_forecast(p, d, epochs, world_size, price_per_hour=price_of, size_for=size_for,
-                                         seq_len=seq_len, card=label)
-                          for p, d, price_of, label in _priced(profiles, datasets, prices, labels)]
-                         + [unknown_card(price, epochs, datasets[0] if datasets else None) for price in prices
-                            if not match_price(price, profiles)])
-    price_of: dict[int, float] = {}
-    rows = []
-    for price in prices:
-        found = match_price(price, profiles)
-        price_of.update({i: price.price_per_hour for i in found})
-        if not found:
-            rows.append(unknown_card(price, epochs, datasets[0] if datasets else None))
-    labels = labels or [p.device.name for p in profiles]
-    rows = [forecast_profile(p, d, epochs, price_per_hour=price_of.get(i), size_for=size_for, seq_len=seq_len,
-                             card=label) for i, (p, d, label) in enumerate(zip(profiles, datasets, labels))] + rows
-    return mark_best(rows)
-
-
-def _priced(profiles: Sequence[Profile], datasets: Sequence[Dataset | None], prices: Sequence[Price],
-            labels: Sequence[str] | None) -> list[tuple[Profile, Dataset | None, float | None, str]]:
-    """Each profile with its dataset, the price that names its card (None: none does) and its row's name."""
     price_of = {i: price.price_per_hour for price in prices for i in match_price(price, profiles)}
     labels = labels or [p.device.name for p in profiles]
-    return [(p, d, price_of.get(i), label) for i, (p, d, label) in enumerate(zip(profiles, datasets, labels))]
+    rows = [forecast_profile(p, d, epochs, price_per_hour=price_of.get(i), size_for=size_for, seq_len=seq_len,
+                             card=label) if world_size is None else
+            world_forecast(p, d, epochs, world_size, price_per_hour=price_of.get(i), size_for=size_for,
+                           seq_len=seq_len, card=label)
+            for i, (p, d, label) in enumerate(zip(profiles, datasets, labels))]
+    return mark_best(rows + [unknown_card(price, epochs, datasets[0] if datasets else None) for price in prices
+                             if not match_price(price, profiles)])
 
 
 def world_forecast(profile: Profile, dataset: Dataset | None, epochs: int, nproc: int, *,
                    price_per_hour: float | None = None, size_for: SizeFor = "memory", seq_len: int | None = None,
                    card: str | None = None) -> Forecast:
-    """The forecast of a run on ``nproc`` cards of the profile's kind (module docstring): the batch size per rank,
-    the times of one rank's share of ``dataset``, the world's samples/s (``ranks`` = ``nproc``) and the cost of
-    ``nproc`` cards at ``price_per_hour`` each.
+    """The forecast of a run on ``nproc`` cards of the profile's kind (module docstring): the batch size and times
+    one rank's, the samples/s the world's (``ranks`` = ``nproc``), the cost ``nproc`` cards'.
 
     Raises:
-        SizingError: a profile of one process (no world to carry), or one :func:`vramcal.sizing.sharding.carried`
-        refuses.
+        SizingError: a profile of one process, or one :func:`vramcal.sizing.sharding.carried` refuses.
     """
-    world = profile.world
-    if world is None:
-        raise SizingError("a single-process profile has no world to carry to other world sizes: calibrate one with "
-                          "`vramcal probe --nproc N` (and --strategy fsdp for a sharded one)")
+    world = world_of(profile)
     at = profile if world.nproc == nproc else carried(profile, World(**{**world.to_dict(), "nproc": nproc}))
     share = dataset and Dataset(-(-dataset.train_samples // nproc),
                                 None if dataset.val_samples is None else -(-dataset.val_samples // nproc),
@@ -488,8 +414,7 @@ def world_forecast(profile: Profile, dataset: Dataset | None, epochs: int, nproc
 
 
 def calibration_dataset(profile: Profile) -> Dataset | None:
-    """The calibration's own data as a dataset (the windows its factory reported), or None when it reported none
-    (a model without a dataset, such as the language model's random tokens)."""
+    """The calibration's own data as a dataset (the windows its factory reported), or None when it reported none."""
     info = profile.model_info
     train = info.get("train_windows")
     if not isinstance(train, int) or train < 1:
@@ -500,9 +425,7 @@ def calibration_dataset(profile: Profile) -> Dataset | None:
 
 
 def run_dataset(profile: Profile) -> Dataset | None:
-    """The epoch of the latest training run recorded in the profile with the windows it counted (its own data and
-    stride: :class:`vramcal.profile.Observation`), or None: none recorded them, or a profile over several lengths
-    (a run's windows are of one)."""
+    """The epoch of the latest recorded run that counted its windows, or None (none did; a profile over lengths)."""
     if profile.surface is not None:
         return None
     recorded = [o for o in profile.observations if o.train_samples]
@@ -514,17 +437,14 @@ def run_dataset(profile: Profile) -> Dataset | None:
 
 
 def default_dataset(profile: Profile) -> Dataset | None:
-    """What a forecast of a run counts when no dataset is given: the latest recorded run's windows
-    (:func:`run_dataset`: the run's stride, not the calibration's), else the calibration's own data
-    (:func:`calibration_dataset`)."""
+    """The dataset a forecast counts when none is given: :func:`run_dataset`, else :func:`calibration_dataset`."""
     return run_dataset(profile) or calibration_dataset(profile)
 
 
 @dataclass(frozen=True)
 class ForecastSettings:
-    """What a report forecasts for its profile: ``epochs`` over ``dataset`` (None: the latest recorded run's
-    windows, else the calibration's own data: :func:`default_dataset`) at ``seq_len`` (a profile over several
-    lengths), with ``prices``."""
+    """What a report forecasts for its profile: ``epochs`` over ``dataset`` (None: :func:`default_dataset`) at
+    ``seq_len``, with ``prices``."""
 
     epochs: int = DEFAULT_EPOCHS
     prices: tuple[Price, ...] = ()
@@ -533,9 +453,8 @@ class ForecastSettings:
 
 
 def profile_forecasts(profile: Profile, settings: ForecastSettings = ForecastSettings()) -> list[Forecast]:
-    """The report's forecast for one profile: at the conservative batch size and, when sizing for throughput takes
-    another, at the throughput knee (else the conservative row says why not); with a row for every priced card
-    that is not the profile's (unknown throughput)."""
+    """The report's forecast for one profile: at the conservative batch size, at the throughput knee when sizing for
+    throughput takes another (else the conservative row says why not), and every other priced card's row."""
     dataset = settings.dataset or default_dataset(profile)
     rows = cost_table([profile], [dataset], settings.epochs, settings.prices, seq_len=settings.seq_len)
     own = next(r for r in rows if r.measured)

@@ -1,11 +1,6 @@
-"""Batches of lengths that vary, sized by a profile (issue 41): its bucket table and its token budget, each with
-its worst case and the real trial that verified it, where one did.
-
-The arithmetic is :mod:`vramcal.calibration.lengths` on the profile's surface; this module reads a profile: the
-table and the budget its calibration recorded (``profile.lengths``, with the trials that verified them), or, for
-other boundaries and for profiles made before they were recorded, the same computed from its surface. A worst
-case that no recorded trial verified is :attr:`Worst.check` None: ``vramcal limits --verify`` runs it
-(:func:`vramcal.api.verify`).
+"""Batches of lengths that vary, sized by a profile: its bucket table and token budget (the arithmetic:
+:mod:`vramcal.calibration.lengths`), as its calibration recorded them or computed from its surface, each with its
+worst case and the recorded trial that verified it (:attr:`Worst.check` None: ``vramcal limits --verify`` runs it).
 """
 
 from __future__ import annotations

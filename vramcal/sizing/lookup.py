@@ -1,10 +1,5 @@
-"""Which profile sizes a run: the one lookup that the trainer, the tuner, the integrations and the API share.
-
-:func:`locate_profile` takes what the caller has (a :class:`~vramcal.profile.Profile`, a profile file, or
-nothing) and the model and device of the run; it returns the checked profile with the notices people should
-see (matching files that failed their checks and were passed over, a profile made under other software:
-:mod:`vramcal.sizing.staleness`). It never warns itself: each caller says the notices its own way (a command on
-stderr, the API with :func:`warnings.warn`, Lightning on rank 0 only).
+"""Which profile sizes a run: the one lookup the trainer, the tuner, the integrations and the API share. It never
+warns itself: it returns notices (files passed over, :mod:`vramcal.sizing.staleness`) for each caller to say its way.
 """
 
 from __future__ import annotations
@@ -46,8 +41,7 @@ class NoProfileError(SizingError):
 
 @dataclass(frozen=True)
 class Located:
-    """A profile found for a run: the checked profile, its file (None: given as an object), and notices for
-    people (matching files that failed their checks and were passed over, staleness)."""
+    """A profile found for a run: the checked profile, its file (None: given as an object), notices for people."""
 
     profile: Profile
     path: Path | None
@@ -63,22 +57,15 @@ def locate_profile(model: str | ModelRef | None = "regressor", params: dict[str,
                    device: Device, profile: Profile | Path | str | None = None, implementation: str = "auto",
                    profiles_dir: Path | str = DEFAULT_PROFILES_DIR, world: World | None = None,
                    total_bytes: int | None = None, strict: bool | None = None) -> Located:
-    """The profile for a run of ``model`` on ``device`` (in a DDP ``world``; None: one process): ``profile``
-    when given (an object or a file), else the newest matching file under ``profiles_dir`` (calibrated at
-    ``total_bytes``, when given: the run's budget; without it the matches must share one budget). A given profile
-    is checked against the run's device and world, and against ``model`` unless it is None (then the profile's
-    own model is the run's). A profile
-    made under other software or settings that can move memory adds a notice naming them
-    (:mod:`vramcal.sizing.staleness`; ``strict``: refuse it).
+    """The profile for a run of ``model`` on ``device`` (in ``world``; None: one process): ``profile`` when given (an
+    object or a file), else the newest matching file under ``profiles_dir`` (at ``total_bytes`` when given; else the
+    matches must share one budget), checked against the run (``model`` None: the profile's own), with notices.
 
     Raises:
         StaleProfileError: ``strict`` (or ``VRAMCAL_STRICT_PROFILE=1``) and the profile is stale.
-        NoProfileError: none matches (a SizingError whose message gives the ``vramcal probe`` command that makes
-            one, also its ``command``). SeveralBudgetsError: no ``total_bytes``, and the matching files were
-            calibrated at several budgets (the message lists each file and its budget; issue 42: the newest was
-            taken in silence). SizingError: a file that
-            is no profile, a profile for another device, model or world (names the difference), or one with no
-            limits; neither ``model`` nor ``profile`` given.
+        NoProfileError: none matches (its ``command`` makes one). SeveralBudgetsError: no ``total_bytes``, and the
+            matches were calibrated at several budgets. SizingError: a file that is no profile, a profile for
+            another device, model or world, or one with no limits; neither ``model`` nor ``profile`` given.
         WorkloadError, ValueError: ``model`` or ``params`` are not a model vramcal can build
             (:func:`vramcal.models.registry.model_ref`).
     """
@@ -136,11 +123,7 @@ def _one_budget(matches: list[Profile], device: Device, ref: ModelRef) -> None:
 
 def _checked(profile: Profile | Path | str, path: Path | None, device: Device, ref: ModelRef | None,
              world: World | None) -> Profile:
-    """The profile read (a file) and checked against the run (module docstring).
-
-    Raises:
-        SizingError: as :func:`locate_profile`.
-    """
+    """The profile read (a file) and checked against the run. Raises: SizingError: as :func:`locate_profile`."""
     source = "the given profile" if path is None else str(path)
     try:
         found = profile if path is None else load_profile(path)
@@ -154,9 +137,8 @@ def _checked(profile: Profile | Path | str, path: Path | None, device: Device, r
 
 
 def probe_command(device: Device, ref: ModelRef, world: World | None = None, suggest_budget: bool = False) -> str:
-    """The ``vramcal probe`` command line that makes a missing profile (non-default options only): the device's
-    budget when it was given (``--capacity``); with ``suggest_budget``, a host without one gets
-    :func:`suggested_capacity` of its memory (each rank's share in a ``world``), not the whole host.
+    """The ``vramcal probe`` command line that makes a missing profile (non-default options only); with
+    ``suggest_budget`` a host without ``--capacity`` gets :func:`suggested_capacity` of its (rank's) memory.
 
     Raises:
         TypeError: an argument of the wrong type, named.
@@ -177,17 +159,14 @@ def probe_command(device: Device, ref: ModelRef, world: World | None = None, sug
 
 
 def suggested_capacity(total_bytes: int) -> int:
-    """A host budget to suggest where none was given (bytes): half of ``total_bytes`` in whole 256 MiB, at least
-    256 MiB and at most 4 GiB: the rest of the host keeps room, and the calibration takes minutes, not the hour a
-    whole host's largest trials can (the probe's own hint, ``vramcal.cli.probe.host_hint``, gives the same)."""
+    """A host budget to suggest (bytes): half of ``total_bytes`` in whole 256 MiB, within 256 MiB-4 GiB, so the
+    calibration takes minutes (as ``vramcal.cli.probe.host_hint``)."""
     return min(4 * 2**30, total_bytes // 2 // 2**28 * 2**28 or 2**28)
 
 
 def ddp_term(profile: Profile, profiles_dir: Path | str) -> dict[str, Any] | None:
-    """The DDP term of a DDP profile: its safe size's per-rank peak (its verification, step creep included)
-    against the prediction there of the newest single-process profile of the same model and device under
-    ``profiles_dir``, calibrated at the same budget where there is one (bytes; None when there is none, or the
-    DDP profile has no verified safe size)."""
+    """The DDP term of a DDP profile (bytes): its verified safe size's per-rank peak against the prediction there
+    of the newest single-process profile of its model and device (at its budget where one is), or None."""
     check = profile.verification.get("safe")
     found, _ = newest_profile(profiles_dir, profile.device, profile.model, total_bytes=profile.device.total_bytes)
     if found is None:

@@ -1,26 +1,13 @@
-"""A batch sampler for documents of varying length, sized by a profile (issue 41 item 2): plain PyTorch.
-
-``LengthBatchSampler`` yields lists of dataset indices, for ``torch.utils.data.DataLoader(dataset,
-batch_sampler=sampler, collate_fn=...)``; the collate function pads each batch to its longest document (Mamba-2's
-scan pads it further, to a multiple of chunk_size: :mod:`vramcal.calibration.lengths`). It forms batches
-
-* by **bucket table** (``mode="buckets"``): each document goes to the bucket of its length; each batch holds
-  documents of one bucket, at most the bucket's batch size;
-* by **token budget** (``mode="budget"``): documents sorted by length, longest first (ties in a random order),
-  then each batch takes the next documents up to ``floor(tokens / L)`` of them, L its first (longest) document's
-  length, counted as at least the budget's shortest length: the batches the budget was verified for.
-
-The batches' order is shuffled each epoch (:meth:`LengthBatchSampler.set_epoch`, as ``DistributedSampler``); the
-documents within a bucket too. ``len(sampler)`` is the number of batches of an epoch. One process; under DDP
-give each rank its own share of the dataset.
-
-Every length is checked when the sampler is made: a document longer than the profile's longest seq_len, or of a
-length no bucket covers, is a one-line ``ValueError`` naming it, before any batch is formed.
+"""A batch sampler for documents of varying length, sized by a profile: plain PyTorch (DESIGN.md, "Lengths that
+vary"). ``LengthBatchSampler`` yields lists of dataset indices for ``DataLoader(dataset, batch_sampler=...)``:
+by **bucket table** (``mode="buckets"``: each batch from one bucket, at most its batch size) or by **token budget**
+(``mode="budget"``: documents longest first, ties in a random order, each batch ``floor(tokens / L)`` of them, L its
+first document's length, at least the budget's shortest: the batches the budget was verified for). The batches'
+order is shuffled each epoch (:meth:`LengthBatchSampler.set_epoch`). Every length is checked when it is made.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Literal
@@ -29,10 +16,9 @@ import torch
 
 from vramcal.calibration.lengths import Bucket, TokenBudget, bucket_of
 from vramcal.profile import Profile, load_profile
-from vramcal.sizing import SizingError, batching
+from vramcal.sizing import Limit, SizingError, batching
 
 Mode = Literal["budget", "buckets"]
-Limit = Literal["conservative", "safe"]
 
 
 class LengthBatchSampler(torch.utils.data.Sampler[list[int]]):
@@ -85,9 +71,7 @@ class LengthBatchSampler(torch.utils.data.Sampler[list[int]]):
         raise SizingError(f"mode must be budget or buckets, got {mode!r}")
 
     def _size(self, index: int, length: int) -> int:
-        """The batch size a document of ``length`` tokens allows (budget: when it is a batch's longest).
-
-        Raises: ValueError: as the class."""
+        """The batch size a document of ``length`` tokens allows (budget: as a batch's longest). Raises: ValueError."""
         try:
             if length < 1:
                 raise ValueError(f"a document of {length} tokens: every length must be at least 1")
@@ -143,8 +127,5 @@ class LengthBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     def __len__(self) -> int:
         """Batches per epoch (the same every epoch: shuffling moves documents between equal lengths only)."""
-        if self.budget is not None:
-            return len(self._by_budget(list(range(len(self.lengths)))))
-        counts = [sum(b.shortest_seq_len <= n <= b.longest_seq_len for n in self.lengths) for b in self.buckets]
-        sizes = [b.conservative_batch_size if self.conservative else b.safe_batch_size for b in self.buckets]
-        return sum((c // s if self.drop_last else math.ceil(c / s)) for c, s in zip(counts, sizes) if c)
+        order = list(range(len(self.lengths)))
+        return len(self._by_budget(order) if self.budget is not None else self._by_bucket(order))

@@ -1,26 +1,15 @@
 """A world's per-rank memory at other world sizes, and the fewest ranks a global batch needs.
 
-Under FSDP2 (``fully_shard``) every rank holds ``1/N`` of the model states: the parameters, their gradients and
-the optimizer state (counted in the trial, ``model_info["model_state_bytes"]`` whole and
-``rank_model_state_bytes`` a rank's: :func:`vramcal.measure.trial.model_state`). At the peak of a batch near the
-limits the gradients are not held: the step frees them (``zero_grad(set_to_none=True)``) before the forward, and
-the peak comes where the backward starts, every activation alive and next to no gradient made yet (measured:
-``bench.fsdp_terms``, bench/README.md). So the part of the peak that divides by the world size is ``S``, the
-parameters and the optimizer state of one whole copy (the model states less the gradients, ``gradient_bytes`` a
-rank's share). Nothing else a rank holds depends on ``N``: the activations of its batch (the fit's slope), the
-blocks being all-gathered, the process and its allocator (the rest of the overhead). So from a profile measured at
-``N0`` ranks, at ``N`` ranks::
+Under FSDP2 each rank holds ``1/N`` of the parameters and optimizer state (``S``: the counted model states less the
+gradients, which the step frees before the peak: ``bench.fsdp_terms``, bench/README.md); nothing else a rank holds
+depends on ``N``. From a profile measured at ``N0`` ranks, at ``N``::
 
     overhead(N) = overhead(N0) - S_rank(N0) + S / N        (FSDP; S_rank(N0): what a rank held, counted)
     overhead(N) = overhead(N0)                             (DDP: every rank holds S whole)
     peak(N, batch_size) = overhead(N) + slope × batch_size
 
-and the limits follow from the moved fit as from a measured one (:func:`vramcal.calibration.limits.compute_limits`:
-the same prediction interval, margin and reserve). What is measured: the fit at ``N0``, its step creep and
-``S``; what is computed: the move. A batch size that failed at ``N0`` still caps fewer ranks (each then holds
-more), and caps nothing at more. Sources: PyTorch's FSDP2 notes (each rank keeps its shard of every parameter,
-all-gathering a unit only while it runs) and ZeRO's model-state memory, stage 3: ``(2 + 2 + K)Ψ / N_d``
-(Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", 2020, §5).
+and the limits follow from the moved fit (:func:`vramcal.calibration.limits.compute_limits`). Sources: PyTorch's
+FSDP2 notes; ZeRO stage 3, ``(2 + 2 + K)Ψ / N_d`` (Rajbhandari et al. 2020, §5).
 """
 
 from __future__ import annotations
@@ -37,16 +26,9 @@ from vramcal.sizing import SizingError
 
 @dataclass(frozen=True)
 class AtWorldSize:
-    """A world's per-rank limits at ``nproc`` ranks on a card of ``limits.total_bytes``.
-
-    Attributes:
-        nproc: the ranks.
-        limits: per rank: safe and conservative batch sizes (samples), usable bytes.
-        overhead_bytes: the moved fit's overhead (bytes at batch_size 0).
-        shift_bytes: ``overhead(nproc) - overhead(N0)``: the parameters and optimizer state a rank holds more (+)
-            or less (-).
-        measured: ``nproc`` is the profile's own world (its limits are the calibration's, not computed).
-    """
+    """A world's per-rank limits at ``nproc`` ranks on a card of ``limits.total_bytes``: the moved fit's overhead
+    (bytes), ``shift_bytes = overhead(nproc) - overhead(N0)``, and whether ``nproc`` is the profile's own world
+    (``measured``: the calibration's limits)."""
 
     nproc: int
     limits: Limits
@@ -56,7 +38,7 @@ class AtWorldSize:
 
     @property
     def global_safe(self) -> int:
-        """Samples per optimizer step of the whole world at the safe size."""
+        """Samples per optimizer step of the whole world at the safe size (``global_conservative`` likewise)."""
         return self.nproc * self.limits.safe_batch_size
 
     @property
@@ -68,26 +50,28 @@ def state_shift(profile: Profile, nproc: int) -> float:
     """Bytes a rank holds more (+) or fewer (-) at ``nproc`` ranks than in the profile's world (module docstring).
 
     Raises:
-        SizingError: a profile of one process (it has no world to carry), or an FSDP profile made before vramcal
-            counted the model states (recalibrate it).
+        SizingError: a profile of one process, or an FSDP profile that does not record its model states.
     """
-    world = profile.world
-    if world is None:
-        raise SizingError("a single-process profile has no world to carry to other world sizes: calibrate one "
-                          "with `vramcal probe --nproc N` (and --strategy fsdp for a sharded one)")
-    if world.strategy == "ddp":
+    if world_of(profile).strategy == "ddp":
         return 0.0
     whole, held = sharded_bytes(profile)
     return whole / nproc - held
 
 
+def world_of(profile: Profile) -> World:
+    """The profile's world. Raises: SizingError: a single-process profile (no world to carry)."""
+    if profile.world is None:
+        raise SizingError("a single-process profile has no world to carry to other world sizes: calibrate one "
+                          "with `vramcal probe --nproc N` (and --strategy fsdp for a sharded one)")
+    return profile.world
+
+
 def sharded_bytes(profile: Profile) -> tuple[int, int]:
-    """(one whole copy, what a rank of the profile's world held) of the parameters and the optimizer state of an
-    FSDP profile, bytes: its counted model states less the gradients (the rank's ``gradient_bytes``; whole, that
-    times the ranks, to within the shards' padding of a few rows).
+    """(one whole copy, what a rank of the profile's world held) of an FSDP profile's parameters and optimizer
+    state, bytes: its counted model states less the gradients.
 
     Raises:
-        SizingError: a profile that does not record its model states (made before vramcal counted them).
+        SizingError: a profile that does not record its model states.
     """
     whole, held, grads = (profile.model_info.get(k) for k in ("model_state_bytes", "rank_model_state_bytes",
                                                                "gradient_bytes"))
@@ -140,18 +124,14 @@ def fewest_ranks(profile: Profile, global_batch: int, total_bytes: int | None = 
 
 
 def same_but_size(calibrated: World | None, run: World | None) -> bool:
-    """Whether two worlds differ in their number of ranks alone (the same strategy, backend and settings): what
-    :func:`carried` can bridge."""
+    """Whether two worlds differ in their number of ranks alone: what :func:`carried` can bridge."""
     return (calibrated is not None and run is not None
             and dataclasses.replace(calibrated, nproc=run.nproc) == run)
 
 
 def carried(profile: Profile, world: World) -> Profile:
-    """``profile``, a world's, as a profile of ``world``: the same strategy and settings at another number of ranks,
-    its fit moved and its limits computed at ``world.nproc`` (:func:`at_world_size`, module docstring). What it
-    measured at its own world does not hold at another: its verification trials and the training runs recorded in
-    it are left out (the carried limits are computed, not verified), and it has no file (``path`` None: a run at
-    another world size is not recorded in it).
+    """``profile``, a world's, as a profile of ``world`` (another number of ranks): its fit moved and its limits
+    computed (:func:`at_world_size`); its verification and recorded runs left out, and no file (``path`` None).
 
     Raises:
         SizingError: ``world`` differs from the profile's in more than its size (another strategy or settings: the

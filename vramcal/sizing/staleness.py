@@ -1,13 +1,8 @@
-"""A stale profile: its recorded software, driver or allocator settings differ from the running ones in a way
-that can move the memory of the same step (DESIGN.md): a new torch, CUDA or driver changes the CUDA context and
-the kernels' workspaces; ``PYTORCH_CUDA_ALLOC_CONF`` (``expandable_segments``) changes what the caching
-allocator reserves; mamba_ssm, causal_conv1d, Triton and transformers change the kernels and what they keep
-for backward; on the host the torch build, the Python version and the malloc settings change the process's
-own memory. Hundreds of MiB can move, and the profile's figures would size the run without a word.
-
-Every place that uses a profile asks :func:`check`: it returns one notice naming each change and the command
-that recalibrates, or, when strict (the ``strict`` argument, ``--strict-profile``, or
-``VRAMCAL_STRICT_PROFILE=1``), raises :class:`StaleProfileError` with it.
+"""A stale profile: made under software, a driver or allocator settings that can move the memory of the same step
+(torch, CUDA and the driver: the CUDA context and workspaces; ``PYTORCH_CUDA_ALLOC_CONF``: the caching allocator;
+mamba_ssm, causal_conv1d, Triton, transformers: the kernels; on the host also Python and the malloc settings).
+:func:`check` gives one notice naming each change and the command that recalibrates, or, strict
+(``--strict-profile``, ``VRAMCAL_STRICT_PROFILE=1``), raises :class:`StaleProfileError`.
 """
 
 from __future__ import annotations
@@ -34,8 +29,8 @@ class StaleProfileError(ProfileError):
 
 
 def changes(profile: Profile, device: Device | None = None) -> list[str]:
-    """Each change since the profile was made that can move memory (module docstring), as ``torch 2.5.1 ->
-    2.13.0+cpu``; ``device`` is the running device (its driver is compared on a GPU)."""
+    """Each change since the profile was made that can move memory, as ``torch 2.5.1 -> 2.13.0+cpu``; ``device``
+    is the running device (its driver is compared on a GPU)."""
     running, recorded = software_versions(), recorded_software(profile)
     host = profile.device.kind == "host"
     names = (*MEMORY_PACKAGES, "python") if host else MEMORY_PACKAGES
@@ -59,9 +54,8 @@ def changes(profile: Profile, device: Device | None = None) -> list[str]:
 
 
 def recorded_software(profile: Profile) -> dict[str, str | None]:
-    """The software ``profile`` was made with, torch's version with its build (``2.13.0+cu130``): a profile made
-    before :func:`vramcal.environment.software_versions` read the build recorded PyPI's ``2.13.0``, and its trials'
-    ``torch.__version__`` in its environment."""
+    """The software ``profile`` was made with, torch's version with its build (``2.13.0+cu130``, also from the
+    trials' environment in older profiles)."""
     torch, built = profile.software.get("torch"), profile.environment.get("torch_version")
     if torch and built and built.split("+")[0] == torch:
         return {**profile.software, "torch": built}

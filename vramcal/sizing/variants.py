@@ -1,31 +1,9 @@
-"""Variants of one model, and the choice among them by measured speed (DESIGN.md, "variant").
+"""Variants of one model and the choice among them by measured speed (DESIGN.md, "Variants: memory for speed").
 
-A variant is a memory-saving setting a profile was made with: activation checkpointing (``checkpointing``: off,
-every block, or every K-th) and the SSD ``chunk_size``. A variant changes how a step holds memory and how fast it
-runs, never what it computes: a checkpointed block recomputes its activations in the backward pass (Chen et al.
-2016, "Training Deep Nets with Sublinear Memory Cost"), and the chunked SSD scan is exact for any chunk length (Dao
-and Gu 2024, "Transformers are SSMs", section 6: the chunk size only splits the same sequence of matrix products).
-So the profiles of one model that differ only in these settings are alternatives for one run, each verified on its
-own; sizing never mixes them (each has its own key, :meth:`vramcal.models.regressor.spec.RegressorSpec.ref`).
-
-* :func:`variants_of` finds them: the profiles under a folder of the same model but for its variant settings, on
-  the same hardware, budget and world.
-* :func:`variant_rows` tabulates them: limits, samples/s at the conservative size and at the throughput knee, and
-  samples/s per GiB of predicted peak at the conservative size.
-* :func:`choose` picks, for what a run asks (:class:`vramcal.sizing.SizeRequest`: a batch, an effective batch
-  reached by accumulation, or the throughput knee), the variant, batch and accumulation with the highest measured
-  samples/s at the batch each would train at, among the verified variants whose limits admit the request (a batch
-  asked for within their safe size; an effective batch any variant reaches, by accumulation where it must). A
-  checkpointed variant that would train the same micro-batch and accumulation as the same chunk_size without
-  checkpointing is passed over whatever its measured rate: it does the same step plus the recomputation, so a
-  higher rate there is noise (bench.checkpoint_or_accumulate: at effective batch 76 both trained 38 x 2, the
-  calibration's rates chose ``block``, and ``off`` trained 51 % faster). The
-  variant the run named (the spec as given) is kept where the intervals do not tell it from the fastest
-  (:func:`vramcal.calibration.throughput.overlap`): a choice from noise is no advice.
-
-The samples/s of a variant at a micro-batch is its trials' measured rate there
-(:func:`vramcal.calibration.throughput.rate_for_run`); under accumulation the optimizer's step, once per
-``accumulation_steps`` micro-batches, is not in it.
+A variant (activation checkpointing, the SSD ``chunk_size``) changes how a step holds memory and how fast it runs,
+never what it computes (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"; Dao and Gu 2024,
+"Transformers are SSMs", section 6), so a model's variant profiles are alternatives for one run, each verified on
+its own. :func:`variants_of` finds them, :func:`variant_rows` tabulates them, :func:`choose` picks one.
 """
 
 from __future__ import annotations
@@ -48,7 +26,7 @@ from vramcal.records import Device, World
 from vramcal.sizing import SizeRequest, Sizing, SizingError, length_trials, size
 from vramcal.workload import ModelRef
 
-VARIANT_FIELDS = ("checkpointing", "chunk_size")  # the model's settings that make a variant (module docstring)
+VARIANT_FIELDS = ("checkpointing", "chunk_size")  # the model's settings that make a variant
 GIB = 2**30
 
 
@@ -66,9 +44,8 @@ def variant_label(ref: ModelRef) -> str:
 
 def variants_of(model: ModelRef, device: Device, profiles_dir: Path | str, *, world: World | None = None,
                 total_bytes: int | None = None) -> list[tuple[Path, Profile]]:
-    """The readable profiles under ``profiles_dir`` of ``model`` in any variant, on ``device``'s hardware, in
-    ``world`` (None: one process) and, when given, at the budget ``total_bytes``; the newest of each variant, in
-    the order of their paths. Unreadable files are passed over (the lookup reports them)."""
+    """The newest readable profile of each variant of ``model`` under ``profiles_dir`` on ``device``'s hardware, in
+    ``world`` and (when given) at ``total_bytes``, in the order of their paths."""
     found, _ = profiles_where(profiles_dir, device, lambda p: same_model(p.model, model) and p.world == world,
                               total_bytes)
     newest: dict[str, Profile] = {}
@@ -81,14 +58,8 @@ def variants_of(model: ModelRef, device: Device, profiles_dir: Path | str, *, wo
 
 @dataclass(frozen=True)
 class VariantRow:
-    """One variant's figures (:func:`variant_rows`).
-
-    Attributes:
-        path, profile: the variant's profile. label: :func:`variant_label`.
-        rate_conservative: the measured samples/s at the conservative batch size (None: no trial near it).
-        knee_batch_size, knee_rate: the throughput knee and its rate (None: no knee: too few timed steps, or none).
-        samples_per_s_per_gib: ``rate_conservative`` per GiB of the predicted peak at the conservative size.
-    """
+    """One variant's figures: the measured samples/s at the conservative batch size, the throughput knee and its
+    rate (None: none), and ``rate_conservative`` per GiB of the predicted peak there."""
 
     path: Path
     profile: Profile
@@ -140,13 +111,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Choice:
-    """The variant a run trains with (:func:`choose`).
-
-    Attributes:
-        chosen: the variant, sized. candidates: every variant that admits the request, fastest first.
-        passed_over: one line for each variant that was not a candidate, and why.
-        reason: why the chosen one, for people.
-    """
+    """The variant a run trains with (:func:`choose`), the candidates fastest first, a line for each variant passed
+    over, and why the chosen one."""
 
     chosen: Candidate
     candidates: tuple[Candidate, ...]
@@ -155,8 +121,10 @@ class Choice:
 
 
 def choose(found: Sequence[tuple[Path, Profile]], ask: SizeRequest, named: ModelRef) -> Choice:
-    """The fastest variant for ``ask`` among ``found`` (module docstring); ``named`` is the variant the run
-    named, kept unless another is measurably faster.
+    """The variant, batch and accumulation with the highest measured samples/s for ``ask`` among the verified
+    variants in ``found`` that admit it; ``named`` (the run's) is kept unless another's 95 % interval lies apart
+    above it. A checkpointed variant that trains what an uncheckpointed one of its chunk_size trains is passed
+    over first (bench/README.md, "Checkpointing or accumulation").
 
     Raises:
         SizingError: no verified variant admits the request (one line: each variant and why).
@@ -198,8 +166,7 @@ def choose(found: Sequence[tuple[Path, Profile]], ask: SizeRequest, named: Model
 
 
 def _without_recomputing_alike(candidates: list[Candidate]) -> tuple[list[Candidate], list[str]]:
-    """The candidates less the checkpointed ones that train the batch an uncheckpointed one of the same chunk_size
-    trains (module docstring), and a line for each of those."""
+    """The candidates less the checkpointed ones that an uncheckpointed one trains alike, and a line for each."""
     def plain(c: Candidate) -> bool:
         return c.profile.model.params.get("checkpointing", "off") == "off"
 
