@@ -1,23 +1,11 @@
 """The report's figure: peak memory and throughput against batch size, one colour per profile.
 
-Memory panel: each trial's peak as the fit reads it, with the measured step creep added
-(:mod:`vramcal.calibration.creep`; successful trials as filled points, over-budget ones as open
-triangles, out-of-memory ones as crosses on the usable-memory line since their peak is unknown), the
-steady trial's own peak as a diamond, the fitted line with its 95 % prediction band (whose width the key
-states: with points on a line it is thinner than the line) and the warning line a run is held against
-(:func:`vramcal.sizing.repeat_spread`), horizontal lines for total and usable memory, vertical lines at the
-safe and conservative batch sizes and at the predicted out-of-memory boundary (where the line reaches total
-memory), the formula and r² in the legend. Batch sizes of several profiles that differ more than
-:data:`LOG_SPREAD` times go on a log axis. Throughput panel: samples/s of the same trials
-(:mod:`vramcal.calibration.throughput`: the mean step time per batch size, with its 95 % interval as whiskers;
-steady rates ringed), with a star at the throughput knee; sizes above the safe size, which no run takes and
-"best" leaves out, are hollow. A DDP or FSDP profile says its world in the title and "per rank" on its axes.
-The legends sit below the panels, so no label covers data: one entry per
-profile in its colour (wrapped at :data:`LEGEND_WIDTH` characters), then a key of the marker and line styles
-in black.
-
-matplotlib is imported inside :func:`render_png` (Agg canvas, no pyplot state), so importing this
-module is cheap. The PNG is deterministic: fixed size and dpi, no ``Software`` or date metadata.
+Memory: each trial's peak with the step creep added (filled: ok, open triangle: over budget, cross at usable:
+out of memory), the steady trial's own peak (diamond), the fitted line with its 95 % band, the warning line
+(:func:`vramcal.sizing.repeat_spread`), total and usable memory, the safe, conservative and out-of-memory batch
+sizes. Throughput: samples/s per batch size with 95 % whiskers, the knee starred, sizes above safe hollow; over
+several lengths, safe size against seq_len. Legends sit below the panels. matplotlib loads only to draw (Agg, no
+pyplot); the PNG is deterministic (fixed size and dpi, no metadata).
 """
 
 from __future__ import annotations
@@ -30,14 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from vramcal.calibration.creep import STEADY, steady_equivalent
 from vramcal.calibration.surface import answer_at
-from vramcal.report.markdown import (
-    profile_knee,
-    profile_rates,
-    reference_trials,
-    series_labels,
-    trial_state,
-    usable_bytes,
-)
+from vramcal.report.facts import profile_knee, profile_rates, series_labels, trial_state, usable_bytes
 from vramcal.sizing import repeat_spread
 from vramcal.units import format_bytes, format_rate
 
@@ -108,7 +89,7 @@ def build_figure(profiles: Sequence[Profile]) -> Any:
 
 def _spread_out(profiles: Sequence[Profile]) -> bool:
     """Whether the profiles' largest batch sizes lie more than :data:`LOG_SPREAD` times apart (a log batch axis)."""
-    tops = [max((t.batch_size for t in reference_trials(p)), default=1) for p in profiles]
+    tops = [max((t.batch_size for t in p.reference_trials), default=1) for p in profiles]
     return len(profiles) > 1 and max(tops) > LOG_SPREAD * min(tops)
 
 
@@ -125,7 +106,7 @@ def _world_line(profiles: Sequence[Profile]) -> list[str]:
 
 def _draw_memory(ax: Any, profile: Profile, color: str, log_batches: bool = False, single: bool = True) -> None:
     usable = usable_bytes(profile)
-    trials = reference_trials(profile)
+    trials = profile.reference_trials
     states = [(trial, trial_state(trial, usable)) for trial in steady_equivalent(trials, profile.creep_rule)]
     steady = [(t.batch_size, t.peak_bytes / GIB) for t in trials if t.purpose == STEADY and t.ok]
     if steady:
@@ -271,9 +252,9 @@ def _draw_lengths(ax: Any, profile: Profile, color: str) -> None:
 def _format_axes(memory_ax: Any, speed_ax: Any, profiles: Sequence[Profile], log_batches: bool = False) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    batches = [t.batch_size for p in profiles for t in reference_trials(p)]
+    batches = [t.batch_size for p in profiles for t in p.reference_trials]
     top = max([p.device.total_bytes for p in profiles] + [t.peak_bytes or 0 for p in profiles
-                                                          for t in reference_trials(p)])
+                                                          for t in p.reference_trials])
     if log_batches:  # batch scales far apart: each profile's own range stays readable
         memory_ax.set_xscale("log", base=2)
         memory_ax.xaxis.set_major_formatter("{x:g}")
