@@ -1,9 +1,5 @@
-"""The run forecast as a table and as Markdown (its figure, run time against cost per card, is
-:mod:`vramcal.report.cost_figure`).
-
-A pure function of :class:`vramcal.forecast.Forecast` rows (:func:`vramcal.forecast.cost_table`), so the same
-profiles, dataset, epochs and prices give the same bytes. ``vramcal cost`` writes these; the report
-(:mod:`vramcal.report.markdown`) carries the same table for its profile.
+"""The run forecast as a Markdown table and file (its figure: :mod:`vramcal.report.cost_figure`), a pure function
+of :class:`vramcal.forecast.Forecast` rows.
 """
 
 from __future__ import annotations
