@@ -26,16 +26,8 @@ MIN_GPU_BYTES = MIB  # as --capacity: a smaller --gpus size is a missing unit, n
 
 @dataclass(frozen=True)
 class GpuModel:
-    """A card and its memory.
-
-    Attributes:
-        label: short name for tables (``RTX 4090 24 GB``).
-        total_bytes: the memory limits are computed against (NVML ``total`` where known).
-        source: where ``total_bytes`` comes from, for the table's notes.
-        nvml_name: the name NVML reports, to recognise the measured card; None when unknown.
-        compute_capability, sm_count: what an estimate traces the card as (:class:`vramcal.estimate.card.Card`);
-            None: an H100's.
-    """
+    """A card: a short ``label``, ``total_bytes`` (NVML's ``total`` where known) and its ``source``, the name NVML
+    reports (None: unknown), what an estimate traces it as (:class:`vramcal.estimate.card.Card`; None: an H100)."""
 
     label: str
     total_bytes: int
@@ -49,9 +41,8 @@ def _nvidia_smi(label: str, nvml_name: str, total_mib: int, capability: str, sm_
     return GpuModel(label, total_mib * MIB, f"nvidia-smi total {total_mib} MiB", nvml_name, capability, sm_count)
 
 
-# nvidia-smi totals as printed on these cards in public logs (Memory-Usage column "x MiB / <total>MiB"); compute
-# capabilities from NVIDIA's CUDA GPUs table (developer.nvidia.com/cuda-gpus), SM counts from NVIDIA's architecture
-# whitepapers (GA102/GA104/GA106, AD102, GA100, GH100) and product briefs.
+# Totals: nvidia-smi in public logs; compute capabilities: developer.nvidia.com/cuda-gpus; SM counts: NVIDIA's
+# architecture whitepapers (GA10x, AD102, GA100, GH100)
 CATALOGUE: tuple[GpuModel, ...] = (
     _nvidia_smi("RTX 3050 Ti Laptop 4 GB", "NVIDIA GeForce RTX 3050 Ti Laptop GPU", 4096, "8.6", 20),
     _nvidia_smi("RTX 3060 12 GB", "NVIDIA GeForce RTX 3060", 12288, "8.6", 28),
@@ -66,7 +57,7 @@ CATALOGUE: tuple[GpuModel, ...] = (
 
 @dataclass(frozen=True)
 class GpuLimitRow:
-    """One row of the other-GPU table. ``measured`` marks the profile's own device (not extrapolated)."""
+    """One row of the other-GPU table; ``measured``: the profile's own device."""
 
     gpu: GpuModel
     limits: Limits
@@ -109,8 +100,7 @@ def parse_gpu_list(text: str) -> list[GpuModel]:
 
 
 def cards_for(gpus: Sequence[GpuModel] | None) -> list[GpuModel]:
-    """The cards an estimate shows: ``gpus`` when given (each once: a label or NVML name given twice is one card),
-    else the whole catalogue."""
+    """The cards an estimate shows: ``gpus`` (each once, by label or NVML name), else the catalogue."""
     found: list[GpuModel] = []
     for gpu in CATALOGUE if not gpus else gpus:
         if not any(g.label.casefold() == gpu.label.casefold() or (g.nvml_name and g.nvml_name == gpu.nvml_name)
@@ -141,8 +131,7 @@ def other_gpu_limits(profile: Profile, extra_gpus: Iterable[GpuModel] = (),
     the measured device caps cards with no more memory. A host profile is never carried to a GPU (its rows are its
     own; :mod:`vramcal.estimated` estimates a card instead).
 
-    Returns:
-        Rows sorted by total memory (the measured row first among equal totals).
+    Rows by total memory, the measured first among equals.
 
     Raises:
         ValueError: the profile has no fit (fewer than three successful trials) to extrapolate from, or a fit
@@ -168,10 +157,8 @@ def other_gpu_limits(profile: Profile, extra_gpus: Iterable[GpuModel] = (),
 
 
 def limits_table(rows: Sequence[GpuLimitRow], verified: bool, bold: bool = True) -> str:
-    """The seed documents' "GPU-specific safe limits" table: GPU, total, usable, safe max, conservative.
-
-    The measured device's row is marked (in bold unless ``bold`` is False, e.g. for a terminal).
-    """
+    """The seed documents' "GPU-specific safe limits" table, the measured row marked (in bold unless ``bold`` is
+    False: a terminal)."""
     mark = "**" if bold else ""
     body = []
     for row in rows:

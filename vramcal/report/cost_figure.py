@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vramcal.report.cost import UNKNOWN
-from vramcal.report.figure import COLORS
+from vramcal.report.figure import COLORS, png_bytes
 from vramcal.report.table import MISSING
 from vramcal.units import format_duration
 
@@ -25,8 +25,6 @@ MARKERS = ("o", "s", "^", "D", "v", "P")  # a point's marker, one per round of t
 
 def render_cost_png(forecasts: Sequence[Forecast], title: str) -> bytes:
     """The figure as PNG bytes, taller where the cards' names take more lines."""
-    import io
-
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -38,9 +36,7 @@ def render_cost_png(forecasts: Sequence[Forecast], title: str) -> bytes:
     _draw_times(time_ax, forecasts, unit)
     _draw_costs(cost_ax, forecasts, unit)
     figure.suptitle(title, fontsize=12)
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=DPI, metadata={"Software": None})
-    return buffer.getvalue()
+    return png_bytes(figure, DPI)
 
 
 def row_label(f: Forecast) -> str:

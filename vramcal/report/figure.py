@@ -39,15 +39,24 @@ KEY_WIDTH = 62  # characters of a style key's entry (or a single profile's) befo
 
 def render_png(profiles: Sequence[Profile]) -> bytes:
     """The figure as PNG bytes (``FIGSIZE_IN`` × ``DPI`` pixels)."""
-    figure = build_figure(profiles)
+    return png_bytes(build_figure(profiles))
+
+
+def png_bytes(figure: Any, dpi: int = DPI) -> bytes:
+    """``figure`` as deterministic PNG bytes (no ``Software`` or date metadata)."""
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=DPI, metadata={"Software": None})
+    figure.savefig(buffer, format="png", dpi=dpi, metadata={"Software": None})
     return buffer.getvalue()
 
 
+def log2_axis(axis: Any) -> None:
+    """A base-2 log scale on ``axis`` (an x or y axis), its ticks as plain numbers."""
+    getattr(axis.axes, f"set_{axis.axis_name}scale")("log", base=2)
+    axis.set_major_formatter("{x:g}")
+
+
 def build_figure(profiles: Sequence[Profile]) -> Any:
-    """The matplotlib ``Figure`` (Agg canvas) :func:`render_png` saves: its axes are memory, throughput and, for a
-    calibration over several lengths, safe size against seq_len."""
+    """The matplotlib ``Figure`` (Agg canvas): memory, throughput and, over several lengths, safe size by seq_len."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -88,13 +97,13 @@ def build_figure(profiles: Sequence[Profile]) -> Any:
 
 
 def _spread_out(profiles: Sequence[Profile]) -> bool:
-    """Whether the profiles' largest batch sizes lie more than :data:`LOG_SPREAD` times apart (a log batch axis)."""
+    """Whether the profiles' largest batch sizes lie more than :data:`LOG_SPREAD` times apart."""
     tops = [max((t.batch_size for t in p.reference_trials), default=1) for p in profiles]
     return len(profiles) > 1 and max(tops) > LOG_SPREAD * min(tops)
 
 
 def _world_line(profiles: Sequence[Profile]) -> list[str]:
-    """The title's line for DDP or FSDP profiles: the world and that memory and batch sizes are per rank."""
+    """The title's line for DDP or FSDP profiles."""
     worlds = {p.world.describe() for p in profiles if p.world is not None}
     if not worlds:
         return []
@@ -144,7 +153,7 @@ def _draw_memory(ax: Any, profile: Profile, color: str, log_batches: bool = Fals
 
 
 def _boundary(profile: Profile) -> float | None:
-    """The predicted out-of-memory boundary (samples: where the line reaches total memory), None when unknown."""
+    """Where the line reaches total memory (samples), None when unknown."""
     limits = profile.limits
     if limits is None or not math.isfinite(limits.boundary_batch_size) or limits.boundary_batch_size <= 0:
         return None
@@ -152,8 +161,7 @@ def _boundary(profile: Profile) -> float | None:
 
 
 def band_text(profile: Profile) -> str:
-    """The 95 % band's half-width at the safe size (the largest fit point without limits), for the key: with
-    points on a line it is a fraction of a percent, thinner than the line drawn."""
+    """The 95 % band's half-width at the safe size (the largest fit point without limits), for the key."""
     fit, limits = profile.fit, profile.limits
     if fit is None:
         return ""
@@ -219,9 +227,8 @@ def _faster_above_safe(profile: Profile) -> Any:
 
 
 def _draw_lengths(ax: Any, profile: Profile, color: str) -> None:
-    """Safe batch size against seq_len: the model's answer at every multiple of chunk_size inside the
-    calibrated range (a line), the calibrated lengths' verified limits (filled: safe, open: conservative)."""
-
+    """Safe batch size against seq_len: the model's (a line) and each calibrated length's (filled: safe, open:
+    conservative)."""
     surface = profile.surface
     if surface is None:
         return
@@ -234,10 +241,8 @@ def _draw_lengths(ax: Any, profile: Profile, color: str) -> None:
         ax.scatter([entry.seq_len], [entry.safe_batch_size], s=40, zorder=4, **{"marker": "o", **style})
         ax.scatter([entry.seq_len], [entry.conservative_batch_size], s=40, zorder=4, facecolors="none",
                    edgecolors=style["color"], marker="o")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_formatter("{x:g}")
+    log2_axis(ax.xaxis)
+    log2_axis(ax.yaxis)
     ax.set(xlabel="seq_len", ylabel="batch size", title="Safe batch size against seq_len")
     ax.grid(True, color="#dddddd", lw=0.6)
     from matplotlib.lines import Line2D
@@ -256,8 +261,7 @@ def _format_axes(memory_ax: Any, speed_ax: Any, profiles: Sequence[Profile], log
     top = max([p.device.total_bytes for p in profiles] + [t.peak_bytes or 0 for p in profiles
                                                           for t in p.reference_trials])
     if log_batches:  # batch scales far apart: each profile's own range stays readable
-        memory_ax.set_xscale("log", base=2)
-        memory_ax.xaxis.set_major_formatter("{x:g}")
+        log2_axis(memory_ax.xaxis)
     else:
         memory_ax.set_xlim(left=0)
     memory_ax.set_ylim(bottom=0, top=top / GIB * 1.06)
@@ -272,8 +276,7 @@ def _format_axes(memory_ax: Any, speed_ax: Any, profiles: Sequence[Profile], log
     # whiskers of two-step rates can reach far: the axis follows the rates, and a whisker leaves it
     speed_ax.set_ylim(bottom=0, top=fastest * 1.4 if fastest > 0 else None)
     if batches and max(batches) >= 8 * max(1, min(batches)):
-        speed_ax.set_xscale("log", base=2)
-        speed_ax.xaxis.set_major_formatter("{x:g}")
+        log2_axis(speed_ax.xaxis)
     for ax in (memory_ax, speed_ax):
         ax.set_xlabel(f"batch size{rank} (samples per step)")
         if ax.get_xscale() == "linear":
@@ -282,7 +285,7 @@ def _format_axes(memory_ax: Any, speed_ax: Any, profiles: Sequence[Profile], log
 
 
 def _series_handle(profile: Profile, color: str) -> Any:
-    """A function making a legend handle in the profile's colour with a given label."""
+    """A function making a legend handle in ``color`` with a given label."""
     from matplotlib.lines import Line2D
 
     return lambda text: Line2D([], [], color=color, lw=1.6, marker="o", ms=5, label=text)
@@ -323,7 +326,7 @@ def _speed_text(profile: Profile, short: bool = False) -> str:
 
 
 def _memory_key(profiles: Sequence[Profile]) -> list:
-    """Legend handles explaining the marker and line styles (with the values for a single profile)."""
+    """Legend handles of the memory panel's styles (with the values for a single profile)."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -371,7 +374,7 @@ def _memory_key(profiles: Sequence[Profile]) -> list:
 
 
 def _wrapped(handle: Any, width: int) -> Any:
-    """``handle`` with its label wrapped at ``width`` characters (a long entry would squeeze the panels)."""
+    """``handle`` with its label wrapped at ``width`` characters."""
     handle.set_label(textwrap.fill(handle.get_label(), width, subsequent_indent="  "))
     return handle
 

@@ -8,13 +8,13 @@ size ringed. matplotlib loads only to draw; the PNG is deterministic (fixed size
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vramcal.calibration.throughput import rate_text
 from vramcal.report.facts import profile_rates
+from vramcal.report.figure import COLORS, log2_axis, png_bytes
 from vramcal.report.table import MISSING, markdown_table
 from vramcal.sizing.variants import VariantRow, same_model, variant_rows
 from vramcal.units import format_bytes
@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 
 FIGSIZE_IN = (10.0, 6.0)
 DPI = 100
-COLORS = ("#1f5fa8", "#d1562b", "#2a8c4a", "#8a46b0", "#b08a16", "#3a9fb0")
 
 
 def variant_groups(profiles: Sequence[Profile]) -> list[list[Profile]]:
@@ -85,8 +84,7 @@ def render_frontier_png(rows: Sequence[VariantRow]) -> bytes:
         _draw_variant(ax, row, COLORS[index % len(COLORS)])
     sizes = [r.batch_size for row in rows for r in profile_rates(row.profile)]
     if sizes and max(sizes) >= 8 * max(1, min(sizes)):
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter("{x:g}")
+        log2_axis(ax.xaxis)
     ax.set_ylim(bottom=0)
     ax.set_xlabel("batch size (samples per step)")
     ax.set_ylabel("throughput (samples/s)")
@@ -96,9 +94,7 @@ def render_frontier_png(rows: Sequence[VariantRow]) -> bytes:
     figure.suptitle(f"Variants of one model on {first.device.name}, {format_bytes(first.device.total_bytes)}: "
                     f"samples/s against batch size\nsolid: sizes a run may take (up to safe); hollow: above safe; "
                     f"ringed: conservative; star: knee", fontsize=11)
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=DPI, metadata={"Software": None})
-    return buffer.getvalue()
+    return png_bytes(figure, DPI)
 
 
 def _draw_variant(ax: Any, row: VariantRow, color: str) -> None:
