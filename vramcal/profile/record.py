@@ -235,24 +235,9 @@ class Profile:
         return int(self.data.get("pool_bytes", 0))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.schema_version, "vramcal_version": self.vramcal_version,
-            "created_utc": self.created_utc, "device": self.device.to_dict(), "environment": self.environment,
-            "software": self.software, "model": self.model.to_dict(), "model_key": self.model.key(),
-            "implementation": self.implementation, "kernel_path": self.kernel_path,
-            "settings": self.settings.to_dict(), "run": self.run, "data": self.data, "model_info": self.model_info,
-            "trials": [t.to_dict() for t in self.trials],
-            "fit": self.fit.to_dict() if self.fit else None,
-            "limits": self.limits.to_dict() if self.limits else None,
-            "verification": {k: v.to_dict() for k, v in self.verification.items()},
-            "verified": self.verified, "warnings": list(self.warnings),
-            "creep": self.creep.to_dict() if self.creep else None,
-            "observations": [o.to_dict() for o in self.observations],
-            "surface": self.surface.to_dict() if self.surface else None,
-            "lengths": self.lengths.to_dict() if self.lengths else None,
-            "evaluation": self.evaluation.to_dict() if self.evaluation else None,
-            "world": self.world.to_dict() if self.world else None, "single_process": self.single_process,
-        }
+        """The file's JSON object: the fields (records by their ``to_dict``) and the :data:`DERIVED` keys."""
+        return {**{name: _written(getattr(self, name)) for name in FIELDS}, "model_key": self.model.key(),
+                "verified": self.verified, "creep": _written(self.creep)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
@@ -280,6 +265,14 @@ FIELDS = tuple(f.name for f in dataclasses.fields(Profile) if f.name != "path")
 # Came later than the schema
 OPTIONAL = ("surface", "world", "single_process", "lengths", "evaluation")
 DERIVED = ("model_key", "verified", "creep")
+
+
+def _written(value: Any) -> Any:
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, tuple | list):
+        return [_written(item) for item in value]
+    return {key: _written(item) for key, item in value.items()} if isinstance(value, dict) else value
 
 
 def _check_identity(data: dict[str, Any]) -> None:
