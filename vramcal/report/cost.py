@@ -8,8 +8,9 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from vramcal.calibration.throughput import rate_text
 from vramcal.report.table import MISSING, markdown_table
-from vramcal.units import format_duration, format_rate
+from vramcal.units import format_duration
 
 if TYPE_CHECKING:
     from vramcal.forecast import Forecast
@@ -20,11 +21,7 @@ UNKNOWN = "unknown"
 def _rate_text(f: Forecast) -> str:
     if f.samples_per_s is None:
         return UNKNOWN if not f.measured else MISSING
-    text = format_rate(f.samples_per_s)
-    if f.low_samples_per_s is not None:
-        high = format_rate(f.high_samples_per_s) if f.high_samples_per_s else "∞"
-        text += f" ({format_rate(f.low_samples_per_s)}–{high})"
-    return text
+    return rate_text(f)  # a forecast carries its rate's interval as a Rate does
 
 
 def _interval(value: float | None, low: float | None, high: float | None, render) -> str:

@@ -93,11 +93,15 @@ def profile_rates(profile: Profile) -> list[Rate]:
     return measured_rates(profile.reference_trials)
 
 
-def profile_knee(profile: Profile) -> Knee | None:
-    """The throughput knee among the sizes a run may use (up to the safe size; all of them without limits)."""
+def safe_size(profile: Profile) -> int | None:
+    """The largest batch size a run may take: the safe size, None without one (no limits, or nothing fits)."""
     limits = profile.limits
-    high = limits.safe_batch_size if limits is not None and limits.safe_batch_size > 0 else None
-    return find_knee(profile_rates(profile), 1, high)
+    return limits.safe_batch_size if limits is not None and limits.safe_batch_size > 0 else None
+
+
+def profile_knee(profile: Profile) -> Knee | None:
+    """The throughput knee among the sizes a run may use (:func:`safe_size`; all of them without one)."""
+    return find_knee(profile_rates(profile), 1, safe_size(profile))
 
 
 def missing_notes(profile: Profile) -> list[str]:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from vramcal.calibration.creep import STEADY, steady_equivalent
 from vramcal.calibration.surface import answer_at
-from vramcal.report.facts import profile_knee, profile_rates, series_labels, trial_state, usable_bytes
+from vramcal.report.facts import profile_knee, profile_rates, safe_size, series_labels, trial_state, usable_bytes
 from vramcal.sizing import repeat_spread
 from vramcal.units import format_bytes, format_rate
 
@@ -191,7 +191,7 @@ def _draw_speed(ax: Any, profile: Profile, color: str) -> None:
     above = [r.high_samples_per_s - r.samples_per_s if r.high_samples_per_s is not None else 0.0 for r in rates]
     ax.errorbar(sizes, values, yerr=[below, above], fmt="none", ecolor=color, elinewidth=0.9, capsize=2, alpha=0.6,
                 zorder=3)
-    safe = _safe(profile)
+    safe = safe_size(profile)
     runs = [(r.batch_size, r.samples_per_s) for r in rates if safe is None or r.batch_size <= safe]
     past = [(r.batch_size, r.samples_per_s) for r in rates if safe is not None and r.batch_size > safe]
     if runs:
@@ -212,14 +212,9 @@ def _draw_speed(ax: Any, profile: Profile, color: str) -> None:
         ax.axvline(limits.conservative_batch_size, color=color, ls="-.", lw=1.0, alpha=0.7)
 
 
-def _safe(profile: Profile) -> int | None:
-    limits = profile.limits
-    return limits.safe_batch_size if limits is not None and limits.safe_batch_size > 0 else None
-
-
-def _faster_above_safe(profile: Profile) -> Any:
+def _faster_abovesafe_size(profile: Profile) -> Any:
     """The fastest measured rate above the safe size when it beats "best" (which stops at safe), else None."""
-    safe, knee = _safe(profile), profile_knee(profile)
+    safe, knee = safe_size(profile), profile_knee(profile)
     past = [r for r in profile_rates(profile) if safe is not None and r.batch_size > safe]
     fastest = max(past, key=lambda r: r.samples_per_s, default=None)
     return fastest if fastest is not None and knee is not None and fastest.samples_per_s > knee.best.samples_per_s \
@@ -310,8 +305,8 @@ def _speed_text(profile: Profile, short: bool = False) -> str:
     if knee is None:
         return "no successful trial: no throughput"
     best, reach = knee.best, knee.rate
-    scope = " (up to safe)" if _safe(profile) is not None else ""
-    faster = _faster_above_safe(profile)
+    scope = " (up to safe)" if safe_size(profile) is not None else ""
+    faster = _faster_abovesafe_size(profile)
     past = (f"; {format_rate(faster.samples_per_s)} at {faster.batch_size}, above safe (hollow)"
             if faster is not None else "")
     if knee.refused:  # open intervals (vramcal.calibration.throughput): no knee is called
@@ -389,7 +384,7 @@ def _speed_key(profiles: Sequence[Profile]) -> list:
     key = [Line2D([], [], color=KEY, marker="*", ms=11, ls="none",
                   label="throughput knee: the smallest batch reaching 95 % of the best"),
            Line2D([], [], color=KEY, marker="|", ms=9, ls="none", label="95 % interval of the mean step time")]
-    if any(s is not None and r.batch_size > s for p in profiles for s in (_safe(p),) for r in profile_rates(p)):
+    if any(s is not None and r.batch_size > s for p in profiles for s in (safe_size(p),) for r in profile_rates(p)):
         key.append(Line2D([], [], color=KEY, marker="o", mfc="none", ls="none",
                           label="above the safe size: no run takes it, not in best or knee"))
     if any(r.steady for p in profiles for r in profile_rates(p)):
