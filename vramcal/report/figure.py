@@ -143,7 +143,7 @@ def _draw_memory(ax: Any, profile: Profile, color: str, log_batches: bool = Fals
     spread, _ = repeat_spread(profile)  # the warning line: what a run's peak is held against (vramcal.sizing)
     ax.plot(grid, [max(fit.upper(b), fit.predict(b) * (1 + spread)) / GIB for b in grid], color=color, lw=0.9,
             ls=(0, (1, 2)), alpha=0.8, zorder=3, gid="warning-line")
-    if limits is not None and limits.safe_batch_size > 0:
+    if safe_size(profile):
         ax.axvline(limits.safe_batch_size, color=color, ls="--", lw=1.2)
         ax.axvline(limits.conservative_batch_size, color=color, ls="-.", lw=1.2)
     if boundary is not None:
@@ -162,10 +162,10 @@ def _boundary(profile: Profile) -> float | None:
 
 def band_text(profile: Profile) -> str:
     """The 95 % band's half-width at the safe size (the largest fit point without limits), for the key."""
-    fit, limits = profile.fit, profile.limits
+    fit = profile.fit
     if fit is None:
         return ""
-    at = limits.safe_batch_size if limits is not None and limits.safe_batch_size > 0 else max(fit.batch_sizes)
+    at = safe_size(profile) or max(fit.batch_sizes)
     half, peak = fit.half_width(at), max(fit.predict(at), 1.0)
     thin = ": thinner than the line" if half < 0.005 * profile.device.total_bytes else ""
     return f" ±{format_bytes(half)} at {at:,}, {half / peak:.2%}{thin}"
