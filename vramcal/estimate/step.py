@@ -1,10 +1,11 @@
 """One training step's memory without a GPU or real tensors: the step a trial runs, traced on fake tensors.
 
-Per batch size, in a fresh ``FakeTensorMode(allow_non_fake_inputs=True)``: the factory's build (arrays it turns into
-tensors without an op stay real: ``data_bytes``), ``warmup_steps``, a peak reset, ``measured_steps`` and ``val_steps``,
-as :mod:`vramcal.measure.trial` runs them, under :class:`vramcal.estimate.trace.StorageTrace`. The estimate is the
-live peak on the host; on a card (:func:`vramcal.estimate.card.as_card`, :func:`vramcal.estimate.fused.fused_twins`)
-the reserved peak of the events replayed after the cuBLAS workspaces (:func:`vramcal.estimate.allocator.replay`).
+Per batch size, in a fresh ``FakeTensorMode(allow_non_fake_inputs=True)``: the factory's real build, faked (the meta
+device would skip its own code; arrays it turns into tensors without an op stay real: ``data_bytes``), the warm-up,
+a peak reset, the measured steps and validation as :mod:`vramcal.measure.trial` runs them, under
+:class:`vramcal.estimate.trace.StorageTrace`. The estimate is the live peak on the host; on a card
+(:func:`vramcal.estimate.card.as_card`, :func:`vramcal.estimate.fused.fused_twins`) the reserved peak of the events
+replayed after the cuBLAS workspaces (:func:`vramcal.estimate.allocator.replay`).
 Reasons and limits: DESIGN.md, "Estimates: a card you do not have".
 """
 
