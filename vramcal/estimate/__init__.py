@@ -1,11 +1,8 @@
-"""A training step's memory estimated without a GPU and without real tensors (issue 38).
+"""A training step's memory estimated without a GPU and without real tensors.
 
-One file per part: :mod:`~vramcal.estimate.step` (:func:`estimate_step`: the step a trial runs, built and traced on
-fake tensors at two or more batch sizes), :mod:`~vramcal.estimate.trace` (the dispatch mode that follows live
-storage bytes), :mod:`~vramcal.estimate.allocator` (what CUDA's caching allocator reserves for those allocations)
-and :mod:`~vramcal.estimate.result` (the records, the line through the peaks, :class:`EstimateError`).
-
-Importing this package loads no torch: only :func:`estimate_step` does, when called.
+:mod:`~vramcal.estimate.step` traces it, :mod:`~vramcal.estimate.trace` follows storages,
+:mod:`~vramcal.estimate.allocator` models CUDA's caching allocator, :mod:`~vramcal.estimate.result` holds the
+records. Importing this package loads no torch.
 """
 
 from vramcal.estimate.allocator import AllocatorPeaks, Event, replay

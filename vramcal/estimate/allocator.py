@@ -1,35 +1,10 @@
-"""What the CUDA caching allocator reserves for a sequence of tensor allocations and frees, computed without a GPU.
+"""What the CUDA caching allocator reserves for a sequence of tensor allocations and frees, without a GPU.
 
-A traced step (:mod:`vramcal.estimate.trace`) says which storages were allocated and freed, in order, and their
-bytes; a GPU process holds more than their sum, because PyTorch's caching allocator rounds every request, packs
-requests into segments it obtains from ``cudaMalloc``, and keeps freed blocks cached instead of returning them.
-:func:`replay` runs those events through a model of that allocator and returns the allocated and reserved peaks
-(what ``torch.cuda.max_memory_allocated()`` and ``torch.cuda.max_memory_reserved()`` would read).
-
-The rules, with their constants, are those of ``c10/cuda/CUDACachingAllocator.cpp`` (PyTorch, read at
-``pytorch/pytorch`` commit 001074d2; the same constants and functions since PyTorch 1.x), with
-``PYTORCH_CUDA_ALLOC_CONF`` at its defaults:
-
-1. ``round_size``: a request is rounded up to a multiple of ``kMinBlockSize`` = 512 bytes (at least 512).
-2. ``get_pool``: a rounded size <= ``kSmallSize`` = 1 MiB comes from the small pool, a larger one from the large
-   pool; blocks never move between pools.
-3. ``get_free_block``: the smallest cached free block of the pool that is large enough ("best fit"; ties by
-   address: ``BlockComparatorSize`` orders by stream, size, then address). One stream is assumed.
-4. ``get_allocation_size``: with no such block, a new segment is obtained from ``cudaMalloc``: ``kSmallBuffer`` =
-   2 MiB for a small request; ``kLargeBuffer`` = 20 MiB for a request under ``kMinLargeAlloc`` = 10 MiB; else the
-   request rounded up to a multiple of ``kRoundLarge`` = 2 MiB. Reserved bytes are the sum of the segments.
-5. ``should_split``: the block found (or the new segment) is split when what remains would be >= 512 bytes (small
-   pool) or > 1 MiB (large pool); the remainder stays cached. Otherwise the whole block is handed out and counts as
-   allocated (``allocated_bytes`` counts block sizes).
-6. ``free_block`` / ``try_merge_blocks``: a freed block is merged with its free neighbours of the same segment and
-   cached; segments are never returned to CUDA (only ``empty_cache()`` or an out-of-memory retry does that).
-
-Not modelled: the out-of-memory retry (freeing cached segments and calling ``cudaMalloc`` again: near the card's
-capacity the real reserved peak can be lower, the allocated peak is the floor), several streams,
-``max_split_size_mb``, ``roundup_power2_divisions``, ``expandable_segments``, the garbage-collection threshold,
-CUDA graphs' private pools, and allocations that bypass the caching allocator (the CUDA context, NCCL).
-Segment addresses are this model's own (each new segment above the last); only ties between equal free blocks
-depend on them.
+:func:`replay` runs the events through a model of ``c10/cuda/CUDACachingAllocator.cpp`` (pytorch 001074d2, defaults
+of ``PYTORCH_CUDA_ALLOC_CONF``; each rule below names its function) and returns what ``max_memory_allocated()`` and
+``max_memory_reserved()`` would read. Not modelled: the out-of-memory retry, several streams, ``max_split_size_mb``,
+``roundup_power2_divisions``, ``expandable_segments``, the GC threshold, CUDA graphs' pools and allocations outside
+the allocator (the CUDA context, NCCL). Segment addresses are the model's own.
 """
 
 from __future__ import annotations
@@ -50,13 +25,7 @@ ROUND_LARGE_BYTES = 2 << 20  # kRoundLarge: large segments are rounded up to 2 M
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One allocation or free of a tensor storage, in program order.
-
-    Attributes:
-        kind: ``alloc`` or ``free``.
-        key: the storage's number; a free names the key of an earlier allocation.
-        size_bytes: bytes requested (a free repeats its allocation's size).
-    """
+    """One allocation or free (naming an earlier allocation's ``key`` and size) of a storage, in bytes."""
 
     kind: Literal["alloc", "free"]
     key: int
@@ -83,8 +52,7 @@ def segment_size(rounded_bytes: int) -> int:
 
 
 def should_split(block_bytes: int, rounded_bytes: int) -> bool:
-    """Rule 5: whether a block of ``block_bytes`` handed to a request of ``rounded_bytes`` is split
-    (``should_split``; the pool is the request's)."""
+    """Rule 5: whether a block handed to a request is split (``should_split``)."""
     remaining = block_bytes - rounded_bytes
     return remaining >= MIN_BLOCK_BYTES if is_small(rounded_bytes) else remaining > SMALL_SIZE_BYTES
 
@@ -103,14 +71,8 @@ class _Block:
 
 @dataclass
 class CachingAllocator:
-    """The caching allocator's state (module docstring): segments, cached free blocks per pool, and the statistics
-    torch.cuda reports, in bytes.
-
-    Attributes:
-        allocated_bytes: sizes of the blocks handed out now (``memory_allocated``).
-        reserved_bytes: sizes of the segments obtained from CUDA (``memory_reserved``).
-        peak_allocated_bytes, peak_reserved_bytes: their maxima since the start or :meth:`reset_peaks`.
-    """
+    """The allocator's state: segments, cached free blocks per pool (best fit, ties by address:
+    ``get_free_block``), and ``memory_allocated``/``memory_reserved`` with their peaks, in bytes."""
 
     allocated_bytes: int = 0
     reserved_bytes: int = 0
@@ -123,7 +85,7 @@ class CachingAllocator:
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def malloc(self, key: int, size_bytes: int) -> None:
-        """Allocate ``size_bytes`` for ``key`` (rules 1-5). A zero-byte request takes no block, as in torch."""
+        """Allocate ``size_bytes`` for ``key`` (rules 1-5; zero bytes take no block)."""
         if size_bytes <= 0:
             return
         rounded = round_size(size_bytes)
@@ -140,7 +102,7 @@ class CachingAllocator:
         self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.allocated_bytes)
 
     def free(self, key: int) -> None:
-        """Free ``key``'s block: merged with free neighbours and cached (rule 6); unknown keys are ignored."""
+        """Rule 6: ``key``'s block merged with free neighbours and cached, never returned (``free_block``)."""
         block = self._held.pop(key, None)
         if block is None:
             return
@@ -197,13 +159,7 @@ class CachingAllocator:
 
 @dataclass(frozen=True)
 class AllocatorPeaks:
-    """What :func:`replay` read, in bytes: the peaks after ``reset_at`` and the state at the end.
-
-    Attributes:
-        peak_allocated_bytes: most bytes in blocks handed out (``max_memory_allocated``).
-        peak_reserved_bytes: most bytes in segments (``max_memory_reserved``).
-        reserved_bytes: segments held at the end (nothing is returned to CUDA).
-    """
+    """What :func:`replay` read, in bytes: the peaks after ``reset_at`` and the segments held at the end."""
 
     peak_allocated_bytes: int
     peak_reserved_bytes: int
@@ -211,16 +167,8 @@ class AllocatorPeaks:
 
 
 def replay(events: Iterable[Event], reset_at: int = 0) -> AllocatorPeaks:
-    """Run ``events`` through a fresh :class:`CachingAllocator`.
-
-    Args:
-        events: allocations and frees in program order (frees of keys never allocated are ignored).
-        reset_at: the index of the event before which the peaks are reset, as a trial resets them after its
-            warm-up (0: peaks over all events; past the last event: the state at the end).
-
-    Returns:
-        The peaks from ``reset_at`` on and the reserved bytes at the end.
-    """
+    """Run ``events`` through a fresh :class:`CachingAllocator`, the peaks reset before event ``reset_at`` (as a trial
+    after its warm-up; past the last: the state at the end)."""
     allocator, count = CachingAllocator(), 0
     for count, event in enumerate(events, start=1):
         if count - 1 == reset_at:

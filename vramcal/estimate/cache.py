@@ -1,10 +1,6 @@
-"""Traces kept on disk, shared by every command that estimates (``estimate``, ``limits``, ``cost``, ``probe --aim``):
-a trace is the same every time for the same model, options, device kind, card and software, so it is made once.
-
-The key is SHA-256 over those (the software as installed: vramcal, torch, transformers, mamba-ssm, causal-conv1d,
-triton; the code of this package; a data file by its path, size and modification time); the folder is
-``$VRAMCAL_CACHE_DIR``, else ``$XDG_CACHE_HOME/vramcal/traces``, else ``~/.cache/vramcal/traces``. A file that
-cannot be read is traced again; one that cannot be written is not kept (the estimate goes on).
+"""Traces kept on disk for every command that estimates: one per model, options, device kind, card, software and
+this package's code (SHA-256), in ``$VRAMCAL_CACHE_DIR``, else ``$XDG_CACHE_HOME/vramcal/traces``, else
+``~/.cache/vramcal/traces``. An unreadable file is traced again; an unwritable one is not kept.
 """
 
 from __future__ import annotations
@@ -35,8 +31,11 @@ def folder() -> Path:
 
 
 def cached_trace(ref: ModelRef, options: dict[str, Any], kind: DeviceKind = "host", card: Any = None) -> StepEstimate:
-    """The trace of ``ref`` (:func:`vramcal.estimate.step.estimate_step` at :data:`TRACE_SIZES`) from the cache, else
-    made and kept. Raises what ``estimate_step`` raises (a failure is not kept)."""
+    """The trace of ``ref`` at :data:`TRACE_SIZES` from the cache, else made and kept.
+
+    Raises:
+        What :func:`vramcal.estimate.step.estimate_step` raises (a failure is not kept).
+    """
     path = folder() / f"{key(ref, options, kind, card)}.json"
     try:
         return StepEstimate.from_dict(json.loads(path.read_text()))
@@ -60,7 +59,7 @@ def key(ref: ModelRef, options: dict[str, Any], kind: DeviceKind, card: Any) -> 
 
 
 def _code() -> str:
-    """The estimate's own code (this package's files): a changed trace is a new key, whatever the version says."""
+    """This package's code: a changed trace is a new key, whatever the version says."""
     here = Path(__file__).resolve().parent
     return hashlib.sha256(b"".join(path.read_bytes() for path in sorted(here.glob("*.py")))).hexdigest()
 

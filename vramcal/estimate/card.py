@@ -1,26 +1,9 @@
-"""The step as a CUDA card runs it, traced on CPU tensors: the card's own choices, made by one mechanism.
+"""The step as a CUDA card runs it, traced on CPU tensors (torch's CPU build cannot make fake CUDA tensors).
 
-torch's CPU build cannot make fake CUDA tensors (any op on one asks for CUDA's device guard and aborts the process),
-and a CUDA build's cannot run the backward (the autograd engine asks for the device's primary context). So a trace
-for a card (:func:`vramcal.estimate.step.estimate_step`, ``device_kind="cuda"``) runs the factory's step on fake CPU
-tensors, and wherever torch decides by the tensor's device, :func:`as_card` makes the decision CUDA makes and records
-it (:attr:`Choices.made`, printed with the estimate):
-
-* **dropout** (``F.dropout`` in training): CUDA runs the fused ``aten::native_dropout``, whose mask is a 1-byte bool
-  per element (``aten/src/ATen/native/cuda/Dropout.cu``); the CPU keeps a mask of the input's dtype
-  (``at::dropout``'s ``_dropout_impl``).
-* **attention** (``F.scaled_dot_product_attention``): the backend ``select_sdp_backend`` picks on the card
-  (``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``: flash, then memory-efficient, then math), called as
-  that backend's own op, so the trace keeps what it keeps for backward (flash and efficient: a logsumexp per query;
-  math: the seq_len² weights).
-* **optimizer**: torch gives parameters on CUDA ``foreach=True`` where the group leaves it unset
-  (``torch.optim.optimizer._default_to_fused_or_foreach``); a fake parameter's type hides that, so the twin sets it.
-  Its ``_foreach_*`` temporaries are then in the trace.
-* **autocast**: CUDA's op lists (``aten/src/ATen/autocast_mode.cpp``, ``TORCH_LIBRARY_IMPL(aten, Autocast, m)``:
-  :data:`CUDA_AUTOCAST`), registered for the CPU's autocast key while the trace runs, so a CPU autocast casts as
-  CUDA's would (``exp``, ``softplus``, ``layer_norm``, ``cumsum``... to fp32, ``einsum`` to bf16 or fp16), with its
-  cache of the weights' casts; ``torch.autocast("cuda")`` and ``torch.is_autocast_enabled()`` (mamba_ssm reads it)
-  answer as on the card. Not modelled: a GradScaler's own tensors (a scale and a found-inf flag).
+Wherever torch decides by the tensor's device, :func:`as_card` makes CUDA's decision and records it: dropout's
+1-byte bool mask (``aten/src/ATen/native/cuda/Dropout.cu``), the attention backend ``select_sdp_backend`` picks
+(``sdp_utils.cpp``), AdamW's ``foreach`` (``_default_to_fused_or_foreach``) and CUDA's autocast lists
+(``aten/src/ATen/autocast_mode.cpp``). Not modelled: a GradScaler's own tensors.
 """
 
 from __future__ import annotations
@@ -62,12 +45,8 @@ CPU_ONLY_AUTOCAST = ("conv1d.padding", "conv2d.padding", "conv3d.padding", "cat"
 
 @dataclass(frozen=True)
 class Card:
-    """What a trace as a card needs to know of it (the catalogue's cards carry it).
-
-    Attributes:
-        name: for people. compute_capability: (major, minor), e.g. (9, 0) for an H100 (NVIDIA's CUDA GPUs table).
-        sm_count: streaming multiprocessors, which some mamba_ssm wrappers size their temporaries by.
-    """
+    """What a trace as a card needs: a name, ``compute_capability`` (NVIDIA's CUDA GPUs table) and ``sm_count``
+    (some mamba_ssm wrappers size temporaries by it); an H100 by default."""
 
     name: str = "H100 80 GB (HBM3)"
     compute_capability: tuple[int, int] = (9, 0)
@@ -75,8 +54,8 @@ class Card:
 
     @classmethod
     def of(cls, device: Any) -> Card | None:
-        """The card ``device`` is traced as (a catalogue entry or a profile's device: its ``label`` or ``name``,
-        ``compute_capability`` as ``"9.0"``, ``sm_count``; an H100's traits where it says none); None for the host."""
+        """The card a catalogue entry or a profile's device is traced as (an H100's traits where it has none); None
+        for the host."""
         if getattr(device, "kind", "cuda") == "host":
             return None
         default, capability = cls(), getattr(device, "compute_capability", None)
@@ -91,8 +70,7 @@ class Card:
 
 @dataclass
 class Choices:
-    """The card's choices a trace made (:func:`as_card`), one line each, in the order first made; ``launched``:
-    whether a fused kernel's twin ran."""
+    """The card's choices a trace made, one line each; ``launched``: whether a fused kernel's twin ran."""
 
     card: Card
     made: dict[str, None] = field(default_factory=dict)
@@ -111,13 +89,8 @@ class Choices:
 
 @contextlib.contextmanager
 def as_card(card: Card, optimizer: Any = None) -> Iterator[Choices]:
-    """Within: dropout, attention, CUDA's autocast and (given the step's ``optimizer``) AdamW's foreach as the card
-    makes them (module docstring). Yields the :class:`Choices` the step makes; torch is restored on exit.
-
-    Dropout and attention are kernels registered for ``aten::dropout`` and ``aten::scaled_dot_product_attention`` at
-    the CPU's autograd key, so they hold wherever the op runs, a checkpointed block's recomputation in the backward
-    pass included (a torch-function mode does not reach it, and the recomputed tensors would differ from those
-    saved)."""
+    """Within: the card's choices (module docstring), registered at the CPU's dispatch keys so a checkpointed block's
+    recomputation makes them too; yields the :class:`Choices`; torch restored on exit."""
     choices = Choices(card)
     library = torch.library.Library("aten", "IMPL")
     try:
@@ -138,7 +111,7 @@ def _register(library: torch.library.Library, name: str, kernel: Any, key: str) 
 
 
 def foreach(optimizer: Any, choices: Choices) -> None:
-    """The optimizer's groups that leave ``foreach`` unset (and are not fused) set to foreach, as on CUDA."""
+    """Groups that leave ``foreach`` unset (and are not fused) set to foreach, as on CUDA."""
     groups = [g for g in optimizer.param_groups if "foreach" in g and g["foreach"] is None and not g.get("fused")]
     for group in groups:
         group["foreach"] = True
@@ -161,8 +134,7 @@ def _dropout(choices: Choices, input: torch.Tensor, p: float, train: bool) -> to
 def _attention(choices: Choices, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
                enable_gqa: bool = False) -> torch.Tensor:
-    """``aten::scaled_dot_product_attention`` as the backend :func:`sdp_backend` picks on the card, called as that
-    backend's own op (so its saved tensors are the card's)."""
+    """SDPA as :func:`sdp_backend`'s backend, called as its own op (so its saved tensors are the card's)."""
     backend = sdp_backend(choices.card, query, key, value, attn_mask, dropout_p, is_causal)
     choices.add(f"attention: {backend} (torch's select_sdp_backend on {choices.card.sm}, "
                 f"{str(query.dtype).removeprefix('torch.')}, head_dim {query.shape[-1]})")
@@ -178,11 +150,9 @@ def _attention(choices: Choices, query: torch.Tensor, key: torch.Tensor, value: 
 
 def sdp_backend(card: Card, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any,
                 dropout_p: float, is_causal: bool) -> str:
-    """``flash``, ``efficient`` or ``math``: the first backend of torch's default order whose checks pass on ``card``
-    (``sdp_utils.cpp``: ``check_flash_attention_hardware_support`` sm_80 and newer, fp16/bf16, no arbitrary mask,
-    equal head dims <= 256, causal only when square, head_dim in (192, 256] not trained with it on sm_86-sm_89;
-    ``check_mem_efficient_hardware_support`` sm_50 and newer, head dims a multiple of 4 (fp32) or 8 (fp16, bf16)).
-    Nested tensors and the cuDNN backend (after math in the default order) are not modelled."""
+    """``flash``, ``efficient`` or ``math``: the first of torch's default order whose checks pass on ``card``
+    (``sdp_utils.cpp``'s ``check_flash_attention_hardware_support`` and ``check_mem_efficient_hardware_support``;
+    nested tensors and cuDNN not modelled)."""
     major_minor, half = card.compute_capability, query.dtype in (torch.float16, torch.bfloat16)
     dims = {query.shape[-1], key.shape[-1], value.shape[-1]}
     head_dim, training = query.shape[-1], query.requires_grad or key.requires_grad or value.requires_grad
@@ -197,12 +167,9 @@ def sdp_backend(card: Card, query: torch.Tensor, key: torch.Tensor, value: torch
     return "math"
 
 
-# ------------------------------------------------------------------------------------------------ autocast
-
 @contextlib.contextmanager
 def _cuda_autocast(choices: Choices, library: torch.library.Library) -> Iterator[None]:
-    """CUDA's autocast lists on the CPU's autocast key (registered in ``library``), and torch's autocast questions
-    answered as on the card (module docstring); everything restored on exit."""
+    """CUDA's autocast lists on the CPU's autocast key, torch's autocast questions answered as on the card."""
     cache: dict[int, tuple[Any, torch.Tensor]] = {}
     for policy, names in CUDA_AUTOCAST.items():
         for name in names:
@@ -239,9 +206,8 @@ def _host(device_type: str | None) -> str:
 
 
 def _autocast_kernel(policy: str, name: str, cache: dict[int, tuple[Any, torch.Tensor]], choices: Choices) -> Any:
-    """An AutocastCPU kernel that casts ``name``'s arguments by CUDA's ``policy`` and calls it with autocast off
-    (autocast_mode.cpp's ``cached_cast``: eligible are floating tensors other than float64; the lower-precision cast
-    of a leaf fp32 tensor that requires grad, a weight, is kept until the autocast region ends)."""
+    """An AutocastCPU kernel casting ``name``'s arguments by CUDA's ``policy`` (autocast_mode.cpp's ``cached_cast``:
+    a weight's lower-precision cast kept until the region ends)."""
     op_name, _, overload = name.partition(".")
     op = getattr(getattr(torch.ops.aten, op_name), overload or "default")
     excluded = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
@@ -279,7 +245,7 @@ def _autocast_kernel(policy: str, name: str, cache: dict[int, tuple[Any, torch.T
 
 
 def _widest(args: tuple) -> torch.dtype:
-    """The promote policy's type: the widest floating dtype among the arguments."""
+    """The promote policy's widest floating dtype."""
     found = [a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
     return max(found, key=lambda d: torch.finfo(d).bits, default=torch.float32)
 

@@ -1,27 +1,11 @@
 """What a CUDA process holds beyond its step's tensors, each figure with its source: a card's constants.
 
-* **cuBLAS workspaces** (PyTorch's defaults, ``aten/src/ATen/cuda/CublasHandlePool.cpp`` at pytorch commit
-  26a39059, ``parseChosenWorkspaceSize``): ``:4096:8`` = 32 MiB on sm_90 (Hopper), ``:4096:2:16:8`` = 8 MiB + 128 KiB
-  on every other architecture, one per cuBLAS handle and stream (``setWorkspaceForHandle``), allocated through the
-  caching allocator (``getNewWorkspace``), so they are in its reserved bytes and never freed. A training step has two
-  handles: the forward's thread and the backward's (the autograd engine runs CUDA's backward on its own device
-  thread, and handles are per thread, ``DeviceThreadHandlePool``). cuBLASLt's workspace (``CUBLASLT_WORKSPACE_SIZE``,
-  1024 KiB by default, ``parseCUDABlasLtWorkspaceSize``) is one more allocation per handle, not unified with cuBLAS's
-  unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=1`` (``getCUDABlasLtWorkspace``). :func:`card_constants` lists them as
-  allocations, replayed through the allocator's model before the step's own.
-* **The CUDA context** (outside the allocator: NVML sees it, ``torch.cuda`` does not), with lazy module loading,
-  PyTorch's default since 1.13 (``CUDA_MODULE_LOADING=LAZY`` when unset, pytorch/pytorch PR #86509, which measured
-  274 MiB lazy against 636 MiB eager on one tensor op): :data:`CONTEXT` is the largest bare context published for a
-  current PyTorch, 426 MiB (torch 2.10.0+cu130 on an RTX 6000 Ada, sm_89, nvidia-smi after ``mem_get_info``:
-  unslothai/unsloth-zoo PR #1053); 256 MiB was published for torch 2.7.1+cu128 on an RTX 3090 (invoke-ai/InvokeAI
-  issue #9413). With ``CUDA_MODULE_LOADING=EAGER`` every kernel image loads at once: :data:`EAGER_CONTEXT`.
-  The kernels a step loads lazily on top (cuBLAS's, cuDNN's, Triton's) are not in these figures: no published figure
-  separates them, so they are in the estimate's bound, not its baseline.
-* **NCCL** (a world of several processes: ``NCCL_BUFFSIZE``, 4 MiB per channel and peer by default, NCCL's
-  environment variable documentation) is not added: an estimate is of one process.
-
-A measured GPU profile of the same card replaces all of these with what its process really held
-(:func:`vramcal.estimated.learned_baseline`).
+* cuBLAS workspaces (``aten/src/ATen/cuda/CublasHandlePool.cpp`` at pytorch 26a39059, ``parseChosenWorkspaceSize``):
+  ``:4096:8`` on sm_90, ``:4096:2:16:8`` elsewhere, plus cuBLASLt's (``CUBLASLT_WORKSPACE_SIZE``, 1024 KiB), one per
+  handle; a step has two handles (the forward's thread and autograd's device thread), all in the caching allocator.
+* The CUDA context, outside the allocator, with lazy loading (PyTorch's default since 1.13, pytorch PR #86509):
+  :data:`CONTEXT` from unslothai/unsloth-zoo PR #1053; eager: :data:`EAGER_CONTEXT`. Kernels loaded lazily on top
+  are in the bound, not here; NCCL's buffers are not added (one process).
 """
 
 from __future__ import annotations
@@ -40,13 +24,7 @@ HANDLES = 2  # the forward's thread and the autograd engine's device thread
 
 @dataclass(frozen=True)
 class CardConstants:
-    """A card's constants (module docstring), in bytes.
-
-    Attributes:
-        context_bytes: the CUDA context, outside the caching allocator.
-        workspace_bytes: each cuBLAS and cuBLASLt workspace, allocated through the caching allocator.
-        source: where they come from, for people.
-    """
+    """A card's constants in bytes: the context (outside the allocator), each workspace (inside), their source."""
 
     context_bytes: int
     workspace_bytes: tuple[int, ...]
@@ -54,8 +32,8 @@ class CardConstants:
 
 
 def card_constants(compute_capability: tuple[int, int]) -> CardConstants:
-    """The constants of a card of ``compute_capability`` under this process's environment (``CUBLAS_WORKSPACE_CONFIG``
-    and ``CUBLASLT_WORKSPACE_SIZE`` as torch parses them; ``CUDA_MODULE_LOADING``)."""
+    """A card's constants under this environment (``CUBLAS_WORKSPACE_CONFIG``, ``CUBLASLT_WORKSPACE_SIZE`` and
+    ``CUDA_MODULE_LOADING`` as torch reads them)."""
     cublas = _configured_workspace() or (HOPPER_WORKSPACE if compute_capability == (9, 0) else WORKSPACE)
     lt_kib = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "").strip()
     lt = int(lt_kib) * 1024 if lt_kib.isdigit() else CUBLASLT_WORKSPACE
@@ -69,7 +47,7 @@ def card_constants(compute_capability: tuple[int, int]) -> CardConstants:
 
 
 def _configured_workspace() -> int | None:
-    """``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KIB:COUNT`` pairs) as ``parseChosenWorkspaceSize`` sums it, or None."""
+    """``CUBLAS_WORKSPACE_CONFIG``'s ``:SIZE_KIB:COUNT`` pairs summed as torch does, or None."""
     import re
 
     pairs = re.findall(r":([0-9]+):([0-9]+)", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))

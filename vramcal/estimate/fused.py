@@ -1,29 +1,10 @@
 """mamba_ssm's fused Mamba-2 path traced on fake CPU tensors: its Python wrappers as they are, its launches as twins.
 
-A card with ``mamba_ssm`` installed runs ``mamba_split_conv1d_scan_combined``
-(``mamba_ssm/ops/triton/ssd_combined.py``), which keeps for backward only the block's input projection, the scan's
-output before the gated norm and the norm's rstd (``ctx.save_for_backward``) and recomputes the rest; transformers'
-PyTorch chunked scan keeps every intermediate, several times more bytes per sample. mamba_ssm's wrappers allocate
-every output, saved tensor and workspace with torch ops before a kernel writes into it, so on fake tensors they
-allocate what they allocate on the card, once their kernels are twins of what they launch (:func:`fused_twins`):
-
-* Triton launches (``JITFunction.run``) do nothing; an autotuner (``Autotuner.run``) takes its first config as the one
-  chosen (its ``best_config``, which some wrappers read to size a reduction) and runs its pre-hook (in-place zeroing),
-  without benchmarking;
-* causal_conv1d's CUDA extension (``causal_conv1d_cuda``: ``causal_conv1d_fwd``/``_bwd``/``_update`` write into the
-  outputs its Python wrappers allocated) is a module of no-ops where the extension is not built, and its custom ops
-  (``DaoAILab::_causal_conv1d_*_cpp``, which mutate their outputs and return nothing) get fake implementations that do
-  nothing;
-* transformers' wrappers of these kernels send CPU tensors to its PyTorch path (5.25:
-  ``integrations/hub_kernels.py``, ``_PACKAGE_SUPPORTED_DEVICES``, bound when ``modeling_mamba2`` is imported): CPU is
-  listed too while the twins hold, and that module is imported afresh within them and dropped after, so the ``lm``
-  family's ``mamba_ssm`` path (transformers' Mamba2 with the kernels bound) is traced on the kernels;
-* ``torch.cuda.get_device_properties`` answers with the card's SM count and compute capability (the layer norms'
-  backward and ``_chunk_state_bwd_db`` size their temporaries by the SM count), and ``torch.cuda.device(index)`` is
-  a no-op for a CPU tensor's index.
-
-It needs ``mamba_ssm``, ``causal_conv1d`` and ``triton`` importable: on a host without a GPU, install the first two
-without their CUDA builds (:data:`INSTALL`).
+The wrappers (``mamba_ssm/ops/triton/ssd_combined.py``) allocate every output and saved tensor with torch ops, so on
+fake tensors they allocate what they do on the card once :func:`fused_twins` stands in for Triton's launches and
+autotuners (first config, pre-hook run), causal_conv1d's extension and custom ops, the card's device properties, and
+lets transformers' kernel wrappers (``integrations/hub_kernels.py``) take CPU tensors. It needs ``mamba_ssm``,
+``causal_conv1d`` and ``triton`` importable (without a GPU: :data:`INSTALL`).
 """
 
 from __future__ import annotations
@@ -55,8 +36,7 @@ def fused_unavailable() -> str | None:
 
 
 class _Properties:
-    """What ``torch.cuda.get_device_properties`` answers in the trace: the card's
-    (:class:`~vramcal.estimate.card.Card`)."""
+    """What ``torch.cuda.get_device_properties`` answers in the trace: the card's."""
 
     def __init__(self, card: Any) -> None:
         self.name, self.multi_processor_count = card.name, card.sm_count
@@ -66,8 +46,11 @@ class _Properties:
 
 @contextlib.contextmanager
 def fused_twins(choices: Choices) -> Iterator[None]:
-    """Within: mamba_ssm's kernels as twins (module docstring), for ``choices.card``; torch and triton restored on
-    exit. Raises: ImportError: triton is not installed (:func:`fused_unavailable` says so first)."""
+    """Within: mamba_ssm's kernels as twins for ``choices.card``; torch and triton restored on exit.
+
+    Raises:
+        ImportError: triton is not installed (:func:`fused_unavailable` says so first).
+    """
     import torch
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
@@ -99,7 +82,7 @@ def fused_twins(choices: Choices) -> Iterator[None]:
 
 
 def _first_config(self: Any, *args: Any, **kwargs: Any) -> None:
-    """``Autotuner.run`` without benchmarking: its first config chosen, its pre-hook run, the launch's twin called."""
+    """``Autotuner.run`` without benchmarking: its first config, its pre-hook, the launch's twin."""
     config = self.configs[0]
     self.best_config = config
     if config.pre_hook is not None:
@@ -108,8 +91,7 @@ def _first_config(self: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def _extension_twin() -> bool:
-    """causal_conv1d's extension where it is not built (True: the twin was put in), and fake implementations of its
-    custom ops."""
+    """causal_conv1d's extension twinned where not built (True: it was), and its custom ops faked."""
     needed = not _installed("causal_conv1d_cuda")
     if needed:
         twin = types.ModuleType("causal_conv1d_cuda")
@@ -126,8 +108,7 @@ def _extension_twin() -> bool:
 
 
 def _installed(name: str) -> bool:
-    """Whether ``name`` is imported or importable (a module entered without a spec, as vramcal enters mamba_ssm
-    without its Mamba-1 extension, counts)."""
+    """Whether ``name`` is imported (even without a spec) or importable."""
     return sys.modules.get(name) is not None or importlib.util.find_spec(name) is not None
 
 

@@ -1,8 +1,6 @@
-"""The records of an estimate (:func:`vramcal.estimate.step.estimate_step`), the line through its peaks, and its one
-error: plain values, no torch.
+"""The records of an estimate, the line through its peaks, and its one error: plain values, no torch.
 
-An estimate is never a measurement (DESIGN.md, "estimate"): it has no process baseline (libraries, allocator
-arenas, the CUDA context), which a batch-size-1 trial or a measured profile of the same kind of device supplies.
+An estimate has no process baseline (DESIGN.md, "Estimates: a card you do not have").
 """
 
 from __future__ import annotations
@@ -18,30 +16,14 @@ from vramcal.workload import ModelRef, WorkloadError
 
 
 class EstimateError(RuntimeError):
-    """The step could not be traced on fake tensors (an op with no fake implementation, a shape or a branch that
-    depends on the data, a factory that fails): one line naming the op where one is known. Measure the step with
-    trials instead."""
+    """The step could not be traced on fake tensors: one line naming the op where one is known."""
 
 
 @dataclass(frozen=True)
 class PointEstimate:
-    """The traced step at one batch size, in bytes.
-
-    Attributes:
-        batch_size: samples per step.
-        peak_bytes: the estimate: ``live_peak_bytes`` on the host, ``reserved_peak_bytes`` on a CUDA device.
-        live_peak_bytes: the most bytes of live tensor storage on the device during the measured steps and the
-            validation passes (after the warm-up, as a trial resets its peaks).
-        allocated_peak_bytes, reserved_peak_bytes: what CUDA's caching allocator would report for the same
-            allocations and frees (``max_memory_allocated`` and ``max_memory_reserved``,
-            :func:`vramcal.estimate.allocator.replay`); on the host trace, what a CUDA card would reserve for the
-            same tensors.
-        parameter_bytes, gradient_bytes, optimizer_state_bytes, persistent_bytes, activation_bytes: what was live
-            at the live peak, by :data:`vramcal.estimate.trace.CATEGORIES` (persistent: buffers and the other
-            tensors the factory holds; activation: activations and temporaries); they sum to ``live_peak_bytes``.
-        trace_s: seconds the build and the traced steps took (the first point's include importing the model's
-            libraries).
-    """
+    """The traced step at one batch size, in bytes: ``peak_bytes`` is ``live_peak_bytes`` on the host and
+    ``reserved_peak_bytes`` on a card (:func:`vramcal.estimate.allocator.replay`'s peaks); the parts of the live peak
+    by :data:`vramcal.estimate.trace.CATEGORIES` sum to it; ``trace_s``: seconds the build and steps took."""
 
     batch_size: int
     peak_bytes: int
@@ -58,24 +40,9 @@ class PointEstimate:
 
 @dataclass(frozen=True)
 class StepEstimate:
-    """One training step's memory, traced on fake tensors at two or more batch sizes.
-
-    Attributes:
-        model: what was traced (the profile key).
-        device_kind: ``host`` (peaks are live bytes) or ``cuda`` (reserved bytes of the caching allocator, the cuBLAS
-            workspaces included).
-        points: one per batch size, in the order asked.
-        overhead_bytes, slope_bytes_per_sample: the least-squares line ``peak_bytes = overhead_bytes +
-            slope_bytes_per_sample * batch_size`` through the points' peaks (:func:`line`). The overhead is the
-            step's own (model states, persistent tensors): no process baseline.
-        data_bytes: the factory's dataset in host memory (:meth:`vramcal.workload.TrainingStep.pool_data_bytes`
-            on the host; 0 for a CUDA device, where data the factory places on the device is traced): real arrays,
-            so not in the trace, and in a host trial's measured pool.
-        kernel_path: the Mamba-2 kernels the traced model runs (:func:`vramcal.workload.detect_kernel_path`).
-        wall_s: seconds the whole estimate took (imports included).
-        choices: the card's choices the trace made, one line each (:class:`vramcal.estimate.card.Choices`: dropout,
-            attention, optimizer, autocast, fused kernels); empty for the host.
-    """
+    """One training step's memory, traced at two or more batch sizes: the points, their least-squares line
+    (:func:`line`; the step's own overhead, no process baseline), the factory's real dataset in host memory
+    (``data_bytes``, 0 on a card), the kernel path, seconds taken and the card's choices (empty on the host)."""
 
     model: ModelRef
     device_kind: DeviceKind
@@ -104,8 +71,7 @@ class StepEstimate:
 
 def line(batch_sizes: Sequence[int], peak_bytes: Sequence[int]) -> tuple[float, float]:
     """Ordinary least squares of ``peak_bytes`` on ``batch_sizes``: ``(overhead_bytes, slope_bytes_per_sample)``,
-    slope = Σ(b - mean b)(y - mean y) / Σ(b - mean b)², overhead = mean y - slope · mean b (the same line
-    :func:`vramcal.calibration.fit.fit_linear` fits to trials; exact through two points).
+    as :func:`vramcal.calibration.fit.fit_linear` fits trials.
 
     Raises:
         ValueError: fewer than two distinct batch sizes.
@@ -119,8 +85,6 @@ def line(batch_sizes: Sequence[int], peak_bytes: Sequence[int]) -> tuple[float, 
     return mean_y - slope * mean_b, slope
 
 
-# ----------------------------------------------------------------------------------------------- failures
-
 _NO_FAKE_IMPL = re.compile(r"no fake impl registered for <CustomOpDef\(([^)]+)\)>")
 _REASONS = {  # torch._subclasses.fake_tensor's exceptions, which carry the op as .func
     "UnsupportedOperatorException": "has no fake implementation",
@@ -133,14 +97,8 @@ _TRIALS = "measure the step with trials"
 
 
 def failure_message(error: BaseException) -> str:
-    """The one line of :class:`EstimateError` for an error raised while tracing: the op and why where the error (or
-    one it was raised from or during) names it, else the error's own first line.
-
-    ``cannot trace the step on fake tensors: aten.nonzero.default has an output shape that depends on the data;
-    measure the step with trials``; a factory that failed on its own (:class:`vramcal.workload.WorkloadError` not
-    ``in_torch``: not importable, an argument it does not take, its own ``raise``) is no tracing failure: its line
-    says to fix the factory, which trials would call the same way.
-    """
+    """The one line of :class:`EstimateError` for an error raised while tracing: the op and why where the error
+    chain names it, else its first line; a factory that failed on its own says to fix the factory."""
     if isinstance(error, WorkloadError) and not error.in_torch:
         return f"{error}; a trial calls the factory the same way: fix it first (call it by hand to see the traceback)"
     for cause in _chain(error):
@@ -156,7 +114,7 @@ def failure_message(error: BaseException) -> str:
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:
-    """``error``, then what it was raised from or during (``__cause__``, else ``__context__``), once each."""
+    """``error``, then its ``__cause__`` (else ``__context__``), once each."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:

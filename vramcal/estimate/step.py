@@ -1,41 +1,12 @@
-"""One training step's memory without a GPU and without real tensors: the step a trial runs, traced on fake tensors.
+"""One training step's memory without a GPU or real tensors: the step a trial runs, traced on fake tensors.
 
-For each batch size, as a trial does (:mod:`vramcal.measure.trial`) and in one fresh ``FakeTensorMode`` each:
-
-1. the factory builds the step (:func:`vramcal.workload.build`: model, optimizer, data pipeline) inside
-   ``FakeTensorMode(allow_non_fake_inputs=True)``: every tensor made by a torch op is fake (shapes, dtypes and
-   devices, no memory), including the model's parameters and their initialisation; arrays the factory turns into
-   tensors without an op (the regressor's windows: ``torch.from_numpy``) stay real host tensors, which the fake
-   mode converts when an op reads them (a batch gathered from them is fake). They are the factory's dataset,
-   reported as ``data_bytes``, not traced;
-2. ``warmup_steps`` steps (:func:`vramcal.workload.train_step`: the factory's loss under its own dtype and autocast,
-   backward, clipping when set, the optimizer step, ``zero_grad``); AdamW allocates its state here;
-3. the peaks reset; ``measured_steps`` steps and ``val_steps`` validation passes
-   (:func:`vramcal.workload.validation_step`) at the same batch size;
-
-all under a :class:`vramcal.estimate.trace.StorageTrace`, vramcal's own dispatch mode that follows live storage bytes
-op by op (its module says why not torch's ``MemTracker``: the allocator's model needs the ordered allocations and
-frees, and a trial runs several iterations). The peak of
-the measured part is the estimate on the host; on a CUDA device the same allocations and frees run through the
-caching allocator's model (:func:`vramcal.estimate.allocator.replay`) and the reserved peak is the estimate.
-
-The factory is a real build, only faked: a model built on the meta device instead would skip the factory's own
-code (its data pipeline, its dtype policy, the optimizer it picks), and converting a real build to fake tensors
-would need the real memory first. ``Module.to()`` of fake parameters fails in torch 2.13 (``swap_tensors`` refuses
-tensors the fake mode's memo holds weak references to; pytorch PRs #178584 and #184976); while the factory runs,
-:func:`_swappable_fakes` drops those memo entries before a swap, as the first of those PRs does.
-
-For a CUDA card (``device_kind="cuda"``) the step is traced on fake CPU tensors as the card runs it
-(:func:`vramcal.estimate.card.as_card`: dropout's mask, the attention backend, AdamW's foreach, CUDA's autocast
-lists), with mamba_ssm's fused kernels as twins where they are installed
-(:func:`vramcal.estimate.fused.fused_twins`); the choices made are in ``StepEstimate.choices``. Its allocations and
-frees, after the cuBLAS workspaces (:func:`vramcal.estimate.constants.card_constants`), run through the caching
-allocator's model (:func:`vramcal.estimate.allocator.replay`) and the reserved peak is the estimate. The CUDA context
-is not traced (:mod:`vramcal.estimate.constants`).
-
-Limits: a step that reads tensor values (``.item()``, a branch on a tensor), an op with a data-dependent output
-shape, or a custom kernel with no fake implementation cannot be traced (:class:`EstimateError`); the host's process
-baseline, its allocator's arenas and fragmentation are not in the trace.
+Per batch size, in a fresh ``FakeTensorMode(allow_non_fake_inputs=True)``: the factory's real build, faked (the meta
+device would skip its own code; arrays it turns into tensors without an op stay real: ``data_bytes``), the warm-up,
+a peak reset, the measured steps and validation as :mod:`vramcal.measure.trial` runs them, under
+:class:`vramcal.estimate.trace.StorageTrace`. The estimate is the live peak on the host; on a card
+(:func:`vramcal.estimate.card.as_card`, :func:`vramcal.estimate.fused.fused_twins`) the reserved peak of the events
+replayed after the cuBLAS workspaces (:func:`vramcal.estimate.allocator.replay`).
+Reasons and limits: DESIGN.md, "Estimates: a card you do not have".
 """
 
 from __future__ import annotations
@@ -59,21 +30,11 @@ if TYPE_CHECKING:  # pragma: no cover
 def estimate_step(ref: ModelRef, batch_sizes: Sequence[int], *, options: dict[str, Any] | None = None,
                   device_kind: DeviceKind = "host", settings: TrialSettings | None = None,
                   card: Card | None = None) -> StepEstimate:
-    """Trace the training step of ``ref`` at each of ``batch_sizes`` (module docstring) and fit a line to the peaks.
+    """Trace the training step of ``ref`` at each of ``batch_sizes`` (two or more distinct, >= 1) and fit a line.
 
-    Args:
-        ref: the factory and its arguments, as a trial builds them; ``implementation=mamba_ssm`` traces the fused
-            kernels (a CUDA card only).
-        batch_sizes: two or more distinct batch sizes (>= 1); the fake step costs the same at any size.
-        options: more factory arguments that do not change the model (the regressor's data file, ...).
-        device_kind: ``host`` (peaks in live bytes) or ``cuda`` (the step as ``card`` runs it; peaks in the caching
-            allocator's reserved bytes, its cuBLAS workspaces included).
-        settings: the trial's steps (``warmup_steps``, ``measured_steps``, ``val_steps``); default
-            :class:`vramcal.records.TrialSettings`.
-        card: the card a ``cuda`` trace is made for (:class:`vramcal.estimate.card.Card`; default an H100).
-
-    Returns:
-        The points and their line (bytes, no CUDA context or process baseline), and the card's choices made.
+    ``options``: factory arguments that do not change the model; ``device_kind``: ``host`` (live bytes) or ``cuda``
+    (as ``card`` runs it, default an H100; reserved bytes); ``settings``: the trial's steps. Returns the points and
+    their line (bytes, no process baseline or CUDA context) and the card's choices.
 
     Raises:
         ValueError: fewer than two distinct batch sizes, or one below 1, or an unknown ``device_kind``.
@@ -99,11 +60,8 @@ def estimate_step(ref: ModelRef, batch_sizes: Sequence[int], *, options: dict[st
 
 def trace_point(ref: ModelRef, batch_size: int, device_kind: DeviceKind, options: dict[str, Any] | None,
                 settings: TrialSettings, choices: Choices | None = None) -> tuple[PointEstimate, tuple[int, str]]:
-    """Build and trace one trial's steps at ``batch_size`` in a fresh fake mode (module docstring), as the card of
-    ``choices`` runs them (within :func:`_as_card`; None: the host).
-
-    Returns:
-        The point, and ``(data_bytes, kernel_path)`` of the built step.
+    """One trial's steps at ``batch_size`` in a fresh fake mode, as the card of ``choices`` runs them (None: the
+    host); returns the point and ``(data_bytes, kernel_path)``.
 
     Raises:
         EstimateError: anything raised while building or tracing (:func:`vramcal.estimate.result.failure_message`).
@@ -136,8 +94,7 @@ def trace_point(ref: ModelRef, batch_size: int, device_kind: DeviceKind, options
 
 @contextlib.contextmanager
 def _as_card(device_kind: DeviceKind, card: Card | None) -> Iterator[Choices | None]:
-    """For a CUDA card: its choices (:func:`vramcal.estimate.card.as_card`) and, where mamba_ssm is installed, its
-    fused kernels' twins; for the host: nothing."""
+    """A card's choices and, where mamba_ssm is installed, its fused kernels' twins; None for the host."""
     if device_kind != "cuda":
         yield None
         return
@@ -171,9 +128,7 @@ def _check_entered(ref: ModelRef, choices: Choices | None) -> None:
 
 
 def _run_steps(step: TrainingStep, batch_size: int, settings: TrialSettings, trace: StorageTrace) -> int:
-    """The trial's steps (module docstring, 2 and 3) under ``trace``; returns the index of the first event after
-    the peaks' reset."""
-
+    """The trial's steps under ``trace``; returns the index of the first event after the peaks' reset."""
     for _ in range(settings.warmup_steps):
         train_step(step, step.batch(batch_size))
     reset_at = len(trace.events)
@@ -186,8 +141,7 @@ def _run_steps(step: TrainingStep, batch_size: int, settings: TrialSettings, tra
 
 def _point(trace: StorageTrace, batch_size: int, device_kind: DeviceKind, reset_at: int, trace_s: float,
            workspaces: Sequence[int] = ()) -> PointEstimate:
-    """The point of a finished trace: live peak and breakdown, and the caching allocator's peaks of its events after
-    ``workspaces`` (allocations held for good; the reset mapped onto the events)."""
+    """A finished trace's point: live peak and breakdown, and the allocator's peaks after ``workspaces``."""
     from vramcal.estimate.trace import live_peak  # loads torch: only when called
 
     live, held = live_peak(trace, "cpu", reset_at)
@@ -212,8 +166,8 @@ def _checked_sizes(batch_sizes: Sequence[int]) -> list[int]:
 
 @contextlib.contextmanager
 def _swappable_fakes(fake: Any) -> Iterator[None]:
-    """``torch.utils.swap_tensors`` that first drops the two tensors from ``fake``'s memo (module docstring), so
-    ``Module.to()`` works on fake parameters; restored on exit."""
+    """``torch.utils.swap_tensors`` that first drops the two tensors from ``fake``'s memo, so ``Module.to()`` works on
+    fake parameters (torch 2.13 refuses them otherwise; pytorch PR #178584 does the same)."""
     import torch
 
     original, memo = torch.utils.swap_tensors, fake.fake_tensor_converter.tensor_memo

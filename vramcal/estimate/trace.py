@@ -1,30 +1,10 @@
 """The storages a step allocates and frees, followed op by op: a ``TorchDispatchMode`` of vramcal's own.
 
-:class:`StorageTrace` sees every ATen op below autograd (forward, the backward the autograd engine runs, the
-optimizer's ops) and records, in order, each tensor storage an op creates (an :class:`~vramcal.estimate.allocator.Event`
-``alloc`` with the storage's bytes) and each one that dies (``free``, from a weak reference's callback on the
-storage: torch keeps one Python object per storage, so the callback fires when the storage itself is freed, not
-when a view of it goes). This is the technique of torch's ``torch.distributed._tools.mem_tracker.MemTracker``;
-vramcal does not use ``MemTracker`` itself because it keeps running totals and per-module snapshots but not the
-ordered allocations and frees that the caching allocator's model needs (:func:`vramcal.estimate.allocator.replay`),
-it attributes memory through module hooks the estimate has no use for, and it refuses a second iteration of the
-root module in one tracker (``reset_mod_stats`` between iterations), while a trial runs several.
-
-Which bytes count:
-
-* an op's output whose storage the trace has not seen counts, unless the op's schema says that output aliases an
-  input (``Tensor(a)``: a view, or an in-place op, of a tensor no traced op made, such as a real tensor the fake
-  mode converted: the regressor's windows, which the estimate's ``data_bytes`` covers instead, or a tensor made
-  from Python values, ``torch.tensor(0.0)``, such as AdamW's step counters); such a storage is known from then on
-  and never counted;
-* a storage whose bytes change under an op (``resize_``, an ``out=`` argument) is a new allocation followed by the
-  free of the old one, as a reallocation is. ``UntypedStorage.resize_`` called directly (not an op) is not seen,
-  nor are tensors without one strided storage (sparse, nested).
-
-Each storage is labelled for the breakdown at the peak (:data:`CATEGORIES`): parameters, gradients (the
-parameters' ``.grad`` as the optimizer step starts, through torch's global optimizer hooks), optimizer states
-(``optimizer.state`` after its step), persistent (everything else alive when the factory returned: buffers, data the
-factory placed on the device, the pipeline's own tensors) and, for the rest, activations and temporaries.
+Every ATen op's new storage is an ``alloc`` (unless its schema says the output aliases an input), a weak reference's
+callback on the storage its ``free``, a resized storage a new allocation and the old one's free: the technique of
+torch's ``MemTracker``, which keeps no ordered events for :func:`vramcal.estimate.allocator.replay` and refuses a
+second iteration. Storages are labelled by :data:`CATEGORIES` for the breakdown at the peak. Not seen:
+``UntypedStorage.resize_`` called directly, sparse and nested tensors.
 """
 
 from __future__ import annotations
@@ -44,20 +24,13 @@ Category = Literal["parameters", "gradients", "optimizer_states", "persistent", 
 CATEGORIES: tuple[Category, ...] = ("parameters", "gradients", "optimizer_states", "persistent", "activations")
 
 
-# Ops that the fake mode does not implement and whose result the trace can take from another op: a pinned copy of
-# a host tensor (a data pipeline's, before a non-blocking copy to the GPU) is a host copy, outside the device's
-# bytes either way (FakeTensorMode raises "NYI: aten._pin_memory.default").
+# Ops the fake mode does not implement, taken from another: a pinned host copy is a host copy either way
 _HOST_COPIES = {torch.ops.aten._pin_memory.default: torch.ops.aten.clone.default}
 
 
 class StorageTrace(TorchDispatchMode):
-    """Follows live tensor storages (module docstring); use as a context manager, inside a ``FakeTensorMode``.
-
-    Attributes:
-        events: allocations and frees in program order (bytes: the storage's ``nbytes()``).
-        devices: each storage key's device type (``cpu``, ``cuda``).
-        labels: each labelled storage key's :data:`Category` (unlabelled keys are activations and temporaries).
-    """
+    """Follows live tensor storages; a context manager inside a ``FakeTensorMode``: ``events`` in program order,
+    each key's device type (``devices``) and :data:`Category` (``labels``; unlabelled: activations)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -94,11 +67,9 @@ class StorageTrace(TorchDispatchMode):
             self._see(tensor, counted=not aliases)
         return out
 
-    # ---------------------------------------------------------------------------------------------- storages
-
     def _see(self, tensor: torch.Tensor, counted: bool) -> None:
         if tensor.layout is not torch.strided or tensor.is_nested:
-            return  # no single storage (sparse, nested): not followed (module docstring)
+            return  # no single storage (sparse, nested)
         storage = tensor.untyped_storage()
         key = self._keys.get(id(storage))
         if key is None:
@@ -120,7 +91,7 @@ class StorageTrace(TorchDispatchMode):
         self.events.append(Event("alloc", key, size_bytes))
 
     def _realloc(self, storage: torch.UntypedStorage, old: int) -> None:
-        """A storage whose bytes changed: a new key allocated, then the old freed (the old key's label carries)."""
+        """A resized storage: a new key allocated, then the old freed (its label carried)."""
         new = next(self._numbers)
         self._keys[id(storage)], self.devices[new] = new, self.devices[old]
         self._refs[new] = self._refs.pop(old)  # the callback still names the old key: _gone follows the move
@@ -148,8 +119,6 @@ class StorageTrace(TorchDispatchMode):
             key = self._moved[key]
         return key
 
-    # ---------------------------------------------------------------------------------------------- labels
-
     def label(self, tensors: Iterable[Any], category: Category) -> None:
         """Label the storages of ``tensors`` (tensors among other values) that have no label yet."""
         for tensor in _tensors(list(tensors)):
@@ -158,7 +127,7 @@ class StorageTrace(TorchDispatchMode):
                 self.labels.setdefault(key, category)
 
     def label_live(self, category: Category) -> None:
-        """Label every counted storage alive now that has no label yet (``persistent``: what the factory holds)."""
+        """Label every counted storage alive now that has no label yet."""
         for key in self._bytes:
             self.labels.setdefault(key, category)
 
@@ -187,17 +156,8 @@ def _outputs(func: Any, out: Any) -> Iterator[tuple[torch.Tensor, bool]]:
 
 
 def live_peak(trace: StorageTrace, device_type: str, start: int = 0) -> tuple[int, dict[Category, int]]:
-    """The most bytes of live storage on ``device_type`` at any event from ``start`` on, and what held them.
-
-    Args:
-        trace: a finished trace (its labels complete).
-        device_type: ``cpu`` or ``cuda``: storages on other devices are left out.
-        start: the index of the first event the peak may be at (the live bytes before it are counted; a trial
-            resets its peaks after the warm-up).
-
-    Returns:
-        ``(peak_bytes, breakdown)``: the breakdown by :data:`CATEGORIES` at the peak sums to ``peak_bytes``.
-    """
+    """``(peak_bytes, breakdown by CATEGORIES)``: the most live bytes on ``device_type`` at any event from ``start``
+    on (the bytes live before it counted, as a trial's peak reset after its warm-up)."""
     held = dict.fromkeys(CATEGORIES, 0)
     best, best_held, total = -1, dict(held), 0
     for index, event in enumerate(trace.events):

@@ -1,21 +1,8 @@
-"""Profiles: the self-describing JSON file a calibration leaves in ``profiles/``, and what training adds.
+"""Profiles: the self-describing JSON file a calibration leaves in ``profiles/``, and what training adds to it.
 
-One file per (device, model, implementation) at ``profiles/<device slug>/<model name>-<key>.json``. It
-carries the schema version, vramcal version, UTC creation time, device and the environment seen inside
-the trial processes, software versions, the model (factory and arguments), the data the trials held,
-raw trials, fit, limits and verification (pytest-benchmark's habit of machine info + versions +
-timestamp), and the **observations** of training runs that used it: each run's measured peak beside
-the prediction, so the file accumulates evidence of how well it predicts real training.
-
-Files are written atomically (:mod:`vramcal.files`), so a killed run leaves the previous profile
-intact. Reading goes through one checked schema: every field typed and ranged (:mod:`vramcal.profile.record`,
-the records' own ``from_dict``, :mod:`vramcal.schema`), then related to the others by the rules the writer
-follows (:mod:`vramcal.profile.checks`); the first bad field is named in one line, so a corrupt or
-hand-edited file is refused before anything is sized with it, and whatever a calibration writes reads back.
-
-Three modules, each importing only the ones before it: :mod:`~vramcal.profile.record` (the records),
-:mod:`~vramcal.profile.checks` (their relations, and :func:`~vramcal.profile.checks.read_profile`), and this
-package (the files).
+One file per (device, model, implementation) at ``profiles/<device slug>/<profile name>.json``, written atomically
+(:mod:`vramcal.files`). :mod:`~vramcal.profile.record` holds the records (each field typed and ranged),
+:mod:`~vramcal.profile.checks` their relations; this package, the files. A bad file is refused in one line.
 """
 
 from __future__ import annotations
@@ -50,9 +37,8 @@ __all__ = ["DEFAULT_PROFILES_DIR", "SCHEMA_VERSION", "Observation", "Profile", "
 
 
 def profile_name(model: ModelRef, implementation: str, world: World | None = None) -> str:
-    """``<model name>-<implementation>-<model key>``: the family (or the user factory's function name), the
-    implementation, and 8 hex digits of the model's key; a world adds ``-ddp<ranks>`` or ``-fsdp<ranks>`` (and 6
-    hex digits of its strategy's settings when they are not the defaults)."""
+    """``<model name>-<implementation>-<model key>``; a world adds ``-ddp<ranks>`` or ``-fsdp<ranks>`` (and 6 hex
+    digits of its settings when they are not the defaults)."""
     name = f"{family_of(model).label(model)}-{implementation}-{model.key()}"
     if world is None:
         return name
@@ -64,12 +50,8 @@ def profile_name(model: ModelRef, implementation: str, world: World | None = Non
 
 def profile_path(profiles_dir: Path | str, device: Device, model: ModelRef, implementation: str,
                  unique_device: bool = False, world: World | None = None) -> Path:
-    """``<profiles_dir>/<device slug>/<profile name>.json`` (:func:`profile_name`); a host budget given as
-    ``--capacity`` adds it (``-1.5gib``), so calibrations of the host at two budgets (the ranks of a DDP run
-    with budgets of their own) keep two files.
-
-    ``unique_device`` adds the GPU's identity to the folder, for several identical cards (``--gpu all``).
-    """
+    """``<profiles_dir>/<device slug>/<profile name>.json``; a host ``--capacity`` adds it (``-1.5gib``);
+    ``unique_device`` adds the GPU's identity to the folder (several identical cards)."""
     slug = device.slug(unique=True) if unique_device else device.slug()
     budget, total = "", device.total_bytes
     if device.kind == "host" and device.total_source == "--capacity":
@@ -78,9 +60,8 @@ def profile_path(profiles_dir: Path | str, device: Device, model: ModelRef, impl
 
 
 def save_profile(profile: Profile, path: Path | str, keep_previous: Path | None = None) -> Path:
-    """Write ``profile`` as JSON (sorted keys, 2-space indent) atomically; returns the path (``profile.path`` is
-    left as it was: the written profile is ``dataclasses.replace(profile, path=...)``). With ``keep_previous``, the
-    file it replaces becomes that file as it does (:func:`vramcal.files.atomic_write`).
+    """Write ``profile`` as JSON (sorted keys, 2-space indent) atomically, the file replaced kept as
+    ``keep_previous`` when given; returns the path (``profile.path`` is left as it was).
 
     Raises:
         OSError: the folder cannot be written; the previous file is then untouched.
@@ -91,9 +72,8 @@ def save_profile(profile: Profile, path: Path | str, keep_previous: Path | None 
 
 
 def replaced_name(path: Path) -> Path:
-    """Where a profile file a calibration replaces is kept (``vramcal size``, for a stale or unreadable one):
-    ``<name>.replaced-<UTC time>`` beside it (``-2``, ``-3``, ... after it when that is taken), a name no lookup of
-    ``*.json`` files reads."""
+    """``<name>.replaced-<UTC time>`` (then ``-2``, ...) beside ``path``: where a replaced profile is kept, a name no
+    lookup of ``*.json`` reads."""
     stamp = f"{path.name}.replaced-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}"
     taken = {p.name for p in path.parent.glob(f"{stamp}*")}
     return path.with_name(next(n for n in (stamp, *(f"{stamp}-{i}" for i in range(2, len(taken) + 2)))
@@ -101,12 +81,11 @@ def replaced_name(path: Path) -> Path:
 
 
 def load_profile(path: Path | str) -> Profile:
-    """Read and check a profile file (:func:`vramcal.profile.checks.read_profile`); the profile's ``path`` is it.
+    """Read and check a profile file (:func:`vramcal.profile.checks.read_profile`); its ``path`` is set.
 
     Raises:
-        ProfileError: missing, a folder or no regular file, unreadable, empty, not JSON, nested too deeply,
-            not a vramcal profile, another schema version, a missing field or a bad value; one line naming
-            the file (and the field) and how to get a good one. TypeError: ``path`` is no path.
+        ProfileError: no readable profile file, or a bad field: one line naming the file (and the field) and the
+            fix. TypeError: ``path`` is no path.
     """
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"load_profile() takes a profile file's path, not {type(path).__name__} {path!r:.40}")
@@ -157,15 +136,8 @@ def newest_profile(profiles_dir: Path | str, device: Device, model: ModelRef, wo
 
 def matching_profiles(profiles_dir: Path | str, device: Device, model: ModelRef, world: World | None = None,
                       total_bytes: int | None = None, any_size: bool = False) -> tuple[list[Profile], list[str]]:
-    """The readable profiles under ``profiles_dir`` for this device's hardware, this model and this DDP ``world``
-    (None: one process; ``any_size``: that world's strategy and settings at any number of ranks, which
-    :func:`vramcal.sizing.sharding.carried` can bridge), and, when ``total_bytes`` is given, calibrated at this budget.
-
-    Returns:
-        The profiles, oldest first (by ``created_utc``, then path; each carries its ``path``), and one line for each
-        matching-looking file that could not be used (unreadable or failing its checks), so a bad file is reported
-        rather than passed over in silence.
-    """
+    """:func:`profiles_where` for this model and DDP ``world`` (None: one process; ``any_size``: that world at any
+    number of ranks, :func:`vramcal.sizing.sharding.carried`), a bad file of this model named."""
     def same_world(profile: Profile) -> bool:
         return profile.world == world or (any_size and None not in (profile.world, world)
                                           and dataclasses.replace(profile.world, nproc=world.nproc) == world)
@@ -176,14 +148,9 @@ def matching_profiles(profiles_dir: Path | str, device: Device, model: ModelRef,
 
 def profiles_where(profiles_dir: Path | str, device: Device, wanted: Callable[[Profile], bool],
                    total_bytes: int | None = None, name_hint: str | None = None) -> tuple[list[Profile], list[str]]:
-    """The readable profiles under ``profiles_dir`` (:func:`profiles_under`) for this device's hardware, calibrated
-    at the budget ``total_bytes`` when it is given, that ``wanted`` keeps.
-
-    Returns:
-        The profiles, oldest first (by ``created_utc``, then path; each carries its ``path``), and one line for each
-        unreadable file whose name holds ``name_hint`` (the model asked for: its bad file is reported, not passed
-        over in silence; None reports none).
-    """
+    """The readable profiles under ``profiles_dir`` of this device's hardware (at ``total_bytes`` when given) that
+    ``wanted`` keeps, oldest first (``created_utc``, then path), and a line for each unreadable file whose name
+    holds ``name_hint``."""
     found, unreadable = profiles_under(profiles_dir)
     skipped = [left_out(path, why) for path, why in unreadable if name_hint is not None and name_hint in path.name]
     candidates = [p for p in found if device.hardware_difference(p.device) is None
@@ -192,14 +159,7 @@ def profiles_where(profiles_dir: Path | str, device: Device, wanted: Callable[[P
 
 
 def profiles_under(folder: Path | str) -> tuple[list[Profile], list[tuple[Path, str]]]:
-    """Every profile file below ``folder`` (``**/*.json`` at any depth, in path order; none where the folder does
-    not exist): the one scan of a folder of profiles that sizing, the estimate's learning and the commands over
-    folders (``cost``, ``report``) share.
-
-    Returns:
-        The readable profiles (each carries its ``path``), and (path, why) for each file there that is no readable
-        profile (:func:`load_profile`'s one line), for the caller to report or pass over.
-    """
+    """Every ``**/*.json`` below ``folder`` in path order: the readable profiles, and (path, why) for the others."""
     found, unreadable = [], []
     for path in sorted(Path(folder).glob("**/*.json")):
         try:
@@ -210,8 +170,7 @@ def profiles_under(folder: Path | str) -> tuple[list[Profile], list[tuple[Path, 
 
 
 def left_out(path: Path | str, why: str) -> str:
-    """``left out <path>: <why>``: the line a command over a folder of profiles gives each file it does not use (a
-    :class:`ProfileError`'s ``profile <path>`` opening is not said twice)."""
+    """``left out <path>: <why>``, for a file a command over a folder does not use."""
     return f"left out {path}: {why.removeprefix(f'profile {path}').lstrip(': ')}"
 
 
@@ -237,9 +196,7 @@ def check_profile_matches(profile: Profile, device: Device, model: ModelRef | No
 
 
 def world_difference(calibrated: World | None, run: World | None) -> str:
-    """Why a profile of ``calibrated`` cannot size a run of ``run`` (None: one process), with the options of the
-    probe that calibrates the run's world: a rank holds gradient buckets, communication buffers or gathered
-    shards a single process does not, and they differ with the world's strategy and settings."""
+    """Why a profile of ``calibrated`` cannot size a run of ``run`` (None: one process), and the probe that can."""
     what = calibrated.describe() if calibrated else "one process"
     if run is None:
         return (f"the profile was calibrated for {what}, this run is one process: calibrate it without --nproc, or "
@@ -250,8 +207,7 @@ def world_difference(calibrated: World | None, run: World | None) -> str:
 
 
 def append_observation(path: Path | str, observation: Observation) -> Profile:
-    """Add a training run's observation to the profile file, atomically and under a lock (several runs
-    may finish at once).
+    """Add a training run's observation to the profile file, atomically and under a lock.
 
     Raises:
         ProfileError: the file is no longer a readable profile. OSError: it cannot be written.

@@ -1,22 +1,8 @@
-"""What a profile's fields must say of each other: the relations that make a file one vramcal's calibration wrote.
-
-:meth:`vramcal.profile.Profile.from_dict` types and ranges each field (:mod:`vramcal.schema`); these checks
-relate them, each with the rule the writer itself follows, so whatever a calibration writes reads back and a
-hand-edited or corrupt file is refused before anything is sized with it:
-
-* the fit is the least-squares line through its own points (:func:`vramcal.calibration.fit.fit_linear` run
-  again), and those points are the file's trials as the fit read them (their steady-equivalent peaks,
-  :func:`vramcal.calibration.creep.steady_equivalent`); the same for the 2-D model of several lengths;
-* limits need a fit with a positive slope and an overhead below the whole device; usable memory follows
-  from the total and the settings, the point estimate from the fit; the safe size stays at or under the
-  ceiling the search settles under (:func:`vramcal.calibration.limits.safe_ceiling`: the larger of the point
-  estimate and the largest size that fitted, below a failure), the conservative size under its fraction of
-  the safe size, and a recorded failure is a trial that failed;
-* each verification is a recorded trial at its limit, ``passed`` as its peak says;
-* observations of training runs need limits and share their usable memory;
-* the derived keys (``model_key``, ``verified``, ``creep``) are what the fields give.
-
-Each refusal is one :class:`~vramcal.profile.ProfileError` line naming the field.
+"""What a profile's fields must say of each other, each relation the rule the writer follows: the fit is the
+least-squares line (or plane) through its own points, which are trials; limits follow from the fit, device and
+settings under :func:`vramcal.calibration.limits.safe_ceiling`; each verification is a trial at its limit;
+observations share the usable memory; the derived keys are what the fields give. Each refusal is one
+:class:`~vramcal.profile.ProfileError` line naming the field.
 """
 
 from __future__ import annotations
@@ -44,12 +30,11 @@ REL_TOLERANCE = 1e-6  # a fit's figures against the same fit recomputed: float r
 
 
 def read_profile(data: object) -> Profile:
-    """The profile a file's JSON object holds: every field typed and ranged (:meth:`Profile.from_dict`), then
-    related to the others (:func:`check_profile`) and the derived keys checked (:func:`check_derived`).
+    """The profile a file's JSON object holds, typed (:meth:`Profile.from_dict`) and related (:func:`check_profile`,
+    :func:`check_derived`).
 
     Raises:
-        ProfileError: not a vramcal profile, another schema version, or the first bad field and why (one line
-            naming the field; :func:`vramcal.profile.load_profile` adds the file and the fix).
+        ProfileError: not a vramcal profile, another schema version, or the first bad field (one line).
     """
     profile = Profile.from_dict(data)
     check_profile(profile)
@@ -58,11 +43,7 @@ def read_profile(data: object) -> Profile:
 
 
 def check_profile(profile: Profile) -> None:
-    """Refuse a profile whose fields contradict each other (module docstring), naming the first such field.
-
-    Raises:
-        ProfileError: the field and why, in one line.
-    """
+    """Raises: ProfileError: the first field that contradicts the others (module docstring), in one line."""
     usable = profile.settings.usable_bytes(profile.device.total_bytes)
     if usable <= 0:
         raise ProfileError(f"settings leave no usable memory of device.total_bytes {profile.device.total_bytes} "
@@ -95,12 +76,7 @@ def check_profile(profile: Profile) -> None:
 
 
 def check_fit(fit: Fit, trials: Sequence[Trial]) -> None:
-    """The fit is the least-squares line through its points, and its points are trials (as the fit read them).
-
-    Raises:
-        ProfileError: the first figure that does not follow from the points, or a point that is no trial's.
-    """
-
+    """Raises: ProfileError: a figure of the fit not its points' least-squares line, or a point no trial's."""
     if not fit.n_points == len(fit.batch_sizes) == len(fit.peak_bytes):
         raise ProfileError(f"fit.n_points = {fit.n_points} does not match its {len(fit.batch_sizes)} batch sizes "
                            f"and {len(fit.peak_bytes)} peaks")
@@ -131,11 +107,7 @@ def differs(stored: float, again: float, scale: float) -> bool:
 
 
 def check_limits(profile: Profile, trials: Sequence[Trial]) -> None:
-    """The limits against the fit, the device, the settings and the trials (module docstring).
-
-    Raises:
-        ProfileError: the first limit that contradicts them.
-    """
+    """Raises: ProfileError: the first limit that contradicts the fit, device, settings or trials."""
     limits, fit, settings, total = profile.limits, profile.fit, profile.settings, profile.device.total_bytes
     assert limits is not None
     if fit is None:
@@ -174,8 +146,7 @@ def check_limits(profile: Profile, trials: Sequence[Trial]) -> None:
 
 
 def _check_line(fit: Fit, total_bytes: int) -> None:
-    """A line limits can come from: rising, and below the whole device at batch 0. (Its overhead may be
-    negative: a line fitted near the limit of peaks that bend upwards crosses zero above batch 0.)"""
+    """A line limits can come from: rising, and below the whole device at batch 0 (its overhead may be negative)."""
     if fit.slope_bytes_per_sample <= 0:
         raise ProfileError(f"fit.slope_bytes_per_sample = {fit.slope_bytes_per_sample:.6g} is not positive, yet the "
                            f"file gives limits: no limit follows from a line that does not rise")
@@ -185,11 +156,7 @@ def _check_line(fit: Fit, total_bytes: int) -> None:
 
 
 def check_verification(profile: Profile, trials: Sequence[Trial]) -> None:
-    """Each verification is a recorded trial at its limit, and ``passed`` says whether that trial fitted.
-
-    Raises:
-        ProfileError: the first verification that is not.
-    """
+    """Raises: ProfileError: a verification that is no recorded trial at its limit, or ``passed`` wrongly."""
     limits = profile.limits
     if limits is None:
         return
@@ -207,9 +174,8 @@ def check_verification(profile: Profile, trials: Sequence[Trial]) -> None:
 
 
 def check_surface(profile: Profile) -> None:
-    """A calibration over several lengths (its frame checked first, :func:`check_surface_shape`): the 2-D fit
-    is the least-squares plane through its points, which are trials, the reference length's limits are the
-    profile's, and each length's limits keep the one-length rules against its own trials.
+    """Several lengths: the 2-D fit, the reference length's limits as the profile's, each length's limits against
+    its own trials.
 
     Raises:
         ProfileError: the first field that breaks them.
@@ -229,13 +195,8 @@ def check_surface(profile: Profile) -> None:
 
 
 def check_surface_shape(profile: Profile) -> None:
-    """The frame of a calibration over several lengths, checked before anything is read at its reference length:
-    a model without one length, two or more distinct lengths (multiples of chunk_size, shortest first) and a
-    reference among them.
-
-    Raises:
-        ProfileError: the first field that breaks it.
-    """
+    """Raises: ProfileError: a model with a seq_len, lengths not distinct multiples of chunk_size shortest first,
+    or a reference not among them."""
     surface = profile.surface
     assert surface is not None
     if "seq_len" in profile.model.params:
@@ -277,12 +238,7 @@ def _check_length(profile: Profile, entry: Any, where: str, trials: Sequence[Tri
 
 
 def check_fit_2d(fit: Fit2D, trials: Sequence[Trial]) -> None:
-    """The 2-D fit is the least-squares plane through its points, and its points are trials.
-
-    Raises:
-        ProfileError: the first figure that does not follow from the points, or a point that is no trial's.
-    """
-
+    """Raises: ProfileError: a figure of the 2-D fit not its points' least-squares plane, or a point no trial's."""
     if not fit.n_points == len(fit.batch_sizes) == len(fit.seq_lens) == len(fit.peak_bytes):
         raise ProfileError(f"surface.fit.n_points = {fit.n_points} does not match its points")
     try:
@@ -311,11 +267,7 @@ def check_fit_2d(fit: Fit2D, trials: Sequence[Trial]) -> None:
 
 
 def check_derived(profile: Profile, written: dict[str, Any]) -> None:
-    """The keys a file holds beside the fields (``model_key``, ``verified``, ``creep``) are what the fields give.
-
-    Raises:
-        ProfileError: the first that is not (a hand edit of one without the fields it comes from).
-    """
+    """Raises: ProfileError: a derived key (``model_key``, ``verified``, ``creep``) not what the fields give."""
     creep = profile.creep
     expected = {"model_key": profile.model.key(), "verified": profile.verified,
                 "creep": creep.to_dict() if creep else None}

@@ -1,9 +1,5 @@
-"""The profile's records: what a calibration's file holds, each field typed and ranged when read.
-
-:class:`Profile` (device, model, settings, trials, fit, limits, verification, the surface of several lengths,
-the DDP world, and the :class:`Observation` of each training run that used it) and :class:`Verification`;
-:class:`ProfileError`, the one-line refusal every reader of a profile gives. The relations between the fields
-are :mod:`vramcal.profile.checks`; the files, :mod:`vramcal.profile`.
+"""The profile's records, each field typed and ranged when read: :class:`Profile`, :class:`Observation`,
+:class:`Verification`, and :class:`ProfileError`, the one-line refusal every reader of a profile gives.
 """
 
 from __future__ import annotations
@@ -64,40 +60,23 @@ class Verification:
 
 @dataclass(frozen=True)
 class Observation:
-    """One training run that used the profile: what it measured against what the profile predicted.
+    """One training run that used the profile: what it measured against what the profile predicted (bytes).
 
     Attributes:
-        recorded_utc: when the run ended (ISO 8601, UTC).
-        vramcal_version: the vramcal that trained.
-        batch_size: samples per optimizer step of the run.
-        data_bytes: bytes of data the run held in the measured memory (all of it on the host).
-        peak_bytes: the run's measured peak, by the trials' definition (DESIGN.md).
-        predicted_peak_bytes, upper_bytes: the profile's point prediction and upper 95 % bound for
-            the run, the data term included.
-        usable_bytes: the profile's usable memory.
-        steps: optimizer steps the run made.
-        run_dir: the run folder.
-        rank, world_size: under DDP, the rank this observation is of and the world's ranks (each rank records
-            its own peak against its own profile); None for one process.
-        framework: who trained, when not ``vramcal train`` (``lightning``, ``transformers.Trainer``,
-            ``accelerate``, ``plain``).
-        process_delta_bytes: the process term in the prediction (:mod:`vramcal.sizing`), when measured.
-        samples_per_s, epoch_s: the run's measured training samples/s and mean epoch time (training steps and
-            the validation pass) over its complete epochs; None: not measured (older runs, no complete epoch).
-        forecast_samples_per_s, forecast_epoch_s: the run forecast's for the same epochs
-            (:mod:`vramcal.train.timing`); None: no forecast.
-        time_band: how far (a fraction) the epoch time may land from the forecast by the step times' own noise,
-            at least 25 % (:func:`vramcal.forecast.time_band`); None: not recorded (older runs: 25 %).
-        warn_bytes: the warning line the run was held against (:attr:`vramcal.sizing.Sizing.line_bytes`); None
-            in older runs, held against ``upper_bytes`` (:attr:`line_bytes`).
-        train_samples, val_samples, data_source: the epoch the run's forecast counted (its own windows: its data
-            and stride; under DDP this rank's share) and where they came from, which the report's forecast counts
-            (:func:`vramcal.forecast.default_dataset`); None: not recorded (older runs, no forecast).
-        peak_unseen: what of the process ``peak_bytes`` leaves out, which makes it a lower bound (a framework's run
-            on a GPU where NVML gives no per-process figure and CUDA started before vramcal attached:
-            :class:`vramcal.measure.meters.AttachedCudaMeter`); None: nothing.
-        out_of_memory: the run ran out of memory at ``batch_size`` after ``steps`` steps, its peak then
-            ``peak_bytes`` against ``predicted_peak_bytes``: evidence that caps what later runs take
+        recorded_utc: when the run ended (ISO 8601, UTC). batch_size: samples per optimizer step.
+        data_bytes: data held in the measured memory. peak_bytes: the measured peak (the trials' definition).
+        predicted_peak_bytes, upper_bytes: the prediction and its upper 95 % bound, the data term included.
+        rank, world_size: under DDP, this rank and the world's ranks; None for one process.
+        framework: who trained when not ``vramcal train``. process_delta_bytes: the process term, when measured.
+        samples_per_s, epoch_s: measured over complete epochs; forecast_samples_per_s, forecast_epoch_s: the
+            forecast's (:mod:`vramcal.train.timing`); time_band: the epoch time's allowed fraction off
+            (:func:`vramcal.forecast.time_band`). None: not measured or recorded (older runs).
+        warn_bytes: the warning line held against (None in older runs: ``upper_bytes``, :attr:`line_bytes`).
+        train_samples, val_samples, data_source: the epoch the forecast counted
+            (:func:`vramcal.forecast.default_dataset`).
+        peak_unseen: what ``peak_bytes`` leaves out, making it a lower bound
+            (:class:`vramcal.measure.meters.AttachedCudaMeter`); None: nothing.
+        out_of_memory: the run ran out of memory at ``batch_size`` after ``steps`` steps
             (:func:`vramcal.sizing.run_failure_cap`).
     """
 
@@ -129,13 +108,12 @@ class Observation:
 
     @property
     def line_bytes(self) -> int:
-        """The warning line the run was held against: ``warn_bytes``, or ``upper_bytes`` in an older record."""
+        """``warn_bytes``, or ``upper_bytes`` in an older record."""
         return self.warn_bytes or self.upper_bytes
 
     @property
     def error(self) -> float:
-        """(measured − predicted) / predicted; infinite when the prediction is not positive (a line fitted near
-        the limit, with a negative overhead, predicts nothing at small batches)."""
+        """(measured − predicted) / predicted; infinite when the prediction is not positive."""
         if self.predicted_peak_bytes <= 0:
             return math.inf
         return (self.peak_bytes - self.predicted_peak_bytes) / self.predicted_peak_bytes
@@ -162,32 +140,19 @@ class Observation:
 
 @dataclass(frozen=True)
 class Profile:
-    """A calibration result. ``fit``/``limits`` are None when the search could not fit a line.
+    """A calibration result; ``fit``/``limits`` None when no line could be fitted.
 
     Attributes:
-        model: what was calibrated (the factory and its arguments).
-        implementation: the Mamba-2 implementation (``transformers``, ``mamba_ssm``; ``factory`` for a
-            user's model, whose kernels are in ``kernel_path``).
-        kernel_path: the kernels that ran, as seen inside the trial processes.
-        data: the data the trials held: ``source``, ``data_bytes`` (host memory), ``on_device`` and
-            ``pool_bytes`` (the part in the measured memory: all of it on the host).
-        model_info: what the factory reported about its model (parameter count, ...), and ``gradient_bytes``
-            (what vramcal counted in the trial: the bytes of the gradients a step holds).
+        implementation: ``transformers``, ``mamba_ssm`` or ``factory`` (a user's model: see ``kernel_path``).
+        data: ``source``, ``data_bytes`` (host memory), ``on_device``, ``pool_bytes`` (in the measured memory).
+        model_info: what the factory reported (parameter count, ...) and the ``gradient_bytes`` counted.
         environment: what the trial processes saw (CUDA, cuDNN, Triton, allocator settings, ...).
-        observations: training runs that used the profile, oldest first.
-        surface: for a calibration over several sequence lengths, the model in batch_size × seq_len and
-            the limits verified at each length (``model`` then has no ``seq_len``; ``fit``, ``limits`` and
-            ``verification`` are the reference length's). None for one length.
-        lengths: over several lengths, the bucket table and the token budget, and the trials that verify them at
-            their worst case (:mod:`vramcal.calibration.lengths`); None for one length and older profiles.
-        evaluation: the evaluation limit (the evaluation pass alone, :mod:`vramcal.calibration.evaluation`), when
-            the calibration measured it (``vramcal probe --eval``); None otherwise and in older profiles.
-        world: the DDP world the trials ran in (every limit is then per rank), or None for one process.
-        single_process: in a DDP profile, the DDP term: the per-rank peak at the safe size against a
-            single-process profile of the same model and device (``profile``, ``batch_size``,
-            ``predicted_peak_bytes``, ``ddp_peak_bytes``, ``term_bytes``), when one was found.
-        path: the file the profile was read from (:func:`vramcal.profile.load_profile`) or written to (a
-            calibration's); None for one built in memory. Not part of the file, nor of equality.
+        surface: over several seq_lens, the model in batch_size × seq_len (``model`` then has no ``seq_len``; fit,
+            limits and verification are the reference length's); lengths: the bucket table and token budget
+            (:mod:`vramcal.calibration.lengths`); evaluation: ``probe --eval``'s limit. None: not calibrated.
+        world: the DDP/FSDP world (limits per rank); single_process: its world term against a single-process
+            profile, when one was found. None: one process.
+        path: the file read or written (not part of the file, nor of equality); None in memory.
     """
 
     device: Device
@@ -218,16 +183,13 @@ class Profile:
 
     @property
     def verified(self) -> bool:
-        """Both the safe and the conservative batch size ran for real within usable memory (at every
-        calibrated length)."""
+        """The safe and conservative batch sizes ran within usable memory (at every calibrated length)."""
         return (self.limits is not None and self.limits.safe_batch_size > 0
                 and all(self.verification.get(k) and self.verification[k].passed for k in ("safe", "conservative"))
                 and (self.surface is None or all(entry.verified for entry in self.surface.lengths)))
 
     def covers(self, model: ModelRef) -> bool:
-        """Whether the profile sizes ``model``: the same model, or (over several lengths) the same model at a
-        seq_len inside the calibrated range, or with no seq_len (a run of every length in it: a language model's on
-        documents of every length, :mod:`vramcal.train.lm_plan`)."""
+        """Whether the profile sizes ``model``: the same, or over several lengths at a seq_len in range or none."""
         if self.surface is None or "seq_len" not in model.params:
             return model == self.model
         seq_len = model.params.get("seq_len")
@@ -236,33 +198,25 @@ class Profile:
 
     @property
     def creep(self) -> Creep | None:
-        """The step creep its steady trial measured (:mod:`vramcal.calibration.creep`; None: not measured).
-        The fit, limits and verification peaks include it; the trials keep their raw peaks."""
+        """The step creep its steady trial measured (:mod:`vramcal.calibration.creep`), None if not."""
         plateau = self.run.get("plateau_steps")
         return measure_creep(self.trials, *([plateau] if isinstance(plateau, int) else []), rule=self.creep_rule)
 
     @property
     def creep_rule(self) -> CreepRule:
-        """Which steady trial's creep counts where two ran (:func:`~vramcal.calibration.creep.measure_creep`):
-        the calibration's ``run.creep_rule``; ``last`` in profiles made before it was recorded."""
+        """Which steady trial's creep counts where two ran: ``run.creep_rule``, else ``last``."""
         return "largest" if self.run.get("creep_rule") == "largest" else "last"
 
     def __iter__(self):
-        """Code written for vramcal 0.1, whose ``find_profile`` returned ``(profile, path, notices)``, unpacks the
-        answer: it gets this line instead of "cannot unpack non-iterable Profile object".
-
-        Raises:
-            TypeError: always; a profile is one record, not a tuple.
-        """
+        """Raises: TypeError: always, saying how vramcal 0.1's ``(profile, path, notices)`` is written now."""
         raise TypeError("vramcal.find_profile() returns the Profile itself since vramcal 0.2 (0.1 returned "
                         "(profile, path, notices)): write `profile = vramcal.find_profile(...)`, or take the path "
                         "and notices from vramcal.locate_profile(...).path and .notices")
 
     @property
     def held_bytes(self) -> int | None:
-        """What the trials' processes held when their step was built, before the first step (the median over the
-        short trials that recorded it; None in profiles made before it was recorded): the baseline of the
-        process term (:mod:`vramcal.sizing`)."""
+        """The short trials' median of what a process held once its step was built (the process term's baseline,
+        :mod:`vramcal.sizing`); None where not recorded."""
         import statistics
 
         held = [t.held_bytes for t in self.trials if t.ok and t.held_bytes is not None and t.purpose != "steady"]
@@ -270,8 +224,7 @@ class Profile:
 
     @property
     def reference_trials(self) -> list[Trial]:
-        """The trials of the one-length fit, limits and verification: all of them, or for a calibration over
-        several lengths those at the reference length (the others are the surface's)."""
+        """The trials of the one-length fit: all, or over several lengths those at the reference length."""
         if self.surface is None:
             return list(self.trials)
         return [t for t in self.trials if t.seq_len in (None, self.surface.reference_seq_len)]
@@ -282,33 +235,17 @@ class Profile:
         return int(self.data.get("pool_bytes", 0))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema_version": self.schema_version, "vramcal_version": self.vramcal_version,
-            "created_utc": self.created_utc, "device": self.device.to_dict(), "environment": self.environment,
-            "software": self.software, "model": self.model.to_dict(), "model_key": self.model.key(),
-            "implementation": self.implementation, "kernel_path": self.kernel_path,
-            "settings": self.settings.to_dict(), "run": self.run, "data": self.data, "model_info": self.model_info,
-            "trials": [t.to_dict() for t in self.trials],
-            "fit": self.fit.to_dict() if self.fit else None,
-            "limits": self.limits.to_dict() if self.limits else None,
-            "verification": {k: v.to_dict() for k, v in self.verification.items()},
-            "verified": self.verified, "warnings": list(self.warnings),
-            "creep": self.creep.to_dict() if self.creep else None,
-            "observations": [o.to_dict() for o in self.observations],
-            "surface": self.surface.to_dict() if self.surface else None,
-            "lengths": self.lengths.to_dict() if self.lengths else None,
-            "evaluation": self.evaluation.to_dict() if self.evaluation else None,
-            "world": self.world.to_dict() if self.world else None, "single_process": self.single_process,
-        }
+        """The file's JSON object: the fields (records by their ``to_dict``) and the :data:`DERIVED` keys."""
+        return {**{name: _written(getattr(self, name)) for name in FIELDS}, "model_key": self.model.key(),
+                "verified": self.verified, "creep": _written(self.creep)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
-        """The profile a file's JSON object holds, every field typed and ranged (:mod:`vramcal.schema`); how the
-        fields relate to each other is checked by :func:`vramcal.profile.checks.read_profile`, which reads files.
+        """A file's JSON object, each field typed and ranged (:mod:`vramcal.schema`; relations:
+        :func:`vramcal.profile.checks.read_profile`).
 
         Raises:
-            ProfileError: not a vramcal profile, another schema version, or the first bad field and why (one
-                line naming the field; :func:`vramcal.profile.load_profile` adds the file and the fix).
+            ProfileError: not a vramcal profile, another schema version, or the first bad field (one line).
         """
         _check_identity(data)
         if "path" in data:  # where a profile lies is not written in it
@@ -323,13 +260,19 @@ class Profile:
         return profile
 
 
-# The keys :meth:`Profile.to_dict` writes: the fields, and three derived from them (checked against them where a
-# file has them: ``creep`` came with the step creep, so earlier files of the schema lack it).
+# The keys :meth:`Profile.to_dict` writes: the fields, and three derived from them (earlier files may lack creep)
 FIELDS = tuple(f.name for f in dataclasses.fields(Profile) if f.name != "path")
-# Came later than the schema: the calibration over several lengths (surface), DDP (world, single_process), lengths
-# that vary (lengths), the evaluation limit (evaluation).
+# Came later than the schema
 OPTIONAL = ("surface", "world", "single_process", "lengths", "evaluation")
 DERIVED = ("model_key", "verified", "creep")
+
+
+def _written(value: Any) -> Any:
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    if isinstance(value, tuple | list):
+        return [_written(item) for item in value]
+    return {key: _written(item) for key, item in value.items()} if isinstance(value, dict) else value
 
 
 def _check_identity(data: dict[str, Any]) -> None:
@@ -362,11 +305,7 @@ def _read_model(value: Any, path: str) -> ModelRef:
 
 
 def _read_data(value: Any, path: str) -> dict[str, Any]:
-    """The data the trials held: an object whose byte counts are whole numbers >= 0 and ``on_device`` a bool.
-
-    Raises:
-        SchemaError: a bad value, named.
-    """
+    """Raises: SchemaError: ``data`` not an object of whole byte counts >= 0 and a bool ``on_device``."""
     data = plain(value, path) if isinstance(value, dict) else None
     if data is None:
         raise SchemaError(path, f"{path} is {kind(value)}, not an object")

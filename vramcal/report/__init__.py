@@ -1,11 +1,7 @@
 """Reports: a PNG and a Markdown file made only from profiles, so a GPU box's profile reports anywhere.
 
-:func:`write_report` writes a profile's report; :func:`write_cost_report` the run forecast of several cards
-(``vramcal cost``: :mod:`vramcal.report.cost` and :mod:`vramcal.report.cost_figure`).
-
-:mod:`vramcal.report.figure` draws the PNG, :mod:`vramcal.report.markdown` writes the Markdown (the
-summary, the trials and the limits on other GPUs from :mod:`vramcal.report.catalogue`). Both are pure
-functions of the profiles: the same profiles give the same bytes.
+:func:`write_report` writes a profile's report (:mod:`~vramcal.report.figure`, :mod:`~vramcal.report.markdown`);
+:func:`write_cost_report` the run forecast of several cards (``vramcal cost``). Pure functions of the profiles.
 """
 
 from __future__ import annotations
@@ -32,16 +28,9 @@ if TYPE_CHECKING:
 def write_report(profiles: Sequence[Profile], out_dir: Path, name: str | None = None,
                  extra_gpus: Sequence[GpuModel] = (), forecast: ForecastSettings = ForecastSettings()
                  ) -> tuple[Path, Path]:
-    """Write ``<out_dir>/<name>.png`` and ``<out_dir>/<name>.md`` atomically; returns (png, md). Where the
-    profiles hold variants of one model (:func:`vramcal.report.variants.variant_groups`), each group's frontier
-    figure too, ``<out_dir>/<name>-variants.png`` (:func:`variants_png_names`), and its section in the Markdown.
-
-    Args:
-        profiles: one profile, or several to draw as comparable series on one figure.
-        out_dir: the reports folder (created if missing).
-        name: file stem; default :func:`report_name`.
-        extra_gpus: cards to add to the other-GPU table (``--gpus``).
-        forecast: what the run forecast section forecasts (epochs, data, prices).
+    """Write ``<out_dir>/<name>.png`` and ``.md`` atomically (``name`` default :func:`report_name`), and each group
+    of variants' frontier figure (:func:`variants_png_names`) and section; returns (png, md). ``extra_gpus``: cards
+    for the other-GPU table (``--gpus``); ``forecast``: what the run forecast forecasts.
 
     Raises:
         ValueError: no profiles, or a name that is not a plain file stem.
@@ -68,8 +57,8 @@ def variants_png_names(name: str, groups: int) -> list[str]:
 
 
 def write_cost_report(forecasts: Sequence[Forecast], out_dir: Path, name: str, title: str) -> tuple[Path, Path]:
-    """Write the run forecast (:func:`vramcal.forecast.cost_table`'s rows) as ``<out_dir>/<name>.png`` (run time
-    against cost per card) and ``<out_dir>/<name>.md`` atomically; returns (png, md).
+    """Write the run forecast (:func:`vramcal.forecast.cost_table`'s rows) as ``<name>.png`` and ``<name>.md``
+    atomically; returns (png, md).
 
     Raises:
         ValueError: a name that is not a plain file stem. OSError: the folder cannot be written.

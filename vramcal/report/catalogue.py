@@ -1,15 +1,8 @@
 """Limits on other GPUs, extrapolated from one profile's fit, for a built-in catalogue of common cards.
 
-The seed documents give a table of "GPU-specific safe limits" per card; vramcal computes the same rows
-from a measured fit with :func:`vramcal.calibration.limits.compute_limits` and each card's total memory. These rows
-are extrapolations: they assume the same ``overhead_bytes`` and ``slope_bytes_per_sample`` on another
-card, which is not exact (the CUDA context, cuBLAS workspaces and the kernels chosen differ by card,
-driver and architecture). Only the measured device's row is measured.
-
-Catalogue totals are the ``total`` that NVML (and so ``nvidia-smi``'s ``Memory-Usage`` column) reports
-for the card, which is what a profile made on that card would record as ``total_bytes``; the figures in
-MiB below are the values printed by ``nvidia-smi`` on those cards in public logs (ECC off where the card
-has a choice). They are slightly below the marketing size: e.g. an "80 GB" H100 reports 81559 MiB.
+The rows assume the profile's overhead and slope hold on another card (not exact: the CUDA context, cuBLAS
+workspaces and kernels differ by card; only the measured row is measured). Catalogue totals are NVML's ``total``
+as ``nvidia-smi`` prints it on those cards in public logs (an "80 GB" H100 reports 81559 MiB).
 """
 
 from __future__ import annotations
@@ -19,6 +12,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vramcal.calibration.limits import Limits, compute_limits
+from vramcal.models.registry import family_of
+from vramcal.report.facts import batch_text, bytes_text, failure_words
+from vramcal.report.table import MISSING, markdown_table
 from vramcal.units import format_bytes, parse_bytes
 
 if TYPE_CHECKING:
@@ -30,16 +26,8 @@ MIN_GPU_BYTES = MIB  # as --capacity: a smaller --gpus size is a missing unit, n
 
 @dataclass(frozen=True)
 class GpuModel:
-    """A card and its memory.
-
-    Attributes:
-        label: short name for tables (``RTX 4090 24 GB``).
-        total_bytes: the memory limits are computed against (NVML ``total`` where known).
-        source: where ``total_bytes`` comes from, for the table's notes.
-        nvml_name: the name NVML reports, to recognise the measured card; None when unknown.
-        compute_capability, sm_count: what an estimate traces the card as (:class:`vramcal.estimate.card.Card`);
-            None: an H100's.
-    """
+    """A card: a short ``label``, ``total_bytes`` (NVML's ``total`` where known) and its ``source``, the name NVML
+    reports (None: unknown), what an estimate traces it as (:class:`vramcal.estimate.card.Card`; None: an H100)."""
 
     label: str
     total_bytes: int
@@ -53,9 +41,8 @@ def _nvidia_smi(label: str, nvml_name: str, total_mib: int, capability: str, sm_
     return GpuModel(label, total_mib * MIB, f"nvidia-smi total {total_mib} MiB", nvml_name, capability, sm_count)
 
 
-# nvidia-smi totals as printed on these cards in public logs (Memory-Usage column "x MiB / <total>MiB"); compute
-# capabilities from NVIDIA's CUDA GPUs table (developer.nvidia.com/cuda-gpus), SM counts from NVIDIA's architecture
-# whitepapers (GA102/GA104/GA106, AD102, GA100, GH100) and product briefs.
+# Totals: nvidia-smi in public logs; compute capabilities: developer.nvidia.com/cuda-gpus; SM counts: NVIDIA's
+# architecture whitepapers (GA10x, AD102, GA100, GH100)
 CATALOGUE: tuple[GpuModel, ...] = (
     _nvidia_smi("RTX 3050 Ti Laptop 4 GB", "NVIDIA GeForce RTX 3050 Ti Laptop GPU", 4096, "8.6", 20),
     _nvidia_smi("RTX 3060 12 GB", "NVIDIA GeForce RTX 3060", 12288, "8.6", 28),
@@ -70,7 +57,7 @@ CATALOGUE: tuple[GpuModel, ...] = (
 
 @dataclass(frozen=True)
 class GpuLimitRow:
-    """One row of the other-GPU table. ``measured`` marks the profile's own device (not extrapolated)."""
+    """One row of the other-GPU table; ``measured``: the profile's own device."""
 
     gpu: GpuModel
     limits: Limits
@@ -78,10 +65,8 @@ class GpuLimitRow:
 
 
 def parse_gpu_list(text: str) -> list[GpuModel]:
-    """Parse ``--gpus "NAME=SIZE,NAME=SIZE"``, e.g. ``"RTX 4080=16GiB,L4=24GB"``; an entry without a size names a
-    card of the :data:`CATALOGUE` (``H200``, ``RTX 4090``: the start of its label, any case).
-
-    Sizes go through :func:`vramcal.units.parse_bytes` (GiB binary, GB decimal).
+    """Parse ``--gpus "NAME=SIZE,NAME=SIZE"`` (sizes by :func:`vramcal.units.parse_bytes`, e.g. ``"L4=24GB"``); an
+    entry without a size names a card of the :data:`CATALOGUE` (the start of its label, any case).
 
     Raises:
         ValueError: an entry that is neither NAME=SIZE nor one catalogued card, an empty name, a size that cannot
@@ -115,8 +100,7 @@ def parse_gpu_list(text: str) -> list[GpuModel]:
 
 
 def cards_for(gpus: Sequence[GpuModel] | None) -> list[GpuModel]:
-    """The cards an estimate shows: ``gpus`` when given (each once: a label or NVML name given twice is one card),
-    else the whole catalogue."""
+    """The cards an estimate shows: ``gpus`` (each once, by label or NVML name), else the catalogue."""
     found: list[GpuModel] = []
     for gpu in CATALOGUE if not gpus else gpus:
         if not any(g.label.casefold() == gpu.label.casefold() or (g.nvml_name and g.nvml_name == gpu.nvml_name)
@@ -142,18 +126,12 @@ def catalogued(name: str) -> GpuModel:
 
 def other_gpu_limits(profile: Profile, extra_gpus: Iterable[GpuModel] = (),
                      catalogue: Sequence[GpuModel] = CATALOGUE) -> list[GpuLimitRow]:
-    """The limits this profile's fit implies on each catalogued card, plus the measured device.
+    """The limits this profile's fit implies on each card (``compute_limits(fit, card.total_bytes, settings)``), the
+    measured device's row (its own limits) replacing a catalogue card of its NVML name. A batch size that failed on
+    the measured device caps cards with no more memory. A host profile is never carried to a GPU (its rows are its
+    own; :mod:`vramcal.estimated` estimates a card instead).
 
-    Every card gets ``compute_limits(profile.fit, card.total_bytes, profile.settings)`` when the profile was made on a
-    GPU. A host profile is never carried to a GPU (host RAM in fp32 and a card's caching allocator, CUDA context and
-    kernels differ): its rows are its own alone, and a card without a profile is estimated instead
-    (:mod:`vramcal.estimated`, ``vramcal estimate``). A batch size
-    that failed on the measured device (out of memory or over budget) also caps cards with no more
-    memory than it, and caps nothing on bigger cards. The measured device's row carries the profile's
-    own limits and replaces a catalogue card of the same NVML name.
-
-    Returns:
-        Rows sorted by total memory (the measured row first among equal totals).
+    Rows by total memory, the measured first among equals.
 
     Raises:
         ValueError: the profile has no fit (fewer than three successful trials) to extrapolate from, or a fit
@@ -176,3 +154,52 @@ def other_gpu_limits(profile: Profile, extra_gpus: Iterable[GpuModel] = (),
         cap = failed if failed is not None and gpu.total_bytes <= device.total_bytes else None
         rows.append(GpuLimitRow(gpu, compute_limits(profile.fit, gpu.total_bytes, profile.settings, cap), False))
     return sorted(rows, key=lambda row: (row.gpu.total_bytes, not row.measured))
+
+
+def limits_table(rows: Sequence[GpuLimitRow], verified: bool, bold: bool = True) -> str:
+    """The seed documents' "GPU-specific safe limits" table, the measured row marked (in bold unless ``bold`` is
+    False: a terminal)."""
+    mark = "**" if bold else ""
+    body = []
+    for row in rows:
+        if row.measured:
+            basis = f"{mark}measured{mark} ({'verified' if verified else 'NOT verified'})"
+        else:
+            basis = f"extrapolated; total = {row.gpu.source}"
+        name = f"{mark}{row.gpu.label}{mark}" if row.measured else row.gpu.label
+        body.append([name, format_bytes(row.gpu.total_bytes), bytes_text(row.limits.usable_bytes),
+                     batch_text(row.limits.safe_batch_size), batch_text(row.limits.conservative_batch_size), basis])
+    gpus = any(row.gpu.nvml_name or not row.measured for row in rows)  # a host profile's table holds the host alone
+    return markdown_table(["GPU" if gpus else "device", "total memory", "usable", "safe max", "conservative", "basis"],
+                          body, right=[1, 2, 3, 4])
+
+
+def limits_notes(profile: Profile) -> list[str]:
+    """What the other-GPU rows assume, as sentences."""
+    settings = profile.settings
+    fit = profile.fit
+    overhead = bytes_text(fit.overhead_bytes) if fit else MISSING
+    slope = bytes_text(fit.slope_bytes_per_sample) if fit else MISSING
+    usable = (f"Usable = total − {format_bytes(settings.reserve_bytes)} reserve − {settings.margin * 100:g} % "
+              f"margin; safe max is the largest batch whose upper 95 % prediction bound fits in usable; conservative = "
+              f"floor({settings.conservative_fraction:g} × safe max).")
+    if profile.device.kind == "host":
+        command = " ".join(["vramcal estimate", *family_of(profile.model).probe_args(profile.model),
+                            '--gpus "H200,RTX 4090"'])
+        return [usable, (f"A host profile is not carried to GPUs: host RAM in fp32 and a card's caching allocator, "
+                         f"CUDA context and kernels hold different amounts. `{command}` estimates cards without a GPU, "
+                         f"with the error bound learned from your profiles (`vramcal limits` on this profile prints "
+                         f"it for the catalogue); `vramcal probe` on the card measures it.")]
+    notes = [
+        usable,
+        (f"Rows other than the measured one are extrapolations: they assume this fit's overhead ({overhead}) "
+         f"and slope ({slope} per sample) hold on that card. That is not exact: the CUDA context, cuBLAS "
+         f"workspaces and the kernels chosen differ by card, driver and architecture. Probe the card itself "
+         f"before relying on its row. The measured row is the limit the probe verified; a card of the same "
+         f"size may differ from it by a few samples, since its row comes from the fit alone."),
+    ]
+    if profile.limits is not None and profile.limits.failed_batch_size is not None:
+        failed = profile.limits.failed_batch_size
+        notes.append(f"Batch {failed} {failure_words(profile, failed)} on the measured device, so cards with no "
+                     f"more memory are capped below it.")
+    return notes

@@ -1,9 +1,5 @@
-"""The run forecast as a table and as Markdown (its figure, run time against cost per card, is
-:mod:`vramcal.report.cost_figure`).
-
-A pure function of :class:`vramcal.forecast.Forecast` rows (:func:`vramcal.forecast.cost_table`), so the same
-profiles, dataset, epochs and prices give the same bytes. ``vramcal cost`` writes these; the report
-(:mod:`vramcal.report.markdown`) carries the same table for its profile.
+"""The run forecast as a Markdown table and file (its figure: :mod:`vramcal.report.cost_figure`), a pure function
+of :class:`vramcal.forecast.Forecast` rows.
 """
 
 from __future__ import annotations
@@ -12,8 +8,9 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from vramcal.calibration.throughput import rate_text
 from vramcal.report.table import MISSING, markdown_table
-from vramcal.units import format_duration, format_rate
+from vramcal.units import format_duration
 
 if TYPE_CHECKING:
     from vramcal.forecast import Forecast
@@ -24,11 +21,7 @@ UNKNOWN = "unknown"
 def _rate_text(f: Forecast) -> str:
     if f.samples_per_s is None:
         return UNKNOWN if not f.measured else MISSING
-    text = format_rate(f.samples_per_s)
-    if f.low_samples_per_s is not None:
-        high = format_rate(f.high_samples_per_s) if f.high_samples_per_s else "∞"
-        text += f" ({format_rate(f.low_samples_per_s)}–{high})"
-    return text
+    return rate_text(f)  # a forecast carries its rate's interval as a Rate does
 
 
 def _interval(value: float | None, low: float | None, high: float | None, render) -> str:

@@ -1,8 +1,5 @@
-"""The run forecast's figure: run time per card, and run time against cost (each card named in the legend below,
-not beside its point: near cards would print over each other), with the intervals as whiskers.
-
-A pure function of :class:`vramcal.forecast.Forecast` rows; matplotlib is imported inside
-:func:`render_cost_png` (Agg canvas, no pyplot state); deterministic bytes (fixed size and dpi, no metadata).
+"""The run forecast's figure: run time per card, and run time against cost (cards named in the legend, whiskers
+for the intervals). matplotlib loads only to draw; the PNG is deterministic (no metadata).
 """
 
 from __future__ import annotations
@@ -12,7 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vramcal.report.cost import UNKNOWN
-from vramcal.report.figure import COLORS
+from vramcal.report.figure import COLORS, png_bytes
 from vramcal.report.table import MISSING
 from vramcal.units import format_duration
 
@@ -27,10 +24,7 @@ MARKERS = ("o", "s", "^", "D", "v", "P")  # a point's marker, one per round of t
 
 
 def render_cost_png(forecasts: Sequence[Forecast], title: str) -> bytes:
-    """Run time per card (left; unknown cards named, without a bar) and run time against cost (right), with the
-    intervals as whiskers; deterministic bytes (a size set by the rows' names, no metadata)."""
-    import io
-
+    """The figure as PNG bytes, taller where the cards' names take more lines."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -42,9 +36,7 @@ def render_cost_png(forecasts: Sequence[Forecast], title: str) -> bytes:
     _draw_times(time_ax, forecasts, unit)
     _draw_costs(cost_ax, forecasts, unit)
     figure.suptitle(title, fontsize=12)
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=DPI, metadata={"Software": None})
-    return buffer.getvalue()
+    return png_bytes(figure, DPI)
 
 
 def row_label(f: Forecast) -> str:
@@ -60,8 +52,7 @@ def time_unit(seconds: Sequence[float]) -> tuple[str, float]:
 
 
 def _run(f: Forecast, unit: tuple[str, float]) -> tuple[float, list[float]]:
-    """The run in ``unit`` and its whisker lengths [below, above] (none without an interval; an open upper end of
-    the rate leaves the run's lower end at 0)."""
+    """The run in ``unit`` and its whiskers [below, above] (an open rate leaves the run's lower end at 0)."""
     run = f.run_s / unit[1]
     if f.run_high_s is None:
         return run, [0.0, 0.0]
@@ -100,7 +91,6 @@ def _draw_costs(ax: Any, forecasts: Sequence[Forecast], unit: tuple[str, float])
         row = forecasts.index(f)  # its bar's colour; past the colours, another marker tells it apart in the legend
         marker = MARKERS[row // len(COLORS) % len(MARKERS)]
         best = ", ".join(w for w, on in (("fastest", f.fastest), ("cheapest", f.cheapest)) if on)
-        # named in the legend, not beside the point: cards of near cost and time would print over each other
         ax.errorbar([f.cost], [run], xerr=cost_whisker, yerr=[[whisker[0]], [whisker[1]]], fmt=marker, ms=8,
                     color=COLORS[row % len(COLORS)], capsize=3,
                     label=textwrap.fill(f.card, 70) + (f" ({best})" if best else ""))

@@ -1,23 +1,11 @@
 """The report's figure: peak memory and throughput against batch size, one colour per profile.
 
-Memory panel: each trial's peak as the fit reads it, with the measured step creep added
-(:mod:`vramcal.calibration.creep`; successful trials as filled points, over-budget ones as open
-triangles, out-of-memory ones as crosses on the usable-memory line since their peak is unknown), the
-steady trial's own peak as a diamond, the fitted line with its 95 % prediction band (whose width the key
-states: with points on a line it is thinner than the line) and the warning line a run is held against
-(:func:`vramcal.sizing.repeat_spread`), horizontal lines for total and usable memory, vertical lines at the
-safe and conservative batch sizes and at the predicted out-of-memory boundary (where the line reaches total
-memory), the formula and r² in the legend. Batch sizes of several profiles that differ more than
-:data:`LOG_SPREAD` times go on a log axis. Throughput panel: samples/s of the same trials
-(:mod:`vramcal.calibration.throughput`: the mean step time per batch size, with its 95 % interval as whiskers;
-steady rates ringed), with a star at the throughput knee; sizes above the safe size, which no run takes and
-"best" leaves out, are hollow. A DDP or FSDP profile says its world in the title and "per rank" on its axes.
-The legends sit below the panels, so no label covers data: one entry per
-profile in its colour (wrapped at :data:`LEGEND_WIDTH` characters), then a key of the marker and line styles
-in black.
-
-matplotlib is imported inside :func:`render_png` (Agg canvas, no pyplot state), so importing this
-module is cheap. The PNG is deterministic: fixed size and dpi, no ``Software`` or date metadata.
+Memory: each trial's peak with the step creep added (filled: ok, open triangle: over budget, cross at usable:
+out of memory), the steady trial's own peak (diamond), the fitted line with its 95 % band, the warning line
+(:func:`vramcal.sizing.repeat_spread`), total and usable memory, the safe, conservative and out-of-memory batch
+sizes. Throughput: samples/s per batch size with 95 % whiskers, the knee starred, sizes above safe hollow; over
+several lengths, safe size against seq_len. Legends sit below the panels. matplotlib loads only to draw (Agg, no
+pyplot); the PNG is deterministic (fixed size and dpi, no metadata).
 """
 
 from __future__ import annotations
@@ -30,14 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from vramcal.calibration.creep import STEADY, steady_equivalent
 from vramcal.calibration.surface import answer_at
-from vramcal.report.markdown import (
-    profile_knee,
-    profile_rates,
-    reference_trials,
-    series_labels,
-    trial_state,
-    usable_bytes,
-)
+from vramcal.report.facts import profile_knee, profile_rates, safe_size, series_labels, trial_state, usable_bytes
 from vramcal.sizing import repeat_spread
 from vramcal.units import format_bytes, format_rate
 
@@ -58,15 +39,24 @@ KEY_WIDTH = 62  # characters of a style key's entry (or a single profile's) befo
 
 def render_png(profiles: Sequence[Profile]) -> bytes:
     """The figure as PNG bytes (``FIGSIZE_IN`` × ``DPI`` pixels)."""
-    figure = build_figure(profiles)
+    return png_bytes(build_figure(profiles))
+
+
+def png_bytes(figure: Any, dpi: int = DPI) -> bytes:
+    """``figure`` as deterministic PNG bytes (no ``Software`` or date metadata)."""
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=DPI, metadata={"Software": None})
+    figure.savefig(buffer, format="png", dpi=dpi, metadata={"Software": None})
     return buffer.getvalue()
 
 
+def log2_axis(axis: Any) -> None:
+    """A base-2 log scale on ``axis`` (an x or y axis), its ticks as plain numbers."""
+    getattr(axis.axes, f"set_{axis.axis_name}scale")("log", base=2)
+    axis.set_major_formatter("{x:g}")
+
+
 def build_figure(profiles: Sequence[Profile]) -> Any:
-    """The matplotlib ``Figure`` (Agg canvas) :func:`render_png` saves: its axes are memory, throughput and, for a
-    calibration over several lengths, safe size against seq_len."""
+    """The matplotlib ``Figure`` (Agg canvas): memory, throughput and, over several lengths, safe size by seq_len."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -107,13 +97,13 @@ def build_figure(profiles: Sequence[Profile]) -> Any:
 
 
 def _spread_out(profiles: Sequence[Profile]) -> bool:
-    """Whether the profiles' largest batch sizes lie more than :data:`LOG_SPREAD` times apart (a log batch axis)."""
-    tops = [max((t.batch_size for t in reference_trials(p)), default=1) for p in profiles]
+    """Whether the profiles' largest batch sizes lie more than :data:`LOG_SPREAD` times apart."""
+    tops = [max((t.batch_size for t in p.reference_trials), default=1) for p in profiles]
     return len(profiles) > 1 and max(tops) > LOG_SPREAD * min(tops)
 
 
 def _world_line(profiles: Sequence[Profile]) -> list[str]:
-    """The title's line for DDP or FSDP profiles: the world and that memory and batch sizes are per rank."""
+    """The title's line for DDP or FSDP profiles."""
     worlds = {p.world.describe() for p in profiles if p.world is not None}
     if not worlds:
         return []
@@ -125,7 +115,7 @@ def _world_line(profiles: Sequence[Profile]) -> list[str]:
 
 def _draw_memory(ax: Any, profile: Profile, color: str, log_batches: bool = False, single: bool = True) -> None:
     usable = usable_bytes(profile)
-    trials = reference_trials(profile)
+    trials = profile.reference_trials
     states = [(trial, trial_state(trial, usable)) for trial in steady_equivalent(trials, profile.creep_rule)]
     steady = [(t.batch_size, t.peak_bytes / GIB) for t in trials if t.purpose == STEADY and t.ok]
     if steady:
@@ -153,7 +143,7 @@ def _draw_memory(ax: Any, profile: Profile, color: str, log_batches: bool = Fals
     spread, _ = repeat_spread(profile)  # the warning line: what a run's peak is held against (vramcal.sizing)
     ax.plot(grid, [max(fit.upper(b), fit.predict(b) * (1 + spread)) / GIB for b in grid], color=color, lw=0.9,
             ls=(0, (1, 2)), alpha=0.8, zorder=3, gid="warning-line")
-    if limits is not None and limits.safe_batch_size > 0:
+    if safe_size(profile):
         ax.axvline(limits.safe_batch_size, color=color, ls="--", lw=1.2)
         ax.axvline(limits.conservative_batch_size, color=color, ls="-.", lw=1.2)
     if boundary is not None:
@@ -163,7 +153,7 @@ def _draw_memory(ax: Any, profile: Profile, color: str, log_batches: bool = Fals
 
 
 def _boundary(profile: Profile) -> float | None:
-    """The predicted out-of-memory boundary (samples: where the line reaches total memory), None when unknown."""
+    """Where the line reaches total memory (samples), None when unknown."""
     limits = profile.limits
     if limits is None or not math.isfinite(limits.boundary_batch_size) or limits.boundary_batch_size <= 0:
         return None
@@ -171,12 +161,11 @@ def _boundary(profile: Profile) -> float | None:
 
 
 def band_text(profile: Profile) -> str:
-    """The 95 % band's half-width at the safe size (the largest fit point without limits), for the key: with
-    points on a line it is a fraction of a percent, thinner than the line drawn."""
-    fit, limits = profile.fit, profile.limits
+    """The 95 % band's half-width at the safe size (the largest fit point without limits), for the key."""
+    fit = profile.fit
     if fit is None:
         return ""
-    at = limits.safe_batch_size if limits is not None and limits.safe_batch_size > 0 else max(fit.batch_sizes)
+    at = safe_size(profile) or max(fit.batch_sizes)
     half, peak = fit.half_width(at), max(fit.predict(at), 1.0)
     thin = ": thinner than the line" if half < 0.005 * profile.device.total_bytes else ""
     return f" ±{format_bytes(half)} at {at:,}, {half / peak:.2%}{thin}"
@@ -202,7 +191,7 @@ def _draw_speed(ax: Any, profile: Profile, color: str) -> None:
     above = [r.high_samples_per_s - r.samples_per_s if r.high_samples_per_s is not None else 0.0 for r in rates]
     ax.errorbar(sizes, values, yerr=[below, above], fmt="none", ecolor=color, elinewidth=0.9, capsize=2, alpha=0.6,
                 zorder=3)
-    safe = _safe(profile)
+    safe = safe_size(profile)
     runs = [(r.batch_size, r.samples_per_s) for r in rates if safe is None or r.batch_size <= safe]
     past = [(r.batch_size, r.samples_per_s) for r in rates if safe is not None and r.batch_size > safe]
     if runs:
@@ -223,14 +212,9 @@ def _draw_speed(ax: Any, profile: Profile, color: str) -> None:
         ax.axvline(limits.conservative_batch_size, color=color, ls="-.", lw=1.0, alpha=0.7)
 
 
-def _safe(profile: Profile) -> int | None:
-    limits = profile.limits
-    return limits.safe_batch_size if limits is not None and limits.safe_batch_size > 0 else None
-
-
-def _faster_above_safe(profile: Profile) -> Any:
+def _faster_abovesafe_size(profile: Profile) -> Any:
     """The fastest measured rate above the safe size when it beats "best" (which stops at safe), else None."""
-    safe, knee = _safe(profile), profile_knee(profile)
+    safe, knee = safe_size(profile), profile_knee(profile)
     past = [r for r in profile_rates(profile) if safe is not None and r.batch_size > safe]
     fastest = max(past, key=lambda r: r.samples_per_s, default=None)
     return fastest if fastest is not None and knee is not None and fastest.samples_per_s > knee.best.samples_per_s \
@@ -238,9 +222,8 @@ def _faster_above_safe(profile: Profile) -> Any:
 
 
 def _draw_lengths(ax: Any, profile: Profile, color: str) -> None:
-    """Safe batch size against seq_len: the model's answer at every multiple of chunk_size inside the
-    calibrated range (a line), the calibrated lengths' verified limits (filled: safe, open: conservative)."""
-
+    """Safe batch size against seq_len: the model's (a line) and each calibrated length's (filled: safe, open:
+    conservative)."""
     surface = profile.surface
     if surface is None:
         return
@@ -253,10 +236,8 @@ def _draw_lengths(ax: Any, profile: Profile, color: str) -> None:
         ax.scatter([entry.seq_len], [entry.safe_batch_size], s=40, zorder=4, **{"marker": "o", **style})
         ax.scatter([entry.seq_len], [entry.conservative_batch_size], s=40, zorder=4, facecolors="none",
                    edgecolors=style["color"], marker="o")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log", base=2)
-    for axis in (ax.xaxis, ax.yaxis):
-        axis.set_major_formatter("{x:g}")
+    log2_axis(ax.xaxis)
+    log2_axis(ax.yaxis)
     ax.set(xlabel="seq_len", ylabel="batch size", title="Safe batch size against seq_len")
     ax.grid(True, color="#dddddd", lw=0.6)
     from matplotlib.lines import Line2D
@@ -271,12 +252,11 @@ def _draw_lengths(ax: Any, profile: Profile, color: str) -> None:
 def _format_axes(memory_ax: Any, speed_ax: Any, profiles: Sequence[Profile], log_batches: bool = False) -> None:
     from matplotlib.ticker import MaxNLocator
 
-    batches = [t.batch_size for p in profiles for t in reference_trials(p)]
+    batches = [t.batch_size for p in profiles for t in p.reference_trials]
     top = max([p.device.total_bytes for p in profiles] + [t.peak_bytes or 0 for p in profiles
-                                                          for t in reference_trials(p)])
+                                                          for t in p.reference_trials])
     if log_batches:  # batch scales far apart: each profile's own range stays readable
-        memory_ax.set_xscale("log", base=2)
-        memory_ax.xaxis.set_major_formatter("{x:g}")
+        log2_axis(memory_ax.xaxis)
     else:
         memory_ax.set_xlim(left=0)
     memory_ax.set_ylim(bottom=0, top=top / GIB * 1.06)
@@ -291,8 +271,7 @@ def _format_axes(memory_ax: Any, speed_ax: Any, profiles: Sequence[Profile], log
     # whiskers of two-step rates can reach far: the axis follows the rates, and a whisker leaves it
     speed_ax.set_ylim(bottom=0, top=fastest * 1.4 if fastest > 0 else None)
     if batches and max(batches) >= 8 * max(1, min(batches)):
-        speed_ax.set_xscale("log", base=2)
-        speed_ax.xaxis.set_major_formatter("{x:g}")
+        log2_axis(speed_ax.xaxis)
     for ax in (memory_ax, speed_ax):
         ax.set_xlabel(f"batch size{rank} (samples per step)")
         if ax.get_xscale() == "linear":
@@ -301,7 +280,7 @@ def _format_axes(memory_ax: Any, speed_ax: Any, profiles: Sequence[Profile], log
 
 
 def _series_handle(profile: Profile, color: str) -> Any:
-    """A function making a legend handle in the profile's colour with a given label."""
+    """A function making a legend handle in ``color`` with a given label."""
     from matplotlib.lines import Line2D
 
     return lambda text: Line2D([], [], color=color, lw=1.6, marker="o", ms=5, label=text)
@@ -326,8 +305,8 @@ def _speed_text(profile: Profile, short: bool = False) -> str:
     if knee is None:
         return "no successful trial: no throughput"
     best, reach = knee.best, knee.rate
-    scope = " (up to safe)" if _safe(profile) is not None else ""
-    faster = _faster_above_safe(profile)
+    scope = " (up to safe)" if safe_size(profile) is not None else ""
+    faster = _faster_abovesafe_size(profile)
     past = (f"; {format_rate(faster.samples_per_s)} at {faster.batch_size}, above safe (hollow)"
             if faster is not None else "")
     if knee.refused:  # open intervals (vramcal.calibration.throughput): no knee is called
@@ -342,7 +321,7 @@ def _speed_text(profile: Profile, short: bool = False) -> str:
 
 
 def _memory_key(profiles: Sequence[Profile]) -> list:
-    """Legend handles explaining the marker and line styles (with the values for a single profile)."""
+    """Legend handles of the memory panel's styles (with the values for a single profile)."""
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -390,7 +369,7 @@ def _memory_key(profiles: Sequence[Profile]) -> list:
 
 
 def _wrapped(handle: Any, width: int) -> Any:
-    """``handle`` with its label wrapped at ``width`` characters (a long entry would squeeze the panels)."""
+    """``handle`` with its label wrapped at ``width`` characters."""
     handle.set_label(textwrap.fill(handle.get_label(), width, subsequent_indent="  "))
     return handle
 
@@ -405,7 +384,7 @@ def _speed_key(profiles: Sequence[Profile]) -> list:
     key = [Line2D([], [], color=KEY, marker="*", ms=11, ls="none",
                   label="throughput knee: the smallest batch reaching 95 % of the best"),
            Line2D([], [], color=KEY, marker="|", ms=9, ls="none", label="95 % interval of the mean step time")]
-    if any(s is not None and r.batch_size > s for p in profiles for s in (_safe(p),) for r in profile_rates(p)):
+    if any(s is not None and r.batch_size > s for p in profiles for s in (safe_size(p),) for r in profile_rates(p)):
         key.append(Line2D([], [], color=KEY, marker="o", mfc="none", ls="none",
                           label="above the safe size: no run takes it, not in best or knee"))
     if any(r.steady for p in profiles for r in profile_rates(p)):

@@ -1,5 +1,5 @@
-"""Lengths that vary, for people: the bucket table and the token budget of a profile (:mod:`vramcal.sizing.batching`),
-as ``vramcal limits --buckets/--token-budget`` prints them and as the report's short section shows them."""
+"""Lengths that vary, for people: a profile's bucket table and token budget (:mod:`vramcal.sizing.batching`), as
+``vramcal limits --buckets/--token-budget`` prints them and the report shows them."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _rows(table: Sequence[Bucket]) -> list[list[str]]:
 
 
 def budget_text(budget: TokenBudget) -> str:
-    """One sentence: the safe and conservative budget and how a batch is formed under it."""
+    """The safe and conservative budget and how a batch is formed under it, in one sentence."""
     return (f"token budget over seq_len {budget.shortest_seq_len}-{budget.longest_seq_len}: {budget.tokens:,} tokens "
             f"per batch (conservative {budget.conservative_tokens:,}); a batch whose longest document has L tokens "
             f"holds floor(tokens / L) documents (L counted as at least {budget.shortest_seq_len}), padded to a "
@@ -55,8 +55,7 @@ def lengths_lines(profile: Profile, table: Sequence[Bucket] | None, budget: Toke
 
 
 def varying_section(profile: Profile, level: str) -> list[str]:
-    """The report's section for a profile over several lengths: its bucket table and token budget, each with the
-    trial that verified its worst case (none for a profile made before they were recorded)."""
+    """The report's section over several lengths: buckets and token budget, each worst case's verifying trial."""
     if profile.surface is None:
         return []
     table, worst = batching.buckets(profile)

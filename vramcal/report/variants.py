@@ -1,28 +1,20 @@
-"""The report's variants: a model's variants side by side (:mod:`vramcal.sizing.variants`), as a Markdown section and a
-figure of the frontier.
+"""The report's variants of one model (:mod:`vramcal.sizing.variants`): a Markdown section and a frontier figure.
 
-When the profiles of a report hold two or more variants of one model (the same model but for its checkpointing
-and chunk_size, on the same hardware, budget and world: :func:`variant_groups`), the report gets a section with
-their table (:func:`variants_section`: limits, memory per sample, samples/s at the conservative size and at the
-knee, samples/s per GiB of predicted peak there, each from :func:`vramcal.sizing.variants.variant_rows`) and a PNG
-(:func:`render_frontier_png`): samples/s against batch size, one line per variant, each through its trials'
-measured rates up to its safe size (hollow markers above it: no run takes those sizes), the knee starred and the
-conservative size ringed. Where one variant's line lies above another's at the same batch it is the faster; where
-only one reaches a batch, it is the only one that fits there.
-
-matplotlib is imported inside :func:`render_frontier_png` (Agg canvas, no pyplot state): importing this module is
-cheap. The PNG is deterministic (fixed size and dpi, no metadata).
+Two or more variants of one model (its checkpointing and chunk_size) on one hardware, budget and world
+(:func:`variant_groups`) get a table (:func:`variants_section`) and a PNG (:func:`render_frontier_png`): samples/s
+against batch size, one line per variant up to its safe size (hollow above), the knee starred, the conservative
+size ringed. matplotlib loads only to draw; the PNG is deterministic (fixed size and dpi, no metadata).
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vramcal.calibration.throughput import rate_text
-from vramcal.report.markdown import profile_rates
+from vramcal.report.facts import profile_rates
+from vramcal.report.figure import COLORS, log2_axis, png_bytes
 from vramcal.report.table import MISSING, markdown_table
 from vramcal.sizing.variants import VariantRow, same_model, variant_rows
 from vramcal.units import format_bytes
@@ -32,7 +24,6 @@ if TYPE_CHECKING:
 
 FIGSIZE_IN = (10.0, 6.0)
 DPI = 100
-COLORS = ("#1f5fa8", "#d1562b", "#2a8c4a", "#8a46b0", "#b08a16", "#3a9fb0")
 
 
 def variant_groups(profiles: Sequence[Profile]) -> list[list[Profile]]:
@@ -93,8 +84,7 @@ def render_frontier_png(rows: Sequence[VariantRow]) -> bytes:
         _draw_variant(ax, row, COLORS[index % len(COLORS)])
     sizes = [r.batch_size for row in rows for r in profile_rates(row.profile)]
     if sizes and max(sizes) >= 8 * max(1, min(sizes)):
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter("{x:g}")
+        log2_axis(ax.xaxis)
     ax.set_ylim(bottom=0)
     ax.set_xlabel("batch size (samples per step)")
     ax.set_ylabel("throughput (samples/s)")
@@ -104,9 +94,7 @@ def render_frontier_png(rows: Sequence[VariantRow]) -> bytes:
     figure.suptitle(f"Variants of one model on {first.device.name}, {format_bytes(first.device.total_bytes)}: "
                     f"samples/s against batch size\nsolid: sizes a run may take (up to safe); hollow: above safe; "
                     f"ringed: conservative; star: knee", fontsize=11)
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=DPI, metadata={"Software": None})
-    return buffer.getvalue()
+    return png_bytes(figure, DPI)
 
 
 def _draw_variant(ax: Any, row: VariantRow, color: str) -> None:

@@ -1,9 +1,5 @@
-"""A world's profile at other world sizes, per card: the tables of ``vramcal limits --world-size`` and
-``--global-batch``.
-
-The rows come from :mod:`vramcal.sizing.sharding` (measured fit, computed move); the cards are the other-GPU table's
-(:func:`vramcal.report.catalogue.other_gpu_limits`): for a GPU profile the catalogue and ``--gpus``, for a host
-profile the host alone.
+"""A world's profile at other world sizes, per card (:mod:`vramcal.sizing.sharding`): the tables of ``vramcal limits
+--world-size`` and ``--global-batch``, over the other-GPU table's cards.
 """
 
 from __future__ import annotations
@@ -40,8 +36,7 @@ class WorldRow:
 
 def world_rows(profile: Profile, extra_gpus: Sequence[GpuModel] = (), nproc: int | None = None,
                global_batch: int | None = None, most: int = 4096) -> list[WorldRow]:
-    """Per card: the limits at ``nproc`` ranks, or the fewest ranks whose conservative size carries
-    ``global_batch`` (exactly one of the two).
+    """Per card: the limits at ``nproc`` ranks, or the fewest ranks carrying ``global_batch`` (exactly one).
 
     Raises:
         ValueError: neither or both of ``nproc`` and ``global_batch``; see
@@ -71,8 +66,7 @@ def world_heading(profile: Profile) -> str:
 
 
 def world_table(rows: Sequence[WorldRow], global_batch: int | None = None) -> str:
-    """The rows as a Markdown table: card, ranks, per-rank safe and conservative, global sizes, per-rank batch for
-    ``global_batch`` (when asked), and whether the row was measured or computed."""
+    """The rows as a Markdown table (a per-rank batch column for ``global_batch``)."""
     header = ["GPU", "Total", "Ranks", "Per-rank safe", "Per-rank conservative", "Global safe",
               "Global conservative"] + (["Per-rank batch"] if global_batch else []) + ["Basis"]
     body = []
