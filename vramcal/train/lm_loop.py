@@ -29,8 +29,9 @@ from vramcal.models.corpus import BYTE_VOCAB, IGNORE_INDEX, Corpus, lengths
 from vramcal.models.mamba2 import autocast
 from vramcal.train import checkpoint
 from vramcal.train.lm_plan import read_corpus, sampler
-from vramcal.train.loop import Trainer, _first_line
+from vramcal.train.loop import Trainer
 from vramcal.train.plan import Plan
+from vramcal.train.rules import first_line
 from vramcal.units import format_rate
 from vramcal.workload import build
 
@@ -134,7 +135,7 @@ class TextTrainer(Trainer):
                 except Exception as error:
                     if not self._out_of_memory(error):
                         raise
-                    self._fall_back(chunk, chunk, _first_line(error), "validation")
+                    self._fall_back(chunk, chunk, first_line(error), "validation")
         self.model.train()
         val_loss = loss_sum / max(tokens, 1)
         return {"val_loss": val_loss, "val_zero_loss": UNIFORM_LOSS, "val_bits_per_byte": val_loss / math.log(2)}
