@@ -1,11 +1,5 @@
-"""The training process: a worker that opens the meter, joins the DDP or FSDP world (when the plan has one), builds
-the step (wrapped or sharded as the world's trials did: :func:`vramcal.measure.distributed.wrap`), resumes, and runs
-the :class:`~vramcal.train.loop.Trainer`.
-
-It runs in a worker forked from vramcal's server (:func:`vramcal.api.worker_pool`), as the trials that sized
-the run did: :func:`vramcal.train.runner.train` starts it for one process, and each rank of a DDP run starts
-its own (:mod:`vramcal.train.distributed`).
-"""
+"""The training process: a worker forked as the trials were (:func:`vramcal.api.worker_pool`) that opens the meter,
+joins the DDP or FSDP world, builds the step as the world's trials did, resumes and runs the trainer."""
 
 from __future__ import annotations
 
@@ -15,6 +9,7 @@ from typing import Any
 from vramcal.measure.distributed import build_agreed, join, wrap
 from vramcal.measure.meters import open_meter
 from vramcal.measure.trial import torch_device
+from vramcal.models.registry import family_of
 from vramcal.sizing import SizingError, scaled_lr
 from vramcal.train import checkpoint
 from vramcal.train.lm_loop import text_trainer
@@ -24,15 +19,12 @@ from vramcal.workload import build
 
 
 def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
-    """The training process: meter, world, step, checkpoint, :class:`~vramcal.train.loop.Trainer`.
-
-    Messages to the caller: ``("line", text)`` for people; asks ``("epoch", row)`` after each epoch, whose
-    answer ``"stop"`` ends the run.
+    """The training process (module docstring). Messages: ``("line", text)`` for people; asks ``("epoch", row)``
+    after each epoch, whose answer ``"stop"`` ends the run.
 
     Returns:
-        ``{"last": the last epoch row, "step": optimizer steps done, "peak_bytes": the largest epoch peak,
-        "epochs", "data_bytes"}``; under DDP also ``rank_peak_bytes`` (each rank's largest epoch peak) and
-        ``batch_sizes`` (each rank's).
+        ``{"last": the last epoch row, "step", "epochs", "peak_bytes": the largest epoch peak, "data_bytes",
+        "rank_peak_bytes": each rank's largest (DDP; else None), "batch_sizes": each rank's}``.
     """
 
     def echo(line: str) -> None:
@@ -49,7 +41,7 @@ def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
         meter = Reported(meter, channel)
     try:
         group, share, plan = _join(plan)
-        if plan.config.language_model:  # documents of every length (vramcal.train.lm_loop)
+        if family_of(plan.model).documents:  # the language model's trainer (vramcal.train.lm_loop)
             trainer, data_bytes = text_trainer(plan, meter, echo, on_epoch)
         else:
             step, model = _build(plan, group)
@@ -71,8 +63,8 @@ def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
 
 
 class Reported:
-    """The meter, each reading of its peak also sent to the caller (:meth:`vramcal.measure.worker.Channel.reading`:
-    the last one is the evidence a kill may need); the trainer reads it every few steps and at each epoch's end."""
+    """The meter, each peak it reads also sent to the caller (:meth:`vramcal.measure.worker.Channel.reading`: the
+    evidence a kill may need)."""
 
     def __init__(self, meter: Any, channel: Any) -> None:
         self._meter, self._channel = meter, channel
@@ -87,9 +79,9 @@ class Reported:
 
 
 def _join(plan: Plan) -> tuple[Any, Share, Plan]:
-    """Join the plan's DDP world (``env://``: torchrun's variables) and agree on every rank's batch size: the
-    global batch sets the learning rate (:func:`vramcal.sizing.scaled_lr`). One process: no group. A rank's
-    training process leaves its PID in ``<run_dir>/ranks/<rank>.pid`` (which process is which rank)."""
+    """Join the plan's world (``env://``), agree on every rank's batch and scale the LR to the global batch
+    (:func:`vramcal.sizing.scaled_lr`); a rank leaves its PID in ``<run_dir>/ranks/<rank>.pid``. One process: no
+    group."""
     if plan.world is None:
         return None, Share((plan.step_batch_size,)), plan
     import dataclasses
@@ -150,9 +142,7 @@ CONTENT = ("size_bytes", "head_sha256")
 
 
 def _check_planned_data(plan: Plan, step: Any) -> None:
-    """A new run trains on the data it was planned on: the file the worker read is the planned one (its identity)
-    and has the planned facts (a file swapped or rewritten between the plan and the worker is refused before any
-    step; nothing is trained on it).
+    """A new run trains on the data it was planned on: the file's identity and facts.
 
     Raises:
         DataError: one line naming the file and what differs.
@@ -166,8 +156,7 @@ def _check_planned_data(plan: Plan, step: Any) -> None:
 
 
 def _check_same_data(state: dict[str, Any], step: Any, plan: Plan) -> None:
-    """A resumed run trains on the data it started on: the file's content (size and first MiB, against the run's
-    record) and its windows' facts (against the checkpoint's).
+    """A resumed run trains on the data it started on: the file's content and the windows' facts.
 
     Raises:
         DataError: one line naming the file and what differs.
@@ -181,9 +170,8 @@ def _check_same_data(state: dict[str, Any], step: Any, plan: Plan) -> None:
 
 
 def _changed(plan: Plan, identity: tuple[str, ...], expected: dict[str, Any], step: Any, then: str) -> str | None:
-    """What differs first between the data file now and what was recorded of it (``plan.data_stats["file"]``'s
-    ``identity`` keys, when recorded; then ``expected``'s :data:`PLANNED` facts), as ``what: X <then>, Y`` (the
-    caller adds `` now``); None when nothing does."""
+    """What differs first between the data file now and its record (``identity`` keys, then the ``expected``
+    :data:`PLANNED` facts), as ``what: X <then>, Y``; None when nothing does."""
     recorded = plan.data_stats.get("file")
     if recorded:
         found = data_identity(plan.config.data)
