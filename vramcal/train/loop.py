@@ -109,8 +109,6 @@ class Trainer:
         """The data's facts a checkpoint keeps (a resume checks the data against them)."""
         return self.pipeline.windows.stats()
 
-    # ------------------------------------------------------------------------------------ a step
-
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
         """One optimizer step on the whole batch: (loss, grad norm, the batch's zero-return loss)."""
         if self.share.group is not None:
@@ -191,8 +189,6 @@ class Trainer:
                   f"retrying with micro-batch {new}" + (f" x {math.ceil(batch / new)} accumulated (effective batch "
                                                          f"stays {batch})" if where == "step" else ""))
 
-    # --------------------------------------------------------------------------------- evaluation
-
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Validation loss, the zero-return baseline's loss, and directional accuracy of both.
@@ -229,8 +225,6 @@ class Trainer:
         se, zero_se, hits, unchanged, move_hits, moves = share.summed(sums.tolist())
         return {"val_loss": se / n, "val_zero_loss": zero_se / n, "val_dir_acc": hits / n,
                 "val_zero_dir_acc": unchanged / n, "val_move_dir_acc": move_hits / max(moves, 1)}
-
-    # ---------------------------------------------------------------------------------- the loop
 
     def run(self) -> dict[str, Any]:
         """Train until ``epochs`` or ``max_steps``; returns the last epoch's metrics row ({} if none).
@@ -436,8 +430,6 @@ class Trainer:
             self._save_finite()
         self._record_stop(event)
         raise NonFiniteError(f"non-finite {what} at step {step} ({detail}): stopped; {self.gentler()}")
-
-    # ----------------------------------------------------------------------------- checkpoints
 
     def _save_finite(self) -> None:
         """After a skipped non-finite step, save the step before's state as the last checkpoint, unless saved

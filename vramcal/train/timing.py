@@ -93,22 +93,25 @@ def cut_steps(plan: Plan, dataset: Dataset) -> tuple[int, int | None]:
 
 def forecast_line(forecast: Forecast, plan: Plan | None = None) -> str:
     """``forecast: 30.1 samples/s at batch_size 161, epoch 16.1 s (training 14.1 s + validation 2.0 s), 10 epochs 2.7
-    min`` (max_steps, DDP and documents' variants: :func:`documents_line`)."""
-    if forecast.tokens_per_s is not None and plan is not None:
-        return documents_line(forecast, plan)
+    min``; ``..., 40 steps (max_steps, in epoch 2) 9.5 s`` when max_steps stops it sooner; under DDP ``60.2 samples/s
+    for the world's 2 ranks (30.1 each) at batch_size 161 per rank``; on documents ``31.2k tokens/s (52.0
+    documents/s) over 341 batches of the token budget, ...``."""
     val = "validation not counted" if forecast.val_s is None else f"validation {format_duration(forecast.val_s)}"
-    run = f"{forecast.epochs} epoch{'s' * (forecast.epochs != 1)}"
-    if plan is not None and forecast.dataset is not None:
-        steps = cut_steps(plan, forecast.dataset)[1]
-        run = run if steps is None else f"{steps} step{'s' * (steps != 1)} (max_steps, in epoch {forecast.epochs})"
-    per_rank = " per rank" if forecast.ranks > 1 else ""
-    return (f"forecast: {format_rate(forecast.samples_per_s)} samples/s{world_text(forecast)} at batch_size "
-            f"{forecast.batch_size}{per_rank}, epoch "
-            f"{format_duration(forecast.epoch_s)} (training {format_duration(forecast.train_s)} + {val}), "
-            f"{run} {format_duration(forecast.run_s)}")
+    run, steps = f"{forecast.epochs} epoch{'s' * (forecast.epochs != 1)}", None
+    if forecast.tokens_per_s is not None and plan is not None:
+        per_epoch, steps = int(plan.data_stats["train_batches"]), plan.config.max_steps
+        steps = steps if steps and steps < plan.config.epochs * per_epoch else None
+        by = "token budget" if plan.data_stats["batching"]["mode"] == "budget" else "bucket table"
+        what = (f"{format_rate(forecast.tokens_per_s)} tokens/s ({format_rate(forecast.samples_per_s)} documents/s) "
+                f"over {per_epoch} batches of the {by}")
+    else:
+        steps = cut_steps(plan, forecast.dataset)[1] if plan is not None and forecast.dataset is not None else None
+        what = (f"{format_rate(forecast.samples_per_s)} samples/s{world_text(forecast)} at batch_size "
+                f"{forecast.batch_size}{' per rank' * (forecast.ranks > 1)}")
+    run = run if steps is None else f"{steps} step{'s' * (steps != 1)} (max_steps, in epoch {forecast.epochs})"
+    return (f"forecast: {what}, epoch {format_duration(forecast.epoch_s)} (training "
+            f"{format_duration(forecast.train_s)} + {val}), {run} {format_duration(forecast.run_s)}")
 
-
-# ------------------------------------------------------------------------- documents (module docstring)
 
 def line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
     """(intercept, slope) of ``y = a + b x`` (:func:`vramcal.estimate.result.line`, the intercept at least 0); None
@@ -167,23 +170,6 @@ def documents_forecast(plan: Plan) -> Forecast | None:
                     train_s=train_s, val_s=val_s, epoch_s=epoch_s, run_s=run_s,
                     tokens_per_s=stats["train_tokens"] / train_s, step_fit=(t0, per_token))
 
-
-def documents_line(forecast: Forecast, plan: Plan) -> str:
-    """``forecast: 31.2k tokens/s (52.0 documents/s) over 341 batches of the token budget, epoch 2.3 min (training
-    2.0 min + validation 18.0 s), 300 steps (max_steps, in epoch 1) 2.1 min``."""
-    stats, steps = plan.data_stats, plan.config.max_steps
-    val = "validation not counted" if forecast.val_s is None else f"validation {format_duration(forecast.val_s)}"
-    per_epoch = int(stats["train_batches"])
-    run = (f"{steps} step{'s' * (steps != 1)} (max_steps, in epoch {forecast.epochs})"
-           if steps and steps < plan.config.epochs * per_epoch else f"{forecast.epochs} epoch"
-           f"{'s' * (forecast.epochs != 1)}")
-    by = "token budget" if stats["batching"]["mode"] == "budget" else "bucket table"
-    return (f"forecast: {format_rate(forecast.tokens_per_s)} tokens/s ({format_rate(forecast.samples_per_s)} "
-            f"documents/s) over {per_epoch} batches of the {by}, epoch {format_duration(forecast.epoch_s)} (training "
-            f"{format_duration(forecast.train_s)} + {val}), {run} {format_duration(forecast.run_s)}")
-
-
-# ------------------------------------------------------------------------------- measured against forecast
 
 def epoch_steps(row: dict[str, Any]) -> int:
     """The optimizer steps of an epoch row (0 without its batch size); with gradient accumulation the band
