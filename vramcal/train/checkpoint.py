@@ -19,6 +19,7 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -275,6 +276,27 @@ def load_resumable(run_dir: Path) -> tuple[dict[str, Any], Path, str | None]:
         return payload, path, notice
     raise RunDirError(f"no readable checkpoint in {run_dir} ({'; '.join(reasons) or 'none saved'}): start a new run "
                       f"there without --resume (the unreadable files are then kept as *.unreadable)")
+
+
+def resume_from(run_dir: Path, rank: int, echo: Callable[[str], None],
+                check: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The checkpoint a resume continues from (:func:`load_resumable`), checked by ``check`` and said in ``echo``; an
+    unreadable last one set aside (by rank 0: every rank of a world reads rank 0's files).
+
+    Raises:
+        RunDirError: as :func:`load_resumable`; and what ``check`` raises.
+    """
+    state, path, notice = load_resumable(run_dir)
+    if notice:
+        echo(f"warning: {notice}")
+        if path.name != LAST and (run_dir / LAST).exists() and rank == 0:
+            echo(f"the unreadable {LAST} is kept as {set_aside(run_dir / LAST).name}")
+    if check is not None:
+        check(state)
+    done = state["progress"]
+    within = f", batch {done['batch_in_epoch']} of epoch {done['epoch'] + 1}" if done["batch_in_epoch"] else ""
+    echo(f"continuing from {path}: {done['epoch']} epoch(s) and {done['step']} step(s) done{within}")
+    return state
 
 
 def set_aside(path: Path) -> Path:

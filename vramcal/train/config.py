@@ -43,32 +43,19 @@ RESUME_OVERRIDES = ("epochs", "max_steps", "lr", "max_grad_norm")
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything a training run depends on (each setting is the ``vramcal train`` option of that name).
+    """Everything a training run depends on: each setting is the ``vramcal train`` option of that name, its help the
+    meaning and unit; the spec is the model (the profile key).
 
     Attributes:
-        data: OHLCV parquet file. spec: the model (the profile key). implementation: ``auto``, ``transformers`` or
-            ``mamba_ssm``. gpu: ``auto``, ``none``, an index or a UUID.
-        profile: ``auto`` (look up ``profiles_dir``) or a profile file.
         batch_size: samples per optimizer step; None = sized by ``size_for``
             (:func:`vramcal.sizing.throughput_choice`).
-        batch_size_min: the lower bound an explicit batch size is clamped to.
-        effective_batch_size: samples per optimizer step, accumulated over micro-batches
-            (:func:`vramcal.sizing.accumulation`); the LR scales with it.
-        lr: peak learning rate at ``reference_batch_size`` (5e-5: the seed documents' fix for an oscillating loss).
-        lr_scaling: ``none``, ``linear`` (lr x b/ref, Goyal et al. 2017) or ``sqrt`` (lr x sqrt(b/ref), Malladi et
-            al. 2022).
-        warmup_steps: linear warm-up steps; None = 5 % of the run's steps (at least 1).
-        max_steps: stop after this many optimizer steps (None: all epochs).
-        stride: window spacing in bars; None = seq_len // 2.
-        data_on_device: hold the windows in the GPU's memory instead of the host's.
-        checkpoint_steps, checkpoint_minutes: also save every this many steps or minutes within an epoch.
-        min_lr_fraction: the cosine decay ends at this fraction of the peak LR.
-        val_batch_size: samples per validation chunk; None: :func:`vramcal.train.plan.validation`.
-        variant: ``spec`` or ``auto``: the calibrated variant with the most samples/s
-            (:mod:`vramcal.sizing.variants`).
-        report_to: where epoch figures go beside ``metrics.jsonl`` (:mod:`vramcal.train.tracking`).
-        model: ``regressor`` or ``lm`` (``lm_config``'s model on ``text``'s documents in ``batching``'s batches, with
-            ``buckets``: :mod:`vramcal.train.lm_plan`).
+        effective_batch_size: samples per optimizer step accumulated over micro-batches
+            (:func:`vramcal.sizing.accumulation`).
+        lr: peak learning rate at ``reference_batch_size`` (5e-5: the seed documents' fix for an oscillating loss),
+            scaled by ``lr_scaling``: ``linear`` (Goyal et al. 2017) or ``sqrt`` (Malladi et al. 2022).
+        warmup_steps: None = 5 % of the run's steps (at least 1).
+        val_batch_size: None = :func:`vramcal.train.plan.validation`'s choice.
+        model: ``regressor`` (on ``data``) or ``lm`` (``lm_config`` on ``text``: :mod:`vramcal.train.lm_plan`).
 
     Paths are used as given; files written for later use hold them absolute (:meth:`with_absolute_paths`).
 

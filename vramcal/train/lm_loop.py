@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from vramcal.calibration.lengths import padded_length
 from vramcal.measure.trial import torch_device
 from vramcal.models.corpus import BYTE_VOCAB, IGNORE_INDEX, Corpus, lengths
 from vramcal.models.mamba2 import autocast
@@ -156,18 +157,11 @@ def text_trainer(plan: Plan, meter: Any, echo: Any, on_epoch: Any) -> tuple[Text
         CorpusError: the text is not the run's. WorkloadError: the factory failed.
     """
     corpus = read_corpus(plan)
-    context = int(plan.data_stats["chunk_size"]) * -(-int(plan.data_stats["context"]) // int(
-        plan.data_stats["chunk_size"]))
+    context = padded_length(int(plan.data_stats["context"]), int(plan.data_stats["chunk_size"]))
     options = {"lr": plan.lr, "weight_decay": plan.config.weight_decay, "max_grad_norm": plan.config.max_grad_norm,
                "seed": plan.config.seed}
     step = build(plan.model.replace(seq_len=context), torch_device(plan.device), options)
     meter.check_pinned()
-    state = None
-    if plan.resume:
-        state, path, notice = checkpoint.load_resumable(plan.run_dir)
-        if notice:
-            echo(f"warning: {notice}")
-        done = state["progress"]
-        echo(f"continuing from {path}: {done['epoch']} epoch(s) and {done['step']} step(s) done")
+    state = checkpoint.resume_from(plan.run_dir, plan.rank, echo) if plan.resume else None
     trainer = TextTrainer(plan, step, corpus, meter=meter, echo=echo, state=state, on_epoch=on_epoch)
     return trainer, corpus.held_bytes if plan.device.kind == "host" else 0

@@ -40,12 +40,10 @@ class Setting:
     """What runs are sized against (decided once per run, or once per tuning study).
 
     Attributes:
-        config: the settings it was resolved from. device: where to train. model: the model's key.
         profile, profile_path: the profile that sizes the runs (None: an unchecked run).
         data_stats: the data's facts, with ``file``, the data file's identity (:func:`data_identity`).
         pool_data_bytes: bytes of data the run holds in the measured memory (the data term).
         host_memory_limit_bytes: ``RLIMIT_DATA`` of the training process on the host, else None.
-        notices: lines for people.
     """
 
     config: TrainConfig
@@ -106,7 +104,6 @@ class Plan:
     Attributes:
         sizing: the batch size and its prediction (under DDP this rank's); None: unchecked, nothing predicted.
         lr: the peak learning rate after ``lr_scaling`` (under DDP set in the worker, from the global batch).
-        resume: continue from the run folder's last checkpoint.
         world, rank: the DDP/FSDP world this rank trains in, or None for one process.
         validation: how it validates; None in runs planned before it was recorded.
     """
@@ -208,8 +205,8 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
         unchecked: with no matching profile and ``config.batch_size`` given, an unchecked setting, not a refusal.
 
     Raises:
-        ValueError: an impossible spec; DataError, DeviceError, NvmlError, SizingError: one-line messages.
-        ConfigError: a ``report_to`` whose package is not installed.
+        ValueError, DataError, DeviceError, NvmlError, SizingError, ConfigError (a ``report_to`` not installed):
+            one-line messages.
     """
 
     tracking.check_reporters(config.report_to)

@@ -69,6 +69,10 @@ class _Tracker:
         self._what, self.echo, self.timeout_s = what, echo, timeout_s
         self._failed = False
 
+    def epoch(self, row: dict[str, Any]) -> None:
+        """Write an epoch row's figures (:func:`epoch_scalars`) at its step."""
+        self._guarded(lambda: self._write(row))
+
     def _guarded(self, action: Callable[[], Any]) -> None:
         """Run ``action`` on a thread of its own for at most ``timeout_s``, unless an earlier one failed; a failure
         or a call still running is the warning, once (the thread left to end with the process)."""
@@ -104,10 +108,6 @@ class RunTracker(_Tracker):
         super().__init__(f"TensorBoard logging to {log_dir}", echo, timeout_s)
         self.log_dir, self.purge_step = Path(log_dir), purge_step
         self._writer: Any = None
-
-    def epoch(self, row: dict[str, Any]) -> None:
-        """Write an epoch row's figures (:func:`epoch_scalars`) at its step and flush them."""
-        self._guarded(lambda: self._write(row))
 
     def close(self, status: str = "FINISHED") -> None:
         """Flush and close the event file (``status`` is for trackers that record it)."""
@@ -159,10 +159,6 @@ class MlflowTracker(_Tracker):
         self.run_id: str | None = None
         self._client: Any = None
 
-    def epoch(self, row: dict[str, Any]) -> None:
-        """Log an epoch row's figures (:func:`epoch_scalars`) at its step."""
-        self._guarded(lambda: self._log(row))
-
     def close(self, status: str = "FINISHED") -> None:
         """End the MLflow run with ``status`` (``FINISHED``, ``FAILED`` or ``KILLED``), if one was started."""
         if self.run_id is not None:
@@ -191,7 +187,7 @@ class MlflowTracker(_Tracker):
                   "step_batch_size": self.plan.step_batch_size, "lr_used": self.plan.lr}
         client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
 
-    def _log(self, row: dict[str, Any]) -> None:
+    def _write(self, row: dict[str, Any]) -> None:
         import time
 
         from mlflow.entities import Metric

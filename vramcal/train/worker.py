@@ -4,6 +4,7 @@ joins the DDP or FSDP world, builds the step as the world's trials did, resumes 
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 from vramcal.measure.distributed import build_agreed, join, wrap
@@ -46,7 +47,8 @@ def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
         else:
             step, model = _build(plan, group)
             meter.check_pinned()
-            state = _resume_state(plan, step, echo) if plan.resume else _check_planned_data(plan, step)
+            state = (checkpoint.resume_from(plan.run_dir, plan.rank, echo, partial(_check_data, plan, step))
+                     if plan.resume else _check_data(plan, step))
             trainer = Trainer(plan, step, meter, echo=echo, state=state, on_epoch=on_epoch, model=model, share=share)
             data_bytes = step.pool_data_bytes(plan.device.kind)
         last = trainer.run()
@@ -117,21 +119,6 @@ def _build(plan: Plan, group: Any) -> tuple[Any, Any]:
     return step, wrap(step, plan.world, torch_device(plan.device))
 
 
-def _resume_state(plan: Plan, step: Any, echo: Any) -> dict[str, Any]:
-    """The checkpoint to continue from (rank 0 of a world wrote it; every rank reads it)."""
-    state, path, notice = checkpoint.load_resumable(plan.run_dir)
-    if notice:
-        echo(f"warning: {notice}")
-        if path.name != checkpoint.LAST and (plan.run_dir / checkpoint.LAST).exists() and plan.rank == 0:
-            echo(f"the unreadable {checkpoint.LAST} is kept as "
-                 f"{checkpoint.set_aside(plan.run_dir / checkpoint.LAST).name}")
-    _check_same_data(state, step, plan)
-    done = state["progress"]
-    within = f", batch {done['batch_in_epoch']} of epoch {done['epoch'] + 1}" if done["batch_in_epoch"] else ""
-    echo(f"continuing from {path}: {done['epoch']} epoch(s) and {done['step']} step(s) done{within}")
-    return state
-
-
 # what a plan's data facts must still say of the file the worker reads (its rows, split, windows, normalisation)
 PLANNED = ("rows", "split_row", "stride", "train_windows", "val_windows", "feature_mean", "feature_std",
            "target_scale")
@@ -141,30 +128,19 @@ IDENTITY = {"size_bytes": "size", "mtime_ns": "modification time", "head_sha256"
 CONTENT = ("size_bytes", "head_sha256")
 
 
-def _check_planned_data(plan: Plan, step: Any) -> None:
-    """A new run trains on the data it was planned on: the file's identity and facts.
+def _check_data(plan: Plan, step: Any, state: dict[str, Any] | None = None) -> None:
+    """A new run trains on the data it was planned on (the file's identity and facts); a resumed one (``state``, its
+    checkpoint) on the data it started on (the file's content, the windows' facts against the checkpoint's).
 
     Raises:
         DataError: one line naming the file and what differs.
     """
     from vramcal.models.regressor.bars import DataError  # loads numpy: only when called
 
-    changed = _changed(plan, tuple(IDENTITY), plan.data_stats, step, "planned")
-    if changed:
+    if state is None and (changed := _changed(plan, tuple(IDENTITY), plan.data_stats, step, "planned")):
         raise DataError(f"{plan.config.data} changed after the run was planned ({changed} now): nothing was trained "
                         f"on it; start the run again")
-
-
-def _check_same_data(state: dict[str, Any], step: Any, plan: Plan) -> None:
-    """A resumed run trains on the data it started on: the file's content and the windows' facts.
-
-    Raises:
-        DataError: one line naming the file and what differs.
-    """
-    from vramcal.models.regressor.bars import DataError  # loads numpy: only when called
-
-    changed = _changed(plan, CONTENT, state["data_stats"], step, "then")
-    if changed:
+    if state is not None and (changed := _changed(plan, CONTENT, state["data_stats"], step, "then")):
         raise DataError(f"{plan.config.data} is not the data this run started on ({changed} now): resume with the "
                         f"same file, or start a new run")
 
