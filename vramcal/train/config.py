@@ -227,12 +227,8 @@ PATHS = ("data", "profile", "profiles_dir", "text")  # file and folder names: no
 
 
 def _typed(record: type, values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` (keys may carry ``spec.``, kept in messages) typed by ``record``'s annotations and
-    :data:`CONFIG_RANGES`; a GPU index may be a number; paths non-empty.
-
-    Raises:
-        SchemaError: the first value that does not fit, named as the file names it.
-    """
+    """``values`` (keys may carry ``spec.``) typed and ranged (:data:`CONFIG_RANGES`); raises SchemaError naming the
+    first misfit."""
     import typing
 
     hints, typed = typing.get_type_hints(record), {}

@@ -18,7 +18,7 @@ from vramcal.measure.trial import torch_device
 from vramcal.models.corpus import BYTE_VOCAB, IGNORE_INDEX, Corpus, lengths
 from vramcal.models.mamba2 import autocast
 from vramcal.train import checkpoint
-from vramcal.train.lm_plan import read_corpus, sampler
+from vramcal.train.lm_plan import read_corpus, sampler, shapes
 from vramcal.train.loop import Trainer
 from vramcal.train.plan import Plan
 from vramcal.train.rules import first_line
@@ -76,11 +76,9 @@ class TextTrainer(Trainer):
         self.sampler.set_epoch(epoch)
         batches = self.sampler.batches()
         if epoch == 0 and len(batches) > 2:
-            chunk = int(self.plan.data_stats["chunk_size"])
-            at = next((i for i, b in enumerate(batches) if (len(b), -(-max(len(self.corpus.train[j]) for j in b)
-                                                                     // chunk) * chunk) == self.worst), None)
-            if at is not None:
-                batches.insert(1, batches.pop(at))
+            formed = shapes(batches, lengths(self.corpus.train), int(self.plan.data_stats["chunk_size"]))
+            if self.worst in formed:
+                batches.insert(1, batches.pop(formed.index(self.worst)))
         return batches
 
     def _loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -69,11 +69,7 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None) -> Setting:
 
 def _profile(config: TrainConfig, device: Device, model: ModelRef, capacity_bytes: int | None,
              notices: list[str]) -> tuple[Profile, str]:
-    """The profile of the run's model over several lengths, and its file.
-
-    Raises:
-        SizingError: none (the probe that makes one named), or one calibrated at one length.
-    """
+    """The run's profile over several lengths and its file; SizingError: none, or one of one length."""
     try:
         located = located_profile(config, device, model, capacity_bytes, None, False, False, notices)
     except NoProfileError as error:
@@ -156,8 +152,7 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting) -> Plan:
 
 
 def _batching_notices(worst: batching.Worst, sizing: Sizing) -> tuple[str, ...]:
-    """The sizing's notices, where a real trial verified the batching's worst case: that trial said in place of the
-    limits interpolated at the worst batch's length."""
+    """The sizing's notices, the real trial that verified the batching's worst case said in place of interpolation."""
     if worst.check is None:
         return sizing.notices
     said = Info(f"every batch lies within {worst.what}, verified by a real trial at batch_size {worst.batch_size} x "
@@ -195,13 +190,7 @@ def read_corpus(plan: Plan) -> Corpus:
     stats = plan.data_stats
     corpus = load_corpus(plan.config.text, int(stats["context"]), plan.config.val_fraction)
     if corpus.identity != stats["identity"]:
-        raise _other_text(plan, corpus)
+        raise CorpusError(f"--text {plan.config.text} is not the text this run was planned on ({stats['files']} files, "
+                          f"SHA-256 {stats['identity'][:12]}...; now {corpus.files} files, {corpus.identity[:12]}...): "
+                          f"nothing was trained on it; train on the same text, or start a new run")
     return corpus
-
-
-def _other_text(plan: Plan, corpus: Corpus) -> CorpusError:
-    """The one-line refusal of text that is not the run's."""
-    stats = plan.data_stats
-    return CorpusError(f"--text {plan.config.text} is not the text this run was planned on ({stats['files']} files, "
-                       f"SHA-256 {stats['identity'][:12]}...; now {corpus.files} files, {corpus.identity[:12]}...): "
-                       f"nothing was trained on it; train on the same text, or start a new run")

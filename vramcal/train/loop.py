@@ -119,9 +119,7 @@ class Trainer:
         return loss, grad_norm, baseline
 
     def _accumulated(self, batch: int, part: Callable[[int, int], tuple[Any, float]]) -> tuple[float, float]:
-        """One optimizer step over ``batch`` samples in micro-batches, halved on out-of-memory with the effective
-        batch kept: ``part(i, j)`` is samples i..j's mean loss (None: counts nothing) and its weight in the
-        batch's mean; returns (loss, grad norm)."""
+        """One optimizer step over ``batch`` samples in micro-batches (``part(i, j)``: their mean loss, weight)."""
         while True:
             micro = min(self.progress.micro_batch_size, batch)
             try:
@@ -258,8 +256,7 @@ class Trainer:
         return f"{format_rate(self.progress.epoch_samples / self.progress.epoch_train_s)} samples/s"
 
     def _progress_line(self, loss: float) -> str:
-        """The line a log gets in place of the bar: ``step 120/300 (epoch 1/2), loss 0.9876, 41.2 samples/s, about
-        1.20 min of training steps left``."""
+        """``step 120/300 (epoch 1/2), loss 0.9876, 41.2 samples/s, about 1.20 min of training steps left``."""
         progress = self.progress
         left = (self.total_steps - progress.step) * progress.epoch_train_s / len(progress.epoch_step_times)
         return (f"step {progress.step}/{int(self.total_steps)} (epoch {progress.epoch + 1}/{self.config.epochs}), "
@@ -346,8 +343,7 @@ class Trainer:
             raise Stopped(f"stopped after epoch {row['epoch']} by the caller")
 
     def _watch(self) -> None:
-        """Say once each, while the run goes on, when this process's peak passes the warning line, then usable memory
-        (an ``outgrown`` event in the metrics)."""
+        """Say once each when this process's peak passes the warning line, then usable memory."""
         if self.meter is None or not self._measuring or self.plan.sizing is None:  # unchecked: nothing predicted
             return
         peak, sizing = int(self.meter.read()["peak_bytes"]), self.plan.sizing
@@ -414,8 +410,7 @@ class Trainer:
 
     def _stop_non_finite(self, loss: float, grad_norm: float, val_loss: float | None = None,
                          weights: list[str] | None = None) -> None:
-        """Record the event and raise: during a step (``loss``, ``grad_norm``; the last finite state saved) or after
-        an epoch's evaluation (``val_loss``, names of non-finite ``weights``)."""
+        """Record a non-finite loss, gradient norm (the last finite state saved) or weight, and raise."""
         after_epoch = val_loss is not None
         step = self.progress.step if after_epoch else self.progress.step + 1
         event = {"kind": "non-finite", "epoch": self.progress.epoch + 1, "step": step, "loss": str(loss),
@@ -432,8 +427,7 @@ class Trainer:
         raise NonFiniteError(f"non-finite {what} at step {step} ({detail}): stopped; {self.gentler()}")
 
     def _save_finite(self) -> None:
-        """After a skipped non-finite step, save the step before's state as the last checkpoint, unless saved
-        already; a full disk leaves the checkpoints there are."""
+        """After a skipped non-finite step, save the finite state before it unless saved already."""
         if not self.saves or self.progress.step == self._saved_step:
             return
         if states.non_finite_weights(self.step, self.share, self.sharded):
@@ -451,8 +445,7 @@ class Trainer:
         return self.share.gathered(due)[0] if self.sharded and c.checkpoint_minutes else due
 
     def _save(self, row: dict[str, Any] | None) -> None:
-        """The last checkpoint (the one it replaces kept), the best one when validation improved, then the metrics,
-        never ahead of a checkpoint; rank 0 writes (FSDP gathers first: :func:`vramcal.train.states.gather`)."""
+        """The last (and best) checkpoint, then the metrics, never ahead of a checkpoint; rank 0 writes."""
         progress, plan = self.progress, self.plan
         improved = row is not None and row["val_loss"] < progress.best_val_loss
         if improved:

@@ -31,7 +31,7 @@ from vramcal.units import format_bytes, size_argument
 from vramcal.words import Info
 from vramcal.workload import ModelRef
 
-COLLECTIVE_TIMEOUT_S = 300.0
+COLLECTIVE_TIMEOUT_S = 300.0  # a rank's wait at a collective before it raises
 HEAD_BYTES = 1 << 20  # the data file's first MiB, hashed into its identity (data_identity)
 
 
@@ -133,11 +133,6 @@ class Plan:
         """Samples per optimizer step: the effective batch, else the batch size."""
         effective = self.config.effective_batch_size if self.sizing is None else self.sizing.effective_batch_size
         return effective or self.batch_size
-
-    @property
-    def collective_timeout_s(self) -> float:
-        """How long a rank waits at a collective before it raises."""
-        return COLLECTIVE_TIMEOUT_S
 
     @property
     def implementation(self) -> str:
@@ -242,11 +237,7 @@ def host_limit(device: Device, profile: Profile | None, capacity_bytes: int | No
 def _chosen_variant(config: TrainConfig, device: Device, capacity_bytes: int | None, world: World | None,
                     notices: list[str]) -> TrainConfig:
     """``variant auto``: ``config`` with its fastest calibrated variant's spec
-    (:func:`vramcal.sizing.variants.choose`), said in ``notices``; unchanged where none is calibrated.
-
-    Raises:
-        SizingError: variants were found and none can train this run.
-    """
+    (:func:`vramcal.sizing.variants.choose`)."""
     named = REGRESSOR.ref(config.spec, device, config.implementation)
     total = capacity_bytes if device.kind == "host" else None
     found = variants.variants_of(named, device, config.profiles_dir, world=world, total_bytes=total)
@@ -356,12 +347,7 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
 
 
 def _unchecked_plan(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool, ranks: int) -> Plan:
-    """:func:`plan_run` without a profile: the config's batch size, accumulating to ``--effective-batch-size`` when
-    given, capped by the training windows.
-
-    Raises:
-        SizingError: an effective batch below the batch size, or more than the training windows.
-    """
+    """:func:`plan_run` without a profile: the config's batch size, capped by the training windows."""
     notices, n_train = list(setting.notices), setting.train_windows // ranks
     effective = config.effective_batch_size
     if effective is not None and effective < config.batch_size:
@@ -379,8 +365,7 @@ def _unchecked_plan(config: TrainConfig, run_dir: Path, setting: Setting, prepar
 
 def _made(config: TrainConfig, run_dir: Path, setting: Setting, sizing: Sizing | None, notices: list[str],
           prepare: bool) -> Plan:
-    """The plan decided, its LR scaled to its step's batch and its validation chosen; the folder created if
-    ``prepare``."""
+    """The plan decided, its LR scaled to its step's batch, its validation chosen, its folder created if ``prepare``."""
     plan = Plan(config=config, run_dir=Path(run_dir), device=setting.device, model=setting.model, sizing=sizing,
                 profile_path=setting.profile_path, lr=config.lr, data_stats=setting.data_stats,
                 host_memory_limit_bytes=setting.host_memory_limit_bytes)

@@ -58,12 +58,8 @@ def purge_step(run_dir: Path, resume: bool) -> int:
 
 
 class _Tracker:
-    """What every tracker shares: its first failure is one warning and ends its writing, never the run.
-
-    Args:
-        what: the writing it stops, as the warning names it. echo: where the warning goes.
-        timeout_s: the most one call may take (:data:`TRACKER_TIMEOUT_S`).
-    """
+    """What every tracker shares: its first failure, or a call past ``timeout_s``, is one warning and ends its
+    writing."""
 
     def __init__(self, what: str, echo: Echo, timeout_s: float = TRACKER_TIMEOUT_S) -> None:
         self._what, self.echo, self.timeout_s = what, echo, timeout_s

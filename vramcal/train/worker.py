@@ -15,7 +15,7 @@ from vramcal.sizing import SizingError, scaled_lr
 from vramcal.train import checkpoint
 from vramcal.train.lm_loop import text_trainer
 from vramcal.train.loop import Share, Trainer
-from vramcal.train.plan import Plan, data_identity
+from vramcal.train.plan import COLLECTIVE_TIMEOUT_S, Plan, data_identity
 from vramcal.workload import build
 
 
@@ -81,8 +81,7 @@ class Reported:
 
 
 def _join(plan: Plan) -> tuple[Any, Share, Plan]:
-    """Join the plan's world (``env://``), agree on every rank's batch and scale the LR to the global batch
-    (:func:`vramcal.sizing.scaled_lr`); a rank leaves its PID in ``<run_dir>/ranks/<rank>.pid``. One process: no
+    """Join the plan's world, agree on every rank's batch and scale the LR to the global batch; one process: no
     group."""
     if plan.world is None:
         return None, Share((plan.step_batch_size,)), plan
@@ -92,7 +91,7 @@ def _join(plan: Plan) -> tuple[Any, Share, Plan]:
     (plan.run_dir / "ranks").mkdir(exist_ok=True)
     (plan.run_dir / "ranks" / f"{plan.rank}.pid").write_text(f"{os.getpid()}\n")
 
-    group = join(plan.world, plan.rank, "env://", plan.collective_timeout_s, torch_device(plan.device))
+    group = join(plan.world, plan.rank, "env://", COLLECTIVE_TIMEOUT_S, torch_device(plan.device))
     share = Share(tuple(group.gather(plan.batch_size)), plan.rank, group)
     n_train = int(plan.data_stats["train_windows"])
     if share.global_batch > n_train:  # every rank sees the same figures, so all stop with the same line
@@ -129,12 +128,7 @@ CONTENT = ("size_bytes", "head_sha256")
 
 
 def _check_data(plan: Plan, step: Any, state: dict[str, Any] | None = None) -> None:
-    """A new run trains on the data it was planned on (the file's identity and facts); a resumed one (``state``, its
-    checkpoint) on the data it started on (the file's content, the windows' facts against the checkpoint's).
-
-    Raises:
-        DataError: one line naming the file and what differs.
-    """
+    """Refuse (DataError) data that is not what the run was planned on, or, resumed (``state``), started on."""
     from vramcal.models.regressor.bars import DataError  # loads numpy: only when called
 
     if state is None and (changed := _changed(plan, tuple(IDENTITY), plan.data_stats, step, "planned")):
@@ -146,8 +140,7 @@ def _check_data(plan: Plan, step: Any, state: dict[str, Any] | None = None) -> N
 
 
 def _changed(plan: Plan, identity: tuple[str, ...], expected: dict[str, Any], step: Any, then: str) -> str | None:
-    """What differs first between the data file now and its record (``identity`` keys, then the ``expected``
-    :data:`PLANNED` facts), as ``what: X <then>, Y``; None when nothing does."""
+    """What differs first between the data file now and its record, as ``what: X <then>, Y``; None: nothing."""
     recorded = plan.data_stats.get("file")
     if recorded:
         found = data_identity(plan.config.data)
