@@ -4,22 +4,14 @@
 
     <run_dir>/config.json          the TrainConfig (what --resume continues with)
     <run_dir>/run.json             the plan: device, model, batch size and prediction, LR, data, budget
-    <run_dir>/metrics.jsonl        one JSON object per line: kind "epoch" rows and "oom"/"non-finite" events
-                                   (strict JSON: a NaN or infinite figure is null)
+    <run_dir>/metrics.jsonl        one JSON object per line: "epoch" rows and events (a NaN or infinity is null)
     <run_dir>/checkpoint-last.pt   model, optimizer, scheduler and progress at the last save
-    <run_dir>/checkpoint-prev.pt   the save before it (kept when a new one replaces it)
+    <run_dir>/checkpoint-prev.pt   the save before it
     <run_dir>/checkpoint-best.pt   the save at the lowest validation loss so far
-    <run_dir>/.vramcal.lock        held (flock) by the run going on there, with its pid: one run at a time
+    <run_dir>/.vramcal.lock        held (flock) by the run going on there, with its pid
 
-The promises: a killed run leaves every file at its previous or its new content (:mod:`vramcal.files`);
-``metrics.jsonl`` is written after the checkpoint that holds the same rows, so it never lists an epoch
-that no checkpoint holds; a checkpoint only ever holds finite weights; and a run folder is always
-either resumable (a readable checkpoint: ``--resume``) or reusable (none: a new run may start there).
-A truncated or unreadable ``checkpoint-last.pt`` falls back to the previous or best one, with a notice,
-and is set aside (``checkpoint-last.pt.unreadable``) so the next save does not keep it as the previous
-one; a folder whose checkpoints are all unreadable takes a new run. The temporary file of a save that a
-kill interrupted is deleted when a run starts or resumes there.
-"""
+The promises (DESIGN.md "Failure"): a killed run leaves every file at its previous or new content; metrics never list
+an epoch no checkpoint holds; checkpoints hold finite weights only; a folder is resumable or reusable."""
 
 from __future__ import annotations
 
@@ -27,6 +19,7 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +44,7 @@ def has_checkpoint(run_dir: Path) -> bool:
 
 
 def has_readable_checkpoint(run_dir: Path) -> bool:
-    """Whether a checkpoint of ``run_dir`` loads (:func:`load_checkpoint`; reads the files, imports torch:
-    call it only where a run folder holds checkpoint files)."""
+    """Whether a checkpoint of ``run_dir`` loads (reads the files and imports torch)."""
     try:
         load_resumable(run_dir)
     except RunDirError:
@@ -61,16 +53,12 @@ def has_readable_checkpoint(run_dir: Path) -> bool:
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> Path:
-    """Check the run folder without creating or writing anything (so a failed start leaves nothing behind).
-
-    A folder holds a run when it has a readable checkpoint; one whose run never saved a checkpoint (it
-    failed before its first save), or whose checkpoints are all unreadable (truncated), may be used by a
-    new run (:func:`prepare_run_dir` sets unreadable ones aside).
+    """Check the run folder without creating or writing anything. A folder holds a run when it has a readable
+    checkpoint; one with none, or only unreadable ones, takes a new run.
 
     Raises:
-        RunDirError: a folder another run is going on in (:func:`claim_run_dir`), a new run in a folder that
-            holds one, a resume with no checkpoint or no config, or a folder that cannot be created (its
-            nearest existing parent is a file or not writable).
+        RunDirError: a folder another run is using, a new run where one is held, a resume with no checkpoint or no
+            config, or a folder that cannot be created.
     """
     run_dir = Path(run_dir)
     holder = run_holder(run_dir)
@@ -90,14 +78,11 @@ def check_run_dir(run_dir: Path, resume: bool) -> Path:
 
 
 def prepare_run_dir(run_dir: Path, resume: bool) -> Path:
-    """:func:`check_run_dir`, then create the folder, claim it for this process (:func:`claim_run_dir`), check
-    it again (a run may have saved there meanwhile) and check that it can be written.
-
-    Call it once every other check has passed, so a run that cannot start leaves no empty folder.
+    """:func:`check_run_dir`, then create and claim the folder, check it again and check that it can be written;
+    called once every other check has passed, so a run that cannot start leaves no empty folder.
 
     Raises:
-        RunDirError: as :func:`check_run_dir`; a folder another run holds; one that cannot be created or
-            written.
+        RunDirError: as :func:`check_run_dir`; a folder another run holds; one that cannot be created or written.
     """
     run_dir = check_run_dir(run_dir, resume)
     try:
@@ -122,14 +107,11 @@ _CLAIMS: dict[Path, int] = {}  # run folder -> the open file this process holds 
 
 
 def claim_run_dir(run_dir: Path) -> None:
-    """Hold ``run_dir`` for this process: an exclusive ``flock`` on ``<run_dir>/.vramcal.lock``, which also
-    holds the holder's pid. The kernel drops the lock when the process ends, however it ends (a killed run
-    leaves its folder to the next); :func:`release_run_dir` drops it sooner. Claiming a folder this process
-    holds is a no-op.
+    """Hold ``run_dir`` for this process: an exclusive ``flock`` on its lock file, which holds the pid; the kernel
+    drops it when the process ends, however it ends. Claiming a folder held already is a no-op.
 
     Raises:
-        RunDirError: another process holds it (a run there is going on), naming its pid.
-        OSError: the lock file cannot be created.
+        RunDirError: another process holds it, naming its pid. OSError: the lock file cannot be created.
     """
     import fcntl
 
@@ -149,8 +131,7 @@ def claim_run_dir(run_dir: Path) -> None:
 
 
 def run_holder(run_dir: Path) -> str | None:
-    """The pid of another process that holds ``run_dir`` (:func:`claim_run_dir`), or None: nobody does, or
-    this process."""
+    """The pid of another process that holds ``run_dir``, or None (nobody does, or this process)."""
     import fcntl
 
     key = Path(run_dir).absolute()
@@ -182,13 +163,8 @@ def release_run_dir(run_dir: Path) -> None:
 
 
 def _naming(path: Path, write: Any) -> None:
-    """Run ``write()``; a failed write (a full disk, a file-size limit) is raised as an OSError naming
-    ``path``, so the one-line error says which file.
-
-    ``torch.save``'s zip writer turns the OSError of the file's ``write`` into its own RuntimeError
-    (``[enforce fail at inline_container.cc] unexpected pos ...``), keeping the OSError as its context;
-    that OSError is the failure. A RuntimeError without one propagates as it is.
-    """
+    """Run ``write()``, a failure raised as an OSError naming ``path`` (``torch.save``'s zip writer wraps the file's
+    OSError in a RuntimeError, kept as its context: that OSError is the failure)."""
     try:
         write()
     except OSError as error:
@@ -208,10 +184,7 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 
 def write_metrics(run_dir: Path, rows: list[dict[str, Any]]) -> Path:
-    """Rewrite ``metrics.jsonl`` with all rows so far (the checkpoint keeps the same list).
-
-    The file is strict JSON: a NaN or infinite number is written as ``null``.
-    """
+    """Rewrite ``metrics.jsonl`` with all rows so far, as strict JSON (a NaN or infinity is ``null``)."""
     path = Path(run_dir) / METRICS
     text = "".join(json.dumps(_finite_or_null(row), sort_keys=True, allow_nan=False) + "\n" for row in rows)
     _naming(path, lambda: atomic_write_text(path, text))
@@ -237,17 +210,12 @@ def non_finite_tensors(state_dict: dict[str, Any]) -> list[str]:
 
 
 def save_checkpoint(run_dir: Path, payload: dict[str, Any], best: bool = False) -> Path:
-    """Save ``payload`` (tensors, dicts, lists, numbers, strings) as the last checkpoint, keeping the one it
-    replaces as ``checkpoint-prev.pt``, and as the best one when ``best``.
-
-    Streamed straight into the file (``torch.save`` to the open temporary file), so saving needs no
-    second copy of the weights and optimizer state in memory.
+    """Save ``payload`` as the last checkpoint, keeping the one it replaces as previous, and as the best one when
+    ``best``; streamed into the file (no second copy of the state in memory).
 
     Raises:
-        ValueError: the model weights (``payload["model"]``) are not all finite; nothing is written, so
-            a checkpoint on disk always holds finite weights.
-        OSError: the disk is full or the file too large (naming the file); that file is then unchanged
-            (the last checkpoint may be new when only the best one failed).
+        ValueError: non-finite model weights: nothing is written.
+        OSError: the disk is full or the file too large (naming the file); that file is then unchanged.
     """
     import torch
 
@@ -267,8 +235,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     """Read a checkpoint onto the CPU (``weights_only``: no code runs from the file).
 
     Raises:
-        RunDirError: the file is unreadable (truncated?), not a checkpoint, another format, or holds
-            non-finite weights.
+        RunDirError: unreadable (truncated?), not a checkpoint, another format, or non-finite weights.
     """
     import torch
 
@@ -311,10 +278,29 @@ def load_resumable(run_dir: Path) -> tuple[dict[str, Any], Path, str | None]:
                       f"there without --resume (the unreadable files are then kept as *.unreadable)")
 
 
+def resume_from(run_dir: Path, rank: int, echo: Callable[[str], None],
+                check: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The checkpoint a resume continues from (:func:`load_resumable`), checked by ``check`` and said in ``echo``; an
+    unreadable last one set aside (by rank 0: every rank of a world reads rank 0's files).
+
+    Raises:
+        RunDirError: as :func:`load_resumable`; and what ``check`` raises.
+    """
+    state, path, notice = load_resumable(run_dir)
+    if notice:
+        echo(f"warning: {notice}")
+        if path.name != LAST and (run_dir / LAST).exists() and rank == 0:
+            echo(f"the unreadable {LAST} is kept as {set_aside(run_dir / LAST).name}")
+    if check is not None:
+        check(state)
+    done = state["progress"]
+    within = f", batch {done['batch_in_epoch']} of epoch {done['epoch'] + 1}" if done["batch_in_epoch"] else ""
+    echo(f"continuing from {path}: {done['epoch']} epoch(s) and {done['step']} step(s) done{within}")
+    return state
+
+
 def set_aside(path: Path) -> Path:
-    """Rename an unreadable checkpoint ``<name>`` to ``<name>.unreadable``: before a resumed run saves (the
-    save would otherwise keep an unreadable ``checkpoint-last.pt`` as ``checkpoint-prev.pt``, in place of
-    the good one), or before a new run starts in a folder whose checkpoints are all unreadable.
+    """Rename an unreadable checkpoint to ``<name>.unreadable`` (so a save does not keep it as the previous).
 
     Raises:
         OSError: the folder cannot be written.
@@ -325,11 +311,8 @@ def set_aside(path: Path) -> Path:
 
 
 def remove_stale_temporaries(run_dir: Path) -> list[Path]:
-    """Delete the temporary files a killed save left (``.checkpoint-last.pt.<random>.tmp``, ...).
-
-    Each is as large as a checkpoint; a run killed during saves again and again would fill the disk with
-    them. Call it only where no other process is saving into ``run_dir`` (a start or a resume).
-    """
+    """Delete the temporary files killed saves left (each as large as a checkpoint); only where no other process
+    saves into ``run_dir``."""
     removed = []
     for name in (*CHECKPOINTS, METRICS, CONFIG, RUN):
         for stale in Path(run_dir).glob(f".{name}.*.tmp"):

@@ -1,10 +1,5 @@
-"""The trainer's settings: one frozen dataclass, readable from and writable to a JSON or TOML file.
-
-A config file holds the same names as the ``vramcal train`` options, with underscores (``lr``,
-``batch_size``, ``d_model``, ...); the model spec may be flat or nested under ``spec``. Options given
-on the command line override the file. A run folder keeps its config as ``config.json`` so ``--resume``
-continues with the same settings.
-"""
+"""The trainer's settings: one frozen dataclass, read from and written to a JSON or TOML file with the ``vramcal
+train`` options' names (the spec flat or under ``spec``); options on the command line override the file."""
 
 from __future__ import annotations
 
@@ -34,7 +29,7 @@ BATCHINGS: tuple[str, ...] = ("budget", "buckets")  # how the lm's batches are f
 
 
 def is_language_model(model: str) -> bool:
-    """Whether ``model`` (a run's ``--model``) names the language-model family (:mod:`vramcal.models.registry`)."""
+    """Whether ``model`` (a run's ``--model``) names the language-model family."""
     return model in MODELS and isinstance(registry.family(model), registry.LanguageModel)
 
 
@@ -48,53 +43,21 @@ RESUME_OVERRIDES = ("epochs", "max_steps", "lr", "max_grad_norm")
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything a training run depends on.
+    """Everything a training run depends on: each setting is the ``vramcal train`` option of that name, its help the
+    meaning and unit; the spec is the model (the profile key).
 
     Attributes:
-        data: OHLCV parquet file.
-        spec: the model (the profile key).
-        implementation: ``auto``, ``transformers`` or ``mamba_ssm``.
-        gpu: ``--gpu`` choice (``auto``, ``none``, an index or a UUID).
-        profile: ``auto`` (look up ``profiles_dir``) or a profile file path.
-        batch_size: samples per optimizer step; None = the profile's conservative batch size, or sizing for
-            throughput the throughput knee below it (``size_for``).
-        size_for: ``memory`` (the conservative batch size) or ``throughput`` (the knee when it is below the
-            conservative size: :func:`vramcal.sizing.throughput_choice`); only without ``batch_size``.
-        batch_size_min: the lower bound an explicit batch size is clamped to.
-        effective_batch_size: samples per optimizer step to keep (one process): the batch size above (or the
-            profile's limit) becomes the largest micro-batch that fits, and gradients are accumulated over the
-            micro-batches that reach it (:func:`vramcal.sizing.accumulation`); the LR scales with it.
-        lr: peak learning rate at ``reference_batch_size`` (default 5e-5: the seed documents' fix for
-            a loss that oscillated at 1e-4).
-        lr_scaling: how the peak LR follows the batch size: ``none``, ``linear`` (lr x b/ref, Goyal et al.
-            2017) or ``sqrt`` (lr x sqrt(b/ref), the square-root rule for Adam, Malladi et al. 2022).
-        warmup_steps: linear warm-up steps; None = 5 % of the run's steps (at least 1).
-        max_steps: stop after this many optimizer steps (None: run all epochs).
-        stride: window spacing in bars; None = seq_len // 2 (see :mod:`vramcal.models.regressor.windows`).
-        data_on_device: hold the windows in the GPU's memory (counted there) instead of host memory
-            with batches copied per step.
-        checkpoint_steps, checkpoint_minutes: also save a checkpoint every this many steps or minutes
-            within an epoch (None: at the end of each epoch only), so a kill loses less than an epoch.
-        min_lr_fraction: the cosine decay ends at this fraction of the peak LR.
-        val_batch_size: samples per validation chunk; None = the profile's evaluation limit (its conservative size,
-            ``vramcal probe --eval``), else the training micro-batch (:func:`vramcal.train.plan.validation`).
-        variant: ``spec`` (train the spec as given) or ``auto``: among the calibrated variants of the spec (its
-            activation checkpointing and chunk_size: :mod:`vramcal.sizing.variants`) under ``profiles_dir``, the one
-            with the most measured samples/s at the batch each would train at; the run's saved config holds the spec
-            chosen.
-        report_to: where the epochs' figures go beside ``metrics.jsonl`` (:mod:`vramcal.train.tracking`):
-            ``tensorboard`` (the default), ``mlflow`` (when installed); empty for neither.
-        model: ``regressor`` (the spec, on ``data``) or ``lm``: the language model of ``lm_config`` on the documents
-            of ``text`` (:mod:`vramcal.train.lm_plan`), in batches by ``batching``.
-        lm_config: the lm's ``Mamba2Config`` JSON file (``--model-arg config=FILE``).
-        text: the lm's folder of text files, or ``stdlib`` (:mod:`vramcal.models.corpus`).
-        batching: the lm's batches: ``budget`` (the profile's token budget) or ``buckets`` (its bucket table at
-            ``buckets``, each bucket's longest length; () the calibration's).
+        batch_size: samples per optimizer step; None = sized by ``size_for``
+            (:func:`vramcal.sizing.throughput_choice`).
+        effective_batch_size: samples per optimizer step accumulated over micro-batches
+            (:func:`vramcal.sizing.accumulation`).
+        lr: peak learning rate at ``reference_batch_size`` (5e-5: the seed documents' fix for an oscillating loss),
+            scaled by ``lr_scaling``: ``linear`` (Goyal et al. 2017) or ``sqrt`` (Malladi et al. 2022).
+        warmup_steps: None = 5 % of the run's steps (at least 1).
+        val_batch_size: None = :func:`vramcal.train.plan.validation`'s choice.
+        model: ``regressor`` (on ``data``) or ``lm`` (``lm_config`` on ``text``: :mod:`vramcal.train.lm_plan`).
 
-    Paths (``data``, ``profiles_dir``, a ``profile`` file) are used as given, so relative ones are relative
-    to the current directory. Files written for later use (a run's ``config.json``, the
-    ``best-config.json`` of ``vramcal tune``) hold them made absolute (:meth:`with_absolute_paths`), so
-    ``--resume`` and ``--config`` work from any directory.
+    Paths are used as given; files written for later use hold them absolute (:meth:`with_absolute_paths`).
 
     Raises:
         ConfigError: a value out of range; lr, weight_decay and max_grad_norm must also be finite.
@@ -178,7 +141,7 @@ class TrainConfig:
 
     @property
     def language_model(self) -> bool:
-        """Whether the run trains a language model on text (``model`` ``lm``), not the regressor on bars."""
+        """Whether the run trains a language model on text, not the regressor on bars."""
         return is_language_model(self.model)
 
     def to_dict(self) -> dict[str, Any]:
@@ -188,8 +151,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        """Build from a dict of option names; spec fields may be flat or under ``spec``. Every value is typed
-        and ranged first (:data:`CONFIG_RANGES`, :mod:`vramcal.schema`), and the spec checked.
+        """Build from a dict of option names (spec fields flat or under ``spec``), every value typed and ranged first
+        (:data:`CONFIG_RANGES`, :mod:`vramcal.schema`).
 
         Raises:
             ConfigError: unknown names, or a value of the wrong kind or out of range (naming the setting).
@@ -217,8 +180,7 @@ class TrainConfig:
             raise ConfigError(str(error)) from None
 
     def size_request(self) -> SizeRequest:
-        """What this run asks of its profile (:class:`vramcal.sizing.SizeRequest`): the conservative limit or
-        the batch size given, its minimum, the effective batch, what to size for, the spec's seq_len."""
+        """What this run asks of its profile (:class:`vramcal.sizing.SizeRequest`)."""
         return SizeRequest(batch_size_min=self.batch_size_min, request=self.batch_size,
                            effective_batch_size=self.effective_batch_size, size_for=self.size_for,
                            seq_len=self.spec.seq_len)
@@ -232,13 +194,13 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
     def data_options(self) -> dict[str, Any]:
-        """The regressor factory's data options (:data:`vramcal.models.registry.DATA_OPTIONS`): the bar file (made
-        absolute, for the worker), how it is cut into windows, and where the windows live."""
+        """The regressor factory's data options (:data:`vramcal.models.registry.DATA_OPTIONS`), the bar file made
+        absolute for the worker."""
         return {"data": str(Path(self.data).resolve()), "stride": self.stride, "val_fraction": self.val_fraction,
                 "data_on_device": self.data_on_device}
 
     def with_absolute_paths(self) -> TrainConfig:
-        """A copy whose ``data``, ``profiles_dir`` and ``profile`` file (unless ``auto``) are absolute."""
+        """A copy whose paths (``data``, ``profiles_dir``, a ``profile`` file, ...) are absolute."""
         profile = self.profile if self.profile == "auto" else str(Path(self.profile).resolve())
         text = self.text if self.text == "stdlib" else str(Path(self.text).resolve())
         lm_config = self.lm_config and str(Path(self.lm_config).resolve())
@@ -265,13 +227,8 @@ PATHS = ("data", "profile", "profiles_dir", "text")  # file and folder names: no
 
 
 def _typed(record: type, values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` (keys may carry a ``spec.`` prefix, kept in messages) typed by ``record``'s annotations and
-    :data:`CONFIG_RANGES`; a GPU index may be a number; paths are non-empty; ``implementation`` one of
-    :data:`vramcal.models.mamba2.IMPLEMENTATIONS`.
-
-    Raises:
-        SchemaError: the first value that does not fit, named as the file names it.
-    """
+    """``values`` (keys may carry ``spec.``) typed and ranged (:data:`CONFIG_RANGES`); raises SchemaError naming the
+    first misfit."""
     import typing
 
     hints, typed = typing.get_type_hints(record), {}
@@ -288,7 +245,7 @@ def _typed(record: type, values: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_config(path: Path | str) -> TrainConfig:
-    """Read a ``.json`` or ``.toml`` config file (a ``[train]`` table in TOML is also accepted).
+    """Read a ``.json`` or ``.toml`` config file (in TOML a ``[train]`` table too).
 
     Raises:
         ConfigError: the file is missing, unreadable, not JSON/TOML, or holds unknown settings.

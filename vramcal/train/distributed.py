@@ -1,29 +1,10 @@
-"""``vramcal train --nproc-per-node N``: a DDP run (or FSDP, ``--strategy fsdp``) launched through torch.distributed's
-own launcher.
+"""``vramcal train --nproc-per-node N``: a DDP (or ``--strategy fsdp``) run launched through torchrun's elastic agent
+(DESIGN.md "Several processes: DDP and FSDP").
 
-The launcher (:func:`launch`, in the ``vramcal train`` process) checks the data and the run folder, writes
-the run's settings to ``<run_dir>/launch.json`` and starts torchrun's elastic agent
-(``torch.distributed.run``, with ``--nnodes`` and the rendezvous options passed through, so several
-machines join as torchrun users already do). The agent starts one *rank process* per local rank
-(:func:`main`: ``python -m vramcal.train.distributed``), which:
-
-1. finds its own device (GPU: the ``LOCAL_RANK``-th visible one; the host: its own budget, ``--capacity``
-   given once for all or once per local rank) and its own profile, calibrated for this DDP world
-   (:func:`vramcal.profile.world_difference` says why another world's or one process's cannot size it);
-2. sizes its own batch from that profile (ranks on different cards take different batches);
-3. trains in a worker forked from vramcal's server, like the trials that sized it
-   (:func:`vramcal.train.worker.train_in_worker`; the server started with the caller's ``OMP_NUM_THREADS``, as the
-   probe's was, not torchrun's: :func:`as_the_caller`): the ranks agree on every rank's batch, the learning rate
-   follows the global batch, and gradients are weighted by each rank's samples
-   (:class:`vramcal.train.loop.Share`); rank 0 writes the run's records, checkpoints and metrics (under FSDP
-   every rank gathers the state it saves first: :mod:`vramcal.train.states`);
-4. appends its own observation (its measured peak against its own profile's prediction) to its profile.
-
-A rank that fails writes one line to ``<run_dir>/ranks/<rank>.error`` and exits 1; the agent then stops the
-others (within its monitor interval and shutdown timeout), and the launcher raises one line naming the
-rank. The run folder is left resumable: ``vramcal train --resume --run-dir ... --nproc-per-node N`` (the world's
-strategy and settings kept from ``launch.json``: :func:`launched_world`).
-"""
+The launcher (:func:`launch`) writes ``<run_dir>/launch.json`` and starts the agent, which starts one rank process
+per local rank (:func:`main`): each finds its own device and world profile, sizes its own batch, trains in a worker
+forked like the trials (:func:`vramcal.train.worker.train_in_worker`) and records its own observation. A failed rank
+writes one line to ``<run_dir>/ranks/<rank>.error``; the launcher raises it, the folder left resumable."""
 
 from __future__ import annotations
 
@@ -50,7 +31,7 @@ OMP = "omp_num_threads"  # launch.json: the caller's OMP_NUM_THREADS (null: unse
 
 def launch(config: TrainConfig, run_dir: Path, world: World, nproc_per_node: int, torchrun: dict[str, Any],
            capacities: tuple[int, ...] = (), resume: bool = False, overrides: dict[str, Any] | None = None) -> None:
-    """Start the run's ranks through torchrun's elastic agent and wait for them (module docstring).
+    """Start the run's ranks through torchrun's elastic agent and wait for them.
 
     Args:
         world: the DDP settings; its ``nproc`` is the whole world (nodes × ``nproc_per_node``).
@@ -88,8 +69,8 @@ def launch(config: TrainConfig, run_dir: Path, world: World, nproc_per_node: int
 
 
 def launched_capacities(run_dir: Path) -> tuple[int, ...]:
-    """The host budgets (bytes) a run's ranks were last started with: what ``--resume`` without ``--capacity``
-    keeps; () when the run folder's ``launch.json`` is missing, unreadable or named none."""
+    """The host budgets (bytes) a run's ranks were last started with (a ``--resume`` without ``--capacity`` keeps
+    them); () when ``launch.json`` is missing, unreadable or names none."""
     try:
         capacities = json.loads((run_dir / LAUNCH).read_text()).get("capacities", [])
     except (OSError, ValueError, AttributeError):
@@ -98,12 +79,11 @@ def launched_capacities(run_dir: Path) -> tuple[int, ...]:
 
 
 def launched_ranks(run_dir: Path) -> tuple[int, dict[str, Any]]:
-    """How a run was last launched, for a ``--resume`` that gives neither ``--nproc-per-node`` nor torchrun's options:
-    its ranks on this machine and torchrun's options (``launch.json``; a record written before they were kept: the
-    world's ranks, no options); ``(1, {})`` for a run of one process (no world recorded).
+    """How a run was last launched (its local ranks, torchrun's options), for a ``--resume`` that gives neither;
+    ``(1, {})`` for a run of one process.
 
     Raises:
-        TrainError: a run launched on several nodes: each node's launch is its own, so it is resumed with its options.
+        TrainError: a run launched on several nodes (each node resumes with its own options).
     """
     try:
         launched = json.loads((run_dir / LAUNCH).read_text())
@@ -120,8 +100,8 @@ def launched_ranks(run_dir: Path) -> tuple[int, dict[str, Any]]:
 
 
 def launched_world(run_dir: Path, now: World) -> World:
-    """The world a resumed run keeps: the strategy and settings its ranks were last started with (``launch.json``),
-    at ``now``'s size and backend; ``now`` itself when the file is missing, unreadable or names no world."""
+    """The world a resumed run keeps (``launch.json``'s strategy and settings) at ``now``'s size and backend; ``now``
+    when none is recorded."""
     try:
         saved = json.loads((run_dir / LAUNCH).read_text())["world"]
         return World.from_dict({**saved, "nproc": now.nproc, "backend": now.backend})
@@ -131,14 +111,8 @@ def launched_world(run_dir: Path, now: World) -> World:
 
 @contextlib.contextmanager
 def signals_as_before() -> Iterator[None]:
-    """Run torchrun's agent with the process's own ways out of SIGTERM and Ctrl-C.
-
-    The agent takes over SIGTERM, SIGINT, SIGHUP and SIGQUIT while it runs (its process context's handler raises
-    ``SignalException`` after it has stopped the ranks, and is never put back), so a ``kill`` during a run
-    ended in torch's traceback. Here the handlers in place before are put back, and a ``SignalException`` is
-    handed to the one its signal had: vramcal's command turns SIGTERM into its one line (exit 143), Python's
-    SIGINT handler raises KeyboardInterrupt (exit 130); a signal whose handler was not Python's is a
-    KeyboardInterrupt.
+    """Run torchrun's agent with the process's own SIGTERM and Ctrl-C handlers: the agent takes them over and never
+    puts them back; its ``SignalException`` is handed to the handler its signal had.
 
     Raises:
         KeyboardInterrupt: (or what the signal's own handler raises) the agent was stopped by a signal.
@@ -207,14 +181,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def as_the_caller(spec: dict[str, Any]) -> None:
-    """Give this rank process the ``OMP_NUM_THREADS`` of the command that launched it (``launch.json``), for the
-    worker server it starts: torchrun sets it to 1 where its caller had none, and a server that imports torch with
-    OpenMP's and OpenBLAS's pools at 1 thread holds about 80 MiB less data segment (their threads' stacks and
-    buffers, measured on the 2-core host: 398 against 478 MiB) than the probe's server did, which every forked worker
-    inherits: the rank then peaked that much under its trials at the same batch (2 FSDP ranks at the ``small`` spec:
-    -9.3 % against the prediction, -0.7 % with the caller's setting). The worker's compute threads are the world's
-    ``threads_per_rank`` either way (:func:`vramcal.measure.distributed.join`). A ``launch.json`` written before this
-    was recorded leaves it as is."""
+    """Give this rank process the ``OMP_NUM_THREADS`` of the command that launched it, for the worker
+    server it starts: torchrun's 1 would leave the server ~80 MiB less data segment than the probe's had (measured:
+    DESIGN.md "Several processes: DDP and FSDP")."""
     if OMP not in spec:
         return
     if spec[OMP] is None:

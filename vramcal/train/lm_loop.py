@@ -1,21 +1,10 @@
-"""The language model's training loop (``vramcal train --model lm``), run inside the training worker: the
-regressor's :class:`~vramcal.train.loop.Trainer` (schedule, meter, checkpoints, resume, out-of-memory fallback,
-non-finite and divergence stops, metrics) with batches of documents of every length.
+"""The language model's training loop (``vramcal train --model lm``): the regressor's
+:class:`~vramcal.train.loop.Trainer` on batches of documents of every length (DESIGN.md "A language model on real
+text").
 
-Each epoch's batches are :class:`vramcal.sizing.sampler.LengthBatchSampler`'s from the plan's batching record
-(:mod:`vramcal.train.lm_plan`), shuffled by epoch (its ``set_epoch``), so a resumed epoch forms the same batches in
-the same order. In the first epoch the worst batch (the plan's) runs second: the first step allocates AdamW's state
-and is not measured, as a trial's warm-up; an epoch that would not fit fails in seconds.
-
-A batch is its documents' bytes, padded on the right to its longest: ``input_ids`` (B, L) int64 and ``labels``
-(B, L) int64 with the padding at :data:`vramcal.models.corpus.IGNORE_INDEX`; the loss is transformers' next-token
-cross-entropy, the mean over the tokens it counts (each document's tokens after its first). An out-of-memory step
-is retried in micro-batches of documents, each loss weighted by its share of the counted tokens (the gradient stays
-the batch's). Validation runs the validation documents in the same batching, without gradients, and reports the
-mean loss per counted token (``val_loss``, nats) beside a uniform guess over the 256 byte values (``val_zero_loss``,
-ln 256: the baseline the divergence checks hold the run to) and bits per byte. ``train_loss`` is the
-mean of the epoch's step losses weighted by their documents, as the regressor's is by its samples.
-"""
+A batch is its documents' bytes padded on the right; the loss is transformers' next-token cross-entropy over the
+counted tokens, weighted by them when an out-of-memory step is split. ``val_zero_loss`` is a uniform guess over the
+256 byte values (ln 256), the baseline the divergence checks hold the run to."""
 
 from __future__ import annotations
 
@@ -24,13 +13,15 @@ from typing import Any
 
 import torch
 
+from vramcal.calibration.lengths import padded_length
 from vramcal.measure.trial import torch_device
 from vramcal.models.corpus import BYTE_VOCAB, IGNORE_INDEX, Corpus, lengths
 from vramcal.models.mamba2 import autocast
 from vramcal.train import checkpoint
-from vramcal.train.lm_plan import read_corpus, sampler
-from vramcal.train.loop import Trainer, _first_line
+from vramcal.train.lm_plan import read_corpus, sampler, shapes
+from vramcal.train.loop import Trainer
 from vramcal.train.plan import Plan
+from vramcal.train.rules import first_line
 from vramcal.units import format_rate
 from vramcal.workload import build
 
@@ -38,8 +29,8 @@ UNIFORM_LOSS = math.log(BYTE_VOCAB)  # nats per byte of a uniform guess over the
 
 
 def tensors(docs: list[bytes], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``input_ids`` and ``labels`` of documents padded on the right to the longest: (B, L) int64 each (module
-    docstring)."""
+    """``input_ids`` and ``labels`` of documents padded on the right: (B, L) int64 each, labels padded with
+    IGNORE_INDEX."""
     longest = max(map(len, docs))
     ids = torch.zeros(len(docs), longest, dtype=torch.int64)
     labels = torch.full((len(docs), longest), IGNORE_INDEX, dtype=torch.int64)
@@ -80,15 +71,14 @@ class TextTrainer(Trainer):
         return {"identity": self.corpus.identity, "files": self.corpus.files}
 
     def _epoch_batches(self, epoch: int) -> list[list[int]]:
-        """The epoch's batches (module docstring: the worst one second in the first epoch)."""
+        """The epoch's batches (shuffled by epoch: a resume forms the same); in the first epoch the worst batch runs
+        second, after the unmeasured step that allocates AdamW's state."""
         self.sampler.set_epoch(epoch)
         batches = self.sampler.batches()
         if epoch == 0 and len(batches) > 2:
-            chunk = int(self.plan.data_stats["chunk_size"])
-            at = next((i for i, b in enumerate(batches) if (len(b), -(-max(len(self.corpus.train[j]) for j in b)
-                                                                     // chunk) * chunk) == self.worst), None)
-            if at is not None:
-                batches.insert(1, batches.pop(at))
+            formed = shapes(batches, lengths(self.corpus.train), int(self.plan.data_stats["chunk_size"]))
+            if self.worst in formed:
+                batches.insert(1, batches.pop(formed.index(self.worst)))
         return batches
 
     def _loss(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -97,8 +87,8 @@ class TextTrainer(Trainer):
             return self.model(input_ids=ids, labels=labels, use_cache=False).loss
 
     def _train_batch(self, batch: list[int]) -> tuple[float, float, float, int]:
-        """One optimizer step on the batch's documents, with the out-of-memory fallback (module docstring): (loss,
-        grad norm, the uniform guess's loss, documents); the epoch's tokens counted."""
+        """One optimizer step on the batch's documents: (loss, grad norm, the uniform guess's loss, documents); the
+        epoch's tokens counted."""
         docs = [self.corpus.train[i] for i in batch]
         ids, labels = tensors(docs, self.step_device)
         total = counted(labels)
@@ -134,7 +124,7 @@ class TextTrainer(Trainer):
                 except Exception as error:
                     if not self._out_of_memory(error):
                         raise
-                    self._fall_back(chunk, chunk, _first_line(error), "validation")
+                    self._fall_back(chunk, chunk, first_line(error), "validation")
         self.model.train()
         val_loss = loss_sum / max(tokens, 1)
         return {"val_loss": val_loss, "val_zero_loss": UNIFORM_LOSS, "val_bits_per_byte": val_loss / math.log(2)}
@@ -159,26 +149,17 @@ class TextTrainer(Trainer):
 
 
 def text_trainer(plan: Plan, meter: Any, echo: Any, on_epoch: Any) -> tuple[TextTrainer, int]:
-    """The language model's trainer in the training worker: its text read and checked against the plan (and on
-    resume the checkpoint's), its step built by the family's factory as the trials built it; and the bytes of data
-    it holds in the measured memory.
+    """The language model's trainer in the training worker, and the bytes of data it holds in the measured memory.
 
     Raises:
-        CorpusError: the text is not the run's (nothing trained on it). WorkloadError: the factory failed.
+        CorpusError: the text is not the run's. WorkloadError: the factory failed.
     """
     corpus = read_corpus(plan)
-    context = int(plan.data_stats["chunk_size"]) * -(-int(plan.data_stats["context"]) // int(
-        plan.data_stats["chunk_size"]))
+    context = padded_length(int(plan.data_stats["context"]), int(plan.data_stats["chunk_size"]))
     options = {"lr": plan.lr, "weight_decay": plan.config.weight_decay, "max_grad_norm": plan.config.max_grad_norm,
                "seed": plan.config.seed}
     step = build(plan.model.replace(seq_len=context), torch_device(plan.device), options)
     meter.check_pinned()
-    state = None
-    if plan.resume:
-        state, path, notice = checkpoint.load_resumable(plan.run_dir)
-        if notice:
-            echo(f"warning: {notice}")
-        done = state["progress"]
-        echo(f"continuing from {path}: {done['epoch']} epoch(s) and {done['step']} step(s) done")
+    state = checkpoint.resume_from(plan.run_dir, plan.rank, echo) if plan.resume else None
     trainer = TextTrainer(plan, step, corpus, meter=meter, echo=echo, state=state, on_epoch=on_epoch)
     return trainer, corpus.held_bytes if plan.device.kind == "host" else 0

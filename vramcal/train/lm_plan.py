@@ -1,29 +1,8 @@
-"""Planning a language-model run (``vramcal train --model lm``): text, profile, batches, the worst batch, forecast.
+"""Planning a language-model run (``vramcal train --model lm``): text, profile, batches, the worst batch.
 
-The run trains the ``lm`` family (:mod:`vramcal.models.lm`, a ``Mamba2Config`` file) on real documents of every
-length (:mod:`vramcal.models.corpus`: the standard library's own source by default), in the batches
-:class:`vramcal.sizing.sampler.LengthBatchSampler` forms from a profile calibrated over several lengths (``vramcal probe
---model lm --seq-len 64:1024``): by its token budget (``--batching budget``, the default) or its bucket table
-(``--batching buckets``, at ``--buckets``). The profile's longest length is the run's context: longer documents are
-cut into windows of it.
-
-**The worst batch.** An epoch's batch shapes do not depend on its shuffle (the budget sorts by length, the buckets
-count their members), so the plan forms them once and sizes the run at the one the profile's model predicts the
-highest peak for (:func:`vramcal.sizing.size` at its documents and its longest length, padded to the chunk): the
-prediction the run's measured peak is held against, as the regressor's is held against its batch size's. The
-trainer runs that batch second in the first epoch (the first step allocates AdamW's state and is not measured, as
-a trial's warm-up): a run that would not fit fails in its first seconds, not an hour in.
-
-**The forecast** (:func:`vramcal.train.timing.documents_forecast`): the profile's trials time their steps and validation
-passes at each length; ``step_s = t0 + t_token × batch_size × seq_len`` is fitted to them by least squares, and an
-epoch is the sum over its batches (padded) plus its validation batches; the measured tokens/s and epoch time are
-printed beside it and recorded in the profile's observation, as the regressor's samples/s are
-(:mod:`vramcal.train.timing`).
-
-The learning rate is ``--lr`` as given (a batch's documents vary, so no batch-size scaling applies). Validation
-forms its batches from the validation documents by the same budget or table (it holds no gradients, so they fit).
-One process: DDP is the regressor's.
-"""
+The run trains the ``lm`` family on documents of every length in the batches a profile over several lengths gives
+(:class:`vramcal.sizing.sampler.LengthBatchSampler`), sized at its worst batch, at ``--lr`` as given, in one process:
+DESIGN.md "A language model on real text"."""
 
 from __future__ import annotations
 
@@ -31,7 +10,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from vramcal import api
 from vramcal.calibration.lengths import Bucket, TokenBudget, padded_length
 from vramcal.calibration.surface import INTERPOLATED
 from vramcal.measure.device import free_bytes
@@ -44,16 +22,16 @@ from vramcal.sizing import SizeRequest, Sizing, SizingError, basis_notice, batch
 from vramcal.sizing.lookup import NoProfileError
 from vramcal.train import checkpoint, tracking
 from vramcal.train.config import ConfigError, TrainConfig
-from vramcal.train.plan import Plan, Setting, host_limit, run_device, saved_run
+from vramcal.train.plan import Plan, Setting, host_limit, located_profile, resumed, run_device
 from vramcal.words import Info
 from vramcal.workload import ModelRef
 
 
 def lm_ref(config: TrainConfig, device: Device) -> ModelRef:
-    """The key of the run's language model over several lengths (a profile's over ``--seq-len A:B``: no seq_len).
+    """The key of the run's language model over several lengths (no seq_len).
 
     Raises:
-        ValueError: a config transformers refuses, or whose vocabulary cannot hold the 256 byte values; a dtype the
+        ValueError: a config transformers refuses or whose vocabulary cannot hold the 256 byte values; a dtype the
             device cannot run.
     """
     settings = lm.read_config(config.lm_config)
@@ -66,12 +44,12 @@ def lm_ref(config: TrainConfig, device: Device) -> ModelRef:
 
 
 def resolve(config: TrainConfig, capacity_bytes: int | None = None) -> Setting:
-    """What a language-model run is sized against: its device, model, profile (over several lengths), text (cut to
-    the profile's longest length) and host budget.
+    """What a language-model run is sized against: device, model, profile over several lengths, text (cut to the
+    profile's longest length) and host budget.
 
     Raises:
-        CorpusError: no text (:func:`vramcal.models.corpus.load_corpus`). SizingError: no profile, or one of one
-            length. ConfigError, ValueError, DeviceError: as :func:`vramcal.train.plan.resolve`.
+        CorpusError: no text. SizingError: no profile, or one of one length.
+        ConfigError, ValueError, DeviceError: as :func:`vramcal.train.plan.resolve`.
     """
     tracking.check_reporters(config.report_to)
     device, notices = run_device(config, capacity_bytes)
@@ -91,18 +69,11 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None) -> Setting:
 
 def _profile(config: TrainConfig, device: Device, model: ModelRef, capacity_bytes: int | None,
              notices: list[str]) -> tuple[Profile, str]:
-    """The profile of the run's model over several lengths, and its file.
-
-    Raises:
-        SizingError: none (the probe that makes one named), or one calibrated at one length.
-    """
+    """The run's profile over several lengths and its file; SizingError: none, or one of one length."""
     try:
-        located = api.locate_profile(model, device=device, profile=None if config.profile == "auto" else config.profile,
-                                     profiles_dir=config.profiles_dir,
-                                     total_bytes=capacity_bytes if device.kind == "host" else None)
+        located = located_profile(config, device, model, capacity_bytes, None, False, False, notices)
     except NoProfileError as error:
         raise SizingError(str(error).replace("<its lengths>", "64:1024")) from None
-    notices += list(located.notices)
     if located.profile.surface is None:
         raise SizingError(f"{located.path}: the profile was calibrated at one seq_len; documents of every length need "
                           f"several: `vramcal probe --model lm --model-arg config={config.lm_config} --seq-len "
@@ -111,13 +82,11 @@ def _profile(config: TrainConfig, device: Device, model: ModelRef, capacity_byte
 
 
 def batching_record(profile: Profile, config: TrainConfig) -> tuple[dict[str, Any], batching.Worst]:
-    """The run's batching, as its record keeps it: ``{"mode": "budget", "budget": {...}}`` or ``{"mode": "buckets",
-    "buckets": [...]}`` (the worker forms its batches from it, so a resume forms the same ones), and the worst case
-    its batches are held to (the conservative budget's, or the longest bucket's).
+    """The run's batching as its record keeps it (``{"mode": "budget", "budget": {...}}`` or ``{"mode": "buckets",
+    "buckets": [...]}``: a resume forms the same batches), and the worst case it is held to.
 
     Raises:
-        SizingError: a bucket above the profile's longest seq_len; no budget (one document of the longest length
-            does not fit).
+        SizingError: a bucket above the profile's longest seq_len; no budget fits one longest document.
     """
     if config.batching == "budget":
         budget, (_, worst) = batching.budget(profile)
@@ -127,7 +96,7 @@ def batching_record(profile: Profile, config: TrainConfig) -> tuple[dict[str, An
 
 
 def sampler(record: dict[str, Any], lengths: list[int], **options: Any):
-    """The :class:`vramcal.sizing.sampler.LengthBatchSampler` of a batching record (:func:`batching`).
+    """The :class:`vramcal.sizing.sampler.LengthBatchSampler` of a batching record.
 
     Raises:
         ValueError: a length no bucket covers, or above the budget's longest (one line naming the document).
@@ -145,12 +114,12 @@ def shapes(batches: list[list[int]], lengths: list[int], chunk_size: int) -> lis
 
 
 def plan_run(config: TrainConfig, run_dir: Path, setting: Setting) -> Plan:
-    """A new language-model run against ``setting`` (:func:`resolve`): its batches' shapes, sized at the worst one
-    (module docstring).
+    """A new language-model run against ``setting``, sized at the batch whose upper bound is highest (an epoch's
+    batch shapes do not depend on its shuffle, so they are formed once).
 
     Raises:
-        SizingError: the text has a length the batching cannot hold (a length no bucket covers), or the worst batch
-            is above the profile's safe limit at its length. RunDirError: as :func:`vramcal.train.plan.plan_run`.
+        SizingError: a length the batching cannot hold, or the worst batch above the profile's safe limit now.
+        RunDirError: as :func:`vramcal.train.plan.plan_run`.
     """
     checkpoint.check_run_dir(run_dir, resume=False)
     profile, stats = setting.profile, dict(setting.data_stats)
@@ -183,8 +152,7 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting) -> Plan:
 
 
 def _batching_notices(worst: batching.Worst, sizing: Sizing) -> tuple[str, ...]:
-    """The sizing's notices, where the batching's worst case was verified by a real trial with that trial said
-    instead of the limits interpolated at the worst batch's length (every batch lies within the batching)."""
+    """The sizing's notices, the real trial that verified the batching's worst case said in place of interpolation."""
     if worst.check is None:
         return sizing.notices
     said = Info(f"every batch lies within {worst.what}, verified by a real trial at batch_size {worst.batch_size} x "
@@ -203,39 +171,26 @@ def _totals(formed: dict[str, list[tuple[int, int]]]) -> dict[str, int]:
 
 
 def plan_resume(run_dir: Path, overrides: dict[str, Any]) -> Plan:
-    """The continuation of the language-model run in ``run_dir``: its saved plan, the settings in ``overrides``
-    (:data:`vramcal.train.config.RESUME_OVERRIDES`) replaced; the worker checks the text against the checkpoint.
+    """The continuation of the language-model run in ``run_dir`` (as :func:`vramcal.train.plan.plan_resume`; the
+    worker checks the text).
 
     Raises:
         RunDirError: nothing to resume. DeviceError: the device is not here.
     """
-    run_dir, plan, config = saved_run(run_dir, overrides)
-    device = api.select_devices(config.gpu)[0][0]
-    notices = []
-    difference = device.hardware_difference(plan.device)
-    if difference:
-        notices.append(f"resuming on other hardware than the run started on ({difference}); the batches stay")
-    return replace(plan, config=config, lr=config.lr, device=replace(device, total_bytes=plan.device.total_bytes),
-                   notices=tuple(notices))
+    plan, config = resumed(run_dir, overrides, "the batches stay")
+    return replace(plan, lr=config.lr)
 
 
 def read_corpus(plan: Plan) -> Corpus:
-    """The plan's text, read again (in the training process).
+    """The plan's text, read again in the training process.
 
     Raises:
-        CorpusError: the text changed since the run was planned or started (its identity: nothing is trained on
-            it), or is gone.
+        CorpusError: the text is gone, or is not the text the run was planned on (nothing is trained on it).
     """
     stats = plan.data_stats
     corpus = load_corpus(plan.config.text, int(stats["context"]), plan.config.val_fraction)
     if corpus.identity != stats["identity"]:
-        raise _other_text(plan, corpus)
+        raise CorpusError(f"--text {plan.config.text} is not the text this run was planned on ({stats['files']} files, "
+                          f"SHA-256 {stats['identity'][:12]}...; now {corpus.files} files, {corpus.identity[:12]}...): "
+                          f"nothing was trained on it; train on the same text, or start a new run")
     return corpus
-
-
-def _other_text(plan: Plan, corpus: Corpus) -> CorpusError:
-    """The one-line refusal of text that is not the run's."""
-    stats = plan.data_stats
-    return CorpusError(f"--text {plan.config.text} is not the text this run was planned on ({stats['files']} files, "
-                       f"SHA-256 {stats['identity'][:12]}...; now {corpus.files} files, {corpus.identity[:12]}...): "
-                       f"nothing was trained on it; train on the same text, or start a new run")

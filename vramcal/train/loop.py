@@ -1,53 +1,9 @@
-"""The training loop, run inside a worker process: epochs at the planned batch size, validation, metrics,
-checkpoints and fallbacks.
+"""The training loop, run inside the training worker: epochs at the planned batch size, validation, metrics,
+checkpoints, and the fallbacks and stops DESIGN.md "Training with a profile" and "Failure" describe.
 
-The step is the regressor's :class:`~vramcal.workload.TrainingStep` built by the same factory a trial
-builds (:func:`vramcal.models.regressor.training_step`), in the same kind of process, measured by the same
-meter (:func:`vramcal.measure.meters.open_meter`): the profile's memory model describes this loop. AdamW,
-linear warm-up then cosine decay to ``min_lr_fraction`` of the peak LR, gradient clipping; fp32 weights,
-bf16 autocast on CUDA when the spec's dtype policy says so.
-
-Peaks: the meter is reset after the run's first optimizer step (as a trial resets after its warm-up) and
-at the start of each later epoch; each epoch's row carries the peak over its steps and its validation
-pass, by the trials' definition.
-
-Times, as a trial times its steps: ``train_s`` is the sum of the epoch's step times (each from gathering its
-batch to the loss read back, which waits for the device), ``val_s`` the validation pass, and ``epoch_s`` their
-sum: what the run forecast (:mod:`vramcal.forecast`) forecasts for an epoch.
-
-Out of memory anyway (another process took memory, fragmentation): the step is retried with the
-micro-batch halved and gradients accumulated over ``ceil(batch / micro)`` micro-batches, each loss
-scaled by its share of the batch, so the effective batch and the gradient stay the same; validation
-halves its chunk the same way. The event is printed and recorded in ``metrics.jsonl``. At a micro-batch
-of one the run stops with one line naming the last good checkpoint.
-
-A non-finite loss or gradient norm stops the run before the optimizer steps (the weights stay the last
-good ones) with a :class:`NonFiniteError`, and that last finite state is saved as the last checkpoint (a
-NaN at step 2 keeps step 1); a non-finite validation loss or weight after an epoch stops it too, keeping
-the checkpoints there are. No checkpoint ever holds non-finite weights. A checkpoint that cannot be written
-(a full disk) stops the run with one line naming the file and the last good checkpoint.
-
-A run that diverges stops with a :class:`DivergedError` (the learning rate is too high), saving nothing
-more: its loss is far above the zero-return baseline's (:data:`DIVERGED_RATIO` times the mean squared
-target of the same batches over the last :data:`DIVERGENCE_STEPS` steps, or of the validation set after an
-epoch), or it rose through a whole epoch (each quarter of the epoch's steps above the one before, the
-last :data:`RISE_RATIO` times the first). The regressor's targets are standardised returns, so the baseline
-is about 1 and a model that learns nothing scores it.
-
-Resuming with another ``epochs`` or ``max_steps``: the warm-up stays as the run started, and the cosine
-decay is stretched (or shortened) to the new total from the current step.
-
-Under DDP (a :class:`Share` of a world) each step takes the next global batch of the epoch's order and
-each rank its own slice of it, sized by its own profile; each rank's loss is scaled by
-``n_ranks × own / global`` so that DDP's average of the gradients is the gradient of the global batch's
-mean loss (one update equals one step of a single process at the summed batch), and an incomplete last
-global batch is left out of the epoch. Validation is sharded over the ranks and summed. Every decision
-(a non-finite loss, the end) is taken on figures summed over the ranks, so all ranks take it together;
-rank 0 alone writes checkpoints and metrics. An out-of-memory error under DDP ends the run on every rank
-(halving one rank's micro-batch would desynchronise the ranks' gradient reductions). Under FSDP (the model sharded
-by ``fully_shard``, :func:`vramcal.measure.distributed.shard`) the same holds, its reduce-scatter averaging as DDP's
-all-reduce does; a save gathers the whole state onto rank 0 with every rank (:mod:`vramcal.train.states`).
-"""
+The step is built by the factory the trials used and measured by the same meter, with peaks reset as a trial resets
+them, so the profile's memory model describes this loop; ``epoch_s`` (step times plus the validation pass) is what
+:mod:`vramcal.forecast` forecasts. DDP and FSDP: DESIGN.md "Several processes: DDP and FSDP"."""
 
 from __future__ import annotations
 
@@ -56,7 +12,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -68,97 +24,23 @@ from vramcal.progress import Heartbeat
 from vramcal.train import checkpoint, states
 from vramcal.train.errors import DivergedError, NonFiniteError, Stopped, TrainError
 from vramcal.train.plan import Plan
+from vramcal.train.rules import (
+    Progress,
+    Share,
+    diverged_loss,
+    diverged_validation,
+    first_line,
+    lr_factor,
+    rising,
+    validation_text,
+)
 from vramcal.units import format_bytes, format_duration, format_rate
 from vramcal.workload import optimizer_step, step_loss
 
 Echo = Callable[[str], None]
 EpochHook = Callable[[dict[str, Any]], Any]
 
-DIVERGED_RATIO = 10.0  # loss / zero-return loss: 10 times worse than predicting no move at all
-DIVERGENCE_STEPS = 20  # steps the training loss is averaged over against the same batches' baseline
-RISE_RATIO = 1.5  # last quarter of an epoch's step losses / its first, every quarter above the one before
 WATCH_STEPS = 10  # steps between readings of the peak against the profile's prediction
-
-
-@dataclass
-class Progress:
-    """Where a run is; saved in every checkpoint.
-
-    Attributes:
-        epoch: completed epochs. batch_in_epoch: batches done in the current (unfinished) epoch.
-        step: optimizer steps done. micro_batch_size: samples per forward/backward (halved on OOM).
-        best_val_loss: the lowest validation loss so far. rows: everything in ``metrics.jsonl``.
-        epoch_loss_sum, epoch_samples, epoch_train_s, epoch_step_times: the unfinished epoch's figures, so
-            a run resumed from a mid-epoch checkpoint reports the whole epoch.
-        epoch_losses, epoch_baselines: each step's loss and its batch's zero-return loss (mean squared
-            target) this epoch, for the divergence checks.
-        epoch_tokens, epoch_padded_tokens: the unfinished epoch's tokens the loss counted and the tokens its
-            batches held, padding included (the language model's trainer, :mod:`vramcal.train.lm_loop`; 0 here).
-    """
-
-    epoch: int = 0
-    batch_in_epoch: int = 0
-    step: int = 0
-    micro_batch_size: int = 0
-    best_val_loss: float = math.inf
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    epoch_loss_sum: float = 0.0
-    epoch_samples: int = 0
-    epoch_train_s: float = 0.0
-    epoch_step_times: list[float] = field(default_factory=list)
-    epoch_losses: list[float] = field(default_factory=list)
-    epoch_baselines: list[float] = field(default_factory=list)
-    epoch_tokens: int = 0
-    epoch_padded_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class Share:
-    """This process's share of the global batch: every rank's batch size and, under DDP, the process group
-    (:class:`vramcal.measure.distributed.Group`); one process holds the whole batch and no group."""
-
-    batch_sizes: tuple[int, ...]
-    rank: int = 0
-    group: Any = None
-
-    @property
-    def global_batch(self) -> int:
-        return sum(self.batch_sizes)
-
-    @property
-    def own(self) -> int:
-        return self.batch_sizes[self.rank]
-
-    @property
-    def offset(self) -> int:
-        return sum(self.batch_sizes[:self.rank])
-
-    @property
-    def weight(self) -> float:
-        """The loss scale under DDP (module docstring): ``n_ranks × own / global``; 1 for one process."""
-        return len(self.batch_sizes) * self.own / self.global_batch
-
-    def summed(self, values: list[float]) -> list[float]:
-        """``values`` summed over the ranks (one process: as they are)."""
-        if self.group is None:
-            return values
-        import torch.distributed as dist
-
-        total = torch.tensor(values, dtype=torch.float64, device=self.group.device)
-        dist.all_reduce(total)
-        return total.tolist()
-
-    def gathered(self, value: Any) -> list[Any]:
-        return [value] if self.group is None else self.group.gather(value)
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int, min_fraction: float) -> float:
-    """Multiplier of the peak LR at ``step``: linear warm-up to 1, then cosine decay to ``min_fraction``."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return min_fraction + (1 - min_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 class Trainer:
@@ -166,11 +48,9 @@ class Trainer:
 
     Args:
         meter: the process's meter (:func:`vramcal.measure.meters.open_meter`), or None (no peaks).
-        state: a checkpoint's payload to resume from.
-        on_epoch: called with each epoch's metrics row after its checkpoint is saved; returning
-            ``"stop"`` ends the run there (:class:`Stopped`).
-        model: the module the forward pass goes through (under DDP, ``step.model`` wrapped); default
-            ``step.model``.
+        state: a checkpoint's payload to resume from (a new ``epochs``/``max_steps`` stretches the cosine decay).
+        on_epoch: called with each epoch's row after its checkpoint; ``"stop"`` ends the run (:class:`Stopped`).
+        model: the module the forward goes through (DDP's wrapper); default ``step.model``.
         share: this rank's share of the global batch (default: one process, the whole batch).
     """
 
@@ -207,14 +87,13 @@ class Trainer:
         self.val_batch_size = validation.batch_size if validation is not None else self.progress.micro_batch_size
 
     def _steps_per_epoch(self) -> int:
-        """Optimizer steps per epoch: the windows over the global batch (under DDP the incomplete last batch is
-        left out)."""
+        """Optimizer steps per epoch (under DDP the incomplete last global batch is left out)."""
         assert self.pipeline is not None
         batch, n_train = self.share.global_batch, len(self.pipeline.train_starts)
         return n_train // batch if self.share.group is not None else math.ceil(n_train / batch)
 
     def _epoch_figures(self) -> dict[str, Any]:
-        """What an epoch's row holds beyond the shared figures (the language model's tokens); none here."""
+        """An epoch row's figures beyond the shared ones (the language model's tokens); none here."""
         return {}
 
     def _epoch_line(self, row: dict[str, Any]) -> str:
@@ -230,11 +109,8 @@ class Trainer:
         """The data's facts a checkpoint keeps (a resume checks the data against them)."""
         return self.pipeline.windows.stats()
 
-    # ------------------------------------------------------------------------------------ a step
-
     def _step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
-        """One optimizer step on the whole batch, with the OOM fallback (one process); returns (loss, grad
-        norm, the batch's zero-return loss), the losses the global batch's means."""
+        """One optimizer step on the whole batch: (loss, grad norm, the batch's zero-return loss)."""
         if self.share.group is not None:
             return self._ranked_step(x, y)
         batch, baseline = x.shape[0], float((y.float() ** 2).mean())
@@ -243,9 +119,7 @@ class Trainer:
         return loss, grad_norm, baseline
 
     def _accumulated(self, batch: int, part: Callable[[int, int], tuple[Any, float]]) -> tuple[float, float]:
-        """One optimizer step over a batch of ``batch`` samples in micro-batches (module docstring: the OOM
-        fallback halves them): ``part(i, j)`` is samples i to j's mean loss and its weight in the batch's (None: it
-        counts nothing); returns (loss, grad norm)."""
+        """One optimizer step over ``batch`` samples in micro-batches (``part(i, j)``: their mean loss, weight)."""
         while True:
             micro = min(self.progress.micro_batch_size, batch)
             try:
@@ -260,11 +134,11 @@ class Trainer:
             except Exception as error:
                 if not self._out_of_memory(error):
                     raise
-                message = _first_line(error)
+                message = first_line(error)
             self._fall_back(micro, batch, message, "step")
 
     def _ranked_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float, float]:
-        """One DDP step on this rank's slice (module docstring: the loss scaled, no fallback)."""
+        """One DDP step on this rank's slice, its loss scaled by :attr:`Share.weight` (no fallback)."""
         share = self.share
         try:
             loss = step_loss(self.step, (x, y), self.model)
@@ -274,15 +148,14 @@ class Trainer:
             if not self._out_of_memory(error):
                 raise
             raise TrainError(f"rank {share.rank} ran out of memory at its batch of {share.own} at step "
-                             f"{self.progress.step + 1} ({_first_line(error)}): under DDP every rank stops; "
+                             f"{self.progress.step + 1} ({first_line(error)}): under DDP every rank stops; "
                              f"{checkpoint.last_good(self.plan.run_dir)} with a smaller batch size") from None
         total, baseline = share.summed([float(loss.detach()) * share.own, float((y.float() ** 2).mean()) * share.own])
         return (total / share.global_batch, float(grad_norm) if grad_norm is not None else 0.0,
                 baseline / share.global_batch)
 
     def _out_of_memory(self, error: BaseException) -> bool:
-        """An allocation failure (:func:`vramcal.oom.is_out_of_memory`, oneDNN's bare message included once
-        this run has had one)."""
+        """An allocation failure (:func:`vramcal.oom.is_out_of_memory`)."""
         return is_out_of_memory(error, after_failure=self._had_oom)
 
     def _fall_back(self, micro: int, batch: int, message: str, where: str) -> None:
@@ -314,22 +187,14 @@ class Trainer:
                   f"retrying with micro-batch {new}" + (f" x {math.ceil(batch / new)} accumulated (effective batch "
                                                          f"stays {batch})" if where == "step" else ""))
 
-    # --------------------------------------------------------------------------------- evaluation
-
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Validation loss, the zero-return baseline's loss, and directional accuracy of both.
 
-        Chunks of ``val_batch_size`` (the plan's :class:`~vramcal.train.plan.Validation`: the evaluation limit, or
-        the training batch); a chunk that runs out of memory is retried at half the size, the training batch left
-        as it is. Under DDP each rank takes every n-th window and the sums are added over the ranks; under FSDP a
-        forward gathers each block from every rank, so a rank with fewer chunks runs idle forwards of one window
-        until all have run as many, and an out-of-memory error stops the run.
-
-        ``val_dir_acc`` = mean over positions of [sign(prediction) == sign(target)] (sign 0 for 0);
-        ``val_zero_dir_acc`` is the same for the naive prediction 0 (= the share of unchanged bars);
-        ``val_move_dir_acc`` counts only positions whose next bar moved (the baseline scores 0 there).
-        """
+        Chunks of ``val_batch_size``, halved on out-of-memory. Under DDP each rank takes every n-th window and sums
+        are added over the ranks; under FSDP a rank with fewer chunks runs idle forwards until all ran as many.
+        ``val_dir_acc`` = mean of [sign(prediction) == sign(target)]; ``val_zero_dir_acc`` the same for the
+        prediction 0; ``val_move_dir_acc`` over positions whose next bar moved."""
         model, pipeline = self.step.model, self.pipeline
         model.eval()
         sums = torch.zeros(6, dtype=torch.float64)
@@ -350,7 +215,7 @@ class Trainer:
             except Exception as error:
                 if not self._out_of_memory(error):
                     raise
-                self._fall_back(chunk, chunk, _first_line(error), "validation")
+                self._fall_back(chunk, chunk, first_line(error), "validation")
         for _ in range(rounds):  # FSDP: as many forwards (all-gathers) as the rank with the most chunks
             forward(model, pipeline.gather(pipeline.val_starts[:1])[0], self.config.spec.dtype)
         model.train()
@@ -358,8 +223,6 @@ class Trainer:
         se, zero_se, hits, unchanged, move_hits, moves = share.summed(sums.tolist())
         return {"val_loss": se / n, "val_zero_loss": zero_se / n, "val_dir_acc": hits / n,
                 "val_zero_dir_acc": unchanged / n, "val_move_dir_acc": move_hits / max(moves, 1)}
-
-    # ---------------------------------------------------------------------------------- the loop
 
     def run(self) -> dict[str, Any]:
         """Train until ``epochs`` or ``max_steps``; returns the last epoch's metrics row ({} if none).
@@ -381,8 +244,7 @@ class Trainer:
         return self.pipeline.epoch_order(epoch).split(self.share.global_batch)[:self.steps_per_epoch]
 
     def _train_batch(self, batch: Any) -> tuple[float, float, float, int]:
-        """One optimizer step on a global batch of :meth:`_epoch_batches`: (loss, grad norm, zero-return loss,
-        samples)."""
+        """One optimizer step on a global batch: (loss, grad norm, zero-return loss, samples)."""
         share = self.share
         starts = self.pipeline.train_starts[batch]  # the global batch; this rank's slice of it:
         x, y = self.pipeline.gather(starts[share.offset:share.offset + share.own] if share.group else starts)
@@ -390,12 +252,11 @@ class Trainer:
         return loss, grad_norm, baseline, share.global_batch if share.group else x.shape[0]
 
     def _rate(self) -> str:
-        """The epoch's rate so far, for the progress bar and its lines: ``41.2 samples/s``."""
+        """The epoch's rate so far: ``41.2 samples/s``."""
         return f"{format_rate(self.progress.epoch_samples / self.progress.epoch_train_s)} samples/s"
 
     def _progress_line(self, loss: float) -> str:
-        """A log's line in place of the bar (:class:`vramcal.progress.Heartbeat`): ``step 120/300 (epoch 1/2),
-        loss 0.9876, 41.2 samples/s, about 1.20 min of training steps left`` (at this epoch's mean step time)."""
+        """``step 120/300 (epoch 1/2), loss 0.9876, 41.2 samples/s, about 1.20 min of training steps left``."""
         progress = self.progress
         left = (self.total_steps - progress.step) * progress.epoch_train_s / len(progress.epoch_step_times)
         return (f"step {progress.step}/{int(self.total_steps)} (epoch {progress.epoch + 1}/{self.config.epochs}), "
@@ -482,9 +343,7 @@ class Trainer:
             raise Stopped(f"stopped after epoch {row['epoch']} by the caller")
 
     def _watch(self) -> None:
-        """Say, while the run goes on, when this process's peak passes the warning line, then usable
-        memory (once each; an ``outgrown`` event in the metrics): a run that outgrows its prediction (a creep
-        the steady trial did not see) is told before it ends, or before an out-of-memory error."""
+        """Say once each when this process's peak passes the warning line, then usable memory."""
         if self.meter is None or not self._measuring or self.plan.sizing is None:  # unchecked: nothing predicted
             return
         peak, sizing = int(self.meter.read()["peak_bytes"]), self.plan.sizing
@@ -501,8 +360,7 @@ class Trainer:
                       f"--batch-size is safer, and a fresh `vramcal probe` measures this creep")
 
     def _validation_peak(self) -> dict[str, Any]:
-        """The validation pass's peak (the meter was reset before it; under DDP the largest rank's) and the
-        evaluation limit's prediction at its chunk size, when the plan has one."""
+        """The validation pass's peak and the evaluation limit's prediction at its chunk size."""
         if self.meter is None:
             return {}
         figures = self._peaks()
@@ -524,8 +382,7 @@ class Trainer:
                 "batch_sizes": list(self.share.batch_sizes)}
 
     def gentler(self) -> str:
-        """What to do after a divergence or a NaN: go on from the last checkpoint (or start again) with a tenth
-        of the learning rate."""
+        """What to do after a divergence or a NaN: resume (or start again) with a tenth of the LR."""
         run_dir, lr = self.plan.run_dir, self.config.lr / 10
         saved = next((run_dir / name for name in checkpoint.CHECKPOINTS if (run_dir / name).is_file()), None)
         if saved is not None:
@@ -535,8 +392,7 @@ class Trainer:
                 f"--max-grad-norm (the same --run-dir {run_dir} can be used)")
 
     def _check_divergence(self, why: str | None, step: int) -> None:
-        """Record the divergence ``why`` describes (None: none) and stop (module docstring): nothing more is
-        saved, so the last checkpoint is the one before it."""
+        """Record the divergence ``why`` names (None: none) and stop, saving nothing more."""
         if why is None:
             return
         self._record_stop({"kind": "diverged", "epoch": self.progress.epoch + 1, "step": step, "reason": why})
@@ -544,8 +400,7 @@ class Trainer:
                             f"{self.gentler()}")
 
     def _record_stop(self, event: dict[str, Any]) -> None:
-        """Add the event that stops the run to the metrics (rank 0 writes them; a failed write is left: the
-        stop is what matters, and its message says why)."""
+        """Add the event that stops the run to the metrics (a failed write is left: the stop matters)."""
         self.progress.rows.append(event)
         try:
             if self.share.rank == 0:
@@ -555,8 +410,7 @@ class Trainer:
 
     def _stop_non_finite(self, loss: float, grad_norm: float, val_loss: float | None = None,
                          weights: list[str] | None = None) -> None:
-        """Record the event and raise. During a step: ``loss``, ``grad_norm``; after an epoch's evaluation:
-        ``val_loss`` and the names of non-finite ``weights`` (the step count is then the last one done)."""
+        """Record a non-finite loss, gradient norm (the last finite state saved) or weight, and raise."""
         after_epoch = val_loss is not None
         step = self.progress.step if after_epoch else self.progress.step + 1
         event = {"kind": "non-finite", "epoch": self.progress.epoch + 1, "step": step, "loss": str(loss),
@@ -572,12 +426,8 @@ class Trainer:
         self._record_stop(event)
         raise NonFiniteError(f"non-finite {what} at step {step} ({detail}): stopped; {self.gentler()}")
 
-    # ----------------------------------------------------------------------------- checkpoints
-
     def _save_finite(self) -> None:
-        """After a non-finite step (skipped: the weights and the optimizer's state are the step before's),
-        save that state as the last checkpoint, unless the last save holds it already; a full disk leaves the
-        checkpoints there are."""
+        """After a skipped non-finite step, save the finite state before it unless saved already."""
         if not self.saves or self.progress.step == self._saved_step:
             return
         if states.non_finite_weights(self.step, self.share, self.sharded):
@@ -588,17 +438,14 @@ class Trainer:
             self.echo(f"warning: the last finite state could not be saved ({error})")
 
     def _save_due(self) -> bool:
-        """Whether a save is due after this step (under FSDP every rank joins it, so a clock's ``checkpoint_minutes``
-        is rank 0's, told to all)."""
+        """Whether a save is due after this step (under FSDP rank 0's clock, told to all)."""
         c = self.config
         due = bool((c.checkpoint_steps and self.progress.step % c.checkpoint_steps == 0)
                    or (c.checkpoint_minutes and time.monotonic() - self._last_save >= 60 * c.checkpoint_minutes))
         return self.share.gathered(due)[0] if self.sharded and c.checkpoint_minutes else due
 
     def _save(self, row: dict[str, Any] | None) -> None:
-        """The last checkpoint (the one it replaces kept as previous), the best one when validation loss
-        improved, then the metrics: never ahead of a checkpoint. Rank 0 writes them (under FSDP every rank gathers
-        the state first: :func:`vramcal.train.states.gather`)."""
+        """The last (and best) checkpoint, then the metrics, never ahead of a checkpoint; rank 0 writes."""
         progress, plan = self.progress, self.plan
         improved = row is not None and row["val_loss"] < progress.best_val_loss
         if improved:
@@ -616,55 +463,3 @@ class Trainer:
         self._last_save, self._saved_step = time.monotonic(), progress.step
 
 
-def diverged_loss(losses: list[float], baselines: list[float]) -> str | None:
-    """Why the last :data:`DIVERGENCE_STEPS` steps' training loss says the run diverged (None: it does not):
-    its mean above :data:`DIVERGED_RATIO` times their batches' mean zero-return loss."""
-    if len(losses) < DIVERGENCE_STEPS:
-        return None
-    loss, baseline = (statistics.fmean(v[-DIVERGENCE_STEPS:]) for v in (losses, baselines))
-    if loss <= DIVERGED_RATIO * baseline:
-        return None
-    return (f"the training loss over the last {DIVERGENCE_STEPS} steps, {loss:.4g}, is {loss / baseline:.3g} times "
-            f"the zero-return loss of the same batches ({baseline:.4g})")
-
-
-def validation_text(row: dict[str, Any]) -> str:
-    """``  validation peak 1.20 GiB at batch_size 512 (predicted 1.18 GiB, +1.7%)`` of an epoch's row (and a
-    warning when it is above usable memory), or ""."""
-    peak, predicted = row.get("val_peak_bytes"), row.get("val_predicted_peak_bytes")
-    usable = row.get("val_usable_bytes")
-    if peak is None:
-        return ""
-    against = f" (predicted {format_bytes(predicted)}, {(peak - predicted) / predicted:+.1%})" if predicted else ""
-    above = (f"; warning: above usable memory {format_bytes(usable)}: a smaller --val-batch-size is safer"
-             if usable is not None and peak > usable else "")
-    return f"  validation peak {format_bytes(peak)} at batch_size {row['val_batch_size']}{against}{above}"
-
-
-def diverged_validation(val_loss: float, zero_loss: float) -> str | None:
-    """Why the validation loss says the run diverged: above :data:`DIVERGED_RATIO` times the zero-return
-    baseline's (None: it does not)."""
-    if val_loss <= DIVERGED_RATIO * zero_loss:
-        return None
-    return (f"the validation loss {val_loss:.4g} is {val_loss / zero_loss:.3g} times the zero-return baseline's "
-            f"{zero_loss:.4g}")
-
-
-def rising(losses: list[float]) -> str | None:
-    """Why an epoch's step losses say the run diverged: each quarter's mean above the one before and the
-    last :data:`RISE_RATIO` times the first (None: not so, or fewer than 8 steps)."""
-    if len(losses) < 8:
-        return None
-    n = len(losses)
-    quarters = [statistics.fmean(losses[i * n // 4:(i + 1) * n // 4]) for i in range(4)]
-    if not all(b > a for a, b in zip(quarters, quarters[1:])) or quarters[3] < RISE_RATIO * quarters[0]:
-        return None
-    return (f"the training loss rose through the whole epoch, quarter by quarter from {quarters[0]:.4g} to "
-            f"{quarters[3]:.4g}")
-
-
-def _first_line(error: BaseException) -> str:
-    """The error's first line (at most 200 characters), or its class name when it has no message
-    (``MemoryError()`` has none)."""
-    lines = str(error).strip().splitlines()
-    return lines[0][:200] if lines else type(error).__name__

@@ -1,20 +1,9 @@
 """Everything decided before the first step: data, run folder, device, model, profile, batch size, LR, budget.
 
-Decided in two parts, so ``vramcal tune`` decides the first once for a whole study:
-
-* :func:`resolve` — what a run is sized against: the data (loaded and checked), the device, the model's
-  key, the profile and the run's data bytes (the data term of :mod:`vramcal.sizing`), and the host
-  budget the run's process gets (``RLIMIT_DATA`` = the profile's budget, or ``--capacity``).
-* :func:`plan_run` — one run: its batch size (:func:`vramcal.sizing.size`), LR and folder.
-
-A run that names its batch size (``--batch-size N``) trains without a profile when none matches: the size is
-then *unchecked* (``Plan.sizing`` is None), said in one line with the probe that would check it; the run's peak
-is measured as always, and the out-of-memory fallback still halves the micro-batch with the batch kept.
-
-Checks run cheapest first (spec, data, run folder) so a bad input fails in a second with one line,
-before a device is touched or a calibration started. The run folder is created only after every check.
-The :class:`Plan` is plain data: it travels to the worker process that trains.
-"""
+:func:`resolve` decides what runs are sized against (once per run, or once per ``vramcal tune`` study);
+:func:`plan_run` decides one run. Checks run cheapest first, and the run folder is created only after every check. A
+run that names its batch size trains *unchecked* without a matching profile (``Plan.sizing`` None: DESIGN.md
+"Training with a profile")."""
 
 from __future__ import annotations
 
@@ -42,7 +31,7 @@ from vramcal.units import format_bytes, size_argument
 from vramcal.words import Info
 from vramcal.workload import ModelRef
 
-COLLECTIVE_TIMEOUT_S = 300.0
+COLLECTIVE_TIMEOUT_S = 300.0  # a rank's wait at a collective before it raises
 HEAD_BYTES = 1 << 20  # the data file's first MiB, hashed into its identity (data_identity)
 
 
@@ -51,15 +40,10 @@ class Setting:
     """What runs are sized against (decided once per run, or once per tuning study).
 
     Attributes:
-        config: the settings the setting was resolved from (the data and model part).
-        device: where to train.
-        model: the regressor's key (spec + concrete implementation).
-        profile, profile_path: the profile that sizes the runs (None: an unchecked run, module docstring).
-        data_stats: the windows' facts (rows, split, stride, window counts, normalisation) and ``file``, the data
-            file's identity (:func:`data_identity`).
+        profile, profile_path: the profile that sizes the runs (None: an unchecked run).
+        data_stats: the data's facts, with ``file``, the data file's identity (:func:`data_identity`).
         pool_data_bytes: bytes of data the run holds in the measured memory (the data term).
         host_memory_limit_bytes: ``RLIMIT_DATA`` of the training process on the host, else None.
-        notices: lines for people (device choice, unreadable profiles skipped, the budget applied).
     """
 
     config: TrainConfig
@@ -79,15 +63,8 @@ class Setting:
 
 @dataclass(frozen=True)
 class Validation:
-    """How a run validates (:func:`validation`).
-
-    Attributes:
-        batch_size: samples per validation chunk.
-        source: why this size, for people.
-        eval_overhead_bytes, eval_slope_bytes_per_sample: the evaluation limit's fit (``vramcal probe --eval``);
-            None without one.
-        eval_safe_batch_size: the evaluation limit's safe size; None without one.
-    """
+    """How a run validates (:func:`validation`): ``batch_size`` per chunk, ``source`` (why, for people), and the
+    evaluation limit's fit and safe size (``vramcal probe --eval``; None without one)."""
 
     batch_size: int
     source: str
@@ -96,16 +73,15 @@ class Validation:
     eval_safe_batch_size: int | None = None
 
     def predicted_at(self, batch_size: int) -> int | None:
-        """The evaluation fit's point prediction of a validation pass's peak at ``batch_size`` (None: no fit)."""
+        """The evaluation fit's prediction of a validation pass's peak at ``batch_size`` (None: no fit)."""
         if self.eval_overhead_bytes is None or self.eval_slope_bytes_per_sample is None:
             return None
         return int(self.eval_overhead_bytes + self.eval_slope_bytes_per_sample * batch_size)
 
 
 def validation(profile: Profile | None, asked: int | None, train_batch_size: int) -> tuple[Validation, list[str]]:
-    """The validation chunk of a run: ``asked`` (``--val-batch-size``), else the profile's verified evaluation
-    limit's conservative size (:mod:`vramcal.calibration.evaluation`), else the training batch; and a warning when
-    it is above the evaluation limit's safe size, or, without one, above the training batch."""
+    """The validation chunk: ``asked`` (``--val-batch-size``), else the profile's verified evaluation limit's
+    conservative size, else the training batch; with a warning when above the safe size (or the training batch)."""
     found = profile.evaluation if profile is not None else None
     if found is None or not found.verified or found.fit is None:
         why = "the profile has no evaluation limit; `vramcal probe --eval` measures one"
@@ -126,14 +102,10 @@ class Plan:
     """A run, fully decided; sent to the worker that trains.
 
     Attributes:
-        sizing: the batch size and the profile's prediction for it (data term included); under DDP this
-            rank's. None: an unchecked run (module docstring): the config's batch size, nothing predicted.
+        sizing: the batch size and its prediction (under DDP this rank's); None: unchecked, nothing predicted.
         lr: the peak learning rate after ``lr_scaling`` (under DDP set in the worker, from the global batch).
-        resume: continue from the run folder's last checkpoint.
-        world, rank: the DDP world this rank's process trains in (:mod:`vramcal.train.distributed`), or None
-            for one process.
-        validation: how it validates (:func:`validation`); None in runs planned before it was recorded (the
-            training micro-batch).
+        world, rank: the DDP/FSDP world this rank trains in, or None for one process.
+        validation: how it validates; None in runs planned before it was recorded.
     """
 
     config: TrainConfig
@@ -153,19 +125,14 @@ class Plan:
 
     @property
     def batch_size(self) -> int:
-        """Samples per forward/backward: what the profile sized (the micro-batch with an effective batch)."""
+        """Samples per forward/backward: what the profile sized (the micro-batch of an effective batch)."""
         return self.config.batch_size if self.sizing is None else self.sizing.batch_size
 
     @property
     def step_batch_size(self) -> int:
-        """Samples per optimizer step: the batch size, or the effective batch its micro-batches accumulate to."""
+        """Samples per optimizer step: the effective batch, else the batch size."""
         effective = self.config.effective_batch_size if self.sizing is None else self.sizing.effective_batch_size
         return effective or self.batch_size
-
-    @property
-    def collective_timeout_s(self) -> float:
-        """How long a rank waits at a collective before it raises (a dead rank is seen by torchrun sooner)."""
-        return COLLECTIVE_TIMEOUT_S
 
     @property
     def implementation(self) -> str:
@@ -198,10 +165,8 @@ class Plan:
 
 
 def data_identity(path: str | Path) -> dict[str, Any]:
-    """The data file's identity, which the training worker checks against its plan before any step
-    (:mod:`vramcal.train.worker`): ``size_bytes``, ``mtime_ns`` (the modification time, ns) and ``head_sha256`` (the
-    SHA-256 of its first :data:`HEAD_BYTES`: hashing the whole of a file of gigabytes would cost every run seconds).
-    A file swapped or rewritten differs in one of them; the windows' statistics, checked too, cover the rest.
+    """The data file's identity the worker checks before any step: ``size_bytes``, ``mtime_ns`` and ``head_sha256``
+    (of its first :data:`HEAD_BYTES`: hashing gigabytes would cost every run seconds).
 
     Raises:
         OSError: the file cannot be read.
@@ -216,7 +181,10 @@ def data_identity(path: str | Path) -> dict[str, Any]:
 
 def load_windows(config: TrainConfig) -> Windows:
     """Bars from ``config.data`` cut into windows (:func:`vramcal.models.regressor.step.load_windows`).
-    Raises: DataError."""
+
+    Raises:
+        DataError: as that function.
+    """
 
     return windows_of(config.data, config.spec.seq_len, config.stride, config.val_fraction)
 
@@ -228,15 +196,12 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
     Args:
         capacity_bytes: ``--capacity``: the host budget (default: the profile's), or a GPU narrowed.
         world: the DDP world a rank of which is being sized (its profile must be calibrated for it).
-        budget_matches: take the host profile calibrated at ``capacity_bytes``, not the newest at any budget
-            (always so on the host when ``capacity_bytes`` is given and the profile is looked up: a profile of
-            another budget does not describe a run under this one).
-        unchecked: with no matching profile and ``config.batch_size`` given, an unchecked setting (no profile;
-            module docstring) instead of the refusal: the trainer's; a study needs a profile's bounds.
+        budget_matches: take the profile calibrated at ``capacity_bytes`` (always so on the host).
+        unchecked: with no matching profile and ``config.batch_size`` given, an unchecked setting, not a refusal.
 
     Raises:
-        ValueError: an impossible spec; DataError, DeviceError, NvmlError, SizingError: one-line messages for
-            the user. ConfigError: a ``report_to`` whose package is not installed.
+        ValueError, DataError, DeviceError, NvmlError, SizingError, ConfigError (a ``report_to`` not installed):
+            one-line messages.
     """
 
     tracking.check_reporters(config.report_to)
@@ -245,7 +210,7 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
     if config.variant == "auto":
         config = _chosen_variant(config, device, capacity_bytes, world, notices)
     model = REGRESSOR.ref(config.spec, device, config.implementation)  # the spec was checked when the config was made
-    located = _located(config, device, model, capacity_bytes, world, budget_matches, unchecked, notices)
+    located = located_profile(config, device, model, capacity_bytes, world, budget_matches, unchecked, notices)
     limit = host_limit(device, located and located.profile, capacity_bytes, notices)
     pool = windows.pipeline_bytes if device.kind == "host" or config.data_on_device else 0
     return Setting(config, device, model, located and located.profile, located and str(located.path),
@@ -253,8 +218,7 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
 
 
 def host_limit(device: Device, profile: Profile | None, capacity_bytes: int | None, notices: list[str]) -> int | None:
-    """The training process's host budget (``RLIMIT_DATA``): ``--capacity``, else the profile's (None on a GPU); its
-    notices added to ``notices``."""
+    """The training process's host budget (``RLIMIT_DATA``; None on a GPU), its notices added to ``notices``."""
     if device.kind != "host":
         return None
     calibrated = profile.device.total_bytes if profile else device.total_bytes
@@ -272,13 +236,8 @@ def host_limit(device: Device, profile: Profile | None, capacity_bytes: int | No
 
 def _chosen_variant(config: TrainConfig, device: Device, capacity_bytes: int | None, world: World | None,
                     notices: list[str]) -> TrainConfig:
-    """``variant auto``: ``config`` with the spec of its fastest calibrated variant for this run
-    (:func:`vramcal.sizing.variants.choose`), the choice said in ``notices``; unchanged, and said, where its folder
-    holds no variant (the lookup then names the probe).
-
-    Raises:
-        SizingError: variants were found and none can train this run.
-    """
+    """``variant auto``: ``config`` with its fastest calibrated variant's spec
+    (:func:`vramcal.sizing.variants.choose`)."""
     named = REGRESSOR.ref(config.spec, device, config.implementation)
     total = capacity_bytes if device.kind == "host" else None
     found = variants.variants_of(named, device, config.profiles_dir, world=world, total_bytes=total)
@@ -293,9 +252,9 @@ def _chosen_variant(config: TrainConfig, device: Device, capacity_bytes: int | N
     return config.replace(spec=spec)
 
 
-def _located(config: TrainConfig, device: Device, model: ModelRef, capacity_bytes: int | None, world: World | None,
-             budget_matches: bool, unchecked: bool, notices: list[str]):
-    """:func:`resolve`'s profile (None: an unchecked run), its notices added to ``notices``.
+def located_profile(config: TrainConfig, device: Device, model: ModelRef, capacity_bytes: int | None,
+                    world: World | None, budget_matches: bool, unchecked: bool, notices: list[str]):
+    """The run's profile located (None: an unchecked run), its notices added to ``notices``.
 
     Raises:
         SizingError: as :func:`resolve`.
@@ -322,12 +281,10 @@ def _located(config: TrainConfig, device: Device, model: ModelRef, capacity_byte
 
 
 def calibration_plan(config: TrainConfig, capacity_bytes: int | None = None):
-    """The calibration ``vramcal train --probe`` runs before it trains: this run's model on its device (at
-    ``capacity_bytes``), over its data (checked first), written under its ``profiles_dir``.
+    """The calibration ``vramcal train --probe`` runs first: this run's model, device and data.
 
     Raises:
-        ConfigError: a profile file named (``--probe`` writes a new one). DataError, DeviceError, NvmlError,
-            ValueError: as :func:`resolve`.
+        ConfigError: a profile file named. DataError, DeviceError, NvmlError, ValueError: as :func:`resolve`.
     """
 
     if config.profile != "auto":
@@ -350,16 +307,12 @@ def run_device(config: TrainConfig, capacity_bytes: int | None) -> tuple[Device,
 
 
 def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool = True, ranks: int = 1) -> Plan:
-    """Decide a new run of ``config`` in ``run_dir`` against ``setting`` (from :func:`resolve`).
-
-    The gate: a run is sized with what its device has free now (:func:`vramcal.measure.device.free_bytes`):
-    memory other processes took since the calibration lowers the limits, and the notice says how much. A DDP rank
-    on a GPU reads its own card; host ranks share the host's memory, so each takes ``1/ranks`` of it.
+    """Decide a new run of ``config`` in ``run_dir`` against ``setting`` (from :func:`resolve`), sized with what its
+    device has free now (:func:`vramcal.measure.device.free_bytes`; host ranks take ``1/ranks`` of it).
 
     Args:
         prepare: check and create the run folder (a DDP rank's launcher did it already: False).
-        ranks: the DDP world's size: each rank's batch is clamped to its share of the training windows (a DDP
-            step needs a full batch on every rank), with the notice one process gives.
+        ranks: the world's size: each rank's batch is clamped to its share of the training windows.
 
     Raises:
         SizingError: no batch size within the bounds. RunDirError: the folder holds a run or is unwritable.
@@ -390,24 +343,11 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
         capped = size(setting.profile, ask.replace(request=n_train), pool_data_bytes=setting.pool_data_bytes,
                       free_bytes=free, free_source=source)
         sizing = replace(capped, source=sizing.source, capped_by_data=True)
-    lr = scaled_lr(config.lr, sizing.effective_batch_size or sizing.batch_size, config.reference_batch_size,
-                   config.lr_scaling)
-    validated, warned = validation(setting.profile, config.val_batch_size, sizing.batch_size)
-    if prepare:
-        checkpoint.prepare_run_dir(run_dir, resume=False)
-    return Plan(config=config, run_dir=Path(run_dir), device=setting.device, model=setting.model, sizing=sizing,
-                profile_path=setting.profile_path, lr=lr, data_stats=setting.data_stats,
-                host_memory_limit_bytes=setting.host_memory_limit_bytes, notices=tuple(notices + warned),
-                validation=validated)
+    return _made(config, run_dir, setting, sizing, notices, prepare)
 
 
 def _unchecked_plan(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool, ranks: int) -> Plan:
-    """:func:`plan_run` without a profile (module docstring): the config's batch size as it is, its micro-batches
-    accumulating to ``--effective-batch-size`` when one is given, capped by the training windows.
-
-    Raises:
-        SizingError: an effective batch below the batch size, or more than the training windows.
-    """
+    """:func:`plan_run` without a profile: the config's batch size, capped by the training windows."""
     notices, n_train = list(setting.notices), setting.train_windows // ranks
     effective = config.effective_batch_size
     if effective is not None and effective < config.batch_size:
@@ -420,22 +360,29 @@ def _unchecked_plan(config: TrainConfig, run_dir: Path, setting: Setting, prepar
         notices.append(Info(f"batch size {config.batch_size} is more than the {n_train} training windows: one step "
                             f"per epoch of {n_train} samples (a smaller --stride gives more windows)"))
         config = config.replace(batch_size=n_train)
-    lr = scaled_lr(config.lr, effective or config.batch_size, config.reference_batch_size, config.lr_scaling)
-    validated, warned = validation(None, config.val_batch_size, config.batch_size)
+    return _made(config, run_dir, setting, None, notices, prepare)
+
+
+def _made(config: TrainConfig, run_dir: Path, setting: Setting, sizing: Sizing | None, notices: list[str],
+          prepare: bool) -> Plan:
+    """The plan decided, its LR scaled to its step's batch, its validation chosen, its folder created if ``prepare``."""
+    plan = Plan(config=config, run_dir=Path(run_dir), device=setting.device, model=setting.model, sizing=sizing,
+                profile_path=setting.profile_path, lr=config.lr, data_stats=setting.data_stats,
+                host_memory_limit_bytes=setting.host_memory_limit_bytes)
+    validated, warned = validation(setting.profile, config.val_batch_size, plan.batch_size)
     if prepare:
         checkpoint.prepare_run_dir(run_dir, resume=False)
-    return Plan(config=config, run_dir=Path(run_dir), device=setting.device, model=setting.model, sizing=None,
-                profile_path=None, lr=lr, data_stats=setting.data_stats,
-                host_memory_limit_bytes=setting.host_memory_limit_bytes, notices=tuple(notices + warned),
-                validation=validated)
+    return replace(plan, lr=scaled_lr(config.lr, plan.step_batch_size, config.reference_batch_size, config.lr_scaling),
+                   notices=tuple(notices + warned), validation=validated)
 
 
-def saved_run(run_dir: Path, overrides: dict[str, Any]) -> tuple[Path, Plan, TrainConfig]:
-    """The run folder taken for a resume, its saved plan, and its saved config with ``overrides`` replaced (both
-    families' runs keep them alike).
+def resumed(run_dir: Path, overrides: dict[str, Any], stays: str) -> tuple[Plan, TrainConfig]:
+    """The saved plan of the run in ``run_dir`` on the device found now (with the run's own budget), and its saved
+    config with ``overrides``; a notice where the hardware differs (``stays``: what the run keeps, ``{}`` its batch).
 
     Raises:
-        RunDirError: nothing to resume, or a run record that cannot be read. ConfigError: a bad override.
+        RunDirError: nothing to resume, or an unreadable run record. ConfigError: a bad override.
+        DeviceError, NvmlError: the device is not here.
     """
     run_dir = checkpoint.prepare_run_dir(run_dir, resume=True)
     try:
@@ -443,32 +390,25 @@ def saved_run(run_dir: Path, overrides: dict[str, Any]) -> tuple[Path, Plan, Tra
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise checkpoint.RunDirError(f"{run_dir / checkpoint.RUN} is not a readable run record ({error}): start "
                                      f"a new run") from None
-    return run_dir, plan, load_config(run_dir / checkpoint.CONFIG).replace(**overrides)
+    config = load_config(run_dir / checkpoint.CONFIG).replace(**overrides)
+    device = api.select_devices(config.gpu)[0][0]  # a GPU is pinned by its UUID
+    difference = device.hardware_difference(plan.device)
+    notices = (f"resuming on other hardware than the run started on ({difference}); {stays.format(plan.batch_size)}",
+               ) if difference else ()
+    return replace(plan, config=config, device=replace(device, total_bytes=plan.device.total_bytes),
+                   notices=notices), config
 
 
 def plan_resume(run_dir: Path, overrides: dict[str, Any]) -> Plan:
-    """The continuation of the run in ``run_dir``: its saved plan with the settings of
-    :data:`~vramcal.train.config.RESUME_OVERRIDES` in ``overrides`` replaced.
-
-    The worker checks the data against the checkpoint and says when there is nothing left to train.
+    """The continuation of the run in ``run_dir``: its saved plan with :data:`~vramcal.train.config.RESUME_OVERRIDES`
+    in ``overrides`` replaced (the worker checks the data).
 
     Raises:
         RunDirError: nothing to resume. DataError: the data file is gone or unreadable.
         DeviceError, NvmlError: the device is not here.
     """
-
-    run_dir, plan, config = saved_run(run_dir, overrides)
-    if "lr" in overrides:  # scaled to the run's batch as at its start
-        plan = replace(plan, lr=scaled_lr(config.lr, plan.batch_size, config.reference_batch_size, config.lr_scaling))
-    windows = load_windows(config)
-    device = api.select_devices(config.gpu)[0][0]
-    notices = []
-    difference = device.hardware_difference(plan.device)
-    if difference:
-        notices.append(f"resuming on other hardware than the run started on ({difference}); the batch size "
-                       f"stays {plan.batch_size}")
-    # the device found now (a GPU is pinned by its UUID, which another card of the same model does not share),
-    # with the run's own budget
+    plan, config = resumed(run_dir, overrides, "the batch size stays {}")
+    lr = scaled_lr(config.lr, plan.batch_size, config.reference_batch_size, config.lr_scaling) \
+        if "lr" in overrides else plan.lr  # scaled to the run's batch as at its start
     # the data file's identity as the run started (None for a run recorded without one): the worker checks it
-    return replace(plan, config=config, device=replace(device, total_bytes=plan.device.total_bytes),
-                   data_stats={**windows.stats(), "file": plan.data_stats.get("file")}, notices=tuple(notices))
+    return replace(plan, lr=lr, data_stats={**load_windows(config).stats(), "file": plan.data_stats.get("file")})

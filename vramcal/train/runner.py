@@ -1,19 +1,10 @@
-"""Running a planned training run: in a worker process, compared with its profile, recorded in it.
+"""Running a planned training run: the caller's side of ``vramcal train`` (and of each ``vramcal tune`` trial).
 
-The caller's side of ``vramcal train`` (and of each ``vramcal tune`` trial): it writes the run folder's
-records, starts the training worker (:func:`vramcal.train.worker.train_in_worker`) — a process made like
-the trials that sized the run — prints what it says, and closes the loop. After the first epoch and at
-the end it prints the measured peak beside the profile's prediction and upper 95 % bound, warns when the
-peak is above the bound or above usable memory, and appends the run's observation to the profile. Time is
-closed the same way (:mod:`vramcal.train.timing`): the run's forecast first, its first epoch's time beside it,
-and both in the observation. After each epoch but the last it prints the time left (:func:`time_left_line`).
-Rank 0 writes the epoch rows to TensorBoard (and MLflow) too (:mod:`vramcal.train.tracking`), and
-:func:`run_summary` reads what a run left in its folder, for programs.
-
-Whatever happens in the worker ends here as one line (:class:`~vramcal.train.loop.TrainError`): an
-out-of-memory error that could not be recovered, a crash, a full disk, a ``kill -9`` — each naming the
-last good checkpoint.
-"""
+It writes the run folder's records, starts the training worker (:func:`vramcal.train.worker.train_in_worker`) as the
+trials that sized the run were started, prints what it says and closes the loop: the measured peak beside the
+profile's prediction after the first epoch and at the end, the time beside the forecast
+(:mod:`vramcal.train.timing`), and the run's observation appended to the profile. Whatever fails in the worker ends
+here as one line (:class:`~vramcal.train.errors.TrainError`) naming the last good checkpoint."""
 
 from __future__ import annotations
 
@@ -130,12 +121,8 @@ def _in_worker(plan: Plan, handle: Callable[[str, Any], Any], trackers: list[Any
 
 
 def time_left_line(plan: Plan, row: dict[str, Any]) -> str | None:
-    """``about 1.20 min left: 30 steps and 2 validations at 2.10 s/step (median), 1.50 s each`` after an epoch
-    row, from its step time and validation time; None after the last epoch.
-
-    The steps still to go are the trainer's own count (:class:`vramcal.train.loop.Trainer`: the epochs' steps at
-    the row's global batch, a DDP epoch leaving out its incomplete last batch, up to ``max_steps``).
-    """
+    """``about 1.20 min left: 30 steps and 2 validations at 2.10 s/step (median), 1.50 s each`` after an epoch row
+    (the steps counted as :class:`vramcal.train.loop.Trainer` counts them); None after the last epoch."""
     config, batch, n_train = plan.config, int(row["batch_size"]), int(plan.data_stats["train_windows"])
     per_epoch = row.get("steps_per_epoch") or max(1, n_train // batch if plan.world is not None
                                                   else math.ceil(n_train / batch))  # a language model's: its own
@@ -151,16 +138,15 @@ def time_left_line(plan: Plan, row: dict[str, Any]) -> str | None:
 
 
 def run_summary(run_dir: Path) -> dict[str, Any]:
-    """What a finished run left in its folder, for programs (``vramcal train --json``): read from the files rank 0
-    wrote (``run.json``, ``metrics.jsonl``), so one process and a DDP world say it alike.
+    """What a finished run left in its folder (``run.json``, ``metrics.jsonl``), for programs (``vramcal train
+    --json``): one process and a DDP world alike.
 
     Returns:
-        ``run_dir``; ``batch_size`` (samples per forward/backward, rank 0's under DDP) and ``step_batch_size``
-        (per optimizer step, all ranks); ``sizing`` (``run.json``'s: the profile's prediction for the batch size;
-        None for an unchecked run) and ``profile``; ``predicted_peak_bytes`` and ``upper_bytes`` (from
-        ``sizing``); ``peak_bytes`` (the largest epoch peak of the process the prediction is for: rank 0 under
-        DDP) and ``rank_peak_bytes`` (each rank's, DDP only, else None); ``steps``, ``epochs``, ``train_loss``,
-        ``val_loss``, ``val_zero_loss`` (the last epoch row's; None before one); the paths of ``metrics``,
+        ``run_dir``, ``model``; ``batch_size`` (per forward/backward, rank 0's) and ``step_batch_size`` (per
+            optimizer
+        step, all ranks); ``sizing`` (None: unchecked) and ``profile``; ``predicted_peak_bytes`` and ``upper_bytes``;
+        ``peak_bytes`` (rank 0's under DDP) and ``rank_peak_bytes`` (DDP, else None); the last epoch row's ``steps``,
+        ``epochs``, ``train_loss``, ``val_loss``, ``val_zero_loss`` (None before one); the paths of ``metrics``,
         ``checkpoint``, ``best_checkpoint`` and ``tensorboard``.
 
     Raises:
@@ -188,8 +174,7 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
 
 
 def own_peak(plan: Plan, figures: dict[str, Any]) -> int | None:
-    """This process's peak in an epoch row or a run's result (under DDP: its own rank's, which its own
-    profile predicts; the row's ``peak_bytes`` is the largest rank's)."""
+    """This process's peak in an epoch row or a run's result (under DDP its own rank's, which its profile predicts)."""
     ranks = figures.get("rank_peak_bytes")
     return ranks[plan.rank] if ranks else figures.get("peak_bytes")
 
@@ -213,8 +198,8 @@ def _report(plan: Plan, peak_bytes: int, echo: Echo, when: str) -> None:
 
 
 def _observe(plan: Plan, result: dict[str, Any], echo: Echo, times: dict[str, Any]) -> Observation | None:
-    """Append the run's observation (its measured times and their forecast: ``times``) to its profile (a failure to
-    write it is a warning, not the run's end). None for an unchecked run: no profile to hold it."""
+    """Append the run's observation (with its times: ``times``) to its profile; a failed write is a warning. None for
+    an unchecked run."""
     if plan.sizing is None:
         return None
     observation = Observation(

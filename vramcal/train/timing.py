@@ -1,38 +1,10 @@
-"""The closed loop for time: a training run's forecast from its profile, and its measured times beside it.
+"""The closed loop for time: a run's forecast from its profile before the first step, its first epoch's measured time
+beside it, and both in the profile's observation (DESIGN.md "Throughput, time and cost").
 
-As the memory loop does (:mod:`vramcal.train.runner`), the run prints its forecast before the first step
-(:func:`vramcal.forecast.forecast_batch` at the run's own batch size, data and epochs), its measured epoch time
-beside the forecast after the first epoch, and records both in its profile's observation
-(:class:`vramcal.profile.Observation`: ``samples_per_s``, ``epoch_s`` and their forecasts). A first epoch more
-than :data:`vramcal.forecast.FAR_FRACTION` off its forecast but inside the spread the calibration measured (its
-steps' noise, the forecast's own 95 % interval: :func:`vramcal.forecast.time_band`) says so and asks for nothing;
-only one outside it warns and suggests recalibrating (:func:`vramcal.forecast.time_verdict`).
-
-Under DDP a rank is forecast on its share of the windows at its own batch size, and its rates are given as the
-world's (:func:`world_rates`: the ranks step together, so the world trains ranks × this rank's samples per step),
-as the trainer's epoch rows count them (the global batch's samples over the step time): one unit on both sides,
-labelled.
-
-A family whose trainer batches documents of every length (the language model's, :mod:`vramcal.train.lm_plan`:
-:attr:`vramcal.models.registry.Family.documents`) is forecast from its profile's trials another way: they time each
-step at batch sizes and lengths of every kind, so a step's time is fitted as
-
-    step_s = t0 + t_token × batch_size × seq_len
-
-by least squares over the trials' median step times (seq_len as the trial ran it, a multiple of chunk_size), and a
-validation pass's the same way over their validation times. An epoch of batches ``(b_i, L_i)`` (each longest
-document padded to the chunk) is then ``Σ t0 + t_token × b_i × L_i`` = ``batches × t0 + t_token × padded tokens``,
-and its validation pass the same over the validation batches: the terms the plan counted. The steps' spread about
-the fit (the coefficient of variation of ``measured / fitted``) and their number give the band an epoch may land
-in with nothing wrong (:func:`vramcal.forecast.noise_band`), as for the windows' rate.
-
-Measured figures are the trainer's epoch rows (:mod:`vramcal.train.loop`): ``epoch_s`` = the epoch's step
-times plus its validation pass, ``samples_per_s`` = training samples over step time. The first epoch is held
-against the forecast for what it ran (:func:`first_epoch_lines`): a whole epoch, or the steps a ``max_steps`` ran
-before it ended (their samples at the forecast's rate, a language model's their batches and padded tokens on the
-step-time fit), with its validation pass; only complete epochs are recorded, and the first epoch's forecast
-carries the first step's extra time (it allocates AdamW's state).
-"""
+Under DDP a rank is forecast on its share of the windows and its rates given as the world's (:func:`world_rates`), as
+the trainer's rows count them. A family whose trainer batches documents of every length
+(:attr:`vramcal.models.registry.Family.documents`) is forecast by ``step_s = t0 + t_token × batch_size × seq_len``
+fitted to its trials by least squares and summed over the epoch's padded batches (:func:`documents_forecast`)."""
 
 from __future__ import annotations
 
@@ -44,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from vramcal.calibration.throughput import NO_DIFFERENCE
+from vramcal.estimate.result import line
 from vramcal.forecast import FAR, FAR_FRACTION, Dataset, Forecast, forecast_batch, noise_band, time_band, time_verdict
 from vramcal.models.registry import family_of
 from vramcal.profile import Profile, ProfileError, load_profile
@@ -53,9 +26,8 @@ from vramcal.units import format_duration, format_rate
 
 
 def plan_forecast(plan: Plan) -> Forecast | None:
-    """The forecast for ``plan``'s run (its batch size, windows and epochs; under DDP this rank's share of the
-    windows, at its own batch size: the ranks step together); None without a profile file or a forecast there
-    (no throughput measured around the batch size)."""
+    """The forecast for ``plan``'s run (under DDP this rank's share of the windows at its own batch); None without a
+    profile file or throughput measured around the batch size."""
     if plan.profile_path is None:
         return None
     if family_of(plan.model).documents:
@@ -91,8 +63,8 @@ def plan_forecast(plan: Plan) -> Forecast | None:
 
 
 def world_rates(forecast: Forecast, ranks: int) -> Forecast:
-    """A rank's forecast with the world's samples/s (module docstring): its rate and interval × ``ranks`` (ranks
-    sized alike, as a rank's share of the windows assumes); its times, batch size and dataset stay this rank's."""
+    """A rank's forecast with the world's samples/s: its rate and interval × ``ranks`` (the ranks step together); its
+    times, batch size and dataset stay this rank's."""
     if ranks == 1:
         return forecast
 
@@ -112,8 +84,7 @@ def world_text(forecast: Forecast) -> str:
 
 
 def cut_steps(plan: Plan, dataset: Dataset) -> tuple[int, int | None]:
-    """(optimizer steps per epoch of ``dataset``, the steps of ``plan``'s run when its max_steps stops it before
-    its epochs end: None for whole epochs)."""
+    """(optimizer steps per epoch of ``dataset``, the run's steps when max_steps ends it early, else None)."""
     per_epoch, max_steps = math.ceil(dataset.train_samples / plan.step_batch_size), plan.config.max_steps
     if not max_steps or max_steps >= plan.config.epochs * per_epoch:
         return per_epoch, None
@@ -121,37 +92,34 @@ def cut_steps(plan: Plan, dataset: Dataset) -> tuple[int, int | None]:
 
 
 def forecast_line(forecast: Forecast, plan: Plan | None = None) -> str:
-    """``forecast: 30.1 samples/s at batch_size 161, epoch 16.1 s (training 14.1 s + validation 2.0 s), 10 epochs
-    2.7 min`` (``..., 40 steps (max_steps, in epoch 2) 9.5 s`` when ``plan``'s max_steps stops it sooner; under DDP
-    ``60.2 samples/s for the world's 2 ranks (30.1 each) at batch_size 161 per rank``; documents':
-    :func:`documents_line`)."""
-    if forecast.tokens_per_s is not None and plan is not None:
-        return documents_line(forecast, plan)
+    """``forecast: 30.1 samples/s at batch_size 161, epoch 16.1 s (training 14.1 s + validation 2.0 s), 10 epochs 2.7
+    min``; ``..., 40 steps (max_steps, in epoch 2) 9.5 s`` when max_steps stops it sooner; under DDP ``60.2 samples/s
+    for the world's 2 ranks (30.1 each) at batch_size 161 per rank``; on documents ``31.2k tokens/s (52.0
+    documents/s) over 341 batches of the token budget, ...``."""
     val = "validation not counted" if forecast.val_s is None else f"validation {format_duration(forecast.val_s)}"
-    run = f"{forecast.epochs} epoch{'s' * (forecast.epochs != 1)}"
-    if plan is not None and forecast.dataset is not None:
-        steps = cut_steps(plan, forecast.dataset)[1]
-        run = run if steps is None else f"{steps} step{'s' * (steps != 1)} (max_steps, in epoch {forecast.epochs})"
-    per_rank = " per rank" if forecast.ranks > 1 else ""
-    return (f"forecast: {format_rate(forecast.samples_per_s)} samples/s{world_text(forecast)} at batch_size "
-            f"{forecast.batch_size}{per_rank}, epoch "
-            f"{format_duration(forecast.epoch_s)} (training {format_duration(forecast.train_s)} + {val}), "
-            f"{run} {format_duration(forecast.run_s)}")
+    run, steps = f"{forecast.epochs} epoch{'s' * (forecast.epochs != 1)}", None
+    if forecast.tokens_per_s is not None and plan is not None:
+        per_epoch, steps = int(plan.data_stats["train_batches"]), plan.config.max_steps
+        steps = steps if steps and steps < plan.config.epochs * per_epoch else None
+        by = "token budget" if plan.data_stats["batching"]["mode"] == "budget" else "bucket table"
+        what = (f"{format_rate(forecast.tokens_per_s)} tokens/s ({format_rate(forecast.samples_per_s)} documents/s) "
+                f"over {per_epoch} batches of the {by}")
+    else:
+        steps = cut_steps(plan, forecast.dataset)[1] if plan is not None and forecast.dataset is not None else None
+        what = (f"{format_rate(forecast.samples_per_s)} samples/s{world_text(forecast)} at batch_size "
+                f"{forecast.batch_size}{' per rank' * (forecast.ranks > 1)}")
+    run = run if steps is None else f"{steps} step{'s' * (steps != 1)} (max_steps, in epoch {forecast.epochs})"
+    return (f"forecast: {what}, epoch {format_duration(forecast.epoch_s)} (training "
+            f"{format_duration(forecast.train_s)} + {val}), {run} {format_duration(forecast.run_s)}")
 
-
-# ------------------------------------------------------------------------- documents (module docstring)
 
 def line_fit(points: Sequence[tuple[float, float]]) -> tuple[float, float] | None:
-    """(intercept, slope) of ``y = a + b x`` by least squares (Montgomery & Runger, eq. 11-7/11-8); None with fewer
-    than two distinct x or a slope that is not positive (time must grow with tokens)."""
+    """(intercept, slope) of ``y = a + b x`` (:func:`vramcal.estimate.result.line`, the intercept at least 0); None
+    with fewer than two distinct x or a slope that is not positive (time must grow with tokens)."""
     if len({x for x, _ in points}) < 2:
         return None
-    mean_x, mean_y = statistics.fmean(x for x, _ in points), statistics.fmean(y for _, y in points)
-    sxx = sum((x - mean_x) ** 2 for x, _ in points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx
-    if slope <= 0:
-        return None
-    return max(0.0, mean_y - slope * mean_x), slope
+    intercept, slope = line([x for x, _ in points], [y for _, y in points])
+    return (max(0.0, intercept), slope) if slope > 0 else None
 
 
 def timed(profile: Profile) -> list[tuple[int, Trial]]:
@@ -178,9 +146,8 @@ def val_model(profile: Profile) -> tuple[float, float] | None:
 
 
 def documents_forecast(plan: Plan) -> Forecast | None:
-    """The forecast of a run on documents (module docstring): ``samples_per_s`` the training documents per second,
-    ``tokens_per_s`` their tokens (padding not counted) per second, ``step_fit`` the step-time fit (t0, t_token);
-    None without a profile file or enough timed trials."""
+    """The forecast of a run on documents (module docstring): ``samples_per_s`` documents per second,
+    ``tokens_per_s`` unpadded tokens per second, ``step_fit`` (t0, t_token); None without a profile or timings."""
     try:
         profile = load_profile(plan.profile_path)
     except (ProfileError, TypeError):
@@ -204,36 +171,17 @@ def documents_forecast(plan: Plan) -> Forecast | None:
                     tokens_per_s=stats["train_tokens"] / train_s, step_fit=(t0, per_token))
 
 
-def documents_line(forecast: Forecast, plan: Plan) -> str:
-    """``forecast: 31.2k tokens/s (52.0 documents/s) over 341 batches of the token budget, epoch 2.3 min (training
-    2.0 min + validation 18.0 s), 300 steps (max_steps, in epoch 1) 2.1 min``."""
-    stats, steps = plan.data_stats, plan.config.max_steps
-    val = "validation not counted" if forecast.val_s is None else f"validation {format_duration(forecast.val_s)}"
-    per_epoch = int(stats["train_batches"])
-    run = (f"{steps} step{'s' * (steps != 1)} (max_steps, in epoch {forecast.epochs})"
-           if steps and steps < plan.config.epochs * per_epoch else f"{forecast.epochs} epoch"
-           f"{'s' * (forecast.epochs != 1)}")
-    by = "token budget" if stats["batching"]["mode"] == "budget" else "bucket table"
-    return (f"forecast: {format_rate(forecast.tokens_per_s)} tokens/s ({format_rate(forecast.samples_per_s)} "
-            f"documents/s) over {per_epoch} batches of the {by}, epoch {format_duration(forecast.epoch_s)} (training "
-            f"{format_duration(forecast.train_s)} + {val}), {run} {format_duration(forecast.run_s)}")
-
-
-# ------------------------------------------------------------------------------- measured against forecast
-
 def epoch_steps(row: dict[str, Any]) -> int:
-    """The optimizer steps of an epoch row (0 without its batch size). :func:`vramcal.forecast.time_band` counts
-    these: with gradient accumulation, k micro-batches a step, the steps' noise is the micro-steps' averaged
-    over k, and the band this count gives is up to √k wider than it need be (a looser check, never a stricter one)."""
+    """The optimizer steps of an epoch row (0 without its batch size); with gradient accumulation the band
+    :func:`vramcal.forecast.time_band` gives on them is up to √k too wide (looser, never stricter)."""
     if row.get("epoch_steps"):  # a language model's: its batches vary
         return int(row["epoch_steps"])
     return math.ceil(row["samples"] / row["batch_size"]) if row.get("batch_size") else 0
 
 
 def expected_s(forecast: Forecast, row: dict[str, Any]) -> float:
-    """The forecast's time for what an epoch row ran (module docstring): the epoch, or, for one that ``max_steps``
-    stopped, its steps (their samples at the forecast's rate; on documents, their batches and padded tokens on the
-    step-time fit) and its validation pass."""
+    """The forecast's time for what an epoch row ran: the epoch, or the steps a ``max_steps`` ran (at the forecast's
+    rate; on documents, on the step-time fit) and its validation pass."""
     if row.get("complete", True):
         return forecast.epoch_s
     if forecast.step_fit is not None and row.get("padded_tokens") is not None:
@@ -245,10 +193,9 @@ def expected_s(forecast: Forecast, row: dict[str, Any]) -> float:
 
 
 def first_epoch_lines(forecast: Forecast, row: dict[str, Any], fresh: bool) -> list[str]:
-    """The first epoch's measured time beside its forecast (or, where ``max_steps`` ended the run inside it, the
-    time of the steps it ran beside theirs: :func:`expected_s`); a line saying so when it is more than 25 % off but
-    inside the spread the calibration measured (:func:`vramcal.forecast.time_band`: its steps' noise, the
-    forecast's own 95 % interval), a warning suggesting recalibrating only when it is outside."""
+    """The first epoch's measured time beside its forecast (:func:`expected_s`); a line when it is more than 25 % off
+    inside the spread the calibration measured (:func:`vramcal.forecast.time_band`), a warning to recalibrate only
+    outside it."""
     if not row.get("epoch_s") or forecast.epoch_s is None:
         return []
     expected = expected_s(forecast, row) + (forecast.first_s or 0.0) * fresh
@@ -279,11 +226,8 @@ def first_epoch_lines(forecast: Forecast, row: dict[str, Any], fresh: bool) -> l
 
 
 def observed(forecast: Forecast | None, rows: Sequence[dict[str, Any]], fresh: bool) -> dict[str, Any]:
-    """The observation's time fields (:class:`vramcal.profile.Observation`) from the run's epoch rows: the
-    measured mean epoch time and samples/s over its complete epochs (under DDP the world's, as the forecast's:
-    :func:`world_rates`), the forecast's for the same epochs, the band its mean epoch may land in by the spread
-    the calibration measured, on the side it landed (:func:`vramcal.forecast.time_band`, over all their steps),
-    and the epoch the forecast counted (its windows, for the report's forecast)."""
+    """The observation's time fields (:class:`vramcal.profile.Observation`) from the run's complete epochs: measured
+    epoch time and samples/s, their forecast, the band on the side it landed, and the epoch counted."""
     done = [r for r in rows if r.get("complete", True) and r.get("epoch_s")]
     if not done:
         return {}

@@ -1,40 +1,12 @@
-"""Where a run's figures go beside ``metrics.jsonl`` (the config's ``report_to``, as the HF Trainer's ``report_to``):
-TensorBoard event files (the default), and MLflow through its own client when it is installed and asked for.
+"""Where a run's figures go beside ``metrics.jsonl`` (``report_to``, as the HF Trainer's): TensorBoard event files
+(the default; ``<run_dir>/tensorboard``, every number of each epoch row under its metrics.jsonl key), and MLflow
+through its own client when installed and asked for (one MLflow run per training run, its id kept in the run
+folder so a resume logs into it; ``MLFLOW_TRACKING_URI`` and ``MLFLOW_EXPERIMENT_NAME`` as MLflow reads them).
 
-::
-
-    <run_dir>/tensorboard/     every number of each epoch row of metrics.jsonl, at the row's optimizer step, under
-                               the key metrics.jsonl gives it: train/train_loss, train/lr, train/samples_per_s,
-                               val/val_loss, memory/peak_bytes (per DDP rank: memory/rank_peak_bytes/rank1), ...
-                               A tune trial's folder (trials/<nnnn>/) adds its hyperparameters and its objective
-                               (``tune/objective``) for TensorBoard's HParams dashboard.
-
-``tensorboard --logdir <run_dir>`` shows a run; ``--logdir`` a tune's folder shows every trial, one run each.
-The files are written by TensorBoard's own writer (:class:`torch.utils.tensorboard.SummaryWriter`), flushed after
-each epoch; rank 0 alone writes (the caller decides: :func:`vramcal.train.runner.train`).
-
-A run that starts adds a new event file beside those there and never rewrites them. It begins with TensorBoard's
-purge marker (``SummaryWriter(purge_step=...)``): a resumed run at the step after the last epoch row metrics.jsonl
-held when it resumed, a new run (in a folder a failed run left) at 0, so TensorBoard hides events that
-metrics.jsonl no longer holds and shows what it holds. A writer that fails (a full disk, a broken install) never
-fails the run: one warning line, and nothing more goes to TensorBoard; metrics.jsonl keeps every figure.
-
-The event format stores scalars as 32-bit floats: byte counts are exact there up to 16 MiB and within 1 in 10^7
-above (metrics.jsonl keeps them exact).
-
-MLflow (``report_to`` holding ``mlflow``; :class:`MlflowTracker`): one MLflow run per training run (a tune trial's
-too), in MLflow's own tracking store (``MLFLOW_TRACKING_URI``, else MLflow's default, ``sqlite:///mlflow.db`` in the
-current folder) and experiment (``MLFLOW_EXPERIMENT_NAME``, else ``vramcal``): the config and the run's batch size
-and learning rate as parameters when it starts, each epoch row's figures as metrics under TensorBoard's tags at the
-row's step, and the run's end as its status. The MLflow run's id is kept in the run folder (``mlflow_run_id``), so
-a resumed run logs into the same MLflow run. W&B reads the TensorBoard files with its own tool (``wandb sync
---sync-tensorboard <run_dir>/tensorboard``). Like TensorBoard's, a failing MLflow client is one warning, never the
-run's end.
-
-Every call into a tracker is bounded (:data:`TRACKER_TIMEOUT_S`): it runs on a thread of its own, and one that has
-not returned by then (a tracking server that cannot be reached, whose client retries for minutes; a file system
-that hangs) is that tracker's failure, one warning, and the run goes on and ends without waiting for it.
-"""
+Rank 0 alone writes. A resumed run's event file starts with TensorBoard's purge marker at the step after the last
+epoch row, so TensorBoard shows what metrics.jsonl holds. A tracker that fails or hangs past
+:data:`TRACKER_TIMEOUT_S` is one warning, never the run's end; metrics.jsonl keeps every figure (exact, where the
+event format stores 32-bit floats)."""
 
 from __future__ import annotations
 
@@ -55,16 +27,12 @@ MLFLOW_RUN_ID = "mlflow_run_id"  # the run folder's file naming its MLflow run
 MLFLOW_EXPERIMENT = "vramcal"  # the experiment when MLFLOW_EXPERIMENT_NAME is not set
 OBJECTIVE = "tune/objective"  # a tune trial's value: its lowest validation loss
 _NOT_FIGURES = ("kind", "step", "complete")  # what an epoch row holds that is no figure over the steps
-# The most one call into a tracker may take (module docstring): MLflow's client, at an address nothing answers,
-# retries for minutes (MLFLOW_HTTP_REQUEST_MAX_RETRIES 7, backoff factor 2); a sound one answers in under a second,
-# a first call that makes MLflow's sqlite store in a few.
-TRACKER_TIMEOUT_S = 30.0
+TRACKER_TIMEOUT_S = 30.0  # a sound client answers in seconds; MLflow's retries an unreachable server for minutes
 
 
 def epoch_scalars(row: dict[str, Any]) -> dict[str, float]:
-    """TensorBoard's ``tag -> value`` for an epoch row: each number under its metrics.jsonl key, in a section
-    (``val_*`` under ``val/``, ``*_bytes`` under ``memory/``, the rest under ``train/``); a list (one value per
-    DDP rank) as one tag per rank; the step (the event's own), ``kind``, flags and missing values left out."""
+    """TensorBoard's ``tag -> value`` of an epoch row: ``val_*`` under ``val/``, ``*_bytes`` under ``memory/``, the
+    rest under ``train/``; a per-rank list as one tag per rank; flags and missing values left out."""
     scalars = {}
     for key, value in sorted(row.items()):
         section = "val" if key.startswith("val_") else "memory" if key.endswith("_bytes") else "train"
@@ -77,8 +45,8 @@ def epoch_scalars(row: dict[str, Any]) -> dict[str, float]:
 
 
 def purge_step(run_dir: Path, resume: bool) -> int:
-    """Where a run's event file begins purging (module docstring): 0 for a new run; for a resumed one, the step
-    after the last epoch row in ``metrics.jsonl`` (0 when it holds none, or cannot be read)."""
+    """Where a run's event file begins purging: 0 for a new run; for a resumed one the step after the last epoch row
+    in ``metrics.jsonl`` (0 when none can be read)."""
     if not resume:
         return 0
     try:
@@ -90,22 +58,20 @@ def purge_step(run_dir: Path, resume: bool) -> int:
 
 
 class _Tracker:
-    """What every tracker shares: its first failure, whatever it is, is one warning and ends its writing, never the
-    run (module docstring).
-
-    Args:
-        what: the writing it stops, as the warning names it (``TensorBoard logging to <folder>``).
-        echo: where the warning goes.
-        timeout_s: the most one call may take (:data:`TRACKER_TIMEOUT_S`).
-    """
+    """What every tracker shares: its first failure, or a call past ``timeout_s``, is one warning and ends its
+    writing."""
 
     def __init__(self, what: str, echo: Echo, timeout_s: float = TRACKER_TIMEOUT_S) -> None:
         self._what, self.echo, self.timeout_s = what, echo, timeout_s
         self._failed = False
 
+    def epoch(self, row: dict[str, Any]) -> None:
+        """Write an epoch row's figures (:func:`epoch_scalars`) at its step."""
+        self._guarded(lambda: self._write(row))
+
     def _guarded(self, action: Callable[[], Any]) -> None:
         """Run ``action`` on a thread of its own for at most ``timeout_s``, unless an earlier one failed; a failure
-        or a call still running then is the warning, once (the thread is left to end with the process)."""
+        or a call still running is the warning, once (the thread left to end with the process)."""
         if self._failed:
             return
         errors: list[BaseException] = []
@@ -128,13 +94,10 @@ class _Tracker:
 
 
 class RunTracker(_Tracker):
-    """A run's TensorBoard writer (module docstring): opened at the first epoch row (nothing for a run that
-    never ends one), stopped with one warning at its first failure.
+    """A run's TensorBoard writer, opened at the first epoch row.
 
     Args:
-        log_dir: the event files' folder (``<run_dir>/tensorboard``).
-        purge_step: :func:`purge_step` of the run.
-        echo: where the warning goes.
+        log_dir: the event files' folder. purge_step: :func:`purge_step` of the run. echo: where the warning goes.
     """
 
     def __init__(self, log_dir: Path, purge_step: int, echo: Echo, timeout_s: float = TRACKER_TIMEOUT_S) -> None:
@@ -142,12 +105,8 @@ class RunTracker(_Tracker):
         self.log_dir, self.purge_step = Path(log_dir), purge_step
         self._writer: Any = None
 
-    def epoch(self, row: dict[str, Any]) -> None:
-        """Write an epoch row's figures (:func:`epoch_scalars`) at its step and flush them to the file."""
-        self._guarded(lambda: self._write(row))
-
     def close(self, status: str = "FINISHED") -> None:
-        """Flush and close the event file (``status``, how the run ended, is for trackers that record it)."""
+        """Flush and close the event file (``status`` is for trackers that record it)."""
         if self._writer is not None:
             self._guarded(self._writer.close)
 
@@ -162,8 +121,8 @@ class RunTracker(_Tracker):
 
 
 def check_reporters(report_to: Iterable[str]) -> None:
-    """Raises: ConfigError: a reporter (:data:`vramcal.train.config.REPORT_TO`: each the name of the package it needs)
-    whose package is not installed (one line: what to install)."""
+    """Raises: ConfigError: a reporter (:data:`vramcal.train.config.REPORT_TO`) whose package is not installed (one
+    line: what to install)."""
     for name in report_to:
         if importlib.util.find_spec(name) is None:
             raise ConfigError(f"--report-to {name}: the {name} package is not installed: pip install {name}"
@@ -171,7 +130,7 @@ def check_reporters(report_to: Iterable[str]) -> None:
 
 
 def run_trackers(plan: Any, echo: Echo) -> list[Any]:
-    """The trackers of a run's ``config.report_to`` (none for a DDP rank but rank 0, which alone writes)."""
+    """The trackers of a run's ``config.report_to`` (none for a DDP rank but rank 0)."""
     if plan.rank != 0:
         return []
     found: list[Any] = []
@@ -183,12 +142,11 @@ def run_trackers(plan: Any, echo: Echo) -> list[Any]:
 
 
 class MlflowTracker(_Tracker):
-    """A run's MLflow run (module docstring), through ``mlflow.tracking.MlflowClient``: created, or for a resumed
-    run found again by its id, at the first epoch row; stopped with one warning at its first failure.
+    """A run's MLflow run through ``mlflow.tracking.MlflowClient``: created (or, resumed, found again by its id) at
+    the first epoch row, with the config, batch size and LR as parameters.
 
     Args:
-        plan: the run (:class:`vramcal.train.plan.Plan`): its folder, config, batch size and learning rate.
-        echo: where the warning goes.
+        plan: the run (:class:`vramcal.train.plan.Plan`). echo: where the warning goes.
     """
 
     def __init__(self, plan: Any, echo: Echo, timeout_s: float = TRACKER_TIMEOUT_S) -> None:
@@ -196,10 +154,6 @@ class MlflowTracker(_Tracker):
         self.plan = plan
         self.run_id: str | None = None
         self._client: Any = None
-
-    def epoch(self, row: dict[str, Any]) -> None:
-        """Log an epoch row's figures (:func:`epoch_scalars`) at its step."""
-        self._guarded(lambda: self._log(row))
 
     def close(self, status: str = "FINISHED") -> None:
         """End the MLflow run with ``status`` (``FINISHED``, ``FAILED`` or ``KILLED``), if one was started."""
@@ -229,7 +183,7 @@ class MlflowTracker(_Tracker):
                   "step_batch_size": self.plan.step_batch_size, "lr_used": self.plan.lr}
         client.log_batch(self.run_id, params=[Param(k, str(v)[:6000]) for k, v in sorted(params.items())])
 
-    def _log(self, row: dict[str, Any]) -> None:
+    def _write(self, row: dict[str, Any]) -> None:
         import time
 
         from mlflow.entities import Metric
@@ -253,15 +207,9 @@ def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def log_trial(trial, echo: Echo) -> None:
-    """Write a finished tune trial's hyperparameters and objective into its run folder's event files, for
-    TensorBoard's HParams dashboard (an optuna callback's work: :func:`vramcal.tune.study.run_study`).
-
-    Complete and pruned trials are written (a pruned one's objective is its lowest validation loss so far); a
-    failed or surplus one is not. The hyperparameters are optuna's ``params``, the batch size the trainer used
-    and the state; the session's metrics are ``tune/objective`` (at the trial's last step) and its run's own
-    scalars. No experiment record is written: TensorBoard builds it from the trials' sessions. A failure is one
-    warning line, never the tune's end.
-    """
+    """Write a finished (complete or pruned) tune trial's hyperparameters and objective into its run folder's event
+    files for TensorBoard's HParams dashboard (an optuna callback: :func:`vramcal.tune.study.run_study`); a
+    failure is one warning."""
     objective = trial.value if trial.state.name == "COMPLETE" else trial.user_attrs.get("val_loss")
     run_dir = trial.user_attrs.get("run_dir")
     if trial.state.name not in ("COMPLETE", "PRUNED") or run_dir is None or objective is None:

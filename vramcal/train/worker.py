@@ -1,38 +1,31 @@
-"""The training process: a worker that opens the meter, joins the DDP or FSDP world (when the plan has one), builds
-the step (wrapped or sharded as the world's trials did: :func:`vramcal.measure.distributed.wrap`), resumes, and runs
-the :class:`~vramcal.train.loop.Trainer`.
-
-It runs in a worker forked from vramcal's server (:func:`vramcal.api.worker_pool`), as the trials that sized
-the run did: :func:`vramcal.train.runner.train` starts it for one process, and each rank of a DDP run starts
-its own (:mod:`vramcal.train.distributed`).
-"""
+"""The training process: a worker forked as the trials were (:func:`vramcal.api.worker_pool`) that opens the meter,
+joins the DDP or FSDP world, builds the step as the world's trials did, resumes and runs the trainer."""
 
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 from vramcal.measure.distributed import build_agreed, join, wrap
 from vramcal.measure.meters import open_meter
 from vramcal.measure.trial import torch_device
+from vramcal.models.registry import family_of
 from vramcal.sizing import SizingError, scaled_lr
 from vramcal.train import checkpoint
 from vramcal.train.lm_loop import text_trainer
 from vramcal.train.loop import Share, Trainer
-from vramcal.train.plan import Plan, data_identity
+from vramcal.train.plan import COLLECTIVE_TIMEOUT_S, Plan, data_identity
 from vramcal.workload import build
 
 
 def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
-    """The training process: meter, world, step, checkpoint, :class:`~vramcal.train.loop.Trainer`.
-
-    Messages to the caller: ``("line", text)`` for people; asks ``("epoch", row)`` after each epoch, whose
-    answer ``"stop"`` ends the run.
+    """The training process (module docstring). Messages: ``("line", text)`` for people; asks ``("epoch", row)``
+    after each epoch, whose answer ``"stop"`` ends the run.
 
     Returns:
-        ``{"last": the last epoch row, "step": optimizer steps done, "peak_bytes": the largest epoch peak,
-        "epochs", "data_bytes"}``; under DDP also ``rank_peak_bytes`` (each rank's largest epoch peak) and
-        ``batch_sizes`` (each rank's).
+        ``{"last": the last epoch row, "step", "epochs", "peak_bytes": the largest epoch peak, "data_bytes",
+        "rank_peak_bytes": each rank's largest (DDP; else None), "batch_sizes": each rank's}``.
     """
 
     def echo(line: str) -> None:
@@ -49,12 +42,13 @@ def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
         meter = Reported(meter, channel)
     try:
         group, share, plan = _join(plan)
-        if plan.config.language_model:  # documents of every length (vramcal.train.lm_loop)
+        if family_of(plan.model).documents:  # the language model's trainer (vramcal.train.lm_loop)
             trainer, data_bytes = text_trainer(plan, meter, echo, on_epoch)
         else:
             step, model = _build(plan, group)
             meter.check_pinned()
-            state = _resume_state(plan, step, echo) if plan.resume else _check_planned_data(plan, step)
+            state = (checkpoint.resume_from(plan.run_dir, plan.rank, echo, partial(_check_data, plan, step))
+                     if plan.resume else _check_data(plan, step))
             trainer = Trainer(plan, step, meter, echo=echo, state=state, on_epoch=on_epoch, model=model, share=share)
             data_bytes = step.pool_data_bytes(plan.device.kind)
         last = trainer.run()
@@ -71,8 +65,8 @@ def train_in_worker(plan: Plan, channel: Any = None) -> dict[str, Any]:
 
 
 class Reported:
-    """The meter, each reading of its peak also sent to the caller (:meth:`vramcal.measure.worker.Channel.reading`:
-    the last one is the evidence a kill may need); the trainer reads it every few steps and at each epoch's end."""
+    """The meter, each peak it reads also sent to the caller (:meth:`vramcal.measure.worker.Channel.reading`: the
+    evidence a kill may need)."""
 
     def __init__(self, meter: Any, channel: Any) -> None:
         self._meter, self._channel = meter, channel
@@ -87,9 +81,8 @@ class Reported:
 
 
 def _join(plan: Plan) -> tuple[Any, Share, Plan]:
-    """Join the plan's DDP world (``env://``: torchrun's variables) and agree on every rank's batch size: the
-    global batch sets the learning rate (:func:`vramcal.sizing.scaled_lr`). One process: no group. A rank's
-    training process leaves its PID in ``<run_dir>/ranks/<rank>.pid`` (which process is which rank)."""
+    """Join the plan's world, agree on every rank's batch and scale the LR to the global batch; one process: no
+    group."""
     if plan.world is None:
         return None, Share((plan.step_batch_size,)), plan
     import dataclasses
@@ -98,7 +91,7 @@ def _join(plan: Plan) -> tuple[Any, Share, Plan]:
     (plan.run_dir / "ranks").mkdir(exist_ok=True)
     (plan.run_dir / "ranks" / f"{plan.rank}.pid").write_text(f"{os.getpid()}\n")
 
-    group = join(plan.world, plan.rank, "env://", plan.collective_timeout_s, torch_device(plan.device))
+    group = join(plan.world, plan.rank, "env://", COLLECTIVE_TIMEOUT_S, torch_device(plan.device))
     share = Share(tuple(group.gather(plan.batch_size)), plan.rank, group)
     n_train = int(plan.data_stats["train_windows"])
     if share.global_batch > n_train:  # every rank sees the same figures, so all stop with the same line
@@ -125,21 +118,6 @@ def _build(plan: Plan, group: Any) -> tuple[Any, Any]:
     return step, wrap(step, plan.world, torch_device(plan.device))
 
 
-def _resume_state(plan: Plan, step: Any, echo: Any) -> dict[str, Any]:
-    """The checkpoint to continue from (rank 0 of a world wrote it; every rank reads it)."""
-    state, path, notice = checkpoint.load_resumable(plan.run_dir)
-    if notice:
-        echo(f"warning: {notice}")
-        if path.name != checkpoint.LAST and (plan.run_dir / checkpoint.LAST).exists() and plan.rank == 0:
-            echo(f"the unreadable {checkpoint.LAST} is kept as "
-                 f"{checkpoint.set_aside(plan.run_dir / checkpoint.LAST).name}")
-    _check_same_data(state, step, plan)
-    done = state["progress"]
-    within = f", batch {done['batch_in_epoch']} of epoch {done['epoch'] + 1}" if done["batch_in_epoch"] else ""
-    echo(f"continuing from {path}: {done['epoch']} epoch(s) and {done['step']} step(s) done{within}")
-    return state
-
-
 # what a plan's data facts must still say of the file the worker reads (its rows, split, windows, normalisation)
 PLANNED = ("rows", "split_row", "stride", "train_windows", "val_windows", "feature_mean", "feature_std",
            "target_scale")
@@ -149,41 +127,20 @@ IDENTITY = {"size_bytes": "size", "mtime_ns": "modification time", "head_sha256"
 CONTENT = ("size_bytes", "head_sha256")
 
 
-def _check_planned_data(plan: Plan, step: Any) -> None:
-    """A new run trains on the data it was planned on: the file the worker read is the planned one (its identity)
-    and has the planned facts (a file swapped or rewritten between the plan and the worker is refused before any
-    step; nothing is trained on it).
-
-    Raises:
-        DataError: one line naming the file and what differs.
-    """
+def _check_data(plan: Plan, step: Any, state: dict[str, Any] | None = None) -> None:
+    """Refuse (DataError) data that is not what the run was planned on, or, resumed (``state``), started on."""
     from vramcal.models.regressor.bars import DataError  # loads numpy: only when called
 
-    changed = _changed(plan, tuple(IDENTITY), plan.data_stats, step, "planned")
-    if changed:
+    if state is None and (changed := _changed(plan, tuple(IDENTITY), plan.data_stats, step, "planned")):
         raise DataError(f"{plan.config.data} changed after the run was planned ({changed} now): nothing was trained "
                         f"on it; start the run again")
-
-
-def _check_same_data(state: dict[str, Any], step: Any, plan: Plan) -> None:
-    """A resumed run trains on the data it started on: the file's content (size and first MiB, against the run's
-    record) and its windows' facts (against the checkpoint's).
-
-    Raises:
-        DataError: one line naming the file and what differs.
-    """
-    from vramcal.models.regressor.bars import DataError  # loads numpy: only when called
-
-    changed = _changed(plan, CONTENT, state["data_stats"], step, "then")
-    if changed:
+    if state is not None and (changed := _changed(plan, CONTENT, state["data_stats"], step, "then")):
         raise DataError(f"{plan.config.data} is not the data this run started on ({changed} now): resume with the "
                         f"same file, or start a new run")
 
 
 def _changed(plan: Plan, identity: tuple[str, ...], expected: dict[str, Any], step: Any, then: str) -> str | None:
-    """What differs first between the data file now and what was recorded of it (``plan.data_stats["file"]``'s
-    ``identity`` keys, when recorded; then ``expected``'s :data:`PLANNED` facts), as ``what: X <then>, Y`` (the
-    caller adds `` now``); None when nothing does."""
+    """What differs first between the data file now and its record, as ``what: X <then>, Y``; None: nothing."""
     recorded = plan.data_stats.get("file")
     if recorded:
         found = data_identity(plan.config.data)
