@@ -33,11 +33,12 @@ LAYERS = (
     # the sizing wing (a profile -> a batch size: lookup, staleness, batching, the sampler, variants, sharding), run
     # time; trials -> profile (and their journal); cards not in hand
     ("vramcal.sizing", "vramcal.forecast", "vramcal.calibrator", "vramcal.journal", "vramcal.estimated"),
-    # the front door; reports from profiles; progress for people
-    ("vramcal.api", "vramcal.service", "vramcal.report", "vramcal.progress"),
+    # the service under the facade (devices, the worker pool, a calibration run, size_for); reports from profiles;
+    # progress for people
+    ("vramcal.service", "vramcal.report", "vramcal.progress"),
     ("vramcal.train",),  # the bundled trainer
     ("vramcal.tune", "vramcal.integrations", "vramcal.preload"),  # studies, frameworks, the worker server's imports
-    ("vramcal.cli", "vramcal.__main__"),  # the commands
+    ("vramcal.cli", "vramcal.api", "vramcal.__main__"),  # the commands; the public facade, which nothing imports
 )
 # tested with recorded or synthetic trials: no process, hardware or trainer code
 PURE = ("vramcal.calibration", "vramcal.records", "vramcal.schema", "vramcal.units", "vramcal.profile",
@@ -128,6 +129,11 @@ def test_every_import_runs_down_the_layers():
     graph = import_graph()
     upward = [f"{a} -> {b}" for a, targets in graph.items() for b in targets if layer(b) > layer(a)]
     assert upward == []
+
+
+def test_nothing_inside_vramcal_imports_its_facade():
+    """vramcal.api is the users' door (issue 58): the commands, the trainer and the integrations call the service."""
+    assert sorted(a for a, targets in import_graph().items() if "vramcal.api" in targets) == []
 
 
 def test_the_layer_check_finds_an_upward_import():

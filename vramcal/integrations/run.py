@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vramcal import __version__
-from vramcal.api import capacity_argument, select_devices, size_for
 from vramcal.arguments import callback, flag, mapping, of_type, path_like
 from vramcal.environment import HOST_MALLOC, cache_thread_stacks, set_arrow_pool, set_host_malloc
 from vramcal.integrations.worlds import locate_world
@@ -39,6 +38,8 @@ from vramcal.profile import (
     utc_now,
 )
 from vramcal.records import TrialSettings, World
+from vramcal.service.pool import capacity_argument, select_devices
+from vramcal.service.size import size_for
 from vramcal.sizing import SizeRequest, Sizing, SizingError, check_counts, compare, size
 from vramcal.units import format_bytes
 from vramcal.words import is_info
@@ -348,7 +349,8 @@ def own_profile(factory: str, params: dict[str, Any], batch: Any, device: torch.
                 trials: TrialSettings, inform: Warn = _inform) -> Path:
     """The profile of a run's own model (:mod:`vramcal.models.own`): ``factory`` (the integration's trial builder) with
     ``params`` and the shapes of ``batch`` (saved for the trials under ``profiles_dir/samples``) on ``device``; the
-    matching profile under ``find["profiles_dir"]`` when one holds, else a calibration (:func:`vramcal.api.size_for`).
+    matching profile under ``find["profiles_dir"]`` when one holds, else a calibration
+    (:func:`vramcal.service.size.size_for`).
 
     Raises:
         WorkloadError: a script that trains when imported; a batch with no tensor. CalibrationError: not one sample

@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from vramcal import api
 from vramcal.calibration.limits import LimitSettings
 from vramcal.measure.device import free_bytes
 from vramcal.models.registry import REGRESSOR
@@ -23,8 +22,10 @@ from vramcal.models.regressor.step import load_windows as windows_of
 from vramcal.models.regressor.windows import Windows
 from vramcal.profile import Profile
 from vramcal.records import Device, World
+from vramcal.service.calibrate import plan_calibration
+from vramcal.service.pool import select_devices
 from vramcal.sizing import Sizing, SizingError, scaled_lr, size, variants
-from vramcal.sizing.lookup import NoProfileError
+from vramcal.sizing.lookup import NoProfileError, locate_profile
 from vramcal.train import checkpoint, tracking
 from vramcal.train.config import ConfigError, TrainConfig, load_config
 from vramcal.units import format_bytes, size_argument
@@ -260,10 +261,10 @@ def located_profile(config: TrainConfig, device: Device, model: ModelRef, capaci
         SizingError: as :func:`resolve`.
     """
     try:
-        located = api.locate_profile(model, device=device,
-                                     profile=None if config.profile == "auto" else config.profile,
-                                     profiles_dir=config.profiles_dir, world=world,
-                                     total_bytes=capacity_bytes if budget_matches or device.kind == "host" else None)
+        located = locate_profile(model, device=device,
+                                 profile=None if config.profile == "auto" else config.profile,
+                                 profiles_dir=config.profiles_dir, world=world,
+                                 total_bytes=capacity_bytes if budget_matches or device.kind == "host" else None)
     except NoProfileError as error:
         if capacity_bytes is not None and device.kind == "host":
             try:  # the probe the refusal names could not calibrate this budget either: say why instead
@@ -291,7 +292,7 @@ def calibration_plan(config: TrainConfig, capacity_bytes: int | None = None):
         raise ConfigError("--probe writes a new profile: leave --profile at auto")
     load_windows(config)
     device, _ = run_device(config, capacity_bytes)
-    return api.plan_calibration("regressor", config.spec.to_dict(), device=device,
+    return plan_calibration("regressor", config.spec.to_dict(), device=device,
                                 implementation=config.implementation, options=config.data_options(),
                                 profiles_dir=config.profiles_dir)
 
@@ -299,7 +300,7 @@ def calibration_plan(config: TrainConfig, capacity_bytes: int | None = None):
 def run_device(config: TrainConfig, capacity_bytes: int | None) -> tuple[Device, list[str]]:
     """The one device a run trains on, and notices (why the host, which of several GPUs)."""
 
-    devices, notice = api.select_devices(config.gpu, capacity_bytes)
+    devices, notice = select_devices(config.gpu, capacity_bytes)
     notices = [notice] if notice else []
     if len(devices) > 1:
         notices.append(Info(f"--gpu {config.gpu}: training uses one GPU, {devices[0].name} ({devices[0].uuid})"))
@@ -391,7 +392,7 @@ def resumed(run_dir: Path, overrides: dict[str, Any], stays: str) -> tuple[Plan,
         raise checkpoint.RunDirError(f"{run_dir / checkpoint.RUN} is not a readable run record ({error}): start "
                                      f"a new run") from None
     config = load_config(run_dir / checkpoint.CONFIG).replace(**overrides)
-    device = api.select_devices(config.gpu)[0][0]  # a GPU is pinned by its UUID
+    device = select_devices(config.gpu)[0][0]  # a GPU is pinned by its UUID
     difference = device.hardware_difference(plan.device)
     notices = (f"resuming on other hardware than the run started on ({difference}); {stays.format(plan.batch_size)}",
                ) if difference else ()

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from vramcal import __version__
-from vramcal.api import worker_pool
 from vramcal.profile import Observation, ProfileError, append_observation, utc_now
+from vramcal.service.pool import worker_pool
 from vramcal.sizing import compare
 from vramcal.train import checkpoint, timing, tracking
 from vramcal.train.errors import DivergedError, NonFiniteError, Stopped, TrainError
@@ -48,7 +48,8 @@ def train(plan: Plan, echo: Echo = print, on_epoch: Callable[[dict[str, Any]], A
 
     Args:
         on_epoch: called with each epoch's row; returning ``"stop"`` ends the run (``RunResult.stopped``).
-        workers: a :class:`vramcal.measure.worker.Workers` to fork from (default :func:`vramcal.api.worker_pool`).
+        workers: a :class:`vramcal.measure.worker.Workers` to fork from (default
+            :func:`vramcal.service.pool.worker_pool`).
 
     Raises:
         TrainError: the run failed; the message is one line naming the last good checkpoint.
