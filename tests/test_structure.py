@@ -180,6 +180,15 @@ def test_no_module_but_the_registry_tells_the_model_families_apart_by_name():
     assert found == []
 
 
+def test_the_language_model_is_named_only_in_models():
+    """What differs between the families is the family's (issue 58): outside vramcal/models/ a trait is asked for
+    (``Family.documents``), never the language model by name."""
+    named = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "vramcal").rglob("*.py"))
+             if "models" not in p.relative_to(ROOT / "vramcal").parts
+             for i, line in enumerate(p.read_text().splitlines(), 1) if "language_model" in line]
+    assert named == []
+
+
 def test_the_trial_settings_defaults_are_written_once():
     """Each default of :class:`vramcal.records.TrialSettings` is a literal there only: elsewhere a parameter or
     a field of that name takes its default from the record."""

@@ -12,7 +12,7 @@ import click
 from vramcal.cli.options import group
 from vramcal.cli.types import Buckets, KeyValue
 from vramcal.train.checkpoint import CONFIG
-from vramcal.train.config import BATCHINGS, MODELS, is_language_model
+from vramcal.train.config import BATCHINGS, MODELS, trains_documents
 from vramcal.units import format_bytes
 from vramcal.words import labelled
 
@@ -46,7 +46,7 @@ def lm_settings(options: dict[str, Any], given: set[str]) -> None:
     """
     arguments = dict(options.pop("model_args"))
     unknown = sorted(set(arguments) - {"config"})
-    if unknown or (arguments and not is_language_model(options["model"])):
+    if unknown or (arguments and not trains_documents(options["model"])):
         what = f"--model-arg {unknown[0]}" if unknown else "--model-arg"
         raise click.BadParameter(f"{what} is not a setting of vramcal train: --model lm takes config=<Mamba2Config "
                                  f"JSON>, the regressor its spec options (--d-model, ...)", param_hint="--model-arg")
@@ -62,7 +62,7 @@ def check_lm(config: Any, given: set[str], nproc_per_node: int, torchrun: dict[s
     Raises:
         click.BadParameter: one line naming the option.
     """
-    if not config.language_model:
+    if not config.documents:
         stray = [name for name in ("text", "batching", "buckets") if name in given]
         if stray:
             raise click.BadParameter("applies to --model lm", param_hint=f"--{stray[0]}")

@@ -32,7 +32,7 @@ from vramcal.profile import ProfileError, load_profile
 from vramcal.report import report_name, write_report
 from vramcal.service.pool import select_devices, worker_pool
 from vramcal.train import checkpoint, distributed
-from vramcal.train.config import RESUME_OVERRIDES, ConfigError, TrainConfig, is_language_model, load_config
+from vramcal.train.config import RESUME_OVERRIDES, ConfigError, TrainConfig, load_config, trains_documents
 from vramcal.units import format_bytes
 from vramcal.words import labelled
 
@@ -158,7 +158,7 @@ def train_command(ctx: click.Context, config_file: str | None, run_dir: Path | N
     with one_line(), stdout_to_stderr(as_json):  # --json: what the worker server's processes print goes to stderr
         worker_pool().warm_up()  # the training worker's server imports torch while the run is planned
         plan = resume_plan(run_dir, options, given) if resume else new_plan(config, probe, capacity, run_dir)
-        (announce_lm if plan.config.language_model else announce)(plan)
+        (announce_lm if plan.config.documents else announce)(plan)
     with one_line(lambda: interrupted_line(plan.run_dir)), stdout_to_stderr(as_json):
         train(plan, echo=lambda line: click.echo(line, err=True))
     refresh_report(plan.profile_path)
@@ -191,7 +191,7 @@ def new_plan(config: TrainConfig, probe: bool, capacity: int | None, run_dir: Pa
     if probe:
         config = probe_first(config, capacity)
     run_dir = run_dir or new_run_dir()
-    if config.language_model:
+    if config.documents:
         return lm_plan.plan_run(config, run_dir, lm_plan.resolve(config, capacity))
     return planning.plan_run(config, run_dir, planning.resolve(config, capacity, unchecked=True))
 
@@ -318,7 +318,7 @@ def echo_done(run_dir: Path, as_json: bool = False) -> None:
         done = run_summary(run_dir)
     if done["val_loss"] is not None:
         steps = done["steps"]
-        baseline = "uniform" if is_language_model(done.get("model", "")) else "zero-return"
+        baseline = "uniform" if trains_documents(done.get("model", "")) else "zero-return"
         click.echo(f"done: {steps} step{'' if steps == 1 else 's'}, val_loss {done['val_loss']:.4f} ({baseline} "
                    f"{done['val_zero_loss']:.4f}), metrics {done['metrics']}, checkpoint {done['checkpoint']}, "
                    f"TensorBoard {done['tensorboard']}", err=as_json)
@@ -361,7 +361,7 @@ def resume_plan(run_dir: Path | None, options: dict[str, Any], given: set[str]):
         click.echo(f"--resume continues with the run's saved settings; ignoring "
                    f"{', '.join('--' + o.replace('_', '-') for o in ignored)}", err=True)
     overrides = {k: options[k] for k in RESUME_OVERRIDES if k in given}
-    if is_language_model(saved_model(run_dir)):
+    if trains_documents(saved_model(run_dir)):
         from vramcal.train import lm_plan  # loads numpy: only when called
 
         return lm_plan.plan_resume(run_dir, overrides)

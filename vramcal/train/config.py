@@ -28,9 +28,10 @@ MODELS: tuple[str, ...] = ("regressor", "lm")  # what vramcal train trains: the 
 BATCHINGS: tuple[str, ...] = ("budget", "buckets")  # how the lm's batches are formed (vramcal.sizing.sampler)
 
 
-def is_language_model(model: str) -> bool:
-    """Whether ``model`` (a run's ``--model``) names the language-model family."""
-    return model in MODELS and isinstance(registry.family(model), registry.LanguageModel)
+def trains_documents(model: str) -> bool:
+    """Whether ``model`` (a run's ``--model``) names a family trained on documents of every length (its
+    ``documents``: the language model on text), not the regressor on bars."""
+    return model in MODELS and registry.family(model).documents
 
 
 class ConfigError(ValueError):
@@ -129,7 +130,7 @@ class TrainConfig:
              f"checkpoint_minutes must be a finite number > 0, got {self.checkpoint_minutes}"),
             (self.model in MODELS, f"model must be one of {', '.join(MODELS)}, got {self.model!r}"),
             (self.batching in BATCHINGS, f"batching must be one of {', '.join(BATCHINGS)}, got {self.batching!r}"),
-            (not self.language_model or self.lm_config is not None,
+            (not self.documents or self.lm_config is not None,
              "--model lm needs its Mamba2Config: --model-arg config=FILE (e.g. configs/mamba2-lm-tiny.json)"),
             (all(b >= 1 for b in self.buckets), f"buckets must be lengths >= 1, got {list(self.buckets)}"),
             (set(self.report_to) <= set(REPORT_TO) and len(set(self.report_to)) == len(self.report_to),
@@ -140,9 +141,9 @@ class TrainConfig:
                 raise ConfigError(message)
 
     @property
-    def language_model(self) -> bool:
-        """Whether the run trains a language model on text, not the regressor on bars."""
-        return is_language_model(self.model)
+    def documents(self) -> bool:
+        """Whether the run trains on documents of every length (:func:`trains_documents`)."""
+        return trains_documents(self.model)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
