@@ -29,6 +29,7 @@ from vramcal.estimated import (
     CUDA_BASELINE,
     GPU_BOUND,
     HOST_BASELINE,
+    HOST_CUDA_BUILD_BASELINE,
     Baseline,
     Calibrated,
     ErrorBound,
@@ -52,6 +53,17 @@ def calibrated(path: str, baseline_mib: float, peak_mib: float, kind: str = "hos
     """A calibration whose trace is 10 MiB + 1 MiB per sample at a safe size of 100, data 0, held ``baseline_mib``
     beyond the trace, and measured ``peak_mib`` at its safe size."""
     return Calibrated(path, kind, (baseline_mib + 10) * MIB, 0, 100, int(peak_mib * MIB), 10 * MIB, MIB)
+
+
+def test_the_bound_is_never_narrower_than_the_calibrations_repeat_their_trials():
+    """Two near-identical calibrations taught a bound of −0.20 % to −0.02 %, and a held-out trial landed +0.07 %: a
+    trial repeated at one size spreads that much (bench/results/estimate-builds). The bound covers that spread."""
+    import dataclasses
+
+    two = [dataclasses.replace(calibrated(name, 500, 610), repeat=0.004) for name in ("a", "b")]
+    bound = learned_bound(two, "host")
+    assert (bound.low, bound.high) == (pytest.approx(-0.004), pytest.approx(0.004))  # both errors 0: the spread
+    assert learned_bound([calibrated("a", 500, 610), calibrated("b", 500, 610)], "host").high == 0
 
 
 def test_the_bound_holds_each_calibration_against_the_others_baseline():
@@ -361,8 +373,9 @@ def test_a_host_baseline_comes_from_the_same_thread_setting_first_and_says_when_
 def test_a_baseline_comes_from_the_same_torch_build_first_even_of_another_device():
     """A host worker of torch's CUDA build holds about 1.00 GiB at batch_size 1 where one of the CPU build holds
     0.48 GiB (issue 62): a baseline learned from profiles of this build comes first, before this device's of another
-    build and before the thread setting; learned from another build, or the stated default (the CPU build's), the
-    source names both builds."""
+    build and before the thread setting; with none of this build, the stated default of this build, whose source names
+    the builds left out (learned from the CPU build's, a CUDA build's estimate missed a real trial by −41 %:
+    bench/results/estimate-builds)."""
     import dataclasses
 
     cpu, cuda = {"torch": "2.13.0+cpu", "OMP_NUM_THREADS": None}, {"torch": "2.13.0+cu130", "OMP_NUM_THREADS": None}
@@ -373,16 +386,17 @@ def test_a_baseline_comes_from_the_same_torch_build_first_even_of_another_device
     assert "made with OMP_NUM_THREADS '1' where a worker now gets unset" in learned.source
     assert "torch" not in learned.source
     under_cpu = learned_baseline(here, "host", device="EPYC", settings=cuda)
-    assert under_cpu.bytes == 500 * MIB and under_cpu.source.endswith(
-        "made with torch '2.13.0+cpu' where a worker now gets '2.13.0+cu130': a process's baseline moves with them "
-        "(not in the bound)")
-    default = learned_baseline([], "host", settings=cuda)
-    assert default.bytes == HOST_BASELINE.bytes and "'2.13.0+cpu' where a worker now gets '2.13.0+cu130'" in \
-        default.source
+    assert under_cpu.bytes == HOST_CUDA_BUILD_BASELINE.bytes and under_cpu.source.endswith(
+        "the profiles of torch '2.13.0+cpu' here left out: another build's process holds another amount")
+    assert learned_baseline([], "host", settings=cuda) is HOST_CUDA_BUILD_BASELINE
     assert learned_baseline([], "host", settings=cpu) is HOST_BASELINE
-    # each left out learns from its own build first: c, alone of its build, is held against the CPU build's baseline
+    # each left out learns from its own build only: c, alone of its build, is held against its build's default
     errors = dict((c.path, error) for c, error in leave_one_out([*here, there], "host"))
-    assert errors["a"] == pytest.approx((500 + 110) / 610 - 1) and errors["c"] == pytest.approx((500 + 110) / 1150 - 1)
+    assert errors["a"] == pytest.approx((500 + 110) / 610 - 1)
+    assert errors["c"] == pytest.approx((HOST_CUDA_BUILD_BASELINE.bytes / MIB + 110) / 1150 - 1)
+    # the bound is its build's: the CPU build's two, or the benchmark's for the CUDA build's one
+    assert learned_bound([*here, there], "host", cuda) is BENCH_BOUND
+    assert learned_bound([*here, there], "host", cpu).n == 2
 
 
 def made_under(folder: Path, torch_version: str) -> Path:
@@ -413,4 +427,4 @@ def test_estimate_names_the_settings_its_host_baseline_was_learned_under(tmp_pat
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert "made with" not in estimate(tmp_path / "here")
     said = estimate(made_under(tmp_path / "other", other))
-    assert f"made with torch '{other}' where a worker now gets '{here}': a process's baseline moves" in said, said
+    assert f"the profiles of torch '{other}' here left out: another build's process holds another amount" in said, said

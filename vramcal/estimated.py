@@ -66,6 +66,11 @@ def settings_of(profile: Profile) -> dict[str, str | None]:
 # The median of the project's host calibrations, 497-632 MiB (`python -m bench.estimate --bound`)
 HOST_BASELINE = Baseline(569 * MIB, "the project's host calibrations (no host profile here to learn from)",
                          {"torch": "2.13.0+cpu", "OMP_NUM_THREADS": None})
+# A host worker of torch's CUDA build holds about twice the CPU build's (its CUDA libraries): the median of this
+# project's host calibrations under 2.13.0+cu130 (bench/results/estimate-builds)
+HOST_CUDA_BUILD_BASELINE = Baseline(1045 * MIB, "the project's host calibrations under torch's CUDA build (no host "
+                                                "profile of this build here to learn from)",
+                                    {"torch": "2.13.0+cu130", "OMP_NUM_THREADS": None})
 CUDA_BASELINE = Baseline(CONTEXT, f"the CUDA context, {CONTEXT // MIB} MiB with lazy module loading (published "
                                   f"figures: vramcal/estimate/constants.py; no GPU profile here to learn from)")
 
@@ -112,6 +117,7 @@ class Calibrated:
     trace_slope_bytes_per_sample: float
     device: str = ""
     settings: Mapping[str, str | None] = field(default_factory=dict)
+    repeat: float = 0.0  # the widest relative spread of its repeated trials at one batch size
 
     @property
     def baseline_bytes(self) -> float:
@@ -127,14 +133,19 @@ class Calibrated:
 
 def learned_baseline(calibrated: Sequence[Calibrated], kind: DeviceKind, leave_out: str | None = None,
                      device: str | None = None, settings: Mapping[str, str | None] | None = None) -> Baseline:
-    """The median baseline of the ``calibrated`` of ``kind`` (but ``leave_out``) that match best: under the weightiest
-    of ``settings``, then on ``device``, then under the rest; with none, :data:`HOST_BASELINE` or
-    :data:`CUDA_BASELINE`. Its source names the settings it was learned under that differ from ``settings``."""
+    """The median baseline of the ``calibrated`` of ``kind`` (but ``leave_out``) made under the weightiest of
+    ``settings`` (torch's build: :func:`_same_build`), on ``device`` first, then under the rest of ``settings``; with
+    none, :data:`HOST_BASELINE`, :data:`HOST_CUDA_BUILD_BASELINE` or :data:`CUDA_BASELINE`. Its source names the
+    settings it was learned under that differ from ``settings``."""
     wanted = dict(settings or {})
-    pool = [c for c in calibrated if c.kind == kind and c.path != leave_out]
+    pool = [c for c in _same_build(calibrated, kind, wanted) if c.path != leave_out]
     if not pool:
-        default = HOST_BASELINE if kind == "host" else CUDA_BASELINE
-        unlike = _unlike([default.settings], wanted)
+        default = CUDA_BASELINE if kind == "cuda" else HOST_BASELINE if "+cu" not in str(wanted.get("torch")) \
+            else HOST_CUDA_BUILD_BASELINE
+        others = sorted({shown_setting(c.settings.get("torch")) for c in calibrated if c.kind == kind})
+        unlike = _unlike([default.settings], wanted) + (
+            f"; the profiles of torch {' and '.join(others)} here left out: another build's process holds another "
+            f"amount" if others and kind == "host" else "")
         return Baseline(default.bytes, default.source + unlike, default.settings) if unlike else default
 
     def rank(c: Calibrated) -> tuple[bool, ...]:  # the weightiest setting, the device, the other settings
@@ -147,6 +158,15 @@ def learned_baseline(calibrated: Sequence[Calibrated], kind: DeviceKind, leave_o
     source = f"the median of {len(chosen)} calibration{'s' * (len(chosen) != 1)} {where} here"
     return Baseline(int(statistics.median([c.baseline_bytes for c in chosen])),
                     source + _unlike([c.settings for c in chosen], wanted))
+
+
+def _same_build(calibrated: Sequence[Calibrated], kind: DeviceKind,
+                wanted: Mapping[str, str | None]) -> list[Calibrated]:
+    """The ``calibrated`` of ``kind`` made under the weightiest of ``wanted`` (its first :data:`BASELINE_SETTINGS`,
+    torch's build) where ``wanted`` names it: another build's process holds another amount (a CUDA build's host
+    worker twice a CPU build's), which no bound learned from them covers (bench/results/estimate-builds: −41 %)."""
+    first = BASELINE_SETTINGS[kind][0]
+    return [c for c in calibrated if c.kind == kind and (first not in wanted or c.settings.get(first) == wanted[first])]
 
 
 def _unlike(made: Sequence[Mapping[str, str | None]], wanted: Mapping[str, str | None]) -> str:
@@ -165,12 +185,17 @@ def leave_one_out(calibrated: Sequence[Calibrated], kind: DeviceKind) -> list[tu
             for c in mine]
 
 
-def learned_bound(calibrated: Sequence[Calibrated], kind: DeviceKind) -> ErrorBound:
-    """The bound of :func:`leave_one_out`'s errors; with fewer than two, :data:`BENCH_BOUND` or :data:`GPU_BOUND`."""
-    errors = [error for _, error in leave_one_out(calibrated, kind)]
+def learned_bound(calibrated: Sequence[Calibrated], kind: DeviceKind,
+                  settings: Mapping[str, str | None] | None = None) -> ErrorBound:
+    """The bound of :func:`leave_one_out`'s errors over the calibrations of ``settings``' build (:func:`_same_build`),
+    never narrower than their repeated trials spread (a held-out trial repeats with that noise: bench/results/
+    estimate-builds); with fewer than two, :data:`BENCH_BOUND` or :data:`GPU_BOUND`."""
+    pool = _same_build(calibrated, kind, dict(settings or {}))
+    errors = [error for _, error in leave_one_out(pool, kind)]
     if len(errors) < 2:
         return BENCH_BOUND if kind == "host" else GPU_BOUND
-    return ErrorBound(min(errors), max(errors), len(errors), f"the {len(errors)} calibrations here")
+    noise = max(c.repeat for c in pool)
+    return ErrorBound(min(*errors, -noise), max(*errors, noise), len(errors), f"the {len(errors)} calibrations here")
 
 
 @dataclass(frozen=True)
@@ -255,6 +280,15 @@ def _trace(ref: ModelRef, options: dict[str, Any], kind: DeviceKind = "host", ca
     return _TRACED[found]
 
 
+def _repeat(profile: Profile) -> float:
+    """The widest ``(max − min) / min`` of ``profile``'s short trials repeated at one batch size and length."""
+    peaks: dict[tuple[int, int | None], list[int]] = {}
+    for t in profile.trials:
+        if t.ok and t.peak_bytes and t.purpose != "steady":
+            peaks.setdefault((t.batch_size, t.seq_len), []).append(t.peak_bytes)
+    return max(((max(p) - min(p)) / min(p) for p in peaks.values() if len(p) > 1), default=0.0)
+
+
 def held_against(profiles: Iterable[tuple[Path | str, Profile]], trace: Trace = _trace,
                  cache: dict[str, StepEstimate] | None = None) -> tuple[list[Calibrated], list[str]]:
     """The profiles that can teach the estimate, each held against its model's trace (one per model and kind, kept in
@@ -277,7 +311,7 @@ def held_against(profiles: Iterable[tuple[Path | str, Profile]], trace: Trace = 
         check = profile.verification["safe"]
         found.append(Calibrated(str(path), profile.device.kind, profile.fit.overhead_bytes, profile.pool_data_bytes,
                                 check.batch_size, check.peak_bytes, overhead, slope, profile.device.name,
-                                settings_of(profile)))
+                                settings_of(profile), _repeat(profile)))
     return found, notices
 
 
@@ -391,7 +425,7 @@ def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[An
         baseline = learned_baseline(calibrated, "cuda", settings=baseline_settings("cuda"))
         formulas += [f"a GPU, {label}: {describe_estimate(estimate, baseline, 0)}",
                      *(f"  as the card runs it: {choice}" for choice in estimate.choices),
-                     f"  {learned_bound(calibrated, 'cuda').says()}"]
+                     f"  {learned_bound(calibrated, 'cuda', baseline_settings('cuda')).says()}"]
     if host is not None:
         estimate = trace(ref.replace(implementation="transformers") if ref.params.get("implementation") else ref,
                          options)
@@ -400,7 +434,7 @@ def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[An
                       "", baseline)
         estimates.append(estimate)
         formulas += [f"the host: {describe_estimate(estimate, baseline, estimate.data_bytes)}",
-                     f"  {learned_bound(calibrated, 'host').says()}"]
+                     f"  {learned_bound(calibrated, 'host', baseline_settings('host')).says()}"]
     if cards and not any(c.kind == "cuda" for c in calibrated):
         notices.append("no GPU profile to learn from: the GPU rows' baseline is the CUDA context's published size (the "
                        "kernels a step loads into the context are not in it) and their bound the published GPU runs'")
@@ -412,7 +446,7 @@ def _rows(estimate: StepEstimate, kind: DeviceKind, targets: list[tuple[str, int
           baseline: Baseline | None = None) -> list[EstimatedLimits]:
     """One row per target (label, total bytes) of a trace on ``kind``."""
     baseline = baseline or learned_baseline(calibrated, kind, settings=baseline_settings(kind))
-    bound, data = learned_bound(calibrated, kind), estimate.data_bytes if kind == "host" else 0
+    bound, data = learned_bound(calibrated, kind, baseline_settings(kind)), estimate.data_bytes if kind == "host" else 0
     found = []
     for label, total in targets:
         row = estimated_limits(label, total, (estimate.overhead_bytes, estimate.slope_bytes_per_sample), data,
@@ -430,7 +464,7 @@ def aim_for(ref: ModelRef, options: dict[str, Any], kind: DeviceKind, profiles_d
         estimate = trace(ref, options, kind, _card(None) if kind == "cuda" else None)
     except (EstimateError, WorkloadError, ValueError) as error:
         return None, f"not aimed (the search climbs from batch size 1): {error}"
-    bound = learned_bound(held_against(profiles_in(profiles_dir)[0], trace)[0], kind)
+    bound = learned_bound(held_against(profiles_in(profiles_dir)[0], trace)[0], kind, baseline_settings(kind))
     slope = estimate.slope_bytes_per_sample
     if slope <= 0:
         return None, "not aimed: the traced step's memory does not rise with the batch size"
