@@ -17,9 +17,16 @@ class Record:
     RANGES: dict = {}
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)  # type: ignore[call-overload]
+        """The record as JSON holds it (tuples as lists)."""
+        return _lists(dataclasses.asdict(self))  # type: ignore[call-overload]
 
     @classmethod
     def from_dict(cls, data: dict, where: str | None = None) -> Any:
         """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
         return read_record(cls, data, where or cls.WHERE, cls.RANGES)
+
+
+def _lists(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _lists(item) for key, item in value.items()}
+    return [_lists(item) for item in value] if isinstance(value, tuple | list) else value

@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vramcal.calibration import Record
 from vramcal.calibration.fit import Fit
 from vramcal.calibration.limits import Limits
 from vramcal.calibration.search import SearchSettings, Step, next_batch_size, settle
@@ -55,7 +56,7 @@ def next_step(trials: Sequence[Trial], search: SearchSettings, train_batch_size:
 
 
 @dataclass(frozen=True)
-class EvalLimits:
+class EvalLimits(Record):
     """The evaluation limit of a profile (module docstring).
 
     Attributes:
@@ -77,12 +78,6 @@ class EvalLimits:
     def verified(self) -> bool:
         return (self.limits is not None and self.limits.safe_batch_size > 0 and self.safe_peak_bytes is not None
                 and self.conservative_peak_bytes is not None)
-
-    def to_dict(self) -> dict:
-        return {"train_batch_size": self.train_batch_size, "seq_len": self.seq_len,
-                "fit": self.fit and self.fit.to_dict(), "limits": self.limits and self.limits.to_dict(),
-                "safe_peak_bytes": self.safe_peak_bytes, "conservative_peak_bytes": self.conservative_peak_bytes,
-                "trials": [t.to_dict() for t in self.trials]}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "evaluation") -> EvalLimits:

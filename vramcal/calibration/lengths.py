@@ -221,7 +221,7 @@ class LengthCheck(Record):
 
 
 @dataclass(frozen=True)
-class LengthSizing:
+class LengthSizing(Record):
     """What a calibration over several lengths says about lengths that vary (the profile's ``lengths``): the
     ``buckets`` at :func:`default_buckets`, the ``budget`` (None, with a ``note``: one document of the longest length
     does not fit), the ``verification`` of ``buckets``, ``budget`` and ``conservative_budget`` where a trial ran, and
@@ -238,11 +238,6 @@ class LengthSizing:
         """The longest bucket and both budgets ran for real within usable memory at their worst case."""
         names = ("buckets", "budget", "conservative_budget") if self.budget else ("buckets",)
         return all(name in self.verification and self.verification[name].passed for name in names)
-
-    def to_dict(self) -> dict:
-        return {"buckets": [b.to_dict() for b in self.buckets], "budget": self.budget and self.budget.to_dict(),
-                "verification": {k: v.to_dict() for k, v in self.verification.items()},
-                "trials": [t.to_dict() for t in self.trials], "note": self.note}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "lengths") -> LengthSizing:

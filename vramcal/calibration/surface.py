@@ -64,7 +64,7 @@ class LengthLimits(Record):
 
 
 @dataclass(frozen=True)
-class Surface:
+class Surface(Record):
     """The 2-D model ``fit`` of a profile calibrated at several lengths (multiples of ``chunk_size``), the length
     calibrated in full (``reference_seq_len``) and the limits at each, shortest first (``lengths``)."""
 
@@ -93,10 +93,6 @@ class Surface:
         """The bound limits are held to (bytes): the fit's 95 % upper bound plus :meth:`widening` × prediction."""
         fit = self.fit
         return fit.upper(batch_size, seq_len) + self.widening(seq_len) * fit.predict(batch_size, seq_len)
-
-    def to_dict(self) -> dict:
-        return {"fit": self.fit.to_dict(), "reference_seq_len": self.reference_seq_len,
-                "chunk_size": self.chunk_size, "lengths": [entry.to_dict() for entry in self.lengths]}
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "surface") -> Surface:
