@@ -11,10 +11,12 @@ from vramcal.schema import read_record
 
 
 class Record:
-    """A dataclass a file holds field for field, named ``WHERE`` in messages, its numbers in ``RANGES``."""
+    """A dataclass a file holds field for field, named ``WHERE`` in messages, its numbers in ``RANGES``, its nested
+    records read by ``READERS`` (:func:`vramcal.schema.read_record`)."""
 
     WHERE = "record"
     RANGES: dict = {}
+    READERS: dict = {}  # field -> (value, path) -> value, for nested records
 
     def to_dict(self) -> dict:
         """The record as JSON holds it (tuples as lists)."""
@@ -23,7 +25,7 @@ class Record:
     @classmethod
     def from_dict(cls, data: dict, where: str | None = None) -> Any:
         """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where or cls.WHERE, cls.RANGES)
+        return read_record(cls, data, where or cls.WHERE, cls.RANGES, cls.READERS)
 
 
 def _lists(value: Any) -> Any:

@@ -19,7 +19,7 @@ from vramcal.calibration.fit import Fit
 from vramcal.calibration.limits import Limits
 from vramcal.calibration.search import SearchSettings, Step, next_batch_size, settle
 from vramcal.records import Trial
-from vramcal.schema import AT_LEAST_ONE, POSITIVE, read_list, read_record
+from vramcal.schema import AT_LEAST_ONE, POSITIVE, read_list
 
 PREFIX = "eval:"  # an evaluation trial's purpose in the calibration's list: eval:grow, eval:verify-safe, ...
 
@@ -79,15 +79,12 @@ class EvalLimits(Record):
         return (self.limits is not None and self.limits.safe_batch_size > 0 and self.safe_peak_bytes is not None
                 and self.conservative_peak_bytes is not None)
 
-    @classmethod
-    def from_dict(cls, data: dict, where: str = "evaluation") -> EvalLimits:
-        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where, {"train_batch_size": AT_LEAST_ONE, "seq_len": AT_LEAST_ONE,
-                                              "safe_peak_bytes": POSITIVE, "conservative_peak_bytes": POSITIVE},
-                           readers={"fit": lambda value, path: None if value is None else Fit.from_dict(value, path),
-                                    "limits": lambda value, path: None if value is None else Limits.from_dict(value,
-                                                                                                             path),
-                                    "trials": lambda value, path: read_list(value, path, Trial.from_dict)})
+    WHERE = "evaluation"
+    RANGES = {"train_batch_size": AT_LEAST_ONE, "seq_len": AT_LEAST_ONE, "safe_peak_bytes": POSITIVE,
+              "conservative_peak_bytes": POSITIVE}
+    READERS = {"fit": lambda value, path: None if value is None else Fit.from_dict(value, path),
+               "limits": lambda value, path: None if value is None else Limits.from_dict(value, path),
+               "trials": lambda value, path: read_list(value, path, Trial.from_dict)}
 
 
 def settle_evaluation(trials: Sequence[Trial], search: SearchSettings, train_batch_size: int,

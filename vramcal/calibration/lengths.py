@@ -239,15 +239,12 @@ class LengthSizing(Record):
         names = ("buckets", "budget", "conservative_budget") if self.budget else ("buckets",)
         return all(name in self.verification and self.verification[name].passed for name in names)
 
-    @classmethod
-    def from_dict(cls, data: dict, where: str = "lengths") -> LengthSizing:
-        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where, readers={
-            "buckets": lambda value, path: read_list(value, path, Bucket.from_dict),
-            "budget": lambda value, path: None if value is None else TokenBudget.from_dict(value, path),
-            "verification": lambda value, path: read_map(value, path, LengthCheck.from_dict,
-                                                         ("buckets", "budget", "conservative_budget")),
-            "trials": lambda value, path: read_list(value, path, Trial.from_dict)})
+    WHERE = "lengths"
+    READERS = {"buckets": lambda value, path: read_list(value, path, Bucket.from_dict),
+               "budget": lambda value, path: None if value is None else TokenBudget.from_dict(value, path),
+               "verification": lambda value, path: read_map(value, path, LengthCheck.from_dict,
+                                                            ("buckets", "budget", "conservative_budget")),
+               "trials": lambda value, path: read_list(value, path, Trial.from_dict)}
 
 
 def _read(core: Sequence[Trial], checks: Sequence[Trial]) -> list[Trial]:

@@ -34,7 +34,7 @@ from vramcal.calibration.search import (
     verify_safe,
 )
 from vramcal.records import Trial
-from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, read_list, read_record
+from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, read_list
 
 INTERPOLATED = "interpolated (not verified at this length)"  # the basis of limits between calibrated lengths
 # What the fit may under-predict between calibrated lengths, a share of the prediction added to the bound there
@@ -94,12 +94,8 @@ class Surface(Record):
         fit = self.fit
         return fit.upper(batch_size, seq_len) + self.widening(seq_len) * fit.predict(batch_size, seq_len)
 
-    @classmethod
-    def from_dict(cls, data: dict, where: str = "surface") -> Surface:
-        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where, {"reference_seq_len": AT_LEAST_ONE, "chunk_size": AT_LEAST_ONE},
-                           {"fit": Fit2D.from_dict,
-                            "lengths": lambda value, path: read_list(value, path, LengthLimits.from_dict)})
+    WHERE, RANGES = "surface", {"reference_seq_len": AT_LEAST_ONE, "chunk_size": AT_LEAST_ONE}
+    READERS = {"fit": Fit2D.from_dict, "lengths": lambda value, path: read_list(value, path, LengthLimits.from_dict)}
 
 
 def reference_length(seq_lens: Sequence[int]) -> int:
