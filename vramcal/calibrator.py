@@ -18,6 +18,7 @@ from vramcal.calibration.creep import HOST_LATE_CREEP, STEADY
 from vramcal.calibration.fit2d import LENGTH_RATIO, wide_gaps
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import Aim, SearchSettings, Step, next_batch_size, settle, unmeasured_ceiling
+from vramcal.calibration.search import unmeasured as lost
 from vramcal.environment import software_versions
 from vramcal.journal import Journal
 from vramcal.measure.evidence import KILLED
@@ -339,7 +340,7 @@ def _warnings(profile: Profile, n_trials: int) -> list[str]:
                         f"flat start, or failures before the slope showed): no slope to fit, no limits; give a "
                         f"larger budget, or --max-trials for more batch sizes")
     elif fit is None:
-        unmeasured = sum(t.status in ("error", "timeout") for t in profile.trials)
+        unmeasured = sum(map(lost, profile.trials))
         why = f" ({unmeasured} ended in an error or a timeout: see their reasons)" if unmeasured else ""
         warnings.append(f"only {len(finished)} trial(s) finished over {len({t.batch_size for t in finished})} "
                         f"batch size(s){why}: no fit, no limits (a fit needs 3 over 2 batch sizes)")

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from vramcal.calibration import Record
 from vramcal.records import Trial, TrialSettings
 
 STEADY = "steady"  # the purpose of a steady trial
@@ -61,7 +62,7 @@ def steady_done(peaks: Sequence[int], settings: TrialSettings, epoch_end_step: i
 
 
 @dataclass(frozen=True)
-class Creep:
+class Creep(Record):
     """The measured step creep (module docstring's formula). Bytes are integers.
 
     Attributes:
@@ -100,9 +101,6 @@ class Creep:
         """The creep of a run at ``batch_size`` (and ``seq_len``, scaled per token), bytes."""
         scale = seq_len / self.seq_len if seq_len and self.seq_len else 1.0
         return round(self.per_sample_bytes * batch_size * scale)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def measure_creep(trials: Sequence[Trial], plateau_steps: int = TrialSettings.plateau_steps,

@@ -14,11 +14,12 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vramcal.calibration import Record
 from vramcal.calibration.fit import Fit
 from vramcal.calibration.limits import Limits
 from vramcal.calibration.search import SearchSettings, Step, next_batch_size, settle
 from vramcal.records import Trial
-from vramcal.schema import AT_LEAST_ONE, POSITIVE, read_list, read_record
+from vramcal.schema import AT_LEAST_ONE, POSITIVE, read_list
 
 PREFIX = "eval:"  # an evaluation trial's purpose in the calibration's list: eval:grow, eval:verify-safe, ...
 
@@ -55,7 +56,7 @@ def next_step(trials: Sequence[Trial], search: SearchSettings, train_batch_size:
 
 
 @dataclass(frozen=True)
-class EvalLimits:
+class EvalLimits(Record):
     """The evaluation limit of a profile (module docstring).
 
     Attributes:
@@ -78,21 +79,12 @@ class EvalLimits:
         return (self.limits is not None and self.limits.safe_batch_size > 0 and self.safe_peak_bytes is not None
                 and self.conservative_peak_bytes is not None)
 
-    def to_dict(self) -> dict:
-        return {"train_batch_size": self.train_batch_size, "seq_len": self.seq_len,
-                "fit": self.fit and self.fit.to_dict(), "limits": self.limits and self.limits.to_dict(),
-                "safe_peak_bytes": self.safe_peak_bytes, "conservative_peak_bytes": self.conservative_peak_bytes,
-                "trials": [t.to_dict() for t in self.trials]}
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str = "evaluation") -> EvalLimits:
-        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where, {"train_batch_size": AT_LEAST_ONE, "seq_len": AT_LEAST_ONE,
-                                              "safe_peak_bytes": POSITIVE, "conservative_peak_bytes": POSITIVE},
-                           readers={"fit": lambda value, path: None if value is None else Fit.from_dict(value, path),
-                                    "limits": lambda value, path: None if value is None else Limits.from_dict(value,
-                                                                                                             path),
-                                    "trials": lambda value, path: read_list(value, path, Trial.from_dict)})
+    WHERE = "evaluation"
+    RANGES = {"train_batch_size": AT_LEAST_ONE, "seq_len": AT_LEAST_ONE, "safe_peak_bytes": POSITIVE,
+              "conservative_peak_bytes": POSITIVE}
+    READERS = {"fit": lambda value, path: None if value is None else Fit.from_dict(value, path),
+               "limits": lambda value, path: None if value is None else Limits.from_dict(value, path),
+               "trials": lambda value, path: read_list(value, path, Trial.from_dict)}
 
 
 def settle_evaluation(trials: Sequence[Trial], search: SearchSettings, train_batch_size: int,

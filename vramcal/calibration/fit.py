@@ -12,20 +12,20 @@ where s is the residual standard error and Sxx = Σ (b_i - mean_b)². The seed d
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from vramcal.schema import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, read_record
+from vramcal.calibration import Record
+from vramcal.schema import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range
 from vramcal.units import format_bytes
 
 CONFIDENCE = 0.95
 
 
 @dataclass(frozen=True)
-class Fit:
+class Fit(Record):
     """A fitted line with what is needed to predict and bound new trials (module docstring). Bytes are floats.
 
     Attributes:
@@ -76,23 +76,9 @@ class Fit:
         return (f"{self.formula()}  (r² = {self.r_squared:.4f}, n = {self.n_points}, "
                 f"s = {format_bytes(self.residual_stderr_bytes)})")
 
-    def to_dict(self) -> dict:
-        data = dataclasses.asdict(self)
-        data["batch_sizes"], data["peak_bytes"] = list(self.batch_sizes), list(self.peak_bytes)
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str = "fit") -> Fit:
-        """The record as a file holds it, each field typed and ranged (:data:`FIT_RANGES`).
-
-        Raises:
-            SchemaError: a field missing, unknown, of the wrong type or out of range (named).
-        """
-        return read_record(cls, data, where, FIT_RANGES)
-
-
-# What a fit's numbers can be (the coefficients themselves take any sign; a profile relates them to the points).
-FIT_RANGES = {"overhead_stderr_bytes": NON_NEGATIVE, "slope_stderr_bytes_per_sample": NON_NEGATIVE,
+    # What a fit's numbers can be (the coefficients take any sign; a profile relates them to the points).
+    WHERE = "fit"
+    RANGES = {"overhead_stderr_bytes": NON_NEGATIVE, "slope_stderr_bytes_per_sample": NON_NEGATIVE,
               "residual_stderr_bytes": NON_NEGATIVE, "r_squared": FRACTION, "n_points": Range(3),
               "batch_mean": AT_LEAST_ONE, "batch_sxx": POSITIVE, "t_critical": POSITIVE,
               "batch_sizes": AT_LEAST_ONE, "peak_bytes": POSITIVE}

@@ -16,14 +16,14 @@ model with tokens² and seq_len alone warns when the line is not enough.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from vramcal.calibration import Record
 from vramcal.calibration.fit import f_test_p, t_quantile
-from vramcal.schema import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, SchemaError, read_record
+from vramcal.schema import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, SchemaError
 from vramcal.units import format_bytes
 
 N_COEFFICIENTS = 3
@@ -40,7 +40,7 @@ LENGTH_RATIO = 16
 
 
 @dataclass(frozen=True)
-class Fit2D:
+class Fit2D(Record):
     """A fitted plane in (tokens, batch_size) with what is needed to predict and bound new trials (module docstring).
 
     Attributes:
@@ -66,6 +66,8 @@ class Fit2D:
     seq_lens: tuple[int, ...]
     peak_bytes: tuple[int, ...]
     extra_terms: str | None = None
+
+    WHERE, RANGES = "surface.fit", FIT2D_RANGES
 
     def predict(self, batch_size: float, seq_len: float) -> float:
         """Point estimate x0ᵀβ of peak bytes at (batch_size, seq_len)."""
@@ -122,23 +124,12 @@ class Fit2D:
         return (f"{self.formula()}  (r² = {self.r_squared:.4f}, n = {self.n_points} over "
                 f"{len(set(self.seq_lens))} seq_len values, s = {format_bytes(self.residual_stderr_bytes)})")
 
-    def to_dict(self) -> dict:
-        """JSON-able: lists of floats and ints."""
-        data = dataclasses.asdict(self)
-        data["xtx_inverse"] = [list(row) for row in self.xtx_inverse]
-        for name in ("batch_sizes", "seq_lens", "peak_bytes"):
-            data[name] = list(data[name])
-        return data
-
     @classmethod
-    def from_dict(cls, data: dict, where: str = "surface.fit") -> Fit2D:
-        """The record as a file holds it, each field typed and ranged (:data:`FIT2D_RANGES`).
-
-        Raises:
-            SchemaError: a field missing, unknown, of the wrong type or out of range (named), or an
-                ``xtx_inverse`` that is not 3 × 3.
-        """
-        fit = read_record(cls, data, where, FIT2D_RANGES)
+    def from_dict(cls, data: dict, where: str | None = None) -> Fit2D:
+        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named), or an
+        ``xtx_inverse`` that is not 3 × 3."""
+        where = where or cls.WHERE
+        fit = super().from_dict(data, where)
         if len(fit.xtx_inverse) != N_COEFFICIENTS or any(len(row) != N_COEFFICIENTS for row in fit.xtx_inverse):
             raise SchemaError(f"{where}.xtx_inverse", f"{where}.xtx_inverse is not a {N_COEFFICIENTS} x "
                                                       f"{N_COEFFICIENTS} matrix")

@@ -24,6 +24,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vramcal.calibration import Record
 from vramcal.calibration.creep import steady_equivalent
 from vramcal.calibration.search import SearchSettings, Step, memory_failure, unmeasured
 from vramcal.calibration.surface import Surface, answer_at
@@ -63,7 +64,7 @@ def default_buckets(surface: Surface) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class Bucket:
+class Bucket(Record):
     """One row of a bucket table: lengths in [``shortest_seq_len``, ``longest_seq_len``] (tokens), sized at
     ``padded_seq_len`` (module docstring), with the safe and conservative batch and their ``basis``
     (:func:`~vramcal.calibration.surface.answer_at`)."""
@@ -75,15 +76,9 @@ class Bucket:
     conservative_batch_size: int
     basis: str
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str = "lengths.buckets[0]") -> Bucket:
-        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where, {**dict.fromkeys(("shortest_seq_len", "longest_seq_len",
-                                                               "padded_seq_len"), AT_LEAST_ONE),
-                                              "safe_batch_size": NON_NEGATIVE, "conservative_batch_size": NON_NEGATIVE})
+    WHERE = "lengths.buckets[0]"
+    RANGES = {**dict.fromkeys(("shortest_seq_len", "longest_seq_len", "padded_seq_len"), AT_LEAST_ONE),
+              "safe_batch_size": NON_NEGATIVE, "conservative_batch_size": NON_NEGATIVE}
 
 
 def _sized_at(surface: Surface, seq_len: int) -> int:
@@ -132,7 +127,7 @@ def bucket_of(table: Sequence[Bucket], seq_len: int) -> Bucket:
 
 
 @dataclass(frozen=True)
-class TokenBudget:
+class TokenBudget(Record):
     """The most tokens per batch over a range of lengths (module docstring): the safe and conservative ``tokens``
     (unpadded), the range [``shortest_seq_len``, ``longest_seq_len``], the model's ``chunk_size``, and each
     budget's worst length (unpadded: where its batch sits closest to its limit, the one verified)."""
@@ -162,9 +157,6 @@ class TokenBudget:
         """(padded seq_len, batch_size) of the budget's verification: its worst batch."""
         length = self.conservative_worst_seq_len if conservative else self.worst_seq_len
         return padded_length(max(length, self.shortest_seq_len), self.chunk_size), self.batch_size(length, conservative)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "lengths.budget") -> TokenBudget:
@@ -216,7 +208,7 @@ MAX_CHECKS = 6  # verification trials of the budget at most (a failure lowers it
 
 
 @dataclass(frozen=True)
-class LengthCheck:
+class LengthCheck(Record):
     """The trial behind a bucket table's or a budget's worst case, ``passed`` when its peak (creep included) fit."""
 
     seq_len: int
@@ -224,18 +216,12 @@ class LengthCheck:
     passed: bool
     peak_bytes: int | None
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str = "lengths.verification") -> LengthCheck:
-        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where, {"seq_len": AT_LEAST_ONE, "batch_size": AT_LEAST_ONE,
-                                              "peak_bytes": AT_LEAST_ONE})
+    WHERE = "lengths.verification"
+    RANGES = dict.fromkeys(("seq_len", "batch_size", "peak_bytes"), AT_LEAST_ONE)
 
 
 @dataclass(frozen=True)
-class LengthSizing:
+class LengthSizing(Record):
     """What a calibration over several lengths says about lengths that vary (the profile's ``lengths``): the
     ``buckets`` at :func:`default_buckets`, the ``budget`` (None, with a ``note``: one document of the longest length
     does not fit), the ``verification`` of ``buckets``, ``budget`` and ``conservative_budget`` where a trial ran, and
@@ -253,20 +239,12 @@ class LengthSizing:
         names = ("buckets", "budget", "conservative_budget") if self.budget else ("buckets",)
         return all(name in self.verification and self.verification[name].passed for name in names)
 
-    def to_dict(self) -> dict:
-        return {"buckets": [b.to_dict() for b in self.buckets], "budget": self.budget and self.budget.to_dict(),
-                "verification": {k: v.to_dict() for k, v in self.verification.items()},
-                "trials": [t.to_dict() for t in self.trials], "note": self.note}
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str = "lengths") -> LengthSizing:
-        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where, readers={
-            "buckets": lambda value, path: read_list(value, path, Bucket.from_dict),
-            "budget": lambda value, path: None if value is None else TokenBudget.from_dict(value, path),
-            "verification": lambda value, path: read_map(value, path, LengthCheck.from_dict,
-                                                         ("buckets", "budget", "conservative_budget")),
-            "trials": lambda value, path: read_list(value, path, Trial.from_dict)})
+    WHERE = "lengths"
+    READERS = {"buckets": lambda value, path: read_list(value, path, Bucket.from_dict),
+               "budget": lambda value, path: None if value is None else TokenBudget.from_dict(value, path),
+               "verification": lambda value, path: read_map(value, path, LengthCheck.from_dict,
+                                                            ("buckets", "budget", "conservative_budget")),
+               "trials": lambda value, path: read_list(value, path, Trial.from_dict)}
 
 
 def _read(core: Sequence[Trial], checks: Sequence[Trial]) -> list[Trial]:

@@ -14,13 +14,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from vramcal.calibration import Record
 from vramcal.calibration.fit import Fit
-from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, read_record
+from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE
 from vramcal.units import format_bytes
 from vramcal.words import word
 
@@ -30,7 +30,7 @@ DEFAULT_CONSERVATIVE_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
-class LimitSettings:
+class LimitSettings(Record):
     """The user's knobs: ``--reserve`` bytes, ``--margin`` fraction, ``--conservative`` fraction.
 
     Raises (on construction):
@@ -41,6 +41,8 @@ class LimitSettings:
     reserve_bytes: int = DEFAULT_RESERVE_BYTES
     margin: float = DEFAULT_MARGIN
     conservative_fraction: float = DEFAULT_CONSERVATIVE_FRACTION
+
+    WHERE, RANGES = "settings", {"reserve_bytes": NON_NEGATIVE}
 
     def __post_init__(self) -> None:
         if isinstance(self.reserve_bytes, bool) or not isinstance(self.reserve_bytes, int):
@@ -73,17 +75,10 @@ class LimitSettings:
                              f"{format_bytes(self.reserve_bytes)} and the {self.margin:.0%} margin: give a larger "
                              f"{word('capacity')} or a smaller {word('reserve')}/{word('margin')}")
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str = "settings") -> LimitSettings:
-        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where, {"reserve_bytes": NON_NEGATIVE})
 
 
 @dataclass(frozen=True)
-class Limits:
+class Limits(Record):
     """Limits for one device and fit. Batch sizes are samples; 0 means nothing fits."""
 
     total_bytes: int
@@ -94,18 +89,10 @@ class Limits:
     boundary_batch_size: float
     failed_batch_size: int | None = None
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str = "limits") -> Limits:
-        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where, LIMITS_RANGES)
-
-
-LIMITS_RANGES = {"total_bytes": POSITIVE, "usable_bytes": POSITIVE, "safe_batch_size": NON_NEGATIVE,
-                 "point_safe_batch_size": NON_NEGATIVE, "conservative_batch_size": NON_NEGATIVE,
-                 "failed_batch_size": AT_LEAST_ONE}
+    WHERE = "limits"
+    RANGES = {"total_bytes": POSITIVE, "usable_bytes": POSITIVE, "safe_batch_size": NON_NEGATIVE,
+              "point_safe_batch_size": NON_NEGATIVE, "conservative_batch_size": NON_NEGATIVE,
+              "failed_batch_size": AT_LEAST_ONE}
 
 
 def safe_batch_size(fit: Fit, usable_bytes: int, upper: Callable[[float], float] | None = None) -> int:
@@ -139,8 +126,11 @@ def point_safe_batch_size(fit: Fit, usable_bytes: int) -> int:
     Raises:
         OverflowError: a slope so small that the quotient is no number (a line no trial could have fitted).
     """
-    slope = fit.slope_bytes_per_sample
-    return max(0, math.floor((usable_bytes - fit.overhead_bytes) / slope)) if slope > 0 else 0
+    return _point(fit.overhead_bytes, fit.slope_bytes_per_sample, usable_bytes)
+
+
+def _point(overhead_bytes: float, slope: float, usable_bytes: int) -> int:
+    return max(0, math.floor((usable_bytes - overhead_bytes) / slope)) if slope > 0 else 0
 
 
 def safe_ceiling(fit: Fit, usable_bytes: int, largest_fitting: int | None, failed_batch_size: int | None) -> int:
@@ -163,10 +153,15 @@ def compute_limits(fit: Fit, total_bytes: int, settings: LimitSettings, failed_b
     safe = safe_batch_size(fit, usable, upper)
     if failed_batch_size is not None:
         safe = min(safe, failed_batch_size - 1)
-    slope = fit.slope_bytes_per_sample
-    point = point_safe_batch_size(fit, usable)
-    boundary = (total_bytes - fit.overhead_bytes) / slope if slope > 0 else math.inf
-    return Limits(total_bytes=total_bytes, usable_bytes=usable, safe_batch_size=max(0, safe),
-                  point_safe_batch_size=point,
-                  conservative_batch_size=math.floor(settings.conservative_fraction * max(0, safe)),
-                  boundary_batch_size=boundary, failed_batch_size=failed_batch_size)
+    safe = max(0, safe)
+    return line_limits(fit.overhead_bytes, fit.slope_bytes_per_sample, total_bytes, usable, safe,
+                       math.floor(settings.conservative_fraction * safe), failed_batch_size)
+
+
+def line_limits(overhead_bytes: float, slope: float, total_bytes: int, usable_bytes: int, safe: int,
+                conservative: int, failed: int | None) -> Limits:
+    """The :class:`Limits` of the line ``overhead_bytes + slope * batch_size`` (bytes per sample) with the given
+    safe, conservative and failed batch sizes: its point and boundary sizes by the module docstring's formulas."""
+    boundary = (total_bytes - overhead_bytes) / slope if slope > 0 else math.inf
+    return Limits(total_bytes, usable_bytes, safe, _point(overhead_bytes, slope, usable_bytes), conservative,
+                  boundary, failed)

@@ -16,10 +16,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vramcal.calibration import Record
 from vramcal.calibration.creep import steady_equivalent
 from vramcal.calibration.fit import Fit
 from vramcal.calibration.fit2d import Fit2D, fit_2d, longest_seq_len, safe_batch_size_2d
-from vramcal.calibration.limits import Limits
+from vramcal.calibration.limits import Limits, line_limits
 from vramcal.calibration.search import (
     SearchSettings,
     Step,
@@ -33,7 +34,7 @@ from vramcal.calibration.search import (
     verify_safe,
 )
 from vramcal.records import Trial
-from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, read_list, read_record
+from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, read_list
 
 INTERPOLATED = "interpolated (not verified at this length)"  # the basis of limits between calibrated lengths
 # What the fit may under-predict between calibrated lengths, a share of the prediction added to the bound there
@@ -42,7 +43,7 @@ INTERPOLATION_ERROR = 0.005
 
 
 @dataclass(frozen=True)
-class LengthLimits:
+class LengthLimits(Record):
     """The limits at one calibrated ``seq_len`` (as :class:`~vramcal.calibration.limits.Limits`'), the peaks of
     the trials that verified them (None: not verified), the smallest size that did not fit there (or None)."""
 
@@ -57,19 +58,13 @@ class LengthLimits:
     def verified(self) -> bool:
         return self.safe_peak_bytes is not None and self.conservative_peak_bytes is not None
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str = "surface.lengths[0]") -> LengthLimits:
-        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where, {"seq_len": AT_LEAST_ONE, "safe_batch_size": NON_NEGATIVE,
-                                              "conservative_batch_size": NON_NEGATIVE, "safe_peak_bytes": POSITIVE,
-                                              "conservative_peak_bytes": POSITIVE, "failed_batch_size": AT_LEAST_ONE})
+    WHERE = "surface.lengths[0]"
+    RANGES = {"seq_len": AT_LEAST_ONE, "safe_batch_size": NON_NEGATIVE, "conservative_batch_size": NON_NEGATIVE,
+              "safe_peak_bytes": POSITIVE, "conservative_peak_bytes": POSITIVE, "failed_batch_size": AT_LEAST_ONE}
 
 
 @dataclass(frozen=True)
-class Surface:
+class Surface(Record):
     """The 2-D model ``fit`` of a profile calibrated at several lengths (multiples of ``chunk_size``), the length
     calibrated in full (``reference_seq_len``) and the limits at each, shortest first (``lengths``)."""
 
@@ -99,16 +94,8 @@ class Surface:
         fit = self.fit
         return fit.upper(batch_size, seq_len) + self.widening(seq_len) * fit.predict(batch_size, seq_len)
 
-    def to_dict(self) -> dict:
-        return {"fit": self.fit.to_dict(), "reference_seq_len": self.reference_seq_len,
-                "chunk_size": self.chunk_size, "lengths": [entry.to_dict() for entry in self.lengths]}
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str = "surface") -> Surface:
-        """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, where, {"reference_seq_len": AT_LEAST_ONE, "chunk_size": AT_LEAST_ONE},
-                           {"fit": Fit2D.from_dict,
-                            "lengths": lambda value, path: read_list(value, path, LengthLimits.from_dict)})
+    WHERE, RANGES = "surface", {"reference_seq_len": AT_LEAST_ONE, "chunk_size": AT_LEAST_ONE}
+    READERS = {"fit": Fit2D.from_dict, "lengths": lambda value, path: read_list(value, path, LengthLimits.from_dict)}
 
 
 def reference_length(seq_lens: Sequence[int]) -> int:
@@ -258,13 +245,8 @@ def limits_at(surface: Surface, seq_len: int, total_bytes: int, settings) -> Lim
     """A :class:`~vramcal.calibration.limits.Limits` record at ``seq_len`` (for sizing and reports)."""
     usable = settings.usable_bytes(total_bytes)
     safe, conservative, _ = answer_at(surface, seq_len, usable, settings.conservative_fraction)
-    fit = surface.fit
-    slope = fit.bytes_per_token * seq_len + fit.bytes_per_sample
-    point = max(0, math.floor((usable - fit.overhead_bytes) / slope)) if slope > 0 else 0
-    boundary = (total_bytes - fit.overhead_bytes) / slope if slope > 0 else math.inf
-    entry = surface.at(seq_len)
-    return Limits(total_bytes=total_bytes, usable_bytes=usable, safe_batch_size=safe, point_safe_batch_size=point,
-                  conservative_batch_size=conservative, boundary_batch_size=boundary,
-                  failed_batch_size=entry.failed_batch_size if entry else None)
+    fit, entry = surface.fit, surface.at(seq_len)
+    return line_limits(fit.overhead_bytes, fit.bytes_per_token * seq_len + fit.bytes_per_sample, total_bytes, usable,
+                       safe, conservative, entry.failed_batch_size if entry else None)
 
 

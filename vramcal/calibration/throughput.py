@@ -23,6 +23,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from vramcal.calibration import Record
 from vramcal.calibration.creep import STEADY
 from vramcal.records import Trial
 from vramcal.units import format_rate
@@ -85,7 +86,7 @@ def overlap(a: Interval, b: Interval) -> bool:
 
 
 @dataclass(frozen=True)
-class Rate:
+class Rate(Record):
     """The measured throughput at one batch size (module docstring). Seconds and samples per second.
 
     Attributes:
@@ -130,12 +131,9 @@ class Rate:
         """The coefficient of variation of the step times (sd / mean), None with one."""
         return None if self.step_sd_s is None else self.step_sd_s / self.step_s
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 @dataclass(frozen=True)
-class Knee:
+class Knee(Record):
     """The throughput knee: the smallest measured ``batch_size`` whose ``rate`` reaches ``fraction`` of the
     ``best``; it lies in ``(below, batch_size]`` (``below`` None: the smallest measured). ``refused``: why no knee
     is called (rates without a finite interval; ``batch_size`` then only the point estimates'), else None."""
@@ -146,9 +144,6 @@ class Knee:
     fraction: float
     below: int | None
     refused: str | None = None
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def rate_text(rate: Rate) -> str:

@@ -110,9 +110,7 @@ class CudaMeter:
 
     def reset(self) -> None:
         """Synchronize; reset torch's and the sampler's peaks; re-measure the NVML overhead."""
-        torch_cuda_reset_peaks()
-        self._sampler.reset_peaks()
-        self.nvml_overhead_bytes = self._sampler.current_bytes() - torch_cuda_reserved_bytes()
+        self.nvml_overhead_bytes = reset_cuda_span(self._sampler)
 
     def read(self) -> dict[str, Any]:
         """Figures since the last :meth:`reset` (bytes): ``peak_bytes`` and every source.
@@ -273,6 +271,13 @@ def cuda_peaks(sampler: NvmlSampler, nvml_overhead_bytes: int) -> dict[str, Any]
             "nvml_overhead_bytes": nvml_overhead_bytes, **torch_peaks}
 
 
+def reset_cuda_span(sampler: NvmlSampler) -> int:
+    """Reset torch's and ``sampler``'s peaks; the NVML overhead now (NVML's usage minus torch's reserved), bytes."""
+    torch_cuda_reset_peaks()
+    sampler.reset_peaks()
+    return sampler.current_bytes() - torch_cuda_reserved_bytes()
+
+
 def torch_cuda_reset_peaks() -> None:
     import torch
 
@@ -394,13 +399,12 @@ class AttachedCudaMeter:
 
     def reset(self) -> None:
         """The measured span starts: torch's and the sampler's peaks reset (its thread started at the first)."""
-        torch_cuda_reset_peaks()
-        if self._sampler is not None:
-            if not self._sampling:
-                self._sampler.start()
-                self._sampling = True
-            self._sampler.reset_peaks()
-            self._overhead_bytes = self.held_bytes() - torch_cuda_reserved_bytes()
+        if self._sampler is None:
+            return torch_cuda_reset_peaks()
+        if not self._sampling:
+            self._sampler.start()
+            self._sampling = True
+        self._overhead_bytes = reset_cuda_span(self._sampler) + self._before_bytes
 
     def read(self) -> int:
         synchronize("cuda")
