@@ -116,18 +116,27 @@ def read_record(cls: type, data: Any, where: str, ranges: Mapping[str, Range] | 
 
 
 class Record:
-    """A frozen dataclass as JSON holds it: :meth:`to_dict` (tuples as lists), :meth:`from_dict` checked against
-    its annotations and ``RANGES`` (:func:`read_record`)."""
+    """A frozen dataclass as JSON holds it: :meth:`to_dict` (tuples as lists, nested ones too), :meth:`from_dict`
+    checked against its annotations, ``RANGES`` and the ``READERS`` of its nested records (:func:`read_record`),
+    named ``WHERE`` in messages (default: the class's name in lower case)."""
 
+    WHERE: ClassVar[str | None] = None
     RANGES: ClassVar[Mapping[str, Range]] = {}
+    READERS: ClassVar[Mapping[str, Reader]] = {}
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        return _lists(dataclasses.asdict(self))  # type: ignore[call-overload]
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str | None = None) -> Self:
         """Raises: SchemaError: a field missing, unknown, of the wrong type or out of range (named)."""
-        return read_record(cls, data, cls.__name__.lower() if where is None else where, cls.RANGES)
+        return read_record(cls, data, where or cls.WHERE or cls.__name__.lower(), cls.RANGES, cls.READERS)
+
+
+def _lists(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _lists(item) for key, item in value.items()}
+    return [_lists(item) for item in value] if isinstance(value, tuple | list) else value
 
 
 def _not(path: str, value: Any, what: str) -> SchemaError:

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from vramcal.calibration import Record
 from vramcal.records import Trial, TrialSettings
+from vramcal.schema import Record
 
 STEADY = "steady"  # the purpose of a steady trial
 CreepRule = Literal["largest", "last"]  # which steady trial's creep counts where two ran (measure_creep)

@@ -14,12 +14,11 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vramcal.calibration import Record
 from vramcal.calibration.fit import Fit
 from vramcal.calibration.limits import Limits
 from vramcal.calibration.search import SearchSettings, Step, next_batch_size, settle
 from vramcal.records import Trial
-from vramcal.schema import AT_LEAST_ONE, POSITIVE, read_list
+from vramcal.schema import AT_LEAST_ONE, POSITIVE, Record, read_list
 
 PREFIX = "eval:"  # an evaluation trial's purpose in the calibration's list: eval:grow, eval:verify-safe, ...
 

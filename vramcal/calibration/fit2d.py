@@ -21,9 +21,8 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from vramcal.calibration import Record
 from vramcal.calibration.fit import f_test_p, t_quantile
-from vramcal.schema import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, SchemaError
+from vramcal.schema import AT_LEAST_ONE, FRACTION, NON_NEGATIVE, POSITIVE, Range, Record, SchemaError
 from vramcal.units import format_bytes
 
 N_COEFFICIENTS = 3

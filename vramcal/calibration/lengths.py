@@ -24,12 +24,11 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vramcal.calibration import Record
 from vramcal.calibration.creep import steady_equivalent
 from vramcal.calibration.search import SearchSettings, Step, memory_failure, unmeasured
 from vramcal.calibration.surface import Surface, answer_at
 from vramcal.records import Trial
-from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, read_list, read_map, read_record
+from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, Record, read_list, read_map, read_record
 
 
 def padded_length(seq_len: int, chunk_size: int) -> int:

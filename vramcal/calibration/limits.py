@@ -18,9 +18,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vramcal.calibration import Record
 from vramcal.calibration.fit import Fit
-from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE
+from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Record
 from vramcal.units import format_bytes
 from vramcal.words import word
 

@@ -16,7 +16,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from vramcal.calibration import Record
 from vramcal.calibration.creep import steady_equivalent
 from vramcal.calibration.fit import Fit
 from vramcal.calibration.fit2d import Fit2D, fit_2d, longest_seq_len, safe_batch_size_2d
@@ -34,7 +33,7 @@ from vramcal.calibration.search import (
     verify_safe,
 )
 from vramcal.records import Trial
-from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, read_list
+from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Record, read_list
 
 INTERPOLATED = "interpolated (not verified at this length)"  # the basis of limits between calibrated lengths
 # What the fit may under-predict between calibrated lengths, a share of the prediction added to the bound there

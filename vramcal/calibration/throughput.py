@@ -23,9 +23,9 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from vramcal.calibration import Record
 from vramcal.calibration.creep import STEADY
 from vramcal.records import Trial
+from vramcal.schema import Record
 from vramcal.units import format_rate
 
 KNEE_FRACTION = 0.95  # the knee: the smallest batch size reaching this fraction of the best samples/s
