@@ -68,11 +68,19 @@ def cache_thread_stacks(count: int = CACHED_STACKS) -> None:
     """Leave ``count`` thread stacks in glibc's stack cache, as a forked worker finds them, so a step's threads reuse
     them instead of mapping 8 MiB of data segment each (bench/README.md, "The process term and the late threads")."""
     import threading
+    import time
 
-    for _ in range(count):
-        thread = threading.Thread(target=lambda: None, name="vramcal-stack")
+    tasks = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None
+    alive = threading.Barrier(count)  # all alive at once: each holds a stack of its own, not the last one's again
+    threads = [threading.Thread(target=alive.wait, name="vramcal-stack") for _ in range(count)]
+    for thread in threads:
         thread.start()
+    for thread in threads:
         thread.join()
+    for _ in range(100):  # a joined thread's stack reaches the cache when its task has ended
+        if tasks is None or len(os.listdir("/proc/self/task")) <= tasks:
+            break
+        time.sleep(0.01)
 
 
 def set_arrow_pool() -> str | None:
