@@ -43,7 +43,7 @@ def run_policy(memory: Callable[[int], float], settings, oom_above: int | None =
 
 
 class FakeTrialRunner:
-    """A trial runner at the hardware boundary for :func:`vramcal.calibrator.run_trials`: each trial's peak is
+    """A trial runner at the hardware boundary for :func:`vramcal.service.calibrator.run_trials`: each trial's peak is
     ``memory(batch_size, seq_len)`` bytes (``seq_len`` from the trial's model), plus a deterministic wobble of up
     to ``noise`` bytes; a peak above ``total_bytes`` is recorded as ``oom``. The steady trial creeps: after its
     n-th measured step its peak is ``creep * curve(n)`` bytes per token (per sample when the model has no
@@ -95,14 +95,15 @@ class FakeTrialRunner:
 def fake_calibration(memory: Callable[[int, int], float], total_bytes: int, *, max_trials: int = 16,
                      seq_lens: tuple[int, ...] = (), creep: float = 0.0, noise: int = 0, kind: str = "host",
                      spec=None, curve: Callable[[int], float] = lambda n: 1.0, epoch_rise: float = 0.0):
-    """The profile :func:`vramcal.calibrator.run_trials` writes for ``memory`` (bytes at (batch_size, seq_len)) on
+    """The profile :func:`vramcal.service.calibrator.run_trials` writes for ``memory`` (bytes at (batch_size,
+    seq_len)) on
     a device of ``total_bytes``, cut short at ``max_trials`` (the real search, fit, limits and assembly)."""
     from pathlib import Path
 
     from vramcal.calibration.limits import LimitSettings
-    from vramcal.calibrator import CalibrationPlan, run_trials
     from vramcal.models.regressor.spec import RegressorSpec
     from vramcal.records import Device, TrialSettings
+    from vramcal.service.calibrator import CalibrationPlan, run_trials
 
     device = (Device("host", "Fake CPU (2 cores)", total_bytes, "--capacity") if kind == "host" else
               Device("cuda", "NVIDIA Fake GPU", total_bytes, "NVML v2 total", uuid="GPU-00000000-0000-0000-0000-0000000"

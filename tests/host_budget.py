@@ -2,7 +2,7 @@
 this interpreter and torch build hold beyond the build the figures were written for.
 
 Every trial and training run is a worker forked from a server that has imported torch, transformers, pandas
-and pyarrow (``vramcal/preload.py``), so its data segment, which the host budget (``RLIMIT_DATA``)
+and pyarrow (``vramcal/train/preload.py``), so its data segment, which the host budget (``RLIMIT_DATA``)
 binds and the host peak counts, starts at what those imports hold. The tests' budgets (``--capacity 1GiB``,
 the in-memory profile's 1 GiB, ...) were written with the CPU build of torch 2.13 on Python 3.11, where that
 is about 470 MiB (:data:`REFERENCE_BYTES`). The CUDA build (the only torch 2.13 PyPI offers for Python 3.12

@@ -646,9 +646,9 @@ class FirstTrial:
 ])
 def test_the_first_trial_says_what_ended_it(status, error, said, unsaid):
     from vramcal.calibration.limits import LimitSettings
-    from vramcal.calibrator import CalibrationError, CalibrationPlan, run_trials
     from vramcal.models.regressor.spec import RegressorSpec
     from vramcal.records import Device, TrialSettings
+    from vramcal.service.calibrator import CalibrationError, CalibrationPlan, run_trials
 
     plan = CalibrationPlan(Device("host", "Fake CPU (2 cores)", 2 * GIB, "--capacity"), RegressorSpec().ref(
         "transformers"), LimitSettings(), {}, Path("p.json"), trials=TrialSettings(timeout_s=7))

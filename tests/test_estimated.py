@@ -288,7 +288,7 @@ def test_probe_aims_with_the_estimate_and_verifies_its_limits(tmp_path):
 
 def test_a_measured_slope_far_from_the_estimate_is_reported():
     from vramcal.calibration.search import Aim
-    from vramcal.calibrator import _off_aim
+    from vramcal.service.calibrator import _off_aim
 
     from profiles_for_tests import host_profile
 

@@ -36,9 +36,9 @@ def calibrate(memory, evaluate, total_bytes, evaluation=True):
     from pathlib import Path
 
     from vramcal.calibration.limits import LimitSettings
-    from vramcal.calibrator import CalibrationPlan, run_trials
     from vramcal.models.regressor.spec import RegressorSpec
     from vramcal.records import Device, TrialSettings
+    from vramcal.service.calibrator import CalibrationPlan, run_trials
 
     device = Device("host", "Fake CPU (2 cores)", total_bytes, "--capacity")
     plan = CalibrationPlan(device, RegressorSpec(chunk_size=64, seq_len=128).ref("transformers"), LimitSettings(), {},

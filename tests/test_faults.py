@@ -491,7 +491,7 @@ def probe_args(setup: Path, disk: Path, *extra: str) -> list[str]:
 
 @pytest.mark.slow  # a real calibration of the tiny model in a process of its own, stopped, then finished: ~1 min
 def test_a_probe_on_a_full_disk_stops_before_its_first_trial_and_during_one_keeps_its_trials(setup, small_disk):
-    from vramcal.journal import SUFFIX
+    from vramcal.service.journal import SUFFIX
 
     previous = small_disk / "profiles" / "host" / "previous.json"
     previous.parent.mkdir(parents=True)

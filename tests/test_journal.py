@@ -13,9 +13,9 @@ from test_documented import fake_measurement, known_line
 from test_train import SPEC
 
 from vramcal import api
-from vramcal.journal import Journal, journal_path, plan_key
 from vramcal.measure.device import host_device
 from vramcal.profile import load_profile
+from vramcal.service.journal import Journal, journal_path, plan_key
 from vramcal.units import parse_bytes
 
 

@@ -2,7 +2,7 @@
 on real text (files written here, and the standard library's own source), in batches the profile's length sampler
 forms, through the training worker as users run it.
 
-The profile is the real calibrator's over two lengths (:func:`vramcal.calibrator.run_trials`) with its trials
+The profile is the real calibrator's over two lengths (:func:`vramcal.service.calibrator.run_trials`) with its trials
 faked at the hardware boundary (:class:`fakes.FakeTrialRunner`: a stated memory surface), so each test spends its
 seconds on the run itself.
 """
@@ -18,13 +18,13 @@ import pytest
 from click.testing import CliRunner
 
 from vramcal.calibration.limits import LimitSettings
-from vramcal.calibrator import CalibrationPlan, run_trials
 from vramcal.cli import main
 from vramcal.measure.device import host_device
 from vramcal.models.corpus import documents, in_validation, load_corpus, windows
 from vramcal.models.registry import model_ref
 from vramcal.profile import profile_path, save_profile
 from vramcal.records import Device, TrialSettings
+from vramcal.service.calibrator import CalibrationPlan, run_trials
 
 from fakes import FakeTrialRunner
 

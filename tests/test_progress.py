@@ -1,6 +1,6 @@
 """Progress lines where there is no terminal (issue 59 items 6 and 7): at most one a minute, whatever the steps.
 
-The policy is :class:`vramcal.progress.Heartbeat`, tested here on a fake clock; a training run's lines are tested
+The policy is :class:`vramcal.report.progress.Heartbeat`, tested here on a fake clock; a training run's lines are tested
 on a real run in tests/test_train.py (``test_without_a_terminal_a_run_says_...``).
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import io
 
-from vramcal import progress
-from vramcal.progress import Heartbeat, TrialPrinter
+from vramcal.report import progress
+from vramcal.report.progress import Heartbeat, TrialPrinter
 
 
 class Clock:

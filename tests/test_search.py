@@ -352,9 +352,9 @@ def test_no_steady_trial_when_steady_steps_is_zero():
 def test_calibration_names_the_first_trials_failure_in_plain_words():
     import pytest
 
-    from vramcal.calibrator import CalibrationError, CalibrationPlan, run_trials
     from vramcal.models.regressor.spec import RegressorSpec
     from vramcal.records import Device
+    from vramcal.service.calibrator import CalibrationError, CalibrationPlan, run_trials
 
     class OomRunner:  # fake at the hardware boundary: every trial runs out of memory
         context: dict = {}
@@ -389,9 +389,9 @@ def test_the_creep_is_read_from_the_steady_trial_and_scaled_per_token():
 
 
 def test_a_profile_with_a_steady_trial_records_the_creep_and_loads(tmp_path):
-    from vramcal.calibrator import CalibrationPlan, assemble
     from vramcal.models.regressor.spec import RegressorSpec
     from vramcal.profile import load_profile, save_profile
+    from vramcal.service.calibrator import CalibrationPlan, assemble
 
     from profiles_for_tests import gpu_device
 

@@ -31,20 +31,19 @@ LAYERS = (
     ("vramcal.models", "vramcal.measure", "vramcal.estimate"),  # the families; processes and hardware; fake tensors
     ("vramcal.profile",),  # the profile file
     # the sizing wing (a profile -> a batch size: lookup, staleness, batching, the sampler, variants, sharding), run
-    # time; trials -> profile (and their journal); cards not in hand
-    ("vramcal.sizing", "vramcal.forecast", "vramcal.calibrator", "vramcal.journal", "vramcal.estimated"),
-    # the service under the facade (devices, the worker pool, a calibration run, size_for); reports from profiles;
-    # progress for people
-    ("vramcal.service", "vramcal.report", "vramcal.progress"),
-    ("vramcal.train",),  # the bundled trainer
-    ("vramcal.tune", "vramcal.integrations", "vramcal.preload"),  # studies, frameworks, the worker server's imports
+    # time; cards not in hand
+    ("vramcal.sizing", "vramcal.forecast", "vramcal.estimated"),
+    # the service under the facade (devices, the worker pool, the calibration loop and its journal, size_for);
+    # reports from profiles, and progress for people
+    ("vramcal.service", "vramcal.report"),
+    ("vramcal.train",),  # the bundled trainer, and what the worker fork server imports (train.preload)
+    ("vramcal.tune", "vramcal.integrations"),  # studies, frameworks
     ("vramcal.cli", "vramcal.api", "vramcal.__main__"),  # the commands; the public facade, which nothing imports
 )
 # tested with recorded or synthetic trials: no process, hardware or trainer code
 PURE = ("vramcal.calibration", "vramcal.records", "vramcal.schema", "vramcal.units", "vramcal.profile",
         "vramcal.sizing", "vramcal.forecast", "vramcal.report", "vramcal.words")
-PROCESS = ("vramcal.measure", "vramcal.train", "vramcal.calibrator", "vramcal.api", "vramcal.service", "vramcal.tune",
-           "vramcal.cli")
+PROCESS = ("vramcal.measure", "vramcal.train", "vramcal.api", "vramcal.service", "vramcal.tune", "vramcal.cli")
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -137,7 +136,7 @@ def test_nothing_inside_vramcal_imports_its_facade():
 
 
 def test_the_layer_check_finds_an_upward_import():
-    assert layer("vramcal.calibration.search") < layer("vramcal.profile") < layer("vramcal.calibrator")
+    assert layer("vramcal.calibration.search") < layer("vramcal.profile") < layer("vramcal.service.calibrator")
     assert layer("vramcal.measure.worker") == layer("vramcal.models.registry") < layer("vramcal.train.loop")
 
 

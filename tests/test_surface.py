@@ -366,10 +366,10 @@ def test_a_calibration_over_lengths_further_apart_than_measured_says_so():
     from pathlib import Path
 
     from vramcal.calibration.limits import LimitSettings
-    from vramcal.calibrator import CalibrationPlan, run_trials
     from vramcal.measure.device import host_device
     from vramcal.models.registry import model_ref
     from vramcal.records import Device, TrialSettings
+    from vramcal.service.calibrator import CalibrationPlan, run_trials
 
     from fakes import FakeTrialRunner
 

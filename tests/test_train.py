@@ -20,7 +20,6 @@ import torch
 from click.testing import CliRunner
 from test_train_data import synthetic_bars
 
-from vramcal import progress
 from vramcal.calibration.fit import fit_linear
 from vramcal.calibration.limits import LimitSettings, compute_limits
 from vramcal.cli import main
@@ -29,6 +28,7 @@ from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.models.regressor.step import training_step
 from vramcal.profile import Profile, profile_path, save_profile
 from vramcal.records import Device, Trial
+from vramcal.report import progress
 from vramcal.sizing import scaled_lr
 from vramcal.train import checkpoint, loop
 from vramcal.train.config import TrainConfig, load_config
@@ -246,7 +246,7 @@ def test_a_run_brings_the_report_its_probe_wrote_up_to_date(setup, monkeypatch):
 def test_without_a_terminal_a_run_says_its_step_loss_rate_and_time_left_as_it_goes(setup, monkeypatch):
     """Issue 59 item 6: a run whose output goes to a file drew no bar and printed nothing until an epoch ended (a
     42-minute silent log). Without a terminal (pytest's stderr is none) a line comes when one is due: at most once
-    a minute (:class:`vramcal.progress.Heartbeat`), here at every step."""
+    a minute (:class:`vramcal.report.progress.Heartbeat`), here at every step."""
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)
     plan, step = in_process(setup, "heartbeat", batch_size=8, max_steps=3)
     messages = []

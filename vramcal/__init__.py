@@ -25,7 +25,7 @@ _API = {
     "size": "vramcal.sizing", "SizeRequest": "vramcal.sizing", "Sizing": "vramcal.sizing",
     "SizingError": "vramcal.sizing", "GradientsHeld": "vramcal.sizing", "Located": "vramcal.sizing.lookup",
     "load_profile": "vramcal.profile", "Profile": "vramcal.profile", "ProfileError": "vramcal.profile",
-    "LimitSettings": "vramcal.calibration.limits", "CalibrationError": "vramcal.calibrator",
+    "LimitSettings": "vramcal.calibration.limits", "CalibrationError": "vramcal.service.calibrator",
     "TrialSettings": "vramcal.records",
     "TrainingStep": "vramcal.workload", "ModelRef": "vramcal.workload", "WorkloadError": "vramcal.workload",
 }

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from vramcal.calibration.limits import LimitSettings
-from vramcal.calibrator import CalibrationError, CalibrationPlan
 from vramcal.models.registry import model_ref
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile, ProfileError, load_profile
 from vramcal.records import Trial, TrialSettings
 from vramcal.service.calibrate import plan_calibration, run_calibration, run_said
+from vramcal.service.calibrator import CalibrationError, CalibrationPlan
 from vramcal.service.door import door
 from vramcal.service.pool import capacity_argument, one_device, select_devices, verify, worker_pool
 from vramcal.service.size import Answered, size_for
@@ -55,7 +55,7 @@ def calibrate(model: str | ModelRef = "regressor", params: dict[str, Any] | None
         settings: reserve (bytes), margin and conservative fraction.
         options, seq_lens, trials, evaluation: see :func:`plan_calibration`.
         on_trial: called with each finished trial; without it, and with ``progress``, each trial is a line on
-            stderr (:class:`vramcal.progress.TrialPrinter`).
+            stderr (:class:`vramcal.report.progress.TrialPrinter`).
 
     Returns:
         The profile: ``limits.safe_batch_size`` and ``limits.conservative_batch_size`` (samples), the fit

@@ -21,7 +21,6 @@ import click
 from click.core import ParameterSource
 
 from vramcal.calibration.limits import LimitSettings
-from vramcal.calibrator import CalibrationError
 from vramcal.cli.types import ByteSize, ByteSizes, Checkpointing, FiniteFloat, GpuChoice, Reporters, SeqLenList
 from vramcal.cli.types import KeyValue as KeyValue  # re-exported: vramcal.cli.options.KeyValue is named in docs
 from vramcal.estimate import EstimateError
@@ -31,6 +30,7 @@ from vramcal.models.mamba2 import CHECKPOINTING_FORMS, DTYPE_POLICIES, IMPLEMENT
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.profile import left_out, load_profile, profiles_under
 from vramcal.records import World
+from vramcal.service.calibrator import CalibrationError
 from vramcal.sizing.staleness import STRICT_ENV
 from vramcal.train.config import REPORT_TO, VARIANT_CHOICES
 from vramcal.train.errors import TrainError

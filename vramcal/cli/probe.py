@@ -37,9 +37,9 @@ from vramcal.models import registry
 from vramcal.models.registry import describe
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.profile import load_profile
-from vramcal.progress import TrialPrinter, trial_line
 from vramcal.records import TrialSettings
 from vramcal.report import write_report
+from vramcal.report.progress import TrialPrinter, trial_line
 from vramcal.service.calibrate import plan_calibration, run_calibration
 from vramcal.service.pool import select_devices, worker_pool
 from vramcal.sizing.lookup import probe_command, suggested_capacity
@@ -184,7 +184,8 @@ def probe(ctx: click.Context, gpu, capacity, implementation, model: ModelOptions
 
 def plan_probes(model: ModelOptions, gpu: str, capacity: int | None, nproc: int, parallel: WorldOptions,
                 common: dict[str, Any], err: bool) -> list:
-    """One :class:`~vramcal.calibrator.CalibrationPlan` per device ``--gpu`` names (one for a DDP world), every check
+    """One :class:`~vramcal.service.calibrator.CalibrationPlan` per device ``--gpu`` names (one for a DDP world),
+    every check
     done before any trial; prints the device notices. ``common``: :func:`vramcal.service.calibrate.plan_calibration`'s
     keywords that every plan shares.
 

@@ -1,6 +1,6 @@
 """Worker processes: trials and training runs, each in a fresh process forked from one preloaded server.
 
-Forked from a ``multiprocessing`` fork server that imported what the caller names (:mod:`vramcal.preload`), a
+Forked from a ``multiprocessing`` fork server that imported what the caller names (:mod:`vramcal.train.preload`), a
 worker starts in milliseconds, inherits no allocator state or CUDA (the server runs with
 ``PYTORCH_NVML_BASED_CUDA_CHECK=1``; :func:`cuda_started`), and a training run has the make-up of the trials that
 sized it. A worker talks over one pipe (:class:`Channel`) and sends one final result; whatever happens inside

@@ -1,5 +1,5 @@
 """A calibration planned (:func:`plan_calibration`: everything checkable before the first trial) and run
-(:func:`run_calibration`: the trials of :mod:`vramcal.calibrator`, their journal, the profile written)."""
+(:func:`run_calibration`: the trials of :mod:`vramcal.service.calibrator`, their journal, the profile written)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ from typing import Any
 
 from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
 from vramcal.calibration.limits import LimitSettings
-from vramcal.calibrator import CalibrationError, CalibrationPlan, run_trials
 from vramcal.estimated import aim_for
 from vramcal.files import check_writable
-from vramcal.journal import Journal, journal_path, plan_key
 from vramcal.measure.device import check_host_world
 from vramcal.measure.trial import TrialRunner
 from vramcal.models.registry import DATA_OPTIONS, arguments, family_of, model_ref
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile, ProfileError, load_profile, profile_path, save_profile
-from vramcal.progress import TrialPrinter
 from vramcal.records import Device, Trial, TrialSettings, World
+from vramcal.report.progress import TrialPrinter
+from vramcal.service.calibrator import CalibrationError, CalibrationPlan, run_trials
 from vramcal.service.door import door
+from vramcal.service.journal import Journal, journal_path, plan_key
 from vramcal.service.pool import worker_pool
 from vramcal.sizing.lookup import ddp_term, suggested_capacity
 from vramcal.units import size_argument
@@ -142,7 +142,7 @@ def run_calibration(plan: CalibrationPlan, *, save: bool = True, on_trial: Calla
     Runs recorded out of memory in the profile at ``plan.path`` stay in the new one
     (:func:`vramcal.sizing.run_failure_cap`). With ``save``, the folder must take
     :data:`vramcal.files.WRITE_CHECK_BYTES` before the first trial, and each trial is kept in the journal beside
-    the profile (:mod:`vramcal.journal`) until the profile is saved: a crash, kill or full disk loses none.
+    the profile (:mod:`vramcal.service.journal`) until the profile is saved: a crash, kill or full disk loses none.
 
     Args:
         save: write the profile to ``plan.path`` (atomically).

@@ -9,9 +9,9 @@ from typing import Any
 from vramcal.arguments import callback, flag, mapping, of_type, path_like
 from vramcal.calibration.fit2d import SeqLens
 from vramcal.calibration.limits import LimitSettings
-from vramcal.calibrator import CalibrationPlan
 from vramcal.profile import Profile
 from vramcal.records import Device, TrialSettings, World
+from vramcal.service.calibrator import CalibrationPlan
 
 _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "settings": lambda n, v: of_type(n, v, LimitSettings, "a vramcal.LimitSettings (LimitSettings(reserve_bytes=0))"),

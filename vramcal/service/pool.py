@@ -17,7 +17,7 @@ from vramcal.sizing import SizingError, check_counts
 from vramcal.units import parse_bytes
 
 # What the worker fork server imports (the families, the trainer): trials and training runs share it.
-WORKER_PRELOAD = ("vramcal.preload",)
+WORKER_PRELOAD = ("vramcal.train.preload",)
 
 
 def select_devices(gpu: str = "auto", capacity_bytes: int | str | None = None) -> tuple[list[Device], str | None]:
@@ -70,7 +70,7 @@ def one_device(gpu: str, capacity_bytes: int | str | None) -> tuple[Device, str 
 
 
 def worker_pool(extra_preload: tuple[str, ...] = ()) -> Workers:
-    """The workers trials and training runs run in, forked from one server that imported :mod:`vramcal.preload`
+    """The workers trials and training runs run in, forked from one server that imported :mod:`vramcal.train.preload`
     (and ``extra_preload``): the same process make-up for both."""
     return Workers((*WORKER_PRELOAD, *extra_preload))
 

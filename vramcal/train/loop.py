@@ -20,7 +20,7 @@ import torch
 from vramcal.measure.meters import synchronize, torch_cuda_empty_cache
 from vramcal.models.regressor.step import RegressorStep, forward
 from vramcal.oom import is_out_of_memory
-from vramcal.progress import Heartbeat
+from vramcal.report.progress import Heartbeat
 from vramcal.train import checkpoint, states
 from vramcal.train.errors import DivergedError, NonFiniteError, Stopped, TrainError
 from vramcal.train.plan import Plan

@@ -29,7 +29,7 @@ def journal_path(profile_path: Path) -> Path:
 
 
 def plan_key(plan: Any) -> dict[str, Any]:
-    """What a :class:`vramcal.calibrator.CalibrationPlan` is, as JSON: equal keys run the same trials."""
+    """What a :class:`vramcal.service.calibrator.CalibrationPlan` is, as JSON: equal keys run the same trials."""
     return {"device": plan.device.to_dict(), "model": plan.model.to_dict(), "settings": plan.settings.to_dict(),
             "trials": plan.trials.to_dict(), "world": plan.world.to_dict() if plan.world else None,
             "rank_devices": [d.to_dict() for d in plan.rank_devices], "options": plan.options,

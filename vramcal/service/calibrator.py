@@ -20,12 +20,12 @@ from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import Aim, SearchSettings, Step, next_batch_size, settle, unmeasured_ceiling
 from vramcal.calibration.search import unmeasured as lost
 from vramcal.environment import software_versions
-from vramcal.journal import Journal
 from vramcal.measure.evidence import KILLED
 from vramcal.measure.trial import TrialRequest
 from vramcal.models.registry import family_of
 from vramcal.profile import Profile, Verification, utc_now
 from vramcal.records import Device, Trial, TrialSettings, World
+from vramcal.service.journal import Journal
 from vramcal.units import format_bytes
 from vramcal.words import word
 from vramcal.workload import ModelRef
@@ -110,7 +110,7 @@ def run_trials(plan: CalibrationPlan, runner: Runner, on_trial: Callable[[Trial]
 
     Args:
         runner: runs each trial in a fresh worker; on_trial: called with each trial (a replayed one included).
-        journal: records each trial and replays an earlier run's (:mod:`vramcal.journal`); None: none.
+        journal: records each trial and replays an earlier run's (:mod:`vramcal.service.journal`); None: none.
 
     Raises:
         CalibrationError: the first trial failed; a size was killed from outside twice; the journal cannot be
