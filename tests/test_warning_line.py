@@ -93,3 +93,20 @@ def test_a_run_with_a_process_term_is_held_against_the_line_plus_what_the_term_m
     assert plain.warn_basis == repeat_spread(profile)[1] and plain.warn_bytes < plain.predicted_peak_bytes * 1.031
     _, warnings = compare(framework, int(framework.predicted_peak_bytes * (1 + BENCH_SPREAD)) + 4 * MIB)
     assert warnings == []  # inside the term's spread
+
+
+def test_a_safe_size_moved_down_for_a_process_term_keeps_the_runs_own_prediction_in_usable_memory():
+    """A framework's run at the safe size moved down from its verified peak by a process term peaked 0.3 % above
+    usable memory, +0.2 % over its prediction: the verified peak carries no step creep, the prediction does, and the
+    prediction there was above usable already. Now every size a term moves to has its prediction in usable memory."""
+    from vramcal.profile import Verification
+
+    profile = make_profile(host_device())
+    safe = profile.limits.safe_batch_size
+    low = int(profile.fit.predict(safe) * 0.97)  # the trial's raw peak, below the line that carries the creep
+    held = 50 * MIB  # what the trials' processes held when their step was built
+    profile = dataclasses.replace(profile, verification={"safe": Verification(safe, True, low)},
+                                  trials=tuple(dataclasses.replace(t, held_bytes=held) for t in profile.trials))
+    for extra_mib in range(1, 40, 3):
+        sizing = size(profile, SizeRequest(limit="safe"), process_bytes=held + extra_mib * MIB)
+        assert sizing.predicted_peak_bytes <= sizing.usable_bytes, (extra_mib, sizing)

@@ -115,9 +115,12 @@ def limits_for_data(model: LengthModel, profile: Profile, delta: int, cause: str
     """
     limits = model.limits
     safe, conservative, notices = limits.safe_batch_size, limits.conservative_batch_size, []
-    still_fits = model.safe_peak_bytes is not None and model.safe_peak_bytes + delta <= limits.usable_bytes
+    room = limits.usable_bytes - delta
+    still_fits = model.safe_peak_bytes is not None and max(model.safe_peak_bytes, model.expected(safe)) <= room
     if delta > 0 and not still_fits:
-        safe = min(safe, max(model.safe_for(limits.usable_bytes - delta), _moved_down(model, delta)))
+        safe = min(safe, max(model.safe_for(room), _moved_down(model, delta)))
+        while safe >= 1 and model.expected(safe) > room:  # the run's own prediction fits too: the verified peak
+            safe -= 1  # moved down carries no step creep, which the prediction does
         if safe < 1:
             raise SizingError(f"{cause} {format_bytes(delta)} more than the calibration's, which leaves no room for "
                               f"one sample in {format_bytes(limits.usable_bytes)}: calibrate the way this run holds "
