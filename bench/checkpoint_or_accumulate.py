@@ -10,8 +10,8 @@
 2. takes an effective batch that does not fit as one micro-batch without checkpointing (``--effective-batch-size``;
    default twice ``off``'s conservative size, above its safe size) and asks vramcal's choice
    (:func:`vramcal.sizing.variants.choose`, as ``vramcal train --variant auto`` does): ``off`` accumulates
-   micro-batches of
-   its conservative size, ``block`` trains larger micro-batches (one where its conservative size admits it);
+   micro-batches of its conservative size, ``block`` trains larger micro-batches (one where its conservative size
+   admits it);
 3. measures both: ``vramcal train`` of each setting for ``--steps`` optimizer steps, ``--rounds`` rounds in
    alternating order (the machine is shared), samples/s as the trainer measures it (``samples_per_s`` of the
    last epoch row in ``metrics.jsonl``: its samples over its steps' time); the faster one by the medians is set

@@ -74,11 +74,10 @@ def trial(ref, budget: int, world, batch_size: int, steady: bool = False):
 def expected_difference(ref, fsdp) -> dict[str, int]:
     """What a 2-rank DDP rank holds more than an FSDP rank at the peak, counted from the model (bytes): the
     parameters and optimizer state sharded away (:func:`vramcal.sizing.sharding.sharded_bytes`), plus DDP's gradient
-    buckets
-    (the gradients' size again, ``gradient_as_bucket_view=False``: PyTorch's DDP notes), less FSDP's two unsharded
-    units in flight at the backward's start (the unit all-gathered and the next one prefetched, the largest unit's
-    parameters each: PyTorch's FSDP2 notes; :func:`vramcal.measure.distributed.shard_units` on the model built
-    here)."""
+    buckets (the gradients' size again, ``gradient_as_bucket_view=False``: PyTorch's DDP notes), less FSDP's two
+    unsharded units in flight at the backward's start (the unit all-gathered and the next one prefetched, the largest
+    unit's parameters each: PyTorch's FSDP2 notes; :func:`vramcal.measure.distributed.shard_units` on the model
+    built here)."""
     import torch
 
     from vramcal.measure.distributed import shard_units
