@@ -30,6 +30,7 @@ from vramcal.models.registry import describe
 from vramcal.profile import Profile, profiles_under
 from vramcal.records import Device, DeviceKind
 from vramcal.sizing.staleness import recorded_software
+from vramcal.sizing.terms import trials_spread
 from vramcal.units import format_bytes
 from vramcal.workload import ModelRef, WorkloadError
 
@@ -285,15 +286,6 @@ def _trace(ref: ModelRef, options: dict[str, Any], kind: DeviceKind = "host", ca
     return _TRACED[found]
 
 
-def _repeat(profile: Profile) -> float:
-    """The widest ``(max − min) / min`` of ``profile``'s short trials repeated at one batch size and length."""
-    peaks: dict[tuple[int, int | None], list[int]] = {}
-    for t in profile.trials:
-        if t.ok and t.peak_bytes and t.purpose != "steady":
-            peaks.setdefault((t.batch_size, t.seq_len), []).append(t.peak_bytes)
-    return max(((max(p) - min(p)) / min(p) for p in peaks.values() if len(p) > 1), default=0.0)
-
-
 def held_against(profiles: Iterable[tuple[Path | str, Profile]], trace: Trace = _trace,
                  cache: dict[str, StepEstimate] | None = None) -> tuple[list[Calibrated], list[str]]:
     """The profiles that can teach the estimate, each held against its model's trace (one per model and kind, kept in
@@ -316,7 +308,7 @@ def held_against(profiles: Iterable[tuple[Path | str, Profile]], trace: Trace = 
         check = profile.verification["safe"]
         found.append(Calibrated(str(path), profile.device.kind, profile.fit.overhead_bytes, profile.pool_data_bytes,
                                 check.batch_size, check.peak_bytes, overhead, slope, profile.device.name,
-                                settings_of(profile), _repeat(profile)))
+                                settings_of(profile), trials_spread(profile.trials) or 0.0))
     return found, notices
 
 

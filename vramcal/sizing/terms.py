@@ -3,6 +3,8 @@ spreads that widen its warning line; the rules are :mod:`vramcal.sizing`'s."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from vramcal.calibration.limits import Limits, LimitSettings
 from vramcal.profile import Profile
 from vramcal.records import Trial
@@ -47,18 +49,24 @@ def process_spread(profile: Profile) -> int:
     return (max(held) - min(held) if len(held) > 1 else 0) + PROCESS_REPEAT_BYTES
 
 
+def trials_spread(trials: Iterable[Trial]) -> float | None:
+    """The widest ``(max − min) / min`` of the short trials' peaks repeated at one batch size and length (None: no
+    size was repeated)."""
+    peaks: dict[tuple[int, int | None], list[int]] = {}
+    for trial in trials:
+        if trial.ok and trial.peak_bytes and trial.purpose != "steady":
+            peaks.setdefault((trial.batch_size, trial.seq_len), []).append(trial.peak_bytes)
+    return max(((max(p) - min(p)) / min(p) for p in peaks.values() if len(p) > 1), default=None)
+
+
 def repeat_spread(profile: Profile, seq_len: int | None = None) -> tuple[float, str]:
     """(fraction, basis) the warning line widens the prediction by: the widest of repeated trials of one batch size
     (``(max − min) / min``), the range of the recorded runs' relative errors (two or more), and
     :data:`BENCH_SPREAD`."""
     found = [(BENCH_SPREAD, f"{BENCH_SPREAD:.0%}: how far correct runs spread in vramcal's benchmark")]
-    peaks: dict[int, list[int]] = {}
-    for trial in length_trials(profile, seq_len):
-        if trial.ok and trial.peak_bytes and trial.purpose != "steady":
-            peaks.setdefault(trial.batch_size, []).append(trial.peak_bytes)
-    repeated = [(max(p) - min(p)) / min(p) for p in peaks.values() if len(p) > 1]
-    if repeated:
-        found.append((max(repeated), f"{max(repeated):.1%}: repeated trials of one batch size in the calibration"))
+    repeated = trials_spread(length_trials(profile, seq_len))
+    if repeated is not None:
+        found.append((repeated, f"{repeated:.1%}: repeated trials of one batch size in the calibration"))
     errors = [o.peak_bytes / o.predicted_peak_bytes - 1 for o in profile.observations
               if o.predicted_peak_bytes > 0 and o.peak_unseen is None and not o.out_of_memory]  # bounds spread nothing
     if len(errors) > 1:
