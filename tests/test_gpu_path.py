@@ -241,6 +241,8 @@ def cuda_asked(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for name in ("is_bf16_supported", "current_device", "_lazy_init", "get_device_properties", "init"):
         monkeypatch.setattr(torch.cuda, name, lambda *args, _name=name, **kwargs: asked.append(_name))
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *args, **kwargs: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda *args: asked.append("current_stream"))
     return asked
 
 

@@ -79,6 +79,11 @@ def trace_point(ref: ModelRef, batch_size: int, device_kind: DeviceKind, options
                 step = build(ref, torch.device("cpu"), options)
                 trace.label(step.model.parameters(), "parameters")
                 trace.label_live("persistent")
+                # Optimizer.step asks torch.accelerator for its current stream (a CUDA-graph capture check), which
+                # starts CUDA on a GPU box: a context on the card beside every running trial. No graph is captured
+                # in a trace. (torch 2.13 names the check _accelerator_graph_capture_health_check, 2.11 the other.)
+                for check in ("_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check"):
+                    setattr(step.optimizer, check, lambda: None)
                 if choices is not None:
                     from vramcal.estimate.card import foreach  # loads torch: only when called
 
