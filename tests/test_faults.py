@@ -435,15 +435,15 @@ def test_a_training_worker_killed_after_its_meter_read_usable_memory_ran_out_of_
 def test_a_worker_counts_a_dead_unreaped_caller_as_gone():
     """A caller killed under a parent that does not reap it (a container's first process may not) stays a zombie,
     which ``kill(pid, 0)`` still finds: the worker's watch reads its state and ends all the same."""
-    from vramcal.measure.worker import _alive
+    from vramcal.environment import alive
 
     pid = os.fork()
     if pid == 0:
         os._exit(0)
     try:
-        assert wait_for(lambda: not _alive(pid), 5)  # dead, not yet reaped
+        assert wait_for(lambda: not alive(pid), 5)  # dead, not yet reaped
         os.kill(pid, 0)  # ... which kill(pid, 0) alone took for alive
-        assert _alive(os.getpid())
+        assert alive(os.getpid())
     finally:
         os.waitpid(pid, 0)
 

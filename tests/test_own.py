@@ -182,7 +182,7 @@ framework, folder, budget, spike, given = sys.argv[1], sys.argv[2], int(sys.argv
 sys.path[:0] = sys.argv[6:]
 from pathlib import Path
 import test_own
-test_own.own_budget = lambda: budget  # the parent's: measured again here it can differ by a MiB and name another profile
+test_own.own_budget = lambda: budget  # the parent's: measured again it can differ by a MiB, naming another profile
 folder, given, steps = Path(folder), json.loads(given), 4 if spike == "spike" else 2
 if spike == "spike":  # the profile's budget: this run's memory, as its trials'
     resource.setrlimit(resource.RLIMIT_DATA, (budget, budget))

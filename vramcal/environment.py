@@ -168,3 +168,18 @@ def worker_setting(name: str) -> str | None:
 def shown_setting(value: str | None) -> str:
     """An environment variable's value for people: ``unset`` (None), else quoted (``'1'``)."""
     return "unset" if value is None else repr(value)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (``/proc/PID/stat``'s state ``Z``)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, under another user
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

@@ -8,10 +8,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from vramcal.environment import package_version
 from vramcal.estimate.result import StepEstimate
 from vramcal.estimate.step import estimate_step
 from vramcal.files import atomic_write_json
@@ -53,8 +53,9 @@ def key(ref: ModelRef, options: dict[str, Any], kind: DeviceKind, card: Any) -> 
     """24 hex digits of SHA-256 over what a trace depends on (module docstring)."""
     files = {name: _file(value) for name, value in options.items() if isinstance(value, str) and Path(value).is_file()}
     card_traits = None if card is None else [card.name, list(card.compute_capability), card.sm_count]
-    text = json.dumps([ref.to_dict(), options, files, kind, card_traits, [_version(p) for p in SOFTWARE], _code()],
-                      sort_keys=True, default=str)
+    software = [package_version(name) for name in SOFTWARE]
+    text = json.dumps([ref.to_dict(), options, files, kind, card_traits, software, _code()], sort_keys=True,
+                      default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
@@ -67,10 +68,3 @@ def _code() -> str:
 def _file(path: str) -> list[int]:
     stat = Path(path).stat()
     return [stat.st_size, stat.st_mtime_ns]
-
-
-def _version(package: str) -> str | None:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None

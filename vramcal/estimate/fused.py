@@ -18,12 +18,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from vramcal.estimate.card import Choices
+from vramcal.models.mamba2 import MODELING
 
 INSTALL = ("MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE CAUSAL_CONV1D_FORCE_BUILD=TRUE "
            "CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE pip install --no-build-isolation --no-deps mamba-ssm causal-conv1d "
            "triton einops")
 PACKAGES = ("mamba_ssm", "causal_conv1d", "triton", "einops")
-TRANSFORMERS_MAMBA2 = "transformers.models.mamba2.modeling_mamba2"
 
 
 def fused_unavailable() -> str | None:
@@ -70,13 +70,13 @@ def fused_twins(choices: Choices) -> Iterator[None]:
     hub = importlib.import_module("transformers.integrations.hub_kernels")
     devices = dict(hub._PACKAGE_SUPPORTED_DEVICES)
     hub._PACKAGE_SUPPORTED_DEVICES.update({name: (*devices.get(name, ()), "cpu") for name in PACKAGES[:2]})
-    sys.modules.pop(TRANSFORMERS_MAMBA2, None)
+    sys.modules.pop(MODELING, None)
     try:
         yield
     finally:
         JITFunction.run, Autotuner.run, torch.cuda.get_device_properties, torch.cuda.device = saved
         hub._PACKAGE_SUPPORTED_DEVICES.update(devices)
-        sys.modules.pop(TRANSFORMERS_MAMBA2, None)
+        sys.modules.pop(MODELING, None)
         if twin:  # nothing imported with the twin outlives the trace: mamba_ssm_available() answers for real
             _drop("causal_conv1d_cuda", "causal_conv1d", "mamba_ssm")
 

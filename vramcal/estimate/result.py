@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramcal.records import DeviceKind
-from vramcal.workload import ModelRef, WorkloadError
+from vramcal.workload import ModelRef, WorkloadError, first_line
 
 
 class EstimateError(RuntimeError):
@@ -110,7 +110,7 @@ def failure_message(error: BaseException) -> str:
         found = _NO_FAKE_IMPL.search(str(cause))
         if found:
             return f"cannot trace the step on fake tensors: {found.group(1)} has no fake implementation; {_REGISTER}"
-    return f"cannot trace the step on fake tensors: {type(error).__name__}: {_first_line(error)}; {_TRIALS}"
+    return f"cannot trace the step on fake tensors: {type(error).__name__}: {first_line(error)}; {_TRIALS}"
 
 
 def _chain(error: BaseException) -> Iterator[BaseException]:
@@ -121,8 +121,3 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
         seen.add(id(current))
         yield current
         current = current.__cause__ or current.__context__
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else "(no message)"

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from vramcal.environment import alive
 from vramcal.measure.evidence import exit_status, oom_kill_counter
 from vramcal.measure.meters import METERS
 from vramcal.measure.nvml import NvmlError, load_nvml
@@ -359,21 +360,6 @@ def failure(error: BaseException) -> dict[str, Any]:
 def _exit_with_caller(caller_pid: int, interval_s: float = 0.5) -> None:
     """End this worker when its caller is gone (no such process, a zombie, or the fork server, its parent, ended)."""
     server = os.getppid()
-    while _alive(caller_pid) and os.getppid() == server:
+    while alive(caller_pid) and os.getppid() == server:
         time.sleep(interval_s)
     os._exit(1)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie (``/proc/PID/stat``'s state ``Z``)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True

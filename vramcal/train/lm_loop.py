@@ -21,9 +21,8 @@ from vramcal.train import checkpoint
 from vramcal.train.lm_plan import read_corpus, sampler, shapes
 from vramcal.train.loop import Trainer
 from vramcal.train.plan import Plan
-from vramcal.train.rules import first_line
 from vramcal.units import format_rate
-from vramcal.workload import build
+from vramcal.workload import build, first_line
 
 UNIFORM_LOSS = math.log(BYTE_VOCAB)  # nats per byte of a uniform guess over the byte values
 

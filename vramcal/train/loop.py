@@ -29,13 +29,12 @@ from vramcal.train.rules import (
     Share,
     diverged_loss,
     diverged_validation,
-    first_line,
     lr_factor,
     rising,
     validation_text,
 )
 from vramcal.units import format_bytes, format_duration, format_rate
-from vramcal.workload import optimizer_step, step_loss
+from vramcal.workload import first_line, optimizer_step, step_loss
 
 Echo = Callable[[str], None]
 EpochHook = Callable[[dict[str, Any]], Any]

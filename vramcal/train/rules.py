@@ -139,9 +139,3 @@ def rising(losses: list[float]) -> str | None:
         return None
     return (f"the training loss rose through the whole epoch, quarter by quarter from {quarters[0]:.4g} to "
             f"{quarters[3]:.4g}")
-
-
-def first_line(error: BaseException) -> str:
-    """The error's first line (at most 200 characters), else its class name."""
-    lines = str(error).strip().splitlines()
-    return lines[0][:200] if lines else type(error).__name__

@@ -20,6 +20,7 @@ from typing import Any
 from vramcal.files import atomic_write_text
 from vramcal.train import checkpoint
 from vramcal.train.config import ConfigError
+from vramcal.workload import first_line
 
 Echo = Callable[[str], None]
 TENSORBOARD = "tensorboard"  # the event files' folder inside a run folder
@@ -87,7 +88,7 @@ class _Tracker:
         worker.join(self.timeout_s)
         if worker.is_alive() or errors:
             self._failed = True
-            why = (_first_line(errors[0]) if errors else
+            why = (f"{type(errors[0]).__name__}: {first_line(errors[0])}" if errors else
                    f"no answer within {self.timeout_s:g} s: not waited for any longer")
             self.echo(f"warning: {self._what} stopped ({why}); the run goes on and {checkpoint.METRICS} keeps every "
                       f"figure")
@@ -229,9 +230,4 @@ def log_trial(trial, echo: Echo) -> None:
             writer.add_scalar(OBJECTIVE, objective, step)
     except Exception as error:  # whatever it is: a tracker must not end a tune
         echo(f"warning: trial {trial.number}'s hyperparameters were not written to TensorBoard in {log_dir} "
-             f"({_first_line(error)})")
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
+             f"({type(error).__name__}: {first_line(error)})")

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import quote, unquote
 
+from vramcal.workload import first_line
+
 STUDY_DB = "study.db"
 JOURNAL_SCHEME = "journal://"
 JOURNAL_SUFFIXES = (".log", ".jsonl")
@@ -149,11 +151,6 @@ def _storage_cause(error: BaseException) -> BaseException | None:
         error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
     return next((e for e in chain if isinstance(e, sqlalchemy.exc.SQLAlchemyError)),
                 next((e for e in chain if isinstance(e, optuna.exceptions.StorageInternalError)), None))
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an error's message (its type's name when empty), at most 300 characters."""
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
 
 
 def _open_rdb(url: StorageURL, create: bool):

@@ -10,8 +10,8 @@ import math
 import os
 import socket
 from collections.abc import Iterable
-from pathlib import Path
 
+from vramcal.environment import alive
 from vramcal.tune.storage import GRACE_S, redact
 from vramcal.units import format_duration
 
@@ -21,20 +21,6 @@ SURPLUS = "surplus"  # the user attribute of a trial that started past the reque
 def worker_id() -> str:
     """``<host>:<pid>`` of this process, kept in each trial's ``worker`` user attribute."""
     return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def _process_is_gone(pid: int) -> bool:
-    """Whether process ``pid`` of this host has ended (a zombie counts as ended)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # PermissionError: it exists, under another user
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
-    except (OSError, IndexError):  # no /proc (not Linux), or it ended meanwhile (seen at the next look)
-        return False
 
 
 def dead_trials(study) -> dict[int, tuple[int, str]]:
@@ -47,7 +33,7 @@ def dead_trials(study) -> dict[int, tuple[int, str]]:
     host, dead = socket.gethostname(), {}
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         worker_host, _, pid = str(trial.user_attrs.get("worker", "")).rpartition(":")
-        if worker_host == host and pid.isdigit() and int(pid) != os.getpid() and _process_is_gone(int(pid)):
+        if worker_host == host and pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid)):
             dead[trial._trial_id] = (trial.number, "its worker process is gone")
         elif trial._trial_id in stale:
             dead[trial._trial_id] = (trial.number, f"its worker sent no heartbeat for {GRACE_S} s")
