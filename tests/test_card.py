@@ -192,3 +192,37 @@ def test_the_lm_familys_fused_path_is_traced_on_the_kernels(fused_path):  # noqa
     assert any(line.startswith("fused kernels:") for line in traced["mamba_ssm"].choices)
     assert not any(line.startswith("fused kernels:") for line in traced["transformers"].choices)
     assert traced["mamba_ssm"].slope_bytes_per_sample < traced["transformers"].slope_bytes_per_sample
+
+
+def test_each_card_is_traced_as_itself_once_per_group_that_answers_the_trace_alike(fused_path):  # noqa: F811
+    """The torch path asks a card only its cuBLAS workspace (Hopper's is larger), so an H100 and an H200 share one
+    trace and an A100 gets its own; the fused path reads the SM count (mamba_ssm sizes a backward buffer by it), so
+    an RTX 3060 (28 SMs) and an A4000 (48) of one compute capability are traced apart, each with its own bytes."""
+    from vramcal.estimated import estimate_cards
+    from vramcal.report.catalogue import CATALOGUE
+
+    cards = {m.label.split()[0] + m.label.split()[1]: m for m in CATALOGUE}
+    spec = RegressorSpec(d_model=64, n_layers=2, d_state=32, headdim=32, chunk_size=64, seq_len=256)
+    torch_path = estimate_cards(spec.ref("transformers"), {}, refs=[spec.ref("transformers")],
+                                cards=[cards["H10080"], cards["A10040"], cards["H200141"]])
+    assert [e.traits for e in torch_path.estimates] == [("workspace",), ("workspace",)]
+    assert [r.card for r in torch_path.rows] == ["H100 80 GB (HBM3)", "A100 40 GB (SXM4)", "H200 141 GB"]
+    assert torch_path.formulas[0].startswith("H100 80 GB (HBM3), H200 141 GB, transformers")
+    h100, a100 = torch_path.estimates
+    assert h100.overhead_bytes - a100.overhead_bytes >= 16 * 2**20  # Hopper's workspaces, held for good
+    fused = estimate_cards(spec.ref("mamba_ssm"), {}, cards=[cards["RTX3060"], cards["RTXA4000"]],
+                           refs=[spec.ref("mamba_ssm")])
+    assert "sm_count" in fused.estimates[0].traits and len(fused.estimates) == 2
+    assert fused.estimates[0].choices != fused.estimates[1].choices  # each names its own SM count
+    assert fused.estimates[0].points[0].peak_bytes != fused.estimates[1].points[0].peak_bytes or \
+        fused.estimates[0].points[0].allocated_peak_bytes != fused.estimates[1].points[0].allocated_peak_bytes
+
+
+def test_a_device_without_its_traits_is_traced_as_the_catalogue_lists_its_card():
+    from vramcal.records import Device
+
+    device = Device(kind="cuda", name="NVIDIA GeForce RTX 3060", total_bytes=12 * 2**30, total_source="nvml")
+    assert Card.of(device) == Card("NVIDIA GeForce RTX 3060", (8, 6), 28)
+    unknown = Device(kind="cuda", name="NVIDIA Some New Card", total_bytes=2**30, total_source="nvml",
+                     compute_capability="10.0")
+    assert Card.of(unknown) == Card("NVIDIA Some New Card", (10, 0), Card().sm_count)

@@ -288,8 +288,8 @@ def _trace(ref: ModelRef, options: dict[str, Any], kind: DeviceKind = "host", ca
 
 def held_against(profiles: Iterable[tuple[Path | str, Profile]], trace: Trace = _trace,
                  cache: dict[str, StepEstimate] | None = None) -> tuple[list[Calibrated], list[str]]:
-    """The profiles that can teach the estimate, each held against its model's trace (one per model and kind, kept in
-    ``cache``; a GPU profile's as its card), and a notice for each one passed over."""
+    """The profiles that can teach the estimate, each held against its model's trace (one per model and card or
+    host, kept in ``cache``; a GPU profile's as its card), and a notice for each one passed over."""
     cache = {} if cache is None else cache
     found, notices = [], []
     for path, profile in profiles:
@@ -297,7 +297,7 @@ def held_against(profiles: Iterable[tuple[Path | str, Profile]], trace: Trace = 
         if why:
             notices.append(f"{path}: not learned from ({why})")
             continue
-        key = f"{profile.model.key()}-{profile.device.kind}"
+        key = f"{profile.model.key()}-{profile.device.name if profile.device.kind == 'cuda' else 'host'}"
         try:
             if key not in cache:
                 cache[key] = trace(profile.model, traced_options(profile), profile.device.kind, _card(profile.device))
@@ -403,26 +403,30 @@ def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[An
     loaded, notices = profiles_in(profiles_dir)
     calibrated, passed_over = held_against(loaded, trace, {})
     estimates, rows, formulas = [], [], []
-    card = _card(cards[0]) if cards else None
     runs = installed_path()
     for each in (refs or paths(ref)) if cards else []:
         path = each.params.get("implementation", "") if each.params.get("implementation") in ("transformers",
                                                                                                 "mamba_ssm") else ""
         try:
-            estimate = trace(each, options, "cuda", card)
+            traced = _card_traces(each, options, cards, trace)
         except EstimateError as error:
             if path != "mamba_ssm":
                 raise
             notices.append(f"mamba_ssm: {error}")
             continue
-        label = f"{path}{' (this install runs it)' if path == runs else ''}" if path else estimate.kernel_path
-        rows += _rows(estimate, "cuda", [(c.label, c.total_bytes) for c in cards], calibrated, settings, batch_size,
-                      path)
-        estimates.append(estimate)
-        baseline = learned_baseline(calibrated, "cuda", settings=baseline_settings("cuda"))
-        formulas += [f"a GPU, {label}: {describe_estimate(estimate, baseline, 0)}",
-                     *(f"  as the card runs it: {choice}" for choice in estimate.choices),
-                     f"  {learned_bound(calibrated, 'cuda', baseline_settings('cuda')).says()}"]
+        found = []
+        for estimate, group in traced:
+            label = f"{path}{' (this install runs it)' if path == runs else ''}" if path else estimate.kernel_path
+            found += _rows(estimate, "cuda", [(c.label, c.total_bytes) for c in group], calibrated, settings,
+                           batch_size, path)
+            estimates.append(estimate)
+            baseline = learned_baseline(calibrated, "cuda", settings=baseline_settings("cuda"))
+            named = "a GPU" if len(traced) == 1 else ", ".join(c.label for c in group)
+            formulas += [f"{named}, {label}: {describe_estimate(estimate, baseline, 0)}",
+                         *(f"  as the card runs it: {choice}" for choice in estimate.choices),
+                         f"  {learned_bound(calibrated, 'cuda', baseline_settings('cuda')).says()}"]
+        order = [c.label for c in cards]
+        rows += sorted(found, key=lambda row: order.index(row.card))
     if host is not None:
         estimate = trace(ref.replace(implementation="transformers") if ref.params.get("implementation") else ref,
                          options)
@@ -436,6 +440,21 @@ def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[An
         notices.append("no GPU profile to learn from: the GPU rows' baseline is the CUDA context's published size (the "
                        "kernels a step loads into the context are not in it) and their bound the published GPU runs'")
     return CardEstimate(tuple(estimates), tuple(rows), tuple(formulas), tuple(notices + passed_over))
+
+
+def _card_traces(ref: ModelRef, options: dict[str, Any], cards: Sequence[Any],
+                 trace: Trace) -> list[tuple[StepEstimate, list[Any]]]:
+    """``ref`` traced as each of ``cards`` runs it, once per group of cards that answer alike what the trace asked
+    of its card (``StepEstimate.traits``: the cuBLAS workspace, the compute capability, the SM count): each trace
+    with its cards, in their order."""
+    found, left = [], list(cards)
+    while left:
+        card = _card(left[0])
+        estimate = trace(ref, options, "cuda", card)
+        group = [c for c in left if card.traces_as(_card(c), estimate.traits)]
+        found.append((estimate, group))
+        left = [c for c in left if c not in group]
+    return found
 
 
 def _rows(estimate: StepEstimate, kind: DeviceKind, targets: list[tuple[str, int]], calibrated: list[Calibrated],
@@ -453,12 +472,14 @@ def _rows(estimate: StepEstimate, kind: DeviceKind, targets: list[tuple[str, int
     return found
 
 
-def aim_for(ref: ModelRef, options: dict[str, Any], kind: DeviceKind, profiles_dir: Path | str,
+def aim_for(ref: ModelRef, options: dict[str, Any], device: Any, profiles_dir: Path | str,
             trace: Trace = _trace) -> tuple[Aim | None, str | None]:
-    """The :class:`Aim` a calibration's growth may take (the traced slope, as an H100 runs it on CUDA, and the bound
-    learned under ``profiles_dir``), or ``(None, why not)``: the search then climbs from batch size 1."""
+    """The :class:`Aim` a calibration of ``device`` (a :class:`~vramcal.records.Device`) may take for its growth (the
+    traced slope, as that card runs it on CUDA, and the bound learned under ``profiles_dir``), or
+    ``(None, why not)``: the search then climbs from batch size 1."""
+    kind = device.kind
     try:
-        estimate = trace(ref, options, kind, _card(None) if kind == "cuda" else None)
+        estimate = trace(ref, options, kind, _card(device))
     except (EstimateError, WorkloadError, ValueError) as error:
         return None, f"not aimed (the search climbs from batch size 1): {error}"
     bound = learned_bound(held_against(profiles_in(profiles_dir)[0], trace)[0], kind, baseline_settings(kind))

@@ -12,7 +12,7 @@ import contextlib
 import functools
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,27 +54,51 @@ class Card:
 
     @classmethod
     def of(cls, device: Any) -> Card | None:
-        """The card a catalogue entry or a profile's device is traced as (an H100's traits where it has none); None
-        for the host."""
+        """The card a catalogue entry or a device (NVML's name, looked up in the catalogue for its SM count) is traced
+        as, an H100's traits where it has none; None for the host."""
         if getattr(device, "kind", "cuda") == "host":
             return None
-        default, capability = cls(), getattr(device, "compute_capability", None)
+        from vramcal.report.catalogue import CATALOGUE
+
+        listed = next((m for m in CATALOGUE if m.nvml_name == getattr(device, "name", None)), None)
+        default = cls()
+        capability = getattr(device, "compute_capability", None) or (listed and listed.compute_capability)
         return cls(getattr(device, "label", None) or getattr(device, "name", default.name),
                    tuple(int(part) for part in capability.split(".")) if capability else default.compute_capability,
-                   getattr(device, "sm_count", None) or default.sm_count)
+                   getattr(device, "sm_count", None) or (listed and listed.sm_count) or default.sm_count)
+
+    def traces_as(self, other: Card, traits: Iterable[str]) -> bool:
+        """Whether a trace that consulted ``traits`` (:data:`TRAITS`' names) of this card holds for ``other``."""
+        return all(TRAITS[name](self) == TRAITS[name](other) for name in traits)
 
     @property
     def sm(self) -> str:
         return f"sm_{self.compute_capability[0]}{self.compute_capability[1]}"
 
 
+# What a trace may ask of its card, by name: a trace holds for every card that answers as its own did
+TRAITS: dict[str, Callable[[Card], Any]] = {
+    "workspace": lambda card: card_constants(card.compute_capability).workspace_bytes,
+    "compute_capability": lambda card: card.compute_capability,
+    "sm_count": lambda card: card.sm_count,
+    "name": lambda card: card.name,
+}
+
+
 @dataclass
 class Choices:
-    """The card's choices a trace made, one line each; ``launched``: whether a fused kernel's twin ran."""
+    """The card's choices a trace made, one line each; ``launched``: whether a fused kernel's twin ran;
+    ``consulted``: the :data:`TRAITS` the trace asked of the card."""
 
     card: Card
     made: dict[str, None] = field(default_factory=dict)
     launched: bool = False
+    consulted: dict[str, None] = field(default_factory=dict)
+
+    def ask(self, trait: str) -> Any:
+        """The card's ``trait`` (a :data:`TRAITS` name), noted as consulted."""
+        self.consulted.setdefault(trait, None)
+        return TRAITS[trait](self.card)
 
     def add(self, line: str) -> None:
         self.made.setdefault(line, None)
@@ -84,7 +108,7 @@ class Choices:
 
     def workspace_bytes(self) -> tuple[int, ...]:
         """The card's cuBLAS and cuBLASLt workspaces (:func:`vramcal.estimate.constants.card_constants`)."""
-        return card_constants(self.card.compute_capability).workspace_bytes
+        return self.ask("workspace")
 
 
 @contextlib.contextmanager
@@ -135,6 +159,7 @@ def _attention(choices: Choices, query: torch.Tensor, key: torch.Tensor, value: 
                dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
                enable_gqa: bool = False) -> torch.Tensor:
     """SDPA as :func:`sdp_backend`'s backend, called as its own op (so its saved tensors are the card's)."""
+    choices.ask("compute_capability")  # the backend is the card's
     backend = sdp_backend(choices.card, query, key, value, attn_mask, dropout_p, is_causal)
     choices.add(f"attention: {backend} (torch's select_sdp_backend on {choices.card.sm}, "
                 f"{str(query.dtype).removeprefix('torch.')}, head_dim {query.shape[-1]})")

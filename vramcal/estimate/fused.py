@@ -36,12 +36,19 @@ def fused_unavailable() -> str | None:
 
 
 class _Properties:
-    """What ``torch.cuda.get_device_properties`` answers in the trace: the card's."""
+    """What ``torch.cuda.get_device_properties`` answers in the trace: the card's, each trait read noted."""
 
-    def __init__(self, card: Any) -> None:
-        self.name, self.multi_processor_count = card.name, card.sm_count
-        self.major, self.minor = card.compute_capability
-        self.gcnArchName = ""
+    def __init__(self, choices: Choices) -> None:
+        self._choices = choices
+
+    def __getattr__(self, name: str) -> Any:
+        ask = self._choices.ask
+        answers = {"multi_processor_count": lambda: ask("sm_count"), "name": lambda: ask("name"),
+                   "major": lambda: ask("compute_capability")[0], "minor": lambda: ask("compute_capability")[1],
+                   "gcnArchName": lambda: ""}  # not an AMD card
+        if name not in answers:
+            raise AttributeError(f"the traced card's properties have no {name}")
+        return answers[name]()
 
 
 @contextlib.contextmanager
@@ -61,11 +68,11 @@ def fused_twins(choices: Choices) -> Iterator[None]:
     def launch(self: Any, *args: Any, **kwargs: Any) -> None:
         choices.launched = True
         choices.add(f"fused kernels: mamba_ssm's wrappers with Triton launches and causal_conv1d's extension as "
-                    f"twins, {choices.card.sm_count} SMs ({choices.card.name}) where a wrapper reads the card")
+                    f"twins, the card's SM count ({choices.card.sm_count}) where a wrapper reads it")
 
     JITFunction.run = launch
     Autotuner.run = _first_config
-    torch.cuda.get_device_properties = lambda device=None: _Properties(choices.card)
+    torch.cuda.get_device_properties = lambda device=None: _Properties(choices)
     torch.cuda.device = lambda device: contextlib.nullcontext()
     hub = importlib.import_module("transformers.integrations.hub_kernels")
     devices = dict(hub._PACKAGE_SUPPORTED_DEVICES)

@@ -42,7 +42,9 @@ class PointEstimate:
 class StepEstimate:
     """One training step's memory, traced at two or more batch sizes: the points, their least-squares line
     (:func:`line`; the step's own overhead, no process baseline), the factory's real dataset in host memory
-    (``data_bytes``, 0 on a card), the kernel path, seconds taken and the card's choices (empty on the host)."""
+    (``data_bytes``, 0 on a card), the kernel path, seconds taken, the card's choices (empty on the host) and the
+    card's traits the trace asked (``traits``: :data:`vramcal.estimate.card.TRAITS` names; the trace holds for every
+    card that answers them alike)."""
 
     model: ModelRef
     device_kind: DeviceKind
@@ -53,6 +55,7 @@ class StepEstimate:
     kernel_path: str
     wall_s: float
     choices: tuple[str, ...] = ()
+    traits: tuple[str, ...] = ()
 
     def predict(self, batch_size: float) -> float:
         """The line's peak at ``batch_size`` (bytes, without a process baseline)."""
@@ -66,6 +69,7 @@ class StepEstimate:
     def from_dict(cls, data: dict[str, Any]) -> StepEstimate:
         """The estimate :meth:`to_dict` wrote. Raises: KeyError, TypeError, ValueError: not such a record."""
         return cls(**{**data, "model": ModelRef.from_dict(data["model"]), "choices": tuple(data["choices"]),
+                      "traits": tuple(data["traits"]),
                       "points": tuple(PointEstimate(**point) for point in data["points"])})
 
 

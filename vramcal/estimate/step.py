@@ -55,7 +55,8 @@ def estimate_step(ref: ModelRef, batch_sizes: Sequence[int], *, options: dict[st
     data_bytes, kernel_path = traced[-1][1]
     return StepEstimate(model=ref, device_kind=device_kind, points=points, overhead_bytes=overhead,
                         slope_bytes_per_sample=slope, data_bytes=data_bytes, kernel_path=kernel_path,
-                        wall_s=time.perf_counter() - start, choices=choices.lines() if choices else ())
+                        wall_s=time.perf_counter() - start, choices=choices.lines() if choices else (),
+                        traits=tuple(choices.consulted) if choices else ())
 
 
 def trace_point(ref: ModelRef, batch_size: int, device_kind: DeviceKind, options: dict[str, Any] | None,

@@ -89,7 +89,7 @@ def _aim(ref: ModelRef, data: dict[str, Any], device: Device, profiles_dir: Path
     if not one:
         return None, ("not aimed: the estimate is of one process at one length",)
     worker_pool().warm_up(device.kind)  # the trials' server imports torch and the model while the step is traced
-    found, why = aim_for(ref, data, device.kind, profiles_dir)
+    found, why = aim_for(ref, data, device, profiles_dir)
     return found, (why,) if why else ()
 
 
