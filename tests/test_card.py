@@ -218,11 +218,23 @@ def test_each_card_is_traced_as_itself_once_per_group_that_answers_the_trace_ali
         fused.estimates[0].points[0].allocated_peak_bytes != fused.estimates[1].points[0].allocated_peak_bytes
 
 
-def test_a_device_without_its_traits_is_traced_as_the_catalogue_lists_its_card():
+def test_a_calibrations_aim_traces_the_card_it_calibrates(tmp_path):
+    """The aim of a probe of an A100 traced an H100 (Hopper's larger workspace); now the device's own compute
+    capability, and the catalogue entry's SM count where the catalogue has the card."""
+    from vramcal.estimated import aim_for
     from vramcal.records import Device
+    from vramcal.report.catalogue import CATALOGUE
 
-    device = Device(kind="cuda", name="NVIDIA GeForce RTX 3060", total_bytes=12 * 2**30, total_source="nvml")
-    assert Card.of(device) == Card("NVIDIA GeForce RTX 3060", (8, 6), 28)
-    unknown = Device(kind="cuda", name="NVIDIA Some New Card", total_bytes=2**30, total_source="nvml",
-                     compute_capability="10.0")
-    assert Card.of(unknown) == Card("NVIDIA Some New Card", (10, 0), Card().sm_count)
+    asked = []
+
+    def trace(ref, options, kind, card):
+        asked.append(card)
+        return estimate_step(ref, (8, 512), device_kind=kind, card=card)
+
+    ref = RegressorSpec(d_model=32, n_layers=1, d_state=16, headdim=16, chunk_size=16, seq_len=32).ref("transformers")
+    a100 = Device(kind="cuda", name="NVIDIA A100-SXM4-40GB", total_bytes=40 * 2**30, total_source="nvml",
+                  compute_capability="8.0")
+    listed = next(card for card in CATALOGUE if card.nvml_name == a100.name)
+    assert aim_for(ref, {}, a100, tmp_path, trace, listed)[0] is not None
+    assert aim_for(ref, {}, a100, tmp_path, trace)[0] is not None
+    assert [(c.compute_capability, c.sm_count) for c in asked] == [((8, 0), 108), ((8, 0), Card().sm_count)]

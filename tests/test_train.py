@@ -253,7 +253,7 @@ def test_without_a_terminal_a_run_says_its_step_loss_rate_and_time_left_as_it_go
     loop.Trainer(plan, step, echo=messages.append).run()
     lines = [m for m in messages if m.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"], messages
-    assert re.fullmatch(r"step 2/3 \(epoch 1/1\), loss \d+\.\d{4}, [\d.]+ samples/s, about [\d.]+ m?s of training "
+    assert re.fullmatch(r"step 2/3 \(epoch 1/1\), loss \d+\.\d{4}, [\d.,]+ samples/s, about [\d.]+ m?s of training "
                         r"steps left", lines[1]), lines[1]
 
 

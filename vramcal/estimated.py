@@ -403,30 +403,15 @@ def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[An
     loaded, notices = profiles_in(profiles_dir)
     calibrated, passed_over = held_against(loaded, trace, {})
     estimates, rows, formulas = [], [], []
-    runs = installed_path()
     for each in (refs or paths(ref)) if cards else []:
-        path = each.params.get("implementation", "") if each.params.get("implementation") in ("transformers",
-                                                                                                "mamba_ssm") else ""
         try:
-            traced = _card_traces(each, options, cards, trace)
+            traced, found, said = _gpu_rows(each, options, cards, calibrated, settings, batch_size, trace)
         except EstimateError as error:
-            if path != "mamba_ssm":
+            if each.params.get("implementation") != "mamba_ssm":
                 raise
             notices.append(f"mamba_ssm: {error}")
             continue
-        found = []
-        for estimate, group in traced:
-            label = f"{path}{' (this install runs it)' if path == runs else ''}" if path else estimate.kernel_path
-            found += _rows(estimate, "cuda", [(c.label, c.total_bytes) for c in group], calibrated, settings,
-                           batch_size, path)
-            estimates.append(estimate)
-            baseline = learned_baseline(calibrated, "cuda", settings=baseline_settings("cuda"))
-            named = "a GPU" if len(traced) == 1 else ", ".join(c.label for c in group)
-            formulas += [f"{named}, {label}: {describe_estimate(estimate, baseline, 0)}",
-                         *(f"  as the card runs it: {choice}" for choice in estimate.choices),
-                         f"  {learned_bound(calibrated, 'cuda', baseline_settings('cuda')).says()}"]
-        order = [c.label for c in cards]
-        rows += sorted(found, key=lambda row: order.index(row.card))
+        estimates, rows, formulas = estimates + traced, rows + found, formulas + said
     if host is not None:
         estimate = trace(ref.replace(implementation="transformers") if ref.params.get("implementation") else ref,
                          options)
@@ -440,6 +425,30 @@ def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[An
         notices.append("no GPU profile to learn from: the GPU rows' baseline is the CUDA context's published size (the "
                        "kernels a step loads into the context are not in it) and their bound the published GPU runs'")
     return CardEstimate(tuple(estimates), tuple(rows), tuple(formulas), tuple(notices + passed_over))
+
+
+def _gpu_rows(ref: ModelRef, options: dict[str, Any], cards: Sequence[Any], calibrated: list[Calibrated],
+              settings: LimitSettings, batch_size: int | None,
+              trace: Trace) -> tuple[list[StepEstimate], list[EstimatedLimits], list[str]]:
+    """One kernel path's traces (:func:`_card_traces`), its rows in the order of ``cards`` and its formulas.
+
+    Raises:
+        EstimateError: the path cannot be traced.
+    """
+    path = ref.params.get("implementation") if ref.params.get("implementation") in ("transformers", "mamba_ssm") else ""
+    traced, rows, formulas = _card_traces(ref, options, cards, trace), [], []
+    baseline = learned_baseline(calibrated, "cuda", settings=baseline_settings("cuda"))
+    for estimate, group in traced:
+        label = f"{path}{' (this install runs it)' if path == installed_path() else ''}" if path else \
+            estimate.kernel_path
+        rows += _rows(estimate, "cuda", [(c.label, c.total_bytes) for c in group], calibrated, settings, batch_size,
+                      path)
+        named = "a GPU" if len(traced) == 1 else ", ".join(c.label for c in group)
+        formulas += [f"{named}, {label}: {describe_estimate(estimate, baseline, 0)}",
+                     *(f"  as the card runs it: {choice}" for choice in estimate.choices),
+                     f"  {learned_bound(calibrated, 'cuda', baseline_settings('cuda')).says()}"]
+    order = [c.label for c in cards]
+    return [e for e, _ in traced], sorted(rows, key=lambda row: order.index(row.card)), formulas
 
 
 def _card_traces(ref: ModelRef, options: dict[str, Any], cards: Sequence[Any],
@@ -472,14 +481,14 @@ def _rows(estimate: StepEstimate, kind: DeviceKind, targets: list[tuple[str, int
     return found
 
 
-def aim_for(ref: ModelRef, options: dict[str, Any], device: Any, profiles_dir: Path | str,
-            trace: Trace = _trace) -> tuple[Aim | None, str | None]:
-    """The :class:`Aim` a calibration of ``device`` (a :class:`~vramcal.records.Device`) may take for its growth (the
-    traced slope, as that card runs it on CUDA, and the bound learned under ``profiles_dir``), or
+def aim_for(ref: ModelRef, options: dict[str, Any], device: Device, profiles_dir: Path | str,
+            trace: Trace = _trace, listed: Any = None) -> tuple[Aim | None, str | None]:
+    """The :class:`Aim` a calibration of ``device`` may take for its growth (the traced slope, as that card runs it,
+    its SM count ``listed``'s where the catalogue has the card, and the bound learned under ``profiles_dir``), or
     ``(None, why not)``: the search then climbs from batch size 1."""
     kind = device.kind
     try:
-        estimate = trace(ref, options, kind, _card(device))
+        estimate = trace(ref, options, kind, _card(listed or device) if kind == "cuda" else None)
     except (EstimateError, WorkloadError, ValueError) as error:
         return None, f"not aimed (the search climbs from batch size 1): {error}"
     bound = learned_bound(held_against(profiles_in(profiles_dir)[0], trace)[0], kind, baseline_settings(kind))

@@ -54,18 +54,14 @@ class Card:
 
     @classmethod
     def of(cls, device: Any) -> Card | None:
-        """The card a catalogue entry or a device (NVML's name, looked up in the catalogue for its SM count) is traced
-        as, an H100's traits where it has none; None for the host."""
+        """The card a catalogue entry or a profile's device is traced as (an H100's traits where it has none); None
+        for the host."""
         if getattr(device, "kind", "cuda") == "host":
             return None
-        from vramcal.report.catalogue import CATALOGUE
-
-        listed = next((m for m in CATALOGUE if m.nvml_name == getattr(device, "name", None)), None)
-        default = cls()
-        capability = getattr(device, "compute_capability", None) or (listed and listed.compute_capability)
+        default, capability = cls(), getattr(device, "compute_capability", None)
         return cls(getattr(device, "label", None) or getattr(device, "name", default.name),
                    tuple(int(part) for part in capability.split(".")) if capability else default.compute_capability,
-                   getattr(device, "sm_count", None) or (listed and listed.sm_count) or default.sm_count)
+                   getattr(device, "sm_count", None) or default.sm_count)
 
     def traces_as(self, other: Card, traits: Iterable[str]) -> bool:
         """Whether a trace that consulted ``traits`` (:data:`TRAITS`' names) of this card holds for ``other``."""

@@ -17,6 +17,7 @@ from vramcal.measure.trial import TrialRunner
 from vramcal.models.registry import DATA_OPTIONS, arguments, family_of, model_ref
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile, ProfileError, load_profile, profile_path, save_profile
 from vramcal.records import Device, Trial, TrialSettings, World
+from vramcal.report.catalogue import CATALOGUE
 from vramcal.report.progress import TrialPrinter
 from vramcal.service.calibrator import CalibrationError, CalibrationPlan, run_trials
 from vramcal.service.door import door
@@ -89,7 +90,8 @@ def _aim(ref: ModelRef, data: dict[str, Any], device: Device, profiles_dir: Path
     if not one:
         return None, ("not aimed: the estimate is of one process at one length",)
     worker_pool().warm_up(device.kind)  # the trials' server imports torch and the model while the step is traced
-    found, why = aim_for(ref, data, device, profiles_dir)
+    listed = next((card for card in CATALOGUE if card.nvml_name == device.name), None)  # its SM count
+    found, why = aim_for(ref, data, device, profiles_dir, listed=listed)
     return found, (why,) if why else ()
 
 
