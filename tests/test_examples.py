@@ -69,7 +69,8 @@ def runs_recorded(profiles_dir: Path, framework: str) -> list[int]:
 # above usable) and the HF reuse run +5.2 %. Not reproduced in the same venv by the scripts run twice quietly, under
 # two CPU hogs and a suite, with OMP_WAIT_POLICY=PASSIVE or with __pycache__ removed (all within +0.3 %), nor in the
 # 3.12 suite or this repository's suite (both xpassed)
-@pytest.mark.xfail(strict=False, reason="in a loaded fresh-clone suite a framework run peaked 2.7-5.2 % over its prediction (issue 60)")
+@pytest.mark.xfail(strict=False, reason="in a loaded fresh-clone suite a framework run peaked 2.7-5.2 % over "
+                                        "its prediction (issue 60)")
 def test_the_callback_alone_calibrates_the_model_then_reuses_its_profile(script, framework, tmp_path):
     """Issue 60: the callback is the script's only vramcal line (1.3 GiB: smaller batches, a quicker calibration)."""
     first = run(script, tmp_path, "--steps", "2", budget=1.3)
