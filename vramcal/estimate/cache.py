@@ -1,4 +1,4 @@
-"""Traces kept on disk for every command that estimates: one per model, options, device kind, card, software and
+"""Traces kept on disk for every command that estimates: one per model, options, device kind, card traits, software and
 this package's code (SHA-256), in ``$VRAMCAL_CACHE_DIR``, else ``$XDG_CACHE_HOME/vramcal/traces``, else
 ``~/.cache/vramcal/traces``. An unreadable file is traced again; an unwritable one is not kept.
 """
@@ -52,7 +52,7 @@ def cached_trace(ref: ModelRef, options: dict[str, Any], kind: DeviceKind = "hos
 def key(ref: ModelRef, options: dict[str, Any], kind: DeviceKind, card: Any) -> str:
     """24 hex digits of SHA-256 over what a trace depends on (module docstring)."""
     files = {name: _file(value) for name, value in options.items() if isinstance(value, str) and Path(value).is_file()}
-    card_traits = None if card is None else [card.name, list(card.compute_capability), card.sm_count]
+    card_traits = None if card is None else [list(card.compute_capability), card.sm_count]  # not its name
     software = [package_version(name) for name in SOFTWARE]
     text = json.dumps([ref.to_dict(), options, files, kind, card_traits, software, _code()], sort_keys=True,
                       default=str)
