@@ -436,11 +436,11 @@ def _gpu_rows(ref: ModelRef, options: dict[str, Any], cards: Sequence[Any], cali
         EstimateError: the path cannot be traced.
     """
     path = ref.params.get("implementation") if ref.params.get("implementation") in ("transformers", "mamba_ssm") else ""
+    runs = " (this install runs it)" if path and path == installed_path() else ""
     traced, rows, formulas = _card_traces(ref, options, cards, trace), [], []
     baseline = learned_baseline(calibrated, "cuda", settings=baseline_settings("cuda"))
     for estimate, group in traced:
-        label = f"{path}{' (this install runs it)' if path == installed_path() else ''}" if path else \
-            estimate.kernel_path
+        label = f"{path}{runs}" if path else estimate.kernel_path
         rows += _rows(estimate, "cuda", [(c.label, c.total_bytes) for c in group], calibrated, settings, batch_size,
                       path)
         named = "a GPU" if len(traced) == 1 else ", ".join(c.label for c in group)
