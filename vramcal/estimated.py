@@ -415,12 +415,13 @@ def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[An
     if host is not None:
         estimate = trace(ref.replace(implementation="transformers") if ref.params.get("implementation") else ref,
                          options)
-        baseline = learned_baseline(calibrated, "host", device=host.name, settings=baseline_settings("host"))
-        rows += _rows(estimate, "host", [(f"host: {host.name}", host.total_bytes)], calibrated, settings, batch_size,
-                      "", baseline)
+        made_as = baseline_settings("host")
+        baseline = learned_baseline(calibrated, "host", device=host.name, settings=made_as)
+        bound = learned_bound(calibrated, "host", made_as)
+        rows += _rows(estimate, "host", [(f"host: {host.name}", host.total_bytes)], settings, batch_size, "",
+                      baseline, bound)
         estimates.append(estimate)
-        formulas += [f"the host: {describe_estimate(estimate, baseline, estimate.data_bytes)}",
-                     f"  {learned_bound(calibrated, 'host', baseline_settings('host')).says()}"]
+        formulas += [f"the host: {describe_estimate(estimate, baseline, estimate.data_bytes)}", f"  {bound.says()}"]
     if cards and not any(c.kind == "cuda" for c in calibrated):
         notices.append("no GPU profile to learn from: the GPU rows' baseline is the CUDA context's published size (the "
                        "kernels a step loads into the context are not in it) and their bound the published GPU runs'")
@@ -438,15 +439,15 @@ def _gpu_rows(ref: ModelRef, options: dict[str, Any], cards: Sequence[Any], cali
     path = ref.params.get("implementation") if ref.params.get("implementation") in ("transformers", "mamba_ssm") else ""
     runs = " (this install runs it)" if path and path == installed_path() else ""
     traced, rows, formulas = _card_traces(ref, options, cards, trace), [], []
-    baseline = learned_baseline(calibrated, "cuda", settings=baseline_settings("cuda"))
+    made_as = baseline_settings("cuda")
+    baseline, bound = learned_baseline(calibrated, "cuda", settings=made_as), learned_bound(calibrated, "cuda", made_as)
     for estimate, group in traced:
         label = f"{path}{runs}" if path else estimate.kernel_path
-        rows += _rows(estimate, "cuda", [(c.label, c.total_bytes) for c in group], calibrated, settings, batch_size,
-                      path)
+        rows += _rows(estimate, "cuda", [(c.label, c.total_bytes) for c in group], settings, batch_size, path,
+                      baseline, bound)
         named = "a GPU" if len(traced) == 1 else ", ".join(c.label for c in group)
         formulas += [f"{named}, {label}: {describe_estimate(estimate, baseline, 0)}",
-                     *(f"  as the card runs it: {choice}" for choice in estimate.choices),
-                     f"  {learned_bound(calibrated, 'cuda', baseline_settings('cuda')).says()}"]
+                     *(f"  as the card runs it: {choice}" for choice in estimate.choices), f"  {bound.says()}"]
     order = [c.label for c in cards]
     return [e for e, _ in traced], sorted(rows, key=lambda row: order.index(row.card)), formulas
 
@@ -466,12 +467,10 @@ def _card_traces(ref: ModelRef, options: dict[str, Any], cards: Sequence[Any],
     return found
 
 
-def _rows(estimate: StepEstimate, kind: DeviceKind, targets: list[tuple[str, int]], calibrated: list[Calibrated],
-          settings: LimitSettings, batch_size: int | None, path: str,
-          baseline: Baseline | None = None) -> list[EstimatedLimits]:
-    """One row per target (label, total bytes) of a trace on ``kind``."""
-    baseline = baseline or learned_baseline(calibrated, kind, settings=baseline_settings(kind))
-    bound, data = learned_bound(calibrated, kind, baseline_settings(kind)), estimate.data_bytes if kind == "host" else 0
+def _rows(estimate: StepEstimate, kind: DeviceKind, targets: list[tuple[str, int]], settings: LimitSettings,
+          batch_size: int | None, path: str, baseline: Baseline, bound: ErrorBound) -> list[EstimatedLimits]:
+    """One row per target (label, total bytes) of a trace on ``kind``, with the baseline and bound learned for it."""
+    data = estimate.data_bytes if kind == "host" else 0
     found = []
     for label, total in targets:
         row = estimated_limits(label, total, (estimate.overhead_bytes, estimate.slope_bytes_per_sample), data,
