@@ -64,14 +64,6 @@ def runs_recorded(profiles_dir: Path, framework: str) -> list[int]:
     ("lightning_train.py", "lightning"),
     ("hf_trainer_train.py", "transformers.Trainer"),
 ])
-# An open defect, not a tolerance (issue 60): in a venv whose libraries were just installed (a fresh clone's `make
-# test`, as CI), the HF reuse run peaked +4.7..+5.0 % over its prediction (700-702 MiB against 668-671), its process
-# holding 489 MiB at the start against 471-473 MiB once `echo 3 > /proc/sys/vm/drop_caches` had emptied the page
-# cache; after that, the same venv and code ran at -0.0..+0.0 % (the Lightning pair at +0.2 and +0.1 %, was +2.1 %).
-# A host peak is max(VmHWM, data-segment peak) and VmHWM counts file-backed pages (RssFile), which the page cache's
-# state of freshly written library files inflates: the measure, not the process's memory. The fix is in the meter,
-# for trials and runs alike
-@pytest.mark.xfail(strict=False, reason="a fresh install's page cache inflates a framework run's VmHWM (issue 60)")
 def test_the_callback_alone_calibrates_the_model_then_reuses_its_profile(script, framework, tmp_path):
     """Issue 60: the callback is the script's only vramcal line (1.3 GiB: smaller batches, a quicker calibration)."""
     first = run(script, tmp_path, "--steps", "2", budget=1.3)

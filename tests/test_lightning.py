@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from user_models import MLP
 
 from vramcal.measure.device import host_device
-from vramcal.measure.meters import host_peaks, read_status_bytes
+from vramcal.measure.meters import host_held_bytes, host_peaks
 from vramcal.profile import load_profile, profile_path, save_profile
 from vramcal.records import Device
 from vramcal.sizing import SizingError
@@ -32,8 +32,6 @@ def profile_here(verify: bool = True, held_bytes: int | None = None, total_bytes
     """A profile of this host: 600 MiB + 100 MiB per sample, so safe is about 60 and conservative about 54;
     its trials held ``held_bytes`` when their step was built (the process term's baseline; default: what this
     process holds now, so the process term is what a fit adds to it, whatever earlier tests left here)."""
-    from vramcal.measure.meters import host_held_bytes
-
     held_bytes = host_held_bytes() if held_bytes is None else held_bytes
     trials = [host_trial(b, 600 * MIB + 100 * MIB * b + (i % 2) * MIB, held_bytes=held_bytes)
               for i, b in enumerate((1, 2, 4, 8, 16))]
@@ -67,7 +65,7 @@ class Regressor(LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
     def on_fit_start(self) -> None:  # runs after the callbacks' on_fit_start (their reset)
-        self.rss_at_fit_start = read_status_bytes("VmRSS")
+        self.held_at_fit_start = host_held_bytes()
 
     def train_dataloader(self):
         return DataLoader(dataset(), batch_size=self.batch_size) if self.with_loader else None
@@ -113,7 +111,7 @@ def test_sets_the_conservative_size_and_reports_the_measured_peak(tmp_path, capl
     assert observed.framework == "lightning" and observed.peak_bytes == callback.peak_bytes
     assert observed.process_delta_bytes == callback.sizing.process_delta_bytes and observed.steps == 2
     # the peak is this process's: at least what it held at fit start, at most its peak since
-    assert module.rss_at_fit_start <= callback.peak_bytes <= host_peaks()["peak_bytes"]
+    assert module.held_at_fit_start <= callback.peak_bytes <= host_peaks()["peak_bytes"]
     assert f"peak {format_bytes(callback.peak_bytes)} at batch_size {conservative}: predicted " \
            f"{format_bytes(callback.sizing.predicted_peak_bytes)}" in callback.report
     assert "host peak" in callback.report

@@ -210,6 +210,32 @@ def test_the_host_meter_sets_the_data_limit_and_reads_the_host_peaks():
     assert "torch_num_threads" in meters.HostMeter().environment()
 
 
+def test_the_host_peak_leaves_out_the_page_cache_of_mapped_files_and_counts_what_the_process_writes(tmp_path):
+    """Issue 60: how many file-backed pages a process maps depends on the page cache (a library just installed
+    maps more), not on its step. Reading 256 MiB of a mapped file raises VmHWM by that much and the host peak by
+    nothing; writing 256 MiB of its own raises both."""
+    mapped = tmp_path / "mapped.bin"
+    mapped.write_bytes(b"\1" * 256 * 2**20)
+    script = tmp_path / "measure.py"
+    script.write_text(f"""import mmap
+from vramcal.measure.meters import host_held_bytes, host_peaks, read_status_bytes, reset_peak_rss
+reset_peak_rss()
+start, hwm = host_peaks()["peak_bytes"], read_status_bytes("VmHWM")
+handle = open({str(mapped)!r}, "rb")
+data = mmap.mmap(handle.fileno(), 0, prot=mmap.PROT_READ)
+total = sum(data[i] for i in range(0, len(data), 4096))
+read_only = host_peaks()["peak_bytes"] - start, read_status_bytes("VmHWM") - hwm
+held = bytearray(256 * 2**20)
+for i in range(0, len(held), 4096):
+    held[i] = 2
+print(*(n // 2**20 for n in (*read_only, host_peaks()["peak_bytes"] - start, host_held_bytes())))
+""")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True).stdout.split()
+    peak_read, hwm_read, peak_written, held = map(int, out)
+    assert hwm_read >= 250 and peak_read <= 6, out  # a MiB or two of the interpreter's own between readings
+    assert peak_written >= 250 and held >= 250, out
+
+
 def test_a_host_budget_below_what_the_process_holds_is_out_of_memory_before_any_limit_is_set():
     """Under such a budget every allocation fails, wherever the first one happens; the meter says why at once,
     as an out-of-memory error (the budget, not the step), and leaves the process's limit alone. In a process

@@ -121,7 +121,7 @@ def test_a_run_writes_metrics_checkpoints_and_its_record(setup):
     for row in epochs:
         assert math.isfinite(row["train_loss"]) and math.isfinite(row["val_loss"])
         assert 0 <= row["val_dir_acc"] <= 1 and 0 <= row["val_zero_dir_acc"] <= 1
-        # the trials' peak definition: max(VmHWM, data-segment peak)
+        # the trials' peak definition: max(VmHWM - RssFile, data-segment peak)
         assert row["samples_per_s"] > 0 and row["peak_bytes"] == max(row["rss_peak_bytes"], row["data_peak_bytes"])
     record = json.loads((run_dir / checkpoint.RUN).read_text())
     assert record["implementation"] == "transformers" and record["model"]["params"]["d_model"] == 32

@@ -222,7 +222,8 @@ class Trial(Record):
             (``device-delta``).
         nvml_overhead_bytes: NVML usage minus ``torch.cuda.memory_reserved()`` after warm-up (context, workspaces).
         torch_max_reserved_bytes, torch_max_allocated_bytes: caching allocator peaks in the measured steps.
-        rss_peak_bytes, data_peak_bytes: the host's VmHWM and peak VmData over the measured steps.
+        rss_peak_bytes, data_peak_bytes: the host's VmHWM less its file-backed pages (``RssFile``), and its peak
+            VmData, over the measured steps.
         data_bytes: training data held in the measured memory (all on the host; on a GPU device-resident data).
         step_s, samples_per_s: median wall time of the measured steps, and ``batch_size / step_s``.
         step_times_s, warmup_times_s, val_times_s: each measured step (from drawing its batch to a synchronize after

@@ -8,8 +8,9 @@
 
 GPU: ``peak_bytes = max(NVML peak, nvml_overhead_bytes + torch.cuda.max_memory_reserved())``, the NVML peak from
 :class:`~vramcal.measure.sampler.NvmlSampler`, the overhead (NVML usage minus torch's reserved: context, workspaces,
-kernels) re-measured at each reset. Host: ``peak_bytes = max(VmHWM, data-segment peak)``, what ``RLIMIT_DATA``
-binds. A process not started for measuring (a framework's run) is measured by :func:`attach_meter`.
+kernels) re-measured at each reset. Host: ``peak_bytes = max(VmHWM - RssFile, data-segment peak)``: what
+``RLIMIT_DATA`` binds, and the resident peak without the page cache of mapped files. A process not started for
+measuring (a framework's run) is measured by :func:`attach_meter`.
 """
 
 from __future__ import annotations
@@ -223,8 +224,8 @@ def read_status_bytes(field: str, pid: int | str = "self") -> int:
 
 def host_held_bytes() -> int:
     """What this process holds now, the current counterpart of the host ``peak_bytes``: the larger of its
-    resident set (VmRSS) and its data segment (VmData), bytes."""
-    return max(read_status_bytes("VmRSS"), read_status_bytes("VmData"))
+    resident set less file-backed pages (``VmRSS - RssFile``) and its data segment (VmData), bytes."""
+    return max(read_status_bytes("VmRSS") - read_status_bytes("RssFile"), read_status_bytes("VmData"))
 
 
 def peak_data_bytes() -> int:
@@ -235,9 +236,11 @@ def peak_data_bytes() -> int:
 
 
 def host_peaks() -> dict[str, int]:
-    """DESIGN.md's host ``peak_bytes`` with its sources: max(VmHWM since :func:`reset_peak_rss`, the data-segment
-    peak of the process's life), bytes."""
-    rss_peak, data_peak = read_status_bytes("VmHWM"), peak_data_bytes()
+    """DESIGN.md's host ``peak_bytes`` with its sources: max(VmHWM since :func:`reset_peak_rss` less the
+    file-backed pages resident now, the data-segment peak of the process's life), bytes. File-backed pages
+    (libraries, mapped files: ``RssFile``) are page cache the kernel reclaims, and how many of them a process
+    maps depends on how the files were last read (a freshly installed library maps more), not on its step."""
+    rss_peak, data_peak = read_status_bytes("VmHWM") - read_status_bytes("RssFile"), peak_data_bytes()
     return {"peak_bytes": max(rss_peak, data_peak), "rss_peak_bytes": rss_peak, "data_peak_bytes": data_peak}
 
 
@@ -337,7 +340,8 @@ class AttachedHostMeter:
     unseen = None  # the kernel's figures are the whole process's
 
     def __init__(self) -> None:
-        self.definition = "host peak: max(VmHWM since fit start, data-segment peak of the process)"
+        self.definition = ("host peak: max(VmHWM since fit start less file-backed pages, data-segment peak of the "
+                           "process)")
         self._data_peak_at_start = peak_data_bytes()
 
     def held_bytes(self) -> int:
