@@ -28,7 +28,7 @@ from vramcal.estimate.result import line
 from vramcal.models.mamba2 import mamba_ssm_available
 from vramcal.models.registry import describe
 from vramcal.profile import Profile, profiles_under
-from vramcal.records import Device, DeviceKind
+from vramcal.records import Device, Kind
 from vramcal.sizing.staleness import recorded_software
 from vramcal.sizing.terms import trials_spread
 from vramcal.units import format_bytes
@@ -48,10 +48,10 @@ class Baseline:
 
 
 # What a baseline moves with besides its device, weightiest first (measured: DESIGN.md, "Estimates")
-BASELINE_SETTINGS: dict[DeviceKind, tuple[str, ...]] = {"host": ("torch", "OMP_NUM_THREADS"), "cuda": ("torch",)}
+BASELINE_SETTINGS: dict[Kind, tuple[str, ...]] = {Kind.HOST: ("torch", "OMP_NUM_THREADS"), Kind.CUDA: ("torch",)}
 
 
-def baseline_settings(kind: DeviceKind) -> dict[str, str | None]:
+def baseline_settings(kind: Kind) -> dict[str, str | None]:
     """The :data:`BASELINE_SETTINGS` of ``kind`` a worker started now runs with."""
     return {name: software_versions()["torch"] if name == "torch" else worker_setting(name)
             for name in BASELINE_SETTINGS[kind]}
@@ -74,6 +74,7 @@ HOST_CUDA_BUILD_BASELINE = Baseline(1045 * MIB, "the project's host calibrations
                                     {"torch": "2.13.0+cu130", "OMP_NUM_THREADS": None})
 CUDA_BASELINE = Baseline(CONTEXT, f"the CUDA context, {CONTEXT // MIB} MiB with lazy module loading (published "
                                   f"figures: vramcal/estimate/constants.py; no GPU profile here to learn from)")
+DEFAULT_BASELINES = {Kind.HOST: HOST_BASELINE, Kind.CUDA: CUDA_BASELINE}  # a kind's, with no profile of it here
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ BENCH_BOUND = ErrorBound(-0.038, 0.043, 9, "the project's benchmark (9 host cali
 
 # A card with fewer than two GPU profiles: bench/README.md, "Estimates on a card"
 GPU_BOUND = ErrorBound(-0.028, -0.004, 5, "5 published GPU runs (BERT-large on a V100; `python -m bench.published`)")
+DEFAULT_BOUNDS = {Kind.HOST: BENCH_BOUND, Kind.CUDA: GPU_BOUND}
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ class Calibrated:
     its name ("" unknown); ``settings``: the :data:`BASELINE_SETTINGS` its trials ran with."""
 
     path: str
-    kind: DeviceKind
+    kind: Kind
     overhead_bytes: float
     data_bytes: int
     safe_batch_size: int
@@ -119,6 +121,9 @@ class Calibrated:
     device: str = ""
     settings: Mapping[str, str | None] = field(default_factory=dict)
     repeat: float = 0.0  # the widest relative spread of its repeated trials at one batch size
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", Kind(self.kind))
 
     @property
     def baseline_bytes(self) -> float:
@@ -132,7 +137,7 @@ class Calibrated:
         return estimated / self.safe_peak_bytes - 1
 
 
-def learned_baseline(calibrated: Sequence[Calibrated], kind: DeviceKind, leave_out: str | None = None,
+def learned_baseline(calibrated: Sequence[Calibrated], kind: Kind, leave_out: str | None = None,
                      device: str | None = None, settings: Mapping[str, str | None] | None = None) -> Baseline:
     """The median baseline of the ``calibrated`` of ``kind`` (but ``leave_out``) made under the weightiest of
     ``settings`` (torch's build: :func:`_same_build`), on ``device`` first, then under the rest of ``settings``; with
@@ -141,12 +146,13 @@ def learned_baseline(calibrated: Sequence[Calibrated], kind: DeviceKind, leave_o
     wanted = dict(settings or {})
     pool = [c for c in _same_build(calibrated, kind, wanted) if c.path != leave_out]
     if not pool:
-        default = CUDA_BASELINE if kind == "cuda" else HOST_BASELINE if "+cu" not in str(wanted.get("torch")) \
-            else HOST_CUDA_BUILD_BASELINE
+        default = DEFAULT_BASELINES[kind]
+        if default is HOST_BASELINE and "+cu" in str(wanted.get("torch")):
+            default = HOST_CUDA_BUILD_BASELINE
         others = sorted({shown_setting(c.settings.get("torch")) for c in calibrated if c.kind == kind})
         unlike = _unlike([default.settings], wanted) + (
             f"; the profiles of torch {' and '.join(others)} here left out: another build's process holds another "
-            f"amount" if others and kind == "host" else "")
+            f"amount" if others and default is not CUDA_BASELINE else "")
         return Baseline(default.bytes, default.source + unlike, default.settings) if unlike else default
 
     def rank(c: Calibrated) -> tuple[bool, ...]:  # the weightiest setting, the device, the other settings
@@ -161,7 +167,7 @@ def learned_baseline(calibrated: Sequence[Calibrated], kind: DeviceKind, leave_o
                     source + _unlike([c.settings for c in chosen], wanted))
 
 
-def _same_build(calibrated: Sequence[Calibrated], kind: DeviceKind,
+def _same_build(calibrated: Sequence[Calibrated], kind: Kind,
                 wanted: Mapping[str, str | None]) -> list[Calibrated]:
     """The ``calibrated`` of ``kind`` made under the weightiest of ``wanted`` (its first :data:`BASELINE_SETTINGS`,
     torch's build) where ``wanted`` names it: another build's process holds another amount (a CUDA build's host
@@ -179,7 +185,7 @@ def _unlike(made: Sequence[Mapping[str, str | None]], wanted: Mapping[str, str |
             if differ else "")
 
 
-def leave_one_out(calibrated: Sequence[Calibrated], kind: DeviceKind) -> list[tuple[Calibrated, float]]:
+def leave_one_out(calibrated: Sequence[Calibrated], kind: Kind) -> list[tuple[Calibrated, float]]:
     """Each profile of ``kind`` with its error against the baseline the others give it (:func:`learned_baseline`)."""
     mine = [c for c in calibrated if c.kind == kind]
     return [(c, c.error(learned_baseline(mine, kind, leave_out=c.path, device=c.device, settings=c.settings).bytes))
@@ -191,7 +197,7 @@ def leave_one_out(calibrated: Sequence[Calibrated], kind: DeviceKind) -> list[tu
 LEARNED_FROM = 3
 
 
-def learned_bound(calibrated: Sequence[Calibrated], kind: DeviceKind,
+def learned_bound(calibrated: Sequence[Calibrated], kind: Kind,
                   settings: Mapping[str, str | None] | None = None) -> ErrorBound:
     """The bound of :func:`leave_one_out`'s errors over the calibrations of ``settings``' build (:func:`_same_build`),
     never narrower than their repeated trials spread (a held-out trial repeats with that noise: bench/results/
@@ -199,7 +205,7 @@ def learned_bound(calibrated: Sequence[Calibrated], kind: DeviceKind,
     pool = _same_build(calibrated, kind, dict(settings or {}))
     errors = [error for _, error in leave_one_out(pool, kind)]
     if len(errors) < LEARNED_FROM:
-        return BENCH_BOUND if kind == "host" else GPU_BOUND
+        return DEFAULT_BOUNDS[kind]
     noise = max(c.repeat for c in pool)
     return ErrorBound(min(*errors, -noise), max(*errors, noise), len(errors), f"the {len(errors)} calibrations here")
 
@@ -261,7 +267,7 @@ def peak_at(estimate: StepEstimate, batch_size: int, baseline: Baseline, data_by
     """The predicted peak at ``batch_size`` in parts (bytes): the step's allocated and reserved lines, baseline and
     data; ``peak_bytes`` their sum, ``worst_bytes`` the bound's largest, ``fits``: ``worst_bytes <= usable_bytes``."""
     sizes = [p.batch_size for p in estimate.points]
-    allocated = line(sizes, [p.allocated_peak_bytes if estimate.device_kind == "cuda" else p.peak_bytes
+    allocated = line(sizes, [p.allocated_peak_bytes if estimate.device_kind.cuda_kernels else p.peak_bytes
                              for p in estimate.points])
     reserved = estimate.predict(batch_size)
     peak = baseline.bytes + data_bytes + reserved
@@ -271,7 +277,7 @@ def peak_at(estimate: StepEstimate, batch_size: int, baseline: Baseline, data_by
             "fits": bound.worst(peak) <= usable_bytes}
 
 
-Trace = Callable[..., StepEstimate]  # (ref, options, kind="host", card=None) -> StepEstimate
+Trace = Callable[..., StepEstimate]  # (ref, options, kind=Kind.HOST, card=None) -> StepEstimate
 _TRACED: dict[str, StepEstimate] = {}  # this process's traces (the disk's are vramcal.estimate.cache's)
 
 
@@ -279,7 +285,7 @@ _TRACED: dict[str, StepEstimate] = {}  # this process's traces (the disk's are v
 ANY_GPU = Device(kind="cuda", name="a GPU (estimated)", total_bytes=0, total_source="none: an estimate's stand-in")
 
 
-def _trace(ref: ModelRef, options: dict[str, Any], kind: DeviceKind = "host", card: Any = None) -> StepEstimate:
+def _trace(ref: ModelRef, options: dict[str, Any], kind: Kind = Kind.HOST, card: Any = None) -> StepEstimate:
     found = key(ref, options, kind, card)
     if found not in _TRACED:
         _TRACED[found] = cached_trace(ref, options, kind, card)
@@ -319,7 +325,7 @@ def _unusable(profile: Profile) -> str | None:
         return "no verified safe size"
     if profile.world is not None or profile.surface is not None:
         return "a DDP world or several lengths: the estimate is of one process at one length"
-    if profile.device.kind == "host" and profile.model.params.get("dtype", "fp32") != "fp32":
+    if not profile.device.kind.cuda_kernels and profile.model.params.get("dtype", "fp32") != "fp32":
         return f"{profile.model.params.get('dtype')} on the host: the host trains in fp32"
     return None
 
@@ -415,14 +421,14 @@ def estimate_cards(ref: ModelRef, options: dict[str, Any], *, cards: Sequence[An
     if host is not None:
         estimate = trace(ref.replace(implementation="transformers") if ref.params.get("implementation") else ref,
                          options)
-        made_as = baseline_settings("host")
-        baseline = learned_baseline(calibrated, "host", device=host.name, settings=made_as)
-        bound = learned_bound(calibrated, "host", made_as)
-        rows += _rows(estimate, "host", [(f"host: {host.name}", host.total_bytes)], settings, batch_size, "",
+        made_as = baseline_settings(Kind.HOST)
+        baseline = learned_baseline(calibrated, Kind.HOST, device=host.name, settings=made_as)
+        bound = learned_bound(calibrated, Kind.HOST, made_as)
+        rows += _rows(estimate, Kind.HOST, [(f"host: {host.name}", host.total_bytes)], settings, batch_size, "",
                       baseline, bound)
         estimates.append(estimate)
         formulas += [f"the host: {describe_estimate(estimate, baseline, estimate.data_bytes)}", f"  {bound.says()}"]
-    if cards and not any(c.kind == "cuda" for c in calibrated):
+    if cards and not any(c.kind.cuda_kernels for c in calibrated):
         notices.append("no GPU profile to learn from: the GPU rows' baseline is the CUDA context's published size (the "
                        "kernels a step loads into the context are not in it) and their bound the published GPU runs'")
     return CardEstimate(tuple(estimates), tuple(rows), tuple(formulas), tuple(notices + passed_over))
@@ -439,11 +445,12 @@ def _gpu_rows(ref: ModelRef, options: dict[str, Any], cards: Sequence[Any], cali
     path = ref.params.get("implementation") if ref.params.get("implementation") in ("transformers", "mamba_ssm") else ""
     runs = " (this install runs it)" if path and path == installed_path() else ""
     traced, rows, formulas = _card_traces(ref, options, cards, trace), [], []
-    made_as = baseline_settings("cuda")
-    baseline, bound = learned_baseline(calibrated, "cuda", settings=made_as), learned_bound(calibrated, "cuda", made_as)
+    made_as = baseline_settings(Kind.CUDA)
+    baseline = learned_baseline(calibrated, Kind.CUDA, settings=made_as)
+    bound = learned_bound(calibrated, Kind.CUDA, made_as)
     for estimate, group in traced:
         label = f"{path}{runs}" if path else estimate.kernel_path
-        rows += _rows(estimate, "cuda", [(c.label, c.total_bytes) for c in group], settings, batch_size, path,
+        rows += _rows(estimate, Kind.CUDA, [(c.label, c.total_bytes) for c in group], settings, batch_size, path,
                       baseline, bound)
         named = "a GPU" if len(traced) == 1 else ", ".join(c.label for c in group)
         formulas += [f"{named}, {label}: {describe_estimate(estimate, baseline, 0)}",
@@ -460,17 +467,17 @@ def _card_traces(ref: ModelRef, options: dict[str, Any], cards: Sequence[Any],
     found, left = [], list(cards)
     while left:
         card = _card(left[0])
-        estimate = trace(ref, options, "cuda", card)
+        estimate = trace(ref, options, Kind.CUDA, card)
         group = [c for c in left if card.traces_as(_card(c), estimate.traits)]
         found.append((estimate, group))
         left = [c for c in left if c not in group]
     return found
 
 
-def _rows(estimate: StepEstimate, kind: DeviceKind, targets: list[tuple[str, int]], settings: LimitSettings,
+def _rows(estimate: StepEstimate, kind: Kind, targets: list[tuple[str, int]], settings: LimitSettings,
           batch_size: int | None, path: str, baseline: Baseline, bound: ErrorBound) -> list[EstimatedLimits]:
     """One row per target (label, total bytes) of a trace on ``kind``, with the baseline and bound learned for it."""
-    data = estimate.data_bytes if kind == "host" else 0
+    data = estimate.data_bytes if kind.holds_data else 0
     found = []
     for label, total in targets:
         row = estimated_limits(label, total, (estimate.overhead_bytes, estimate.slope_bytes_per_sample), data,
@@ -487,7 +494,7 @@ def aim_for(ref: ModelRef, options: dict[str, Any], device: Device, profiles_dir
     ``(None, why not)``: the search then climbs from batch size 1."""
     kind = device.kind
     try:
-        estimate = trace(ref, options, kind, _card(listed or device) if kind == "cuda" else None)
+        estimate = trace(ref, options, kind, _card(device if listed is None else listed))
     except (EstimateError, WorkloadError, ValueError) as error:
         return None, f"not aimed (the search climbs from batch size 1): {error}"
     bound = learned_bound(held_against(profiles_in(profiles_dir)[0], trace)[0], kind, baseline_settings(kind))

@@ -327,7 +327,7 @@ def match_price(price: Price, profiles: Sequence[Profile]) -> list[int]:
     key = card_key(price.name)
     keys = [card_key(p.device.name) for p in profiles]
     exact = [i for i, (p, k) in enumerate(zip(profiles, keys))
-             if k == key or (key == "host" and p.device.kind == "host")]
+             if key in (k, p.device.kind)]  # a kind's name (host) names each profile of that kind
     if exact:
         return exact
     prefixed = [i for i, k in enumerate(keys) if k.startswith(key + " ")]

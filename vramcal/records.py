@@ -5,13 +5,70 @@ No process, hardware or framework code is imported here, so the pure parts can u
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from vramcal.schema import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, Record
 
-DeviceKind = Literal["cuda", "host"]
+
+class Kind(enum.StrEnum):
+    """A device kind, and what differs between kinds: code elsewhere asks the kind, not which kind it is.
+
+    ``cuda``: an NVIDIA GPU or a MIG slice of one; its memory is the card's own, its total what NVML reports.
+    ``host``: the machine's RAM; its total is a budget vramcal holds each process to (``RLIMIT_DATA``, the user's
+    ``--capacity``), and a step's data pipeline lives in it. A kind compares equal to its name (``"host"``).
+    """
+
+    CUDA = "cuda"
+    HOST = "host"
+
+    @classmethod
+    def of(cls, torch_type: str) -> Kind:
+        """The kind of a ``torch.device``'s type (``cuda``; ``cpu`` and the rest are the host)."""
+        return cls.CUDA if torch_type == "cuda" else cls.HOST
+
+    @property
+    def torch_type(self) -> str:
+        """The ``torch.device`` type a step of this kind runs on."""
+        return "cuda" if self is Kind.CUDA else "cpu"
+
+    @property
+    def budgeted(self) -> bool:
+        """Its total is the user's budget, held with ``RLIMIT_DATA`` (the host), not the device's own (a card)."""
+        return self is Kind.HOST
+
+    @property
+    def holds_data(self) -> bool:
+        """A step's data pipeline (a loader's batches, the documents) lives in this kind's memory (the host's)."""
+        return self is Kind.HOST
+
+    @property
+    def cuda_kernels(self) -> bool:
+        """CUDA's own kernels run here: mamba_ssm's fused Mamba-2 path, bf16 tensor cores, a card's caching
+        allocator (the host runs torch's CPU kernels)."""
+        return self is Kind.CUDA
+
+    @property
+    def shared(self) -> bool:
+        """One memory for all of a machine's processes (the host's RAM: ranks share it), not one per device."""
+        return self is Kind.HOST
+
+    @property
+    def gpu_choice(self) -> str:
+        """The ``--gpu`` value that selects a device of this kind (a GPU's UUID where one is known)."""
+        return "auto" if self is Kind.CUDA else "none"
+
+    @property
+    def backend(self) -> Backend:
+        """torch.distributed's backend for ranks of this kind."""
+        return "nccl" if self is Kind.CUDA else "gloo"
+
+    def label(self, name: str, host: str = "host {}") -> str:
+        """A device's name as reports show it: a card's as it is, the host's with ``host`` around it."""
+        return name if self is Kind.CUDA else host.format(name)
+
 
 
 @dataclass(frozen=True)
@@ -33,7 +90,7 @@ class Device(Record):
         parent_uuid: a MIG slice's physical GPU.
     """
 
-    kind: DeviceKind
+    kind: Kind
     name: str
     total_bytes: int
     total_source: str
@@ -50,6 +107,9 @@ class Device(Record):
     RANGES = {"total_bytes": POSITIVE, "nvml_index": NON_NEGATIVE, "cuda_index": NON_NEGATIVE,
               "nvml_total_bytes": NON_NEGATIVE, "nvml_reserved_bytes": NON_NEGATIVE}
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", Kind(self.kind))  # a name read from JSON, or given as text
+
     @property
     def is_mig(self) -> bool:
         return (self.uuid or "").startswith("MIG-")
@@ -57,8 +117,8 @@ class Device(Record):
     def slug(self, unique: bool = False) -> str:
         """Folder name under ``profiles/`` (``nvidia-h200-140gib``, ``host-amd-epyc-7763-2-cores``), sized by NVML's
         raw total; ``unique=True`` appends 8 hex digits of the UUID to tell identical cards apart."""
-        base = self.name if self.kind == "cuda" else f"host {self.name}"
-        size = f"-{(self.nvml_total_bytes or self.total_bytes) // 2**30}gib" if self.kind == "cuda" else ""
+        base = self.kind.label(self.name)  # a budget's size is in the profile's name, a card's in its folder's
+        size = "" if self.kind.budgeted else f"-{(self.nvml_total_bytes or self.total_bytes) // 2**30}gib"
         slug = re.sub(r"[^a-z0-9]+", "-", base.lower()).strip("-") + size
         if unique and self.uuid:
             slug += "-" + re.sub(r"[^a-z0-9]", "", self.uuid.lower().split("-", 1)[-1])[:8]
@@ -68,7 +128,7 @@ class Device(Record):
     def gpu(self) -> str:
         """The ``gpu=`` choice that selects this device again (:func:`vramcal.api.select_devices`): a GPU's UUID
         (``auto`` without one), ``none`` for the host."""
-        return (self.uuid or "auto") if self.kind == "cuda" else "none"
+        return self.uuid or self.kind.gpu_choice
 
     def hardware_difference(self, other: Device) -> str | None:
         """None when ``other`` is the same kind of device (same kind and name); else a phrase naming the difference."""

@@ -9,6 +9,7 @@ deeper than :data:`MAX_DEPTH`.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import types
 import typing
@@ -163,10 +164,11 @@ def read_value(value: Any, hint: Any, path: str, limits: Range | None = None) ->
             except SchemaError:
                 continue
         raise _not(path, value, hint_text(hint))
-    if origin is typing.Literal:
-        if isinstance(value, bool) or value not in args:
-            raise SchemaError(path, f"{path} = {shown(value)} is not one of {', '.join(map(repr, args))}")
-        return value
+    if origin is typing.Literal or isinstance(hint, enum.EnumType):
+        names = args if origin is typing.Literal else tuple(member.value for member in hint)
+        if isinstance(value, bool) or value not in names:
+            raise SchemaError(path, f"{path} = {shown(value)} is not one of {', '.join(map(repr, names))}")
+        return value if origin is typing.Literal else hint(value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise _not(path, value, "a list")
@@ -244,8 +246,8 @@ def hint_text(hint: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         words = [hint_text(a) for a in args if a is not type(None)]
         return " or ".join(words + (["null"] if type(None) in args else []))
-    if origin is typing.Literal:
-        return "one of " + ", ".join(map(repr, args))
+    if origin is typing.Literal or isinstance(hint, enum.EnumType):
+        return "one of " + ", ".join(map(repr, args if origin is typing.Literal else [m.value for m in hint]))
     if origin is tuple:
         return f"a list of {hint_text(args[0]).removeprefix('a ').removeprefix('an ')}s"
     names = {int: "a whole number", float: "a number", str: "a string", bool: "true or false", dict: "an object"}

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from vramcal.arguments import mapping, of_type
 from vramcal.oom import is_out_of_memory
+from vramcal.records import Kind
 from vramcal.words import given
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -72,7 +73,7 @@ class TrainingStep:
 
     def pool_data_bytes(self, device_kind: str) -> int:
         """Bytes of data in the measured memory pool: all of it on the host, on a GPU only device-resident data."""
-        return self.data_bytes if device_kind == "host" or self.data_on_device else 0
+        return self.data_bytes if Kind(device_kind).holds_data or self.data_on_device else 0
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from vramcal.records import Trial, TrialSettings
+from vramcal.records import Kind, Trial, TrialSettings
 from vramcal.schema import Record
 
 STEADY = "steady"  # the purpose of a steady trial
@@ -29,6 +29,7 @@ PLATEAU_TOLERANCE = 0.001  # a step's peak must pass the level by more than 0.1 
 # The host's allowance for rises after a steady trial, a share of its peak: single late rises measured 0.05-0.08 %
 # (bench/results/creep-256k/STUDY.md), with room for 1,000 steps. GPUs: not measured, none.
 HOST_LATE_CREEP = 0.005
+LATE_CREEP = {Kind.HOST: HOST_LATE_CREEP, Kind.CUDA: 0.0}  # each kind's allowance, a share of a steady trial's peak
 
 
 def plateau_step(peaks: Sequence[int], plateau_steps: int, tolerance: float = PLATEAU_TOLERANCE) -> int | None:

@@ -29,7 +29,7 @@ from vramcal.measure.nvml import NvmlError
 from vramcal.models.mamba2 import CHECKPOINTING_FORMS, DTYPE_POLICIES, IMPLEMENTATIONS
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.profile import left_out, load_profile, profiles_under
-from vramcal.records import World
+from vramcal.records import Kind, World
 from vramcal.service.calibrator import CalibrationError
 from vramcal.sizing.staleness import STRICT_ENV
 from vramcal.train.config import REPORT_TO, VARIANT_CHOICES
@@ -185,8 +185,9 @@ class WorldOptions:
     def build(cls, ddp_backend: str | None, **settings: Any) -> WorldOptions:
         return cls(ddp_backend, **settings)
 
-    def world(self, nproc: int, on_gpu: bool, nproc_flag: str = "--nproc") -> World | None:
-        """The :class:`~vramcal.records.World` of ``nproc`` ranks these options ask for, or None for one process.
+    def world(self, nproc: int, kind: Kind, nproc_flag: str = "--nproc") -> World | None:
+        """The :class:`~vramcal.records.World` of ``nproc`` ranks on devices of ``kind`` these options ask for, or
+        None for one process.
 
         Raises:
             click.BadParameter: a world that cannot be (the message names the option); world options given for
@@ -201,7 +202,7 @@ class WorldOptions:
                                          f"{nproc_flag} N, or leave it out", param_hint=_flag(changed[0]))
             return None
         try:
-            return World(nproc, self.backend or ("nccl" if on_gpu else "gloo"), **settings)
+            return World(nproc, self.backend or kind.backend, **settings)
         except ValueError as error:
             name = next((n for n in settings if str(error).startswith(n)), None)
             raise click.BadParameter(str(error), param_hint=_flag(name) if name else None) from None
@@ -234,7 +235,7 @@ world_options = collected(
 )
 
 
-def check_local_ranks(nproc: int, flag: str, on_gpu: bool, oversubscribe: bool = False) -> None:
+def check_local_ranks(nproc: int, flag: str, kind: Kind, oversubscribe: bool = False) -> None:
     """A world of ``nproc`` ranks on this machine must fit what it has, checked before any rank is forked: on the
     host (gloo) at most one rank per core this process may run on (a rank's step, timed and measured, needs its
     core), unless ``oversubscribe`` (``--oversubscribe``: the user takes ranks sharing cores, slower); GPUs are
@@ -244,7 +245,7 @@ def check_local_ranks(nproc: int, flag: str, on_gpu: bool, oversubscribe: bool =
         click.BadParameter: more ranks than cores without ``oversubscribe``, naming ``flag``.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if not on_gpu and nproc > cores and not oversubscribe:
+    if kind.shared and nproc > cores and not oversubscribe:
         raise click.BadParameter(f"{nproc} ranks is more than the {cores} cores this process may run on: a host "
                                  f"rank needs a core of its own; give {flag} {cores} or fewer, or --oversubscribe "
                                  f"to share cores (slower steps)", param_hint=flag)

@@ -196,9 +196,10 @@ def plan_probes(model: ModelOptions, gpu: str, capacity: int | None, nproc: int,
     name, params, spec = model_params(model)
     importable_from_cwd(name)
     devices, notice = select_devices("all" if nproc > 1 and gpu == "auto" else gpu, capacity)
-    check_local_ranks(nproc, "--nproc", devices[0].kind == "cuda", parallel.oversubscribe)
-    world = parallel.world(nproc, devices[0].kind == "cuda")
-    if devices[0].kind == "host" and world is not None:
+    kind = devices[0].kind
+    check_local_ranks(nproc, "--nproc", kind, parallel.oversubscribe)
+    world = parallel.world(nproc, kind)
+    if kind.shared and world is not None:  # the host's ranks share its memory: one device
         devices = devices[:1]
     if common["out"] is not None and len(devices) > 1 and world is None:
         raise click.BadParameter("--out names one file; with --gpu all, use --profiles-dir", param_hint="--out")
@@ -210,7 +211,7 @@ def plan_probes(model: ModelOptions, gpu: str, capacity: int | None, nproc: int,
         return registry.REGRESSOR.ref(spec, device, common["implementation"]) if spec is not None else name
 
     if world is not None:
-        ranks = tuple(devices[:world.nproc]) if devices[0].kind == "cuda" else ()
+        ranks = () if kind.shared else tuple(devices[:world.nproc])
         return [plan_calibration(key(devices[0]), params, device=devices[0], rank_devices=ranks, **common)]
     return [plan_calibration(key(device), params, device=device, unique_device=len(devices) > 1, **common)
             for device in devices]
@@ -277,7 +278,7 @@ def stdout_to_stderr(active: bool) -> Iterator[None]:
 
 
 def host_hint(device, capacity: int | None) -> list[str]:
-    if device.kind == "host" and capacity is None:
+    if device.kind.budgeted and capacity is None:
         example = size_argument(suggested_capacity(device.total_bytes))
         return [f"calibrating all of the host's {device.total_source} ({format_bytes(device.total_bytes)}); "
                 f"pass --capacity, e.g. {example}, to budget less"]

@@ -218,7 +218,7 @@ def _gpu_table(path: Path, loaded, gpus: list[GpuModel], as_json: bool, profiles
     except ValueError as error:
         raise click.ClickException(f"{path}: {error}") from None
     world = loaded.world
-    estimated, why = _estimated(loaded, gpus, profiles_dir) if loaded.device.kind == "host" else (None, None)
+    estimated, why = _estimated(loaded, gpus, profiles_dir) if not loaded.device.kind.cuda_kernels else (None, None)
     if as_json:
         click.echo(json.dumps({"profile": str(path), "verified": loaded.verified, "formula": loaded.fit.formula(),
                                "world": world.to_dict() if world else None,

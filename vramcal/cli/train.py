@@ -29,6 +29,7 @@ from vramcal.cli.types import BatchSize, FiniteFloat
 from vramcal.measure.device import check_host_world
 from vramcal.models.regressor.spec import RegressorSpec
 from vramcal.profile import ProfileError, load_profile
+from vramcal.records import Kind
 from vramcal.report import report_name, write_report
 from vramcal.service.pool import select_devices, worker_pool
 from vramcal.train import checkpoint, distributed
@@ -202,7 +203,7 @@ def single_capacity(capacity: tuple[int, ...] | None, parallel: WorldOptions) ->
     Raises:
         click.BadParameter: several budgets, or DDP options, without ``--nproc-per-node``.
     """
-    parallel.world(1, False, "--nproc-per-node")  # refuses world options: one process has no world settings
+    parallel.world(1, Kind.HOST, "--nproc-per-node")  # refuses world options: one process has no world settings
     if capacity and len(capacity) > 1:
         raise click.BadParameter("several budgets are for the ranks of a DDP run: add --nproc-per-node N",
                                  param_hint="--capacity")
@@ -220,8 +221,7 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
         flag = "--" + next(iter(torchrun)).replace("_", "-")
         raise click.BadParameter("is torchrun's, for a DDP run of 2 or more ranks: add --nproc-per-node N (and "
                                  "--nnodes for several machines), or leave it out for one process", param_hint=flag)
-    check_local_ranks(nproc_per_node, "--nproc-per-node", options.get("gpu") != "none" and gpu_here(),
-                      parallel.oversubscribe)
+    check_local_ranks(nproc_per_node, "--nproc-per-node", kind_here(options.get("gpu")), parallel.oversubscribe)
     with one_line():
         if probe:
             raise click.BadParameter("--probe calibrates one process: calibrate the world first with "
@@ -238,13 +238,13 @@ def train_world(ctx, config_file, options, given, run_dir, resume, probe, capaci
             capacities = capacities or distributed.launched_capacities(run_dir)  # the budgets it was started with
         else:
             config = make_config(config_file, options, given)
-        on_gpu = config.gpu != "none" and gpu_here()
-        if capacities and not on_gpu:  # no budget given: each rank's profile's, checked when its world was probed
+        kind = kind_here(config.gpu)
+        if capacities and kind.budgeted:  # no budget given: each rank's profile's, checked when its world was probed
             check_host_world(list(capacities) if len(capacities) > 1 else [capacities[0]] * nproc_per_node)
         if not resume:
             load_windows(config)  # the data checked before any rank starts
             run_dir = checkpoint.prepare_run_dir(run_dir or new_run_dir(), resume=False)
-        world = parallel.world(nproc_per_node * nodes, on_gpu)
+        world = parallel.world(nproc_per_node * nodes, kind)
         if resume:
             world = resumed_world(run_dir, world, given)
         click.echo(f"training {world.describe()} in {run_dir}", err=True)
@@ -299,10 +299,10 @@ def node_count(nnodes: object) -> int:
     return int(parts[-1])
 
 
-def gpu_here() -> bool:
-    """Whether an NVIDIA GPU is visible (the default backend follows it)."""
-
-    return select_devices("auto")[0][0].kind == "cuda"
+def kind_here(gpu: str | None) -> Kind:
+    """The kind of device a run given ``gpu`` (``--gpu``) trains on here: the host for ``none``, else a visible
+    NVIDIA GPU's where there is one (the default backend follows it)."""
+    return Kind.HOST if gpu == "none" else select_devices("auto")[0][0].kind
 
 
 def new_run_dir() -> Path:

@@ -15,7 +15,7 @@ from vramcal.environment import package_version
 from vramcal.estimate.result import StepEstimate
 from vramcal.estimate.step import estimate_step
 from vramcal.files import atomic_write_json
-from vramcal.records import DeviceKind
+from vramcal.records import Kind
 from vramcal.workload import ModelRef
 
 TRACE_SIZES = (8, 64)  # the batch sizes every estimate traces: a fake step costs the same at any size
@@ -30,7 +30,7 @@ def folder() -> Path:
     return Path(base) / "vramcal" / "traces"
 
 
-def cached_trace(ref: ModelRef, options: dict[str, Any], kind: DeviceKind = "host", card: Any = None) -> StepEstimate:
+def cached_trace(ref: ModelRef, options: dict[str, Any], kind: Kind = Kind.HOST, card: Any = None) -> StepEstimate:
     """The trace of ``ref`` at :data:`TRACE_SIZES` from the cache, else made and kept.
 
     Raises:
@@ -49,7 +49,7 @@ def cached_trace(ref: ModelRef, options: dict[str, Any], kind: DeviceKind = "hos
     return estimate
 
 
-def key(ref: ModelRef, options: dict[str, Any], kind: DeviceKind, card: Any) -> str:
+def key(ref: ModelRef, options: dict[str, Any], kind: Kind, card: Any) -> str:
     """24 hex digits of SHA-256 over what a trace depends on (module docstring)."""
     files = {name: _file(value) for name, value in options.items() if isinstance(value, str) and Path(value).is_file()}
     card_traits = None if card is None else [list(card.compute_capability), card.sm_count]  # not its name

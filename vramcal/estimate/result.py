@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vramcal.records import DeviceKind
+from vramcal.records import Kind
 from vramcal.workload import ModelRef, WorkloadError, first_line
 
 
@@ -47,7 +47,7 @@ class StepEstimate:
     card that answers them alike)."""
 
     model: ModelRef
-    device_kind: DeviceKind
+    device_kind: Kind
     points: tuple[PointEstimate, ...]
     overhead_bytes: float
     slope_bytes_per_sample: float
@@ -68,7 +68,8 @@ class StepEstimate:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StepEstimate:
         """The estimate :meth:`to_dict` wrote. Raises: KeyError, TypeError, ValueError: not such a record."""
-        return cls(**{**data, "model": ModelRef.from_dict(data["model"]), "choices": tuple(data["choices"]),
+        return cls(**{**data, "model": ModelRef.from_dict(data["model"]), "device_kind": Kind(data["device_kind"]),
+                      "choices": tuple(data["choices"]),
                       "traits": tuple(data["traits"]),
                       "points": tuple(PointEstimate(**point) for point in data["points"])})
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from vramcal.estimate.allocator import Event, replay
 from vramcal.estimate.result import EstimateError, PointEstimate, StepEstimate, failure_message, line
-from vramcal.records import DeviceKind, TrialSettings
+from vramcal.records import Kind, TrialSettings
 from vramcal.workload import ModelRef, build, detect_kernel_path, train_step, validation_step
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def estimate_step(ref: ModelRef, batch_sizes: Sequence[int], *, options: dict[str, Any] | None = None,
-                  device_kind: DeviceKind = "host", settings: TrialSettings | None = None,
+                  device_kind: Kind = Kind.HOST, settings: TrialSettings | None = None,
                   card: Card | None = None) -> StepEstimate:
     """Trace the training step of ``ref`` at each of ``batch_sizes`` (two or more distinct, >= 1) and fit a line.
 
@@ -42,8 +42,9 @@ def estimate_step(ref: ModelRef, batch_sizes: Sequence[int], *, options: dict[st
             installed, or of the host, or not entered (one line; measure with trials instead).
     """
     sizes = _checked_sizes(batch_sizes)
-    if device_kind not in ("host", "cuda"):
+    if device_kind not in tuple(Kind):
         raise ValueError(f"device_kind must be host or cuda, got {device_kind!r}")
+    device_kind = Kind(device_kind)
     start = time.perf_counter()
     _check_fused(ref, device_kind)
     with _as_card(device_kind, card) as choices:
@@ -59,7 +60,7 @@ def estimate_step(ref: ModelRef, batch_sizes: Sequence[int], *, options: dict[st
                         traits=tuple(choices.consulted) if choices else ())
 
 
-def trace_point(ref: ModelRef, batch_size: int, device_kind: DeviceKind, options: dict[str, Any] | None,
+def trace_point(ref: ModelRef, batch_size: int, device_kind: Kind, options: dict[str, Any] | None,
                 settings: TrialSettings, choices: Choices | None = None) -> tuple[PointEstimate, tuple[int, str]]:
     """One trial's steps at ``batch_size`` in a fresh fake mode, as the card of ``choices`` runs them (None: the
     host); returns the point and ``(data_bytes, kernel_path)``.
@@ -92,16 +93,16 @@ def trace_point(ref: ModelRef, batch_size: int, device_kind: DeviceKind, options
                 reset_at = _run_steps(step, batch_size, settings, trace)
     except Exception as error:  # noqa: BLE001 - every failure to trace is the one error a caller falls back on
         raise EstimateError(failure_message(error)) from error
-    facts = (step.pool_data_bytes("host") if device_kind == "host" else 0,
+    facts = (step.data_bytes if device_kind.holds_data else 0,
              step.kernel_path or detect_kernel_path(step.model))
     workspaces = choices.workspace_bytes() if choices is not None else ()
     return _point(trace, batch_size, device_kind, reset_at, time.perf_counter() - start, workspaces), facts
 
 
 @contextlib.contextmanager
-def _as_card(device_kind: DeviceKind, card: Card | None) -> Iterator[Choices | None]:
+def _as_card(device_kind: Kind, card: Card | None) -> Iterator[Choices | None]:
     """A card's choices and, where mamba_ssm is installed, its fused kernels' twins; None for the host."""
-    if device_kind != "cuda":
+    if not device_kind.cuda_kernels:
         yield None
         return
     from vramcal.estimate.card import Card, as_card  # loads torch: only when called
@@ -112,11 +113,11 @@ def _as_card(device_kind: DeviceKind, card: Card | None) -> Iterator[Choices | N
             yield choices
 
 
-def _check_fused(ref: ModelRef, device_kind: DeviceKind) -> None:
+def _check_fused(ref: ModelRef, device_kind: Kind) -> None:
     """Raises: EstimateError: the fused path asked of the host, or where it is not installed."""
     if ref.params.get("implementation") != "mamba_ssm":
         return
-    if device_kind != "cuda":
+    if not device_kind.cuda_kernels:
         raise EstimateError("the mamba_ssm implementation runs on CUDA cards only: estimate a card, or the host with "
                             "the transformers implementation")
     from vramcal.estimate.fused import fused_unavailable  # loads torch: only when called
@@ -145,7 +146,7 @@ def _run_steps(step: TrainingStep, batch_size: int, settings: TrialSettings, tra
     return reset_at
 
 
-def _point(trace: StorageTrace, batch_size: int, device_kind: DeviceKind, reset_at: int, trace_s: float,
+def _point(trace: StorageTrace, batch_size: int, device_kind: Kind, reset_at: int, trace_s: float,
            workspaces: Sequence[int] = ()) -> PointEstimate:
     """A finished trace's point: live peak and breakdown, and the allocator's peaks after ``workspaces``."""
     from vramcal.estimate.trace import live_peak  # loads torch: only when called
@@ -156,7 +157,7 @@ def _point(trace: StorageTrace, batch_size: int, device_kind: DeviceKind, reset_
     cuda = replay(held_for_good + [e for _, e in on_device],
                   reset_at=len(held_for_good) + sum(1 for index, _ in on_device if index < reset_at))
     return PointEstimate(
-        batch_size=batch_size, peak_bytes=cuda.peak_reserved_bytes if device_kind == "cuda" else live,
+        batch_size=batch_size, peak_bytes=cuda.peak_reserved_bytes if device_kind.cuda_kernels else live,
         live_peak_bytes=live, allocated_peak_bytes=cuda.peak_allocated_bytes,
         reserved_peak_bytes=cuda.peak_reserved_bytes, parameter_bytes=held["parameters"],
         gradient_bytes=held["gradients"], optimizer_state_bytes=held["optimizer_states"],

@@ -134,8 +134,9 @@ class FrameworkRun:
         if self.checkpointed is None and checkpoint_every(self.variant):
             self.warn(f"vramcal: {self.source} was calibrated with checkpointing {self.variant}: call "
                       f"checkpoint(model) before start(), or the run holds more than its prediction")
-        done = set_host_malloc() if self.device.kind == "host" and self.host_malloc else None
-        if self.device.kind == "host" and self.host_malloc:
+        held_to_trials = self.device.kind.budgeted and self.host_malloc  # the host trials' allocator settings
+        done = set_host_malloc() if held_to_trials else None
+        if held_to_trials:
             cache_thread_stacks()  # later threads reuse them, as the trials' did: no growth after the term's measure
         if done:
             self.inform(f"vramcal: this process's glibc malloc now runs as the trials' did ({done}: mallopt), for "

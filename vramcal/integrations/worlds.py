@@ -13,7 +13,7 @@ from typing import Any
 
 from vramcal.models.registry import model_ref
 from vramcal.profile import Profile, ProfileError, load_profile, matching_profiles
-from vramcal.records import DDP_SETTINGS, Backend, Device, World
+from vramcal.records import DDP_SETTINGS, Backend, Device, Kind, World
 from vramcal.sizing import SizingError
 from vramcal.sizing.lookup import Located, NoProfileError, locate_profile
 from vramcal.sizing.sharding import carried, same_but_size, sharded_bytes
@@ -37,7 +37,7 @@ MEASURED = "vramcal's world profiles measure DDP (DistributedDataParallel) and F
 
 def backend_of(device_type: str) -> Backend:
     """The process group's backend on a device of ``device_type`` (``cuda``: nccl; the host: gloo)."""
-    return "nccl" if device_type == "cuda" else "gloo"
+    return Kind.of(device_type).backend
 
 
 def ddp_world(nproc: int, backend: Backend, ddp_kwargs: Mapping[str, Any] | None = None) -> World:

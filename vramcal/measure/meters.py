@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from vramcal import environment as env
 from vramcal.measure.nvml import NvmlError, load_nvml, nvml_handle
 from vramcal.measure.sampler import BASELINE_SETTLE_S, NvmlSampler
-from vramcal.records import Device
+from vramcal.records import Device, Kind
 from vramcal.units import format_bytes
 
 
@@ -106,7 +106,7 @@ class CudaMeter:
 
     def held_bytes(self) -> int:
         """What this process holds on the GPU now (NVML's figure: context, weights, data), bytes."""
-        synchronize("cuda")
+        synchronize(Kind.CUDA)
         return self._sampler.current_bytes()
 
     def reset(self) -> None:
@@ -119,7 +119,7 @@ class CudaMeter:
         Raises:
             MeterError: NVML stopped answering during the span.
         """
-        synchronize("cuda")
+        synchronize(Kind.CUDA)
         if self._sampler.checked_sample() is not None:
             raise MeterError(f"NVML stopped answering while measuring ({self._sampler.error}): the figures are "
                              f"incomplete; check the GPU with nvidia-smi and run again")
@@ -205,8 +205,8 @@ class HostMeter:
         """Nothing to stop on the host."""
 
 
-# The meter of each kind of device (:data:`vramcal.records.DeviceKind`)
-METERS: dict[str, type[CudaMeter] | type[HostMeter]] = {"cuda": CudaMeter, "host": HostMeter}
+# The meter of each kind of device (:data:`vramcal.records.Kind`)
+METERS: dict[Kind, type[CudaMeter] | type[HostMeter]] = {Kind.CUDA: CudaMeter, Kind.HOST: HostMeter}
 
 
 def read_status_bytes(field: str, pid: int | str = "self") -> int:
@@ -294,15 +294,18 @@ def torch_cuda_reserved_bytes() -> int:
     return int(torch.cuda.memory_reserved())
 
 
-def torch_cuda_empty_cache() -> None:
-    """Return the CUDA caching allocator's free blocks to the driver (after an out-of-memory error)."""
-    import torch
+def empty_cache(device_kind: Kind) -> None:
+    """Return a card's caching allocator's free blocks to the driver (after an out-of-memory error); the host's
+    allocator has none to return."""
+    if device_kind is Kind.CUDA:
+        import torch
 
-    torch.cuda.empty_cache()
+        torch.cuda.empty_cache()
 
 
-def synchronize(device_kind: str) -> None:
-    if device_kind == "cuda":
+def synchronize(device_kind: Kind) -> None:
+    """Wait for a card's queued kernels (the host's ops run as they are called)."""
+    if device_kind is Kind.CUDA:
         import torch
 
         torch.cuda.synchronize()
@@ -396,7 +399,7 @@ class AttachedCudaMeter:
 
     def held_bytes(self) -> int:
         """This process's GPU memory now, bytes (without NVML, torch's reserved memory)."""
-        synchronize("cuda")
+        synchronize(Kind.CUDA)
         if self._sampler is None:
             return torch_cuda_reserved_bytes()
         return self._sampler.current_bytes() + self._before_bytes
@@ -411,7 +414,7 @@ class AttachedCudaMeter:
         self._overhead_bytes = reset_cuda_span(self._sampler) + self._before_bytes
 
     def read(self) -> int:
-        synchronize("cuda")
+        synchronize(Kind.CUDA)
         if self._sampler is not None:
             if self._sampler.checked_sample() is None:
                 figures = cuda_peaks(self._sampler, self._overhead_bytes)

@@ -88,7 +88,7 @@ class TrialRequest:
     @property
     def host_memory_limit_bytes(self) -> int | None:
         """``RLIMIT_DATA`` of a host trial (the budget); None on a GPU."""
-        return self.device.total_bytes if self.device.kind == "host" else None
+        return self.device.total_bytes if self.device.kind.budgeted else None
 
 
 class TrialRunner:
@@ -190,7 +190,7 @@ def torch_device(device: Device):
     """The torch device a worker trains on: ``cuda`` (the pinned GPU, the only one visible) or ``cpu``."""
     import torch
 
-    return torch.device("cuda" if device.kind == "cuda" else "cpu")
+    return torch.device(device.kind.torch_type)
 
 
 def measure(request: TrialRequest, rank: int | None = None, init_method: str = "", channel: Any = None

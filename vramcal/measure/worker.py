@@ -20,16 +20,14 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from vramcal.environment import alive
 from vramcal.measure.evidence import exit_status, oom_kill_counter
 from vramcal.measure.meters import METERS
 from vramcal.measure.nvml import NvmlError, load_nvml
 from vramcal.oom import is_out_of_memory
-
-if TYPE_CHECKING:  # pragma: no cover
-    from vramcal.records import DeviceKind
+from vramcal.records import Kind
 
 OutcomeStatus = Literal["ok", "oom", "timeout", "error"]
 _END_AT_EXIT: list[bool] = []  # one entry once Workers.warm_up has registered _end_server with atexit
@@ -87,13 +85,13 @@ class Workers:
 
     def __init__(self, preload: tuple[str, ...]) -> None:
         # what every kind's workers share is set for good
-        shared = METERS["cuda"].worker_environment().items() & METERS["host"].worker_environment().items()
+        shared = METERS[Kind.CUDA].worker_environment().items() & METERS[Kind.HOST].worker_environment().items()
         for name, value in shared:
             os.environ.setdefault(name, value)
         self._context = multiprocessing.get_context("forkserver")
         self._context.set_forkserver_preload(list(preload))
 
-    def warm_up(self, device_kind: DeviceKind | None = None) -> None:
+    def warm_up(self, device_kind: Kind | None = None) -> None:
         """Start the fork server now and return at once, so its imports overlap the caller's work; it takes the
         environment as it is now, and is ended when this process exits (:func:`_end_server`).
 
@@ -109,7 +107,7 @@ class Workers:
 
     def run(self, function: Callable[..., Any] | str, *args: Any, timeout_s: float | None = None,
             handler: Handler | None = None, usable_bytes: int | None = None,
-            device_kind: DeviceKind = "host") -> Outcome:
+            device_kind: Kind = Kind.HOST) -> Outcome:
         """Run ``function(*args, channel=Channel)`` in a worker and wait for it.
 
         Args:
@@ -126,7 +124,7 @@ class Workers:
                             device_kind=device_kind)[0]
 
     def start(self, function: Callable[..., Any] | str, *args: Any, handler: Handler | None = None,
-              usable_bytes: int | None = None, device_kind: DeviceKind = "host") -> Job:
+              usable_bytes: int | None = None, device_kind: Kind = Kind.HOST) -> Job:
         """Start ``function(*args, channel=Channel)`` in a worker and return at once (:class:`Job`)."""
         _server_for(device_kind)
         ours, theirs = self._context.Pipe(duplex=True)
@@ -139,7 +137,7 @@ class Workers:
 
     def run_all(self, calls: list[tuple[Callable[..., Any] | str, tuple]], *, timeout_s: float | None = None,
                 handler: Handler | None = None, grace_s: float = 10.0,
-                usable_bytes: int | None = None, device_kind: DeviceKind = "host") -> list[Outcome]:
+                usable_bytes: int | None = None, device_kind: Kind = Kind.HOST) -> list[Outcome]:
         """Run several workers at once (the ranks of a world) and wait for all of them: when one fails, the others
         get ``grace_s`` seconds to agree on it, then are killed; after ``timeout_s`` all are killed (``timeout``).
 

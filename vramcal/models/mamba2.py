@@ -14,6 +14,7 @@ import types
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
+from vramcal.records import Kind
 from vramcal.words import given
 from vramcal.workload import KERNEL_PACKAGES, TORCH_PATH
 
@@ -159,9 +160,9 @@ def resolve_implementation(implementation: Implementation, device_kind: str) -> 
         ValueError: ``mamba_ssm`` asked for on the host, or asked for where it cannot be imported.
     """
     if implementation == "auto":
-        return "mamba_ssm" if device_kind == "cuda" and mamba_ssm_available() else "transformers"
+        return "mamba_ssm" if Kind(device_kind).cuda_kernels and mamba_ssm_available() else "transformers"
     if implementation == "mamba_ssm":
-        if device_kind != "cuda":
+        if not Kind(device_kind).cuda_kernels:
             raise ValueError(f"the mamba_ssm implementation runs on NVIDIA GPUs only: use "
                              f"{given('implementation', 'transformers')}")
         if not mamba_ssm_available():
@@ -178,7 +179,7 @@ def check_dtype(device: Device, dtype_policy: str) -> None:
     Raises: ValueError: one line naming the device, its capability and the fix."""
     if dtype_policy != "bf16-autocast":
         return
-    if device.kind != "cuda":
+    if not device.kind.cuda_kernels:
         raise ValueError("dtype bf16-autocast is for CUDA GPUs; use --dtype fp32 on the host")
     if not device.compute_capability:
         return

@@ -54,7 +54,7 @@ def profile_path(profiles_dir: Path | str, device: Device, model: ModelRef, impl
     ``unique_device`` adds the GPU's identity to the folder (several identical cards)."""
     slug = device.slug(unique=True) if unique_device else device.slug()
     budget, total = "", device.total_bytes
-    if device.kind == "host" and device.total_source == "--capacity":
+    if device.kind.budgeted and device.total_source == "--capacity":
         budget = f"-{total / 2**30:.4g}gib" if total >= 2**30 else f"-{total / 2**20:.4g}mib"
     return Path(profiles_dir) / slug / f"{profile_name(model, implementation, world)}{budget}.json"
 

@@ -145,10 +145,11 @@ def other_gpu_limits(profile: Profile, extra_gpus: Iterable[GpuModel] = (),
                          f"from it on any card: re-run `vramcal probe` with a larger budget")
     device = profile.device
     failed = profile.limits.failed_batch_size
-    measured_label = f"{device.name} (this profile)" if device.kind == "cuda" else f"host: {device.name}"
+    carried = device.kind.cuda_kernels  # a card's fit carries to other cards; the host's RAM in fp32 does not
+    measured_label = f"{device.name} (this profile)" if carried else f"host: {device.name}"
     rows = [GpuLimitRow(GpuModel(measured_label, device.total_bytes, device.total_source,
-                                 device.name if device.kind == "cuda" else None), profile.limits, True)]
-    for gpu in [*catalogue, *extra_gpus] if device.kind == "cuda" else []:
+                                 device.name if carried else None), profile.limits, True)]
+    for gpu in [*catalogue, *extra_gpus] if carried else []:
         if gpu.nvml_name == device.name:
             continue
         cap = failed if failed is not None and gpu.total_bytes <= device.total_bytes else None
@@ -183,7 +184,7 @@ def limits_notes(profile: Profile) -> list[str]:
     usable = (f"Usable = total − {format_bytes(settings.reserve_bytes)} reserve − {settings.margin * 100:g} % "
               f"margin; safe max is the largest batch whose upper 95 % prediction bound fits in usable; conservative = "
               f"floor({settings.conservative_fraction:g} × safe max).")
-    if profile.device.kind == "host":
+    if not profile.device.kind.cuda_kernels:
         command = " ".join(["vramcal estimate", *family_of(profile.model).probe_args(profile.model),
                             '--gpus "H200,RTX 4090"'])
         return [usable, (f"A host profile is not carried to GPUs: host RAM in fp32 and a card's caching allocator, "

@@ -34,8 +34,7 @@ def report_name(profiles: Sequence[Profile]) -> str:
 def device_label(profile: Profile) -> str:
     """``NVIDIA H200 (140.40 GiB)`` or ``host RAM: AMD EPYC 7763 (2 cores) (7.50 GiB)``."""
     device = profile.device
-    name = device.name if device.kind == "cuda" else f"host RAM: {device.name}"
-    return f"{name} ({format_bytes(device.total_bytes)})"
+    return f"{device.kind.label(device.name, 'host RAM: {}')} ({format_bytes(device.total_bytes)})"
 
 
 def series_labels(profiles: Sequence[Profile]) -> tuple[list[str], list[str]]:

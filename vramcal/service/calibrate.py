@@ -100,12 +100,12 @@ def _check_world(world: World | None, device: Device, rank_devices: tuple[Device
         if rank_devices:
             raise ValueError("rank_devices are for a DDP world: give world=World(nproc)")
         return
-    if (world.backend == "nccl") != (device.kind == "cuda"):
+    if world.backend != device.kind.backend:
         raise ValueError(f"the {world.backend} backend does not run on {device.name}: use gloo on the host and "
                          f"nccl on NVIDIA GPUs")
-    if device.kind == "host":
+    if device.kind.shared:
         check_host_world([device.total_bytes] * world.nproc)  # every rank under the budget, at once
-    if device.kind == "cuda":
+    else:
         if len(rank_devices) != world.nproc:
             raise ValueError(f"a DDP world of {world.nproc} ranks needs {world.nproc} GPUs, {len(rank_devices)} are "
                              f"visible here: use fewer ranks, or CUDA_VISIBLE_DEVICES to show more")
@@ -212,7 +212,7 @@ def run_said(plan: CalibrationPlan, notice: str | None, whole_host: bool, *, sav
     if printer is not None and notice:  # the host chosen for gpu="auto": said, as the command says it
         printer.note(f"{notice}; give capacity_bytes= (such as "
                      f"{size_argument(suggested_capacity(plan.device.total_bytes))!r}) for a budget below all of it"
-                     if plan.device.kind == "host" and whole_host else notice)
+                     if plan.device.kind.budgeted and whole_host else notice)
     try:
         profile = run_calibration(plan, save=save, on_trial=on_trial or printer,
                                   on_step=printer.step if printer is not None else None)

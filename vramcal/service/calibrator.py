@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from vramcal import __version__
 from vramcal.calibration import evaluation, lengths, surface
-from vramcal.calibration.creep import HOST_LATE_CREEP, STEADY
+from vramcal.calibration.creep import LATE_CREEP, STEADY
 from vramcal.calibration.fit2d import LENGTH_RATIO, wide_gaps
 from vramcal.calibration.limits import LimitSettings
 from vramcal.calibration.search import Aim, SearchSettings, Step, next_batch_size, settle, unmeasured_ceiling
@@ -153,11 +153,11 @@ def _stop_if_killed_twice(trials: list[Trial]) -> None:
 
 
 def _recorded(plan: CalibrationPlan, trial: Trial, seq_len: int | None) -> Trial:
-    """The trial with its length and a steady trial's allowance (:data:`vramcal.calibration.creep.HOST_LATE_CREEP`)."""
+    """The trial with its length and a steady trial's allowance (:data:`vramcal.calibration.creep.LATE_CREEP`)."""
     if seq_len is not None:
         trial = dataclasses.replace(trial, seq_len=seq_len)
     if trial.purpose == STEADY and trial.ok:
-        share = HOST_LATE_CREEP if plan.device.kind == "host" else 0.0
+        share = LATE_CREEP[plan.device.kind]
         trial = dataclasses.replace(trial, late_creep_bytes=round(share * trial.peak_bytes))  # type: ignore[operator]
     return trial
 
@@ -230,7 +230,7 @@ def first_trial_failure(first: Trial, plan: CalibrationPlan) -> str:
                 f"nothing): run it again, and report it if it repeats")
     why = f"its peak was {format_bytes(first.peak_bytes)}" if first.ok else f"it ran out of memory: {header[0]}"
     larger = f"a larger {word('capacity')}"
-    if first.ok and plan.device.kind == "host":  # the host's budget is the user's to choose: say how much
+    if first.ok and plan.device.kind.budgeted:  # the host's budget is the user's to choose: say how much
         larger += (f" (batch_size {size} alone needs {format_bytes(plan.settings.total_for(first.peak_bytes))} "
                    f"with this reserve and margin; a calibration wants room for many more samples)")
     return (f"batch_size {size} does not fit in the usable {format_bytes(plan.usable_bytes)} of "
@@ -244,7 +244,7 @@ def assemble(plan: CalibrationPlan, trials: list[Trial], context: dict[str, Any]
     """The profile of recorded trials (pure); ``context``: :attr:`vramcal.measure.trial.TrialRunner.context`."""
     settings = {k: v for k, v in plan.trials.to_dict().items() if k != "boundary"}
     run = {"wall_s": wall_s, **settings, "boundary_trials": plan.trials.boundary, "creep_rule": "largest",
-           "host_memory_limit": "RLIMIT_DATA = total_bytes" if plan.device.kind == "host" else None,
+           "host_memory_limit": "RLIMIT_DATA = total_bytes" if plan.device.kind.budgeted else None,
            **({"aim": dataclasses.asdict(plan.aim)} if plan.aim else {})}
     core, checks, evaluated = _split(trials)
     if len(plan.seq_lens) > 1:

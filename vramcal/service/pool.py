@@ -90,7 +90,7 @@ def verify(profile: Profile, batch_size: int, seq_len: int | None = None, *,
     """
     door(profile=profile, trials=trials)
     check_counts(answer_batch_size=batch_size, seq_len=seq_len)
-    budget = profile.device.total_bytes if profile.device.kind == "host" else None
+    budget = profile.device.total_bytes if profile.device.kind.budgeted else None
     device = select_devices(profile.device.gpu, budget)[0][0]
     if device.hardware_difference(profile.device):
         raise SizingError(f"the profile was made on {profile.device.name}, this is {device.name}: verify it there")

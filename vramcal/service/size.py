@@ -59,7 +59,7 @@ def size_for(model: str | ModelRef = "regressor", params: dict[str, Any] | None 
          progress=progress)
     ask = SizeRequest(limit=limit, seq_len=seq_len)
     device, notice = one_device(gpu, capacity_bytes)
-    budget = device.total_bytes if device.kind == "host" else None
+    budget = device.total_bytes if device.kind.budgeted else None
     ref = model_ref(model, params, device=device, implementation=implementation)
     found, skipped = newest_profile(profiles_dir, device, ref, None, budget)
     why = (f"calibrating: no profile of this model on this device{' at this budget' * (budget is not None)} under "

@@ -147,15 +147,15 @@ def probe_command(device: Device, ref: ModelRef, world: World | None = None, sug
     of_type("ref", ref, ModelRef, "a vramcal.ModelRef (vramcal.model_ref(...))")
     of_type("world", world, World, "a vramcal.records.World, or None", none=True)
     of_type("suggest_budget", suggest_budget, bool, "True or False")
-    gpu = "none" if device.kind == "host" else "auto"
     implementation = ref.params.get("implementation")
     ranks = world.probe_args() if world else []
     budget = [f"--capacity {size_argument(device.total_bytes)}"] if device.total_source == "--capacity" else []
-    if device.kind == "host" and not budget and suggest_budget:
+    if device.kind.budgeted and not budget and suggest_budget:
         share = device.total_bytes // (world.nproc if world else 1)
         budget = [f"--capacity {size_argument(suggested_capacity(share))}"]
     impl = [f"--impl {implementation}"] if implementation else []
-    return " ".join(["vramcal probe", f"--gpu {gpu}", *budget, *impl, *ranks, *family_of(ref).probe_args(ref)])
+    return " ".join(["vramcal probe", f"--gpu {device.kind.gpu_choice}", *budget, *impl, *ranks,
+                     *family_of(ref).probe_args(ref)])
 
 
 def suggested_capacity(total_bytes: int) -> int:

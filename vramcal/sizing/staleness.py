@@ -32,11 +32,11 @@ def changes(profile: Profile, device: Device | None = None) -> list[str]:
     """Each change since the profile was made that can move memory, as ``torch 2.5.1 -> 2.13.0+cpu``; ``device``
     is the running device (its driver is compared on a GPU)."""
     running, recorded = software_versions(), recorded_software(profile)
-    host = profile.device.kind == "host"
+    host = not profile.device.kind.cuda_kernels  # the host's allocator is Python's and glibc's, a card's its driver's
     names = (*MEMORY_PACKAGES, "python") if host else MEMORY_PACKAGES
     found = [f"{name} {recorded.get(name) or 'absent'} -> {running.get(name) or 'absent'}" for name in names
              if name in recorded and recorded.get(name) != running.get(name)]
-    if device is not None and device.kind == "cuda":
+    if device is not None and device.kind.cuda_kernels:
         found += [f"{label} {getattr(profile.device, field)} -> {getattr(device, field)}"
                   for field, label in (("driver_version", "NVIDIA driver"), ("cuda_driver_version", "CUDA driver"))
                   if getattr(profile.device, field) and getattr(profile.device, field) != getattr(device, field)]

@@ -161,4 +161,4 @@ def text_trainer(plan: Plan, meter: Any, echo: Any, on_epoch: Any) -> tuple[Text
     meter.check_pinned()
     state = checkpoint.resume_from(plan.run_dir, plan.rank, echo) if plan.resume else None
     trainer = TextTrainer(plan, step, corpus, meter=meter, echo=echo, state=state, on_epoch=on_epoch)
-    return trainer, corpus.held_bytes if plan.device.kind == "host" else 0
+    return trainer, corpus.held_bytes if plan.device.kind.holds_data else 0

@@ -63,7 +63,7 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None) -> Setting:
                             f"seq_len {context} (the longest has {corpus.longest_document} tokens): each is cut into "
                             f"windows of {context} tokens"))
     limit = host_limit(device, profile, capacity_bytes, notices)
-    pool = corpus.held_bytes if device.kind == "host" else 0  # the documents stay in host memory
+    pool = corpus.held_bytes if device.kind.holds_data else 0  # the documents stay in host memory
     return Setting(config, device, model, profile, path, corpus.stats(), pool, limit, tuple(notices))
 
 

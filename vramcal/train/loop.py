@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from vramcal.measure.meters import synchronize, torch_cuda_empty_cache
+from vramcal.measure.meters import empty_cache, synchronize
 from vramcal.models.regressor.step import RegressorStep, forward
 from vramcal.oom import is_out_of_memory
 from vramcal.report.progress import Heartbeat
@@ -168,8 +168,7 @@ class Trainer:
         self._had_oom = True
         self.step.optimizer.zero_grad(set_to_none=True)
         gc.collect()
-        if self.plan.device.kind == "cuda":
-            torch_cuda_empty_cache()
+        empty_cache(self.plan.device.kind)
         if micro <= 1:
             raise TrainError(f"out of memory at a micro-batch of 1 sample in the {where} at step "
                              f"{self.progress.step + 1} ({message}): memory could not be recovered; "

@@ -213,14 +213,14 @@ def resolve(config: TrainConfig, capacity_bytes: int | None = None, *, world: Wo
     model = REGRESSOR.ref(config.spec, device, config.implementation)  # the spec was checked when the config was made
     located = located_profile(config, device, model, capacity_bytes, world, budget_matches, unchecked, notices)
     limit = host_limit(device, located and located.profile, capacity_bytes, notices)
-    pool = windows.pipeline_bytes if device.kind == "host" or config.data_on_device else 0
+    pool = windows.pipeline_bytes if device.kind.holds_data or config.data_on_device else 0
     return Setting(config, device, model, located and located.profile, located and str(located.path),
                    {**windows.stats(), "file": data_identity(config.data)}, pool, limit, tuple(notices))
 
 
 def host_limit(device: Device, profile: Profile | None, capacity_bytes: int | None, notices: list[str]) -> int | None:
     """The training process's host budget (``RLIMIT_DATA``; None on a GPU), its notices added to ``notices``."""
-    if device.kind != "host":
+    if not device.kind.budgeted:
         return None
     calibrated = profile.device.total_bytes if profile else device.total_bytes
     limit = capacity_bytes or calibrated
@@ -240,7 +240,7 @@ def _chosen_variant(config: TrainConfig, device: Device, capacity_bytes: int | N
     """``variant auto``: ``config`` with its fastest calibrated variant's spec
     (:func:`vramcal.sizing.variants.choose`)."""
     named = REGRESSOR.ref(config.spec, device, config.implementation)
-    total = capacity_bytes if device.kind == "host" else None
+    total = capacity_bytes if device.kind.budgeted else None
     found = variants.variants_of(named, device, config.profiles_dir, world=world, total_bytes=total)
     if not found:
         notices.append(f"--variant auto: no calibrated variant of this model in {config.profiles_dir}/: training "
@@ -264,9 +264,9 @@ def located_profile(config: TrainConfig, device: Device, model: ModelRef, capaci
         located = locate_profile(model, device=device,
                                  profile=None if config.profile == "auto" else config.profile,
                                  profiles_dir=config.profiles_dir, world=world,
-                                 total_bytes=capacity_bytes if budget_matches or device.kind == "host" else None)
+                                 total_bytes=capacity_bytes if budget_matches or device.kind.budgeted else None)
     except NoProfileError as error:
-        if capacity_bytes is not None and device.kind == "host":
+        if capacity_bytes is not None and device.kind.budgeted:
             try:  # the probe the refusal names could not calibrate this budget either: say why instead
                 LimitSettings().check(capacity_bytes)
             except ValueError as small:
@@ -325,7 +325,7 @@ def plan_run(config: TrainConfig, run_dir: Path, setting: Setting, prepare: bool
         return _unchecked_plan(config, run_dir, setting, prepare, ranks)
     ask = config.size_request()
     free, source = free_bytes(setting.device)  # the gate: memory taken since the calibration
-    if free is not None and ranks > 1 and setting.device.kind == "host":
+    if free is not None and ranks > 1 and setting.device.kind.shared:
         free, source = free // ranks, f"{source}, 1/{ranks} of it for each host rank"
     sizing = size(setting.profile, ask, pool_data_bytes=setting.pool_data_bytes, free_bytes=free, free_source=source)
     notices = list(setting.notices) + list(sizing.notices)
