@@ -10,7 +10,8 @@ from vramcal.cli import main
 from vramcal.measure.device import DeviceError, host_device, select
 from vramcal.measure.nvml import NvmlError, gpu_record, load_nvml, nvml_handle, nvml_query
 from vramcal.models.mamba2 import check_dtype
-from vramcal.records import Device
+from vramcal.records import Device, Kind
+from vramcal.schema import SchemaError
 
 from fakes import DRIVER_NOT_LOADED, GIB, H200, L4, T4, fake_nvml, install_fake_nvml
 
@@ -232,3 +233,21 @@ def test_free_memory_is_memavailable_or_the_cgroups_room_or_nvmls_free(tmp_path)
     install_fake_nvml([H200])
     (gpu,), _ = choose("auto")
     assert free_bytes(gpu) == (H200["total"] - H200["reserved"] - H200["used"], "NVML free memory")
+
+
+def test_a_device_kind_carries_what_differs_between_kinds_and_reads_back_from_json():
+    """Issue 58: code asks the kind (its budget, its data, its ranks' memory, its kernels), not which kind it is."""
+    import json
+
+    host = Device.from_dict(json.loads(json.dumps(host_device(2 * GIB).to_dict())))
+    card = Device(kind="cuda", name="NVIDIA H200", total_bytes=140 * GIB, total_source="nvml", uuid="GPU-1234")
+    assert host.kind is Kind.HOST and card.kind is Kind.CUDA and host.kind == "host"
+    assert json.loads(json.dumps(card.to_dict()))["kind"] == "cuda"
+    asked = ("budgeted", "holds_data", "shared", "cuda_kernels", "backend", "torch_type")
+    assert [getattr(host.kind, name) for name in asked] == [True, True, True, False, "gloo", "cpu"]
+    assert [getattr(card.kind, name) for name in asked] == [False, False, False, True, "nccl", "cuda"]
+    assert (host.gpu, card.gpu, card.slug()) == ("none", "GPU-1234", "nvidia-h200-140gib")
+    assert host.slug().startswith("host-") and not host.slug().endswith("gib")  # a budget is in the profile's name
+    assert Kind.of("cuda") is Kind.CUDA and Kind.of("cpu") is Kind.HOST and Kind.of("mps") is Kind.HOST
+    with pytest.raises(SchemaError, match=r"^device\.kind = 'tpu' is not one of 'cuda', 'host'$"):
+        Device.from_dict({**host.to_dict(), "kind": "tpu"})

@@ -20,6 +20,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from vramcal.estimate.constants import card_constants
+from vramcal.records import Kind
 
 CUDA_AUTOCAST: dict[str, tuple[str, ...]] = {  # policy -> aten ops (autocast_mode.cpp, CUDA's lists)
     "lower": ("_convolution.deprecated", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
@@ -56,7 +57,7 @@ class Card:
     def of(cls, device: Any) -> Card | None:
         """The card a catalogue entry or a profile's device is traced as (an H100's traits where it has none); None
         for the host."""
-        if getattr(device, "kind", "cuda") == "host":
+        if not getattr(device, "kind", Kind.CUDA).cuda_kernels:  # a catalogue entry has no kind: a card
             return None
         default, capability = cls(), getattr(device, "compute_capability", None)
         return cls(getattr(device, "label", None) or getattr(device, "name", default.name),

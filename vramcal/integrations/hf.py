@@ -27,7 +27,7 @@ from vramcal.integrations.worlds import backend_of, plugin_world
 from vramcal.models.own import SAMPLE_ROWS, class_path, import_class, sample_batches
 from vramcal.oom import is_out_of_memory
 from vramcal.profile import DEFAULT_PROFILES_DIR, Profile
-from vramcal.records import TrialSettings, World
+from vramcal.records import Kind, TrialSettings, World
 from vramcal.sizing import Sizing, SizingError, check_counts
 from vramcal.workload import TrainingStep
 
@@ -290,7 +290,7 @@ def _world(args: Any) -> World | None:
     plugin, device_type = getattr(args, "fsdp_plugin_args", None), args.device.type
     if not plugin:
         return World(args.world_size, backend_of(device_type))
-    if device_type != "cuda":
+    if not Kind.of(device_type).cuda_kernels:
         warnings.warn("vramcal: TrainingArguments ask for FSDP, which Accelerate runs on GPUs only: this CPU run "
                       "trains DDP (MULTI_CPU) and is sized as DDP", stacklevel=3)
     return plugin_world(args.world_size, device_type, plugin.get("fsdp_version", 2),

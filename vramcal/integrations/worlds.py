@@ -97,7 +97,7 @@ def plugin_world(nproc: int, device_type: str, version: Any, reshard_after_forwa
     Raises:
         SizingError: FSDP1 (``version`` 1), CPU offload, ``reshard_after_forward`` no bool.
     """
-    if device_type != "cuda":
+    if not Kind.of(device_type).cuda_kernels:  # Accelerate's FSDP runs on GPUs only
         return World(nproc, backend_of(device_type))
     if int(version) != 2:
         raise fsdp1_refused(f"{who} (fsdp_version {version})", nproc, "set the FSDP version to 2")
