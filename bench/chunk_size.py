@@ -10,7 +10,8 @@ holds (chunk x chunk) decay and score matrices per head, across chunks one (head
 chunk sizes in a rotated order each round (the machine's load spreads over all of them), and reports per chunk_size:
 
 * memory per sample: ``(peak(b2) - peak(b1)) / (b2 - b1)`` of the median peaks (bytes; the fit's slope over the
-  two sizes; the host's peak is ``max(VmHWM, VmData)``, a GPU's NVML's or the allocator's, as the trials measure);
+  two sizes; the host's peak is ``max(VmHWM - RssFile, VmData)``, a GPU's NVML's or the allocator's, as the trials
+  measure);
 * the peak at the larger size, and samples/s there (``b2 / step_s``, the median over the rounds of each trial's
   median measured step);
 * each against the spec's own chunk_size as a ratio.

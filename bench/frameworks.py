@@ -14,8 +14,8 @@ that trains the same model with the framework and vramcal's integration at the p
 Each runs in the environment this command started with (not with the allocator settings vramcal's worker pool
 puts in ``os.environ`` for its fork server: a user's script starts without them). Each prints what the
 integration predicted (its process term included) and the peak it measured in its own process (the trials'
-definition: on the host the larger of VmHWM and the data-segment peak). The parent reads the same process from
-outside, polling ``/proc/<pid>/status`` (VmHWM, VmData) every 50 ms, as a cross-check.
+definition: on the host the larger of VmHWM less file-backed pages and the data-segment peak). The parent reads the
+same process from outside, polling ``/proc/<pid>/status`` (VmHWM, VmData) every 50 ms, as a cross-check.
 
     .venv/bin/python -m bench.frameworks [--steps 100] [--capacity 1.5GiB] [--out bench/results/frameworks]
 

@@ -16,8 +16,7 @@ from vramcal import oom
 from vramcal.measure import meters
 from vramcal.measure.device import select
 from vramcal.measure.meters import MeterError, open_meter
-from vramcal.measure.nvml import nvml_handle
-from vramcal.measure.sampler import NVML_SAMPLE_INTERVAL_S, NvmlSampler, settled
+from vramcal.measure.nvml import NVML_SAMPLE_INTERVAL_S, NvmlSampler, nvml_handle, settled
 from vramcal.oom import is_out_of_memory
 
 from fakes import GIB, H200, L4, Process, fake_nvml, install_fake_nvml

@@ -70,7 +70,6 @@ class Kind(enum.StrEnum):
         return name if self is Kind.CUDA else host.format(name)
 
 
-
 @dataclass(frozen=True)
 class Device(Record):
     """One calibratable memory pool: an NVIDIA GPU, a MIG slice of one, or the host's RAM.

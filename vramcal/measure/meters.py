@@ -7,7 +7,7 @@
     meter.environment(); meter.close()
 
 GPU: ``peak_bytes = max(NVML peak, nvml_overhead_bytes + torch.cuda.max_memory_reserved())``, the NVML peak from
-:class:`~vramcal.measure.sampler.NvmlSampler`, the overhead (NVML usage minus torch's reserved: context, workspaces,
+:class:`~vramcal.measure.nvml.NvmlSampler`, the overhead (NVML usage minus torch's reserved: context, workspaces,
 kernels) re-measured at each reset. Host: ``peak_bytes = max(VmHWM - RssFile, data-segment peak)``: what
 ``RLIMIT_DATA`` binds, and the resident peak without the page cache of mapped files. A process not started for
 measuring (a framework's run) is measured by :func:`attach_meter`.
@@ -22,8 +22,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from vramcal import environment as env
-from vramcal.measure.nvml import NvmlError, load_nvml, nvml_handle
-from vramcal.measure.sampler import BASELINE_SETTLE_S, NvmlSampler
+from vramcal.measure.nvml import BASELINE_SETTLE_S, NvmlError, NvmlSampler, load_nvml, nvml_handle
 from vramcal.records import Device, Kind
 from vramcal.units import format_bytes
 
@@ -369,9 +368,9 @@ class AttachedHostMeter:
 class AttachedCudaMeter:
     """The GPU peak of this process (:func:`cuda_peaks`); without NVML, torch's reserved peak alone.
 
-    Where NVML gives no per-process figure (:mod:`vramcal.measure.sampler`) and CUDA started before the meter was
-    made, torch's reserved memory then is counted back in, but the CUDA context and other allocations outside
-    torch's are not seen: ``unseen`` says so, and the peak and :meth:`held_bytes` are lower bounds.
+    Where NVML gives no per-process figure (:class:`~vramcal.measure.nvml.NvmlSampler`) and CUDA started before the
+    meter was made, torch's reserved memory then is counted back in, but the CUDA context and other allocations
+    outside torch's are not seen: ``unseen`` says so, and the peak and :meth:`held_bytes` are lower bounds.
     """
 
     def __init__(self, device: Device, warn: Callable[[str], None] = print) -> None:
