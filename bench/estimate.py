@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench.specs import SPECS
 from vramcal.estimate import EstimateError, StepEstimate, estimate_step
-from vramcal.estimated import Calibrated, held_against, learned_baseline, learned_bound, leave_one_out
+from vramcal.estimate.learned import Calibrated, held_against, learned_baseline, learned_bound, leave_one_out
 from vramcal.models import lm
 from vramcal.models.mamba2 import keyed_params
 from vramcal.workload import ModelRef
@@ -146,10 +146,10 @@ def _pct(value: float, reference: float) -> str:
 
 
 def calibrations(names: list[str]) -> list[Calibrated]:
-    """Every committed calibration that can teach the estimate (:func:`vramcal.estimated.held_against`): the profiles
-    under ``examples/measured/profiles/``, and the vramcal rounds of ``bench/results/`` (each a calibration on the
-    E-mini bars of ``data/es_1s.parquet`` at the file's stride; the data bytes its trials held are the trace's, of
-    the same file: ``make data`` or ``vramcal data es-sample`` builds it)."""
+    """Every committed calibration that can teach the estimate (:func:`~vramcal.estimate.learned.held_against`): the
+    profiles under ``examples/measured/profiles/``, and the vramcal rounds of ``bench/results/`` (each a calibration on
+    the E-mini bars of ``data/es_1s.parquet`` at the file's stride; the data bytes its trials held are the trace's,
+    of the same file: ``make data`` or ``vramcal data es-sample`` builds it)."""
     from vramcal.profile import load_profile
 
     cache: dict[str, StepEstimate] = {}
@@ -181,7 +181,7 @@ def calibrations(names: list[str]) -> list[Calibrated]:
 
 def print_bound(names: list[str]) -> None:
     """Each calibration's baseline and its leave-one-out error (the estimate with the others' median baseline),
-    and the bound and baseline they give: :data:`vramcal.estimated.BENCH_BOUND` and ``HOST_BASELINE``."""
+    and the bound and baseline they give: :data:`vramcal.estimate.learned.BENCH_BOUND` and ``HOST_BASELINE``."""
     found = calibrations(names)
     print("| calibration | baseline MiB | safe size | measured peak MiB | leave-one-out error |\n|---|---|---|---|---|")
     for c, error in leave_one_out(found, "host"):
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", action="store_true", help="measure models with no committed measurement")
     parser.add_argument("--trial-sizes", type=int, nargs=2, default=(16, 128), metavar=("SMALL", "LARGE"))
     parser.add_argument("--bound", action="store_true", help="the leave-one-out bound and the host baseline over "
-                        "every committed calibration (vramcal.estimated's BENCH_BOUND, HOST_BASELINE)")
+                        "every committed calibration (vramcal.estimate.learned's BENCH_BOUND, HOST_BASELINE)")
     args = parser.parse_args(argv)
     refs = models()
     if args.bound:

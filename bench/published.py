@@ -4,7 +4,8 @@
 (:func:`vramcal.estimate.estimate_step`, ``device_kind="cuda"``: the caching allocator's reserved peak, the card's
 cuBLAS workspaces in it) and prints, per row, the estimate (the run's own published CUDA context + the traced
 reserved peak) beside the published figure, the error and whether the GPU bound
-(:data:`vramcal.estimated.GPU_BOUND`, learned from these rows) covers it. ``--bound`` prints the bound the rows give.
+(:data:`vramcal.estimate.learned.GPU_BOUND`, learned from these rows) covers it. ``--bound`` prints the bound the
+rows give.
 
 **The runs** (:data:`ROWS`): Hugging Face's "Efficient training on a single GPU" (transformers' documentation,
 ``docs/source/en/perf_train_gpu_one.md`` and ``model_memory_anatomy.md``, January 2022): ``bert-large-uncased``
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bound", action="store_true", help="print the bound the rows give (low, high)")
     args = parser.parse_args(argv)
-    from vramcal.estimated import GPU_BOUND
+    from vramcal.estimate.learned import GPU_BOUND
 
     found = estimates()
     print(f"source: {SOURCE}; baseline: the page's CUDA context, {CONTEXT_MIB} MiB")

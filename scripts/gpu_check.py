@@ -159,7 +159,7 @@ def estimate_main() -> None:
     import json
 
     from vramcal import api
-    from vramcal.estimated import estimate_cards
+    from vramcal.estimate.learned import estimate_cards
     from vramcal.records import Device
     from vramcal.report.catalogue import GpuModel
 

@@ -198,7 +198,7 @@ def test_each_card_is_traced_as_itself_once_per_group_that_answers_the_trace_ali
     """The torch path asks a card only its cuBLAS workspace (Hopper's is larger), so an H100 and an H200 share one
     trace and an A100 gets its own; the fused path reads the SM count (mamba_ssm sizes a backward buffer by it), so
     an RTX 3060 (28 SMs) and an A4000 (48) of one compute capability are traced apart, each with its own bytes."""
-    from vramcal.estimated import estimate_cards
+    from vramcal.estimate.learned import estimate_cards
     from vramcal.report.catalogue import CATALOGUE
 
     cards = {m.label.split()[0] + m.label.split()[1]: m for m in CATALOGUE}
@@ -221,7 +221,7 @@ def test_each_card_is_traced_as_itself_once_per_group_that_answers_the_trace_ali
 def test_a_calibrations_aim_traces_the_card_it_calibrates(tmp_path):
     """The aim of a probe of an A100 traced an H100 (Hopper's larger workspace); now the device's own compute
     capability, and the catalogue entry's SM count where the catalogue has the card."""
-    from vramcal.estimated import aim_for
+    from vramcal.estimate.learned import aim_for
     from vramcal.records import Device
     from vramcal.report.catalogue import CATALOGUE
 

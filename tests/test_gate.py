@@ -1,5 +1,5 @@
 """The gate (issue 44) wherever a size is handed out beyond ``vramcal train`` and ``vramcal size`` (tested in
-test_train.py, with a real second process, and test_estimated.py): a tuning study's batch range, an
+test_train.py, with a real second process, and test_learned.py): a tuning study's batch range, an
 integration's first step, a host DDP rank's share. The device's free memory is faked: the hardware boundary."""
 
 from __future__ import annotations

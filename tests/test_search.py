@@ -482,7 +482,7 @@ def test_a_size_unmeasured_twice_is_never_reached_again_nor_a_limit():
 
 
 def test_an_aimed_search_jumps_to_half_the_estimated_limit_and_verifies_the_same_limits():
-    """Issue 38: with an estimate's slope (vramcal.estimated.aim_for) the search leaves batch size 1 for half the
+    """Issue 38: with an estimate's slope (vramcal.estimate.learned.aim_for) the search leaves batch size 1 for half the
     limit that slope gives (its worst under-prediction added) instead of climbing x8; the limits it verifies are
     the climbing search's, on a host-like curve (a flat start of arenas, then a line)."""
     from vramcal.calibration.search import Aim

@@ -32,7 +32,7 @@ LAYERS = (
     ("vramcal.profile",),  # the profile file
     # the sizing wing (a profile -> a batch size: lookup, staleness, batching, the sampler, variants, sharding), run
     # time; cards not in hand
-    ("vramcal.sizing", "vramcal.forecast", "vramcal.estimated"),
+    ("vramcal.sizing", "vramcal.forecast", "vramcal.estimate.learned"),
     # the service under the facade (devices, the worker pool, the calibration loop and its journal, size_for);
     # reports from profiles, and progress for people
     ("vramcal.service", "vramcal.report"),

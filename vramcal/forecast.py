@@ -276,8 +276,8 @@ def unknown_card(price: Price, epochs: int, dataset: Dataset | None) -> Forecast
 
 
 def estimated_card(forecast: Forecast, batch_size: int, bound: str) -> Forecast:
-    """A priced card without a profile, with its estimated batch size (:mod:`vramcal.estimated`; ``bound`` says how
-    wrong such estimates were): throughput, times and cost stay unknown."""
+    """A priced card without a profile, with its estimated batch size (:mod:`vramcal.estimate.learned`; ``bound``
+    says how wrong such estimates were): throughput, times and cost stay unknown."""
     return replace(forecast, batch_size=batch_size, batch_source="estimated",
                    notes=(f"batch size {batch_size} {bound}", *forecast.notes))
 

@@ -3,7 +3,7 @@ injectable back-off is the model; tested with recorded and synthetic trials). It
 
 1. **Grow** from ``start_batch_size``: x8 while the peaks do not rise measurably (a *flat start*), then to half
    the batch size where the line through the rising points reaches usable memory, at most ``max_growth`` times
-   the largest fitting batch, never at or above a failure. With an :class:`Aim` (:mod:`vramcal.estimated`) the
+   the largest fitting batch, never at or above a failure. With an :class:`Aim` (:mod:`vramcal.estimate.learned`) the
    line before two trials rise is the largest fitting peak plus the aim's worst slope.
 2. **Fit locally** (:func:`fit_points`): without the flat start and the points below ``1/local_span`` of the
    largest measured batch (peaks bend); over-budget trials count. Until there are three points, **fill** below
@@ -50,7 +50,7 @@ FLAT_START_SPAN = 2  # a flat start spans at least this factor; closer sizes at 
 @dataclass(frozen=True)
 class Aim:
     """An estimate's bytes per sample to aim with before a slope is measured (rule 1); ``low``, ``high``: its
-    errors (``estimated / measured − 1``, :class:`vramcal.estimated.ErrorBound`); ``source``: for people."""
+    errors (``estimated / measured − 1``, :class:`vramcal.estimate.learned.ErrorBound`); ``source``: for people."""
 
     slope_bytes_per_sample: float
     low: float

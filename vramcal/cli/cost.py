@@ -17,7 +17,7 @@ import click
 from vramcal.cli.options import group, load_profiles, one_line
 from vramcal.cli.types import CommaList, FiniteFloat
 from vramcal.estimate import EstimateError
-from vramcal.estimated import estimate_cards, installed_path, traced_options
+from vramcal.estimate.learned import estimate_cards, installed_path, traced_options
 from vramcal.files import os_advice
 from vramcal.forecast import (
     DEFAULT_EPOCHS,
@@ -209,7 +209,7 @@ def cost_command(profiles: tuple[Path, ...], size_for: str, out_dir: Path, name:
 
 def _estimated(forecasts: list, profiles: list) -> list:
     """The priced cards without a profile, with the estimated conservative batch size of the profiles' model when
-    they share one and the card is catalogued (:mod:`vramcal.estimated`); the rows stay unknown otherwise, and on
+    they share one and the card is catalogued (:mod:`vramcal.estimate.learned`); the rows stay unknown otherwise, and on
     a failed trace."""
     import dataclasses
 

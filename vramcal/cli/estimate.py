@@ -1,5 +1,5 @@
 """``vramcal estimate``: a model's batch sizes on cards you do not have, estimated without a GPU
-(:mod:`vramcal.estimated`), with the error bound learned from the profiles you have."""
+(:mod:`vramcal.estimate.learned`), with the error bound learned from the profiles you have."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from vramcal.cli.console import estimate_lines
 from vramcal.cli.options import limit_options, one_line
 from vramcal.cli.probe import ModelOptions, data_file_options, model_options, model_params
 from vramcal.cli.types import ByteSize, GpuList
-from vramcal.estimated import ANY_GPU, estimate_cards
+from vramcal.estimate.learned import ANY_GPU, estimate_cards
 from vramcal.models import registry
 from vramcal.models.registry import model_ref
 from vramcal.report.catalogue import cards_for

@@ -17,7 +17,7 @@ from vramcal.cli.options import EXIT_UNVERIFIED, load_profiles, one_line, strict
 from vramcal.cli.probe import warn_if_stale
 from vramcal.cli.types import Buckets, GpuList
 from vramcal.estimate import EstimateError
-from vramcal.estimated import estimate_cards, traced_options
+from vramcal.estimate.learned import estimate_cards, traced_options
 from vramcal.files import os_advice
 from vramcal.models.registry import describe
 from vramcal.report import variants_png_names, write_report

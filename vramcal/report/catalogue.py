@@ -129,7 +129,7 @@ def other_gpu_limits(profile: Profile, extra_gpus: Iterable[GpuModel] = (),
     """The limits this profile's fit implies on each card (``compute_limits(fit, card.total_bytes, settings)``), the
     measured device's row (its own limits) replacing a catalogue card of its NVML name. A batch size that failed on
     the measured device caps cards with no more memory. A host profile is never carried to a GPU (its rows are its
-    own; :mod:`vramcal.estimated` estimates a card instead).
+    own; :mod:`vramcal.estimate.learned` estimates a card instead).
 
     Rows by total memory, the measured first among equals.
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from vramcal.calibration.fit2d import SeqLens, parse_seq_lens
 from vramcal.calibration.limits import LimitSettings
-from vramcal.estimated import aim_for
+from vramcal.estimate.learned import aim_for
 from vramcal.files import check_writable
 from vramcal.measure.device import check_host_world
 from vramcal.measure.trial import TrialRunner
@@ -48,8 +48,8 @@ def plan_calibration(model: str | ModelRef = "regressor", params: dict[str, Any]
             must take ``seq_len``. A single length is a one-length calibration at it.
         trials: how each trial runs and how many. world: a DDP world of ranks; the limits are per rank.
         rank_devices: the ranks' GPUs (``world.nproc`` of one model; ``device`` is rank 0's); () on the host.
-        aim: aim the search's growth with the traced step's slope (:func:`vramcal.estimated.aim_for`); one process
-            at one length only (else ``plan.notices`` says why).
+        aim: aim the search's growth with the traced step's slope (:func:`~vramcal.estimate.learned.aim_for`); one
+            process at one length only (else ``plan.notices`` says why).
         evaluation: also calibrate the evaluation pass alone (:mod:`vramcal.calibration.evaluation`).
 
     Raises:

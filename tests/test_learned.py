@@ -24,7 +24,7 @@ from host_budget import capacity
 from vramcal.calibration.limits import LimitSettings
 from vramcal.cli import main
 from vramcal.environment import software_versions
-from vramcal.estimated import (
+from vramcal.estimate.learned import (
     BENCH_BOUND,
     CUDA_BASELINE,
     GPU_BOUND,
@@ -231,7 +231,7 @@ def test_limits_of_a_host_profile_estimates_the_gpus_asked_each_once_from_traces
     """Issue 59: ``limits --gpus`` of a host profile listed the whole catalogue with the card asked for a second time,
     headed its table of the host alone "GPU", and traced again where ``estimate`` had traced the same model. Now: the
     cards asked, each once, a device heading, and the traces an earlier command (another process) kept on disk."""
-    from vramcal import estimated
+    from vramcal.estimate import learned as estimated
     from vramcal.estimate import step
 
     path = MEASURED / "host-amd-epyc-2-cores" / "regressor-transformers-6e644469.json"
