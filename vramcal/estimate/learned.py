@@ -23,7 +23,7 @@ from vramcal.calibration.search import Aim
 from vramcal.environment import shown_setting, software_versions, worker_setting
 from vramcal.estimate import EstimateError, StepEstimate
 from vramcal.estimate.cache import cached_trace, key
-from vramcal.estimate.constants import CONTEXT
+from vramcal.estimate.constants import CONTEXT, MIB
 from vramcal.estimate.result import line
 from vramcal.models.mamba2 import mamba_ssm_available
 from vramcal.models.registry import describe
@@ -33,8 +33,6 @@ from vramcal.sizing.staleness import recorded_software
 from vramcal.sizing.terms import trials_spread
 from vramcal.units import format_bytes
 from vramcal.workload import ModelRef, WorkloadError
-
-MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -74,7 +72,8 @@ HOST_CUDA_BUILD_BASELINE = Baseline(1045 * MIB, "the project's host calibrations
                                     {"torch": "2.13.0+cu130", "OMP_NUM_THREADS": None})
 CUDA_BASELINE = Baseline(CONTEXT, f"the CUDA context, {CONTEXT // MIB} MiB with lazy module loading (published "
                                   f"figures: vramcal/estimate/constants.py; no GPU profile here to learn from)")
-DEFAULT_BASELINES = {Kind.HOST: HOST_BASELINE, Kind.CUDA: CUDA_BASELINE}  # a kind's, with no profile of it here
+DEFAULT_BASELINES = {(Kind.HOST, False): HOST_BASELINE, (Kind.HOST, True): HOST_CUDA_BUILD_BASELINE,  # no profile:
+                     (Kind.CUDA, False): CUDA_BASELINE, (Kind.CUDA, True): CUDA_BASELINE}  # (kind, torch's CUDA build)
 
 
 @dataclass(frozen=True)
@@ -99,7 +98,6 @@ class ErrorBound:
 # Fewer than two calibrations to learn from: the leave-one-out errors of the project's host calibrations
 BENCH_BOUND = ErrorBound(-0.038, 0.043, 9, "the project's benchmark (9 host calibrations of 5 models; "
                                            "`python -m bench.estimate --bound`)")
-
 # A card with fewer than two GPU profiles: bench/README.md, "Estimates on a card"
 GPU_BOUND = ErrorBound(-0.028, -0.004, 5, "5 published GPU runs (BERT-large on a V100; `python -m bench.published`)")
 DEFAULT_BOUNDS = {Kind.HOST: BENCH_BOUND, Kind.CUDA: GPU_BOUND}
@@ -146,9 +144,7 @@ def learned_baseline(calibrated: Sequence[Calibrated], kind: Kind, leave_out: st
     wanted = dict(settings or {})
     pool = [c for c in _same_build(calibrated, kind, wanted) if c.path != leave_out]
     if not pool:
-        default = DEFAULT_BASELINES[kind]
-        if default is HOST_BASELINE and "+cu" in str(wanted.get("torch")):
-            default = HOST_CUDA_BUILD_BASELINE
+        default = DEFAULT_BASELINES[kind, "+cu" in str(wanted.get("torch"))]
         others = sorted({shown_setting(c.settings.get("torch")) for c in calibrated if c.kind == kind})
         unlike = _unlike([default.settings], wanted) + (
             f"; the profiles of torch {' and '.join(others)} here left out: another build's process holds another "
@@ -167,8 +163,7 @@ def learned_baseline(calibrated: Sequence[Calibrated], kind: Kind, leave_out: st
                     source + _unlike([c.settings for c in chosen], wanted))
 
 
-def _same_build(calibrated: Sequence[Calibrated], kind: Kind,
-                wanted: Mapping[str, str | None]) -> list[Calibrated]:
+def _same_build(calibrated: Sequence[Calibrated], kind: Kind, wanted: Mapping[str, str | None]) -> list[Calibrated]:
     """The ``calibrated`` of ``kind`` made under the weightiest of ``wanted`` (its first :data:`BASELINE_SETTINGS`,
     torch's build) where ``wanted`` names it: another build's process holds another amount (a CUDA build's host
     worker twice a CPU build's), which no bound learned from them covers (bench/results/estimate-builds: −41 %)."""
