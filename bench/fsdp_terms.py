@@ -56,7 +56,8 @@ def rank(index: int, strategy: str, batch_size: int, warmup: int, init: str, out
     dist.barrier()
     states = local_bytes([*step.model.parameters(), *(v for s in step.optimizer.state.values()
                                                       for v in s.values() if hasattr(v, "numel"))])
-    rss_between, data_between = read_status_bytes("VmRSS"), read_status_bytes("VmData")
+    rss_between = read_status_bytes("VmRSS") - read_status_bytes("RssFile")  # as the host peak counts it
+    data_between = read_status_bytes("VmData")
     reset_peak_rss()
     one()
     peaks = host_peaks()

@@ -119,6 +119,7 @@ def test_prices_are_matched_to_devices_by_name():
     assert match_price(Price("RTX 409", 1), profiles) == []  # not a whole word
     host = dataclasses.replace(gpu_profile(), device=dataclasses.replace(gpu_device(), kind="host", name="AMD EPYC"))
     assert match_price(Price("host", 0.1), [host, *profiles]) == [0]
+    assert match_price(Price("cuda", 1), [host, *profiles]) == []  # "host" names the host's profiles; no kind else
 
 
 @pytest.mark.parametrize(("text", "phrase"), [

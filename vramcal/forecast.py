@@ -32,7 +32,7 @@ from vramcal.calibration.throughput import (
 )
 from vramcal.models.registry import describe
 from vramcal.profile import Observation, Profile
-from vramcal.records import World
+from vramcal.records import Kind, World
 from vramcal.sizing import THROUGHPUT, SizeFor, SizeRequest, SizingError, length_trials, size
 from vramcal.sizing.sharding import carried, world_of
 
@@ -327,7 +327,7 @@ def match_price(price: Price, profiles: Sequence[Profile]) -> list[int]:
     key = card_key(price.name)
     keys = [card_key(p.device.name) for p in profiles]
     exact = [i for i, (p, k) in enumerate(zip(profiles, keys))
-             if key in (k, p.device.kind)]  # a kind's name (host) names each profile of that kind
+             if k == key or (key == "host" and p.device.kind is Kind.HOST)]
     if exact:
         return exact
     prefixed = [i for i, k in enumerate(keys) if k.startswith(key + " ")]

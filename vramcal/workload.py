@@ -71,7 +71,7 @@ class TrainingStep:
     info: dict[str, Any] = field(default_factory=dict)
     shard_units: Sequence[torch.nn.Module] | None = None
 
-    def pool_data_bytes(self, device_kind: str) -> int:
+    def pool_data_bytes(self, device_kind: Kind) -> int:
         """Bytes of data in the measured memory pool: all of it on the host, on a GPU only device-resident data."""
         return self.data_bytes if Kind(device_kind).holds_data or self.data_on_device else 0
 

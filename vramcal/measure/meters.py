@@ -296,7 +296,7 @@ def torch_cuda_reserved_bytes() -> int:
 def empty_cache(device_kind: Kind) -> None:
     """Return a card's caching allocator's free blocks to the driver (after an out-of-memory error); the host's
     allocator has none to return."""
-    if device_kind is Kind.CUDA:
+    if Kind(device_kind).cuda_kernels:
         import torch
 
         torch.cuda.empty_cache()
@@ -304,7 +304,7 @@ def empty_cache(device_kind: Kind) -> None:
 
 def synchronize(device_kind: Kind) -> None:
     """Wait for a card's queued kernels (the host's ops run as they are called)."""
-    if device_kind is Kind.CUDA:
+    if Kind(device_kind).cuda_kernels:
         import torch
 
         torch.cuda.synchronize()

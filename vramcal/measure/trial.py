@@ -30,7 +30,7 @@ from vramcal.calibration.throughput import timing_done
 from vramcal.measure.distributed import build_agreed, join, local_bytes, wrap
 from vramcal.measure.meters import open_meter, synchronize
 from vramcal.measure.worker import Outcome, Workers
-from vramcal.records import Device, Trial, TrialSettings, World
+from vramcal.records import Device, Kind, Trial, TrialSettings, World
 from vramcal.workload import (
     KernelWitness,
     ModelRef,
@@ -333,7 +333,7 @@ def _warm_up(request: TrialRequest, step: Any, model: Any, meter: Any, batch_siz
     return train, witness, warmup
 
 
-def end_epoch(step: Any, model: Any, batch_size: int, device_kind: str, phase: Callable[[str], None]) -> None:
+def end_epoch(step: Any, model: Any, batch_size: int, device_kind: Kind, phase: Callable[[str], None]) -> None:
     """A steady trial's epoch's end, as a run's: a training step at the partial batch
     (:func:`vramcal.calibration.creep.partial_batch_size`), validation passes at both sizes."""
     partial = partial_batch_size(batch_size)
@@ -344,7 +344,7 @@ def end_epoch(step: Any, model: Any, batch_size: int, device_kind: str, phase: C
     synchronize(device_kind)
 
 
-def _figures(step: Any, meter: Any, device_kind: str, batch_size: int, build_s: float, warmup: list[float],
+def _figures(step: Any, meter: Any, device_kind: Kind, batch_size: int, build_s: float, warmup: list[float],
              times: list[float], val: list[float], witness: Any = None) -> dict[str, Any]:
     """A trial's record from its step times (s) and the meter's reading now; ``witness``: :func:`_warm_up`'s."""
     figures = meter.read()
@@ -376,7 +376,7 @@ def model_state(step: Any) -> dict[str, int]:
             "rank_model_state_bytes": local_bytes([*params, *states]) + local_bytes(grads)}
 
 
-def _timed(run: Callable[[], Any], device_kind: str) -> float:
+def _timed(run: Callable[[], Any], device_kind: Kind) -> float:
     """Seconds ``run()`` took, read after a synchronize, as the trainer times a step."""
     start = time.perf_counter()
     run()
